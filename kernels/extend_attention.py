@@ -1,0 +1,261 @@
+"""Triton extend attention: a ragged batch of new query tokens over each request's paged prefix.
+
+Request b's new tokens attend to its prefix (read through its page table, no causal mask) and
+causally to each other (read from the step's contiguous k/v). All query heads of one KV head are
+packed into the rows of one program, so each KV tile is loaded once per group, not once per head.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+def on_interpreter() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """tl.dot input precision: fp32 inputs must not be rounded to tf32, or fp32 stops being exact."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@triton.jit
+def _extend_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    cu_q_lens_ptr,
+    seq_lens_ptr,
+    page_table_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_cache_slot,
+    stride_cache_head,
+    stride_table,
+    qk_scale_log2,
+    page_size,
+    head_dim,
+    group_size,
+    BLOCK_Q: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    req = tl.program_id(2)
+
+    q_start = tl.load(cu_q_lens_ptr + req)
+    q_len = tl.load(cu_q_lens_ptr + req + 1) - q_start
+    tile_start = tile * BLOCK_Q
+    # The grid is sized for the longest request; tiles past a shorter one's end do nothing.
+    if tile_start < q_len:
+        seq_len = tl.load(seq_lens_ptr + req)
+        prefix_len = seq_len - q_len
+
+        # Row r of the tile is query token tile_start + r // GROUP_PAD, head r % GROUP_PAD of the group.
+        rows = tl.arange(0, BLOCK_M)
+        q_idx = tile_start + rows // GROUP_PAD
+        head_in_group = rows % GROUP_PAD
+        row_valid = (q_idx < q_len) & (head_in_group < group_size)
+        q_head = kv_head * group_size + head_in_group
+        dims = tl.arange(0, BLOCK_D)
+        dim_valid = dims < head_dim
+        q_rows = (q_start + q_idx).to(tl.int64)
+        q = tl.load(
+            q_ptr + q_rows[:, None] * stride_qt + q_head[:, None] * stride_qh + dims[None, :],
+            mask=row_valid[:, None] & dim_valid[None, :],
+            other=0.0,
+        )
+
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        offs_n = tl.arange(0, BLOCK_N)
+        table_row = page_table_ptr + req.to(tl.int64) * stride_table
+        head_offset = kv_head.to(tl.int64) * stride_cache_head
+
+        # The cached prefix: every query sees all of it, so only the length bound masks.
+        for start in range(0, prefix_len, BLOCK_N):
+            pos = start + offs_n
+            key_valid = pos < prefix_len
+            page = tl.load(table_row + pos // page_size, mask=key_valid, other=0).to(tl.int64)
+            slot = page * page_size + (pos % page_size)
+            kv_offsets = slot[:, None] * stride_cache_slot + head_offset + dims[None, :]
+            kv_mask = key_valid[:, None] & dim_valid[None, :]
+            k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(q.dtype)
+            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2
+            scores = tl.where(key_valid[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, 1))
+            # A row with no visible key yet keeps max -inf; subtracting 0 instead avoids inf - inf.
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(scores - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(q.dtype)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m_i = m_new
+
+        # The new tokens, causally: this tile's last query sees new tokens up to its own index.
+        kv_end = tl.minimum(q_len, tile_start + BLOCK_Q)
+        for start in range(0, kv_end, BLOCK_N):
+            key_idx = start + offs_n
+            key_valid = key_idx < kv_end
+            key_rows = (q_start + key_idx).to(tl.int64)
+            kv_mask = key_valid[:, None] & dim_valid[None, :]
+            # Round through the cache dtype so these keys equal what store_kv wrote to the pages.
+            k = tl.load(
+                k_ptr + key_rows[:, None] * stride_kt + kv_head * stride_kh + dims[None, :],
+                mask=kv_mask,
+                other=0.0,
+            )
+            k = k.to(k_cache_ptr.dtype.element_ty).to(q.dtype)
+            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2
+            visible = key_valid[None, :] & (key_idx[None, :] <= q_idx[:, None])
+            scores = tl.where(visible, scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(scores - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(
+                v_ptr + key_rows[:, None] * stride_vt + kv_head * stride_vh + dims[None, :],
+                mask=kv_mask,
+                other=0.0,
+            )
+            v = v.to(v_cache_ptr.dtype.element_ty).to(q.dtype)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m_i = m_new
+
+        # Padding rows (past q_len or past the group) saw no key: l = 0, so give 0, not NaN.
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(
+            out_ptr + q_rows[:, None] * stride_ot + q_head[:, None] * stride_oh + dims[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_valid[:, None] & dim_valid[None, :],
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ExtendConfig:
+    """Tile sizes of one launch: block_m packed rows (query tokens x padded group), block_n keys."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def extend_config(head_dim: int) -> ExtendConfig:
+    """Fixed tile sizes per head size (autotune does not run in the interpreter)."""
+    if on_interpreter():
+        # Interpreter cost is per operation, not per element; mid-size tiles keep tests quick
+        # while still crossing tile boundaries at the test lengths.
+        return ExtendConfig(block_m=32, block_n=32, num_warps=4, num_stages=1)
+    if head_dim <= 64:
+        return ExtendConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
+    if head_dim <= 128:
+        return ExtendConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
+    return ExtendConfig(block_m=64, block_n=32, num_warps=8, num_stages=2)
+
+
+def extend_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_q_lens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_table: torch.Tensor,
+    max_q_len: int,
+    scale: float,
+    out: torch.Tensor | None = None,
+    config: ExtendConfig | None = None,
+) -> torch.Tensor:
+    """Attention of q ([T, Hq, D]) over each request's paged prefix plus, causally, its new k/v.
+
+    Request b owns rows cu_q_lens[b]:cu_q_lens[b+1] of q, k, v; its prefix is the first
+    seq_lens[b] - q_len_b tokens of the pages page_table[b]. The caller guarantees every index is
+    in range (the kernel does not check bounds). Returns out ([T, Hq, D], q's dtype).
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    page_size = k_cache.shape[1]
+    assert k.shape == v.shape == (num_tokens, num_kv_heads, head_dim), (q.shape, k.shape, v.shape)
+    assert k_cache.shape[-2:] == (num_kv_heads, head_dim) and k_cache.shape == v_cache.shape
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert num_q_heads % num_kv_heads == 0, (num_q_heads, num_kv_heads)
+    assert cu_q_lens.dtype == seq_lens.dtype == page_table.dtype == torch.int32
+    if out is None:
+        out = torch.empty_like(q)
+    num_seqs = seq_lens.shape[0]
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    assert out.stride(-1) == 1
+    page_table = page_table if page_table.stride(-1) == 1 else page_table.contiguous()
+
+    cfg = config or extend_config(head_dim)
+    group_size = num_q_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group_size)
+    # tl.dot on GPU needs every dimension >= 16 for 16-bit inputs; block_m >= 16 guarantees the
+    # packed row count is, whatever the group size.
+    block_m = max(cfg.block_m, group_pad, 16)
+    block_q = block_m // group_pad
+    k_slots = k_cache.view(-1, num_kv_heads, head_dim)
+    v_slots = v_cache.view(-1, num_kv_heads, head_dim)
+    grid = (triton.cdiv(max_q_len, block_q), num_kv_heads, num_seqs)
+    _extend_kernel[grid](
+        q,
+        k,
+        v,
+        k_slots,
+        v_slots,
+        out,
+        cu_q_lens,
+        seq_lens,
+        page_table,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_slots.stride(0),
+        k_slots.stride(1),
+        page_table.stride(0),
+        scale * LOG2E,
+        page_size,
+        head_dim,
+        group_size,
+        BLOCK_Q=block_q,
+        GROUP_PAD=group_pad,
+        BLOCK_N=max(cfg.block_n, 16),
+        BLOCK_D=max(triton.next_power_of_2(head_dim), 16),
+        DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return out

@@ -1,0 +1,306 @@
+"""Triton paged decode attention: one query token per request over its KV pages, split-KV.
+
+Stage 1 computes, per (request, KV head, split), the partial output and log-sum-exp of the
+packed query heads of that KV head over one slice of the sequence; stage 2 merges the splits
+by their log-sum-exps. Splitting keeps the GPU busy when batch x KV heads is small.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from radixkv.kernels.extend_attention import LOG2E, dot_precision, on_interpreter
+
+MAX_SPLITS = 16
+# A split shorter than this costs more in stage-2 traffic and launch overhead than it saves.
+MIN_TOKENS_PER_SPLIT = 512
+# Aim for this many stage-1 programs per multiprocessor, so short and long splits even out.
+PROGRAMS_PER_SM = 4
+# The interpreter has no SMs to fill; a small fixed number still exercises the merge.
+INTERPRETER_SPLITS = 4
+
+
+@triton.jit
+def _split_bounds(seq_len, split, num_splits, BLOCK_N: tl.constexpr):
+    # Each request splits its own length, rounded up to whole tiles, so short requests finish
+    # in few splits and long ones spread over all of them.
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+    return start, end
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    seq_lens_ptr,
+    page_table_ptr,
+    stride_qb,
+    stride_qh,
+    stride_cache_slot,
+    stride_cache_head,
+    stride_table,
+    stride_pob,
+    stride_poh,
+    stride_pos,
+    stride_plb,
+    stride_plh,
+    qk_scale_log2,
+    page_size,
+    head_dim,
+    group_size,
+    num_splits,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    req = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + req)
+    start, end = _split_bounds(seq_len, split, num_splits, BLOCK_N)
+    # Empty splits write nothing; stage 2 recomputes the bounds and skips them.
+    if start < end:
+        heads = tl.arange(0, BLOCK_H)
+        head_valid = heads < group_size
+        q_head = kv_head * group_size + heads
+        dims = tl.arange(0, BLOCK_D)
+        dim_valid = dims < head_dim
+        req64 = req.to(tl.int64)
+        q = tl.load(
+            q_ptr + req64 * stride_qb + q_head[:, None] * stride_qh + dims[None, :],
+            mask=head_valid[:, None] & dim_valid[None, :],
+            other=0.0,
+        )
+        m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+        offs_n = tl.arange(0, BLOCK_N)
+        table_row = page_table_ptr + req64 * stride_table
+        head_offset = kv_head.to(tl.int64) * stride_cache_head
+        for tile_start in range(start, end, BLOCK_N):
+            pos = tile_start + offs_n
+            key_valid = pos < end
+            page = tl.load(table_row + pos // page_size, mask=key_valid, other=0).to(tl.int64)
+            slot = page * page_size + (pos % page_size)
+            kv_offsets = slot[:, None] * stride_cache_slot + head_offset + dims[None, :]
+            kv_mask = key_valid[:, None] & dim_valid[None, :]
+            k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(q.dtype)
+            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2
+            scores = tl.where(key_valid[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(scores - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(q.dtype)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m_i = m_new
+        # A non-empty split has at least one visible key per row, so l > 0 for the real heads.
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        lse = m_i + tl.log2(l_safe)  # log2 domain, like the scores
+        out_rows = req64 * stride_pob + q_head.to(tl.int64) * stride_poh + split * stride_pos
+        tl.store(
+            part_out_ptr + out_rows[:, None] + dims[None, :],
+            acc / l_safe[:, None],
+            mask=head_valid[:, None] & dim_valid[None, :],
+        )
+        tl.store(part_lse_ptr + req64 * stride_plb + q_head * stride_plh + split, lse, mask=head_valid)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    seq_lens_ptr,
+    stride_pob,
+    stride_poh,
+    stride_pos,
+    stride_plb,
+    stride_plh,
+    stride_ob,
+    stride_oh,
+    head_dim,
+    num_splits,
+    BLOCK_S: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    req = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    seq_len = tl.load(seq_lens_ptr + req)
+    splits = tl.arange(0, BLOCK_S)
+    start, end = _split_bounds(seq_len, splits, num_splits, BLOCK_N)
+    split_valid = (splits < num_splits) & (start < end)
+    lse = tl.load(
+        part_lse_ptr + req * stride_plb + head * stride_plh + splits,
+        mask=split_valid,
+        other=float("-inf"),
+    )
+    lse_max = tl.max(lse, 0)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    weight = tl.exp2(lse - lse_max)
+    dims = tl.arange(0, BLOCK_D)
+    dim_valid = dims < head_dim
+    parts = tl.load(
+        part_out_ptr + req * stride_pob + head * stride_poh + splits[:, None] * stride_pos + dims[None, :],
+        mask=split_valid[:, None] & dim_valid[None, :],
+        other=0.0,
+    )
+    total = tl.sum(weight, 0)
+    out = tl.sum(parts * weight[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(
+        out_ptr + req * stride_ob + head * stride_oh + dims,
+        out.to(out_ptr.dtype.element_ty),
+        mask=dim_valid,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeConfig:
+    """Tile sizes of one launch: block_n keys per loop step."""
+
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def decode_config(head_dim: int) -> DecodeConfig:
+    """Fixed tile sizes per head size (autotune does not run in the interpreter)."""
+    if on_interpreter():
+        return DecodeConfig(block_n=32, num_warps=4, num_stages=1)
+    if head_dim <= 64:
+        return DecodeConfig(block_n=128, num_warps=4, num_stages=3)
+    if head_dim <= 128:
+        return DecodeConfig(block_n=64, num_warps=4, num_stages=3)
+    return DecodeConfig(block_n=32, num_warps=4, num_stages=2)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
+    """Splits per (request, KV head): enough programs to fill the GPU, none shorter than needed.
+
+    Uses only host-side numbers (no device sync). Many requests or heads -> 1 split; a few long
+    requests -> up to MAX_SPLITS.
+    """
+    if device.type != "cuda" or on_interpreter():
+        return INTERPRETER_SPLITS
+    programs = num_seqs * num_kv_heads
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    wanted = triton.cdiv(PROGRAMS_PER_SM * _num_sms(index), programs)
+    by_length = triton.cdiv(max_seq_len, MIN_TOKENS_PER_SPLIT)
+    return max(1, min(MAX_SPLITS, wanted, by_length))
+
+
+def paged_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_table: torch.Tensor,
+    max_seq_len: int,
+    scale: float,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    config: DecodeConfig | None = None,
+) -> torch.Tensor:
+    """Attention of one query per request (q: [B, Hq, D]) over its first seq_lens[b] cached tokens.
+
+    Request b's KV lives in pages page_table[b, :ceil(seq_lens[b] / page_size)]. The caller
+    guarantees every index is in range (the kernel does not check bounds) and seq_lens >= 1.
+    Returns out ([B, Hq, D], q's dtype).
+    """
+    num_seqs, num_q_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, _ = k_cache.shape
+    assert k_cache.shape == v_cache.shape and k_cache.shape[-1] == head_dim
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert num_q_heads % num_kv_heads == 0, (num_q_heads, num_kv_heads)
+    assert seq_lens.shape == (num_seqs,) and page_table.shape[0] == num_seqs
+    assert seq_lens.dtype == page_table.dtype == torch.int32
+    if out is None:
+        out = torch.empty_like(q)
+    if num_seqs == 0:
+        return out
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    assert out.stride(-1) == 1
+    page_table = page_table if page_table.stride(-1) == 1 else page_table.contiguous()
+
+    cfg = config or decode_config(head_dim)
+    if num_splits is None:
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, q.device)
+    assert 1 <= num_splits <= 64, num_splits
+    group_size = num_q_heads // num_kv_heads
+    # tl.dot on GPU needs M >= 16 for 16-bit inputs: pad the group's rows to 16.
+    block_h = max(16, triton.next_power_of_2(group_size))
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_n = max(16, cfg.block_n)
+    part_out = torch.empty(num_seqs, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(num_seqs, num_q_heads, num_splits, dtype=torch.float32, device=q.device)
+    k_slots = k_cache.view(-1, num_kv_heads, head_dim)
+    v_slots = v_cache.view(-1, num_kv_heads, head_dim)
+    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q,
+        k_slots,
+        v_slots,
+        part_out,
+        part_lse,
+        seq_lens,
+        page_table,
+        q.stride(0),
+        q.stride(1),
+        k_slots.stride(0),
+        k_slots.stride(1),
+        page_table.stride(0),
+        part_out.stride(0),
+        part_out.stride(1),
+        part_out.stride(2),
+        part_lse.stride(0),
+        part_lse.stride(1),
+        scale * LOG2E,
+        page_size,
+        head_dim,
+        group_size,
+        num_splits,
+        BLOCK_H=block_h,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    _decode_merge_kernel[(num_seqs, num_q_heads)](
+        part_out,
+        part_lse,
+        out,
+        seq_lens,
+        part_out.stride(0),
+        part_out.stride(1),
+        part_out.stride(2),
+        part_lse.stride(0),
+        part_lse.stride(1),
+        out.stride(0),
+        out.stride(1),
+        head_dim,
+        num_splits,
+        BLOCK_S=triton.next_power_of_2(num_splits),
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        num_warps=1 if block_d <= 64 else 2,
+    )
+    return out

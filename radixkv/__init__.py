@@ -1,0 +1,27 @@
+"""radixkv: an LLM serving runtime where prompts that share a prefix share its KV cache.
+
+The public face: `LLM` to generate in process, `SamplingParams`, `RequestOutput`, `EngineConfig`.
+"""
+
+from __future__ import annotations
+
+from radixkv.config import ConfigError, EngineConfig
+from radixkv.engine.request import CompletionOutput, InvalidRequest, RequestOutput, SamplingParams
+
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "EngineConfig",
+    "ConfigError",
+    "InvalidRequest",
+]
+
+
+def __getattr__(name: str):  # LLM pulls in torch and transformers; import it only when asked
+    if name == "LLM":
+        from radixkv.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'radixkv' has no attribute {name!r}")

@@ -1,0 +1,101 @@
+"""The attention backend interface and the per-step metadata every backend reads.
+
+A backend writes a step's new K/V into their page slots, then runs extend attention (new
+query tokens over the request's paged prefix plus causally over each other) or paged decode.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Where one step's flat batch of tokens sits in the paged KV cache.
+
+    The batch holds B requests; request b contributes q_lens[b] new tokens at flat rows
+    cu_q_lens[b]:cu_q_lens[b+1], at positions prefix_lens[b] .. seq_lens[b]-1 of its sequence.
+    Its KV (prefix and new tokens alike) lives in the pages page_table[b, :ceil(seq_lens[b]/page_size)].
+    """
+
+    positions: torch.Tensor  # [T] int64, position of each new token in its sequence
+    slot_mapping: torch.Tensor  # [T] int64, page * page_size + offset; < 0 means "do not store"
+    page_table: torch.Tensor  # [B, max_pages] int32, padded with 0 past each request's pages
+    cu_q_lens: torch.Tensor  # [B + 1] int32, offsets of each request's rows in the flat batch
+    q_lens: torch.Tensor  # [B] int32, new tokens per request this step
+    seq_lens: torch.Tensor  # [B] int32, prefix + new tokens per request after this step
+    prefix_lens: torch.Tensor  # [B] int32, tokens whose KV was already in pages before this step
+    max_q_len: int
+    max_seq_len: int
+    page_size: int
+    # The same lengths as Python lists, so CPU code can loop without device syncs.
+    q_lens_list: list[int]
+    seq_lens_list: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.q_lens_list)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_q_len == 1
+
+
+class AttentionBackend:
+    """One attention implementation: store new KV, then extend or decode attention.
+
+    q: [T, num_q_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] for the step's new tokens;
+    k_cache, v_cache: [num_pages, page_size, num_kv_heads, head_dim] for one layer.
+    Returns [T, num_q_heads, head_dim].
+    """
+
+    name = "base"
+
+    def store_kv(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        raise NotImplementedError
+
+    def extend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+    def decode(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        self.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.is_decode_only:
+            return self.decode(q, k_cache, v_cache, meta, scale)
+        return self.extend(q, k, v, k_cache, v_cache, meta, scale)

@@ -1,0 +1,103 @@
+"""The torch attention backend: the CPU path and the reference the Triton kernels are held to.
+
+KV is gathered from pages through each request's page table and handed to PyTorch's
+scaled_dot_product_attention, with a bottom-right causal mask when a prefix is cached.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from radixkv.attention.base import AttentionBackend, AttentionMetadata
+
+
+class TorchBackend(AttentionBackend):
+    name = "torch"
+
+    def store_kv(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        num_kv_heads, head_dim = k_cache.shape[-2:]
+        keep = slot_mapping >= 0
+        if not bool(keep.all()):
+            k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+    def extend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        out = torch.empty_like(q)
+        start = 0
+        for b, (q_len, seq_len) in enumerate(zip(meta.q_lens_list, meta.seq_lens_list)):
+            end = start + q_len
+            keys = _gather(k_cache, meta.page_table[b], seq_len)
+            values = _gather(v_cache, meta.page_table[b], seq_len)
+            out[start:end] = _attend(q[start:end], keys, values, seq_len - q_len, scale)
+            start = end
+        return out
+
+    def decode(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        # One padded gather and one SDPA call for the whole batch: a per-request loop costs
+        # a kernel launch per request per layer, which dominates short decode steps.
+        page_size = meta.page_size
+        num_pages = -(-meta.max_seq_len // page_size)
+        table = meta.page_table[:, :num_pages].long()
+        batch = table.shape[0]
+        num_kv_heads, head_dim = k_cache.shape[-2:]
+        keys = k_cache[table].view(batch, num_pages * page_size, num_kv_heads, head_dim)
+        values = v_cache[table].view(batch, num_pages * page_size, num_kv_heads, head_dim)
+        key_pos = torch.arange(num_pages * page_size, device=q.device)
+        mask = key_pos[None, :] < meta.seq_lens.to(q.device)[:, None]
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2),  # [B, Hq, 1, D]
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=mask[:, None, None, :],
+            scale=scale,
+            enable_gqa=True,
+        )
+        return out.squeeze(2)
+
+
+def _gather(cache: torch.Tensor, pages: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The first seq_len tokens of one request's KV, [seq_len, num_kv_heads, head_dim]."""
+    page_size = cache.shape[1]
+    num_pages = -(-seq_len // page_size)
+    return cache[pages[:num_pages].long()].flatten(0, 1)[:seq_len]
+
+
+def _attend(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, prefix_len: int, scale: float
+) -> torch.Tensor:
+    """Attention of q_len queries at positions prefix_len.. over kv_len keys, causally."""
+    q_len, kv_len = q.shape[0], keys.shape[0]
+    qt, kt, vt = q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1)
+    if prefix_len == 0:
+        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        query_pos = torch.arange(prefix_len, prefix_len + q_len, device=q.device)
+        key_pos = torch.arange(kv_len, device=q.device)
+        mask = key_pos[None, :] <= query_pos[:, None]
+        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.transpose(0, 1)

@@ -1,0 +1,129 @@
+"""PagePool: the physical KV pages (K and V tensors per layer) and a reference count per page.
+A page is on the free list exactly when its refcount is 0; allocate and release are O(1) per
+page. Who holds the references (the radix tree, running requests) is the callers' business.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+
+class OutOfPages(RuntimeError):
+    """More pages were requested than are free."""
+
+    def __init__(self, requested: int, num_free: int, num_pages: int):
+        super().__init__(f"requested {requested} KV pages but only {num_free} of {num_pages} are free")
+        self.requested = requested
+        self.num_free = num_free
+        self.num_pages = num_pages
+
+
+class PagePool:
+    """Fixed set of `num_pages` pages of `page_size` token slots each, with refcounts."""
+
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        num_layers: int = 0,
+        num_kv_heads: int = 1,
+        head_dim: int = 1,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ):
+        _check_int("num_pages", num_pages, minimum=1)
+        _check_int("page_size", page_size, minimum=1)
+        _check_int("num_layers", num_layers, minimum=0)
+        _check_int("num_kv_heads", num_kv_heads, minimum=1)
+        _check_int("head_dim", head_dim, minimum=1)
+        self.num_pages = num_pages
+        self.page_size = page_size
+        shape = (num_pages, page_size, num_kv_heads, head_dim)
+        # Zeroed, not empty: attention may read unwritten slots under a mask, and 0 * NaN = NaN.
+        self.k_cache: list[torch.Tensor] = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_cache: list[torch.Tensor] = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # A plain list beats a numpy array for scalar reads and writes from Python.
+        self._refcounts: list[int] = [0] * num_pages
+        self._free: list[int] = []
+        self.reset()
+
+    @classmethod
+    def bytes_per_page(
+        cls, page_size: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
+        """Bytes one page takes in K and V over all layers."""
+        return 2 * num_layers * page_size * num_kv_heads * head_dim * dtype.itemsize
+
+    def allocate(self, n: int) -> list[int]:
+        """Take `n` free pages, each with refcount 1; all or nothing."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"number of pages to allocate must be an integer >= 0, got {n!r}")
+        if n > len(self._free):
+            raise OutOfPages(n, len(self._free), self.num_pages)
+        if n == 0:
+            return []
+        pages = self._free[-n:]
+        del self._free[-n:]
+        pages.reverse()  # lowest page first: the free list is a stack with low ids on top
+        refcounts = self._refcounts
+        for page in pages:
+            refcounts[page] = 1
+        return pages
+
+    def incref(self, pages: Iterable[int]) -> None:
+        refcounts = self._refcounts
+        for page in pages:
+            assert page >= 0 and refcounts[page] >= 1, f"incref of free or invalid page {page}"
+            refcounts[page] += 1
+
+    def release(self, pages: Iterable[int]) -> int:
+        """Drop one reference from each page; returns how many went back on the free list."""
+        refcounts, free = self._refcounts, self._free
+        freed = 0
+        for page in pages:
+            count = refcounts[page] if page >= 0 else 0  # a negative id would index from the end
+            if count <= 0:
+                # A double release would put the page on the free list twice: two owners later.
+                raise RuntimeError(f"release of page {page}, which is free or not a page id")
+            refcounts[page] = count - 1
+            if count == 1:
+                free.append(page)
+                freed += 1
+        return freed
+
+    def refcount(self, page: int) -> int:
+        return self._refcounts[page]
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def free_pages(self) -> set[int]:
+        return set(self._free)
+
+    def reset(self) -> None:
+        """Every page free, every refcount 0 (the KV contents are left as they are)."""
+        self._refcounts = [0] * self.num_pages
+        self._free = list(range(self.num_pages - 1, -1, -1))
+
+    def check_invariants(self) -> None:
+        """Free list holds each page at most once, exactly the pages with refcount 0."""
+        free = self.free_pages()
+        if len(free) != len(self._free):
+            raise AssertionError("a page is on the free list twice")
+        zero = {page for page, count in enumerate(self._refcounts) if count == 0}
+        if free != zero:
+            raise AssertionError(
+                f"free list and refcount 0 disagree: free only {sorted(free - zero)[:8]}, "
+                f"refcount 0 only {sorted(zero - free)[:8]}"
+            )
+        negative = [page for page, count in enumerate(self._refcounts) if count < 0]
+        if negative:
+            raise AssertionError(f"negative refcounts on pages {negative[:8]}")
+
+
+def _check_int(name: str, value: object, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")

@@ -1,0 +1,537 @@
+"""RadixTree: the prefix cache. Maps (salt, full-block token prefix) to the KV pages holding it,
+as one compressed radix tree per salt, with lock counts on paths in use and LRU eviction of
+unlocked leaves in O(log n). The tree holds one pool reference on every page it caches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from sortedcontainers import SortedList
+
+from radixkv.cache.hashing import BlockHash, BlockHasher
+from radixkv.cache.pages import PagePool
+
+# Ownership (the engine relies on it): the tree holds exactly one reference on each page it
+# caches; a running request holds one on each page of its page table and locks the deepest
+# node covering its cached pages. So a page of an unlocked node has refcount 1 and evicting
+# the node frees it, while a locked node's pages are never evicted.
+
+
+@dataclass(slots=True, eq=False, repr=False)
+class Node:
+    """A run of one or more cached blocks (a root holds none). Identity is the object."""
+
+    node_id: int
+    parent: Node | None
+    salt: str | None
+    tokens: list[int]  # the run's tokens, len(pages) * page_size of them
+    pages: list[int]  # one page per block
+    hashes: list[BlockHash]  # chained hash per block; hashes[0] is this node's key in parent
+    children: dict[BlockHash, Node] = field(default_factory=dict)
+    lock_ref: int = 0  # locks taken on this node or any descendant
+    last_access: int = 0  # logical clock; never older than a descendant's
+    removed: bool = False  # evicted or reset: a stale handle must not be locked
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.pages)
+
+    def __repr__(self) -> str:
+        kind = "root" if self.parent is None else f"{len(self.pages)} blocks"
+        return f"Node(id={self.node_id}, {kind}, lock_ref={self.lock_ref}, last_access={self.last_access})"
+
+
+@dataclass(frozen=True, slots=True)
+class MatchResult:
+    num_cached_tokens: int  # multiple of page_size
+    pages: list[int]  # pages of the matched blocks, in order
+    node: Node  # deepest node of the match (a root when nothing matched); for lock()/unlock()
+
+
+@dataclass(frozen=True, slots=True)
+class InsertResult:
+    num_existing_blocks: int  # leading blocks already cached: the caller frees its duplicates
+    num_inserted_blocks: int  # blocks newly adopted (tree increfs their pages)
+    pages: list[int]  # canonical pages of the first existing + inserted blocks
+    node: Node  # deepest node now covering those blocks (a root if none)
+
+
+@dataclass(frozen=True, slots=True)
+class CacheStats:
+    queries: int
+    query_tokens: int
+    hit_tokens: int
+    hit_rate: float  # hit_tokens / query_tokens, 0 when there were none
+    cached_pages: int
+    evictable_pages: int
+    locked_pages: int
+    evicted_pages: int
+    num_nodes: int  # non-root nodes
+
+
+LruKey = tuple[int, int, Node]  # (last_access, node_id, node): node_id breaks ties, so nodes are never compared
+
+
+class RadixTree:
+    """Prefix cache over a PagePool. Not thread-safe: the engine's step loop owns it."""
+
+    def __init__(self, pool: PagePool, hasher: BlockHasher):
+        if hasher.page_size != pool.page_size:
+            raise ValueError(f"hasher page_size {hasher.page_size} != pool page_size {pool.page_size}")
+        self.pool = pool
+        self.hasher = hasher
+        self.page_size = hasher.page_size
+        self._roots: dict[str | None, Node] = {}
+        self._lru: SortedList = SortedList()  # LruKey of every unlocked non-root leaf
+        self._clock = 0
+        self._next_id = 0
+        self._cached_pages = 0
+        self._evictable_pages = 0
+        self._num_nodes = 0
+        self._queries = 0
+        self._query_tokens = 0
+        self._hit_tokens = 0
+        self._evicted_pages = 0
+
+    # ----------------------------------------------------------------- public operations
+
+    def match(
+        self,
+        token_ids: Sequence[int],
+        salt: str | None = None,
+        *,
+        block_hashes: Sequence[BlockHash] | None = None,
+        record: bool = True,
+    ) -> MatchResult:
+        """Longest cached full-block prefix of `token_ids`, leaving at least one token to
+        compute (its logits are needed). Splits a node where the match ends inside its run,
+        so that locking the result pins exactly the matched pages. A MatchResult stays valid
+        until the next evict()/reset(): lock it before then."""
+        tokens = _token_list(token_ids)
+        max_blocks = (len(tokens) - 1) // self.page_size if tokens else 0
+        _check_hashes_len(block_hashes, max_blocks)
+        now = self._tick()
+        root = self._roots.get(salt)
+        if root is None:
+            # Not registered: a miss for an unseen salt must not grow the root table.
+            root = self._new_node(None, salt, [], [], [])
+        node, num_blocks, pages, _, _ = self._descend(root, tokens, salt, max_blocks, block_hashes)
+        self._touch_path(node, now)
+        if record:
+            self._queries += 1
+            self._query_tokens += len(tokens)
+            self._hit_tokens += num_blocks * self.page_size
+        return MatchResult(num_blocks * self.page_size, pages, node)
+
+    def insert(
+        self,
+        token_ids: Sequence[int],
+        pages: Sequence[int],
+        salt: str | None = None,
+        *,
+        block_hashes: Sequence[BlockHash] | None = None,
+    ) -> InsertResult:
+        """Cache the full blocks of `token_ids`, whose KV is in `pages` (one per block; extra
+        pages are ignored). Blocks already cached keep the tree's pages; the caller compares
+        and frees its duplicates. A hash collision with different tokens stops the insert."""
+        tokens = _token_list(token_ids)
+        num_full = len(tokens) // self.page_size
+        if len(pages) < num_full:
+            raise ValueError(f"insert of {num_full} full blocks needs at least {num_full} pages, got {len(pages)}")
+        _check_hashes_len(block_hashes, num_full)
+        now = self._tick()
+        root = self._roots.get(salt)
+        if num_full == 0:
+            return InsertResult(0, 0, [], root if root is not None else self._new_node(None, salt, [], [], []))
+        if root is None:
+            root = self._roots[salt] = self._new_node(None, salt, [], [], [])
+        node, num_existing, out_pages, next_hash, collided = self._descend(
+            root, tokens, salt, num_full, block_hashes
+        )
+        num_inserted = 0
+        if num_existing < num_full and not collided:
+            assert next_hash is not None
+            node = self._adopt(node, tokens, pages, num_existing, num_full, next_hash, block_hashes, now)
+            num_inserted = num_full - num_existing
+            out_pages.extend(node.pages)
+        self._touch_path(node, now)
+        self._maybe_drop_root(root)  # a collision on the very first block leaves it empty
+        return InsertResult(num_existing, num_inserted, out_pages, node)
+
+    def lock(self, node: Node) -> None:
+        """Pin `node` and its ancestors: their pages cannot be evicted until unlock()."""
+        if node.removed:
+            raise RuntimeError(f"lock of {node!r}, which was evicted; match again before locking")
+        now = self._tick()
+        if self._in_lru(node):
+            self._lru.remove(_key(node))
+        current: Node | None = node
+        while current is not None:
+            if current.lock_ref == 0 and current.parent is not None:
+                self._evictable_pages -= len(current.pages)
+            current.lock_ref += 1
+            current.last_access = now
+            current = current.parent
+
+    def unlock(self, node: Node) -> None:
+        """Undo one lock(node). Counts as a use: the path's LRU time becomes now."""
+        # lock_ref never grows toward the leaves, so checking the node covers its whole path.
+        if node.lock_ref <= 0:
+            raise RuntimeError(f"unlock of {node!r}, which is not locked")
+        now = self._tick()
+        current: Node | None = node
+        root = node
+        while current is not None:
+            current.lock_ref -= 1
+            current.last_access = now
+            if current.lock_ref == 0 and current.parent is not None:
+                self._evictable_pages += len(current.pages)
+            root = current
+            current = current.parent
+        if self._in_lru(node):
+            self._lru.add(_key(node))
+        self._maybe_drop_root(root)
+
+    def evict(self, num_pages: int) -> int:
+        """Evict least recently used unlocked leaves (whole nodes) until at least `num_pages`
+        pages were freed or nothing is evictable; returns the pages freed. O(log n) per node."""
+        freed = 0
+        lru = self._lru
+        while freed < num_pages and lru:
+            _, _, node = lru.pop(0)
+            freed += self._remove_leaf(node)
+        self._evicted_pages += freed
+        return freed
+
+    @property
+    def evictable_pages(self) -> int:
+        return self._evictable_pages
+
+    @property
+    def cached_pages(self) -> int:
+        return self._cached_pages
+
+    @property
+    def locked_pages(self) -> int:
+        return self._cached_pages - self._evictable_pages
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    def stats(self) -> CacheStats:
+        return CacheStats(
+            queries=self._queries,
+            query_tokens=self._query_tokens,
+            hit_tokens=self._hit_tokens,
+            hit_rate=self._hit_tokens / self._query_tokens if self._query_tokens else 0.0,
+            cached_pages=self._cached_pages,
+            evictable_pages=self._evictable_pages,
+            locked_pages=self.locked_pages,
+            evicted_pages=self._evicted_pages,
+            num_nodes=self._num_nodes,
+        )
+
+    def reset_stats(self) -> None:
+        self._queries = self._query_tokens = self._hit_tokens = self._evicted_pages = 0
+
+    def reset(self) -> None:
+        """Drop every cached block, releasing the tree's page references. Query statistics are
+        kept (reset_stats() clears them). Refused while any path is locked."""
+        locked = sum(root.lock_ref for root in self._roots.values())
+        if locked:
+            raise RuntimeError(f"cannot reset the prefix cache while {locked} lock(s) are held; unlock them first")
+        for node in list(self._iter_nodes()):
+            self.pool.release(node.pages)
+            node.removed = True
+        self._roots.clear()
+        self._lru.clear()
+        self._cached_pages = self._evictable_pages = self._num_nodes = 0
+
+    def cached_page_set(self) -> set[int]:
+        return {page for node in self._iter_nodes() for page in node.pages}
+
+    def evictable_page_set(self) -> set[int]:
+        return {page for node in self._iter_nodes() if node.lock_ref == 0 for page in node.pages}
+
+    def check_invariants(self, *, check_hashes: bool = False) -> None:
+        """Raise AssertionError unless the tree is consistent with itself and with the pool.
+        `check_hashes` also recomputes every block hash from the tokens."""
+        walk = _Walk()
+        for salt, root in self._roots.items():
+            _require(root.parent is None and root.salt == salt, f"root of salt {salt!r} is malformed")
+            _require(not root.pages and not root.tokens and not root.hashes, f"root of salt {salt!r} holds blocks")
+            self._check_subtree(root, walk)
+            if check_hashes:
+                self._check_subtree_hashes(root)
+        _require(walk.cached == self._cached_pages, f"cached_pages {self._cached_pages} != walk {walk.cached}")
+        _require(
+            walk.evictable == self._evictable_pages,
+            f"evictable_pages {self._evictable_pages} != walk {walk.evictable}",
+        )
+        _require(walk.nodes == self._num_nodes, f"num_nodes {self._num_nodes} != walk {walk.nodes}")
+        for last_access, node_id, node in self._lru:
+            _require(
+                (last_access, node_id) == (node.last_access, node.node_id),
+                f"stale LRU key ({last_access}, {node_id}) for {node!r}",
+            )
+        lru_ids = [node.node_id for _, _, node in self._lru]
+        _require(len(lru_ids) == len(set(lru_ids)), "a node is in the LRU set twice")
+        _require(
+            set(lru_ids) == walk.unlocked_leaves,
+            f"LRU set != unlocked leaves: extra {sorted(set(lru_ids) - walk.unlocked_leaves)[:8]}, "
+            f"missing {sorted(walk.unlocked_leaves - set(lru_ids))[:8]}",
+        )
+
+    # ----------------------------------------------------------------- internals
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def _new_node(
+        self, parent: Node | None, salt: str | None, tokens: list[int], pages: list[int], hashes: list[BlockHash]
+    ) -> Node:
+        self._next_id += 1
+        return Node(self._next_id, parent, salt, tokens, pages, hashes)
+
+    @staticmethod
+    def _in_lru(node: Node) -> bool:
+        # The membership rule of self._lru; check_invariants verifies it holds.
+        return node.parent is not None and node.lock_ref == 0 and not node.children
+
+    def _block_hash(
+        self,
+        node: Node,
+        tokens: list[int],
+        block: int,
+        salt: str | None,
+        block_hashes: Sequence[BlockHash] | None,
+    ) -> BlockHash:
+        """Hash of block `block` of `tokens`, whose preceding blocks match the path to `node`."""
+        if block_hashes is not None:
+            return block_hashes[block]
+        # The path's stored hash equals the query's own chain (same salt, same tokens), so
+        # hashes are computed only at node boundaries, not for every block of the prompt.
+        parent = node.hashes[-1] if node.parent is not None else None
+        ps = self.page_size
+        return self.hasher.hash_block(parent, tokens[block * ps : (block + 1) * ps], salt)
+
+    def _descend(
+        self,
+        root: Node,
+        tokens: list[int],
+        salt: str | None,
+        limit_blocks: int,
+        block_hashes: Sequence[BlockHash] | None,
+    ) -> tuple[Node, int, list[int], BlockHash | None, bool]:
+        """Follow the longest cached prefix of the first `limit_blocks` blocks of `tokens`,
+        splitting the node in which it ends. Returns (deepest node, matched blocks, their pages,
+        hash of the next block when the walk stopped at a missing or colliding child, whether
+        it stopped on a collision)."""
+        ps = self.page_size
+        node, block, pages = root, 0, []
+        while block < limit_blocks:
+            key = self._block_hash(node, tokens, block, salt, block_hashes)
+            child = node.children.get(key)
+            if child is None:
+                return node, block, pages, key, False
+            common = _common_blocks(child.tokens, tokens, block * ps, limit_blocks - block, ps)
+            if common == 0:
+                # Same hash, different tokens: a collision costs a miss, never a wrong hit.
+                return node, block, pages, key, True
+            if common < len(child.pages):
+                child = self._split(child, common)
+            pages.extend(child.pages)
+            block += common
+            node = child
+        return node, block, pages, None, False
+
+    def _split(self, node: Node, num_blocks: int) -> Node:
+        """Cut `node` after its first `num_blocks` blocks; the new upper node is returned and
+        `node` keeps the rest (and its id, so its LRU key stays valid)."""
+        ps = self.page_size
+        parent = node.parent
+        assert parent is not None and 0 < num_blocks < len(node.pages)
+        top = self._new_node(
+            parent, node.salt, node.tokens[: num_blocks * ps], node.pages[:num_blocks], node.hashes[:num_blocks]
+        )
+        # Locks on node or below are locks below top too; the same access time keeps
+        # "a parent is never older than its child".
+        top.lock_ref = node.lock_ref
+        top.last_access = node.last_access
+        del node.tokens[: num_blocks * ps]
+        del node.pages[:num_blocks]
+        del node.hashes[:num_blocks]
+        node.parent = top
+        top.children[node.hashes[0]] = node
+        parent.children[top.hashes[0]] = top  # same key as node had: top starts with its blocks
+        self._num_nodes += 1
+        return top
+
+    def _adopt(
+        self,
+        parent: Node,
+        tokens: list[int],
+        pages: Sequence[int],
+        first_block: int,
+        end_block: int,
+        first_hash: BlockHash,
+        block_hashes: Sequence[BlockHash] | None,
+        now: int,
+    ) -> Node:
+        """Add blocks [first_block, end_block) as a new leaf under `parent`, taking a
+        reference on their pages."""
+        ps = self.page_size
+        new_pages = list(pages[first_block:end_block])
+        if block_hashes is not None:
+            hashes = list(block_hashes[first_block:end_block])
+        else:
+            rest = tokens[(first_block + 1) * ps : end_block * ps]
+            hashes = [first_hash, *self.hasher.hash_blocks(rest, parent=first_hash)]
+        self.pool.incref(new_pages)
+        if self._in_lru(parent):
+            self._lru.remove(_key(parent))  # no longer a leaf
+        child = self._new_node(parent, parent.salt, tokens[first_block * ps : end_block * ps], new_pages, hashes)
+        child.last_access = now
+        parent.children[first_hash] = child
+        self._lru.add(_key(child))
+        self._cached_pages += len(new_pages)
+        self._evictable_pages += len(new_pages)
+        self._num_nodes += 1
+        return child
+
+    def _touch_path(self, node: Node, now: int) -> None:
+        """Mark `node` and its ancestors used at `now`. Only `node` itself can be in the LRU
+        set (its ancestors have children), so only its key is moved."""
+        if node.last_access != now and self._in_lru(node):
+            self._lru.remove(_key(node))
+            node.last_access = now
+            self._lru.add(_key(node))
+        current: Node | None = node
+        while current is not None:
+            current.last_access = now
+            current = current.parent
+
+    def _remove_leaf(self, node: Node) -> int:
+        """Drop an unlocked leaf already taken out of the LRU set; returns pages freed."""
+        parent = node.parent
+        assert parent is not None and node.lock_ref == 0 and not node.children
+        del parent.children[node.hashes[0]]
+        num = len(node.pages)
+        self._cached_pages -= num
+        self._evictable_pages -= num
+        self._num_nodes -= 1
+        node.removed = True
+        freed = self.pool.release(node.pages)
+        if self._in_lru(parent):
+            self._lru.add(_key(parent))  # it just became an unlocked leaf
+        elif parent.parent is None:
+            self._maybe_drop_root(parent)
+        return freed
+
+    def _maybe_drop_root(self, root: Node) -> None:
+        # Per-request salts would otherwise leave one empty root per tenant forever.
+        if not root.children and root.lock_ref == 0 and self._roots.get(root.salt) is root:
+            del self._roots[root.salt]
+
+    def _iter_nodes(self) -> Iterator[Node]:
+        """Every non-root node of every registered root."""
+        stack = [child for root in self._roots.values() for child in root.children.values()]
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def _check_subtree(self, root: Node, walk: _Walk) -> None:
+        ps = self.page_size
+        stack = [root]
+        while stack:
+            node = stack.pop()
+            child_locks = 0
+            for key, child in node.children.items():
+                _require(child.parent is node, f"{child!r} does not point back to its parent {node!r}")
+                _require(bool(child.hashes) and key == child.hashes[0], f"{child!r} is filed under a wrong key")
+                _require(child.salt == root.salt, f"{child!r} has another salt than its root")
+                _require(child.last_access <= node.last_access, f"{child!r} was used after its parent {node!r}")
+                child_locks += child.lock_ref
+                stack.append(child)
+            _require(node.lock_ref >= child_locks, f"{node!r} has fewer locks than its children ({child_locks})")
+            _require(not node.removed, f"{node!r} is marked removed but still in the tree")
+            if node is root:
+                continue
+            num = len(node.pages)
+            _require(num >= 1, f"{node!r} holds no block")
+            _require(len(node.hashes) == num and len(node.tokens) == num * ps, f"{node!r} run lengths disagree")
+            walk.nodes += 1
+            walk.cached += num
+            unlocked = node.lock_ref == 0
+            if unlocked:
+                walk.evictable += num
+                if not node.children:
+                    walk.unlocked_leaves.add(node.node_id)
+            for page in node.pages:
+                _require(page not in walk.pages, f"page {page} is cached by two nodes")
+                walk.pages.add(page)
+                count = self.pool.refcount(page)
+                _require(count >= 1, f"cached page {page} has refcount {count}")
+                _require(not unlocked or count == 1, f"evictable page {page} of {node!r} has refcount {count}, not 1")
+
+    def _check_subtree_hashes(self, root: Node) -> None:
+        stack: list[tuple[Node, BlockHash | None]] = [(child, None) for child in root.children.values()]
+        while stack:
+            node, parent_hash = stack.pop()
+            expected = self.hasher.hash_blocks(node.tokens, root.salt, parent=parent_hash)
+            _require(expected == node.hashes, f"{node!r} stores hashes that do not match its tokens")
+            stack.extend((child, node.hashes[-1]) for child in node.children.values())
+
+
+@dataclass(slots=True)
+class _Walk:
+    nodes: int = 0
+    cached: int = 0
+    evictable: int = 0
+    pages: set[int] = field(default_factory=set)
+    unlocked_leaves: set[int] = field(default_factory=set)
+
+
+def _key(node: Node) -> LruKey:
+    return (node.last_access, node.node_id, node)
+
+
+def _token_list(token_ids: Sequence[int]) -> list[int]:
+    # numpy arrays and torch tensors: tolist() gives Python ints, which compare cheaply.
+    tolist = getattr(token_ids, "tolist", None)
+    if tolist is not None:
+        return tolist()
+    return token_ids if isinstance(token_ids, list) else list(token_ids)
+
+
+def _common_blocks(run: list[int], tokens: list[int], start: int, max_blocks: int, ps: int) -> int:
+    """How many leading blocks of `run` equal the blocks of `tokens` from `start` (at most
+    `max_blocks`)."""
+    num = min(len(run) // ps, max_blocks)
+    end = start + num * ps
+    if (run if num * ps == len(run) else run[: num * ps]) == tokens[start:end]:
+        return num  # the common case, one comparison in C
+    for block in range(num):
+        lo = block * ps
+        if run[lo : lo + ps] != tokens[start + lo : start + lo + ps]:
+            return block
+    raise AssertionError("unreachable: the runs differ but no block does")
+
+
+def _check_hashes_len(block_hashes: Sequence[BlockHash] | None, needed: int) -> None:
+    if block_hashes is not None and len(block_hashes) < needed:
+        raise ValueError(f"block_hashes has {len(block_hashes)} hashes but {needed} full blocks need one each")
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise AssertionError(message)

@@ -1,0 +1,83 @@
+"""EngineConfig: every knob of the engine in one validated dataclass.
+
+Each field carries its default and unit; invalid values raise ConfigError naming the field
+and the accepted range, so a bad argument fails at construction rather than mid-run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+POLICIES = ("lpm", "fcfs")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+BACKENDS = ("auto", "torch", "triton")
+
+
+class ConfigError(ValueError):
+    """A configuration value outside what the engine accepts."""
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str | None = None  # None: the default SmolLM2-135M-Instruct; else an HF folder or .gguf
+    page_size: int = 16  # tokens per KV page (= per cached block)
+    num_pages: int | None = None  # None: sized from free memory and kv_memory_fraction
+    kv_memory_fraction: float = 0.25  # share of free memory for KV pages when num_pages is None
+    max_kv_pages: int = 65536  # cap on pages when sized from memory
+    max_batch_tokens: int = 2048  # tokens computed per step (prefill chunks + decode tokens)
+    max_num_seqs: int = 64  # requests running at once
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    policy: str = "lpm"  # "lpm" (longest prefix match first) or "fcfs"
+    lpm_fcfs_queue_threshold: int = 128  # above this many waiting requests LPM degrades to FCFS
+    max_wait_steps: int = 64  # a request waiting longer than this many steps goes first
+    enable_prefix_caching: bool = True
+    dtype: str = "auto"  # "auto": bf16 on CUDA or an AMX CPU, else fp32
+    device: str = "auto"  # "auto": cuda when available, else cpu
+    attention_backend: str = "auto"  # "auto": triton on CUDA, torch elsewhere
+    max_queue_len: int = 4096  # waiting requests beyond this are refused (QueueFull)
+    seed: int | None = None  # seed for the block-hash chain and sampling; None: random
+    check_invariants: bool = False  # debug: check page accounting after every step
+    cache_dir: str | None = None  # converted-weights cache; None: ~/.cache/radixkv
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        _positive(self, "page_size", limit=4096)
+        _positive(self, "max_batch_tokens", limit=1 << 20)
+        _positive(self, "max_num_seqs", limit=1 << 16)
+        _positive(self, "max_wait_steps", limit=1 << 30)
+        _positive(self, "max_queue_len", limit=1 << 30)
+        _positive(self, "lpm_fcfs_queue_threshold", limit=1 << 30)
+        _positive(self, "max_kv_pages", limit=1 << 26)
+        if self.num_pages is not None:
+            _positive(self, "num_pages", limit=1 << 26)
+        if self.max_model_len is not None:
+            _positive(self, "max_model_len", limit=1 << 24)
+        if not 0.0 < self.kv_memory_fraction <= 0.95:
+            raise ConfigError(f"kv_memory_fraction must be in (0, 0.95], got {self.kv_memory_fraction!r}")
+        _choice(self, "policy", POLICIES)
+        _choice(self, "dtype", DTYPES)
+        _choice(self, "attention_backend", BACKENDS)
+        if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
+            raise ConfigError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: object) -> EngineConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ConfigError(f"unknown engine option(s) {unknown}; known: {sorted(known)}")
+        return cls(**kwargs)  # type: ignore[arg-type]
+
+
+def _positive(config: EngineConfig, name: str, *, limit: int) -> None:
+    value = getattr(config, name)
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limit:
+        raise ConfigError(f"{name} must be an integer in [1, {limit}], got {value!r}")
+
+
+def _choice(config: EngineConfig, name: str, choices: tuple[str, ...]) -> None:
+    value = getattr(config, name)
+    if value not in choices:
+        raise ConfigError(f"{name} must be one of {choices}, got {value!r}")

@@ -1,0 +1,115 @@
+"""The bridge between sequences and the prefix cache: pages in, pages out, blocks shared.
+
+A running sequence holds one pool reference on every page of its page table and locks the
+deepest tree node covering its cached blocks; this module is the only place that moves them.
+"""
+
+from __future__ import annotations
+
+from radixkv.cache.hashing import BlockHasher
+from radixkv.cache.pages import OutOfPages, PagePool
+from radixkv.cache.radix import RadixTree
+from radixkv.engine.request import Sequence
+
+
+class KVManager:
+    def __init__(self, pool: PagePool, tree: RadixTree, hasher: BlockHasher, enable_prefix_caching: bool) -> None:
+        self.pool = pool
+        self.tree = tree
+        self.hasher = hasher
+        self.page_size = pool.page_size
+        self.enable_prefix_caching = enable_prefix_caching
+
+    # -- hashing -----------------------------------------------------------------------------
+
+    def update_block_hashes(self, seq: Sequence) -> list[int]:
+        """Extend seq.block_hashes to every full block of its tokens (chained, incremental)."""
+        num_full = seq.num_tokens // self.page_size
+        if len(seq.block_hashes) < num_full:
+            start = len(seq.block_hashes) * self.page_size
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            tokens = seq.all_token_ids[start : num_full * self.page_size]
+            seq.block_hashes.extend(self.hasher.hash_blocks(tokens, seq.salt, parent=parent))
+        return seq.block_hashes
+
+    # -- admission ---------------------------------------------------------------------------
+
+    def peek_cached_tokens(self, seq: Sequence) -> int:
+        """How many tokens a match would serve now, without counting it as a query."""
+        if not self.enable_prefix_caching or seq.num_tokens <= self.page_size:
+            return 0
+        hashes = self.update_block_hashes(seq)
+        return self.tree.match(seq.all_token_ids, seq.salt, block_hashes=hashes, record=False).num_cached_tokens
+
+    def admit(self, seq: Sequence) -> int:
+        """Match seq against the tree, lock and reference the hit pages; returns cached tokens."""
+        assert not seq.page_table and seq.tree_node is None
+        if not self.enable_prefix_caching:
+            return 0
+        hashes = self.update_block_hashes(seq)
+        match = self.tree.match(seq.all_token_ids, seq.salt, block_hashes=hashes)
+        self.tree.lock(match.node)
+        self.pool.incref(match.pages)
+        seq.tree_node = match.node
+        seq.page_table = list(match.pages)
+        seq.num_tree_blocks = len(match.pages)
+        seq.num_computed_tokens = match.num_cached_tokens
+        return match.num_cached_tokens
+
+    # -- growth ------------------------------------------------------------------------------
+
+    def pages_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        total = -(-(seq.num_computed_tokens + num_new_tokens) // self.page_size)
+        return max(0, total - len(seq.page_table))
+
+    def available_pages(self) -> int:
+        """Pages that can be had now: free ones plus those eviction would free."""
+        return self.pool.num_free + self.tree.evictable_pages
+
+    def reserve(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Give seq pages for num_new_tokens more tokens, evicting if needed; False if short."""
+        needed = self.pages_needed(seq, num_new_tokens)
+        if needed == 0:
+            return True
+        if self.pool.num_free < needed:
+            self.tree.evict(needed - self.pool.num_free)
+        try:
+            seq.page_table.extend(self.pool.allocate(needed))
+        except OutOfPages:
+            return False
+        return True
+
+    # -- after a step ------------------------------------------------------------------------
+
+    def commit(self, seq: Sequence) -> None:
+        """Offer seq's newly computed full blocks to the tree; adopt the tree's duplicates."""
+        num_full = seq.num_computed_tokens // self.page_size
+        if not self.enable_prefix_caching or num_full <= seq.num_tree_blocks:
+            return
+        hashes = self.update_block_hashes(seq)
+        tokens = seq.all_token_ids[: num_full * self.page_size]
+        result = self.tree.insert(tokens, seq.page_table[:num_full], seq.salt, block_hashes=hashes[:num_full])
+        # Blocks another sequence cached first: drop our copy and point at the tree's page,
+        # so no page table keeps a page the pool may hand out again.
+        for i in range(result.num_existing_blocks):
+            canonical = result.pages[i]
+            if seq.page_table[i] != canonical:
+                self.pool.incref([canonical])
+                self.pool.release([seq.page_table[i]])
+                seq.page_table[i] = canonical
+        self.tree.lock(result.node)
+        if seq.tree_node is not None:
+            self.tree.unlock(seq.tree_node)
+        seq.tree_node = result.node
+        # Blocks a hash collision kept out of the tree stay private; they are not offered again.
+        seq.num_tree_blocks = num_full
+
+    def release(self, seq: Sequence) -> None:
+        """Give back everything seq holds: its lock and one reference on each of its pages."""
+        if seq.tree_node is not None:
+            self.tree.unlock(seq.tree_node)
+            seq.tree_node = None
+        self.pool.release(seq.page_table)
+        seq.page_table = []
+        seq.num_tree_blocks = 0
+        seq.num_computed_tokens = 0

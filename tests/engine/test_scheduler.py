@@ -1,0 +1,158 @@
+"""Scheduler decisions on real cache objects, without a model: order, deferral, aging, budgets."""
+
+from __future__ import annotations
+
+import itertools
+
+from radixkv.cache.hashing import BlockHasher
+from radixkv.cache.pages import PagePool
+from radixkv.cache.radix import RadixTree
+from radixkv.config import EngineConfig
+from radixkv.engine.kv_manager import KVManager
+from radixkv.engine.request import SamplingParams, Sequence, SeqStatus
+from radixkv.engine.scheduler import Scheduler
+
+PAGE = 4
+_ids = itertools.count()
+
+
+def make_scheduler(num_pages: int = 64, **options) -> Scheduler:
+    config = EngineConfig(page_size=PAGE, **options)
+    pool = PagePool(num_pages, PAGE)
+    hasher = BlockHasher(PAGE, seed=7)
+    return Scheduler(config, KVManager(pool, RadixTree(pool, hasher), hasher, enable_prefix_caching=True))
+
+
+def make_seq(tokens: list[int], max_tokens: int = 4) -> Sequence:
+    seq_id = next(_ids)
+    return Sequence(seq_id, f"r{seq_id}", 0, list(tokens), SamplingParams(max_tokens=max_tokens), None, 0)
+
+
+def run_step(scheduler: Scheduler):
+    """Schedule, then do what the engine does after the forward (without a model)."""
+    batch = scheduler.schedule()
+    for item in batch.items:
+        item.seq.num_computed_tokens += item.num_new_tokens
+        scheduler.kv.commit(item.seq)
+        if item.samples:
+            item.seq.output_token_ids.append(1)
+    return batch
+
+
+def finish(scheduler: Scheduler, seq: Sequence) -> None:
+    scheduler.remove(seq)
+    seq.status = SeqStatus.FINISHED
+
+
+def warm_cache(scheduler: Scheduler, tokens: list[int]) -> None:
+    seq = make_seq(tokens)
+    scheduler.add(seq)
+    while seq.num_computed_tokens < len(tokens):
+        run_step(scheduler)
+    finish(scheduler, seq)
+
+
+def test_lpm_admits_the_longest_cached_prefix_first():
+    scheduler = make_scheduler(max_num_seqs=1)
+    shared = list(range(100, 132))
+    warm_cache(scheduler, shared + [1])
+    cold = make_seq(list(range(200, 230)))
+    hit = make_seq(shared + [2, 3])
+    scheduler.add(cold)
+    scheduler.add(hit)
+    batch = scheduler.schedule()
+    assert [item.seq for item in batch.items] == [hit]
+    assert hit.num_cached_tokens == 32
+    assert batch.items[0].num_new_tokens == 2  # only the uncached suffix is computed
+
+
+def test_fcfs_keeps_arrival_order():
+    scheduler = make_scheduler(max_num_seqs=1, policy="fcfs")
+    shared = list(range(100, 132))
+    warm_cache(scheduler, shared + [1])
+    cold = make_seq(list(range(200, 230)))
+    scheduler.add(cold)
+    scheduler.add(make_seq(shared + [2, 3]))
+    assert [item.seq for item in scheduler.schedule().items] == [cold]
+
+
+def test_lpm_degrades_to_fcfs_over_the_queue_threshold():
+    scheduler = make_scheduler(max_num_seqs=1, lpm_fcfs_queue_threshold=1)
+    shared = list(range(100, 132))
+    warm_cache(scheduler, shared + [1])
+    cold = make_seq(list(range(200, 230)))
+    scheduler.add(cold)
+    scheduler.add(make_seq(shared + [2, 3]))
+    assert [item.seq for item in scheduler.schedule().items] == [cold]
+
+
+def test_a_request_waits_one_step_for_a_prefix_another_is_computing():
+    scheduler = make_scheduler()
+    shared = list(range(100, 140))
+    first, second = make_seq(shared + [1]), make_seq(shared + [2])
+    scheduler.add(first)
+    scheduler.add(second)
+    batch = run_step(scheduler)
+    assert [item.seq for item in batch.items] == [first]
+    assert scheduler.num_deferrals == 1
+    batch = run_step(scheduler)
+    assert second in [item.seq for item in batch.items]
+    assert second.num_cached_tokens == 40  # it hit instead of computing the blocks again
+
+
+def test_overdue_requests_go_first_regardless_of_matches():
+    scheduler = make_scheduler(max_num_seqs=1, max_wait_steps=2)
+    shared = list(range(100, 132))
+    warm_cache(scheduler, shared + [1])
+    cold = make_seq(list(range(200, 230)))
+    scheduler.add(cold)
+    scheduler.step_count += 3  # cold has now waited past the bound
+    scheduler.add(make_seq(shared + [2, 3]))
+    assert [item.seq for item in scheduler.schedule().items] == [cold]
+
+
+def test_token_budget_chunks_prefill_and_decode_shares_the_step():
+    scheduler = make_scheduler(max_batch_tokens=10)
+    short, long = make_seq([5, 6, 7]), make_seq(list(range(300, 325)))
+    scheduler.add(short)
+    scheduler.add(long)
+    batch = run_step(scheduler)
+    assert [(i.seq, i.num_new_tokens, i.samples) for i in batch.items] == [(short, 3, True), (long, 7, False)]
+    batch = run_step(scheduler)
+    # The decode token of `short` rides along with the next chunk of `long`.
+    assert [(i.seq, i.num_new_tokens) for i in batch.items] == [(short, 1), (long, 9)]
+    assert batch.num_tokens <= 10
+
+
+def test_sequence_budget_caps_running():
+    scheduler = make_scheduler(max_num_seqs=2)
+    for base in (300, 400, 500):
+        scheduler.add(make_seq(list(range(base, base + 5))))
+    assert len(scheduler.schedule().items) == 2
+    assert len(scheduler.waiting) == 1
+
+
+def test_page_budget_stops_admission_and_nothing_is_held_by_waiting():
+    scheduler = make_scheduler(num_pages=6)
+    seqs = [make_seq(list(range(base, base + 12))) for base in (300, 400, 500)]
+    for seq in seqs:
+        scheduler.add(seq)
+    batch = scheduler.schedule()
+    assert len(batch.items) == 1  # 3 pages each; the headroom rule stops the second
+    for seq in scheduler.waiting:
+        assert seq.page_table == [] and seq.tree_node is None
+
+
+def test_page_shortage_preempts_the_newest_and_it_recomputes_later():
+    scheduler = make_scheduler(num_pages=6, max_num_seqs=2)
+    a, b = make_seq(list(range(300, 311)), max_tokens=20), make_seq(list(range(400, 407)), max_tokens=20)
+    scheduler.add(a)
+    run_step(scheduler)
+    scheduler.add(b)
+    preempted = []
+    for _ in range(8):  # a grows to 19 tokens (5 pages); b cannot keep its 3rd page
+        batch = run_step(scheduler)
+        preempted += batch.preempted
+    assert b in preempted and a not in preempted
+    assert scheduler.num_preemptions >= 1
+    assert len(a.output_token_ids) > len(b.output_token_ids)

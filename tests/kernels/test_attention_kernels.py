@@ -1,0 +1,283 @@
+"""The Triton kernels against the torch backend, on CPU under TRITON_INTERPRET=1 (or on a GPU).
+
+Every run draws fresh random inputs (the seed is printed on failure), poisons outputs with NaN
+before each launch, and uses logits large enough that softmax is far from uniform.
+
+Tolerances, relative to the magnitude of the reference output (max |ref|), both atol and rtol:
+- fp32: 1e-5. The kernel and the reference both compute in fp32 with a different summation
+  order (online softmax, tiles, split merge); observed errors are ~1e-6.
+- fp16: 2e-3. Inputs are exactly fp16 and the reference is the torch backend run in fp32 on
+  those same values; the kernel accumulates in fp32 but rounds the softmax probabilities to
+  fp16 before P @ V (as every fp16 flash kernel does, rel. error 2^-11 ~ 4.9e-4 per term) and
+  rounds its output to fp16 (another 4.9e-4), so errors of ~1e-3 are expected.
+- bf16 (GPU only): 2e-2, for the same reasons with 8 mantissa bits (2^-8 ~ 3.9e-3 per rounding).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from radixkv.attention.base import AttentionMetadata
+from radixkv.attention.torch_backend import TorchBackend
+from radixkv.attention.triton_backend import TritonBackend
+from radixkv.kernels import ExtendConfig, extend_attention, paged_decode, store_kv
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+# Scales q so that scores q.k * scale have std ~ QUERY_GAIN: softmax is peaked, not uniform.
+QUERY_GAIN = 3.0
+UNWRITTEN = 1000.0
+
+
+@pytest.fixture
+def gen() -> torch.Generator:
+    """A freshly seeded generator per test; the seed is in the failure message."""
+    return torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+
+
+@dataclass
+class Case:
+    """A batch laid out in a paged cache, with the cache already holding every token's KV."""
+
+    q: torch.Tensor
+    k: torch.Tensor  # the step's new tokens
+    v: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    meta: AttentionMetadata
+    scale: float
+
+
+def make_case(
+    gen: torch.Generator,
+    prefix_lens: list[int],
+    q_lens: list[int],
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    dtype: torch.dtype,
+    spare_pages: int = 3,
+) -> Case:
+    """Random q/k/v, a cache of shuffled pages (non-contiguous tables), prefix KV in place, new KV stored."""
+    seq_lens = [p + n for p, n in zip(prefix_lens, q_lens)]
+    pages_per_seq = [math.ceil(s / page_size) for s in seq_lens]
+    num_pages = sum(pages_per_seq) + spare_pages
+    order = torch.randperm(num_pages, generator=gen)
+    max_pages = max(pages_per_seq) + 1  # one padding column past the longest request
+    page_table = torch.zeros(len(seq_lens), max_pages, dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(pages_per_seq):
+        page_table[b, :n] = order[used : used + n].to(torch.int32)
+        used += n
+
+    def randn(*shape: int, gain: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * gain).to(dtype)
+
+    # Unwritten cache slots hold a huge value: a kernel that reads a slot it should not gets
+    # scores and outputs far off. (Not NaN: the torch reference's masked decode turns NaN in
+    # masked slots into NaN outputs, since 0 * NaN = NaN.)
+    k_cache = torch.full((num_pages, page_size, num_kv_heads, head_dim), UNWRITTEN, dtype=dtype)
+    v_cache = torch.full_like(k_cache, UNWRITTEN)
+    slots_flat = k_cache.view(-1, num_kv_heads, head_dim)
+    v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+    positions, slots = [], []
+    for b, (p, s) in enumerate(zip(prefix_lens, seq_lens)):
+        pos = torch.arange(s)
+        slot = page_table[b, pos // page_size].long() * page_size + pos % page_size
+        slots_flat[slot[:p]] = randn(p, num_kv_heads, head_dim)
+        v_flat[slot[:p]] = randn(p, num_kv_heads, head_dim)
+        positions.append(pos[p:])
+        slots.append(slot[p:])
+
+    total = sum(q_lens)
+    q = randn(total, num_q_heads, head_dim, gain=QUERY_GAIN)
+    k = randn(total, num_kv_heads, head_dim)
+    v = randn(total, num_kv_heads, head_dim)
+    slot_mapping = torch.cat(slots)
+    slots_flat[slot_mapping] = k
+    v_flat[slot_mapping] = v
+    cu = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(q_lens).cumsum(0)
+    meta = AttentionMetadata(
+        positions=torch.cat(positions).to(DEVICE),
+        slot_mapping=slot_mapping.to(DEVICE),
+        page_table=page_table.to(DEVICE),
+        cu_q_lens=cu.to(DEVICE),
+        q_lens=torch.tensor(q_lens, dtype=torch.int32, device=DEVICE),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        prefix_lens=torch.tensor(prefix_lens, dtype=torch.int32, device=DEVICE),
+        max_q_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+        page_size=page_size,
+        q_lens_list=list(q_lens),
+        seq_lens_list=seq_lens,
+    )
+    to = lambda t: t.to(DEVICE)  # noqa: E731
+    return Case(to(q), to(k), to(v), to(k_cache), to(v_cache), meta, head_dim**-0.5)
+
+
+def reference(case: Case, decode: bool) -> torch.Tensor:
+    """The torch backend in fp32 on the very same (already rounded) inputs."""
+    f = lambda t: t.float()  # noqa: E731
+    torch_backend = TorchBackend()
+    if decode:
+        return torch_backend.decode(f(case.q), f(case.k_cache), f(case.v_cache), case.meta, case.scale)
+    return torch_backend.extend(
+        f(case.q), f(case.k), f(case.v), f(case.k_cache), f(case.v_cache), case.meta, case.scale
+    )
+
+
+def assert_matches(out: torch.Tensor, ref: torch.Tensor, gen: torch.Generator, what: str) -> None:
+    tol = TOLERANCE[out.dtype]
+    magnitude = ref.abs().max().item()
+    assert torch.isfinite(out).all(), f"{what}: non-finite output (seed {gen.initial_seed()})"
+    err = (out.float() - ref).abs().max().item()
+    assert err <= tol * magnitude, (
+        f"{what}: max error {err:.3g} > {tol} x {magnitude:.3g} in {out.dtype} (seed {gen.initial_seed()})"
+    )
+    # Not uniform: a test whose softmax averaged everything would hide indexing bugs.
+    assert magnitude > 0.3, f"{what}: reference output too flat ({magnitude:.3g})"
+
+
+def poisoned_like(q: torch.Tensor) -> torch.Tensor:
+    return torch.full_like(q, float("nan"))
+
+
+# (prefix_lens, q_lens): each row names the edge it covers.
+EXTEND_SHAPES = {
+    "no_prefix": ([0, 0], [37, 5]),
+    "prefix_not_page_multiple": ([19, 45], [7, 30]),
+    "extend_len_1": ([33, 1, 70], [1, 1, 1]),
+    "long_next_to_short": ([200, 2, 0, 9], [40, 1, 3, 2]),
+    "mixed_chunk_and_decode_rows": ([64, 130, 17], [90, 1, 1]),
+}
+# (num_q_heads, num_kv_heads): GQA groups 1, 2 and 8.
+HEADS = {"group1": (4, 4), "group2": (4, 2), "group8": (8, 1)}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("heads", list(HEADS.values()), ids=list(HEADS))
+@pytest.mark.parametrize("shape", list(EXTEND_SHAPES.values()), ids=list(EXTEND_SHAPES))
+def test_extend_matches_torch_backend(gen, shape, heads, page_size, dtype) -> None:
+    prefix_lens, q_lens = shape
+    case = make_case(gen, prefix_lens, q_lens, *heads, head_dim=32, page_size=page_size, dtype=dtype)
+    out = poisoned_like(case.q)
+    m = case.meta
+    extend_attention(
+        case.q, case.k, case.v, case.k_cache, case.v_cache,
+        m.cu_q_lens, m.seq_lens, m.page_table, m.max_q_len, case.scale, out=out,
+    )
+    assert_matches(out, reference(case, decode=False), gen, "extend")
+
+
+DECODE_SEQ_LENS = {
+    "short": [1, 2, 17],
+    "long_next_to_short": [250, 3, 1, 64],
+    "page_edges": [16, 33, 48],
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("heads", list(HEADS.values()), ids=list(HEADS))
+@pytest.mark.parametrize("seq_lens", list(DECODE_SEQ_LENS.values()), ids=list(DECODE_SEQ_LENS))
+def test_decode_matches_torch_backend(gen, seq_lens, heads, page_size, dtype) -> None:
+    case = make_case(gen, [s - 1 for s in seq_lens], [1] * len(seq_lens), *heads, head_dim=32,
+                     page_size=page_size, dtype=dtype)
+    ref = reference(case, decode=True)
+    m = case.meta
+    for num_splits in (None, 1, 3):  # default (4 on CPU), no split, an odd split count
+        out = poisoned_like(case.q)
+        paged_decode(case.q, case.k_cache, case.v_cache, m.seq_lens, m.page_table, m.max_seq_len,
+                     case.scale, out=out, num_splits=num_splits)
+        assert_matches(out, ref, gen, f"decode num_splits={num_splits}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim", [64, 48])
+def test_other_head_dims_and_tiles(gen, head_dim, dtype) -> None:
+    """head_dim 64 and a non-power-of-two 48 (masked dims), with 16-wide tiles at page size 16."""
+    case = make_case(gen, [40, 0, 77], [20, 9, 1], 8, 2, head_dim=head_dim, page_size=16, dtype=dtype)
+    m = case.meta
+    out = poisoned_like(case.q)
+    extend_attention(case.q, case.k, case.v, case.k_cache, case.v_cache, m.cu_q_lens, m.seq_lens,
+                     m.page_table, m.max_q_len, case.scale, out=out,
+                     config=ExtendConfig(block_m=16, block_n=16, num_warps=4, num_stages=1))
+    assert_matches(out, reference(case, decode=False), gen, "extend")
+    dcase = make_case(gen, [99, 5, 160], [1, 1, 1], 8, 2, head_dim=head_dim, page_size=16, dtype=dtype)
+    dm = dcase.meta
+    out = poisoned_like(dcase.q)
+    paged_decode(dcase.q, dcase.k_cache, dcase.v_cache, dm.seq_lens, dm.page_table, dm.max_seq_len,
+                 dcase.scale, out=out)
+    assert_matches(out, reference(dcase, decode=True), gen, "decode")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_store_kv_matches_torch_backend(gen, page_size, dtype) -> None:
+    num_tokens, num_kv_heads, head_dim = 20, 2, 32
+    num_pages = 40 // page_size + 1  # room for every token, plus slots nobody writes
+    shape = (num_pages, page_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(*shape, generator=gen).to(dtype).to(DEVICE)
+    v_cache = torch.randn(*shape, generator=gen).to(dtype).to(DEVICE)
+    slots = torch.randperm(num_pages * page_size, generator=gen)[:num_tokens]
+    slots[torch.rand(num_tokens, generator=gen) < 0.25] = -1  # "do not store"
+    slots = slots.to(DEVICE)
+    # Non-contiguous k/v, as when they are slices of a fused qkv projection.
+    kv = torch.randn(num_tokens, 2 * num_kv_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
+    k, v = kv[:, :num_kv_heads], kv[:, num_kv_heads:]
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    TorchBackend().store_kv(k, v, ref_k, ref_v, slots)
+    store_kv(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v), f"seed {gen.initial_seed()}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_backend_forward_mixed_batch_then_decode(gen, dtype) -> None:
+    """TritonBackend.forward (store + extend, then store + decode) against TorchBackend.forward."""
+    prefix_lens, q_lens = [35, 0, 50], [12, 20, 1]
+    case = make_case(gen, prefix_lens, q_lens, 8, 2, head_dim=32, page_size=16, dtype=dtype)
+    # Blank the step's own slots so the backends must write them.
+    for cache in (case.k_cache, case.v_cache):
+        cache.view(-1, 2, 32)[case.meta.slot_mapping] = UNWRITTEN
+    results = []
+    for backend in (TorchBackend(), TritonBackend(check_indices=True)):
+        k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
+        out = backend.forward(case.q, case.k, case.v, k_cache, v_cache, case.meta, case.scale)
+        results.append((out, k_cache, v_cache))
+    (ref, ref_k, ref_v), (out, k_cache, v_cache) = results
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
+    assert_matches(out, ref.float(), gen, "forward extend")
+
+    dcase = make_case(gen, [40, 3, 129], [1, 1, 1], 8, 2, head_dim=32, page_size=16, dtype=dtype)
+    out = TritonBackend(check_indices=True).forward(
+        dcase.q, dcase.k, dcase.v, dcase.k_cache, dcase.v_cache, dcase.meta, dcase.scale
+    )
+    assert_matches(out, reference(dcase, decode=True), gen, "forward decode")
+
+
+def test_backend_rejects_out_of_range_indices(gen) -> None:
+    case = make_case(gen, [20, 5], [4, 1], 4, 2, head_dim=32, page_size=16, dtype=torch.float32)
+    backend = TritonBackend(check_indices=True)
+    num_pages = case.k_cache.shape[0]
+    bad = case.meta.page_table.clone()
+    bad[0, 0] = num_pages
+    meta = AttentionMetadata(**{**{f: getattr(case.meta, f) for f in AttentionMetadata.__slots__}, "page_table": bad})
+    with pytest.raises(IndexError, match="page table"):
+        backend.extend(case.q, case.k, case.v, case.k_cache, case.v_cache, meta, case.scale)
+    slots = case.meta.slot_mapping.clone()
+    slots[0] = num_pages * 16
+    with pytest.raises(IndexError, match="slot"):
+        backend.store_kv(case.k, case.v, case.k_cache, case.v_cache, slots)
+    short_table = case.meta.page_table[:, :1]
+    meta = AttentionMetadata(**{**{f: getattr(case.meta, f) for f in AttentionMetadata.__slots__}, "page_table": short_table})
+    with pytest.raises(IndexError, match="page table"):
+        backend.extend(case.q, case.k, case.v, case.k_cache, case.v_cache, meta, case.scale)

@@ -1,0 +1,73 @@
+"""Tiny randomly initialised Hugging Face models with a small trained byte-level tokenizer.
+
+They are saved as ordinary model folders so tests exercise the real loading path, and are
+small enough that transformers' own `generate` runs in a blink as the reference.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+CORPUS = [
+    "You are a helpful assistant. Answer briefly and precisely.",
+    "The quick brown fox jumps over the lazy dog. " * 3,
+    "Question: what is the capital of France? Answer: Paris.",
+    "def add(a, b):\n    return a + b\n",
+    "Prefix caching shares the KV cache of prompts with a common prefix.",
+]
+
+
+def tiny_tokenizer(vocab_size: int = 320) -> PreTrainedTokenizerFast:
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<eos>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(CORPUS * 4, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>", pad_token="<eos>")
+
+
+def tiny_config(arch: str = "llama", **overrides):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    common = dict(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        eos_token_id=0,
+        pad_token_id=0,
+        bos_token_id=0,
+    )
+    common.update(overrides)
+    config_class = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig}[arch]
+    if arch == "qwen3":
+        common.setdefault("head_dim", 16)
+    return config_class(**common)
+
+
+def make_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
+    """Save a random tiny model of `arch` plus tokenizer into `path`; returns the folder."""
+    torch.manual_seed(seed)
+    config = tiny_config(arch, **overrides)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Random init at 0.02 std gives near-uniform logits and frequent argmax ties; a larger
+    # scale makes greedy decoding decisive, so exactness tests compare real choices.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() > 1:
+                param.normal_(0.0, 0.3 if "embed" in name or "lm_head" in name else 0.15)
+    model.save_pretrained(path)
+    tiny_tokenizer(config.vocab_size).save_pretrained(path)
+    return path
