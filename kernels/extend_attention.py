@@ -165,12 +165,15 @@ class ExtendConfig:
     num_stages: int
 
 
-def extend_config(head_dim: int) -> ExtendConfig:
+def extend_config(head_dim: int, dtype: torch.dtype = torch.bfloat16) -> ExtendConfig:
     """Fixed tile sizes per head size (autotune does not run in the interpreter)."""
     if on_interpreter():
         # Interpreter cost is per operation, not per element; mid-size tiles keep tests quick
         # while still crossing tile boundaries at the test lengths.
         return ExtendConfig(block_m=32, block_n=32, num_warps=4, num_stages=1)
+    if dtype.itemsize == 4:
+        # fp32 tiles take twice the shared memory and registers; fp32 is for checking, not speed.
+        return ExtendConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
     if head_dim <= 64:
         return ExtendConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
     if head_dim <= 128:
@@ -215,7 +218,7 @@ def extend_attention(
     assert out.stride(-1) == 1
     page_table = page_table if page_table.stride(-1) == 1 else page_table.contiguous()
 
-    cfg = config or extend_config(head_dim)
+    cfg = config or extend_config(head_dim, q.dtype)
     group_size = num_q_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group_size)
     # tl.dot on GPU needs every dimension >= 16 for 16-bit inputs; block_m >= 16 guarantees the

@@ -193,16 +193,19 @@ def _num_sms(device_index: int) -> int:
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
-    """Splits per (request, KV head): enough programs to fill the GPU, none shorter than needed.
-
-    Uses only host-side numbers (no device sync). Many requests or heads -> 1 split; a few long
-    requests -> up to MAX_SPLITS.
-    """
+    """Splits per (request, KV head) for a launch on `device`, from host-side numbers only (no sync)."""
     if device.type != "cuda" or on_interpreter():
         return INTERPRETER_SPLITS
-    programs = num_seqs * num_kv_heads
     index = device.index if device.index is not None else torch.cuda.current_device()
-    wanted = triton.cdiv(PROGRAMS_PER_SM * _num_sms(index), programs)
+    return splits_for(num_seqs, num_kv_heads, max_seq_len, _num_sms(index))
+
+
+def splits_for(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
+    """Enough stage-1 programs to fill the GPU, but no split shorter than MIN_TOKENS_PER_SPLIT.
+
+    Many requests or heads -> 1 split; a few long requests -> up to MAX_SPLITS.
+    """
+    wanted = triton.cdiv(PROGRAMS_PER_SM * num_sms, max(1, num_seqs * num_kv_heads))
     by_length = triton.cdiv(max_seq_len, MIN_TOKENS_PER_SPLIT)
     return max(1, min(MAX_SPLITS, wanted, by_length))
 

@@ -76,6 +76,7 @@ class Engine:
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
         self.counters = {"steps": 0, "tokens_computed": 0, "prefill_tokens_computed": 0, "output_tokens": 0}
+        self.timings_s = dict.fromkeys(("schedule", "prepare", "forward", "sample", "postprocess"), 0.0)
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -143,12 +144,18 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Run one batch; return the outputs of every request that changed (finished ones last time)."""
+        clock = _PhaseClock(self.timings_s)
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        logits = self.runner.execute(batch)
+        clock.lap("schedule")
+        prepared = self.runner.prepare(batch)
+        clock.lap("prepare")
+        logits = self.runner.forward(*prepared)
+        clock.lap("forward")
         sampling = [item.seq for item in batch.items if item.samples]
         tokens = self.sampler.sample(logits, sampling)
+        clock.lap("sample")
         self._account(batch)
         for item in batch.items:
             item.seq.num_computed_tokens += item.num_new_tokens
@@ -161,6 +168,7 @@ class Engine:
         for output in outputs:
             if output.finished:
                 del self._requests[output.request_id]
+        clock.lap("postprocess")
         if self.config.check_invariants:
             self.check_invariants()
         return outputs
@@ -283,6 +291,19 @@ class Engine:
             free_bytes = _available_memory_bytes()
         pages = int(free_bytes * self.config.kv_memory_fraction) // page_bytes
         return max(1, min(pages, self.config.max_kv_pages))
+
+
+class _PhaseClock:
+    """Adds the time since the previous lap to a named phase: where each step's time goes."""
+
+    def __init__(self, totals: dict[str, float]) -> None:
+        self.totals = totals
+        self.last = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.totals[phase] += now - self.last
+        self.last = now
 
 
 def _available_memory_bytes() -> int:

@@ -20,10 +20,12 @@ class ModelRunner:
         self.device = device
         self.page_size = pool.page_size
 
-    @torch.inference_mode()
     def execute(self, batch: Batch) -> torch.Tensor:
         """Logits [number of sampling items, vocab] in fp32, in batch order."""
-        input_ids, meta, logits_indices = self.prepare(batch)
+        return self.forward(*self.prepare(batch))
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, meta.positions, meta, self.pool.k_cache, self.pool.v_cache, logits_indices)
 
     def prepare(self, batch: Batch) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:

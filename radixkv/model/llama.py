@@ -346,7 +346,9 @@ class CausalLM(nn.Module):
             and not (name == "lm_head.weight" and self.config.tie_word_embeddings)
         )
         if unexpected:
-            raise ValueError(f"checkpoint has {len(unexpected)} weight(s) the model does not use, e.g. {unexpected[:5]}")
+            raise ValueError(
+                f"checkpoint has {len(unexpected)} weight(s) the model does not use, e.g. {unexpected[:5]}"
+            )
         state = {}
         for ours, names in sources.items():
             parts = [tensors[name] for name in names]

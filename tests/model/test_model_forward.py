@@ -21,17 +21,17 @@ LLAMA3_ROPE = {
     # Small, so that some of head_dim 16's frequencies are scaled, some smoothed, some kept.
     "original_max_position_embeddings": 32,
 }
+DYNAMIC_ROPE = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
+YARN_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64}
+LINEAR_ROPE = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}
 CASES = {
     "llama": ("llama", {}),
     "llama_bias": ("llama", {"attention_bias": True}),
     "llama_tied": ("llama", {"tie_word_embeddings": True}),
     "llama_llama3_rope": ("llama", {"rope_parameters": LLAMA3_ROPE}),
-    "llama_linear_rope": ("llama", {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}}),
-    "llama_dynamic_rope": ("llama", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}}),
-    "llama_yarn_rope": (
-        "llama",
-        {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64}},
-    ),
+    "llama_linear_rope": ("llama", {"rope_parameters": LINEAR_ROPE}),
+    "llama_dynamic_rope": ("llama", {"rope_parameters": DYNAMIC_ROPE}),
+    "llama_yarn_rope": ("llama", {"rope_parameters": YARN_ROPE}),
     "mistral": ("mistral", {"sliding_window": None}),
     "qwen2": ("qwen2", {}),
     "qwen3": ("qwen3", {}),
@@ -109,7 +109,8 @@ def test_weights_are_fused_frozen_and_tied(model_case):
     _, loaded = model_case
     model, config = loaded.model, loaded.config
     attn = model.layers[0].self_attn
-    assert attn.qkv_proj.weight.shape == ((config.num_q_heads + 2 * config.num_kv_heads) * config.head_dim, config.hidden_size)
+    qkv_rows = (config.num_q_heads + 2 * config.num_kv_heads) * config.head_dim
+    assert attn.qkv_proj.weight.shape == (qkv_rows, config.hidden_size)
     assert model.layers[0].mlp.gate_up_proj.weight.shape == (2 * config.intermediate_size, config.hidden_size)
     assert not any(p.requires_grad for p in model.parameters())
     assert not any(p.is_meta for p in model.parameters())

@@ -1,0 +1,337 @@
+"""AsyncEngine: the bridge between an asyncio server and the (single-threaded) Engine.
+
+One background thread owns the Engine: it applies queued commands (add, abort, calls) between
+steps, steps while work exists and sleeps on a condition otherwise. Every Engine call happens
+on that thread, so the Engine needs no lock; outputs travel back to each request's event loop
+through `loop.call_soon_threadsafe` into an asyncio.Queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import threading
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from radixkv.engine.engine import Engine
+from radixkv.engine.request import RequestOutput, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# When work exists but nothing could be scheduled (an impossible state in a healthy engine, but
+# a loop must never spin on it), wait this long before trying again.
+_NO_PROGRESS_WAIT_S = 0.01
+
+
+class EngineStopped(RuntimeError):
+    """The engine thread has shut down (or died); the request cannot be served."""
+
+
+class EngineStepError(RuntimeError):
+    """The engine failed while running this request; the original error is the __cause__."""
+
+
+@dataclass(slots=True)
+class _Add:
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    salt: str | None
+    request_id: str
+    stream: RequestStream
+    future: concurrent.futures.Future[str]
+
+
+@dataclass(slots=True)
+class _Abort:
+    request_id: str
+
+
+@dataclass(slots=True)
+class _Call:
+    fn: Callable[[Engine], Any]
+    future: concurrent.futures.Future[Any]
+
+
+@dataclass(slots=True)
+class _End:
+    """Sentinel put on a stream's queue: the request ended without a finished output."""
+
+    error: BaseException
+
+
+class RequestStream:
+    """Async iterator over one request's cumulative RequestOutputs; the last one is finished.
+
+    Outputs that pile up while the consumer is busy are coalesced (they are cumulative, so
+    only the newest matters). `close()` aborts the request if it is still running; it is
+    idempotent and safe to call from `finally` blocks, even while being cancelled.
+    """
+
+    def __init__(self, owner: AsyncEngine, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.request_id = request_id
+        self._owner = owner
+        self._loop = loop
+        self._queue: asyncio.Queue[RequestOutput | _End] = asyncio.Queue()
+        self._done = False  # the consumer has seen the end
+        self._ended = False  # the engine side has delivered the end (engine thread only)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        while not self._queue.empty() and not _is_end(item):
+            item = self._queue.get_nowait()
+        if isinstance(item, _End):
+            self._done = True
+            raise item.error
+        if item.finished:
+            self._done = True
+        return item
+
+    @property
+    def finished(self) -> bool:
+        return self._done
+
+    def close(self) -> None:
+        if not self._done:
+            self._done = True
+            self._owner.abort(self.request_id)
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- engine thread side ------------------------------------------------------------------
+
+    def _deliver(self, item: RequestOutput | _End) -> bool:
+        """Hand an item to the consumer's loop; False when that loop is gone."""
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the loop is closed: nobody will ever read this request
+            return False
+        return True
+
+
+def _is_end(item: RequestOutput | _End) -> bool:
+    return isinstance(item, _End) or item.finished
+
+
+@dataclass(slots=True)
+class _Shared:
+    """State guarded by AsyncEngine._cond, shared by the engine thread and submitters."""
+
+    commands: list[_Add | _Abort | _Call] = field(default_factory=list)
+    closed: bool = False
+
+
+class AsyncEngine:
+    """Owns an Engine and the thread that steps it; see the module docstring."""
+
+    def __init__(self, engine: Engine, *, start: bool = True) -> None:
+        self.engine = engine
+        # Fixed after construction, so any thread may read them.
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self.page_size = engine.pool.page_size
+        self.num_pages = engine.pool.num_pages
+        self._cond = threading.Condition()
+        self._shared = _Shared()
+        self._streams: dict[str, RequestStream] = {}  # engine thread only
+        self._ids = itertools.count()
+        self._id_prefix = uuid.uuid4().hex[:8]
+        self._stats: dict[str, Any] = self._snapshot()
+        self.error: BaseException | None = None  # set when the engine thread died
+        self._thread = threading.Thread(target=self._run, name="radixkv-engine", daemon=True)
+        if start:
+            self.start()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    # -- public API (any thread / event loop) ----------------------------------------------
+
+    async def submit(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        salt: str | None = None,
+        request_id: str | None = None,
+    ) -> RequestStream:
+        """Queue a request; return its stream once the engine has accepted it.
+
+        The Engine's own errors (InvalidRequest, QueueFull) are raised here, to the caller,
+        before any output exists. Cancelling this await aborts the request.
+        """
+        loop = asyncio.get_running_loop()
+        request_id = request_id or f"{self._id_prefix}-{next(self._ids)}"
+        stream = RequestStream(self, request_id, loop)
+        future: concurrent.futures.Future[str] = concurrent.futures.Future()
+        self._post(_Add(list(prompt_token_ids), params, salt, request_id, stream, future))
+        try:
+            await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            self.abort(request_id)  # ordered after the add, so it finds the request
+            raise
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request between steps; its pages go back. Unknown or finished ids are ignored."""
+        try:
+            self._post(_Abort(request_id))
+        except EngineStopped:
+            pass  # everything was aborted at shutdown
+
+    def call(self, fn: Callable[[Engine], T]) -> concurrent.futures.Future[T]:
+        """Run fn(engine) on the engine thread between steps (introspection, checks)."""
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._post(_Call(fn, future))
+        return future
+
+    async def call_async(self, fn: Callable[[Engine], T]) -> T:
+        return await asyncio.wrap_future(self.call(fn))
+
+    def stats(self) -> dict[str, Any]:
+        """Engine statistics as of the last loop iteration (no waiting on a step)."""
+        return self._stats
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Abort every request, stop the thread and wait for it."""
+        with self._cond:
+            self._shared.closed = True
+            self._cond.notify()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout_s)
+
+    # -- engine thread ---------------------------------------------------------------------
+
+    def _post(self, command: _Add | _Abort | _Call) -> None:
+        with self._cond:
+            if self._shared.closed or self.error is not None:
+                raise EngineStopped("the engine is shut down") from self.error
+            self._shared.commands.append(command)
+            self._cond.notify()
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as error:  # noqa: BLE001 - anything here ends the service
+            logger.exception("the engine thread died")
+            with self._cond:
+                self.error = error
+                self._shared.closed = True
+            self._fail_everything(EngineStopped(f"the engine thread died: {error!r}"))
+        else:
+            self._fail_everything(EngineStopped("the engine is shut down"))
+
+    def _loop(self) -> None:
+        idle_wait_s: float | None = None
+        while True:
+            with self._cond:
+                if not self._shared.commands and not self._shared.closed and idle_wait_s != 0.0:
+                    self._cond.wait(idle_wait_s)
+                commands, self._shared.commands = self._shared.commands, []
+                closed = self._shared.closed
+            for command in commands:
+                self._apply(command)
+            if closed:
+                return
+            idle_wait_s = None
+            if self.engine.has_unfinished():
+                steps_before = self.engine.counters["steps"]
+                try:
+                    outputs = self.engine.step()
+                except Exception as error:  # noqa: BLE001 - fail the batch, keep serving
+                    logger.exception("engine step failed; aborting every running request")
+                    self._fail_running(error)
+                    outputs = []
+                for output in outputs:
+                    self._dispatch(output)
+                if self.engine.has_unfinished():
+                    progressed = self.engine.counters["steps"] != steps_before
+                    idle_wait_s = 0.0 if progressed else _NO_PROGRESS_WAIT_S
+            self._stats = self._snapshot()
+
+    def _apply(self, command: _Add | _Abort | _Call) -> None:
+        if isinstance(command, _Add):
+            if not command.future.set_running_or_notify_cancel():
+                return
+            try:
+                self.engine.add_request(
+                    command.prompt_token_ids, command.params, salt=command.salt, request_id=command.request_id
+                )
+            except Exception as error:  # noqa: BLE001 - InvalidRequest, QueueFull: the caller's to handle
+                command.future.set_exception(error)
+                return
+            self._streams[command.request_id] = command.stream
+            command.future.set_result(command.request_id)
+        elif isinstance(command, _Abort):
+            output = self.engine.abort(command.request_id)
+            stream = self._streams.pop(command.request_id, None)
+            if stream is not None and output is not None:
+                stream._deliver(output)
+        elif command.future.set_running_or_notify_cancel():
+            try:
+                command.future.set_result(command.fn(self.engine))
+            except BaseException as error:  # noqa: BLE001 - the caller's to see
+                command.future.set_exception(error)
+
+    def _dispatch(self, output: RequestOutput) -> None:
+        stream = self._streams.get(output.request_id)
+        if stream is None:
+            return
+        if output.finished:
+            del self._streams[output.request_id]
+        if not stream._deliver(output) and not output.finished:
+            del self._streams[output.request_id]
+            self.engine.abort(output.request_id)
+
+    def _fail_running(self, error: BaseException) -> None:
+        for request_id, stream in list(self._streams.items()):
+            try:
+                self.engine.abort(request_id)
+            finally:
+                del self._streams[request_id]
+                stream._deliver(_End(_step_error(error)))
+
+    def _fail_everything(self, error: BaseException) -> None:
+        with self._cond:
+            commands, self._shared.commands = self._shared.commands, []
+        for command in commands:
+            if isinstance(command, (_Add, _Call)) and command.future.set_running_or_notify_cancel():
+                command.future.set_exception(error)
+        for request_id, stream in list(self._streams.items()):
+            try:
+                self.engine.abort(request_id)
+            except Exception:  # noqa: BLE001 - best effort while going down
+                logger.exception("abort of %s failed at shutdown", request_id)
+            stream._deliver(_End(error))
+        self._streams.clear()
+        self._stats = self._snapshot()
+
+    def _snapshot(self) -> dict[str, Any]:
+        stats = self.engine.stats()
+        stats["num_unfinished"] = self.engine.num_unfinished
+        return stats
+
+
+def _step_error(error: BaseException) -> EngineStepError:
+    wrapped = EngineStepError(f"the engine failed while running this request: {error!r}")
+    wrapped.__cause__ = error
+    return wrapped

@@ -1,0 +1,90 @@
+"""Where a decode step's time goes: 32 running requests at ~1k-token contexts, next to the
+time it takes to read the weights plus the KV they attend to once at this machine's copy
+bandwidth, measured in the same run.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+def copy_bandwidth_bytes_per_s(size_bytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Bytes read + written per second by a large tensor copy (the ceiling decode can reach)."""
+    src = torch.empty(size_bytes // 4, dtype=torch.float32).fill_(1.0)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return 2 * size_bytes / best
+
+
+def profile_decode(model: str | None = None, dtype: str = "auto", num_seqs: int = 32, context: int = 1024, steps: int = 8) -> dict:
+    from radixkv import LLM, SamplingParams
+
+    page_size = 16
+    pages = num_seqs * (-(-(context + steps + 8) // page_size)) + 64
+    llm = LLM(model, dtype=dtype, num_pages=pages, max_num_seqs=num_seqs, max_batch_tokens=4096)
+    engine = llm.engine
+    vocab = engine.model_config.vocab_size
+    for i in range(num_seqs):  # distinct prompts: no sharing, every request attends to its own KV
+        prompt = [(7 * i + 13 * j) % (vocab - 10) + 5 for j in range(context)]
+        engine.add_request(prompt, SamplingParams(max_tokens=steps + 64, ignore_eos=True))
+    while any(s.num_uncomputed_tokens > 1 for s in engine.scheduler.waiting) or engine.scheduler.waiting or any(
+        s.num_uncomputed_tokens > 1 for s in engine.scheduler.running
+    ):
+        engine.step()
+    engine.step()
+    for key in engine.timings_s:
+        engine.timings_s[key] = 0.0
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    step_s = (time.perf_counter() - start) / steps
+    phases = {k: v / steps for k, v in engine.timings_s.items()}
+    for request_id in list(engine._requests):
+        engine.abort(request_id)
+
+    mc = engine.model_config
+    element = torch.finfo(engine.dtype).bits // 8
+    weight_bytes = sum(p.numel() * p.element_size() for p in engine.loaded.model.parameters())
+    kv_bytes = num_seqs * (context + steps) * mc.num_layers * mc.num_kv_heads * mc.head_dim * 2 * element
+    bandwidth = copy_bandwidth_bytes_per_s()
+    # A copy moves each byte twice (read + write); decode only reads, so the read ceiling is
+    # taken as the copy rate: reading once costs (bytes) / (copy bytes per second).
+    ideal_s = (weight_bytes + kv_bytes) / bandwidth
+    result = dict(
+        num_seqs=num_seqs,
+        context=context,
+        dtype=str(engine.dtype),
+        step_ms=step_s * 1e3,
+        phases_ms={k: v * 1e3 for k, v in phases.items()},
+        engine_overhead_fraction=(step_s - phases["forward"]) / step_s,
+        weight_mib=weight_bytes / 2**20,
+        kv_mib=kv_bytes / 2**20,
+        copy_bandwidth_gb_s=bandwidth / 1e9,
+        ideal_read_ms=ideal_s * 1e3,
+        step_over_ideal=step_s / ideal_s,
+        torch_threads=torch.get_num_threads(),
+    )
+    _print(result)
+    return result
+
+
+def _print(r: dict) -> None:
+    print(f"\ndecode step, {r['num_seqs']} requests at {r['context']} tokens ({r['dtype']}, {r['torch_threads']} threads)")
+    print(f"  step time            {r['step_ms']:8.1f} ms")
+    for phase, ms in r["phases_ms"].items():
+        print(f"    {phase:<18} {ms:8.1f} ms  ({ms / r['step_ms']:.0%})")
+    print(f"  weights + KV read    {r['weight_mib']:.0f} + {r['kv_mib']:.0f} MiB")
+    print(f"  copy bandwidth       {r['copy_bandwidth_gb_s']:8.1f} GB/s (read + written)")
+    print(f"  ideal (read once)    {r['ideal_read_ms']:8.1f} ms -> step is {r['step_over_ideal']:.2f}x the ideal")
+    print(f"  engine's own work    {r['engine_overhead_fraction']:.1%} of the step")
+
+
+if __name__ == "__main__":
+    profile_decode()

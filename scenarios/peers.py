@@ -1,0 +1,235 @@
+"""Runs one workload on one engine in a fresh subprocess and measures it the same way for all.
+
+Peers: radixkv, radixkv-nocache, hf-generate (transformers `generate`, one request at a time),
+hf-batch (transformers `generate_batch`, continuous batching with block sharing), llama.cpp
+(llama-cpp-python with its RAM prompt cache, when installed). Every request arrives at t0;
+time to first token is measured from t0. A subprocess per peer keeps threads, memory peaks
+and warm caches from leaking between peers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+PEERS = ("radixkv", "radixkv-nocache", "hf-generate", "hf-batch", "llama.cpp")
+
+
+@dataclass(slots=True)
+class Workload:
+    name: str
+    prompts: list[list[int]]
+    output_len: int
+    model: str | None = None  # None: the default SmolLM2-135M-Instruct
+    dtype: str = "auto"
+    page_size: int = 16
+    max_batch_tokens: int = 2048
+
+
+@dataclass(slots=True)
+class PeerResult:
+    peer: str
+    wall_s: float
+    output_tokens: int
+    ttft_s: list[float]
+    prefill_tokens_computed: int | None  # None where the peer does not report it
+    cache_hit_rate: float | None
+    peak_rss_bytes: int
+    output_token_ids: list[list[int]]
+    error: str | None = None
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.wall_s if self.wall_s else 0.0
+
+
+def run_in_subprocess(peer: str, workload: Workload, timeout_s: float = 3600) -> PeerResult:
+    with tempfile.TemporaryDirectory() as tmp:
+        spec, result = Path(tmp) / "workload.json", Path(tmp) / "result.json"
+        spec.write_text(json.dumps(asdict(workload)))
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+        command = [sys.executable, "-m", "scenarios.peers", peer, str(spec), str(result)]
+        repo_root = Path(__file__).resolve().parents[1]
+        proc = subprocess.run(command, cwd=repo_root, env=env, capture_output=True, text=True, timeout=timeout_s)
+        if proc.returncode != 0 or not result.exists():
+            tail = (proc.stderr or proc.stdout)[-1500:]
+            return PeerResult(peer, 0.0, 0, [], None, None, 0, [], error=f"exit {proc.returncode}: {tail}")
+        return PeerResult(**json.loads(result.read_text()))
+
+
+# -- the peers, each run inside the subprocess -----------------------------------------------
+
+
+def _run_radixkv(workload: Workload, cache: bool) -> dict:
+    from radixkv import LLM, SamplingParams
+
+    llm = LLM(
+        workload.model,
+        dtype=workload.dtype,
+        page_size=workload.page_size,
+        max_batch_tokens=workload.max_batch_tokens,
+        enable_prefix_caching=cache,
+    )
+    params = SamplingParams(max_tokens=workload.output_len, ignore_eos=True)
+    llm.generate([[1, 2, 3, 4] * 8], SamplingParams(max_tokens=2))  # first-call overheads off the clock
+    engine = llm.engine
+    engine.tree.reset()
+    before = dict(engine.counters)
+    queries_before = engine.tree.stats()
+    start = time.perf_counter()
+    outputs = llm.generate(workload.prompts, params)
+    wall = time.perf_counter() - start
+    after = engine.tree.stats()
+    query_tokens = after.query_tokens - queries_before.query_tokens
+    return dict(
+        wall_s=wall,
+        output_tokens=sum(len(o.token_ids) for o in outputs),
+        ttft_s=[o.time_to_first_token_s for o in outputs],
+        prefill_tokens_computed=engine.counters["prefill_tokens_computed"] - before["prefill_tokens_computed"],
+        cache_hit_rate=(after.hit_tokens - queries_before.hit_tokens) / query_tokens if query_tokens else 0.0,
+        output_token_ids=[o.token_ids for o in outputs],
+    )
+
+
+def _hf_model(workload: Workload):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from radixkv.model.device import resolve_dtype
+    from radixkv.model.loader import resolve_model_folder
+
+    dtype = resolve_dtype(workload.dtype, torch.device("cpu"))
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_folder(workload.model), dtype=dtype)
+    return model.eval()
+
+
+def _run_hf_generate(workload: Workload) -> dict:
+    import torch
+    from transformers.generation.streamers import BaseStreamer
+
+    model = _hf_model(workload)
+
+    class FirstToken(BaseStreamer):
+        def __init__(self) -> None:
+            self.calls, self.first_time = 0, None
+
+        def put(self, value) -> None:
+            self.calls += 1
+            if self.calls == 2 and self.first_time is None:  # call 1 is the prompt itself
+                self.first_time = time.perf_counter()
+
+        def end(self) -> None:
+            pass
+
+    outputs, ttfts = [], []
+    with torch.inference_mode():
+        model.generate(torch.tensor([[1, 2, 3, 4]]), max_new_tokens=2, do_sample=False)
+        start = time.perf_counter()
+        for prompt in workload.prompts:
+            ids = torch.tensor([prompt])
+            streamer = FirstToken()
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=workload.output_len,
+                min_new_tokens=workload.output_len,
+                do_sample=False,
+                streamer=streamer,
+            )
+            outputs.append(out[0, len(prompt) :].tolist())
+            ttfts.append(streamer.first_time - start)
+        wall = time.perf_counter() - start
+    return dict(
+        wall_s=wall,
+        output_tokens=sum(map(len, outputs)),
+        ttft_s=ttfts,
+        prefill_tokens_computed=sum(map(len, workload.prompts)),
+        cache_hit_rate=0.0,
+        output_token_ids=outputs,
+    )
+
+
+def _run_hf_batch(workload: Workload) -> dict:
+    import torch
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    model = _hf_model(workload)
+    config = GenerationConfig(max_new_tokens=workload.output_len, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    batching = ContinuousBatchingConfig(allow_block_sharing=True, page_size=workload.page_size)
+    with torch.inference_mode():
+        model.generate_batch([[1, 2, 3, 4]], generation_config=config, continuous_batching_config=batching)
+        start_clock = time.perf_counter()
+        results = model.generate_batch(
+            workload.prompts, generation_config=config, continuous_batching_config=batching, record_timestamps=True
+        )
+        wall = time.perf_counter() - start_clock
+    ordered = sorted(results.values(), key=lambda r: int(str(r.request_id).rsplit("_", 1)[-1]))
+    # Timestamps share perf_counter's clock in this transformers version; fall back to None.
+    ttfts = [r.timestamps[0] - start_clock if r.timestamps else None for r in ordered]
+    return dict(
+        wall_s=wall,
+        output_tokens=sum(len(r.generated_tokens) for r in ordered),
+        ttft_s=ttfts,
+        prefill_tokens_computed=None,
+        cache_hit_rate=None,
+        output_token_ids=[list(r.generated_tokens) for r in ordered],
+    )
+
+
+def _run_llama_cpp(workload: Workload) -> dict:
+    import llama_cpp  # optional extra; a missing module is reported as this peer's error
+
+    from radixkv.model.loader import default_model_gguf
+
+    path = workload.model if workload.model and workload.model.endswith(".gguf") else str(default_model_gguf())
+    llm = llama_cpp.Llama(model_path=path, n_ctx=8192, n_threads=os.cpu_count() or 2, verbose=False)
+    llm.set_cache(llama_cpp.LlamaRAMCache(capacity_bytes=2 << 30))
+    start = time.perf_counter()
+    outputs, ttfts = [], []
+    for prompt in workload.prompts:
+        tokens = []
+        for token in llm.generate(prompt, temp=0.0, reset=False):
+            if not tokens:
+                ttfts.append(time.perf_counter() - start)
+            tokens.append(int(token))
+            if len(tokens) >= workload.output_len:
+                break
+        outputs.append(tokens)
+    wall = time.perf_counter() - start
+    return dict(
+        wall_s=wall,
+        output_tokens=sum(map(len, outputs)),
+        ttft_s=ttfts,
+        prefill_tokens_computed=None,
+        cache_hit_rate=None,
+        output_token_ids=outputs,
+    )
+
+
+def _main(argv: list[str]) -> None:
+    peer, spec, result_path = argv
+    workload = Workload(**json.loads(Path(spec).read_text()))
+    runners = {
+        "radixkv": lambda w: _run_radixkv(w, cache=True),
+        "radixkv-nocache": lambda w: _run_radixkv(w, cache=False),
+        "hf-generate": _run_hf_generate,
+        "hf-batch": _run_hf_batch,
+        "llama.cpp": _run_llama_cpp,
+    }
+    if peer not in runners:
+        raise SystemExit(f"unknown peer {peer!r}; known: {', '.join(PEERS)}")
+    measured = runners[peer](workload)
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    Path(result_path).write_text(json.dumps(dict(peer=peer, peak_rss_bytes=peak_rss, **measured)))
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1:])

@@ -1,0 +1,137 @@
+"""Tests for PagePool: allocation, refcounts, the free list, OutOfPages, KV tensor shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from radixkv.cache.pages import OutOfPages, PagePool
+
+
+def test_allocate_gives_distinct_pages_with_refcount_one() -> None:
+    pool = PagePool(8, 4)
+    pages = pool.allocate(5)
+    assert pages == [0, 1, 2, 3, 4]
+    assert len(set(pages)) == 5
+    assert all(pool.refcount(page) == 1 for page in pages)
+    assert pool.num_free == 3
+    assert pool.free_pages() == {5, 6, 7}
+    assert pool.allocate(0) == []
+    pool.check_invariants()
+
+
+def test_out_of_pages_names_the_limits_and_allocates_nothing() -> None:
+    pool = PagePool(4, 2)
+    pool.allocate(3)
+    with pytest.raises(OutOfPages, match="requested 2 KV pages but only 1 of 4 are free") as info:
+        pool.allocate(2)
+    assert (info.value.requested, info.value.num_free, info.value.num_pages) == (2, 1, 4)
+    assert pool.num_free == 1
+    pool.check_invariants()
+
+
+def test_release_frees_at_zero_only() -> None:
+    pool = PagePool(4, 2)
+    a, b = pool.allocate(2)
+    pool.incref([a])
+    assert pool.refcount(a) == 2
+    assert pool.release([a, b]) == 1  # b freed, a still held once
+    assert pool.free_pages() == {b, 2, 3}
+    assert pool.release([a]) == 1
+    assert pool.num_free == 4
+    pool.check_invariants()
+
+
+def test_double_release_and_free_incref_are_refused() -> None:
+    pool = PagePool(4, 2)
+    (page,) = pool.allocate(1)
+    pool.release([page])
+    with pytest.raises(RuntimeError, match="already free|is free"):
+        pool.release([page])
+    with pytest.raises(AssertionError):
+        pool.incref([page])
+    with pytest.raises(RuntimeError):
+        pool.release([-1])
+    pool.check_invariants()
+
+
+def test_reset_frees_everything() -> None:
+    pool = PagePool(6, 2)
+    pool.incref(pool.allocate(4))
+    pool.reset()
+    assert pool.num_free == 6 and all(pool.refcount(p) == 0 for p in range(6))
+    assert pool.allocate(6) == list(range(6))
+
+
+def test_kv_tensors() -> None:
+    pool = PagePool(5, 4, num_layers=2, num_kv_heads=3, head_dim=8, dtype=torch.float16)
+    assert len(pool.k_cache) == len(pool.v_cache) == 2
+    assert pool.k_cache[0].shape == (5, 4, 3, 8) and pool.k_cache[0].dtype == torch.float16
+    assert pool.k_cache[0].data_ptr() != pool.v_cache[0].data_ptr()
+    assert PagePool(5, 4).k_cache == [] and PagePool(5, 4).v_cache == []
+    assert PagePool.bytes_per_page(4, 2, 3, 8, torch.float16) == 2 * 2 * 4 * 3 * 8 * 2
+    total = sum(t.numel() * t.element_size() for t in pool.k_cache + pool.v_cache)
+    assert total == 5 * PagePool.bytes_per_page(4, 2, 3, 8, torch.float16)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"num_pages": 0, "page_size": 4}, "num_pages"),
+        ({"num_pages": 4, "page_size": 0}, "page_size"),
+        ({"num_pages": 4, "page_size": 4, "num_layers": -1}, "num_layers"),
+        ({"num_pages": 4, "page_size": 4, "head_dim": 0}, "head_dim"),
+    ],
+)
+def test_bad_arguments_raise(kwargs: dict[str, int], name: str) -> None:
+    with pytest.raises(ValueError, match=name):
+        PagePool(**kwargs)
+    with pytest.raises(ValueError, match="allocate"):
+        PagePool(4, 4).allocate(-1)
+
+
+class PoolMachine(RuleBasedStateMachine):
+    """Random allocate/incref/release against a dict of refcounts."""
+
+    @initialize(num_pages=st.integers(1, 12))
+    def setup(self, num_pages: int) -> None:
+        self.pool = PagePool(num_pages, 2)
+        self.held: list[int] = []  # one entry per reference we hold
+
+    @rule(n=st.integers(0, 6))
+    def allocate(self, n: int) -> None:
+        free = self.pool.num_free
+        if n > free:
+            with pytest.raises(OutOfPages):
+                self.pool.allocate(n)
+            assert self.pool.num_free == free
+        else:
+            self.held += self.pool.allocate(n)
+
+    @precondition(lambda self: self.held)
+    @rule(i=st.integers(0, 100))
+    def incref(self, i: int) -> None:
+        page = self.held[i % len(self.held)]
+        self.pool.incref([page])
+        self.held.append(page)
+
+    @precondition(lambda self: self.held)
+    @rule(i=st.integers(0, 100))
+    def release(self, i: int) -> None:
+        page = self.held.pop(i % len(self.held))
+        freed = self.pool.release([page])
+        assert freed == (0 if page in self.held else 1)
+
+    @invariant()
+    def consistent(self) -> None:
+        self.pool.check_invariants()
+        for page in range(self.pool.num_pages):
+            assert self.pool.refcount(page) == self.held.count(page)
+        assert self.pool.num_free == self.pool.num_pages - len(set(self.held))
+
+
+TestPoolMachine = PoolMachine.TestCase
+TestPoolMachine.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)

@@ -1,0 +1,277 @@
+"""Stateful property test of RadixTree + PagePool against a plain reference model: a dict from
+(salt, cached full-block prefix) to its page. Requests behave as the engine's do; after every
+step the match results, the page accounting and the tree's own invariants are checked."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import xxhash
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from radixkv.cache import BlockHasher, HashFn, Node, OutOfPages, PagePool, RadixTree
+
+# Shared prefixes plus a tail from a 3-letter alphabet, so prompts overlap at every depth.
+PREFIXES = ((), (0,) * 8, (0, 1, 2, 0, 1, 2, 0, 1), (1, 1, 0, 0), (2,) * 4)
+tokens_st = st.builds(
+    lambda prefix, tail: list(PREFIXES[prefix]) + tail,
+    st.integers(0, len(PREFIXES) - 1),
+    st.lists(st.integers(0, 2), max_size=10),
+).filter(bool)
+salt_st = st.sampled_from([None, None, None, "", "t"])
+index_st = st.integers(0, 1 << 16)
+
+Key = tuple[str | None, tuple[int, ...]]
+
+
+@dataclass(slots=True)
+class Req:
+    tokens: list[int]
+    salt: str | None
+    pages: list[int]  # page table: one reference held on each
+    node: Node  # locked
+    depth: int  # blocks covered by the locked node's path
+
+
+def _few_values_hash(data: bytes) -> int:
+    return xxhash.xxh3_64_intdigest(data) % 3
+
+
+class CacheMachine(RuleBasedStateMachine):
+    hash_fn: HashFn | None = None
+
+    @initialize(page_size=st.sampled_from([2, 4]), num_pages=st.integers(6, 24))
+    def setup(self, page_size: int, num_pages: int) -> None:
+        self.ps = page_size
+        self.hasher = BlockHasher(page_size, seed=1234, hash_fn=self.hash_fn)
+        self.pool = PagePool(num_pages, page_size)
+        self.tree = RadixTree(self.pool, self.hasher)
+        self.ref: dict[Key, int] = {}
+        self.ref_time: dict[Key, int] = {}
+        self.clock = 0
+        self.requests: list[Req] = []
+        self.side: list[list[int]] = []  # pages held outside the cache (other users of the pool)
+        self.queries = 0
+
+    # ------------------------------------------------------------ reference model
+
+    def key(self, tokens: list[int], salt: str | None, blocks: int) -> Key:
+        return (salt, tuple(tokens[: blocks * self.ps]))
+
+    def ref_match(self, tokens: list[int], salt: str | None) -> tuple[int, list[int]]:
+        limit = (len(tokens) - 1) // self.ps
+        pages: list[int] = []
+        while len(pages) < limit and (k := self.key(tokens, salt, len(pages) + 1)) in self.ref:
+            pages.append(self.ref[k])
+        return len(pages), pages
+
+    def ref_touch(self, tokens: list[int], salt: str | None, blocks: int) -> None:
+        self.clock += 1
+        for i in range(1, blocks + 1):
+            self.ref_time[self.key(tokens, salt, i)] = self.clock
+
+    def chain_hash(self, key: Key) -> int:
+        return self.hasher.hash_blocks(list(key[1]), key[0])[-1]
+
+    def collides(self, tokens: list[int], salt: str | None, block: int) -> bool:
+        """Would block `block` of tokens land on a cached sibling with the same hash?"""
+        mine = self.key(tokens, salt, block + 1)
+        parent = mine[1][: block * self.ps]
+        mine_hash = self.chain_hash(mine)
+        return any(
+            k[0] == salt and len(k[1]) == len(mine[1]) and k[1][: block * self.ps] == parent
+            and self.chain_hash(k) == mine_hash
+            for k in self.ref
+        )
+
+    def ref_insert(self, tokens: list[int], salt: str | None, pages: list[int]) -> tuple[int, int, list[int]]:
+        full = len(tokens) // self.ps
+        canon: list[int] = []
+        while len(canon) < full and (k := self.key(tokens, salt, len(canon) + 1)) in self.ref:
+            canon.append(self.ref[k])
+        existing = len(canon)
+        if existing == full or self.collides(tokens, salt, existing):
+            return existing, 0, canon
+        for block in range(existing, full):
+            self.ref[self.key(tokens, salt, block + 1)] = pages[block]
+            canon.append(pages[block])
+        return existing, full - existing, canon
+
+    def locked_keys(self) -> set[Key]:
+        return {self.key(r.tokens, r.salt, i) for r in self.requests for i in range(1, r.depth + 1)}
+
+    def ref_evict(self, num_pages: int) -> None:
+        freed = self.tree.evict(num_pages)
+        cached = self.tree.cached_page_set()
+        evicted = {k for k, page in self.ref.items() if page not in cached}
+        assert freed == len(evicted)
+        assert not evicted & self.locked_keys(), "evicted a locked block"
+        for k in evicted:
+            del self.ref[k]
+        remaining_times = [self.ref_time[k] for k in self.unlocked_leaf_keys()]
+        if freed < num_pages:
+            assert not remaining_times and self.tree.evictable_pages == 0
+        if evicted and remaining_times:
+            assert max(self.ref_time[k] for k in evicted) <= min(remaining_times), "not LRU"
+        for k in evicted:
+            del self.ref_time[k]
+
+    def unlocked_leaf_keys(self) -> list[Key]:
+        parents = {(k[0], k[1][: -self.ps]) for k in self.ref}
+        locked = self.locked_keys()
+        return [k for k in self.ref if k not in parents and k not in locked]
+
+    # ------------------------------------------------------------ rules
+
+    @rule(tokens=tokens_st, salt=salt_st, precomputed=st.booleans(), record=st.booleans())
+    def start_request(self, tokens: list[int], salt: str | None, precomputed: bool, record: bool) -> None:
+        hashes = self.hasher.hash_blocks(tokens, salt) if precomputed else None
+        result = self.tree.match(tokens, salt, block_hashes=hashes, record=record)
+        blocks, pages = self.ref_match(tokens, salt)
+        assert (result.num_cached_tokens, result.pages) == (blocks * self.ps, pages)
+        self.ref_touch(tokens, salt, blocks)
+        self.queries += record
+        self.tree.lock(result.node)
+        self.ref_touch(tokens, salt, blocks)
+        self.pool.incref(result.pages)
+        req = Req(tokens, salt, result.pages, result.node, blocks)
+        self.requests.append(req)  # its lock counts while we evict for it
+        need = -(-len(tokens) // self.ps) - blocks
+        if need > self.pool.num_free:
+            self.ref_evict(need - self.pool.num_free)
+        if need > self.pool.num_free:
+            with pytest.raises(OutOfPages):
+                self.pool.allocate(need)
+            self.requests.remove(req)
+            self.tree.unlock(result.node)
+            self.ref_touch(tokens, salt, blocks)
+            self.pool.release(result.pages)
+            return
+        req.pages = req.pages + self.pool.allocate(need)
+
+    @precondition(lambda self: self.requests)
+    @rule(i=index_st, precomputed=st.booleans())
+    def insert_request(self, i: int, precomputed: bool) -> None:
+        req = self.requests[i % len(self.requests)]
+        hashes = self.hasher.hash_blocks(req.tokens, req.salt) if precomputed else None
+        expected = self.ref_insert(req.tokens, req.salt, req.pages)
+        result = self.tree.insert(req.tokens, req.pages, req.salt, block_hashes=hashes)
+        assert (result.num_existing_blocks, result.num_inserted_blocks, result.pages) == expected
+        depth = result.num_existing_blocks + result.num_inserted_blocks
+        self.ref_touch(req.tokens, req.salt, depth)
+        self.tree.lock(result.node)
+        self.ref_touch(req.tokens, req.salt, depth)
+        self.tree.unlock(req.node)
+        self.ref_touch(req.tokens, req.salt, req.depth)
+        for block in range(result.num_existing_blocks):
+            if result.pages[block] != req.pages[block]:
+                # Our copy of an already cached block: adopt the tree's page, free ours.
+                self.pool.release([req.pages[block]])
+                self.pool.incref([result.pages[block]])
+        req.pages[:depth] = result.pages
+        req.node, req.depth = result.node, depth
+
+    @precondition(lambda self: self.requests)
+    @rule(i=index_st)
+    def finish_request(self, i: int) -> None:
+        req = self.requests.pop(i % len(self.requests))
+        self.tree.unlock(req.node)
+        self.ref_touch(req.tokens, req.salt, req.depth)
+        self.pool.release(req.pages)
+
+    @rule(tokens=tokens_st, salt=salt_st)
+    def peek(self, tokens: list[int], salt: str | None) -> None:
+        result = self.tree.match(tokens, salt, record=False)
+        blocks, pages = self.ref_match(tokens, salt)
+        assert (result.num_cached_tokens, result.pages) == (blocks * self.ps, pages)
+        self.ref_touch(tokens, salt, blocks)
+
+    @rule(num_pages=st.integers(0, 8))
+    def evict(self, num_pages: int) -> None:
+        self.ref_evict(num_pages)
+
+    @rule(n=st.integers(0, 5))
+    def side_allocate(self, n: int) -> None:
+        free = self.pool.num_free
+        if n > free:
+            with pytest.raises(OutOfPages):
+                self.pool.allocate(n)
+            assert self.pool.num_free == free
+        else:
+            self.side.append(self.pool.allocate(n))
+
+    @precondition(lambda self: self.side)
+    @rule(i=index_st)
+    def side_release(self, i: int) -> None:
+        self.pool.release(self.side.pop(i % len(self.side)))
+
+    @rule()
+    def reset(self) -> None:
+        if any(r.depth for r in self.requests):
+            with pytest.raises(RuntimeError):
+                self.tree.reset()
+        elif not self.requests:
+            self.tree.reset()
+            self.ref.clear()
+            self.ref_time.clear()
+
+    # ------------------------------------------------------------ checks after every step
+
+    @invariant()
+    def tree_is_consistent(self) -> None:
+        self.tree.check_invariants(check_hashes=True)
+        self.pool.check_invariants()
+
+    @invariant()
+    def tree_holds_exactly_the_reference(self) -> None:
+        cached: dict[Key, int] = {}
+        for salt, root in self.tree._roots.items():
+            stack = [(child, ()) for child in root.children.values()]
+            while stack:
+                node, prefix = stack.pop()
+                for block, page in enumerate(node.pages):
+                    cached[(salt, prefix + tuple(node.tokens[: (block + 1) * self.ps]))] = page
+                prefix += tuple(node.tokens)
+                stack.extend((child, prefix) for child in node.children.values())
+        assert cached == self.ref
+
+    @invariant()
+    def every_page_counted_once(self) -> None:
+        free = self.pool.free_pages()
+        evictable = self.tree.evictable_page_set()
+        held = [page for r in self.requests for page in r.pages] + [page for s in self.side for page in s]
+        in_use = set(held)
+        assert free.isdisjoint(evictable) and free.isdisjoint(in_use) and evictable.isdisjoint(in_use)
+        assert free | evictable | in_use == set(range(self.pool.num_pages))
+        assert self.pool.num_free + self.tree.evictable_pages + len(in_use) == self.pool.num_pages
+        tree_pages = self.tree.cached_page_set()
+        for page in range(self.pool.num_pages):
+            assert self.pool.refcount(page) == held.count(page) + (page in tree_pages), f"page {page}"
+        assert self.tree.stats().queries == self.queries
+
+
+def _settings() -> settings:
+    return settings(max_examples=60, stateful_step_count=40, deadline=None)
+
+
+class RealHash(CacheMachine):
+    hash_fn = None
+
+
+class FewValuesHash(CacheMachine):
+    hash_fn = staticmethod(_few_values_hash)
+
+
+class ConstantHash(CacheMachine):
+    hash_fn = staticmethod(lambda data: 0)
+
+
+TestRealHash = RealHash.TestCase
+TestRealHash.settings = _settings()
+TestFewValuesHash = FewValuesHash.TestCase
+TestFewValuesHash.settings = _settings()
+TestConstantHash = ConstantHash.TestCase
+TestConstantHash.settings = _settings()

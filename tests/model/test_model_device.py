@@ -1,0 +1,57 @@
+"""dtype and device resolution: what `auto` picks, explicit names, and bad values."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radixkv.config import ConfigError
+from radixkv.model import device as device_module
+from radixkv.model import resolve_device, resolve_dtype
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize(("has_amx", "expected"), [(True, torch.bfloat16), (False, torch.float32)])
+def test_auto_dtype_on_cpu_follows_amx(monkeypatch, has_amx, expected):
+    monkeypatch.setattr(device_module, "cpu_has_amx", lambda: has_amx)
+    assert resolve_dtype("auto", CPU) == expected
+
+
+def test_auto_dtype_on_cuda_is_bf16_where_supported(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    assert resolve_dtype("auto", torch.device("cuda")) == torch.float16
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"), [("float32", torch.float32), ("bfloat16", torch.bfloat16), ("float16", torch.float16)]
+)
+def test_explicit_dtype(name, expected):
+    assert resolve_dtype(name, CPU) == expected
+    assert resolve_dtype(expected, CPU) == expected
+
+
+@pytest.mark.parametrize("bad", ["fp32", "int8", "float64"])
+def test_bad_dtype(bad):
+    with pytest.raises(ConfigError, match="dtype must be one of"):
+        resolve_dtype(bad, CPU)
+
+
+def test_cpu_has_amx_reads_cpuinfo():
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+        flags = next((line.split() for line in f if line.startswith("flags")), [])
+    assert device_module.cpu_has_amx() == ("amx_bf16" in flags)
+
+
+def test_resolve_device(monkeypatch):
+    assert resolve_device("cpu") == CPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == CPU
+    with pytest.raises(ConfigError, match="CUDA is not available"):
+        resolve_device("cuda")
+    with pytest.raises(ConfigError, match="device must be"):
+        resolve_device("tpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_device("auto") == torch.device("cuda")
