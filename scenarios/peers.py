@@ -31,6 +31,17 @@ class Workload:
     dtype: str = "auto"
     page_size: int = 16
     max_batch_tokens: int = 2048
+    # Round of each prompt (None: all in round 0). A round is submitted once the previous one
+    # has finished, as a chat turn is sent after the reply to the last one has arrived.
+    rounds: list[int] | None = None
+
+    def round_indices(self) -> list[list[int]]:
+        """Prompt indices grouped by round, rounds in order."""
+        rounds = self.rounds or [0] * len(self.prompts)
+        grouped: dict[int, list[int]] = {}
+        for index, round_ in enumerate(rounds):
+            grouped.setdefault(round_, []).append(index)
+        return [grouped[r] for r in sorted(grouped)]
 
 
 @dataclass(slots=True)
@@ -84,7 +95,13 @@ def _run_radixkv(workload: Workload, cache: bool) -> dict:
     before = dict(engine.counters)
     queries_before = engine.tree.stats()
     start = time.perf_counter()
-    outputs = llm.generate(workload.prompts, params)
+    outputs: list = [None] * len(workload.prompts)
+    for indices in workload.round_indices():
+        round_start = time.perf_counter()
+        for index, output in zip(indices, llm.generate([workload.prompts[i] for i in indices], params)):
+            # Time to first token from t0 of the whole run, as for the sequential peers.
+            output.time_to_first_token_s += round_start - start
+            outputs[index] = output
     wall = time.perf_counter() - start
     after = engine.tree.stats()
     query_tokens = after.query_tokens - queries_before.query_tokens
@@ -167,12 +184,19 @@ def _run_hf_batch(workload: Workload) -> dict:
     with torch.inference_mode():
         model.generate_batch([[1, 2, 3, 4]], generation_config=config, continuous_batching_config=batching)
         start_clock = time.perf_counter()
-        results = model.generate_batch(
-            workload.prompts, generation_config=config, continuous_batching_config=batching, record_timestamps=True
-        )
+        ordered: list = [None] * len(workload.prompts)
+        for indices in workload.round_indices():
+            results = model.generate_batch(
+                [workload.prompts[i] for i in indices],
+                generation_config=config,
+                continuous_batching_config=batching,
+                record_timestamps=True,
+            )
+            in_order = sorted(results.values(), key=lambda r: int(str(r.request_id).rsplit("_", 1)[-1]))
+            for index, result in zip(indices, in_order):
+                ordered[index] = result
         wall = time.perf_counter() - start_clock
-    ordered = sorted(results.values(), key=lambda r: int(str(r.request_id).rsplit("_", 1)[-1]))
-    # Timestamps share perf_counter's clock in this transformers version; fall back to None.
+    # record_timestamps uses perf_counter's clock, so the first token's stamp is comparable.
     ttfts = [r.timestamps[0] - start_clock if r.timestamps else None for r in ordered]
     return dict(
         wall_s=wall,

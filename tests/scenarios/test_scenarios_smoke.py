@@ -1,0 +1,48 @@
+"""Every scenario runs end to end at a tiny size on a tiny model, so the scripts cannot rot."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tiny_models import make_tiny_model  # noqa: E402
+
+SCENARIOS = {
+    "agent_system_prompt": ["--groups", "2", "--system-len", "40", "--question-len", "6", "--decode-profile", "0"],
+    "multi_turn_chat": ["--turns", "2", "--system-len", "20", "--question-len", "8", "--reply-len", "6"],
+    "few_shot_template": ["--shots", "2"],
+    "tree_of_thought": ["--branching", "2", "--depth", "2", "--root-len", "30", "--thought-len", "8"],
+    "no_sharing": ["--prompt-len", "24"],
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("scenario-model"), "llama", seed=4)
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_scenario_runs_and_reports(name, tiny_model, tmp_path, capsys):
+    peers = "radixkv,radixkv-nocache,hf-generate" if name == "agent_system_prompt" else "radixkv,radixkv-nocache"
+    if name == "multi_turn_chat":
+        peers += ",hf-batch"
+    module = importlib.import_module(f"scenarios.{name}")
+    argv = ["--model", str(tiny_model), "--dtype", "float32", "--num-requests", "4", "--output-len", "3"]
+    assert module.main(argv + ["--peers", peers, "--out", str(tmp_path)] + SCENARIOS[name]) == 0
+    report = json.loads((tmp_path / f"{name}.json").read_text())
+    rows = {row["peer"]: row for row in report["rows"]}
+    assert set(rows) == set(peers.split(","))
+    for row in rows.values():
+        assert row["error"] is None, row["error"]
+        assert row["output_tokens"] > 0
+    # Caching never computes more prompt tokens than not caching, and never changes outputs.
+    assert rows["radixkv"]["prefill_tokens_computed"] <= rows["radixkv-nocache"]["prefill_tokens_computed"]
+    assert rows["radixkv"]["same_tokens_as_nocache"] == report["num_requests"]
+    assert report["min_prefill_tokens"] <= rows["radixkv"]["prefill_tokens_computed"]
+    assert (tmp_path / f"{name}.png").exists()
+    assert "x radixkv" in capsys.readouterr().out
