@@ -6,7 +6,8 @@ query tokens over the request's paged prefix plus causally over each other) or p
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -33,6 +34,9 @@ class AttentionMetadata:
     # The same lengths as Python lists, so CPU code can loop without device syncs.
     q_lens_list: list[int]
     seq_lens_list: list[int]
+    # Values a backend derives from this metadata once per step and reuses in every layer
+    # (gather indices, masks); keyed by the backend.
+    scratch: dict[str, Any] = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:

@@ -60,31 +60,45 @@ class TorchBackend(AttentionBackend):
     ) -> torch.Tensor:
         # One padded gather and one SDPA call for the whole batch: a per-request loop costs
         # a kernel launch per request per layer, which dominates short decode steps.
-        page_size = meta.page_size
-        num_pages = -(-meta.max_seq_len // page_size)
-        table = meta.page_table[:, :num_pages].long()
-        batch = table.shape[0]
-        num_kv_heads, head_dim = k_cache.shape[-2:]
-        keys = k_cache[table].view(batch, num_pages * page_size, num_kv_heads, head_dim)
-        values = v_cache[table].view(batch, num_pages * page_size, num_kv_heads, head_dim)
-        key_pos = torch.arange(num_pages * page_size, device=q.device)
-        mask = key_pos[None, :] < meta.seq_lens.to(q.device)[:, None]
+        pages, bias = self._decode_inputs(meta, q.dtype)
+        batch, num_kv_heads, head_dim = meta.num_seqs, k_cache.shape[-2], k_cache.shape[-1]
+        keys = _gather_pages(k_cache, pages).view(batch, -1, num_kv_heads, head_dim)
+        values = _gather_pages(v_cache, pages).view(batch, -1, num_kv_heads, head_dim)
         out = F.scaled_dot_product_attention(
             q.unsqueeze(2),  # [B, Hq, 1, D]
             keys.transpose(1, 2),
             values.transpose(1, 2),
-            attn_mask=mask[:, None, None, :],
+            attn_mask=bias,
             scale=scale,
             enable_gqa=True,
         )
         return out.squeeze(2)
 
+    @staticmethod
+    def _decode_inputs(meta: AttentionMetadata, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Flat page indices [B * P] and an additive mask [B, 1, 1, P * page_size], once per step."""
+        cached = meta.scratch.get("torch_decode")
+        if cached is None:
+            num_pages = -(-meta.max_seq_len // meta.page_size)
+            pages = meta.page_table[:, :num_pages].reshape(-1).long()
+            key_pos = torch.arange(num_pages * meta.page_size, device=pages.device)
+            visible = key_pos[None, :] < meta.seq_lens.to(pages.device)[:, None]
+            bias = torch.zeros(visible.shape, dtype=dtype, device=pages.device).masked_fill_(~visible, float("-inf"))
+            cached = meta.scratch["torch_decode"] = (pages, bias[:, None, None, :])
+        return cached
+
+
+def _gather_pages(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+    """Rows of whole pages, [len(pages), page_size * num_kv_heads * head_dim]; index_select on
+    a 2-D view copies whole pages and runs about 5x faster than advanced indexing on CPU."""
+    return torch.index_select(cache.view(cache.shape[0], -1), 0, pages)
+
 
 def _gather(cache: torch.Tensor, pages: torch.Tensor, seq_len: int) -> torch.Tensor:
     """The first seq_len tokens of one request's KV, [seq_len, num_kv_heads, head_dim]."""
-    page_size = cache.shape[1]
+    page_size, num_kv_heads, head_dim = cache.shape[1:]
     num_pages = -(-seq_len // page_size)
-    return cache[pages[:num_pages].long()].flatten(0, 1)[:seq_len]
+    return _gather_pages(cache, pages[:num_pages].long()).view(-1, num_kv_heads, head_dim)[:seq_len]
 
 
 def _attend(

@@ -389,7 +389,7 @@ class RadixTree:
         """Add blocks [first_block, end_block) as a new leaf under `parent`, taking a
         reference on their pages."""
         ps = self.page_size
-        new_pages = list(pages[first_block:end_block])
+        new_pages = [int(page) for page in pages[first_block:end_block]]  # numpy ids would leak into the pool
         if block_hashes is not None:
             hashes = list(block_hashes[first_block:end_block])
         else:

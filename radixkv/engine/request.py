@@ -14,6 +14,8 @@ from typing import Any
 MAX_TOKENS_LIMIT = 1 << 20
 MAX_N = 64
 MAX_STOP_STRINGS = 16
+MIN_SAMPLING_TEMPERATURE = 1e-5
+MAX_SEED = (1 << 63) - 1
 
 
 class InvalidRequest(ValueError):
@@ -41,7 +43,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Below this, dividing logits by the temperature overflows to inf; it is argmax anyway.
+        return self.temperature < MIN_SAMPLING_TEMPERATURE
 
     def validate(self) -> None:
         _int_in("max_tokens", self.max_tokens, 1, MAX_TOKENS_LIMIT)
@@ -51,8 +54,8 @@ class SamplingParams:
             raise InvalidRequest(f"temperature must be in [0, 100], got {self.temperature!r}")
         if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
             raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise InvalidRequest(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None:
+            _int_in("seed", self.seed, -MAX_SEED - 1, MAX_SEED)
         if len(self.stop) > MAX_STOP_STRINGS or not all(isinstance(s, str) and s for s in self.stop):
             raise InvalidRequest(f"stop must be at most {MAX_STOP_STRINGS} non-empty strings, got {self.stop!r}")
         if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):

@@ -35,9 +35,9 @@ class Sampler:
         generator = torch.Generator(device="cpu")
         if seq.params.seed is not None:
             # Each continuation of an n > 1 request gets its own stream from the one seed.
-            generator.manual_seed(seq.params.seed * 1_000_003 + seq.index)
+            generator.manual_seed((seq.params.seed * 1_000_003 + seq.index) % (1 << 64))
         elif self.base_seed is not None:
-            generator.manual_seed(self.base_seed * 1_000_003 + seq.seq_id)
+            generator.manual_seed((self.base_seed * 1_000_003 + seq.seq_id) % (1 << 64))
         else:
             generator.seed()
         return generator

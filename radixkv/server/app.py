@@ -16,6 +16,7 @@ import logging
 import secrets
 import sys
 import time
+from contextlib import aclosing
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -215,8 +216,8 @@ def create_app(
         salt = server.tenants.cache_salt(key, body.cache_salt)
         streams = await _submit(server, [prompt], params, salt)
         if body.stream:
-            return _SSEResponse(_chat_events(server, body, streams, params.n))
-        finals = await _until_disconnect(request, _collect(server, streams), streams)
+            return _SSEResponse(_chat_events(server, body, streams, params.n), streams)
+        finals = await _until_disconnect(request, _collect(server, streams, params.n), streams)
         return JSONResponse(_chat_response(server, finals[0]).model_dump())
 
     @app.post("/v1/completions")
@@ -231,8 +232,8 @@ def create_app(
         salt = server.tenants.cache_salt(key, body.cache_salt)
         streams = await _submit(server, prompts, params, salt)
         if body.stream:
-            return _SSEResponse(_completion_events(server, body, streams, params.n))
-        finals = await _until_disconnect(request, _collect(server, streams), streams)
+            return _SSEResponse(_completion_events(server, body, streams, params.n), streams)
+        finals = await _until_disconnect(request, _collect(server, streams, params.n), streams)
         return JSONResponse(_completion_response(server, finals, params.n).model_dump())
 
     return app
@@ -250,15 +251,26 @@ def _parse(model: type[M], raw: bytes) -> M:
 
 def _validation_error(errors: Sequence[Any]) -> APIError:
     first = errors[0] if errors else {}
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     if first.get("type") == "json_invalid":
         return APIError(400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}")
-    if first.get("type") == "model_type" and not loc:
+    locs = [[str(part) for part in e.get("loc", ()) if part != "body"] for e in errors] or [[]]
+    if first.get("type") == "model_type" and not locs[0]:
         return APIError(400, "the request body must be a JSON object")
-    param = ".".join(loc) or None
-    message = f"{param}: {first.get('msg', 'invalid value')}" if param else str(first.get("msg", "invalid request"))
+    # Several errors under one field are the branches of a union (`stop`: a string or a list
+    # of strings): name the field itself, not a branch.
+    loc = locs[0]
     if len(errors) > 1:
-        message += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
+        common = 0
+        while all(len(other) > common and other[common] == loc[common] for other in locs):
+            common += 1
+        loc = loc[:common] or loc
+    param = ".".join(loc) or None
+    detail = str(first.get("msg", "invalid value"))
+    if len(loc) < len(locs[0]):  # the branch that got furthest says most
+        deepest = max(range(len(errors)), key=lambda i: len(locs[i]))
+        where = ".".join(locs[deepest][len(loc) :])
+        detail = f"matches no accepted form; as {where}: {errors[deepest].get('msg', 'invalid value')}"
+    message = f"{param}: {detail}" if param else detail
     return APIError(400, message, param=param)
 
 
@@ -372,7 +384,7 @@ async def _submit(server: _Server, prompts: list[list[int]], params: SamplingPar
         for stream in streams:
             stream.close()
         if isinstance(error, InvalidRequest):
-            raise APIError(400, str(error)) from None
+            raise APIError(400, str(error), param="prompt" if str(error).startswith("prompt") else None) from None
         if isinstance(error, QueueFull):
             raise APIError(503, str(error), type="server_error", code="queue_full", headers={"Retry-After": "1"}) from None
         if isinstance(error, EngineStopped):
@@ -385,11 +397,13 @@ async def _submit(server: _Server, prompts: list[list[int]], params: SamplingPar
 class _Tracker:
     """Per engine request: token counts and latency observations as outputs arrive."""
 
-    def __init__(self, metrics: ServerMetrics) -> None:
+    def __init__(self, metrics: ServerMetrics, n: int) -> None:
         self._metrics = metrics
+        self._n = n
         self._num_tokens: dict[int, int] = {}
         self._last_token_s: dict[int, float] = {}
         self._counted_cache = False
+        self.finished = False
 
     def update(self, output: RequestOutput) -> None:
         now = time.perf_counter()
@@ -411,15 +425,22 @@ class _Tracker:
             self._num_tokens[o.index] = len(o.token_ids)
             self._last_token_s[o.index] = now
         if output.finished:
+            self.finished = True
             for o in output.outputs:
                 m.finished.labels(o.finish_reason or "unknown").inc()
             if output.total_time_s is not None:
                 m.e2e.observe(output.total_time_s)
 
+    def abandoned(self) -> None:
+        """The consumer left before the end (client gone, error): the request is aborted."""
+        if not self.finished:
+            self.finished = True
+            self._metrics.finished.labels("abort").inc(self._n)
 
-async def _merge(server: _Server, streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+
+async def _merge(server: _Server, streams: list[RequestStream], n: int) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(prompt index, output) from every stream as they come; closes them all at the end."""
-    trackers = [_Tracker(server.metrics) for _ in streams]
+    trackers = [_Tracker(server.metrics, n) for _ in streams]
     queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
 
     async def pump(i: int, stream: RequestStream) -> None:
@@ -446,16 +467,18 @@ async def _merge(server: _Server, streams: list[RequestStream]) -> AsyncIterator
     finally:
         for task in tasks:
             task.cancel()
-        for stream in streams:
+        for stream, tracker in zip(streams, trackers):
             stream.close()  # aborts whatever has not finished (client gone, error)
+            tracker.abandoned()
 
 
-async def _collect(server: _Server, streams: list[RequestStream]) -> list[RequestOutput]:
+async def _collect(server: _Server, streams: list[RequestStream], n: int) -> list[RequestOutput]:
     finals: list[RequestOutput | None] = [None] * len(streams)
     try:
-        async for i, output in _merge(server, streams):
-            if output.finished:
-                finals[i] = output
+        async with aclosing(_merge(server, streams, n)) as merged:
+            async for i, output in merged:
+                if output.finished:
+                    finals[i] = output
     except (EngineStepError, EngineStopped) as error:
         raise _engine_error(error) from None
     if any(f is None or f.finish_reason == "abort" for f in finals):
@@ -472,8 +495,12 @@ def _engine_error(error: BaseException) -> APIError:
 T = TypeVar("T")
 
 
+class _ClientGone(Exception):
+    """The client disconnected before its (non-streamed) response was ready."""
+
+
 async def _until_disconnect(request: Request, work: Awaitable[T], streams: list[RequestStream]) -> T:
-    """Await work, unless the client disconnects first: then abort its requests."""
+    """Await work, unless the client disconnects first: then abort its requests (_ClientGone)."""
     work_task = asyncio.ensure_future(work)
     gone_task = asyncio.ensure_future(_wait_for_disconnect(request))
     try:
@@ -484,8 +511,9 @@ async def _until_disconnect(request: Request, work: Awaitable[T], streams: list[
             work_task.cancel()
             for stream in streams:
                 stream.close()
-    if work_task.cancelled():
-        raise asyncio.CancelledError  # nobody is listening; uvicorn drops the response
+    if not work_task.done():
+        await asyncio.wait({work_task})  # let its cleanup (closing streams, metrics) run
+        raise _ClientGone
     return work_task.result()
 
 
@@ -584,18 +612,20 @@ async def _chat_events(server: _Server, body: ChatCompletionRequest, streams: li
     finals: list[RequestOutput] = []
     try:
         yield chunk([ChatChunkChoice(index=j, delta=Delta(role="assistant", content="")) for j in range(n)])
-        async for _, output in _merge(server, streams):
-            if output.finished and output.finish_reason == "abort":
-                raise APIError(503, "the request was aborted", type="server_error", code="aborted")
-            choices = []
-            for o in output.outputs:
-                text = deltas.delta((0, o.index), o.text, o.finish_reason is not None)
-                if text or o.finish_reason is not None:
-                    choices.append(ChatChunkChoice(index=o.index, delta=Delta(content=text or None), finish_reason=o.finish_reason))
-            if choices:
-                yield chunk(choices)
-            if output.finished:
-                finals.append(output)
+        async with aclosing(_merge(server, streams, n)) as merged:
+            async for _, output in merged:
+                if output.finished and output.finish_reason == "abort":
+                    raise APIError(503, "the request was aborted", type="server_error", code="aborted")
+                choices = []
+                for o in output.outputs:
+                    text = deltas.delta((0, o.index), o.text, o.finish_reason is not None)
+                    if text or o.finish_reason is not None:
+                        delta = Delta(content=text or None)
+                        choices.append(ChatChunkChoice(index=o.index, delta=delta, finish_reason=o.finish_reason))
+                if choices:
+                    yield chunk(choices)
+                if output.finished:
+                    finals.append(output)
         if usage_field:
             yield chunk([], _usage(finals))
         yield "data: [DONE]\n\n"
@@ -616,18 +646,19 @@ async def _completion_events(server: _Server, body: CompletionRequest, streams: 
     deltas = _TextDeltas(body.stop_list())
     finals: list[RequestOutput] = []
     try:
-        async for i, output in _merge(server, streams):
-            if output.finished and output.finish_reason == "abort":
-                raise APIError(503, "the request was aborted", type="server_error", code="aborted")
-            choices = []
-            for o in output.outputs:
-                text = deltas.delta((i, o.index), o.text, o.finish_reason is not None)
-                if text or o.finish_reason is not None:
-                    choices.append(CompletionChoice(index=i * n + o.index, text=text, finish_reason=o.finish_reason))
-            if choices:
-                yield chunk(choices)
-            if output.finished:
-                finals.append(output)
+        async with aclosing(_merge(server, streams, n)) as merged:
+            async for i, output in merged:
+                if output.finished and output.finish_reason == "abort":
+                    raise APIError(503, "the request was aborted", type="server_error", code="aborted")
+                choices = []
+                for o in output.outputs:
+                    text = deltas.delta((i, o.index), o.text, o.finish_reason is not None)
+                    if text or o.finish_reason is not None:
+                        choices.append(CompletionChoice(index=i * n + o.index, text=text, finish_reason=o.finish_reason))
+                if choices:
+                    yield chunk(choices)
+                if output.finished:
+                    finals.append(output)
         if usage_field:
             yield chunk([], _usage(finals))
         yield "data: [DONE]\n\n"
@@ -638,17 +669,21 @@ async def _completion_events(server: _Server, body: CompletionRequest, streams: 
 class _SSEResponse(StreamingResponse):
     """Server-sent events whose requests are aborted the moment the client goes away.
 
-    Starlette cancels the body iterator when it sees the disconnect; closing the iterator
-    here as well covers a cancellation that lands while it is suspended at a yield."""
+    Starlette cancels the body iterator when it sees the disconnect; closing the iterator and
+    the streams here as well covers a cancellation that lands while the iterator is suspended
+    at a yield, or before it ever started."""
 
-    def __init__(self, events: AsyncIterator[str]) -> None:
+    def __init__(self, events: AsyncIterator[str], streams: list[RequestStream]) -> None:
         super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         self._events = events
+        self._streams = streams
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
+            for stream in self._streams:
+                stream.close()
             aclose = getattr(self._events, "aclose", None)
             if aclose is not None:
                 await aclose()
@@ -661,6 +696,10 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(_: Request, error: APIError) -> Response:
         return error.response()
+
+    @app.exception_handler(_ClientGone)
+    async def client_gone(_: Request, __: _ClientGone) -> Response:
+        return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, error: RequestValidationError) -> Response:

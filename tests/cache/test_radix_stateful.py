@@ -15,7 +15,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from radixkv.cache import BlockHasher, HashFn, Node, OutOfPages, PagePool, RadixTree
 
 # Shared prefixes plus a tail from a 3-letter alphabet, so prompts overlap at every depth.
-PREFIXES = ((), (0,) * 8, (0, 1, 2, 0, 1, 2, 0, 1), (1, 1, 0, 0), (2,) * 4)
+PREFIXES = ((), (0,) * 8, (0, 1, 2, 0, 1, 2, 0, 1), (0, 1, 2, 0, 1, 2, 2, 2, 1, 0, 0, 1), (1, 1, 0, 0), (2,) * 4)
 tokens_st = st.builds(
     lambda prefix, tail: list(PREFIXES[prefix]) + tail,
     st.integers(0, len(PREFIXES) - 1),
@@ -27,7 +27,7 @@ index_st = st.integers(0, 1 << 16)
 Key = tuple[str | None, tuple[int, ...]]
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class Req:
     tokens: list[int]
     salt: str | None
@@ -128,6 +128,10 @@ class CacheMachine(RuleBasedStateMachine):
 
     @rule(tokens=tokens_st, salt=salt_st, precomputed=st.booleans(), record=st.booleans())
     def start_request(self, tokens: list[int], salt: str | None, precomputed: bool, record: bool) -> None:
+        self._start(tokens, salt, precomputed, record)
+
+    def _start(self, tokens: list[int], salt: str | None, precomputed: bool, record: bool) -> Req | None:
+        """Match, lock, evict if short of pages, allocate the rest; None when out of pages."""
         hashes = self.hasher.hash_blocks(tokens, salt) if precomputed else None
         result = self.tree.match(tokens, salt, block_hashes=hashes, record=record)
         blocks, pages = self.ref_match(tokens, salt)
@@ -149,13 +153,16 @@ class CacheMachine(RuleBasedStateMachine):
             self.tree.unlock(result.node)
             self.ref_touch(tokens, salt, blocks)
             self.pool.release(result.pages)
-            return
+            return None
         req.pages = req.pages + self.pool.allocate(need)
+        return req
 
     @precondition(lambda self: self.requests)
     @rule(i=index_st, precomputed=st.booleans())
     def insert_request(self, i: int, precomputed: bool) -> None:
-        req = self.requests[i % len(self.requests)]
+        self._insert(self.requests[i % len(self.requests)], precomputed)
+
+    def _insert(self, req: Req, precomputed: bool) -> None:
         hashes = self.hasher.hash_blocks(req.tokens, req.salt) if precomputed else None
         expected = self.ref_insert(req.tokens, req.salt, req.pages)
         result = self.tree.insert(req.tokens, req.pages, req.salt, block_hashes=hashes)
@@ -177,7 +184,18 @@ class CacheMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.requests)
     @rule(i=index_st)
     def finish_request(self, i: int) -> None:
-        req = self.requests.pop(i % len(self.requests))
+        self._finish(self.requests[i % len(self.requests)])
+
+    @rule(tokens=tokens_st, salt=salt_st)
+    def whole_request(self, tokens: list[int], salt: str | None) -> None:
+        """Start, insert and finish in one step, so the cache grows fast enough to be evicted."""
+        req = self._start(tokens, salt, precomputed=False, record=True)
+        if req is not None:
+            self._insert(req, precomputed=False)
+            self._finish(req)
+
+    def _finish(self, req: Req) -> None:
+        self.requests.remove(req)
         self.tree.unlock(req.node)
         self.ref_touch(req.tokens, req.salt, req.depth)
         self.pool.release(req.pages)
@@ -254,7 +272,7 @@ class CacheMachine(RuleBasedStateMachine):
 
 
 def _settings() -> settings:
-    return settings(max_examples=60, stateful_step_count=40, deadline=None)
+    return settings(max_examples=100, stateful_step_count=50, deadline=None)
 
 
 class RealHash(CacheMachine):

@@ -1,4 +1,4 @@
-"""Fixtures for engine tests: tiny model folders, transformers' greedy reference, page checks."""
+"""Fixtures for engine tests: tiny model folders saved the way real ones are."""
 
 from __future__ import annotations
 
@@ -6,9 +6,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tiny_models import make_tiny_model  # noqa: E402
 
@@ -21,27 +20,3 @@ def tiny_llama(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen2(tmp_path_factory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2", seed=1)
-
-
-def hf_greedy(model_dir: Path | str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """transformers' own greedy generate, one prompt at a time (no padding effects)."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model.eval()
-    results = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            out = model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False
-            )
-            results.append(out[0, len(prompt) :].tolist())
-    return results
-
-
-def assert_all_pages_returned(llm) -> None:
-    """Once every request has ended, each page is free or cached in the tree, unlocked."""
-    engine = llm.engine
-    engine.check_invariants()
-    assert not engine.scheduler.running and not engine.scheduler.waiting
-    assert engine.tree.locked_pages == 0
-    assert engine.pool.num_free + engine.tree.cached_pages == engine.pool.num_pages

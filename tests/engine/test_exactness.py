@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from conftest import assert_all_pages_returned, hf_greedy
+from engine_helpers import assert_all_pages_returned, hf_greedy
 
 from radixkv import LLM, SamplingParams
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_all_pages_returned
+from engine_helpers import assert_all_pages_returned
 
 from radixkv import LLM, InvalidRequest, SamplingParams
 from radixkv.engine.sampler import filtered_probs

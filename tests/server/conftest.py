@@ -14,6 +14,7 @@ import httpx
 import openai
 import pytest
 import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tiny_models import make_tiny_model  # noqa: E402
@@ -83,7 +84,7 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny-llama-server"), "llama", max_position_embeddings=512)
 
 
-def make_async_engine(model_dir: Path, **overrides) -> AsyncEngine:
+def make_async_engine(model_dir: Path, *, start: bool = True, **overrides) -> AsyncEngine:
     options = dict(
         model=str(model_dir), dtype="float32", device="cpu", page_size=4, num_pages=512, max_queue_len=MAX_QUEUE_LEN,
         check_invariants=True,
@@ -91,7 +92,7 @@ def make_async_engine(model_dir: Path, **overrides) -> AsyncEngine:
     options.update(overrides)
     engine = Engine(EngineConfig(**options))
     engine.tokenizer.chat_template = CHAT_TEMPLATE
-    return AsyncEngine(engine)
+    return AsyncEngine(engine, start=start)
 
 
 @pytest.fixture(scope="session")
@@ -103,6 +104,16 @@ def live_server(tiny_model_dir) -> Iterator[LiveServer]:
             yield LiveServer(thread.base_url, async_engine)
     finally:
         async_engine.shutdown()
+
+
+def metric_values(live: LiveServer) -> dict[tuple[str, tuple], float]:
+    """Every sample on /metrics, keyed by (name, sorted labels)."""
+    text = httpx.get(f"{live.base_url}/metrics").text
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
 
 
 def wait_until(predicate, timeout_s: float = 20.0, interval_s: float = 0.02) -> bool:

@@ -1,0 +1,166 @@
+"""AsyncEngine: the engine thread, submission errors, streaming, aborts, failures, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from radixkv.engine.async_engine import AsyncEngine, EngineStepError, EngineStopped
+from radixkv.engine.engine import QueueFull
+from radixkv.engine.request import InvalidRequest, SamplingParams
+
+from .conftest import make_async_engine
+
+PROMPT = list(range(10, 40))
+
+
+@pytest.fixture(scope="module")
+def async_engine(tiny_model_dir):
+    engine = make_async_engine(tiny_model_dir)
+    yield engine
+    engine.shutdown()
+
+
+def assert_idle(async_engine: AsyncEngine) -> None:
+    def check(engine):
+        engine.check_invariants()
+        assert engine.num_unfinished == 0 and engine.tree.locked_pages == 0
+
+    async_engine.call(check).result(30)
+
+
+async def run(async_engine, prompt, params, **kwargs):
+    outputs = [output async for output in await async_engine.submit(prompt, params, **kwargs)]
+    return outputs
+
+
+def test_outputs_are_cumulative_and_match_the_engine_run_alone(async_engine):
+    params = SamplingParams(max_tokens=12)
+    outputs = asyncio.run(run(async_engine, PROMPT, params))
+    assert outputs[-1].finished and not any(o.finished for o in outputs[:-1])
+    lengths = [len(o.token_ids) for o in outputs]
+    assert lengths == sorted(lengths) and lengths[-1] == 12
+    for earlier, later in zip(outputs, outputs[1:]):
+        assert later.token_ids[: len(earlier.token_ids)] == earlier.token_ids
+
+    def alone(engine):  # the same request stepped directly, on the engine thread
+        request_id = engine.add_request(PROMPT, params, request_id="alone")
+        while True:
+            for output in engine.step():
+                if output.request_id == request_id and output.finished:
+                    return output.token_ids
+
+    assert async_engine.call(alone).result(30) == outputs[-1].token_ids
+    assert_idle(async_engine)
+
+
+def test_concurrent_requests_from_many_tasks(async_engine):
+    params = SamplingParams(max_tokens=8)
+    prompts = [PROMPT[: 8 + i] for i in range(6)]
+
+    async def main():
+        solo = [(await run(async_engine, p, params))[-1].token_ids for p in prompts]
+        together = await asyncio.gather(*(run(async_engine, p, params) for p in prompts))
+        return solo, [outputs[-1].token_ids for outputs in together]
+
+    solo, together = asyncio.run(main())
+    assert together == solo
+    assert_idle(async_engine)
+
+
+def test_engine_errors_reach_the_submitter(async_engine):
+    async def main():
+        with pytest.raises(InvalidRequest, match="empty"):
+            await async_engine.submit([], SamplingParams())
+        with pytest.raises(InvalidRequest, match="maximum context length is 512"):
+            await async_engine.submit(PROMPT, SamplingParams(max_tokens=500))
+        outputs = await run(async_engine, PROMPT, SamplingParams(max_tokens=2))
+        assert outputs[-1].finished
+
+    asyncio.run(main())
+    assert_idle(async_engine)
+
+
+def test_queue_full_reaches_the_submitter(tiny_model_dir):
+    staged = make_async_engine(tiny_model_dir, start=False, max_queue_len=2)
+    for _ in range(2):  # fill the waiting queue before the engine thread runs
+        staged.engine.add_request(PROMPT, SamplingParams(max_tokens=2))
+
+    async def main():
+        submit = asyncio.ensure_future(staged.submit(PROMPT, SamplingParams(max_tokens=2)))
+        await asyncio.sleep(0)
+        staged.start()  # commands run before the first step, so the queue is still full
+        with pytest.raises(QueueFull):
+            await submit
+
+    asyncio.run(main())
+    staged.shutdown()
+
+
+def test_closing_a_stream_aborts_its_request(async_engine):
+    async def main():
+        stream = await async_engine.submit(PROMPT, SamplingParams(max_tokens=400))
+        first = await anext(stream)
+        assert not first.finished
+        stream.close()
+        stream.close()  # idempotent
+
+    asyncio.run(main())
+    for _ in range(200):
+        if async_engine.stats()["num_unfinished"] == 0:
+            break
+        threading.Event().wait(0.02)
+    assert async_engine.stats()["num_unfinished"] == 0
+    assert_idle(async_engine)
+
+
+def test_engine_calls_run_on_the_engine_thread(async_engine):
+    assert async_engine.call(lambda engine: threading.current_thread().name).result(10) == "radixkv-engine"
+
+
+def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(tiny_model_dir):
+    async_engine = make_async_engine(tiny_model_dir)
+    sampler = async_engine.engine.sampler
+    real_sample = sampler.sample
+    calls = {"n": 0}
+
+    def flaky(logits, seqs):  # fails mid-request, after the step scheduled and ran the batch
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("boom")
+        return real_sample(logits, seqs)
+
+    sampler.sample = flaky
+
+    async def main():
+        with pytest.raises(EngineStepError):
+            await run(async_engine, PROMPT, SamplingParams(max_tokens=20))
+        outputs = await run(async_engine, PROMPT, SamplingParams(max_tokens=4))
+        assert outputs[-1].finished and len(outputs[-1].token_ids) == 4
+
+    try:
+        asyncio.run(main())
+        assert_idle(async_engine)
+    finally:
+        async_engine.shutdown()
+
+
+def test_shutdown_ends_running_streams_and_refuses_new_work(tiny_model_dir):
+    async_engine = make_async_engine(tiny_model_dir)
+
+    async def main():
+        stream = await async_engine.submit(PROMPT, SamplingParams(max_tokens=400))
+        await anext(stream)
+        await asyncio.to_thread(async_engine.shutdown)
+        with pytest.raises(EngineStopped):
+            async for _ in stream:
+                pass
+        with pytest.raises(EngineStopped):
+            await async_engine.submit(PROMPT, SamplingParams())
+
+    asyncio.run(main())
+    assert not async_engine.alive
+    assert async_engine.engine.num_unfinished == 0  # the thread is gone: safe to look directly
+    async_engine.engine.check_invariants()

@@ -1,0 +1,145 @@
+"""Every user error gets OpenAI's error shape and the right status, and the server keeps
+serving: each bad request is followed by a good one that succeeds."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from .conftest import KEY_A, MAX_QUEUE_LEN, MODEL, assert_engine_idle_and_consistent
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+HELLO = [{"role": "user", "content": "Hello there, assistant."}]
+LONG_TEXT = "The quick brown fox jumps over the lazy dog. " * 80  # well over 512 tokens
+
+# (name, path, JSON body, status, param, code)
+BAD_JSON_BODIES = [
+    ("negative max_tokens", CHAT, {"messages": HELLO, "max_tokens": -1}, 400, "max_tokens", None),
+    ("zero max_completion_tokens", CHAT, {"messages": HELLO, "max_completion_tokens": 0}, 400, "max_completion_tokens", None),
+    ("huge max_tokens", CHAT, {"messages": HELLO, "max_tokens": 10**12}, 400, "max_tokens", None),
+    ("max_tokens past the context", CHAT, {"messages": HELLO, "max_tokens": 100_000}, 400, "max_tokens", "context_length_exceeded"),
+    ("completion past the context", COMPLETIONS, {"prompt": "hi", "max_tokens": 600}, 400, "max_tokens", "context_length_exceeded"),
+    ("prompt over the context", COMPLETIONS, {"prompt": LONG_TEXT, "max_tokens": 4}, 400, "prompt", "context_length_exceeded"),
+    ("chat over the context", CHAT, {"messages": [{"role": "user", "content": LONG_TEXT}]}, 400, "messages", "context_length_exceeded"),
+    ("empty messages", CHAT, {"messages": []}, 400, "messages", None),
+    ("missing messages", CHAT, {"model": MODEL}, 400, "messages", None),
+    ("unknown role", CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages.0.role", None),
+    ("tool role", CHAT, {"messages": [{"role": "tool", "content": "hi"}]}, 400, "messages.0.role", None),
+    ("non-text content part", CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, None, None),
+    ("wrong type", CHAT, {"messages": HELLO, "max_tokens": "lots"}, 400, "max_tokens", None),
+    ("negative temperature", CHAT, {"messages": HELLO, "temperature": -0.5}, 400, "temperature", None),
+    ("top_p zero", CHAT, {"messages": HELLO, "top_p": 0}, 400, "top_p", None),
+    ("n zero", CHAT, {"messages": HELLO, "n": 0}, 400, "n", None),
+    ("n too large", CHAT, {"messages": HELLO, "n": 1000}, 400, "n", None),
+    ("too many stops", CHAT, {"messages": HELLO, "stop": ["x"] * 17}, 400, "stop", None),
+    ("empty stop", COMPLETIONS, {"prompt": "hi", "stop": [""]}, 400, "stop", None),
+    ("seed past 64 bits", CHAT, {"messages": HELLO, "seed": 2**70}, 400, "seed", None),
+    ("token id out of range", COMPLETIONS, {"prompt": [1, 2, 99_999]}, 400, None, None),
+    ("empty prompt", COMPLETIONS, {"prompt": ""}, 400, "prompt", None),
+    ("empty prompt list", COMPLETIONS, {"prompt": []}, 400, "prompt", None),
+    ("unsupported logprobs", CHAT, {"messages": HELLO, "logprobs": True}, 400, "logprobs", "unsupported_parameter"),
+    ("unsupported echo", COMPLETIONS, {"prompt": "hi", "echo": True}, 400, "echo", "unsupported_parameter"),
+    ("unknown model", CHAT, {"model": "gpt-9", "messages": HELLO}, 404, "model", "model_not_found"),
+    ("queue overflow", CHAT, {"messages": HELLO, "n": MAX_QUEUE_LEN + 1, "max_tokens": 2}, 503, None, "queue_full"),
+]
+
+
+def assert_error_shape(response, status: int, param: str | None = None, code: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    error = body["error"]
+    assert isinstance(error["message"], str) and error["message"]
+    assert isinstance(error["type"], str) and error["type"]
+    if param is not None:
+        assert error["param"] == param, error
+    if code is not None:
+        assert error["code"] == code, error
+    return error
+
+
+def assert_still_serving(live_server) -> None:
+    response = live_server.client().chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2, temperature=0)
+    assert response.choices[0].message.content is not None and response.usage.completion_tokens >= 1
+
+
+@pytest.mark.parametrize("name,path,body,status,param,code", BAD_JSON_BODIES, ids=[c[0] for c in BAD_JSON_BODIES])
+def test_bad_request_then_a_good_one(live_server, name, path, body, status, param, code):
+    with live_server.http() as http:
+        error = assert_error_shape(http.post(path, json=body), status, param, code)
+    if status == 400:
+        assert error["type"] == "invalid_request_error"
+    assert_still_serving(live_server)
+
+
+@pytest.mark.parametrize(
+    "raw", [b'{"messages": [', b"not json at all", b"[1, 2]", b"", b'"a string"'], ids=["truncated", "text", "array", "empty", "string"]
+)
+def test_malformed_json_is_400(live_server, raw):
+    with live_server.http() as http:
+        response = http.post(CHAT, content=raw, headers={"Content-Type": "application/json"})
+    assert_error_shape(response, 400)
+    assert_still_serving(live_server)
+
+
+def test_limits_are_named_in_messages(live_server):
+    with live_server.http() as http:
+        message = http.post(CHAT, json={"messages": HELLO, "max_tokens": 10**12}).json()["error"]["message"]
+        assert "1048576" in message
+        message = http.post(COMPLETIONS, json={"prompt": LONG_TEXT}).json()["error"]["message"]
+        assert "512" in message
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [{}, {"Authorization": "Bearer sk-wrong"}, {"Authorization": f"Basic {KEY_A}"}, {"Authorization": "Bearer"}],
+    ids=["none", "wrong", "basic-scheme", "empty"],
+)
+def test_bad_key_is_401(live_server, headers):
+    with live_server.http(key=None) as http:
+        for method, path, body in [("POST", CHAT, {"messages": HELLO}), ("POST", COMPLETIONS, {"prompt": "x"}), ("GET", "/v1/models", None)]:
+            response = http.request(method, path, json=body, headers=headers)
+            assert_error_shape(response, 401, code="invalid_api_key")
+            assert response.headers["www-authenticate"] == "Bearer"
+    assert_still_serving(live_server)
+
+
+def test_auth_is_checked_before_the_body(live_server):
+    with live_server.http(key=None) as http:
+        assert_error_shape(http.post(CHAT, content=b"{broken"), 401)
+
+
+def test_openai_client_raises_its_own_exceptions(live_server):
+    with pytest.raises(openai.AuthenticationError) as auth:
+        live_server.client("sk-nope").chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2)
+    assert auth.value.status_code == 401 and auth.value.code == "invalid_api_key"
+    with pytest.raises(openai.NotFoundError) as missing:
+        live_server.client().chat.completions.create(model="no-such-model", messages=HELLO, max_tokens=2)
+    assert missing.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as bad:
+        live_server.client().chat.completions.create(model=MODEL, messages=HELLO, max_tokens=-5)
+    assert bad.value.param == "max_tokens"
+    with pytest.raises(openai.BadRequestError) as too_long:
+        live_server.client().completions.create(model=MODEL, prompt="x " * 600, max_tokens=1)
+    assert too_long.value.code == "context_length_exceeded"
+    with pytest.raises(openai.InternalServerError) as full:
+        live_server.client().chat.completions.create(model=MODEL, messages=HELLO, n=MAX_QUEUE_LEN + 1, max_tokens=2)
+    assert full.value.status_code == 503 and full.value.code == "queue_full"
+    with pytest.raises(openai.BadRequestError):  # errors before a stream starts are plain errors too
+        live_server.client().chat.completions.create(model=MODEL, messages=[], max_tokens=2, stream=True)
+    assert_still_serving(live_server)
+
+
+def test_unknown_routes_and_models_are_404(live_server):
+    with live_server.http() as http:
+        assert_error_shape(http.get("/v1/nothing-here"), 404)
+        assert_error_shape(http.get("/v1/models/gpt-9"), 404, code="model_not_found")
+        assert_error_shape(http.get("/v1/chat/completions"), 405)
+    assert_still_serving(live_server)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _nothing_left_behind(live_server):
+    yield
+    assert_engine_idle_and_consistent(live_server)

