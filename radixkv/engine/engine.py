@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -33,6 +33,13 @@ from radixkv.engine.sampler import Sampler
 from radixkv.engine.scheduler import Batch, Scheduler
 from radixkv.model.device import resolve_device, resolve_dtype
 from radixkv.model.loader import LoadedModel, load_model
+
+
+@dataclass(frozen=True, slots=True)
+class PinnedPrefix:
+    pin_id: int
+    num_pinned_tokens: int
+    node: Any
 
 
 class QueueFull(RuntimeError):
@@ -75,6 +82,8 @@ class Engine:
         self._requests: dict[str, list[Sequence]] = {}
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
+        self._pin_ids = itertools.count(1)
+        self._pins: dict[int, PinnedPrefix] = {}
         self.counters = {"steps": 0, "tokens_computed": 0, "prefill_tokens_computed": 0, "output_tokens": 0}
         self.timings_s = dict.fromkeys(("schedule", "prepare", "forward", "sample", "postprocess"), 0.0)
 
@@ -132,6 +141,28 @@ class Engine:
             if not seq.finished:
                 self._finish(seq, "abort")
         return self._output(seqs)
+
+    def pin(self, prefix_token_ids: list[int], salt: str | None = None) -> PinnedPrefix:
+        """Lock the cached full blocks of a prefix so eviction never takes them (until unpin).
+
+        Only what is cached now is pinned: compute the prefix first (a request for it) to pin
+        all of it. Pinned pages count as in use, not evictable.
+        """
+        # match() leaves the last token to compute; one more token lets it return every full
+        # block of the prefix itself (a partial block never matches).
+        match = self.tree.match(list(prefix_token_ids) + [0], salt, record=False)
+        self.tree.lock(match.node)
+        pinned = PinnedPrefix(next(self._pin_ids), match.num_cached_tokens, match.node)
+        self._pins[pinned.pin_id] = pinned
+        return pinned
+
+    def unpin(self, pin_id: int) -> bool:
+        """Release a pin; False if it was unknown (already released)."""
+        pinned = self._pins.pop(pin_id, None)
+        if pinned is None:
+            return False
+        self.tree.unlock(pinned.node)
+        return True
 
     def has_unfinished(self) -> bool:
         return bool(self._requests)

@@ -194,6 +194,22 @@ class CacheMachine(RuleBasedStateMachine):
             self._insert(req, precomputed=False)
             self._finish(req)
 
+    @rule(tokens=tokens_st, salt=salt_st)
+    def unmatched_request(self, tokens: list[int], salt: str | None) -> None:
+        """A request that computed every block itself (it started in the same step as another
+        with its prefix), then inserts: its path may run through unlocked leaves."""
+        need = -(-len(tokens) // self.ps)
+        if need > self.pool.num_free:
+            self.ref_evict(need - self.pool.num_free)
+        if need > self.pool.num_free:
+            return
+        self.clock += 1  # the tree ticks for the lock of its (empty) match
+        req = Req(tokens, salt, self.pool.allocate(need), self.tree.match([], salt).node, 0)
+        self.tree.lock(req.node)
+        self.requests.append(req)
+        self._insert(req, precomputed=True)
+        self._finish(req)
+
     def _finish(self, req: Req) -> None:
         self.requests.remove(req)
         self.tree.unlock(req.node)

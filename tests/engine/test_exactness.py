@@ -104,3 +104,25 @@ def test_generated_blocks_are_cached_for_the_next_turn(tiny_llama):
     assert second.num_cached_tokens == ((len(prompt) + len(first.token_ids) - 1) // 4) * 4
     assert second.token_ids == hf_greedy(llm.config.model, [second_turn], 4)[0]
     assert_all_pages_returned(llm)
+
+
+def test_real_smollm2_matches_transformers_cold_and_warm():
+    from radixkv.model.loader import ModelNotFound, default_model_gguf, resolve_model_folder
+
+    try:
+        default_model_gguf()
+    except ModelNotFound as missing:
+        pytest.skip(str(missing))
+
+    llm = LLM(None, dtype="float32", device="cpu", num_pages=256, check_invariants=True, seed=0)
+    system = {"role": "system", "content": "You are a concise assistant for a bicycle shop. " * 6}
+    conversations = [[system, {"role": "user", "content": q}] for q in ("Do you sell helmets?", "When do you open?")]
+    prompts = [llm.encode_chat(c) for c in conversations]
+    expected = hf_greedy(resolve_model_folder(None), prompts, 10)
+    params = SamplingParams(max_tokens=10)
+    cold = llm.generate(prompts, params)
+    warm = llm.generate(prompts, params)
+    assert [o.token_ids for o in cold] == expected
+    assert [o.token_ids for o in warm] == expected
+    assert all(o.num_cached_tokens >= 64 for o in warm)
+    assert_all_pages_returned(llm)
