@@ -30,7 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from radixkv.engine.async_engine import AsyncEngine, EngineStepError, EngineStopped, RequestStream
-from radixkv.engine.engine import QueueFull
+from radixkv.engine.engine import Engine, PinnedPrefix, QueueFull
 from radixkv.engine.request import InvalidRequest, RequestOutput, SamplingParams
 from radixkv.server.metrics import CONTENT_TYPE, ServerMetrics
 from radixkv.server.protocol import (
@@ -49,6 +49,9 @@ from radixkv.server.protocol import (
     ErrorResponse,
     ModelCard,
     ModelList,
+    PinRequest,
+    PinResponse,
+    UnpinResponse,
     Usage,
     make_usage,
     new_id,
@@ -66,6 +69,8 @@ _SEED_MODULUS = 1 << 43
 _INT64 = (-(1 << 63), (1 << 64) - 1)
 _COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completions API
 _SAMPLING_FIELDS = ("max_tokens", "n", "temperature", "top_p", "seed", "stop", "top_k")
+# Pins made over HTTP may lock at most this share of the page pool, so they cannot starve requests.
+_MAX_PINNED_FRACTION = 0.5
 
 
 class APIError(Exception):
@@ -148,6 +153,40 @@ class Tenants:
 # -- app state -------------------------------------------------------------------------------
 
 
+class _Pins:
+    """Pins made over HTTP and the key that made each: only that key may unpin it, and together
+    they lock at most _MAX_PINNED_FRACTION of the pool (overlapping pins count twice: a safe
+    over-estimate). Touched only on the engine thread (AsyncEngine.call), which orders them."""
+
+    def __init__(self) -> None:
+        self._owners: dict[int, tuple[bytes | None, int]] = {}  # pin_id -> (key, pages)
+        self.pages = 0
+
+    def pin(self, engine: Engine, prompt: list[int], salt: str | None, owner: bytes | None) -> PinnedPrefix:
+        pinned = engine.pin(prompt, salt)
+        pages = pinned.num_pinned_tokens // engine.pool.page_size
+        limit = int(engine.pool.num_pages * _MAX_PINNED_FRACTION)
+        if self.pages + pages > limit:
+            engine.unpin(pinned.pin_id)
+            raise APIError(
+                400,
+                f"pinning this prefix would lock {self.pages + pages} KV pages in all; the server allows at most "
+                f"{limit} pinned pages (of {engine.pool.num_pages}); unpin others first",
+                code="pin_limit_exceeded",
+            )
+        self._owners[pinned.pin_id] = (owner, pages)
+        self.pages += pages
+        return pinned
+
+    def unpin(self, engine: Engine, pin_id: int, owner: bytes | None) -> bool:
+        record = self._owners.get(pin_id)
+        if record is None or record[0] != owner:
+            return False  # unknown, or another tenant's: the same answer, so ids reveal nothing
+        del self._owners[pin_id]
+        self.pages -= record[1]
+        return engine.unpin(pin_id)
+
+
 @dataclass(slots=True)
 class _Server:
     engine: AsyncEngine
@@ -156,6 +195,7 @@ class _Server:
     model_aliases: frozenset[str]
     metrics: ServerMetrics
     created: int = field(default_factory=now_s)
+    pins: _Pins = field(default_factory=_Pins)
 
     @property
     def context_tokens(self) -> int:
@@ -236,6 +276,33 @@ def create_app(
         finals = await _until_disconnect(request, _collect(server, streams, params.n), streams)
         return JSONResponse(_completion_response(server, finals, params.n).model_dump())
 
+    # radixkv's own endpoints (not OpenAI's): pin a prefix against eviction, and unpin it.
+
+    @app.post("/v1/cache/pin")
+    async def pin_prefix(request: Request) -> Response:
+        """Compute a prefix (a one-token request) and lock its full pages in the cache until
+        DELETE /v1/cache/pin/{pin_id}; a pin lasts until then or until the server stops."""
+        key = server.tenants.authenticate(request.headers.get("authorization"))
+        body = _parse(PinRequest, await request.body())
+        if body.model is not None:
+            _check_model(server, body.model)
+        prompt = _pin_prompt(server, body)
+        salt = server.tenants.cache_salt(key, body.cache_salt)
+        streams = await _submit(server, [prompt], SamplingParams(max_tokens=1), salt)
+        await _until_disconnect(request, _collect(server, streams, 1), streams)
+        # Eviction between the request's end and the pin can only shorten what is pinned;
+        # pinned_tokens says how much was.
+        pinned = await server.engine.call_async(lambda engine: server.pins.pin(engine, prompt, salt, key))
+        response = PinResponse(pin_id=pinned.pin_id, pinned_tokens=pinned.num_pinned_tokens, prompt_tokens=len(prompt))
+        return JSONResponse(response.model_dump())
+
+    @app.delete("/v1/cache/pin/{pin_id}")
+    async def unpin_prefix(pin_id: int, request: Request) -> Response:
+        key = server.tenants.authenticate(request.headers.get("authorization"))
+        if not await server.engine.call_async(lambda engine: server.pins.unpin(engine, pin_id, key)):
+            raise APIError(404, f"no pin {pin_id} (unknown, already unpinned, or another key's)", code="not_found")
+        return JSONResponse(UnpinResponse(pin_id=pin_id).model_dump())
+
     return app
 
 
@@ -293,7 +360,7 @@ def _model_card(server: _Server) -> ModelCard:
     return ModelCard(id=server.model_name, created=server.created, max_model_len=server.engine.max_model_len)
 
 
-def _chat_prompt(server: _Server, messages: list[ChatMessage]) -> list[int]:
+def _chat_prompt(server: _Server, messages: list[ChatMessage], *, add_generation_prompt: bool = True) -> list[int]:
     if not messages:
         raise APIError(400, "messages must hold at least one message", param="messages")
     tokenizer = server.engine.tokenizer
@@ -302,7 +369,7 @@ def _chat_prompt(server: _Server, messages: list[ChatMessage]) -> list[int]:
     # "developer" is OpenAI's newer name for "system"; chat templates know only the latter.
     conversation = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
     try:
-        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=False)
     except Exception as error:  # jinja's TemplateError, or raise_exception() inside a template
         raise APIError(400, f"the chat template refused these messages: {error}", param="messages") from None
     return list(tokenizer(text, add_special_tokens=False).input_ids)
@@ -317,6 +384,22 @@ def _completion_prompts(server: _Server, body: CompletionRequest) -> list[list[i
     if any(not tokens for tokens in token_lists):
         raise APIError(400, "prompt must hold at least one token", param="prompt")
     return token_lists
+
+
+def _pin_prompt(server: _Server, body: PinRequest) -> list[int]:
+    if (body.prompt is None) == (body.messages is None):
+        raise APIError(400, "give the prefix to pin as exactly one of prompt (text or token ids) or messages")
+    if body.messages is not None:
+        prompt = _chat_prompt(server, body.messages, add_generation_prompt=False)
+        param = "messages"
+    else:
+        prompt = list(server.engine.tokenizer(body.prompt).input_ids) if isinstance(body.prompt, str) else list(body.prompt)
+        param = "prompt"
+    if not prompt:
+        raise APIError(400, f"{param} must hold at least one token", param=param)
+    if len(prompt) >= server.context_tokens:
+        raise _context_error(server.context_tokens, len(prompt), None, param)
+    return prompt
 
 
 def _sampling_params(

@@ -130,6 +130,19 @@ class CompletionRequest(_GenerationRequest):
         return list(prompt)  # type: ignore[arg-type]
 
 
+
+class PinRequest(BaseModel):
+    """radixkv's own POST /v1/cache/pin: a prefix as text, token ids, or chat messages (rendered
+    without the generation prompt, as the beginning of a longer conversation)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | list[int] | None = None
+    messages: list[ChatMessage] | None = None
+    cache_salt: str | None = Field(default=None, max_length=1024)
+
+
 # -- responses ------------------------------------------------------------------------------
 
 
@@ -224,6 +237,19 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class PinResponse(BaseModel):
+    object: Literal["cache.pin"] = "cache.pin"
+    pin_id: int
+    pinned_tokens: int  # the prefix's full pages' worth of tokens now locked
+    prompt_tokens: int
+
+
+class UnpinResponse(BaseModel):
+    object: Literal["cache.pin"] = "cache.pin"
+    pin_id: int
+    deleted: bool = True
 
 
 class ErrorBody(BaseModel):
