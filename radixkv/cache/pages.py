@@ -41,9 +41,12 @@ class PagePool:
         self.num_pages = num_pages
         self.page_size = page_size
         shape = (num_pages, page_size, num_kv_heads, head_dim)
-        # Zeroed, not empty: attention may read unwritten slots under a mask, and 0 * NaN = NaN.
-        self.k_cache: list[torch.Tensor] = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_cache: list[torch.Tensor] = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # Attention may read unwritten slots under a mask, and 0 * NaN = NaN, so a page is
+        # zeroed before its first use. Zeroing lazily (pages below a high-water mark) keeps a
+        # pool sized from free memory from costing that memory until it is used.
+        self.k_cache: list[torch.Tensor] = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_cache: list[torch.Tensor] = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self._num_zeroed_pages = 0
         # A plain list beats a numpy array for scalar reads and writes from Python.
         self._refcounts: list[int] = [0] * num_pages
         self._free: list[int] = []
@@ -70,7 +73,14 @@ class PagePool:
         refcounts = self._refcounts
         for page in pages:
             refcounts[page] = 1
+        self._zero_up_to(max(pages) + 1)
         return pages
+
+    def _zero_up_to(self, end: int) -> None:
+        if end > self._num_zeroed_pages:
+            for cache in (*self.k_cache, *self.v_cache):
+                cache[self._num_zeroed_pages : end].zero_()
+            self._num_zeroed_pages = end
 
     def incref(self, pages: Iterable[int]) -> None:
         refcounts = self._refcounts

@@ -11,7 +11,14 @@ from collections import Counter
 import pytest
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 from radixkv import SamplingParams
 from radixkv.engine.request import SeqStatus
@@ -109,7 +116,7 @@ def test_abort_mid_prefill_chunk_keeps_its_computed_blocks_for_others(tiny_loade
 
 def test_abort_the_owner_of_blocks_another_request_is_reading(tiny_loaded):
     engine = make_engine(tiny_loaded, max_batch_tokens=12, policy="fcfs")
-    prompts = [SYSTEM + [5, 6], SYSTEM + [7]]
+    prompts = [SYSTEM + [5, 6], SYSTEM + list(range(100, 130))]
     a, b = (engine.add_request(p, SamplingParams(max_tokens=8)) for p in prompts)
     [seq_a], [seq_b] = engine._requests[a], engine._requests[b]
     for _ in range(10):
@@ -182,16 +189,23 @@ class SubmitAbortStep(RuleBasedStateMachine):
         request_id = self.engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, n=n))
         self.requests[request_id] = (prompt, max_tokens)
 
-    @rule(steps=st.integers(1, 4))
+    @rule(steps=st.integers(1, 6))
     def step(self, steps):
         for _ in range(steps):
             for output in self.engine.step():
                 if output.finished:
                     self.finished[output.request_id] = [o.token_ids for o in output.outputs]
 
+    @precondition(lambda self: self.engine.has_unfinished())
     @rule(data=st.data())
-    def abort(self, data):
-        request_id = data.draw(st.sampled_from([*self.requests, "unknown"]))
+    def abort_live(self, data):
+        self._abort(data.draw(st.sampled_from(sorted(self.engine._requests))))
+
+    @rule(data=st.data())
+    def abort_ended_or_unknown(self, data):
+        self._abort(data.draw(st.sampled_from([*sorted(set(self.requests) - set(self.engine._requests)), "unknown"])))
+
+    def _abort(self, request_id: str) -> None:
         event(f"abort: {self._stage(request_id)}")
         output = abort_and_check(self.engine, request_id)
         if output is not None:
