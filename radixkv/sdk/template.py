@@ -17,9 +17,11 @@ Message = dict[str, str]
 Row = Mapping[str, Any] | str
 
 # Distinct values for every field: where renderings with different values stop agreeing is
-# where the per-row part begins. Different first characters (a letter, a digit, punctuation)
-# keep a tokenizer from merging any of them into the same token as the text before the field.
-_SENTINELS = ("A", "z", "7", "#")
+# where the per-row part begins. Their first characters differ in kind (letters, a digit,
+# punctuation, a newline, a common word) so that whatever token the text before a field merges
+# into (" " + "A" where a vocabulary lacks " A"), one of them does not, and the common prefix
+# ends before it.
+_SENTINELS = ("A", "z", "7", "#", "the", "\n")
 # A base-model rendering of a worked example: the user part, this, then the answer.
 PLAIN_ANSWER_SEPARATOR = " "
 PLAIN_PART_SEPARATOR = "\n\n"
@@ -121,13 +123,13 @@ class PromptTemplate:
 
     def shared_token_ids(self, tokenizer: Any, *, chat: bool) -> list[int]:
         """The token ids every row begins with: where renderings with different values part."""
-        return _common_prefix([encode(tokenizer, self.render(r, chat=chat)) for r in self._sentinel_rows()])
+        return common_prefix([encode(tokenizer, self.render(r, chat=chat)) for r in self._sentinel_rows()])
 
     def shared_prompt(self, *, chat: bool) -> Prompt:
         """The shared part without a tokenizer: the messages before the row's (chat), or the
         text before its first field (plain)."""
         if not chat:
-            return Prompt(text="".join(_common_prefix([list(self.text(r)) for r in self._sentinel_rows()])))
+            return Prompt(text="".join(common_prefix([list(self.text(r)) for r in self._sentinel_rows()])))
         if self.system_fields:
             raise TemplateError(
                 f"the system prompt holds field(s) {list(self.system_fields)}, so no whole message is shared; "
@@ -141,9 +143,9 @@ class PromptTemplate:
         if not self.system_fields:
             return
         rows = self._sentinel_rows()
-        shared = len(_common_prefix([encode_fn(self.render(r, chat=chat)) for r in rows]))
+        shared = len(common_prefix([encode_fn(self.render(r, chat=chat)) for r in rows]))
         fixed_system = {name: _SENTINELS[0] for name in self.system_fields}
-        possible = len(_common_prefix([encode_fn(self.render({**r, **fixed_system}, chat=chat)) for r in rows]))
+        possible = len(common_prefix([encode_fn(self.render({**r, **fixed_system}, chat=chat)) for r in rows]))
         if shared < possible:
             warnings.warn(
                 f"field(s) {list(self.system_fields)} in the system prompt break the shared prefix: rows share "
@@ -213,12 +215,14 @@ def render_rows(template: PromptTemplate, rows: Iterable[Row], *, chat: bool, to
         return RenderedRows(prompts, errors, None)
     template.check_placement(lambda p: encode(tokenizer, p), chat=chat)
     shared = template.shared_token_ids(tokenizer, chat=chat)
-    broken = [i for i, p in enumerate(prompts) if p is not None and p.token_ids[: len(shared)] != shared]
+    broken = {i: len(common_prefix([p.token_ids, shared])) for i, p in enumerate(prompts) if p is not None}
+    broken = {i: n for i, n in broken.items() if n < len(shared)}
     if broken:
+        first = min(broken)
         warnings.warn(
-            f"{len(broken)} of {len(prompts)} rows (first: row {broken[0]}) do not begin with the template's "
-            f"{len(shared)} shared tokens: their field text merges with the tokens before it, so those rows "
-            "share less of the cached prefix",
+            f"{len(broken)} of {len(prompts)} rows (first: row {first}) do not begin with the template's "
+            f"{len(shared)} shared tokens (row {first} shares {broken[first]}): their field text merges with "
+            "the tokens before it, so those rows share less of the cached prefix",
             TemplateWarning,
             stacklevel=3,
         )
@@ -248,7 +252,7 @@ def _pattern_fields(pattern: str, where: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names))
 
 
-def _common_prefix(sequences: Sequence[Sequence[Any]]) -> list[Any]:
+def common_prefix(sequences: Sequence[Sequence[Any]]) -> list[Any]:
     first = sequences[0]
     length = min(len(s) for s in sequences)
     for i in range(length):

@@ -1,0 +1,73 @@
+"""Few-shot sentiment classification with the radixkv SDK: one 5-shot template run over a list
+of reviews. The system prompt and the examples are computed once; every other row is served
+them from the prefix cache and computes only its own review.
+
+    python -m scenarios.few_shot_classify
+
+Copy it as a starting point: change the examples, the inputs, or pass a model to LLM(). For a
+running `radixkv serve`, pass `openai.OpenAI(base_url=".../v1", api_key=...)` instead of `llm`.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from radixkv import LLM, SamplingParams
+from radixkv.sdk import PromptTemplate, run_batch
+
+LABELS = ("positive", "negative", "neutral")
+
+TEMPLATE = PromptTemplate(
+    system=(
+        "You classify the sentiment of customer reviews of a bicycle shop. "
+        "Answer with exactly one word: positive, negative or neutral."
+    ),
+    examples=[
+        ("The battery died after two days and support never answered.", "negative"),
+        ("Delivery was fast and the bike rides beautifully.", "positive"),
+        ("It works. Nothing special, nothing wrong.", "neutral"),
+        ("Best purchase this year, my commute is half as long.", "positive"),
+        ("The frame arrived scratched and the refund took a month.", "negative"),
+    ],
+    user="Review: {review}",
+)
+
+REVIEWS = [
+    "The chain snapped on the first ride.",
+    "Lovely colour and very light.",
+    "Arrived on time, does what it says.",
+    "Customer service was rude and slow.",
+    "I ride to work every day now, thank you!",
+    "The lights are dim but usable.",
+    "The motor is loud on hills and the app keeps crashing.",
+    "Perfect for my kids, easy to adjust.",
+    "Average bike for an average price.",
+    "Terrible brakes, I almost crashed.",
+    "The staff helped me pick the right size. Great experience.",
+    "The saddle is okay.",
+]
+
+
+def label_of(text: str) -> str:
+    words = text.strip().lower().split()
+    word = words[0].strip(".,!:;\"'") if words else ""
+    return word if word in LABELS else f"? ({text.strip()!r})"
+
+
+def main() -> int:
+    llm = LLM()  # the default model, SmolLM2-135M-Instruct
+    results = run_batch(llm, TEMPLATE, REVIEWS, SamplingParams(max_tokens=3))
+    print(f"\n{'review':<58} {'label':<9} cached/prompt tokens")
+    for review, result in zip(REVIEWS, results):
+        if not result.ok:
+            print(f"{review[:57]:<58} error: {result.error}")
+            continue
+        print(f"{review[:57]:<58} {label_of(result.text):<9} {result.cached_tokens}/{result.prompt_tokens}")
+    prompt_tokens = sum(r.prompt_tokens for r in results)
+    cached_tokens = sum(r.cached_tokens for r in results)
+    print(f"\ncache hit rate: {cached_tokens}/{prompt_tokens} prompt tokens = {cached_tokens / prompt_tokens:.0%}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""The HTTP backend against a live `radixkv serve` on the same tiny model: the same results as
+in process, cache hits reported per row, per-row errors, sessions, and pins over
+/v1/cache/pin (owned by the key that made them)."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from radixkv import SamplingParams
+from radixkv.sdk import GenerationError, HTTPBackend, PromptTemplate, Session, as_backend, generate_all, pin, run_batch
+
+from .conftest import KEY_A, KEY_B, PAGE_SIZE, make_llm
+from .data import EXAMPLES, five_shot, rows
+
+PARAMS = SamplingParams(max_tokens=6)
+
+
+def template(tag: str) -> PromptTemplate:
+    """A 5-shot template whose system prompt no other test has cached on the server."""
+    base = five_shot()
+    return PromptTemplate(system=f"[{tag}] {base.system}", examples=EXAMPLES, user=base.user)
+
+
+def test_backend_is_chosen_by_what_is_passed(live_server, llm):
+    assert isinstance(as_backend(live_server.client()), HTTPBackend)
+    assert isinstance(as_backend(live_server.base_url, api_key=KEY_A), HTTPBackend)
+    assert as_backend(llm).identity is llm
+    with pytest.raises(TypeError, match="radixkv.LLM"):
+        as_backend(42)
+
+
+@pytest.mark.parametrize("with_tokenizer", [False, True])
+def test_http_gives_the_same_results_as_in_process(live_server, tiny_model_dir, with_tokenizer):
+    tpl = template(f"http {with_tokenizer}")
+    data = rows(20, seed=3)
+    local = make_llm(tiny_model_dir)
+    expected = run_batch(local, tpl, data, PARAMS, progress=False)
+    tokenizer = local.tokenizer if with_tokenizer else None
+    backend = HTTPBackend(live_server.client(), tokenizer=tokenizer, max_concurrency=4)
+    results = run_batch(backend, tpl, data, PARAMS, progress=False)
+
+    assert all(r.ok for r in results)
+    assert [r.text for r in results] == [e.text for e in expected]
+    assert [r.prompt_tokens for r in results] == [e.prompt_tokens for e in expected]
+    assert [r.completion_tokens for r in results] == [e.completion_tokens for e in expected]
+    shared = len(tpl.shared_token_ids(local.tokenizer, chat=True))
+    assert results[0].cached_tokens < shared // PAGE_SIZE * PAGE_SIZE  # the first row computes the template
+    assert all(r.cached_tokens >= shared // PAGE_SIZE * PAGE_SIZE for r in results[1:])
+
+
+def test_a_bad_row_fails_alone_over_http(live_server):
+    tpl = template("bad row")
+    backend = HTTPBackend(live_server.base_url, api_key=KEY_A)  # a base URL without /v1 works too
+    results = run_batch(backend, tpl, ["Fine.", "word " * 600, "Awful."], PARAMS, progress=False)
+    assert results[0].ok and results[2].ok
+    assert results[1].error.startswith("HTTP 400") and "maximum context length" in results[1].error
+
+
+def test_sessions_and_forks_over_http_match_in_process(live_server, tiny_model_dir):
+    system = "You are a helpful assistant (http session). " * 3
+    branches = ["What is the capital of France?", "The quick brown fox?", "Prefix caching?"]
+
+    def converse(backend):
+        session = Session(backend, system=system)
+        first = session.user("Question: what is the capital of France?").generate(PARAMS)
+        forks = session.fork(len(branches))
+        for fork, branch in zip(forks, branches):
+            fork.user(branch)
+        return first, generate_all(forks, PARAMS), forks
+
+    first_local, replies_local, _ = converse(make_llm(tiny_model_dir))
+    first_http, replies_http, forks = converse(live_server.client())
+    assert first_http.text == first_local.text
+    assert [r.text for r in replies_http] == [r.text for r in replies_local]
+    assert all(r.cached_tokens >= first_http.prompt_tokens // PAGE_SIZE * PAGE_SIZE for r in replies_http)
+    assert forks[0].messages[-1] == {"role": "assistant", "content": replies_http[0].text}
+
+
+def test_pin_over_http(live_server, tiny_model_dir):
+    tpl = template("pinned")
+    local = make_llm(tiny_model_dir)
+    shared = len(tpl.shared_token_ids(local.tokenizer, chat=True))
+    client = live_server.client()
+
+    def locked_pages() -> int:
+        return live_server.engine_call(lambda engine: engine.tree.locked_pages)
+
+    before = locked_pages()
+    handle = pin(HTTPBackend(client, tokenizer=local.tokenizer), tpl)  # as token ids
+    assert handle.prompt_tokens == shared and handle.pinned_tokens == shared // PAGE_SIZE * PAGE_SIZE
+    assert locked_pages() == before + handle.pinned_tokens // PAGE_SIZE
+    [row] = run_batch(client, tpl, ["Pinned?"], PARAMS, progress=False)
+    assert row.cached_tokens >= handle.pinned_tokens
+
+    # Only the key that pinned may unpin; others are told it does not exist.
+    other = httpx.delete(f"{live_server.base_url}/v1/cache/pin/{handle.pin_id}", headers={"Authorization": f"Bearer {KEY_B}"})
+    assert other.status_code == 404 and other.json()["error"]["code"] == "not_found"
+    assert handle.unpin() and locked_pages() == before
+    assert not HTTPBackend(client).unpin(handle.pin_id)  # already gone
+
+    with pin(client, tpl) as by_messages:  # no tokenizer: the system prompt and examples as messages
+        assert 0 < by_messages.pinned_tokens <= by_messages.prompt_tokens < shared
+    assert locked_pages() == before
+
+
+def test_pin_endpoint_errors(live_server):
+    http = httpx.Client(base_url=live_server.base_url, headers={"Authorization": f"Bearer {KEY_A}"}, timeout=30)
+    both = http.post("/v1/cache/pin", json={"prompt": "a", "messages": [{"role": "user", "content": "a"}]})
+    assert both.status_code == 400 and "exactly one" in both.json()["error"]["message"]
+    too_long = http.post("/v1/cache/pin", json={"prompt": list(range(1, 300)) * 2})
+    assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "context_length_exceeded"
+    wrong_model = http.post("/v1/cache/pin", json={"model": "nope", "prompt": "a"})
+    assert wrong_model.status_code == 404
+    assert httpx.post(f"{live_server.base_url}/v1/cache/pin", json={"prompt": "a"}).status_code == 401
+    with pytest.raises(GenerationError, match="HTTP 400"):
+        pin(live_server.client(), "")
