@@ -17,11 +17,10 @@ from radixkv.sdk import PromptTemplate, run_batch
 
 LABELS = ("positive", "negative", "neutral")
 
+# chat=False: a completion-style prompt ("Review: ...\nSentiment: label"), which a model this
+# small follows far better than chat turns; leave it out to render through the chat template.
 TEMPLATE = PromptTemplate(
-    system=(
-        "You classify the sentiment of customer reviews of a bicycle shop. "
-        "Answer with exactly one word: positive, negative or neutral."
-    ),
+    system="Classify the sentiment of each customer review as positive, negative or neutral.",
     examples=[
         ("The battery died after two days and support never answered.", "negative"),
         ("Delivery was fast and the bike rides beautifully.", "positive"),
@@ -29,7 +28,8 @@ TEMPLATE = PromptTemplate(
         ("Best purchase this year, my commute is half as long.", "positive"),
         ("The frame arrived scratched and the refund took a month.", "negative"),
     ],
-    user="Review: {review}",
+    user="Review: {review}\nSentiment:",
+    chat=False,
 )
 
 REVIEWS = [
@@ -56,13 +56,14 @@ def label_of(text: str) -> str:
 
 def main() -> int:
     llm = LLM()  # the default model, SmolLM2-135M-Instruct
-    results = run_batch(llm, TEMPLATE, REVIEWS, SamplingParams(max_tokens=3))
-    print(f"\n{'review':<58} {'label':<9} cached/prompt tokens")
+    results = run_batch(llm, TEMPLATE, REVIEWS, SamplingParams(max_tokens=2))
+    width = max(map(len, REVIEWS)) + 2
+    print(f"\n{'review':<{width}} {'label':<9} cached/prompt tokens")
     for review, result in zip(REVIEWS, results):
         if not result.ok:
-            print(f"{review[:57]:<58} error: {result.error}")
+            print(f"{review:<{width}} error: {result.error}")
             continue
-        print(f"{review[:57]:<58} {label_of(result.text):<9} {result.cached_tokens}/{result.prompt_tokens}")
+        print(f"{review:<{width}} {label_of(result.text):<9} {result.cached_tokens}/{result.prompt_tokens}")
     prompt_tokens = sum(r.prompt_tokens for r in results)
     cached_tokens = sum(r.cached_tokens for r in results)
     print(f"\ncache hit rate: {cached_tokens}/{prompt_tokens} prompt tokens = {cached_tokens / prompt_tokens:.0%}")

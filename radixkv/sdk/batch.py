@@ -29,7 +29,8 @@ def run_batch(
     context) carries `error` and costs no other row."""
     runner = as_backend(backend)
     params = params or SamplingParams()
-    rendered = render_rows(template, list(rows), chat=runner.chat, tokenizer=runner.tokenizer)
+    chat = template.uses_chat(runner.chat)
+    rendered = render_rows(template, list(rows), chat=chat, tokenizer=runner.tokenizer)
     results: list[Result | None] = [None] * len(rendered.prompts)
     bar = _Progress(len(results), enabled=progress)
     try:
@@ -67,9 +68,10 @@ def _prefix_prompt(runner: Any, prefix: Prefix) -> Prompt:
     if isinstance(prefix, Prompt):
         return prefix
     if isinstance(prefix, PromptTemplate):
+        chat = prefix.uses_chat(runner.chat)
         if runner.tokenizer is not None:
-            return Prompt(token_ids=prefix.shared_token_ids(runner.tokenizer, chat=runner.chat))
-        return prefix.shared_prompt(chat=runner.chat)
+            return Prompt(token_ids=prefix.shared_token_ids(runner.tokenizer, chat=chat))
+        return prefix.shared_prompt(chat=chat)
     if isinstance(prefix, str):
         return Prompt(text=prefix)
     items = list(prefix)

@@ -72,11 +72,15 @@ class PromptTemplate:
     user message. A base model sees the same parts as text, separated by blank lines, each
     example as `user + " " + answer`. Everything before the row's first field is the shared
     prefix that the cache serves to every row; a field in the system prompt cuts it short.
+
+    `chat=None` renders through the chat template when the model has one; `chat=False` renders
+    plain text even for a chat model (completion-style few-shot prompts suit small models).
     """
 
     system: str | None = None
     examples: Sequence[tuple[Row, str]] = ()
     user: str = "{input}"
+    chat: bool | None = None
     fields: tuple[str, ...] = field(init=False)
     system_fields: tuple[str, ...] = field(init=False)
     _examples: list[tuple[dict[str, Any], str]] = field(init=False, repr=False)
@@ -115,6 +119,12 @@ class PromptTemplate:
             parts.append(self._format(self.user, example_fields) + PLAIN_ANSWER_SEPARATOR + answer)
         parts.append(self._format(self.user, values))
         return PLAIN_PART_SEPARATOR.join(parts)
+
+    def uses_chat(self, model_has_chat_template: bool) -> bool:
+        """Whether rows render as chat messages on a model with (or without) a chat template."""
+        if self.chat and not model_has_chat_template:
+            raise TemplateError("the template asks for chat rendering (chat=True) but the model has no chat template")
+        return model_has_chat_template if self.chat is None else self.chat
 
     def render(self, row: Row, *, chat: bool) -> Prompt:
         return Prompt(messages=self.messages(row)) if chat else Prompt(text=self.text(row))

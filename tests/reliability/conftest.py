@@ -109,11 +109,11 @@ class Live:
 
 @pytest.fixture(scope="session")
 def live(tiny_dir) -> Iterator[Live]:
-    """A server whose context (128 tokens) bounds every valid request, so fuzzed bodies that
+    """A server whose context (80 tokens) bounds every valid request, so fuzzed bodies that
     are accepted still finish in a moment; a pool and queue large enough that n=64 fits."""
     engine = Engine(
         EngineConfig(
-            model=str(tiny_dir), dtype="float32", device="cpu", page_size=4, num_pages=2048, max_model_len=128,
+            model=str(tiny_dir), dtype="float32", device="cpu", page_size=4, num_pages=2048, max_model_len=80,
             max_queue_len=2048, check_invariants=True,
         )
     )

@@ -151,18 +151,12 @@ def test_abort_after_finishing_and_of_unknown_ids_changes_nothing(tiny_loaded):
 
 # -- random sequences of submit / step / abort ----------------------------------------------
 
-SUBMIT = st.tuples(
-    st.just("submit"),
-    st.sampled_from(range(len(PREFIXES))),
-    st.lists(st.integers(1, VOCAB - 1), min_size=1, max_size=10),
-    st.sampled_from([16, 12, 8, 3, 1]),
-    st.sampled_from([1, 2, 1]),
-)
-STEP = st.tuples(st.just("step"), st.sampled_from([6, 1, 3, 12]))
-ABORT_LIVE = st.tuples(st.just("abort live"), st.integers(0, 1000), st.booleans())
-ABORT_OTHER = st.tuples(st.just("abort other"), st.integers(0, 1000))
-OPS = st.lists(st.one_of(SUBMIT, SUBMIT, STEP, STEP, STEP, STEP, ABORT_LIVE, ABORT_LIVE, ABORT_OTHER), min_size=15, max_size=40)
-
+# (shared prefix index, tail length, max_tokens, n); tails are random, so prompts differ.
+SUBMIT = st.tuples(st.sampled_from(range(len(PREFIXES))), st.integers(1, 10), st.sampled_from([16, 12, 8, 3, 1]), st.sampled_from([1, 2, 1]))
+# Which kind of request to abort, and which one of that kind.
+ABORT = st.tuples(st.sampled_from(["running", "waiting", "ended"]), st.integers(0, 1000))
+# A round: submit some, step some, abort some.
+ROUND = st.tuples(st.lists(SUBMIT, max_size=4), st.sampled_from([3, 0, 1, 6, 12]), st.lists(ABORT, max_size=2))
 
 def stage_of(engine, request_id: str, finished: dict) -> str:
     seqs = engine._requests.get(request_id)
@@ -176,15 +170,15 @@ def stage_of(engine, request_id: str, finished: dict) -> str:
     return "decoding"
 
 
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
-    num_pages=st.integers(17, 24),  # the longest request needs 17 pages of 4 tokens
+    num_pages=st.integers(14, 18),  # the longest request (40 + 16 tokens) needs 14 pages of 4
     max_batch_tokens=st.sampled_from([16, 512, 7]),
     max_num_seqs=st.sampled_from([8, 3, 1]),
     policy=st.sampled_from(["lpm", "fcfs"]),
-    ops=OPS,
+    rounds=st.lists(ROUND, min_size=3, max_size=10),
 )
-def test_random_submit_abort_step_sequences(tiny_loaded, num_pages, max_batch_tokens, max_num_seqs, policy, ops):
+def test_random_submit_abort_step_sequences(tiny_loaded, num_pages, max_batch_tokens, max_num_seqs, policy, rounds):
     engine = make_engine(
         tiny_loaded, num_pages=num_pages, max_batch_tokens=max_batch_tokens, max_num_seqs=max_num_seqs, policy=policy
     )
@@ -192,37 +186,30 @@ def test_random_submit_abort_step_sequences(tiny_loaded, num_pages, max_batch_to
     finished: dict[str, list[list[int]]] = {}
     aborted: dict[str, list[list[int]]] = {}
 
-    def record(outputs) -> None:
-        for output in outputs:
-            if output.finished:
-                finished[output.request_id] = [o.token_ids for o in output.outputs]
-
-    for op in ops:
-        kind = op[0]
-        if kind == "submit":
-            _, prefix, tail, max_tokens, n = op
-            prompt = PREFIXES[prefix] + tail
+    for submits, steps, aborts in rounds:
+        for prefix, tail_len, max_tokens, n in submits:
+            rng = random.Random(len(requests))
+            prompt = PREFIXES[prefix] + [rng.randrange(1, VOCAB) for _ in range(tail_len)]
             requests[engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, n=n))] = (prompt, max_tokens)
-        elif kind == "step":
-            for _ in range(op[1]):
-                record(engine.step())
-        else:
-            live = sorted(engine._requests)
+            engine.check_invariants()
+        for _ in range(steps):
+            for output in engine.step():
+                if output.finished:
+                    finished[output.request_id] = [o.token_ids for o in output.outputs]
+        for kind, pick in aborts:
             running = sorted({seq.request_id for seq in engine.scheduler.running})
-            others = [*sorted(set(requests) - set(live)), "unknown"]
-            pool = others
-            if kind == "abort live" and live:
-                pool = running if op[2] and running else live
-            request_id = pool[op[1] % len(pool)]
+            waiting = sorted({seq.request_id for seq in engine.scheduler.waiting} - set(running))
+            ended = [*sorted(set(requests) - set(engine._requests)), "unknown"]
+            candidates = {"running": running, "waiting": waiting, "ended": ended}[kind] or ended
+            request_id = candidates[pick % len(candidates)]
             event(f"abort {stage_of(engine, request_id, finished)}")
             output = abort_and_check(engine, request_id)
             if output is not None:
                 aborted[request_id] = [o.token_ids for o in output.outputs]
-        engine.check_invariants()
 
     event(f"preempted: {engine.scheduler.num_preemptions > 0}")
-    record(run_to_end(engine).values())
-    print("DBG", len(ops), engine.counters["steps"], num_pages, max_num_seqs, max_batch_tokens, engine.scheduler.num_preemptions, engine.stats()["cache"]["evicted_pages"], [(len(p), m, len(finished.get(r, aborted.get(r, [[]]))[0])) for r, (p, m) in requests.items()])
+    for output in run_to_end(engine).values():
+        finished[output.request_id] = [o.token_ids for o in output.outputs]
     assert_pages_returned(engine)
     assert set(finished) | set(aborted) == set(requests) and not set(finished) & set(aborted)
     ids = list(requests)

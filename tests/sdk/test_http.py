@@ -16,10 +16,10 @@ from .data import EXAMPLES, five_shot, rows
 PARAMS = SamplingParams(max_tokens=6)
 
 
-def template(tag: str) -> PromptTemplate:
+def template(tag: str, chat: bool | None = None) -> PromptTemplate:
     """A 5-shot template whose system prompt no other test has cached on the server."""
     base = five_shot()
-    return PromptTemplate(system=f"[{tag}] {base.system}", examples=EXAMPLES, user=base.user)
+    return PromptTemplate(system=f"[{tag}] {base.system}", examples=EXAMPLES, user=base.user, chat=chat)
 
 
 def test_backend_is_chosen_by_what_is_passed(live_server, llm):
@@ -30,9 +30,10 @@ def test_backend_is_chosen_by_what_is_passed(live_server, llm):
         as_backend(42)
 
 
-@pytest.mark.parametrize("with_tokenizer", [False, True])
-def test_http_gives_the_same_results_as_in_process(live_server, tiny_model_dir, with_tokenizer):
-    tpl = template(f"http {with_tokenizer}")
+@pytest.mark.parametrize(("with_tokenizer", "chat"), [(False, None), (True, None), (False, False)])
+def test_http_gives_the_same_results_as_in_process(live_server, tiny_model_dir, with_tokenizer, chat):
+    """Chat templates go to /v1/chat/completions, plain text (chat=False) to /v1/completions."""
+    tpl = template(f"http {with_tokenizer} {chat}", chat=chat)
     data = rows(20, seed=3)
     local = make_llm(tiny_model_dir)
     expected = run_batch(local, tpl, data, PARAMS, progress=False)
@@ -44,7 +45,7 @@ def test_http_gives_the_same_results_as_in_process(live_server, tiny_model_dir, 
     assert [r.text for r in results] == [e.text for e in expected]
     assert [r.prompt_tokens for r in results] == [e.prompt_tokens for e in expected]
     assert [r.completion_tokens for r in results] == [e.completion_tokens for e in expected]
-    shared = len(tpl.shared_token_ids(local.tokenizer, chat=True))
+    shared = len(tpl.shared_token_ids(local.tokenizer, chat=chat is None))
     assert results[0].cached_tokens < shared // PAGE_SIZE * PAGE_SIZE  # the first row computes the template
     assert all(r.cached_tokens >= shared // PAGE_SIZE * PAGE_SIZE for r in results[1:])
 
@@ -115,3 +116,19 @@ def test_pin_endpoint_errors(live_server):
     assert httpx.post(f"{live_server.base_url}/v1/cache/pin", json={"prompt": "a"}).status_code == 401
     with pytest.raises(GenerationError, match="HTTP 400"):
         pin(live_server.client(), "")
+
+
+def test_pins_may_lock_at_most_half_the_pool(live_server):
+    backend = HTTPBackend(live_server.client())
+    prefixes = [[(7 * k + i) % 300 + 1 for i in range(500)] for k in range(3)]  # 125 pages each, of 512
+    handles = []
+    try:
+        handles.append(pin(backend, prefixes[0]))
+        handles.append(pin(backend, prefixes[1]))
+        with pytest.raises(GenerationError, match="at most 256 pinned pages"):
+            pin(backend, prefixes[2])
+        assert live_server.engine_call(lambda engine: engine.tree.locked_pages) >= 250
+    finally:
+        for handle in handles:
+            handle.unpin()
+    assert pin(backend, prefixes[2]).unpin()  # room again once the others are gone

@@ -84,3 +84,10 @@ def test_a_prompt_is_messages_or_text():
         Prompt()
     with pytest.raises(TemplateError):
         Prompt(messages=[], text="x")
+
+
+def test_chat_rendering_follows_the_model_unless_the_template_says():
+    assert PromptTemplate().uses_chat(True) and not PromptTemplate().uses_chat(False)
+    assert not PromptTemplate(chat=False).uses_chat(True)
+    with pytest.raises(TemplateError, match="no chat template"):
+        PromptTemplate(chat=True).uses_chat(False)
