@@ -60,6 +60,13 @@ def load_tokenizer(model: str | None):
     return load(resolve_model_folder(model))
 
 
+def scenario_main(argv: list[str] | None, description: str, defaults: dict, build: Callable) -> int:
+    """The whole of a scenario's `main`: parse its options, build its workload, run the peers."""
+    args = parse_args(argv, description, defaults)
+    run(build(args), peer_list(args.peers), args.out)
+    return 0
+
+
 def run(workload: Workload, peers: list[str], out: str, after: Callable[[], dict] | None = None) -> dict:
     results = []
     for peer in peers:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-from scenarios.harness import load_tokenizer, parse_args, peer_list, run, text_tokens
+from scenarios.harness import load_tokenizer, scenario_main, text_tokens
 from scenarios.peers import Workload
 
 DEFAULTS = dict(
@@ -24,9 +24,7 @@ def build(args) -> Workload:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv, __doc__, DEFAULTS)
-    run(build(args), peer_list(args.peers), args.out)
-    return 0
+    return scenario_main(argv, __doc__, DEFAULTS, build)
 
 
 if __name__ == "__main__":
