@@ -65,16 +65,18 @@ class LLM:
     def _run(self, token_lists: list[list[int]], params: list[SamplingParams], salt: str | None) -> list[RequestOutput]:
         # Validate everything before queueing anything, so a bad prompt leaves nothing behind.
         for tokens, p in zip(token_lists, params):
-            self.engine._validate(tokens, p)
-        ids = [self.engine.add_request(tokens, p, salt=salt) for tokens, p in zip(token_lists, params)]
+            self.engine._validate(tokens, p, salt)
+        ids: list[str] = []
         results: dict[str, RequestOutput] = {}
         try:
+            for tokens, p in zip(token_lists, params):  # a full queue raises part way through
+                ids.append(self.engine.add_request(tokens, p, salt=salt))
             while len(results) < len(ids):
                 for output in self.engine.step():
                     if output.finished:
                         results[output.request_id] = output
         finally:
-            for request_id in ids:  # an interrupt must not leave requests holding pages
+            for request_id in ids:  # an error or interrupt must not leave requests behind
                 if request_id not in results:
                     self.engine.abort(request_id)
         return [results[i] for i in ids]

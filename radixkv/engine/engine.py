@@ -98,7 +98,7 @@ class Engine:
         request_id: str | None = None,
     ) -> str:
         params = params or SamplingParams()
-        self._validate(prompt_token_ids, params)
+        self._validate(prompt_token_ids, params, salt)
         if len(self.scheduler.waiting) + params.n > self.config.max_queue_len:
             raise QueueFull(f"the waiting queue is full ({self.config.max_queue_len} requests); retry later")
         request_id = request_id if request_id is not None else f"req-{next(self._request_ids)}"
@@ -114,7 +114,7 @@ class Engine:
             self.scheduler.add(seq)
         return request_id
 
-    def _validate(self, prompt: list[int], params: SamplingParams) -> None:
+    def _validate(self, prompt: list[int], params: SamplingParams, salt: str | None = None) -> None:
         if not prompt:
             raise InvalidRequest("the prompt is empty; it needs at least one token")
         vocab = self.model_config.vocab_size
@@ -130,6 +130,28 @@ class Engine:
         if pages > self.pool.num_pages:
             raise InvalidRequest(
                 f"the request needs up to {pages} KV pages ({total} tokens) but the pool has {self.pool.num_pages}"
+            )
+        if self._pins:
+            self._check_room_beside_pins(prompt, pages, salt)
+
+    def _check_room_beside_pins(self, prompt: list[int], pages: int, salt: str | None) -> None:
+        # Pinned pages are never evicted, so a request that cannot fit beside them would wait
+        # forever. The pinned blocks it starts with are its own and do not count against it.
+        pinned: set[int] = set()
+        for pin in self._pins.values():
+            node = pin.node
+            while node is not None:
+                pinned.update(node.pages)
+                node = node.parent
+        shared = 0
+        if self.kv.enable_prefix_caching:
+            match = self.tree.match(prompt, salt, record=False)
+            shared = sum(1 for page in match.pages if page in pinned)
+        room = self.pool.num_pages - len(pinned)
+        if pages - shared > room:
+            raise InvalidRequest(
+                f"the request needs up to {pages - shared} KV pages besides pinned ones, but pins hold {len(pinned)} "
+                f"of the pool's {self.pool.num_pages}, leaving {room}; unpin a prefix or send a shorter request"
             )
 
     def abort(self, request_id: str) -> RequestOutput | None:

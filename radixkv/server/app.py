@@ -155,7 +155,8 @@ class Tenants:
 
 class _Pins:
     """Pins made over HTTP and the key that made each: only that key may unpin it, and together
-    they lock at most _MAX_PINNED_FRACTION of the pool (overlapping pins count twice: a safe
+    they lock at most _MAX_PINNED_FRACTION of the pool, and never so much that a request of the
+    whole context no longer fits beside them (overlapping pins count twice: a safe
     over-estimate). Touched only on the engine thread (AsyncEngine.call), which orders them."""
 
     def __init__(self) -> None:
@@ -164,8 +165,12 @@ class _Pins:
 
     def pin(self, engine: Engine, prompt: list[int], salt: str | None, owner: bytes | None) -> PinnedPrefix:
         pinned = engine.pin(prompt, salt)
-        pages = pinned.num_pinned_tokens // engine.pool.page_size
-        limit = int(engine.pool.num_pages * _MAX_PINNED_FRACTION)
+        pool, page_size = engine.pool, engine.pool.page_size
+        pages = pinned.num_pinned_tokens // page_size
+        # Pinned pages are never evicted: leave room for a request of the whole context, or a
+        # request the server accepted could wait forever for pages no one will give back.
+        context_pages = -(-min(engine.max_model_len, pool.num_pages * page_size) // page_size)
+        limit = max(0, min(int(pool.num_pages * _MAX_PINNED_FRACTION), pool.num_pages - context_pages))
         if self.pages + pages > limit:
             engine.unpin(pinned.pin_id)
             raise APIError(
@@ -357,7 +362,8 @@ def _check_model(server: _Server, model: str) -> None:
 
 
 def _model_card(server: _Server) -> ModelCard:
-    return ModelCard(id=server.model_name, created=server.created, max_model_len=server.engine.max_model_len)
+    # The limit requests are held to: the model's context, or less when the page pool is smaller.
+    return ModelCard(id=server.model_name, created=server.created, max_model_len=server.context_tokens)
 
 
 def _chat_prompt(server: _Server, messages: list[ChatMessage], *, add_generation_prompt: bool = True) -> list[int]:

@@ -12,25 +12,36 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 TESTS = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(TESTS))
 sys.path.insert(0, str(TESTS / "engine"))
-from engine_helpers import hf_greedy  # noqa: E402,F401 - re-exported for the tests here
-from server.conftest import CHAT_TEMPLATE, ServerThread, wait_until  # noqa: E402
-from tiny_models import make_tiny_model  # noqa: E402
+from engine_helpers import hf_greedy  # noqa: F401 - re-exported for the tests here
+from server.conftest import CHAT_TEMPLATE, ServerThread, wait_until
+from tiny_models import make_tiny_model
 
-from radixkv.attention import make_backend  # noqa: E402
-from radixkv.config import EngineConfig  # noqa: E402
-from radixkv.engine.async_engine import AsyncEngine  # noqa: E402
-from radixkv.engine.engine import Engine  # noqa: E402
-from radixkv.model.loader import LoadedModel, load_model  # noqa: E402
-from radixkv.server.app import create_app  # noqa: E402
+from radixkv.attention import make_backend
+from radixkv.config import EngineConfig
+from radixkv.engine.async_engine import AsyncEngine
+from radixkv.engine.engine import Engine
+from radixkv.model.loader import LoadedModel, load_model
+from radixkv.server.app import create_app
 
 KEY_A = "sk-reliability-a"
 KEY_B = "sk-reliability-b"
 MODEL = "tiny-llama"
 VOCAB = 320
+
+
+@pytest.fixture(scope="package", autouse=True)
+def _one_torch_thread() -> Iterator[None]:
+    """Tiny models gain nothing from intra-op threads, and on a busy 2-core machine the
+    threads' spin-waiting made each step ~20x slower; restored for the other packages."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")

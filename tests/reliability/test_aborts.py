@@ -1,20 +1,29 @@
 """Aborts at every stage — waiting, waiting again after a preemption, mid-prefill chunk,
 decoding, after finishing — give back exactly the page references the request held, and the
-requests left running still produce their exact greedy tokens. A state machine drives random
-submit/step/abort sequences; the engine checks its page accounting after every step."""
+requests left running still produce their exact greedy tokens. Hypothesis drives random rounds
+of submit, step and abort; the engine checks its page accounting after every step. A step that
+fails (an injected fault) loses no page either."""
 
 from __future__ import annotations
 
 import random
 from collections import Counter
 
+import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from radixkv import SamplingParams
 from radixkv.engine.request import SeqStatus
 
-from .conftest import VOCAB, assert_pages_returned, held_pages, make_engine, refcounts, run_to_end
+from .conftest import (
+    VOCAB,
+    assert_pages_returned,
+    held_pages,
+    make_engine,
+    refcounts,
+    run_to_end,
+)
 
 _rng = random.Random(3)
 SYSTEM = [_rng.randrange(1, VOCAB) for _ in range(40)]
@@ -152,11 +161,17 @@ def test_abort_after_finishing_and_of_unknown_ids_changes_nothing(tiny_loaded):
 # -- random sequences of submit / step / abort ----------------------------------------------
 
 # (shared prefix index, tail length, max_tokens, n); tails are random, so prompts differ.
-SUBMIT = st.tuples(st.sampled_from(range(len(PREFIXES))), st.integers(1, 10), st.sampled_from([16, 12, 8, 3, 1]), st.sampled_from([1, 2, 1]))
+SUBMIT = st.tuples(
+    st.sampled_from(range(len(PREFIXES))),
+    st.integers(1, 10),
+    st.sampled_from([16, 12, 8, 3, 1]),
+    st.sampled_from([1, 2, 1]),
+)
 # Which kind of request to abort, and which one of that kind.
 ABORT = st.tuples(st.sampled_from(["running", "waiting", "ended"]), st.integers(0, 1000))
 # A round: submit some, step some, abort some.
 ROUND = st.tuples(st.lists(SUBMIT, max_size=4), st.sampled_from([3, 0, 1, 6, 12]), st.lists(ABORT, max_size=2))
+
 
 def stage_of(engine, request_id: str, finished: dict) -> str:
     seqs = engine._requests.get(request_id)
@@ -170,7 +185,7 @@ def stage_of(engine, request_id: str, finished: dict) -> str:
     return "decoding"
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     num_pages=st.integers(14, 18),  # the longest request (40 + 16 tokens) needs 14 pages of 4
     max_batch_tokens=st.sampled_from([16, 512, 7]),
@@ -218,3 +233,108 @@ def test_random_submit_abort_step_sequences(tiny_loaded, num_pages, max_batch_to
         assert all(tokens == expected[request_id] for tokens in continuations), request_id
     for request_id, continuations in aborted.items():
         assert all(tokens == expected[request_id][: len(tokens)] for tokens in continuations), request_id
+
+
+# -- faults: a step that fails ---------------------------------------------------------------
+
+
+class FailingForward:
+    """Wraps runner.forward; raises on the calls numbered in `fail_on` (1-based)."""
+
+    def __init__(self, runner, fail_on: set[int]) -> None:
+        self.real, self.fail_on, self.calls = runner.forward, fail_on, 0
+
+    def __call__(self, *args):
+        self.calls += 1
+        if self.calls in self.fail_on:
+            raise RuntimeError("injected fault: out of memory")
+        return self.real(*args)
+
+
+def pressure_requests(seed: int, count: int = 6) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    return [(SYSTEM[: rng.randrange(8, 40)] + [rng.randrange(1, VOCAB) for _ in range(4)], 10) for _ in range(count)]
+
+
+def test_a_failed_step_then_aborting_everything_returns_every_page(tiny_loaded):
+    """What AsyncEngine does when a step raises: abort every request. Under pressure, at a step
+    that had admitted, grown and preempted sequences before the forward failed."""
+    requests = pressure_requests(1)
+    engine = make_engine(tiny_loaded, num_pages=18, max_batch_tokens=24)
+    ids = [engine.add_request(p, SamplingParams(max_tokens=m)) for p, m in requests]
+    for _ in range(10):
+        engine.step()
+    assert engine.stats()["num_preemptions"] > 0 and engine.scheduler.running and engine.scheduler.waiting
+    engine.runner.forward = FailingForward(engine.runner, {1})
+    with pytest.raises(RuntimeError, match="injected fault"):
+        engine.step()
+    for request_id in ids:
+        engine.abort(request_id)
+    assert_pages_returned(engine)
+    del engine.runner.forward
+    again = [engine.add_request(p, SamplingParams(max_tokens=m)) for p, m in requests]
+    finals = run_to_end(engine)
+    assert [finals[i].token_ids for i in again] == reference_tokens(tiny_loaded, requests)
+    assert_pages_returned(engine)
+
+
+def test_stepping_on_after_failed_steps_keeps_outputs_exact(tiny_loaded):
+    """A transient fault (the forward raises, nothing is aborted) leaves a state the next step
+    can carry on from: no page leaks, and every output is the one without the fault."""
+    requests = pressure_requests(2)
+    engine = make_engine(tiny_loaded, num_pages=18, max_batch_tokens=24)
+    ids = [engine.add_request(p, SamplingParams(max_tokens=m)) for p, m in requests]
+    engine.runner.forward = FailingForward(engine.runner, {2, 5, 6, 11, 20})
+    finals = {}
+    for _ in range(2000):
+        if not engine.has_unfinished():
+            break
+        try:
+            outputs = engine.step()
+        except RuntimeError:
+            engine.check_invariants()
+            continue
+        finals.update({o.request_id: o for o in outputs if o.finished})
+    assert engine.runner.forward.calls > 20 and engine.stats()["num_preemptions"] > 0
+    assert [finals[i].token_ids for i in ids] == reference_tokens(tiny_loaded, requests)
+    assert_pages_returned(engine)
+
+
+def test_a_failing_step_on_the_server_ends_requests_cleanly(live):
+    """Streams in flight when a step fails end with an error event (not a hang, not a lost
+    request); the server then serves the next requests and no page is left behind."""
+    engine = live.async_engine.engine
+    live.engine_call(lambda e: setattr(e.runner, "forward", FailingForward(e.runner, {4})))
+    try:
+        bodies = [
+            {"model": "tiny-llama", "prompt": f"Fault {i}: the quick brown fox", "max_tokens": 20, "temperature": 0,
+             "stream": i % 2 == 0}
+            for i in range(4)
+        ]  # fmt: skip
+        from concurrent.futures import ThreadPoolExecutor
+
+        def send(body):
+            with live.http(timeout_s=60) as client:
+                return client.post("/v1/completions", json=body)
+
+        with ThreadPoolExecutor(4) as pool:
+            responses = list(pool.map(send, bodies))
+    finally:
+        live.engine_call(lambda e: e.runner.__dict__.pop("forward", None))
+    failed = 0
+    for body, response in zip(bodies, responses):
+        if body["stream"]:
+            assert response.status_code == 200
+            events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+            if events[-1] != "[DONE]":
+                failed += 1
+                assert "engine_error" in events[-1], events[-1]
+        elif response.status_code != 200:
+            failed += 1
+            assert response.status_code == 500 and response.json()["error"]["code"] == "engine_error"
+    assert failed >= 1
+    live.assert_idle_and_consistent()
+    with live.http() as client:
+        ok = client.post("/v1/completions", json={"model": "tiny-llama", "prompt": "after the fault", "max_tokens": 3})
+    assert ok.status_code == 200
+    assert engine.runner.forward.__self__ is engine.runner  # the real method is back

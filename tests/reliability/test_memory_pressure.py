@@ -17,7 +17,10 @@ from .conftest import VOCAB, assert_pages_returned, hf_greedy, make_engine
 PAGE_SIZE = 4
 
 
-def make_workload(seed: int, groups: int = 3, per_group: int = 6, distinct: int = 6) -> list[tuple[list[int], int, int]]:
+Workload = list[tuple[list[int], int, int]]
+
+
+def make_workload(seed: int, groups: int = 3, per_group: int = 6, distinct: int = 6) -> Workload:
     """(prompt, max_tokens, n) per request: groups sharing a system prompt of random length
     with distinct tails, plus prompts that share nothing; random output lengths."""
     rng = random.Random(seed)
@@ -79,7 +82,9 @@ def reference(tiny_dir) -> list[list[int]]:
     [("lpm", 2048, 24, False), ("fcfs", 2048, 24, True), ("lpm", 10, 20, True)],
     ids=["lpm-all-at-once", "fcfs-staggered", "lpm-chunked-staggered"],
 )
-def test_small_pool_gives_the_outputs_of_an_ample_one(tiny_loaded, reference, policy, max_batch_tokens, num_pages, staggered):
+def test_small_pool_gives_the_outputs_of_an_ample_one(
+    tiny_loaded, reference, policy, max_batch_tokens, num_pages, staggered
+):
     assert max(pages_for(p, m) for p, m, _ in WORKLOAD) <= num_pages
     working_set = sum(n * pages_for(p, m) for p, m, n in WORKLOAD)
     assert working_set > 10 * num_pages  # far smaller than what all requests would hold
@@ -102,7 +107,7 @@ def test_small_pool_gives_the_outputs_of_an_ample_one(tiny_loaded, reference, po
     assert_pages_returned(ample)
 
 
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     seed=st.integers(0, 10_000),
     slack_pages=st.integers(0, 6),

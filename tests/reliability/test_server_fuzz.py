@@ -53,7 +53,11 @@ VALID_COMMON = {
     "frequency_penalty": st.just(0.0),
     "logprobs": st.sampled_from([None, False]),
 }
-VALID_CHAT = {**VALID_COMMON, "messages": st.lists(valid_message, min_size=1, max_size=3), "max_completion_tokens": st.integers(1, 12)}
+VALID_CHAT = {
+    **VALID_COMMON,
+    "messages": st.lists(valid_message, min_size=1, max_size=3),
+    "max_completion_tokens": st.integers(1, 12),
+}
 VALID_COMPLETION = {
     **VALID_COMMON,
     "prompt": st.one_of(
@@ -143,21 +147,77 @@ def check_response(response: httpx.Response, streamed: bool) -> None:
         assert "error" not in json.loads(data), data
 
 
-@settings(max_examples=70, deadline=None, suppress_health_check=list(HealthCheck))
+HI = [{"role": "user", "content": "hi"}]
+# Edges worth trying every run: a megabyte prompt, 80k multi-byte characters, a multi-byte stop
+# string while streaming, an empty prompt in a batch, NaN, and n=64 streamed.
+EXAMPLES = [
+    (ENDPOINTS[1], {"prompt": "x" * 1_000_000, "max_tokens": 1}),
+    (ENDPOINTS[0], {"messages": [{"role": "user", "content": "é🙂" * 40_000}]}),
+    (ENDPOINTS[1], {"prompt": "héllo wörld 🙂", "max_tokens": 20, "stop": "🙂", "stream": True}),
+    (ENDPOINTS[1], {"prompt": [[1, 2], []], "n": 64}),
+    (ENDPOINTS[0], {"messages": HI, "temperature": float("nan")}),
+    (ENDPOINTS[0], {"messages": HI, "n": 64, "max_tokens": 8, "stream": True}),
+]
+
+
+def with_examples(test):
+    for request in EXAMPLES:
+        test = example(request=request, ascii_only=False, key=KEY_A)(test)
+    return test
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
 @given(request=bodies(), ascii_only=st.booleans(), key=st.sampled_from([KEY_A, KEY_A, KEY_A, KEY_B, "sk-wrong"]))
-@example(request=(ENDPOINTS[1], {"prompt": "x" * 1_000_000, "max_tokens": 1}), ascii_only=True, key=KEY_A)
-@example(request=(ENDPOINTS[0], {"messages": [{"role": "user", "content": "é🙂" * 40_000}]}), ascii_only=False, key=KEY_A)
-@example(request=(ENDPOINTS[1], {"prompt": "héllo wörld 🙂", "max_tokens": 20, "stop": "🙂", "stream": True}), ascii_only=False, key=KEY_A)
-@example(request=(ENDPOINTS[1], {"prompt": [[1, 2], []], "n": 64}), ascii_only=True, key=KEY_A)
-@example(request=(ENDPOINTS[0], {"messages": [{"role": "user", "content": "hi"}], "temperature": float("nan")}), ascii_only=True, key=KEY_A)
-@example(request=(ENDPOINTS[0], {"messages": [{"role": "user", "content": "hi"}], "n": 64, "max_tokens": 8, "stream": True}), ascii_only=True, key=KEY_B)
+@with_examples
 def test_fuzzed_bodies_get_2xx_or_4xx(live, request, ascii_only, key):
     path, body = request
     streamed = isinstance(body, dict) and body.get("stream") is True
     headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
-    with httpx.Client(base_url=live.base_url, timeout=TIMEOUT) as client:
-        with client.stream("POST", path, content=encode(body, ascii_only), headers=headers) as response:
-            check_response(response, streamed)
+    with (
+        httpx.Client(base_url=live.base_url, timeout=TIMEOUT) as client,
+        client.stream("POST", path, content=encode(body, ascii_only), headers=headers) as response,
+    ):
+        check_response(response, streamed)
+
+
+pin_bodies = st.fixed_dictionaries(
+    {},
+    optional={
+        "prompt": st.one_of(valid_text, st.lists(st.integers(0, 319), min_size=1, max_size=40), broken_values),
+        "messages": st.one_of(st.lists(valid_message, min_size=1, max_size=2), broken_values),
+        "cache_salt": st.one_of(st.text(max_size=20), broken_values),
+        "model": st.one_of(st.just(MODEL), broken_values),
+    },
+)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    body=st.one_of(
+        st.fixed_dictionaries({"prompt": VALID_COMPLETION["prompt"]}, optional={"cache_salt": st.text(max_size=20)}),
+        st.fixed_dictionaries({"messages": VALID_CHAT["messages"]}, optional={"model": st.just(MODEL)}),
+        pin_bodies,
+        json_values,
+    ),
+    pin_id=st.one_of(st.integers(-(2**70), 2**70), st.text("abcxyz0123456789-_.~%+", min_size=1, max_size=10)),
+)
+def test_fuzzed_pins_get_2xx_or_4xx_and_unpin(live, body, pin_id):
+    with live.http(KEY_A, timeout_s=60) as client:
+        headers = {"Content-Type": "application/json"}
+        response = client.post("/v1/cache/pin", content=encode(body, True), headers=headers)
+        event(f"pin status {response.status_code}")
+        if response.status_code != 200:
+            assert 400 <= response.status_code < 500, response.text
+            assert_error_shape(response)
+        else:
+            pinned = response.json()
+            assert pinned["pinned_tokens"] <= pinned["prompt_tokens"]
+            assert live.http(KEY_B).delete(f"/v1/cache/pin/{pinned['pin_id']}").status_code == 404  # not B's
+            assert client.delete(f"/v1/cache/pin/{pinned['pin_id']}").status_code == 200
+        other = client.delete(f"/v1/cache/pin/{pin_id}")
+        assert 400 <= other.status_code < 500, other.text
+        if other.status_code != 405:
+            assert_error_shape(other)
 
 
 RAW_BODIES = [
@@ -184,7 +244,7 @@ def test_a_good_request_succeeds_after_the_fuzzing(live):
     with live.http() as client:
         response = client.post(
             "/v1/chat/completions",
-            json={"model": MODEL, "messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 4, "temperature": 0},
+            json={"model": MODEL, "messages": HI, "max_tokens": 4, "temperature": 0},
         )
     assert response.status_code == 200, response.text
     assert response.json()["usage"]["completion_tokens"] >= 1
