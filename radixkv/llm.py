@@ -6,11 +6,12 @@ their prefixes), steps until all end, and returns outputs in input order.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence as Seq
 from typing import Any
 
 from radixkv.config import EngineConfig
-from radixkv.engine.engine import Engine
+from radixkv.engine.engine import Engine, QueueFull
 from radixkv.engine.request import InvalidRequest, RequestOutput, SamplingParams
 
 Prompt = str | list[int]
@@ -66,12 +67,17 @@ class LLM:
         # Validate everything before queueing anything, so a bad prompt leaves nothing behind.
         for tokens, p in zip(token_lists, params):
             self.engine._validate(tokens, p, salt)
+            if p.n > self.engine.config.max_queue_len:
+                raise QueueFull(f"n={p.n} is more than the waiting queue holds ({self.engine.config.max_queue_len})")
+        pending = deque(zip(token_lists, params))
         ids: list[str] = []
         results: dict[str, RequestOutput] = {}
         try:
-            for tokens, p in zip(token_lists, params):  # a full queue raises part way through
-                ids.append(self.engine.add_request(tokens, p, salt=salt))
-            while len(results) < len(ids):
+            while pending or len(results) < len(ids):
+                # More prompts than the queue holds are fed in as room frees up, in order.
+                while pending and self.engine.queue_room() >= pending[0][1].n:
+                    tokens, p = pending.popleft()
+                    ids.append(self.engine.add_request(tokens, p, salt=salt))
                 for output in self.engine.step():
                     if output.finished:
                         results[output.request_id] = output

@@ -99,7 +99,7 @@ class Engine:
     ) -> str:
         params = params or SamplingParams()
         self._validate(prompt_token_ids, params, salt)
-        if len(self.scheduler.waiting) + params.n > self.config.max_queue_len:
+        if params.n > self.queue_room():
             raise QueueFull(f"the waiting queue is full ({self.config.max_queue_len} requests); retry later")
         request_id = request_id if request_id is not None else f"req-{next(self._request_ids)}"
         if request_id in self._requests:
@@ -113,6 +113,10 @@ class Engine:
         for seq in seqs:
             self.scheduler.add(seq)
         return request_id
+
+    def queue_room(self) -> int:
+        """How many more sequences the waiting queue takes before add_request raises QueueFull."""
+        return self.config.max_queue_len - len(self.scheduler.waiting)
 
     def _validate(self, prompt: list[int], params: SamplingParams, salt: str | None = None) -> None:
         if not prompt:

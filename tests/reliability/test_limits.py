@@ -111,14 +111,17 @@ def test_a_request_that_cannot_fit_beside_pins_is_refused_not_left_waiting(tiny_
     assert_pages_returned(engine)
 
 
-def test_llm_generate_leaves_nothing_queued_when_the_queue_overflows(tiny_dir):
+def test_llm_generate_feeds_more_prompts_than_the_queue_holds(tiny_dir):
     options = dict(dtype="float32", device="cpu", page_size=4, num_pages=64, max_queue_len=3, check_invariants=True)
     llm = LLM(str(tiny_dir), **options)
-    with pytest.raises(QueueFull):
-        llm.generate([[i + 1] * 5 for i in range(5)], SamplingParams(max_tokens=2))
-    assert not llm.engine.has_unfinished()  # the three queued before the refusal were withdrawn
+    prompts = [[i + 1] * 5 for i in range(7)]
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=2))
+    assert [o.prompt_token_ids for o in outputs] == prompts  # fed in as room freed, in order
+    assert all(o.finish_reason is not None for o in outputs)
+    with pytest.raises(QueueFull, match="n=4"):
+        llm.generate([[1] * 5], SamplingParams(max_tokens=2, n=4))
+    assert not llm.engine.has_unfinished()
     assert_pages_returned(llm.engine)
-    assert len(llm.generate([[1] * 5, [2] * 5, [3] * 5], SamplingParams(max_tokens=2))) == 3
 
 
 # -- over HTTP: a context bounded by the page pool, and a queue filled by many clients -----
