@@ -68,8 +68,9 @@ def main() -> None:
     print(f"speed-up: {uncached_time / cached_time:.2f}x; identical outputs: {same}/{len(outputs)} ({cached_llm.engine.dtype})")
     if same < len(outputs):
         print(
-            "  (bf16 on CPU: oneDNN picks GEMM kernels by row count and they round differently, so a suffix\n"
-            "   computed over a cached prefix can differ in the last bit; dtype='float32' is token-exact)"
+            "  (bf16 on CPU is not batch-invariant: oneDNN GEMMs and PyTorch's flash attention pick kernels\n"
+            "   and tiles by row count and round differently, so a suffix computed over a cached prefix can\n"
+            "   differ in the last bit and flip a near-tie; dtype='float32' is token-exact, see tests)"
         )
 
 
