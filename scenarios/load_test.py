@@ -21,9 +21,7 @@ import json
 import math
 import random
 import secrets
-import socket
 import sys
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -34,6 +32,7 @@ if __package__ in (None, ""):  # run as a file: make `scenarios` and `radixkv` i
 
 import httpx
 
+from radixkv.server.thread import ServerThread
 from scenarios.harness import TEXT
 
 HOST = "127.0.0.1"  # loopback only, by design: this is a test, not a benchmark of a network
@@ -128,34 +127,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 # -- the server ------------------------------------------------------------------------------
-
-
-class _Server:
-    """The app under uvicorn in a thread, on a loopback socket bound before it starts."""
-
-    def __init__(self, app: Any) -> None:
-        import uvicorn
-
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.bind((HOST, 0))
-        self.base_url = f"http://{HOST}:{self.sock.getsockname()[1]}"
-        config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=5)
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-
-    def __enter__(self) -> _Server:
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("uvicorn did not start")
-            time.sleep(0.01)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(15)
-        self.sock.close()
 
 
 # -- the workload ----------------------------------------------------------------------------
@@ -408,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     async_engine = AsyncEngine(engine)
     try:
         app = create_app(async_engine, api_keys=[api_key], model_name=model_name)
-        with _Server(app) as server:
+        with ServerThread(app, HOST) as server:
             print(
                 f"serving on {server.base_url}: {engine.pool.num_pages} KV pages of {engine.pool.page_size} tokens; "
                 f"{args.clients} clients, {args.requests} requests",

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import socket
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -13,7 +11,6 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -23,6 +20,7 @@ from radixkv.config import EngineConfig
 from radixkv.engine.async_engine import AsyncEngine
 from radixkv.engine.engine import Engine
 from radixkv.server.app import create_app
+from radixkv.server.thread import ServerThread
 
 KEY_A = "sk-test-tenant-a"
 KEY_B = "sk-test-tenant-b"
@@ -49,34 +47,6 @@ class LiveServer:
 
     def engine_call(self, fn, timeout_s: float = 30.0):
         return self.async_engine.call(fn).result(timeout_s)
-
-
-class ServerThread:
-    """uvicorn.Server in a background thread, on a socket bound before it starts (no port race)."""
-
-    def __init__(self, app, host: str = "127.0.0.1") -> None:
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((host, 0))
-        self.port = self.sock.getsockname()[1]
-        self.base_url = f"http://{host}:{self.port}"
-        config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=5)
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-
-    def __enter__(self) -> ServerThread:
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("uvicorn did not start")
-            time.sleep(0.01)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(15)
-        self.sock.close()
 
 
 @pytest.fixture(scope="session")
