@@ -6,7 +6,9 @@ and the accepted range, so a bad argument fails at construction rather than mid-
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
+from pathlib import Path
 
 POLICIES = ("lpm", "fcfs")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -81,3 +83,8 @@ def _choice(config: EngineConfig, name: str, choices: tuple[str, ...]) -> None:
     value = getattr(config, name)
     if value not in choices:
         raise ConfigError(f"{name} must be one of {choices}, got {value!r}")
+
+
+def default_cache_dir() -> Path:
+    """Where converted weights and compiled kernels are kept: $XDG_CACHE_HOME/radixkv or ~/.cache/radixkv."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "radixkv"

