@@ -39,6 +39,11 @@ class EngineConfig:
     max_queue_len: int = 4096  # waiting requests beyond this are refused (QueueFull)
     seed: int | None = None  # seed for the block-hash chain and sampling; None: random
     check_invariants: bool = False  # debug: check page accounting after every step
+    # Compute every token's numbers independently of what it is batched with (GEMMs in fixed
+    # 32-row blocks, attention one query row at a time), so bf16 outputs are bit-identical with
+    # the cache on or off and in any batch. Slower prefill; torch backend only. fp32 is exact
+    # without it (token for token), bf16 is not: see README, "Exact".
+    batch_invariant: bool = False
     cache_dir: str | None = None  # converted-weights cache; None: ~/.cache/radixkv
 
     def __post_init__(self) -> None:
@@ -61,6 +66,8 @@ class EngineConfig:
         _choice(self, "policy", POLICIES)
         _choice(self, "dtype", DTYPES)
         _choice(self, "attention_backend", BACKENDS)
+        if self.batch_invariant and self.attention_backend == "triton":
+            raise ConfigError("batch_invariant runs on the torch attention backend only; set attention_backend='torch'")
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise ConfigError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
 

@@ -6,6 +6,7 @@ prefix cache on and off, measured in one run.
 
 from __future__ import annotations
 
+import argparse
 import time
 
 from radixkv import LLM, SamplingParams
@@ -44,9 +45,14 @@ def run(llm: LLM, params: SamplingParams) -> tuple[float, list]:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument(
+        "--batch-invariant", action="store_true", help="bit-identical bf16 outputs with and without the cache (slower)"
+    )
+    invariant = parser.parse_args().batch_invariant
     params = SamplingParams(max_tokens=24)
     print("loading the default model (SmolLM2-135M-Instruct)...")
-    cached_llm = LLM()
+    cached_llm = LLM(batch_invariant=invariant)
     run(cached_llm, SamplingParams(max_tokens=1))  # warm-up: first-call overheads off the clock
     cached_llm.engine.tree.reset()
     computed_before = cached_llm.stats()["prefill_tokens_computed"]
@@ -57,7 +63,7 @@ def main() -> None:
         print(f"{question:<60} {output.num_prompt_tokens:>7} {output.num_cached_tokens:>7}")
     print(f"\nfirst answer: {outputs[0].text.strip()!r}")
 
-    uncached_llm = LLM(enable_prefix_caching=False)
+    uncached_llm = LLM(enable_prefix_caching=False, batch_invariant=invariant)
     run(uncached_llm, SamplingParams(max_tokens=1))
     computed_before = uncached_llm.stats()["prefill_tokens_computed"]
     uncached_time, uncached_outputs = run(uncached_llm, params)
@@ -70,7 +76,8 @@ def main() -> None:
         print(
             "  (bf16 on CPU is not batch-invariant: oneDNN GEMMs and PyTorch's flash attention pick kernels\n"
             "   and tiles by row count and round differently, so a suffix computed over a cached prefix can\n"
-            "   differ in the last bit and flip a near-tie; dtype='float32' is token-exact, see tests)"
+            "   differ in the last bit and flip a near-tie; `python -m radixkv.demo --batch-invariant`\n"
+            "   (LLM(batch_invariant=True)) makes them bit-identical, and dtype='float32' is token-exact)"
         )
 
 

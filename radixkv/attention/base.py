@@ -34,6 +34,9 @@ class AttentionMetadata:
     # The same lengths as Python lists, so CPU code can loop without device syncs.
     q_lens_list: list[int]
     seq_lens_list: list[int]
+    # Every row's result must not depend on the other rows (EngineConfig.batch_invariant): the
+    # model runs GEMMs in fixed row blocks and the backend attends one query row at a time.
+    batch_invariant: bool = False
     # Values a backend derives from this metadata once per step and reuses in every layer
     # (gather indices, masks); keyed by the backend.
     scratch: dict[str, Any] = field(default_factory=dict)

@@ -43,6 +43,8 @@ class TorchBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
+        if meta.batch_invariant:
+            return self._extend_row_by_row(q, k_cache, v_cache, meta, scale)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         decode_rows = self._native_decode_rows(q, k_cache, meta)
         if decode_rows is not None:  # requests decoding beside a prefill: one kernel call for all
@@ -57,6 +59,24 @@ class TorchBackend(AttentionBackend):
                 values = _gather(v_cache, meta.page_table[b], seq_len)
                 out[start:end] = _attend(q[start:end], keys, values, seq_len - q_len, scale)
             start = end
+        return out
+
+    def _extend_row_by_row(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        """Each query row attends to the keys up to its own position as if it were decoding,
+        so its result cannot depend on the other rows or on how its prefix was computed (the
+        KV of this step's tokens is already in the pages)."""
+        if "row_by_row" not in meta.scratch:
+            request_of_row = torch.repeat_interleave(torch.arange(meta.num_seqs), meta.q_lens.long())
+            meta.scratch["row_by_row"] = (meta.page_table[request_of_row], (meta.positions + 1).to(torch.int32))
+        page_table, seq_lens = meta.scratch["row_by_row"]
+        if native.supports(q, k_cache):
+            return native.paged_decode(q, k_cache, v_cache, page_table, seq_lens, scale, check=_first_use(meta, "row_by_row_checked"))
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        for row, seq_len in enumerate(seq_lens.tolist()):  # no kernel: one SDPA call per row
+            keys, values = _gather(k_cache, page_table[row], seq_len), _gather(v_cache, page_table[row], seq_len)
+            out[row : row + 1] = _attend(q[row : row + 1], keys, values, seq_len - 1, scale)
         return out
 
     @staticmethod
@@ -85,6 +105,8 @@ class TorchBackend(AttentionBackend):
         if meta.scratch["native_ok"]:
             check = _first_use(meta, "native_checked")
             return native.paged_decode(q, k_cache, v_cache, meta.page_table, meta.seq_lens, scale, check=check)
+        if meta.batch_invariant:  # padding to the longest request would change the reduction
+            return self._extend_row_by_row(q, k_cache, v_cache, meta, scale)
         # One padded gather and one SDPA call for the whole batch: a per-request loop costs
         # a kernel launch per request per layer, which dominates short decode steps.
         pages, bias = self._decode_inputs(meta, q.dtype)

@@ -18,7 +18,7 @@ from radixkv.attention import make_backend
 from radixkv.cache.hashing import BlockHasher
 from radixkv.cache.pages import PagePool
 from radixkv.cache.radix import RadixTree
-from radixkv.config import EngineConfig
+from radixkv.config import ConfigError, EngineConfig
 from radixkv.engine.kv_manager import KVManager
 from radixkv.engine.request import (
     CompletionOutput,
@@ -77,7 +77,10 @@ class Engine:
         self.tree = RadixTree(self.pool, self.hasher)
         self.kv = KVManager(self.pool, self.tree, self.hasher, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv)
-        self.runner = ModelRunner(loaded.model, self.pool, loaded.device)
+        backend_name = loaded.model.layers[0].self_attn.backend.name
+        if config.batch_invariant and backend_name != "torch":
+            raise ConfigError(f"batch_invariant runs on the torch attention backend only, not {backend_name!r}")
+        self.runner = ModelRunner(loaded.model, self.pool, loaded.device, batch_invariant=config.batch_invariant)
         self.sampler = Sampler(config.seed)
         self._requests: dict[str, list[Sequence]] = {}
         self._seq_ids = itertools.count()

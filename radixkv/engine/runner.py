@@ -14,11 +14,12 @@ from radixkv.engine.scheduler import Batch
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, pool: PagePool, device: torch.device) -> None:
+    def __init__(self, model: torch.nn.Module, pool: PagePool, device: torch.device, batch_invariant: bool = False) -> None:
         self.model = model
         self.pool = pool
         self.device = device
         self.page_size = pool.page_size
+        self.batch_invariant = batch_invariant
 
     def execute(self, batch: Batch) -> torch.Tensor:
         """Logits [number of sampling items, vocab] in fp32, in batch order."""
@@ -66,6 +67,7 @@ class ModelRunner:
             page_size=page_size,
             q_lens_list=q_lens,
             seq_lens_list=seq_lens,
+            batch_invariant=self.batch_invariant,
         )
         return _to(input_ids, device), meta, _to(np.asarray(logits_indices, dtype=np.int64), device)
 

