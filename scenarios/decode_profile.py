@@ -109,7 +109,7 @@ def profile_decode(model: str | None = None, dtype: str = "auto", num_seqs: int 
 
 
 def native_decode_used(engine) -> bool:
-    from radixkv.attention import native
+    from radixkv import native
 
     return engine.dtype in (torch.bfloat16, torch.float32) and engine.device.type == "cpu" and native.load() is not None
 

@@ -2,7 +2,7 @@
 
 Extend gathers each request's KV through its page table into PyTorch's
 scaled_dot_product_attention (bottom-right causal mask over a cached prefix). Decode rows run
-the native paged kernel (radixkv.attention.native), which reads KV in place; where it cannot
+the native paged kernel (radixkv.attention.cpu_decode), which reads KV in place; where it cannot
 be built, or off CPU, they gather too.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from radixkv.attention import native
+from radixkv.attention import cpu_decode
 from radixkv.attention.base import AttentionBackend, AttentionMetadata
 
 
@@ -50,7 +50,7 @@ class TorchBackend(AttentionBackend):
         if decode_rows is not None:  # requests decoding beside a prefill: one kernel call for all
             rows, page_table, seq_lens = decode_rows
             check = _first_use(meta, "native_rows_checked")
-            native.paged_decode(q, k_cache, v_cache, page_table, seq_lens, scale, rows=rows, out=out, check=check)
+            cpu_decode.paged_decode(q, k_cache, v_cache, page_table, seq_lens, scale, rows=rows, out=out, check=check)
         start = 0
         for b, (q_len, seq_len) in enumerate(zip(meta.q_lens_list, meta.seq_lens_list)):
             end = start + q_len
@@ -71,8 +71,8 @@ class TorchBackend(AttentionBackend):
             request_of_row = torch.repeat_interleave(torch.arange(meta.num_seqs), meta.q_lens.long())
             meta.scratch["row_by_row"] = (meta.page_table[request_of_row], (meta.positions + 1).to(torch.int32))
         page_table, seq_lens = meta.scratch["row_by_row"]
-        if native.supports(q, k_cache):
-            return native.paged_decode(q, k_cache, v_cache, page_table, seq_lens, scale, check=_first_use(meta, "row_by_row_checked"))
+        if cpu_decode.supports(q, k_cache):
+            return cpu_decode.paged_decode(q, k_cache, v_cache, page_table, seq_lens, scale, check=_first_use(meta, "row_by_row_checked"))
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         for row, seq_len in enumerate(seq_lens.tolist()):  # no kernel: one SDPA call per row
             keys, values = _gather(k_cache, page_table[row], seq_len), _gather(v_cache, page_table[row], seq_len)
@@ -86,7 +86,7 @@ class TorchBackend(AttentionBackend):
         """(flat rows, page table, lengths) of the one-token requests, when the native kernel takes them."""
         if "native_rows" not in meta.scratch:
             requests = torch.tensor([b for b, q_len in enumerate(meta.q_lens_list) if q_len == 1], dtype=torch.long)
-            usable = len(requests) > 0 and native.supports(q, k_cache)
+            usable = len(requests) > 0 and cpu_decode.supports(q, k_cache)
             meta.scratch["native_rows"] = (
                 (meta.cu_q_lens[requests], meta.page_table[requests], meta.seq_lens[requests]) if usable else None
             )
@@ -101,10 +101,10 @@ class TorchBackend(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:
         if "native_ok" not in meta.scratch:  # the same answer for every layer of the step
-            meta.scratch["native_ok"] = native.supports(q, k_cache)
+            meta.scratch["native_ok"] = cpu_decode.supports(q, k_cache)
         if meta.scratch["native_ok"]:
             check = _first_use(meta, "native_checked")
-            return native.paged_decode(q, k_cache, v_cache, meta.page_table, meta.seq_lens, scale, check=check)
+            return cpu_decode.paged_decode(q, k_cache, v_cache, meta.page_table, meta.seq_lens, scale, check=check)
         if meta.batch_invariant:  # padding to the longest request would change the reduction
             return self._extend_row_by_row(q, k_cache, v_cache, meta, scale)
         # One padded gather and one SDPA call for the whole batch: a per-request loop costs

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from radixkv.attention.base import AttentionBackend, AttentionMetadata
+from radixkv.model.row_ops import add_rms_norm, apply_rope, rms_norm, silu_mul
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
@@ -234,17 +234,6 @@ def project(layer: nn.Module, x: Tensor, meta: AttentionMetadata) -> Tensor:
     return torch.cat([layer(block) for block in x.split(INVARIANT_GEMM_ROWS)])
 
 
-def apply_rope(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
-    """x: [T, H, D]; cos, signed_sin: [T, D] from RotaryEmbedding.
-
-    transformers computes x * cos + cat(-x2, x1) * sin; here the sign sits in signed_sin,
-    which rounds identically (negation is exact) and saves an op per call.
-    """
-    half = x.shape[-1] // 2
-    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None] + swapped * signed_sin[:, None]
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -252,10 +241,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        # Variance in fp32, product in the model dtype: the same rounding as transformers.
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * normed.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+    def add_and_normalize(self, x: Tensor, delta: Tensor | None) -> tuple[Tensor, Tensor]:
+        """(x + delta, norm(x + delta)): a layer's residual add fused with the next norm."""
+        return add_rms_norm(x, delta, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -299,8 +289,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: Tensor, meta: AttentionMetadata) -> Tensor:
-        gate, up = project(self.gate_up_proj, x, meta).chunk(2, dim=-1)
-        return project(self.down_proj, F.silu(gate) * up, meta)
+        return project(self.down_proj, silu_mul(project(self.gate_up_proj, x, meta)), meta)
 
 
 class DecoderLayer(nn.Module):
@@ -312,10 +301,21 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata, k_cache: Tensor, v_cache: Tensor
-    ) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, k_cache, v_cache)
-        return x + self.mlp(self.post_attention_layernorm(x), meta)
+        self,
+        x: Tensor,
+        delta: Tensor | None,
+        cos: Tensor,
+        sin: Tensor,
+        meta: AttentionMetadata,
+        k_cache: Tensor,
+        v_cache: Tensor,
+    ) -> tuple[Tensor, Tensor]:
+        """Takes the residual stream x and the previous layer's MLP output delta (None for the
+        first layer), returns the stream and this layer's MLP output: each residual add is
+        fused with the norm after it."""
+        x, h = self.input_layernorm.add_and_normalize(x, delta)
+        x, h = self.post_attention_layernorm.add_and_normalize(x, self.self_attn(h, cos, sin, meta, k_cache, v_cache))
+        return x, self.mlp(h, meta)
 
 
 class CausalLM(nn.Module):
@@ -340,13 +340,14 @@ class CausalLM(nn.Module):
         logits_indices: Tensor,
     ) -> Tensor:
         """Logits [B, vocab] in fp32 for the rows logits_indices of a flat batch of T tokens."""
-        x = self.embed_tokens(input_ids)
+        x, delta = self.embed_tokens(input_ids), None
         cos, sin = self.rope(positions, x.dtype)
         for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches, strict=True):
-            x = layer(x, cos, sin, meta, k_cache, v_cache)
-        # Norm and lm_head only for the rows that are sampled: the vocab projection of every
-        # prefill token would cost more than the rest of a small model's forward.
-        return project(self.lm_head, self.norm(x[logits_indices]), meta).float()
+            x, delta = layer(x, delta, cos, sin, meta, k_cache, v_cache)
+        # The last add, norm and lm_head only for the rows that are sampled: the vocab
+        # projection of every prefill token would cost more than the rest of the forward.
+        _, last = self.norm.add_and_normalize(x[logits_indices], delta[logits_indices])
+        return project(self.lm_head, last, meta).float()
 
     def load_state_dict_hf(self, tensors: Mapping[str, Tensor]) -> None:
         """Take weights under transformers' names, fusing q/k/v and gate/up, tying embeddings.

@@ -31,11 +31,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixkv.attention import native
+from radixkv import native as native_library
+from radixkv.attention import cpu_decode as native
 from radixkv.attention.base import AttentionMetadata
 from radixkv.attention.torch_backend import TorchBackend
 
-if native.load() is None:
+if native_library.load() is None:
     pytest.skip(
         "native paged-decode kernel unavailable (no C compiler, build failed, or RADIXKV_NATIVE_DECODE=0)",
         allow_module_level=True,
@@ -550,10 +551,10 @@ def test_supports_rejects_other_inputs() -> None:
 
 
 def test_env_var_disables_the_kernel(monkeypatch) -> None:
-    monkeypatch.setattr(native, "_tried", False)
-    monkeypatch.setattr(native, "_library", None)
-    monkeypatch.setenv(native.DISABLE_ENV, "0")
-    assert native.load() is None
+    monkeypatch.setattr(native_library, "_tried", False)
+    monkeypatch.setattr(native_library, "_library", None)
+    monkeypatch.setenv(native_library.DISABLE_ENV, "0")
+    assert native_library.load() is None
     assert not native.supports(torch.zeros(1, 2, 64), torch.zeros(2, 16, 2, 64))
 
 

@@ -126,3 +126,15 @@ def test_real_smollm2_matches_transformers_cold_and_warm():
     assert [o.token_ids for o in warm] == expected
     assert all(o.num_cached_tokens >= 64 for o in warm)
     assert_all_pages_returned(llm)
+
+
+def test_without_native_kernels_the_torch_paths_match_transformers(tiny_llama, llama_reference, monkeypatch):
+    # As on a machine without a C compiler: decode gathers KV, the layer glue runs as torch ops.
+    from radixkv import native
+
+    monkeypatch.setattr(native, "_tried", True)
+    monkeypatch.setattr(native, "_library", None)
+    prompts, expected = llama_reference
+    llm = make_llm(tiny_llama)
+    assert [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW))] == expected
+    assert_all_pages_returned(llm)

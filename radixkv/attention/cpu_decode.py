@@ -1,111 +1,14 @@
-"""The CPU paged-decode kernel (csrc/paged_decode.c): compiled once per machine, loaded with ctypes.
+"""The CPU paged-decode kernel (radixkv/csrc/paged_decode.c) as a tensor function.
 
-The shared library is built with the system C compiler for this CPU (-march=native) and kept
-in the radixkv cache folder under a name hashed from the source, the flags and the CPU, so a
-second process loads it in milliseconds. Without a compiler the torch backend gathers instead.
+Checks what the C code trusts (dtypes, shapes, index ranges), allocates its work buffer and
+calls it through radixkv.native, which builds and loads the library.
 """
 
 from __future__ import annotations
 
-import ctypes
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import threading
-from pathlib import Path
-
 import torch
 
-from radixkv.config import default_cache_dir
-
-logger = logging.getLogger(__name__)
-
-SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
-COMPILE_FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=c11")
-# RADIXKV_NATIVE_DECODE=0 turns the kernel off (the torch backend then gathers KV per step).
-DISABLE_ENV = "RADIXKV_NATIVE_DECODE"
-# RADIXKV_DECODE_AMX=0 keeps q.k on AVX-512 even where AMX tiles are available.
-AMX_ENV = "RADIXKV_DECODE_AMX"
-
-_lock = threading.Lock()
-_library: ctypes.CDLL | None = None
-_tried = False
-
-
-def _cpu_signature() -> str:
-    """The CPU's model and feature flags: a library built with -march=native runs only there."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = [line for line in f if line.startswith(("model name", "flags"))][:2]
-    except OSError:
-        lines = []
-    return platform.machine() + "".join(lines)
-
-
-def _library_path(compiler: str) -> Path:
-    key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), compiler.encode(), " ".join(COMPILE_FLAGS).encode(), _cpu_signature().encode()):
-        key.update(part)
-    return default_cache_dir() / "native" / f"paged_decode-{key.hexdigest()[:16]}.so"
-
-
-def _build(compiler: str, target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Build beside the target and rename: a concurrent process never loads a half-written file.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        subprocess.run([compiler, *COMPILE_FLAGS, "-o", tmp, str(SOURCE), "-lm"], check=True, capture_output=True, text=True)
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def _declare(library: ctypes.CDLL) -> None:
-    p, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
-    for name in ("radixkv_paged_decode_bf16", "radixkv_paged_decode_f32"):
-        function = getattr(library, name)
-        function.argtypes = [p, i64, p, p, p, i64, p, p, i32, i32, i32, i32, i32, f32, p, p, p, i32]
-        function.restype = ctypes.c_int
-    library.radixkv_decode_work_floats.argtypes = [p, i32, i32, i32]
-    library.radixkv_decode_work_floats.restype = i64
-    library.radixkv_decode_use_amx.argtypes = []
-    library.radixkv_decode_use_amx.restype = ctypes.c_int
-
-
-def load() -> ctypes.CDLL | None:
-    """The compiled kernel library, or None where it cannot be built (no compiler, not Linux)."""
-    global _library, _tried
-    with _lock:
-        if _tried:
-            return _library
-        _tried = True
-        if os.environ.get(DISABLE_ENV, "1") in ("0", ""):
-            return None
-        compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-        if compiler is None or platform.system() != "Linux":
-            logger.warning("no C compiler found: CPU decode gathers KV pages each step (slower)")
-            return None
-        path = _library_path(compiler)
-        try:
-            if not path.exists():
-                _build(compiler, path)
-            library = ctypes.CDLL(str(path))
-        except (OSError, subprocess.CalledProcessError) as error:
-            detail = getattr(error, "stderr", "") or str(error)
-            logger.warning("building the CPU decode kernel failed, falling back to gathering KV: %s", detail)
-            return None
-        _declare(library)
-        if os.environ.get(AMX_ENV, "1") not in ("0", ""):
-            library.radixkv_decode_use_amx()
-        _library = library
-        return library
-
+from radixkv.native import load
 
 # The kernel's fixed-size buffers (MAX_HEAD_DIM, MAX_GROUP in csrc/paged_decode.c).
 MAX_HEAD_DIM, MAX_GROUP = 256, 16

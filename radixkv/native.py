@@ -1,0 +1,114 @@
+"""radixkv's native CPU kernels (radixkv/csrc/*.c): compiled once per machine, loaded with ctypes.
+
+The shared library is built with the system C compiler for this CPU (-march=native) and kept
+in the radixkv cache folder under a name hashed from the sources, the flags and the CPU, so a
+second process loads it in milliseconds. Without a compiler, callers take their torch paths.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+from radixkv.config import default_cache_dir
+
+logger = logging.getLogger(__name__)
+
+SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("paged_decode.c", "row_ops.c"))
+COMPILE_FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+# RADIXKV_NATIVE=0 turns the kernels off: decode gathers KV per step, layer glue runs as torch ops.
+DISABLE_ENV = "RADIXKV_NATIVE"
+# RADIXKV_DECODE_AMX=0 keeps decode's q.k on AVX-512 even where AMX tiles are available.
+AMX_ENV = "RADIXKV_DECODE_AMX"
+
+_lock = threading.Lock()
+_library: ctypes.CDLL | None = None
+_tried = False
+
+
+def load() -> ctypes.CDLL | None:
+    """The compiled library, or None where it cannot be built (no compiler, not Linux, disabled)."""
+    global _library, _tried
+    with _lock:
+        if _tried:
+            return _library
+        _tried = True
+        if os.environ.get(DISABLE_ENV, "1") in ("0", ""):
+            return None
+        compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+        if compiler is None or platform.system() != "Linux":
+            logger.warning("no C compiler found: radixkv runs its CPU kernels as torch ops (slower decode)")
+            return None
+        path = _library_path(compiler)
+        try:
+            if not path.exists():
+                _build(compiler, path)
+            library = ctypes.CDLL(str(path))
+        except (OSError, subprocess.CalledProcessError) as error:
+            detail = getattr(error, "stderr", "") or str(error)
+            logger.warning("building radixkv's CPU kernels failed, using torch ops instead: %s", detail)
+            return None
+        _declare(library)
+        if os.environ.get(AMX_ENV, "1") not in ("0", ""):
+            library.radixkv_decode_use_amx()
+        _library = library
+        return library
+
+
+def _cpu_signature() -> str:
+    """The CPU's model and feature flags: a library built with -march=native runs only there."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [line for line in f if line.startswith(("model name", "flags"))][:2]
+    except OSError:
+        lines = []
+    return platform.machine() + "".join(lines)
+
+
+def _library_path(compiler: str) -> Path:
+    key = hashlib.sha256()
+    for source in SOURCES:
+        key.update(source.read_bytes())
+    for part in (compiler, " ".join(COMPILE_FLAGS), _cpu_signature()):
+        key.update(part.encode())
+    return default_cache_dir() / "native" / f"radixkv-{key.hexdigest()[:16]}.so"
+
+
+def _build(compiler: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: a concurrent process never loads a half-written file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        command = [compiler, *COMPILE_FLAGS, "-o", tmp, *map(str, SOURCES), "-lm"]
+        subprocess.run(command, check=True, capture_output=True, text=True)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _declare(library: ctypes.CDLL) -> None:
+    p, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+    signatures = {
+        "radixkv_paged_decode_bf16": [p, i64, p, p, p, i64, p, p, i32, i32, i32, i32, i32, f32, p, p, p, i32],
+        "radixkv_paged_decode_f32": [p, i64, p, p, p, i64, p, p, i32, i32, i32, i32, i32, f32, p, p, p, i32],
+        "radixkv_decode_work_floats": [p, i32, i32, i32],
+        "radixkv_decode_use_amx": [],
+        "radixkv_add_rms_norm_bf16": [p, p, p, p, i32, i32, f32, i32],
+        "radixkv_rope_bf16": [p, i64, i32, i32, i32, p, p],
+        "radixkv_silu_mul_bf16": [p, i64, p, i32, i32, i32],
+    }
+    returns = {"radixkv_paged_decode_bf16": i32, "radixkv_paged_decode_f32": i32, "radixkv_decode_work_floats": i64, "radixkv_decode_use_amx": i32}
+    for name, argtypes in signatures.items():
+        function = getattr(library, name)
+        function.argtypes = argtypes
+        function.restype = returns.get(name)

@@ -1,0 +1,75 @@
+"""The bf16 row kernels (radixkv/csrc/row_ops.c) against the torch ops they replace."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from radixkv import native
+from radixkv.model import row_ops
+
+pytestmark = pytest.mark.skipif(native.load() is None, reason="no C compiler: the row kernels are not built")
+
+BF16 = torch.bfloat16
+
+
+def torch_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos[:, None] + torch.cat((x[..., half:], x[..., :half]), dim=-1) * signed_sin[:, None]
+
+
+@pytest.mark.parametrize("dim", [576, 40])  # 40: not a multiple of 16, the scalar loop
+@pytest.mark.parametrize("rows", [1, 7, 300])  # 300 x 576 runs on all threads
+@pytest.mark.parametrize("with_delta", [True, False])
+def test_add_rms_norm_is_bit_identical_to_the_torch_ops(dim, rows, with_delta):
+    gen = torch.Generator().manual_seed(dim + rows)
+    x = (torch.randn(rows, dim, generator=gen) * 3).to(BF16)
+    delta = torch.randn(rows, dim, generator=gen).to(BF16) if with_delta else None
+    weight = torch.randn(dim, generator=gen).to(BF16)
+    expected_x = x + delta if with_delta else x.clone()
+    expected = row_ops.rms_norm(expected_x, weight, 1e-5)
+    new_x, normed = row_ops.add_rms_norm(x, delta, weight, 1e-5)
+    assert torch.equal(new_x, expected_x)
+    assert torch.equal(normed, expected)
+    if with_delta:  # the residual stream is updated in place
+        assert torch.equal(x, expected_x)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 48])  # 48: half not a multiple of 16, scalar loop
+def test_rope_in_place_is_bit_identical_to_the_torch_ops(head_dim):
+    gen = torch.Generator().manual_seed(head_dim)
+    rows, q_heads, kv_heads = 9, 6, 2
+    qkv = torch.randn(rows, (q_heads + 2 * kv_heads) * head_dim, generator=gen).to(BF16)
+    qk = qkv[:, : (q_heads + kv_heads) * head_dim].view(rows, q_heads + kv_heads, head_dim)
+    angles = torch.rand(rows, head_dim // 2, generator=gen) * 6
+    cos = torch.cat((angles.cos(), angles.cos()), -1).to(BF16)
+    signed_sin = torch.cat((-angles.sin(), angles.sin()), -1).to(BF16)
+    expected = torch_rope(qk.clone(), cos, signed_sin)
+    v_before = qkv[:, (q_heads + kv_heads) * head_dim :].clone()
+    out = row_ops.apply_rope(qk, cos, signed_sin)
+    assert out.data_ptr() == qk.data_ptr()  # rotated where it lies
+    assert torch.equal(out, expected)
+    assert torch.equal(qkv[:, (q_heads + kv_heads) * head_dim :], v_before)  # v untouched
+
+
+@pytest.mark.parametrize("dim", [1536, 24])
+def test_silu_mul_matches_the_torch_ops(dim):
+    gen = torch.Generator().manual_seed(dim)
+    gate_up = (torch.randn(33, 2 * dim, generator=gen) * 4).to(BF16)
+    gate, up = gate_up.chunk(2, dim=-1)
+    expected = F.silu(gate) * up
+    out = row_ops.silu_mul(gate_up)
+    # exp is computed differently from torch's (both about 1 ulp in fp32): a rounding to bf16
+    # may land one step apart now and then, never more.
+    torch.testing.assert_close(out.float(), expected.float(), rtol=2**-7, atol=0)
+    assert (out == expected).float().mean() > 0.99
+
+
+def test_float32_takes_the_torch_ops():
+    x, weight = torch.randn(4, 64), torch.randn(64)
+    _, normed = row_ops.add_rms_norm(x, None, weight, 1e-6)
+    assert torch.equal(normed, row_ops.rms_norm(x, weight, 1e-6))
+    gate_up = torch.randn(4, 32)
+    gate, up = gate_up.chunk(2, -1)
+    assert torch.equal(row_ops.silu_mul(gate_up), F.silu(gate) * up)
