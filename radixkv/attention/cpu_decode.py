@@ -107,3 +107,29 @@ def _check_bounds(
         raise IndexError(f"{num_seqs} sequences but q has {q.shape[0]} rows")
     if rows is not None and (int(rows.min()) < 0 or int(rows.max()) >= q.shape[0]):
         raise IndexError(f"rows must lie in [0, {q.shape[0]})")
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> bool:
+    """Copy the rows of k and v ([T, heads, head_dim], rows may be strided) into their slots of
+    the caches in one call; slots < 0 are skipped. The caller has checked slots < the number of
+    slots. Returns False, having done nothing, where the tensors do not fit the kernel."""
+    library = load()
+    fits = (
+        library is not None
+        and k.device.type == "cpu"
+        and k.dtype == v.dtype == k_cache.dtype == v_cache.dtype
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+        and slots.dtype == torch.int64
+        and slots.is_contiguous()
+        and all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (k, v))
+        and k.shape[1:] == v.shape[1:] == k_cache.shape[2:]
+    )
+    if not fits:
+        return False
+    row_bytes = k.shape[1] * k.shape[2] * k.element_size()
+    library.radixkv_store_kv(
+        k_cache.data_ptr(), v_cache.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0) * k.element_size(),
+        v.stride(0) * v.element_size(), slots.data_ptr(), k.shape[0], row_bytes,
+    )  # fmt: skip
+    return True

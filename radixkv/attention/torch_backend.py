@@ -18,6 +18,9 @@ from radixkv.attention.base import AttentionBackend, AttentionMetadata
 class TorchBackend(AttentionBackend):
     name = "torch"
 
+    def __init__(self) -> None:
+        self._slots_checked: torch.Tensor | None = None  # the last slot mapping found in range
+
     def store_kv(
         self,
         k: torch.Tensor,
@@ -26,6 +29,14 @@ class TorchBackend(AttentionBackend):
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
+        if slot_mapping is not self._slots_checked and slot_mapping.numel():
+            # Checked once per step: every layer stores through the same slot mapping.
+            top = int(slot_mapping.max())
+            if top >= k_cache.shape[0] * k_cache.shape[1]:
+                raise IndexError(f"slot {top} is out of range: the cache has {k_cache.shape[0] * k_cache.shape[1]} slots")
+            self._slots_checked = slot_mapping
+        if cpu_decode.store_kv(k, v, k_cache, v_cache, slot_mapping):
+            return
         num_kv_heads, head_dim = k_cache.shape[-2:]
         keep = slot_mapping >= 0
         if not bool(keep.all()):

@@ -518,3 +518,15 @@ int radixkv_decode_use_amx(void) {
     return 0;
 #endif
 }
+
+/* Write each new token's K and V rows (num_kv_heads * head_dim values, row_bytes bytes) into
+ * its slot of the page pool; a negative slot means "do not store". k and v rows may be strided
+ * (views into the fused qkv output); the caches are contiguous [slots][row]. */
+void radixkv_store_kv(char *k_cache, char *v_cache, const char *k, const char *v, int64_t k_row_stride,
+                      int64_t v_row_stride, const int64_t *slots, int rows, int64_t row_bytes) {
+    for (int r = 0; r < rows; r++) {
+        if (slots[r] < 0) continue;
+        memcpy(k_cache + slots[r] * row_bytes, k + r * k_row_stride, (size_t)row_bytes);
+        memcpy(v_cache + slots[r] * row_bytes, v + r * v_row_stride, (size_t)row_bytes);
+    }
+}

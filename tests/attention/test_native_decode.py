@@ -1,4 +1,4 @@
-"""The native CPU paged-decode kernel (radixkv/attention/csrc/paged_decode.c) and its use by TorchBackend.
+"""The native CPU paged-decode kernel (radixkv/csrc/paged_decode.c) and its use by TorchBackend.
 
 The kernel is held to a reference written here: each request's KV gathered through its page
 table, softmax attention with GQA computed in float64 on the very same (already rounded)
@@ -603,3 +603,30 @@ def test_bad_indices_and_buffers_are_rejected_before_the_kernel_runs(gen) -> Non
     assert_close(
         out, reference(q, paged, 0.125), torch.float32, f"seed {gen.initial_seed()}"
     )
+
+
+def test_store_kv_writes_strided_rows_into_their_slots_and_skips_negative_ones() -> None:
+    gen = torch.Generator().manual_seed(5)
+    for dtype in (torch.float32, torch.bfloat16):
+        num_pages, page_size, kv_heads, head_dim, tokens = 6, 4, 2, 8, 5
+        k_cache = torch.zeros(num_pages, page_size, kv_heads, head_dim, dtype=dtype)
+        v_cache = torch.zeros_like(k_cache)
+        qkv = torch.randn(tokens, 3 * kv_heads * head_dim, generator=gen).to(dtype)
+        k = qkv[:, kv_heads * head_dim : 2 * kv_heads * head_dim].view(tokens, kv_heads, head_dim)
+        v = qkv[:, 2 * kv_heads * head_dim :].view(tokens, kv_heads, head_dim)
+        slots = torch.tensor([3, 17, -1, 0, 23])
+        assert native.store_kv(k, v, k_cache, v_cache, slots)
+        expected_k = torch.zeros(num_pages * page_size, kv_heads, head_dim, dtype=dtype)
+        expected_v = torch.zeros_like(expected_k)
+        keep = slots >= 0
+        expected_k[slots[keep]] = k[keep]
+        expected_v[slots[keep]] = v[keep]
+        assert torch.equal(k_cache.view_as(expected_k), expected_k)
+        assert torch.equal(v_cache.view_as(expected_v), expected_v)
+
+
+def test_backend_store_kv_refuses_a_slot_past_the_cache() -> None:
+    k_cache = torch.zeros(2, 4, 1, 8)
+    k = torch.randn(1, 1, 8)
+    with pytest.raises(IndexError, match="out of range"):
+        TorchBackend().store_kv(k, k, k_cache, torch.zeros_like(k_cache), torch.tensor([8]))
