@@ -22,7 +22,9 @@ from radixkv.config import default_cache_dir
 
 logger = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("paged_decode.c", "row_ops.c"))
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = (CSRC / "paged_decode.c", CSRC / "row_ops.c")
+HEADERS = (CSRC / "bf16.h",)
 COMPILE_FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 # RADIXKV_NATIVE=0 turns the kernels off: decode gathers KV per step, layer glue runs as torch ops.
 DISABLE_ENV = "RADIXKV_NATIVE"
@@ -75,7 +77,7 @@ def _cpu_signature() -> str:
 
 def _library_path(compiler: str) -> Path:
     key = hashlib.sha256()
-    for source in SOURCES:
+    for source in (*SOURCES, *HEADERS):
         key.update(source.read_bytes())
     for part in (compiler, " ".join(COMPILE_FLAGS), _cpu_signature()):
         key.update(part.encode())

@@ -17,9 +17,7 @@
  * positions 0 .. seq_lens[b]-1. Query heads h*group .. h*group+group-1 share kv head h (GQA).
  */
 #define _GNU_SOURCE /* syscall() for the AMX permission request */
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
+#include "bf16.h"
 
 #define CHUNK_TOKENS 256
 #define BLOCK_TOKENS 16
@@ -52,22 +50,6 @@ static inline Block block_at(const int32_t *pages, int t, int end, const Shape *
 static inline int64_t state_floats(const Shape *sh) { return sh->head_dim + 2; }
 static inline int64_t item_floats(const Shape *sh) {
     return (int64_t)sh->num_kv_heads * sh->group * state_floats(sh);
-}
-
-static inline float bf16_to_float(uint16_t h) {
-    const uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-/* Round to nearest even, as torch converts float to bfloat16. */
-static inline uint16_t float_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* NaN */
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
 }
 
 static inline float f32_load(float x) { return x; }
@@ -139,9 +121,7 @@ static inline float fold_scores(float *state, float *s, int n) {
 DEFINE_ITEM(item_bf16_portable, uint16_t, bf16_to_float)
 DEFINE_ITEM(item_f32, float, f32_load)
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-#include <immintrin.h>
-#define HAVE_AVX512_BF16 1
+#ifdef HAVE_AVX512_BF16
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include <sys/syscall.h>
@@ -197,30 +177,6 @@ static inline void scores_amx(const uint32_t *q_pairs, const uint16_t *k0, int64
 }
 #endif
 
-static inline __m512 bf16x16_to_float(const uint16_t *src) {
-    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)src));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-
-/* e^x for the softmax weights: Cephes' expf (range reduction by ln 2, degree-6 polynomial,
- * about 1 ulp), 16 lanes at a time. Inputs are clamped to [-87, 88]: weights under e^-87
- * are below 1e-37 and vanish in the fp32 sums anyway. */
-static inline __m512 exp_avx512(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(y, n);
-}
-
 /* Fold scores s[0..n), n <= 16, into a state; the block's weights are left in s. */
 static inline float fold_scores_avx512(float *state, float *s, int n) {
     const __mmask16 live = n >= 16 ? 0xffff : (__mmask16)((1u << n) - 1);
@@ -229,7 +185,7 @@ static inline float fold_scores_avx512(float *state, float *s, int n) {
     const float new_max = state[0] > block_max ? state[0] : block_max;
     /* Past the first blocks the running max rarely moves: skip the exp then (e^0 is 1 exactly). */
     const float alpha = state[0] == new_max ? 1.0f : state[0] == -INFINITY ? 0.0f : expf(state[0] - new_max);
-    const __m512 weights = _mm512_maskz_mov_ps(live, exp_avx512(_mm512_sub_ps(scores, _mm512_set1_ps(new_max))));
+    const __m512 weights = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(scores, _mm512_set1_ps(new_max))));
     _mm512_storeu_ps(s, weights);
     state[0] = new_max;
     state[1] = state[1] * alpha + _mm512_reduce_add_ps(weights);

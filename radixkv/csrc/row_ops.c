@@ -6,59 +6,17 @@
  * approximated differently (the RMSNorm sum of squares, SiLU's exp): a last-bit difference
  * now and then, never one that depends on the other rows of the batch.
  */
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
+#include "bf16.h"
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-#include <immintrin.h>
-#define HAVE_AVX512_BF16 1
-
-static inline __m512 load16(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
-
+#ifdef HAVE_AVX512_BF16
 /* vcvtneps2bf16 rounds to nearest even, as torch does (NaN payloads aside). */
 static inline __m256i round16(__m512 x) { return (__m256i)_mm512_cvtneps_pbh(x); }
 static inline __m512 rounded16(__m512 x) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(round16(x)), 16)); }
 static inline void store16(uint16_t *p, __m512 x) { _mm256_storeu_si256((__m256i *)p, round16(x)); }
-
-/* e^x, Cephes' expf (about 1 ulp), 16 lanes; inputs clamped to [-87, 88]. */
-static inline __m512 exp16(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(y, n);
-}
 #endif
 
 /* Below this many elements a call runs on one thread: waking the others costs more. */
 #define PARALLEL_ELEMENTS 65536
-
-static inline float bf16_value(uint16_t h) {
-    const uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-/* Round to nearest even, as torch converts float to bfloat16. */
-static inline uint16_t bf16_round(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* NaN */
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
 
 /* residual += delta (when delta is not NULL), then out = weight * bf16(residual * rsqrt(mean
  * of squares + eps)): transformers' LlamaRMSNorm after the layer's residual add. [rows][dim]. */
@@ -88,15 +46,15 @@ void radixkv_add_rms_norm_bf16(uint16_t *residual, const uint16_t *delta, const 
 #endif
         if (delta) {
             const uint16_t *d = delta + (int64_t)r * dim;
-            for (int i = 0; i < dim; i++) x[i] = bf16_round(bf16_value(x[i]) + bf16_value(d[i]));
+            for (int i = 0; i < dim; i++) x[i] = float_to_bf16(bf16_to_float(x[i]) + bf16_to_float(d[i]));
         }
         float squares = 0.0f;
 #pragma omp simd reduction(+:squares)
-        for (int i = 0; i < dim; i++) squares += bf16_value(x[i]) * bf16_value(x[i]);
+        for (int i = 0; i < dim; i++) squares += bf16_to_float(x[i]) * bf16_to_float(x[i]);
         const float inv_rms = 1.0f / sqrtf(squares / (float)dim + eps);
         for (int i = 0; i < dim; i++) {
-            const float normed = bf16_value(bf16_round(bf16_value(x[i]) * inv_rms));
-            y[i] = bf16_round(bf16_value(weight[i]) * normed);
+            const float normed = bf16_to_float(float_to_bf16(bf16_to_float(x[i]) * inv_rms));
+            y[i] = float_to_bf16(bf16_to_float(weight[i]) * normed);
         }
     }
 }
@@ -128,10 +86,10 @@ void radixkv_rope_bf16(uint16_t *x, int64_t row_stride, int rows, int heads, int
             }
 #endif
             for (int i = 0; i < head_dim; i++) {
-                const float swapped = bf16_value(v[i < half ? i + half : i - half]);
-                const float a = bf16_value(bf16_round(bf16_value(v[i]) * bf16_value(c[i])));
-                const float b = bf16_value(bf16_round(swapped * bf16_value(s[i])));
-                rotated[i] = bf16_round(a + b);
+                const float swapped = bf16_to_float(v[i < half ? i + half : i - half]);
+                const float a = bf16_to_float(float_to_bf16(bf16_to_float(v[i]) * bf16_to_float(c[i])));
+                const float b = bf16_to_float(float_to_bf16(swapped * bf16_to_float(s[i])));
+                rotated[i] = float_to_bf16(a + b);
             }
             memcpy(v, rotated, sizeof(uint16_t) * head_dim);
         }
@@ -158,9 +116,9 @@ void radixkv_silu_mul_bf16(const uint16_t *gate_up, int64_t row_stride, uint16_t
         }
 #endif
         for (int i = 0; i < dim; i++) {
-            const float g = bf16_value(gate[i]);
-            const float activated = bf16_value(bf16_round(g / (1.0f + expf(-g))));
-            y[i] = bf16_round(activated * bf16_value(up[i]));
+            const float g = bf16_to_float(gate[i]);
+            const float activated = bf16_to_float(float_to_bf16(g / (1.0f + expf(-g))));
+            y[i] = float_to_bf16(activated * bf16_to_float(up[i]));
         }
     }
 }

@@ -630,3 +630,26 @@ def test_backend_store_kv_refuses_a_slot_past_the_cache() -> None:
     k = torch.randn(1, 1, 8)
     with pytest.raises(IndexError, match="out of range"):
         TorchBackend().store_kv(k, k, k_cache, torch.zeros_like(k_cache), torch.tensor([8]))
+
+
+def test_portable_build_without_avx512_gives_the_same_answers(gen, monkeypatch, tmp_path) -> None:
+    # CPUs without AVX-512 BF16 or AMX compile only the portable loops; build that variant here
+    # (into a scratch cache) and hold it to the same reference, decode and row ops alike.
+    from radixkv.model import row_ops
+
+    portable_flags = tuple("-march=x86-64-v2" if f == "-march=native" else f for f in native_library.COMPILE_FLAGS)
+    monkeypatch.setattr(native_library, "COMPILE_FLAGS", portable_flags)
+    monkeypatch.setattr(native_library, "_tried", False)
+    monkeypatch.setattr(native_library, "_library", None)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    library = native_library.load()
+    assert library is not None and str(tmp_path) in library._name
+    assert library.radixkv_decode_use_amx() == 0
+    for dtype in (torch.bfloat16, torch.float32):
+        paged = make_paged(gen, [1, 16, 300], num_kv_heads=3, head_dim=64, page_size=16, dtype=dtype)
+        q = make_q(gen, 3, 9, 3, 64, dtype)
+        out = native.paged_decode(q, paged.k_cache, paged.v_cache, paged.page_table, paged.seq_lens, 0.125)
+        assert_close(out, reference(q, paged, 0.125), dtype, "portable build")
+    x, delta, weight = (torch.randn(shape, generator=gen).to(torch.bfloat16) for shape in ((5, 64), (5, 64), (64,)))
+    expected = row_ops.rms_norm(x + delta, weight, 1e-5)
+    assert torch.equal(row_ops.add_rms_norm(x.clone(), delta, weight, 1e-5)[1], expected)
