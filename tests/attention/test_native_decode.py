@@ -38,7 +38,7 @@ from radixkv.attention.torch_backend import TorchBackend
 
 if native_library.load() is None:
     pytest.skip(
-        "native paged-decode kernel unavailable (no C compiler, build failed, or RADIXKV_NATIVE_DECODE=0)",
+        "native paged-decode kernel unavailable (no C compiler, build failed, or RADIXKV_NATIVE=0)",
         allow_module_level=True,
     )
 

@@ -6,6 +6,7 @@ import importlib.util
 
 import pytest
 from engine_helpers import assert_all_pages_returned
+from test_exactness import make_llm as make_exactness_llm
 from test_exactness import shared_prefix_prompts
 
 from radixkv import LLM, SamplingParams
@@ -15,9 +16,8 @@ MAX_NEW = 16
 
 
 def make_llm(model_dir, **options) -> LLM:
-    defaults = dict(dtype="bfloat16", device="cpu", page_size=4, num_pages=256, check_invariants=True, seed=0)
-    defaults.update(options, batch_invariant=True)
-    return LLM(str(model_dir), **defaults)
+    """The exactness tests' engine, in bf16 and batch-invariant."""
+    return make_exactness_llm(model_dir, dtype="bfloat16", batch_invariant=True, **options)
 
 
 def test_bf16_tokens_equal_with_cache_without_cache_alone_and_chunked(tiny_llama):
