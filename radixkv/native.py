@@ -23,8 +23,8 @@ from radixkv.config import default_cache_dir
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "paged_decode.c", CSRC / "row_ops.c")
-HEADERS = (CSRC / "bf16.h",)
+SOURCES = (CSRC / "paged_decode.c", CSRC / "row_ops.c", CSRC / "amx_linear.c")
+HEADERS = (CSRC / "bf16.h", CSRC / "amx.h")
 COMPILE_FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 # RADIXKV_NATIVE=0 turns the kernels off: decode gathers KV per step, layer glue runs as torch ops.
 DISABLE_ENV = "RADIXKV_NATIVE"
@@ -109,8 +109,20 @@ def _declare(library: ctypes.CDLL) -> None:
         "radixkv_add_rms_norm_bf16": [p, p, p, p, i32, i32, f32, i32],
         "radixkv_rope_bf16": [p, i64, i32, i32, i32, p, p],
         "radixkv_silu_mul_bf16": [p, i64, p, i32, i32, i32],
+        "radixkv_amx_linear_available": [],
+        "radixkv_amx_packed_words": [i32, i32],
+        "radixkv_amx_pack": [p, i32, i32, p],
+        "radixkv_amx_linear": [p, i64, i32, i32, p, i32, p, p, i64, i32],
     }
-    returns = {"radixkv_paged_decode_bf16": i32, "radixkv_paged_decode_f32": i32, "radixkv_decode_work_floats": i64, "radixkv_decode_use_amx": i32}
+    returns = {
+        "radixkv_paged_decode_bf16": i32,
+        "radixkv_paged_decode_f32": i32,
+        "radixkv_decode_work_floats": i64,
+        "radixkv_decode_use_amx": i32,
+        "radixkv_amx_linear_available": i32,
+        "radixkv_amx_packed_words": i64,
+        "radixkv_amx_linear": i32,
+    }
     for name, argtypes in signatures.items():
         function = getattr(library, name)
         function.argtypes = argtypes

@@ -17,7 +17,7 @@
  * positions 0 .. seq_lens[b]-1. Query heads h*group .. h*group+group-1 share kv head h (GQA).
  */
 #define _GNU_SOURCE /* syscall() for the AMX permission request */
-#include "bf16.h"
+#include "amx.h"
 
 #define CHUNK_TOKENS 256
 #define BLOCK_TOKENS 16
@@ -123,27 +123,20 @@ DEFINE_ITEM(item_f32, float, f32_load)
 
 #ifdef HAVE_AVX512_BF16
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#ifdef HAVE_AMX
 #include <sys/syscall.h>
 #include <unistd.h>
-#define HAVE_AMX 1
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 /* AMX q.k keeps each head's query as VNNI pairs in a stack buffer of this many uint32. */
 #define MAX_AMX_QUERY_WORDS 4096
 
-typedef struct {
-    uint8_t palette_id, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TileConfig;
+int radixkv_amx_permitted = 0;
 
-static int amx_permitted = 0;
-
-/* Linux hands out AMX state only on request; returns whether this process may use it. */
 int radixkv_enable_amx(void) {
-    if (!amx_permitted) amx_permitted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-    return amx_permitted;
+    if (!radixkv_amx_permitted)
+        radixkv_amx_permitted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    return radixkv_amx_permitted;
 }
 
 /* Tiles: 0 = scores [16 keys][group] fp32, 1 = K [16 keys][32 dims] bf16, 2 = q pairs
@@ -397,7 +390,7 @@ static void thread_end(const Shape *sh) {
 /* Whether bf16 items of this shape take the AMX q.k path. */
 static int amx_fits(const Shape *sh) {
 #ifdef HAVE_AMX
-    return amx_permitted && sh->head_dim % 32 == 0 &&
+    return radixkv_amx_permitted && sh->head_dim % 32 == 0 &&
            (int64_t)sh->num_kv_heads * (sh->head_dim / 32) * 16 * sh->group <= MAX_AMX_QUERY_WORDS;
 #else
     (void)sh;

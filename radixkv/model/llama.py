@@ -228,8 +228,9 @@ INVARIANT_GEMM_ROWS = 32
 
 
 def project(layer: nn.Module, x: Tensor, meta: AttentionMetadata) -> Tensor:
-    """layer(x), in blocks of INVARIANT_GEMM_ROWS rows when the step must be batch-invariant."""
-    if not meta.batch_invariant or x.shape[0] <= INVARIANT_GEMM_ROWS:
+    """layer(x), in blocks of INVARIANT_GEMM_ROWS rows when the step must be batch-invariant
+    and the layer's rows are not independent already (the AMX kernel's are)."""
+    if not meta.batch_invariant or x.shape[0] <= INVARIANT_GEMM_ROWS or getattr(layer, "rows_independent", False):
         return layer(x)
     return torch.cat([layer(block) for block in x.split(INVARIANT_GEMM_ROWS)])
 

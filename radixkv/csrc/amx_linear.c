@@ -1,0 +1,152 @@
+/* bf16 linear layers on AMX tiles: y = x W^T (+ b), fp32 sums rounded once to bf16.
+ *
+ * oneDNN spends ~20 us of set-up on every call, more than a decode step's 32-row product
+ * takes, and streams the weights at half the memory's rate. Here the weights are packed once
+ * into the tiles' VNNI layout, in the order the product reads them, so each thread streams one
+ * contiguous run; a call is a tile configuration and a loop. Each output row is summed over K
+ * in the same order whatever the row count, so a row's bits never depend on its batch.
+ *
+ * Packed layout (uint16): for n-block pair p (32 output features), k-block kb (32 inputs),
+ * half h (16 features): one 16 x 32 tile, row r = input pair (2r, 2r+1), column c = feature,
+ * at ((p * KB + kb) * 2 + h) * 512 + r * 32 + c * 2 + {0, 1}. N is padded to 32 with zeros.
+ */
+#include "amx.h"
+
+#define TILE_WORDS 512 /* one packed 16 x 32 bf16 tile */
+#define PREFETCH_TILES 8 /* how far ahead, in tiles, the weight stream is requested */
+#define ROW_BLOCK 32     /* rows per pass: two A tiles */
+#define ROW_GROUP 256    /* rows whose x is reused from L2 across all pairs */
+
+static inline int64_t pair_count(int n) { return (n + 31) / 32; }
+
+/* uint16 words of the packed form of an n x k weight (k % 32 == 0). */
+int64_t radixkv_amx_packed_words(int n, int k) { return pair_count(n) * (k / 32) * 2 * TILE_WORDS; }
+
+/* Pack w [n][k] (row stride k) into the layout above. */
+void radixkv_amx_pack(const uint16_t *w, int n, int k, uint16_t *packed) {
+    const int64_t kb_count = k / 32;
+    for (int64_t p = 0; p < pair_count(n); p++)
+        for (int64_t kb = 0; kb < kb_count; kb++)
+            for (int h = 0; h < 2; h++) {
+                uint16_t *tile = packed + ((p * kb_count + kb) * 2 + h) * TILE_WORDS;
+                for (int r = 0; r < 16; r++)
+                    for (int c = 0; c < 16; c++) {
+                        const int64_t feature = p * 32 + h * 16 + c;
+                        for (int e = 0; e < 2; e++)
+                            tile[r * 32 + c * 2 + e] = feature < n ? w[feature * k + kb * 32 + 2 * r + e] : 0;
+                    }
+            }
+}
+
+#ifdef HAVE_AMX
+/* Tiles: 0..3 = sums [rows][16 features] (A half i x B half j -> 2i + j), 4, 5 = x rows
+ * [rows][32 inputs], 6, 7 = weight halves. rows0/rows1: rows in the first/second A tile. */
+static void configure(int rows0, int rows1) {
+    TileConfig config;
+    memset(&config, 0, sizeof config);
+    config.palette_id = 1;
+    const int rows[8] = {rows0, rows0, rows1, rows1, rows0, rows1, 16, 16};
+    for (int t = 0; t < 8; t++) {
+        config.rows[t] = (uint8_t)(rows[t] > 0 ? rows[t] : 1);
+        config.colsb[t] = 64;
+    }
+    _tile_loadconfig(&config);
+}
+
+/* bf16 of sums + bias for 16 features of one row, the last `live` of them written. */
+static inline void store_row(const float *sums, const float *bias, uint16_t *dst, int live) {
+    __m512 value = _mm512_loadu_ps(sums);
+    if (bias) value = _mm512_add_ps(value, _mm512_loadu_ps(bias));
+    const __mmask16 mask = live >= 16 ? 0xffff : (__mmask16)((1u << live) - 1);
+    _mm256_mask_storeu_epi16(dst, mask, (__m256i)_mm512_cvtneps_pbh(value));
+}
+
+/* Rows [m0, m0 + rows) of y for the 32 features of pair p. */
+static inline void pair_block(const uint16_t *x, int64_t x_stride, int m0, int rows, int k,
+                              const uint16_t *pair_tiles, const float *bias, int n, int64_t p,
+                              uint16_t *y, int64_t y_stride) {
+    const int kb_count = k / 32, rows1 = rows > 16 ? rows - 16 : 0;
+    _tile_zero(0);
+    _tile_zero(1);
+    if (rows1) {
+        _tile_zero(2);
+        _tile_zero(3);
+    }
+    const uint16_t *x0 = x + (int64_t)m0 * x_stride, *x1 = x0 + 16 * x_stride;
+    for (int kb = 0; kb < kb_count; kb++) {
+        const uint16_t *b = pair_tiles + (int64_t)kb * 2 * TILE_WORDS;
+        for (int line = 0; line < 2 * TILE_WORDS * 2; line += 64)
+            _mm_prefetch((const char *)(b + PREFETCH_TILES * TILE_WORDS) + line, _MM_HINT_T0);
+        _tile_loadd(4, x0 + kb * 32, x_stride * 2);
+        _tile_loadd(6, b, 64);
+        _tile_loadd(7, b + TILE_WORDS, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (rows1) {
+            _tile_loadd(5, x1 + kb * 32, x_stride * 2);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    float sums[4][16 * 16];
+    _tile_stored(0, sums[0], 64);
+    _tile_stored(1, sums[1], 64);
+    if (rows1) {
+        _tile_stored(2, sums[2], 64);
+        _tile_stored(3, sums[3], 64);
+    }
+    for (int r = 0; r < rows; r++) {
+        const int half_row = r & 15, a = r >> 4;
+        uint16_t *dst = y + (int64_t)(m0 + r) * y_stride + p * 32;
+        for (int h = 0; h < 2; h++) {
+            const int64_t first = p * 32 + h * 16;
+            if (first >= n) break;
+            store_row(sums[2 * a + h] + half_row * 16, bias ? bias + first : NULL, dst + h * 16, (int)(n - first));
+        }
+    }
+}
+#endif
+
+/* Whether this CPU and OS run the tiles (asks the OS for them once). */
+int radixkv_amx_linear_available(void) {
+#ifdef HAVE_AMX
+    return radixkv_enable_amx();
+#else
+    return 0;
+#endif
+}
+
+/* y [m][n] (row stride y_stride) = x [m][k] (row stride x_stride) W^T + bias (fp32, or NULL).
+ * Returns 1, doing nothing, where AMX is unavailable or k % 32 != 0. */
+int radixkv_amx_linear(const uint16_t *x, int64_t x_stride, int m, int k, const uint16_t *packed, int n,
+                       const float *bias, uint16_t *y, int64_t y_stride, int num_threads) {
+#ifdef HAVE_AMX
+    if (!radixkv_enable_amx() || k % 32 != 0) return 1;
+    const int64_t pairs = pair_count(n), pair_words = (int64_t)(k / 32) * 2 * TILE_WORDS;
+#pragma omp parallel num_threads(num_threads)
+    {
+        int configured = -1; /* rows of the tile configuration this thread has loaded */
+        /* Rows in groups whose x stays in L2 while the pairs' weights stream past it once. */
+        for (int g0 = 0; g0 < m; g0 += ROW_GROUP) {
+            const int group_end = m - g0 < ROW_GROUP ? m : g0 + ROW_GROUP;
+            /* Each thread takes one contiguous run of pairs: one stream through the weights. */
+#pragma omp for schedule(static) nowait
+            for (int64_t p = 0; p < pairs; p++)
+                for (int m0 = g0; m0 < group_end; m0 += ROW_BLOCK) {
+                    const int rows = group_end - m0 < ROW_BLOCK ? group_end - m0 : ROW_BLOCK;
+                    if (rows != configured) {
+                        configure(rows < 16 ? rows : 16, rows > 16 ? rows - 16 : 0);
+                        configured = rows;
+                    }
+                    pair_block(x, x_stride, m0, rows, k, packed + p * pair_words, bias, n, p, y, y_stride);
+                }
+        }
+        _tile_release();
+    }
+    return 0;
+#else
+    (void)x, (void)x_stride, (void)m, (void)k, (void)packed, (void)n, (void)bias, (void)y, (void)y_stride,
+        (void)num_threads;
+    return 1;
+#endif
+}
