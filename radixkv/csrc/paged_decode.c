@@ -1,12 +1,17 @@
 /* Paged decode attention for CPU: one query token per request attends to its KV where it lies
  * in the page pool, so no request's KV is copied on any step (the torch fallback gathers it).
  *
- * Work is split into (request, chunk of CHUNK_TOKENS keys) items run in parallel by OpenMP.
- * An item walks its keys page by page and, for each page, every kv head in turn, so it reads
- * each page's K and V as one contiguous run; it keeps an online softmax per query head in
- * fp32, and a second pass merges a request's chunks by their log-sum-exp. Chunk edges depend
- * only on the request's own length, never on the batch or the thread count, so a request's
- * output is the same whatever it runs beside.
+ * Work is split into (request, chunk of CHUNK_TOKENS keys) items; each OpenMP thread runs a
+ * contiguous run of them. An item keeps fp32 softmax state per query head (max, sum,
+ * unnormalised output), and a second pass merges a request's chunks by their log-sum-exp.
+ * Chunk edges depend only on the request's own length, never on the batch or the thread
+ * count, so a request's output is the same whatever it runs beside.
+ *
+ * Memory, not arithmetic, bounds decode, and a core keeps only a few cache-line misses in
+ * flight. So while an item computes, it requests the KV of the thread's next item into L2, a
+ * few lines per step, spread evenly over its work: the memory never idles and the item itself
+ * reads from cache. (Prefetching a block ahead, or all at once, left the memory idle during
+ * compute or stalled on full line-fill buffers.)
  *
  * Layouts (element strides):
  *   q          [rows][q_row_stride], a row holds num_q_heads * head_dim values
@@ -23,6 +28,8 @@
 #define BLOCK_TOKENS 16
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 256
+/* A query head's row of scores for a chunk, with room for a last block's 16-lane store. */
+#define SCORE_STRIDE (CHUNK_TOKENS + BLOCK_TOKENS)
 
 typedef struct {
     int num_kv_heads, head_dim, group, page_size;
@@ -44,6 +51,12 @@ static inline Block block_at(const int32_t *pages, int t, int end, const Shape *
     const Block block = {n, ((int64_t)pages[t / ps] * ps + offset) * sh->num_kv_heads * sh->head_dim};
     return block;
 }
+
+/* The item a thread runs after this one: its KV is requested while this one computes. */
+typedef struct {
+    const int32_t *pages; /* NULL: none */
+    int begin, end;
+} NextItem;
 
 /* One query head's online-softmax state: running max, running sum, unnormalised output. The
  * states of an item lie in the caller's buffer, kv head major: (head * group + g). */
@@ -85,8 +98,9 @@ static inline float fold_scores(float *state, float *s, int n) {
  * vectorise. Used for fp32, and for bf16 where AVX-512 BF16 is missing. */
 #define DEFINE_ITEM(NAME, T, LOAD)                                                                 \
     static void NAME(const T *q_row, const T *k, const T *v, const int32_t *pages, int begin,     \
-                     int end, const Shape *sh, float *states) {                                    \
+                     int end, const Shape *sh, float *states, const NextItem *next) {              \
         const int D = sh->head_dim, G = sh->group;                                                 \
+        (void)next;                                                                                \
         float qf[MAX_GROUP][MAX_HEAD_DIM], kf[MAX_HEAD_DIM], vf[MAX_HEAD_DIM];                     \
         float s[BLOCK_TOKENS];                                                                     \
         init_states(states, sh);                                                                   \
@@ -128,8 +142,6 @@ DEFINE_ITEM(item_f32, float, f32_load)
 #include <unistd.h>
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
-/* AMX q.k keeps each head's query as VNNI pairs in a stack buffer of this many uint32. */
-#define MAX_AMX_QUERY_WORDS 4096
 
 int radixkv_amx_permitted = 0;
 
@@ -151,9 +163,10 @@ static void amx_thread_begin(const Shape *sh) {
     _tile_loadconfig(&config);
 }
 
-/* Scores of 16 keys for the G query heads of one kv head: s[g][j] = scale * q_g . k_j. */
+/* Scores of 16 keys for the G query heads of one kv head:
+ * s[g * SCORE_STRIDE + j] = scale * q_g . k_j. */
 static inline void scores_amx(const uint32_t *q_pairs, const uint16_t *k0, int64_t token_stride, int D,
-                              int G, float scale, float s[MAX_GROUP][BLOCK_TOKENS]) {
+                              int G, float scale, float *s) {
     float by_key[16 * MAX_GROUP];
     _tile_zero(0);
     for (int c = 0; c < D / 32; c++) {
@@ -165,25 +178,10 @@ static inline void scores_amx(const uint32_t *q_pairs, const uint16_t *k0, int64
     const __m512i key_offsets = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(G));
     for (int g = 0; g < G; g++) {
         const __m512 column = _mm512_i32gather_ps(_mm512_add_epi32(key_offsets, _mm512_set1_epi32(g)), by_key, 4);
-        _mm512_storeu_ps(s[g], _mm512_mul_ps(column, _mm512_set1_ps(scale)));
+        _mm512_storeu_ps(s + g * SCORE_STRIDE, _mm512_mul_ps(column, _mm512_set1_ps(scale)));
     }
 }
 #endif
-
-/* Fold scores s[0..n), n <= 16, into a state; the block's weights are left in s. */
-static inline float fold_scores_avx512(float *state, float *s, int n) {
-    const __mmask16 live = n >= 16 ? 0xffff : (__mmask16)((1u << n) - 1);
-    const __m512 scores = _mm512_maskz_loadu_ps(live, s);
-    const float block_max = _mm512_mask_reduce_max_ps(live, scores);
-    const float new_max = state[0] > block_max ? state[0] : block_max;
-    /* Past the first blocks the running max rarely moves: skip the exp then (e^0 is 1 exactly). */
-    const float alpha = state[0] == new_max ? 1.0f : state[0] == -INFINITY ? 0.0f : expf(state[0] - new_max);
-    const __m512 weights = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(scores, _mm512_set1_ps(new_max))));
-    _mm512_storeu_ps(s, weights);
-    state[0] = new_max;
-    state[1] = state[1] * alpha + _mm512_reduce_add_ps(weights);
-    return alpha;
-}
 
 /* Lane j of the result is the sum of the 16 lanes of v[j]: a transpose-and-add tree, 45
  * shuffles and adds for 16 sums where reducing each vector alone would take about 130. */
@@ -201,10 +199,11 @@ static inline __m512 sum_lanes_16(const __m512 v[16]) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], 0x88), _mm512_shuffle_f32x4(halves[0], halves[1], 0xDD));
 }
 
-/* Scores of n <= 16 keys for the G query heads of one kv head, by vdpbf16ps. */
+/* Scores of n <= 16 keys for the G query heads of one kv head, by vdpbf16ps; lanes past n
+ * are 0. Same layout as scores_amx. */
 static inline __attribute__((always_inline)) void scores_avx512(
     __m512bh qv[MAX_GROUP][MAX_HEAD_DIM / 32], const uint16_t *k0, int64_t token_stride, int n, const int D,
-    const int G, float scale, float s[MAX_GROUP][BLOCK_TOKENS]) {
+    const int G, float scale, float *s) {
     __m512 dots[MAX_GROUP][16];
     for (int j = 0; j < 16; j++) {
         if (j >= n) {
@@ -219,66 +218,130 @@ static inline __attribute__((always_inline)) void scores_avx512(
             dots[g][j] = dot;
         }
     }
-    for (int g = 0; g < G; g++) _mm512_storeu_ps(s[g], _mm512_mul_ps(sum_lanes_16(dots[g]), _mm512_set1_ps(scale)));
+    for (int g = 0; g < G; g++) _mm512_storeu_ps(s + g * SCORE_STRIDE, _mm512_mul_ps(sum_lanes_16(dots[g]), _mm512_set1_ps(scale)));
 }
 
-/* The bf16 item with AVX-512: q.k by vdpbf16ps (bf16 pairs, fp32 sums), p.v by fp32 FMAs.
- * Per page block and kv head, the accumulators come into registers, take the block's keys
- * and go back to the state. head_dim % 32 == 0; D and G are constants in the hot instances. */
+/* Softmax weights of the n scores in row, in place (unnormalised: e^(s - max)); the max and
+ * their sum go to state[0] and state[1]. */
+static inline void softmax_row(float *row, int n, float *state) {
+    const __mmask16 tail = (__mmask16)((1u << (n % 16)) - 1);
+    const int full = n - n % 16;
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    for (int j = 0; j < full; j += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(row + j));
+    if (tail) top = _mm512_max_ps(top, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), tail, row + full));
+    const float max = _mm512_reduce_max_ps(top);
+    const __m512 shift = _mm512_set1_ps(max);
+    __m512 sum = _mm512_setzero_ps();
+    for (int j = 0; j < full; j += 16) {
+        const __m512 weights = exp16(_mm512_sub_ps(_mm512_loadu_ps(row + j), shift));
+        _mm512_storeu_ps(row + j, weights);
+        sum = _mm512_add_ps(sum, weights);
+    }
+    if (tail) {
+        const __m512 weights = _mm512_maskz_mov_ps(tail, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, row + full), shift)));
+        _mm512_mask_storeu_ps(row + full, tail, weights);
+        sum = _mm512_add_ps(sum, weights);
+    }
+    state[0] = max;
+    state[1] = _mm512_reduce_add_ps(sum);
+}
+
+/* Requests the next item's K and V a few lines at a time, spread over this item's work: the
+ * memory stays busy while this item computes, and no burst fills the line-fill buffers. A
+ * block's rows (all kv heads) are one contiguous run in K and one in V. */
+typedef struct {
+    const char *start[2 * CHUNK_TOKENS];
+    int64_t bytes[2 * CHUNK_TOKENS];
+    int runs, run;
+    int64_t offset;
+    int lines_per_step;
+} Prefetcher;
+
+static inline void prefetcher_init(Prefetcher *p, const NextItem *next, const Shape *sh, const uint16_t *k,
+                                   const uint16_t *v, int steps) {
+    const int64_t row_bytes = (int64_t)sh->num_kv_heads * sh->head_dim * 2;
+    int64_t lines = 0;
+    p->runs = p->run = 0;
+    p->offset = 0;
+    for (int t = next->begin; next->pages && t < next->end;) {
+        const Block block = block_at(next->pages, t, next->end, sh);
+        for (int which = 0; which < 2; which++) {
+            p->start[p->runs] = (const char *)((which ? v : k) + block.first);
+            p->bytes[p->runs++] = block.n * row_bytes;
+        }
+        lines += 2 * (block.n * row_bytes + 63) / 64;
+        t += block.n;
+    }
+    p->lines_per_step = (int)(lines / (steps > 0 ? steps : 1)) + 1;
+}
+
+static inline void prefetch_step(Prefetcher *p) {
+    int budget = p->lines_per_step;
+    while (budget > 0 && p->run < p->runs) {
+        const char *base = p->start[p->run];
+        const int64_t run_end = p->bytes[p->run];
+        const int64_t stop = p->offset + (int64_t)budget * 64 < run_end ? p->offset + (int64_t)budget * 64 : run_end;
+        /* Into L2 (T1): in L1 the lines would only push out the block being computed. */
+        for (int64_t offset = p->offset; offset < stop; offset += 64) _mm_prefetch(base + offset, _MM_HINT_T1);
+        budget -= (int)((stop - p->offset + 63) / 64);
+        p->offset = stop;
+        if (stop >= run_end) p->run++, p->offset = 0;
+    }
+}
+
+/* The bf16 item with AVX-512, one kv head at a time, in three passes over the chunk: q.k for
+ * all its keys (AMX tiles for full 16-key blocks, else vdpbf16ps), one softmax over the chunk
+ * (so no running max and no rescaling), then p.v with fp32 FMAs into accumulators that stay in
+ * registers. The chunk's KV was requested during the previous item (prefetch_next), so the
+ * passes read it from cache while this item requests the next one's. head_dim % 32 == 0; D and
+ * G are constants in the hot instances. */
 static inline __attribute__((always_inline)) void item_bf16_avx512_impl(
     const uint16_t *q_row, const uint16_t *k, const uint16_t *v, const int32_t *pages, int begin,
-    int end, const Shape *sh, float *states, const int D, const int G) {
-    const int H = sh->num_kv_heads;
+    int end, const Shape *sh, float *states, const NextItem *next, const int D, const int G) {
+    const int H = sh->num_kv_heads, n = end - begin;
     const int64_t token_stride = (int64_t)H * D;
-    float s[MAX_GROUP][BLOCK_TOKENS];
-    init_states(states, sh);
+    Block blocks[CHUNK_TOKENS];
+    int num_blocks = 0;
+    for (int t = begin; t < end; t += blocks[num_blocks - 1].n) blocks[num_blocks++] = block_at(pages, t, end, sh);
+    float s[MAX_GROUP * SCORE_STRIDE] __attribute__((aligned(64)));
+    Prefetcher prefetcher;
+    prefetcher_init(&prefetcher, next, sh, k, v, 2 * H * num_blocks);
+    for (int h = 0; h < H; h++) {
+        const uint16_t *q_head = q_row + (int64_t)h * G * D;
+        __m512bh qv[MAX_GROUP][MAX_HEAD_DIM / 32];
+        for (int g = 0; g < G; g++)
+            for (int c = 0; c < D / 32; c++) qv[g][c] = (__m512bh)_mm512_loadu_si512(q_head + (int64_t)g * D + 32 * c);
 #ifdef HAVE_AMX
-    /* q as AMX B tiles: per kv head and 32-dim chunk, [16 dim pairs][G heads] bf16 pairs. */
-    uint32_t q_pairs[MAX_AMX_QUERY_WORDS];
-    if (sh->use_amx) {
-        const uint32_t *q_words = (const uint32_t *)q_row;
-        for (int h = 0; h < H; h++)
+        /* q as AMX B tiles: per 32-dim chunk, [16 dim pairs][G heads] bf16 pairs. */
+        uint32_t q_pairs[MAX_HEAD_DIM / 32 * 16 * MAX_GROUP];
+        if (sh->use_amx) {
+            const uint32_t *q_words = (const uint32_t *)q_head;
             for (int c = 0; c < D / 32; c++)
                 for (int pair = 0; pair < 16; pair++)
-                    for (int g = 0; g < G; g++)
-                        q_pairs[((h * (D / 32) + c) * 16 + pair) * G + g] = q_words[((h * G + g) * D) / 2 + 16 * c + pair];
-    }
+                    for (int g = 0; g < G; g++) q_pairs[(c * 16 + pair) * G + g] = q_words[(g * D) / 2 + 16 * c + pair];
+        }
 #endif
-    Block block = block_at(pages, begin, end, sh);
-    for (int t = begin; t < end; t += block.n) {
-        block = block_at(pages, t, end, sh);
-        /* The next block's rows are requested a few at a time beside this block's work (all
-         * at once would overflow the line-fill buffers and stall). */
-        const Block next = t + block.n < end ? block_at(pages, t + block.n, end, sh) : block;
-        for (int h = 0; h < H; h++) {
-            const uint16_t *k0 = k + block.first + (int64_t)h * D, *v0 = v + block.first + (int64_t)h * D;
-            __m512bh qv[MAX_GROUP][MAX_HEAD_DIM / 32];
-            for (int g = 0; g < G; g++)
-                for (int c = 0; c < D / 32; c++)
-                    qv[g][c] = (__m512bh)_mm512_loadu_si512(q_row + (int64_t)(h * G + g) * D + 32 * c);
-            const char *k_next = (const char *)(k + next.first + (int64_t)h * D);
-            const char *v_next = (const char *)(v + next.first + (int64_t)h * D);
-            for (int j = 0; j < block.n; j++)
-                for (int byte = 0; byte < D * 2; byte += 64) {
-                    _mm_prefetch(k_next + j * token_stride * 2 + byte, _MM_HINT_T0);
-                    _mm_prefetch(v_next + j * token_stride * 2 + byte, _MM_HINT_T0);
-                }
+        for (int bi = 0, offset = 0; bi < num_blocks; offset += blocks[bi++].n) {
+            const uint16_t *k0 = k + blocks[bi].first + (int64_t)h * D;
+            prefetch_step(&prefetcher);
 #ifdef HAVE_AMX
-            if (sh->use_amx && block.n == 16)
-                scores_amx(q_pairs + (int64_t)h * (D / 32) * 16 * G, k0, token_stride, D, G, sh->scale, s);
+            if (sh->use_amx && blocks[bi].n == 16)
+                scores_amx(q_pairs, k0, token_stride, D, G, sh->scale, s + offset);
             else
 #endif
-                scores_avx512(qv, k0, token_stride, block.n, D, G, sh->scale, s);
-            /* Accumulators hold a 32-dim chunk as (even dims, odd dims): a bf16 pair converts
-             * to two float vectors by one shift and one mask, with no shuffle. */
-            __m512 acc[MAX_GROUP][MAX_HEAD_DIM / 16];
-            for (int g = 0; g < G; g++) {
-                float *state = states + (int64_t)(h * G + g) * (D + 2);
-                const __m512 alpha = _mm512_set1_ps(fold_scores_avx512(state, s[g], block.n));
-                for (int c = 0; c < D / 16; c++) acc[g][c] = _mm512_mul_ps(_mm512_loadu_ps(state + 2 + 16 * c), alpha);
-            }
-            const __m512i high_half = _mm512_set1_epi32((int)0xffff0000u);
-            for (int j = 0; j < block.n; j++) {
+                scores_avx512(qv, k0, token_stride, blocks[bi].n, D, G, sh->scale, s + offset);
+        }
+        for (int g = 0; g < G; g++) softmax_row(s + g * SCORE_STRIDE, n, states + (int64_t)(h * G + g) * (D + 2));
+        /* Accumulators hold a 32-dim chunk as (even dims, odd dims): a bf16 pair converts
+         * to two float vectors by one shift and one mask, with no shuffle. */
+        __m512 acc[MAX_GROUP][MAX_HEAD_DIM / 16];
+        for (int g = 0; g < G; g++)
+            for (int c = 0; c < D / 16; c++) acc[g][c] = _mm512_setzero_ps();
+        const __m512i high_half = _mm512_set1_epi32((int)0xffff0000u);
+        for (int bi = 0, offset = 0; bi < num_blocks; offset += blocks[bi++].n) {
+            prefetch_step(&prefetcher);
+            const uint16_t *v0 = v + blocks[bi].first + (int64_t)h * D;
+            for (int j = 0; j < blocks[bi].n; j++) {
                 __m512 vf[MAX_HEAD_DIM / 16];
                 for (int c = 0; c < D / 32; c++) {
                     const __m512i pairs = _mm512_loadu_si512(v0 + j * token_stride + 32 * c);
@@ -286,23 +349,21 @@ static inline __attribute__((always_inline)) void item_bf16_avx512_impl(
                     vf[2 * c + 1] = _mm512_castsi512_ps(_mm512_and_si512(pairs, high_half));
                 }
                 for (int g = 0; g < G; g++) {
-                    const __m512 w = _mm512_set1_ps(s[g][j]);
+                    const __m512 w = _mm512_set1_ps(s[g * SCORE_STRIDE + offset + j]);
                     for (int c = 0; c < D / 16; c++) acc[g][c] = _mm512_fmadd_ps(w, vf[c], acc[g][c]);
                 }
             }
-            for (int g = 0; g < G; g++)
-                for (int c = 0; c < D / 16; c++)
-                    _mm512_storeu_ps(states + (int64_t)(h * G + g) * (D + 2) + 2 + 16 * c, acc[g][c]);
         }
-    }
-    /* Back to natural dim order for the merge. */
-    for (int i = 0; i < H * G; i++) {
-        float *acc = states + (int64_t)i * (D + 2) + 2, chunk[32];
-        for (int c = 0; c < D / 32; c++) {
-            memcpy(chunk, acc + 32 * c, sizeof chunk);
-            for (int d = 0; d < 16; d++) {
-                acc[32 * c + 2 * d] = chunk[d];
-                acc[32 * c + 2 * d + 1] = chunk[16 + d];
+        /* Back to natural dim order for the merge. */
+        for (int g = 0; g < G; g++) {
+            float *out = states + (int64_t)(h * G + g) * (D + 2) + 2, chunk[32];
+            for (int c = 0; c < D / 32; c++) {
+                _mm512_storeu_ps(chunk, acc[g][2 * c]);
+                _mm512_storeu_ps(chunk + 16, acc[g][2 * c + 1]);
+                for (int d = 0; d < 16; d++) {
+                    out[32 * c + 2 * d] = chunk[d];
+                    out[32 * c + 2 * d + 1] = chunk[16 + d];
+                }
             }
         }
     }
@@ -310,7 +371,7 @@ static inline __attribute__((always_inline)) void item_bf16_avx512_impl(
 
 /* Instances with head_dim and group as constants, so the compiler unrolls the chunk loops and
  * keeps q and the accumulators in registers; other shapes run the general instance. */
-#define ITEM_ARGS q_row, k, v, pages, begin, end, sh, states
+#define ITEM_ARGS q_row, k, v, pages, begin, end, sh, states, next
 #define GROUP_CASES(D)                                                   \
     switch (sh->group) {                                                 \
         case 1: item_bf16_avx512_impl(ITEM_ARGS, D, 1); return;          \
@@ -322,8 +383,8 @@ static inline __attribute__((always_inline)) void item_bf16_avx512_impl(
         case 7: item_bf16_avx512_impl(ITEM_ARGS, D, 7); return;          \
         case 8: item_bf16_avx512_impl(ITEM_ARGS, D, 8); return;          \
     }
-static void item_bf16_avx512(const uint16_t *q_row, const uint16_t *k, const uint16_t *v,
-                             const int32_t *pages, int begin, int end, const Shape *sh, float *states) {
+static void item_bf16_avx512(const uint16_t *q_row, const uint16_t *k, const uint16_t *v, const int32_t *pages,
+                             int begin, int end, const Shape *sh, float *states, const NextItem *next) {
     if (sh->head_dim == 64) GROUP_CASES(64)
     if (sh->head_dim == 128) GROUP_CASES(128)
     item_bf16_avx512_impl(ITEM_ARGS, sh->head_dim, sh->group);
@@ -332,14 +393,14 @@ static void item_bf16_avx512(const uint16_t *q_row, const uint16_t *k, const uin
 
 /* The bf16 item: the AVX-512 one where the CPU and head_dim allow, else the portable one. */
 static void item_bf16(const uint16_t *q_row, const uint16_t *k, const uint16_t *v, const int32_t *pages,
-                      int begin, int end, const Shape *sh, float *states) {
+                      int begin, int end, const Shape *sh, float *states, const NextItem *next) {
 #ifdef HAVE_AVX512_BF16
     if (sh->head_dim % 32 == 0) {
-        item_bf16_avx512(q_row, k, v, pages, begin, end, sh, states);
+        item_bf16_avx512(q_row, k, v, pages, begin, end, sh, states, next);
         return;
     }
 #endif
-    item_bf16_portable(q_row, k, v, pages, begin, end, sh, states);
+    item_bf16_portable(q_row, k, v, pages, begin, end, sh, states, next);
 }
 
 /* Merge one request's count chunk items (consecutive in the buffer) into its output row. */
@@ -390,8 +451,7 @@ static void thread_end(const Shape *sh) {
 /* Whether bf16 items of this shape take the AMX q.k path. */
 static int amx_fits(const Shape *sh) {
 #ifdef HAVE_AMX
-    return radixkv_amx_permitted && sh->head_dim % 32 == 0 &&
-           (int64_t)sh->num_kv_heads * (sh->head_dim / 32) * 16 * sh->group <= MAX_AMX_QUERY_WORDS;
+    return radixkv_amx_permitted && sh->head_dim % 32 == 0;
 #else
     (void)sh;
     return 0;
@@ -400,6 +460,22 @@ static int amx_fits(const Shape *sh) {
 
 static inline int64_t num_chunks(int32_t seq_len) {
     return seq_len > 0 ? (seq_len + CHUNK_TOKENS - 1) / CHUNK_TOKENS : 0;
+}
+
+/* The request owning a chunk item and the keys [begin, end) the item covers. */
+typedef struct {
+    int seq, begin, end;
+} Span;
+
+static inline Span locate_chunk(int64_t chunk, const int64_t *first_chunk, const int32_t *seq_lens, int num_seqs) {
+    int lo = 0, hi = num_seqs - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (first_chunk[mid] <= chunk) lo = mid; else hi = mid - 1;
+    }
+    const int begin = (int)((chunk - first_chunk[lo]) * CHUNK_TOKENS);
+    const Span span = {lo, begin, begin + CHUNK_TOKENS < seq_lens[lo] ? begin + CHUNK_TOKENS : seq_lens[lo]};
+    return span;
 }
 
 /* Floats of work buffer the kernel needs for these lengths (the caller allocates it). */
@@ -430,19 +506,19 @@ int64_t radixkv_decode_work_floats(const int32_t *seq_lens, int num_seqs, int nu
         _Pragma("omp parallel num_threads(num_threads)")                                          \
         {                                                                                         \
             thread_begin(&sh);                                                                    \
-            _Pragma("omp for schedule(dynamic, 1)")                                               \
+            /* Static: each thread runs a contiguous run of items, so it knows the next one. */   \
+            _Pragma("omp for schedule(static)")                                                   \
             for (int64_t chunk = 0; chunk < total_chunks; chunk++) {                              \
-                int lo = 0, hi = num_seqs - 1; /* the request owning this chunk */                \
-                while (lo < hi) {                                                                 \
-                    const int mid = (lo + hi + 1) / 2;                                            \
-                    if (first_chunk[mid] <= chunk) lo = mid; else hi = mid - 1;                   \
+                const Span span = locate_chunk(chunk, first_chunk, seq_lens, num_seqs);          \
+                NextItem next = {NULL, 0, 0};                                                     \
+                if (chunk + 1 < total_chunks) {                                                   \
+                    const Span after = locate_chunk(chunk + 1, first_chunk, seq_lens, num_seqs);  \
+                    next.pages = page_table + (int64_t)after.seq * page_table_stride;             \
+                    next.begin = after.begin, next.end = after.end;                               \
                 }                                                                                 \
-                const int b = lo;                                                                 \
-                const int begin = (int)((chunk - first_chunk[b]) * CHUNK_TOKENS);                 \
-                const int end = begin + CHUNK_TOKENS < seq_lens[b] ? begin + CHUNK_TOKENS : seq_lens[b]; \
-                const int64_t row = rows ? rows[b] : b;                                           \
-                ITEM(q + row * q_row_stride, k, v, page_table + (int64_t)b * page_table_stride,   \
-                     begin, end, &sh, work + chunk * item_floats(&sh));                           \
+                const int64_t row = rows ? rows[span.seq] : span.seq;                             \
+                ITEM(q + row * q_row_stride, k, v, page_table + (int64_t)span.seq * page_table_stride, \
+                     span.begin, span.end, &sh, work + chunk * item_floats(&sh), &next);          \
             }                                                                                     \
             _Pragma("omp for schedule(static)")                                                   \
             for (int64_t pair = 0; pair < (int64_t)num_seqs * num_kv_heads; pair++) {             \
