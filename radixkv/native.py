@@ -107,7 +107,7 @@ def _declare(library: ctypes.CDLL) -> None:
         "radixkv_decode_use_amx": [],
         "radixkv_store_kv": [p, p, p, p, i64, i64, p, i32, i64],
         "radixkv_add_rms_norm_bf16": [p, p, p, p, i32, i32, f32, i32],
-        "radixkv_rope_bf16": [p, i64, i32, i32, i32, p, p],
+        "radixkv_rope_bf16": [p, i64, i32, i32, i32, p, p, i32],
         "radixkv_silu_mul_bf16": [p, i64, p, i32, i32, i32],
         "radixkv_amx_linear_available": [],
         "radixkv_amx_packed_words": [i32, i32],

@@ -16,7 +16,7 @@ static inline void store16(uint16_t *p, __m512 x) { _mm256_storeu_si256((__m256i
 #endif
 
 /* Below this many elements a call runs on one thread: waking the others costs more. */
-#define PARALLEL_ELEMENTS 65536
+#define PARALLEL_ELEMENTS 16384
 
 /* residual += delta (when delta is not NULL), then out = weight * bf16(residual * rsqrt(mean
  * of squares + eps)): transformers' LlamaRMSNorm after the layer's residual add. [rows][dim]. */
@@ -63,28 +63,32 @@ void radixkv_add_rms_norm_bf16(uint16_t *residual, const uint16_t *delta, const 
  * product and the sum rounded to bf16 like torch's ops. x: [rows][row_stride], heads side by
  * side from the row's start; cos, signed_sin: [rows][head_dim]. */
 void radixkv_rope_bf16(uint16_t *x, int64_t row_stride, int rows, int heads, int head_dim,
-                       const uint16_t *cos, const uint16_t *signed_sin) {
+                       const uint16_t *cos, const uint16_t *signed_sin, int num_threads) {
     const int half = head_dim / 2;
-    uint16_t rotated[1024];
     if (head_dim > 1024) return;
+    const int threads = (int64_t)rows * heads * head_dim >= PARALLEL_ELEMENTS ? num_threads : 1;
+#pragma omp parallel for num_threads(threads) schedule(static)
     for (int r = 0; r < rows; r++) {
         const uint16_t *c = cos + (int64_t)r * head_dim, *s = signed_sin + (int64_t)r * head_dim;
-        for (int h = 0; h < heads; h++) {
-            uint16_t *v = x + (int64_t)r * row_stride + (int64_t)h * head_dim;
+        uint16_t *row = x + (int64_t)r * row_stride;
 #ifdef HAVE_AVX512_BF16
-            if (half % 16 == 0) {
-                for (int i = 0; i < half; i += 16) {
+        if (half % 16 == 0) {
+            for (int i = 0; i < half; i += 16) { /* cos and sin once per row, for every head */
+                const __m512 c_lo = load16(c + i), c_hi = load16(c + half + i);
+                const __m512 s_lo = load16(s + i), s_hi = load16(s + half + i);
+                for (int h = 0; h < heads; h++) {
+                    uint16_t *v = row + (int64_t)h * head_dim;
                     const __m512 lo = load16(v + i), hi = load16(v + half + i);
-                    const __m512 new_lo = _mm512_add_ps(rounded16(_mm512_mul_ps(lo, load16(c + i))),
-                                                        rounded16(_mm512_mul_ps(hi, load16(s + i))));
-                    const __m512 new_hi = _mm512_add_ps(rounded16(_mm512_mul_ps(hi, load16(c + half + i))),
-                                                        rounded16(_mm512_mul_ps(lo, load16(s + half + i))));
-                    store16(v + i, new_lo);
-                    store16(v + half + i, new_hi);
+                    store16(v + i, _mm512_add_ps(rounded16(_mm512_mul_ps(lo, c_lo)), rounded16(_mm512_mul_ps(hi, s_lo))));
+                    store16(v + half + i, _mm512_add_ps(rounded16(_mm512_mul_ps(hi, c_hi)), rounded16(_mm512_mul_ps(lo, s_hi))));
                 }
-                continue;
             }
+            continue;
+        }
 #endif
+        uint16_t rotated[1024];
+        for (int h = 0; h < heads; h++) {
+            uint16_t *v = row + (int64_t)h * head_dim;
             for (int i = 0; i < head_dim; i++) {
                 const float swapped = bf16_to_float(v[i < half ? i + half : i - half]);
                 const float a = bf16_to_float(float_to_bf16(bf16_to_float(v[i]) * bf16_to_float(c[i])));

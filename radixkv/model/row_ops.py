@@ -60,7 +60,9 @@ def apply_rope(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
         half = head_dim // 2
         swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
         return x * cos[:, None] + swapped * signed_sin[:, None]
-    library.radixkv_rope_bf16(x.data_ptr(), x.stride(0), rows, heads, head_dim, cos.data_ptr(), signed_sin.data_ptr())
+    library.radixkv_rope_bf16(
+        x.data_ptr(), x.stride(0), rows, heads, head_dim, cos.data_ptr(), signed_sin.data_ptr(), torch.get_num_threads()
+    )
     return x
 
 
