@@ -17,7 +17,6 @@ typedef struct {
 /* Linux hands out AMX state only on request (arch_prctl); whether this process may use it.
  * Defined in paged_decode.c. */
 int radixkv_enable_amx(void);
-extern int radixkv_amx_permitted;
 #endif
 
 #endif

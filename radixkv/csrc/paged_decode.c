@@ -143,12 +143,13 @@ DEFINE_ITEM(item_f32, float, f32_load)
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 
-int radixkv_amx_permitted = 0;
+static int amx_permitted = 0;
+static int decode_amx = 0; /* radixkv_decode_use_amx was called (the linears ask for tiles too) */
 
 int radixkv_enable_amx(void) {
-    if (!radixkv_amx_permitted)
-        radixkv_amx_permitted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-    return radixkv_amx_permitted;
+    if (!amx_permitted)
+        amx_permitted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    return amx_permitted;
 }
 
 /* Tiles: 0 = scores [16 keys][group] fp32, 1 = K [16 keys][32 dims] bf16, 2 = q pairs
@@ -282,6 +283,7 @@ static inline void prefetch_step(Prefetcher *p) {
         const int64_t run_end = p->bytes[p->run];
         const int64_t stop = p->offset + (int64_t)budget * 64 < run_end ? p->offset + (int64_t)budget * 64 : run_end;
         /* Into L2 (T1): in L1 the lines would only push out the block being computed. */
+#pragma GCC unroll 8
         for (int64_t offset = p->offset; offset < stop; offset += 64) _mm_prefetch(base + offset, _MM_HINT_T1);
         budget -= (int)((stop - p->offset + 63) / 64);
         p->offset = stop;
@@ -451,7 +453,7 @@ static void thread_end(const Shape *sh) {
 /* Whether bf16 items of this shape take the AMX q.k path. */
 static int amx_fits(const Shape *sh) {
 #ifdef HAVE_AMX
-    return radixkv_amx_permitted && sh->head_dim % 32 == 0;
+    return decode_amx && sh->head_dim % 32 == 0;
 #else
     (void)sh;
     return 0;
@@ -538,7 +540,8 @@ DEFINE_DECODE(radixkv_paged_decode_f32, float, item_f32, merge_f32, 0)
 /* Turns the AMX q.k path on where the CPU and the OS allow; returns whether it is on. */
 int radixkv_decode_use_amx(void) {
 #ifdef HAVE_AMX
-    return radixkv_enable_amx();
+    decode_amx = radixkv_enable_amx();
+    return decode_amx;
 #else
     return 0;
 #endif
