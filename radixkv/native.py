@@ -23,8 +23,8 @@ from radixkv.config import default_cache_dir
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "paged_decode.c", CSRC / "row_ops.c", CSRC / "amx_linear.c")
-HEADERS = (CSRC / "bf16.h", CSRC / "amx.h")
+SOURCES = (CSRC / "paged_decode.c", CSRC / "row_ops.c", CSRC / "amx_linear.c", CSRC / "decode_layers.c")
+HEADERS = (CSRC / "bf16.h", CSRC / "amx.h", CSRC / "kernels.h")
 COMPILE_FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 # RADIXKV_NATIVE=0 turns the kernels off: decode gathers KV per step, layer glue runs as torch ops.
 DISABLE_ENV = "RADIXKV_NATIVE"
@@ -113,6 +113,7 @@ def _declare(library: ctypes.CDLL) -> None:
         "radixkv_amx_packed_words": [i32, i32],
         "radixkv_amx_pack": [p, i32, i32, p],
         "radixkv_amx_linear": [p, i64, i32, i32, p, i32, p, p, i64, i32],
+        "radixkv_decode_layers_bf16": [p, i32, i32, p, p, p, p, p, p, p, p, i64, p],
     }
     returns = {
         "radixkv_paged_decode_bf16": i32,
@@ -122,6 +123,7 @@ def _declare(library: ctypes.CDLL) -> None:
         "radixkv_amx_linear_available": i32,
         "radixkv_amx_packed_words": i64,
         "radixkv_amx_linear": i32,
+        "radixkv_decode_layers_bf16": i32,
     }
     for name, argtypes in signatures.items():
         function = getattr(library, name)

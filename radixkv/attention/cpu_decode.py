@@ -64,7 +64,7 @@ def paged_decode(
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype)
     if check:
-        _check_bounds(q, k_cache, v_cache, page_table, seq_lens, rows, out)
+        check_bounds(q, k_cache, v_cache, page_table, seq_lens, rows, out)
     work_floats = library.radixkv_decode_work_floats(seq_lens.data_ptr(), num_seqs, num_q_heads, head_dim)
     work = torch.empty(max(work_floats, 1), dtype=torch.float32)
     first_chunk = torch.empty(max(num_seqs, 1), dtype=torch.int64)
@@ -79,7 +79,7 @@ def paged_decode(
     return out
 
 
-def _check_bounds(
+def check_bounds(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,

@@ -57,7 +57,7 @@ class PackedLinear(nn.Module):
         self.packed_weight = nn.Parameter(packed, requires_grad=False)
         self.bias = linear.bias
         # The kernel adds the bias in fp32 before rounding the sum once.
-        self._bias_f32 = None if linear.bias is None else linear.bias.detach().float().contiguous()
+        self.bias_f32 = None if linear.bias is None else linear.bias.detach().float().contiguous()
 
     def forward(self, x: Tensor) -> Tensor:
         if self._amx is None:
@@ -67,7 +67,7 @@ class PackedLinear(nn.Module):
         if x.stride(1) != 1:
             x = x.contiguous()
         y = torch.empty(x.shape[0], self.out_features, dtype=torch.bfloat16)
-        bias = None if self._bias_f32 is None else self._bias_f32.data_ptr()
+        bias = None if self.bias_f32 is None else self.bias_f32.data_ptr()
         self._amx.radixkv_amx_linear(
             x.data_ptr(), x.stride(0), x.shape[0], self.in_features, self.packed_weight.data_ptr(),
             self.out_features, bias, y.data_ptr(), y.stride(0), torch.get_num_threads(),

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from radixkv.attention.base import AttentionBackend, AttentionMetadata
+from radixkv.model.fused_decode import FusedDecode
 from radixkv.model.row_ops import add_rms_norm, apply_rope, rms_norm, silu_mul
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -330,6 +331,8 @@ class CausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rope = RotaryEmbedding(config)
+        # Decode-only steps in one native call where the model fits (set by the loader).
+        self.fused_decode: FusedDecode | None = None
 
     def forward(
         self,
@@ -343,8 +346,11 @@ class CausalLM(nn.Module):
         """Logits [B, vocab] in fp32 for the rows logits_indices of a flat batch of T tokens."""
         x, delta = self.embed_tokens(input_ids), None
         cos, sin = self.rope(positions, x.dtype)
-        for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches, strict=True):
-            x, delta = layer(x, delta, cos, sin, meta, k_cache, v_cache)
+        if self.fused_decode is not None and self.fused_decode.usable(x, meta, k_caches[0]):
+            x, delta = self.fused_decode.run(x, cos, sin, meta, k_caches, v_caches)
+        else:
+            for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches, strict=True):
+                x, delta = layer(x, delta, cos, sin, meta, k_cache, v_cache)
         # The last add, norm and lm_head only for the rows that are sampled: the vocab
         # projection of every prefill token would cost more than the rest of the forward.
         _, last = self.norm.add_and_normalize(x[logits_indices], delta[logits_indices])

@@ -24,6 +24,7 @@ from torch import Tensor
 from radixkv.attention.base import AttentionBackend
 from radixkv.config import default_cache_dir
 from radixkv.model.cpu_linear import can_prepack, prepack_linears
+from radixkv.model.fused_decode import FusedDecode
 from radixkv.model.device import resolve_device, resolve_dtype
 from radixkv.model.llama import CausalLM, ModelConfig
 
@@ -80,6 +81,7 @@ def load_model(
     net.eval()
     if can_prepack(torch_dtype, torch_device):
         prepack_linears(net)
+        net.fused_decode = FusedDecode.for_model(net)
     return LoadedModel(net, config, tokenizer, str(folder), torch_dtype, torch_device)
 
 

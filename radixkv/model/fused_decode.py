@@ -1,0 +1,147 @@
+"""A decode step's decoder layers as one native call (radixkv/csrc/decode_layers.c), for bf16
+models on CPUs with AMX: the same kernels as the layer-by-layer forward, minus its Python.
+
+At 32 rows a layer's kernels take ~1.5 ms and the Python around them ~0.1 ms, which across 30
+layers is ~7% of a decode step. Only steps where every request decodes one token take this
+path; prefill and mixed steps run the modules, and so does every other dtype and device.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from torch import Tensor
+
+from radixkv import native
+from radixkv.attention import cpu_decode
+from radixkv.attention.base import AttentionMetadata
+from radixkv.model.cpu_linear import PackedLinear
+
+_p = ctypes.c_void_p
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [(name, _p) for name in ("input_norm", "post_norm", "qkv", "o", "gate_up", "down", "qkv_bias", "o_bias", "k_cache", "v_cache")]
+
+
+class _Shape(ctypes.Structure):
+    _fields_ = [
+        *((name, ctypes.c_int) for name in ("rows", "hidden", "intermediate", "num_q_heads", "num_kv_heads", "head_dim", "page_size", "num_threads")),
+        ("eps", ctypes.c_float),
+        ("scale", ctypes.c_float),
+    ]
+
+
+class _Scratch(ctypes.Structure):
+    _fields_ = [(name, _p) for name in ("h", "qkv", "attention", "projected", "gate_up", "activated", "work", "first_chunk")]
+
+
+def _amx_packed(linear: object) -> bool:
+    return isinstance(linear, PackedLinear) and linear.rows_independent
+
+
+class FusedDecode:
+    """Runs a CausalLM's layers for a decode-only step in one native call, when the model fits
+    (see `for_model`); the weights are read through the model's own tensors, never copied."""
+
+    def __init__(self, model: torch.nn.Module, library: ctypes.CDLL) -> None:
+        # The layers and config, not the model: the model holds this object.
+        self.layers, self.config, self.library = model.layers, model.config, library
+        self._layers: ctypes.Array | None = None
+        self._caches: tuple[int, int] | None = None  # data_ptr of the first k and v cache bound
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module) -> FusedDecode | None:
+        """A FusedDecode where every layer can take the native path, else None."""
+        config = model.config
+        library = native.load()
+        fits = (
+            library is not None
+            and not config.qk_norm
+            and model.embed_tokens.weight.dtype == torch.bfloat16
+            and model.embed_tokens.weight.device.type == "cpu"
+            and all(
+                _amx_packed(layer.self_attn.qkv_proj) and _amx_packed(layer.self_attn.o_proj)
+                and _amx_packed(layer.mlp.gate_up_proj) and _amx_packed(layer.mlp.down_proj)
+                for layer in model.layers
+            )
+        )  # fmt: skip
+        return cls(model, library) if fits else None
+
+    def usable(self, x: Tensor, meta: AttentionMetadata, k_cache: Tensor) -> bool:
+        """Whether this step can run fused: one new token per request, the torch backend's
+        native decode on these caches, and rows that need not be split (batch invariance holds
+        either way: the kernels are the ones the modules call)."""
+        backend = self.layers[0].self_attn.backend
+        if not meta.is_decode_only or backend.name != "torch" or meta.num_seqs != x.shape[0]:
+            return False
+        config = self.config
+        q_like = x.new_empty(0, config.num_q_heads, config.head_dim)
+        return cpu_decode.supports(q_like, k_cache)
+
+    def run(self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata, k_caches: list[Tensor], v_caches: list[Tensor]) -> tuple[Tensor, Tensor]:
+        """(residual stream, last MLP output) after all layers, as the module loop returns them."""
+        config, rows = self.config, x.shape[0]
+        self._check_tables(meta, k_caches[0], v_caches[0])
+        layers = self._bind(k_caches, v_caches)
+        page_table = meta.page_table.to(torch.int32).contiguous()
+        seq_lens = meta.seq_lens.to(torch.int32).contiguous()
+        slots = meta.slot_mapping.contiguous()
+        q_size, kv_size = config.num_q_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        widths = dict(h=config.hidden_size, qkv=q_size + 2 * kv_size, attention=q_size, projected=config.hidden_size,
+                      gate_up=2 * config.intermediate_size, activated=config.intermediate_size)  # fmt: skip
+        buffers = {name: torch.empty(rows, width, dtype=torch.bfloat16) for name, width in widths.items()}
+        work_floats = self.library.radixkv_decode_work_floats(seq_lens.data_ptr(), rows, config.num_q_heads, config.head_dim)
+        work = torch.empty(max(work_floats, 1), dtype=torch.float32)
+        first_chunk = torch.empty(max(rows, 1), dtype=torch.int64)
+        scratch = _Scratch(**{name: t.data_ptr() for name, t in buffers.items()}, work=work.data_ptr(), first_chunk=first_chunk.data_ptr())
+        shape = _Shape(
+            rows=rows, hidden=config.hidden_size, intermediate=config.intermediate_size, num_q_heads=config.num_q_heads,
+            num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, page_size=k_caches[0].shape[1],
+            num_threads=torch.get_num_threads(), eps=config.rms_norm_eps, scale=self.layers[0].self_attn.scale,
+        )  # fmt: skip
+        delta = torch.empty_like(x)
+        x = x.contiguous()
+        status = self.library.radixkv_decode_layers_bf16(
+            ctypes.addressof(layers), len(self.layers), 1, ctypes.addressof(shape), ctypes.addressof(scratch),
+            x.data_ptr(), delta.data_ptr(),
+            cos.contiguous().data_ptr(), sin.contiguous().data_ptr(), slots.data_ptr(), page_table.data_ptr(),
+            page_table.stride(0), seq_lens.data_ptr(),
+        )  # fmt: skip
+        if status != 0:
+            raise RuntimeError("the fused decode kernels refused this model's shapes")
+        return x, delta
+
+    def _bind(self, k_caches: list[Tensor], v_caches: list[Tensor]) -> ctypes.Array:
+        """The layer records, built once per set of caches (the pool's tensors never move)."""
+        key = (k_caches[0].data_ptr(), v_caches[0].data_ptr())
+        if self._layers is None or self._caches != key:
+            records = []
+            for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches, strict=True):
+                attn, mlp = layer.self_attn, layer.mlp
+                records.append(_Layer(
+                    input_norm=layer.input_layernorm.weight.data_ptr(), post_norm=layer.post_attention_layernorm.weight.data_ptr(),
+                    qkv=attn.qkv_proj.packed_weight.data_ptr(), o=attn.o_proj.packed_weight.data_ptr(),
+                    gate_up=mlp.gate_up_proj.packed_weight.data_ptr(), down=mlp.down_proj.packed_weight.data_ptr(),
+                    qkv_bias=_pointer(attn.qkv_proj.bias_f32), o_bias=_pointer(attn.o_proj.bias_f32),
+                    k_cache=k_cache.data_ptr(), v_cache=v_cache.data_ptr(),
+                ))  # fmt: skip
+            self._layers, self._caches = (_Layer * len(records))(*records), key
+        return self._layers
+
+    @staticmethod
+    def _check_tables(meta: AttentionMetadata, k_cache: Tensor, v_cache: Tensor) -> None:
+        """The checks the layer-by-layer path makes on its first layer: C trusts these indices."""
+        slots = meta.slot_mapping
+        if slots.numel() and int(slots.max()) >= k_cache.shape[0] * k_cache.shape[1]:
+            raise IndexError(f"slot {int(slots.max())} is out of range: the cache has {k_cache.shape[0] * k_cache.shape[1]} slots")
+        rows = meta.num_seqs
+        q_like = torch.empty(rows, k_cache.shape[2], k_cache.shape[3], dtype=k_cache.dtype)
+        cpu_decode.check_bounds(
+            q_like, k_cache, v_cache, meta.page_table.to(torch.int32), meta.seq_lens.to(torch.int32), None, q_like
+        )
+
+
+def _pointer(tensor: Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()

