@@ -6,6 +6,8 @@ bandwidth, measured in the same run (the copy rate used before is reported besid
 from __future__ import annotations
 
 import time
+from collections import defaultdict
+from contextlib import ExitStack, contextmanager
 
 import torch
 
@@ -75,6 +77,7 @@ def profile_decode(model: str | None = None, dtype: str = "auto", num_seqs: int 
         engine.step()
     step_s = (time.perf_counter() - start) / steps
     phases = {k: v / steps for k, v in engine.timings_s.items()}
+    breakdown = kernel_breakdown(engine, steps)
     for request_id in list(engine._requests):
         engine.abort(request_id)
 
@@ -103,10 +106,66 @@ def profile_decode(model: str | None = None, dtype: str = "auto", num_seqs: int 
         ideal_at_copy_rate_ms=ideal_copy_s * 1e3,
         step_over_ideal_at_copy_rate=step_s / ideal_copy_s,
         native_decode=native_decode_used(engine),
+        fused_decode=engine.loaded.model.fused_decode is not None,
+        breakdown_ms=breakdown,
         torch_threads=torch.get_num_threads(),
     )
     _print(result)
     return result
+
+
+@contextmanager
+def _timed(owner, name: str, totals: dict[str, float], label: str):
+    """owner.name, timed into totals[label] while the block runs."""
+    original = getattr(owner, name)
+
+    def timed(*args, **kwargs):
+        begin = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            totals[label] += time.perf_counter() - begin
+
+    setattr(owner, name, timed)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
+def kernel_breakdown(engine, steps: int) -> dict[str, float]:
+    """Where a decode step's time goes, in ms: the same steps run layer by layer (the fused
+    call hides its parts from Python), each kernel timed around its call. The layer-by-layer
+    step is itself reported, so the fused call's saving shows too."""
+    from radixkv.attention import torch_backend
+    from radixkv.model import cpu_linear, llama
+
+    model = engine.loaded.model
+    totals: dict[str, float] = defaultdict(float)
+    fused, model.fused_decode = model.fused_decode, None
+    try:
+        with ExitStack() as stack:
+            stack.enter_context(_timed(torch_backend.cpu_decode, "paged_decode", totals, "attention (paged decode)"))
+            stack.enter_context(_timed(torch_backend.cpu_decode, "store_kv", totals, "KV stores"))
+            stack.enter_context(_timed(cpu_linear.PackedLinear, "forward", totals, "linears (incl. lm_head)"))
+            for op in ("add_rms_norm", "apply_rope", "silu_mul"):
+                stack.enter_context(_timed(llama, op, totals, "norms, rope, silu"))
+            stack.enter_context(_timed(llama.CausalLM, "forward", totals, "forward"))
+            engine.step()  # the first step after the switch warms the module path
+            totals.clear()
+            start = time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            totals["step (layer by layer)"] = time.perf_counter() - start
+    finally:
+        model.fused_decode = fused
+    ms = {label: total / steps * 1e3 for label, total in totals.items()}
+    parts = ("attention (paged decode)", "linears (incl. lm_head)", "norms, rope, silu", "KV stores")
+    report = {part: ms.get(part, 0.0) for part in parts}
+    report["python between kernels"] = ms["forward"] - sum(report.values())
+    report["outside the forward"] = ms["step (layer by layer)"] - ms["forward"]
+    report["step (layer by layer)"] = ms["step (layer by layer)"]
+    return report
 
 
 def native_decode_used(engine) -> bool:
@@ -126,6 +185,10 @@ def _print(r: dict) -> None:
     print(f"  ideal (read once)    {r['ideal_read_ms']:8.1f} ms -> step is {r['step_over_ideal']:.2f}x the ideal")
     print(f"  ideal at copy rate   {r['ideal_at_copy_rate_ms']:8.1f} ms -> step is {r['step_over_ideal_at_copy_rate']:.2f}x")
     print(f"  attention            {'native paged kernel (KV read in place)' if r['native_decode'] else 'gather + SDPA'}")
+    print(f"  decoder layers       {'one native call per step (fused)' if r['fused_decode'] else 'module by module'}")
+    print("  where the time goes (the same steps layer by layer, each kernel timed):")
+    for part, ms in r["breakdown_ms"].items():
+        print(f"    {part:<26} {ms:8.1f} ms")
     print(f"  engine's own work    {r['engine_overhead_fraction']:.1%} of the step")
 
 
