@@ -654,3 +654,36 @@ def test_portable_build_without_avx512_gives_the_same_answers(gen, monkeypatch, 
     x, delta, weight = (torch.randn(shape, generator=gen).to(torch.bfloat16) for shape in ((5, 64), (5, 64), (64,)))
     expected = row_ops.rms_norm(x + delta, weight, 1e-5)
     assert torch.equal(row_ops.add_rms_norm(x.clone(), delta, weight, 1e-5)[1], expected)
+
+
+_DECODE_IN_A_FRESH_PROCESS = """
+import sys, torch
+from radixkv import native
+from radixkv.attention import cpu_decode
+library = native.load()
+library.radixkv_amx_linear_available()  # the linears ask the OS for tiles too; decode must not follow
+q, k, v, pages, lens = torch.load(sys.argv[1])
+torch.save(cpu_decode.paged_decode(q, k, v, pages, lens, 0.125), sys.argv[2])
+"""
+
+
+@pytest.mark.skipif(not native_library.load().radixkv_decode_use_amx(), reason="no AMX tiles here")
+def test_decode_amx_env_var_picks_the_q_k_path(gen, tmp_path) -> None:
+    # RADIXKV_DECODE_AMX=0 keeps q.k on AVX-512 even after the AMX linears were granted tiles:
+    # both paths meet the reference, and they sum in different orders, so some bits differ.
+    import os
+    import subprocess
+    import sys
+
+    paged = make_paged(gen, [300, 17, 64, 600, 255, 999], num_kv_heads=3, head_dim=64, page_size=16, dtype=torch.bfloat16)
+    q = make_q(gen, 6, 9, 3, 64, torch.bfloat16)
+    torch.save((q, paged.k_cache, paged.v_cache, paged.page_table, paged.seq_lens), tmp_path / "in.pt")
+    expected = reference(q, paged, 0.125)
+    outputs = {}
+    for setting in ("0", "1"):
+        env = {**os.environ, native_library.AMX_ENV: setting}
+        command = [sys.executable, "-c", _DECODE_IN_A_FRESH_PROCESS, str(tmp_path / "in.pt"), str(tmp_path / f"{setting}.pt")]
+        subprocess.run(command, check=True, env=env, capture_output=True)
+        outputs[setting] = torch.load(tmp_path / f"{setting}.pt")
+        assert_close(outputs[setting], expected, torch.bfloat16, f"{native_library.AMX_ENV}={setting}")
+    assert not torch.equal(outputs["0"], outputs["1"])
