@@ -35,7 +35,8 @@ class AttentionMetadata:
     q_lens_list: list[int]
     seq_lens_list: list[int]
     # Every row's result must not depend on the other rows (EngineConfig.batch_invariant): the
-    # model runs GEMMs in fixed row blocks and the backend attends one query row at a time.
+    # backend attends one query row at a time, and the model runs GEMMs in fixed row blocks
+    # unless its linears are row-independent already.
     batch_invariant: bool = False
     # Values a backend derives from this metadata once per step and reuses in every layer
     # (gather indices, masks); keyed by the backend.

@@ -1,9 +1,10 @@
 """A decode step's decoder layers as one native call (radixkv/csrc/decode_layers.c), for bf16
 models on CPUs with AMX: the same kernels as the layer-by-layer forward, minus its Python.
 
-At 32 rows a layer's kernels take ~1.5 ms and the Python around them ~0.1 ms, which across 30
-layers is ~7% of a decode step. Only steps where every request decodes one token take this
-path; prefill and mixed steps run the modules, and so does every other dtype and device.
+At 32 rows the Python between a layer's ten kernels and inside their wrappers costs ~0.3 ms,
+which across SmolLM2's 30 layers is ~8 ms of a ~60 ms step (scenarios/decode_profile.py shows
+both paths). Only steps where every request decodes one token take this path; prefill and
+mixed steps run the modules, and so does every other dtype and device.
 """
 
 from __future__ import annotations
@@ -83,11 +84,11 @@ class FusedDecode:
     def run(self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata, k_caches: list[Tensor], v_caches: list[Tensor]) -> tuple[Tensor, Tensor]:
         """(residual stream, last MLP output) after all layers, as the module loop returns them."""
         config, rows = self.config, x.shape[0]
-        self._check_tables(meta, k_caches[0], v_caches[0])
-        layers = self._bind(k_caches, v_caches)
         page_table = meta.page_table.to(torch.int32).contiguous()
         seq_lens = meta.seq_lens.to(torch.int32).contiguous()
-        slots = meta.slot_mapping.contiguous()
+        slots = meta.slot_mapping.to(torch.int64).contiguous()
+        _check_tables(page_table, seq_lens, slots, k_caches[0], v_caches[0])
+        layers = self._bind(k_caches, v_caches)
         q_size, kv_size = config.num_q_heads * config.head_dim, config.num_kv_heads * config.head_dim
         widths = dict(h=config.hidden_size, qkv=q_size + 2 * kv_size, attention=q_size, projected=config.hidden_size,
                       gate_up=2 * config.intermediate_size, activated=config.intermediate_size)  # fmt: skip
@@ -130,17 +131,12 @@ class FusedDecode:
             self._layers, self._caches = (_Layer * len(records))(*records), key
         return self._layers
 
-    @staticmethod
-    def _check_tables(meta: AttentionMetadata, k_cache: Tensor, v_cache: Tensor) -> None:
-        """The checks the layer-by-layer path makes on its first layer: C trusts these indices."""
-        slots = meta.slot_mapping
-        if slots.numel() and int(slots.max()) >= k_cache.shape[0] * k_cache.shape[1]:
-            raise IndexError(f"slot {int(slots.max())} is out of range: the cache has {k_cache.shape[0] * k_cache.shape[1]} slots")
-        rows = meta.num_seqs
-        q_like = torch.empty(rows, k_cache.shape[2], k_cache.shape[3], dtype=k_cache.dtype)
-        cpu_decode.check_bounds(
-            q_like, k_cache, v_cache, meta.page_table.to(torch.int32), meta.seq_lens.to(torch.int32), None, q_like
-        )
+def _check_tables(page_table: Tensor, seq_lens: Tensor, slots: Tensor, k_cache: Tensor, v_cache: Tensor) -> None:
+    """The checks the layer-by-layer path makes on its first layer: the C code trusts these."""
+    if slots.numel() and int(slots.max()) >= k_cache.shape[0] * k_cache.shape[1]:
+        raise IndexError(f"slot {int(slots.max())} is out of range: the cache has {k_cache.shape[0] * k_cache.shape[1]} slots")
+    q_like = torch.empty(seq_lens.shape[0], k_cache.shape[2], k_cache.shape[3], dtype=k_cache.dtype)
+    cpu_decode.check_bounds(q_like, k_cache, v_cache, page_table, seq_lens, None, q_like)
 
 
 def _pointer(tensor: Tensor | None) -> int | None:
