@@ -6,7 +6,7 @@ SmolLM2-135M's shapes with caches cold (every weight and KV byte comes from memo
 - decode attention: 32 requests x 1,032 tokens over 30 layers' paged KV, the native kernel
   (radixkv/csrc/paged_decode.c) vs the gather + SDPA fallback.
 
-    python -m scenarios.cpu_kernels [--out out/cpu_kernels] [--repeats 5]
+    python -m scenarios.cpu_kernels [--out out/cpu_kernels] [--repeats 5] [--layers 30] [--context 1032]
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from radixkv.attention.base import AttentionMetadata
 from radixkv.attention.torch_backend import TorchBackend
 from radixkv.model.cpu_linear import PACK_FOR_ROWS, PackedLinear
 
-LAYERS = 30
 LINEAR_SHAPES = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576)}
 LM_HEAD = (576, 49152)
 KV_HEADS, Q_HEADS, HEAD_DIM, PAGE_SIZE = 3, 9, 64, 16
@@ -44,9 +43,9 @@ def coldest(run: Callable[[], object], repeats: int, flush: torch.Tensor) -> flo
     return best
 
 
-def linear_rows(repeats: int, flush: torch.Tensor) -> list[dict]:
+def linear_rows(repeats: int, flush: torch.Tensor, layers: int) -> list[dict]:
     torch.manual_seed(0)
-    shapes = [shape for _ in range(LAYERS) for shape in LINEAR_SHAPES.values()] + [LM_HEAD]
+    shapes = [shape for _ in range(layers) for shape in LINEAR_SHAPES.values()] + [LM_HEAD]
     weights = [torch.randn(n, k).to(BF16) for k, n in shapes]
     amx = [PackedLinear(_linear(w)) for w in weights]
     onednn = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_FOR_ROWS) for w in weights]
@@ -74,13 +73,13 @@ def _linear(weight: torch.Tensor) -> torch.nn.Linear:
     return linear
 
 
-def decode_rows(repeats: int, flush: torch.Tensor, num_seqs: int = 32, context: int = 1032) -> list[dict]:
+def decode_rows(repeats: int, flush: torch.Tensor, layers: int, context: int, num_seqs: int = 32) -> list[dict]:
     torch.manual_seed(0)
     pages_per_seq = -(-context // PAGE_SIZE)
     num_pages = num_seqs * pages_per_seq
     shape = (num_pages, PAGE_SIZE, KV_HEADS, HEAD_DIM)
-    k_caches = [torch.randn(shape).to(BF16) for _ in range(LAYERS)]
-    v_caches = [torch.randn(shape).to(BF16) for _ in range(LAYERS)]
+    k_caches = [torch.randn(shape).to(BF16) for _ in range(layers)]
+    v_caches = [torch.randn(shape).to(BF16) for _ in range(layers)]
     page_table = torch.randperm(num_pages, dtype=torch.int32).view(num_seqs, pages_per_seq)
     seq_lens = torch.full((num_seqs,), context, dtype=torch.int32)
     q = torch.randn(num_seqs, Q_HEADS, HEAD_DIM).to(BF16)
@@ -105,7 +104,7 @@ def decode_rows(repeats: int, flush: torch.Tensor, num_seqs: int = 32, context: 
         ],
         "gather + SDPA": gather_sdpa,
     }
-    kv_bytes = 2 * LAYERS * num_seqs * context * KV_HEADS * HEAD_DIM * 2
+    kv_bytes = 2 * layers * num_seqs * context * KV_HEADS * HEAD_DIM * 2
     times = {name: coldest(run, repeats, flush) for name, run in peers.items()}
     return [
         dict(part="decode attention", case=f"{num_seqs} x {context} tokens", peer=name, ms=seconds * 1e3,
@@ -118,13 +117,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="out/cpu_kernels")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--layers", type=int, default=30, help="decoder layers (SmolLM2-135M has 30)")
+    parser.add_argument("--context", type=int, default=1032, help="tokens of each decoding request")
+    parser.add_argument("--flush-mib", type=int, default=1024, help="buffer read before each timing to empty the caches")
     args = parser.parse_args(argv)
     library = native.load()
     if library is None or not library.radixkv_amx_linear_available():
         print("needs the native kernels on a CPU with AMX tiles")
         return 1
-    flush = torch.ones(1 << 30, dtype=torch.int8)
-    rows = linear_rows(args.repeats, flush) + decode_rows(args.repeats, flush)
+    flush = torch.ones(args.flush_mib << 20, dtype=torch.int8)
+    rows = linear_rows(args.repeats, flush, args.layers) + decode_rows(args.repeats, flush, args.layers, args.context)
     print(f"\n{'part':<17} {'case':<18} {'peer':<21} {'ms':>8} {'GB/s':>6} {'x radixkv':>9}")
     print("-" * 84)
     for r in rows:

@@ -46,3 +46,19 @@ def test_scenario_runs_and_reports(name, tiny_model, tmp_path, capsys):
     assert report["min_prefill_tokens"] <= rows["radixkv"]["prefill_tokens_computed"]
     assert (tmp_path / f"{name}.png").exists()
     assert "x radixkv" in capsys.readouterr().out
+
+
+def test_cpu_kernels_bench_runs_and_reports(tmp_path, capsys):
+    from radixkv import native
+
+    library = native.load()
+    if library is None or not library.radixkv_amx_linear_available():
+        pytest.skip("the CPU kernel bench needs the native kernels and AMX tiles")
+    module = importlib.import_module("scenarios.cpu_kernels")
+    argv = ["--out", str(tmp_path), "--repeats", "1", "--layers", "1", "--context", "40", "--flush-mib", "8"]
+    assert module.main(argv) == 0
+    rows = json.loads((tmp_path / "cpu_kernels.json").read_text())["rows"]
+    assert {row["peer"] for row in rows} == {"radixkv AMX", "oneDNN prepacked", "F.linear", "radixkv paged kernel", "gather + SDPA"}
+    assert all(row["ms"] > 0 for row in rows)
+    assert (tmp_path / "cpu_kernels.png").exists()
+    assert "x radixkv" in capsys.readouterr().out
