@@ -17,7 +17,7 @@ import secrets
 import sys
 import time
 from contextlib import aclosing
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -31,7 +31,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from radixkv.engine.async_engine import AsyncEngine, EngineStepError, EngineStopped, RequestStream
 from radixkv.engine.engine import Engine, PinnedPrefix, QueueFull
-from radixkv.engine.request import InvalidRequest, RequestOutput, SamplingParams
+from radixkv.engine.request import CompletionOutput, InvalidRequest, RequestOutput, SamplingParams
 from radixkv.server.metrics import CONTENT_TYPE, ServerMetrics
 from radixkv.server.protocol import (
     AssistantMessage,
@@ -688,53 +688,56 @@ class _TextDeltas:
 
 async def _chat_events(server: _Server, body: ChatCompletionRequest, streams: list[RequestStream], n: int) -> AsyncIterator[str]:
     chunk_id, created, model = new_id("chatcmpl"), now_s(), server.model_name
-    usage_field = body.include_usage
 
     def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
-        payload = ChatCompletionChunk(id=chunk_id, created=created, model=model, choices=choices, usage=usage)
-        data = payload.model_dump()
-        if not usage_field:
-            data.pop("usage")
-        return _sse(data)
+        return _sse_data(ChatCompletionChunk(id=chunk_id, created=created, model=model, choices=choices, usage=usage), body.include_usage)
 
-    deltas = _TextDeltas(body.stop_list())
-    finals: list[RequestOutput] = []
-    try:
-        yield chunk([ChatChunkChoice(index=j, delta=Delta(role="assistant", content="")) for j in range(n)])
-        async with aclosing(_merge(server, streams, n)) as merged:
-            async for _, output in merged:
-                if output.finished and output.finish_reason == "abort":
-                    raise APIError(503, "the request was aborted", type="server_error", code="aborted")
-                choices = []
-                for o in output.outputs:
-                    text = deltas.delta((0, o.index), o.text, o.finish_reason is not None)
-                    if text or o.finish_reason is not None:
-                        delta = Delta(content=text or None)
-                        choices.append(ChatChunkChoice(index=o.index, delta=delta, finish_reason=o.finish_reason))
-                if choices:
-                    yield chunk(choices)
-                if output.finished:
-                    finals.append(output)
-        if usage_field:
-            yield chunk([], _usage(finals))
-        yield "data: [DONE]\n\n"
-    except (APIError, EngineStepError, EngineStopped) as error:
-        yield _stream_error(error)
+    def choice(_: int, o: CompletionOutput, text: str) -> ChatChunkChoice:
+        return ChatChunkChoice(index=o.index, delta=Delta(content=text or None), finish_reason=o.finish_reason)
+
+    opening = chunk([ChatChunkChoice(index=j, delta=Delta(role="assistant", content="")) for j in range(n)])
+    async for event in _text_events(server, streams, n, body, chunk, choice, opening):
+        yield event
 
 
 async def _completion_events(server: _Server, body: CompletionRequest, streams: list[RequestStream], n: int) -> AsyncIterator[str]:
     chunk_id, created, model = new_id("cmpl"), now_s(), server.model_name
-    usage_field = body.include_usage
 
     def chunk(choices: list[CompletionChoice], usage: Usage | None = None) -> str:
-        data = Completion(id=chunk_id, created=created, model=model, choices=choices, usage=usage).model_dump()
-        if not usage_field:
-            data.pop("usage")
-        return _sse(data)
+        return _sse_data(Completion(id=chunk_id, created=created, model=model, choices=choices, usage=usage), body.include_usage)
 
+    def choice(i: int, o: CompletionOutput, text: str) -> CompletionChoice:
+        return CompletionChoice(index=i * n + o.index, text=text, finish_reason=o.finish_reason)
+
+    async for event in _text_events(server, streams, n, body, chunk, choice):
+        yield event
+
+
+def _sse_data(payload: ChatCompletionChunk | Completion, include_usage: bool) -> str:
+    data = payload.model_dump()
+    if not include_usage:
+        data.pop("usage")
+    return _sse(data)
+
+
+async def _text_events(
+    server: _Server,
+    streams: list[RequestStream],
+    n: int,
+    body: ChatCompletionRequest | CompletionRequest,
+    chunk: Callable[..., str],
+    choice: Callable[[int, CompletionOutput, str], ChatChunkChoice | CompletionChoice],
+    opening: str | None = None,
+) -> AsyncIterator[str]:
+    """The SSE events of a streamed chat or completion: each choice's new text as it comes
+    (held back while it may still become a stop string), the usage chunk when asked for, and
+    [DONE]; an error mid-stream ends it with an error event. chunk(choices, usage) formats one
+    event and choice(prompt index, output, text) one choice of it."""
     deltas = _TextDeltas(body.stop_list())
     finals: list[RequestOutput] = []
     try:
+        if opening is not None:
+            yield opening
         async with aclosing(_merge(server, streams, n)) as merged:
             async for i, output in merged:
                 if output.finished and output.finish_reason == "abort":
@@ -743,12 +746,12 @@ async def _completion_events(server: _Server, body: CompletionRequest, streams: 
                 for o in output.outputs:
                     text = deltas.delta((i, o.index), o.text, o.finish_reason is not None)
                     if text or o.finish_reason is not None:
-                        choices.append(CompletionChoice(index=i * n + o.index, text=text, finish_reason=o.finish_reason))
+                        choices.append(choice(i, o, text))
                 if choices:
                     yield chunk(choices)
                 if output.finished:
                     finals.append(output)
-        if usage_field:
+        if body.include_usage:
             yield chunk([], _usage(finals))
         yield "data: [DONE]\n\n"
     except (APIError, EngineStepError, EngineStopped) as error:
