@@ -15,7 +15,7 @@
 #define TILE_WORDS 512 /* one packed 16 x 32 bf16 tile */
 #define PREFETCH_TILES 8 /* how far ahead, in tiles, the weight stream is requested */
 #define ROW_BLOCK 32     /* rows per pass: two A tiles */
-#define ROW_GROUP 256    /* rows whose x is reused from L2 across all pairs */
+#define GROUP_X_BYTES (1 << 20) /* x rows per group: as many as fit this much of L2 */
 
 static inline int64_t pair_count(int n) { return (n + 31) / 32; }
 
@@ -61,10 +61,13 @@ static inline void store_row(const float *sums, const float *bias, uint16_t *dst
     _mm256_mask_storeu_epi16(dst, mask, (__m256i)_mm512_cvtneps_pbh(value));
 }
 
-/* Rows [m0, m0 + rows) of y for the 32 features of pair p. */
+/* Rows [m0, m0 + rows) of y for the 32 features of pair p. With ahead == NULL the weights are
+ * requested a few tiles ahead in their stream (one pass over the pair: decode); else this pass
+ * reads the pair's tiles from cache and requests the bytes [ahead, ahead + ahead_bytes) of the
+ * next pair instead, spread over its iterations (many row blocks per pair: prefill). */
 static inline void pair_block(const uint16_t *x, int64_t x_stride, int m0, int rows, int k,
                               const uint16_t *pair_tiles, const float *bias, int n, int64_t p,
-                              uint16_t *y, int64_t y_stride) {
+                              uint16_t *y, int64_t y_stride, const char *ahead, int64_t ahead_bytes) {
     const int kb_count = k / 32, rows1 = rows > 16 ? rows - 16 : 0;
     _tile_zero(0);
     _tile_zero(1);
@@ -73,10 +76,16 @@ static inline void pair_block(const uint16_t *x, int64_t x_stride, int m0, int r
         _tile_zero(3);
     }
     const uint16_t *x0 = x + (int64_t)m0 * x_stride, *x1 = x0 + 16 * x_stride;
+    const int64_t ahead_step = (ahead_bytes / kb_count + 63) / 64 * 64;
     for (int kb = 0; kb < kb_count; kb++) {
         const uint16_t *b = pair_tiles + (int64_t)kb * 2 * TILE_WORDS;
-        for (int line = 0; line < 2 * TILE_WORDS * 2; line += 64)
-            _mm_prefetch((const char *)(b + PREFETCH_TILES * TILE_WORDS) + line, _MM_HINT_T0);
+        if (ahead == NULL) {
+            for (int line = 0; line < 2 * TILE_WORDS * 2; line += 64)
+                _mm_prefetch((const char *)(b + PREFETCH_TILES * TILE_WORDS) + line, _MM_HINT_T0);
+        } else {
+            for (int64_t byte = kb * ahead_step; byte < (kb + 1) * ahead_step && byte < ahead_bytes; byte += 64)
+                _mm_prefetch(ahead + byte, _MM_HINT_T1);
+        }
         _tile_loadd(4, x0 + kb * 32, x_stride * 2);
         _tile_loadd(6, b, 64);
         _tile_loadd(7, b + TILE_WORDS, 64);
@@ -126,20 +135,29 @@ int radixkv_amx_linear(const uint16_t *x, int64_t x_stride, int m, int k, const 
 #pragma omp parallel num_threads(num_threads)
     {
         int configured = -1; /* rows of the tile configuration this thread has loaded */
-        /* Rows in groups whose x stays in L2 while the pairs' weights stream past it once. */
-        for (int g0 = 0; g0 < m; g0 += ROW_GROUP) {
-            const int group_end = m - g0 < ROW_GROUP ? m : g0 + ROW_GROUP;
+        /* Rows in groups whose x stays in L2 while the pairs' weights stream past it once:
+         * each group reads all the weights again, so groups are as large as L2 allows. */
+        const int group_rows = GROUP_X_BYTES / (k * 2) / ROW_BLOCK * ROW_BLOCK > ROW_BLOCK ? GROUP_X_BYTES / (k * 2) / ROW_BLOCK * ROW_BLOCK : ROW_BLOCK;
+        for (int g0 = 0; g0 < m; g0 += group_rows) {
+            const int group_end = m - g0 < group_rows ? m : g0 + group_rows;
             /* Each thread takes one contiguous run of pairs: one stream through the weights. */
 #pragma omp for schedule(static) nowait
-            for (int64_t p = 0; p < pairs; p++)
-                for (int m0 = g0; m0 < group_end; m0 += ROW_BLOCK) {
+            for (int64_t p = 0; p < pairs; p++) {
+                const int blocks = (group_end - g0 + ROW_BLOCK - 1) / ROW_BLOCK;
+                const char *next_pair = p + 1 < pairs ? (const char *)(packed + (p + 1) * pair_words) : NULL;
+                for (int block = 0; block < blocks; block++) {
+                    const int m0 = g0 + block * ROW_BLOCK;
                     const int rows = group_end - m0 < ROW_BLOCK ? group_end - m0 : ROW_BLOCK;
                     if (rows != configured) {
                         configure(rows < 16 ? rows : 16, rows > 16 ? rows - 16 : 0);
                         configured = rows;
                     }
-                    pair_block(x, x_stride, m0, rows, k, packed + p * pair_words, bias, n, p, y, y_stride);
+                    /* Several row blocks: each requests its share of the next pair's weights. */
+                    const int64_t share = blocks > 1 && next_pair ? pair_words * 2 / blocks : 0;
+                    pair_block(x, x_stride, m0, rows, k, packed + p * pair_words, bias, n, p, y, y_stride,
+                               share ? next_pair + block * share : NULL, share);
                 }
+            }
         }
         _tile_release();
     }
