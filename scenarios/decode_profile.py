@@ -5,6 +5,7 @@ bandwidth, measured in the same run (the copy rate used before is reported besid
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections import defaultdict
 from contextlib import ExitStack, contextmanager
@@ -72,10 +73,7 @@ def profile_decode(model: str | None = None, dtype: str = "auto", num_seqs: int 
     engine.step()
     for key in engine.timings_s:
         engine.timings_s[key] = 0.0
-    start = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    step_s = (time.perf_counter() - start) / steps
+    step_s = median_step_s(engine, steps)
     phases = {k: v / steps for k, v in engine.timings_s.items()}
     breakdown = kernel_breakdown(engine, steps)
     for request_id in list(engine._requests):
@@ -112,6 +110,16 @@ def profile_decode(model: str | None = None, dtype: str = "auto", num_seqs: int 
     )
     _print(result)
     return result
+
+
+def median_step_s(engine, steps: int) -> float:
+    """The median of `steps` engine steps' wall times: a shared VM stalls a step now and then."""
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 @contextmanager
@@ -153,10 +161,7 @@ def kernel_breakdown(engine, steps: int) -> dict[str, float]:
             stack.enter_context(_timed(llama.CausalLM, "forward", totals, "forward"))
             engine.step()  # the first step after the switch warms the module path
             totals.clear()
-            start = time.perf_counter()
-            for _ in range(steps):
-                engine.step()
-            totals["step (layer by layer)"] = time.perf_counter() - start
+            totals["step (layer by layer)"] = median_step_s(engine, steps) * steps
     finally:
         model.fused_decode = fused
     ms = {label: total / steps * 1e3 for label, total in totals.items()}
@@ -176,7 +181,7 @@ def native_decode_used(engine) -> bool:
 
 def _print(r: dict) -> None:
     print(f"\ndecode step, {r['num_seqs']} requests at {r['context']} tokens ({r['dtype']}, {r['torch_threads']} threads)")
-    print(f"  step time            {r['step_ms']:8.1f} ms")
+    print(f"  step time            {r['step_ms']:8.1f} ms (median of the steps)")
     for phase, ms in r["phases_ms"].items():
         print(f"    {phase:<18} {ms:8.1f} ms  ({ms / r['step_ms']:.0%})")
     print(f"  weights + KV read    {r['weight_mib']:.0f} + {r['kv_mib']:.0f} MiB")
