@@ -160,17 +160,27 @@ def kernel_breakdown(engine, steps: int) -> dict[str, float]:
                 stack.enter_context(_timed(llama, op, totals, "norms, rope, silu"))
             stack.enter_context(_timed(llama.CausalLM, "forward", totals, "forward"))
             engine.step()  # the first step after the switch warms the module path
-            totals.clear()
-            totals["step (layer by layer)"] = median_step_s(engine, steps) * steps
+            per_step = [_timed_step(engine, totals) for _ in range(steps)]
     finally:
         model.fused_decode = fused
-    ms = {label: total / steps * 1e3 for label, total in totals.items()}
-    parts = ("attention (paged decode)", "linears (incl. lm_head)", "norms, rope, silu", "KV stores")
-    report = {part: ms.get(part, 0.0) for part in parts}
-    report["python between kernels"] = ms["forward"] - sum(report.values())
-    report["outside the forward"] = ms["step (layer by layer)"] - ms["forward"]
-    report["step (layer by layer)"] = ms["step (layer by layer)"]
-    return report
+    # Medians per part, like the step time: a stalled step would skew a mean.
+    return {label: statistics.median(step[label] for step in per_step) * 1e3 for label in per_step[0]}
+
+
+_PARTS = ("attention (paged decode)", "linears (incl. lm_head)", "norms, rope, silu", "KV stores")
+
+
+def _timed_step(engine, totals: dict[str, float]) -> dict[str, float]:
+    """One engine step's seconds per part, from the timers kernel_breakdown installed."""
+    totals.clear()
+    start = time.perf_counter()
+    engine.step()
+    step = time.perf_counter() - start
+    parts = {part: totals.get(part, 0.0) for part in _PARTS}
+    parts["python between kernels"] = totals["forward"] - sum(parts.values())
+    parts["outside the forward"] = step - totals["forward"]
+    parts["step (layer by layer)"] = step
+    return parts
 
 
 def native_decode_used(engine) -> bool:
