@@ -3,7 +3,7 @@
 
 F.linear hands oneDNN a plain weight, which it re-lays out on every call; at decode's few rows
 that costs more than the product itself. oneDNN with a prepacked weight still spends ~20 us of
-set-up per call; the AMX kernel does not, and streams the weights ~1.4x faster at 32 rows.
+set-up per call; the AMX kernel does not, and is ~1.3x faster at 1 to 32 rows (scenarios/cpu_kernels.py).
 """
 
 from __future__ import annotations
