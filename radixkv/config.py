@@ -39,8 +39,9 @@ class EngineConfig:
     max_queue_len: int = 4096  # waiting requests beyond this are refused (QueueFull)
     seed: int | None = None  # seed for the block-hash chain and sampling; None: random
     check_invariants: bool = False  # debug: check page accounting after every step
-    # Compute every token's numbers independently of what it is batched with (GEMMs in fixed
-    # 32-row blocks, attention one query row at a time), so bf16 outputs are bit-identical with
+    # Compute every token's numbers independently of what it is batched with (attention one
+    # query row at a time; GEMMs in fixed 32-row blocks where the linears are not AMX's, whose
+    # rows are independent already), so bf16 outputs are bit-identical with
     # the cache on or off and in any batch. Slower prefill; torch backend only. fp32 is exact
     # without it (token for token), bf16 is not: see README, "Exact".
     batch_invariant: bool = False

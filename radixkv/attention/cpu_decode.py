@@ -109,6 +109,13 @@ def check_bounds(
         raise IndexError(f"rows must lie in [0, {q.shape[0]})")
 
 
+def check_slots(slots: torch.Tensor, k_cache: torch.Tensor) -> None:
+    """Every slot a step stores to must lie in the cache: the C store trusts them."""
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    if slots.numel() and int(slots.max()) >= num_slots:
+        raise IndexError(f"slot {int(slots.max())} is out of range: the cache has {num_slots} slots")
+
+
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> bool:
     """Copy the rows of k and v ([T, heads, head_dim], rows may be strided) into their slots of
     the caches in one call; slots < 0 are skipped. The caller has checked slots < the number of

@@ -31,9 +31,7 @@ class TorchBackend(AttentionBackend):
     ) -> None:
         if slot_mapping is not self._slots_checked and slot_mapping.numel():
             # Checked once per step: every layer stores through the same slot mapping.
-            top = int(slot_mapping.max())
-            if top >= k_cache.shape[0] * k_cache.shape[1]:
-                raise IndexError(f"slot {top} is out of range: the cache has {k_cache.shape[0] * k_cache.shape[1]} slots")
+            cpu_decode.check_slots(slot_mapping, k_cache)
             self._slots_checked = slot_mapping
         if cpu_decode.store_kv(k, v, k_cache, v_cache, slot_mapping):
             return

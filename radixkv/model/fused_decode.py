@@ -131,10 +131,10 @@ class FusedDecode:
             self._layers, self._caches = (_Layer * len(records))(*records), key
         return self._layers
 
+
 def _check_tables(page_table: Tensor, seq_lens: Tensor, slots: Tensor, k_cache: Tensor, v_cache: Tensor) -> None:
     """The checks the layer-by-layer path makes on its first layer: the C code trusts these."""
-    if slots.numel() and int(slots.max()) >= k_cache.shape[0] * k_cache.shape[1]:
-        raise IndexError(f"slot {int(slots.max())} is out of range: the cache has {k_cache.shape[0] * k_cache.shape[1]} slots")
+    cpu_decode.check_slots(slots, k_cache)
     q_like = torch.empty(seq_lens.shape[0], k_cache.shape[2], k_cache.shape[3], dtype=k_cache.dtype)
     cpu_decode.check_bounds(q_like, k_cache, v_cache, page_table, seq_lens, None, q_like)
 
