@@ -5,8 +5,9 @@ The public face: `LLM` to generate in process, `SamplingParams`, `RequestOutput`
 
 from __future__ import annotations
 
-from radixkv.config import ConfigError, EngineConfig
-from radixkv.engine.request import CompletionOutput, InvalidRequest, RequestOutput, SamplingParams
+from radixkv.config import EngineConfig
+from radixkv.errors import ConfigError, InvalidRequest, QueueFull
+from radixkv.engine.request import CompletionOutput, RequestOutput, SamplingParams
 
 __all__ = [
     "LLM",
@@ -16,6 +17,7 @@ __all__ = [
     "EngineConfig",
     "ConfigError",
     "InvalidRequest",
+    "QueueFull",
 ]
 
 

@@ -10,13 +10,11 @@ import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from radixkv.errors import ConfigError
+
 POLICIES = ("lpm", "fcfs")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 BACKENDS = ("auto", "torch", "triton")
-
-
-class ConfigError(ValueError):
-    """A configuration value outside what the engine accepts."""
 
 
 @dataclass(slots=True)
@@ -84,13 +82,13 @@ class EngineConfig:
 def _positive(config: EngineConfig, name: str, *, limit: int) -> None:
     value = getattr(config, name)
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limit:
-        raise ConfigError(f"{name} must be an integer in [1, {limit}], got {value!r}")
+        raise ConfigError(f"{name} must be an integer in [1, {limit}], got {value!r}", param=name)
 
 
 def _choice(config: EngineConfig, name: str, choices: tuple[str, ...]) -> None:
     value = getattr(config, name)
     if value not in choices:
-        raise ConfigError(f"{name} must be one of {choices}, got {value!r}")
+        raise ConfigError(f"{name} must be one of {choices}, got {value!r}", param=name)
 
 
 def default_cache_dir() -> Path:

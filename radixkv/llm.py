@@ -11,8 +11,9 @@ from collections.abc import Sequence as Seq
 from typing import Any
 
 from radixkv.config import EngineConfig
-from radixkv.engine.engine import Engine, QueueFull
-from radixkv.engine.request import InvalidRequest, RequestOutput, SamplingParams
+from radixkv.engine.engine import Engine
+from radixkv.errors import InvalidRequest, QueueFull
+from radixkv.engine.request import RequestOutput, SamplingParams
 
 Prompt = str | list[int]
 Message = dict[str, str]

@@ -18,11 +18,11 @@ from radixkv.attention import make_backend
 from radixkv.cache.hashing import BlockHasher
 from radixkv.cache.pages import PagePool
 from radixkv.cache.radix import RadixTree
-from radixkv.config import ConfigError, EngineConfig
+from radixkv.config import EngineConfig
 from radixkv.engine.kv_manager import KVManager
+from radixkv.errors import ConfigError, InvalidRequest, QueueFull
 from radixkv.engine.request import (
     CompletionOutput,
-    InvalidRequest,
     RequestOutput,
     SamplingParams,
     Sequence,
@@ -40,10 +40,6 @@ class PinnedPrefix:
     pin_id: int
     num_pinned_tokens: int
     node: Any
-
-
-class QueueFull(RuntimeError):
-    """The waiting queue is at EngineConfig.max_queue_len; retry later."""
 
 
 class Engine:
@@ -73,6 +69,9 @@ class Engine:
             loaded.dtype,
             loaded.device,
         )
+        # The most tokens (prompt + completion) one request may have: the model's context, or
+        # less when the page pool is smaller. Every layer that checks a length reads this.
+        self.max_context_tokens = min(self.max_model_len, num_pages * config.page_size)
         self.hasher = BlockHasher(config.page_size, seed=config.seed)
         self.tree = RadixTree(self.pool, self.hasher)
         self.kv = KVManager(self.pool, self.tree, self.hasher, config.enable_prefix_caching)
@@ -103,10 +102,10 @@ class Engine:
         params = params or SamplingParams()
         self._validate(prompt_token_ids, params, salt)
         if params.n > self.queue_room():
-            raise QueueFull(f"the waiting queue is full ({self.config.max_queue_len} requests); retry later")
+            raise QueueFull(f"the waiting queue is full ({self.config.max_queue_len} requests); retry later", limit=self.config.max_queue_len)
         request_id = request_id if request_id is not None else f"req-{next(self._request_ids)}"
         if request_id in self._requests:
-            raise InvalidRequest(f"request_id {request_id!r} is already in use")
+            raise InvalidRequest(f"request_id {request_id!r} is already in use", param="request_id")
         prompt = list(prompt_token_ids)
         seqs = [
             Sequence(next(self._seq_ids), request_id, i, prompt, params, salt, self.scheduler.step_count)
@@ -123,21 +122,28 @@ class Engine:
 
     def _validate(self, prompt: list[int], params: SamplingParams, salt: str | None = None) -> None:
         if not prompt:
-            raise InvalidRequest("the prompt is empty; it needs at least one token")
+            raise InvalidRequest("the prompt is empty; it needs at least one token", param="prompt")
         vocab = self.model_config.vocab_size
         if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in prompt):
-            raise InvalidRequest(f"prompt token ids must be integers in [0, {vocab})")
-        total = len(prompt) + params.max_tokens
-        if total > self.max_model_len:
+            raise InvalidRequest(f"prompt token ids must be integers in [0, {vocab})", param="prompt", limit=vocab)
+        if len(prompt) >= self.max_context_tokens:
             raise InvalidRequest(
-                f"this model's maximum context length is {self.max_model_len} tokens; the request needs "
-                f"{total} ({len(prompt)} prompt + {params.max_tokens} max_tokens)"
+                f"this model's maximum context length is {self.max_context_tokens} tokens; the prompt has "
+                f"{len(prompt)} tokens, which leaves no room for a completion",
+                param="prompt",
+                code="context_length_exceeded",
+                limit=self.max_context_tokens,
+            )
+        total = len(prompt) + params.max_tokens
+        if total > self.max_context_tokens:
+            raise InvalidRequest(
+                f"this model's maximum context length is {self.max_context_tokens} tokens; the request needs "
+                f"{total} ({len(prompt)} prompt + {params.max_tokens} completion)",
+                param="max_tokens",
+                code="context_length_exceeded",
+                limit=self.max_context_tokens,
             )
         pages = -(-total // self.pool.page_size)
-        if pages > self.pool.num_pages:
-            raise InvalidRequest(
-                f"the request needs up to {pages} KV pages ({total} tokens) but the pool has {self.pool.num_pages}"
-            )
         if self._pins:
             self._check_room_beside_pins(prompt, pages, salt)
 
@@ -158,7 +164,9 @@ class Engine:
         if pages - shared > room:
             raise InvalidRequest(
                 f"the request needs up to {pages - shared} KV pages besides pinned ones, but pins hold {len(pinned)} "
-                f"of the pool's {self.pool.num_pages}, leaving {room}; unpin a prefix or send a shorter request"
+                f"of the pool's {self.pool.num_pages}, leaving {room}; unpin a prefix or send a shorter request",
+                param="prompt",
+                limit=room,
             )
 
     def abort(self, request_id: str) -> RequestOutput | None:

@@ -11,15 +11,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixkv.errors import InvalidRequest
+
 MAX_TOKENS_LIMIT = 1 << 20
 MAX_N = 64
 MAX_STOP_STRINGS = 16
 MIN_SAMPLING_TEMPERATURE = 1e-5
 MAX_SEED = (1 << 63) - 1
-
-
-class InvalidRequest(ValueError):
-    """A request the engine refuses, with the limit it broke in the message."""
 
 
 @dataclass(slots=True)
@@ -51,20 +49,22 @@ class SamplingParams:
         _int_in("n", self.n, 1, MAX_N)
         _int_in("top_k", self.top_k, 0, 1 << 20)
         if not isinstance(self.temperature, (int, float)) or not 0.0 <= self.temperature <= 100.0:
-            raise InvalidRequest(f"temperature must be in [0, 100], got {self.temperature!r}")
+            raise InvalidRequest(f"temperature must be in [0, 100], got {self.temperature!r}", param="temperature")
         if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
-            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p!r}", param="top_p")
         if self.seed is not None:
             _int_in("seed", self.seed, -MAX_SEED - 1, MAX_SEED)
         if len(self.stop) > MAX_STOP_STRINGS or not all(isinstance(s, str) and s for s in self.stop):
-            raise InvalidRequest(f"stop must be at most {MAX_STOP_STRINGS} non-empty strings, got {self.stop!r}")
+            raise InvalidRequest(
+                f"stop must be at most {MAX_STOP_STRINGS} non-empty strings, got {self.stop!r}", param="stop", limit=MAX_STOP_STRINGS
+            )
         if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
-            raise InvalidRequest(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+            raise InvalidRequest(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}", param="stop_token_ids")
 
 
 def _int_in(name: str, value: Any, low: int, high: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise InvalidRequest(f"{name} must be an integer in [{low}, {high}], got {value!r}")
+        raise InvalidRequest(f"{name} must be an integer in [{low}, {high}], got {value!r}", param=name, limit=high)
 
 
 class SeqStatus(enum.Enum):

@@ -10,7 +10,8 @@ import functools
 
 import torch
 
-from radixkv.config import DTYPES, ConfigError
+from radixkv.config import DTYPES
+from radixkv.errors import ConfigError
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,

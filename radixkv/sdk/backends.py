@@ -13,7 +13,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixkv.engine.request import InvalidRequest, RequestOutput, SamplingParams
+from radixkv.engine.request import RequestOutput, SamplingParams
+from radixkv.errors import InvalidRequest, QueueFull
 from radixkv.sdk.template import Prompt, encode, has_chat_template
 
 OnResult = Callable[[int, "Result"], None]
@@ -113,7 +114,7 @@ class InProcessBackend(Backend):
         return self.llm
 
     def generate(self, prompts: Sequence[Prompt], params: SamplingParams, on_result: OnResult | None = None) -> list[Result]:
-        from radixkv.engine.engine import QueueFull
+
 
         engine = self.engine
         results: list[Result | None] = [None] * len(prompts)

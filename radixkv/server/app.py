@@ -30,8 +30,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from radixkv.engine.async_engine import AsyncEngine, EngineStepError, EngineStopped, RequestStream
-from radixkv.engine.engine import Engine, PinnedPrefix, QueueFull
-from radixkv.engine.request import CompletionOutput, InvalidRequest, RequestOutput, SamplingParams
+from radixkv.engine.engine import Engine, PinnedPrefix
+from radixkv.errors import ConfigError, InvalidRequest, QueueFull
+from radixkv.engine.request import CompletionOutput, RequestOutput, SamplingParams
 from radixkv.server.metrics import CONTENT_TYPE, ServerMetrics
 from radixkv.server.protocol import (
     AssistantMessage,
@@ -854,7 +855,7 @@ def serve(args: argparse.Namespace) -> int:
     """`radixkv serve`: load the model, start the engine thread, run uvicorn until stopped."""
     import uvicorn
 
-    from radixkv.config import ConfigError, EngineConfig
+    from radixkv.config import EngineConfig
     from radixkv.engine.engine import Engine
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")

@@ -10,7 +10,8 @@ from test_exactness import make_llm as make_exactness_llm
 from test_exactness import shared_prefix_prompts
 
 from radixkv import LLM, SamplingParams
-from radixkv.config import ConfigError, EngineConfig
+from radixkv.config import EngineConfig
+from radixkv.errors import ConfigError
 
 MAX_NEW = 16
 

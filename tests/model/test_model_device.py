@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from radixkv.config import ConfigError
+from radixkv.errors import ConfigError
 from radixkv.model import device as device_module
 from radixkv.model import resolve_device, resolve_dtype
 

@@ -14,7 +14,8 @@ import pytest
 from radixkv import LLM, InvalidRequest, SamplingParams
 from radixkv.config import EngineConfig
 from radixkv.engine.async_engine import AsyncEngine
-from radixkv.engine.engine import Engine, QueueFull
+from radixkv.engine.engine import Engine
+from radixkv.errors import QueueFull
 from radixkv.server.app import create_app
 
 from .conftest import (

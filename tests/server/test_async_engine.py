@@ -8,8 +8,9 @@ import threading
 import pytest
 
 from radixkv.engine.async_engine import AsyncEngine, EngineStepError, EngineStopped
-from radixkv.engine.engine import QueueFull
-from radixkv.engine.request import InvalidRequest, SamplingParams
+from radixkv.errors import QueueFull
+from radixkv.engine.request import SamplingParams
+from radixkv.errors import InvalidRequest
 
 from .conftest import make_async_engine
 
