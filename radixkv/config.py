@@ -35,7 +35,10 @@ class EngineConfig:
     device: str = "auto"  # "auto": cuda when available, else cpu
     attention_backend: str = "auto"  # "auto": triton on CUDA, torch elsewhere
     max_queue_len: int = 4096  # waiting requests beyond this are refused (QueueFull)
-    seed: int | None = None  # seed for the block-hash chain and sampling; None: random
+    seed: int | None = None  # base seed of sampling for requests without their own; None: random
+    # Seed of the block-hash chain. None: random per process, so block hashes cannot be
+    # predicted (or precomputed to collide) from outside; set it only to reproduce hashes.
+    hash_seed: int | None = None
     check_invariants: bool = False  # debug: check page accounting after every step
     # Compute every token's numbers independently of what it is batched with (attention one
     # query row at a time; GEMMs in fixed 32-row blocks where the linears are not AMX's, whose

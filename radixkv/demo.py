@@ -55,9 +55,9 @@ def main() -> None:
     cached_llm = LLM(batch_invariant=invariant)
     run(cached_llm, SamplingParams(max_tokens=1))  # warm-up: first-call overheads off the clock
     cached_llm.engine.tree.reset()
-    computed_before = cached_llm.stats()["prefill_tokens_computed"]
+    computed_before = cached_llm.stats().counters.num_prompt_tokens_computed
     cached_time, outputs = run(cached_llm, params)
-    cached_computed = cached_llm.stats()["prefill_tokens_computed"] - computed_before
+    cached_computed = cached_llm.stats().counters.num_prompt_tokens_computed - computed_before
     print(f"\n{'request':<60} {'prompt':>7} {'cached':>7}")
     for question, output in zip(QUESTIONS, outputs):
         print(f"{question:<60} {output.num_prompt_tokens:>7} {output.num_cached_tokens:>7}")
@@ -65,9 +65,9 @@ def main() -> None:
 
     uncached_llm = LLM(enable_prefix_caching=False, batch_invariant=invariant)
     run(uncached_llm, SamplingParams(max_tokens=1))
-    computed_before = uncached_llm.stats()["prefill_tokens_computed"]
+    computed_before = uncached_llm.stats().counters.num_prompt_tokens_computed
     uncached_time, uncached_outputs = run(uncached_llm, params)
-    uncached_computed = uncached_llm.stats()["prefill_tokens_computed"] - computed_before
+    uncached_computed = uncached_llm.stats().counters.num_prompt_tokens_computed - computed_before
     same = sum(a.token_ids == b.token_ids for a, b in zip(outputs, uncached_outputs))
     print(f"\nwall time, prefix cache on : {cached_time:6.2f} s  (prompt tokens computed: {cached_computed})")
     print(f"wall time, prefix cache off: {uncached_time:6.2f} s  (prompt tokens computed: {uncached_computed})")

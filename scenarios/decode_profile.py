@@ -9,6 +9,7 @@ import statistics
 import time
 from collections import defaultdict
 from contextlib import ExitStack, contextmanager
+from dataclasses import asdict
 
 import torch
 
@@ -71,10 +72,9 @@ def profile_decode(model: str | None = None, dtype: str = "auto", num_seqs: int 
     ):
         engine.step()
     engine.step()
-    for key in engine.timings_s:
-        engine.timings_s[key] = 0.0
+    engine.step_times.reset()
     step_s = median_step_s(engine, steps)
-    phases = {k: v / steps for k, v in engine.timings_s.items()}
+    phases = {name: seconds / steps for name, seconds in asdict(engine.step_times).items()}
     breakdown = kernel_breakdown(engine, steps)
     for request_id in list(engine._requests):
         engine.abort(request_id)

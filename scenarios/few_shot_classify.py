@@ -63,10 +63,10 @@ def main() -> int:
         if not result.ok:
             print(f"{review:<{width}} error: {result.error}")
             continue
-        print(f"{review:<{width}} {label_of(result.text):<9} {result.cached_tokens}/{result.prompt_tokens}")
-    prompt_tokens = sum(r.prompt_tokens for r in results)
-    cached_tokens = sum(r.cached_tokens for r in results)
-    print(f"\ncache hit rate: {cached_tokens}/{prompt_tokens} prompt tokens = {cached_tokens / prompt_tokens:.0%}")
+        print(f"{review:<{width}} {label_of(result.text):<9} {result.num_cached_tokens}/{result.num_prompt_tokens}")
+    num_prompt_tokens = sum(r.num_prompt_tokens for r in results)
+    num_cached_tokens = sum(r.num_cached_tokens for r in results)
+    print(f"\ncache hit rate: {num_cached_tokens}/{num_prompt_tokens} prompt tokens = {num_cached_tokens / num_prompt_tokens:.0%}")
     return 0
 
 

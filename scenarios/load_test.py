@@ -252,7 +252,7 @@ def percentile(values: list[float], q: float) -> float | None:
 
 def wait_idle(async_engine: Any, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and async_engine.stats()["num_unfinished"]:
+    while time.monotonic() < deadline and async_engine.stats().num_unfinished:
         time.sleep(0.05)
 
 
@@ -313,8 +313,8 @@ def make_report(args, model_name, outcomes, wall_s, stats, check, aborts_on_serv
         ttft_p50_s=_round(percentile([o.ttft_s for o in completed if o.ttft_s is not None], 50)),
         ttft_p99_s=_round(percentile([o.ttft_s for o in completed if o.ttft_s is not None], 99)),
         cached_token_fraction=round(sum(o.cached_tokens for o in completed) / max(1, prompt_tokens), 3),
-        preemptions=stats["num_preemptions"],
-        evicted_pages=stats["cache"]["evicted_pages"],
+        preemptions=stats.num_preemptions,
+        evicted_pages=stats.cache.evicted_pages,
         final_running=check["running"],
         final_waiting=check["waiting"],
         final_unfinished=check["unfinished"],

@@ -92,7 +92,7 @@ def _run_radixkv(workload: Workload, cache: bool) -> dict:
     llm.generate([[1, 2, 3, 4] * 8], SamplingParams(max_tokens=2))  # first-call overheads off the clock
     engine = llm.engine
     engine.tree.reset()
-    before = dict(engine.counters)
+    computed_before = engine.counters.num_prompt_tokens_computed
     queries_before = engine.tree.stats()
     start = time.perf_counter()
     outputs: list = [None] * len(workload.prompts)
@@ -109,7 +109,7 @@ def _run_radixkv(workload: Workload, cache: bool) -> dict:
         wall_s=wall,
         output_tokens=sum(len(o.token_ids) for o in outputs),
         ttft_s=[o.time_to_first_token_s for o in outputs],
-        prefill_tokens_computed=engine.counters["prefill_tokens_computed"] - before["prefill_tokens_computed"],
+        prefill_tokens_computed=engine.counters.num_prompt_tokens_computed - computed_before,
         cache_hit_rate=(after.hit_tokens - queries_before.hit_tokens) / query_tokens if query_tokens else 0.0,
         output_token_ids=[o.token_ids for o in outputs],
     )

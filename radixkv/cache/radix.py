@@ -34,14 +34,6 @@ class Node:
     last_access: int = 0  # logical clock; never older than a descendant's
     removed: bool = False  # evicted or reset: a stale handle must not be locked
 
-    @property
-    def is_root(self) -> bool:
-        return self.parent is None
-
-    @property
-    def num_blocks(self) -> int:
-        return len(self.pages)
-
     def __repr__(self) -> str:
         kind = "root" if self.parent is None else f"{len(self.pages)} blocks"
         return f"Node(id={self.node_id}, {kind}, lock_ref={self.lock_ref}, last_access={self.last_access})"
@@ -52,6 +44,12 @@ class MatchResult:
     num_cached_tokens: int  # multiple of page_size
     pages: list[int]  # pages of the matched blocks, in order
     node: Node  # deepest node of the match (a root when nothing matched); for lock()/unlock()
+
+
+@dataclass(frozen=True, slots=True)
+class PeekResult:
+    num_cached_tokens: int  # what match() would return now, multiple of page_size
+    pages: list[int]  # pages of those blocks, in order
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,10 +122,49 @@ class RadixTree:
         node, num_blocks, pages, _, _ = self._descend(root, tokens, salt, max_blocks, block_hashes)
         self._touch_path(node, now)
         if record:
-            self._queries += 1
-            self._query_tokens += len(tokens)
-            self._hit_tokens += num_blocks * self.page_size
+            self.record_lookup(len(tokens), num_blocks * self.page_size)
         return MatchResult(num_blocks * self.page_size, pages, node)
+
+    def peek(
+        self,
+        token_ids: Sequence[int],
+        salt: str | None = None,
+        *,
+        block_hashes: Sequence[BlockHash] | None = None,
+    ) -> PeekResult:
+        """What match() would return now, without changing anything: no split, no LRU time,
+        no statistics. For lookups that may not lead to a use (scheduling order, checks)."""
+        tokens = _token_list(token_ids)
+        max_blocks = (len(tokens) - 1) // self.page_size if tokens else 0
+        _check_hashes_len(block_hashes, max_blocks)
+        node = self._roots.get(salt)
+        ps, block, pages = self.page_size, 0, []
+        while node is not None and block < max_blocks:
+            key = self._block_hash(node, tokens, block, salt, block_hashes)
+            child = node.children.get(key)
+            if child is None:
+                break
+            common = _common_blocks(child.tokens, tokens, block * ps, max_blocks - block, ps)
+            pages.extend(child.pages[:common])
+            block += common
+            node = child if common == len(child.pages) else None
+        return PeekResult(block * ps, pages)
+
+    def record_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+        """Count one lookup that was used (a match made with record=False, then locked)."""
+        self._queries += 1
+        self._query_tokens += num_query_tokens
+        self._hit_tokens += num_hit_tokens
+
+    def unlocked_pages_on_path(self, node: Node) -> int:
+        """Pages of `node` and its ancestors that are evictable now: what lock(node) takes
+        out of the evictable count."""
+        pages = 0
+        current: Node | None = node
+        while current is not None and current.lock_ref == 0:  # locks never grow toward leaves
+            pages += len(current.pages)
+            current = current.parent
+        return pages
 
     def insert(
         self,

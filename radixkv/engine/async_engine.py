@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from radixkv.engine.engine import Engine
-from radixkv.engine.request import RequestOutput, SamplingParams
+from radixkv.engine.request import RequestDelta, SamplingParams
+from radixkv.engine.stats import EngineStats
 
 logger = logging.getLogger(__name__)
 
@@ -67,30 +68,32 @@ class _End:
 
 
 class RequestStream:
-    """Async iterator over one request's cumulative RequestOutputs; the last one is finished.
+    """Async iterator over one request's RequestDeltas; the last one is finished (and carries
+    the whole output).
 
-    Outputs that pile up while the consumer is busy are coalesced (they are cumulative, so
-    only the newest matters). `close()` aborts the request if it is still running; it is
-    idempotent and safe to call from `finally` blocks, even while being cancelled.
+    Deltas that pile up while the consumer is busy are merged into one. `close()` aborts the
+    request if it is still running; it is idempotent and safe to call from `finally` blocks,
+    even while being cancelled.
     """
 
     def __init__(self, owner: AsyncEngine, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
         self.request_id = request_id
         self._owner = owner
         self._loop = loop
-        self._queue: asyncio.Queue[RequestOutput | _End] = asyncio.Queue()
+        self._queue: asyncio.Queue[RequestDelta | _End] = asyncio.Queue()
         self._done = False  # the consumer has seen the end
         self._ended = False  # the engine side has delivered the end (engine thread only)
 
     def __aiter__(self) -> RequestStream:
         return self
 
-    async def __anext__(self) -> RequestOutput:
+    async def __anext__(self) -> RequestDelta:
         if self._done:
             raise StopAsyncIteration
         item = await self._queue.get()
         while not self._queue.empty() and not _is_end(item):
-            item = self._queue.get_nowait()
+            later = self._queue.get_nowait()
+            item = later if isinstance(later, _End) else item.merge(later)  # type: ignore[union-attr]
         if isinstance(item, _End):
             self._done = True
             raise item.error
@@ -115,7 +118,7 @@ class RequestStream:
 
     # -- engine thread side ------------------------------------------------------------------
 
-    def _deliver(self, item: RequestOutput | _End) -> bool:
+    def _deliver(self, item: RequestDelta | _End) -> bool:
         """Hand an item to the consumer's loop; False when that loop is gone."""
         try:
             self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
@@ -124,7 +127,7 @@ class RequestStream:
         return True
 
 
-def _is_end(item: RequestOutput | _End) -> bool:
+def _is_end(item: RequestDelta | _End) -> bool:
     return isinstance(item, _End) or item.finished
 
 
@@ -144,6 +147,7 @@ class AsyncEngine:
         # Fixed after construction, so any thread may read them.
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
+        self.max_context_tokens = engine.max_context_tokens
         self.page_size = engine.pool.page_size
         self.num_pages = engine.pool.num_pages
         self._cond = threading.Condition()
@@ -151,7 +155,7 @@ class AsyncEngine:
         self._streams: dict[str, RequestStream] = {}  # engine thread only
         self._ids = itertools.count()
         self._id_prefix = uuid.uuid4().hex[:8]
-        self._stats: dict[str, Any] = self._snapshot()
+        self._stats: EngineStats = engine.stats()
         self.error: BaseException | None = None  # set when the engine thread died
         self._thread = threading.Thread(target=self._run, name="radixkv-engine", daemon=True)
         if start:
@@ -203,7 +207,7 @@ class AsyncEngine:
     async def call_async(self, fn: Callable[[Engine], T]) -> T:
         return await asyncio.wrap_future(self.call(fn))
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> EngineStats:
         """Engine statistics as of the last loop iteration (no waiting on a step)."""
         return self._stats
 
@@ -254,7 +258,7 @@ class AsyncEngine:
                 return
             idle_wait_s = None
             if self.engine.has_unfinished():
-                steps_before = self.engine.counters["steps"]
+                steps_before = self.engine.counters.num_steps
                 try:
                     outputs = self.engine.step()
                 except Exception as error:  # noqa: BLE001 - fail the batch, keep serving
@@ -264,9 +268,9 @@ class AsyncEngine:
                 for output in outputs:
                     self._dispatch(output)
                 if self.engine.has_unfinished():
-                    progressed = self.engine.counters["steps"] != steps_before
+                    progressed = self.engine.counters.num_steps != steps_before
                     idle_wait_s = 0.0 if progressed else _NO_PROGRESS_WAIT_S
-            self._stats = self._snapshot()
+            self._stats = self.engine.stats()
 
     def _apply(self, command: _Add | _Abort | _Call) -> None:
         if isinstance(command, _Add):
@@ -292,7 +296,7 @@ class AsyncEngine:
             except BaseException as error:  # noqa: BLE001 - the caller's to see
                 command.future.set_exception(error)
 
-    def _dispatch(self, output: RequestOutput) -> None:
+    def _dispatch(self, output: RequestDelta) -> None:
         stream = self._streams.get(output.request_id)
         if stream is None:
             return
@@ -323,12 +327,7 @@ class AsyncEngine:
                 logger.exception("abort of %s failed at shutdown", request_id)
             stream._deliver(_End(error))
         self._streams.clear()
-        self._stats = self._snapshot()
-
-    def _snapshot(self) -> dict[str, Any]:
-        stats = self.engine.stats()
-        stats["num_unfinished"] = self.engine.num_unfinished
-        return stats
+        self._stats = self.engine.stats()
 
 
 def _step_error(error: BaseException) -> EngineStepError:

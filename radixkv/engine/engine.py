@@ -1,15 +1,15 @@
 """The engine: holds the cache, scheduler, runner and sampler together and runs the step loop.
 
-`add_request` validates and queues, `step` runs one scheduled batch and returns the requests
-whose state changed, `abort` ends a request at any stage; every ended sequence gives back
-every page it held.
+`add_request` validates and queues, `step` runs one scheduled batch and returns what is new
+for each request that changed, `abort` ends a request at any stage; every ended sequence gives
+back every page it held.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -20,17 +20,20 @@ from radixkv.cache.pages import PagePool
 from radixkv.cache.radix import RadixTree
 from radixkv.config import EngineConfig
 from radixkv.engine.kv_manager import KVManager
-from radixkv.errors import ConfigError, InvalidRequest, QueueFull
 from radixkv.engine.request import (
+    CompletionDelta,
     CompletionOutput,
+    RequestDelta,
     RequestOutput,
     SamplingParams,
-    Sequence,
     SeqStatus,
+    SequenceState,
 )
 from radixkv.engine.runner import ModelRunner
 from radixkv.engine.sampler import Sampler
 from radixkv.engine.scheduler import Batch, Scheduler
+from radixkv.engine.stats import EngineCounters, EngineStats, StepTimes
+from radixkv.errors import ConfigError, InvalidRequest, QueueFull
 from radixkv.model.device import resolve_device, resolve_dtype
 from radixkv.model.loader import LoadedModel, load_model
 
@@ -72,7 +75,7 @@ class Engine:
         # The most tokens (prompt + completion) one request may have: the model's context, or
         # less when the page pool is smaller. Every layer that checks a length reads this.
         self.max_context_tokens = min(self.max_model_len, num_pages * config.page_size)
-        self.hasher = BlockHasher(config.page_size, seed=config.seed)
+        self.hasher = BlockHasher(config.page_size, seed=config.hash_seed)
         self.tree = RadixTree(self.pool, self.hasher)
         self.kv = KVManager(self.pool, self.tree, self.hasher, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv)
@@ -81,13 +84,13 @@ class Engine:
             raise ConfigError(f"batch_invariant runs on the torch attention backend only, not {backend_name!r}")
         self.runner = ModelRunner(loaded.model, self.pool, loaded.device, batch_invariant=config.batch_invariant)
         self.sampler = Sampler(config.seed)
-        self._requests: dict[str, list[Sequence]] = {}
+        self._requests: dict[str, list[SequenceState]] = {}
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
         self._pin_ids = itertools.count(1)
         self._pins: dict[int, PinnedPrefix] = {}
-        self.counters = {"steps": 0, "tokens_computed": 0, "prefill_tokens_computed": 0, "output_tokens": 0}
-        self.timings_s = dict.fromkeys(("schedule", "prepare", "forward", "sample", "postprocess"), 0.0)
+        self.counters = EngineCounters()
+        self.step_times = StepTimes()
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -100,7 +103,7 @@ class Engine:
         request_id: str | None = None,
     ) -> str:
         params = params or SamplingParams()
-        self._validate(prompt_token_ids, params, salt)
+        self.check_request(prompt_token_ids, params, salt)
         if params.n > self.queue_room():
             raise QueueFull(f"the waiting queue is full ({self.config.max_queue_len} requests); retry later", limit=self.config.max_queue_len)
         request_id = request_id if request_id is not None else f"req-{next(self._request_ids)}"
@@ -108,7 +111,7 @@ class Engine:
             raise InvalidRequest(f"request_id {request_id!r} is already in use", param="request_id")
         prompt = list(prompt_token_ids)
         seqs = [
-            Sequence(next(self._seq_ids), request_id, i, prompt, params, salt, self.scheduler.step_count)
+            SequenceState(next(self._seq_ids), request_id, i, prompt, params, salt, self.scheduler.step_count)
             for i in range(params.n)
         ]
         self._requests[request_id] = seqs
@@ -120,7 +123,9 @@ class Engine:
         """How many more sequences the waiting queue takes before add_request raises QueueFull."""
         return self.config.max_queue_len - len(self.scheduler.waiting)
 
-    def _validate(self, prompt: list[int], params: SamplingParams, salt: str | None = None) -> None:
+    def check_request(self, prompt: list[int], params: SamplingParams, salt: str | None = None) -> None:
+        """Raise InvalidRequest (naming the parameter and the limit) unless the engine can run
+        this request: a valid prompt that fits the context and the page pool beside the pins."""
         if not prompt:
             raise InvalidRequest("the prompt is empty; it needs at least one token", param="prompt")
         vocab = self.model_config.vocab_size
@@ -138,7 +143,7 @@ class Engine:
         if total > self.max_context_tokens:
             raise InvalidRequest(
                 f"this model's maximum context length is {self.max_context_tokens} tokens; the request needs "
-                f"{total} ({len(prompt)} prompt + {params.max_tokens} completion)",
+                f"{total} ({len(prompt)} prompt + {params.max_tokens} max_tokens)",
                 param="max_tokens",
                 code="context_length_exceeded",
                 limit=self.max_context_tokens,
@@ -156,10 +161,7 @@ class Engine:
             while node is not None:
                 pinned.update(node.pages)
                 node = node.parent
-        shared = 0
-        if self.kv.enable_prefix_caching:
-            match = self.tree.match(prompt, salt, record=False)
-            shared = sum(1 for page in match.pages if page in pinned)
+        shared = sum(1 for page in self.kv.peek(prompt, salt).pages if page in pinned)
         room = self.pool.num_pages - len(pinned)
         if pages - shared > room:
             raise InvalidRequest(
@@ -169,15 +171,15 @@ class Engine:
                 limit=room,
             )
 
-    def abort(self, request_id: str) -> RequestOutput | None:
+    def abort(self, request_id: str) -> RequestDelta | None:
         """End a request wherever it is; its pages go back. None if it is unknown or done."""
         seqs = self._requests.pop(request_id, None)
         if seqs is None:
             return None
-        for seq in seqs:
-            if not seq.finished:
-                self._finish(seq, "abort")
-        return self._output(seqs)
+        live = [seq for seq in seqs if not seq.finished]
+        for seq in live:
+            self._finish(seq, "abort")
+        return self._delta(seqs, live)
 
     def pin(self, prefix_token_ids: list[int], salt: str | None = None) -> PinnedPrefix:
         """Lock the cached full blocks of a prefix so eviction never takes them (until unpin).
@@ -185,11 +187,8 @@ class Engine:
         Only what is cached now is pinned: compute the prefix first (a request for it) to pin
         all of it. Pinned pages count as in use, not evictable.
         """
-        # match() leaves the last token to compute; one more token lets it return every full
-        # block of the prefix itself (a partial block never matches).
-        match = self.tree.match(list(prefix_token_ids) + [0], salt, record=False)
-        self.tree.lock(match.node)
-        pinned = PinnedPrefix(next(self._pin_ids), match.num_cached_tokens, match.node)
+        node, num_pinned_tokens = self.kv.pin(prefix_token_ids, salt)
+        pinned = PinnedPrefix(next(self._pin_ids), num_pinned_tokens, node)
         self._pins[pinned.pin_id] = pinned
         return pinned
 
@@ -198,7 +197,7 @@ class Engine:
         pinned = self._pins.pop(pin_id, None)
         if pinned is None:
             return False
-        self.tree.unlock(pinned.node)
+        self.kv.unpin(pinned.node)
         return True
 
     def has_unfinished(self) -> bool:
@@ -210,9 +209,10 @@ class Engine:
 
     # -- the step ----------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
-        """Run one batch; return the outputs of every request that changed (finished ones last time)."""
-        clock = _PhaseClock(self.timings_s)
+    def step(self) -> list[RequestDelta]:
+        """Run one batch; return what is new for every request that changed (the last delta of
+        a request that ended carries its whole output)."""
+        clock = _PhaseClock(self.step_times)
         batch = self.scheduler.schedule()
         if not batch:
             return []
@@ -229,104 +229,102 @@ class Engine:
             item.seq.num_computed_tokens += item.num_new_tokens
             self.kv.commit(item.seq)
         now = time.perf_counter()
+        changed: dict[str, list[SequenceState]] = {}
         for seq, token in zip(sampling, tokens):
             self._append_token(seq, token, now)
-        changed = {seq.request_id: None for seq in sampling}
-        outputs = [self._output(self._requests[rid]) for rid in changed]
-        for output in outputs:
-            if output.finished:
-                del self._requests[output.request_id]
+            changed.setdefault(seq.request_id, []).append(seq)
+        deltas = [self._delta(self._requests[request_id], seqs) for request_id, seqs in changed.items()]
+        for delta in deltas:
+            if delta.finished:
+                del self._requests[delta.request_id]
         clock.lap("postprocess")
         if self.config.check_invariants:
             self.check_invariants()
-        return outputs
+        return deltas
 
     def _account(self, batch: Batch) -> None:
-        self.counters["steps"] += 1
+        counters = self.counters
+        counters.num_steps += 1
         for item in batch.items:
             start = item.seq.num_computed_tokens
-            self.counters["tokens_computed"] += item.num_new_tokens
+            counters.num_tokens_computed += item.num_new_tokens
             prompt_end = len(item.seq.prompt_token_ids)
-            self.counters["prefill_tokens_computed"] += max(0, min(start + item.num_new_tokens, prompt_end) - start)
+            counters.num_prompt_tokens_computed += max(0, min(start + item.num_new_tokens, prompt_end) - start)
 
-    def _append_token(self, seq: Sequence, token: int, now: float) -> None:
+    def _append_token(self, seq: SequenceState, token: int, now: float) -> None:
         seq.output_token_ids.append(token)
-        self.counters["output_tokens"] += 1
+        self.counters.num_output_tokens += 1
         if seq.first_token_time is None:
             seq.first_token_time = now
-        self._detokenize(seq)
-        reason = self._finish_reason(seq, token)
+        hit_stop = seq.text_state.append(self.tokenizer, seq.output_token_ids)
+        reason = self._finish_reason(seq, token, hit_stop)
         if reason is not None:
             self._finish(seq, reason)
 
-    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+    def _finish_reason(self, seq: SequenceState, token: int, hit_stop: bool) -> str | None:
         params = seq.params
-        if token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos):
-            return "stop"
-        if params.stop and self._truncate_at_stop(seq):
+        if hit_stop or token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos):
             return "stop"
         if len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
 
-    def _truncate_at_stop(self, seq: Sequence) -> bool:
-        positions = [p for p in (seq.text.find(s) for s in seq.params.stop) if p >= 0]
-        if not positions:
-            return False
-        seq.text = seq.text[: min(positions)]
-        return True
-
-    def _detokenize(self, seq: Sequence) -> None:
-        # Decode a short window and emit only complete characters: a byte-level token may end
-        # mid-character, which decodes to U+FFFD until the next token completes it.
-        ids = seq.output_token_ids
-        before = self.tokenizer.decode(ids[seq.detok_prefix_offset : seq.detok_read_offset], skip_special_tokens=True)
-        after = self.tokenizer.decode(ids[seq.detok_prefix_offset :], skip_special_tokens=True)
-        if len(after) > len(before) and not after.endswith("\ufffd"):
-            seq.text += after[len(before) :]
-            seq.detok_prefix_offset = seq.detok_read_offset
-            seq.detok_read_offset = len(ids)
-
-    def _finish(self, seq: Sequence, reason: str) -> None:
+    def _finish(self, seq: SequenceState, reason: str) -> None:
         self.scheduler.remove(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         seq.finish_time = time.perf_counter()
 
-    def _output(self, seqs: list[Sequence]) -> RequestOutput:
+    def _delta(self, seqs: list[SequenceState], changed: list[SequenceState]) -> RequestDelta:
+        """What the changed continuations gained since their last delta; with the whole output
+        once every continuation has ended."""
+        completions = []
+        for seq in changed:
+            new_token_ids = seq.output_token_ids[seq.num_sent_tokens :]
+            seq.num_sent_tokens = len(seq.output_token_ids)
+            completions.append(CompletionDelta(seq.index, seq.text_state.pending(seq.finished), new_token_ids, seq.finish_reason))
         first = seqs[0]
+        first_token_times = [s.first_token_time for s in seqs if s.first_token_time is not None]
         finished = all(s.finished for s in seqs)
+        return RequestDelta(
+            request_id=first.request_id,
+            completions=completions,
+            num_prompt_tokens=len(first.prompt_token_ids),
+            num_cached_tokens=max(s.num_cached_tokens for s in seqs),
+            time_to_first_token_s=min(first_token_times) - first.arrival_time if first_token_times else None,
+            output=self._output(seqs) if finished else None,
+        )
+
+    def _output(self, seqs: list[SequenceState]) -> RequestOutput:
+        first = seqs[0]
         first_token_times = [s.first_token_time for s in seqs if s.first_token_time is not None]
         finish_times = [s.finish_time for s in seqs if s.finish_time is not None]
         return RequestOutput(
             request_id=first.request_id,
             prompt_token_ids=first.prompt_token_ids,
             outputs=[CompletionOutput(s.index, s.text, list(s.output_token_ids), s.finish_reason) for s in seqs],
-            finished=finished,
             num_prompt_tokens=len(first.prompt_token_ids),
             num_cached_tokens=max(s.num_cached_tokens for s in seqs),
             time_to_first_token_s=min(first_token_times) - first.arrival_time if first_token_times else None,
-            total_time_s=max(finish_times) - first.arrival_time if finished and finish_times else None,
+            total_time_s=max(finish_times) - first.arrival_time if finish_times else None,
         )
 
     # -- introspection -----------------------------------------------------------------------
 
-    def stats(self) -> dict[str, Any]:
-        cache = asdict(self.tree.stats())
-        return {
-            **self.counters,
-            "cache": cache,
-            "cache_hit_rate": cache["hit_rate"],
-            "pages_total": self.pool.num_pages,
-            "pages_free": self.pool.num_free,
-            "pages_cached": self.tree.cached_pages,
-            "pages_evictable": self.tree.evictable_pages,
-            "pages_in_use": self.pool.num_pages - self.pool.num_free - self.tree.evictable_pages,
-            "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
-            "num_preemptions": self.scheduler.num_preemptions,
-            "num_deferrals": self.scheduler.num_deferrals,
-        }
+    def stats(self) -> EngineStats:
+        pool, tree = self.pool, self.tree
+        return EngineStats(
+            counters=replace(self.counters),
+            cache=tree.stats(),
+            num_pages=pool.num_pages,
+            num_free_pages=pool.num_free,
+            num_pages_in_use=pool.num_pages - pool.num_free - tree.evictable_pages,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_unfinished=len(self._requests),
+            num_preemptions=self.scheduler.num_preemptions,
+            num_deferrals=self.scheduler.num_deferrals,
+        )
 
     def check_invariants(self) -> None:
         """free + evictable + in use == total, no page counted twice, refcounts explained."""
@@ -364,13 +362,13 @@ class Engine:
 class _PhaseClock:
     """Adds the time since the previous lap to a named phase: where each step's time goes."""
 
-    def __init__(self, totals: dict[str, float]) -> None:
+    def __init__(self, totals: StepTimes) -> None:
         self.totals = totals
         self.last = time.perf_counter()
 
     def lap(self, phase: str) -> None:
         now = time.perf_counter()
-        self.totals[phase] += now - self.last
+        setattr(self.totals, phase, getattr(self.totals, phase) + now - self.last)
         self.last = now
 
 

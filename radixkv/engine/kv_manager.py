@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from radixkv.cache.hashing import BlockHasher
 from radixkv.cache.pages import OutOfPages, PagePool
-from radixkv.cache.radix import RadixTree
-from radixkv.engine.request import Sequence
+from radixkv.cache.radix import MatchResult, Node, PeekResult, RadixTree
+from radixkv.engine.request import SequenceState
 
 
 class KVManager:
@@ -22,7 +22,7 @@ class KVManager:
 
     # -- hashing -----------------------------------------------------------------------------
 
-    def update_block_hashes(self, seq: Sequence) -> list[int]:
+    def update_block_hashes(self, seq: SequenceState) -> list[int]:
         """Extend seq.block_hashes to every full block of its tokens (chained, incremental)."""
         num_full = seq.num_tokens // self.page_size
         if len(seq.block_hashes) < num_full:
@@ -34,21 +34,43 @@ class KVManager:
 
     # -- admission ---------------------------------------------------------------------------
 
-    def peek_cached_tokens(self, seq: Sequence) -> int:
-        """How many tokens a match would serve now, without counting it as a query."""
+    def peek(self, token_ids: list[int], salt: str | None, block_hashes: list[int] | None = None) -> PeekResult:
+        """What a match would serve now, changing nothing (no split, no LRU time, no stats)."""
+        if not self.enable_prefix_caching:
+            return PeekResult(0, [])
+        return self.tree.peek(token_ids, salt, block_hashes=block_hashes)
+
+    def peek_cached_tokens(self, seq: SequenceState) -> int:
+        """How many of seq's tokens the cache would serve now; a pure lookup."""
         if not self.enable_prefix_caching or seq.num_tokens <= self.page_size:
             return 0
-        hashes = self.update_block_hashes(seq)
-        return self.tree.match(seq.all_token_ids, seq.salt, block_hashes=hashes, record=False).num_cached_tokens
+        return self.peek(seq.all_token_ids, seq.salt, self.update_block_hashes(seq)).num_cached_tokens
 
-    def admit(self, seq: Sequence) -> int:
-        """Match seq against the tree, lock and reference the hit pages; returns cached tokens."""
-        assert not seq.page_table and seq.tree_node is None
+    def match(self, seq: SequenceState) -> MatchResult | None:
+        """The cached prefix seq would start from (None with caching off); lock it with admit()
+        before anything evicts."""
         if not self.enable_prefix_caching:
-            return 0
+            return None
         hashes = self.update_block_hashes(seq)
-        match = self.tree.match(seq.all_token_ids, seq.salt, block_hashes=hashes)
+        return self.tree.match(seq.all_token_ids, seq.salt, block_hashes=hashes, record=False)
+
+    def pages_to_admit(self, seq: SequenceState, match: MatchResult | None, num_new_tokens: int) -> tuple[int, int]:
+        """(pages seq needs for its first num_new_tokens past the match, pages that can be had
+        once the match is locked: free ones plus what eviction could still free)."""
+        num_cached = match.num_cached_tokens if match is not None else 0
+        needed = -(-(num_cached + num_new_tokens) // self.page_size) - num_cached // self.page_size
+        available = self.available_pages()
+        if match is not None:
+            available -= self.tree.unlocked_pages_on_path(match.node)
+        return needed, available
+
+    def admit(self, seq: SequenceState, match: MatchResult | None) -> int:
+        """Lock the match and take a reference on its pages for seq; returns cached tokens."""
+        assert not seq.page_table and seq.tree_node is None
+        if match is None:
+            return 0
         self.tree.lock(match.node)
+        self.tree.record_lookup(seq.num_tokens, match.num_cached_tokens)
         self.pool.incref(match.pages)
         seq.tree_node = match.node
         seq.page_table = list(match.pages)
@@ -56,9 +78,22 @@ class KVManager:
         seq.num_computed_tokens = match.num_cached_tokens
         return match.num_cached_tokens
 
+    # -- pins --------------------------------------------------------------------------------
+
+    def pin(self, prefix_token_ids: list[int], salt: str | None) -> tuple[Node, int]:
+        """Lock the cached full blocks of a prefix; (the node to unpin, tokens pinned)."""
+        # match() leaves the last token to compute; one more token lets it return every full
+        # block of the prefix itself (a partial block never matches).
+        match = self.tree.match(list(prefix_token_ids) + [0], salt, record=False)
+        self.tree.lock(match.node)
+        return match.node, match.num_cached_tokens
+
+    def unpin(self, node: Node) -> None:
+        self.tree.unlock(node)
+
     # -- growth ------------------------------------------------------------------------------
 
-    def pages_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+    def pages_needed(self, seq: SequenceState, num_new_tokens: int) -> int:
         total = -(-(seq.num_computed_tokens + num_new_tokens) // self.page_size)
         return max(0, total - len(seq.page_table))
 
@@ -66,7 +101,7 @@ class KVManager:
         """Pages that can be had now: free ones plus those eviction would free."""
         return self.pool.num_free + self.tree.evictable_pages
 
-    def reserve(self, seq: Sequence, num_new_tokens: int) -> bool:
+    def reserve(self, seq: SequenceState, num_new_tokens: int) -> bool:
         """Give seq pages for num_new_tokens more tokens, evicting if needed; False if short."""
         needed = self.pages_needed(seq, num_new_tokens)
         if needed == 0:
@@ -81,7 +116,7 @@ class KVManager:
 
     # -- after a step ------------------------------------------------------------------------
 
-    def commit(self, seq: Sequence) -> None:
+    def commit(self, seq: SequenceState) -> None:
         """Offer seq's newly computed full blocks to the tree; adopt the tree's duplicates."""
         num_full = seq.num_computed_tokens // self.page_size
         if not self.enable_prefix_caching or num_full <= seq.num_tree_blocks:
@@ -104,7 +139,7 @@ class KVManager:
         # Blocks a hash collision kept out of the tree stay private; they are not offered again.
         seq.num_tree_blocks = num_full
 
-    def release(self, seq: Sequence) -> None:
+    def release(self, seq: SequenceState) -> None:
         """Give back everything seq holds: its lock and one reference on each of its pages."""
         if seq.tree_node is not None:
             self.tree.unlock(seq.tree_node)

@@ -1,7 +1,8 @@
 """A request's life in the engine: its sampling parameters, tokens, pages and outputs.
 
-`SamplingParams` is validated where it is made; `Sequence` is one generated continuation
-(a request with n > 1 has n of them); `RequestOutput` is what users and the server receive.
+`SamplingParams` is validated where it is made; `SequenceState` is one generated continuation
+(a request with n > 1 has n of them); each step emits a `RequestDelta` (what is new) per request
+that changed, and the last one carries the whole `RequestOutput`.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixkv.engine.detokenizer import TextState
 from radixkv.errors import InvalidRequest
 
 MAX_TOKENS_LIMIT = 1 << 20
@@ -74,7 +76,7 @@ class SeqStatus(enum.Enum):
 
 
 @dataclass(slots=True)
-class Sequence:
+class SequenceState:
     """One continuation of a prompt, and the KV pages it holds while it runs."""
 
     seq_id: int
@@ -99,12 +101,18 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)  # of the full blocks of all_token_ids
     admitted_step: int = -1
     num_preemptions: int = 0
-    text: str = ""
-    detok_prefix_offset: int = 0
-    detok_read_offset: int = 0
+    text_state: TextState = field(init=False)
+    num_sent_tokens: int = 0  # output tokens already handed out in a delta
     first_token_time: float | None = None
     finish_time: float | None = None
     generator: Any = None  # torch.Generator for seeded sampling
+
+    def __post_init__(self) -> None:
+        self.text_state = TextState(tuple(self.params.stop))
+
+    @property
+    def text(self) -> str:
+        return self.text_state.text
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -132,13 +140,61 @@ class CompletionOutput:
 
 
 @dataclass(slots=True)
+class CompletionDelta:
+    """What one continuation gained in a step: text safe to send (no stop string will cut it
+    later) and token ids; finish_reason once it has ended."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+
+    def extend(self, later: CompletionDelta) -> None:
+        self.text += later.text
+        self.token_ids.extend(later.token_ids)
+        self.finish_reason = later.finish_reason or self.finish_reason
+
+
+@dataclass(slots=True)
+class RequestDelta:
+    """What a request gained in a step; `output` (the whole result) only on its last delta."""
+
+    request_id: str
+    completions: list[CompletionDelta]  # the continuations that changed, by index
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    time_to_first_token_s: float | None
+    output: RequestOutput | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.output is not None
+
+    def merge(self, later: RequestDelta) -> RequestDelta:
+        """This delta followed by `later`, as one (for a consumer that fell behind)."""
+        by_index = {c.index: CompletionDelta(c.index, c.text, list(c.token_ids), c.finish_reason) for c in self.completions}
+        for c in later.completions:
+            if c.index in by_index:
+                by_index[c.index].extend(c)
+            else:
+                by_index[c.index] = CompletionDelta(c.index, c.text, list(c.token_ids), c.finish_reason)
+        return RequestDelta(
+            later.request_id,
+            [by_index[i] for i in sorted(by_index)],
+            later.num_prompt_tokens,
+            later.num_cached_tokens,
+            later.time_to_first_token_s,
+            later.output,
+        )
+
+
+@dataclass(slots=True)
 class RequestOutput:
-    """A request's state after a step: cumulative outputs per continuation, and timings."""
+    """A request's result: the outputs of every continuation, token counts and timings."""
 
     request_id: str
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
-    finished: bool
     num_prompt_tokens: int
     num_cached_tokens: int
     time_to_first_token_s: float | None

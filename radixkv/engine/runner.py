@@ -9,7 +9,7 @@ import torch
 
 from radixkv.attention.base import AttentionMetadata
 from radixkv.cache.pages import PagePool
-from radixkv.engine.request import Sequence
+from radixkv.engine.request import SequenceState
 from radixkv.engine.scheduler import Batch
 
 
@@ -21,12 +21,9 @@ class ModelRunner:
         self.page_size = pool.page_size
         self.batch_invariant = batch_invariant
 
-    def execute(self, batch: Batch) -> torch.Tensor:
-        """Logits [number of sampling items, vocab] in fp32, in batch order."""
-        return self.forward(*self.prepare(batch))
-
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
+        """Logits [number of sampling items, vocab] in fp32, in batch order."""
         return self.model(input_ids, meta.positions, meta, self.pool.k_cache, self.pool.v_cache, logits_indices)
 
     def prepare(self, batch: Batch) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
@@ -72,7 +69,7 @@ class ModelRunner:
         return _to(input_ids, device), meta, _to(np.asarray(logits_indices, dtype=np.int64), device)
 
 
-def _token_slice(seq: Sequence, start: int, end: int) -> list[int]:
+def _token_slice(seq: SequenceState, start: int, end: int) -> list[int]:
     """Tokens [start, end) of prompt + output, without building the whole list each step."""
     num_prompt = len(seq.prompt_token_ids)
     if start >= num_prompt:

@@ -13,12 +13,12 @@ from dataclasses import dataclass, field
 
 from radixkv.config import EngineConfig
 from radixkv.engine.kv_manager import KVManager
-from radixkv.engine.request import Sequence, SeqStatus
+from radixkv.engine.request import SequenceState, SeqStatus
 
 
 @dataclass(slots=True)
 class ScheduledSeq:
-    seq: Sequence
+    seq: SequenceState
     num_new_tokens: int
     samples: bool  # this chunk reaches the sequence's last token, so a new token is drawn
 
@@ -26,7 +26,7 @@ class ScheduledSeq:
 @dataclass(slots=True)
 class Batch:
     items: list[ScheduledSeq] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
+    preempted: list[SequenceState] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -40,17 +40,17 @@ class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVManager) -> None:
         self.config = config
         self.kv = kv
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # in admission order: the last is preempted first
+        self.waiting: deque[SequenceState] = deque()
+        self.running: list[SequenceState] = []  # in admission order: the last is preempted first
         self.step_count = 0
         self.num_preemptions = 0
         self.num_deferrals = 0
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: SequenceState) -> None:
         seq.arrival_step = self.step_count
         self.waiting.append(seq)
 
-    def remove(self, seq: Sequence) -> None:
+    def remove(self, seq: SequenceState) -> None:
         """Take seq out of the queues and give back its pages (finish or abort)."""
         if seq.status is SeqStatus.RUNNING:
             self.running.remove(seq)
@@ -89,13 +89,13 @@ class Scheduler:
             token_budget -= num_new
         return token_budget
 
-    def _preemption_victim(self, exclude: set[int]) -> Sequence:
+    def _preemption_victim(self, exclude: set[int]) -> SequenceState:
         for seq in reversed(self.running):
             if seq.seq_id not in exclude:
                 return seq
         raise AssertionError("a running sequence must be left to preempt")
 
-    def _preempt(self, seq: Sequence, batch: Batch) -> None:
+    def _preempt(self, seq: SequenceState, batch: Batch) -> None:
         # Recompute later: private pages go back to the pool, the tree keeps what it cached,
         # and re-admission matches it again. Output tokens so far are kept.
         self.running.remove(seq)
@@ -123,18 +123,20 @@ class Scheduler:
             token_budget -= num_new
             computing.update(self._uncomputed_block_hashes(seq))
 
-    def _admit(self, seq: Sequence, token_budget: int) -> int:
-        """Match, lock and allocate for seq's first chunk; 0 (and nothing held) if it can't fit."""
-        cached = self.kv.admit(seq)
-        num_new = min(seq.num_uncomputed_tokens, token_budget)
+    def _admit(self, seq: SequenceState, token_budget: int) -> int:
+        """Match, check, then lock and allocate for seq's first chunk; 0 (nothing held) if it
+        can't fit. Nothing is taken before the check, so a refusal has nothing to undo."""
+        match = self.kv.match(seq)
+        num_cached = match.num_cached_tokens if match is not None else 0
+        num_new = min(seq.num_tokens - num_cached, token_budget)
+        needed, available = self.kv.pages_to_admit(seq, match, num_new)
         # Keep a page of headroom per running sequence so admissions don't immediately force
         # preemptions when the running ones cross a page boundary.
-        headroom = len(self.running)
-        if self.kv.pages_needed(seq, num_new) + headroom > self.kv.available_pages() or not self.kv.reserve(
-            seq, num_new
-        ):
-            self.kv.release(seq)
+        if needed + len(self.running) > available:
             return 0
+        cached = self.kv.admit(seq, match)
+        reserved = self.kv.reserve(seq, num_new)
+        assert reserved, "the pages were counted as available a moment ago"
         if seq.num_preemptions == 0 and not seq.output_token_ids:
             seq.num_cached_tokens = cached
         self.waiting.remove(seq)
@@ -143,7 +145,7 @@ class Scheduler:
         self.running.append(seq)
         return num_new
 
-    def _waiting_in_policy_order(self) -> list[tuple[Sequence, int]]:
+    def _waiting_in_policy_order(self) -> list[tuple[SequenceState, int]]:
         """Waiting sequences in the order to try them, each with its cached-token count now
         (-1 where the policy did not look)."""
         waiting = list(self.waiting)
@@ -154,10 +156,10 @@ class Scheduler:
         rest.sort(key=lambda pair: -pair[1])  # stable: arrival order among equals
         return overdue + rest
 
-    def _overdue(self, seq: Sequence) -> bool:
+    def _overdue(self, seq: SequenceState) -> bool:
         return self.step_count - seq.arrival_step > self.config.max_wait_steps
 
-    def _should_defer(self, seq: Sequence, cached_tokens: int, computing: set[int]) -> bool:
+    def _should_defer(self, seq: SequenceState, cached_tokens: int, computing: set[int]) -> bool:
         if not computing or cached_tokens < 0:
             return False
         hashes = self.kv.update_block_hashes(seq)
@@ -171,7 +173,7 @@ class Scheduler:
                 computing.update(self._uncomputed_block_hashes(item.seq))
         return computing
 
-    def _uncomputed_block_hashes(self, seq: Sequence) -> list[int]:
+    def _uncomputed_block_hashes(self, seq: SequenceState) -> list[int]:
         if not self.kv.enable_prefix_caching:
             return []
         hashes = self.kv.update_block_hashes(seq)

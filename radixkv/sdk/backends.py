@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixkv.engine.request import RequestOutput, SamplingParams
-from radixkv.errors import InvalidRequest, QueueFull
+from radixkv.errors import InvalidRequest
 from radixkv.sdk.template import Prompt, encode, has_chat_template
 
 OnResult = Callable[[int, "Result"], None]
@@ -26,9 +26,9 @@ class Result:
 
     text: str = ""
     texts: list[str] = field(default_factory=list)  # every continuation, when params.n > 1
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     finish_reason: str | None = None
     token_ids: list[int] | None = None  # the reply's token ids (in process only)
     error: str | None = None
@@ -47,8 +47,8 @@ class Pin:
     """A prefix locked in the cache; `unpin()` (or leaving a `with` block) releases it."""
 
     pin_id: int
-    pinned_tokens: int  # the full pages' worth of the prefix now locked
-    prompt_tokens: int
+    num_pinned_tokens: int  # the full pages' worth of the prefix now locked
+    num_prompt_tokens: int
     backend: Backend = field(repr=False)
     released: bool = False
 
@@ -114,9 +114,8 @@ class InProcessBackend(Backend):
         return self.llm
 
     def generate(self, prompts: Sequence[Prompt], params: SamplingParams, on_result: OnResult | None = None) -> list[Result]:
+        from radixkv.engine.run import run_to_completion
 
-
-        engine = self.engine
         results: list[Result | None] = [None] * len(prompts)
 
         def finish(i: int, result: Result) -> None:
@@ -124,46 +123,29 @@ class InProcessBackend(Backend):
             if on_result is not None:
                 on_result(i, result)
 
-        waiting: list[tuple[int, list[int]]] = []
+        encoded: list[tuple[int, list[int]]] = []
         for i, prompt in enumerate(prompts):
             try:
-                waiting.append((i, encode(self.tokenizer, prompt)))
+                encoded.append((i, encode(self.tokenizer, prompt)))
             except Exception as error:  # noqa: BLE001 - the chat template refusing this prompt
                 finish(i, Result(error=f"{type(error).__name__}: {error}"))
-        waiting.reverse()  # popped from the end: submitted in prompt order
-        running: dict[str, int] = {}
-        try:
-            while waiting or running:
-                # Each prompt is validated on its own (add_request checks it), so one over the
-                # context fails alone; more prompts than the queue holds wait for room.
-                while waiting:
-                    i, token_ids = waiting[-1]
-                    try:
-                        running[engine.add_request(token_ids, params, salt=self.salt)] = i
-                    except QueueFull:
-                        if not running:
-                            raise
-                        break
-                    except InvalidRequest as error:
-                        finish(i, Result(error=f"InvalidRequest: {error}"))
-                    waiting.pop()
-                for output in engine.step():
-                    i = running.get(output.request_id)
-                    if i is not None and output.finished:
-                        del running[output.request_id]
-                        finish(i, _result_of(output))
-                if self.on_step is not None:
-                    self.on_step(engine)
-        finally:
-            for request_id in running:  # an interrupt must not leave requests holding pages
-                engine.abort(request_id)
+        # Each prompt is checked on its own, so one over the context fails alone.
+        run_to_completion(
+            self.engine,
+            [token_ids for _, token_ids in encoded],
+            [params] * len(encoded),
+            salt=self.salt,
+            on_finished=lambda j, output: finish(encoded[j][0], _result_of(output)),
+            on_rejected=lambda j, error: finish(encoded[j][0], Result(error=f"{type(error).__name__}: {error}")),
+            on_step=self.on_step,
+        )
         return results  # type: ignore[return-value]
 
     def pin(self, prefix: Prompt) -> Pin:
         token_ids = encode(self.tokenizer, prefix)
         warmed = self.warm(Prompt(token_ids=token_ids))
         pinned = self.engine.pin(token_ids, self.salt)
-        return Pin(pinned.pin_id, pinned.num_pinned_tokens, warmed.prompt_tokens, self)
+        return Pin(pinned.pin_id, pinned.num_pinned_tokens, warmed.num_prompt_tokens, self)
 
     def unpin(self, pin_id: int) -> bool:
         return self.engine.unpin(pin_id)
@@ -173,9 +155,9 @@ def _result_of(output: RequestOutput) -> Result:
     return Result(
         text=output.text,
         texts=[o.text for o in output.outputs],
-        prompt_tokens=output.num_prompt_tokens,
-        completion_tokens=output.num_output_tokens,
-        cached_tokens=output.num_cached_tokens,
+        num_prompt_tokens=output.num_prompt_tokens,
+        num_output_tokens=output.num_output_tokens,
+        num_cached_tokens=output.num_cached_tokens,
         finish_reason=output.finish_reason,
         token_ids=list(output.token_ids),
     )
@@ -204,7 +186,7 @@ class HTTPBackend(Backend):
         tokenizer: Any | None = None,
         chat: bool | None = None,
         max_concurrency: int = 8,
-        cache_salt: str | None = None,
+        salt: str | None = None,
         timeout_s: float = 600.0,
     ) -> None:
         import openai
@@ -228,11 +210,11 @@ class HTTPBackend(Backend):
         self.tokenizer = tokenizer
         self.chat = chat if chat is not None else (has_chat_template(tokenizer) if tokenizer is not None else True)
         self.max_concurrency = max_concurrency
-        self.cache_salt = cache_salt
+        self.salt = salt
 
     @property
     def identity(self) -> object:
-        return (str(self.client.base_url), self.client.api_key, self.cache_salt)
+        return (str(self.client.base_url), self.client.api_key, self.salt)
 
     @property
     def model(self) -> str:
@@ -271,8 +253,8 @@ class HTTPBackend(Backend):
             body["prompt"] = prefix.text
         else:
             body["messages"] = prefix.messages
-        if self.cache_salt is not None:
-            body["cache_salt"] = self.cache_salt
+        if self.salt is not None:
+            body["cache_salt"] = self.salt
         response = self._call(lambda: self.client.post("/cache/pin", body=body, cast_to=object))
         return Pin(int(response["pin_id"]), int(response["pinned_tokens"]), int(response["prompt_tokens"]), self)
 
@@ -301,8 +283,8 @@ class HTTPBackend(Backend):
             options["seed"] = params.seed
         if params.stop:
             options["stop"] = list(params.stop)
-        if self.cache_salt is not None:
-            options["extra_body"] = {"cache_salt": self.cache_salt}
+        if self.salt is not None:
+            options["extra_body"] = {"cache_salt": self.salt}
         return options
 
     def _request(self, prompt: Prompt, options: dict[str, Any]) -> Result:
@@ -325,9 +307,9 @@ class HTTPBackend(Backend):
         return Result(
             text=texts[0] if texts else "",
             texts=texts,
-            prompt_tokens=usage.prompt_tokens if usage else 0,
-            completion_tokens=usage.completion_tokens if usage else 0,
-            cached_tokens=(getattr(details, "cached_tokens", None) or 0) if details else 0,
+            num_prompt_tokens=usage.prompt_tokens if usage else 0,
+            num_output_tokens=usage.completion_tokens if usage else 0,
+            num_cached_tokens=(getattr(details, "cached_tokens", None) or 0) if details else 0,
             finish_reason=choices[0].finish_reason if choices else None,
         )
 

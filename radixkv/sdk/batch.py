@@ -91,13 +91,13 @@ class _Progress:
             from tqdm.auto import tqdm
 
             self._bar = tqdm(total=total, unit="row", desc="run_batch")
-        self.prompt_tokens = 0
-        self.cached_tokens = 0
+        self.num_prompt_tokens = 0
+        self.num_cached_tokens = 0
         self.errors = 0
 
     def add(self, result: Result) -> None:
-        self.prompt_tokens += result.prompt_tokens
-        self.cached_tokens += result.cached_tokens
+        self.num_prompt_tokens += result.num_prompt_tokens
+        self.num_cached_tokens += result.num_cached_tokens
         self.errors += not result.ok
         if self._bar is not None:
             postfix = f"cache hit {self.hit_rate:.0%}" + (f", {self.errors} failed" if self.errors else "")
@@ -106,7 +106,7 @@ class _Progress:
 
     @property
     def hit_rate(self) -> float:
-        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+        return self.num_cached_tokens / self.num_prompt_tokens if self.num_prompt_tokens else 0.0
 
     def close(self) -> None:
         if self._bar is not None:

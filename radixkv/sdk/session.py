@@ -24,7 +24,7 @@ from radixkv.sdk.template import Message, Prompt
 class Session:
     """A conversation on a backend: `user(text)`, then `generate(params)` for the reply.
 
-    The reply (a Result: `.text`, token counts, `.cached_tokens`) is appended to the
+    The reply (a Result: `.text`, token counts, `.num_cached_tokens`) is appended to the
     conversation. Each turn resends the whole conversation, and the prefix cache serves the
     earlier turns' pages, so a turn costs roughly its new tokens.
     """

@@ -13,6 +13,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixkv.prompts import encode_chat, encode_prompt, has_chat_template
+
 Message = dict[str, str]
 Row = Mapping[str, Any] | str
 
@@ -54,13 +56,8 @@ def encode(tokenizer: Any, prompt: Prompt) -> list[int]:
     if prompt.token_ids is not None:
         return list(prompt.token_ids)
     if prompt.text is not None:
-        return list(tokenizer(prompt.text).input_ids)
-    text = tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=prompt.add_generation_prompt, tokenize=False)
-    return list(tokenizer(text, add_special_tokens=False).input_ids)
-
-
-def has_chat_template(tokenizer: Any) -> bool:
-    return bool(getattr(tokenizer, "chat_template", None))
+        return encode_prompt(tokenizer, prompt.text)
+    return encode_chat(tokenizer, prompt.messages or [], add_generation_prompt=prompt.add_generation_prompt)
 
 
 @dataclass(slots=True)

@@ -45,7 +45,7 @@ def seq(start: int, n: int) -> list[int]:
 def test_empty_tree_misses() -> None:
     tree = make_tree()
     result = tree.match(seq(0, 20))
-    assert result.num_cached_tokens == 0 and result.pages == [] and result.node.is_root
+    assert result.num_cached_tokens == 0 and result.pages == [] and result.node.parent is None
     tree.lock(result.node)
     tree.unlock(result.node)
     tree.check_invariants()
@@ -108,7 +108,7 @@ def test_forced_collision_is_a_miss_never_a_wrong_hit() -> None:
     b_pages = pool.allocate(4)
     result = tree.insert(b, b_pages)
     assert (result.num_existing_blocks, result.num_inserted_blocks, result.pages) == (0, 0, [])
-    assert result.node.is_root
+    assert result.node.parent is None
     assert all(pool.refcount(page) == 1 for page in b_pages)  # still private to the caller
     pool.release(b_pages)
     # Sharing the first block then diverging: the shared block hits, the rest collides.

@@ -79,8 +79,8 @@ def test_eviction_and_preemption_keep_outputs_exact(tiny_llama, llama_reference,
     outputs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW))
     assert [o.token_ids for o in outputs] == expected
     stats = llm.stats()
-    assert stats["num_preemptions"] > 0
-    assert stats["cache"]["evicted_pages"] > 0
+    assert stats.num_preemptions > 0
+    assert stats.cache.evicted_pages > 0
     assert_all_pages_returned(llm)
 
 

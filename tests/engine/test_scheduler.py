@@ -9,7 +9,7 @@ from radixkv.cache.pages import PagePool
 from radixkv.cache.radix import RadixTree
 from radixkv.config import EngineConfig
 from radixkv.engine.kv_manager import KVManager
-from radixkv.engine.request import SamplingParams, Sequence, SeqStatus
+from radixkv.engine.request import SamplingParams, SequenceState, SeqStatus
 from radixkv.engine.scheduler import Scheduler
 
 PAGE = 4
@@ -23,9 +23,9 @@ def make_scheduler(num_pages: int = 64, **options) -> Scheduler:
     return Scheduler(config, KVManager(pool, RadixTree(pool, hasher), hasher, enable_prefix_caching=True))
 
 
-def make_seq(tokens: list[int], max_tokens: int = 4) -> Sequence:
+def make_seq(tokens: list[int], max_tokens: int = 4) -> SequenceState:
     seq_id = next(_ids)
-    return Sequence(seq_id, f"r{seq_id}", 0, list(tokens), SamplingParams(max_tokens=max_tokens), None, 0)
+    return SequenceState(seq_id, f"r{seq_id}", 0, list(tokens), SamplingParams(max_tokens=max_tokens), None, 0)
 
 
 def run_step(scheduler: Scheduler):
@@ -39,7 +39,7 @@ def run_step(scheduler: Scheduler):
     return batch
 
 
-def finish(scheduler: Scheduler, seq: Sequence) -> None:
+def finish(scheduler: Scheduler, seq: SequenceState) -> None:
     scheduler.remove(seq)
     seq.status = SeqStatus.FINISHED
 

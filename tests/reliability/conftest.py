@@ -71,9 +71,9 @@ def run_to_end(engine: Engine, max_steps: int = 5000) -> dict[str, object]:
     for _ in range(max_steps):
         if not engine.has_unfinished():
             return finals
-        for output in engine.step():
-            if output.finished:
-                finals[output.request_id] = output
+        for delta in engine.step():
+            if delta.finished:
+                finals[delta.request_id] = delta.output
     raise AssertionError(f"requests still unfinished after {max_steps} steps: {engine.stats()}")
 
 
@@ -114,7 +114,7 @@ class Live:
         return self.app.state.radixkv.tenants.cache_salt(key.encode(), cache_salt)
 
     def assert_idle_and_consistent(self) -> None:
-        assert wait_until(lambda: self.async_engine.stats()["num_unfinished"] == 0, 30), self.async_engine.stats()
+        assert wait_until(lambda: self.async_engine.stats().num_unfinished == 0, 30), self.async_engine.stats()
         self.engine_call(assert_pages_returned)
 
 

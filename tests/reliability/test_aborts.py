@@ -35,7 +35,7 @@ def abort_and_check(engine, request_id: str):
     held = held_pages(engine, request_id) if request_id in engine._requests else Counter()
     before, free_before = refcounts(engine), engine.pool.free_pages()
     cached_before = engine.tree.cached_page_set()
-    output = engine.abort(request_id)
+    delta = engine.abort(request_id)
     expected = list(before)
     for page, count in held.items():
         expected[page] -= count
@@ -45,7 +45,7 @@ def abort_and_check(engine, request_id: str):
     assert engine.tree.cached_page_set() == cached_before  # computed blocks stay cached
     assert request_id not in engine._requests
     engine.check_invariants()
-    return output
+    return delta.output if delta is not None else None
 
 
 def reference_tokens(loaded, requests: list[tuple[list[int], int]]) -> list[list[int]]:
@@ -64,7 +64,7 @@ def test_abort_while_waiting(tiny_loaded):
     [seq_b] = engine._requests[b]
     assert seq_b.status is SeqStatus.WAITING and not seq_b.page_table
     output = abort_and_check(engine, b)
-    assert output.finished and output.finish_reason == "abort" and output.token_ids == []
+    assert output.finish_reason == "abort" and output.token_ids == []
     finals = run_to_end(engine)
     assert finals[a].token_ids == reference_tokens(tiny_loaded, [(SYSTEM[:30], 8)])[0]
     assert_pages_returned(engine)
@@ -208,9 +208,9 @@ def test_random_submit_abort_step_sequences(tiny_loaded, num_pages, max_batch_to
             requests[engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, n=n))] = (prompt, max_tokens)
             engine.check_invariants()
         for _ in range(steps):
-            for output in engine.step():
-                if output.finished:
-                    finished[output.request_id] = [o.token_ids for o in output.outputs]
+            for delta in engine.step():
+                if delta.finished:
+                    finished[delta.request_id] = [o.token_ids for o in delta.output.outputs]
         for kind, pick in aborts:
             running = sorted({seq.request_id for seq in engine.scheduler.running})
             waiting = sorted({seq.request_id for seq in engine.scheduler.waiting} - set(running))
@@ -264,7 +264,7 @@ def test_a_failed_step_then_aborting_everything_returns_every_page(tiny_loaded):
     ids = [engine.add_request(p, SamplingParams(max_tokens=m)) for p, m in requests]
     for _ in range(10):
         engine.step()
-    assert engine.stats()["num_preemptions"] > 0 and engine.scheduler.running and engine.scheduler.waiting
+    assert engine.stats().num_preemptions > 0 and engine.scheduler.running and engine.scheduler.waiting
     engine.runner.forward = FailingForward(engine.runner, {1})
     with pytest.raises(RuntimeError, match="injected fault"):
         engine.step()
@@ -294,8 +294,8 @@ def test_stepping_on_after_failed_steps_keeps_outputs_exact(tiny_loaded):
         except RuntimeError:
             engine.check_invariants()
             continue
-        finals.update({o.request_id: o for o in outputs if o.finished})
-    assert engine.runner.forward.calls > 20 and engine.stats()["num_preemptions"] > 0
+        finals.update({d.request_id: d.output for d in outputs if d.finished})
+    assert engine.runner.forward.calls > 20 and engine.stats().num_preemptions > 0
     assert [finals[i].token_ids for i in ids] == reference_tokens(tiny_loaded, requests)
     assert_pages_returned(engine)
 

@@ -179,7 +179,7 @@ def test_colliding_hashes_keep_outputs_exact(tiny_loaded, collision_reference, h
         assert [finals[i].token_ids for i in ids] == expected, (hash_fn.__name__, salt)
     assert_pages_returned(engine)  # includes recomputing every stored hash with hash_fn
     if num_pages == 256:
-        assert engine.stats()["cache"]["hit_tokens"] > 0  # equal prefixes still hit
+        assert engine.stats().cache.hit_tokens > 0  # equal prefixes still hit
     by_salt = pages_by_salt(engine)
     assert not by_salt.get(None, set()) & by_salt.get("tenant-b", set())
 

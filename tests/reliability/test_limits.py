@@ -80,7 +80,7 @@ def test_a_request_needing_the_whole_pool_is_served_among_others(tiny_loaded):
     ref_finals = run_to_end(reference)
     assert [finals[i].token_ids for i in ids] == [ref_finals[i].token_ids for i in ref_ids]
     assert len(finals[ids[1]].token_ids) == 10
-    assert engine.stats()["cache"]["evicted_pages"] > 0
+    assert engine.stats().cache.evicted_pages > 0
     assert_pages_returned(engine)
 
 

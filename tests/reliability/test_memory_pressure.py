@@ -53,9 +53,9 @@ def run_workload(engine, requests, arrival_steps: list[int]) -> list[list[list[i
             prompt, max_tokens, n = requests[i]
             ids[i] = engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, n=n))
             engine.check_invariants()
-        for output in engine.step():
-            if output.finished:
-                finals[output.request_id] = output
+        for delta in engine.step():
+            if delta.finished:
+                finals[delta.request_id] = delta.output
         step += 1
         assert step < 20_000, engine.stats()
     results = []
@@ -99,10 +99,10 @@ def test_small_pool_gives_the_outputs_of_an_ample_one(
     for continuations, expected in zip(small_out, reference):
         assert all(tokens == expected for tokens in continuations)  # greedy: n copies alike
     stats = small.stats()
-    assert stats["num_preemptions"] > 0, stats
-    assert stats["cache"]["evicted_pages"] > 0, stats
-    assert stats["cache"]["hit_tokens"] > 0, stats  # sharing survives the pressure
-    assert ample.stats()["num_preemptions"] == 0
+    assert stats.num_preemptions > 0, stats
+    assert stats.cache.evicted_pages > 0, stats
+    assert stats.cache.hit_tokens > 0, stats  # sharing survives the pressure
+    assert ample.stats().num_preemptions == 0
     assert_pages_returned(small)
     assert_pages_returned(ample)
 

@@ -30,18 +30,18 @@ def test_five_shot_rows_after_the_first_hit_the_template(llm, tiny_model_dir):
     results = run_batch(llm, template, data, PARAMS, progress=False)
 
     assert all(r.ok for r in results)
-    assert results[0].cached_tokens == 0  # a cold cache: the first row computes the template
+    assert results[0].num_cached_tokens == 0  # a cold cache: the first row computes the template
     for r in results[1:]:
-        assert r.cached_tokens >= full_blocks(shared)
+        assert r.num_cached_tokens >= full_blocks(shared)
     stats = llm.stats()
-    assert stats["prefill_tokens_computed"] <= sum(r.prompt_tokens for r in results) - 23 * full_blocks(shared)
+    assert stats.counters.num_prompt_tokens_computed <= sum(r.num_prompt_tokens for r in results) - 23 * full_blocks(shared)
 
     # Row order, and exactness: the same greedy tokens as each row alone without any cache.
     reference = make_llm(tiny_model_dir, enable_prefix_caching=False)
     expected = reference.chat([template.messages(row) for row in data], PARAMS)
     assert [r.token_ids for r in results] == [e.token_ids for e in expected]
     assert [r.text for r in results] == [e.text for e in expected]
-    assert [r.prompt_tokens for r in results] == [e.num_prompt_tokens for e in expected]
+    assert [r.num_prompt_tokens for r in results] == [e.num_prompt_tokens for e in expected]
 
 
 def test_progress_bar_shows_the_running_hit_rate(llm, capsys):
@@ -58,7 +58,7 @@ def test_one_bad_row_fails_alone(llm):
     assert results[0].ok and results[3].ok
     assert "maximum context length is 512" in results[1].error
     assert "missing field(s) ['review']" in results[2].error
-    assert results[1].text == "" and results[1].prompt_tokens == 0
+    assert results[1].text == "" and results[1].num_prompt_tokens == 0
     alone = run_batch(llm, template, [data[0], data[3]], PARAMS, progress=False)
     assert [r.token_ids for r in alone] == [results[0].token_ids, results[3].token_ids]
     llm.engine.check_invariants()
@@ -76,9 +76,9 @@ def test_warm_computes_the_shared_prefix_ahead(llm):
     template = five_shot()
     shared = template.shared_token_ids(llm.tokenizer, chat=True)
     warmed = warm(llm, template)
-    assert warmed.prompt_tokens == len(shared) and warmed.cached_tokens == 0
+    assert warmed.num_prompt_tokens == len(shared) and warmed.num_cached_tokens == 0
     results = run_batch(llm, template, rows(3), PARAMS, progress=False)
-    assert all(r.cached_tokens >= full_blocks(len(shared)) for r in results)  # the first row too
+    assert all(r.num_cached_tokens >= full_blocks(len(shared)) for r in results)  # the first row too
 
 
 def traffic(llm, count: int, seed: int) -> None:
@@ -97,18 +97,18 @@ def test_a_pinned_prefix_survives_eviction_pressure(tiny_model_dir):
     backend = InProcessBackend(llm)
 
     with pin(backend, template) as pinned:
-        assert pinned.pinned_tokens == full_blocks(len(shared)) and pinned.prompt_tokens == len(shared)
-        assert llm.engine.tree.locked_pages == pinned.pinned_tokens // PAGE_SIZE
+        assert pinned.num_pinned_tokens == full_blocks(len(shared)) and pinned.num_prompt_tokens == len(shared)
+        assert llm.engine.tree.locked_pages == pinned.num_pinned_tokens // PAGE_SIZE
         traffic(llm, 20, seed=1)  # ~300 pages of other prompts through a 96-page pool
-        assert llm.stats()["cache"]["evicted_pages"] > 96
+        assert llm.stats().cache.evicted_pages > 96
         [hit] = run_batch(backend, template, ["Still here?"], PARAMS, progress=False)
-        assert hit.cached_tokens >= pinned.pinned_tokens
+        assert hit.num_cached_tokens >= pinned.num_pinned_tokens
     assert pinned.released and not pinned.unpin()
     assert llm.engine.tree.locked_pages == 0
 
     traffic(llm, 20, seed=2)  # unpinned, the prefix is evictable like any other
     [miss] = run_batch(backend, template, ["Gone now?"], PARAMS, progress=False)
-    assert miss.cached_tokens < pinned.pinned_tokens
+    assert miss.num_cached_tokens < pinned.num_pinned_tokens
     llm.engine.check_invariants()
 
 
@@ -123,7 +123,7 @@ def test_pin_accepts_text_token_ids_and_messages(llm):
         (text, len(llm.encode(text))),
     ]:
         handle = pin(llm, prefix)
-        assert handle.prompt_tokens == length and handle.pinned_tokens == full_blocks(length)
+        assert handle.num_prompt_tokens == length and handle.num_pinned_tokens == full_blocks(length)
         assert handle.unpin()
     assert llm.engine.tree.locked_pages == 0
     with pytest.raises(TypeError):

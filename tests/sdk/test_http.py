@@ -43,11 +43,11 @@ def test_http_gives_the_same_results_as_in_process(live_server, tiny_model_dir, 
 
     assert all(r.ok for r in results)
     assert [r.text for r in results] == [e.text for e in expected]
-    assert [r.prompt_tokens for r in results] == [e.prompt_tokens for e in expected]
-    assert [r.completion_tokens for r in results] == [e.completion_tokens for e in expected]
+    assert [r.num_prompt_tokens for r in results] == [e.num_prompt_tokens for e in expected]
+    assert [r.num_output_tokens for r in results] == [e.num_output_tokens for e in expected]
     shared = len(tpl.shared_token_ids(local.tokenizer, chat=chat is None))
-    assert results[0].cached_tokens < shared // PAGE_SIZE * PAGE_SIZE  # the first row computes the template
-    assert all(r.cached_tokens >= shared // PAGE_SIZE * PAGE_SIZE for r in results[1:])
+    assert results[0].num_cached_tokens < shared // PAGE_SIZE * PAGE_SIZE  # the first row computes the template
+    assert all(r.num_cached_tokens >= shared // PAGE_SIZE * PAGE_SIZE for r in results[1:])
 
 
 def test_a_bad_row_fails_alone_over_http(live_server):
@@ -74,7 +74,7 @@ def test_sessions_and_forks_over_http_match_in_process(live_server, tiny_model_d
     first_http, replies_http, forks = converse(live_server.client())
     assert first_http.text == first_local.text
     assert [r.text for r in replies_http] == [r.text for r in replies_local]
-    assert all(r.cached_tokens >= first_http.prompt_tokens // PAGE_SIZE * PAGE_SIZE for r in replies_http)
+    assert all(r.num_cached_tokens >= first_http.num_prompt_tokens // PAGE_SIZE * PAGE_SIZE for r in replies_http)
     assert forks[0].messages[-1] == {"role": "assistant", "content": replies_http[0].text}
 
 
@@ -89,10 +89,10 @@ def test_pin_over_http(live_server, tiny_model_dir):
 
     before = locked_pages()
     handle = pin(HTTPBackend(client, tokenizer=local.tokenizer), tpl)  # as token ids
-    assert handle.prompt_tokens == shared and handle.pinned_tokens == shared // PAGE_SIZE * PAGE_SIZE
-    assert locked_pages() == before + handle.pinned_tokens // PAGE_SIZE
+    assert handle.num_prompt_tokens == shared and handle.num_pinned_tokens == shared // PAGE_SIZE * PAGE_SIZE
+    assert locked_pages() == before + handle.num_pinned_tokens // PAGE_SIZE
     [row] = run_batch(client, tpl, ["Pinned?"], PARAMS, progress=False)
-    assert row.cached_tokens >= handle.pinned_tokens
+    assert row.num_cached_tokens >= handle.num_pinned_tokens
 
     # Only the key that pinned may unpin; others are told it does not exist.
     other = httpx.delete(f"{live_server.base_url}/v1/cache/pin/{handle.pin_id}", headers={"Authorization": f"Bearer {KEY_B}"})
@@ -101,7 +101,7 @@ def test_pin_over_http(live_server, tiny_model_dir):
     assert not HTTPBackend(client).unpin(handle.pin_id)  # already gone
 
     with pin(client, tpl) as by_messages:  # no tokenizer: the system prompt and examples as messages
-        assert 0 < by_messages.pinned_tokens <= by_messages.prompt_tokens < shared
+        assert 0 < by_messages.num_pinned_tokens <= by_messages.num_prompt_tokens < shared
     assert locked_pages() == before
 
 

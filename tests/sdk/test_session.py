@@ -20,10 +20,10 @@ BRANCHES = ["What is the capital of France?", "The quick brown fox?", "def add(a
 def test_turns_append_and_reuse_the_conversation(llm):
     session = Session(llm, system=SYSTEM)
     first = session.user("Question: what is the capital of France?").generate(PARAMS)
-    assert first.ok and first.completion_tokens == len(first.token_ids) > 0
+    assert first.ok and first.num_output_tokens == len(first.token_ids) > 0
     assert session.messages[-1] == {"role": "assistant", "content": first.text}
     second = session.user("And of Italy?").generate(PARAMS)
-    assert second.cached_tokens >= first.prompt_tokens // PAGE_SIZE * PAGE_SIZE
+    assert second.num_cached_tokens >= first.num_prompt_tokens // PAGE_SIZE * PAGE_SIZE
     assert [m["role"] for m in session.messages] == ["system", "user", "assistant", "user", "assistant"]
 
 
@@ -60,13 +60,13 @@ def test_forks_share_pages_and_match_independent_sessions(llm, tiny_model_dir):
     # their common prefix (the reply, re-rendered) and the others hit that too. While they
     # ran together those pages were one copy referenced by every page table (and the tree).
     common_prompt = len(common_prefix([encode(llm.tokenizer, Prompt(messages=f.messages[:-1])) for f in forks]))
-    assert all(r.cached_tokens >= first.prompt_tokens // PAGE_SIZE * PAGE_SIZE for r in replies)
-    assert sum(r.cached_tokens >= common_prompt // PAGE_SIZE * PAGE_SIZE for r in replies) >= len(BRANCHES) - 1
+    assert all(r.num_cached_tokens >= first.num_prompt_tokens // PAGE_SIZE * PAGE_SIZE for r in replies)
+    assert sum(r.num_cached_tokens >= common_prompt // PAGE_SIZE * PAGE_SIZE for r in replies) >= len(BRANCHES) - 1
     together = [s for s in sharing.samples if s[0] == len(BRANCHES)]
     assert together, sharing.samples
     running, table_pages, distinct, max_refcount = together[0]
     assert distinct < table_pages
-    assert table_pages - distinct >= (len(BRANCHES) - 1) * (first.prompt_tokens // PAGE_SIZE)
+    assert table_pages - distinct >= (len(BRANCHES) - 1) * (first.num_prompt_tokens // PAGE_SIZE)
     assert max_refcount == len(BRANCHES) + 1  # each fork's page table, plus the radix tree
     assert [f.messages[-1]["content"] for f in forks] == [r.text for r in replies]
 
@@ -75,7 +75,7 @@ def test_forks_share_pages_and_match_independent_sessions(llm, tiny_model_dir):
     for reply, branch in zip(replies, BRANCHES):
         alone = Session(reference, messages=history).user(branch).generate(PARAMS)
         assert alone.token_ids == reply.token_ids and alone.text == reply.text
-        assert alone.cached_tokens == 0
+        assert alone.num_cached_tokens == 0
 
 
 def test_session_errors(llm, tiny_model_dir):

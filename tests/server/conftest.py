@@ -97,7 +97,7 @@ def wait_until(predicate, timeout_s: float = 20.0, interval_s: float = 0.02) -> 
 
 def assert_engine_idle_and_consistent(live: LiveServer) -> None:
     """No request left in the engine, and every page free or cached, none locked."""
-    assert wait_until(lambda: live.async_engine.stats()["num_unfinished"] == 0), live.async_engine.stats()
+    assert wait_until(lambda: live.async_engine.stats().num_unfinished == 0), live.async_engine.stats()
 
     def check(engine):
         engine.check_invariants()

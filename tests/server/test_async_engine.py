@@ -8,9 +8,8 @@ import threading
 import pytest
 
 from radixkv.engine.async_engine import AsyncEngine, EngineStepError, EngineStopped
-from radixkv.errors import QueueFull
 from radixkv.engine.request import SamplingParams
-from radixkv.errors import InvalidRequest
+from radixkv.errors import InvalidRequest, QueueFull
 
 from .conftest import make_async_engine
 
@@ -37,23 +36,23 @@ async def run(async_engine, prompt, params, **kwargs):
     return outputs
 
 
-def test_outputs_are_cumulative_and_match_the_engine_run_alone(async_engine):
+def test_deltas_add_up_to_the_output_and_match_the_engine_run_alone(async_engine):
     params = SamplingParams(max_tokens=12)
-    outputs = asyncio.run(run(async_engine, PROMPT, params))
-    assert outputs[-1].finished and not any(o.finished for o in outputs[:-1])
-    lengths = [len(o.token_ids) for o in outputs]
-    assert lengths == sorted(lengths) and lengths[-1] == 12
-    for earlier, later in zip(outputs, outputs[1:]):
-        assert later.token_ids[: len(earlier.token_ids)] == earlier.token_ids
+    deltas = asyncio.run(run(async_engine, PROMPT, params))
+    assert deltas[-1].finished and not any(d.finished for d in deltas[:-1])
+    final = deltas[-1].output
+    assert [t for d in deltas for c in d.completions for t in c.token_ids] == final.token_ids
+    assert "".join(c.text for d in deltas for c in d.completions) == final.text
+    assert len(final.token_ids) == 12
 
     def alone(engine):  # the same request stepped directly, on the engine thread
         request_id = engine.add_request(PROMPT, params, request_id="alone")
         while True:
-            for output in engine.step():
-                if output.request_id == request_id and output.finished:
-                    return output.token_ids
+            for delta in engine.step():
+                if delta.request_id == request_id and delta.finished:
+                    return delta.output.token_ids
 
-    assert async_engine.call(alone).result(30) == outputs[-1].token_ids
+    assert async_engine.call(alone).result(30) == final.token_ids
     assert_idle(async_engine)
 
 
@@ -62,9 +61,9 @@ def test_concurrent_requests_from_many_tasks(async_engine):
     prompts = [PROMPT[: 8 + i] for i in range(6)]
 
     async def main():
-        solo = [(await run(async_engine, p, params))[-1].token_ids for p in prompts]
+        solo = [(await run(async_engine, p, params))[-1].output.token_ids for p in prompts]
         together = await asyncio.gather(*(run(async_engine, p, params) for p in prompts))
-        return solo, [outputs[-1].token_ids for outputs in together]
+        return solo, [outputs[-1].output.token_ids for outputs in together]
 
     solo, together = asyncio.run(main())
     assert together == solo
@@ -110,10 +109,10 @@ def test_closing_a_stream_aborts_its_request(async_engine):
 
     asyncio.run(main())
     for _ in range(200):
-        if async_engine.stats()["num_unfinished"] == 0:
+        if async_engine.stats().num_unfinished == 0:
             break
         threading.Event().wait(0.02)
-    assert async_engine.stats()["num_unfinished"] == 0
+    assert async_engine.stats().num_unfinished == 0
     assert_idle(async_engine)
 
 
@@ -139,7 +138,7 @@ def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(tiny_mod
         with pytest.raises(EngineStepError):
             await run(async_engine, PROMPT, SamplingParams(max_tokens=20))
         outputs = await run(async_engine, PROMPT, SamplingParams(max_tokens=4))
-        assert outputs[-1].finished and len(outputs[-1].token_ids) == 4
+        assert outputs[-1].finished and len(outputs[-1].output.token_ids) == 4
 
     try:
         asyncio.run(main())

@@ -21,7 +21,7 @@ def long_request(i: int, stream: bool) -> dict:
 
 
 def generated(live_server) -> int:
-    return live_server.async_engine.stats()["output_tokens"]
+    return live_server.async_engine.stats().counters.num_output_tokens
 
 
 def test_dropped_streams_are_aborted_and_pages_released(live_server):
@@ -35,7 +35,7 @@ def test_dropped_streams_are_aborted_and_pages_released(live_server):
         lines = response.iter_lines()
         assert next(line for line in lines if line.startswith("data: "))  # tokens are flowing
         opened.append((client, context))
-    assert live_server.async_engine.stats()["num_unfinished"] >= 1
+    assert live_server.async_engine.stats().num_unfinished >= 1
     for client, context in opened:
         context.__exit__(None, None, None)
         client.close()

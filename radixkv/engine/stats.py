@@ -1,0 +1,50 @@
+"""The engine's numbers, typed: running counters, a snapshot of pages and queues, and where a
+step's time goes. Metrics, `LLM.stats()` and the scenarios read these, never string keys.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from radixkv.cache.radix import CacheStats
+
+
+@dataclass(slots=True)
+class EngineCounters:
+    """Totals since the engine started."""
+
+    num_steps: int = 0
+    num_tokens_computed: int = 0  # tokens run through the model (prompt chunks and decode)
+    num_prompt_tokens_computed: int = 0  # of those, prompt tokens: what the cache did not serve
+    num_output_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """A snapshot of the engine between steps."""
+
+    counters: EngineCounters
+    cache: CacheStats
+    num_pages: int
+    num_free_pages: int
+    num_pages_in_use: int  # held by requests or pins: neither free nor evictable
+    num_running: int
+    num_waiting: int
+    num_unfinished: int  # requests the engine holds (a request with n > 1 counts once)
+    num_preemptions: int
+    num_deferrals: int
+
+
+@dataclass(slots=True)
+class StepTimes:
+    """Seconds spent in each phase of the steps run so far (scenarios/decode_profile.py)."""
+
+    schedule: float = 0.0
+    prepare: float = 0.0
+    forward: float = 0.0
+    sample: float = 0.0
+    postprocess: float = 0.0
+
+    def reset(self) -> None:
+        for f in fields(self):
+            setattr(self, f.name, 0.0)

@@ -1,0 +1,41 @@
+"""Prompt encoding: text, token ids, or chat messages (through the model's chat template) into
+prompt token ids. `LLM`, the SDK and the server all encode here, so the same input always gives
+the same tokens, and so the same cache hits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from radixkv.errors import InvalidRequest
+
+Message = Mapping[str, Any]
+
+
+def has_chat_template(tokenizer: Any) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def encode_prompt(tokenizer: Any, prompt: str | Sequence[int]) -> list[int]:
+    """Text (tokenized with the model's special tokens, as transformers does) or token ids.
+    An empty result is the engine's to refuse (Engine.check_request), like every length."""
+    return list(tokenizer(prompt).input_ids) if isinstance(prompt, str) else list(prompt)
+
+
+def encode_chat(
+    tokenizer: Any, messages: Sequence[Message], *, add_generation_prompt: bool = True, param: str = "messages"
+) -> list[int]:
+    """Messages rendered by the chat template; add_generation_prompt=False renders them as the
+    beginning of a longer conversation (for warming and pinning a prefix)."""
+    if not messages:
+        raise InvalidRequest(f"{param} must hold at least one message", param=param)
+    if not has_chat_template(tokenizer):
+        raise InvalidRequest("this model has no chat template; send a prompt (text or token ids) instead", param=param)
+    # "developer" is OpenAI's newer name for "system"; chat templates know only the latter.
+    conversation = [{**m, "role": "system" if m.get("role") == "developer" else m.get("role")} for m in messages]
+    try:
+        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=False)
+    except Exception as error:  # jinja's TemplateError, or raise_exception() inside a template
+        raise InvalidRequest(f"the chat template refused these messages: {error}", param=param) from None
+    return list(tokenizer(text, add_special_tokens=False).input_ids)
