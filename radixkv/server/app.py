@@ -1,25 +1,21 @@
 """The OpenAI-compatible HTTP server: routes, auth and tenant cache salts, streaming, errors.
 
-`create_app` builds a FastAPI app around a running AsyncEngine; `serve` is `radixkv serve`.
+`create_app` builds a FastAPI app around a running AsyncEngine; `radixkv serve` is in radixkv.cli.
 Every user error becomes OpenAI's error shape with its status; the server stays up after each.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import hashlib
 import hmac
-import ipaddress
 import json
 import logging
 import secrets
-import sys
 import time
 from contextlib import aclosing
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -31,7 +27,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from radixkv.engine.async_engine import AsyncEngine, EngineStepError, EngineStopped, RequestStream
 from radixkv.engine.engine import Engine, PinnedPrefix
-from radixkv.errors import ConfigError, InvalidRequest, QueueFull
+from radixkv.errors import InvalidRequest, QueueFull
 from radixkv.engine.request import CompletionOutput, RequestOutput, SamplingParams
 from radixkv.server.metrics import CONTENT_TYPE, ServerMetrics
 from radixkv.server.protocol import (
@@ -838,59 +834,4 @@ class _CountRequests:
             self.metrics.requests.labels(endpoint, status[0]).inc()
 
 
-# -- radixkv serve ---------------------------------------------------------------------------
-
-
-def served_model_name(model: str | None) -> str:
-    """The name clients put in `model`: the default model's name, or the folder/file stem."""
-    if model is None:
-        from radixkv.model.loader import DEFAULT_MODEL_NAME
-
-        return DEFAULT_MODEL_NAME
-    path = Path(model)
-    return path.stem if path.suffix == ".gguf" else path.name or model
-
-
-def serve(args: argparse.Namespace) -> int:
-    """`radixkv serve`: load the model, start the engine thread, run uvicorn until stopped."""
-    import uvicorn
-
-    from radixkv.config import EngineConfig
-    from radixkv.engine.engine import Engine
-
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        config = EngineConfig(model=args.model, dtype=args.dtype, num_pages=args.num_pages)
-        engine = Engine(config)
-    except (ConfigError, InvalidRequest, OSError, ValueError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    if not args.api_key and not _is_loopback(args.host):
-        logger.warning("serving on %s without --api-key: anyone who can reach it can use it", args.host)
-    async_engine = AsyncEngine(engine)
-    name = served_model_name(args.model)
-    try:
-        app = create_app(async_engine, api_keys=args.api_key, model_name=name, model_aliases=[args.model] if args.model else [])
-        logger.info(
-            "serving %s on http://%s:%d (%d KV pages of %d tokens, context %d)",
-            name, args.host, args.port, engine.pool.num_pages, engine.pool.page_size, engine.max_model_len,
-        )
-        uvicorn.run(app, host=args.host, port=args.port, timeout_graceful_shutdown=10, log_level="info")
-    except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    finally:
-        async_engine.shutdown()
-    return 0
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-__all__ = ["APIError", "Tenants", "create_app", "serve", "served_model_name"]
+__all__ = ["APIError", "Tenants", "create_app"]
