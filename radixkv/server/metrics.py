@@ -1,17 +1,23 @@
 """Prometheus metrics of one server: request and token counters, latency histograms, and the
-engine's cache and page state, all on a private CollectorRegistry so apps never share series.
+engine's cache and page state, all on a private CollectorRegistry so apps never share series;
+and what feeds them: the request-counting middleware and a tracker per engine request.
 
 Engine-side values are read at scrape time from the AsyncEngine's last stats snapshot.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+if TYPE_CHECKING:
+    from radixkv.engine.request import RequestOutput
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -54,6 +60,79 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+_COUNTED_PATHS = frozenset(["/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"])
+
+
+class CountRequests:
+    """Pure ASGI middleware (streaming-safe): counts requests by endpoint and status code."""
+
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        endpoint = path if path in _COUNTED_PATHS else ("/v1/models/{model}" if path.startswith("/v1/models/") else "other")
+        status = ["500"]
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = str(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counting_send)
+        finally:
+            self.metrics.requests.labels(endpoint, status[0]).inc()
+
+
+class RequestTracker:
+    """Per engine request: token counts and latency observations as outputs arrive."""
+
+    def __init__(self, metrics: ServerMetrics, n: int) -> None:
+        self._metrics = metrics
+        self._n = n
+        self._num_tokens: dict[int, int] = {}
+        self._last_token_s: dict[int, float] = {}
+        self._counted_cache = False
+        self.finished = False
+
+    def update(self, output: RequestOutput) -> None:
+        now = time.perf_counter()
+        m = self._metrics
+        if not self._counted_cache and output.outputs and any(o.token_ids for o in output.outputs):
+            self._counted_cache = True
+            m.cached_prompt_tokens.inc(output.num_cached_tokens)
+            if output.time_to_first_token_s is not None:
+                m.ttft.observe(output.time_to_first_token_s)
+        for o in output.outputs:
+            new = len(o.token_ids) - self._num_tokens.get(o.index, 0)
+            if new <= 0:
+                continue
+            m.generation_tokens.inc(new)
+            last = self._last_token_s.get(o.index)
+            if last is not None:
+                for _ in range(new):
+                    m.token_latency.observe((now - last) / new)
+            self._num_tokens[o.index] = len(o.token_ids)
+            self._last_token_s[o.index] = now
+        if output.finished:
+            self.finished = True
+            for o in output.outputs:
+                m.finished.labels(o.finish_reason or "unknown").inc()
+            if output.total_time_s is not None:
+                m.e2e.observe(output.total_time_s)
+
+    def abandoned(self) -> None:
+        """The consumer left before the end (client gone, error): the request is aborted."""
+        if not self.finished:
+            self.finished = True
+            self._metrics.finished.labels("abort").inc(self._n)
 
 
 class _EngineCollector(Collector):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from radixkv.server.app import _TextDeltas
+from radixkv.server.streaming import _TextDeltas
 
 from .conftest import KEY_A, KEY_B, MODEL, assert_engine_idle_and_consistent, metric_values
 
