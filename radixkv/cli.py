@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
+import logging
 import os
 import sys
+from pathlib import Path
+
+from radixkv.errors import ConfigError, InvalidRequest
+
+logger = logging.getLogger(__name__)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,13 +28,13 @@ def main(argv: list[str] | None = None) -> int:
     generate.add_argument("--chat", action="store_true", help="apply the model's chat template")
     generate.add_argument("--dtype", default="auto")
 
-    serve = commands.add_parser("serve", help="run the OpenAI-compatible HTTP server")
-    serve.add_argument("--model", default=None)
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", action="append", default=None, help="accepted bearer key (repeatable)")
-    serve.add_argument("--dtype", default="auto")
-    serve.add_argument("--num-pages", type=int, default=None)
+    serving = commands.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    serving.add_argument("--model", default=None)
+    serving.add_argument("--host", default="127.0.0.1")
+    serving.add_argument("--port", type=int, default=8000)
+    serving.add_argument("--api-key", action="append", default=None, help="accepted bearer key (repeatable)")
+    serving.add_argument("--dtype", default="auto")
+    serving.add_argument("--num-pages", type=int, default=None)
 
     bench = commands.add_parser("bench", help="run a scenario under scenarios/ side by side with peers")
     bench.add_argument("scenario")
@@ -37,14 +44,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "generate":
         return _generate(args)
     if args.command == "serve":
-        from radixkv.server.app import serve as run_server
-
-        return run_server(args)
+        return serve(args)
     return _bench(args)
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from radixkv import LLM, InvalidRequest, SamplingParams
+    from radixkv import LLM, SamplingParams
 
     llm = LLM(args.model, dtype=args.dtype)
     try:
@@ -63,6 +68,60 @@ def _generate(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+def served_model_name(model: str | None) -> str:
+    """The name clients put in `model`: the default model's name, or the folder/file stem."""
+    if model is None:
+        from radixkv.model.loader import DEFAULT_MODEL_NAME
+
+        return DEFAULT_MODEL_NAME
+    path = Path(model)
+    return path.stem if path.suffix == ".gguf" else path.name or model
+
+
+def serve(args: argparse.Namespace) -> int:
+    """`radixkv serve`: load the model, start the engine thread, run uvicorn until stopped."""
+    import uvicorn
+
+    from radixkv.config import EngineConfig
+    from radixkv.engine.async_engine import AsyncEngine
+    from radixkv.engine.engine import Engine
+    from radixkv.server.app import create_app
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        config = EngineConfig(model=args.model, dtype=args.dtype, num_pages=args.num_pages)
+        engine = Engine(config)
+    except (ConfigError, InvalidRequest, OSError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    if not args.api_key and not _is_loopback(args.host):
+        logger.warning("serving on %s without --api-key: anyone who can reach it can use it", args.host)
+    async_engine = AsyncEngine(engine)
+    name = served_model_name(args.model)
+    try:
+        app = create_app(async_engine, api_keys=args.api_key, model_name=name, model_aliases=[args.model] if args.model else [])
+        logger.info(
+            "serving %s on http://%s:%d (%d KV pages of %d tokens, context %d)",
+            name, args.host, args.port, engine.pool.num_pages, engine.pool.page_size, engine.max_context_tokens,
+        )
+        uvicorn.run(app, host=args.host, port=args.port, timeout_graceful_shutdown=10, log_level="info")
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    finally:
+        async_engine.shutdown()
+    return 0
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _bench(args: argparse.Namespace) -> int:

@@ -364,7 +364,8 @@ def main(argv: list[str] | None = None) -> int:
     from radixkv.config import EngineConfig
     from radixkv.engine.async_engine import AsyncEngine
     from radixkv.engine.engine import Engine
-    from radixkv.server.app import create_app, served_model_name
+    from radixkv.cli import served_model_name
+    from radixkv.server.app import create_app
 
     config = EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, num_pages=args.num_pages, page_size=args.page_size,

@@ -1,5 +1,6 @@
-"""The OpenAI-compatible HTTP server (`radixkv serve`): `app.create_app` and `app.serve`.
+"""The OpenAI-compatible HTTP server (`radixkv serve`, in `radixkv.cli`): `app.create_app`.
 
-`protocol` holds the wire format, `metrics` the Prometheus collectors; the engine runs beside
-the event loop through `radixkv.engine.async_engine.AsyncEngine`.
+Routes per API (`openai_routes`, `cache_routes`, `ops_routes`), `errors`, `tenants` (auth and
+cache salts), `streaming`, `prompts`, `metrics`; `protocol` holds the wire format. The engine
+runs beside the event loop through `radixkv.engine.async_engine.AsyncEngine`.
 """

@@ -1,18 +1,23 @@
 """Prometheus metrics of one server: request and token counters, latency histograms, and the
-engine's cache and page state, all on a private CollectorRegistry so apps never share series.
+engine's cache and page state, all on a private CollectorRegistry so apps never share series;
+and what feeds them: the request-counting middleware and a tracker per engine request.
 
 Engine-side values are read at scrape time from the AsyncEngine's last stats snapshot.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from radixkv.engine.stats import EngineStats
+if TYPE_CHECKING:
+    from radixkv.engine.request import RequestDelta
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -22,7 +27,7 @@ _E2E_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 
 
 
 class ServerMetrics:
-    def __init__(self, engine_stats: Callable[[], EngineStats]) -> None:
+    def __init__(self, engine_stats: Callable[[], dict[str, Any]]) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -57,29 +62,101 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
+_COUNTED_PATHS = frozenset(["/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"])
+
+
+class CountRequests:
+    """Pure ASGI middleware (streaming-safe): counts requests by endpoint and status code."""
+
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        endpoint = path if path in _COUNTED_PATHS else ("/v1/models/{model}" if path.startswith("/v1/models/") else "other")
+        status = ["500"]
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = str(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counting_send)
+        finally:
+            self.metrics.requests.labels(endpoint, status[0]).inc()
+
+
+class RequestTracker:
+    """Per engine request: token counts and latency observations as its deltas arrive."""
+
+    def __init__(self, metrics: ServerMetrics, n: int) -> None:
+        self._metrics = metrics
+        self._n = n
+        self._last_token_s: dict[int, float] = {}
+        self._counted_cache = False
+        self.finished = False
+
+    def update(self, delta: RequestDelta) -> None:
+        now = time.perf_counter()
+        m = self._metrics
+        if not self._counted_cache and any(c.token_ids for c in delta.completions):
+            self._counted_cache = True
+            m.cached_prompt_tokens.inc(delta.num_cached_tokens)
+            if delta.time_to_first_token_s is not None:
+                m.ttft.observe(delta.time_to_first_token_s)
+        for c in delta.completions:
+            new = len(c.token_ids)
+            if new == 0:
+                continue
+            m.generation_tokens.inc(new)
+            last = self._last_token_s.get(c.index)
+            if last is not None:
+                for _ in range(new):
+                    m.token_latency.observe((now - last) / new)
+            self._last_token_s[c.index] = now
+        output = delta.output
+        if output is not None:
+            self.finished = True
+            for o in output.outputs:
+                m.finished.labels(o.finish_reason or "unknown").inc()
+            if output.total_time_s is not None:
+                m.e2e.observe(output.total_time_s)
+
+    def abandoned(self) -> None:
+        """The consumer left before the end (client gone, error): the request is aborted."""
+        if not self.finished:
+            self.finished = True
+            self._metrics.finished.labels("abort").inc(self._n)
+
+
 class _EngineCollector(Collector):
-    def __init__(self, engine_stats: Callable[[], EngineStats]) -> None:
+    def __init__(self, engine_stats: Callable[[], dict[str, Any]]) -> None:
         self._engine_stats = engine_stats
 
     def collect(self) -> Iterator[Metric]:
         s = self._engine_stats()
-        cache, counters = s.cache, s.counters
-        yield _counter("radixkv_prefix_cache_queries", "Prefix-cache lookups", cache.queries)
-        yield _counter("radixkv_prefix_cache_query_tokens", "Tokens looked up in the prefix cache", cache.query_tokens)
-        yield _counter("radixkv_prefix_cache_hit_tokens", "Looked-up tokens found in the prefix cache", cache.hit_tokens)
-        yield _counter("radixkv_prefix_cache_evicted_pages", "Pages evicted from the prefix cache", cache.evicted_pages)
-        yield _gauge("radixkv_prefix_cache_hit_rate", "hit_tokens / query_tokens since start", cache.hit_rate)
-        yield _gauge("radixkv_kv_pages_total", "KV pages in the pool", s.num_pages)
-        yield _gauge("radixkv_kv_pages_free", "KV pages on the free list", s.num_free_pages)
-        yield _gauge("radixkv_kv_pages_cached", "KV pages held by the prefix cache (locked or not)", cache.cached_pages)
-        yield _gauge("radixkv_kv_pages_evictable", "Cached pages no running request uses", cache.evictable_pages)
-        yield _gauge("radixkv_kv_pages_in_use", "KV pages running requests hold", s.num_pages_in_use)
-        yield _gauge("radixkv_num_requests_waiting", "Sequences in the waiting queue", s.num_waiting)
-        yield _gauge("radixkv_num_requests_running", "Sequences running", s.num_running)
-        yield _gauge("radixkv_num_requests_unfinished", "Requests the engine holds", s.num_unfinished)
-        yield _counter("radixkv_engine_steps", "Engine steps run", counters.num_steps)
-        yield _counter("radixkv_engine_tokens_computed", "Tokens run through the model", counters.num_tokens_computed)
-        yield _counter("radixkv_preemptions", "Sequences preempted for pages", s.num_preemptions)
+        cache = s["cache"]
+        yield _counter("radixkv_prefix_cache_queries", "Prefix-cache lookups", cache["queries"])
+        yield _counter("radixkv_prefix_cache_query_tokens", "Tokens looked up in the prefix cache", cache["query_tokens"])
+        yield _counter("radixkv_prefix_cache_hit_tokens", "Looked-up tokens found in the prefix cache", cache["hit_tokens"])
+        yield _counter("radixkv_prefix_cache_evicted_pages", "Pages evicted from the prefix cache", cache["evicted_pages"])
+        yield _gauge("radixkv_prefix_cache_hit_rate", "hit_tokens / query_tokens since start", s["cache_hit_rate"])
+        yield _gauge("radixkv_kv_pages_total", "KV pages in the pool", s["pages_total"])
+        yield _gauge("radixkv_kv_pages_free", "KV pages on the free list", s["pages_free"])
+        yield _gauge("radixkv_kv_pages_cached", "KV pages held by the prefix cache (locked or not)", s["pages_cached"])
+        yield _gauge("radixkv_kv_pages_evictable", "Cached pages no running request uses", s["pages_evictable"])
+        yield _gauge("radixkv_kv_pages_in_use", "KV pages running requests hold", s["pages_in_use"])
+        yield _gauge("radixkv_num_requests_waiting", "Sequences in the waiting queue", s["num_waiting"])
+        yield _gauge("radixkv_num_requests_running", "Sequences running", s["num_running"])
+        yield _gauge("radixkv_num_requests_unfinished", "Requests the engine holds", s["num_unfinished"])
+        yield _counter("radixkv_engine_steps", "Engine steps run", s["steps"])
+        yield _counter("radixkv_engine_tokens_computed", "Tokens run through the model", s["tokens_computed"])
+        yield _counter("radixkv_preemptions", "Sequences preempted for pages", s["num_preemptions"])
 
 
 def _counter(name: str, documentation: str, value: float) -> CounterMetricFamily:

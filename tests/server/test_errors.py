@@ -6,6 +6,10 @@ from __future__ import annotations
 import openai
 import pytest
 
+from radixkv.engine.async_engine import EngineStepError, EngineStopped
+from radixkv.errors import InvalidRequest, QueueFull
+from radixkv.server.errors import WireNames, engine_error
+
 from .conftest import KEY_A, MAX_QUEUE_LEN, MODEL, assert_engine_idle_and_consistent
 
 CHAT = "/v1/chat/completions"
@@ -143,3 +147,25 @@ def test_unknown_routes_and_models_are_404(live_server):
 def _nothing_left_behind(live_server):
     yield
     assert_engine_idle_and_consistent(live_server)
+
+
+def test_engine_errors_map_by_their_fields_into_the_request_s_names():
+    chat = WireNames(prompt="messages", max_tokens="max_completion_tokens")
+    overflow = InvalidRequest("the prompt is too long", param="prompt", code="context_length_exceeded", limit=512)
+    error = engine_error(overflow, chat)
+    assert (error.status, error.param, error.code) == (400, "messages", "context_length_exceeded")
+    assert error.message == "messages: the prompt is too long"  # the field the client sent
+    error = engine_error(InvalidRequest("max_tokens must be an integer", param="max_tokens"), chat)
+    assert (error.param, error.message) == ("max_completion_tokens", "max_completion_tokens: max_tokens must be an integer")
+    error = engine_error(InvalidRequest("top_p must be in (0, 1]", param="top_p"), chat)
+    assert (error.param, error.message, error.code) == ("top_p", "top_p must be in (0, 1]", None)
+    assert engine_error(InvalidRequest("the prompt is empty", param="prompt")).param == "prompt"
+
+
+def test_engine_failures_map_to_server_errors():
+    full = engine_error(QueueFull("the waiting queue is full", limit=8))
+    assert (full.status, full.type, full.code, full.headers) == (503, "server_error", "queue_full", {"Retry-After": "1"})
+    stopped = engine_error(EngineStopped("the engine has shut down"))
+    assert (stopped.status, stopped.code, stopped.message) == (503, "engine_down", "the engine has shut down")
+    failed = engine_error(EngineStepError("boom"))
+    assert (failed.status, failed.code) == (500, "engine_error") and "boom" not in failed.message

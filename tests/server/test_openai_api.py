@@ -6,8 +6,6 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from radixkv.server.app import _TextDeltas
-
 from .conftest import KEY_A, KEY_B, MODEL, assert_engine_idle_and_consistent, metric_values
 
 SYSTEM = "You are a helpful assistant. Answer briefly and precisely. " * 3
@@ -115,17 +113,6 @@ def test_stop_strings_cut_the_text_streaming_or_not(live_server):
     assert chat_cut.choices[0].message.content == chat_free[: chat_free.find(chat_stop)]
     streamed = chat(client, prompt, max_tokens=24, stop=chat_stop, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in streamed) == chat_free[: chat_free.find(chat_stop)]
-
-
-def test_stream_holds_back_a_possible_stop_prefix():
-    deltas = _TextDeltas(["STOP"])
-    assert deltas.delta((0, 0), "abc ST", finished=False) == "abc "
-    assert deltas.delta((0, 0), "abc STO", finished=False) == ""
-    assert deltas.delta((0, 0), "abc STx", finished=False) == "STx"
-    assert deltas.delta((0, 0), "abc STx", finished=True) == ""
-    other = _TextDeltas(["STOP"])
-    assert other.delta((0, 1), "abc ST", finished=False) == "abc "
-    assert other.delta((0, 1), "abc ", finished=True) == ""  # engine cut at the stop: nothing more
 
 
 def test_n_choices_and_seeds_are_reproducible(live_server):

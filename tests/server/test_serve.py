@@ -15,7 +15,8 @@ import httpx
 import openai
 import pytest
 
-from radixkv.server.app import create_app, served_model_name
+from radixkv.cli import served_model_name
+from radixkv.server.app import create_app
 
 from .conftest import ServerThread
 
@@ -71,7 +72,7 @@ def test_radixkv_serve_command(tiny_model_dir):
 def test_serve_refuses_a_missing_model(tmp_path):
     from argparse import Namespace
 
-    from radixkv.server.app import serve
+    from radixkv.cli import serve
 
     args = Namespace(model=str(tmp_path / "nope"), host="127.0.0.1", port=1, api_key=None, dtype="auto", num_pages=8)
     assert serve(args) == 2

@@ -1,0 +1,164 @@
+"""Every error the server answers with, in OpenAI's error shape: APIError, the app's exception
+handlers, request-body validation errors, and the engine's errors mapped by their fields
+(param, code) into the names the request itself used.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from radixkv.engine.async_engine import EngineStepError, EngineStopped
+from radixkv.errors import InvalidRequest, QueueFull
+from radixkv.server.protocol import ErrorBody, ErrorResponse
+
+logger = logging.getLogger("radixkv.server")
+
+M = TypeVar("M", bound=BaseModel)
+
+# What AsyncEngine.submit and a request's stream may raise that is not a bug of the server.
+ENGINE_ERRORS = (InvalidRequest, QueueFull, EngineStopped, EngineStepError)
+
+
+class APIError(Exception):
+    """An error the client caused (or may retry), rendered in OpenAI's error shape."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",  # noqa: A002 - OpenAI's field name
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        return ErrorResponse(error=ErrorBody(message=self.message, type=self.type, param=self.param, code=self.code)).model_dump()
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+class ClientGone(Exception):
+    """The client disconnected before its (non-streamed) response was ready."""
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, error: APIError) -> Response:
+        return error.response()
+
+    @app.exception_handler(ClientGone)
+    async def client_gone(_: Request, __: ClientGone) -> Response:
+        return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, error: RequestValidationError) -> Response:
+        return _validation_error(error.errors()).response()  # 400, not FastAPI's 422
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, error: StarletteHTTPException) -> Response:
+        kind = "not_found" if error.status_code == 404 else None
+        return APIError(error.status_code, str(error.detail), code=kind, headers=error.headers).response()
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, error: Exception) -> Response:
+        logger.exception("unhandled error", exc_info=error)
+        return APIError(500, "internal server error", type="server_error", code="internal_error").response()
+
+
+# -- request bodies --------------------------------------------------------------------------
+
+
+def parse_body(model: type[M], raw: bytes) -> M:
+    """The body as `model`, or APIError 400 naming the first field that is wrong."""
+    try:
+        return model.model_validate_json(raw or b"null")
+    except ValidationError as error:
+        raise _validation_error(error.errors()) from None
+
+
+def _validation_error(errors: Sequence[Any]) -> APIError:
+    first = errors[0] if errors else {}
+    if first.get("type") == "json_invalid":
+        return APIError(400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}")
+    locs = [[str(part) for part in e.get("loc", ()) if part != "body"] for e in errors] or [[]]
+    if first.get("type") == "model_type" and not locs[0]:
+        return APIError(400, "the request body must be a JSON object")
+    # Several errors under one field are the branches of a union (`stop`: a string or a list
+    # of strings): name the field itself, not a branch.
+    loc = locs[0]
+    if len(errors) > 1:
+        common = 0
+        while all(len(other) > common and other[common] == loc[common] for other in locs):
+            common += 1
+        loc = loc[:common] or loc
+    param = ".".join(loc) or None
+    detail = str(first.get("msg", "invalid value"))
+    if len(loc) < len(locs[0]):  # the branch that got furthest says most
+        deepest = max(range(len(errors)), key=lambda i: len(locs[i]))
+        where = ".".join(locs[deepest][len(loc) :])
+        detail = f"matches no accepted form; as {where}: {errors[deepest].get('msg', 'invalid value')}"
+    message = f"{param}: {detail}" if param else detail
+    return APIError(400, message, param=param)
+
+
+# -- engine errors ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class WireNames:
+    """The request's own names for the engine's parameters, the one place they are mapped: a
+    chat request's prompt is its `messages`, and max_tokens may come as `max_completion_tokens`."""
+
+    prompt: str = "prompt"
+    max_tokens: str = "max_tokens"
+
+    def of(self, param: str | None) -> str | None:
+        if param == "prompt":
+            return self.prompt
+        if param == "max_tokens":
+            return self.max_tokens
+        return param
+
+
+def engine_error(error: BaseException, names: WireNames = WireNames()) -> APIError:
+    """An engine error as the client sees it; anything unexpected is the engine failing (500)."""
+    if isinstance(error, InvalidRequest):
+        param = names.of(error.param)
+        # The engine's message names its own parameter; say which field of the request that is.
+        message = error.message if param == error.param else f"{param}: {error.message}"
+        return APIError(400, message, param=param, code=error.code)
+    if isinstance(error, QueueFull):
+        return APIError(503, str(error), type="server_error", code="queue_full", headers={"Retry-After": "1"})
+    if isinstance(error, EngineStopped):
+        return APIError(503, str(error), type="server_error", code="engine_down")
+    return APIError(500, "the engine failed while running this request", type="server_error", code="engine_error")
+
+
+def context_error(context_tokens: int, num_prompt_tokens: int, max_tokens: int | None, param: str) -> APIError:
+    """The request does not fit the engine's context; found by the server before submitting."""
+    if max_tokens is None:
+        detail = f"the prompt has {num_prompt_tokens} tokens, which leaves no room for a completion"
+    else:
+        detail = f"the request needs {num_prompt_tokens + max_tokens} ({num_prompt_tokens} prompt + {max_tokens} completion)"
+    return APIError(
+        400, f"this model's maximum context length is {context_tokens} tokens; {detail}", param=param, code="context_length_exceeded"
+    )

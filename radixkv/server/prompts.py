@@ -1,0 +1,50 @@
+"""Request bodies to prompt token ids through radixkv.prompts (the encoder LLM and the SDK use):
+chat messages, completion prompts (text or token ids, one or a batch), and the prefix a pin
+request names.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from radixkv.errors import InvalidRequest
+from radixkv.prompts import encode_chat, encode_prompt
+from radixkv.server.errors import APIError, context_error, engine_error
+from radixkv.server.protocol import ChatMessage, CompletionRequest, PinRequest
+
+if TYPE_CHECKING:
+    from radixkv.server.app import Server
+
+
+def chat_prompt(server: Server, messages: list[ChatMessage], *, add_generation_prompt: bool = True) -> list[int]:
+    conversation = [{"role": m.role, "content": m.text()} for m in messages]
+    try:
+        return encode_chat(server.engine.tokenizer, conversation, add_generation_prompt=add_generation_prompt)
+    except InvalidRequest as error:
+        raise engine_error(error) from None
+
+
+def completion_prompts(server: Server, body: CompletionRequest) -> list[list[int]]:
+    prompts = body.prompts()
+    if not prompts:
+        raise APIError(400, "prompt must not be empty", param="prompt")
+    token_lists = [encode_prompt(server.engine.tokenizer, p) for p in prompts]
+    if any(not tokens for tokens in token_lists):
+        raise APIError(400, "prompt must hold at least one token", param="prompt")
+    return token_lists
+
+
+def pin_prompt(server: Server, body: PinRequest) -> list[int]:
+    if (body.prompt is None) == (body.messages is None):
+        raise APIError(400, "give the prefix to pin as exactly one of prompt (text or token ids) or messages")
+    if body.messages is not None:
+        prompt = chat_prompt(server, body.messages, add_generation_prompt=False)
+        param = "messages"
+    else:
+        prompt = encode_prompt(server.engine.tokenizer, body.prompt)  # type: ignore[arg-type]
+        param = "prompt"
+    if not prompt:
+        raise APIError(400, f"{param} must hold at least one token", param=param)
+    if len(prompt) >= server.engine.max_context_tokens:
+        raise context_error(server.engine.max_context_tokens, len(prompt), None, param)
+    return prompt

@@ -1,0 +1,200 @@
+"""Requests in flight, from submission to the last byte: submitting prompts to the engine,
+merging their streams of deltas, collecting their finals, aborting them when the client goes
+away, and the server-sent events of a streamed response.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import aclosing
+from typing import Any, TypeVar
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel
+from starlette.types import Receive, Scope, Send
+
+from radixkv.engine.async_engine import AsyncEngine, EngineStepError, EngineStopped, RequestStream
+from radixkv.engine.request import CompletionDelta, RequestDelta, RequestOutput, SamplingParams
+from radixkv.server.errors import ENGINE_ERRORS, APIError, ClientGone, WireNames, engine_error
+from radixkv.server.metrics import RequestTracker, ServerMetrics
+from radixkv.server.protocol import (
+    ChatChunkChoice,
+    ChatCompletionRequest,
+    CompletionChoice,
+    CompletionRequest,
+    Usage,
+    make_usage,
+)
+
+T = TypeVar("T")
+
+
+async def submit(
+    engine: AsyncEngine,
+    metrics: ServerMetrics,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    salt: str | None,
+    names: WireNames,
+) -> list[RequestStream]:
+    """One stream per prompt, or none: if any submission fails, those made are aborted."""
+    streams: list[RequestStream] = []
+    try:
+        for prompt in prompts:
+            streams.append(await engine.submit(prompt, params, salt=salt))
+    except BaseException as error:
+        for stream in streams:
+            stream.close()
+        if isinstance(error, ENGINE_ERRORS):
+            raise engine_error(error, names) from None
+        raise
+    metrics.prompt_tokens.inc(sum(len(prompt) for prompt in prompts))
+    return streams
+
+
+async def merge(metrics: ServerMetrics, streams: list[RequestStream], n: int) -> AsyncIterator[tuple[int, RequestDelta]]:
+    """(prompt index, delta) from every stream as they come; closes them all at the end."""
+    trackers = [RequestTracker(metrics, n) for _ in streams]
+    queue: asyncio.Queue[tuple[int, RequestDelta | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for delta in stream:
+                queue.put_nowait((i, delta))
+        except Exception as error:  # noqa: BLE001 - handed to the consumer
+            queue.put_nowait((i, error))
+        finally:
+            queue.put_nowait((i, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                trackers[i].update(item)
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        for stream, tracker in zip(streams, trackers):
+            stream.close()  # aborts whatever has not finished (client gone, error)
+            tracker.abandoned()
+
+
+async def collect(metrics: ServerMetrics, streams: list[RequestStream], n: int) -> list[RequestOutput]:
+    """The finished output of every stream, in prompt order."""
+    finals: list[RequestOutput | None] = [None] * len(streams)
+    try:
+        async with aclosing(merge(metrics, streams, n)) as merged:
+            async for i, delta in merged:
+                if delta.output is not None:
+                    finals[i] = delta.output
+    except (EngineStepError, EngineStopped) as error:
+        raise engine_error(error) from None
+    if any(f is None or f.finish_reason == "abort" for f in finals):
+        raise APIError(503, "the request was aborted (the server is shutting down)", type="server_error", code="aborted")
+    return finals  # type: ignore[return-value]
+
+
+def usage(finals: Sequence[RequestOutput]) -> Usage:
+    return make_usage(
+        sum(f.num_prompt_tokens for f in finals),
+        sum(f.num_output_tokens for f in finals),
+        sum(f.num_cached_tokens for f in finals),
+    )
+
+
+async def until_disconnect(request: Request, work: Awaitable[T], streams: list[RequestStream]) -> T:
+    """Await work, unless the client disconnects first: then abort its requests (ClientGone)."""
+    work_task = asyncio.ensure_future(work)
+    gone_task = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({work_task, gone_task}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone_task.cancel()
+        if not work_task.done():
+            work_task.cancel()
+            for stream in streams:
+                stream.close()
+    if not work_task.done():
+        await asyncio.wait({work_task})  # let its cleanup (closing streams, metrics) run
+        raise ClientGone
+    return work_task.result()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+# -- server-sent events ----------------------------------------------------------------------
+
+
+def sse(payload: BaseModel | dict[str, Any]) -> str:
+    data = payload.model_dump() if isinstance(payload, BaseModel) else payload
+    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+async def text_events(
+    metrics: ServerMetrics,
+    streams: list[RequestStream],
+    n: int,
+    body: ChatCompletionRequest | CompletionRequest,
+    chunk: Callable[..., str],
+    choice: Callable[[int, CompletionDelta], ChatChunkChoice | CompletionChoice],
+    opening: str | None = None,
+) -> AsyncIterator[str]:
+    """The SSE events of a streamed chat or completion: each choice's new text as the engine
+    hands it out (already safe from stop strings), the usage chunk when asked for, and [DONE];
+    an error mid-stream ends it with an error event. chunk(choices, usage) formats one event
+    and choice(prompt index, completion delta) one choice of it."""
+    finals: list[RequestOutput] = []
+    try:
+        if opening is not None:
+            yield opening
+        async with aclosing(merge(metrics, streams, n)) as merged:
+            async for i, delta in merged:
+                if any(c.finish_reason == "abort" for c in delta.completions):
+                    raise APIError(503, "the request was aborted", type="server_error", code="aborted")
+                choices = [choice(i, c) for c in delta.completions if c.text or c.finish_reason is not None]
+                if choices:
+                    yield chunk(choices)
+                if delta.output is not None:
+                    finals.append(delta.output)
+        if body.include_usage:
+            yield chunk([], usage(finals))
+        yield "data: [DONE]\n\n"
+    except (APIError, EngineStepError, EngineStopped) as error:
+        api_error = error if isinstance(error, APIError) else engine_error(error)
+        yield sse(api_error.body())
+
+
+class SSEResponse(StreamingResponse):
+    """Server-sent events whose requests are aborted the moment the client goes away.
+
+    Starlette cancels the body iterator when it sees the disconnect; closing the iterator and
+    the streams here as well covers a cancellation that lands while the iterator is suspended
+    at a yield, or before it ever started."""
+
+    def __init__(self, events: AsyncIterator[str], streams: list[RequestStream]) -> None:
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._events = events
+        self._streams = streams
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for stream in self._streams:
+                stream.close()
+            aclose = getattr(self._events, "aclose", None)
+            if aclose is not None:
+                await aclose()

@@ -1,0 +1,58 @@
+"""Tenants: who may call the server (bearer API keys) and which prefix-cache partition each
+caller's requests use (cache salts, HMACs of the key and the request's cache_salt).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+from collections.abc import Sequence
+
+from radixkv.server.errors import APIError
+
+class Tenants:
+    """Bearer-key checks and cache salts: each key (and each cache_salt within it) gets its own
+    prefix-cache partition, so no tenant can hit, or time, another's cached prefixes.
+
+    Salts are HMACs under a per-process secret: a raw key never enters the engine."""
+
+    def __init__(self, api_keys: Sequence[str] | None, secret: bytes | None = None) -> None:
+        self._keys = [key.encode() for key in api_keys or []]
+        if any(not key for key in self._keys):
+            raise ValueError("an API key must not be empty")
+        self._secret = secret or secrets.token_bytes(32)
+
+    @property
+    def auth_required(self) -> bool:
+        return bool(self._keys)
+
+    def authenticate(self, authorization: str | None) -> bytes | None:
+        """The caller's key (None when auth is off); APIError 401 if it is missing or wrong."""
+        if not self._keys:
+            return None
+        scheme, _, token = (authorization or "").partition(" ")
+        candidate = token.strip().encode() if scheme.lower() == "bearer" else b""
+        # Compare against every key, always, so timing tells nothing about which one matched.
+        matched = None
+        for key in self._keys:
+            if hmac.compare_digest(candidate, key):
+                matched = key
+        if matched is None:
+            raise APIError(
+                401,
+                "missing or incorrect API key; send it as 'Authorization: Bearer <key>'",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+        return matched
+
+    def cache_salt(self, key: bytes | None, request_salt: str | None) -> str | None:
+        if key is None and request_salt is None:
+            return None
+        mac = hmac.new(self._secret, digestmod=hashlib.sha256)
+        for part in (key or b"", (request_salt or "").encode()):
+            mac.update(len(part).to_bytes(8, "little") + part)  # length-prefixed: no ambiguity
+        mac.update(b"\x01" if request_salt is not None else b"\x00")
+        return mac.hexdigest()[:32]
+
