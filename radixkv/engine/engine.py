@@ -131,10 +131,10 @@ class Engine:
         vocab = self.model_config.vocab_size
         if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in prompt):
             raise InvalidRequest(f"prompt token ids must be integers in [0, {vocab})", param="prompt", limit=vocab)
+        limit = self._context_limit_text()
         if len(prompt) >= self.max_context_tokens:
             raise InvalidRequest(
-                f"this model's maximum context length is {self.max_context_tokens} tokens; the prompt has "
-                f"{len(prompt)} tokens, which leaves no room for a completion",
+                f"{limit}; the prompt has {len(prompt)} tokens, which leaves no room for a completion",
                 param="prompt",
                 code="context_length_exceeded",
                 limit=self.max_context_tokens,
@@ -142,8 +142,7 @@ class Engine:
         total = len(prompt) + params.max_tokens
         if total > self.max_context_tokens:
             raise InvalidRequest(
-                f"this model's maximum context length is {self.max_context_tokens} tokens; the request needs "
-                f"{total} ({len(prompt)} prompt + {params.max_tokens} max_tokens)",
+                f"{limit}; the request needs {total} ({len(prompt)} prompt + {params.max_tokens} max_tokens)",
                 param="max_tokens",
                 code="context_length_exceeded",
                 limit=self.max_context_tokens,
@@ -151,6 +150,12 @@ class Engine:
         pages = -(-total // self.pool.page_size)
         if self._pins:
             self._check_room_beside_pins(prompt, pages, salt)
+
+    def _context_limit_text(self) -> str:
+        text = f"this model's maximum context length is {self.max_context_tokens} tokens"
+        if self.max_context_tokens < self.max_model_len:
+            text += f" (the KV page pool holds {self.pool.num_pages} pages of {self.pool.page_size} tokens)"
+        return text
 
     def _check_room_beside_pins(self, prompt: list[int], pages: int, salt: str | None) -> None:
         # Pinned pages are never evicted, so a request that cannot fit beside them would wait

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from radixkv.engine.stats import EngineStats
 
 if TYPE_CHECKING:
     from radixkv.engine.request import RequestDelta
@@ -27,7 +29,7 @@ _E2E_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 
 
 
 class ServerMetrics:
-    def __init__(self, engine_stats: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, engine_stats: Callable[[], EngineStats]) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -135,28 +137,28 @@ class RequestTracker:
 
 
 class _EngineCollector(Collector):
-    def __init__(self, engine_stats: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, engine_stats: Callable[[], EngineStats]) -> None:
         self._engine_stats = engine_stats
 
     def collect(self) -> Iterator[Metric]:
         s = self._engine_stats()
-        cache = s["cache"]
-        yield _counter("radixkv_prefix_cache_queries", "Prefix-cache lookups", cache["queries"])
-        yield _counter("radixkv_prefix_cache_query_tokens", "Tokens looked up in the prefix cache", cache["query_tokens"])
-        yield _counter("radixkv_prefix_cache_hit_tokens", "Looked-up tokens found in the prefix cache", cache["hit_tokens"])
-        yield _counter("radixkv_prefix_cache_evicted_pages", "Pages evicted from the prefix cache", cache["evicted_pages"])
-        yield _gauge("radixkv_prefix_cache_hit_rate", "hit_tokens / query_tokens since start", s["cache_hit_rate"])
-        yield _gauge("radixkv_kv_pages_total", "KV pages in the pool", s["pages_total"])
-        yield _gauge("radixkv_kv_pages_free", "KV pages on the free list", s["pages_free"])
-        yield _gauge("radixkv_kv_pages_cached", "KV pages held by the prefix cache (locked or not)", s["pages_cached"])
-        yield _gauge("radixkv_kv_pages_evictable", "Cached pages no running request uses", s["pages_evictable"])
-        yield _gauge("radixkv_kv_pages_in_use", "KV pages running requests hold", s["pages_in_use"])
-        yield _gauge("radixkv_num_requests_waiting", "Sequences in the waiting queue", s["num_waiting"])
-        yield _gauge("radixkv_num_requests_running", "Sequences running", s["num_running"])
-        yield _gauge("radixkv_num_requests_unfinished", "Requests the engine holds", s["num_unfinished"])
-        yield _counter("radixkv_engine_steps", "Engine steps run", s["steps"])
-        yield _counter("radixkv_engine_tokens_computed", "Tokens run through the model", s["tokens_computed"])
-        yield _counter("radixkv_preemptions", "Sequences preempted for pages", s["num_preemptions"])
+        cache, counters = s.cache, s.counters
+        yield _counter("radixkv_prefix_cache_queries", "Prefix-cache lookups", cache.queries)
+        yield _counter("radixkv_prefix_cache_query_tokens", "Tokens looked up in the prefix cache", cache.query_tokens)
+        yield _counter("radixkv_prefix_cache_hit_tokens", "Looked-up tokens found in the prefix cache", cache.hit_tokens)
+        yield _counter("radixkv_prefix_cache_evicted_pages", "Pages evicted from the prefix cache", cache.evicted_pages)
+        yield _gauge("radixkv_prefix_cache_hit_rate", "hit_tokens / query_tokens since start", cache.hit_rate)
+        yield _gauge("radixkv_kv_pages_total", "KV pages in the pool", s.num_pages)
+        yield _gauge("radixkv_kv_pages_free", "KV pages on the free list", s.num_free_pages)
+        yield _gauge("radixkv_kv_pages_cached", "KV pages held by the prefix cache (locked or not)", cache.cached_pages)
+        yield _gauge("radixkv_kv_pages_evictable", "Cached pages no running request uses", cache.evictable_pages)
+        yield _gauge("radixkv_kv_pages_in_use", "KV pages running requests hold", s.num_pages_in_use)
+        yield _gauge("radixkv_num_requests_waiting", "Sequences in the waiting queue", s.num_waiting)
+        yield _gauge("radixkv_num_requests_running", "Sequences running", s.num_running)
+        yield _gauge("radixkv_num_requests_unfinished", "Requests the engine holds", s.num_unfinished)
+        yield _counter("radixkv_engine_steps", "Engine steps run", counters.num_steps)
+        yield _counter("radixkv_engine_tokens_computed", "Tokens run through the model", counters.num_tokens_computed)
+        yield _counter("radixkv_preemptions", "Sequences preempted for pages", s.num_preemptions)
 
 
 def _counter(name: str, documentation: str, value: float) -> CounterMetricFamily:
