@@ -226,7 +226,9 @@ def bench_store(num_tokens: int, num_kv_heads: int, head_dim: int, ceilings: dic
 
 
 def check_against_torch_backend() -> list[dict]:
-    """Small ragged cases (uneven lengths, GQA 4, page size 16) vs TorchBackend in fp32."""
+    """Small ragged cases (uneven lengths, GQA 4, page size 16) vs the torch reference backend in fp32."""
+    from dataclasses import replace
+
     from radixkv.attention.base import AttentionMetadata
     from radixkv.attention.torch_backend import TorchBackend
     from radixkv.attention.triton_backend import TritonBackend
@@ -270,9 +272,10 @@ def check_against_torch_backend() -> list[dict]:
             )
             scale = d**-0.5
             kc, vc = k_cache.clone(), v_cache.clone()
-            out = TritonBackend(check_indices=True).forward(q, k, v, kc, vc, meta, scale)
+            triton, reference = TritonBackend(check_indices=True), TorchBackend()
+            out = triton.forward(q, k, v, kc, vc, triton.begin_step(replace(meta), kc, hq), scale)
             rk, rv = k_cache.float(), v_cache.float()
-            ref = TorchBackend().forward(q.float(), k.float(), v.float(), rk, rv, meta, scale)
+            ref = reference.forward(q.float(), k.float(), v.float(), rk, rv, reference.begin_step(replace(meta), rk, hq), scale)
             err = _rel_err(out, ref)
             store_ok = torch.equal(kc.float(), rk) and torch.equal(vc.float(), rv)
             results.append({

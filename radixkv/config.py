@@ -14,7 +14,7 @@ from radixkv.errors import ConfigError
 
 POLICIES = ("lpm", "fcfs")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "cpu", "triton")
 
 
 @dataclass(slots=True)
@@ -33,7 +33,20 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     dtype: str = "auto"  # "auto": bf16 on CUDA or an AMX CPU, else fp32
     device: str = "auto"  # "auto": cuda when available, else cpu
-    attention_backend: str = "auto"  # "auto": triton on CUDA, torch elsewhere
+    # "auto": triton on CUDA; on CPU "cpu" (the native kernels) when native_kernels is on and
+    # the library builds, else "torch" (the pure-torch reference).
+    attention_backend: str = "auto"
+    # The C kernels on CPU (paged decode, KV stores, AMX/packed linears, row ops, the fused
+    # decode step), built with the system compiler on first use. False: the torch paths
+    # everywhere, as on a machine without a compiler.
+    native_kernels: bool = True
+    # Decode's q.k on AMX tiles where the CPU has them; False keeps it on AVX-512 (the two sum
+    # in different orders, so some bf16 bits differ). One setting per process: the native
+    # library holds it, and the CPU backend applies this value when it is built.
+    decode_amx: bool = True
+    # Check the Triton kernels' device indices (page table, slots, offsets) before each step;
+    # each check syncs with the device. None: on under TRITON_INTERPRET=1 only.
+    check_indices: bool | None = None
     max_queue_len: int = 4096  # waiting requests beyond this are refused (QueueFull)
     seed: int | None = None  # base seed of sampling for requests without their own; None: random
     # Seed of the block-hash chain. None: random per process, so block hashes cannot be
@@ -43,8 +56,8 @@ class EngineConfig:
     # Compute every token's numbers independently of what it is batched with (attention one
     # query row at a time; GEMMs in fixed 32-row blocks where the linears are not AMX's, whose
     # rows are independent already), so bf16 outputs are bit-identical with
-    # the cache on or off and in any batch. Slower prefill; torch backend only. fp32 is exact
-    # without it (token for token), bf16 is not: see README, "Exact".
+    # the cache on or off and in any batch. Slower prefill; the torch and cpu backends only.
+    # fp32 is exact without it (token for token), bf16 is not: see README, "Exact".
     batch_invariant: bool = False
     cache_dir: str | None = None  # converted-weights cache; None: ~/.cache/radixkv
 
@@ -68,8 +81,22 @@ class EngineConfig:
         _choice(self, "policy", POLICIES)
         _choice(self, "dtype", DTYPES)
         _choice(self, "attention_backend", BACKENDS)
-        if self.batch_invariant and self.attention_backend == "triton":
-            raise ConfigError("batch_invariant runs on the torch attention backend only; set attention_backend='torch'")
+        for name in ("native_kernels", "decode_amx"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}", param=name)
+        if self.check_indices is not None and not isinstance(self.check_indices, bool):
+            raise ConfigError(f"check_indices must be None, True or False, got {self.check_indices!r}", param="check_indices")
+        if self.attention_backend == "cpu" and not self.native_kernels:
+            raise ConfigError("attention_backend='cpu' runs the native kernels; it needs native_kernels=True", param="attention_backend")
+        if self.batch_invariant and self.attention_backend != "auto":  # "auto" is checked once resolved
+            from radixkv.attention import backend_capabilities
+
+            if not backend_capabilities(self.attention_backend).batch_invariant:
+                raise ConfigError(
+                    f"batch_invariant needs an attention backend that attends row by row ('torch' or 'cpu'), "
+                    f"not {self.attention_backend!r}",
+                    param="batch_invariant",
+                )
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise ConfigError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
 

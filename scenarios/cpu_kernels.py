@@ -3,9 +3,9 @@ SmolLM2-135M's shapes with caches cold (every weight and KV byte comes from memo
 
 - linears: all 30 layers' q/k/v, o, gate/up and down, at 1, 32 and 512 rows, plus the lm_head
   at decode's row counts (prefill computes logits for its last token only), on AMX tiles
-  (radixkv/csrc/amx_linear.c) vs oneDNN with prepacked weights vs plain F.linear;
+  (radixkv/cpu/csrc/amx_linear.c) vs oneDNN with prepacked weights vs plain F.linear;
 - decode attention: 32 requests x 1,032 tokens over 30 layers' paged KV, the native kernel
-  (radixkv/csrc/paged_decode.c) vs the gather + SDPA fallback.
+  (radixkv/cpu/csrc/paged_decode.c) vs the torch reference backend's gather + SDPA.
 
     python -m scenarios.cpu_kernels [--out out/cpu_kernels] [--repeats 5] [--layers 30] [--context 1032]
 """
@@ -21,11 +21,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from radixkv import native
-from radixkv.attention import cpu_decode
 from radixkv.attention.base import AttentionMetadata
 from radixkv.attention.torch_backend import TorchBackend
-from radixkv.model.cpu_linear import PACK_FOR_ROWS, PackedLinear
+from radixkv.cpu import decode as cpu_decode
+from radixkv.cpu import native
+from radixkv.cpu.features import cpu_features
+from radixkv.cpu.linear import PACK_FOR_ROWS, PackedLinear
 
 LINEAR_SHAPES = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576)}
 LM_HEAD = (576, 49152)
@@ -97,8 +98,7 @@ def decode_rows(repeats: int, flush: torch.Tensor, layers: int, context: int, nu
     )  # fmt: skip
 
     def gather_sdpa() -> None:
-        meta.scratch.clear()
-        meta.scratch["native_ok"] = False  # the fallback the kernel replaced
+        backend.begin_step(meta, k_caches[0], Q_HEADS)  # once per step, as the model does
         for k, v in zip(k_caches, v_caches, strict=True):
             backend.decode(q, k, v, meta, HEAD_DIM**-0.5)
 
@@ -126,8 +126,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--flush-mib", type=int, default=1024, help="buffer read before each timing to empty the caches")
     args = parser.parse_args(argv)
     library = native.load()
-    if library is None or not library.radixkv_amx_linear_available():
-        print("needs the native kernels on a CPU with AMX tiles")
+    if library is None:
+        print("needs the native kernels (no C compiler here)")
+        return 1
+    if not cpu_features().amx_bf16 or not library.radixkv_amx_linear_available():
+        print("needs AMX tiles (amx_bf16)")
         return 1
     flush = torch.ones(args.flush_mib << 20, dtype=torch.int8)
     rows = linear_rows(args.repeats, flush, args.layers) + decode_rows(args.repeats, flush, args.layers, args.context)

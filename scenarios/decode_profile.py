@@ -5,6 +5,7 @@ bandwidth, measured in the same run (the copy rate used before is reported besid
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 from collections import defaultdict
@@ -145,17 +146,17 @@ def kernel_breakdown(engine, steps: int) -> dict[str, float]:
     """Where a decode step's time goes, in ms: the same steps run layer by layer (the fused
     call hides its parts from Python), each kernel timed around its call. The layer-by-layer
     step is itself reported, so the fused call's saving shows too."""
-    from radixkv.attention import torch_backend
-    from radixkv.model import cpu_linear, llama
+    from radixkv.cpu import decode, linear
+    from radixkv.model import llama
 
     model = engine.loaded.model
     totals: dict[str, float] = defaultdict(float)
     fused, model.fused_decode = model.fused_decode, None
     try:
         with ExitStack() as stack:
-            stack.enter_context(_timed(torch_backend.cpu_decode, "paged_decode", totals, "attention (paged decode)"))
-            stack.enter_context(_timed(torch_backend.cpu_decode, "store_kv", totals, "KV stores"))
-            stack.enter_context(_timed(cpu_linear.PackedLinear, "forward", totals, "linears (incl. lm_head)"))
+            stack.enter_context(_timed(decode, "paged_decode", totals, "attention (paged decode)"))
+            stack.enter_context(_timed(decode, "store_kv", totals, "KV stores"))
+            stack.enter_context(_timed(linear.PackedLinear, "forward", totals, "linears (incl. lm_head)"))
             for op in ("add_rms_norm", "apply_rope", "silu_mul"):
                 stack.enter_context(_timed(llama, op, totals, "norms, rope, silu"))
             stack.enter_context(_timed(llama.CausalLM, "forward", totals, "forward"))
@@ -184,9 +185,9 @@ def _timed_step(engine, totals: dict[str, float]) -> dict[str, float]:
 
 
 def native_decode_used(engine) -> bool:
-    from radixkv import native
-
-    return engine.dtype in (torch.bfloat16, torch.float32) and engine.device.type == "cpu" and native.load() is not None
+    """Whether decode reads the pages through the native kernel (the CPU backend, bf16 or fp32)."""
+    capabilities = engine.loaded.model.attention.capabilities
+    return capabilities.fused_cpu_decode and engine.dtype in (torch.bfloat16, torch.float32)
 
 
 def _print(r: dict) -> None:
@@ -207,5 +208,17 @@ def _print(r: dict) -> None:
     print(f"  engine's own work    {r['engine_overhead_fraction']:.1%} of the step")
 
 
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default=None, help="HF folder or .gguf (default: SmolLM2-135M)")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--num-seqs", type=int, default=32, help="requests decoding together")
+    parser.add_argument("--context", type=int, default=1024, help="tokens of each request's prompt")
+    parser.add_argument("--steps", type=int, default=8, help="decode steps timed")
+    args = parser.parse_args(argv)
+    profile_decode(args.model, args.dtype, args.num_seqs, args.context, args.steps)
+    return 0
+
+
 if __name__ == "__main__":
-    profile_decode()
+    raise SystemExit(main())

@@ -1,12 +1,13 @@
-"""The attention backend interface and the per-step metadata every backend reads.
+"""The attention backend interface, its capabilities, and the per-step metadata every backend reads.
 
-A backend writes a step's new K/V into their page slots, then runs extend attention (new
-query tokens over the request's paged prefix plus causally over each other) or paged decode.
+A backend prepares its per-step state once per step, writes the step's new K/V into their page
+slots, then runs extend attention (new query tokens over the request's paged prefix plus
+causally over each other) or paged decode.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,9 +39,9 @@ class AttentionMetadata:
     # backend attends one query row at a time, and the model runs GEMMs in fixed row blocks
     # unless its linears are row-independent already.
     batch_invariant: bool = False
-    # Values a backend derives from this metadata once per step and reuses in every layer
-    # (gather indices, masks); keyed by the backend.
-    scratch: dict[str, Any] = field(default_factory=dict)
+    # What the step's backend derived from this metadata in prepare() (gather indices, masks,
+    # checked tables), read by every layer; its type is that backend's own state class.
+    backend_state: Any = None
 
     @property
     def num_seqs(self) -> int:
@@ -51,15 +52,40 @@ class AttentionMetadata:
         return self.max_q_len == 1
 
 
+@dataclass(frozen=True, slots=True)
+class BackendCapabilities:
+    """What a backend can do, so callers ask this rather than the backend's name."""
+
+    # Runs EngineConfig.batch_invariant steps: every query row attends on its own.
+    batch_invariant: bool = False
+    # Its decode reads the CPU pages through the native kernel and its prepare() checks the
+    # tables that kernel trusts, so the fused native decode step (radixkv.cpu.fused_decode)
+    # may run a decode-only step in its place.
+    fused_cpu_decode: bool = False
+
+
 class AttentionBackend:
-    """One attention implementation: store new KV, then extend or decode attention.
+    """One attention implementation: prepare a step, store new KV, then extend or decode attention.
 
     q: [T, num_q_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] for the step's new tokens;
     k_cache, v_cache: [num_pages, page_size, num_kv_heads, head_dim] for one layer.
-    Returns [T, num_q_heads, head_dim].
+    Returns [T, num_q_heads, head_dim]. store_kv, extend, decode and forward read
+    meta.backend_state, which prepare() made for this step.
     """
 
-    name = "base"
+    name = "base"  # for messages and logs only: callers decide by capabilities
+    capabilities = BackendCapabilities()
+
+    def prepare(self, meta: AttentionMetadata, k_cache: torch.Tensor, num_q_heads: int) -> Any:
+        """This backend's state for the step: what every layer would otherwise derive again from
+        meta, and the index checks its kernels rely on, run once. k_cache is any layer's cache
+        (all layers share its shape); num_q_heads is the model's query head count."""
+        raise NotImplementedError
+
+    def begin_step(self, meta: AttentionMetadata, k_cache: torch.Tensor, num_q_heads: int) -> AttentionMetadata:
+        """meta with this backend's state for the step set on it (called once per step)."""
+        meta.backend_state = self.prepare(meta, k_cache, num_q_heads)
+        return meta
 
     def store_kv(
         self,
@@ -67,8 +93,9 @@ class AttentionBackend:
         v: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
+        meta: AttentionMetadata,
     ) -> None:
+        """Write k, v into their slots meta.slot_mapping (< 0: do not store)."""
         raise NotImplementedError
 
     def extend(
@@ -103,7 +130,7 @@ class AttentionBackend:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        self.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        self.store_kv(k, v, k_cache, v_cache, meta)
         if meta.is_decode_only:
             return self.decode(q, k_cache, v_cache, meta, scale)
         return self.extend(q, k, v, k_cache, v_cache, meta, scale)

@@ -1,25 +1,50 @@
-"""The torch attention backend: the CPU path and the reference the Triton kernels are held to.
+"""The pure-torch reference backend: the yardstick the CPU and Triton backends are tested against.
 
-Extend gathers each request's KV through its page table into PyTorch's
-scaled_dot_product_attention (bottom-right causal mask over a cached prefix). Decode rows run
-the native paged kernel (radixkv.attention.cpu_decode), which reads KV in place; where it cannot
-be built, or off CPU, they gather too.
+Stores by index_copy_; extend gathers each request's KV through its page table into PyTorch's
+scaled_dot_product_attention (bottom-right causal mask over a cached prefix); decode gathers the
+whole batch's pages once into one masked SDPA call. No native code runs here.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
-from radixkv.attention import cpu_decode
-from radixkv.attention.base import AttentionBackend, AttentionMetadata
+from radixkv.attention.base import AttentionBackend, AttentionMetadata, BackendCapabilities
+
+
+@dataclass(frozen=True, slots=True)
+class RowByRow:
+    """Batch-invariant steps: each query row as its own one-token request over its own prefix."""
+
+    page_table: torch.Tensor  # [T, max_pages] int32, the page table of each row's request
+    seq_lens: torch.Tensor  # [T] int32, position + 1 of each row
+
+
+@dataclass(frozen=True, slots=True)
+class TorchStepState:
+    # Decode-only steps: flat page indices [B * P] and an additive mask [B, 1, 1, P * page_size].
+    decode_pages: torch.Tensor | None
+    decode_bias: torch.Tensor | None
+    row_by_row: RowByRow | None  # batch-invariant steps only
+
+
+def row_by_row_tables(meta: AttentionMetadata) -> RowByRow:
+    request_of_row = torch.repeat_interleave(torch.arange(meta.num_seqs, device=meta.q_lens.device), meta.q_lens.long())
+    return RowByRow(meta.page_table[request_of_row].to(torch.int32), (meta.positions + 1).to(torch.int32))
 
 
 class TorchBackend(AttentionBackend):
     name = "torch"
+    capabilities = BackendCapabilities(batch_invariant=True)
 
-    def __init__(self) -> None:
-        self._slots_checked: torch.Tensor | None = None  # the last slot mapping found in range
+    def prepare(self, meta: AttentionMetadata, k_cache: torch.Tensor, num_q_heads: int) -> TorchStepState:
+        pages = bias = None
+        if meta.is_decode_only and not meta.batch_invariant:
+            pages, bias = decode_gather_inputs(meta, k_cache.dtype)
+        return TorchStepState(pages, bias, row_by_row_tables(meta) if meta.batch_invariant else None)
 
     def store_kv(
         self,
@@ -27,20 +52,9 @@ class TorchBackend(AttentionBackend):
         v: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
+        meta: AttentionMetadata,
     ) -> None:
-        if slot_mapping is not self._slots_checked and slot_mapping.numel():
-            # Checked once per step: every layer stores through the same slot mapping.
-            cpu_decode.check_slots(slot_mapping, k_cache)
-            self._slots_checked = slot_mapping
-        if cpu_decode.store_kv(k, v, k_cache, v_cache, slot_mapping):
-            return
-        num_kv_heads, head_dim = k_cache.shape[-2:]
-        keep = slot_mapping >= 0
-        if not bool(keep.all()):
-            k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+        store_by_index_copy(k, v, k_cache, v_cache, meta.slot_mapping)
 
     def extend(
         self,
@@ -52,54 +66,7 @@ class TorchBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        if meta.batch_invariant:
-            return self._extend_row_by_row(q, k_cache, v_cache, meta, scale)
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        decode_rows = self._native_decode_rows(q, k_cache, meta)
-        if decode_rows is not None:  # requests decoding beside a prefill: one kernel call for all
-            rows, page_table, seq_lens = decode_rows
-            check = _first_use(meta, "native_rows_checked")
-            cpu_decode.paged_decode(q, k_cache, v_cache, page_table, seq_lens, scale, rows=rows, out=out, check=check)
-        start = 0
-        for b, (q_len, seq_len) in enumerate(zip(meta.q_lens_list, meta.seq_lens_list)):
-            end = start + q_len
-            if q_len > 1 or decode_rows is None:
-                keys = _gather(k_cache, meta.page_table[b], seq_len)
-                values = _gather(v_cache, meta.page_table[b], seq_len)
-                out[start:end] = _attend(q[start:end], keys, values, seq_len - q_len, scale)
-            start = end
-        return out
-
-    def _extend_row_by_row(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
-    ) -> torch.Tensor:
-        """Each query row attends to the keys up to its own position as if it were decoding,
-        so its result cannot depend on the other rows or on how its prefix was computed (the
-        KV of this step's tokens is already in the pages)."""
-        if "row_by_row" not in meta.scratch:
-            request_of_row = torch.repeat_interleave(torch.arange(meta.num_seqs), meta.q_lens.long())
-            meta.scratch["row_by_row"] = (meta.page_table[request_of_row], (meta.positions + 1).to(torch.int32))
-        page_table, seq_lens = meta.scratch["row_by_row"]
-        if cpu_decode.supports(q, k_cache):
-            return cpu_decode.paged_decode(q, k_cache, v_cache, page_table, seq_lens, scale, check=_first_use(meta, "row_by_row_checked"))
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        for row, seq_len in enumerate(seq_lens.tolist()):  # no kernel: one SDPA call per row
-            keys, values = _gather(k_cache, page_table[row], seq_len), _gather(v_cache, page_table[row], seq_len)
-            out[row : row + 1] = _attend(q[row : row + 1], keys, values, seq_len - 1, scale)
-        return out
-
-    @staticmethod
-    def _native_decode_rows(
-        q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """(flat rows, page table, lengths) of the one-token requests, when the native kernel takes them."""
-        if "native_rows" not in meta.scratch:
-            requests = torch.tensor([b for b, q_len in enumerate(meta.q_lens_list) if q_len == 1], dtype=torch.long)
-            usable = len(requests) > 0 and cpu_decode.supports(q, k_cache)
-            meta.scratch["native_rows"] = (
-                (meta.cu_q_lens[requests], meta.page_table[requests], meta.seq_lens[requests]) if usable else None
-            )
-        return meta.scratch["native_rows"]
+        return reference_extend(q, k_cache, v_cache, meta, meta.backend_state, scale)
 
     def decode(
         self,
@@ -109,49 +76,109 @@ class TorchBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        if "native_ok" not in meta.scratch:  # the same answer for every layer of the step
-            meta.scratch["native_ok"] = cpu_decode.supports(q, k_cache)
-        if meta.scratch["native_ok"]:
-            check = _first_use(meta, "native_checked")
-            return cpu_decode.paged_decode(q, k_cache, v_cache, meta.page_table, meta.seq_lens, scale, check=check)
-        if meta.batch_invariant:  # padding to the longest request would change the reduction
-            return self._extend_row_by_row(q, k_cache, v_cache, meta, scale)
-        # One padded gather and one SDPA call for the whole batch: a per-request loop costs
-        # a kernel launch per request per layer, which dominates short decode steps.
-        pages, bias = self._decode_inputs(meta, q.dtype)
-        batch, num_kv_heads, head_dim = meta.num_seqs, k_cache.shape[-2], k_cache.shape[-1]
-        keys = _gather_pages(k_cache, pages).view(batch, -1, num_kv_heads, head_dim)
-        values = _gather_pages(v_cache, pages).view(batch, -1, num_kv_heads, head_dim)
-        out = F.scaled_dot_product_attention(
-            q.unsqueeze(2),  # [B, Hq, 1, D]
-            keys.transpose(1, 2),
-            values.transpose(1, 2),
-            attn_mask=bias,
-            scale=scale,
-            enable_gqa=True,
-        )
-        return out.squeeze(2)
-
-    @staticmethod
-    def _decode_inputs(meta: AttentionMetadata, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Flat page indices [B * P] and an additive mask [B, 1, 1, P * page_size], once per step."""
-        cached = meta.scratch.get("torch_decode")
-        if cached is None:
-            num_pages = -(-meta.max_seq_len // meta.page_size)
-            pages = meta.page_table[:, :num_pages].reshape(-1).long()
-            key_pos = torch.arange(num_pages * meta.page_size, device=pages.device)
-            visible = key_pos[None, :] < meta.seq_lens.to(pages.device)[:, None]
-            bias = torch.zeros(visible.shape, dtype=dtype, device=pages.device).masked_fill_(~visible, float("-inf"))
-            cached = meta.scratch["torch_decode"] = (pages, bias[:, None, None, :])
-        return cached
+        return reference_decode(q, k_cache, v_cache, meta, meta.backend_state, scale)
 
 
-def _first_use(meta: AttentionMetadata, key: str) -> bool:
-    """True the first time key is asked for in this step: the native kernel's index checks run
-    on the first layer only, since every layer reads the same tables through same-shape caches."""
-    first = key not in meta.scratch
-    meta.scratch[key] = True
-    return first
+def reference_extend(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, state: TorchStepState, scale: float
+) -> torch.Tensor:
+    """Extend attention over the pages (the step's own KV is stored already)."""
+    if meta.batch_invariant:
+        return attend_row_by_row(q, k_cache, v_cache, state.row_by_row, scale)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    extend_requests(q, k_cache, v_cache, meta, scale, out)
+    return out
+
+
+def reference_decode(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, state: TorchStepState, scale: float
+) -> torch.Tensor:
+    """Decode attention, one query row per request."""
+    if meta.batch_invariant:  # padding to the longest request would change the reduction
+        return attend_row_by_row(q, k_cache, v_cache, state.row_by_row, scale)
+    return decode_gathered(q, k_cache, v_cache, meta.num_seqs, state.decode_pages, state.decode_bias, scale)
+
+
+def store_by_index_copy(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """k, v rows into their slots; index_copy_ checks the slots' range itself."""
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def extend_requests(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    out: torch.Tensor,
+    skip_one_token: bool = False,
+) -> None:
+    """Each request's rows of out: its KV gathered through its page table, one SDPA call per
+    request. skip_one_token leaves the rows of one-token requests to a caller that has them."""
+    start = 0
+    for b, (q_len, seq_len) in enumerate(zip(meta.q_lens_list, meta.seq_lens_list)):
+        end = start + q_len
+        if q_len > 1 or not skip_one_token:
+            keys = _gather(k_cache, meta.page_table[b], seq_len)
+            values = _gather(v_cache, meta.page_table[b], seq_len)
+            out[start:end] = _attend(q[start:end], keys, values, seq_len - q_len, scale)
+        start = end
+
+
+def attend_row_by_row(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: RowByRow, scale: float
+) -> torch.Tensor:
+    """Each query row attends to the keys up to its own position as if it were decoding, so its
+    result cannot depend on the other rows or on how its prefix was computed (the KV of this
+    step's tokens is already in the pages). One SDPA call per row."""
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    for row, seq_len in enumerate(tables.seq_lens.tolist()):
+        page_row = tables.page_table[row]
+        keys, values = _gather(k_cache, page_row, seq_len), _gather(v_cache, page_row, seq_len)
+        out[row : row + 1] = _attend(q[row : row + 1], keys, values, seq_len - 1, scale)
+    return out
+
+
+def decode_gather_inputs(meta: AttentionMetadata, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat page indices [B * P] and an additive mask [B, 1, 1, P * page_size] for decode_gathered."""
+    num_pages = -(-meta.max_seq_len // meta.page_size)
+    pages = meta.page_table[:, :num_pages].reshape(-1).long()
+    key_pos = torch.arange(num_pages * meta.page_size, device=pages.device)
+    visible = key_pos[None, :] < meta.seq_lens.to(pages.device)[:, None]
+    bias = torch.zeros(visible.shape, dtype=dtype, device=pages.device).masked_fill_(~visible, float("-inf"))
+    return pages, bias[:, None, None, :]
+
+
+def decode_gathered(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: int,
+    pages: torch.Tensor,
+    bias: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One padded gather and one SDPA call for the whole batch: a per-request loop costs a
+    kernel launch per request per layer, which dominates short decode steps."""
+    num_kv_heads, head_dim = k_cache.shape[-2], k_cache.shape[-1]
+    keys = _gather_pages(k_cache, pages).view(batch, -1, num_kv_heads, head_dim)
+    values = _gather_pages(v_cache, pages).view(batch, -1, num_kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2),  # [B, Hq, 1, D]
+        keys.transpose(1, 2),
+        values.transpose(1, 2),
+        attn_mask=bias.to(q.dtype),
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out.squeeze(2)
 
 
 def _gather_pages(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:

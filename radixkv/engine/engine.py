@@ -51,8 +51,21 @@ class Engine:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         if loaded is None:
-            backend = make_backend(config.attention_backend, self.device.type)
-            loaded = load_model(config.model, backend, dtype=config.dtype, device=config.device, cache_dir=config.cache_dir)
+            backend = make_backend(
+                config.attention_backend,
+                self.device.type,
+                native_kernels=config.native_kernels,
+                decode_amx=config.decode_amx,
+                check_indices=config.check_indices,
+            )
+            loaded = load_model(
+                config.model,
+                backend,
+                dtype=config.dtype,
+                device=config.device,
+                cache_dir=config.cache_dir,
+                native_kernels=config.native_kernels,
+            )
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         model_config = loaded.config
@@ -79,9 +92,9 @@ class Engine:
         self.tree = RadixTree(self.pool, self.hasher)
         self.kv = KVManager(self.pool, self.tree, self.hasher, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv)
-        backend_name = loaded.model.layers[0].self_attn.backend.name
-        if config.batch_invariant and backend_name != "torch":
-            raise ConfigError(f"batch_invariant runs on the torch attention backend only, not {backend_name!r}")
+        backend = loaded.model.attention
+        if config.batch_invariant and not backend.capabilities.batch_invariant:
+            raise ConfigError(f"batch_invariant needs a backend that attends row by row, not {backend.name!r}", param="batch_invariant")
         self.runner = ModelRunner(loaded.model, self.pool, loaded.device, batch_invariant=config.batch_invariant)
         self.sampler = Sampler(config.seed)
         self._requests: dict[str, list[SequenceState]] = {}

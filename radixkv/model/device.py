@@ -6,11 +6,10 @@ support, or a CPU with AMX tiles); elsewhere fp32, since bf16 on other CPUs is e
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from radixkv.config import DTYPES
+from radixkv.cpu.features import cpu_has_amx
 from radixkv.errors import ConfigError
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -56,17 +55,3 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     if dtype not in _DTYPES:
         raise ConfigError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     return _DTYPES[dtype]
-
-
-# Cached: the CPU does not change under a running process, and /proc/cpuinfo is long.
-@functools.cache
-def cpu_has_amx() -> bool:
-    """True when the CPU advertises AMX bf16 tiles (Sapphire Rapids and later)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return "amx_bf16" in line.split()
-    except OSError:  # not Linux: no cheap way to tell, so stay on the safe side
-        pass
-    return False

@@ -15,8 +15,8 @@ import torch
 from torch import Tensor, nn
 
 from radixkv.attention.base import AttentionBackend, AttentionMetadata
-from radixkv.model.fused_decode import FusedDecode
-from radixkv.model.row_ops import add_rms_norm, apply_rope, rms_norm, silu_mul
+from radixkv.cpu.fused_decode import FusedDecode
+from radixkv.cpu.row_ops import add_rms_norm, apply_rope, rms_norm, silu_mul
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
@@ -237,21 +237,22 @@ def project(layer: nn.Module, x: Tensor, meta: AttentionMetadata) -> Tensor:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, native: bool = True) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.native = native  # the fused add + norm may run as one native call (bf16 on CPU)
 
     def forward(self, x: Tensor) -> Tensor:
         return rms_norm(x, self.weight, self.eps)
 
     def add_and_normalize(self, x: Tensor, delta: Tensor | None) -> tuple[Tensor, Tensor]:
         """(x + delta, norm(x + delta)): a layer's residual add fused with the next norm."""
-        return add_rms_norm(x, delta, self.weight, self.eps)
+        return add_rms_norm(x, delta, self.weight, self.eps, native=self.native)
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, native: bool = True) -> None:
         super().__init__()
         self.num_q_heads, self.num_kv_heads, self.head_dim = config.num_q_heads, config.num_kv_heads, config.head_dim
         self.q_size, self.kv_size = self.num_q_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -263,6 +264,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.qk_norm = config.qk_norm
         self.backend = backend
+        self.native = native  # rope may run as one native call (bf16 on CPU)
         self.scale = self.head_dim**-0.5
 
     def forward(
@@ -275,32 +277,33 @@ class Attention(nn.Module):
             q, k = qkv[:, : self.q_size], qkv[:, self.q_size : self.q_size + self.kv_size]
             q = self.q_norm(q.view(num_tokens, self.num_q_heads, self.head_dim))
             k = self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim))
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k = apply_rope(q, cos, sin, self.native), apply_rope(k, cos, sin, self.native)
         else:  # q and k heads side by side: one rotation for both
             qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_q_heads + self.num_kv_heads, self.head_dim)
-            q, k = apply_rope(qk, cos, sin).split([self.num_q_heads, self.num_kv_heads], dim=1)
+            q, k = apply_rope(qk, cos, sin, self.native).split([self.num_q_heads, self.num_kv_heads], dim=1)
         out = self.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
         return project(self.o_proj, out.reshape(num_tokens, self.q_size), meta)
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, native: bool = True) -> None:
         super().__init__()
+        self.native = native  # SiLU * up may run as one native call (bf16 on CPU)
         # gate and up fused into one matmul, split after.
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: Tensor, meta: AttentionMetadata) -> Tensor:
-        return project(self.down_proj, silu_mul(project(self.gate_up_proj, x, meta)), meta)
+        return project(self.down_proj, silu_mul(project(self.gate_up_proj, x, meta), self.native), meta)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, native: bool = True) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, backend)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, native)
+        self.self_attn = Attention(config, backend, native)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, native)
+        self.mlp = MLP(config, native)
 
     def forward(
         self,
@@ -321,12 +324,17 @@ class DecoderLayer(nn.Module):
 
 
 class CausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, attention: AttentionBackend) -> None:
+    """native_kernels: the layers' row ops may run as native calls (bf16 on CPU); False keeps
+    them torch ops (EngineConfig.native_kernels)."""
+
+    def __init__(self, config: ModelConfig, attention: AttentionBackend, native_kernels: bool = True) -> None:
         super().__init__()
         self.config = config
+        # Every layer's attention backend; forward prepares its per-step state once.
+        self.attention = attention
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, attention) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(config, attention, native_kernels) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, native_kernels)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -344,9 +352,10 @@ class CausalLM(nn.Module):
         logits_indices: Tensor,
     ) -> Tensor:
         """Logits [B, vocab] in fp32 for the rows logits_indices of a flat batch of T tokens."""
+        self.attention.begin_step(meta, k_caches[0], self.config.num_q_heads)
         x, delta = self.embed_tokens(input_ids), None
         cos, sin = self.rope(positions, x.dtype)
-        if self.fused_decode is not None and self.fused_decode.usable(x, meta, k_caches[0]):
+        if self.fused_decode is not None and self.fused_decode.usable(x, meta):
             x, delta = self.fused_decode.run(x, cos, sin, meta, k_caches, v_caches)
         else:
             for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches, strict=True):

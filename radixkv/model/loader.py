@@ -23,8 +23,8 @@ from torch import Tensor
 
 from radixkv.attention.base import AttentionBackend
 from radixkv.config import default_cache_dir
-from radixkv.model.cpu_linear import can_prepack, prepack_linears
-from radixkv.model.fused_decode import FusedDecode
+from radixkv.cpu.fused_decode import FusedDecode
+from radixkv.cpu.linear import can_prepack, prepack_linears
 from radixkv.model.device import resolve_device, resolve_dtype
 from radixkv.model.llama import CausalLM, ModelConfig
 
@@ -63,8 +63,13 @@ def load_model(
     dtype: str = "auto",
     device: str = "auto",
     cache_dir: str | None = None,
+    native_kernels: bool = True,
 ) -> LoadedModel:
-    """Load weights (cast to dtype, on device) and tokenizer. None means the default SmolLM2."""
+    """Load weights (cast to dtype, on device) and tokenizer. None means the default SmolLM2.
+
+    native_kernels=False keeps every layer on torch ops (EngineConfig.native_kernels): no AMX
+    linears, no native row ops, no fused decode step.
+    """
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     folder = resolve_model_folder(model, cache_dir)
@@ -76,12 +81,12 @@ def load_model(
     config = replace(config, eos_token_ids=_eos_token_ids(config, folder, tokenizer))
     # Built on the meta device: no random init of weights about to be replaced.
     with torch.device("meta"):
-        net = CausalLM(config, attention)
+        net = CausalLM(config, attention, native_kernels)
     net.load_state_dict_hf(_weights_for(folder, torch_dtype, torch_device))
     net.eval()
     if can_prepack(torch_dtype, torch_device):
-        prepack_linears(net)
-        net.fused_decode = FusedDecode.for_model(net)
+        prepack_linears(net, native_kernels)
+        net.fused_decode = FusedDecode.for_model(net) if native_kernels else None
     return LoadedModel(net, config, tokenizer, str(folder), torch_dtype, torch_device)
 
 

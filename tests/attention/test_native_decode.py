@@ -1,4 +1,5 @@
-"""The native CPU paged-decode kernel (radixkv/csrc/paged_decode.c) and its use by TorchBackend.
+"""The native CPU paged-decode kernel (radixkv/cpu/csrc/paged_decode.c) and the CPU backend over
+it, both held to references that are neither: the backend to the pure-torch TorchBackend.
 
 The kernel is held to a reference written here: each request's KV gathered through its page
 table, softmax attention with GQA computed in float64 on the very same (already rounded)
@@ -31,14 +32,19 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixkv import native as native_library
-from radixkv.attention import cpu_decode as native
+from radixkv.attention import make_backend
 from radixkv.attention.base import AttentionMetadata
+from radixkv.attention.cpu_backend import CPUBackend
 from radixkv.attention.torch_backend import TorchBackend
+from radixkv.config import EngineConfig
+from radixkv.cpu import decode as native
+from radixkv.cpu import native as native_library
+from radixkv.cpu.features import cpu_features
+from radixkv.errors import ConfigError
 
 if native_library.load() is None:
     pytest.skip(
-        "native paged-decode kernel unavailable (no C compiler, build failed, or RADIXKV_NATIVE=0)",
+        "native paged-decode kernel unavailable (no C compiler, or its build failed)",
         allow_module_level=True,
     )
 
@@ -419,110 +425,101 @@ def make_meta(
     )
 
 
-def gather_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Make TorchBackend take its gather + SDPA path (it asks native.supports at call time)."""
-    monkeypatch.setattr(native, "supports", lambda q, k_cache: False)
+def prepared(backend, meta: AttentionMetadata, k_cache: torch.Tensor, num_q_heads: int) -> AttentionMetadata:
+    """meta with backend's per-step state, as CausalLM.forward sets it at the start of a step."""
+    return backend.begin_step(meta, k_cache, num_q_heads)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("head_dim", [64, 48])
-def test_backend_decode_native_matches_gather(
-    gen, monkeypatch, head_dim, dtype
-) -> None:
+def test_cpu_backend_decode_matches_the_torch_reference(gen, head_dim, dtype) -> None:
     seq_lens = [1, 40, 600, 256, 17]
     num_q_heads, num_kv_heads = 8, 2
     paged = make_paged(gen, seq_lens, num_kv_heads, head_dim, 7, dtype)
     q = make_q(gen, len(seq_lens), num_q_heads, num_kv_heads, head_dim, dtype)
     scale = head_dim**-0.5
-    assert native.supports(q, paged.k_cache)
-    meta = make_meta(paged, [s - 1 for s in seq_lens], [1] * len(seq_lens))
-    out = TorchBackend().decode(q, paged.k_cache, paged.v_cache, meta, scale)
-    with monkeypatch.context() as patch:
-        gather_path(patch)
-        fresh_meta = make_meta(paged, [s - 1 for s in seq_lens], [1] * len(seq_lens))
-        gathered = TorchBackend().decode(
-            q, paged.k_cache, paged.v_cache, fresh_meta, scale
-        )
+    results = {}
+    for backend in (CPUBackend(), TorchBackend()):
+        meta = prepared(backend, make_meta(paged, [s - 1 for s in seq_lens], [1] * len(seq_lens)), paged.k_cache, num_q_heads)
+        results[backend.name] = backend.decode(q, paged.k_cache, paged.v_cache, meta, scale)
+        if backend.name == "cpu":
+            assert meta.backend_state.kernel, "the CPU backend did not take the kernel"
     what = f"seed {gen.initial_seed()}"
-    assert out.shape == gathered.shape == q.shape
-    assert_close(out, gathered.double(), dtype, f"native vs gather, {what}")
-    assert_close(out, reference(q, paged, scale), dtype, f"native vs reference, {what}")
+    out, torch_out = results["cpu"], results["torch"]
+    assert out.shape == torch_out.shape == q.shape
+    assert_close(out, torch_out.double(), dtype, f"cpu vs torch reference, {what}")
+    assert_close(out, reference(q, paged, scale), dtype, f"cpu vs float64 reference, {what}")
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("head_dim", [64, 48])
-def test_backend_extend_mixed_batch_native_matches_gather(
-    gen, monkeypatch, head_dim, dtype
-) -> None:
-    """One-token requests of a mixed batch go through the kernel (rows=); the rest gather."""
+def mixed_batch(gen, head_dim: int, dtype: torch.dtype):
+    """A mixed step: one-token requests beside prefill chunks, the step's own K/V stored already."""
     prefix_lens = [40, 0, 300, 23, 255, 0, 600]
     q_lens = [1, 9, 1, 5, 1, 1, 30]
     seq_lens = [p + n for p, n in zip(prefix_lens, q_lens)]
     num_q_heads, num_kv_heads = 6, 2
     paged = make_paged(gen, seq_lens, num_kv_heads, head_dim, 7, dtype)
-    total = sum(q_lens)
-    q = make_q(gen, total, num_q_heads, num_kv_heads, head_dim, dtype)
-    meta = make_meta(paged, prefix_lens, q_lens)
+    q = make_q(gen, sum(q_lens), num_q_heads, num_kv_heads, head_dim, dtype)
+    slots = make_meta(paged, prefix_lens, q_lens).slot_mapping
     # The step's own K/V, as stored in the cache (extend reads everything from the cache).
-    k = paged.k_cache.view(-1, num_kv_heads, head_dim)[meta.slot_mapping]
-    v = paged.v_cache.view(-1, num_kv_heads, head_dim)[meta.slot_mapping]
+    k = paged.k_cache.view(-1, num_kv_heads, head_dim)[slots]
+    v = paged.v_cache.view(-1, num_kv_heads, head_dim)[slots]
+    return paged, q, k, v, prefix_lens, q_lens
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim", [64, 48])
+def test_cpu_backend_extend_mixed_batch_matches_the_torch_reference(gen, head_dim, dtype) -> None:
+    """One-token requests of a mixed batch go through the kernel (rows=); the rest run the
+    reference's gather + SDPA code."""
+    paged, q, k, v, prefix_lens, q_lens = mixed_batch(gen, head_dim, dtype)
     scale = head_dim**-0.5
-    assert native.supports(q, paged.k_cache)
-    out = TorchBackend().extend(q, k, v, paged.k_cache, paged.v_cache, meta, scale)
-    assert meta.scratch["native_rows"] is not None, (
-        "the one-token requests did not take the kernel"
-    )
-    with monkeypatch.context() as patch:
-        gather_path(patch)
-        gathered = TorchBackend().extend(
-            q,
-            k,
-            v,
-            paged.k_cache,
-            paged.v_cache,
-            make_meta(paged, prefix_lens, q_lens),
-            scale,
-        )
+    results = {}
+    for backend in (CPUBackend(), TorchBackend()):
+        meta = prepared(backend, make_meta(paged, prefix_lens, q_lens), paged.k_cache, q.shape[1])
+        results[backend.name] = backend.extend(q, k, v, paged.k_cache, paged.v_cache, meta, scale)
+        if backend.name == "cpu":
+            assert meta.backend_state.decode_rows is not None, "the one-token requests did not take the kernel"
+    out, torch_out = results["cpu"], results["torch"]
     what = f"seed {gen.initial_seed()}"
     starts = meta.cu_q_lens.tolist()
     decode_requests = [b for b, n in enumerate(q_lens) if n == 1]
     decode_rows = [starts[b] for b in decode_requests]
-    prefill_rows = [
-        r
-        for b, n in enumerate(q_lens)
-        if n > 1
-        for r in range(starts[b], starts[b] + n)
-    ]
-    # Multi-token requests run the same gather code either way.
-    assert torch.equal(out[prefill_rows], gathered[prefill_rows])
-    assert_close(
-        out[decode_rows],
-        gathered[decode_rows].double(),
-        dtype,
-        f"native vs gather, {what}",
-    )
+    prefill_rows = [r for b, n in enumerate(q_lens) if n > 1 for r in range(starts[b], starts[b] + n)]
+    # Multi-token requests run the reference's own code in the CPU backend.
+    assert torch.equal(out[prefill_rows], torch_out[prefill_rows])
+    assert_close(out[decode_rows], torch_out[decode_rows].double(), dtype, f"cpu vs torch reference, {what}")
     decode_paged = Paged(
-        paged.k_cache,
-        paged.v_cache,
-        paged.page_table[decode_requests],
-        paged.seq_lens[decode_requests],
-        7,
+        paged.k_cache, paged.v_cache, paged.page_table[decode_requests], paged.seq_lens[decode_requests], 7
     )
     ref = reference(q, decode_paged, scale, rows=decode_rows)
-    assert_close(out[decode_rows], ref, dtype, f"native vs reference, {what}")
+    assert_close(out[decode_rows], ref, dtype, f"cpu vs float64 reference, {what}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cpu_backend_batch_invariant_rows_match_the_torch_reference(gen, dtype) -> None:
+    """batch_invariant: every row of a mixed step through the kernel as its own request, held
+    to the reference's row-by-row SDPA."""
+    paged, q, k, v, prefix_lens, q_lens = mixed_batch(gen, 64, dtype)
+    results = {}
+    for backend in (CPUBackend(), TorchBackend()):
+        meta = make_meta(paged, prefix_lens, q_lens)
+        meta.batch_invariant = True
+        meta = prepared(backend, meta, paged.k_cache, q.shape[1])
+        results[backend.name] = backend.extend(q, k, v, paged.k_cache, paged.v_cache, meta, 0.125)
+    assert_close(results["cpu"], results["torch"].double(), dtype, f"seed {gen.initial_seed()}")
 
 
 @pytest.mark.parametrize(
     "dtype, cache_dtype, head_dim, heads",
     [
         (torch.float16, torch.float16, 64, (4, 2)),  # no fp16 kernel
-        (torch.float32, torch.float32, 272, (4, 2)),  # head_dim > MAX_HEAD_DIM
+        (torch.float32, torch.float32, 272, (4, 2)),  # head_dim > the kernel's max
         (torch.bfloat16, torch.bfloat16, 264, (2, 1)),
-        (torch.float32, torch.float32, 32, (17, 1)),  # group > MAX_GROUP
+        (torch.float32, torch.float32, 32, (17, 1)),  # group > the kernel's max
     ],
     ids=["fp16", "fp32_d272", "bf16_d264", "group17"],
 )
-def test_unsupported_shapes_fall_back_to_gather(
+def test_cpu_backend_falls_back_to_the_reference_where_the_kernel_cannot_run(
     gen, dtype, cache_dtype, head_dim, heads
 ) -> None:
     num_q_heads, num_kv_heads = heads
@@ -531,9 +528,19 @@ def test_unsupported_shapes_fall_back_to_gather(
     q = make_q(gen, len(seq_lens), num_q_heads, num_kv_heads, head_dim, dtype)
     assert not native.supports(q, paged.k_cache)
     scale = head_dim**-0.5
-    meta = make_meta(paged, [s - 1 for s in seq_lens], [1, 1])
-    out = TorchBackend().decode(q, paged.k_cache, paged.v_cache, meta, scale)
+    backend = CPUBackend()
+    meta = prepared(backend, make_meta(paged, [s - 1 for s in seq_lens], [1, 1]), paged.k_cache, num_q_heads)
+    assert not meta.backend_state.kernel
+    out = backend.decode(q, paged.k_cache, paged.v_cache, meta, scale)
     assert_close(out, reference(q, paged, scale), dtype, f"seed {gen.initial_seed()}")
+
+
+def test_kernel_limits_come_from_the_library() -> None:
+    limits = native.limits()
+    assert (limits.max_head_dim, limits.max_group) == (256, 16)  # MAX_HEAD_DIM, MAX_GROUP in paged_decode.c
+    cache = torch.zeros(2, 16, 1, limits.max_head_dim)
+    assert native.supports(torch.zeros(1, limits.max_group, limits.max_head_dim), cache)
+    assert not native.supports(torch.zeros(1, limits.max_group + 1, limits.max_head_dim), cache)
 
 
 def test_supports_rejects_other_inputs() -> None:
@@ -551,12 +558,11 @@ def test_supports_rejects_other_inputs() -> None:
     assert not native.supports(torch.zeros(3, 64, 4).transpose(1, 2), cache)
 
 
-def test_env_var_disables_the_kernel(monkeypatch) -> None:
-    monkeypatch.setattr(native_library, "_tried", False)
-    monkeypatch.setattr(native_library, "_library", None)
-    monkeypatch.setenv(native_library.DISABLE_ENV, "0")
-    assert native_library.load() is None
-    assert not native.supports(torch.zeros(1, 2, 64), torch.zeros(2, 16, 2, 64))
+def test_native_kernels_off_selects_the_torch_reference() -> None:
+    assert make_backend("auto", "cpu").name == "cpu"
+    assert make_backend("auto", "cpu", native_kernels=False).name == "torch"
+    with pytest.raises(ConfigError, match="native_kernels"):
+        EngineConfig(attention_backend="cpu", native_kernels=False)
 
 
 def test_bad_indices_and_buffers_are_rejected_before_the_kernel_runs(gen) -> None:
@@ -626,17 +632,19 @@ def test_store_kv_writes_strided_rows_into_their_slots_and_skips_negative_ones()
         assert torch.equal(v_cache.view_as(expected_v), expected_v)
 
 
-def test_backend_store_kv_refuses_a_slot_past_the_cache() -> None:
+def test_cpu_backend_refuses_a_slot_past_the_cache_before_any_store() -> None:
     k_cache = torch.zeros(2, 4, 1, 8)
-    k = torch.randn(1, 1, 8)
+    paged = Paged(k_cache, torch.zeros_like(k_cache), torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([8], dtype=torch.int32), 4)
+    meta = make_meta(paged, [7], [1])
+    meta.slot_mapping = torch.tensor([8])
     with pytest.raises(IndexError, match="out of range"):
-        TorchBackend().store_kv(k, k, k_cache, torch.zeros_like(k_cache), torch.tensor([8]))
+        CPUBackend().prepare(meta, k_cache, 1)
 
 
 def test_portable_build_without_avx512_gives_the_same_answers(gen, monkeypatch, tmp_path) -> None:
     # CPUs without AVX-512 BF16 or AMX compile only the portable loops; build that variant here
     # (into a scratch cache) and hold it to the same reference, decode and row ops alike.
-    from radixkv.model import row_ops
+    from radixkv.cpu import row_ops
 
     portable_flags = tuple("-march=x86-64-v2" if f == "-march=native" else f for f in native_library.COMPILE_FLAGS)
     monkeypatch.setattr(native_library, "COMPILE_FLAGS", portable_flags)
@@ -645,7 +653,7 @@ def test_portable_build_without_avx512_gives_the_same_answers(gen, monkeypatch, 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     library = native_library.load()
     assert library is not None and str(tmp_path) in library._name
-    assert library.radixkv_decode_use_amx() == 0
+    assert library.radixkv_decode_use_amx(1) == 0  # a portable build has no AMX path
     for dtype in (torch.bfloat16, torch.float32):
         paged = make_paged(gen, [1, 16, 300], num_kv_heads=3, head_dim=64, page_size=16, dtype=dtype)
         q = make_q(gen, 3, 9, 3, 64, dtype)
@@ -656,34 +664,29 @@ def test_portable_build_without_avx512_gives_the_same_answers(gen, monkeypatch, 
     assert torch.equal(row_ops.add_rms_norm(x.clone(), delta, weight, 1e-5)[1], expected)
 
 
-_DECODE_IN_A_FRESH_PROCESS = """
-import sys, torch
-from radixkv import native
-from radixkv.attention import cpu_decode
-library = native.load()
-library.radixkv_amx_linear_available()  # the linears ask the OS for tiles too; decode must not follow
-q, k, v, pages, lens = torch.load(sys.argv[1])
-torch.save(cpu_decode.paged_decode(q, k, v, pages, lens, 0.125), sys.argv[2])
-"""
-
-
-@pytest.mark.skipif(not native_library.load().radixkv_decode_use_amx(), reason="no AMX tiles here")
-def test_decode_amx_env_var_picks_the_q_k_path(gen, tmp_path) -> None:
-    # RADIXKV_DECODE_AMX=0 keeps q.k on AVX-512 even after the AMX linears were granted tiles:
+@pytest.mark.skipif(not cpu_features().amx_bf16, reason="needs AMX tiles (amx_bf16)")
+def test_decode_amx_setting_picks_the_q_k_path(gen) -> None:
+    # decode_amx=False keeps q.k on AVX-512 even after the AMX linears were granted tiles:
     # both paths meet the reference, and they sum in different orders, so some bits differ.
-    import os
-    import subprocess
-    import sys
-
+    native_library.load().radixkv_amx_linear_available()  # the linears ask the OS for tiles too
     paged = make_paged(gen, [300, 17, 64, 600, 255, 999], num_kv_heads=3, head_dim=64, page_size=16, dtype=torch.bfloat16)
     q = make_q(gen, 6, 9, 3, 64, torch.bfloat16)
-    torch.save((q, paged.k_cache, paged.v_cache, paged.page_table, paged.seq_lens), tmp_path / "in.pt")
     expected = reference(q, paged, 0.125)
     outputs = {}
-    for setting in ("0", "1"):
-        env = {**os.environ, native_library.AMX_ENV: setting}
-        command = [sys.executable, "-c", _DECODE_IN_A_FRESH_PROCESS, str(tmp_path / "in.pt"), str(tmp_path / f"{setting}.pt")]
-        subprocess.run(command, check=True, env=env, capture_output=True)
-        outputs[setting] = torch.load(tmp_path / f"{setting}.pt")
-        assert_close(outputs[setting], expected, torch.bfloat16, f"{native_library.AMX_ENV}={setting}")
-    assert not torch.equal(outputs["0"], outputs["1"])
+    try:
+        for setting in (False, True):
+            CPUBackend(decode_amx=setting)  # applies the setting to the library
+            outputs[setting] = native.paged_decode(q, paged.k_cache, paged.v_cache, paged.page_table, paged.seq_lens, 0.125)
+            assert_close(outputs[setting], expected, torch.bfloat16, f"decode_amx={setting}")
+    finally:
+        native_library.load().radixkv_decode_use_amx(1)
+    assert not torch.equal(outputs[False], outputs[True])
+
+
+def test_decode_amx_off_is_off() -> None:
+    library = native_library.load()
+    try:
+        CPUBackend(decode_amx=False)
+        assert library.radixkv_decode_use_amx(0) == 0
+    finally:
+        library.radixkv_decode_use_amx(1)

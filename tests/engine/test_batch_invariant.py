@@ -11,6 +11,7 @@ from test_exactness import shared_prefix_prompts
 
 from radixkv import LLM, SamplingParams
 from radixkv.config import EngineConfig
+from radixkv.cpu import native
 from radixkv.errors import ConfigError
 
 MAX_NEW = 16
@@ -21,21 +22,25 @@ def make_llm(model_dir, **options) -> LLM:
     return make_exactness_llm(model_dir, dtype="bfloat16", batch_invariant=True, **options)
 
 
-def test_bf16_tokens_equal_with_cache_without_cache_alone_and_chunked(tiny_llama):
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_bf16_tokens_equal_with_cache_without_cache_alone_and_chunked(tiny_llama, backend):
+    # cpu: every row through the native kernel; torch: the reference's row-by-row SDPA.
+    if backend == "cpu" and native.load() is None:
+        pytest.skip("the cpu backend needs the native kernels (no C compiler here)")
     prompts = shared_prefix_prompts(3, count=8)
     params = SamplingParams(max_tokens=MAX_NEW)
-    cached = make_llm(tiny_llama)
+    cached = make_llm(tiny_llama, attention_backend=backend)
     cold = [o.token_ids for o in cached.generate(prompts, params)]
     warm = cached.generate(prompts, params)
     assert all(o.num_cached_tokens > 0 for o in warm)
     assert [o.token_ids for o in warm] == cold
     assert_all_pages_returned(cached)
 
-    uncached = make_llm(tiny_llama, enable_prefix_caching=False)
+    uncached = make_llm(tiny_llama, attention_backend=backend, enable_prefix_caching=False)
     assert [o.token_ids for o in uncached.generate(prompts, params)] == cold
     alone = [uncached.generate([p], params)[0].token_ids for p in prompts]
     assert alone == cold
-    chunked = make_llm(tiny_llama, max_batch_tokens=7)
+    chunked = make_llm(tiny_llama, attention_backend=backend, max_batch_tokens=7)
     assert [o.token_ids for o in chunked.generate(prompts, params)] == cold
     assert_all_pages_returned(chunked)
 

@@ -1,4 +1,5 @@
-"""The Triton kernels against the torch backend, on CPU under TRITON_INTERPRET=1 (or on a GPU).
+"""The Triton kernels against the pure-torch reference backend, on CPU under TRITON_INTERPRET=1
+(or on a GPU).
 
 Every run draws fresh random inputs (the seed is printed on failure), poisons outputs with NaN
 before each launch, and uses logits large enough that softmax is far from uniform.
@@ -17,13 +18,13 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
 
 from radixkv.attention.base import AttentionMetadata
-from radixkv.attention.torch_backend import TorchBackend
+from radixkv.attention.torch_backend import TorchBackend, store_by_index_copy
 from radixkv.attention.triton_backend import TritonBackend
 from radixkv.kernels import ExtendConfig, extend_attention, paged_decode, store_kv
 from radixkv.kernels.paged_decode import MAX_SPLITS, splits_for
@@ -124,14 +125,20 @@ def make_case(
     return Case(to(q), to(k), to(v), to(k_cache), to(v_cache), meta, head_dim**-0.5)
 
 
+def prepared(backend, meta: AttentionMetadata, k_cache: torch.Tensor, num_q_heads: int) -> AttentionMetadata:
+    """A copy of meta with backend's per-step state (cases share one meta between backends)."""
+    return backend.begin_step(replace(meta), k_cache, num_q_heads)
+
+
 def reference(case: Case, decode: bool) -> torch.Tensor:
-    """The torch backend in fp32 on the very same (already rounded) inputs."""
+    """The torch reference backend in fp32 on the very same (already rounded) inputs."""
     f = lambda t: t.float()  # noqa: E731
     torch_backend = TorchBackend()
+    meta = prepared(torch_backend, case.meta, f(case.k_cache), case.q.shape[1])
     if decode:
-        return torch_backend.decode(f(case.q), f(case.k_cache), f(case.v_cache), case.meta, case.scale)
+        return torch_backend.decode(f(case.q), f(case.k_cache), f(case.v_cache), meta, case.scale)
     return torch_backend.extend(
-        f(case.q), f(case.k), f(case.v), f(case.k_cache), f(case.v_cache), case.meta, case.scale
+        f(case.q), f(case.k), f(case.v), f(case.k_cache), f(case.v_cache), meta, case.scale
     )
 
 
@@ -234,7 +241,7 @@ def test_store_kv_matches_torch_backend(gen, page_size, dtype) -> None:
     kv = torch.randn(num_tokens, 2 * num_kv_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
     k, v = kv[:, :num_kv_heads], kv[:, num_kv_heads:]
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
-    TorchBackend().store_kv(k, v, ref_k, ref_v, slots)
+    store_by_index_copy(k, v, ref_k, ref_v, slots)
     store_kv(k, v, k_cache, v_cache, slots)
     assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v), f"seed {gen.initial_seed()}"
 
@@ -250,16 +257,17 @@ def test_backend_forward_mixed_batch_then_decode(gen, dtype) -> None:
     results = []
     for backend in (TorchBackend(), TritonBackend(check_indices=True)):
         k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
-        out = backend.forward(case.q, case.k, case.v, k_cache, v_cache, case.meta, case.scale)
+        meta = prepared(backend, case.meta, k_cache, case.q.shape[1])
+        out = backend.forward(case.q, case.k, case.v, k_cache, v_cache, meta, case.scale)
         results.append((out, k_cache, v_cache))
     (ref, ref_k, ref_v), (out, k_cache, v_cache) = results
     assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
     assert_matches(out, ref.float(), gen, "forward extend")
 
     dcase = make_case(gen, [40, 3, 129], [1, 1, 1], 8, 2, head_dim=32, page_size=16, dtype=dtype)
-    out = TritonBackend(check_indices=True).forward(
-        dcase.q, dcase.k, dcase.v, dcase.k_cache, dcase.v_cache, dcase.meta, dcase.scale
-    )
+    triton = TritonBackend(check_indices=True)
+    meta = prepared(triton, dcase.meta, dcase.k_cache, dcase.q.shape[1])
+    out = triton.forward(dcase.q, dcase.k, dcase.v, dcase.k_cache, dcase.v_cache, meta, dcase.scale)
     assert_matches(out, reference(dcase, decode=True), gen, "forward decode")
 
 
@@ -269,17 +277,15 @@ def test_backend_rejects_out_of_range_indices(gen) -> None:
     num_pages = case.k_cache.shape[0]
     bad = case.meta.page_table.clone()
     bad[0, 0] = num_pages
-    meta = AttentionMetadata(**{**{f: getattr(case.meta, f) for f in AttentionMetadata.__slots__}, "page_table": bad})
+    # prepare() checks once per step what every layer's launches then trust.
     with pytest.raises(IndexError, match="page table"):
-        backend.extend(case.q, case.k, case.v, case.k_cache, case.v_cache, meta, case.scale)
+        backend.prepare(replace(case.meta, page_table=bad), case.k_cache, 4)
     slots = case.meta.slot_mapping.clone()
     slots[0] = num_pages * 16
     with pytest.raises(IndexError, match="slot"):
-        backend.store_kv(case.k, case.v, case.k_cache, case.v_cache, slots)
-    short_table = case.meta.page_table[:, :1]
-    meta = AttentionMetadata(**{**{f: getattr(case.meta, f) for f in AttentionMetadata.__slots__}, "page_table": short_table})
+        backend.prepare(replace(case.meta, slot_mapping=slots), case.k_cache, 4)
     with pytest.raises(IndexError, match="page table"):
-        backend.extend(case.q, case.k, case.v, case.k_cache, case.v_cache, meta, case.scale)
+        backend.prepare(replace(case.meta, page_table=case.meta.page_table[:, :1]), case.k_cache, 4)
 
 
 def test_inputs_make_softmax_peaked(gen) -> None:

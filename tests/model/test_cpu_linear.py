@@ -1,4 +1,4 @@
-"""Packed bf16 linears (radixkv/model/cpu_linear.py): the AMX kernel against fp32 sums and
+"""Packed bf16 linears (radixkv/cpu/linear.py): the AMX kernel against fp32 sums and
 against oneDNN, row independence, odd shapes, and the oneDNN fallback."""
 
 from __future__ import annotations
@@ -7,8 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from radixkv import native
-from radixkv.model.cpu_linear import PackedLinear, can_prepack
+from radixkv.cpu import native
+from radixkv.cpu.features import cpu_features
+from radixkv.cpu.linear import PackedLinear, can_prepack
 
 BF16 = torch.bfloat16
 
@@ -17,10 +18,10 @@ pytestmark = pytest.mark.skipif(not can_prepack(BF16, torch.device("cpu")), reas
 
 def amx_available() -> bool:
     library = native.load()
-    return library is not None and bool(library.radixkv_amx_linear_available())
+    return cpu_features().amx_bf16 and library is not None and bool(library.radixkv_amx_linear_available())
 
 
-needs_amx = pytest.mark.skipif(not amx_available(), reason="no AMX tiles (or no C compiler) on this machine")
+needs_amx = pytest.mark.skipif(not amx_available(), reason="needs AMX tiles (amx_bf16) and the native kernels")
 
 
 def packed(in_features: int, out_features: int, bias: bool, seed: int) -> tuple[PackedLinear, torch.nn.Linear]:
@@ -87,4 +88,13 @@ def test_widths_the_tiles_cannot_take_fall_back_to_onednn():
     layer, linear = packed(48, 32, bias=True, seed=4)  # 48 inputs: not a multiple of 32
     assert not layer.rows_independent and "kernel=onednn" in repr(layer)
     x = torch.randn(5, 48).to(BF16)
+    assert torch.equal(layer(x), F.linear(x, linear.weight, linear.bias))
+
+
+def test_native_off_keeps_onednn():
+    torch.manual_seed(5)
+    linear = torch.nn.Linear(64, 32, bias=True).to(BF16)
+    layer = PackedLinear(linear, native=False)  # EngineConfig.native_kernels=False
+    assert not layer.rows_independent and "kernel=onednn" in repr(layer)
+    x = torch.randn(5, 64).to(BF16)
     assert torch.equal(layer(x), F.linear(x, linear.weight, linear.bias))

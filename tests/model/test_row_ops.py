@@ -1,4 +1,4 @@
-"""The bf16 row kernels (radixkv/csrc/row_ops.c) against the torch ops they replace."""
+"""The bf16 row kernels (radixkv/cpu/csrc/row_ops.c) against the torch ops they replace."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from radixkv import native
-from radixkv.model import row_ops
+from radixkv.cpu import native
+from radixkv.cpu import row_ops
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason="no C compiler: the row kernels are not built")
 
@@ -73,3 +73,14 @@ def test_float32_takes_the_torch_ops():
     gate_up = torch.randn(4, 32)
     gate, up = gate_up.chunk(2, -1)
     assert torch.equal(row_ops.silu_mul(gate_up), F.silu(gate) * up)
+
+
+def test_native_off_takes_the_torch_ops_in_bf16():
+    # EngineConfig.native_kernels=False: the model passes native=False to every row op.
+    gen = torch.Generator().manual_seed(3)
+    x, delta, weight = ((torch.randn(shape, generator=gen) * 3).to(BF16) for shape in ((5, 40), (5, 40), (40,)))
+    new_x, normed = row_ops.add_rms_norm(x.clone(), delta, weight, 1e-5, native=False)
+    assert torch.equal(normed, row_ops.rms_norm(x + delta, weight, 1e-5))
+    gate_up = torch.randn(3, 48, generator=gen).to(BF16)
+    gate, up = gate_up.chunk(2, -1)
+    assert torch.equal(row_ops.silu_mul(gate_up, native=False), F.silu(gate) * up)

@@ -49,7 +49,7 @@ def test_scenario_runs_and_reports(name, tiny_model, tmp_path, capsys):
 
 
 def test_cpu_kernels_bench_runs_and_reports(tmp_path, capsys):
-    from radixkv import native
+    from radixkv.cpu import native
 
     library = native.load()
     if library is None or not library.radixkv_amx_linear_available():

@@ -1,5 +1,6 @@
 """The decoder layer's row-wise glue (residual add + RMSNorm, rotary embedding, SiLU * up):
-one native call each for bf16 on CPU (radixkv/csrc/row_ops.c), torch ops everywhere else.
+one native call each for bf16 on CPU (radixkv/cpu/csrc/row_ops.c) unless the caller passes
+native=False (EngineConfig.native_kernels), torch ops everywhere else.
 
 At a decode step's few rows each torch op costs more in dispatch than in arithmetic; fusing
 the five to ten ops of each piece saves about a tenth of a small model's decode step. fp32
@@ -12,14 +13,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from radixkv.native import load
+from radixkv.cpu.native import load
 
 MAX_ROPE_HEAD_DIM = 1024  # the C kernel's row buffer
 
 
-def _native_for(*tensors: Tensor):
-    """The native library when every tensor is bf16 on CPU with unit inner stride, else None."""
-    if all(t.dtype == torch.bfloat16 and t.device.type == "cpu" and t.stride(-1) == 1 for t in tensors):
+def _native_for(native: bool, *tensors: Tensor):
+    """The native library when native is on and every tensor is bf16 on CPU with unit inner
+    stride, else None."""
+    if native and all(t.dtype == torch.bfloat16 and t.device.type == "cpu" and t.stride(-1) == 1 for t in tensors):
         return load()
     return None
 
@@ -31,9 +33,11 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * normed.to(x.dtype)
 
 
-def add_rms_norm(x: Tensor, delta: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+def add_rms_norm(
+    x: Tensor, delta: Tensor | None, weight: Tensor, eps: float, native: bool = True
+) -> tuple[Tensor, Tensor]:
     """(x + delta, rms_norm(x + delta)); x: [T, dim] contiguous, updated in place on the native path."""
-    library = _native_for(x, weight) if delta is None else _native_for(x, delta, weight)
+    library = _native_for(native, x, weight) if delta is None else _native_for(native, x, delta, weight)
     if library is None or not x.is_contiguous() or (delta is not None and not delta.is_contiguous()):
         if delta is not None:
             x = x + delta
@@ -47,7 +51,7 @@ def add_rms_norm(x: Tensor, delta: Tensor | None, weight: Tensor, eps: float) ->
     return x, out
 
 
-def apply_rope(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
+def apply_rope(x: Tensor, cos: Tensor, signed_sin: Tensor, native: bool = True) -> Tensor:
     """x: [T, H, D]; cos, signed_sin: [T, D] from RotaryEmbedding. Rotates in place (and returns
     x) on the native path, where x's heads must sit side by side in each row.
 
@@ -55,7 +59,7 @@ def apply_rope(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
     rounds identically (negation is exact) and saves an op.
     """
     rows, heads, head_dim = x.shape
-    library = _native_for(x, cos, signed_sin)
+    library = _native_for(native, x, cos, signed_sin)
     if library is None or x.stride(1) != head_dim or head_dim > MAX_ROPE_HEAD_DIM or not cos.is_contiguous() or not signed_sin.is_contiguous():
         half = head_dim // 2
         swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
@@ -66,9 +70,9 @@ def apply_rope(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
     return x
 
 
-def silu_mul(gate_up: Tensor) -> Tensor:
+def silu_mul(gate_up: Tensor, native: bool = True) -> Tensor:
     """F.silu(gate) * up for gate_up = [gate | up] along the last dim, [T, 2 * dim] -> [T, dim]."""
-    library = _native_for(gate_up)
+    library = _native_for(native, gate_up)
     if library is None:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up

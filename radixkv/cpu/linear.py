@@ -1,5 +1,5 @@
 """Linear layers whose bf16 weights are packed once at load for the CPU: into AMX tiles' layout
-(radixkv/csrc/amx_linear.c) where the CPU has them, else into oneDNN's blocked layout.
+(radixkv/cpu/csrc/amx_linear.c) where the CPU has them, else into oneDNN's blocked layout.
 
 F.linear hands oneDNN a plain weight, which it re-lays out on every call; at decode's few rows
 that costs more than the product itself. oneDNN with a prepacked weight still spends ~20 us of
@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from radixkv import native
+from radixkv.cpu import native
 
 # The row count oneDNN tunes the packed layout for: a decode step's batch, where it matters most.
 PACK_FOR_ROWS = 32
@@ -41,13 +41,14 @@ class PackedLinear(nn.Module):
 
     rows_independent: each output row's bits depend on its input row alone, never on how many
     rows the call has (true of the AMX kernel; oneDNN picks kernels by row count).
+    native=False keeps oneDNN even where the AMX kernel would run (EngineConfig.native_kernels).
     """
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, native: bool = True) -> None:
         super().__init__()
         weight = linear.weight.detach()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self._amx = _amx_library(weight)
+        self._amx = _amx_library(weight) if native else None
         self.rows_independent = self._amx is not None
         if self._amx is not None:
             packed = torch.empty(self._amx.radixkv_amx_packed_words(*weight.shape), dtype=torch.bfloat16)
@@ -79,9 +80,9 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, kernel={kernel}"
 
 
-def prepack_linears(model: nn.Module) -> int:
+def prepack_linears(model: nn.Module, native: bool = True) -> int:
     """Replace every nn.Linear in model by a PackedLinear; returns how many were replaced."""
     targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children() if type(child) is nn.Linear]
     for parent, name, child in targets:
-        setattr(parent, name, PackedLinear(child))
+        setattr(parent, name, PackedLinear(child, native))
     return len(targets)

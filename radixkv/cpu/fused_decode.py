@@ -1,4 +1,4 @@
-"""A decode step's decoder layers as one native call (radixkv/csrc/decode_layers.c), for bf16
+"""A decode step's decoder layers as one native call (radixkv/cpu/csrc/decode_layers.c), for bf16
 models on CPUs with AMX: the same kernels as the layer-by-layer forward, minus its Python.
 
 At 32 rows the Python between a layer's ten kernels and inside their wrappers costs ~0.3 ms,
@@ -14,10 +14,9 @@ import ctypes
 import torch
 from torch import Tensor
 
-from radixkv import native
-from radixkv.attention import cpu_decode
 from radixkv.attention.base import AttentionMetadata
-from radixkv.model.cpu_linear import PackedLinear
+from radixkv.cpu import native
+from radixkv.cpu.linear import PackedLinear
 
 _p = ctypes.c_void_p
 
@@ -47,8 +46,8 @@ class FusedDecode:
     (see `for_model`); the weights are read through the model's own tensors, never copied."""
 
     def __init__(self, model: torch.nn.Module, library: ctypes.CDLL) -> None:
-        # The layers and config, not the model: the model holds this object.
-        self.layers, self.config, self.library = model.layers, model.config, library
+        # The layers, config and backend, not the model: the model holds this object.
+        self.layers, self.config, self.attention, self.library = model.layers, model.config, model.attention, library
         self._layers: ctypes.Array | None = None
         self._caches: tuple[int, int] | None = None  # data_ptr of the first k and v cache bound
 
@@ -70,24 +69,21 @@ class FusedDecode:
         )  # fmt: skip
         return cls(model, library) if fits else None
 
-    def usable(self, x: Tensor, meta: AttentionMetadata, k_cache: Tensor) -> bool:
-        """Whether this step can run fused: one new token per request, the torch backend's
-        native decode on these caches, and rows that need not be split (batch invariance holds
-        either way: the kernels are the ones the modules call)."""
-        backend = self.layers[0].self_attn.backend
-        if not meta.is_decode_only or backend.name != "torch" or meta.num_seqs != x.shape[0]:
+    def usable(self, x: Tensor, meta: AttentionMetadata) -> bool:
+        """Whether this step can run fused: one new token per request, decoded by a backend
+        whose kernel takes these caches (its prepare() checked the tables the C code reads).
+        Batch invariance holds either way: the kernels are the ones the modules call."""
+        if not meta.is_decode_only or not self.attention.capabilities.fused_cpu_decode or meta.num_seqs != x.shape[0]:
             return False
-        config = self.config
-        q_like = x.new_empty(0, config.num_q_heads, config.head_dim)
-        return cpu_decode.supports(q_like, k_cache)
+        return meta.backend_state.kernel
 
     def run(self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata, k_caches: list[Tensor], v_caches: list[Tensor]) -> tuple[Tensor, Tensor]:
         """(residual stream, last MLP output) after all layers, as the module loop returns them."""
         config, rows = self.config, x.shape[0]
-        page_table = meta.page_table.to(torch.int32).contiguous()
-        seq_lens = meta.seq_lens.to(torch.int32).contiguous()
+        # The backend's prepare() range-checked these tables and the slots for this step.
+        state = meta.backend_state
+        page_table, seq_lens = state.page_table, state.seq_lens
         slots = meta.slot_mapping.to(torch.int64).contiguous()
-        _check_tables(page_table, seq_lens, slots, k_caches[0], v_caches[0])
         layers = self._bind(k_caches, v_caches)
         q_size, kv_size = config.num_q_heads * config.head_dim, config.num_kv_heads * config.head_dim
         widths = dict(h=config.hidden_size, qkv=q_size + 2 * kv_size, attention=q_size, projected=config.hidden_size,
@@ -130,13 +126,6 @@ class FusedDecode:
                 ))  # fmt: skip
             self._layers, self._caches = (_Layer * len(records))(*records), key
         return self._layers
-
-
-def _check_tables(page_table: Tensor, seq_lens: Tensor, slots: Tensor, k_cache: Tensor, v_cache: Tensor) -> None:
-    """The checks the layer-by-layer path makes on its first layer: the C code trusts these."""
-    cpu_decode.check_slots(slots, k_cache)
-    q_like = torch.empty(seq_lens.shape[0], k_cache.shape[2], k_cache.shape[3], dtype=k_cache.dtype)
-    cpu_decode.check_bounds(q_like, k_cache, v_cache, page_table, seq_lens, None, q_like)
 
 
 def _pointer(tensor: Tensor | None) -> int | None:

@@ -1,35 +1,76 @@
-"""The CPU paged-decode kernel (radixkv/csrc/paged_decode.c) as a tensor function.
+"""The CPU paged-decode and store-KV kernels (radixkv/cpu/csrc/paged_decode.c) as tensor functions.
 
-Checks what the C code trusts (dtypes, shapes, index ranges), allocates its work buffer and
-calls it through radixkv.native, which builds and loads the library.
+Checks what the C code trusts (dtypes, shapes, index ranges), allocates the decode work buffer
+and calls the library that radixkv.cpu.native builds and loads.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
+from dataclasses import dataclass
+
 import torch
 
-from radixkv.native import load
+from radixkv.cpu.native import load
 
-# The kernel's fixed-size buffers (MAX_HEAD_DIM, MAX_GROUP in csrc/paged_decode.c).
-MAX_HEAD_DIM, MAX_GROUP = 256, 16
 _FUNCTIONS = {torch.bfloat16: "radixkv_paged_decode_bf16", torch.float32: "radixkv_paged_decode_f32"}
 
 
-def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether the kernel handles these tensors (CPU, bf16/fp32, contiguous pages, unit inner stride)."""
+@dataclass(frozen=True, slots=True)
+class DecodeLimits:
+    """The kernel's fixed-size buffers (MAX_HEAD_DIM, MAX_GROUP in csrc/paged_decode.c)."""
+
+    max_head_dim: int
+    max_group: int  # query heads per kv head
+
+
+@functools.cache
+def limits() -> DecodeLimits:
+    """The limits the compiled library reports (asked once: they are compile-time constants)."""
+    library = load()
+    assert library is not None, "the native library is not available"
+    head_dim, group = ctypes.c_int32(), ctypes.c_int32()
+    library.radixkv_decode_limits(ctypes.byref(head_dim), ctypes.byref(group))
+    return DecodeLimits(head_dim.value, group.value)
+
+
+def cache_fits(k_cache: torch.Tensor) -> bool:
+    """Whether the kernel reads this page pool: CPU, bf16 or fp32, contiguous [pages, page_size, kv_heads, head_dim]."""
     return (
-        q.device.type == "cpu"
-        and q.dtype in _FUNCTIONS
-        and k_cache.dtype == q.dtype
-        and k_cache.is_contiguous()
+        k_cache.device.type == "cpu"
+        and k_cache.dtype in _FUNCTIONS
         and k_cache.dim() == 4
+        and k_cache.is_contiguous()
+        and k_cache.shape[2] > 0
+        and k_cache.shape[3] <= limits().max_head_dim
+    )
+
+
+def heads_fit(num_q_heads: int, k_cache: torch.Tensor) -> bool:
+    """Whether the kernel takes num_q_heads query heads over this pool's kv heads (GQA group limit)."""
+    num_kv_heads = k_cache.shape[2]
+    return num_q_heads % num_kv_heads == 0 and num_q_heads // num_kv_heads <= limits().max_group
+
+
+def query_fits(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether q's dtype and layout fit the kernel: heads side by side in each row, unit inner stride."""
+    return (
+        q.dtype == k_cache.dtype
+        and q.shape[-1] == k_cache.shape[3]
         and q.stride(-1) == 1
         and q.stride(-2) == q.shape[-1]
-        and q.shape[-1] <= MAX_HEAD_DIM
-        and k_cache.shape[2] > 0
-        and q.shape[1] % k_cache.shape[2] == 0
-        and q.shape[1] // k_cache.shape[2] <= MAX_GROUP
+    )
+
+
+def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether the kernel handles these tensors (and the library is built)."""
+    return (
+        q.device.type == "cpu"
         and load() is not None
+        and cache_fits(k_cache)
+        and heads_fit(q.shape[1], k_cache)
+        and query_fits(q, k_cache)
     )
 
 
@@ -49,8 +90,8 @@ def paged_decode(
     q: [R, num_q_heads, head_dim] (rows may be strided); page_table: [B, P] int32; seq_lens:
     [B] int32; rows: [B] int32, the q/out row of each request (None: row b). Returns out
     [R, num_q_heads, head_dim], contiguous; rows no request names are left as they were.
-    check=False skips the index checks, for a caller that checked these same tables already
-    (every layer of a step reads the same ones).
+    check=False skips every check, for a caller that ran check_tables on these same tables
+    (the CPU backend, once per step) and built out itself.
     """
     library = load()
     assert library is not None, "call supports() first"
@@ -64,7 +105,8 @@ def paged_decode(
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype)
     if check:
-        check_bounds(q, k_cache, v_cache, page_table, seq_lens, rows, out)
+        check_buffers(q, k_cache, v_cache, out)
+        check_tables(page_table, seq_lens, rows, q.shape[0], k_cache.shape[0], page_size)
     work_floats = library.radixkv_decode_work_floats(seq_lens.data_ptr(), num_seqs, num_q_heads, head_dim)
     work = torch.empty(max(work_floats, 1), dtype=torch.float32)
     first_chunk = torch.empty(max(num_seqs, 1), dtype=torch.int64)
@@ -75,26 +117,33 @@ def paged_decode(
         page_size, scale, out.data_ptr(), work.data_ptr(), first_chunk.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     if status != 0:
-        raise ValueError(f"paged decode kernel rejected the shapes: {num_q_heads} query heads, {num_kv_heads} kv heads, head_dim {head_dim} (limits: group <= 16, head_dim <= 256)")
+        limit = limits()
+        raise ValueError(
+            f"paged decode kernel rejected the shapes: {num_q_heads} query heads, {num_kv_heads} kv heads, "
+            f"head_dim {head_dim} (limits: group <= {limit.max_group}, head_dim <= {limit.max_head_dim})"
+        )
     return out
 
 
-def check_bounds(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    page_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    rows: torch.Tensor | None,
-    out: torch.Tensor,
-) -> None:
-    """The C kernel trusts its indices; a bad one would read or write outside a tensor and take
-    the process down, so they are checked here (a few microseconds per call on CPU)."""
-    num_seqs, num_pages, page_size = seq_lens.shape[0], k_cache.shape[0], k_cache.shape[1]
+def check_buffers(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor) -> None:
+    """The caches and the output buffer have the shapes and dtypes the kernel assumes."""
     if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype or not v_cache.is_contiguous():
         raise ValueError(f"v_cache {tuple(v_cache.shape)} must match k_cache {tuple(k_cache.shape)}, contiguous")
     if out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous {q.dtype} tensor of shape {tuple(q.shape)}")
+
+
+def check_tables(
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    rows: torch.Tensor | None,
+    num_q_rows: int,
+    num_pages: int,
+    page_size: int,
+) -> None:
+    """The C kernel trusts its indices; a bad one would read or write outside a tensor and take
+    the process down, so they are checked before it runs (a few microseconds on CPU)."""
+    num_seqs = seq_lens.shape[0]
     if page_table.shape[0] != num_seqs or (rows is not None and rows.shape[0] != num_seqs):
         raise ValueError(f"page_table has {page_table.shape[0]} rows for {num_seqs} sequences")
     if num_seqs == 0:
@@ -103,10 +152,10 @@ def check_bounds(
         raise IndexError(f"sequence lengths must lie in [0, {page_table.shape[1] * page_size}] (page table width x page size)")
     if page_table.numel() and (int(page_table.min()) < 0 or int(page_table.max()) >= num_pages):
         raise IndexError(f"page ids must lie in [0, {num_pages})")
-    if rows is None and num_seqs > q.shape[0]:
-        raise IndexError(f"{num_seqs} sequences but q has {q.shape[0]} rows")
-    if rows is not None and (int(rows.min()) < 0 or int(rows.max()) >= q.shape[0]):
-        raise IndexError(f"rows must lie in [0, {q.shape[0]})")
+    if rows is None and num_seqs > num_q_rows:
+        raise IndexError(f"{num_seqs} sequences but q has {num_q_rows} rows")
+    if rows is not None and (int(rows.min()) < 0 or int(rows.max()) >= num_q_rows):
+        raise IndexError(f"rows must lie in [0, {num_q_rows})")
 
 
 def check_slots(slots: torch.Tensor, k_cache: torch.Tensor) -> None:
@@ -119,7 +168,7 @@ def check_slots(slots: torch.Tensor, k_cache: torch.Tensor) -> None:
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> bool:
     """Copy the rows of k and v ([T, heads, head_dim], rows may be strided) into their slots of
     the caches in one call; slots < 0 are skipped. The caller has checked slots < the number of
-    slots. Returns False, having done nothing, where the tensors do not fit the kernel."""
+    slots (check_slots). Returns False, having done nothing, where the tensors do not fit the kernel."""
     library = load()
     fits = (
         library is not None

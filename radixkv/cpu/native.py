@@ -1,8 +1,9 @@
-"""radixkv's native CPU kernels (radixkv/csrc/*.c): compiled once per machine, loaded with ctypes.
+"""radixkv's native CPU kernels (radixkv/cpu/csrc/*.c): compiled once per machine, loaded with ctypes.
 
 The shared library is built with the system C compiler for this CPU (-march=native) and kept
 in the radixkv cache folder under a name hashed from the sources, the flags and the CPU, so a
-second process loads it in milliseconds. Without a compiler, callers take their torch paths.
+second process loads it in milliseconds. Without a compiler, callers take their torch paths;
+EngineConfig.native_kernels=False makes them take those paths without asking for the library.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import threading
 from pathlib import Path
 
 from radixkv.config import default_cache_dir
+from radixkv.cpu.features import cpu_features
 
 logger = logging.getLogger(__name__)
 
@@ -26,10 +28,6 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "paged_decode.c", CSRC / "row_ops.c", CSRC / "amx_linear.c", CSRC / "decode_layers.c")
 HEADERS = (CSRC / "bf16.h", CSRC / "amx.h", CSRC / "kernels.h")
 COMPILE_FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=c11")
-# RADIXKV_NATIVE=0 turns the kernels off: decode gathers KV per step, layer glue runs as torch ops.
-DISABLE_ENV = "RADIXKV_NATIVE"
-# RADIXKV_DECODE_AMX=0 keeps decode's q.k on AVX-512 even where AMX tiles are available.
-AMX_ENV = "RADIXKV_DECODE_AMX"
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
@@ -37,14 +35,12 @@ _tried = False
 
 
 def load() -> ctypes.CDLL | None:
-    """The compiled library, or None where it cannot be built (no compiler, not Linux, disabled)."""
+    """The compiled library, or None where it cannot be built (no compiler, not Linux)."""
     global _library, _tried
     with _lock:
         if _tried:
             return _library
         _tried = True
-        if os.environ.get(DISABLE_ENV, "1") in ("0", ""):
-            return None
         compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
         if compiler is None or platform.system() != "Linux":
             logger.warning("no C compiler found: radixkv runs its CPU kernels as torch ops (slower decode)")
@@ -59,27 +55,19 @@ def load() -> ctypes.CDLL | None:
             logger.warning("building radixkv's CPU kernels failed, using torch ops instead: %s", detail)
             return None
         _declare(library)
-        if os.environ.get(AMX_ENV, "1") not in ("0", ""):
-            library.radixkv_decode_use_amx()
+        # Decode's q.k starts on AMX where the OS grants tiles, as EngineConfig.decode_amx's
+        # default says; the CPU backend applies its own config's setting over this.
+        library.radixkv_decode_use_amx(1)
         _library = library
         return library
-
-
-def _cpu_signature() -> str:
-    """The CPU's model and feature flags: a library built with -march=native runs only there."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = [line for line in f if line.startswith(("model name", "flags"))][:2]
-    except OSError:
-        lines = []
-    return platform.machine() + "".join(lines)
 
 
 def _library_path(compiler: str) -> Path:
     key = hashlib.sha256()
     for source in (*SOURCES, *HEADERS):
         key.update(source.read_bytes())
-    for part in (compiler, " ".join(COMPILE_FLAGS), _cpu_signature()):
+    # A library built with -march=native runs only on this CPU model with these flags.
+    for part in (compiler, " ".join(COMPILE_FLAGS), cpu_features().signature):
         key.update(part.encode())
     return default_cache_dir() / "native" / f"radixkv-{key.hexdigest()[:16]}.so"
 
@@ -104,7 +92,8 @@ def _declare(library: ctypes.CDLL) -> None:
         "radixkv_paged_decode_bf16": [p, i64, p, p, p, i64, p, p, i32, i32, i32, i32, i32, f32, p, p, p, i32],
         "radixkv_paged_decode_f32": [p, i64, p, p, p, i64, p, p, i32, i32, i32, i32, i32, f32, p, p, p, i32],
         "radixkv_decode_work_floats": [p, i32, i32, i32],
-        "radixkv_decode_use_amx": [],
+        "radixkv_decode_use_amx": [i32],
+        "radixkv_decode_limits": [p, p],
         "radixkv_store_kv": [p, p, p, p, i64, i64, p, i32, i64],
         "radixkv_add_rms_norm_bf16": [p, p, p, p, i32, i32, f32, i32],
         "radixkv_rope_bf16": [p, i64, i32, i32, i32, p, p, i32],

@@ -1,5 +1,5 @@
 /* The exported kernels of radixkv's native library, for the C code that chains them
- * (decode_layers.c); Python reaches the same functions through ctypes (radixkv/native.py). */
+ * (decode_layers.c); Python reaches the same functions through ctypes (radixkv/cpu/native.py). */
 #ifndef RADIXKV_KERNELS_H
 #define RADIXKV_KERNELS_H
 

@@ -144,7 +144,7 @@ DEFINE_ITEM(item_f32, float, f32_load)
 #define XFEATURE_XTILEDATA 18
 
 static int amx_permitted = 0;
-static int decode_amx = 0; /* radixkv_decode_use_amx was called (the linears ask for tiles too) */
+static int decode_amx = 0; /* set by radixkv_decode_use_amx only: the linears ask for tiles too */
 
 int radixkv_enable_amx(void) {
     if (!amx_permitted)
@@ -537,14 +537,23 @@ int64_t radixkv_decode_work_floats(const int32_t *seq_lens, int num_seqs, int nu
 DEFINE_DECODE(radixkv_paged_decode_bf16, uint16_t, item_bf16, merge_bf16, 1)
 DEFINE_DECODE(radixkv_paged_decode_f32, float, item_f32, merge_f32, 0)
 
-/* Turns the AMX q.k path on where the CPU and the OS allow; returns whether it is on. */
-int radixkv_decode_use_amx(void) {
+/* Turns the AMX q.k path on (on != 0, where the CPU and the OS allow) or off; returns whether
+ * it is on. One setting per process: every later decode call reads it. */
+int radixkv_decode_use_amx(int on) {
 #ifdef HAVE_AMX
-    decode_amx = radixkv_enable_amx();
+    decode_amx = on && radixkv_enable_amx();
     return decode_amx;
 #else
+    (void)on;
     return 0;
 #endif
+}
+
+/* The kernel's fixed buffer sizes, so the Python wrapper checks shapes against these very
+ * numbers instead of a copy of them. */
+void radixkv_decode_limits(int32_t *max_head_dim, int32_t *max_group) {
+    *max_head_dim = MAX_HEAD_DIM;
+    *max_group = MAX_GROUP;
 }
 
 /* Write each new token's K and V rows (num_kv_heads * head_dim values, row_bytes bytes) into

@@ -1,0 +1,136 @@
+"""The CPU backend: the native kernels (radixkv.cpu.decode) behind the attention interface.
+
+Stores KV with one native call, runs decode rows (decode steps, the one-token requests of mixed
+steps, and every row of a batch-invariant step) through the paged kernel, which reads KV in
+place; multi-token requests, and tensors the kernel cannot take, run the reference's torch code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from radixkv.attention import torch_backend
+from radixkv.attention.base import AttentionBackend, AttentionMetadata, BackendCapabilities
+from radixkv.attention.torch_backend import RowByRow, TorchStepState
+from radixkv.cpu import decode
+from radixkv.cpu.native import load
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeRows:
+    """The requests the kernel runs in a mixed step: their flat q/out rows and tables."""
+
+    rows: torch.Tensor  # [D] int32
+    page_table: torch.Tensor  # [D, max_pages] int32
+    seq_lens: torch.Tensor  # [D] int32
+
+
+@dataclass(frozen=True, slots=True)
+class CPUStepState:
+    # The kernel takes this step's caches and heads; every table below was range-checked
+    # once, here in prepare, since the C code trusts its indices.
+    kernel: bool
+    page_table: torch.Tensor  # [B, max_pages] int32, contiguous
+    seq_lens: torch.Tensor  # [B] int32, contiguous
+    decode_rows: DecodeRows | None  # mixed steps with one-token requests
+    row_by_row: RowByRow | None  # batch-invariant steps
+    reference: TorchStepState | None  # where the kernel cannot take the tensors
+
+
+class CPUBackend(AttentionBackend):
+    name = "cpu"
+    capabilities = BackendCapabilities(batch_invariant=True, fused_cpu_decode=True)
+
+    def __init__(self, decode_amx: bool = True) -> None:
+        library = load()
+        if library is None:
+            raise RuntimeError("the CPU backend needs radixkv's native library, which could not be built here")
+        # A process-wide setting of the library (it has one): the last backend built sets it.
+        library.radixkv_decode_use_amx(int(decode_amx))
+        self.reference = torch_backend.TorchBackend()
+
+    def prepare(self, meta: AttentionMetadata, k_cache: torch.Tensor, num_q_heads: int) -> CPUStepState:
+        kernel = decode.cache_fits(k_cache) and decode.heads_fit(num_q_heads, k_cache)
+        page_table = meta.page_table.to(torch.int32).contiguous()
+        seq_lens = meta.seq_lens.to(torch.int32).contiguous()
+        num_pages, page_size = k_cache.shape[0], k_cache.shape[1]
+        num_tokens = meta.slot_mapping.shape[0]
+        # Checked even where the kernel does not decode: the native store may still take k/v.
+        decode.check_slots(meta.slot_mapping, k_cache)
+        if not kernel:
+            reference = self.reference.prepare(meta, k_cache, num_q_heads)
+            return CPUStepState(False, page_table, seq_lens, None, None, reference)
+        decode_rows = row_by_row = None
+        if meta.batch_invariant and not meta.is_decode_only:
+            row_by_row = torch_backend.row_by_row_tables(meta)
+            decode.check_tables(row_by_row.page_table, row_by_row.seq_lens, None, num_tokens, num_pages, page_size)
+        elif meta.is_decode_only:
+            decode.check_tables(page_table, seq_lens, None, num_tokens, num_pages, page_size)
+        else:
+            requests = torch.tensor([b for b, q_len in enumerate(meta.q_lens_list) if q_len == 1], dtype=torch.long)
+            if len(requests):
+                decode_rows = DecodeRows(
+                    meta.cu_q_lens[requests].to(torch.int32), page_table[requests], seq_lens[requests]
+                )
+                decode.check_tables(
+                    decode_rows.page_table, decode_rows.seq_lens, decode_rows.rows, num_tokens, num_pages, page_size
+                )
+        return CPUStepState(True, page_table, seq_lens, decode_rows, row_by_row, None)
+
+    def store_kv(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> None:
+        # prepare() checked the slots: the native store trusts them.
+        if not decode.store_kv(k, v, k_cache, v_cache, meta.slot_mapping):
+            torch_backend.store_by_index_copy(k, v, k_cache, v_cache, meta.slot_mapping)
+
+    def extend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        state: CPUStepState = meta.backend_state
+        if not state.kernel:
+            return torch_backend.reference_extend(q, k_cache, v_cache, meta, state.reference, scale)
+        q = _rows_side_by_side(q)
+        if meta.batch_invariant:  # each row as its own request: the kernel's rows are independent
+            tables = state.row_by_row
+            return decode.paged_decode(q, k_cache, v_cache, tables.page_table, tables.seq_lens, scale, check=False)
+        out = torch.empty(q.shape, dtype=q.dtype)
+        rows = state.decode_rows
+        if rows is not None:  # requests decoding beside a prefill: one kernel call for all
+            decode.paged_decode(q, k_cache, v_cache, rows.page_table, rows.seq_lens, scale, rows=rows.rows, out=out, check=False)
+        torch_backend.extend_requests(q, k_cache, v_cache, meta, scale, out, skip_one_token=rows is not None)
+        return out
+
+    def decode(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        state: CPUStepState = meta.backend_state
+        if not state.kernel:
+            return torch_backend.reference_decode(q, k_cache, v_cache, meta, state.reference, scale)
+        # Rows are independent in the kernel, so batch-invariant decode steps take it too.
+        return decode.paged_decode(_rows_side_by_side(q), k_cache, v_cache, state.page_table, state.seq_lens, scale, check=False)
+
+
+def _rows_side_by_side(q: torch.Tensor) -> torch.Tensor:
+    """q as the kernel reads it: each row's heads side by side, unit inner stride (a strided
+    slice of the fused qkv output already is; anything else is copied)."""
+    return q if q.stride(-1) == 1 and q.stride(-2) == q.shape[-1] else q.contiguous()
