@@ -50,6 +50,7 @@ class MatchResult:
 class PeekResult:
     num_cached_tokens: int  # what match() would return now, multiple of page_size
     pages: list[int]  # pages of those blocks, in order
+    num_unlocked_pages: int  # of those, the evictable ones: what locking the match takes from eviction
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,7 +139,7 @@ class RadixTree:
         max_blocks = (len(tokens) - 1) // self.page_size if tokens else 0
         _check_hashes_len(block_hashes, max_blocks)
         node = self._roots.get(salt)
-        ps, block, pages = self.page_size, 0, []
+        ps, block, pages, unlocked = self.page_size, 0, [], 0
         while node is not None and block < max_blocks:
             key = self._block_hash(node, tokens, block, salt, block_hashes)
             child = node.children.get(key)
@@ -146,25 +147,16 @@ class RadixTree:
                 break
             common = _common_blocks(child.tokens, tokens, block * ps, max_blocks - block, ps)
             pages.extend(child.pages[:common])
+            unlocked += common if child.lock_ref == 0 else 0
             block += common
             node = child if common == len(child.pages) else None
-        return PeekResult(block * ps, pages)
+        return PeekResult(block * ps, pages, unlocked)
 
     def record_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
         """Count one lookup that was used (a match made with record=False, then locked)."""
         self._queries += 1
         self._query_tokens += num_query_tokens
         self._hit_tokens += num_hit_tokens
-
-    def unlocked_pages_on_path(self, node: Node) -> int:
-        """Pages of `node` and its ancestors that are evictable now: what lock(node) takes
-        out of the evictable count."""
-        pages = 0
-        current: Node | None = node
-        while current is not None and current.lock_ref == 0:  # locks never grow toward leaves
-            pages += len(current.pages)
-            current = current.parent
-        return pages
 
     def insert(
         self,

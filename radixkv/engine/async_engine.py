@@ -146,10 +146,7 @@ class AsyncEngine:
         self.engine = engine
         # Fixed after construction, so any thread may read them.
         self.tokenizer = engine.tokenizer
-        self.max_model_len = engine.max_model_len
         self.max_context_tokens = engine.max_context_tokens
-        self.page_size = engine.pool.page_size
-        self.num_pages = engine.pool.num_pages
         self._cond = threading.Condition()
         self._shared = _Shared()
         self._streams: dict[str, RequestStream] = {}  # engine thread only

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from radixkv.cache.hashing import BlockHasher
 from radixkv.cache.pages import OutOfPages, PagePool
-from radixkv.cache.radix import MatchResult, Node, PeekResult, RadixTree
+from radixkv.cache.radix import Node, PeekResult, RadixTree
 from radixkv.engine.request import SequenceState
 
 
@@ -37,38 +37,29 @@ class KVManager:
     def peek(self, token_ids: list[int], salt: str | None, block_hashes: list[int] | None = None) -> PeekResult:
         """What a match would serve now, changing nothing (no split, no LRU time, no stats)."""
         if not self.enable_prefix_caching:
-            return PeekResult(0, [])
+            return PeekResult(0, [], 0)
         return self.tree.peek(token_ids, salt, block_hashes=block_hashes)
 
-    def peek_cached_tokens(self, seq: SequenceState) -> int:
-        """How many of seq's tokens the cache would serve now; a pure lookup."""
+    def peek_seq(self, seq: SequenceState) -> PeekResult:
+        """What the cache would serve seq now; a pure lookup (scheduling order, admission checks)."""
         if not self.enable_prefix_caching or seq.num_tokens <= self.page_size:
-            return 0
-        return self.peek(seq.all_token_ids, seq.salt, self.update_block_hashes(seq)).num_cached_tokens
+            return PeekResult(0, [], 0)
+        return self.peek(seq.all_token_ids, seq.salt, self.update_block_hashes(seq))
 
-    def match(self, seq: SequenceState) -> MatchResult | None:
-        """The cached prefix seq would start from (None with caching off); lock it with admit()
-        before anything evicts."""
-        if not self.enable_prefix_caching:
-            return None
-        hashes = self.update_block_hashes(seq)
-        return self.tree.match(seq.all_token_ids, seq.salt, block_hashes=hashes, record=False)
-
-    def pages_to_admit(self, seq: SequenceState, match: MatchResult | None, num_new_tokens: int) -> tuple[int, int]:
-        """(pages seq needs for its first num_new_tokens past the match, pages that can be had
-        once the match is locked: free ones plus what eviction could still free)."""
-        num_cached = match.num_cached_tokens if match is not None else 0
+    def pages_to_admit(self, peek: PeekResult, num_new_tokens: int) -> tuple[int, int]:
+        """(pages a sequence needs for its first num_new_tokens past its cached prefix, pages
+        that can be had once that prefix is locked: free ones plus what eviction could free)."""
+        num_cached = peek.num_cached_tokens
         needed = -(-(num_cached + num_new_tokens) // self.page_size) - num_cached // self.page_size
-        available = self.available_pages()
-        if match is not None:
-            available -= self.tree.unlocked_pages_on_path(match.node)
-        return needed, available
+        return needed, self.available_pages() - peek.num_unlocked_pages
 
-    def admit(self, seq: SequenceState, match: MatchResult | None) -> int:
-        """Lock the match and take a reference on its pages for seq; returns cached tokens."""
+    def admit(self, seq: SequenceState) -> int:
+        """Match seq, lock the match and take a reference on its pages; returns cached tokens.
+        Call it after the check (pages_to_admit): nothing here is undone."""
         assert not seq.page_table and seq.tree_node is None
-        if match is None:
+        if not self.enable_prefix_caching:
             return 0
+        match = self.tree.match(seq.all_token_ids, seq.salt, block_hashes=self.update_block_hashes(seq), record=False)
         self.tree.lock(match.node)
         self.tree.record_lookup(seq.num_tokens, match.num_cached_tokens)
         self.pool.incref(match.pages)

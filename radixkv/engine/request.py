@@ -99,7 +99,6 @@ class SequenceState:
     num_tree_blocks: int = 0
     tree_node: Any = None
     block_hashes: list[int] = field(default_factory=list)  # of the full blocks of all_token_ids
-    admitted_step: int = -1
     num_preemptions: int = 0
     text_state: TextState = field(init=False)
     num_sent_tokens: int = 0  # output tokens already handed out in a delta

@@ -124,24 +124,23 @@ class Scheduler:
             computing.update(self._uncomputed_block_hashes(seq))
 
     def _admit(self, seq: SequenceState, token_budget: int) -> int:
-        """Match, check, then lock and allocate for seq's first chunk; 0 (nothing held) if it
-        can't fit. Nothing is taken before the check, so a refusal has nothing to undo."""
-        match = self.kv.match(seq)
-        num_cached = match.num_cached_tokens if match is not None else 0
-        num_new = min(seq.num_tokens - num_cached, token_budget)
-        needed, available = self.kv.pages_to_admit(seq, match, num_new)
+        """Look, check, then match, lock and allocate for seq's first chunk; 0 (nothing held,
+        nothing touched) if it can't fit, so a refusal has nothing to undo."""
+        peek = self.kv.peek_seq(seq)
+        num_new = min(seq.num_tokens - peek.num_cached_tokens, token_budget)
+        needed, available = self.kv.pages_to_admit(peek, num_new)
         # Keep a page of headroom per running sequence so admissions don't immediately force
         # preemptions when the running ones cross a page boundary.
         if needed + len(self.running) > available:
             return 0
-        cached = self.kv.admit(seq, match)
+        cached = self.kv.admit(seq)
+        assert cached == peek.num_cached_tokens, "nothing ran between the look and the match"
         reserved = self.kv.reserve(seq, num_new)
         assert reserved, "the pages were counted as available a moment ago"
         if seq.num_preemptions == 0 and not seq.output_token_ids:
             seq.num_cached_tokens = cached
         self.waiting.remove(seq)
         seq.status = SeqStatus.RUNNING
-        seq.admitted_step = self.step_count
         self.running.append(seq)
         return num_new
 
@@ -152,7 +151,7 @@ class Scheduler:
         if self.config.policy == "fcfs" or len(waiting) > self.config.lpm_fcfs_queue_threshold:
             return [(s, -1) for s in waiting]
         overdue = [(s, -1) for s in waiting if self._overdue(s)]
-        rest = [(s, self.kv.peek_cached_tokens(s)) for s in waiting if not self._overdue(s)]
+        rest = [(s, self.kv.peek_seq(s).num_cached_tokens) for s in waiting if not self._overdue(s)]
         rest.sort(key=lambda pair: -pair[1])  # stable: arrival order among equals
         return overdue + rest
 

@@ -140,6 +140,8 @@ class CacheMachine(RuleBasedStateMachine):
         self.queries += record
         self.tree.lock(result.node)
         self.ref_touch(tokens, salt, blocks)
+        peeked = self.tree.peek(tokens, salt)  # the same match, now locked: nothing is evictable
+        assert peeked.pages == result.pages and peeked.num_unlocked_pages == 0
         self.pool.incref(result.pages)
         req = Req(tokens, salt, result.pages, result.node, blocks)
         self.requests.append(req)  # its lock counts while we evict for it
@@ -156,6 +158,28 @@ class CacheMachine(RuleBasedStateMachine):
             return None
         req.pages = req.pages + self.pool.allocate(need)
         return req
+
+    @rule(tokens=tokens_st, salt=salt_st, precomputed=st.booleans())
+    def peek(self, tokens: list[int], salt: str | None, precomputed: bool) -> None:
+        """A peek answers what match would, and changes nothing: no split, no time, no stats."""
+        hashes = self.hasher.hash_blocks(tokens, salt) if precomputed else None
+        before = self.tree_snapshot()
+        result = self.tree.peek(tokens, salt, block_hashes=hashes)
+        blocks, pages = self.ref_match(tokens, salt)
+        assert (result.num_cached_tokens, result.pages) == (blocks * self.ps, pages)
+        assert self.tree_snapshot() == before
+        evictable_before = self.tree.evictable_pages
+        match = self.tree.match(tokens, salt, block_hashes=hashes, record=False)
+        self.ref_touch(tokens, salt, blocks)
+        self.tree.lock(match.node)
+        self.ref_touch(tokens, salt, blocks)
+        assert self.tree.evictable_pages == evictable_before - result.num_unlocked_pages  # what admission counts on
+        self.tree.unlock(match.node)
+        self.ref_touch(tokens, salt, blocks)
+
+    def tree_snapshot(self) -> tuple:
+        nodes = sorted((n.node_id, n.last_access, n.lock_ref, tuple(n.pages)) for n in self.tree._iter_nodes())
+        return nodes, list(self.tree._lru), self.tree.stats(), self.tree._clock
 
     @precondition(lambda self: self.requests)
     @rule(i=index_st, precomputed=st.booleans())

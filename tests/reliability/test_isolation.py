@@ -77,8 +77,8 @@ class AdmissionAudit:
             self.owner[page] = salt
         return result
 
-    def admit(self, seq, match):
-        cached = self._admit(seq, match)
+    def admit(self, seq):
+        cached = self._admit(seq)
         matched = seq.page_table[: seq.num_tree_blocks]
         self.admissions.append((seq.salt, matched))
         for page in matched:
