@@ -79,7 +79,7 @@ def reference(tiny_dir) -> list[list[int]]:
 
 @pytest.mark.parametrize(
     "policy,max_batch_tokens,num_pages,staggered",
-    [("lpm", 2048, 24, False), ("fcfs", 2048, 24, True), ("lpm", 10, 20, True)],
+    [("lpm", 2048, 18, False), ("fcfs", 2048, 24, True), ("lpm", 10, 20, True)],
     ids=["lpm-all-at-once", "fcfs-staggered", "lpm-chunked-staggered"],
 )
 def test_small_pool_gives_the_outputs_of_an_ample_one(
