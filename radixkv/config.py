@@ -88,15 +88,6 @@ class EngineConfig:
             raise ConfigError(f"check_indices must be None, True or False, got {self.check_indices!r}", param="check_indices")
         if self.attention_backend == "cpu" and not self.native_kernels:
             raise ConfigError("attention_backend='cpu' runs the native kernels; it needs native_kernels=True", param="attention_backend")
-        if self.batch_invariant and self.attention_backend != "auto":  # "auto" is checked once resolved
-            from radixkv.attention import backend_capabilities
-
-            if not backend_capabilities(self.attention_backend).batch_invariant:
-                raise ConfigError(
-                    f"batch_invariant needs an attention backend that attends row by row ('torch' or 'cpu'), "
-                    f"not {self.attention_backend!r}",
-                    param="batch_invariant",
-                )
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise ConfigError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
 

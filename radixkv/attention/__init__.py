@@ -9,7 +9,6 @@ __all__ = [
     "AttentionBackend",
     "AttentionMetadata",
     "BackendCapabilities",
-    "backend_capabilities",
     "make_backend",
     "resolve_backend_name",
 ]
@@ -45,11 +44,6 @@ def backend_class(name: str) -> type[AttentionBackend]:
 
         return TritonBackend
     raise ValueError(f"unknown attention backend {name!r}; choose 'auto', 'torch', 'cpu' or 'triton'")
-
-
-def backend_capabilities(name: str) -> BackendCapabilities:
-    """What the backend `name` ("torch", "cpu", "triton") can do, without building it."""
-    return backend_class(name).capabilities
 
 
 def make_backend(

@@ -50,14 +50,20 @@ class Engine:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        if loaded is None:
-            backend = make_backend(
-                config.attention_backend,
-                self.device.type,
-                native_kernels=config.native_kernels,
-                decode_amx=config.decode_amx,
-                check_indices=config.check_indices,
+        backend = loaded.model.attention if loaded is not None else make_backend(
+            config.attention_backend,
+            self.device.type,
+            native_kernels=config.native_kernels,
+            decode_amx=config.decode_amx,
+            check_indices=config.check_indices,
+        )
+        # Before the model loads: a configuration the backend cannot run fails in a blink.
+        if config.batch_invariant and not backend.capabilities.batch_invariant:
+            raise ConfigError(
+                f"batch_invariant needs an attention backend that attends row by row ('torch' or 'cpu'), not {backend.name!r}",
+                param="batch_invariant",
             )
+        if loaded is None:
             loaded = load_model(
                 config.model,
                 backend,
@@ -92,9 +98,6 @@ class Engine:
         self.tree = RadixTree(self.pool, self.hasher)
         self.kv = KVManager(self.pool, self.tree, self.hasher, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv)
-        backend = loaded.model.attention
-        if config.batch_invariant and not backend.capabilities.batch_invariant:
-            raise ConfigError(f"batch_invariant needs a backend that attends row by row, not {backend.name!r}", param="batch_invariant")
         self.runner = ModelRunner(loaded.model, self.pool, loaded.device, batch_invariant=config.batch_invariant)
         self.sampler = Sampler(config.seed)
         self._requests: dict[str, list[SequenceState]] = {}

@@ -18,7 +18,7 @@ from radixkv.server.protocol import PinRequest, PinResponse, UnpinResponse
 from radixkv.server.streaming import collect, submit, until_disconnect
 
 if TYPE_CHECKING:
-    from radixkv.server.app import Server
+    from radixkv.server.state import Server
 
 # Pins made over HTTP may lock at most this share of the page pool, so they cannot starve requests.
 _MAX_PINNED_FRACTION = 0.5

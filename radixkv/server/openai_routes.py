@@ -36,7 +36,7 @@ from radixkv.server.protocol import (
 from radixkv.server.streaming import SSEResponse, collect, sse, submit, text_events, until_disconnect, usage
 
 if TYPE_CHECKING:
-    from radixkv.server.app import Server
+    from radixkv.server.state import Server
 
 # Below this a temperature is greedy: dividing logits by ~0 would overflow to inf/NaN.
 _MIN_TEMPERATURE = 1e-5

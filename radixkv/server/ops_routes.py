@@ -13,7 +13,7 @@ from radixkv.server.errors import APIError
 from radixkv.server.metrics import CONTENT_TYPE
 
 if TYPE_CHECKING:
-    from radixkv.server.app import Server
+    from radixkv.server.state import Server
 
 
 def register(app: FastAPI, server: Server) -> None:

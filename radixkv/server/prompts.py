@@ -13,7 +13,7 @@ from radixkv.server.errors import APIError, context_error, engine_error
 from radixkv.server.protocol import ChatMessage, CompletionRequest, PinRequest
 
 if TYPE_CHECKING:
-    from radixkv.server.app import Server
+    from radixkv.server.state import Server
 
 
 def chat_prompt(server: Server, messages: list[ChatMessage], *, add_generation_prompt: bool = True) -> list[int]:

