@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import importlib
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tiny_models import make_tiny_model  # noqa: E402
+from tests.helpers.tiny_models import make_tiny_model
 
 SCENARIOS = {
     "agent_system_prompt": ["--groups", "2", "--system-len", "40", "--question-len", "6", "--decode-profile", "0"],
