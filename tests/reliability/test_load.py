@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from scenarios import load_test
+from radixkv.scenarios import load_test
 
 
 def test_small_load_loses_nothing(tiny_llama, tmp_path, capsys):
