@@ -14,7 +14,7 @@ import pytest
 from radixkv import LLM, InvalidRequest, SamplingParams
 from radixkv.errors import QueueFull
 from tests.helpers.engine import assert_pages_returned, make_engine, run_to_end
-from tests.helpers.live_server import KEY_A, LiveServer, make_async_engine, serve
+from tests.helpers.live_server import KEY_A, MODEL, LiveServer, make_async_engine, serve
 
 
 def test_full_queue_refuses_without_side_effects_and_recovers(tiny_loaded):
