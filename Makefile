@@ -23,7 +23,7 @@ test: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m pytest
 
 bench: $(STAMP)
-	HF_HUB_OFFLINE=1 $(PY) scenarios/bench_cache.py
+	HF_HUB_OFFLINE=1 $(VENV)/bin/radixkv bench bench_cache
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from radixkv.errors import ConfigError, InvalidRequest
+from radixkv.scenarios import scenario_names
 
 logger = logging.getLogger(__name__)
 
@@ -36,9 +37,11 @@ def main(argv: list[str] | None = None) -> int:
     serving.add_argument("--dtype", default="auto")
     serving.add_argument("--num-pages", type=int, default=None)
 
-    bench = commands.add_parser("bench", help="run a scenario under scenarios/ side by side with peers")
-    bench.add_argument("scenario")
-    bench.add_argument("rest", nargs=argparse.REMAINDER)
+    bench = commands.add_parser(
+        "bench", help="run a scenario side by side with peers", epilog="scenarios: " + ", ".join(scenario_names())
+    )
+    bench.add_argument("scenario", help="a scenario's name (listed below)")
+    bench.add_argument("rest", nargs=argparse.REMAINDER, help="the scenario's own arguments (SCENARIO --help lists them)")
 
     args = parser.parse_args(argv)
     if args.command == "generate":
@@ -125,13 +128,15 @@ def _is_loopback(host: str) -> bool:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    """`radixkv bench NAME ARGS...`: NAME's main(ARGS) from radixkv.scenarios, which the package
+    ships (scenarios/ is installed there), so it runs the same from any directory."""
     import importlib
 
-    try:
-        module = importlib.import_module(f"scenarios.{args.scenario}")
-    except ModuleNotFoundError:
-        print(f"error: no scenario named {args.scenario!r} under scenarios/ (run from the repository root)", file=sys.stderr)
+    names = scenario_names()
+    if args.scenario not in names:
+        print(f"error: no scenario named {args.scenario!r}; the scenarios are: {', '.join(names)}", file=sys.stderr)
         return 2
+    module = importlib.import_module(f"radixkv.scenarios.{args.scenario}")
     return int(module.main(args.rest) or 0)
 
 

@@ -1,15 +1,15 @@
 """Agent system prompt: groups of requests share a long system prompt, each with a short
 distinct question (SGLang's generated-shared-prefix shape, scaled for a 2-core CPU).
 
-    python -m scenarios.agent_system_prompt [--groups 4 --system-len 1024 --question-len 64 ...]
+    python -m radixkv.scenarios.agent_system_prompt [--groups 4 --system-len 1024 --question-len 64 ...]
 """
 
 from __future__ import annotations
 
 import sys
 
-from scenarios.harness import load_tokenizer, parse_args, peer_list, run, text_tokens
-from scenarios.peers import Workload
+from radixkv.scenarios.harness import load_tokenizer, parse_args, peer_list, run, text_tokens
+from radixkv.scenarios.peers import Workload
 
 DEFAULTS = dict(
     name="agent_system_prompt",
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     workload = build(args)
     after = None
     if args.decode_profile:
-        from scenarios.decode_profile import profile_decode
+        from radixkv.scenarios.decode_profile import profile_decode
 
         after = lambda: {"decode_profile": profile_decode(args.model, args.dtype)}  # noqa: E731
     run(workload, peer_list(args.peers), args.out, after)

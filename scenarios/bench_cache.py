@@ -2,7 +2,7 @@
 cached blocks, and the cost of one eviction among 100k leaves next to a naive eviction that
 rebuilds a heap over every evictable leaf on each call (as SGLang does), measured in one run.
 
-    python scenarios/bench_cache.py [--out out/bench_cache] [--sizes 1000,10000,100000]
+    radixkv bench bench_cache [--out out/bench_cache] [--sizes 1000,10000,100000]
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import gc
 import heapq
 import json
 import platform
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -38,14 +39,14 @@ class Row:
     blocks_per_s: float
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="out/bench_cache", help="folder for bench_cache.json")
     parser.add_argument("--sizes", default="1000,10000,100000", help="cached blocks, comma separated")
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--leaves", type=int, default=100_000, help="leaves for the eviction comparison")
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     sizes = [int(size) for size in args.sizes.split(",")]
     rng = np.random.default_rng(args.seed)
 
@@ -67,6 +68,7 @@ def main() -> None:
     }
     (out / "bench_cache.json").write_text(json.dumps(report, indent=2) + "\n")
     print(f"\nwrote {out / 'bench_cache.json'}")
+    return 0
 
 
 # --------------------------------------------------------------------------- workloads
@@ -224,4 +226,4 @@ def print_table(rows: list[Row], eviction: dict[str, float]) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

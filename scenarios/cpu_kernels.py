@@ -7,7 +7,7 @@ SmolLM2-135M's shapes with caches cold (every weight and KV byte comes from memo
 - decode attention: 32 requests x 1,032 tokens over 30 layers' paged KV, the native kernel
   (radixkv/cpu/csrc/paged_decode.c) vs the torch reference backend's gather + SDPA.
 
-    python -m scenarios.cpu_kernels [--out out/cpu_kernels] [--repeats 5] [--layers 30] [--context 1032]
+    python -m radixkv.scenarios.cpu_kernels [--out out/cpu_kernels] [--repeats 5] [--layers 30] [--context 1032]
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 of reviews. The system prompt and the examples are computed once; every other row is served
 them from the prefix cache and computes only its own review.
 
-    python -m scenarios.few_shot_classify
+    python -m radixkv.scenarios.few_shot_classify
 
 Copy it as a starting point: change the examples, the inputs, or pass a model to LLM(). For a
 running `radixkv serve`, pass `openai.OpenAI(base_url=".../v1", api_key=...)` instead of `llm`.
@@ -10,6 +10,7 @@ running `radixkv serve`, pass `openai.OpenAI(base_url=".../v1", api_key=...)` in
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 from radixkv import LLM, SamplingParams
@@ -54,7 +55,8 @@ def label_of(text: str) -> str:
     return word if word in LABELS else f"? ({text.strip()!r})"
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
     llm = LLM()  # the default model, SmolLM2-135M-Instruct
     results = run_batch(llm, TEMPLATE, REVIEWS, SamplingParams(max_tokens=2))
     width = max(map(len, REVIEWS)) + 2

@@ -1,15 +1,15 @@
 """Few-shot template: one k-shot classification template (instruction plus worked examples)
 run over many rows, each row a distinct input.
 
-    python -m scenarios.few_shot_template [--shots 5 --num-requests 32 ...]
+    python -m radixkv.scenarios.few_shot_template [--shots 5 --num-requests 32 ...]
 """
 
 from __future__ import annotations
 
 import sys
 
-from scenarios.harness import load_tokenizer, scenario_main
-from scenarios.peers import Workload
+from radixkv.scenarios.harness import load_tokenizer, scenario_main
+from radixkv.scenarios.peers import Workload
 
 DEFAULTS = dict(name="few_shot_template", num_requests=32, output_len=4, extra={"shots": (int, 5, "worked examples")})
 

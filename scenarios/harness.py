@@ -8,8 +8,8 @@ import argparse
 from collections.abc import Callable
 from pathlib import Path
 
-from scenarios.peers import PEERS, Workload, run_in_subprocess
-from scenarios.report import write_report
+from radixkv.scenarios.peers import PEERS, Workload, run_in_subprocess
+from radixkv.scenarios.report import write_report
 
 TEXT = (
     "Prefix caching lets a serving engine reuse the attention keys and values of a prompt's beginning "

@@ -6,7 +6,7 @@ prompts that share nothing, some clients disconnecting mid-stream. Reports compl
 and aborted requests, p50/p99 latency and time to first token, as a table and as JSON, and
 ends by checking that no request is left running and that the page accounting holds.
 
-    python -m scenarios.load_test [--model DIR] [--clients 64] [--requests 200] [--max-tokens 16]
+    python -m radixkv.scenarios.load_test [--model DIR] [--clients 64] [--requests 200] [--max-tokens 16]
 
 Every loop is bounded: by the request count, by --time-limit-s for starting requests, and by
 --request-timeout-s for each request. Exit status 0 only when nothing failed and every check
@@ -27,13 +27,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a file: make `scenarios` and `radixkv` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import httpx
 
+from radixkv.scenarios.harness import TEXT
 from radixkv.server.thread import ServerThread
-from scenarios.harness import TEXT
 
 HOST = "127.0.0.1"  # loopback only, by design: this is a test, not a benchmark of a network
 

@@ -1,15 +1,15 @@
 """Multi-turn chat: several conversations over several turns, each turn resending the whole
 history (system prompt, earlier questions and replies), turns of all conversations interleaved.
 
-    python -m scenarios.multi_turn_chat [--conversations 8 --turns 4 --system-len 256 ...]
+    python -m radixkv.scenarios.multi_turn_chat [--conversations 8 --turns 4 --system-len 256 ...]
 """
 
 from __future__ import annotations
 
 import sys
 
-from scenarios.harness import load_tokenizer, scenario_main, text_tokens
-from scenarios.peers import Workload
+from radixkv.scenarios.harness import load_tokenizer, scenario_main, text_tokens
+from radixkv.scenarios.peers import Workload
 
 DEFAULTS = dict(
     name="multi_turn_chat",

@@ -1,15 +1,15 @@
 """No sharing: distinct prompts that share nothing — the control that shows what prefix
 caching costs when it cannot help.
 
-    python -m scenarios.no_sharing [--num-requests 16 --prompt-len 512 ...]
+    python -m radixkv.scenarios.no_sharing [--num-requests 16 --prompt-len 512 ...]
 """
 
 from __future__ import annotations
 
 import sys
 
-from scenarios.harness import load_tokenizer, scenario_main, text_tokens
-from scenarios.peers import Workload
+from radixkv.scenarios.harness import load_tokenizer, scenario_main, text_tokens
+from radixkv.scenarios.peers import Workload
 
 DEFAULTS = dict(
     name="no_sharing", num_requests=16, output_len=32, extra={"prompt-len": (int, 512, "tokens of each prompt")}

@@ -66,9 +66,8 @@ def run_in_subprocess(peer: str, workload: Workload, timeout_s: float = 3600) ->
         spec, result = Path(tmp) / "workload.json", Path(tmp) / "result.json"
         spec.write_text(json.dumps(asdict(workload)))
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-        command = [sys.executable, "-m", "scenarios.peers", peer, str(spec), str(result)]
-        repo_root = Path(__file__).resolve().parents[1]
-        proc = subprocess.run(command, cwd=repo_root, env=env, capture_output=True, text=True, timeout=timeout_s)
+        command = [sys.executable, "-m", "radixkv.scenarios.peers", peer, str(spec), str(result)]
+        proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout_s)
         if proc.returncode != 0 or not result.exists():
             tail = (proc.stderr or proc.stdout)[-1500:]
             return PeerResult(peer, 0.0, 0, [], None, None, 0, [], error=f"exit {proc.returncode}: {tail}")

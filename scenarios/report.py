@@ -10,7 +10,7 @@ import statistics
 from dataclasses import asdict
 from pathlib import Path
 
-from scenarios.peers import PeerResult, Workload
+from radixkv.scenarios.peers import PeerResult, Workload
 
 
 def min_prefill_tokens(prompts: list[list[int]], page_size: int) -> int:

@@ -1,15 +1,15 @@
 """Tree of thought: a problem prompt branches into several lines of thought, each branching
 again; every node of the tree is a request that continues its whole path.
 
-    python -m scenarios.tree_of_thought [--branching 3 --depth 2 ...]
+    python -m radixkv.scenarios.tree_of_thought [--branching 3 --depth 2 ...]
 """
 
 from __future__ import annotations
 
 import sys
 
-from scenarios.harness import load_tokenizer, scenario_main, text_tokens
-from scenarios.peers import Workload
+from radixkv.scenarios.harness import load_tokenizer, scenario_main, text_tokens
+from radixkv.scenarios.peers import Workload
 
 DEFAULTS = dict(
     name="tree_of_thought",

@@ -3,15 +3,10 @@ greedy tokens, with cached prefixes, chunked prefill and decode all going throug
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tiny_models import make_tiny_model  # noqa: E402
-
 from radixkv import LLM, SamplingParams
+from tests.helpers.tiny_models import make_tiny_model
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])

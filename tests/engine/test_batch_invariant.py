@@ -5,22 +5,20 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
-from engine_helpers import assert_all_pages_returned
-from test_exactness import make_llm as make_exactness_llm
-from test_exactness import shared_prefix_prompts
 
 from radixkv import LLM, SamplingParams
 from radixkv.config import EngineConfig
 from radixkv.engine.engine import Engine
 from radixkv.cpu import native
 from radixkv.errors import ConfigError
+from tests.helpers.engine import assert_pages_returned, make_llm, shared_prefix_prompts
 
 MAX_NEW = 16
 
 
-def make_llm(model_dir, **options) -> LLM:
+def make_invariant_llm(model_dir, **options) -> LLM:
     """The exactness tests' engine, in bf16 and batch-invariant."""
-    return make_exactness_llm(model_dir, dtype="bfloat16", batch_invariant=True, **options)
+    return make_llm(model_dir, dtype="bfloat16", batch_invariant=True, **options)
 
 
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
@@ -30,20 +28,20 @@ def test_bf16_tokens_equal_with_cache_without_cache_alone_and_chunked(tiny_llama
         pytest.skip("the cpu backend needs the native kernels (no C compiler here)")
     prompts = shared_prefix_prompts(3, count=8)
     params = SamplingParams(max_tokens=MAX_NEW)
-    cached = make_llm(tiny_llama, attention_backend=backend)
+    cached = make_invariant_llm(tiny_llama, attention_backend=backend)
     cold = [o.token_ids for o in cached.generate(prompts, params)]
     warm = cached.generate(prompts, params)
     assert all(o.num_cached_tokens > 0 for o in warm)
     assert [o.token_ids for o in warm] == cold
-    assert_all_pages_returned(cached)
+    assert_pages_returned(cached.engine)
 
-    uncached = make_llm(tiny_llama, attention_backend=backend, enable_prefix_caching=False)
+    uncached = make_invariant_llm(tiny_llama, attention_backend=backend, enable_prefix_caching=False)
     assert [o.token_ids for o in uncached.generate(prompts, params)] == cold
     alone = [uncached.generate([p], params)[0].token_ids for p in prompts]
     assert alone == cold
-    chunked = make_llm(tiny_llama, attention_backend=backend, max_batch_tokens=7)
+    chunked = make_invariant_llm(tiny_llama, attention_backend=backend, max_batch_tokens=7)
     assert [o.token_ids for o in chunked.generate(prompts, params)] == cold
-    assert_all_pages_returned(chunked)
+    assert_pages_returned(chunked.engine)
 
 
 def test_batch_invariant_refuses_the_triton_backend(tiny_llama):

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from radixkv.engine.detokenizer import TextState, _suffix_prefix_overlap
-from tests.tiny_models import tiny_tokenizer
+from tests.helpers.tiny_models import tiny_tokenizer
 
 TOKENIZER = tiny_tokenizer()
 ALPHABET = "ab Sé€\n"  # multi-byte characters split across byte-level tokens

@@ -2,31 +2,12 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
-from engine_helpers import assert_all_pages_returned, hf_greedy
 
 from radixkv import LLM, SamplingParams
+from tests.helpers.engine import assert_pages_returned, hf_greedy, make_llm, shared_prefix_prompts
 
 MAX_NEW = 12
-
-
-def shared_prefix_prompts(seed: int, vocab: int = 320, count: int = 6) -> list[list[int]]:
-    """Prompts in two groups, each sharing a long prefix, with distinct tails of mixed length."""
-    rng = random.Random(seed)
-    systems = [[rng.randrange(1, vocab) for _ in range(37)], [rng.randrange(1, vocab) for _ in range(22)]]
-    prompts = []
-    for i in range(count):
-        tail = [rng.randrange(1, vocab) for _ in range(rng.randrange(1, 14))]
-        prompts.append(systems[i % 2] + tail)
-    return prompts
-
-
-def make_llm(model_dir, **options) -> LLM:
-    defaults = dict(dtype="float32", device="cpu", page_size=4, num_pages=256, check_invariants=True, seed=0)
-    defaults.update(options)
-    return LLM(str(model_dir), **defaults)
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +32,7 @@ def test_cold_and_warm_cache_match_transformers(tiny_llama, llama_reference, pol
     for output in warm:
         assert output.num_cached_tokens >= 20  # at least the group's shared full blocks
         assert output.num_cached_tokens <= output.num_prompt_tokens - 1
-    assert_all_pages_returned(llm)
+    assert_pages_returned(llm.engine)
 
 
 def test_cache_disabled_matches_transformers(tiny_llama, llama_reference):
@@ -68,7 +49,7 @@ def test_chunked_prefill_matches_transformers(tiny_llama, llama_reference):
     llm = make_llm(tiny_llama, max_batch_tokens=7)
     outputs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW))
     assert [o.token_ids for o in outputs] == expected
-    assert_all_pages_returned(llm)
+    assert_pages_returned(llm.engine)
 
 
 @pytest.mark.parametrize("policy", ["lpm", "fcfs"])
@@ -81,7 +62,7 @@ def test_eviction_and_preemption_keep_outputs_exact(tiny_llama, llama_reference,
     stats = llm.stats()
     assert stats.num_preemptions > 0
     assert stats.cache.evicted_pages > 0
-    assert_all_pages_returned(llm)
+    assert_pages_returned(llm.engine)
 
 
 def test_qwen2_with_qkv_bias_matches_transformers(tiny_qwen2):
@@ -91,7 +72,7 @@ def test_qwen2_with_qkv_bias_matches_transformers(tiny_qwen2):
     params = SamplingParams(max_tokens=MAX_NEW)
     assert [o.token_ids for o in llm.generate(prompts, params)] == expected
     assert [o.token_ids for o in llm.generate(prompts, params)] == expected
-    assert_all_pages_returned(llm)
+    assert_pages_returned(llm.engine)
 
 
 def test_generated_blocks_are_cached_for_the_next_turn(tiny_llama):
@@ -103,7 +84,7 @@ def test_generated_blocks_are_cached_for_the_next_turn(tiny_llama):
     # Everything up to the last full block of prompt + reply was computed in turn one.
     assert second.num_cached_tokens == ((len(prompt) + len(first.token_ids) - 1) // 4) * 4
     assert second.token_ids == hf_greedy(llm.config.model, [second_turn], 4)[0]
-    assert_all_pages_returned(llm)
+    assert_pages_returned(llm.engine)
 
 
 def test_real_smollm2_matches_transformers_cold_and_warm():
@@ -125,7 +106,7 @@ def test_real_smollm2_matches_transformers_cold_and_warm():
     assert [o.token_ids for o in cold] == expected
     assert [o.token_ids for o in warm] == expected
     assert all(o.num_cached_tokens >= 64 for o in warm)
-    assert_all_pages_returned(llm)
+    assert_pages_returned(llm.engine)
 
 
 def test_without_native_kernels_the_torch_paths_match_transformers(tiny_llama, llama_reference):
@@ -134,4 +115,4 @@ def test_without_native_kernels_the_torch_paths_match_transformers(tiny_llama, l
     llm = make_llm(tiny_llama, native_kernels=False)
     assert llm.engine.loaded.model.attention.name == "torch"
     assert [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW))] == expected
-    assert_all_pages_returned(llm)
+    assert_pages_returned(llm.engine)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_helpers import assert_all_pages_returned
 
 from radixkv import LLM, InvalidRequest, SamplingParams
 from radixkv.engine.sampler import filtered_probs
+from tests.helpers.engine import assert_pages_returned
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +25,7 @@ def test_seeded_sampling_is_reproducible_in_any_batch(llm):
     assert crowd[1].token_ids == alone
     other_seed = llm.generate([PROMPT], SamplingParams(max_tokens=10, temperature=1.0, seed=99))[0].token_ids
     assert other_seed != alone
-    assert_all_pages_returned(llm)
+    assert_pages_returned(llm.engine)
 
 
 def test_n_continuations_share_the_prompt(llm):
@@ -34,7 +34,7 @@ def test_n_continuations_share_the_prompt(llm):
     assert len({tuple(o.token_ids) for o in greedy.outputs}) == 1
     sampled = llm.generate([PROMPT], SamplingParams(max_tokens=8, n=4, temperature=1.5, seed=5))[0]
     assert len({tuple(o.token_ids) for o in sampled.outputs}) > 1
-    assert_all_pages_returned(llm)
+    assert_pages_returned(llm.engine)
 
 
 def test_max_tokens_and_stop_strings(llm):
@@ -92,4 +92,4 @@ def test_prompts_over_the_context_are_refused_and_the_engine_goes_on(llm):
     with pytest.raises(InvalidRequest, match=r"\[0, 320\)"):
         llm.generate([[5, 999]])
     assert llm.generate([PROMPT], SamplingParams(max_tokens=2))[0].finish_reason is not None
-    assert_all_pages_returned(llm)
+    assert_pages_returned(llm.engine)

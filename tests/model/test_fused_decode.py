@@ -7,7 +7,7 @@ import importlib.util
 
 import pytest
 import torch
-from model_helpers import Stepper, make_random_model
+from tests.helpers.model import Stepper, make_random_model
 
 from radixkv.attention.cpu_backend import CPUBackend
 from radixkv.attention.torch_backend import TorchBackend

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_helpers import Stepper, make_random_model, reference_logits
+from tests.helpers.model import Stepper, make_random_model, reference_logits
 
 from radixkv.attention.cpu_backend import CPUBackend
 from radixkv.attention.torch_backend import TorchBackend

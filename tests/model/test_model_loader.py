@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from model_helpers import Stepper, make_random_model, reference_logits
+from tests.helpers.model import Stepper, make_random_model, reference_logits
 from transformers import AutoModelForCausalLM, GPT2Config, MistralConfig, Qwen2Config
 
 from radixkv.attention.torch_backend import TorchBackend
@@ -158,7 +158,7 @@ def test_unsupported_architecture(tmp_path):
 
 
 def test_unsupported_settings():
-    from tiny_models import tiny_config
+    from tests.helpers.tiny_models import tiny_config
 
     longrope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8, "long_factor": [1.0] * 8}
     with pytest.raises(UnsupportedModel, match="rope type 'longrope'"):

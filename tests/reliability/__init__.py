@@ -1,0 +1,1 @@
+"""Reliability: aborts, tenant isolation, limits, load, memory pressure, a fuzzed server."""

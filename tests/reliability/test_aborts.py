@@ -16,14 +16,7 @@ from hypothesis import strategies as st
 from radixkv import SamplingParams
 from radixkv.engine.request import SeqStatus
 
-from .conftest import (
-    VOCAB,
-    assert_pages_returned,
-    held_pages,
-    make_engine,
-    refcounts,
-    run_to_end,
-)
+from tests.helpers.engine import VOCAB, assert_pages_returned, held_pages, make_engine, refcounts, run_to_end
 
 _rng = random.Random(3)
 SYSTEM = [_rng.randrange(1, VOCAB) for _ in range(40)]

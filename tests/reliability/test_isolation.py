@@ -16,16 +16,8 @@ import xxhash
 
 from radixkv import SamplingParams
 
-from .conftest import (
-    KEY_A,
-    KEY_B,
-    MODEL,
-    VOCAB,
-    assert_pages_returned,
-    hf_greedy,
-    make_engine,
-    run_to_end,
-)
+from tests.helpers.engine import VOCAB, assert_pages_returned, hf_greedy, make_engine, run_to_end
+from tests.helpers.live_server import KEY_A, KEY_B, MODEL
 
 # No two share a first block, so a tenant's concurrent first requests cannot hit each other.
 PROMPTS = [
@@ -161,9 +153,9 @@ MAX_NEW = 10
 
 
 @pytest.fixture(scope="module")
-def collision_reference(tiny_dir):
+def collision_reference(tiny_llama):
     prompts = workload(7)
-    return prompts, hf_greedy(tiny_dir, prompts, MAX_NEW)
+    return prompts, hf_greedy(tiny_llama, prompts, MAX_NEW)
 
 
 @pytest.mark.parametrize("hash_fn", [collide_all, collide_often])

@@ -12,22 +12,9 @@ import httpx
 import pytest
 
 from radixkv import LLM, InvalidRequest, SamplingParams
-from radixkv.config import EngineConfig
-from radixkv.engine.async_engine import AsyncEngine
-from radixkv.engine.engine import Engine
 from radixkv.errors import QueueFull
-from radixkv.server.app import create_app
-
-from .conftest import (
-    CHAT_TEMPLATE,
-    KEY_A,
-    MODEL,
-    Live,
-    ServerThread,
-    assert_pages_returned,
-    make_engine,
-    run_to_end,
-)
+from tests.helpers.engine import assert_pages_returned, make_engine, run_to_end
+from tests.helpers.live_server import KEY_A, MODEL, LiveServer, make_async_engine, serve
 
 
 def test_full_queue_refuses_without_side_effects_and_recovers(tiny_loaded):
@@ -112,9 +99,9 @@ def test_a_request_that_cannot_fit_beside_pins_is_refused_not_left_waiting(tiny_
     assert_pages_returned(engine)
 
 
-def test_llm_generate_feeds_more_prompts_than_the_queue_holds(tiny_dir):
+def test_llm_generate_feeds_more_prompts_than_the_queue_holds(tiny_llama):
     options = dict(dtype="float32", device="cpu", page_size=4, num_pages=64, max_queue_len=3, check_invariants=True)
-    llm = LLM(str(tiny_dir), **options)
+    llm = LLM(str(tiny_llama), **options)
     prompts = [[i + 1] * 5 for i in range(7)]
     outputs = llm.generate(prompts, SamplingParams(max_tokens=2))
     assert [o.prompt_token_ids for o in outputs] == prompts  # fed in as room freed, in order
@@ -129,26 +116,15 @@ def test_llm_generate_feeds_more_prompts_than_the_queue_holds(tiny_dir):
 
 
 @pytest.fixture(scope="module")
-def small_server(tiny_dir) -> Iterator[Live]:
+def small_server(tiny_llama) -> Iterator[LiveServer]:
     """32 pages of 4 tokens: the context is 128 tokens although the model takes 512; one
     request runs at a time and two may wait."""
-    engine = Engine(
-        EngineConfig(
-            model=str(tiny_dir), dtype="float32", device="cpu", page_size=4, num_pages=32, max_num_seqs=1,
-            max_queue_len=2, check_invariants=True,
-        )
-    )
-    engine.tokenizer.chat_template = CHAT_TEMPLATE
-    async_engine = AsyncEngine(engine)
-    app = create_app(async_engine, api_keys=[KEY_A], model_name=MODEL)
-    try:
-        with ServerThread(app) as thread:
-            yield Live(thread.base_url, async_engine, app)
-    finally:
-        async_engine.shutdown()
+    async_engine = make_async_engine(tiny_llama, num_pages=32, max_num_seqs=1, max_queue_len=2)
+    with serve(async_engine, keys=(KEY_A,)) as live:
+        yield live
 
 
-def post(live: Live, body: dict, path: str = "/v1/completions") -> httpx.Response:
+def post(live: LiveServer, body: dict, path: str = "/v1/completions") -> httpx.Response:
     with live.http(KEY_A, timeout_s=60) as client:
         return client.post(path, json={"model": MODEL, "temperature": 0, **body})
 
@@ -214,22 +190,12 @@ def test_a_queue_filled_by_many_clients_gives_retryable_errors(small_server):
 
 
 @pytest.fixture(scope="module")
-def pin_server(tiny_dir) -> Iterator[Live]:
+def pin_server(tiny_llama) -> Iterator[LiveServer]:
     """48 pages of 4 tokens and a 128-token context (32 pages): pins may lock at most 16 pages,
     or a request that fills the context could never be admitted."""
-    engine = Engine(
-        EngineConfig(
-            model=str(tiny_dir), dtype="float32", device="cpu", page_size=4, num_pages=48, max_model_len=128,
-            check_invariants=True,
-        )
-    )
-    async_engine = AsyncEngine(engine)
-    app = create_app(async_engine, api_keys=[KEY_A], model_name=MODEL)
-    try:
-        with ServerThread(app) as thread:
-            yield Live(thread.base_url, async_engine, app)
-    finally:
-        async_engine.shutdown()
+    async_engine = make_async_engine(tiny_llama, num_pages=48, max_model_len=128)
+    with serve(async_engine, keys=(KEY_A,)) as live:
+        yield live
 
 
 def test_pins_never_make_a_valid_request_unservable(pin_server):

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import json
 
-from scenarios import load_test
+from radixkv.scenarios import load_test
 
 
-def test_small_load_loses_nothing(tiny_dir, tmp_path, capsys):
+def test_small_load_loses_nothing(tiny_llama, tmp_path, capsys):
     argv = [
-        "--model", str(tiny_dir), "--dtype", "float32", "--device", "cpu", "--page-size", "4", "--num-pages", "40",
+        "--model", str(tiny_llama), "--dtype", "float32", "--device", "cpu", "--page-size", "4", "--num-pages", "40",
         "--clients", "16", "--requests", "64", "--max-tokens", "8", "--groups", "3", "--system-len", "40",
         "--question-len", "10", "--disconnect-fraction", "0.25", "--check-invariants",
         "--time-limit-s", "120", "--request-timeout-s", "60", "--out", str(tmp_path),

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from radixkv import SamplingParams
 
-from .conftest import VOCAB, assert_pages_returned, hf_greedy, make_engine
+from tests.helpers.engine import VOCAB, assert_pages_returned, hf_greedy, make_engine
 
 PAGE_SIZE = 4
 
@@ -70,10 +70,10 @@ WORKLOAD = make_workload(seed=11)
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_dir) -> list[list[int]]:
+def reference(tiny_llama) -> list[list[int]]:
     """transformers' greedy tokens for each request, cut at its max_tokens."""
     longest = max(max_tokens for _, max_tokens, _ in WORKLOAD)
-    full = hf_greedy(tiny_dir, [prompt for prompt, _, _ in WORKLOAD], longest)
+    full = hf_greedy(tiny_llama, [prompt for prompt, _, _ in WORKLOAD], longest)
     return [tokens[:max_tokens] for tokens, (_, max_tokens, _) in zip(full, WORKLOAD)]
 
 

@@ -11,7 +11,7 @@ import httpx
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
-from .conftest import KEY_A, KEY_B, MODEL
+from tests.helpers.live_server import KEY_A, KEY_B, MODEL
 
 TIMEOUT = httpx.Timeout(60.0, connect=10.0)
 ENDPOINTS = ["/v1/chat/completions", "/v1/completions"]

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import importlib
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tiny_models import make_tiny_model  # noqa: E402
+from tests.helpers.tiny_models import make_tiny_model
 
 SCENARIOS = {
     "agent_system_prompt": ["--groups", "2", "--system-len", "40", "--question-len", "6", "--decode-profile", "0"],
@@ -31,7 +29,7 @@ def test_scenario_runs_and_reports(name, tiny_model, tmp_path, capsys):
     peers = "radixkv,radixkv-nocache,hf-generate" if name == "agent_system_prompt" else "radixkv,radixkv-nocache"
     if name == "few_shot_template":  # one round: transformers' batch manager starts once
         peers += ",hf-batch"
-    module = importlib.import_module(f"scenarios.{name}")
+    module = importlib.import_module(f"radixkv.scenarios.{name}")
     argv = ["--model", str(tiny_model), "--dtype", "float32", "--num-requests", "4", "--output-len", "3"]
     assert module.main(argv + ["--peers", peers, "--out", str(tmp_path)] + SCENARIOS[name]) == 0
     report = json.loads((tmp_path / f"{name}.json").read_text())
@@ -54,7 +52,7 @@ def test_cpu_kernels_bench_runs_and_reports(tmp_path, capsys):
     library = native.load()
     if library is None or not library.radixkv_amx_linear_available():
         pytest.skip("the CPU kernel bench needs the native kernels and AMX tiles")
-    module = importlib.import_module("scenarios.cpu_kernels")
+    module = importlib.import_module("radixkv.scenarios.cpu_kernels")
     argv = ["--out", str(tmp_path), "--repeats", "1", "--layers", "1", "--context", "40", "--flush-mib", "8"]
     assert module.main(argv) == 0
     rows = json.loads((tmp_path / "cpu_kernels.json").read_text())["rows"]

@@ -1,0 +1,1 @@
+"""Tests of radixkv.sdk, in process and over HTTP."""

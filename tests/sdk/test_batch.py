@@ -12,8 +12,7 @@ from radixkv import SamplingParams
 from radixkv.sdk import InProcessBackend, PromptTemplate, pin, run_batch, warm
 from radixkv.sdk.template import encode
 
-from .conftest import PAGE_SIZE, make_llm
-from .data import EXAMPLES, SYSTEM, five_shot, rows
+from tests.helpers.sdk import EXAMPLES, PAGE_SIZE, SYSTEM, five_shot, make_sdk_llm, rows
 
 PARAMS = SamplingParams(max_tokens=6)
 
@@ -22,7 +21,7 @@ def full_blocks(num_tokens: int) -> int:
     return num_tokens // PAGE_SIZE * PAGE_SIZE
 
 
-def test_five_shot_rows_after_the_first_hit_the_template(llm, tiny_model_dir):
+def test_five_shot_rows_after_the_first_hit_the_template(llm, tiny_llama):
     template = five_shot()
     shared = len(template.shared_token_ids(llm.tokenizer, chat=True))
     assert shared > 300  # the system prompt and five examples
@@ -37,7 +36,7 @@ def test_five_shot_rows_after_the_first_hit_the_template(llm, tiny_model_dir):
     assert stats.counters.num_prompt_tokens_computed <= sum(r.num_prompt_tokens for r in results) - 23 * full_blocks(shared)
 
     # Row order, and exactness: the same greedy tokens as each row alone without any cache.
-    reference = make_llm(tiny_model_dir, enable_prefix_caching=False)
+    reference = make_sdk_llm(tiny_llama, enable_prefix_caching=False)
     expected = reference.chat([template.messages(row) for row in data], PARAMS)
     assert [r.token_ids for r in results] == [e.token_ids for e in expected]
     assert [r.text for r in results] == [e.text for e in expected]
@@ -65,8 +64,8 @@ def test_one_bad_row_fails_alone(llm):
     assert not llm.engine.has_unfinished()
 
 
-def test_more_rows_than_the_queue_holds(tiny_model_dir):
-    llm = make_llm(tiny_model_dir, max_queue_len=4)
+def test_more_rows_than_the_queue_holds(tiny_llama):
+    llm = make_sdk_llm(tiny_llama, max_queue_len=4)
     template = PromptTemplate(system=SYSTEM, examples=EXAMPLES[:1], user="Review: {review}")
     results = run_batch(llm, template, rows(10), SamplingParams(max_tokens=2), progress=False)
     assert all(r.ok for r in results) and len(results) == 10
@@ -89,8 +88,8 @@ def traffic(llm, count: int, seed: int) -> None:
         llm.generate(prompt, SamplingParams(max_tokens=2))
 
 
-def test_a_pinned_prefix_survives_eviction_pressure(tiny_model_dir):
-    llm = make_llm(tiny_model_dir, num_pages=96)  # the template's prefix is over a third of the pool
+def test_a_pinned_prefix_survives_eviction_pressure(tiny_llama):
+    llm = make_sdk_llm(tiny_llama, num_pages=96)  # the template's prefix is over a third of the pool
     template = PromptTemplate(system=SYSTEM, examples=EXAMPLES[:1], user="Review: {review}")
     shared = template.shared_token_ids(llm.tokenizer, chat=True)
     assert 30 <= len(shared) // PAGE_SIZE <= 45

@@ -10,8 +10,8 @@ import pytest
 from radixkv import SamplingParams
 from radixkv.sdk import GenerationError, HTTPBackend, PromptTemplate, Session, as_backend, generate_all, pin, run_batch
 
-from .conftest import KEY_A, KEY_B, PAGE_SIZE, make_llm
-from .data import EXAMPLES, five_shot, rows
+from tests.helpers.live_server import KEY_A, KEY_B
+from tests.helpers.sdk import EXAMPLES, PAGE_SIZE, five_shot, make_sdk_llm, rows
 
 PARAMS = SamplingParams(max_tokens=6)
 
@@ -31,11 +31,11 @@ def test_backend_is_chosen_by_what_is_passed(live_server, llm):
 
 
 @pytest.mark.parametrize(("with_tokenizer", "chat"), [(False, None), (True, None), (False, False)])
-def test_http_gives_the_same_results_as_in_process(live_server, tiny_model_dir, with_tokenizer, chat):
+def test_http_gives_the_same_results_as_in_process(live_server, tiny_llama, with_tokenizer, chat):
     """Chat templates go to /v1/chat/completions, plain text (chat=False) to /v1/completions."""
     tpl = template(f"http {with_tokenizer} {chat}", chat=chat)
     data = rows(20, seed=3)
-    local = make_llm(tiny_model_dir)
+    local = make_sdk_llm(tiny_llama)
     expected = run_batch(local, tpl, data, PARAMS, progress=False)
     tokenizer = local.tokenizer if with_tokenizer else None
     backend = HTTPBackend(live_server.client(), tokenizer=tokenizer, max_concurrency=4)
@@ -58,7 +58,7 @@ def test_a_bad_row_fails_alone_over_http(live_server):
     assert results[1].error.startswith("HTTP 400") and "maximum context length" in results[1].error
 
 
-def test_sessions_and_forks_over_http_match_in_process(live_server, tiny_model_dir):
+def test_sessions_and_forks_over_http_match_in_process(live_server, tiny_llama):
     system = "You are a helpful assistant (http session). " * 3
     branches = ["What is the capital of France?", "The quick brown fox?", "Prefix caching?"]
 
@@ -70,7 +70,7 @@ def test_sessions_and_forks_over_http_match_in_process(live_server, tiny_model_d
             fork.user(branch)
         return first, generate_all(forks, PARAMS), forks
 
-    first_local, replies_local, _ = converse(make_llm(tiny_model_dir))
+    first_local, replies_local, _ = converse(make_sdk_llm(tiny_llama))
     first_http, replies_http, forks = converse(live_server.client())
     assert first_http.text == first_local.text
     assert [r.text for r in replies_http] == [r.text for r in replies_local]
@@ -78,9 +78,9 @@ def test_sessions_and_forks_over_http_match_in_process(live_server, tiny_model_d
     assert forks[0].messages[-1] == {"role": "assistant", "content": replies_http[0].text}
 
 
-def test_pin_over_http(live_server, tiny_model_dir):
+def test_pin_over_http(live_server, tiny_llama):
     tpl = template("pinned")
-    local = make_llm(tiny_model_dir)
+    local = make_sdk_llm(tiny_llama)
     shared = len(tpl.shared_token_ids(local.tokenizer, chat=True))
     client = live_server.client()
 

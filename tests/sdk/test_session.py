@@ -10,7 +10,7 @@ from radixkv import SamplingParams
 from radixkv.sdk import GenerationError, InProcessBackend, Prompt, Session, generate_all
 from radixkv.sdk.template import common_prefix, encode
 
-from .conftest import PAGE_SIZE, make_llm
+from tests.helpers.sdk import PAGE_SIZE, make_sdk_llm
 
 SYSTEM = "You are a helpful assistant. Answer briefly and precisely. " * 4
 PARAMS = SamplingParams(max_tokens=8)
@@ -43,7 +43,7 @@ class PageSharing:
         self.samples.append((len(running), sum(map(len, tables)), len(distinct), max_refcount))
 
 
-def test_forks_share_pages_and_match_independent_sessions(llm, tiny_model_dir):
+def test_forks_share_pages_and_match_independent_sessions(llm, tiny_llama):
     sharing = PageSharing()
     backend = InProcessBackend(llm, on_step=sharing)
     root = Session(backend, system=SYSTEM)
@@ -71,15 +71,15 @@ def test_forks_share_pages_and_match_independent_sessions(llm, tiny_model_dir):
     assert [f.messages[-1]["content"] for f in forks] == [r.text for r in replies]
 
     # Independent sessions on an engine without prefix caching, one at a time.
-    reference = make_llm(tiny_model_dir, enable_prefix_caching=False)
+    reference = make_sdk_llm(tiny_llama, enable_prefix_caching=False)
     for reply, branch in zip(replies, BRANCHES):
         alone = Session(reference, messages=history).user(branch).generate(PARAMS)
         assert alone.token_ids == reply.token_ids and alone.text == reply.text
         assert alone.num_cached_tokens == 0
 
 
-def test_session_errors(llm, tiny_model_dir):
-    base = make_llm(tiny_model_dir, chat=False)
+def test_session_errors(llm, tiny_llama):
+    base = make_sdk_llm(tiny_llama, chat=False)
     with pytest.raises(ValueError, match="no chat template"):
         Session(base)
     session = Session(llm, system=SYSTEM)
@@ -90,6 +90,6 @@ def test_session_errors(llm, tiny_model_dir):
     assert session.messages[-1]["role"] == "user"  # nothing appended on failure
     with pytest.raises(ValueError, match="positive"):
         session.fork(0)
-    other = Session(make_llm(tiny_model_dir), system=SYSTEM).user("hi")
+    other = Session(make_sdk_llm(tiny_llama), system=SYSTEM).user("hi")
     with pytest.raises(ValueError, match="same backend"):
         generate_all([Session(llm).user("hi"), other])

@@ -10,7 +10,7 @@ import pytest
 from radixkv.sdk import Prompt, PromptTemplate, TemplateError, TemplateWarning
 from radixkv.sdk.template import encode, render_rows
 
-from .data import five_shot, rows
+from tests.helpers.sdk import five_shot, rows
 
 
 def test_chat_messages_and_plain_text():

@@ -1,1 +1,1 @@
-"""Server tests (a package, so its conftest never shadows another folder's `conftest`)."""
+"""Tests of radixkv.server against a live uvicorn server."""

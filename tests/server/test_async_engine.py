@@ -11,14 +11,14 @@ from radixkv.engine.async_engine import AsyncEngine, EngineStepError, EngineStop
 from radixkv.engine.request import SamplingParams
 from radixkv.errors import InvalidRequest, QueueFull
 
-from .conftest import make_async_engine
+from tests.helpers.live_server import make_async_engine
 
 PROMPT = list(range(10, 40))
 
 
 @pytest.fixture(scope="module")
-def async_engine(tiny_model_dir):
-    engine = make_async_engine(tiny_model_dir)
+def async_engine(tiny_llama):
+    engine = make_async_engine(tiny_llama)
     yield engine
     engine.shutdown()
 
@@ -83,8 +83,8 @@ def test_engine_errors_reach_the_submitter(async_engine):
     assert_idle(async_engine)
 
 
-def test_queue_full_reaches_the_submitter(tiny_model_dir):
-    staged = make_async_engine(tiny_model_dir, start=False, max_queue_len=2)
+def test_queue_full_reaches_the_submitter(tiny_llama):
+    staged = make_async_engine(tiny_llama, start=False, max_queue_len=2)
     for _ in range(2):  # fill the waiting queue before the engine thread runs
         staged.engine.add_request(PROMPT, SamplingParams(max_tokens=2))
 
@@ -120,8 +120,8 @@ def test_engine_calls_run_on_the_engine_thread(async_engine):
     assert async_engine.call(lambda engine: threading.current_thread().name).result(10) == "radixkv-engine"
 
 
-def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(tiny_model_dir):
-    async_engine = make_async_engine(tiny_model_dir)
+def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(tiny_llama):
+    async_engine = make_async_engine(tiny_llama)
     sampler = async_engine.engine.sampler
     real_sample = sampler.sample
     calls = {"n": 0}
@@ -147,8 +147,8 @@ def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(tiny_mod
         async_engine.shutdown()
 
 
-def test_shutdown_ends_running_streams_and_refuses_new_work(tiny_model_dir):
-    async_engine = make_async_engine(tiny_model_dir)
+def test_shutdown_ends_running_streams_and_refuses_new_work(tiny_llama):
+    async_engine = make_async_engine(tiny_llama)
 
     async def main():
         stream = await async_engine.submit(PROMPT, SamplingParams(max_tokens=400))

@@ -5,7 +5,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from .conftest import MODEL, assert_engine_idle_and_consistent, metric_values, wait_until
+from tests.helpers.engine import wait_until
+from tests.helpers.live_server import MODEL, metric_values
 
 ABORTS = ("radixkv_request_finished_total", (("finish_reason", "abort"),))
 
@@ -40,7 +41,7 @@ def test_dropped_streams_are_aborted_and_pages_released(live_server):
         context.__exit__(None, None, None)
         client.close()
     assert wait_until(lambda: aborted(live_server) - before == 3), aborted(live_server) - before
-    assert_engine_idle_and_consistent(live_server)
+    live_server.assert_idle_and_consistent()
     assert metric_values(live_server)[("radixkv_num_requests_unfinished", ())] == 0
     assert generated(live_server) - tokens_before < 3 * 480  # they were cut short, not run out
     ok = live_server.client().completions.create(model=MODEL, prompt="still alive?", max_tokens=3, temperature=0)
@@ -52,7 +53,7 @@ def test_dropped_non_streaming_request_is_aborted(live_server):
     with live_server.http() as client, pytest.raises(httpx.ReadTimeout):
         client.post("/v1/completions", json=long_request(9, stream=False), timeout=httpx.Timeout(30, read=0.2))
     assert wait_until(lambda: aborted(live_server) - before == 1), aborted(live_server) - before
-    assert_engine_idle_and_consistent(live_server)
+    live_server.assert_idle_and_consistent()
     assert generated(live_server) - tokens_before < 480
     ok = live_server.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
     assert ok.choices

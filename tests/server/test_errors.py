@@ -10,7 +10,7 @@ from radixkv.engine.async_engine import EngineStepError, EngineStopped
 from radixkv.errors import InvalidRequest, QueueFull
 from radixkv.server.errors import WireNames, engine_error
 
-from .conftest import KEY_A, MAX_QUEUE_LEN, MODEL, assert_engine_idle_and_consistent
+from tests.helpers.live_server import KEY_A, MAX_QUEUE_LEN, MODEL
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -146,7 +146,7 @@ def test_unknown_routes_and_models_are_404(live_server):
 @pytest.fixture(autouse=True, scope="module")
 def _nothing_left_behind(live_server):
     yield
-    assert_engine_idle_and_consistent(live_server)
+    live_server.assert_idle_and_consistent()
 
 
 def test_engine_errors_map_by_their_fields_into_the_request_s_names():

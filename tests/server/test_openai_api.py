@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from .conftest import KEY_A, KEY_B, MODEL, assert_engine_idle_and_consistent, metric_values
+from tests.helpers.live_server import KEY_A, KEY_B, MODEL, metric_values
 
 SYSTEM = "You are a helpful assistant. Answer briefly and precisely. " * 3
 
@@ -195,10 +195,10 @@ def test_metrics_count_requests_tokens_cache_and_pages(live_server):
         assert (gauge, ()) in after
     assert after[("radixkv_kv_pages_total", ())] == 512
     assert after[("radixkv_kv_pages_cached", ())] > 0
-    assert_engine_idle_and_consistent(live_server)
+    live_server.assert_idle_and_consistent()
 
 
 @pytest.fixture(autouse=True, scope="module")
 def _pages_consistent_at_the_end(live_server):
     yield
-    assert_engine_idle_and_consistent(live_server)
+    live_server.assert_idle_and_consistent()

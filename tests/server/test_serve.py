@@ -17,8 +17,7 @@ import pytest
 
 from radixkv.cli import served_model_name
 from radixkv.server.app import create_app
-
-from .conftest import ServerThread
+from radixkv.server.thread import ServerThread
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -34,9 +33,9 @@ def test_served_model_names():
     assert served_model_name("/models/smol.Q8_0.gguf") == "smol.Q8_0"
 
 
-def test_radixkv_serve_command(tiny_model_dir):
+def test_radixkv_serve_command(tiny_llama):
     port = free_port()
-    command = [sys.executable, "-m", "radixkv.cli", "serve", "--model", str(tiny_model_dir), "--port", str(port)]
+    command = [sys.executable, "-m", "radixkv.cli", "serve", "--model", str(tiny_llama), "--port", str(port)]
     command += ["--api-key", "k1", "--api-key", "k2", "--num-pages", "128", "--dtype", "float32"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -52,11 +51,11 @@ def test_radixkv_serve_command(tiny_model_dir):
             assert time.monotonic() < deadline, "server did not come up"
             time.sleep(0.1)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k2", max_retries=0)
-        assert [m.id for m in client.models.list().data] == [tiny_model_dir.name]
-        response = client.completions.create(model=tiny_model_dir.name, prompt="The quick brown fox", max_tokens=4, temperature=0)
+        assert [m.id for m in client.models.list().data] == [tiny_llama.name]
+        response = client.completions.create(model=tiny_llama.name, prompt="The quick brown fox", max_tokens=4, temperature=0)
         assert response.usage.completion_tokens == 4 or response.choices[0].finish_reason == "stop"
         # the path given to --model is accepted as the model name too
-        assert client.completions.create(model=str(tiny_model_dir), prompt="hi", max_tokens=1).choices
+        assert client.completions.create(model=str(tiny_llama), prompt="hi", max_tokens=1).choices
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k3", max_retries=0).models.list()
     finally:

@@ -7,11 +7,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from tiny_models import tiny_config, tiny_tokenizer
 from transformers import AutoModelForCausalLM
 
 from radixkv.attention.base import AttentionMetadata
 from radixkv.model.loader import LoadedModel
+from tests.helpers.tiny_models import tiny_config, tiny_tokenizer
 
 
 def make_random_model(path: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:

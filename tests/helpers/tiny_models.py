@@ -19,6 +19,11 @@ CORPUS = [
     "def add(a, b):\n    return a + b\n",
     "Prefix caching shares the KV cache of prompts with a common prefix.",
 ]
+# The tiny tokenizer has none; real chat models bring their own.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 
 
 def tiny_tokenizer(vocab_size: int = 320) -> PreTrainedTokenizerFast:

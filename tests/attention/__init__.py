@@ -1,0 +1,1 @@
+"""Tests of the attention backends against the pure-torch reference."""

@@ -1,0 +1,1 @@
+"""Tests of radixkv.cache: block hashes, the page pool, the radix tree."""

@@ -1,0 +1,1 @@
+"""Tests of radixkv.engine: exactness against transformers, scheduling, sampling, detokenizing."""

@@ -1,0 +1,1 @@
+"""Tests of radixkv.model and the CPU kernels it calls."""
