@@ -7,11 +7,13 @@ from __future__ import annotations
 
 from radixkv.config import EngineConfig
 from radixkv.errors import ConfigError, InvalidRequest, QueueFull
-from radixkv.engine.request import CompletionOutput, RequestOutput, SamplingParams
+from radixkv.engine.request import CompletionOutput, JsonGuide, RequestOutput, SamplingParams, TokenLogprob
 
 __all__ = [
     "LLM",
     "SamplingParams",
+    "JsonGuide",
+    "TokenLogprob",
     "RequestOutput",
     "CompletionOutput",
     "EngineConfig",

@@ -20,6 +20,16 @@ MAX_N = 64
 MAX_STOP_STRINGS = 16
 MIN_SAMPLING_TEMPERATURE = 1e-5
 MAX_SEED = (1 << 63) - 1
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass(frozen=True, slots=True)
+class JsonGuide:
+    """Constrains a continuation to JSON while it is decoded: any JSON object (schema None) or
+    one matching a JSON Schema (given as JSON text)."""
+
+    schema: str | None = None
+    strict: bool = True  # no properties beyond those the schema names
 
 
 @dataclass(slots=True)
@@ -33,6 +43,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     n: int = 1
+    guide: JsonGuide | None = None
+    logprobs: int | None = None  # None: off; k: the chosen token's logprob and the k most likely
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -60,6 +72,10 @@ class SamplingParams:
             raise InvalidRequest(
                 f"stop must be at most {MAX_STOP_STRINGS} non-empty strings, got {self.stop!r}", param="stop", limit=MAX_STOP_STRINGS
             )
+        if self.logprobs is not None:
+            _int_in("logprobs", self.logprobs, 0, MAX_TOP_LOGPROBS)
+        if self.guide is not None and not isinstance(self.guide, JsonGuide):
+            raise InvalidRequest(f"guide must be a JsonGuide, got {type(self.guide).__name__}", param="guide")
         if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
             raise InvalidRequest(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}", param="stop_token_ids")
 
@@ -131,11 +147,22 @@ class SequenceState:
 
 
 @dataclass(slots=True)
+class TokenLogprob:
+    """One generated token's log-probability (log-softmax of the raw logits) and the k most
+    likely tokens at that position, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None  # "stop", "length", "abort", or None while running
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token when asked for
 
 
 @dataclass(slots=True)
@@ -147,10 +174,12 @@ class CompletionDelta:
     text: str
     token_ids: list[int]
     finish_reason: str | None
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per new token when asked for
 
     def extend(self, later: CompletionDelta) -> None:
         self.text += later.text
         self.token_ids.extend(later.token_ids)
+        self.logprobs.extend(later.logprobs)
         self.finish_reason = later.finish_reason or self.finish_reason
 
 
@@ -171,12 +200,12 @@ class RequestDelta:
 
     def merge(self, later: RequestDelta) -> RequestDelta:
         """This delta followed by `later`, as one (for a consumer that fell behind)."""
-        by_index = {c.index: CompletionDelta(c.index, c.text, list(c.token_ids), c.finish_reason) for c in self.completions}
+        by_index = {c.index: _copy(c) for c in self.completions}
         for c in later.completions:
             if c.index in by_index:
                 by_index[c.index].extend(c)
             else:
-                by_index[c.index] = CompletionDelta(c.index, c.text, list(c.token_ids), c.finish_reason)
+                by_index[c.index] = _copy(c)
         return RequestDelta(
             later.request_id,
             [by_index[i] for i in sorted(by_index)],
@@ -185,6 +214,10 @@ class RequestDelta:
             later.time_to_first_token_s,
             later.output,
         )
+
+
+def _copy(delta: CompletionDelta) -> CompletionDelta:
+    return CompletionDelta(delta.index, delta.text, list(delta.token_ids), delta.finish_reason, list(delta.logprobs))
 
 
 @dataclass(slots=True)
