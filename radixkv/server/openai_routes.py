@@ -1,20 +1,25 @@
 """OpenAI's API: /v1/models, /v1/chat/completions and /v1/completions, streamed or not. Owns
 turning a request body into SamplingParams within the engine's context limit, and the engine's
-outputs into OpenAI's responses and stream chunks.
+outputs into OpenAI's responses and stream chunks: text, tool calls (radixkv.server.tools) and
+logprobs (radixkv.server.logprobs).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from radixkv.engine.async_engine import RequestStream
-from radixkv.engine.request import CompletionDelta, RequestOutput, SamplingParams
+from radixkv.engine.engine import Engine
+from radixkv.engine.request import CompletionDelta, CompletionOutput, JsonGuide, RequestOutput, SamplingParams
 from radixkv.errors import InvalidRequest
 from radixkv.server.errors import APIError, WireNames, context_error, engine_error, parse_body
+from radixkv.server.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from radixkv.server.prompts import chat_prompt, completion_prompts
 from radixkv.server.protocol import (
     AssistantMessage,
@@ -27,13 +32,29 @@ from radixkv.server.protocol import (
     CompletionChoice,
     CompletionRequest,
     Delta,
+    DeltaFunction,
+    DeltaToolCall,
     ModelCard,
     ModelList,
+    ReplyFunction,
+    ReplyToolCall,
+    RETENTION_TTL_S,
     Usage,
     new_id,
     now_s,
 )
 from radixkv.server.streaming import SSEResponse, collect, sse, submit, text_events, until_disconnect, usage
+from radixkv.server.tools import (
+    Tool,
+    ToolCall,
+    ToolCallStream,
+    ToolChoice,
+    guide_for,
+    parse_reply,
+    response_format_guide,
+    tool_choice_from_openai,
+    tools_from_openai,
+)
 
 if TYPE_CHECKING:
     from radixkv.server.state import Server
@@ -44,6 +65,28 @@ _MIN_TEMPERATURE = 1e-5
 _SEED_MODULUS = 1 << 43
 _INT64 = (-(1 << 63), (1 << 64) - 1)
 _COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completions API
+
+logger = logging.getLogger("radixkv.server")
+
+
+@dataclass(frozen=True, slots=True)
+class _ChatTools:
+    """A chat request's tools, its checked tool_choice, and whether calls may come in parallel."""
+
+    tools: list[Tool]
+    choice: ToolChoice
+    parallel: bool
+
+
+@dataclass(frozen=True, slots=True)
+class _ChatNames(WireNames):
+    """The engine names a bad guide's schema `response_format` (or `guide`); when the guide came
+    from the tools, the request's field at fault is `tools`."""
+
+    guide: str = "response_format"
+
+    def of(self, param: str | None) -> str | None:
+        return self.guide if param in ("response_format", "guide") else WireNames.of(self, param)
 
 
 def register(app: FastAPI, server: Server) -> None:
@@ -58,21 +101,27 @@ def register(app: FastAPI, server: Server) -> None:
         server.check_model(model)
         return _model_card(server)
 
+    texts = TokenTexts(server.engine.tokenizer)  # token text and bytes for logprobs, cached per id
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         key = server.tenants.authenticate(request.headers.get("authorization"))
         body = parse_body(ChatCompletionRequest, await request.body())
         _check_request(server, body)
-        prompt = chat_prompt(server, body.messages)
+        tools = _chat_tools(body)
+        prompt = chat_prompt(server, body.messages, tools.tools, tools.choice)
         max_tokens, max_tokens_param = body.requested_max_tokens()
-        names = WireNames(prompt="messages", max_tokens=max_tokens_param)
-        params = _sampling_params(server, body, [prompt], max_tokens, names, default_max_tokens=None)
+        guide, guide_param = _chat_guide(body, tools)
+        names = _ChatNames(prompt="messages", max_tokens=max_tokens_param, guide=guide_param)
+        params = _sampling_params(server, body, [prompt], max_tokens, names, default_max_tokens=None, guide=guide)
         salt = server.tenants.cache_salt(key, body.cache_salt)
         streams = await submit(server.engine, server.metrics, [prompt], params, salt, names)
+        hints = _CacheHints(server, body, [prompt], salt)
         if body.stream:
-            return SSEResponse(_chat_events(server, body, streams, params.n), streams)
+            return SSEResponse(hints.after(_chat_events(server, texts, body, tools, streams, params.n)), streams)
         finals = await until_disconnect(request, collect(server.metrics, streams, params.n), streams)
-        return JSONResponse(_chat_response(server, finals[0]).model_dump())
+        hints.finished(finals)
+        return JSONResponse(_chat_response(server, texts, body, tools, finals[0]).model_dump())
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -84,10 +133,12 @@ def register(app: FastAPI, server: Server) -> None:
         params = _sampling_params(server, body, prompts, body.max_tokens, names, default_max_tokens=_COMPLETIONS_DEFAULT_MAX_TOKENS)
         salt = server.tenants.cache_salt(key, body.cache_salt)
         streams = await submit(server.engine, server.metrics, prompts, params, salt, names)
+        hints = _CacheHints(server, body, prompts, salt)
         if body.stream:
-            return SSEResponse(_completion_events(server, body, streams, params.n), streams)
+            return SSEResponse(hints.after(_completion_events(server, texts, body, streams, params.n)), streams)
         finals = await until_disconnect(request, collect(server.metrics, streams, params.n), streams)
-        return JSONResponse(_completion_response(server, finals, params.n).model_dump())
+        hints.finished(finals)
+        return JSONResponse(_completion_response(server, texts, body, finals, params.n).model_dump())
 
 
 def _check_request(server: Server, body: ChatCompletionRequest | CompletionRequest) -> None:
@@ -96,6 +147,62 @@ def _check_request(server: Server, body: ChatCompletionRequest | CompletionReque
     unsupported = body.unsupported()
     if unsupported:
         raise APIError(400, f"radixkv does not support {unsupported!r}", param=unsupported, code="unsupported_parameter")
+
+
+def _chat_tools(body: ChatCompletionRequest) -> _ChatTools:
+    try:
+        tools = tools_from_openai(body.tools)
+        choice = tool_choice_from_openai(body.tool_choice, tools)
+    except InvalidRequest as error:
+        raise engine_error(error) from None
+    return _ChatTools(tools, choice, body.parallel_tool_calls is not False)  # OpenAI's default: parallel
+
+
+def _chat_guide(body: ChatCompletionRequest, tools: _ChatTools) -> tuple[JsonGuide | None, str]:
+    """The guide a forced tool call needs, else the response format's; and the field it came
+    from. A forced call's reply is the call, so the response format has nothing to shape."""
+    try:
+        guide = guide_for(tools.tools, tools.choice, tools.parallel)
+        if guide is not None:
+            return guide, "tools"
+        fmt = body.response_format
+        if fmt is None:
+            return None, "response_format"
+        schema = fmt.json_schema
+        return response_format_guide(fmt.type, schema and schema.schema_, schema and schema.strict), "response_format"
+    except InvalidRequest as error:
+        raise engine_error(error) from None
+
+
+class _CacheHints:
+    """prompt_cache_key (recorded: logged with the cache hits it saw; it partitions nothing, as
+    with OpenAI) and prompt_cache_retention, asked of the engine once the prompt is cached."""
+
+    def __init__(self, server: Server, body: ChatCompletionRequest | CompletionRequest, prompts: list[list[int]], salt: str | None) -> None:
+        self._server, self._body, self._prompts, self._salt = server, body, prompts, salt
+
+    async def after(self, events: AsyncIterator[str]) -> AsyncIterator[str]:
+        async for event in events:
+            yield event
+        self.finished([])
+
+    def finished(self, finals: list[RequestOutput]) -> None:
+        body = self._body
+        if body.prompt_cache_key is not None:
+            cached = sum(f.num_cached_tokens for f in finals) if finals else None  # unknown once streamed
+            logger.info("prompt_cache_key=%r prompts=%d cached_tokens=%s", body.prompt_cache_key, len(self._prompts), cached)
+        if body.prompt_cache_retention is not None:
+            ttl_s = RETENTION_TTL_S[body.prompt_cache_retention]
+            for prompt in self._prompts:
+                retain_prompt(self._server, prompt, self._salt, ttl_s, owner=self._salt or "")
+
+
+def retain_prompt(server: Server, prompt: list[int], salt: str | None, ttl_s: float, owner: str) -> None:
+    """The one place a prompt_cache_retention becomes retention: Engine.retain (issue 14's
+    retention, built beside this) keeps the prompt's cached full pages for ttl_s, capped per
+    owner (the tenant's salt); until the engine has it, the value is only validated."""
+    if hasattr(Engine, "retain"):
+        server.engine.call(lambda engine: engine.retain(prompt, salt, ttl_s, owner))  # type: ignore[attr-defined]
 
 
 def _model_card(server: Server) -> ModelCard:
@@ -111,6 +218,7 @@ def _sampling_params(
     names: WireNames,
     *,
     default_max_tokens: int | None,
+    guide: JsonGuide | None = None,
 ) -> SamplingParams:
     # The engine would refuse a request past its context too, but only after the default
     # max_tokens below is derived from the room left, and after earlier prompts were submitted.
@@ -137,6 +245,8 @@ def _sampling_params(
             seed=seed,
             stop=body.stop_list(),
             n=body.n,
+            guide=guide,
+            logprobs=body.num_logprobs(),
         )
     except InvalidRequest as error:
         raise engine_error(error, names) from None
@@ -148,26 +258,40 @@ def _sampling_params(
 # -- responses -------------------------------------------------------------------------------
 
 
-def _chat_response(server: Server, final: RequestOutput) -> ChatCompletion:
+def _reply_calls(calls: list[ToolCall]) -> list[ReplyToolCall] | None:
+    return [ReplyToolCall(id=c.id, function=ReplyFunction(name=c.name, arguments=c.arguments)) for c in calls] or None
+
+
+def _chat_choice(texts: TokenTexts, body: ChatCompletionRequest, tools: _ChatTools, output: CompletionOutput) -> ChatChoice:
+    content, calls = parse_reply(output.text, tools.tools, tools.choice)
+    return ChatChoice(
+        index=output.index,
+        message=AssistantMessage(content=content, tool_calls=_reply_calls(calls)),
+        finish_reason="tool_calls" if calls else output.finish_reason,
+        logprobs=chat_logprobs(texts, output.logprobs, body.top_logprobs or 0) if body.logprobs else None,
+    )
+
+
+def _chat_response(server: Server, texts: TokenTexts, body: ChatCompletionRequest, tools: _ChatTools, final: RequestOutput) -> ChatCompletion:
     return ChatCompletion(
         id=new_id("chatcmpl"),
         created=now_s(),
         model=server.model_name,
-        choices=[
-            ChatChoice(index=o.index, message=AssistantMessage(content=o.text), finish_reason=o.finish_reason)
-            for o in final.outputs
-        ],
+        choices=[_chat_choice(texts, body, tools, o) for o in final.outputs],
         usage=usage([final]),
     )
 
 
-def _completion_response(server: Server, finals: list[RequestOutput], n: int) -> Completion:
+def _completion_response(server: Server, texts: TokenTexts, body: CompletionRequest, finals: list[RequestOutput], n: int) -> Completion:
+    def logprobs(o: CompletionOutput) -> dict | None:
+        return None if body.logprobs is None else completion_logprobs(texts, o.logprobs, body.logprobs)
+
     return Completion(
         id=new_id("cmpl"),
         created=now_s(),
         model=server.model_name,
         choices=[
-            CompletionChoice(index=i * n + o.index, text=o.text, finish_reason=o.finish_reason)
+            CompletionChoice(index=i * n + o.index, text=o.text, finish_reason=o.finish_reason, logprobs=logprobs(o))
             for i, final in enumerate(finals)
             for o in final.outputs
         ],
@@ -175,28 +299,76 @@ def _completion_response(server: Server, finals: list[RequestOutput], n: int) ->
     )
 
 
-async def _chat_events(server: Server, body: ChatCompletionRequest, streams: list[RequestStream], n: int) -> AsyncIterator[str]:
+class _ChatChoiceStream:
+    """One streamed chat choice: content passes through a ToolCallStream; each finished call is
+    sent as OpenAI sends one (its id, type and name with arguments "", then its arguments), and
+    the last chunk says "tool_calls" when any call was made."""
+
+    def __init__(self, texts: TokenTexts, body: ChatCompletionRequest, tools: _ChatTools, index: int) -> None:
+        self._texts, self._body, self._index = texts, body, index
+        self._calls = ToolCallStream(tools.tools, tools.choice)
+
+    def choices(self, delta: CompletionDelta) -> list[ChatChunkChoice]:
+        content, calls = self._calls.feed(delta.text)
+        out: list[ChatChunkChoice] = []
+        logprobs = chat_logprobs(self._texts, delta.logprobs, self._body.top_logprobs or 0) if self._body.logprobs else None
+        if content or logprobs:
+            out.append(self._choice(Delta(content=content or None), logprobs=logprobs))
+        out += self._call_choices(calls, self._calls.num_calls - len(calls))
+        if delta.finish_reason is not None:
+            content, calls = self._calls.finish()
+            if content:
+                out.append(self._choice(Delta(content=content)))
+            out += self._call_choices(calls, self._calls.num_calls - len(calls))
+            finish = "tool_calls" if self._calls.num_calls else delta.finish_reason
+            out.append(self._choice(Delta(), finish_reason=finish))
+        return out
+
+    def _call_choices(self, calls: list[ToolCall], first_index: int) -> list[ChatChunkChoice]:
+        out = []
+        for k, call in enumerate(calls, start=first_index):
+            head = DeltaToolCall(index=k, id=call.id, type="function", function=DeltaFunction(name=call.name, arguments=""))
+            out.append(self._choice(Delta(tool_calls=[head])))
+            out.append(self._choice(Delta(tool_calls=[DeltaToolCall(index=k, function=DeltaFunction(arguments=call.arguments))])))
+        return out
+
+    def _choice(self, delta: Delta, *, finish_reason: str | None = None, logprobs: dict | None = None) -> ChatChunkChoice:
+        return ChatChunkChoice(index=self._index, delta=delta, finish_reason=finish_reason, logprobs=logprobs)
+
+
+async def _chat_events(
+    server: Server, texts: TokenTexts, body: ChatCompletionRequest, tools: _ChatTools, streams: list[RequestStream], n: int
+) -> AsyncIterator[str]:
     chunk_id, created, model = new_id("chatcmpl"), now_s(), server.model_name
+    per_choice = [_ChatChoiceStream(texts, body, tools, j) for j in range(n)]
 
     def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
         return _sse_data(ChatCompletionChunk(id=chunk_id, created=created, model=model, choices=choices, usage=usage), body.include_usage)
 
-    def choice(_: int, c: CompletionDelta) -> ChatChunkChoice:
-        return ChatChunkChoice(index=c.index, delta=Delta(content=c.text or None), finish_reason=c.finish_reason)
+    def choice(_: int, c: CompletionDelta) -> list[ChatChunkChoice]:
+        return per_choice[c.index].choices(c)
 
     opening = chunk([ChatChunkChoice(index=j, delta=Delta(role="assistant", content="")) for j in range(n)])
     async for event in text_events(server.metrics, streams, n, body, chunk, choice, opening):
         yield event
 
 
-async def _completion_events(server: Server, body: CompletionRequest, streams: list[RequestStream], n: int) -> AsyncIterator[str]:
+async def _completion_events(
+    server: Server, texts: TokenTexts, body: CompletionRequest, streams: list[RequestStream], n: int
+) -> AsyncIterator[str]:
     chunk_id, created, model = new_id("cmpl"), now_s(), server.model_name
+    text_offsets: dict[int, int] = {}  # characters each choice has sent, for logprobs' text_offset
 
     def chunk(choices: list[CompletionChoice], usage: Usage | None = None) -> str:
         return _sse_data(Completion(id=chunk_id, created=created, model=model, choices=choices, usage=usage), body.include_usage)
 
-    def choice(i: int, c: CompletionDelta) -> CompletionChoice:
-        return CompletionChoice(index=i * n + c.index, text=c.text, finish_reason=c.finish_reason)
+    def choice(i: int, c: CompletionDelta) -> list[CompletionChoice]:
+        index = i * n + c.index
+        logprobs = None
+        if body.logprobs is not None:
+            logprobs = completion_logprobs(texts, c.logprobs, body.logprobs, text_offsets.get(index, 0))
+        text_offsets[index] = text_offsets.get(index, 0) + len(c.text)
+        return [CompletionChoice(index=index, text=c.text, finish_reason=c.finish_reason, logprobs=logprobs)]
 
     async for event in text_events(server.metrics, streams, n, body, chunk, choice):
         yield event

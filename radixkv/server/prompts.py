@@ -1,6 +1,6 @@
 """Request bodies to prompt token ids through radixkv.prompts (the encoder LLM and the SDK use):
-chat messages, completion prompts (text or token ids, one or a batch), and the prefix a pin
-request names.
+chat messages (with their tools, through radixkv.server.tools), completion prompts (text or
+token ids, one or a batch), and the prefix a pin request names.
 """
 
 from __future__ import annotations
@@ -8,18 +8,29 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from radixkv.errors import InvalidRequest
-from radixkv.prompts import encode_chat, encode_prompt
+from radixkv.prompts import encode_prompt
 from radixkv.server.errors import APIError, context_error, engine_error
 from radixkv.server.protocol import ChatMessage, CompletionRequest, PinRequest
+from radixkv.server.tools import Tool, ToolChoice, encode_conversation
 
 if TYPE_CHECKING:
     from radixkv.server.state import Server
 
 
-def chat_prompt(server: Server, messages: list[ChatMessage], *, add_generation_prompt: bool = True) -> list[int]:
-    conversation = [{"role": m.role, "content": m.text()} for m in messages]
+def chat_prompt(
+    server: Server,
+    messages: list[ChatMessage],
+    tools: list[Tool] | None = None,
+    tool_choice: ToolChoice = "none",
+    *,
+    add_generation_prompt: bool = True,
+) -> list[int]:
+    """One encoder for chat and pins alike, so a pinned conversation is the prefix of its next turn."""
+    conversation = [m.as_chat() for m in messages]
     try:
-        return encode_chat(server.engine.tokenizer, conversation, add_generation_prompt=add_generation_prompt)
+        return encode_conversation(
+            server.engine.tokenizer, conversation, tools or [], tool_choice, add_generation_prompt=add_generation_prompt
+        )
     except InvalidRequest as error:
         raise engine_error(error) from None
 

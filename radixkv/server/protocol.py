@@ -2,6 +2,7 @@
 
 Request models accept (and ignore) fields they do not know, as OpenAI clients send extras;
 fields for features radixkv lacks are accepted only at their no-op values (`unsupported`).
+Tools and response formats are checked and turned into engine terms in radixkv.server.tools.
 """
 
 from __future__ import annotations
@@ -10,9 +11,12 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-ROLES = ("system", "developer", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_TOP_LOGPROBS = 20
+# OpenAI's prompt_cache_retention values and how long each keeps a prompt's prefix cached.
+RETENTION_TTL_S = {"in_memory": 3600.0, "24h": 86400.0}
 
 
 class StreamOptions(BaseModel):
@@ -24,12 +28,31 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str | dict[str, Any] = "{}"  # JSON text, as OpenAI sends it; some clients send the object
+
+
+class MessageToolCall(BaseModel):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # assistant turns that called tools
+    tool_call_id: str | None = None  # a tool turn: the call it answers
+
+    @model_validator(mode="after")
+    def _tool_result_names_its_call(self) -> ChatMessage:
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a message of role 'tool' needs the tool_call_id of the call it answers")
+        return self
 
     def text(self) -> str:
         if self.content is None:
@@ -37,6 +60,17 @@ class ChatMessage(BaseModel):
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+    def as_chat(self) -> dict[str, Any]:
+        """In transformers' chat format, as radixkv.server.tools.encode_conversation takes it."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.role == "tool":
+            message["tool_call_id"] = self.tool_call_id or ""
+        if self.name and self.role == "tool":
+            message["name"] = self.name
+        return message
 
 
 class _GenerationRequest(BaseModel):
@@ -54,6 +88,10 @@ class _GenerationRequest(BaseModel):
     user: str | None = None
     # Partitions the prefix cache within the caller's tenant (vLLM's field of the same name).
     cache_salt: str | None = Field(default=None, max_length=1024)
+    # OpenAI's cache hints: the key is only recorded (it partitions nothing, as with OpenAI);
+    # the retention asks that the prompt's prefix stay cached (RETENTION_TTL_S).
+    prompt_cache_key: str | None = Field(default=None, max_length=1024)
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     # Features radixkv does not implement; accepted only when they ask for nothing.
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
@@ -79,21 +117,31 @@ class _GenerationRequest(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+class JsonSchemaFormat(BaseModel):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
-    tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
 
-    def unsupported(self) -> str | None:
-        if self.logprobs:
-            return "logprobs"
-        if self.tools:
-            return "tools"
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            return "response_format"
-        return super().unsupported()
+    def num_logprobs(self) -> int | None:
+        """The engine's logprobs: off, or how many most likely tokens to give with each."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def requested_max_tokens(self) -> tuple[int | None, str]:
         """max_completion_tokens wins over the deprecated max_tokens, as in OpenAI's API."""
@@ -106,16 +154,17 @@ class CompletionRequest(_GenerationRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool | None = None
     suffix: str | None = None
-    logprobs: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     best_of: int | None = None
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
     def unsupported(self) -> str | None:
         if self.echo:
             return "echo"
         if self.suffix:
             return "suffix"
-        if self.logprobs:
-            return "logprobs"
         if self.best_of is not None and self.best_of != self.n:
             return "best_of"
         return super().unsupported()
@@ -166,16 +215,28 @@ def make_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -
     )
 
 
+class ReplyFunction(BaseModel):
+    name: str
+    arguments: str
+
+
+class ReplyToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ReplyFunction
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ReplyToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
 
 
 class ChatCompletion(BaseModel):
@@ -187,16 +248,32 @@ class ChatCompletion(BaseModel):
     usage: Usage
 
 
+class DeltaFunction(BaseModel):
+    name: str | None = None
+    arguments: str
+
+
+class DeltaToolCall(BaseModel):
+    """A streamed call: the first chunk of one has its id, type and name (and arguments ""),
+    later ones more of its arguments; `index` tells the calls of one choice apart."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunction
+
+
 class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):
     index: int
     delta: Delta
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -212,7 +289,7 @@ class CompletionChoice(BaseModel):
     index: int
     text: str
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
 
 
 class Completion(BaseModel):

@@ -149,13 +149,14 @@ async def text_events(
     n: int,
     body: ChatCompletionRequest | CompletionRequest,
     chunk: Callable[..., str],
-    choice: Callable[[int, CompletionDelta], ChatChunkChoice | CompletionChoice],
+    choice: Callable[[int, CompletionDelta], Sequence[ChatChunkChoice | CompletionChoice]],
     opening: str | None = None,
 ) -> AsyncIterator[str]:
     """The SSE events of a streamed chat or completion: each choice's new text as the engine
     hands it out (already safe from stop strings), the usage chunk when asked for, and [DONE];
-    an error mid-stream ends it with an error event. chunk(choices, usage) formats one event
-    and choice(prompt index, completion delta) one choice of it."""
+    an error mid-stream ends it with an error event. chunk(choices, usage) formats one event;
+    choice(prompt index, completion delta) gives that completion's choices in order (a tool
+    call takes several), and event k holds the k-th of each, so no event names an index twice."""
     finals: list[RequestOutput] = []
     try:
         if opening is not None:
@@ -164,9 +165,11 @@ async def text_events(
             async for i, delta in merged:
                 if any(c.finish_reason == "abort" for c in delta.completions):
                     raise APIError(503, "the request was aborted", type="server_error", code="aborted")
-                choices = [choice(i, c) for c in delta.completions if c.text or c.finish_reason is not None]
-                if choices:
-                    yield chunk(choices)
+                per_completion = [
+                    choice(i, c) for c in delta.completions if c.text or c.logprobs or c.finish_reason is not None
+                ]
+                for k in range(max(map(len, per_completion), default=0)):
+                    yield chunk([choices[k] for choices in per_completion if k < len(choices)])
                 if delta.output is not None:
                     finals.append(delta.output)
         if body.include_usage:
