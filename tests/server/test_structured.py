@@ -1,0 +1,128 @@
+"""Structured outputs and logprobs through the openai client: response_format json_schema
+(strict) and json_object replies that parse and match, bad schemas as 400s, and logprobs with
+top_logprobs on chat and logprobs on completions, streamed and not."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import jsonschema
+import openai
+import pytest
+from pydantic import BaseModel
+
+from tests.helpers.live_server import MODEL
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "enum": ["Ada", "Alan"]}, "admin": {"type": "boolean"}},
+    "required": ["name", "admin"],
+    "additionalProperties": False,
+}
+ASK = [{"role": "user", "content": "Describe a user."}]
+
+
+def create(client, **kwargs):
+    kwargs.setdefault("messages", ASK)
+    kwargs.setdefault("max_tokens", 80)
+    kwargs.setdefault("temperature", 0)
+    return client.chat.completions.create(model=MODEL, **kwargs)
+
+
+def test_json_schema_strict_reply_matches(live_server):
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    choice = create(live_server.client(), response_format=fmt).choices[0]
+    assert choice.finish_reason == "stop"
+    jsonschema.validate(json.loads(choice.message.content), PERSON)
+
+
+def test_json_schema_streamed_and_parsed_by_the_client(live_server):
+    class Person(BaseModel):
+        name: str
+        admin: bool
+
+    parsed = live_server.client().beta.chat.completions.parse(
+        model=MODEL, messages=ASK, response_format=Person, max_tokens=80, temperature=0
+    ).choices[0].message.parsed
+    assert isinstance(parsed, Person)
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    text = "".join(c.choices[0].delta.content or "" for c in create(live_server.client(), response_format=fmt, stream=True) if c.choices)
+    jsonschema.validate(json.loads(text), PERSON)
+
+
+def test_json_object_reply_is_an_object(live_server):
+    choice = create(live_server.client(), response_format={"type": "json_object"}).choices[0]
+    assert choice.finish_reason == "stop" and isinstance(json.loads(choice.message.content), dict)
+
+
+@pytest.mark.parametrize(
+    "fmt",
+    [
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}},
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {"$ref": "#/missing"}}}}},
+        {"type": "json_schema", "json_schema": {"name": "x"}},
+        {"type": "xml"},
+    ],
+)
+def test_bad_response_format_is_a_400(live_server, fmt):
+    with pytest.raises(openai.BadRequestError) as error:
+        create(live_server.client(), response_format=fmt)
+    assert error.value.body["param"].startswith("response_format") and error.value.body["message"]
+    assert create(live_server.client(), max_tokens=2).choices[0].message.content is not None
+
+
+def check_entry(entry, top: int) -> None:
+    assert entry.logprob <= 0 and bytes(entry.bytes).decode("utf-8", errors="replace") == entry.token
+    assert len(entry.top_logprobs) == top
+    values = [t.logprob for t in entry.top_logprobs]
+    assert values == sorted(values, reverse=True)
+    if top:
+        assert entry.logprob <= values[0] + 1e-4
+
+
+def test_chat_logprobs_and_top_logprobs(live_server):
+    response = create(live_server.client(), logprobs=True, top_logprobs=3, max_tokens=6)
+    entries = response.choices[0].logprobs.content
+    assert len(entries) == response.usage.completion_tokens
+    for entry in entries:
+        check_entry(entry, 3)
+    plain = create(live_server.client(), logprobs=True, max_tokens=4).choices[0].logprobs.content
+    assert plain and all(e.top_logprobs == [] for e in plain)
+    assert create(live_server.client(), max_tokens=2).choices[0].logprobs is None
+
+
+def test_streamed_chat_logprobs(live_server):
+    entries = []
+    for chunk in create(live_server.client(), logprobs=True, top_logprobs=2, max_tokens=6, stream=True):
+        for choice in chunk.choices:
+            entries += choice.logprobs.content if choice.logprobs else []
+    assert len(entries) == 6
+    for entry in entries:
+        check_entry(entry, 2)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_logprobs(live_server, stream):
+    client = live_server.client()
+    result = client.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=5, temperature=0, logprobs=2, stream=stream)
+    tokens, values, tops, offsets = [], [], [], []
+    for chunk in result if stream else [result]:
+        for choice in chunk.choices:
+            if choice.logprobs:
+                tokens += choice.logprobs.tokens
+                values += choice.logprobs.token_logprobs
+                tops += choice.logprobs.top_logprobs
+                offsets += choice.logprobs.text_offset
+    assert len(tokens) == len(values) == len(tops) == 5
+    assert all(v <= 0 and math.isfinite(v) for v in values)
+    assert all(1 <= len(t) <= 2 for t in tops) and offsets == sorted(offsets)
+
+
+def test_cache_hints_are_accepted(live_server):
+    client = live_server.client()
+    for retention in ("in_memory", "24h"):
+        response = create(client, max_tokens=2, extra_body={"prompt_cache_key": "agent-1", "prompt_cache_retention": retention})
+        assert response.choices[0].message.content is not None
+    completion = client.completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body={"prompt_cache_key": "k"})
+    assert completion.choices[0].text is not None
