@@ -19,6 +19,7 @@ from radixkv.cache.hashing import BlockHasher
 from radixkv.cache.pages import PagePool
 from radixkv.cache.radix import RadixTree
 from radixkv.config import EngineConfig
+from radixkv.engine.guide import Guides
 from radixkv.engine.kv_manager import KVManager
 from radixkv.engine.request import (
     CompletionDelta,
@@ -28,6 +29,7 @@ from radixkv.engine.request import (
     SamplingParams,
     SeqStatus,
     SequenceState,
+    TokenLogprob,
 )
 from radixkv.engine.runner import ModelRunner
 from radixkv.engine.sampler import Sampler
@@ -100,6 +102,8 @@ class Engine:
         self.scheduler = Scheduler(config, self.kv)
         self.runner = ModelRunner(loaded.model, self.pool, loaded.device, batch_invariant=config.batch_invariant)
         self.sampler = Sampler(config.seed)
+        self.guides = Guides(self.tokenizer, model_config.vocab_size, sorted(self.eos_token_ids))
+        self._num_guided = 0  # live guided sequences: a step without any skips the guide work
         self._requests: dict[str, list[SequenceState]] = {}
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
@@ -130,6 +134,10 @@ class Engine:
             SequenceState(next(self._seq_ids), request_id, i, prompt, params, salt, self.scheduler.step_count)
             for i in range(params.n)
         ]
+        if params.guide is not None:
+            for seq in seqs:
+                seq.guide_state = self.guides.new_state(params.guide)
+            self._num_guided += len(seqs)
         self._requests[request_id] = seqs
         for seq in seqs:
             self.scheduler.add(seq)
@@ -166,6 +174,8 @@ class Engine:
         pages = -(-total // self.pool.page_size)
         if self._pins:
             self._check_room_beside_pins(prompt, pages, salt)
+        if params.guide is not None:
+            self.guides.check(params.guide)  # compiles it once; add_request finds it cached
 
     def _context_limit_text(self) -> str:
         text = f"this model's maximum context length is {self.max_context_tokens} tokens"
@@ -237,13 +247,21 @@ class Engine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        clock.lap("schedule")
-        prepared = self.runner.prepare(batch)
-        clock.lap("prepare")
-        logits = self.runner.forward(*prepared)
-        clock.lap("forward")
         sampling = [item.seq for item in batch.items if item.samples]
-        tokens = self.sampler.sample(logits, sampling)
+        # The grammar masks fill on worker threads while the forward runs.
+        pending = self.guides.start_fills(sampling) if self._num_guided else None
+        clock.lap("schedule")
+        try:
+            prepared = self.runner.prepare(batch)
+            clock.lap("prepare")
+            logits = self.runner.forward(*prepared)
+            clock.lap("forward")
+        finally:
+            masks = pending.join() if pending is not None else None
+        if masks is None:
+            tokens, logprobs = self.sampler.sample(logits, sampling)
+        else:
+            tokens, logprobs = self.sampler.sample(logits, sampling, masks)
         clock.lap("sample")
         self._account(batch)
         for item in batch.items:
@@ -251,8 +269,8 @@ class Engine:
             self.kv.commit(item.seq)
         now = time.perf_counter()
         changed: dict[str, list[SequenceState]] = {}
-        for seq, token in zip(sampling, tokens):
-            self._append_token(seq, token, now)
+        for row, (seq, token) in enumerate(zip(sampling, tokens)):
+            self._append_token(seq, token, logprobs[row] if logprobs else None, now)
             changed.setdefault(seq.request_id, []).append(seq)
         deltas = [self._delta(self._requests[request_id], seqs) for request_id, seqs in changed.items()]
         for delta in deltas:
@@ -272,19 +290,22 @@ class Engine:
             prompt_end = len(item.seq.prompt_token_ids)
             counters.num_prompt_tokens_computed += max(0, min(start + item.num_new_tokens, prompt_end) - start)
 
-    def _append_token(self, seq: SequenceState, token: int, now: float) -> None:
+    def _append_token(self, seq: SequenceState, token: int, logprob: TokenLogprob | None, now: float) -> None:
         seq.output_token_ids.append(token)
+        if logprob is not None:
+            seq.output_logprobs.append(logprob)
         self.counters.num_output_tokens += 1
         if seq.first_token_time is None:
             seq.first_token_time = now
         hit_stop = seq.text_state.append(self.tokenizer, seq.output_token_ids)
-        reason = self._finish_reason(seq, token, hit_stop)
+        grammar_done = seq.guide_state is not None and seq.guide_state.accept(token)
+        reason = self._finish_reason(seq, token, hit_stop or grammar_done)
         if reason is not None:
             self._finish(seq, reason)
 
-    def _finish_reason(self, seq: SequenceState, token: int, hit_stop: bool) -> str | None:
+    def _finish_reason(self, seq: SequenceState, token: int, stopped: bool) -> str | None:
         params = seq.params
-        if hit_stop or token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos):
+        if stopped or token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos):
             return "stop"
         if len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
@@ -292,6 +313,8 @@ class Engine:
 
     def _finish(self, seq: SequenceState, reason: str) -> None:
         self.scheduler.remove(seq)
+        if seq.guide_state is not None:
+            self._num_guided -= 1
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         seq.finish_time = time.perf_counter()
@@ -302,8 +325,11 @@ class Engine:
         completions = []
         for seq in changed:
             new_token_ids = seq.output_token_ids[seq.num_sent_tokens :]
+            new_logprobs = seq.output_logprobs[seq.num_sent_tokens :]
             seq.num_sent_tokens = len(seq.output_token_ids)
-            completions.append(CompletionDelta(seq.index, seq.text_state.pending(seq.finished), new_token_ids, seq.finish_reason))
+            completions.append(
+                CompletionDelta(seq.index, seq.text_state.pending(seq.finished), new_token_ids, seq.finish_reason, new_logprobs)
+            )
         first = seqs[0]
         first_token_times = [s.first_token_time for s in seqs if s.first_token_time is not None]
         finished = all(s.finished for s in seqs)
@@ -323,7 +349,9 @@ class Engine:
         return RequestOutput(
             request_id=first.request_id,
             prompt_token_ids=first.prompt_token_ids,
-            outputs=[CompletionOutput(s.index, s.text, list(s.output_token_ids), s.finish_reason) for s in seqs],
+            outputs=[
+                CompletionOutput(s.index, s.text, list(s.output_token_ids), s.finish_reason, list(s.output_logprobs)) for s in seqs
+            ],
             num_prompt_tokens=len(first.prompt_token_ids),
             num_cached_tokens=max(s.num_cached_tokens for s in seqs),
             time_to_first_token_s=min(first_token_times) - first.arrival_time if first_token_times else None,

@@ -121,6 +121,10 @@ class SequenceState:
     first_token_time: float | None = None
     finish_time: float | None = None
     generator: Any = None  # torch.Generator for seeded sampling
+    # Where a guided continuation stands in its grammar (a guide.GuideState); it survives
+    # preemption with the output tokens it has accepted.
+    guide_state: Any = None
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token when asked for
 
     def __post_init__(self) -> None:
         self.text_state = TextState(tuple(self.params.stop))

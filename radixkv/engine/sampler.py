@@ -3,7 +3,9 @@
 Greedy rows take the argmax; sampled rows apply temperature, top-k and top-p together on the
 logits' device and draw by the exponential race (argmax of p / E, E ~ Exp(1)), with the noise
 from each sequence's own generator, so a seeded request is reproducible in any batch. The only
-host sync is the final transfer of the token ids.
+host sync is the final transfer of the token ids (with the logprobs of the rows that ask for
+them). Guided rows are masked to their grammar's allowed tokens first; logprobs are of the raw
+logits.
 """
 
 from __future__ import annotations
@@ -12,22 +14,34 @@ from collections.abc import Sequence
 
 import torch
 
-from radixkv.engine.request import SamplingParams, SequenceState
+from radixkv.engine.guide import GuideMasks
+from radixkv.engine.request import SamplingParams, SequenceState, TokenLogprob
 
 
 class Sampler:
     def __init__(self, base_seed: int | None = None) -> None:
         self.base_seed = base_seed
 
-    def sample(self, logits: torch.Tensor, seqs: Sequence[SequenceState]) -> list[int]:
-        """logits: [len(seqs), vocab] fp32; returns one token id per sequence."""
+    def sample(
+        self, logits: torch.Tensor, seqs: Sequence[SequenceState], masks: GuideMasks | None = None
+    ) -> tuple[list[int], list[TokenLogprob | None]]:
+        """logits: [len(seqs), vocab] fp32, masked in place where `masks` has a row. Returns one
+        token id per sequence, and per sequence its TokenLogprob (None where it asks for none;
+        an empty list when no sequence asks)."""
+        logprob_rows = [row for row, seq in enumerate(seqs) if seq.params.logprobs is not None]
+        # Before the masks: logprobs are the model's, not the grammar's.
+        logprobs = torch.log_softmax(logits[logprob_rows].float(), dim=-1) if logprob_rows else None
+        if masks is not None:
+            masks.apply(logits)
         # max().indices is argmax (first of equal maxima) at about 2.5x the speed on CPU.
         tokens = logits.max(dim=-1).indices
         rows = [row for row, seq in enumerate(seqs) if not seq.params.greedy]
         if rows:
             drawn = self._draw(logits[rows], [seqs[row] for row in rows])
             tokens = tokens.index_copy(0, torch.tensor(rows, device=logits.device), drawn)
-        return tokens.tolist()
+        if logprobs is None:
+            return tokens.tolist(), []
+        return _with_logprobs(tokens, logprobs, logprob_rows, seqs)
 
     def _draw(self, logits: torch.Tensor, seqs: list[SequenceState]) -> torch.Tensor:
         probs, order = sorted_filtered_probs(logits, [seq.params for seq in seqs])
@@ -50,6 +64,27 @@ class Sampler:
                 generator.seed()
             seq.generator = generator
         return seq.generator
+
+
+def _with_logprobs(
+    tokens: torch.Tensor, logprobs: torch.Tensor, logprob_rows: list[int], seqs: Sequence[SequenceState]
+) -> tuple[list[int], list[TokenLogprob | None]]:
+    """Tokens and the asked-for logprobs, gathered on the device and brought over in one
+    transfer: float64 holds both the token ids and the fp32 logprobs exactly."""
+    num_seqs, num_rows = len(seqs), len(logprob_rows)
+    k = max(seqs[row].params.logprobs or 0 for row in logprob_rows)
+    chosen = logprobs.gather(1, tokens[logprob_rows].unsqueeze(1)).squeeze(1)
+    top_values, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
+    packed = torch.cat([tokens.double(), chosen.double(), top_values.double().flatten(), top_ids.double().flatten()]).tolist()
+    token_ids = [int(t) for t in packed[:num_seqs]]
+    values = packed[num_seqs + num_rows : num_seqs + num_rows + num_rows * k]
+    ids = packed[num_seqs + num_rows + num_rows * k :]
+    result: list[TokenLogprob | None] = [None] * num_seqs
+    for i, row in enumerate(logprob_rows):
+        own_k = seqs[row].params.logprobs or 0
+        top = [(int(ids[i * k + j]), values[i * k + j]) for j in range(own_k)]
+        result[row] = TokenLogprob(token_ids[row], packed[num_seqs + i], top)
+    return token_ids, result
 
 
 def sorted_filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,6 +8,7 @@ base URL). Pins (prefixes locked against eviction) are made here too.
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -223,7 +224,7 @@ class HTTPBackend(Backend):
         return self._model
 
     def generate(self, prompts: Sequence[Prompt], params: SamplingParams, on_result: OnResult | None = None) -> list[Result]:
-        options = self._options(params)
+        options = {chat: self._options(params, chat=chat) for chat in (True, False)}
         results: list[Result | None] = [None] * len(prompts)
 
         def finish(i: int, result: Result) -> None:
@@ -269,7 +270,8 @@ class HTTPBackend(Backend):
 
     # -- one request -------------------------------------------------------------------------
 
-    def _options(self, params: SamplingParams) -> dict[str, Any]:
+    def _options(self, params: SamplingParams, *, chat: bool) -> dict[str, Any]:
+        """The request's options for the chat (messages) or the completions endpoint."""
         for name, default in (("top_k", 0), ("stop_token_ids", []), ("ignore_eos", False)):
             if getattr(params, name) != default:
                 raise InvalidRequest(f"{name} is not part of the OpenAI API, so the HTTP backend cannot send it")
@@ -283,11 +285,31 @@ class HTTPBackend(Backend):
             options["seed"] = params.seed
         if params.stop:
             options["stop"] = list(params.stop)
+        extra_body: dict[str, Any] = {}
+        if params.guide is not None:
+            # OpenAI's response_format; the completions endpoint has no such field, so there it
+            # travels in the body as radixkv's extension.
+            guide = params.guide
+            if guide.schema is None:
+                response_format: dict[str, Any] = {"type": "json_object"}
+            else:
+                schema = json.loads(guide.schema)
+                response_format = {"type": "json_schema", "json_schema": {"name": "output", "schema": schema, "strict": guide.strict}}
+            (options if chat else extra_body)["response_format"] = response_format
+        if params.logprobs is not None:
+            if chat:
+                options["logprobs"] = True
+                options["top_logprobs"] = params.logprobs
+            else:
+                options["logprobs"] = params.logprobs
         if self.salt is not None:
-            options["extra_body"] = {"cache_salt": self.salt}
+            extra_body["cache_salt"] = self.salt
+        if extra_body:
+            options["extra_body"] = extra_body
         return options
 
-    def _request(self, prompt: Prompt, options: dict[str, Any]) -> Result:
+    def _request(self, prompt: Prompt, options_by_chat: dict[bool, dict[str, Any]]) -> Result:
+        options = options_by_chat[prompt.messages is not None]
         try:
             # Messages and text go as they are (the server renders and tokenizes them exactly as
             # the SDK does); token ids only when that is all there is (a template's prefix).
