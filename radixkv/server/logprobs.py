@@ -17,9 +17,17 @@ _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 @lru_cache(maxsize=1)
 def _byte_decoder() -> dict[str, int]:
-    from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
-
-    return {char: byte for byte, char in bytes_to_unicode().items()}
+    """GPT-2's byte-level alphabet reversed: printable bytes stand for themselves, the others
+    for the characters from U+0100 on (transformers no longer exports its copy)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = list(printable)
+    extra = 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(char): byte for byte, char in zip(printable, chars)}
 
 
 class TokenTexts:

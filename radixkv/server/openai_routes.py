@@ -376,6 +376,13 @@ async def _completion_events(
 
 def _sse_data(payload: ChatCompletionChunk | Completion, include_usage: bool) -> str:
     data = payload.model_dump()
+    for choice in data["choices"]:
+        # OpenAI's call deltas leave out what they do not carry; clients merge present keys, so
+        # an explicit null would erase the call's id, type or name.
+        for call in (choice.get("delta") or {}).get("tool_calls") or []:
+            for holder in (call, call["function"]):
+                for key in [k for k, v in holder.items() if v is None]:
+                    del holder[key]
     if not include_usage:
         data.pop("usage")
     return sse(data)

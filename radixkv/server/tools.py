@@ -24,6 +24,9 @@ from radixkv.prompts import encode_chat, template_takes_tools
 ToolChoice = str
 CHOICES = ("none", "auto", "required")
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+# A guided array of parallel calls ends here: a weak model may otherwise append calls until
+# max_tokens cuts the JSON, and then nothing parses.
+MAX_PARALLEL_CALLS = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,7 +231,7 @@ def guide_for(tools: list[Tool], tool_choice: ToolChoice, parallel_tool_calls: b
     chosen = [t for t in tools if tool_choice == "required" or t.name == tool_choice]
     calls = [_call_schema(t) for t in chosen]
     call = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    schema = {"type": "array", "items": call, "minItems": 1} if parallel_tool_calls else call
+    schema = {"type": "array", "items": call, "minItems": 1, "maxItems": MAX_PARALLEL_CALLS} if parallel_tool_calls else call
     return JsonGuide(schema=json.dumps(schema), strict=True)
 
 

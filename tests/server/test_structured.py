@@ -25,34 +25,34 @@ ASK = [{"role": "user", "content": "Describe a user."}]
 
 def create(client, **kwargs):
     kwargs.setdefault("messages", ASK)
-    kwargs.setdefault("max_tokens", 80)
+    kwargs.setdefault("max_tokens", 400)
     kwargs.setdefault("temperature", 0)
     return client.chat.completions.create(model=MODEL, **kwargs)
 
 
-def test_json_schema_strict_reply_matches(live_server):
+def test_json_schema_strict_reply_matches(agent_server):
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
-    choice = create(live_server.client(), response_format=fmt).choices[0]
+    choice = create(agent_server.client(), response_format=fmt).choices[0]
     assert choice.finish_reason == "stop"
     jsonschema.validate(json.loads(choice.message.content), PERSON)
 
 
-def test_json_schema_streamed_and_parsed_by_the_client(live_server):
+def test_json_schema_streamed_and_parsed_by_the_client(agent_server):
     class Person(BaseModel):
         name: str
         admin: bool
 
-    parsed = live_server.client().beta.chat.completions.parse(
-        model=MODEL, messages=ASK, response_format=Person, max_tokens=80, temperature=0
+    parsed = agent_server.client().beta.chat.completions.parse(
+        model=MODEL, messages=ASK, response_format=Person, max_tokens=400, temperature=0
     ).choices[0].message.parsed
     assert isinstance(parsed, Person)
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
-    text = "".join(c.choices[0].delta.content or "" for c in create(live_server.client(), response_format=fmt, stream=True) if c.choices)
+    text = "".join(c.choices[0].delta.content or "" for c in create(agent_server.client(), response_format=fmt, stream=True) if c.choices)
     jsonschema.validate(json.loads(text), PERSON)
 
 
-def test_json_object_reply_is_an_object(live_server):
-    choice = create(live_server.client(), response_format={"type": "json_object"}).choices[0]
+def test_json_object_reply_is_an_object(agent_server):
+    choice = create(agent_server.client(), response_format={"type": "json_object"}).choices[0]
     assert choice.finish_reason == "stop" and isinstance(json.loads(choice.message.content), dict)
 
 
@@ -65,11 +65,11 @@ def test_json_object_reply_is_an_object(live_server):
         {"type": "xml"},
     ],
 )
-def test_bad_response_format_is_a_400(live_server, fmt):
+def test_bad_response_format_is_a_400(agent_server, fmt):
     with pytest.raises(openai.BadRequestError) as error:
-        create(live_server.client(), response_format=fmt)
+        create(agent_server.client(), response_format=fmt)
     assert error.value.body["param"].startswith("response_format") and error.value.body["message"]
-    assert create(live_server.client(), max_tokens=2).choices[0].message.content is not None
+    assert create(agent_server.client(), max_tokens=2).choices[0].message.content is not None
 
 
 def check_entry(entry, top: int) -> None:
@@ -81,20 +81,20 @@ def check_entry(entry, top: int) -> None:
         assert entry.logprob <= values[0] + 1e-4
 
 
-def test_chat_logprobs_and_top_logprobs(live_server):
-    response = create(live_server.client(), logprobs=True, top_logprobs=3, max_tokens=6)
+def test_chat_logprobs_and_top_logprobs(agent_server):
+    response = create(agent_server.client(), logprobs=True, top_logprobs=3, max_tokens=6)
     entries = response.choices[0].logprobs.content
     assert len(entries) == response.usage.completion_tokens
     for entry in entries:
         check_entry(entry, 3)
-    plain = create(live_server.client(), logprobs=True, max_tokens=4).choices[0].logprobs.content
+    plain = create(agent_server.client(), logprobs=True, max_tokens=4).choices[0].logprobs.content
     assert plain and all(e.top_logprobs == [] for e in plain)
-    assert create(live_server.client(), max_tokens=2).choices[0].logprobs is None
+    assert create(agent_server.client(), max_tokens=2).choices[0].logprobs is None
 
 
-def test_streamed_chat_logprobs(live_server):
+def test_streamed_chat_logprobs(agent_server):
     entries = []
-    for chunk in create(live_server.client(), logprobs=True, top_logprobs=2, max_tokens=6, stream=True):
+    for chunk in create(agent_server.client(), logprobs=True, top_logprobs=2, max_tokens=6, stream=True):
         for choice in chunk.choices:
             entries += choice.logprobs.content if choice.logprobs else []
     assert len(entries) == 6
@@ -103,8 +103,8 @@ def test_streamed_chat_logprobs(live_server):
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_completion_logprobs(live_server, stream):
-    client = live_server.client()
+def test_completion_logprobs(agent_server, stream):
+    client = agent_server.client()
     result = client.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=5, temperature=0, logprobs=2, stream=stream)
     tokens, values, tops, offsets = [], [], [], []
     for chunk in result if stream else [result]:
@@ -119,8 +119,8 @@ def test_completion_logprobs(live_server, stream):
     assert all(1 <= len(t) <= 2 for t in tops) and offsets == sorted(offsets)
 
 
-def test_cache_hints_are_accepted(live_server):
-    client = live_server.client()
+def test_cache_hints_are_accepted(agent_server):
+    client = agent_server.client()
     for retention in ("in_memory", "24h"):
         response = create(client, max_tokens=2, extra_body={"prompt_cache_key": "agent-1", "prompt_cache_retention": retention})
         assert response.choices[0].message.content is not None

@@ -35,7 +35,7 @@ ASK = [{"role": "user", "content": "Weather in Paris?"}]
 
 def create(client, **kwargs):
     kwargs.setdefault("messages", ASK)
-    kwargs.setdefault("max_tokens", 120)
+    kwargs.setdefault("max_tokens", 400)
     kwargs.setdefault("temperature", 0)
     return client.chat.completions.create(model=MODEL, **kwargs)
 
@@ -49,8 +49,8 @@ def assert_valid_calls(calls, names=tuple(SCHEMAS)) -> None:
 
 
 @pytest.mark.parametrize("parallel", [False, True])
-def test_required_tool_choice_gives_calls_that_parse(live_server, parallel):
-    response = create(live_server.client(), tools=[WEATHER, LIGHTS], tool_choice="required", parallel_tool_calls=parallel)
+def test_required_tool_choice_gives_calls_that_parse(agent_server, parallel):
+    response = create(agent_server.client(), tools=[WEATHER, LIGHTS], tool_choice="required", parallel_tool_calls=parallel)
     [choice] = response.choices
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     assert_valid_calls(choice.message.tool_calls)
@@ -58,15 +58,15 @@ def test_required_tool_choice_gives_calls_that_parse(live_server, parallel):
         assert len(choice.message.tool_calls) == 1
 
 
-def test_named_tool_choice_calls_that_function(live_server):
+def test_named_tool_choice_calls_that_function(agent_server):
     choice = {"type": "function", "function": {"name": "set_lights"}}
-    response = create(live_server.client(), tools=[WEATHER, LIGHTS], tool_choice=choice, parallel_tool_calls=False)
+    response = create(agent_server.client(), tools=[WEATHER, LIGHTS], tool_choice=choice, parallel_tool_calls=False)
     [call] = response.choices[0].message.tool_calls
     assert_valid_calls([call], names=("set_lights",))
 
 
-def test_streamed_tool_calls_are_reassembled_by_the_client(live_server):
-    stream = create(live_server.client(), tools=[WEATHER, LIGHTS], tool_choice="required", stream=True)
+def test_streamed_tool_calls_are_reassembled_by_the_client(agent_server):
+    stream = create(agent_server.client(), tools=[WEATHER, LIGHTS], tool_choice="required", stream=True)
     calls: dict[int, dict] = {}
     finish = None
     for chunk in stream:
@@ -84,17 +84,17 @@ def test_streamed_tool_calls_are_reassembled_by_the_client(live_server):
         jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
 
 
-def test_the_clients_stream_helper_reassembles_calls(live_server):
-    client = live_server.client()
+def test_the_clients_stream_helper_reassembles_calls(agent_server):
+    client = agent_server.client()
     with client.chat.completions.stream(
-        model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required", max_tokens=120, temperature=0
+        model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required", max_tokens=400, temperature=0
     ) as stream:
         final = stream.get_final_completion()
     assert_valid_calls(final.choices[0].message.tool_calls)
 
 
-def test_tool_results_in_the_history_and_cache_reuse(live_server):
-    client = live_server.client()
+def test_tool_results_in_the_history_and_cache_reuse(agent_server):
+    client = agent_server.client()
     first = create(client, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False)
     [call] = first.choices[0].message.tool_calls
     history = [*ASK, first.choices[0].message.model_dump(exclude_none=True),
@@ -105,8 +105,8 @@ def test_tool_results_in_the_history_and_cache_reuse(live_server):
     assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens // 2
 
 
-def test_auto_gives_text_or_valid_calls(live_server):
-    response = create(live_server.client(), tools=[WEATHER], max_tokens=16)
+def test_auto_gives_text_or_valid_calls(agent_server):
+    response = create(agent_server.client(), tools=[WEATHER], max_tokens=16)
     message = response.choices[0].message
     if message.tool_calls:
         assert response.choices[0].finish_reason == "tool_calls"
@@ -114,7 +114,7 @@ def test_auto_gives_text_or_valid_calls(live_server):
     else:
         assert isinstance(message.content, str)
     streamed = "".join(
-        c.choices[0].delta.content or "" for c in create(live_server.client(), tools=[WEATHER], max_tokens=16, stream=True) if c.choices
+        c.choices[0].delta.content or "" for c in create(agent_server.client(), tools=[WEATHER], max_tokens=16, stream=True) if c.choices
     )
     assert isinstance(streamed, str)
 
@@ -130,8 +130,8 @@ def test_auto_gives_text_or_valid_calls(live_server):
         ({"messages": [*ASK, {"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {"arguments": "{}"}}]}]}, None),
     ],
 )
-def test_bad_tool_input_is_a_400_and_the_server_stays_up(live_server, kwargs, param):
-    client = live_server.client()
+def test_bad_tool_input_is_a_400_and_the_server_stays_up(agent_server, kwargs, param):
+    client = agent_server.client()
     with pytest.raises(openai.BadRequestError) as error:
         create(client, **kwargs)
     body = error.value.body
@@ -139,4 +139,4 @@ def test_bad_tool_input_is_a_400_and_the_server_stays_up(live_server, kwargs, pa
     if param is not None:
         assert body["param"] == param
     assert create(client, max_tokens=2).choices[0].message.content is not None
-    live_server.assert_idle_and_consistent()
+    agent_server.assert_idle_and_consistent()
