@@ -223,15 +223,17 @@ def _dumps(value: Any) -> str:
 
 def guide_for(tools: list[Tool], tool_choice: ToolChoice, parallel_tool_calls: bool) -> JsonGuide | None:
     """For "required" or a named function, the JSON the reply must be: a call
-    {"name", "arguments"} (arguments matching that function's schema), or with parallel calls an
-    array of at least one; "auto" and "none" leave the model free."""
+    {"name", "arguments"} (arguments matching that function's schema), or for "required" with
+    parallel calls an array of 1 to MAX_PARALLEL_CALLS; "auto" and "none" leave the model free."""
     if tool_choice in ("none", "auto"):
         return None
     check_tool_choice(tool_choice, tools)
     chosen = [t for t in tools if tool_choice == "required" or t.name == tool_choice]
     calls = [_call_schema(t) for t in chosen]
     call = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    schema = {"type": "array", "items": call, "minItems": 1, "maxItems": MAX_PARALLEL_CALLS} if parallel_tool_calls else call
+    # A named function is one call of it, as with OpenAI (langchain's bind_tools expects one).
+    parallel = parallel_tool_calls and tool_choice == "required"
+    schema = {"type": "array", "items": call, "minItems": 1, "maxItems": MAX_PARALLEL_CALLS} if parallel else call
     return JsonGuide(schema=json.dumps(schema), strict=True)
 
 
