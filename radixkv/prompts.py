@@ -17,6 +17,15 @@ def has_chat_template(tokenizer: Any) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
+def template_takes_tools(tokenizer: Any) -> bool:
+    """Whether the chat template renders tool definitions: its source mentions `tools` (the
+    variable transformers hands it); templates that do not would silently drop them."""
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):  # several named templates: the default, or the tool-use one
+        template = template.get("tool_use") or template.get("default")
+    return isinstance(template, str) and "tools" in template
+
+
 def encode_prompt(tokenizer: Any, prompt: str | Sequence[int]) -> list[int]:
     """Text (tokenized with the model's special tokens, as transformers does) or token ids.
     An empty result is the engine's to refuse (Engine.check_request), like every length."""
@@ -24,10 +33,16 @@ def encode_prompt(tokenizer: Any, prompt: str | Sequence[int]) -> list[int]:
 
 
 def encode_chat(
-    tokenizer: Any, messages: Sequence[Message], *, add_generation_prompt: bool = True, param: str = "messages"
+    tokenizer: Any,
+    messages: Sequence[Message],
+    *,
+    add_generation_prompt: bool = True,
+    param: str = "messages",
+    tools: list[dict] | None = None,
 ) -> list[int]:
     """Messages rendered by the chat template; add_generation_prompt=False renders them as the
-    beginning of a longer conversation (for warming and pinning a prefix)."""
+    beginning of a longer conversation (for warming and pinning a prefix). `tools` (OpenAI's
+    function definitions) go to templates that take them (see template_takes_tools)."""
     if not messages:
         raise InvalidRequest(f"{param} must hold at least one message", param=param)
     if not has_chat_template(tokenizer):
@@ -35,7 +50,8 @@ def encode_chat(
     # "developer" is OpenAI's newer name for "system"; chat templates know only the latter.
     conversation = [{**m, "role": "system" if m.get("role") == "developer" else m.get("role")} for m in messages]
     try:
-        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=False)
+        extra = {"tools": tools} if tools else {}
+        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=False, **extra)
     except Exception as error:  # jinja's TemplateError, or raise_exception() inside a template
         raise InvalidRequest(f"the chat template refused these messages: {error}", param=param) from None
     return list(tokenizer(text, add_special_tokens=False).input_ids)

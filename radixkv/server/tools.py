@@ -1,0 +1,396 @@
+"""Function tools for every API the server speaks: their definitions, how a conversation with
+tools becomes prompt tokens (the model's chat template, or the fallback prompt below), the JSON
+guide that makes forced calls parse, and how a reply (whole or streamed) splits into text and calls.
+
+The fallback, for chat templates that take no `tools`: a system-prompt section lists each
+function as one JSON line {"name", "description", "parameters"} and asks for one line
+`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` per call. Earlier assistant calls are
+rendered in that same form, and tool results as a user turn of `<tool_response>` lines.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from radixkv.engine.request import JsonGuide
+from radixkv.errors import InvalidRequest
+from radixkv.prompts import encode_chat, template_takes_tools
+
+# "none" | "auto" | "required" | the name of the one function the reply must call.
+ToolChoice = str
+CHOICES = ("none", "auto", "required")
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+
+
+@dataclass(frozen=True, slots=True)
+class Tool:
+    name: str
+    description: str
+    parameters: dict  # JSON Schema of the arguments (an object schema)
+    strict: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    id: str  # "call_<hex>"
+    name: str
+    arguments: str  # JSON text
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+# -- definitions ----------------------------------------------------------------------------
+
+
+def tool_from_openai(raw: Mapping[str, Any], param: str = "tools") -> Tool:
+    """A function tool as chat completions nest it ({"type", "function": {...}}) or as the
+    Responses API flattens it ({"type", "name", ...})."""
+    if not isinstance(raw, Mapping) or raw.get("type", "function") != "function":
+        raise InvalidRequest(f"{param}: only tools of type 'function' are supported", param=param)
+    spec = raw.get("function", raw)
+    if not isinstance(spec, Mapping):
+        raise InvalidRequest(f"{param}: function must be an object", param=param)
+    name = spec.get("name")
+    if not isinstance(name, str) or not name:
+        raise InvalidRequest(f"{param}: every function needs a name", param=param)
+    parameters = spec.get("parameters") or {"type": "object", "properties": {}}
+    if not isinstance(parameters, Mapping):
+        raise InvalidRequest(f"{param}: the parameters of {name!r} must be a JSON schema object", param=param)
+    return Tool(name, str(spec.get("description") or ""), dict(parameters), bool(spec.get("strict") or False))
+
+
+def tools_from_openai(raw: Sequence[Mapping[str, Any]] | None, param: str = "tools") -> list[Tool]:
+    tools = [tool_from_openai(t, param) for t in raw or ()]
+    names = [t.name for t in tools]
+    duplicate = next((n for n in names if names.count(n) > 1), None)
+    if duplicate is not None:
+        raise InvalidRequest(f"{param}: the function name {duplicate!r} appears twice", param=param)
+    return tools
+
+
+def tool_choice_from_openai(raw: Any, tools: Sequence[Tool], param: str = "tool_choice") -> ToolChoice:
+    """OpenAI's tool_choice (a mode, {"type": "function", "function": {"name"}}, or the Responses
+    API's {"type": "function", "name"}), checked against the tools; None means the default."""
+    if raw is None:
+        choice: ToolChoice = "auto" if tools else "none"
+    elif isinstance(raw, str):
+        choice = raw
+        if choice not in CHOICES:
+            raise InvalidRequest(f"{param} must be one of {', '.join(CHOICES)} or a function, got {raw!r}", param=param)
+    elif isinstance(raw, Mapping) and raw.get("type") == "function":
+        spec = raw.get("function", raw)
+        choice = spec.get("name") if isinstance(spec, Mapping) else None  # type: ignore[assignment]
+        if not isinstance(choice, str):
+            raise InvalidRequest(f"{param}: a function choice needs the function's name", param=param)
+    else:
+        raise InvalidRequest(f"{param} must be a string or a function choice", param=param)
+    check_tool_choice(choice, tools, param)
+    return choice
+
+
+def check_tool_choice(choice: ToolChoice, tools: Sequence[Tool], param: str = "tool_choice") -> None:
+    if choice in ("required",) and not tools:
+        raise InvalidRequest(f"{param} is 'required' but no tools were given", param=param)
+    if choice not in CHOICES and choice not in {t.name for t in tools}:
+        raise InvalidRequest(f"{param} names the function {choice!r}, which is not among the tools", param=param)
+
+
+# -- prompts --------------------------------------------------------------------------------
+
+
+def encode_conversation(
+    tokenizer: Any,
+    messages: list[dict],
+    tools: list[Tool],
+    tool_choice: ToolChoice,
+    *,
+    add_generation_prompt: bool = True,
+) -> list[int]:
+    """Prompt token ids of a conversation with tools. Tools are offered even with "none" so that
+    the prompt prefix (system + tools) stays the same, and cached, whatever the choice."""
+    check_tool_choice(tool_choice, tools)
+    if not messages:
+        raise InvalidRequest("messages must hold at least one message", param="messages")
+    normalized = [_normalize(m, i) for i, m in enumerate(messages)]
+    if template_takes_tools(tokenizer):
+        wire_tools = [_wire_tool(t) for t in tools] or None
+        return encode_chat(tokenizer, normalized, tools=wire_tools, add_generation_prompt=add_generation_prompt)
+    return encode_chat(tokenizer, fallback_messages(normalized, tools), add_generation_prompt=add_generation_prompt)
+
+
+def _normalize(message: Mapping[str, Any], index: int) -> dict:
+    """Content as text (templates print it as a string); tool calls as plain dicts."""
+    if not isinstance(message, Mapping):
+        raise InvalidRequest(f"messages[{index}] must be an object", param="messages")
+    role = message.get("role")
+    if role not in ("system", "developer", "user", "assistant", "tool"):
+        raise InvalidRequest(f"messages[{index}].role {role!r} is not a known role", param="messages")
+    out: dict[str, Any] = {"role": role, "content": _text(message.get("content"), index)}
+    if role == "assistant" and message.get("tool_calls"):
+        out["tool_calls"] = [_history_call(c, index) for c in message["tool_calls"]]
+    if role == "tool":
+        out["tool_call_id"] = str(message.get("tool_call_id") or "")
+        if message.get("name"):
+            out["name"] = str(message["name"])
+    return out
+
+
+def _text(content: Any, index: int) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(str(p.get("text", "")) if isinstance(p, Mapping) else str(p) for p in content)
+    raise InvalidRequest(f"messages[{index}].content must be a string or a list of text parts", param="messages")
+
+
+def _history_call(raw: Any, index: int) -> dict:
+    spec = raw.get("function", raw) if isinstance(raw, Mapping) else None
+    if not isinstance(spec, Mapping) or not isinstance(spec.get("name"), str):
+        raise InvalidRequest(f"messages[{index}].tool_calls: every call needs a function name", param="messages")
+    return {"id": str(raw.get("id") or ""), "type": "function", "function": {"name": spec["name"], "arguments": _args_object(spec.get("arguments"))}}
+
+
+def _args_object(arguments: Any) -> Any:
+    """Arguments as a JSON value: templates (and the fallback) print them with tojson."""
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError:
+            return arguments  # a model's malformed call, replayed as it was
+    return {} if arguments is None else arguments
+
+
+def _wire_tool(tool: Tool) -> dict:
+    return {"type": "function", "function": {"name": tool.name, "description": tool.description, "parameters": tool.parameters}}
+
+
+def fallback_messages(messages: list[dict], tools: Sequence[Tool]) -> list[dict]:
+    """The conversation for a template that takes no tools: the tools section joins the system
+    prompt (or becomes one), calls and results become text in the documented format."""
+    out: list[dict] = []
+    for message in messages:
+        if message["role"] == "tool":
+            line = f"<tool_response>{_dumps({'tool_call_id': message['tool_call_id'], 'content': message['content']})}</tool_response>"
+            if out and out[-1].get("_tool_results"):  # consecutive results: one user turn
+                out[-1]["content"] += "\n" + line
+            else:
+                out.append({"role": "user", "content": line, "_tool_results": True})
+        elif message["role"] == "assistant" and message.get("tool_calls"):
+            calls = [_call_line(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]]
+            out.append({"role": "assistant", "content": "\n".join(([message["content"]] if message["content"] else []) + calls)})
+        else:
+            out.append({"role": message["role"], "content": message["content"]})
+    out = [{"role": m["role"], "content": m["content"]} for m in out]
+    if tools:
+        section = tools_section(tools)
+        if out and out[0]["role"] in ("system", "developer"):
+            out[0] = {"role": out[0]["role"], "content": f"{out[0]['content']}\n\n{section}" if out[0]["content"] else section}
+        else:
+            out.insert(0, {"role": "system", "content": section})
+    return out
+
+
+def tools_section(tools: Sequence[Tool]) -> str:
+    lines = [_dumps({"name": t.name, "description": t.description, "parameters": t.parameters}) for t in tools]
+    return (
+        "# Tools\nYou may call these functions:\n"
+        + "\n".join(lines)
+        + f'\nTo call one, reply with one line per call:\n{CALL_OPEN}{{"name": <name>, "arguments": <JSON object>}}{CALL_CLOSE}'
+    )
+
+
+def _call_line(name: str, arguments: Any) -> str:
+    return f"{CALL_OPEN}{_dumps({'name': name, 'arguments': arguments})}{CALL_CLOSE}"
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False)
+
+
+# -- guides ---------------------------------------------------------------------------------
+
+
+def guide_for(tools: list[Tool], tool_choice: ToolChoice, parallel_tool_calls: bool) -> JsonGuide | None:
+    """For "required" or a named function, the JSON the reply must be: a call
+    {"name", "arguments"} (arguments matching that function's schema), or with parallel calls an
+    array of at least one; "auto" and "none" leave the model free."""
+    if tool_choice in ("none", "auto"):
+        return None
+    check_tool_choice(tool_choice, tools)
+    chosen = [t for t in tools if tool_choice == "required" or t.name == tool_choice]
+    calls = [_call_schema(t) for t in chosen]
+    call = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    schema = {"type": "array", "items": call, "minItems": 1} if parallel_tool_calls else call
+    return JsonGuide(schema=json.dumps(schema), strict=True)
+
+
+def _call_schema(tool: Tool) -> dict:
+    return {
+        "type": "object",
+        "properties": {"name": {"const": tool.name}, "arguments": tool.parameters},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
+
+
+# -- replies --------------------------------------------------------------------------------
+
+
+def parse_reply(text: str, tools: list[Tool], tool_choice: ToolChoice) -> tuple[str | None, list[ToolCall]]:
+    """(content, tool calls) of a finished reply: a bare JSON call or array of calls (what a
+    guide produces), else `<tool_call>` lines; whatever is not a valid call stays content."""
+    if tool_choice == "none" or not tools:
+        return text, []
+    names = {t.name for t in tools}
+    bare = _bare_calls(text, names)
+    if bare is not None:
+        return None, bare
+    content, calls = _tagged_calls(text, names)
+    if not calls:
+        return text, []
+    return content.strip() or None, calls
+
+
+def _bare_calls(text: str, names: set[str]) -> list[ToolCall] | None:
+    stripped = text.strip()
+    if not stripped or stripped[0] not in "{[":
+        return None
+    try:
+        value = json.loads(stripped)
+    except json.JSONDecodeError:
+        return None
+    items = value if isinstance(value, list) else [value]
+    calls = [_call_of(item, names) for item in items]
+    return calls if calls and all(c is not None for c in calls) else None  # type: ignore[return-value]
+
+
+def _call_of(value: Any, names: set[str]) -> ToolCall | None:
+    """A ToolCall from {"name", "arguments"} (or "parameters", as some models write it)."""
+    if not isinstance(value, dict) or value.get("name") not in names:
+        return None
+    arguments = value.get("arguments", value.get("parameters", {}))
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(arguments, dict):
+        return None
+    return ToolCall(new_call_id(), value["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+def _parse_call(body: str, names: set[str]) -> ToolCall | None:
+    try:
+        return _call_of(json.loads(body), names)
+    except json.JSONDecodeError:
+        return None
+
+
+def _tagged_calls(text: str, names: set[str]) -> tuple[str, list[ToolCall]]:
+    content: list[str] = []
+    calls: list[ToolCall] = []
+    rest = text
+    while (start := rest.find(CALL_OPEN)) >= 0:
+        end = rest.find(CALL_CLOSE, start)
+        body_end = len(rest) if end < 0 else end
+        call = _parse_call(rest[start + len(CALL_OPEN) : body_end], names)
+        stop = len(rest) if end < 0 else end + len(CALL_CLOSE)
+        content.append(rest[:start] if call is not None else rest[:stop])
+        if call is not None:
+            calls.append(call)
+        rest = rest[stop:]
+    content.append(rest)
+    return "".join(content), calls
+
+
+class ToolCallStream:
+    """Splits a streamed reply into content deltas and finished calls. Text passes through as it
+    comes while it cannot be part of a call: a possible `<tool_call>` opening is held back until
+    it is or is not one; a reply that opens with JSON (a guided or bare call) is held to the end."""
+
+    def __init__(self, tools: list[Tool], tool_choice: ToolChoice) -> None:
+        self._tools = tools
+        self._names = {t.name for t in tools}
+        self._active = tool_choice != "none" and bool(tools)
+        self._held = ""  # text not yet handed out
+        self._json_reply = tool_choice not in CHOICES or tool_choice == "required"  # guided: all JSON
+        self._started = False  # seen a non-space character
+        self.num_calls = 0
+
+    def feed(self, text_delta: str) -> tuple[str, list[ToolCall]]:
+        if not self._active:
+            return text_delta, []
+        self._held += text_delta
+        if not self._started and self._held.strip():
+            self._started = True
+            self._json_reply = self._json_reply or self._held.lstrip()[0] in "{["
+        if self._json_reply or not self._started:
+            return "", []
+        return self._drain(final=False)
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        if not self._active:
+            return "", []
+        if self._json_reply:
+            held, self._held = self._held, ""
+            bare = _bare_calls(held, self._names)
+            if bare is not None:
+                self.num_calls += len(bare)
+                return "", bare
+            self._json_reply = False
+            self._held = held
+        return self._drain(final=True)
+
+    def _drain(self, *, final: bool) -> tuple[str, list[ToolCall]]:
+        content: list[str] = []
+        calls: list[ToolCall] = []
+        while True:
+            start = self._held.find(CALL_OPEN)
+            if start < 0:
+                keep = 0 if final else _partial_suffix(self._held, CALL_OPEN)
+                content.append(self._held[: len(self._held) - keep])
+                self._held = self._held[len(self._held) - keep :]
+                break
+            end = self._held.find(CALL_CLOSE, start)
+            if end < 0 and not final:
+                content.append(self._held[:start])
+                self._held = self._held[start:]
+                break
+            stop = len(self._held) if end < 0 else end + len(CALL_CLOSE)
+            call = _parse_call(self._held[start + len(CALL_OPEN) : len(self._held) if end < 0 else end], self._names)
+            content.append(self._held[:start] if call is not None else self._held[:stop])
+            if call is not None:
+                calls.append(call)
+            self._held = self._held[stop:]
+        self.num_calls += len(calls)
+        return "".join(content), calls
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """The length of the longest end of text that is a beginning of marker."""
+    for size in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-size:]):
+            return size
+    return 0
+
+
+def response_format_guide(kind: str, schema: Any = None, strict: bool | None = None, param: str = "response_format") -> JsonGuide | None:
+    """A response format ("text", "json_object", "json_schema" with its schema) as a guide; the
+    engine checks the schema itself and refuses one it cannot compile (a 400 on `param`)."""
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return JsonGuide(schema=None, strict=False)
+    if kind != "json_schema":
+        raise InvalidRequest(f"{param}: unknown type {kind!r}", param=param)
+    if not isinstance(schema, Mapping):
+        raise InvalidRequest(f"{param}: json_schema needs a schema, a JSON object", param=param)
+    return JsonGuide(schema=json.dumps(schema), strict=bool(strict))
