@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class _Lenient(BaseModel):
@@ -53,19 +53,12 @@ class FunctionCallOutputItem(_Lenient):
         return self.output if isinstance(self.output, str) else "".join(part.text for part in self.output)
 
 
-def _item_kind(value: Any) -> str | None:
-    # Messages may leave out `type` (OpenAI's "easy input message"); anything else must name it.
-    if isinstance(value, dict):
-        return value.get("type", "message" if "role" in value else None)
-    return getattr(value, "type", None)
-
-
-InputItem = Annotated[
-    Annotated[MessageItem, Tag("message")]
-    | Annotated[FunctionCallItem, Tag("function_call")]
-    | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
-    Discriminator(_item_kind),
-]
+INPUT_ITEMS: dict[str, type[_Lenient]] = {
+    "message": MessageItem,
+    "function_call": FunctionCallItem,
+    "function_call_output": FunctionCallOutputItem,
+}
+InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem
 
 
 # -- tools and formats -----------------------------------------------------------------------
@@ -99,7 +92,8 @@ class TextConfig(_Lenient):
 
 class ResponsesRequest(_Lenient):
     model: str | None = None
-    input: str | list[InputItem]
+    # Items are checked one by one (responses_convert.input_items), so an error names the item.
+    input: str | list[dict[str, Any]]
     instructions: str | None = None
     tools: list[FunctionTool] = Field(default_factory=list)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice = "auto"
@@ -155,6 +149,7 @@ OutputItem = OutputMessage | OutputFunctionCall
 
 class InputTokensDetails(BaseModel):
     cached_tokens: int = 0
+    cache_write_tokens: int = 0
 
 
 class OutputTokensDetails(BaseModel):
@@ -169,10 +164,10 @@ class ResponseUsage(BaseModel):
     total_tokens: int
 
 
-def response_usage(input_tokens: int, output_tokens: int, cached_tokens: int) -> ResponseUsage:
+def response_usage(input_tokens: int, output_tokens: int, cached_tokens: int, cache_write_tokens: int = 0) -> ResponseUsage:
     return ResponseUsage(
         input_tokens=input_tokens,
-        input_tokens_details=InputTokensDetails(cached_tokens=cached_tokens),
+        input_tokens_details=InputTokensDetails(cached_tokens=cached_tokens, cache_write_tokens=cache_write_tokens),
         output_tokens=output_tokens,
         output_tokens_details=OutputTokensDetails(),
         total_tokens=input_tokens + output_tokens,
