@@ -199,10 +199,12 @@ async def _events(server: Server, store: ResponseStore, turn: _Turn, streams: li
                 yield event
         if final is None:
             raise APIError(503, "the request was aborted", type="server_error", code="aborted")
-        for event in events.finish(_usage(server, final), final.outputs[0].finish_reason != "length"):
-            yield event
+        closing = events.finish(_usage(server, final), final.outputs[0].finish_reason != "length")
+        # Stored before the last event goes out: a client may hang up the moment it has it.
         if turn.body.store:
             store.put(events.response.id, turn.owner, turn.messages + convert.reply_messages(events.response.output))
+        for event in closing:
+            yield event
     except (APIError, EngineStepError, EngineStopped) as error:
         yield events.error(error if isinstance(error, APIError) else engine_error(error))
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,17 +26,23 @@ class StoredResponse:
 class ResponseStore:
     """A bounded, expiring map of response id to conversation; the oldest go first."""
 
-    def __init__(self, max_responses: int = MAX_STORED_RESPONSES, ttl_s: float = STORED_RESPONSE_TTL_S) -> None:
+    def __init__(
+        self,
+        max_responses: int = MAX_STORED_RESPONSES,
+        ttl_s: float = STORED_RESPONSE_TTL_S,
+        clock: Callable[[], float] = time.monotonic,  # seconds; tests pass their own
+    ) -> None:
         if max_responses < 1 or ttl_s <= 0:
             raise ValueError(f"a response store needs room for one response and a positive ttl, got {max_responses}, {ttl_s}")
         self.max_responses = max_responses
         self.ttl_s = ttl_s
+        self._clock = clock
         self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
         # Routes run on one event loop, but a store may be shared by apps in other threads.
         self._lock = threading.Lock()
 
     def put(self, response_id: str, owner: str | None, messages: list[dict[str, Any]]) -> None:
-        entry = StoredResponse(owner, tuple(messages), time.monotonic() + self.ttl_s)
+        entry = StoredResponse(owner, tuple(messages), self._clock() + self.ttl_s)
         with self._lock:
             self._entries[response_id] = entry
             self._drop_expired()
@@ -58,7 +65,7 @@ class ResponseStore:
 
     def _drop_expired(self) -> None:
         # Entries are in insertion order and share one ttl, so the expired ones lead.
-        now = time.monotonic()
+        now = self._clock()
         while self._entries:
             first = next(iter(self._entries.values()))
             if first.expires_at_s > now:

@@ -127,10 +127,27 @@ def test_stream_reassembles_to_the_whole_response(live_server):
     assert final.usage.output_tokens == whole.usage.output_tokens and cached(final) > 0
 
 
-def test_stream_true_on_create(live_server):
-    events = list(respond(live_server.client(), "Hello.", stream=True))
+def test_stream_true_on_create_is_stored_for_chaining(live_server):
+    client = live_server.client()
+    events = list(respond(client, "Hello.", stream=True))
     assert events[0].type == "response.created" and events[0].response.status == "in_progress"
     assert events[-1].response.usage.output_tokens >= 1
+    chained = respond(client, "More.", previous_response_id=events[-1].response.id)
+    assert cached(chained) > 0
+
+
+def test_store_bound_and_expiry():
+    from radixkv.server.responses_store import ResponseStore
+
+    now = [0.0]
+    store = ResponseStore(max_responses=2, ttl_s=10.0, clock=lambda: now[0])
+    for i in range(3):
+        store.put(f"resp_{i}", "tenant", [{"role": "user", "content": str(i)}])
+    assert store.get("resp_0", "tenant") is None and len(store) == 2  # the oldest went first
+    assert store.get("resp_2", "tenant") == [{"role": "user", "content": "2"}]
+    assert store.get("resp_2", "other") is None
+    now[0] = 11.0
+    assert store.get("resp_2", "tenant") is None and len(store) == 0
 
 
 @needs_guide
