@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     serving.add_argument("--api-key", action="append", default=None, help="accepted bearer key (repeatable)")
     serving.add_argument("--dtype", default="auto")
     serving.add_argument("--num-pages", type=int, default=None)
+    serving.add_argument("--no-prefix-caching", action="store_true", help="compute every prompt in full (for comparisons)")
 
     bench = commands.add_parser(
         "bench", help="run a scenario side by side with peers", epilog="scenarios: " + ", ".join(scenario_names())
@@ -94,7 +95,9 @@ def serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
-        config = EngineConfig(model=args.model, dtype=args.dtype, num_pages=args.num_pages)
+        config = EngineConfig(
+            model=args.model, dtype=args.dtype, num_pages=args.num_pages, enable_prefix_caching=not args.no_prefix_caching
+        )
         engine = Engine(config)
     except (ConfigError, InvalidRequest, OSError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)

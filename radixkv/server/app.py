@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from fastapi import FastAPI
 
 from radixkv.engine.async_engine import AsyncEngine
-from radixkv.server import cache_routes, openai_routes, ops_routes
+from radixkv.server import cache_routes, openai_routes, ops_routes, responses_routes
 from radixkv.server.errors import install_error_handlers
 from radixkv.server.metrics import CountRequests, ServerMetrics
 from radixkv.server.state import Server
@@ -39,5 +39,6 @@ def create_app(
     app.add_middleware(CountRequests, metrics=server.metrics)
     ops_routes.register(app, server)
     openai_routes.register(app, server)
+    responses_routes.register(app, server)
     cache_routes.register(app, server)
     return app

@@ -1,0 +1,223 @@
+"""The wire format of OpenAI's Responses API (POST /v1/responses): the request body with its
+input items, tools and text format, and the Response object, its output items and usage.
+
+Request models ignore fields they do not know (clients send extras such as `include`).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+# -- input items -----------------------------------------------------------------------------
+
+
+class TextContent(_Lenient):
+    """A text part of a message; the other kinds (images, files, audio) are refused."""
+
+    type: Literal["input_text", "output_text", "text"]
+    text: str
+
+
+class MessageItem(_Lenient):
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | list[TextContent]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+
+class FunctionCallItem(_Lenient):
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: str | None = None
+
+
+class FunctionCallOutputItem(_Lenient):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | list[TextContent]
+
+    def text(self) -> str:
+        return self.output if isinstance(self.output, str) else "".join(part.text for part in self.output)
+
+
+INPUT_ITEMS: dict[str, type[_Lenient]] = {
+    "message": MessageItem,
+    "function_call": FunctionCallItem,
+    "function_call_output": FunctionCallOutputItem,
+}
+InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem
+
+
+# -- tools and formats -----------------------------------------------------------------------
+
+
+class FunctionTool(_Lenient):
+    type: Literal["function"]
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class NamedToolChoice(_Lenient):
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(_Lenient):
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class TextConfig(_Lenient):
+    format: TextFormat = Field(default_factory=TextFormat)
+    verbosity: str | None = None
+
+
+class ResponsesRequest(_Lenient):
+    model: str | None = None
+    # Items are checked one by one (responses_convert.input_items), so an error names the item.
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    tools: list[FunctionTool] = Field(default_factory=list)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice = "auto"
+    parallel_tool_calls: bool = True
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    text: TextConfig = Field(default_factory=TextConfig)
+    store: bool = True
+    previous_response_id: str | None = None
+    stream: bool = False
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    prompt_cache_key: str | None = None  # recorded by OpenAI, partitions nothing; likewise here
+    truncation: Literal["auto", "disabled"] | None = None
+    # radixkv's own: partitions the prefix cache within the caller's tenant, as on chat.
+    cache_salt: str | None = Field(default=None, max_length=1024)
+
+    def choice(self) -> str:
+        """tool_choice in tools.py's terms: none, auto, required or a function's name."""
+        return self.tool_choice if isinstance(self.tool_choice, str) else self.tool_choice.name
+
+
+# -- the Response object ---------------------------------------------------------------------
+
+
+class OutputText(BaseModel):
+    type: Literal["output_text"] = "output_text"
+    text: str
+    annotations: list[Any] = Field(default_factory=list)
+    logprobs: list[Any] = Field(default_factory=list)
+
+
+class OutputMessage(BaseModel):
+    type: Literal["message"] = "message"
+    id: str
+    role: Literal["assistant"] = "assistant"
+    status: Literal["in_progress", "completed", "incomplete"]
+    content: list[OutputText]
+
+
+class OutputFunctionCall(BaseModel):
+    type: Literal["function_call"] = "function_call"
+    id: str
+    call_id: str
+    name: str
+    arguments: str
+    status: Literal["in_progress", "completed", "incomplete"]
+
+
+OutputItem = OutputMessage | OutputFunctionCall
+
+
+class InputTokensDetails(BaseModel):
+    cached_tokens: int = 0
+    cache_write_tokens: int = 0
+
+
+class OutputTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+
+
+class ResponseUsage(BaseModel):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails
+    total_tokens: int
+
+
+def response_usage(input_tokens: int, output_tokens: int, cached_tokens: int, cache_write_tokens: int = 0) -> ResponseUsage:
+    return ResponseUsage(
+        input_tokens=input_tokens,
+        input_tokens_details=InputTokensDetails(cached_tokens=cached_tokens, cache_write_tokens=cache_write_tokens),
+        output_tokens=output_tokens,
+        output_tokens_details=OutputTokensDetails(),
+        total_tokens=input_tokens + output_tokens,
+    )
+
+
+class IncompleteDetails(BaseModel):
+    reason: Literal["max_output_tokens", "content_filter"]
+
+
+class Reasoning(BaseModel):
+    effort: str | None = None
+    summary: str | None = None
+
+
+class ResponseObject(BaseModel):
+    """What the `openai` client parses as `Response`: the result and the request's settings
+    echoed (the Agents SDK reads tools, tool_choice and the rest back from it)."""
+
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int
+    status: Literal["in_progress", "completed", "incomplete", "failed"]
+    model: str
+    output: list[OutputItem] = Field(default_factory=list)
+    usage: ResponseUsage | None = None
+    error: dict[str, Any] | None = None
+    incomplete_details: IncompleteDetails | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    parallel_tool_calls: bool = True
+    previous_response_id: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    text: dict[str, Any] = Field(default_factory=dict)
+    tool_choice: str | dict[str, Any] = "auto"
+    tools: list[dict[str, Any]] = Field(default_factory=list)
+    truncation: str = "disabled"
+    store: bool = True
+    metadata: dict[str, str] = Field(default_factory=dict)
+    reasoning: Reasoning = Field(default_factory=Reasoning)
+    background: bool = False
+    user: str | None = None
+    prompt_cache_key: str | None = None
+
+
+def new_item_id(prefix: str) -> str:
+    # OpenAI's ids are "<prefix>_<hex>" (chat's use a dash); the SDK only needs them unique.
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def now_s() -> int:
+    return int(time.time())

@@ -1,0 +1,224 @@
+"""OpenAI's Responses API: POST /v1/responses, streamed or not. Owns turning a request (input
+items, a stored conversation, tools, text.format) into one engine request, and its output into a
+Response or its events; conversations are kept for previous_response_id in a ResponseStore.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from radixkv.engine.async_engine import EngineStepError, EngineStopped, RequestStream
+from radixkv.engine.request import JsonGuide, RequestOutput, SamplingParams
+from radixkv.errors import InvalidRequest
+from radixkv.server import responses_convert as convert
+from radixkv.server import tools as tool_layer
+from radixkv.server.errors import APIError, WireNames, context_error, engine_error, parse_body
+from radixkv.server.responses_events import ResponseEvents
+from radixkv.server.responses_protocol import (
+    IncompleteDetails,
+    ResponseObject,
+    ResponsesRequest,
+    ResponseUsage,
+    new_item_id,
+    now_s,
+    response_usage,
+)
+from radixkv.server.responses_store import ResponseStore
+from radixkv.server.streaming import SSEResponse, collect, merge, submit, until_disconnect
+
+if TYPE_CHECKING:
+    from radixkv.server.state import Server
+
+Message = dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class _Names(WireNames):
+    """This API's names for the engine's parameters; `guide` is the field the JSON guide came
+    from (text.format, or tools when a call is forced), which the engine calls response_format."""
+
+    guide: str = "text.format"
+
+    def of(self, param: str | None) -> str | None:
+        if param in ("response_format", "guide"):
+            return self.guide
+        return WireNames.of(self, param)
+
+
+@dataclass(slots=True)
+class _Turn:
+    """One request made ready for the engine, and what its reply needs to be read and stored."""
+
+    body: ResponsesRequest
+    owner: str | None
+    messages: list[Message]  # the conversation so far, without instructions
+    tools: list[tool_layer.Tool]
+    choice: str
+    params: SamplingParams
+    names: _Names
+
+
+def register(app: FastAPI, server: Server, store: ResponseStore | None = None) -> None:
+    # The store lives with the app (one per server); tests reach it through app.state.
+    store = store or ResponseStore()
+    app.state.responses_store = store
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request) -> Response:
+        key = server.tenants.authenticate(request.headers.get("authorization"))
+        body = parse_body(ResponsesRequest, await request.body())
+        if body.model is not None:
+            server.check_model(body.model)
+        turn, prompt = _prepare(server, store, body, server.tenants.cache_salt(key, None))
+        salt = server.tenants.cache_salt(key, body.cache_salt)
+        streams = await submit(server.engine, server.metrics, [prompt], turn.params, salt, turn.names)
+        if body.stream:
+            return SSEResponse(_events(server, store, turn, streams), streams)
+        finals = await until_disconnect(request, collect(server.metrics, streams, 1), streams)
+        response = _finished(server, turn, finals[0])
+        if body.store:
+            store.put(response.id, turn.owner, turn.messages + convert.reply_messages(response.output))
+        return JSONResponse(response.model_dump())
+
+
+def _prepare(server: Server, store: ResponseStore, body: ResponsesRequest, owner: str | None) -> tuple[_Turn, list[int]]:
+    history: list[Message] = []
+    if body.previous_response_id is not None:
+        found = store.get(body.previous_response_id, owner)
+        if found is None:
+            raise APIError(
+                400,
+                f"previous response with id {body.previous_response_id!r} not found (never stored, expired, or not yours)",
+                param="previous_response_id",
+                code="previous_response_not_found",
+            )
+        history = found
+    messages = convert.conversation(body, history)
+    tools = convert.tool_list(body)
+    choice = body.choice()
+    guide, guide_param = convert.guide(body, tools, choice)
+    names = _Names(prompt="input", max_tokens="max_output_tokens", guide=guide_param)
+    try:
+        prompt = tool_layer.encode_conversation(server.engine.tokenizer, convert.prompt_messages(body, messages), tools, choice)
+    except InvalidRequest as error:
+        raise engine_error(error, names) from None
+    params = _sampling_params(server, body, prompt, guide, names)
+    return _Turn(body, owner, messages, tools, choice, params, names), prompt
+
+
+def _sampling_params(server: Server, body: ResponsesRequest, prompt: list[int], guide: JsonGuide | None, names: _Names) -> SamplingParams:
+    # Checked here, not only by the engine: the default max_output_tokens is the room left.
+    context = server.engine.max_context_tokens
+    if len(prompt) >= context:
+        raise context_error(context, len(prompt), None, names.prompt)
+    max_tokens = context - len(prompt) if body.max_output_tokens is None else body.max_output_tokens
+    try:
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if body.temperature is None else body.temperature,  # OpenAI's default
+            top_p=1.0 if body.top_p is None else body.top_p,
+            guide=guide,
+        )
+    except InvalidRequest as error:
+        raise engine_error(error, names) from None
+    if len(prompt) + params.max_tokens > context:
+        raise context_error(context, len(prompt), params.max_tokens, names.max_tokens)
+    return params
+
+
+def _skeleton(server: Server, body: ResponsesRequest) -> ResponseObject:
+    """The Response before any output: the request's settings echoed as OpenAI does."""
+    return ResponseObject(
+        id=new_item_id("resp"),
+        created_at=now_s(),
+        status="in_progress",
+        model=server.model_name,
+        instructions=body.instructions,
+        max_output_tokens=body.max_output_tokens,
+        parallel_tool_calls=body.parallel_tool_calls,
+        previous_response_id=body.previous_response_id,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        text=body.text.model_dump(by_alias=True, exclude_none=True),
+        tool_choice=body.tool_choice if isinstance(body.tool_choice, str) else body.tool_choice.model_dump(),
+        tools=[tool.model_dump(exclude_none=True) for tool in body.tools],
+        store=body.store,
+        metadata=body.metadata or {},
+        user=body.user,
+        prompt_cache_key=body.prompt_cache_key,
+    )
+
+
+def _usage(server: Server, final: RequestOutput) -> ResponseUsage:
+    # Written to the cache: the prompt's full pages (only those are cached) that it did not
+    # already hold. The engine's config is fixed once built, so reading it here is safe.
+    config = server.engine.engine.config
+    full_tokens = final.num_prompt_tokens // config.page_size * config.page_size if config.enable_prefix_caching else 0
+    written = max(0, full_tokens - final.num_cached_tokens)
+    return response_usage(final.num_prompt_tokens, final.num_output_tokens, final.num_cached_tokens, written)
+
+
+def _finished(server: Server, turn: _Turn, final: RequestOutput) -> ResponseObject:
+    complete = final.outputs[0].finish_reason != "length"
+    content, calls = convert.split_reply(final.outputs[0].text, turn.tools, turn.choice)
+    response = _skeleton(server, turn.body)
+    response.output = convert.output_items(content, calls, complete)
+    response.usage = _usage(server, final)
+    response.status = "completed" if complete else "incomplete"
+    if not complete:
+        response.incomplete_details = IncompleteDetails(reason="max_output_tokens")
+    return response
+
+
+async def _events(server: Server, store: ResponseStore, turn: _Turn, streams: list[RequestStream]) -> AsyncIterator[str]:
+    """The streamed response: text passes through as the engine decodes it, except what may
+    still become a tool call (ToolCallStream holds that back until it parses)."""
+    events = ResponseEvents(_skeleton(server, turn.body))
+    splitter = tool_layer.ToolCallStream(turn.tools, turn.choice) if convert.calls_possible(turn.tools, turn.choice) else None
+    final: RequestOutput | None = None
+    try:
+        for event in events.start():
+            yield event
+        async with aclosing(merge(server.metrics, streams, 1)) as merged:
+            async for _, delta in merged:
+                for completion in delta.completions:
+                    if completion.finish_reason == "abort":
+                        raise APIError(503, "the request was aborted", type="server_error", code="aborted")
+                    for event in _pieces(events, splitter, completion.text):
+                        yield event
+                if delta.output is not None:
+                    final = delta.output
+        if splitter is not None:
+            for event in _emit(events, *splitter.finish()):
+                yield event
+        if final is None:
+            raise APIError(503, "the request was aborted", type="server_error", code="aborted")
+        closing = events.finish(_usage(server, final), final.outputs[0].finish_reason != "length")
+        # Stored before the last event goes out: a client may hang up the moment it has it.
+        if turn.body.store:
+            store.put(events.response.id, turn.owner, turn.messages + convert.reply_messages(events.response.output))
+        for event in closing:
+            yield event
+    except (APIError, EngineStepError, EngineStopped) as error:
+        yield events.error(error if isinstance(error, APIError) else engine_error(error))
+
+
+def _pieces(events: ResponseEvents, splitter: tool_layer.ToolCallStream | None, text: str) -> list[str]:
+    if not text:
+        return []
+    if splitter is None:
+        return events.text(text)
+    return _emit(events, *splitter.feed(text))
+
+
+def _emit(events: ResponseEvents, content: str, calls: list[tool_layer.ToolCall]) -> list[str]:
+    out = events.text(content)
+    for call in calls:
+        out += events.call(call)
+    return out
