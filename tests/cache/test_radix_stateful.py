@@ -27,7 +27,9 @@ salt_st = st.sampled_from([None, None, None, "", "t"])
 index_st = st.integers(0, 1 << 16)
 
 Key = tuple[str | None, tuple[int, ...]]
-RefRetention = tuple[float, str | None, tuple[int, ...]]  # (expiry_s, salt, retained prefix)
+# (expiry_s, the block keys it covers): those cached when it was made, less those evicted since
+# (a block computed again later is a new block, not retained).
+RefRetention = tuple[float, set[Key]]
 OWNER = "capped"
 OWNER_CAP_PAGES = 3
 
@@ -134,22 +136,35 @@ class CacheMachine(RuleBasedStateMachine):
             assert max(kept_gone) <= min(kept_left), "retained blocks not evicted in expiry order"
         for k in evicted:
             del self.ref_time[k]
+        for rs in self.ref_retentions.values():
+            for _, covered in rs:
+                covered -= evicted
 
     def retained_until(self, k: Key) -> float:
         """The latest expiry of a live retention covering block key k; 0 when none does."""
-        salt, prefix = k
         return max(
-            (expiry for rs in self.ref_retentions.values() for expiry, r_salt, r_prefix in rs
-             if r_salt == salt and r_prefix[: len(prefix)] == prefix and expiry > self.now_s),
+            (expiry for rs in self.ref_retentions.values() for expiry, covered in rs if k in covered and expiry > self.now_s),
             default=0.0,
         )
 
-    def path_key(self, node: Node) -> Key:
-        tokens: list[int] = []
-        while node.parent is not None:
-            tokens[:0] = node.tokens
-            node = node.parent
-        return (node.salt, tuple(tokens))
+    def tree_retentions(self, owner: str) -> list[RefRetention]:
+        """The owner's retentions as the tree reports them, in the reference's terms."""
+        out = []
+        for r in self.tree.retentions(owner):
+            path, node = [], r.node
+            while node.parent is not None:
+                path.append(node)
+                node = node.parent
+            prefix: tuple[int, ...] = ()
+            covered = set()
+            for n in reversed(path):
+                for block in range(len(n.pages)):
+                    key = (n.salt, prefix + tuple(n.tokens[: (block + 1) * self.ps]))
+                    if not n.removed:
+                        covered.add(key)
+                prefix += tuple(n.tokens)
+            out.append((r.expiry_s, covered))
+        return out
 
     def unlocked_leaf_keys(self) -> list[Key]:
         parents = {(k[0], k[1][: -self.ps]) for k in self.ref}
@@ -307,13 +322,14 @@ class CacheMachine(RuleBasedStateMachine):
         if capped:
             num = self.tree.retain(node, ttl_s, OWNER, OWNER_CAP_PAGES)
             assert num == (blocks if blocks <= OWNER_CAP_PAGES else 0)
-            self.ref_retentions[OWNER] = [(r.expiry_s, *self.path_key(r.node)) for r in self.tree.retentions(OWNER)]
+            self.ref_retentions[OWNER] = self.tree_retentions(OWNER)
             assert sum(r.num_pages for r in self.tree.retentions(OWNER)) <= OWNER_CAP_PAGES
         else:
             self.owners += 1
             assert self.tree.retain(node, ttl_s, str(self.owners)) == blocks
             if blocks:
-                self.ref_retentions[str(self.owners)] = [(self.now_s + ttl_s, *self.key(tokens, salt, blocks))]
+                covered = {self.key(tokens, salt, i) for i in range(1, blocks + 1)}
+                self.ref_retentions[str(self.owners)] = [(self.now_s + ttl_s, covered)]
 
     @rule(dt_s=st.sampled_from([0.5, 1.0, 49.0, 120.0, 400.0]))
     def advance_clock(self, dt_s: float) -> None:
@@ -325,7 +341,7 @@ class CacheMachine(RuleBasedStateMachine):
         mine = self.tree.retentions(OWNER)  # as of the last expire: all may have ended since
         if mine:
             assert self.tree.release(mine[i % len(mine)].retention_id)
-        self.ref_retentions[OWNER] = [(r.expiry_s, *self.path_key(r.node)) for r in self.tree.retentions(OWNER)]
+        self.ref_retentions[OWNER] = self.tree_retentions(OWNER)
 
     @rule()
     def reset(self) -> None:
