@@ -53,6 +53,11 @@ class EngineConfig:
     # predicted (or precomputed to collide) from outside; set it only to reproduce hashes.
     hash_seed: int | None = None
     check_invariants: bool = False  # debug: check page accounting after every step
+    # Cache retention (Anthropic cache_control ttl, OpenAI prompt_cache_retention): the most
+    # KV pages one owner (an API key) may keep retained at once, summed over its retentions.
+    # Past it the owner's oldest retentions are released; a single prefix longer than it
+    # retains only its first this-many pages. 0 turns retention off.
+    max_retained_pages_per_owner: int = 1024
     # Compute every token's numbers independently of what it is batched with (attention one
     # query row at a time; GEMMs in fixed 32-row blocks where the linears are not AMX's, whose
     # rows are independent already), so bf16 outputs are bit-identical with
@@ -74,6 +79,8 @@ class EngineConfig:
         _positive(self, "max_kv_pages", limit=1 << 26)
         if self.num_pages is not None:
             _positive(self, "num_pages", limit=1 << 26)
+        if self.max_retained_pages_per_owner != 0:
+            _positive(self, "max_retained_pages_per_owner", limit=1 << 26)
         if self.max_model_len is not None:
             _positive(self, "max_model_len", limit=1 << 24)
         if not 0.0 < self.kv_memory_fraction <= 0.95:

@@ -1,22 +1,34 @@
 """RadixTree: the prefix cache. Maps (salt, full-block token prefix) to the KV pages holding it,
-as one compressed radix tree per salt, with lock counts on paths in use and LRU eviction of
-unlocked leaves in O(log n). The tree holds one pool reference on every page it caches.
+as one compressed radix tree per salt, with lock counts on paths in use, retentions (paths kept
+until a time) and eviction of unlocked leaves in O(log n): LRU first, retained last. The tree
+holds one pool reference on every page it caches.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from sortedcontainers import SortedList
-
+from radixkv.cache.eviction import EvictionOrder, EvictKey
 from radixkv.cache.hashing import BlockHash, BlockHasher
 from radixkv.cache.pages import PagePool
+from radixkv.cache.radix_check import check_tree
+from radixkv.cache.retention import Retention, RetentionBook
 
 # Ownership (the engine relies on it): the tree holds exactly one reference on each page it
 # caches; a running request holds one on each page of its page table and locks the deepest
 # node covering its cached pages. So a page of an unlocked node has refcount 1 and evicting
 # the node frees it, while a locked node's pages are never evicted.
+#
+# Retention (the engine relies on it too): a retention of node N puts its id in the `retains`
+# of N and of every ancestor, so `retains` never grows toward the leaves. It locks nothing:
+# retained pages stay evictable and are counted as such; they only go last. The unlocked
+# leaves are kept in two sorted sets (cache/eviction.py): unretained by last access, retained
+# by `retain_until_s`, the latest expiry among their retentions. Eviction empties the first
+# before it touches the second; since a retained node's ancestors are retained too, an empty
+# first set means no unretained evictable page is left. Expired retentions are dropped lazily
+# (at evict, retain and expire), which files their leaves back under LRU.
 
 
 @dataclass(slots=True, eq=False, repr=False)
@@ -33,6 +45,9 @@ class Node:
     lock_ref: int = 0  # locks taken on this node or any descendant
     last_access: int = 0  # logical clock; never older than a descendant's
     removed: bool = False  # evicted or reset: a stale handle must not be locked
+    retains: dict[int, float] = field(default_factory=dict)  # retention id -> expiry_s, this node or below
+    retain_until_s: float = 0.0  # max(retains.values()); the node's key in the retained set
+    evict_key: EvictKey | None = None  # its key in the eviction order; None when not in it
 
     def __repr__(self) -> str:
         kind = "root" if self.parent is None else f"{len(self.pages)} blocks"
@@ -72,22 +87,27 @@ class CacheStats:
     locked_pages: int
     evicted_pages: int
     num_nodes: int  # non-root nodes
+    retained_pages: int = 0  # cached pages under a live retention (evictable or locked)
+    num_retentions: int = 0  # live retentions
 
 
-LruKey = tuple[int, int, Node]  # (last_access, node_id, node): node_id breaks ties, so nodes are never compared
+Clock = Callable[[], float]  # seconds; time.monotonic, or a test's own
 
 
 class RadixTree:
     """Prefix cache over a PagePool. Not thread-safe: the engine's step loop owns it."""
 
-    def __init__(self, pool: PagePool, hasher: BlockHasher):
+    def __init__(self, pool: PagePool, hasher: BlockHasher, *, clock: Clock = time.monotonic):
         if hasher.page_size != pool.page_size:
             raise ValueError(f"hasher page_size {hasher.page_size} != pool page_size {pool.page_size}")
         self.pool = pool
         self.hasher = hasher
         self.page_size = hasher.page_size
         self._roots: dict[str | None, Node] = {}
-        self._lru: SortedList = SortedList()  # LruKey of every unlocked non-root leaf
+        self._order = EvictionOrder()  # every unlocked non-root leaf
+        self._book = RetentionBook()
+        self._now_s = clock
+        self._retained_pages = 0
         self._clock = 0
         self._next_id = 0
         self._cached_pages = 0
@@ -198,8 +218,8 @@ class RadixTree:
         if node.removed:
             raise RuntimeError(f"lock of {node!r}, which was evicted; match again before locking")
         now = self._tick()
-        if self._in_lru(node):
-            self._lru.remove(_key(node))
+        if node.evict_key is not None:
+            self._order.remove(node)
         current: Node | None = node
         while current is not None:
             if current.lock_ref == 0 and current.parent is not None:
@@ -223,20 +243,69 @@ class RadixTree:
                 self._evictable_pages += len(current.pages)
             root = current
             current = current.parent
-        if self._in_lru(node):
-            self._lru.add(_key(node))
+        if self._is_evictable_leaf(node):
+            self._order.add(node)
         self._maybe_drop_root(root)
 
     def evict(self, num_pages: int) -> int:
-        """Evict least recently used unlocked leaves (whole nodes) until at least `num_pages`
-        pages were freed or nothing is evictable; returns the pages freed. O(log n) per node."""
+        """Evict unlocked leaves (whole nodes) until at least `num_pages` pages were freed or
+        nothing is evictable; returns the pages freed. Unretained leaves go first, least
+        recently used first; retained ones only then, earliest expiry first. O(log n) per node."""
+        if num_pages <= 0:
+            return 0
+        self.expire()
         freed = 0
-        lru = self._lru
-        while freed < num_pages and lru:
-            _, _, node = lru.pop(0)
+        while freed < num_pages and (node := self._order.pop()) is not None:
             freed += self._remove_leaf(node)
         self._evicted_pages += freed
         return freed
+
+    def retain(self, node: Node, ttl_s: float, owner: str | None = None, max_owner_pages: int | None = None) -> int:
+        """Keep `node`'s path cached for `ttl_s` seconds: evicted only after every unretained
+        evictable page, and then in expiry order. Returns the pages retained (the path's).
+
+        Per owner, at most `max_owner_pages` pages (summed over its retentions): the owner's
+        retentions of this path or a prefix of it that end no later are replaced by this one;
+        past the cap, its oldest retentions are released first. A path longer than the cap is
+        not retained at all: the caller trims the prefix to the cap before matching it."""
+        if node.removed:
+            raise RuntimeError(f"retain of {node!r}, which was evicted; match again before retaining")
+        if ttl_s <= 0:
+            raise ValueError(f"ttl_s must be positive, got {ttl_s!r}")
+        now_s = self._now_s()
+        self.expire(now_s)
+        num_pages = _path_pages(node)
+        if num_pages == 0 or (max_owner_pages is not None and num_pages > max_owner_pages):
+            return 0
+        expiry_s = self._supersede(node, now_s + ttl_s, owner)
+        if max_owner_pages is not None:
+            for old in self._book.of_owner(owner):
+                if self._book.owner_pages(owner) + num_pages <= max_owner_pages:
+                    break
+                self.release(old.retention_id)
+        retention = self._book.add(node, expiry_s, owner, num_pages)
+        self._mark_path(retention)
+        return num_pages
+
+    def release(self, retention_id: int) -> bool:
+        """End a retention now; False if it was unknown (expired or released already)."""
+        retention = self._book.remove(retention_id)
+        if retention is None:
+            return False
+        self._unmark_path(retention)
+        return True
+
+    def expire(self, now_s: float | None = None) -> int:
+        """Drop the retentions whose time has passed; returns how many. Their nodes become
+        ordinary LRU nodes again (unless another retention still covers them)."""
+        expired = self._book.pop_expired(self._now_s() if now_s is None else now_s)
+        for retention in expired:
+            self._unmark_path(retention)
+        return len(expired)
+
+    def retentions(self, owner: str | None) -> list[Retention]:
+        """The owner's live retentions (as of the last expire), oldest first."""
+        return self._book.of_owner(owner)
 
     @property
     def evictable_pages(self) -> int:
@@ -249,6 +318,10 @@ class RadixTree:
     @property
     def locked_pages(self) -> int:
         return self._cached_pages - self._evictable_pages
+
+    @property
+    def retained_pages(self) -> int:
+        return self._retained_pages
 
     @property
     def num_nodes(self) -> int:
@@ -265,6 +338,8 @@ class RadixTree:
             locked_pages=self.locked_pages,
             evicted_pages=self._evicted_pages,
             num_nodes=self._num_nodes,
+            retained_pages=self._retained_pages,
+            num_retentions=len(self._book),
         )
 
     def reset_stats(self) -> None:
@@ -280,8 +355,9 @@ class RadixTree:
             self.pool.release(node.pages)
             node.removed = True
         self._roots.clear()
-        self._lru.clear()
-        self._cached_pages = self._evictable_pages = self._num_nodes = 0
+        self._order.clear()
+        self._book.clear()
+        self._cached_pages = self._evictable_pages = self._num_nodes = self._retained_pages = 0
 
     def cached_page_set(self) -> set[int]:
         return {page for node in self._iter_nodes() for page in node.pages}
@@ -292,33 +368,7 @@ class RadixTree:
     def check_invariants(self, *, check_hashes: bool = False) -> None:
         """Raise AssertionError unless the tree is consistent with itself and with the pool.
         `check_hashes` also recomputes every block hash from the tokens."""
-        walk = _Walk()
-        for salt, root in self._roots.items():
-            _require(root.parent is None and root.salt == salt, f"root of salt {salt!r} is malformed")
-            _require(not root.pages and not root.tokens and not root.hashes, f"root of salt {salt!r} holds blocks")
-            self._check_subtree(root, walk)
-            if check_hashes:
-                self._check_subtree_hashes(root)
-        _require(walk.cached == self._cached_pages, f"cached_pages {self._cached_pages} != walk {walk.cached}")
-        _require(
-            walk.evictable == self._evictable_pages,
-            f"evictable_pages {self._evictable_pages} != walk {walk.evictable}",
-        )
-        _require(walk.nodes == self._num_nodes, f"num_nodes {self._num_nodes} != walk {walk.nodes}")
-        for last_access, node_id, node in self._lru:
-            _require(
-                (last_access, node_id) == (node.last_access, node.node_id),
-                f"stale LRU key ({last_access}, {node_id}) for {node!r}",
-            )
-        lru_ids = [node.node_id for _, _, node in self._lru]
-        _require(len(lru_ids) == len(set(lru_ids)), "a node is in the LRU set twice")
-        _require(
-            set(lru_ids) == walk.unlocked_leaves,
-            f"LRU set != unlocked leaves: extra {sorted(set(lru_ids) - walk.unlocked_leaves)[:8]}, "
-            f"missing {sorted(walk.unlocked_leaves - set(lru_ids))[:8]}",
-        )
-
-    # ----------------------------------------------------------------- internals
+        check_tree(self, check_hashes=check_hashes)
 
     def _tick(self) -> int:
         self._clock += 1
@@ -331,9 +381,59 @@ class RadixTree:
         return Node(self._next_id, parent, salt, tokens, pages, hashes)
 
     @staticmethod
-    def _in_lru(node: Node) -> bool:
-        # The membership rule of self._lru; check_invariants verifies it holds.
+    def _is_evictable_leaf(node: Node) -> bool:
+        # The membership rule of self._order; check_invariants verifies it holds.
         return node.parent is not None and node.lock_ref == 0 and not node.children
+
+    def _supersede(self, node: Node, expiry_s: float, owner: str | None) -> float:
+        """Release the owner's retentions that the new one on `node` covers (its path or a
+        prefix of it, ending no later), so re-retaining a growing conversation does not count
+        its prefix twice; returns the new retention's expiry (a same-path one never shortens)."""
+        path = set()
+        current: Node | None = node
+        while current is not None:
+            path.add(current.node_id)
+            current = current.parent
+        for old in self._book.of_owner(owner):
+            if old.node is node:
+                expiry_s = max(expiry_s, old.expiry_s)
+            elif old.node.node_id not in path or old.expiry_s > expiry_s:
+                continue
+            self.release(old.retention_id)
+        return expiry_s
+
+    def _mark_path(self, retention: Retention) -> None:
+        rid, expiry_s = retention.retention_id, retention.expiry_s
+        current: Node | None = retention.node
+        while current is not None and current.parent is not None:
+            if not current.retains:
+                self._retained_pages += len(current.pages)
+            self._set_retains(current, lambda retains: retains.__setitem__(rid, expiry_s))
+            current = current.parent
+
+    def _unmark_path(self, retention: Retention) -> None:
+        # Walks parent pointers from the retained node even when it (or more of the path) was
+        # evicted since: a removed node keeps its parent, and a split keeps the lower node's
+        # identity with the id copied into the upper one, so every marked node is on this walk.
+        rid = retention.retention_id
+        current: Node | None = retention.node
+        while current is not None and current.parent is not None:
+            if rid in current.retains:
+                self._set_retains(current, lambda retains: retains.__delitem__(rid))
+                if not current.retains and not current.removed:
+                    self._retained_pages -= len(current.pages)
+            current = current.parent
+
+    def _set_retains(self, node: Node, change: Callable[[dict[int, float]], None]) -> None:
+        """Apply `change` to node.retains, refiling the node if it is in the eviction order
+        (only a leaf can be, so on a path this is at most the deepest node still cached)."""
+        filed = node.evict_key is not None
+        if filed:
+            self._order.remove(node)
+        change(node.retains)
+        node.retain_until_s = max(node.retains.values(), default=0.0)
+        if filed:
+            self._order.add(node)
 
     def _block_hash(
         self,
@@ -395,6 +495,10 @@ class RadixTree:
         # "a parent is never older than its child".
         top.lock_ref = node.lock_ref
         top.last_access = node.last_access
+        # Every retention of node covers all of it, so all of top too; retained pages only
+        # move between the two.
+        top.retains = dict(node.retains)
+        top.retain_until_s = node.retain_until_s
         del node.tokens[: num_blocks * ps]
         del node.pages[:num_blocks]
         del node.hashes[:num_blocks]
@@ -425,42 +529,45 @@ class RadixTree:
             rest = tokens[(first_block + 1) * ps : end_block * ps]
             hashes = [first_hash, *self.hasher.hash_blocks(rest, parent=first_hash)]
         self.pool.incref(new_pages)
-        if self._in_lru(parent):
-            self._lru.remove(_key(parent))  # no longer a leaf
+        if parent.evict_key is not None:
+            self._order.remove(parent)  # no longer a leaf
         child = self._new_node(parent, parent.salt, tokens[first_block * ps : end_block * ps], new_pages, hashes)
         child.last_access = now
         parent.children[first_hash] = child
-        self._lru.add(_key(child))
+        self._order.add(child)
         self._cached_pages += len(new_pages)
         self._evictable_pages += len(new_pages)
         self._num_nodes += 1
         return child
 
     def _touch_path(self, node: Node, now: int) -> None:
-        """Mark `node` and its ancestors used at `now`. Only `node` itself can be in the LRU
-        set (its ancestors have children), so only its key is moved."""
-        if node.last_access != now and self._in_lru(node):
-            self._lru.remove(_key(node))
+        """Mark `node` and its ancestors used at `now`. Only `node` itself can be in the
+        eviction order (its ancestors have children), so only its key is moved."""
+        if node.last_access != now and node.evict_key is not None and not node.retains:
+            self._order.remove(node)
             node.last_access = now
-            self._lru.add(_key(node))
+            self._order.add(node)
         current: Node | None = node
         while current is not None:
             current.last_access = now
             current = current.parent
 
     def _remove_leaf(self, node: Node) -> int:
-        """Drop an unlocked leaf already taken out of the LRU set; returns pages freed."""
+        """Drop an unlocked leaf already taken out of the eviction order; returns pages freed.
+        Its retentions stay live on the ancestors, which now go in their expiry order."""
         parent = node.parent
         assert parent is not None and node.lock_ref == 0 and not node.children
         del parent.children[node.hashes[0]]
         num = len(node.pages)
         self._cached_pages -= num
         self._evictable_pages -= num
+        if node.retains:
+            self._retained_pages -= num
         self._num_nodes -= 1
         node.removed = True
         freed = self.pool.release(node.pages)
-        if self._in_lru(parent):
-            self._lru.add(_key(parent))  # it just became an unlocked leaf
+        if self._is_evictable_leaf(parent):
+            self._order.add(parent)  # it just became an unlocked leaf
         elif parent.parent is None:
             self._maybe_drop_root(parent)
         return freed
@@ -478,60 +585,13 @@ class RadixTree:
             yield node
             stack.extend(node.children.values())
 
-    def _check_subtree(self, root: Node, walk: _Walk) -> None:
-        ps = self.page_size
-        stack = [root]
-        while stack:
-            node = stack.pop()
-            child_locks = 0
-            for key, child in node.children.items():
-                _require(child.parent is node, f"{child!r} does not point back to its parent {node!r}")
-                _require(bool(child.hashes) and key == child.hashes[0], f"{child!r} is filed under a wrong key")
-                _require(child.salt == root.salt, f"{child!r} has another salt than its root")
-                _require(child.last_access <= node.last_access, f"{child!r} was used after its parent {node!r}")
-                child_locks += child.lock_ref
-                stack.append(child)
-            _require(node.lock_ref >= child_locks, f"{node!r} has fewer locks than its children ({child_locks})")
-            _require(not node.removed, f"{node!r} is marked removed but still in the tree")
-            if node is root:
-                continue
-            num = len(node.pages)
-            _require(num >= 1, f"{node!r} holds no block")
-            _require(len(node.hashes) == num and len(node.tokens) == num * ps, f"{node!r} run lengths disagree")
-            walk.nodes += 1
-            walk.cached += num
-            unlocked = node.lock_ref == 0
-            if unlocked:
-                walk.evictable += num
-                if not node.children:
-                    walk.unlocked_leaves.add(node.node_id)
-            for page in node.pages:
-                _require(page not in walk.pages, f"page {page} is cached by two nodes")
-                walk.pages.add(page)
-                count = self.pool.refcount(page)
-                _require(count >= 1, f"cached page {page} has refcount {count}")
-                _require(not unlocked or count == 1, f"evictable page {page} of {node!r} has refcount {count}, not 1")
-
-    def _check_subtree_hashes(self, root: Node) -> None:
-        stack: list[tuple[Node, BlockHash | None]] = [(child, None) for child in root.children.values()]
-        while stack:
-            node, parent_hash = stack.pop()
-            expected = self.hasher.hash_blocks(node.tokens, root.salt, parent=parent_hash)
-            _require(expected == node.hashes, f"{node!r} stores hashes that do not match its tokens")
-            stack.extend((child, node.hashes[-1]) for child in node.children.values())
-
-
-@dataclass(slots=True)
-class _Walk:
-    nodes: int = 0
-    cached: int = 0
-    evictable: int = 0
-    pages: set[int] = field(default_factory=set)
-    unlocked_leaves: set[int] = field(default_factory=set)
-
-
-def _key(node: Node) -> LruKey:
-    return (node.last_access, node.node_id, node)
+def _path_pages(node: Node) -> int:
+    num = 0
+    current: Node | None = node
+    while current is not None:
+        num += len(current.pages)
+        current = current.parent
+    return num
 
 
 def _token_list(token_ids: Sequence[int]) -> list[int]:
@@ -559,8 +619,3 @@ def _common_blocks(run: list[int], tokens: list[int], start: int, max_blocks: in
 def _check_hashes_len(block_hashes: Sequence[BlockHash] | None, needed: int) -> None:
     if block_hashes is not None and len(block_hashes) < needed:
         raise ValueError(f"block_hashes has {len(block_hashes)} hashes but {needed} full blocks need one each")
-
-
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise AssertionError(message)

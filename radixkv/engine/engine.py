@@ -231,6 +231,16 @@ class Engine:
         self.kv.unpin(pinned.node)
         return True
 
+    def retain(self, prefix_token_ids: list[int], salt: str | None = None, ttl_s: float = 300.0, owner: str | None = None) -> int:
+        """Keep the cached full blocks of a prefix cached for ttl_s seconds: eviction takes them
+        only after every unretained evictable page, earliest expiry first. Never locks, so no
+        request waits for them. Only what is cached now is retained, at most
+        config.max_retained_pages_per_owner pages per owner; returns the tokens retained."""
+        if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not 0 < ttl_s < float("inf"):
+            raise InvalidRequest(f"a retention ttl must be a positive number of seconds, got {ttl_s!r}", param="ttl")
+        cap = self.config.max_retained_pages_per_owner
+        return self.kv.retain(prefix_token_ids, salt, float(ttl_s), owner, cap)
+
     def has_unfinished(self) -> bool:
         return bool(self._requests)
 
@@ -362,6 +372,7 @@ class Engine:
 
     def stats(self) -> EngineStats:
         pool, tree = self.pool, self.tree
+        tree.expire()  # so retained_pages counts live retentions only
         return EngineStats(
             counters=replace(self.counters),
             cache=tree.stats(),

@@ -82,6 +82,19 @@ class KVManager:
     def unpin(self, node: Node) -> None:
         self.tree.unlock(node)
 
+    # -- retention ---------------------------------------------------------------------------
+
+    def retain(self, prefix_token_ids: list[int], salt: str | None, ttl_s: float, owner: str | None, max_owner_pages: int) -> int:
+        """Retain the cached full blocks of a prefix for ttl_s seconds (no lock: they go last,
+        not never); returns tokens retained. A prefix longer than the owner's cap retains its
+        first max_owner_pages pages."""
+        if not self.enable_prefix_caching or max_owner_pages <= 0:
+            return 0
+        prefix = list(prefix_token_ids[: max_owner_pages * self.page_size])
+        # As in pin: one more token lets match return every full block of the prefix itself.
+        match = self.tree.match(prefix + [0], salt, record=False)
+        return self.tree.retain(match.node, ttl_s, owner, max_owner_pages) * self.page_size
+
     # -- growth ------------------------------------------------------------------------------
 
     def pages_needed(self, seq: SequenceState, num_new_tokens: int) -> int:

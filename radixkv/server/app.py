@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP server as a FastAPI app: `create_app` builds the routes' shared
-state (`state.Server`) and registers the routes of `openai_routes`, `cache_routes` and
-`ops_routes`; `radixkv serve` is in `radixkv.cli`.
+state (`state.Server`) and registers the routes of `openai_routes`, `anthropic_routes`,
+`cache_routes` and `ops_routes`; `radixkv serve` is in `radixkv.cli`.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from fastapi import FastAPI
 
 from radixkv.engine.async_engine import AsyncEngine
-from radixkv.server import cache_routes, openai_routes, ops_routes, responses_routes
+from radixkv.server import anthropic_routes, cache_routes, openai_routes, ops_routes, responses_routes
 from radixkv.server.errors import install_error_handlers
 from radixkv.server.metrics import CountRequests, ServerMetrics
 from radixkv.server.state import Server
@@ -41,4 +41,5 @@ def create_app(
     openai_routes.register(app, server)
     responses_routes.register(app, server)
     cache_routes.register(app, server)
+    anthropic_routes.register(app, server)
     return app

@@ -152,6 +152,9 @@ class _EngineCollector(Collector):
         yield _gauge("radixkv_kv_pages_free", "KV pages on the free list", s.num_free_pages)
         yield _gauge("radixkv_kv_pages_cached", "KV pages held by the prefix cache (locked or not)", cache.cached_pages)
         yield _gauge("radixkv_kv_pages_evictable", "Cached pages no running request uses", cache.evictable_pages)
+        yield _gauge(
+            "radixkv_kv_pages_retained", "Cached pages under a live retention (cache_control ttl)", cache.retained_pages
+        )
         yield _gauge("radixkv_kv_pages_in_use", "KV pages running requests hold", s.num_pages_in_use)
         yield _gauge("radixkv_num_requests_waiting", "Sequences in the waiting queue", s.num_waiting)
         yield _gauge("radixkv_num_requests_running", "Sequences running", s.num_running)

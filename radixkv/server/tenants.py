@@ -27,12 +27,16 @@ class Tenants:
     def auth_required(self) -> bool:
         return bool(self._keys)
 
-    def authenticate(self, authorization: str | None) -> bytes | None:
-        """The caller's key (None when auth is off); APIError 401 if it is missing or wrong."""
+    def authenticate(self, authorization: str | None, api_key: str | None = None) -> bytes | None:
+        """The caller's key (None when auth is off); APIError 401 if it is missing or wrong.
+        The key comes as `Authorization: Bearer <key>` or as `x-api-key` (Anthropic's clients):
+        the same keys, the same cache partition."""
         if not self._keys:
             return None
         scheme, _, token = (authorization or "").partition(" ")
         candidate = token.strip().encode() if scheme.lower() == "bearer" else b""
+        if api_key is not None and not candidate:
+            candidate = api_key.strip().encode()
         # Compare against every key, always, so timing tells nothing about which one matched.
         matched = None
         for key in self._keys:
@@ -41,7 +45,7 @@ class Tenants:
         if matched is None:
             raise APIError(
                 401,
-                "missing or incorrect API key; send it as 'Authorization: Bearer <key>'",
+                "missing or incorrect API key; send it as 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
                 code="invalid_api_key",
                 headers={"WWW-Authenticate": "Bearer"},
             )

@@ -1,6 +1,8 @@
 """Stateful property test of RadixTree + PagePool against a plain reference model: a dict from
 (salt, cached full-block prefix) to its page. Requests behave as the engine's do; after every
-step the match results, the page accounting and the tree's own invariants are checked."""
+step the match results, the page accounting and the tree's own invariants are checked.
+Retentions run on a clock the machine moves: eviction must take unretained leaves by LRU, then
+retained ones by expiry, and an expired retention must count for nothing."""
 
 from __future__ import annotations
 
@@ -25,6 +27,11 @@ salt_st = st.sampled_from([None, None, None, "", "t"])
 index_st = st.integers(0, 1 << 16)
 
 Key = tuple[str | None, tuple[int, ...]]
+# (expiry_s, the block keys it covers): those cached when it was made, less those evicted since
+# (a block computed again later is a new block, not retained).
+RefRetention = tuple[float, set[Key]]
+OWNER = "capped"
+OWNER_CAP_PAGES = 3
 
 
 @dataclass(slots=True, eq=False)
@@ -48,7 +55,10 @@ class CacheMachine(RuleBasedStateMachine):
         self.ps = page_size
         self.hasher = BlockHasher(page_size, seed=1234, hash_fn=self.hash_fn)
         self.pool = PagePool(num_pages, page_size)
-        self.tree = RadixTree(self.pool, self.hasher)
+        self.now_s = 0.0
+        self.tree = RadixTree(self.pool, self.hasher, clock=lambda: self.now_s)
+        self.ref_retentions: dict[str, list[RefRetention]] = {}  # by owner
+        self.owners = 0
         self.ref: dict[Key, int] = {}
         self.ref_time: dict[Key, int] = {}
         self.clock = 0
@@ -104,6 +114,7 @@ class CacheMachine(RuleBasedStateMachine):
         return {self.key(r.tokens, r.salt, i) for r in self.requests for i in range(1, r.depth + 1)}
 
     def ref_evict(self, num_pages: int) -> None:
+        retained = {k: self.retained_until(k) for k in self.ref}  # evict() expires first, at the same now
         freed = self.tree.evict(num_pages)
         cached = self.tree.cached_page_set()
         evicted = {k for k, page in self.ref.items() if page not in cached}
@@ -111,13 +122,49 @@ class CacheMachine(RuleBasedStateMachine):
         assert not evicted & self.locked_keys(), "evicted a locked block"
         for k in evicted:
             del self.ref[k]
-        remaining_times = [self.ref_time[k] for k in self.unlocked_leaf_keys()]
+        leaves = self.unlocked_leaf_keys()
         if freed < num_pages:
-            assert not remaining_times and self.tree.evictable_pages == 0
-        if evicted and remaining_times:
-            assert max(self.ref_time[k] for k in evicted) <= min(remaining_times), "not LRU"
+            assert not leaves and self.tree.evictable_pages == 0
+        plain_left = [self.ref_time[k] for k in leaves if not retained[k]]
+        kept_left = [retained[k] for k in leaves if retained[k]]
+        plain_gone = [self.ref_time[k] for k in evicted if not retained[k]]
+        kept_gone = [retained[k] for k in evicted if retained[k]]
+        assert not (kept_gone and plain_left), "evicted a retained block while an unretained one was evictable"
+        if plain_gone and plain_left:
+            assert max(plain_gone) <= min(plain_left), "not LRU"
+        if kept_gone and kept_left:
+            assert max(kept_gone) <= min(kept_left), "retained blocks not evicted in expiry order"
         for k in evicted:
             del self.ref_time[k]
+        for rs in self.ref_retentions.values():
+            for _, covered in rs:
+                covered -= evicted
+
+    def retained_until(self, k: Key) -> float:
+        """The latest expiry of a live retention covering block key k; 0 when none does."""
+        return max(
+            (expiry for rs in self.ref_retentions.values() for expiry, covered in rs if k in covered and expiry > self.now_s),
+            default=0.0,
+        )
+
+    def tree_retentions(self, owner: str) -> list[RefRetention]:
+        """The owner's retentions as the tree reports them, in the reference's terms."""
+        out = []
+        for r in self.tree.retentions(owner):
+            path, node = [], r.node
+            while node.parent is not None:
+                path.append(node)
+                node = node.parent
+            prefix: tuple[int, ...] = ()
+            covered = set()
+            for n in reversed(path):
+                for block in range(len(n.pages)):
+                    key = (n.salt, prefix + tuple(n.tokens[: (block + 1) * self.ps]))
+                    if not n.removed:
+                        covered.add(key)
+                prefix += tuple(n.tokens)
+            out.append((r.expiry_s, covered))
+        return out
 
     def unlocked_leaf_keys(self) -> list[Key]:
         parents = {(k[0], k[1][: -self.ps]) for k in self.ref}
@@ -179,7 +226,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     def tree_snapshot(self) -> tuple:
         nodes = sorted((n.node_id, n.last_access, n.lock_ref, tuple(n.pages)) for n in self.tree._iter_nodes())
-        return nodes, list(self.tree._lru), self.tree.stats(), self.tree._clock
+        return nodes, self.tree._order.keys(), self.tree.stats(), self.tree._clock
 
     @precondition(lambda self: self.requests)
     @rule(i=index_st, precomputed=st.booleans())
@@ -265,6 +312,37 @@ class CacheMachine(RuleBasedStateMachine):
     def side_release(self, i: int) -> None:
         self.pool.release(self.side.pop(i % len(self.side)))
 
+    @rule(tokens=tokens_st, salt=salt_st, ttl_s=st.sampled_from([1.0, 50.0, 300.0]), capped=st.booleans())
+    def retain(self, tokens: list[int], salt: str | None, ttl_s: float, capped: bool) -> None:
+        """Retain what is cached of a prefix: by a fresh owner (never capped, never replaced),
+        or by one owner with a small cap, whose surviving retentions the tree then reports."""
+        blocks, _ = self.ref_match(tokens + [0], salt)
+        node = self.tree.match(tokens + [0], salt, record=False).node
+        self.ref_touch(tokens, salt, blocks)
+        if capped:
+            num = self.tree.retain(node, ttl_s, OWNER, OWNER_CAP_PAGES)
+            assert num == (blocks if blocks <= OWNER_CAP_PAGES else 0)
+            self.ref_retentions[OWNER] = self.tree_retentions(OWNER)
+            assert sum(r.num_pages for r in self.tree.retentions(OWNER)) <= OWNER_CAP_PAGES
+        else:
+            self.owners += 1
+            assert self.tree.retain(node, ttl_s, str(self.owners)) == blocks
+            if blocks:
+                covered = {self.key(tokens, salt, i) for i in range(1, blocks + 1)}
+                self.ref_retentions[str(self.owners)] = [(self.now_s + ttl_s, covered)]
+
+    @rule(dt_s=st.sampled_from([0.5, 1.0, 49.0, 120.0, 400.0]))
+    def advance_clock(self, dt_s: float) -> None:
+        self.now_s += dt_s
+
+    @precondition(lambda self: self.ref_retentions.get(OWNER))
+    @rule(i=index_st)
+    def release(self, i: int) -> None:
+        mine = self.tree.retentions(OWNER)  # as of the last expire: all may have ended since
+        if mine:
+            assert self.tree.release(mine[i % len(mine)].retention_id)
+        self.ref_retentions[OWNER] = self.tree_retentions(OWNER)
+
     @rule()
     def reset(self) -> None:
         if any(r.depth for r in self.requests):
@@ -274,6 +352,7 @@ class CacheMachine(RuleBasedStateMachine):
             self.tree.reset()
             self.ref.clear()
             self.ref_time.clear()
+            self.ref_retentions.clear()
 
     # ------------------------------------------------------------ checks after every step
 
@@ -281,6 +360,13 @@ class CacheMachine(RuleBasedStateMachine):
     def tree_is_consistent(self) -> None:
         self.tree.check_invariants(check_hashes=True)
         self.pool.check_invariants()
+
+    @invariant()
+    def retention_is_counted_once_and_expires(self) -> None:
+        self.tree.expire()
+        live = [r for rs in self.ref_retentions.values() for r in rs if r[0] > self.now_s]
+        assert self.tree.stats().num_retentions == len(live)
+        assert self.tree.retained_pages == sum(1 for k in self.ref if self.retained_until(k))
 
     @invariant()
     def tree_holds_exactly_the_reference(self) -> None:

@@ -1,0 +1,131 @@
+"""The prefix cache's invariant checker: walks a RadixTree and raises AssertionError unless
+its counters, eviction order, retentions and page references agree with its structure. Slow
+(O(nodes)); tests and EngineConfig.check_invariants call it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from radixkv.cache.radix import Node, RadixTree
+
+
+def check_tree(tree: RadixTree, *, check_hashes: bool = False) -> None:
+    """Raise AssertionError unless the tree is consistent with itself and with the pool.
+    `check_hashes` also recomputes every block hash from the tokens."""
+    walk = _Walk()
+    for salt, root in tree._roots.items():
+        _require(root.parent is None and root.salt == salt, f"root of salt {salt!r} is malformed")
+        _require(not root.pages and not root.tokens and not root.hashes, f"root of salt {salt!r} holds blocks")
+        _check_subtree(tree, root, walk)
+        if check_hashes:
+            _check_subtree_hashes(tree, root)
+    _require(walk.cached == tree._cached_pages, f"cached_pages {tree._cached_pages} != walk {walk.cached}")
+    _require(
+        walk.evictable == tree._evictable_pages,
+        f"evictable_pages {tree._evictable_pages} != walk {walk.evictable}",
+    )
+    _require(walk.nodes == tree._num_nodes, f"num_nodes {tree._num_nodes} != walk {walk.nodes}")
+    _require(
+        walk.retained == tree._retained_pages, f"retained_pages {tree._retained_pages} != walk {walk.retained}"
+    )
+    _check_order(tree, walk)
+    _check_book(tree, walk)
+
+
+def _check_order(tree: RadixTree, walk: _Walk) -> None:
+    """The eviction order holds exactly the unlocked leaves, each under its current key."""
+    keys = tree._order.keys()
+    for tag, value, node_id, node in keys:
+        expected = (1, node.retain_until_s) if node.retains else (0, float(node.last_access))
+        _require((tag, value, node_id) == (*expected, node.node_id), f"stale eviction key for {node!r}")
+        _require(node.evict_key == (tag, value, node_id, node), f"{node!r} forgot its eviction key")
+    ids = [key[2] for key in keys]
+    _require(len(ids) == len(set(ids)), "a node is in the eviction order twice")
+    _require(
+        set(ids) == walk.unlocked_leaves,
+        f"eviction order != unlocked leaves: extra {sorted(set(ids) - walk.unlocked_leaves)[:8]}, "
+        f"missing {sorted(walk.unlocked_leaves - set(ids))[:8]}",
+    )
+
+
+def _check_book(tree: RadixTree, walk: _Walk) -> None:
+    """Every retention id in the tree is live with the same expiry, and a live retention
+    marks every still-cached node of its path."""
+    for retention_id, expiry_s in walk.retention_ids.items():
+        retention = tree._book.get(retention_id)
+        _require(retention is not None, f"retention {retention_id} is marked in the tree but not live")
+        _require(retention.expiry_s == expiry_s, f"retention {retention_id} is marked with another expiry")
+    for retention in tree._book:
+        node: Node | None = retention.node
+        while node is not None and node.parent is not None:
+            if not node.removed:
+                _require(retention.retention_id in node.retains, f"retention {retention.retention_id} misses {node!r}")
+            node = node.parent
+
+
+def _check_subtree(tree: RadixTree, root: Node, walk: _Walk) -> None:
+    ps = tree.page_size
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        child_locks = 0
+        for key, child in node.children.items():
+            _require(child.parent is node, f"{child!r} does not point back to its parent {node!r}")
+            _require(bool(child.hashes) and key == child.hashes[0], f"{child!r} is filed under a wrong key")
+            _require(child.salt == root.salt, f"{child!r} has another salt than its root")
+            _require(child.last_access <= node.last_access, f"{child!r} was used after its parent {node!r}")
+            child_locks += child.lock_ref
+            stack.append(child)
+        _require(node.lock_ref >= child_locks, f"{node!r} has fewer locks than its children ({child_locks})")
+        _require(not node.removed, f"{node!r} is marked removed but still in the tree")
+        if node is root:
+            continue
+        num = len(node.pages)
+        _require(num >= 1, f"{node!r} holds no block")
+        _require(len(node.hashes) == num and len(node.tokens) == num * ps, f"{node!r} run lengths disagree")
+        walk.nodes += 1
+        walk.cached += num
+        if node.parent is not root:
+            _require(node.retains.items() <= node.parent.retains.items(), f"{node!r} is retained below an unretained parent")
+        _require(node.retain_until_s == max(node.retains.values(), default=0.0), f"{node!r} has a stale retain_until_s")
+        walk.retention_ids.update(node.retains)
+        walk.retained += num if node.retains else 0
+        unlocked = node.lock_ref == 0
+        if unlocked:
+            walk.evictable += num
+            if not node.children:
+                walk.unlocked_leaves.add(node.node_id)
+        for page in node.pages:
+            _require(page not in walk.pages, f"page {page} is cached by two nodes")
+            walk.pages.add(page)
+            count = tree.pool.refcount(page)
+            _require(count >= 1, f"cached page {page} has refcount {count}")
+            _require(not unlocked or count == 1, f"evictable page {page} of {node!r} has refcount {count}, not 1")
+
+
+def _check_subtree_hashes(tree: RadixTree, root: Node) -> None:
+    stack: list[tuple[Node, BlockHash | None]] = [(child, None) for child in root.children.values()]
+    while stack:
+        node, parent_hash = stack.pop()
+        expected = tree.hasher.hash_blocks(node.tokens, root.salt, parent=parent_hash)
+        _require(expected == node.hashes, f"{node!r} stores hashes that do not match its tokens")
+        stack.extend((child, node.hashes[-1]) for child in node.children.values())
+
+
+@dataclass(slots=True)
+class _Walk:
+    nodes: int = 0
+    cached: int = 0
+    evictable: int = 0
+    pages: set[int] = field(default_factory=set)
+    unlocked_leaves: set[int] = field(default_factory=set)
+    retained: int = 0
+    retention_ids: dict[int, float] = field(default_factory=dict)
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise AssertionError(message)

@@ -1,0 +1,167 @@
+"""An Anthropic Messages request as radixkv sees it: the conversation as chat messages for
+tools.encode_conversation, the tools and tool choice in tools' terms, and the token length of
+the prompt up to each cache_control breakpoint (with its ttl), for retention and usage.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from radixkv.errors import InvalidRequest
+from radixkv.server.anthropic_protocol import (
+    TTL_S,
+    CacheControl,
+    MessagesRequest,
+    TextBlock,
+    ToolResultBlock,
+    ToolUseBlock,
+)
+
+try:  # the tool layer (issue 14's chat-tools branch); plain conversations work without it
+    from radixkv.server import tools as tool_layer
+except ImportError:  # pragma: no cover - until that branch is merged
+    tool_layer = None  # type: ignore[assignment]
+
+
+@dataclass(frozen=True, slots=True)
+class Breakpoint:
+    num_tokens: int  # prompt tokens up to and including the marked block
+    ttl_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Conversation:
+    messages: list[dict[str, Any]]  # transformers' chat format
+    tools: list[Any]  # tools.Tool
+    tool_choice: str  # tools' ToolChoice: "none" | "auto" | "required" | a tool name
+    parallel_tool_calls: bool
+
+
+def conversation(body: MessagesRequest) -> Conversation:
+    tools = _tools(body)
+    choice, parallel = _tool_choice(body, tools)
+    return Conversation(_chat_messages(body, None), tools, choice, parallel)
+
+
+def encode(tokenizer: Any, conv: Conversation, *, add_generation_prompt: bool = True) -> list[int]:
+    if tool_layer is not None:
+        return tool_layer.encode_conversation(
+            tokenizer, conv.messages, conv.tools, conv.tool_choice, add_generation_prompt=add_generation_prompt
+        )
+    from radixkv.prompts import encode_chat  # noqa: PLC0415 - the fallback without the tool layer
+
+    return encode_chat(tokenizer, conv.messages, add_generation_prompt=add_generation_prompt)
+
+
+def breakpoints(tokenizer: Any, body: MessagesRequest, conv: Conversation, prompt: list[int]) -> list[Breakpoint]:
+    """Each cache_control breakpoint as a prompt length: the conversation rendered up to the
+    marked block, counted only as far as it agrees with the whole prompt (a template closes a
+    turn differently when it is the last one), so the length names a real prefix."""
+    found: list[Breakpoint] = []
+    for cut, control in _marks(body):
+        messages = _chat_messages(body, cut)
+        if not messages:
+            continue
+        partial = Conversation(messages, conv.tools, conv.tool_choice, conv.parallel_tool_calls)
+        try:
+            rendered = encode(tokenizer, partial, add_generation_prompt=False)
+        except InvalidRequest:
+            continue  # a prefix the template will not render alone marks nothing
+        found.append(Breakpoint(_common_prefix(rendered, prompt), TTL_S[control.ttl]))
+    return found
+
+
+# -- internals -------------------------------------------------------------------------------
+
+Cut = tuple[int, int]  # (message index, block index): keep everything up to that block; -1: the system
+
+
+def _marks(body: MessagesRequest) -> list[tuple[Cut, CacheControl]]:
+    marks: list[tuple[Cut, CacheControl]] = []
+    tool_marks = [t.cache_control for t in body.tools or [] if t.cache_control is not None]
+    system = body.system_blocks()
+    if tool_marks:
+        marks.append(((-1, 0) if system else (0, 0), tool_marks[-1]))  # tools render beside the first turn
+    marks += [((-1, j), b.cache_control) for j, b in enumerate(system) if b.cache_control is not None]
+    for i, message in enumerate(body.messages):
+        marks += [((i, j), b.cache_control) for j, b in enumerate(message.blocks()) if b.cache_control is not None]
+    return marks
+
+
+def _chat_messages(body: MessagesRequest, cut: Cut | None) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    system = body.system_blocks()
+    if system:
+        end = cut[1] + 1 if cut is not None and cut[0] == -1 else len(system)
+        out.append({"role": "system", "content": "".join(b.text for b in system[:end])})
+        if cut is not None and cut[0] == -1:
+            return out
+    for i, message in enumerate(body.messages):
+        blocks = message.blocks()
+        if cut is not None and i == cut[0]:
+            blocks = blocks[: cut[1] + 1]
+        out += _assistant(blocks) if message.role == "assistant" else _user(blocks, i)
+        if cut is not None and i == cut[0]:
+            break
+    return out
+
+
+def _user(blocks: list[Any], index: int) -> list[dict[str, Any]]:
+    if any(isinstance(b, ToolUseBlock) for b in blocks):
+        raise InvalidRequest(f"messages.{index}: tool_use blocks belong in assistant messages", param=f"messages.{index}")
+    # Anthropic puts tool results first in a user turn; chat templates want them as tool messages.
+    out: list[dict[str, Any]] = [
+        {"role": "tool", "tool_call_id": b.tool_use_id, "content": b.text()} for b in blocks if isinstance(b, ToolResultBlock)
+    ]
+    text = "".join(b.text for b in blocks if isinstance(b, TextBlock))
+    if text or not out:
+        out.append({"role": "user", "content": text})
+    return out
+
+
+def _assistant(blocks: list[Any]) -> list[dict[str, Any]]:
+    message: dict[str, Any] = {"role": "assistant", "content": "".join(b.text for b in blocks if isinstance(b, TextBlock))}
+    calls = [
+        {"id": b.id, "type": "function", "function": {"name": b.name, "arguments": json.dumps(b.input)}}
+        for b in blocks
+        if isinstance(b, ToolUseBlock)
+    ]
+    if calls:
+        message["tool_calls"] = calls
+    return [message]
+
+
+def _tools(body: MessagesRequest) -> list[Any]:
+    if not body.tools:
+        return []
+    if tool_layer is None:
+        raise InvalidRequest("tools are not supported by this server build", param="tools")
+    names = [t.name for t in body.tools]
+    if len(set(names)) != len(names):
+        raise InvalidRequest("tools: tool names must be unique", param="tools")
+    return [tool_layer.Tool(name=t.name, description=t.description, parameters=t.input_schema) for t in body.tools]
+
+
+def _tool_choice(body: MessagesRequest, tools: list[Any]) -> tuple[str, bool]:
+    choice = body.tool_choice
+    if choice is None:
+        return ("auto" if tools else "none"), True
+    parallel = not choice.disable_parallel_tool_use
+    if choice.type in ("any", "tool") and not tools:
+        raise InvalidRequest(f"tool_choice {choice.type!r} needs tools", param="tool_choice")
+    if choice.type == "tool":
+        if choice.name not in {t.name for t in tools}:
+            raise InvalidRequest(f"tool_choice.name {choice.name!r} is not one of the tools", param="tool_choice.name")
+        return choice.name, parallel
+    return {"auto": "auto", "any": "required", "none": "none"}[choice.type], parallel
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -1,0 +1,270 @@
+"""Anthropic's Messages API: POST /v1/messages, streamed or not. Owns turning a Messages body
+into an engine request, its output into content blocks with a stop_reason, the usage split
+(cache read / cache creation / input), the retention of cache_control breakpoints, and
+Anthropic-shaped errors on this path.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from radixkv.engine.async_engine import EngineStepError, EngineStopped, RequestStream
+from radixkv.engine.request import RequestOutput, SamplingParams
+from radixkv.errors import InvalidRequest
+from radixkv.server import anthropic_conversation as conv_mod
+from radixkv.server.anthropic_conversation import Breakpoint, Conversation, tool_layer
+from radixkv.server.anthropic_protocol import MessagesRequest, error_body
+from radixkv.server.errors import APIError, ClientGone, WireNames, context_error, engine_error, parse_body
+from radixkv.server.streaming import SSEResponse, collect, merge, submit, until_disconnect
+
+if TYPE_CHECKING:
+    from radixkv.server.state import Server
+
+logger = logging.getLogger("radixkv.server")
+_NAMES = WireNames(prompt="messages", max_tokens="max_tokens")
+
+
+def register(app: FastAPI, server: Server) -> None:
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        try:
+            return await _messages(server, request)
+        except ClientGone:
+            raise
+        except APIError as error:
+            return _error_response(error)
+        except Exception as error:  # noqa: BLE001 - answered in Anthropic's shape, logged
+            logger.exception("unhandled error", exc_info=error)
+            return JSONResponse(error_body(500, "internal server error"), status_code=500)
+
+
+def _error_response(error: APIError) -> JSONResponse:
+    # Anthropic says 529 where OpenAI's layer says 503 (queue full, engine down).
+    status = {503: 529, 422: 400}.get(error.status, error.status)
+    return JSONResponse(error_body(status, error.message), status_code=status, headers=error.headers)
+
+
+async def _messages(server: Server, request: Request) -> Response:
+    key = server.tenants.authenticate(request.headers.get("authorization"), api_key=request.headers.get("x-api-key"))
+    body = parse_body(MessagesRequest, await request.body())
+    server.check_model(body.model)
+    tokenizer = server.engine.tokenizer
+    try:
+        conv = conv_mod.conversation(body)
+        prompt = conv_mod.encode(tokenizer, conv)
+        marks = conv_mod.breakpoints(tokenizer, body, conv, prompt)
+    except InvalidRequest as error:
+        raise engine_error(error, _NAMES) from None
+    params = _sampling_params(server, body, conv, prompt)
+    salt = server.tenants.cache_salt(key, None)  # the same partition as the key's OpenAI calls
+    owner = salt or "anonymous"
+    streams = await submit(server.engine, server.metrics, [prompt], params, salt, _NAMES)
+    ctx = _Context(server, body, conv, prompt, salt, owner, marks)
+    if body.stream:
+        return SSEResponse(_events(ctx, streams), streams)
+    finals = await until_disconnect(request, collect(server.metrics, streams, 1), streams)
+    return JSONResponse(await _message(ctx, finals[0]))
+
+
+class _Context:
+    def __init__(self, server: Server, body: MessagesRequest, conv: Conversation, prompt: list[int],
+                 salt: str | None, owner: str, marks: list[Breakpoint]) -> None:
+        self.server, self.body, self.conv, self.prompt = server, body, conv, prompt
+        self.salt, self.owner, self.marks = salt, owner, marks
+        self.message_id = f"msg_{secrets.token_hex(12)}"
+
+
+def _sampling_params(server: Server, body: MessagesRequest, conv: Conversation, prompt: list[int]) -> SamplingParams:
+    context = server.engine.max_context_tokens
+    if len(prompt) + body.max_tokens > context:
+        raise context_error(context, len(prompt), body.max_tokens, "max_tokens" if len(prompt) < context else "messages")
+    guide = None
+    if tool_layer is not None and conv.tools and conv.tool_choice != "auto":
+        guide = tool_layer.guide_for(conv.tools, conv.tool_choice, conv.parallel_tool_calls)
+    try:
+        return SamplingParams(
+            max_tokens=body.max_tokens,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=body.top_k or 0,
+            stop=list(body.stop_sequences or []),
+            guide=guide,
+        )
+    except InvalidRequest as error:
+        raise engine_error(error, _NAMES) from None
+
+
+# -- usage and retention ---------------------------------------------------------------------
+
+
+async def _usage(ctx: _Context, final: RequestOutput) -> dict[str, int]:
+    """Retain each breakpoint's prefix for its ttl, then split the prompt honestly: tokens the
+    cache served; tokens up to the last breakpoint that were computed now and are now
+    retained; the rest. The three add up to the prompt's tokens."""
+    cached = final.num_cached_tokens
+    retained = 0
+    if ctx.marks:
+        marks, salt, owner = ctx.marks, ctx.salt, ctx.owner
+        prompt = ctx.prompt
+
+        def retain_all(engine: Any) -> int:
+            return [engine.retain(prompt[: m.num_tokens], salt, m.ttl_s, owner) for m in marks][-1]
+
+        retained = await ctx.server.engine.call_async(retain_all)
+    creation = max(0, retained - cached)
+    return {
+        "input_tokens": len(ctx.prompt) - cached - creation,
+        "cache_read_input_tokens": cached,
+        "cache_creation_input_tokens": creation,
+        "output_tokens": sum(len(o.token_ids) for o in final.outputs),
+    }
+
+
+# -- the reply -------------------------------------------------------------------------------
+
+
+def _tool_use(call: Any) -> dict[str, Any]:
+    try:
+        arguments = json.loads(call.arguments) if call.arguments else {}
+    except json.JSONDecodeError:
+        arguments = {}
+    call_id = call.id.removeprefix("call_")
+    return {"type": "tool_use", "id": f"toolu_{call_id}", "name": call.name, "input": arguments}
+
+
+def _stop_reason(ctx: _Context, final: RequestOutput, has_calls: bool) -> tuple[str, str | None]:
+    out = final.outputs[0]
+    if has_calls:
+        return "tool_use", None
+    if out.finish_reason == "length":
+        return "max_tokens", None
+    stops = ctx.body.stop_sequences or []
+    if stops and out.token_ids and out.token_ids[-1] not in ctx.server.engine.eos_token_ids:
+        # The engine cut the text before a stop string; see which one follows it.
+        full = ctx.server.engine.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+        tail = full[len(out.text):] if full.startswith(out.text) else full
+        matched = [s for s in stops if s in tail]
+        if matched:
+            return "stop_sequence", min(matched, key=tail.index)
+    return "end_turn", None
+
+
+def _parse(ctx: _Context, text: str) -> tuple[str | None, list[Any]]:
+    if tool_layer is None or not ctx.conv.tools or ctx.conv.tool_choice == "none":
+        return text, []
+    return tool_layer.parse_reply(text, ctx.conv.tools, ctx.conv.tool_choice)
+
+
+async def _message(ctx: _Context, final: RequestOutput) -> dict[str, Any]:
+    text, calls = _parse(ctx, final.outputs[0].text)
+    content: list[dict[str, Any]] = [{"type": "text", "text": text}] if text else []
+    content += [_tool_use(call) for call in calls]
+    stop_reason, stop_sequence = _stop_reason(ctx, final, bool(calls))
+    return {
+        "id": ctx.message_id,
+        "type": "message",
+        "role": "assistant",
+        "model": ctx.server.model_name,
+        "content": content,
+        "stop_reason": stop_reason,
+        "stop_sequence": stop_sequence,
+        "usage": await _usage(ctx, final),
+    }
+
+
+# -- streaming -------------------------------------------------------------------------------
+
+
+def _event(name: str, data: dict[str, Any]) -> str:
+    return f"event: {name}\ndata: {json.dumps({'type': name, **data}, separators=(',', ':'))}\n\n"
+
+
+class _Blocks:
+    """Content blocks as stream events: an open text block takes text deltas; a tool call is
+    a whole tool_use block (start, its input JSON as one delta, stop)."""
+
+    def __init__(self) -> None:
+        self.index = -1
+        self.text_open = False
+
+    def text(self, delta: str) -> list[str]:
+        if not delta:
+            return []
+        events = []
+        if not self.text_open:
+            self.index += 1
+            self.text_open = True
+            events.append(_event("content_block_start", {"index": self.index, "content_block": {"type": "text", "text": ""}}))
+        events.append(_event("content_block_delta", {"index": self.index, "delta": {"type": "text_delta", "text": delta}}))
+        return events
+
+    def tool(self, call: Any) -> list[str]:
+        events = self.close()
+        self.index += 1
+        block = {**_tool_use(call), "input": {}}
+        partial = json.dumps(_tool_use(call)["input"])
+        return events + [
+            _event("content_block_start", {"index": self.index, "content_block": block}),
+            _event("content_block_delta", {"index": self.index, "delta": {"type": "input_json_delta", "partial_json": partial}}),
+            _event("content_block_stop", {"index": self.index}),
+        ]
+
+    def close(self) -> list[str]:
+        if not self.text_open:
+            return []
+        self.text_open = False
+        return [_event("content_block_stop", {"index": self.index})]
+
+
+async def _events(ctx: _Context, streams: list[RequestStream]) -> AsyncIterator[str]:
+    message = {"id": ctx.message_id, "type": "message", "role": "assistant", "model": ctx.server.model_name,
+               "content": [], "stop_reason": None, "stop_sequence": None,
+               "usage": {"input_tokens": len(ctx.prompt), "output_tokens": 0}}
+    use_tools = tool_layer is not None and bool(ctx.conv.tools) and ctx.conv.tool_choice != "none"
+    splitter = tool_layer.ToolCallStream(ctx.conv.tools, ctx.conv.tool_choice) if use_tools else None
+    blocks, final, num_calls = _Blocks(), None, 0
+    try:
+        yield _event("message_start", {"message": message})
+        yield _event("ping", {})
+        async with aclosing(merge(ctx.server.metrics, streams, 1)) as merged:
+            async for _, delta in merged:
+                if any(c.finish_reason == "abort" for c in delta.completions):
+                    raise APIError(529, "the request was aborted")
+                text = "".join(c.text for c in delta.completions)
+                content, calls = splitter.feed(text) if splitter is not None else (text, [])
+                for event in _stream_parts(blocks, content, calls):
+                    yield event
+                num_calls += len(calls)
+                if delta.output is not None:
+                    final = delta.output
+        if splitter is not None:
+            content, calls = splitter.finish()
+            num_calls += len(calls)
+            for event in _stream_parts(blocks, content, calls):
+                yield event
+        for event in blocks.close():
+            yield event
+        assert final is not None
+        stop_reason, stop_sequence = _stop_reason(ctx, final, num_calls > 0)
+        usage = await _usage(ctx, final)
+        yield _event("message_delta", {"delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence}, "usage": usage})
+        yield _event("message_stop", {})
+    except (APIError, EngineStepError, EngineStopped) as error:
+        api_error = error if isinstance(error, APIError) else engine_error(error)
+        status = 529 if api_error.status == 503 else api_error.status
+        yield f"event: error\ndata: {json.dumps(error_body(status, api_error.message))}\n\n"
+
+
+def _stream_parts(blocks: _Blocks, content: str, calls: list[Any]) -> list[str]:
+    events = blocks.text(content)
+    for call in calls:
+        events += blocks.tool(call)
+    return events
