@@ -19,10 +19,7 @@ from radixkv.server.anthropic_protocol import (
     ToolUseBlock,
 )
 
-try:  # the tool layer (issue 14's chat-tools branch); plain conversations work without it
-    from radixkv.server import tools as tool_layer
-except ImportError:  # pragma: no cover - until that branch is merged
-    tool_layer = None  # type: ignore[assignment]
+from radixkv.server import tools as tool_layer
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,7 +31,7 @@ class Breakpoint:
 @dataclass(frozen=True, slots=True)
 class Conversation:
     messages: list[dict[str, Any]]  # transformers' chat format
-    tools: list[Any]  # tools.Tool
+    tools: list[tool_layer.Tool]
     tool_choice: str  # tools' ToolChoice: "none" | "auto" | "required" | a tool name
     parallel_tool_calls: bool
 
@@ -46,13 +43,9 @@ def conversation(body: MessagesRequest) -> Conversation:
 
 
 def encode(tokenizer: Any, conv: Conversation, *, add_generation_prompt: bool = True) -> list[int]:
-    if tool_layer is not None:
-        return tool_layer.encode_conversation(
-            tokenizer, conv.messages, conv.tools, conv.tool_choice, add_generation_prompt=add_generation_prompt
-        )
-    from radixkv.prompts import encode_chat  # noqa: PLC0415 - the fallback without the tool layer
-
-    return encode_chat(tokenizer, conv.messages, add_generation_prompt=add_generation_prompt)
+    return tool_layer.encode_conversation(
+        tokenizer, conv.messages, conv.tools, conv.tool_choice, add_generation_prompt=add_generation_prompt
+    )
 
 
 def breakpoints(tokenizer: Any, body: MessagesRequest, conv: Conversation, prompt: list[int]) -> list[Breakpoint]:
@@ -136,8 +129,6 @@ def _assistant(blocks: list[Any]) -> list[dict[str, Any]]:
 def _tools(body: MessagesRequest) -> list[Any]:
     if not body.tools:
         return []
-    if tool_layer is None:
-        raise InvalidRequest("tools are not supported by this server build", param="tools")
     names = [t.name for t in body.tools]
     if len(set(names)) != len(names):
         raise InvalidRequest("tools: tool names must be unique", param="tools")

@@ -87,7 +87,7 @@ def _sampling_params(server: Server, body: MessagesRequest, conv: Conversation, 
     if len(prompt) + body.max_tokens > context:
         raise context_error(context, len(prompt), body.max_tokens, "max_tokens" if len(prompt) < context else "messages")
     guide = None
-    if tool_layer is not None and conv.tools and conv.tool_choice != "auto":
+    if conv.tools and conv.tool_choice != "auto":
         guide = tool_layer.guide_for(conv.tools, conv.tool_choice, conv.parallel_tool_calls)
     try:
         return SamplingParams(
@@ -158,7 +158,7 @@ def _stop_reason(ctx: _Context, final: RequestOutput, has_calls: bool) -> tuple[
 
 
 def _parse(ctx: _Context, text: str) -> tuple[str | None, list[Any]]:
-    if tool_layer is None or not ctx.conv.tools or ctx.conv.tool_choice == "none":
+    if not ctx.conv.tools or ctx.conv.tool_choice == "none":
         return text, []
     return tool_layer.parse_reply(text, ctx.conv.tools, ctx.conv.tool_choice)
 
@@ -228,7 +228,7 @@ async def _events(ctx: _Context, streams: list[RequestStream]) -> AsyncIterator[
     message = {"id": ctx.message_id, "type": "message", "role": "assistant", "model": ctx.server.model_name,
                "content": [], "stop_reason": None, "stop_sequence": None,
                "usage": {"input_tokens": len(ctx.prompt), "output_tokens": 0}}
-    use_tools = tool_layer is not None and bool(ctx.conv.tools) and ctx.conv.tool_choice != "none"
+    use_tools = bool(ctx.conv.tools) and ctx.conv.tool_choice != "none"
     splitter = tool_layer.ToolCallStream(ctx.conv.tools, ctx.conv.tool_choice) if use_tools else None
     blocks, final, num_calls = _Blocks(), None, 0
     try:

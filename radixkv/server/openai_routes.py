@@ -15,7 +15,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from radixkv.engine.async_engine import RequestStream
-from radixkv.engine.engine import Engine
 from radixkv.engine.request import CompletionDelta, CompletionOutput, JsonGuide, RequestOutput, SamplingParams
 from radixkv.errors import InvalidRequest
 from radixkv.server.errors import APIError, WireNames, context_error, engine_error, parse_body
@@ -198,11 +197,9 @@ class _CacheHints:
 
 
 def retain_prompt(server: Server, prompt: list[int], salt: str | None, ttl_s: float, owner: str) -> None:
-    """The one place a prompt_cache_retention becomes retention: Engine.retain (issue 14's
-    retention, built beside this) keeps the prompt's cached full pages for ttl_s, capped per
-    owner (the tenant's salt); until the engine has it, the value is only validated."""
-    if hasattr(Engine, "retain"):
-        server.engine.call(lambda engine: engine.retain(prompt, salt, ttl_s, owner))  # type: ignore[attr-defined]
+    """The one place a prompt_cache_retention becomes retention: Engine.retain keeps the
+    prompt's cached full pages for ttl_s, capped per owner (the tenant's salt)."""
+    server.engine.call(lambda engine: engine.retain(prompt, salt, ttl_s, owner))
 
 
 def _model_card(server: Server) -> ModelCard:
