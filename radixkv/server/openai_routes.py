@@ -193,7 +193,7 @@ class _CacheHints:
         if body.prompt_cache_retention is not None:
             ttl_s = RETENTION_TTL_S[body.prompt_cache_retention]
             for prompt in self._prompts:
-                retain_prompt(self._server, prompt, self._salt, ttl_s, owner=self._salt or "")
+                retain_prompt(self._server, prompt, self._salt, ttl_s, owner=self._salt or "anonymous")
 
 
 def retain_prompt(server: Server, prompt: list[int], salt: str | None, ttl_s: float, owner: str) -> None:
