@@ -2,8 +2,11 @@
 grammars cached by schema), keeps one matcher per guided sequence, and fills their next-token
 bitmasks on worker threads while the model forward runs.
 
-Why xgrammar rather than llguidance: measured by `radixkv bench guided_decoding` on this CPU
-(AMD EPYC Zen 4, 2 cores, SmolLM2's 49,152-token vocabulary), RESULTS_PLACEHOLDER
+Why xgrammar rather than llguidance, measured by `radixkv bench guided_decoding` (AMD EPYC
+Zen 4, 2 shared cores, SmolLM2's 49,152 tokens): a step's mask costs far less, and that is
+paid on every token. Filling 32 rows took 0.6-0.8 ms against llguidance's 15-27 ms, one row
+47 us (idle machine) against 364 us; xgrammar's compile (31-38 ms a schema, cached) is slower
+than llguidance's lazy 1.3 ms, but it is paid once per schema, not per token.
 """
 
 from __future__ import annotations
