@@ -1,0 +1,184 @@
+"""Guided decoding end to end on a tiny random model: every guided continuation parses and
+matches its schema (greedy and sampled, nested, strict), bad schemas are refused before anything
+runs, preemption keeps the matcher, and unguided requests beside guided ones do not change."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from radixkv import InvalidRequest, JsonGuide, SamplingParams
+from tests.helpers.engine import assert_pages_returned, make_llm
+
+PROMPTS = ["The quick brown fox", "Question: what is the capital of France?", "def add(a, b):", "Prefix caching"]
+
+# Bounded schemas: a random model never stops a free-running string or number by itself, and
+# a continuation cut by max_tokens is not JSON. The bounds let every continuation close.
+FLAT = {
+    "type": "object",
+    "properties": {
+        "answer": {"enum": ["yes", "no", "maybe"]},
+        "score": {"type": "integer", "minimum": 0, "maximum": 99},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["answer", "score", "ok"],
+}
+NESTED = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "minItems": 1, "maxItems": 3},
+        "address": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 5}, "zip": {"type": "integer", "minimum": 0, "maximum": 999}},
+            "required": ["city", "zip"],
+        },
+        "points": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {"x": {"type": "integer", "minimum": -9, "maximum": 9}, "kind": {"enum": ["p", "q"]}},
+                "required": ["x", "kind"],
+            },
+            "maxItems": 2,
+        },
+    },
+    "required": ["name", "tags", "address", "points"],
+}
+OPTIONAL = {
+    "type": "object",
+    "properties": {"color": {"enum": ["red", "green"]}, "size": {"type": "integer", "minimum": 1, "maximum": 5}},
+    "required": ["color"],
+}
+SCHEMAS = {"flat": FLAT, "nested": NESTED, "optional": OPTIONAL}
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    return make_llm(tiny_llama)
+
+
+def _strict(schema: dict) -> dict:
+    """The schema with every object closed: what strict promises."""
+    if isinstance(schema, dict):
+        closed = {key: _strict(value) for key, value in schema.items()}
+        if schema.get("type") == "object":
+            closed["additionalProperties"] = False
+        return closed
+    if isinstance(schema, list):
+        return [_strict(item) for item in schema]
+    return schema
+
+
+def _assert_matches(output, schema: dict) -> dict:
+    assert output.finish_reason == "stop", (output.text, output.finish_reason)
+    value = json.loads(output.text)
+    jsonschema.validate(value, _strict(schema))
+    return value
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMAS))
+def test_greedy_guided_output_parses_and_matches_the_schema(llm, name):
+    schema = SCHEMAS[name]
+    outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=120, guide=JsonGuide(json.dumps(schema))))
+    for output in outputs:
+        _assert_matches(output.outputs[0], schema)
+    assert_pages_returned(llm.engine)
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMAS))
+def test_sampled_guided_output_parses_and_matches_the_schema(llm, name):
+    schema = SCHEMAS[name]
+    params = SamplingParams(max_tokens=120, temperature=1.2, top_p=0.95, seed=7, n=4, guide=JsonGuide(json.dumps(schema)))
+    results = llm.generate(PROMPTS, params)
+    values = [_assert_matches(output, schema) for result in results for output in result.outputs]
+    assert len({json.dumps(v, sort_keys=True) for v in values}) > 1  # sampling still chooses
+    assert_pages_returned(llm.engine)
+
+
+def test_non_strict_schema_matches_without_closing_its_objects(llm):
+    # Extra properties are allowed, so a random model may keep adding them until max_tokens;
+    # whatever closed matches the schema.
+    params = SamplingParams(max_tokens=120, temperature=1.0, seed=3, n=3, guide=JsonGuide(json.dumps(FLAT), strict=False))
+    outputs = [o for r in llm.generate(PROMPTS, params) for o in r.outputs]
+    for output in outputs:
+        if output.finish_reason == "stop":
+            jsonschema.validate(json.loads(output.text), FLAT)
+        else:
+            assert output.finish_reason == "length"
+    assert any(output.finish_reason == "stop" for output in outputs)
+
+
+def test_json_object_gives_an_object(llm):
+    # Any object: a random model may keep adding properties until max_tokens (then the text is
+    # cut, and says so by "length"); whatever closed is an object.
+    greedy = llm.generate(PROMPTS + ["hello"], SamplingParams(max_tokens=64, guide=JsonGuide()))
+    sampled = llm.generate(PROMPTS, SamplingParams(max_tokens=64, temperature=1.0, seed=11, n=4, guide=JsonGuide()))
+    outputs = [o for r in greedy + sampled for o in r.outputs]
+    for output in outputs:
+        if output.finish_reason == "stop":
+            assert isinstance(json.loads(output.text), dict)
+        else:
+            assert output.finish_reason == "length" and output.text.startswith("{")
+    assert sum(output.finish_reason == "stop" for output in outputs) >= 2
+
+
+def test_max_tokens_still_ends_a_guided_continuation_with_length(llm):
+    output = llm.generate(PROMPTS[0], SamplingParams(max_tokens=3, guide=JsonGuide(json.dumps(NESTED))))[0]
+    assert output.finish_reason == "length" and len(output.token_ids) == 3
+    assert output.text.startswith("{")
+
+
+def test_ignore_eos_does_not_run_past_the_end_of_the_grammar(llm):
+    params = SamplingParams(max_tokens=120, ignore_eos=True, guide=JsonGuide(json.dumps(FLAT)))
+    output = llm.generate(PROMPTS[1], params)[0]
+    _assert_matches(output.outputs[0], FLAT)
+
+
+@pytest.mark.parametrize(
+    "schema, words",
+    [
+        ("{not json", "not valid JSON"),
+        ("[1, 2]", "must be a JSON object"),
+        ('{"type": "nonsense"}', "nonsense"),
+        ('{"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}', "missing"),
+    ],
+)
+def test_invalid_schemas_are_refused_before_anything_runs(llm, schema, words):
+    engine = llm.engine
+    params = SamplingParams(guide=JsonGuide(schema))
+    for submit in (lambda: engine.add_request([5, 6, 7], params), lambda: llm.generate(["ok", "also ok"], params)):
+        with pytest.raises(InvalidRequest) as refused:
+            submit()
+        assert refused.value.param == "response_format"
+        assert words in str(refused.value)
+        assert not engine.has_unfinished() and not engine.scheduler.waiting
+    assert_pages_returned(engine)
+
+
+def test_guided_output_survives_preemption(tiny_llama):
+    # 20 pages of 4 tokens for 6 requests that each grow to about 15: preemption is certain.
+    llm = make_llm(tiny_llama, num_pages=20, max_num_seqs=6)
+    params = SamplingParams(max_tokens=40, temperature=1.0, seed=5, guide=JsonGuide(json.dumps(FLAT)))
+    results = llm.generate(PROMPTS + PROMPTS[:2], params)
+    assert llm.stats().num_preemptions > 0
+    for result in results:
+        output = result.outputs[0]
+        if output.finish_reason == "stop":
+            jsonschema.validate(json.loads(output.text), _strict(FLAT))
+        else:
+            assert output.finish_reason == "length"
+    assert sum(r.finish_reason == "stop" for r in results) >= 1
+    assert_pages_returned(llm.engine)
+
+
+def test_unguided_requests_beside_guided_ones_do_not_change(llm):
+    plain = SamplingParams(max_tokens=12)
+    alone = [r.token_ids for r in llm.generate(PROMPTS, plain)]
+    guided = SamplingParams(max_tokens=40, guide=JsonGuide(json.dumps(FLAT)))
+    mixed = llm.generate(PROMPTS + PROMPTS, [plain] * len(PROMPTS) + [guided] * len(PROMPTS))
+    assert [r.token_ids for r in mixed[: len(PROMPTS)]] == alone
+    for result in mixed[len(PROMPTS) :]:
+        _assert_matches(result.outputs[0], FLAT)
