@@ -167,7 +167,7 @@ def bench_eviction_vs_naive(num_leaves: int, page_size: int, rng: np.random.Gene
         pages = pool.allocate(2)
         tree.insert(shared + row.tolist(), pages)
         pool.release(pages)
-    assert len(tree._lru) == num_leaves
+    assert len(tree._order) == num_leaves
 
     ours_calls = 2000
     start = time.perf_counter()
@@ -206,7 +206,7 @@ def naive_evict(tree: RadixTree, num_pages: int) -> int:
         key = heapq.heappop(leaves)
         node = key[2]
         parent = node.parent
-        tree._lru.remove(key)
+        tree._order.remove(node)
         freed += tree._remove_leaf(node)
         if parent is not None and parent.parent is not None and not parent.children and parent.lock_ref == 0:
             heapq.heappush(leaves, (parent.last_access, parent.node_id, parent))

@@ -144,7 +144,10 @@ def test_multi_turn_conversation_hits_more_cache_each_turn(live_server):
     hits, prompt_tokens = [], []
     for question in ["What is a prefix cache?", "And a radix tree?", "Why share KV pages?", "Thanks, bye."]:
         messages.append({"role": "user", "content": question})
-        response = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0)
+        # its own salt: other tests on this shared server cache the chat template's first block
+        response = client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=10, temperature=0, extra_body={"cache_salt": "multi-turn"}
+        )
         hits.append(cached(response))
         prompt_tokens.append(response.usage.prompt_tokens)
         messages.append({"role": "assistant", "content": response.choices[0].message.content})

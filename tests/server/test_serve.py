@@ -73,7 +73,7 @@ def test_serve_refuses_a_missing_model(tmp_path):
 
     from radixkv.cli import serve
 
-    args = Namespace(model=str(tmp_path / "nope"), host="127.0.0.1", port=1, api_key=None, dtype="auto", num_pages=8)
+    args = Namespace(model=str(tmp_path / "nope"), host="127.0.0.1", port=1, api_key=None, dtype="auto", num_pages=8, no_prefix_caching=False)
     assert serve(args) == 2
 
 
