@@ -15,6 +15,7 @@ from radixkv.errors import ConfigError
 POLICIES = ("lpm", "fcfs")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 BACKENDS = ("auto", "torch", "cpu", "triton")
+LINEAR_KERNELS = ("auto", "amx", "avx512_bf16", "onednn")
 
 
 @dataclass(slots=True)
@@ -31,7 +32,9 @@ class EngineConfig:
     lpm_fcfs_queue_threshold: int = 128  # above this many waiting requests LPM degrades to FCFS
     max_wait_steps: int = 64  # a request waiting longer than this many steps goes first
     enable_prefix_caching: bool = True
-    dtype: str = "auto"  # "auto": bf16 on CUDA or an AMX CPU, else fp32
+    # "auto": bf16 on CUDA, and on CPUs with native bf16 arithmetic (AMX, AVX512_BF16, aarch64
+    # bf16); elsewhere fp32, since there bf16 is emulated and slower than fp32.
+    dtype: str = "auto"
     device: str = "auto"  # "auto": cuda when available, else cpu
     # "auto": triton on CUDA; on CPU "cpu" (the native kernels) when native_kernels is on and
     # the library builds, else "torch" (the pure-torch reference).
@@ -44,6 +47,11 @@ class EngineConfig:
     # in different orders, so some bf16 bits differ). One setting per process: the native
     # library holds it, and the CPU backend applies this value when it is built.
     decode_amx: bool = True
+    # bf16 linears on CPU: "amx" (tiles), "avx512_bf16" (vdpbf16ps; any CPU with AVX512_BF16,
+    # AMX machines included, so either machine tests the other's path) or "onednn" (torch's
+    # library, over weights it packs once). "auto": the fastest native kernel that runs here.
+    # A named native kernel this CPU cannot run fails at load, naming the missing feature.
+    linear_kernel: str = "auto"
     # Check the Triton kernels' device indices (page table, slots, offsets) before each step;
     # each check syncs with the device. None: on under TRITON_INTERPRET=1 only.
     check_indices: bool | None = None
@@ -88,6 +96,7 @@ class EngineConfig:
         _choice(self, "policy", POLICIES)
         _choice(self, "dtype", DTYPES)
         _choice(self, "attention_backend", BACKENDS)
+        _choice(self, "linear_kernel", LINEAR_KERNELS)
         for name in ("native_kernels", "decode_amx"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}", param=name)

@@ -25,7 +25,7 @@ from radixkv.cpu.features import cpu_features
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "paged_decode.c", CSRC / "row_ops.c", CSRC / "amx_linear.c", CSRC / "decode_layers.c")
+SOURCES = (CSRC / "paged_decode.c", CSRC / "row_ops.c", CSRC / "packed_linear.c", CSRC / "decode_layers.c")
 HEADERS = (CSRC / "bf16.h", CSRC / "amx.h", CSRC / "kernels.h")
 COMPILE_FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 
@@ -98,10 +98,10 @@ def _declare(library: ctypes.CDLL) -> None:
         "radixkv_add_rms_norm_bf16": [p, p, p, p, i32, i32, f32, i32],
         "radixkv_rope_bf16": [p, i64, i32, i32, i32, p, p, i32],
         "radixkv_silu_mul_bf16": [p, i64, p, i32, i32, i32],
-        "radixkv_amx_linear_available": [],
-        "radixkv_amx_packed_words": [i32, i32],
-        "radixkv_amx_pack": [p, i32, i32, p],
-        "radixkv_amx_linear": [p, i64, i32, i32, p, i32, p, p, i64, i32],
+        "radixkv_linear_kernels": [],
+        "radixkv_packed_words": [i32, i32],
+        "radixkv_pack_weight": [p, i32, i32, p],
+        "radixkv_packed_linear": [i32, p, i64, i32, i32, p, i32, p, p, i64, i32],
         "radixkv_decode_layers_bf16": [p, i32, i32, p, p, p, p, p, p, p, p, i64, p],
     }
     returns = {
@@ -109,9 +109,9 @@ def _declare(library: ctypes.CDLL) -> None:
         "radixkv_paged_decode_f32": i32,
         "radixkv_decode_work_floats": i64,
         "radixkv_decode_use_amx": i32,
-        "radixkv_amx_linear_available": i32,
-        "radixkv_amx_packed_words": i64,
-        "radixkv_amx_linear": i32,
+        "radixkv_linear_kernels": i32,
+        "radixkv_packed_words": i64,
+        "radixkv_packed_linear": i32,
         "radixkv_decode_layers_bf16": i32,
     }
     for name, argtypes in signatures.items():

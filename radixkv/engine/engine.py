@@ -73,6 +73,7 @@ class Engine:
                 device=config.device,
                 cache_dir=config.cache_dir,
                 native_kernels=config.native_kernels,
+                linear_kernel=config.linear_kernel,
             )
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer

@@ -668,7 +668,7 @@ def test_portable_build_without_avx512_gives_the_same_answers(gen, monkeypatch, 
 def test_decode_amx_setting_picks_the_q_k_path(gen) -> None:
     # decode_amx=False keeps q.k on AVX-512 even after the AMX linears were granted tiles:
     # both paths meet the reference, and they sum in different orders, so some bits differ.
-    native_library.load().radixkv_amx_linear_available()  # the linears ask the OS for tiles too
+    native_library.load().radixkv_linear_kernels()  # the linears ask the OS for tiles too
     paged = make_paged(gen, [300, 17, 64, 600, 255, 999], num_kv_heads=3, head_dim=64, page_size=16, dtype=torch.bfloat16)
     q = make_q(gen, 6, 9, 3, 64, torch.bfloat16)
     expected = reference(q, paged, 0.125)

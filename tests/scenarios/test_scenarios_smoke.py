@@ -50,13 +50,17 @@ def test_cpu_kernels_bench_runs_and_reports(tmp_path, capsys):
     from radixkv.cpu import native
 
     library = native.load()
-    if library is None or not library.radixkv_amx_linear_available():
-        pytest.skip("the CPU kernel bench needs the native kernels and AMX tiles")
+    if library is None or not library.radixkv_linear_kernels():
+        pytest.skip("the CPU kernel bench needs the native kernels and a native linear kernel (avx512_bf16 or amx_bf16)")
     module = importlib.import_module("radixkv.scenarios.cpu_kernels")
     argv = ["--out", str(tmp_path), "--repeats", "1", "--layers", "1", "--context", "40", "--flush-mib", "8"]
     assert module.main(argv) == 0
     rows = json.loads((tmp_path / "cpu_kernels.json").read_text())["rows"]
-    assert {row["peer"] for row in rows} == {"radixkv AMX", "oneDNN prepacked", "F.linear", "radixkv paged kernel", "gather + SDPA"}
+    from radixkv.cpu.linear import available_linear_kernels
+
+    native_peers = {f"radixkv {kernel}" for kernel in available_linear_kernels()}
+    assert {row["peer"] for row in rows} == native_peers | {"oneDNN prepacked", "F.linear", "radixkv paged kernel", "gather + SDPA"}
+    assert {row["part"] for row in rows} == {"linears", "decode attention bfloat16", "decode attention float32"}
     assert all(row["ms"] > 0 for row in rows)
     assert (tmp_path / "cpu_kernels.png").exists()
     assert "x radixkv" in capsys.readouterr().out

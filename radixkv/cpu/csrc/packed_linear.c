@@ -1,16 +1,22 @@
-/* bf16 linear layers on AMX tiles: y = x W^T (+ b), fp32 sums rounded once to bf16.
+/* bf16 linear layers over weights packed once at load: y = x W^T (+ b), fp32 sums rounded
+ * once to bf16. Two kernels read the one packed layout: AMX tiles (Sapphire Rapids and later)
+ * and AVX512_BF16's vdpbf16ps (AMD Zen 4/5, Cooper Lake), for CPUs with bf16 dot products but no
+ * tiles.
  *
  * oneDNN spends ~20 us of set-up on every call, more than a decode step's 32-row product
- * takes, and streams the weights ~1.3x slower at decode's row counts. Here the weights are packed once
- * into the tiles' VNNI layout, in the order the product reads them, so each thread streams one
- * contiguous run; a call is a tile configuration and a loop. Each output row is summed over K
- * in the same order whatever the row count, so a row's bits never depend on its batch.
+ * takes, and streams the weights ~1.3x slower at decode's row counts. Here the weights are packed
+ * once, in the order the product reads them, so each thread streams one contiguous run; a call
+ * is a loop. Each output row is summed over K in the same order whatever the row count, so a
+ * row's bits never depend on its batch (with either kernel; the two differ from each other).
  *
  * Packed layout (uint16): for n-block pair p (32 output features), k-block kb (32 inputs),
  * half h (16 features): one 16 x 32 tile, row r = input pair (2r, 2r+1), column c = feature,
  * at ((p * KB + kb) * 2 + h) * 512 + r * 32 + c * 2 + {0, 1}. N is padded to 32 with zeros.
+ * A tile row is also exactly vdpbf16ps's operand: 16 lanes, each one feature's weights for
+ * the input pair (2r, 2r+1), against x's pair broadcast to every lane.
  */
 #include "amx.h"
+#include "kernels.h"
 
 #define TILE_WORDS 512 /* one packed 16 x 32 bf16 tile */
 #define PREFETCH_TILES 8 /* how far ahead, in tiles, the weight stream is requested */
@@ -20,10 +26,10 @@
 static inline int64_t pair_count(int n) { return (n + 31) / 32; }
 
 /* uint16 words of the packed form of an n x k weight (k % 32 == 0). */
-int64_t radixkv_amx_packed_words(int n, int k) { return pair_count(n) * (k / 32) * 2 * TILE_WORDS; }
+int64_t radixkv_packed_words(int n, int k) { return pair_count(n) * (k / 32) * 2 * TILE_WORDS; }
 
 /* Pack w [n][k] (row stride k) into the layout above. */
-void radixkv_amx_pack(const uint16_t *w, int n, int k, uint16_t *packed) {
+void radixkv_pack_weight(const uint16_t *w, int n, int k, uint16_t *packed) {
     const int64_t kb_count = k / 32;
     for (int64_t p = 0; p < pair_count(n); p++)
         for (int64_t kb = 0; kb < kb_count; kb++)
@@ -37,6 +43,84 @@ void radixkv_amx_pack(const uint16_t *w, int n, int k, uint16_t *packed) {
                     }
             }
 }
+
+#ifdef HAVE_AVX512_BF16
+/* bf16 of sums + bias for 16 features of one row, of which the first `live` exist (the rest
+ * are padding: neither read from bias nor written). */
+static inline void store_sums(__m512 sums, const float *bias, uint16_t *dst, int live) {
+    const __mmask16 mask = live >= 16 ? 0xffff : (__mmask16)((1u << live) - 1);
+    if (bias) sums = _mm512_add_ps(sums, _mm512_maskz_loadu_ps(mask, bias));
+    _mm256_mask_storeu_epi16(dst, mask, (__m256i)_mm512_cvtneps_pbh(sums));
+}
+
+#define VEC_ROWS 8 /* rows per pass of the vdpbf16ps kernel: 16 accumulators of 32 registers */
+
+/* Rows [m0, m0 + R) of y for the 32 features of pair p by vdpbf16ps. Per input pair r of a
+ * k-block, the two halves' tile rows r are loaded once and each x row's pair (one 32-bit word)
+ * is broadcast against them. prefetch: request the weight stream a few tiles ahead (the first
+ * pass over a pair; later passes read it from cache). R is a constant in the instances. */
+static inline __attribute__((always_inline)) void pair_rows_avx512(
+    const uint16_t *x, int64_t x_stride, int m0, const int R, int k, const uint16_t *pair_tiles,
+    const float *bias, int n, int64_t p, uint16_t *y, int64_t y_stride, int prefetch) {
+    __m512 acc[VEC_ROWS][2];
+    for (int i = 0; i < R; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+    const uint16_t *rows = x + (int64_t)m0 * x_stride;
+    for (int kb = 0; kb < k / 32; kb++) {
+        const uint16_t *b = pair_tiles + (int64_t)kb * 2 * TILE_WORDS;
+        if (prefetch)
+            for (int line = 0; line < 2 * TILE_WORDS * 2; line += 64)
+                _mm_prefetch((const char *)(b + PREFETCH_TILES * TILE_WORDS) + line, _MM_HINT_T0);
+        for (int r = 0; r < 16; r++) {
+            const __m512bh w0 = (__m512bh)_mm512_loadu_si512(b + r * 32);
+            const __m512bh w1 = (__m512bh)_mm512_loadu_si512(b + TILE_WORDS + r * 32);
+            for (int i = 0; i < R; i++) {
+                int32_t word;
+                memcpy(&word, rows + i * x_stride + kb * 32 + 2 * r, sizeof word);
+                const __m512bh a = (__m512bh)_mm512_set1_epi32(word);
+                acc[i][0] = _mm512_dpbf16_ps(acc[i][0], a, w0);
+                acc[i][1] = _mm512_dpbf16_ps(acc[i][1], a, w1);
+            }
+        }
+    }
+    for (int i = 0; i < R; i++) {
+        uint16_t *dst = y + (int64_t)(m0 + i) * y_stride + p * 32;
+        for (int h = 0; h < 2; h++) {
+            const int64_t first = p * 32 + h * 16;
+            if (first >= n) break;
+            store_sums(acc[i][h], bias ? bias + first : NULL, dst + h * 16, (int)(n - first));
+        }
+    }
+}
+
+static void pair_rows_any(const uint16_t *x, int64_t x_stride, int m0, int rows, int k, const uint16_t *pair_tiles,
+                          const float *bias, int n, int64_t p, uint16_t *y, int64_t y_stride, int prefetch) {
+#define PAIR_ROWS_CASE(R) \
+    case R: pair_rows_avx512(x, x_stride, m0, R, k, pair_tiles, bias, n, p, y, y_stride, prefetch); return;
+    switch (rows) {
+        PAIR_ROWS_CASE(1) PAIR_ROWS_CASE(2) PAIR_ROWS_CASE(3) PAIR_ROWS_CASE(4)
+        PAIR_ROWS_CASE(5) PAIR_ROWS_CASE(6) PAIR_ROWS_CASE(7) PAIR_ROWS_CASE(8)
+    }
+#undef PAIR_ROWS_CASE
+}
+
+/* The vdpbf16ps kernel, threaded as the AMX one: rows in groups whose x stays in L2, and each
+ * thread one contiguous run of pairs, passing over each pair's weights once per VEC_ROWS rows. */
+static void linear_avx512(const uint16_t *x, int64_t x_stride, int m, int k, const uint16_t *packed, int n,
+                          const float *bias, uint16_t *y, int64_t y_stride, int num_threads) {
+    const int64_t pairs = pair_count(n), pair_words = (int64_t)(k / 32) * 2 * TILE_WORDS;
+    const int fit = GROUP_X_BYTES / (k * 2) / VEC_ROWS * VEC_ROWS;
+    const int group_rows = fit > VEC_ROWS ? fit : VEC_ROWS;
+#pragma omp parallel num_threads(num_threads)
+    for (int g0 = 0; g0 < m; g0 += group_rows) {
+        const int group_end = m - g0 < group_rows ? m : g0 + group_rows;
+#pragma omp for schedule(static) nowait
+        for (int64_t p = 0; p < pairs; p++)
+            for (int m0 = g0; m0 < group_end; m0 += VEC_ROWS)
+                pair_rows_any(x, x_stride, m0, group_end - m0 < VEC_ROWS ? group_end - m0 : VEC_ROWS, k,
+                              packed + p * pair_words, bias, n, p, y, y_stride, m0 == g0);
+    }
+}
+#endif
 
 #ifdef HAVE_AMX
 /* Tiles: 0..3 = sums [rows][16 features] (A half i x B half j -> 2i + j), 4, 5 = x rows
@@ -53,13 +137,8 @@ static void configure(int rows0, int rows1) {
     _tile_loadconfig(&config);
 }
 
-/* bf16 of sums + bias for 16 features of one row, of which the first `live` exist (the rest
- * are padding: neither read from bias nor written). */
 static inline void store_row(const float *sums, const float *bias, uint16_t *dst, int live) {
-    const __mmask16 mask = live >= 16 ? 0xffff : (__mmask16)((1u << live) - 1);
-    __m512 value = _mm512_loadu_ps(sums);
-    if (bias) value = _mm512_add_ps(value, _mm512_maskz_loadu_ps(mask, bias));
-    _mm256_mask_storeu_epi16(dst, mask, (__m256i)_mm512_cvtneps_pbh(value));
+    store_sums(_mm512_loadu_ps(sums), bias, dst, live);
 }
 
 /* Rows [m0, m0 + rows) of y for the 32 features of pair p. With ahead == NULL the weights are
@@ -117,19 +196,21 @@ static inline void pair_block(const uint16_t *x, int64_t x_stride, int m0, int r
 }
 #endif
 
-/* Whether this CPU and OS run the tiles (asks the OS for them once). */
-int radixkv_amx_linear_available(void) {
+/* The kernels this library runs here: RADIXKV_LINEAR_AMX where the CPU has tiles and the OS
+ * grants them (asked once), RADIXKV_LINEAR_AVX512_BF16 where it was built for vdpbf16ps. */
+int radixkv_linear_kernels(void) {
+    int kernels = 0;
 #ifdef HAVE_AMX
-    return radixkv_enable_amx();
-#else
-    return 0;
+    if (radixkv_enable_amx()) kernels |= RADIXKV_LINEAR_AMX;
 #endif
+#ifdef HAVE_AVX512_BF16
+    kernels |= RADIXKV_LINEAR_AVX512_BF16;
+#endif
+    return kernels;
 }
 
-/* y [m][n] (row stride y_stride) = x [m][k] (row stride x_stride) W^T + bias (fp32, or NULL).
- * Returns 1, doing nothing, where AMX is unavailable or k % 32 != 0. */
-int radixkv_amx_linear(const uint16_t *x, int64_t x_stride, int m, int k, const uint16_t *packed, int n,
-                       const float *bias, uint16_t *y, int64_t y_stride, int num_threads) {
+static int linear_amx(const uint16_t *x, int64_t x_stride, int m, int k, const uint16_t *packed, int n,
+                      const float *bias, uint16_t *y, int64_t y_stride, int num_threads) {
 #ifdef HAVE_AMX
     if (!radixkv_enable_amx() || k % 32 != 0) return 1;
     const int64_t pairs = pair_count(n), pair_words = (int64_t)(k / 32) * 2 * TILE_WORDS;
@@ -168,4 +249,20 @@ int radixkv_amx_linear(const uint16_t *x, int64_t x_stride, int m, int k, const 
         (void)num_threads;
     return 1;
 #endif
+}
+
+/* y [m][n] (row stride y_stride) = x [m][k] (row stride x_stride) W^T + bias (fp32, or NULL),
+ * by `kernel` (one RADIXKV_LINEAR_* bit). Returns 1, doing nothing, where that kernel does not
+ * run here or k % 32 != 0. */
+int radixkv_packed_linear(int kernel, const uint16_t *x, int64_t x_stride, int m, int k, const uint16_t *packed, int n,
+                          const float *bias, uint16_t *y, int64_t y_stride, int num_threads) {
+    if (k % 32 != 0 || !(radixkv_linear_kernels() & kernel)) return 1;
+    if (kernel == RADIXKV_LINEAR_AMX) return linear_amx(x, x_stride, m, k, packed, n, bias, y, y_stride, num_threads);
+#ifdef HAVE_AVX512_BF16
+    if (kernel == RADIXKV_LINEAR_AVX512_BF16) {
+        linear_avx512(x, x_stride, m, k, packed, n, bias, y, y_stride, num_threads);
+        return 0;
+    }
+#endif
+    return 1;
 }
