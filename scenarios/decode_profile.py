@@ -1,50 +1,25 @@
-"""Where a decode step's time goes: 32 running requests at ~1k-token contexts, next to the
-time it takes to read the weights plus the KV they attend to once at this machine's read
-bandwidth, measured in the same run (the copy rate used before is reported beside it).
+"""Where a decode step's time goes: 32 running requests at ~1k-token contexts, against an
+honest bound measured in the same run: the larger of reading the weights plus the KV once at
+this machine's read bandwidth, and the step's flops at its matmul rate in the step's dtype.
+
+    python -m radixkv.scenarios.decode_profile [--dtype auto] [--out out/decode_profile]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from collections import defaultdict
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict
+from pathlib import Path
 
 import torch
 
-
-def copy_bandwidth_bytes_per_s(size_bytes: int = 1 << 30, repeats: int = 5) -> float:
-    """Bytes read + written per second by a large tensor copy (the ceiling decode can reach)."""
-    src = torch.empty(size_bytes // 4, dtype=torch.float32).fill_(1.0)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - start)
-    return 2 * size_bytes / best
-
-
-def read_bandwidth_bytes_per_s(size_bytes: int = 1 << 30, repeats: int = 10) -> float:
-    """Bytes read per second by the fastest of a few streaming reductions over a 1 GiB tensor.
-
-    The fastest, not an average: the ideal a decode step is held to should be the machine's
-    read ceiling, so the ratio errs against us. On a shared VM the ceiling itself moves from run
-    to run (24.6 to 32.8 GB/s seen on one day), so compare ratios from one run only.
-    """
-    as_bytes = torch.ones(size_bytes, dtype=torch.int8)
-    as_floats = as_bytes.view(torch.float32)
-    best = float("inf")
-    for reduce in (lambda: as_bytes.max(), lambda: as_floats.sum()):
-        reduce()
-        for _ in range(repeats):
-            start = time.perf_counter()
-            reduce()
-            best = min(best, time.perf_counter() - start)
-    return size_bytes / best
+from radixkv.scenarios.bounds import Costs
+from radixkv.scenarios.machine import copy_bandwidth_bytes_per_s, machine_limits
 
 
 def decode_weight_bytes(model: torch.nn.Module) -> int:
@@ -84,11 +59,12 @@ def profile_decode(model: str | None = None, dtype: str = "auto", num_seqs: int 
     element = torch.finfo(engine.dtype).bits // 8
     weight_bytes = decode_weight_bytes(engine.loaded.model)
     kv_bytes = num_seqs * (context + steps) * mc.num_layers * mc.num_kv_heads * mc.head_dim * 2 * element
+    flops = Costs.of(mc, element).decode_step_flops([context + steps // 2] * num_seqs)
+    limits = machine_limits(engine.dtype)
     copy_bandwidth = copy_bandwidth_bytes_per_s()
-    read_bandwidth = read_bandwidth_bytes_per_s()
-    ideal_s = (weight_bytes + kv_bytes) / read_bandwidth
-    # The earlier yardstick: the copy rate (bytes read + written per second) taken as a read rate.
-    ideal_copy_s = (weight_bytes + kv_bytes) / copy_bandwidth
+    read_s = (weight_bytes + kv_bytes) / (limits["read_bandwidth_gb_s"] * 1e9)
+    compute_s = flops / (limits["matmul_gflops"] * 1e9)
+    ideal_s = max(read_s, compute_s)
     result = dict(
         num_seqs=num_seqs,
         context=context,
@@ -98,12 +74,14 @@ def profile_decode(model: str | None = None, dtype: str = "auto", num_seqs: int 
         engine_overhead_fraction=(step_s - phases["forward"]) / step_s,
         weight_mib=weight_bytes / 2**20,
         kv_mib=kv_bytes / 2**20,
-        read_bandwidth_gb_s=read_bandwidth / 1e9,
+        step_gflop=flops / 1e9,
+        **limits,
         copy_bandwidth_gb_s=copy_bandwidth / 1e9,
-        ideal_read_ms=ideal_s * 1e3,
+        read_once_ms=read_s * 1e3,
+        flops_at_matmul_rate_ms=compute_s * 1e3,
+        ideal_ms=ideal_s * 1e3,
+        bound_by="memory" if read_s >= compute_s else "compute",
         step_over_ideal=step_s / ideal_s,
-        ideal_at_copy_rate_ms=ideal_copy_s * 1e3,
-        step_over_ideal_at_copy_rate=step_s / ideal_copy_s,
         native_decode=native_decode_used(engine),
         fused_decode=engine.loaded.model.fused_decode is not None,
         breakdown_ms=breakdown,
@@ -156,7 +134,9 @@ def kernel_breakdown(engine, steps: int) -> dict[str, float]:
         with ExitStack() as stack:
             stack.enter_context(_timed(decode, "paged_decode", totals, "attention (paged decode)"))
             stack.enter_context(_timed(decode, "store_kv", totals, "KV stores"))
+            # Packed bf16 linears, and plain ones (fp32, or no oneDNN): every product is a linear's.
             stack.enter_context(_timed(linear.PackedLinear, "forward", totals, "linears (incl. lm_head)"))
+            stack.enter_context(_timed(torch.nn.Linear, "forward", totals, "linears (incl. lm_head)"))
             for op in ("add_rms_norm", "apply_rope", "silu_mul"):
                 stack.enter_context(_timed(llama, op, totals, "norms, rope, silu"))
             stack.enter_context(_timed(llama.CausalLM, "forward", totals, "forward"))
@@ -195,11 +175,13 @@ def _print(r: dict) -> None:
     print(f"  step time            {r['step_ms']:8.1f} ms (median of the steps)")
     for phase, ms in r["phases_ms"].items():
         print(f"    {phase:<18} {ms:8.1f} ms  ({ms / r['step_ms']:.0%})")
-    print(f"  weights + KV read    {r['weight_mib']:.0f} + {r['kv_mib']:.0f} MiB")
+    print(f"  machine              {r['cpu']}")
     print(f"  read bandwidth       {r['read_bandwidth_gb_s']:8.1f} GB/s (fastest streaming read)")
     print(f"  copy bandwidth       {r['copy_bandwidth_gb_s']:8.1f} GB/s (read + written)")
-    print(f"  ideal (read once)    {r['ideal_read_ms']:8.1f} ms -> step is {r['step_over_ideal']:.2f}x the ideal")
-    print(f"  ideal at copy rate   {r['ideal_at_copy_rate_ms']:8.1f} ms -> step is {r['step_over_ideal_at_copy_rate']:.2f}x")
+    print(f"  matmul rate          {r['matmul_gflops']:8.0f} GFLOP/s ({r['matmul_dtype']}, torch)")
+    print(f"  weights + KV read    {r['weight_mib']:.0f} + {r['kv_mib']:.0f} MiB -> {r['read_once_ms']:.1f} ms at the read bandwidth")
+    print(f"  step flops           {r['step_gflop']:.2f} GFLOP -> {r['flops_at_matmul_rate_ms']:.1f} ms at the matmul rate")
+    print(f"  bound                {r['ideal_ms']:8.1f} ms ({r['bound_by']}) -> step is {r['step_over_ideal']:.2f}x the bound")
     print(f"  attention            {'native paged kernel (KV read in place)' if r['native_decode'] else 'gather + SDPA'}")
     print(f"  decoder layers       {'one native call per step (fused)' if r['fused_decode'] else 'module by module'}")
     print("  where the time goes (the same steps layer by layer, each kernel timed):")
@@ -215,9 +197,37 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-seqs", type=int, default=32, help="requests decoding together")
     parser.add_argument("--context", type=int, default=1024, help="tokens of each request's prompt")
     parser.add_argument("--steps", type=int, default=8, help="decode steps timed")
+    parser.add_argument("--out", default="out/decode_profile")
     args = parser.parse_args(argv)
-    profile_decode(args.model, args.dtype, args.num_seqs, args.context, args.steps)
+    result = profile_decode(args.model, args.dtype, args.num_seqs, args.context, args.steps)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"decode_profile_{result['dtype'].removeprefix('torch.')}.json"
+    path.write_text(json.dumps(result, indent=2))
+    _plot(result, path.with_suffix(".png"))
+    print(f"\nwrote {path} and {path.with_suffix('.png')}")
     return 0
+
+
+def _plot(r: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    parts = {k: v for k, v in r["breakdown_ms"].items() if not k.startswith("step")}
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.barh(["step (as run)", "bound"], [r["step_ms"], r["ideal_ms"]], color=["tab:blue", "tab:gray"])
+    left = 0.0
+    for name, ms in parts.items():
+        ax.barh(["layer by layer"], [max(ms, 0.0)], left=left, label=name)
+        left += max(ms, 0.0)
+    ax.set_xlabel("ms")
+    ax.set_title(f"decode step, {r['num_seqs']} x {r['context']} tokens, {r['dtype']} — {r['cpu']}", fontsize=8)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

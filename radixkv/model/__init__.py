@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from radixkv.model.device import cpu_has_native_bf16, resolve_device, resolve_dtype
 from radixkv.model.llama import SUPPORTED_ARCHITECTURES, CausalLM, ModelConfig, UnsupportedModel
-from radixkv.model.loader import LoadedModel, ModelNotFound, default_model_gguf, load_model, load_tokenizer
+from radixkv.model.loader import LoadedModel, ModelNotFound, default_model_gguf, load_model, load_model_config, load_tokenizer
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
@@ -17,6 +17,7 @@ __all__ = [
     "cpu_has_native_bf16",
     "default_model_gguf",
     "load_model",
+    "load_model_config",
     "load_tokenizer",
     "resolve_device",
     "resolve_dtype",

@@ -79,9 +79,7 @@ def load_model(
     kernel = resolve_linear_kernel(linear_kernel, native_kernels) if packed else None
     folder = resolve_model_folder(model, cache_dir)
 
-    from transformers import AutoConfig
-
-    config = ModelConfig.from_hf(AutoConfig.from_pretrained(folder))
+    config = _model_config(folder)
     tokenizer = load_tokenizer(folder)
     config = replace(config, eos_token_ids=_eos_token_ids(config, folder, tokenizer))
     # Built on the meta device: no random init of weights about to be replaced.
@@ -93,6 +91,17 @@ def load_model(
         prepack_linears(net, kernel)
         net.fused_decode = FusedDecode.for_model(net) if native_kernels else None
     return LoadedModel(net, config, tokenizer, str(folder), torch_dtype, torch_device)
+
+
+def load_model_config(model: str | None, cache_dir: str | None = None) -> ModelConfig:
+    """The shapes of a model (None: the default SmolLM2) without loading its weights."""
+    return _model_config(resolve_model_folder(model, cache_dir))
+
+
+def _model_config(folder: Path) -> ModelConfig:
+    from transformers import AutoConfig
+
+    return ModelConfig.from_hf(AutoConfig.from_pretrained(folder))
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
