@@ -47,6 +47,10 @@ class EngineConfig:
     # in different orders, so some bf16 bits differ). One setting per process: the native
     # library holds it, and the CPU backend applies this value when it is built.
     decode_amx: bool = True
+    # Decode reads a shared cached prefix from memory once per step, not once per request: the
+    # CPU kernel runs the requests' work over the same pages back to back, so all but the first
+    # read it from cache. Outputs are bit-identical either way; False keeps the natural order.
+    share_decode_reads: bool = True
     # bf16 linears on CPU: "amx" (tiles), "avx512_bf16" (vdpbf16ps; any CPU with AVX512_BF16,
     # AMX machines included, so either machine tests the other's path) or "onednn" (torch's
     # library, over weights it packs once). "auto": the fastest native kernel that runs here.
@@ -97,7 +101,7 @@ class EngineConfig:
         _choice(self, "dtype", DTYPES)
         _choice(self, "attention_backend", BACKENDS)
         _choice(self, "linear_kernel", LINEAR_KERNELS)
-        for name in ("native_kernels", "decode_amx"):
+        for name in ("native_kernels", "decode_amx", "share_decode_reads"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}", param=name)
         if self.check_indices is not None and not isinstance(self.check_indices, bool):

@@ -107,7 +107,7 @@ class FusedDecode:
             ctypes.addressof(layers), len(self.layers), 1, ctypes.addressof(shape), ctypes.addressof(scratch),
             x.data_ptr(), delta.data_ptr(),
             cos.contiguous().data_ptr(), sin.contiguous().data_ptr(), slots.data_ptr(), page_table.data_ptr(),
-            page_table.stride(0), seq_lens.data_ptr(),
+            page_table.stride(0), seq_lens.data_ptr(), _pointer(state.order),
         )  # fmt: skip
         if status != 0:
             raise RuntimeError("the fused decode kernels refused this model's shapes")

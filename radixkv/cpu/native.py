@@ -89,8 +89,10 @@ def _build(compiler: str, target: Path) -> None:
 def _declare(library: ctypes.CDLL) -> None:
     p, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
     signatures = {
-        "radixkv_paged_decode_bf16": [p, i64, p, p, p, i64, p, p, i32, i32, i32, i32, i32, f32, p, p, p, i32],
-        "radixkv_paged_decode_f32": [p, i64, p, p, p, i64, p, p, i32, i32, i32, i32, i32, f32, p, p, p, i32],
+        "radixkv_paged_decode_bf16": [p, i64, p, p, p, i64, p, p, i32, i32, i32, i32, i32, f32, p, p, p, p, i32],
+        "radixkv_paged_decode_f32": [p, i64, p, p, p, i64, p, p, i32, i32, i32, i32, i32, f32, p, p, p, p, i32],
+        "radixkv_decode_share_order": [p, i64, p, i32, i32, p],
+        "radixkv_decode_num_items": [p, i32],
         "radixkv_decode_work_floats": [p, i32, i32, i32],
         "radixkv_decode_use_amx": [i32],
         "radixkv_decode_limits": [p, p],
@@ -102,12 +104,14 @@ def _declare(library: ctypes.CDLL) -> None:
         "radixkv_packed_words": [i32, i32],
         "radixkv_pack_weight": [p, i32, i32, p],
         "radixkv_packed_linear": [i32, p, i64, i32, i32, p, i32, p, p, i64, i32],
-        "radixkv_decode_layers_bf16": [p, i32, i32, p, p, p, p, p, p, p, p, i64, p],
+        "radixkv_decode_layers_bf16": [p, i32, i32, p, p, p, p, p, p, p, p, i64, p, p],
     }
     returns = {
         "radixkv_paged_decode_bf16": i32,
         "radixkv_paged_decode_f32": i32,
         "radixkv_decode_work_floats": i64,
+        "radixkv_decode_share_order": i64,
+        "radixkv_decode_num_items": i64,
         "radixkv_decode_use_amx": i32,
         "radixkv_linear_kernels": i32,
         "radixkv_packed_words": i64,

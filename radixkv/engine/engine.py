@@ -57,6 +57,7 @@ class Engine:
             self.device.type,
             native_kernels=config.native_kernels,
             decode_amx=config.decode_amx,
+            share_decode_reads=config.share_decode_reads,
             check_indices=config.check_indices,
         )
         # Before the model loads: a configuration the backend cannot run fails in a blink.
@@ -274,7 +275,7 @@ class Engine:
         else:
             tokens, logprobs = self.sampler.sample(logits, sampling, masks)
         clock.lap("sample")
-        self._account(batch)
+        self._account(batch, prepared[1].backend_state)
         for item in batch.items:
             item.seq.num_computed_tokens += item.num_new_tokens
             self.kv.commit(item.seq)
@@ -292,9 +293,14 @@ class Engine:
             self.check_invariants()
         return deltas
 
-    def _account(self, batch: Batch) -> None:
+    def _account(self, batch: Batch, backend_state: object) -> None:
         counters = self.counters
         counters.num_steps += 1
+        # Backends that count their decode reads (the CPU backend) leave them on their state.
+        reads = getattr(backend_state, "kv_reads", None)
+        if reads is not None:
+            counters.num_kv_tokens_read += reads.tokens
+            counters.num_kv_tokens_read_shared += reads.shared_tokens
         for item in batch.items:
             start = item.seq.num_computed_tokens
             counters.num_tokens_computed += item.num_new_tokens

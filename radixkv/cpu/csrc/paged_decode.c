@@ -24,6 +24,8 @@
 #define _GNU_SOURCE /* syscall() for the AMX permission request */
 #include "amx.h"
 
+#include <stdlib.h>
+
 #define CHUNK_TOKENS 256
 #define BLOCK_TOKENS 16
 #define MAX_GROUP 16
@@ -581,6 +583,13 @@ static inline Span locate_chunk(int64_t chunk, const int64_t *first_chunk, const
     return span;
 }
 
+/* The kernel's work items for these lengths: each request's keys in chunks of CHUNK_TOKENS. */
+int64_t radixkv_decode_num_items(const int32_t *seq_lens, int num_seqs) {
+    int64_t items = 0;
+    for (int b = 0; b < num_seqs; b++) items += num_chunks(seq_lens[b]);
+    return items;
+}
+
 /* Floats of work buffer the kernel needs for these lengths (the caller allocates it). */
 int64_t radixkv_decode_work_floats(const int32_t *seq_lens, int num_seqs, int num_q_heads, int head_dim) {
     int64_t chunks = 0;
@@ -595,7 +604,7 @@ int64_t radixkv_decode_work_floats(const int32_t *seq_lens, int num_seqs, int nu
              const int32_t *page_table, int64_t page_table_stride, const int32_t *seq_lens,       \
              const int32_t *rows, int num_seqs, int num_q_heads, int num_kv_heads, int head_dim,  \
              int page_size, float scale, T *out, float *work, int64_t *first_chunk,               \
-             int num_threads) {                                                                   \
+             const int32_t *order, int num_threads) {                                             \
         if (num_kv_heads <= 0 || num_q_heads % num_kv_heads != 0) return 1;                       \
         Shape sh = {num_kv_heads, head_dim, num_q_heads / num_kv_heads, page_size, scale, 0};     \
         if (sh.group > MAX_GROUP || head_dim > MAX_HEAD_DIM || page_size <= 0) return 1;          \
@@ -611,11 +620,13 @@ int64_t radixkv_decode_work_floats(const int32_t *seq_lens, int num_seqs, int nu
             thread_begin(&sh);                                                                    \
             /* Static: each thread runs a contiguous run of items, so it knows the next one. */   \
             _Pragma("omp for schedule(static)")                                                   \
-            for (int64_t chunk = 0; chunk < total_chunks; chunk++) {                              \
+            for (int64_t index = 0; index < total_chunks; index++) {                              \
+                const int64_t chunk = order ? order[index] : index;                               \
                 const Span span = locate_chunk(chunk, first_chunk, seq_lens, num_seqs);          \
                 NextItem next = {NULL, 0, 0};                                                     \
-                if (chunk + 1 < total_chunks) {                                                   \
-                    const Span after = locate_chunk(chunk + 1, first_chunk, seq_lens, num_seqs);  \
+                if (index + 1 < total_chunks) {                                                   \
+                    const int64_t following = order ? order[index + 1] : index + 1;               \
+                    const Span after = locate_chunk(following, first_chunk, seq_lens, num_seqs);  \
                     next.pages = page_table + (int64_t)after.seq * page_table_stride;             \
                     next.begin = after.begin, next.end = after.end;                               \
                 }                                                                                 \
@@ -637,6 +648,71 @@ int64_t radixkv_decode_work_floats(const int32_t *seq_lens, int num_seqs, int nu
 
 DEFINE_DECODE(radixkv_paged_decode_bf16, uint16_t, item_bf16, merge_bf16, 1)
 DEFINE_DECODE(radixkv_paged_decode_f32, float, item_f32, merge_f32, 0)
+
+/* Shared reads: requests that share a cached prefix hold the same pages for it, so their items
+ * over it read the same KV. Ordered back to back (and so, mostly, on one thread), the first such
+ * item reads the KV from memory and the others find it in L2: a shared prefix is read once per
+ * step, not once per request, and every item still computes exactly what it computed alone (the
+ * same code on the same numbers), so outputs are bit-identical to the natural order.
+ *
+ * Fills order (one entry per item, as radixkv_decode_work_floats counts them) with the item
+ * indices sorted by (the item's first page, its first key, its request) and returns how many KV
+ * tokens the ordered items read again: those of items whose pages and key range equal the item
+ * just before them. */
+typedef struct {
+    int32_t page, begin, seq, item;
+} ItemKey;
+
+static int compare_keys(const void *a, const void *b) {
+    const ItemKey *x = a, *y = b;
+    if (x->page != y->page) return x->page < y->page ? -1 : 1;
+    if (x->begin != y->begin) return x->begin < y->begin ? -1 : 1;
+    return x->seq < y->seq ? -1 : x->seq > y->seq;
+}
+
+/* Whether items a and b (sorted neighbours with the same first page and first key) read the
+ * same KV: the same key range over the same pages. */
+static int same_reads(const ItemKey *a, const ItemKey *b, const int32_t *page_table, int64_t stride,
+                      const int32_t *seq_lens, int page_size) {
+    const int32_t end_a = seq_lens[a->seq] < a->begin + CHUNK_TOKENS ? seq_lens[a->seq] : a->begin + CHUNK_TOKENS;
+    const int32_t end_b = seq_lens[b->seq] < b->begin + CHUNK_TOKENS ? seq_lens[b->seq] : b->begin + CHUNK_TOKENS;
+    if (end_a != end_b) return 0;
+    const int32_t *pa = page_table + (int64_t)a->seq * stride, *pb = page_table + (int64_t)b->seq * stride;
+    for (int32_t t = a->begin; t < end_a; t += page_size)
+        if (pa[t / page_size] != pb[t / page_size]) return 0;
+    return 1;
+}
+
+int64_t radixkv_decode_share_order(const int32_t *page_table, int64_t page_table_stride, const int32_t *seq_lens,
+                                   int num_seqs, int page_size, int32_t *order) {
+    int64_t total = 0;
+    for (int b = 0; b < num_seqs; b++) total += num_chunks(seq_lens[b]);
+    ItemKey *keys = malloc(sizeof(ItemKey) * (size_t)(total > 0 ? total : 1));
+    if (!keys) { /* no memory for the sort: the natural order, nothing shared */
+        for (int64_t i = 0; i < total; i++) order[i] = (int32_t)i;
+        return 0;
+    }
+    int64_t item = 0;
+    for (int b = 0; b < num_seqs; b++)
+        for (int64_t c = 0; c < num_chunks(seq_lens[b]); c++, item++) {
+            const int32_t begin = (int32_t)(c * CHUNK_TOKENS);
+            const ItemKey key = {page_table[(int64_t)b * page_table_stride + begin / page_size], begin, b, (int32_t)item};
+            keys[item] = key;
+        }
+    qsort(keys, (size_t)total, sizeof(ItemKey), compare_keys);
+    int64_t shared_tokens = 0;
+    for (int64_t i = 0; i < total; i++) {
+        order[i] = keys[i].item;
+        const ItemKey *a = keys + i, *before = keys + i - 1;
+        if (i > 0 && a->page == before->page && a->begin == before->begin &&
+            same_reads(a, before, page_table, page_table_stride, seq_lens, page_size)) {
+            const int32_t end = seq_lens[a->seq] < a->begin + CHUNK_TOKENS ? seq_lens[a->seq] : a->begin + CHUNK_TOKENS;
+            shared_tokens += end - a->begin;
+        }
+    }
+    free(keys);
+    return shared_tokens;
+}
 
 /* Turns the AMX q.k path on (on != 0, where the CPU and the OS allow) or off; returns whether
  * it is on. One setting per process: every later decode call reads it. */
