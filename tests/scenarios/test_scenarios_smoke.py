@@ -43,7 +43,28 @@ def test_scenario_runs_and_reports(name, tiny_model, tmp_path, capsys):
     assert rows["radixkv"]["same_tokens_as_nocache"] == report["num_requests"]
     assert report["min_prefill_tokens"] <= rows["radixkv"]["prefill_tokens_computed"]
     assert (tmp_path / f"{name}.png").exists()
-    assert "x radixkv" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "x radixkv" in out
+    if name == "agent_system_prompt":  # the scenario-level bound, measured on this machine
+        assert report["bound"]["bound_s"] > 0 and "wall / bound" in out
+        assert rows["radixkv"]["wall_over_bound"] > 0
+
+
+@pytest.mark.parametrize("mode", [[], ["--shared-prefix", "40", "--own-tokens", "8", "--group-size", "2", "--group-sizes", "1,4"]])
+def test_decode_profile_runs_and_reports(mode, tiny_model, tmp_path, capsys):
+    module = importlib.import_module("radixkv.scenarios.decode_profile")
+    argv = ["--model", str(tiny_model), "--dtype", "float32", "--num-seqs", "4", "--context", "48", "--steps", "2", "--out", str(tmp_path)]
+    assert module.main(argv + mode) == 0
+    out = capsys.readouterr().out
+    if mode:
+        result = json.loads((tmp_path / "decode_profile_shared_prefix.json").read_text())
+        assert result["on"]["kv_tokens_shared_per_step"] == 0  # 40-token prefixes: no whole 256-key chunk to share
+        assert result["off"]["kv_tokens_shared_per_step"] == 0 and len(result["sweep"]) == 2
+        assert "off / on" in out
+    else:
+        result = json.loads((tmp_path / "decode_profile_float32.json").read_text())
+        assert result["ideal_ms"] > 0 and result["breakdown_ms"]["linears (incl. lm_head)"] > 0
+        assert "x the bound" in out
 
 
 def test_cpu_kernels_bench_runs_and_reports(tmp_path, capsys):
