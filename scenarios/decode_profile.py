@@ -27,16 +27,6 @@ from radixkv.scenarios.bounds import Costs
 from radixkv.scenarios.machine import copy_bandwidth_bytes_per_s, machine_limits
 
 
-def decode_weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of weights one decode step reads: all of them except the embedding table, of
-    which it reads a row per request (unless the lm_head is that same tensor)."""
-    embedding = model.embed_tokens.weight
-    tied = any(p is embedding for name, p in model.named_parameters() if not name.startswith("embed_tokens"))
-    return sum(
-        p.numel() * p.element_size() for p in model.parameters() if p is not embedding or tied
-    )
-
-
 def prompts_for(vocab: int, num_seqs: int, context: int, shared_prefix: int = 0, group_size: int = 1) -> list[list[int]]:
     """num_seqs prompts of `context` tokens; consecutive groups of group_size share their first
     shared_prefix tokens (0: every prompt distinct, each request attends to its own KV)."""
@@ -94,11 +84,12 @@ def profile_decode(
 
     mc = engine.model_config
     element = torch.finfo(engine.dtype).bits // 8
-    weight_bytes = decode_weight_bytes(engine.loaded.model)
     # The bound counts each distinct KV token once: a shared prefix need be read only once.
     distinct_tokens = num_seqs * (context + steps) - (num_seqs - num_seqs // group_size) * shared_prefix
     kv_bytes = distinct_tokens * mc.num_layers * mc.num_kv_heads * mc.head_dim * 2 * element
-    flops = Costs.of(mc, element).decode_step_flops([context + steps // 2] * num_seqs)
+    costs = Costs.of(mc, element)  # every linear's weights, the lm_head included, read once
+    weight_bytes = costs.weight_bytes
+    flops = costs.decode_step_flops([context + steps // 2] * num_seqs)
     limits = limits or machine_limits(engine.dtype)
     copy_bandwidth = None if quiet else copy_bandwidth_bytes_per_s()
     read_s = (weight_bytes + kv_bytes) / (limits["read_bandwidth_gb_s"] * 1e9)
