@@ -15,6 +15,9 @@ from radixkv.errors import ConfigError
 POLICIES = ("lpm", "fcfs")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 BACKENDS = ("auto", "torch", "cpu", "triton")
+# radixkv.cache.eviction.EVICTION_POLICIES; spelled out so the config stays free of torch
+# (importing radixkv.cache loads it), and a test checks the two agree.
+EVICTION_POLICIES = ("slru", "lru")
 
 
 @dataclass(slots=True)
@@ -65,6 +68,11 @@ class EngineConfig:
     # fp32 is exact without it (token for token), bf16 is not: see README, "Exact".
     batch_invariant: bool = False
     cache_dir: str | None = None  # converted-weights cache; None: ~/.cache/radixkv
+    # Which unlocked cached blocks go first when pages run out: "slru" evicts blocks that never
+    # served a hit (one request's private tail) before those that did, each least recently
+    # used first, so a burst of one-off prompts cannot flush a hot system prompt; "lru" is
+    # plain least recently used. Retained prefixes go last under both.
+    eviction_policy: str = "slru"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -86,6 +94,7 @@ class EngineConfig:
         if not 0.0 < self.kv_memory_fraction <= 0.95:
             raise ConfigError(f"kv_memory_fraction must be in (0, 0.95], got {self.kv_memory_fraction!r}")
         _choice(self, "policy", POLICIES)
+        _choice(self, "eviction_policy", EVICTION_POLICIES)
         _choice(self, "dtype", DTYPES)
         _choice(self, "attention_backend", BACKENDS)
         for name in ("native_kernels", "decode_amx"):

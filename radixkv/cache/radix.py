@@ -1,7 +1,7 @@
 """RadixTree: the prefix cache. Maps (salt, full-block token prefix) to the KV pages holding it,
 as one compressed radix tree per salt, with lock counts on paths in use, retentions (paths kept
-until a time) and eviction of unlocked leaves in O(log n): LRU first, retained last. The tree
-holds one pool reference on every page it caches.
+until a time) and eviction of unlocked leaves in O(log n) under a policy (cache/eviction.py),
+retained last. The tree holds one pool reference on every page it caches.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from radixkv.cache.eviction import EvictionOrder, EvictKey
+from radixkv.cache.eviction import DEFAULT_PROTECTED_FRACTION, EvictionOrder, EvictKey
 from radixkv.cache.hashing import BlockHash, BlockHasher
 from radixkv.cache.pages import PagePool
 from radixkv.cache.radix_check import check_tree
@@ -24,10 +24,14 @@ from radixkv.cache.retention import Retention, RetentionBook
 # Retention (the engine relies on it too): a retention of node N puts its id in the `retains`
 # of N and of every ancestor, so `retains` never grows toward the leaves. It locks nothing:
 # retained pages stay evictable and are counted as such; they only go last. The unlocked
-# leaves are kept in two sorted sets (cache/eviction.py): unretained by last access, retained
-# by `retain_until_s`, the latest expiry among their retentions. Eviction empties the first
-# before it touches the second; since a retained node's ancestors are retained too, an empty
-# first set means no unretained evictable page is left. Expired retentions are dropped lazily
+# leaves are kept in sorted sets (cache/eviction.py): unretained by last access (under slru,
+# split by whether they ever served a hit), retained by `retain_until_s`, the latest expiry
+# among their retentions. Eviction empties the unretained sets before it touches the retained
+# one; since a retained node's ancestors are retained too, an empty unretained set means no
+# unretained evictable page is left.
+#
+# Hits (slru): match() adds one to `num_hits` of every node on the matched path, so hits never
+# grow toward the leaves either, and a hit node's ancestors are protected too. Expired retentions are dropped lazily
 # (at evict, retain and expire), which files their leaves back under LRU.
 
 
@@ -48,6 +52,7 @@ class Node:
     retains: dict[int, float] = field(default_factory=dict)  # retention id -> expiry_s, this node or below
     retain_until_s: float = 0.0  # max(retains.values()); the node's key in the retained set
     evict_key: EvictKey | None = None  # its key in the eviction order; None when not in it
+    num_hits: int = 0  # matches that used this node's blocks (this node or below)
 
     def __repr__(self) -> str:
         kind = "root" if self.parent is None else f"{len(self.pages)} blocks"
@@ -87,6 +92,7 @@ class CacheStats:
     locked_pages: int
     evicted_pages: int
     num_nodes: int  # non-root nodes
+    protected_pages: int = 0  # cached pages that served a hit (slru keeps them longer)
     retained_pages: int = 0  # cached pages under a live retention (evictable or locked)
     num_retentions: int = 0  # live retentions
 
@@ -97,14 +103,26 @@ Clock = Callable[[], float]  # seconds; time.monotonic, or a test's own
 class RadixTree:
     """Prefix cache over a PagePool. Not thread-safe: the engine's step loop owns it."""
 
-    def __init__(self, pool: PagePool, hasher: BlockHasher, *, clock: Clock = time.monotonic):
+    def __init__(
+        self,
+        pool: PagePool,
+        hasher: BlockHasher,
+        *,
+        clock: Clock = time.monotonic,
+        eviction_policy: str = "slru",
+        protected_fraction: float = DEFAULT_PROTECTED_FRACTION,
+    ):
         if hasher.page_size != pool.page_size:
             raise ValueError(f"hasher page_size {hasher.page_size} != pool page_size {pool.page_size}")
+        if not 0.0 < protected_fraction <= 1.0:
+            raise ValueError(f"protected_fraction must be in (0, 1], got {protected_fraction!r}")
         self.pool = pool
         self.hasher = hasher
         self.page_size = hasher.page_size
         self._roots: dict[str | None, Node] = {}
-        self._order = EvictionOrder()  # every unlocked non-root leaf
+        self._order = EvictionOrder(eviction_policy)  # every unlocked non-root leaf
+        self._protected_fraction = protected_fraction
+        self._protected_pages = 0  # pages of nodes with num_hits > 0
         self._book = RetentionBook()
         self._now_s = clock
         self._retained_pages = 0
@@ -141,6 +159,7 @@ class RadixTree:
             # Not registered: a miss for an unseen salt must not grow the root table.
             root = self._new_node(None, salt, [], [], [])
         node, num_blocks, pages, _, _ = self._descend(root, tokens, salt, max_blocks, block_hashes)
+        self._count_hit(node)
         self._touch_path(node, now)
         if record:
             self.record_lookup(len(tokens), num_blocks * self.page_size)
@@ -255,7 +274,7 @@ class RadixTree:
             return 0
         self.expire()
         freed = 0
-        while freed < num_pages and (node := self._order.pop()) is not None:
+        while freed < num_pages and (node := self._order.pop(self._protected_over_cap())) is not None:
             freed += self._remove_leaf(node)
         self._evicted_pages += freed
         return freed
@@ -327,6 +346,14 @@ class RadixTree:
     def num_nodes(self) -> int:
         return self._num_nodes
 
+    @property
+    def protected_pages(self) -> int:
+        return self._protected_pages
+
+    @property
+    def eviction_policy(self) -> str:
+        return self._order.policy
+
     def stats(self) -> CacheStats:
         return CacheStats(
             queries=self._queries,
@@ -340,6 +367,7 @@ class RadixTree:
             num_nodes=self._num_nodes,
             retained_pages=self._retained_pages,
             num_retentions=len(self._book),
+            protected_pages=self._protected_pages,
         )
 
     def reset_stats(self) -> None:
@@ -358,6 +386,7 @@ class RadixTree:
         self._order.clear()
         self._book.clear()
         self._cached_pages = self._evictable_pages = self._num_nodes = self._retained_pages = 0
+        self._protected_pages = 0
 
     def cached_page_set(self) -> set[int]:
         return {page for node in self._iter_nodes() for page in node.pages}
@@ -499,6 +528,7 @@ class RadixTree:
         # move between the two.
         top.retains = dict(node.retains)
         top.retain_until_s = node.retain_until_s
+        top.num_hits = node.num_hits  # both halves served the same matches
         del node.tokens[: num_blocks * ps]
         del node.pages[:num_blocks]
         del node.hashes[:num_blocks]
@@ -543,10 +573,13 @@ class RadixTree:
     def _touch_path(self, node: Node, now: int) -> None:
         """Mark `node` and its ancestors used at `now`. Only `node` itself can be in the
         eviction order (its ancestors have children), so only its key is moved."""
-        if node.last_access != now and node.evict_key is not None and not node.retains:
-            self._order.remove(node)
-            node.last_access = now
-            self._order.add(node)
+        if node.evict_key is not None:
+            moved = node.last_access != now and not node.retains
+            promoted = node.evict_key[0] != self._order.key_of(node)[0]  # its first hit, under slru
+            if moved or promoted:
+                self._order.remove(node)
+                node.last_access = now
+                self._order.add(node)
         current: Node | None = node
         while current is not None:
             current.last_access = now
@@ -563,6 +596,8 @@ class RadixTree:
         self._evictable_pages -= num
         if node.retains:
             self._retained_pages -= num
+        if node.num_hits:
+            self._protected_pages -= num
         self._num_nodes -= 1
         node.removed = True
         freed = self.pool.release(node.pages)
@@ -571,6 +606,19 @@ class RadixTree:
         elif parent.parent is None:
             self._maybe_drop_root(parent)
         return freed
+
+    def _count_hit(self, node: Node) -> None:
+        """A match used the path down to `node`: count it on every node of the path. The
+        caller refiles `node` if it is a leaf in the eviction order (_touch_path)."""
+        current: Node | None = node
+        while current is not None and current.parent is not None:
+            if current.num_hits == 0:
+                self._protected_pages += len(current.pages)
+            current.num_hits += 1
+            current = current.parent
+
+    def _protected_over_cap(self) -> bool:
+        return self._protected_pages > self._protected_fraction * self._cached_pages
 
     def _maybe_drop_root(self, root: Node) -> None:
         # Per-request salts would otherwise leave one empty root per tenant forever.

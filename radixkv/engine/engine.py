@@ -97,7 +97,7 @@ class Engine:
         # less when the page pool is smaller. Every layer that checks a length reads this.
         self.max_context_tokens = min(self.max_model_len, num_pages * config.page_size)
         self.hasher = BlockHasher(config.page_size, seed=config.hash_seed)
-        self.tree = RadixTree(self.pool, self.hasher)
+        self.tree = RadixTree(self.pool, self.hasher, eviction_policy=config.eviction_policy)
         self.kv = KVManager(self.pool, self.tree, self.hasher, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv)
         self.runner = ModelRunner(loaded.model, self.pool, loaded.device, batch_invariant=config.batch_invariant)
