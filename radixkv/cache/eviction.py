@@ -22,7 +22,7 @@ _PROBATION, _PROTECTED, _RETAINED = 0, 1, 2
 EVICTION_POLICIES = ("slru", "lru")
 # Under slru, protected (hit) pages beyond this share of the cached pages are evicted before
 # probation ones, so an old hot set cannot freeze the cache against every newer prefix.
-DEFAULT_PROTECTED_FRACTION = 0.9
+DEFAULT_PROTECTED_FRACTION = 0.5
 
 
 class EvictionOrder:

@@ -98,6 +98,9 @@ class CacheStats:
 
 
 Clock = Callable[[], float]  # seconds; time.monotonic, or a test's own
+# Called with each leaf eviction is about to drop, while its pages still hold its KV (the disk
+# tier writes them back from here). It must not change the tree.
+EvictHook = Callable[["Node"], None]
 
 
 class RadixTree:
@@ -111,6 +114,7 @@ class RadixTree:
         clock: Clock = time.monotonic,
         eviction_policy: str = "slru",
         protected_fraction: float = DEFAULT_PROTECTED_FRACTION,
+        on_evict: EvictHook | None = None,
     ):
         if hasher.page_size != pool.page_size:
             raise ValueError(f"hasher page_size {hasher.page_size} != pool page_size {pool.page_size}")
@@ -123,6 +127,7 @@ class RadixTree:
         self._order = EvictionOrder(eviction_policy)  # every unlocked non-root leaf
         self._protected_fraction = protected_fraction
         self._protected_pages = 0  # pages of nodes with num_hits > 0
+        self.on_evict = on_evict
         self._book = RetentionBook()
         self._now_s = clock
         self._retained_pages = 0
@@ -275,6 +280,8 @@ class RadixTree:
         self.expire()
         freed = 0
         while freed < num_pages and (node := self._order.pop(self._protected_over_cap())) is not None:
+            if self.on_evict is not None:
+                self.on_evict(node)
             freed += self._remove_leaf(node)
         self._evicted_pages += freed
         return freed
@@ -632,6 +639,16 @@ class RadixTree:
             node = stack.pop()
             yield node
             stack.extend(node.children.values())
+
+def path_tokens(node: Node) -> list[int]:
+    """Every token of the prefix `node` ends: its ancestors' runs, then its own. O(depth)."""
+    runs = []
+    current: Node | None = node
+    while current is not None:
+        runs.append(current.tokens)
+        current = current.parent
+    return [token for run in reversed(runs) for token in run]
+
 
 def _path_pages(node: Node) -> int:
     num = 0
