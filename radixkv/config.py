@@ -73,6 +73,13 @@ class EngineConfig:
     # used first, so a burst of one-off prompts cannot flush a hot system prompt; "lru" is
     # plain least recently used. Retained prefixes go last under both.
     eviction_policy: str = "slru"
+    # The disk tier of the prefix cache: blocks evicted from RAM (and all of RAM's at close)
+    # are kept as files under this directory, owner-only, and a match that runs out in RAM
+    # continues there; a restart finds them. None: off. A directory that cannot be used turns
+    # the tier off with a warning, never the engine. One directory per model is best: another
+    # model's blocks are misses there, and both models' evictions share its budget.
+    kv_disk_dir: str | None = None
+    kv_disk_bytes: int = 16 << 30  # the tier's budget in bytes; the least recently used blocks go past it
 
     def __post_init__(self) -> None:
         self.validate()
@@ -95,6 +102,9 @@ class EngineConfig:
             raise ConfigError(f"kv_memory_fraction must be in (0, 0.95], got {self.kv_memory_fraction!r}")
         _choice(self, "policy", POLICIES)
         _choice(self, "eviction_policy", EVICTION_POLICIES)
+        if self.kv_disk_dir is not None and (not isinstance(self.kv_disk_dir, str) or not self.kv_disk_dir.strip()):
+            raise ConfigError(f"kv_disk_dir must be None or a directory path, got {self.kv_disk_dir!r}", param="kv_disk_dir")
+        _positive(self, "kv_disk_bytes", limit=1 << 50)
         _choice(self, "dtype", DTYPES)
         _choice(self, "attention_backend", BACKENDS)
         for name in ("native_kernels", "decode_amx"):

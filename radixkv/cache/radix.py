@@ -632,6 +632,14 @@ class RadixTree:
         if not root.children and root.lock_ref == 0 and self._roots.get(root.salt) is root:
             del self._roots[root.salt]
 
+    def iter_nodes(self) -> Iterator[Node]:
+        """Every cached node, each before its children (what a disk tier persists in order)."""
+        stack = [child for root in self._roots.values() for child in reversed(list(root.children.values()))]
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(reversed(list(node.children.values())))
+
     def _iter_nodes(self) -> Iterator[Node]:
         """Every non-root node of every registered root."""
         stack = [child for root in self._roots.values() for child in root.children.values()]

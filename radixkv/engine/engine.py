@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from radixkv.attention import make_backend
+from radixkv.cache.disk import DiskTier
 from radixkv.cache.hashing import BlockHasher
 from radixkv.cache.pages import PagePool
 from radixkv.cache.radix import RadixTree
@@ -37,6 +38,7 @@ from radixkv.engine.scheduler import Batch, Scheduler
 from radixkv.engine.stats import EngineCounters, EngineStats, StepTimes
 from radixkv.errors import ConfigError, InvalidRequest, QueueFull
 from radixkv.model.device import resolve_device, resolve_dtype
+from radixkv.model.fingerprint import model_fingerprint
 from radixkv.model.loader import LoadedModel, load_model
 
 
@@ -98,7 +100,8 @@ class Engine:
         self.max_context_tokens = min(self.max_model_len, num_pages * config.page_size)
         self.hasher = BlockHasher(config.page_size, seed=config.hash_seed)
         self.tree = RadixTree(self.pool, self.hasher, eviction_policy=config.eviction_policy)
-        self.kv = KVManager(self.pool, self.tree, self.hasher, config.enable_prefix_caching)
+        self.disk = self._disk_tier(loaded) if config.kv_disk_dir and config.enable_prefix_caching else None
+        self.kv = KVManager(self.pool, self.tree, self.hasher, config.enable_prefix_caching, self.disk)
         self.scheduler = Scheduler(config, self.kv)
         self.runner = ModelRunner(loaded.model, self.pool, loaded.device, batch_invariant=config.batch_invariant)
         self.sampler = Sampler(config.seed)
@@ -368,6 +371,21 @@ class Engine:
             total_time_s=max(finish_times) - first.arrival_time if finish_times else None,
         )
 
+    def _disk_tier(self, loaded: LoadedModel) -> DiskTier:
+        assert self.config.kv_disk_dir is not None
+        return DiskTier(
+            self.config.kv_disk_dir,
+            self.config.kv_disk_bytes,
+            fingerprint=model_fingerprint(loaded),
+            page_size=self.config.page_size,
+            payload_bytes=self.pool.page_nbytes,
+        )
+
+    def close(self) -> int:
+        """Write what RAM caches to the disk tier, so the next start finds it warm; returns the
+        blocks written (0 without a disk tier). The engine stays usable."""
+        return self.kv.persist()
+
     # -- introspection -----------------------------------------------------------------------
 
     def stats(self) -> EngineStats:
@@ -384,6 +402,7 @@ class Engine:
             num_unfinished=len(self._requests),
             num_preemptions=self.scheduler.num_preemptions,
             num_deferrals=self.scheduler.num_deferrals,
+            disk=self.disk.stats() if self.disk is not None else None,
         )
 
     def check_invariants(self) -> None:
