@@ -20,7 +20,7 @@ EvictKey = tuple[int, float, int, "Node"]
 _PROBATION, _PROTECTED, _RETAINED = 0, 1, 2
 
 EVICTION_POLICIES = ("slru", "lru")
-# Under slru, protected (hit) pages beyond this share of the cached pages are evicted before
+# Under slru, protected (hit) pages beyond this share of the page pool are evicted before
 # probation ones, so an old hot set cannot freeze the cache against every newer prefix.
 DEFAULT_PROTECTED_FRACTION = 0.5
 

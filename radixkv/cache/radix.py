@@ -625,7 +625,9 @@ class RadixTree:
             current = current.parent
 
     def _protected_over_cap(self) -> bool:
-        return self._protected_pages > self._protected_fraction * self._cached_pages
+        # Of the pool, not of what is cached: a large request that evicts many pages at once
+        # must not turn the hot set into the over-cap set halfway through its evictions.
+        return self._protected_pages > self._protected_fraction * self.pool.num_pages
 
     def _maybe_drop_root(self, root: Node) -> None:
         # Per-request salts would otherwise leave one empty root per tenant forever.
