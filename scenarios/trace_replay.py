@@ -51,7 +51,7 @@ class Trace:
 
 @dataclass(frozen=True, slots=True)
 class Row:
-    kind: str  # "replay", "belady" or "infinite"
+    kind: str  # "replay", "belady", "oracle" or "infinite"
     policy: str
     ram_fraction: float
     disk_fraction: float
@@ -94,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         for disk_fraction in disk_fractions:
             disk_blocks = capacity(trace, disk_fraction) if disk_fraction else 0
             rows.append(belady_row(trace, ram_fraction, disk_fraction, ram_blocks, disk_blocks))
+            if not disk_fraction:
+                rows.append(oracle_row(trace, ram_fraction, ram_blocks))
             for policy in policies:
                 rows.append(replay(trace, policy, ram_fraction, disk_fraction, ram_blocks, disk_blocks, args.page_size))
     print_table(rows)
@@ -195,16 +197,24 @@ def belady_row(trace: Trace, ram_fraction: float, disk_fraction: float, ram_bloc
     return Row("belady", "belady", ram_fraction, disk_fraction, ram_blocks, disk_blocks, ratio, 0.0, ratio, 0.0)
 
 
-def belady_hit_ratio(requests: list[list[int]], capacity_blocks: int) -> float:
+def oracle_row(trace: Trace, ram_fraction: float, ram_blocks: int) -> Row:
+    """LRU told which blocks are never used again and evicting those first: the ceiling of any
+    "evict private tails first" policy, however well it guesses."""
+    ratio = belady_hit_ratio(prefix_ids(trace.requests), ram_blocks, oracle="reuse")
+    return Row("oracle", "lru+oracle", ram_fraction, 0.0, ram_blocks, 0, ratio, 0.0, ratio, 0.0)
+
+
+def belady_hit_ratio(requests: list[list[int]], capacity_blocks: int, oracle: str = "belady") -> float:
     """Prefix hits of a cache of `capacity_blocks` blocks that evicts the block used again
-    farthest in the future (deepest first on ties, so a prefix outlives its extensions)."""
+    farthest in the future (deepest first on ties, so a prefix outlives its extensions); with
+    oracle="reuse", the least recently used among those never used again, else among all."""
     uses: dict[int, list[int]] = defaultdict(list)
     for t, row in enumerate(requests):
         for block in row:
             uses[block].append(t)
     next_use = {block: 0 for block in uses}  # index into uses[block] of the next use
     never = len(requests)
-    cached: dict[int, tuple[int, int, int]] = {}
+    cached: dict[int, tuple] = {}
     order = SortedList()
     hits = total = 0
     for t, row in enumerate(requests):
@@ -216,10 +226,12 @@ def belady_hit_ratio(requests: list[list[int]], capacity_blocks: int) -> float:
             next_use[block] += 1
         while len(cached) + len(row) > capacity_blocks:
             victim = order.pop()
-            del cached[victim[2]]
+            del cached[victim[-1]]
         for depth, block in enumerate(row):
             use = uses[block]
-            key = (use[next_use[block]] if next_use[block] < len(use) else never, depth, block)
+            upcoming = use[next_use[block]] if next_use[block] < len(use) else never
+            # order.pop() takes the largest key: for "reuse", never-again first, then the oldest.
+            key = (upcoming, depth, block) if oracle == "belady" else (upcoming == never, -t, depth, block)
             cached[block] = key
             order.add(key)
     return hits / total if total else 0.0
@@ -339,7 +351,7 @@ def plot(rows: list[Row], path: Path) -> None:
 
     infinite = next(row.hit_ratio for row in rows if row.kind == "infinite")
     groups = sorted({(row.ram_fraction, row.disk_fraction) for row in rows if row.kind != "infinite"})
-    series = sorted({row.policy for row in rows if row.kind != "infinite"}, key=lambda p: (p == "belady", p))
+    series = sorted({row.policy for row in rows if row.kind != "infinite"}, key=lambda p: (p in ("belady", "lru+oracle"), p))
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(groups) + 2), 4))
     width = 0.8 / max(1, len(series))
     for i, policy in enumerate(series):

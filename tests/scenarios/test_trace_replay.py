@@ -72,7 +72,7 @@ def test_main_writes_json_and_plot(tmp_path: Path, capsys) -> None:
     report = json.loads((tmp_path / "out" / "trace_replay.json").read_text())
     kinds = {(row["kind"], row["policy"]) for row in report["rows"]}
     assert {("infinite", "-"), ("belady", "belady"), ("replay", "lru"), ("replay", "slru")} <= kinds
-    assert len(report["rows"]) == 1 + 2 * 2 * 3
+    assert len(report["rows"]) == 1 + 2 * 2 * 3 + 2  # + the oracle at each RAM size
     assert (tmp_path / "out" / "trace_replay.png").stat().st_size > 0
     assert "belady" in capsys.readouterr().out
 
