@@ -117,13 +117,15 @@ class DiskTier:
         assert self.hasher is not None
         return self.hasher.hash_blocks(token_ids, salt)
 
-    def count_cached(self, keys: Sequence[int], start_block: int, max_blocks: int) -> int:
+    def count_cached(self, keys: Sequence[int], start_block: int, max_blocks: int, *, touch: bool = True) -> int:
         """How many consecutive blocks from `start_block` the index holds (no file is read).
-        They count as used now, so the evictions that make room to load them spare them."""
+        With `touch` they count as used now, so the evictions that make room to load them
+        spare them; a lookup that loads nothing passes touch=False."""
         if not self.enabled:
             return 0
+        found = self.index.touch if touch else self.index.__contains__
         num = 0
-        while num < max_blocks and start_block + num < len(keys) and self.index.touch(keys[start_block + num]):
+        while num < max_blocks and start_block + num < len(keys) and found(keys[start_block + num]):
             num += 1
         return num
 

@@ -381,6 +381,16 @@ class Engine:
             payload_bytes=self.pool.page_nbytes,
         )
 
+    def lookup(self, prompt_token_ids: list[int], salt: str | None = None) -> tuple[int, int]:
+        """(prompt tokens cached in RAM, tokens after those cached on disk), in full blocks;
+        a pure lookup (POST /v1/cache/lookup)."""
+        return self.kv.lookup(prompt_token_ids, salt)
+
+    def flush_cache(self, *, ram: bool = True, disk: bool = True) -> tuple[int, int]:
+        """Drop the prefix cache's unlocked RAM pages and/or its disk blocks; (pages freed,
+        blocks deleted). Running requests and pins keep theirs."""
+        return self.kv.flush(ram, disk)
+
     def close(self) -> int:
         """Write what RAM caches to the disk tier, so the next start finds it warm; returns the
         blocks written (0 without a disk tier). The engine stays usable."""

@@ -138,6 +138,38 @@ class KVManager:
             tokens, node.salt, keys, first, len(pages), lambda i: self.pool.page_bytes(pages[i]), retained=bool(node.retains)
         )
 
+    def lookup(self, token_ids: list[int], salt: str | None) -> tuple[int, int]:
+        """(tokens of the prompt's full blocks cached in RAM, tokens cached on disk right after
+        them), changing nothing: no LRU time, no hit counted, no file read."""
+        if not self.enable_prefix_caching:
+            return 0, 0
+        tokens = list(token_ids)
+        # As in pin: one more token lets peek count every full block of the prompt itself.
+        ram = self.tree.peek(tokens + [0], salt).num_cached_tokens
+        if self.disk is None:
+            return ram, 0
+        ps = self.page_size
+        num_full = len(tokens) // ps
+        keys = self.disk.keys(tokens[: num_full * ps], salt)
+        return ram, self.disk.count_cached(keys, ram // ps, num_full - ram // ps, touch=False) * ps
+
+    def flush(self, ram: bool, disk: bool) -> tuple[int, int]:
+        """Drop what the cache holds: every unlocked RAM page (pages in use by requests or pins
+        stay), every disk block. Returns (pages freed, blocks deleted). Flushing both drops RAM
+        first without writing it back; RAM alone is written back as by any eviction."""
+        hook = self.tree.on_evict
+        pages = blocks = 0
+        if ram:
+            if disk:
+                self.tree.on_evict = None
+            try:
+                pages = self.tree.evict(self.tree.evictable_pages)
+            finally:
+                self.tree.on_evict = hook
+        if disk and self.disk is not None:
+            blocks = self.disk.flush()
+        return pages, blocks
+
     def persist(self) -> int:
         """Write every block cached in RAM to the disk tier (at close, so a restart finds what
         this process had); returns blocks written."""
