@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -39,6 +40,8 @@ class DiskStats:
     evicted_blocks: int  # deleted to stay within the budget
     rejected: dict[str, int]  # misses on a file that was there, by reason (then deleted)
     write_failures: int  # a full disk, a vanished directory, a permission: the block is not kept
+    computed_instead: int = 0  # disk hits the engine recomputed, reading being the slower
+    read_s_per_block: float | None = None
 
 
 class DiskTier:
@@ -54,6 +57,9 @@ class DiskTier:
         self.counters: Counter[str] = Counter()
         self.enabled = False
         self.hasher: BlockHasher | None = None
+        # Seconds to read and check one block, a moving average of the loads so far (None
+        # before the first): the engine compares it with what computing a block costs.
+        self.read_s_per_block: float | None = None
         try:
             self._open()
         except OSError as error:
@@ -142,6 +148,7 @@ class DiskTier:
             return payloads
         tokens = list(token_ids)
         ps = self.page_size
+        start_s = time.perf_counter()
         for block in range(start_block, start_block + num_blocks):
             key = keys[block]
             path = self._path(key)
@@ -174,6 +181,10 @@ class DiskTier:
             self.index.touch(key)
             _touch(path)
         self.counters["hit_blocks"] += len(payloads)
+        if payloads:
+            per_block = (time.perf_counter() - start_s) / len(payloads)
+            old = self.read_s_per_block
+            self.read_s_per_block = per_block if old is None else 0.8 * old + 0.2 * per_block
         return payloads
 
     # ----------------------------------------------------------------- write
@@ -268,6 +279,8 @@ class DiskTier:
             evicted_blocks=self.counters["evicted_blocks"],
             rejected=rejected,
             write_failures=self.counters["write_failures"],
+            computed_instead=self.counters["computed_instead"],
+            read_s_per_block=self.read_s_per_block,
         )
 
     def _drop(self, key: int) -> None:

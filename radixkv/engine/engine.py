@@ -101,7 +101,9 @@ class Engine:
         self.hasher = BlockHasher(config.page_size, seed=config.hash_seed)
         self.tree = RadixTree(self.pool, self.hasher, eviction_policy=config.eviction_policy)
         self.disk = self._disk_tier(loaded) if config.kv_disk_dir and config.enable_prefix_caching else None
-        self.kv = KVManager(self.pool, self.tree, self.hasher, config.enable_prefix_caching, self.disk)
+        self.kv = KVManager(
+            self.pool, self.tree, self.hasher, config.enable_prefix_caching, self.disk, self._compute_s_per_token
+        )
         self.scheduler = Scheduler(config, self.kv)
         self.runner = ModelRunner(loaded.model, self.pool, loaded.device, batch_invariant=config.batch_invariant)
         self.sampler = Sampler(config.seed)
@@ -390,6 +392,11 @@ class Engine:
         """Drop the prefix cache's unlocked RAM pages and/or its disk blocks; (pages freed,
         blocks deleted). Running requests and pins keep theirs."""
         return self.kv.flush(ram, disk)
+
+    def _compute_s_per_token(self) -> float | None:
+        """Forward seconds per computed token so far; None until enough tokens ran to tell."""
+        tokens = self.counters.num_tokens_computed
+        return self.step_times.forward / tokens if tokens >= 256 else None
 
     def close(self) -> int:
         """Write what RAM caches to the disk tier, so the next start finds it warm; returns the

@@ -8,6 +8,8 @@ that runs out in RAM continues there, loading the hit blocks into pages.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from radixkv.cache.disk import DiskTier
 from radixkv.cache.hashing import BlockHasher
 from radixkv.cache.pages import OutOfPages, PagePool
@@ -23,6 +25,7 @@ class KVManager:
         hasher: BlockHasher,
         enable_prefix_caching: bool,
         disk: DiskTier | None = None,
+        compute_s_per_token: Callable[[], float | None] = lambda: None,
     ) -> None:
         self.pool = pool
         self.tree = tree
@@ -30,6 +33,7 @@ class KVManager:
         self.page_size = pool.page_size
         self.enable_prefix_caching = enable_prefix_caching
         self.disk = disk if enable_prefix_caching else None
+        self.compute_s_per_token = compute_s_per_token  # None until the engine has measured it
         if self.disk is not None:
             # Write-back: a block reaches the disk when RAM gives it up (or at close), not when
             # it is computed; most computed blocks are private tails never asked for again,
@@ -100,7 +104,7 @@ class KVManager:
         ps = self.page_size
         start = len(seq.page_table)
         limit = min(max_blocks, (seq.num_tokens - 1) // ps - start)  # a token left to compute
-        if limit <= 0 or not self.disk.enabled:
+        if limit <= 0 or not self.disk.enabled or not self._disk_pays():
             return
         tokens = seq.all_token_ids
         keys = self.disk.keys(tokens[: (start + limit) * ps], seq.salt)
@@ -119,6 +123,17 @@ class KVManager:
         seq.page_table.extend(pages[: len(payloads)])
         seq.num_computed_tokens = (start + len(payloads)) * ps
         self.commit(seq)
+
+    def _disk_pays(self) -> bool:
+        """Whether reading a block beats computing it, on what both have cost so far (either
+        unmeasured: try the disk). Per block both grow linearly with the run's length, and
+        computing grows faster (attention reads the whole prefix), so one comparison decides."""
+        assert self.disk is not None
+        read_s, compute_s = self.disk.read_s_per_block, self.compute_s_per_token()
+        if read_s is None or compute_s is None or read_s < compute_s * self.page_size:
+            return True
+        self.disk.counters["computed_instead"] += 1
+        return False
 
     def _write_back(self, node: Node) -> None:
         """The tree is evicting `node`: keep its blocks on disk (their pages still hold them)."""

@@ -180,6 +180,9 @@ def _disk_metrics(disk: DiskStats) -> Iterator[Metric]:
     yield _counter("radixkv_disk_cache_written_blocks", "Blocks written to the disk tier", disk.written_blocks)
     yield _counter("radixkv_disk_cache_evicted_blocks", "Blocks deleted to stay within the budget", disk.evicted_blocks)
     yield _counter("radixkv_disk_cache_write_failures", "Block writes that failed (a full disk, a vanished directory)", disk.write_failures)
+    yield _counter(
+        "radixkv_disk_cache_computed_instead", "Disk hits recomputed because reading was the slower", disk.computed_instead
+    )
     rejected = CounterMetricFamily(
         "radixkv_disk_cache_rejected_blocks", "Stored blocks refused on load, by reason (a miss each)", labels=["reason"]
     )

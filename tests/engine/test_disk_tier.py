@@ -131,6 +131,23 @@ def test_an_unusable_directory_runs_without_the_tier(tiny_llama: Path, workload,
     assert_pages_returned(llm.engine)
 
 
+def test_a_disk_slower_than_compute_is_skipped(tiny_llama: Path, workload, tmp_path: Path) -> None:
+    batch, expected = workload
+    first = make_llm(tiny_llama, kv_disk_dir=str(tmp_path / "kv"))
+    generate(first, batch)
+    first.close()
+    second = make_llm(tiny_llama, kv_disk_dir=str(tmp_path / "kv"))
+    assert generate(second, batch[:1]) == expected[:1]  # unmeasured: the disk is tried
+    assert second.stats().disk.hit_blocks > 0 and second.stats().disk.read_s_per_block is not None
+    warm_up = [[7] * 300]  # enough computed tokens for the engine to know its compute speed
+    generate(second, warm_up)
+    second.engine.disk.read_s_per_block = 3600.0  # as if the disk took an hour a block
+    hits = second.stats().disk.hit_blocks
+    assert generate(second, batch[1:]) == expected[1:]
+    assert second.stats().disk.hit_blocks == hits and second.stats().disk.computed_instead == len(batch) - 1
+    assert_pages_returned(second.engine)
+
+
 def test_disk_options_are_validated() -> None:
     assert EngineConfig().kv_disk_dir is None  # off by default
     for bad in ({"kv_disk_dir": ""}, {"kv_disk_bytes": 0}, {"kv_disk_bytes": -1}):
