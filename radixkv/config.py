@@ -13,11 +13,11 @@ from pathlib import Path
 from radixkv.errors import ConfigError
 
 POLICIES = ("lpm", "fcfs")
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-BACKENDS = ("auto", "torch", "cpu", "triton")
 # radixkv.cache.eviction.EVICTION_POLICIES; spelled out so the config stays free of torch
 # (importing radixkv.cache loads it), and a test checks the two agree.
 EVICTION_POLICIES = ("slru", "lru")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+BACKENDS = ("auto", "torch", "cpu", "triton")
 
 
 @dataclass(slots=True)
