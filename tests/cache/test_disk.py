@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from radixkv.cache import BlockHasher, PagePool
 from radixkv.cache.disk import DiskTier
@@ -235,3 +237,46 @@ def test_disk_index_keeps_retained_blocks_last() -> None:
     assert index.add("e", 2) == ["b", "d"]
     assert index.add("f", 1) == ["e"] and "kept" in index
     assert index.add("g", 3) == ["f", "kept"] and index.add("h", 4) is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    budget=st.integers(0, 12),
+    ops=st.lists(
+        st.tuples(st.sampled_from(["add", "touch", "remove", "pop"]), st.integers(0, 6), st.integers(1, 5), st.booleans()),
+        max_size=40,
+    ),
+)
+def test_disk_index_against_a_reference(budget: int, ops) -> None:
+    """Bytes stay within the budget and equal the sum of the sizes; victims go least recently
+    used first, plain before retained."""
+    index = DiskIndex(budget)
+    ref: dict[int, tuple[int, bool]] = {}  # key -> (size, retained), in use order
+    for op, key, size, retained in ops:
+        if op == "add":
+            evicted = index.add(key, size, retained=retained)
+            if size > budget:
+                assert evicted is None
+                continue
+            ref.pop(key, None)
+            expected = []
+            order = [k for k in ref if not ref[k][1]] + [k for k in ref if ref[k][1]]
+            while sum(s for s, _ in ref.values()) + size > budget:
+                victim = order.pop(0)
+                expected.append(victim)
+                del ref[victim]
+            assert evicted == expected
+            ref[key] = (size, retained)
+        elif op == "touch":
+            assert index.touch(key) == (key in ref)
+            if key in ref:
+                ref[key] = ref.pop(key)
+        elif op == "remove":
+            assert index.remove(key) == (ref.pop(key)[0] if key in ref else 0)
+        else:
+            order = [k for k in ref if not ref[k][1]] + [k for k in ref if ref[k][1]]
+            assert index.pop_victim() == (order[0] if order else None)
+            if order:
+                del ref[order[0]]
+        assert index.bytes_used == sum(s for s, _ in ref.values()) <= budget
+        assert list(index) == [k for k in ref if not ref[k][1]] + [k for k in ref if ref[k][1]]

@@ -70,7 +70,9 @@ class CacheMachine(RuleBasedStateMachine):
             clock=lambda: self.now_s,
             eviction_policy=self.eviction_policy,
             protected_fraction=protected_fraction,
+            on_evict=self.evicting,
         )
+        self.hook_pages: list[int] = []  # pages the eviction hook saw, still cached when it ran
         self.ref_hit: set[Key] = set()  # blocks that served a match since they were cached
         self.ref_retentions: dict[str, list[RefRetention]] = {}  # by owner
         self.owners = 0
@@ -92,6 +94,12 @@ class CacheMachine(RuleBasedStateMachine):
         while len(pages) < limit and (k := self.key(tokens, salt, len(pages) + 1)) in self.ref:
             pages.append(self.ref[k])
         return len(pages), pages
+
+    def evicting(self, node: Node) -> None:
+        """The tree's eviction hook (the disk tier's write-back): the node is still whole."""
+        assert not node.removed and not node.children and node.lock_ref == 0
+        assert all(self.pool.refcount(page) == 1 for page in node.pages)
+        self.hook_pages.extend(node.pages)
 
     def ref_matched(self, tokens: list[int], salt: str | None, blocks: int) -> None:
         """A match used the first `blocks` blocks: under slru they are protected from now."""
@@ -139,10 +147,12 @@ class CacheMachine(RuleBasedStateMachine):
         protected_pages = sum(1 for k in self.ref if k in self.ref_hit)
         assert self.tree.protected_pages == protected_pages
         never_over_cap = self.protected_fraction >= 1.0
+        self.hook_pages = []
         freed = self.tree.evict(num_pages)
         cached = self.tree.cached_page_set()
         evicted = {k for k, page in self.ref.items() if page not in cached}
         assert freed == len(evicted)
+        assert sorted(self.hook_pages) == sorted(self.ref[k] for k in evicted), "the hook saw other blocks than went"
         assert not evicted & self.locked_keys(), "evicted a locked block"
         for k in evicted:
             del self.ref[k]
