@@ -28,11 +28,11 @@ from radixkv.cache.retention import Retention, RetentionBook
 # split by whether they ever served a hit), retained by `retain_until_s`, the latest expiry
 # among their retentions. Eviction empties the unretained sets before it touches the retained
 # one; since a retained node's ancestors are retained too, an empty unretained set means no
-# unretained evictable page is left.
+# unretained evictable page is left. Expired retentions are dropped lazily (at evict, retain
+# and expire), which files their leaves back under the policy's order.
 #
 # Hits (slru): match() adds one to `num_hits` of every node on the matched path, so hits never
-# grow toward the leaves either, and a hit node's ancestors are protected too. Expired retentions are dropped lazily
-# (at evict, retain and expire), which files their leaves back under LRU.
+# grow toward the leaves either, and a hit node's ancestors are protected too.
 
 
 @dataclass(slots=True, eq=False, repr=False)
