@@ -214,15 +214,19 @@ class DiskTier:
             if key in self.index:
                 self.index.touch(key)
                 continue
-            data = encode_block(
-                fingerprint=self.fingerprint,
-                salt=salt,
-                key=key,
-                parent_key=keys[block - 1] if block else 0,
-                page_size=ps,
-                prefix_tokens=tokens[: (block + 1) * ps],
-                payload=payload_of(offset),
-            )
+            try:
+                data = encode_block(
+                    fingerprint=self.fingerprint,
+                    salt=salt,
+                    key=key,
+                    parent_key=keys[block - 1] if block else 0,
+                    page_size=ps,
+                    prefix_tokens=tokens[: (block + 1) * ps],
+                    payload=payload_of(offset),
+                )
+            except OverflowError:  # a token id past int32: no vocabulary has one, so no model's
+                self.counters["unstorable"] += 1
+                break
             evicted = self.index.add(key, len(data), retained=retained)
             if evicted is None:
                 self.counters["too_large"] += 1
