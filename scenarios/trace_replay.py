@@ -15,6 +15,10 @@ follows, so every block may hit (the trace's own convention). A capacity of C bl
 pool of C pages plus the tail's page: the running request's blocks count against it, as in
 the Belady model. A block evicted from RAM is written to the disk tier (write-back, an index
 in blocks); a match that runs out in RAM continues there and the hit blocks come back into RAM.
+
+Rows: each policy replayed; `belady` (the optimal at the same capacity, RAM + disk where a
+disk tier is set); `lru+oracle` (LRU told which blocks are never used again, evicting those
+first: the ceiling of any "evict private tails first" guess); `infinite`.
 """
 
 from __future__ import annotations
