@@ -34,6 +34,9 @@ class KVManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.disk = disk if enable_prefix_caching else None
         self.compute_s_per_token = compute_s_per_token  # None until the engine has measured it
+        # Disk keys of the sequences whose disk hit runs past the chunk that loaded it: their
+        # next chunks continue loading (continue_from_disk) instead of computing.
+        self._disk_runs: dict[int, list[int]] = {}
         if self.disk is not None:
             # Write-back: a block reaches the disk when RAM gives it up (or at close), not when
             # it is computed; most computed blocks are private tails never asked for again,
@@ -97,17 +100,31 @@ class KVManager:
 
     # -- the disk tier -----------------------------------------------------------------------
 
-    def _load_from_disk(self, seq: SequenceState, max_blocks: int) -> None:
+    def continue_from_disk(self, seq: SequenceState, num_new_tokens: int) -> int:
+        """For a sequence whose disk hit ran past its last chunk: load the blocks inside its
+        next `num_new_tokens` from disk (a token to spare); returns the tokens loaded."""
+        keys = self._disk_runs.pop(seq.seq_id, None)
+        ps = self.page_size
+        if keys is None or seq.num_computed_tokens % ps or len(seq.page_table) * ps != seq.num_computed_tokens:
+            return 0  # no run, or the chunk ended inside a block: the rest is computed
+        before = seq.num_computed_tokens
+        self._load_from_disk(seq, (num_new_tokens - 1) // ps, keys)
+        return seq.num_computed_tokens - before
+
+    def _load_from_disk(self, seq: SequenceState, max_blocks: int, keys: list[int] | None = None) -> None:
         """Continue seq's match on disk: load up to `max_blocks` following blocks into new
-        pages, insert them into the tree and lock them as seq's (through commit)."""
+        pages, insert them into the tree and lock them as seq's (through commit). When the
+        run goes on past `max_blocks`, remember it for the next chunk."""
         assert self.disk is not None
         ps = self.page_size
         start = len(seq.page_table)
-        limit = min(max_blocks, (seq.num_tokens - 1) // ps - start)  # a token left to compute
+        end = (seq.num_tokens - 1) // ps  # a token left to compute
+        limit = min(max_blocks, end - start)
         if limit <= 0 or not self.disk.enabled or not self._disk_pays():
             return
         tokens = seq.all_token_ids
-        keys = self.disk.keys(tokens[: (start + limit) * ps], seq.salt)
+        if keys is None:
+            keys = self.disk.keys(tokens[: end * ps], seq.salt)
         num = self.disk.count_cached(keys, start, limit)
         if num == 0:
             return
@@ -123,6 +140,8 @@ class KVManager:
         seq.page_table.extend(pages[: len(payloads)])
         seq.num_computed_tokens = (start + len(payloads)) * ps
         self.commit(seq)
+        if len(payloads) == limit < end - start:
+            self._disk_runs[seq.seq_id] = keys
 
     def _disk_pays(self) -> bool:
         """Whether reading a block beats computing it, on what both have cost so far (either
@@ -279,6 +298,7 @@ class KVManager:
         if seq.tree_node is not None:
             self.tree.unlock(seq.tree_node)
             seq.tree_node = None
+        self._disk_runs.pop(seq.seq_id, None)
         self.pool.release(seq.page_table)
         seq.page_table = []
         seq.num_tree_blocks = 0

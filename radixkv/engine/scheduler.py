@@ -77,6 +77,12 @@ class Scheduler:
             if seq.status is not SeqStatus.RUNNING or token_budget == 0:
                 continue
             num_new = min(seq.num_uncomputed_tokens, token_budget)
+            if self.kv.disk is not None:
+                # A long disk hit goes on loading chunk by chunk, into pages the chunk needs anyway.
+                loaded = self.kv.continue_from_disk(seq, num_new)
+                num_new -= loaded
+                if seq.num_preemptions == 0 and not seq.output_token_ids:
+                    seq.num_cached_tokens += loaded  # served by the cache, as at admission
             while not self.kv.reserve(seq, num_new):
                 victim = self._preemption_victim(exclude=scheduled)
                 self._preempt(victim, batch)

@@ -56,6 +56,24 @@ def test_restart_is_warm_and_exact(tiny_llama: Path, workload, tmp_path: Path) -
     assert_pages_returned(second.engine)
 
 
+def test_a_restart_with_chunked_prefill_is_exact(tiny_llama: Path, workload, tmp_path: Path) -> None:
+    """A disk hit loads the blocks inside each chunk (the pages the chunk needs anyway), chunk
+    after chunk, leaving a token of each to compute; the tokens do not change."""
+    batch, expected = workload
+    first = make_llm(tiny_llama, kv_disk_dir=str(tmp_path / "kv"))
+    generate(first, batch)
+    first.close()
+    second = make_llm(tiny_llama, kv_disk_dir=str(tmp_path / "kv"), max_batch_tokens=16)
+    outputs = [second.generate([prompt], PARAMS)[0] for prompt in batch]
+    assert [output.token_ids for output in outputs] == expected
+    # Each 16-token chunk loads 3 blocks and computes 4 tokens: 45-token prompts load 3 + 3 + 3
+    # blocks before the last chunk computes the rest (10 blocks each at most).
+    assert [output.num_cached_tokens for output in outputs] == [36] * len(batch)
+    assert second.stats().disk.hit_blocks == 9 * len(batch)
+    assert second.stats().counters.num_prompt_tokens_computed < sum(map(len, batch)) - 9 * 4 * len(batch) + 1
+    assert_pages_returned(second.engine)
+
+
 def test_blocks_evicted_mid_run_come_back_from_disk(tiny_llama: Path, workload, tmp_path: Path) -> None:
     batch, expected = workload
     # 16 pages of 4 tokens: each request's blocks push out the previous request's.
