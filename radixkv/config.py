@@ -13,6 +13,9 @@ from pathlib import Path
 from radixkv.errors import ConfigError
 
 POLICIES = ("lpm", "fcfs")
+# radixkv.cache.eviction.EVICTION_POLICIES; spelled out so the config stays free of torch
+# (importing radixkv.cache loads it), and a test checks the two agree.
+EVICTION_POLICIES = ("slru", "lru")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 BACKENDS = ("auto", "torch", "cpu", "triton")
 LINEAR_KERNELS = ("auto", "amx", "avx512_bf16", "onednn")
@@ -77,6 +80,18 @@ class EngineConfig:
     # fp32 is exact without it (token for token), bf16 is not: see README, "Exact".
     batch_invariant: bool = False
     cache_dir: str | None = None  # converted-weights cache; None: ~/.cache/radixkv
+    # Which unlocked cached blocks go first when pages run out: "slru" evicts blocks that never
+    # served a hit (one request's private tail) before those that did, each least recently
+    # used first, so a burst of one-off prompts cannot flush a hot system prompt; "lru" is
+    # plain least recently used. Retained prefixes go last under both.
+    eviction_policy: str = "slru"
+    # The disk tier of the prefix cache: blocks evicted from RAM (and all of RAM's at close)
+    # are kept as files under this directory, owner-only, and a match that runs out in RAM
+    # continues there; a restart finds them. None: off. A directory that cannot be used turns
+    # the tier off with a warning, never the engine. One directory per model is best: another
+    # model's blocks are misses there, and both models' evictions share its budget.
+    kv_disk_dir: str | None = None
+    kv_disk_bytes: int = 16 << 30  # the tier's budget in bytes; the least recently used blocks go past it
 
     def __post_init__(self) -> None:
         self.validate()
@@ -98,6 +113,10 @@ class EngineConfig:
         if not 0.0 < self.kv_memory_fraction <= 0.95:
             raise ConfigError(f"kv_memory_fraction must be in (0, 0.95], got {self.kv_memory_fraction!r}")
         _choice(self, "policy", POLICIES)
+        _choice(self, "eviction_policy", EVICTION_POLICIES)
+        if self.kv_disk_dir is not None and (not isinstance(self.kv_disk_dir, str) or not self.kv_disk_dir.strip()):
+            raise ConfigError(f"kv_disk_dir must be None or a directory path, got {self.kv_disk_dir!r}", param="kv_disk_dir")
+        _positive(self, "kv_disk_bytes", limit=1 << 50)
         _choice(self, "dtype", DTYPES)
         _choice(self, "attention_backend", BACKENDS)
         _choice(self, "linear_kernel", LINEAR_KERNELS)

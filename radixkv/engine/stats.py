@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from radixkv.cache.disk import DiskStats
 from radixkv.cache.radix import CacheStats
 
 
@@ -37,6 +38,7 @@ class EngineStats:
     num_unfinished: int  # requests the engine holds (a request with n > 1 counts once)
     num_preemptions: int
     num_deferrals: int
+    disk: DiskStats | None = None  # the disk tier's, when there is one
 
 
 @dataclass(slots=True)

@@ -24,11 +24,14 @@ def create_app(
     *,
     model_aliases: Sequence[str] = (),
     tenant_secret: bytes | None = None,
+    admin_keys: Sequence[str] | None = None,
 ) -> FastAPI:
-    """An app serving `async_engine` (started and shut down by the caller) as `model_name`."""
+    """An app serving `async_engine` (started and shut down by the caller) as `model_name`.
+    `tenant_secret` fixes the cache salts across restarts (a disk tier needs that to stay warm
+    for tenants); `admin_keys` may also flush the cache."""
     server = Server(
         engine=async_engine,
-        tenants=Tenants(api_keys, tenant_secret),
+        tenants=Tenants(api_keys, tenant_secret, admin_keys),
         model_name=model_name,
         model_aliases=frozenset([model_name, *model_aliases]),
         metrics=ServerMetrics(async_engine.stats),

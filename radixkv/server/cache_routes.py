@@ -1,6 +1,7 @@
 """radixkv's own cache endpoints (not OpenAI's): POST /v1/cache/pin locks a prefix against
-eviction, DELETE /v1/cache/pin/{pin_id} releases it; and the bookkeeping of who pinned what and
-how many pages all pins may lock.
+eviction, DELETE /v1/cache/pin/{pin_id} releases it; POST /v1/cache/lookup tells how much of a
+prompt the caller's partition holds in RAM and on disk; POST /v1/cache/flush (admin only)
+empties a tier. And the bookkeeping of who pinned what and how many pages all pins may lock.
 """
 
 from __future__ import annotations
@@ -14,7 +15,15 @@ from radixkv.engine.engine import Engine, PinnedPrefix
 from radixkv.engine.request import SamplingParams
 from radixkv.server.errors import APIError, WireNames, parse_body
 from radixkv.server.prompts import pin_prompt
-from radixkv.server.protocol import PinRequest, PinResponse, UnpinResponse
+from radixkv.server.protocol import (
+    CacheFlushRequest,
+    CacheFlushResponse,
+    CacheLookupRequest,
+    CacheLookupResponse,
+    PinRequest,
+    PinResponse,
+    UnpinResponse,
+)
 from radixkv.server.streaming import collect, submit, until_disconnect
 
 if TYPE_CHECKING:
@@ -91,3 +100,29 @@ def register(app: FastAPI, server: Server) -> None:
         if not await server.engine.call_async(lambda engine: pins.unpin(engine, pin_id, key)):
             raise APIError(404, f"no pin {pin_id} (unknown, already unpinned, or another key's)", code="not_found")
         return JSONResponse(UnpinResponse(pin_id=pin_id).model_dump())
+
+    @app.post("/v1/cache/lookup")
+    async def lookup_prefix(request: Request) -> Response:
+        """How many tokens of a prompt are cached for the caller, in RAM and on disk. Only the
+        caller's own partition (its key and cache_salt) is looked at: another tenant's cache
+        is neither visible nor timeable through this."""
+        key = server.tenants.authenticate(request.headers.get("authorization"), request.headers.get("x-api-key"))
+        body = parse_body(CacheLookupRequest, await request.body())
+        if body.model is not None:
+            server.check_model(body.model)
+        prompt = pin_prompt(server, body)
+        salt = server.tenants.cache_salt(key, body.cache_salt)
+        ram, disk = await server.engine.call_async(lambda engine: engine.lookup(prompt, salt))
+        response = CacheLookupResponse(prompt_tokens=len(prompt), cached_tokens=ram + disk, ram_tokens=ram, disk_tokens=disk)
+        return JSONResponse(response.model_dump())
+
+    @app.post("/v1/cache/flush")
+    async def flush_cache(request: Request) -> Response:
+        """Empty the RAM tier (unlocked pages), the disk tier, or both, for every tenant;
+        admin keys only. Reports what was freed."""
+        key = server.tenants.authenticate(request.headers.get("authorization"), request.headers.get("x-api-key"))
+        server.tenants.require_admin(key)
+        body = parse_body(CacheFlushRequest, await request.body() or b"{}")
+        ram, disk = body.tier in ("ram", "all"), body.tier in ("disk", "all")
+        pages, blocks = await server.engine.call_async(lambda engine: engine.flush_cache(ram=ram, disk=disk))
+        return JSONResponse(CacheFlushResponse(tier=body.tier, freed_ram_pages=pages, freed_disk_blocks=blocks).model_dump())

@@ -73,7 +73,8 @@ def test_serve_refuses_a_missing_model(tmp_path):
 
     from radixkv.cli import serve
 
-    args = Namespace(model=str(tmp_path / "nope"), host="127.0.0.1", port=1, api_key=None, dtype="auto", num_pages=8, no_prefix_caching=False)
+    args = Namespace(model=str(tmp_path / "nope"), host="127.0.0.1", port=1, api_key=None, dtype="auto", num_pages=8, no_prefix_caching=False,
+                     kv_disk_dir=None, kv_disk_bytes=1 << 30, admin_key=None)
     assert serve(args) == 2
 
 
