@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from scenarios import disk_restart  # the worktree's own folder (radixkv.scenarios maps to the installed one)
+from radixkv.scenarios import disk_restart
 from tests.helpers.tiny_models import make_tiny_model
 
 

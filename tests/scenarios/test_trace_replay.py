@@ -9,7 +9,7 @@ import random
 from pathlib import Path
 
 # The worktree's own scenarios folder (radixkv.scenarios is mapped to the installed checkout's).
-from scenarios import trace_replay
+from radixkv.scenarios import trace_replay
 
 
 def write_trace(path: Path, num_requests: int = 300, seed: int = 0) -> Path:
