@@ -57,19 +57,28 @@ static inline void store_sums(__m512 sums, const float *bias, uint16_t *dst, int
 
 /* Rows [m0, m0 + R) of y for the 32 features of pair p by vdpbf16ps. Per input pair r of a
  * k-block, the two halves' tile rows r are loaded once and each x row's pair (one 32-bit word)
- * is broadcast against them. prefetch: request the weight stream a few tiles ahead (the first
- * pass over a pair; later passes read it from cache). R is a constant in the instances. */
+ * is broadcast against them. As in the AMX kernel: with ahead == NULL the weights are requested
+ * a few tiles ahead in their stream (one pass over the pair: few rows); else this pass reads
+ * the pair from cache and requests the bytes [ahead, ahead + ahead_bytes) of the next pair,
+ * spread over its k-blocks, so the next pair streams in while this one computes. R is a
+ * constant in the instances. */
 static inline __attribute__((always_inline)) void pair_rows_avx512(
     const uint16_t *x, int64_t x_stride, int m0, const int R, int k, const uint16_t *pair_tiles,
-    const float *bias, int n, int64_t p, uint16_t *y, int64_t y_stride, int prefetch) {
+    const float *bias, int n, int64_t p, uint16_t *y, int64_t y_stride, const char *ahead, int64_t ahead_bytes) {
     __m512 acc[VEC_ROWS][2];
     for (int i = 0; i < R; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
     const uint16_t *rows = x + (int64_t)m0 * x_stride;
-    for (int kb = 0; kb < k / 32; kb++) {
+    const int kb_count = k / 32;
+    const int64_t ahead_step = (ahead_bytes / kb_count + 63) / 64 * 64;
+    for (int kb = 0; kb < kb_count; kb++) {
         const uint16_t *b = pair_tiles + (int64_t)kb * 2 * TILE_WORDS;
-        if (prefetch)
+        if (ahead == NULL) {
             for (int line = 0; line < 2 * TILE_WORDS * 2; line += 64)
                 _mm_prefetch((const char *)(b + PREFETCH_TILES * TILE_WORDS) + line, _MM_HINT_T0);
+        } else {
+            for (int64_t byte = kb * ahead_step; byte < (kb + 1) * ahead_step && byte < ahead_bytes; byte += 64)
+                _mm_prefetch(ahead + byte, _MM_HINT_T1);
+        }
         for (int r = 0; r < 16; r++) {
             const __m512bh w0 = (__m512bh)_mm512_loadu_si512(b + r * 32);
             const __m512bh w1 = (__m512bh)_mm512_loadu_si512(b + TILE_WORDS + r * 32);
@@ -93,9 +102,10 @@ static inline __attribute__((always_inline)) void pair_rows_avx512(
 }
 
 static void pair_rows_any(const uint16_t *x, int64_t x_stride, int m0, int rows, int k, const uint16_t *pair_tiles,
-                          const float *bias, int n, int64_t p, uint16_t *y, int64_t y_stride, int prefetch) {
+                          const float *bias, int n, int64_t p, uint16_t *y, int64_t y_stride, const char *ahead,
+                          int64_t ahead_bytes) {
 #define PAIR_ROWS_CASE(R) \
-    case R: pair_rows_avx512(x, x_stride, m0, R, k, pair_tiles, bias, n, p, y, y_stride, prefetch); return;
+    case R: pair_rows_avx512(x, x_stride, m0, R, k, pair_tiles, bias, n, p, y, y_stride, ahead, ahead_bytes); return;
     switch (rows) {
         PAIR_ROWS_CASE(1) PAIR_ROWS_CASE(2) PAIR_ROWS_CASE(3) PAIR_ROWS_CASE(4)
         PAIR_ROWS_CASE(5) PAIR_ROWS_CASE(6) PAIR_ROWS_CASE(7) PAIR_ROWS_CASE(8)
@@ -114,10 +124,18 @@ static void linear_avx512(const uint16_t *x, int64_t x_stride, int m, int k, con
     for (int g0 = 0; g0 < m; g0 += group_rows) {
         const int group_end = m - g0 < group_rows ? m : g0 + group_rows;
 #pragma omp for schedule(static) nowait
-        for (int64_t p = 0; p < pairs; p++)
-            for (int m0 = g0; m0 < group_end; m0 += VEC_ROWS)
+        for (int64_t p = 0; p < pairs; p++) {
+            const int blocks = (group_end - g0 + VEC_ROWS - 1) / VEC_ROWS;
+            const char *next_pair = p + 1 < pairs ? (const char *)(packed + (p + 1) * pair_words) : NULL;
+            /* Several row blocks: each requests its share of the next pair's weights. */
+            const int64_t share = blocks > 1 && next_pair ? pair_words * 2 / blocks : 0;
+            for (int block = 0; block < blocks; block++) {
+                const int m0 = g0 + block * VEC_ROWS;
                 pair_rows_any(x, x_stride, m0, group_end - m0 < VEC_ROWS ? group_end - m0 : VEC_ROWS, k,
-                              packed + p * pair_words, bias, n, p, y, y_stride, m0 == g0);
+                              packed + p * pair_words, bias, n, p, y, y_stride,
+                              share ? next_pair + block * share : NULL, share);
+            }
+        }
     }
 }
 #endif
