@@ -113,3 +113,22 @@ def test_draws_follow_the_distribution_with_and_without_top_p():
         for token, p in enumerate(expected + [0.0, 0.0, 0.0]):
             tolerance = 5 * (p * (1 - p) / len(seqs)) ** 0.5 + 1e-12
             assert abs(counts[token].item() - p) <= tolerance, (top_p, token, counts.tolist())
+
+
+@pytest.mark.parametrize("scale", [1.5, 6.0])  # flat rows (nucleus past the candidates) and peaked ones
+def test_the_candidate_shortcut_gives_the_full_sorts_probabilities(scale, monkeypatch):
+    import torch
+
+    from radixkv.engine import sampler
+
+    torch.manual_seed(int(scale))
+    logits = torch.randn(3, 49152) * scale
+    params = [SamplingParams(temperature=0.7, top_p=0.9), SamplingParams(temperature=1.0, top_k=50, top_p=0.95), SamplingParams(temperature=1.3, top_k=256)]
+
+    def in_vocab_order(probs, order):
+        return torch.zeros(logits.shape).scatter_(-1, order, probs)
+
+    shortcut = in_vocab_order(*sampler.sorted_filtered_probs(logits, params))
+    monkeypatch.setattr(sampler, "CANDIDATES", logits.shape[1])  # no shortcut: the whole sort
+    whole = in_vocab_order(*sampler.sorted_filtered_probs(logits, params))
+    torch.testing.assert_close(shortcut, whole, atol=1e-6, rtol=0)
