@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from radixkv.engine.engine import Engine
-from radixkv.engine.request import RequestDelta, SamplingParams
+from radixkv.engine.request import RequestDelta, SamplingParams, merge_deltas
 from radixkv.engine.stats import EngineStats
 
 logger = logging.getLogger(__name__)
@@ -71,18 +71,22 @@ class RequestStream:
     """Async iterator over one request's RequestDeltas; the last one is finished (and carries
     the whole output).
 
-    Deltas that pile up while the consumer is busy are merged into one. `close()` aborts the
-    request if it is still running; it is idempotent and safe to call from `finally` blocks,
-    even while being cancelled.
+    A consumer that falls behind (a client that stops reading) holds only the deltas it has not
+    taken yet, joined once when it next reads, never re-copied per step. `close()` aborts the request if
+    it is still running; it is idempotent and safe to call from `finally` blocks, even while
+    being cancelled.
     """
 
     def __init__(self, owner: AsyncEngine, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
         self.request_id = request_id
         self._owner = owner
         self._loop = loop
-        self._queue: asyncio.Queue[RequestDelta | _End] = asyncio.Queue()
-        self._done = False  # the consumer has seen the end
+        self._backlog: list[RequestDelta] = []  # delivered, not taken yet (consumer's loop only)
+        self._end: _End | None = None
+        self._ready = asyncio.Event()
+        self._done = False  # the consumer has seen the end, or closed the stream
         self._ended = False  # the engine side has delivered the end (engine thread only)
+        self._done_callbacks: list[Callable[[], None]] = []
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -90,16 +94,30 @@ class RequestStream:
     async def __anext__(self) -> RequestDelta:
         if self._done:
             raise StopAsyncIteration
-        item = await self._queue.get()
-        while not self._queue.empty() and not _is_end(item):
-            later = self._queue.get_nowait()
-            item = later if isinstance(later, _End) else item.merge(later)  # type: ignore[union-attr]
-        if isinstance(item, _End):
-            self._done = True
-            raise item.error
+        while not self._backlog and self._end is None:
+            self._ready.clear()
+            await self._ready.wait()
+        if self._end is not None:  # an error ends the stream; output it overtook is moot
+            self._mark_done()
+            raise self._end.error
+        item = merge_deltas(self._backlog)
+        self._backlog = []
         if item.finished:
-            self._done = True
+            self._mark_done()
         return item
+
+    @property
+    def num_pending_tokens(self) -> int:
+        """Tokens delivered but not taken yet (what a stalled consumer holds)."""
+        return sum(len(c.token_ids) for delta in self._backlog for c in delta.completions)
+
+    def _put(self, item: RequestDelta | _End) -> None:
+        """On the consumer's loop: keep `item` until the consumer takes the backlog."""
+        if isinstance(item, _End):
+            self._end = item
+        else:
+            self._backlog.append(item)
+        self._ready.set()
 
     @property
     def finished(self) -> bool:
@@ -107,8 +125,21 @@ class RequestStream:
 
     def close(self) -> None:
         if not self._done:
-            self._done = True
+            self._mark_done()
             self._owner.abort(self.request_id)
+
+    def add_done_callback(self, callback: Callable[[], None]) -> None:
+        """Call `callback` once the stream is done (its end seen, or closed); now if it is."""
+        if self._done:
+            callback()
+        else:
+            self._done_callbacks.append(callback)
+
+    def _mark_done(self) -> None:
+        self._done = True
+        callbacks, self._done_callbacks = self._done_callbacks, []
+        for callback in callbacks:
+            callback()
 
     async def __aenter__(self) -> RequestStream:
         return self
@@ -121,14 +152,10 @@ class RequestStream:
     def _deliver(self, item: RequestDelta | _End) -> bool:
         """Hand an item to the consumer's loop; False when that loop is gone."""
         try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+            self._loop.call_soon_threadsafe(self._put, item)
         except RuntimeError:  # the loop is closed: nobody will ever read this request
             return False
         return True
-
-
-def _is_end(item: RequestDelta | _End) -> bool:
-    return isinstance(item, _End) or item.finished
 
 
 @dataclass(slots=True)

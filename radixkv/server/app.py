@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP server as a FastAPI app: `create_app` builds the routes' shared
-state (`state.Server`) and registers the routes of `openai_routes`, `anthropic_routes`,
-`cache_routes` and `ops_routes`; `radixkv serve` is in `radixkv.cli`.
+state (`state.Server`), the guards before any route (`access`, `body_limit`) and registers the
+routes of `openai_routes`, `anthropic_routes`, `cache_routes` and `ops_routes`; `radixkv serve`
+is in `radixkv.cli`.
 """
 
 from __future__ import annotations
@@ -11,7 +12,10 @@ from fastapi import FastAPI
 
 from radixkv.engine.async_engine import AsyncEngine
 from radixkv.server import anthropic_routes, cache_routes, openai_routes, ops_routes, responses_routes
+from radixkv.server.access import AccessGuard
+from radixkv.server.body_limit import LimitBody
 from radixkv.server.errors import install_error_handlers
+from radixkv.server.limits import ServerLimits
 from radixkv.server.metrics import CountRequests, ServerMetrics
 from radixkv.server.state import Server
 from radixkv.server.tenants import Tenants
@@ -24,6 +28,7 @@ def create_app(
     *,
     model_aliases: Sequence[str] = (),
     tenant_secret: bytes | None = None,
+    limits: ServerLimits | None = None,
 ) -> FastAPI:
     """An app serving `async_engine` (started and shut down by the caller) as `model_name`."""
     server = Server(
@@ -32,10 +37,14 @@ def create_app(
         model_name=model_name,
         model_aliases=frozenset([model_name, *model_aliases]),
         metrics=ServerMetrics(async_engine.stats),
+        limits=limits or ServerLimits(),
     )
     app = FastAPI(title="radixkv", description="OpenAI-compatible API over a prefix-sharing KV cache")
     app.state.radixkv = server
     install_error_handlers(app)
+    # Added last runs first: count every request, then refuse forged or oversized ones unread.
+    app.add_middleware(LimitBody, max_body_bytes=server.limits.max_body_bytes)
+    app.add_middleware(AccessGuard, tenants=server.tenants, limits=server.limits)
     app.add_middleware(CountRequests, metrics=server.metrics)
     ops_routes.register(app, server)
     openai_routes.register(app, server)

@@ -15,7 +15,7 @@ from radixkv.engine.request import SamplingParams
 from radixkv.server.errors import APIError, WireNames, parse_body
 from radixkv.server.prompts import pin_prompt
 from radixkv.server.protocol import PinRequest, PinResponse, UnpinResponse
-from radixkv.server.streaming import collect, submit, until_disconnect
+from radixkv.server.streaming import collect, off_loop, submit, until_disconnect
 
 if TYPE_CHECKING:
     from radixkv.server.state import Server
@@ -71,13 +71,18 @@ def register(app: FastAPI, server: Server) -> None:
         """Compute a prefix (a one-token request) and lock its full pages in the cache until
         DELETE /v1/cache/pin/{pin_id}; a pin lasts until then or until the server stops."""
         key = server.tenants.authenticate(request.headers.get("authorization"))
-        body = parse_body(PinRequest, await request.body())
-        if body.model is not None:
-            server.check_model(body.model)
-        prompt = pin_prompt(server, body)
+        raw = await request.body()
+
+        def prepare() -> tuple[PinRequest, list[int]]:
+            body = parse_body(PinRequest, raw)
+            if body.model is not None:
+                server.check_model(body.model)
+            return body, pin_prompt(server, body)
+
+        body, prompt = await off_loop(prepare)
         salt = server.tenants.cache_salt(key, body.cache_salt)
         names = WireNames(prompt="messages" if body.messages is not None else "prompt")
-        streams = await submit(server.engine, server.metrics, [prompt], SamplingParams(max_tokens=1), salt, names)
+        streams = await submit(server.engine, server.metrics, [prompt], SamplingParams(max_tokens=1), salt, names, quotas=server.quotas, key=key)
         await until_disconnect(request, collect(server.metrics, streams, 1), streams)
         # Eviction between the request's end and the pin can only shorten what is pinned;
         # pinned_tokens says how much was.

@@ -80,8 +80,8 @@ def serve(async_engine: AsyncEngine, keys: tuple[str, ...] = (KEY_A, KEY_B)) -> 
 
 
 def metric_values(live: LiveServer) -> dict[tuple[str, tuple], float]:
-    """Every sample on /metrics, keyed by (name, sorted labels)."""
-    text = httpx.get(f"{live.base_url}/metrics").text
+    """Every sample on /metrics (behind the key, as every page but /health), keyed by (name, sorted labels)."""
+    text = httpx.get(f"{live.base_url}/metrics", headers={"Authorization": f"Bearer {KEY_A}"}).text
     return {
         (sample.name, tuple(sorted(sample.labels.items()))): sample.value
         for family in text_string_to_metric_families(text)
