@@ -65,6 +65,11 @@ class EngineConfig:
     # fp32 is exact without it (token for token), bf16 is not: see README, "Exact".
     batch_invariant: bool = False
     cache_dir: str | None = None  # converted-weights cache; None: ~/.cache/radixkv
+    # Serving health (AsyncEngine): after this many failed steps in a row, or while one step has
+    # run longer than step_watchdog_s seconds, the engine reports itself unhealthy (/health 503)
+    # so a supervisor can restart it; a step that succeeds again makes it healthy.
+    max_consecutive_failed_steps: int = 3
+    step_watchdog_s: float = 120.0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -83,6 +88,10 @@ class EngineConfig:
             _positive(self, "max_retained_pages_per_owner", limit=1 << 26)
         if self.max_model_len is not None:
             _positive(self, "max_model_len", limit=1 << 24)
+        _positive(self, "max_consecutive_failed_steps", limit=1 << 20)
+        watchdog = self.step_watchdog_s
+        if isinstance(watchdog, bool) or not isinstance(watchdog, (int, float)) or not 0.0 < watchdog <= 86400.0:
+            raise ConfigError(f"step_watchdog_s must be a number of seconds in (0, 86400], got {watchdog!r}", param="step_watchdog_s")
         if not 0.0 < self.kv_memory_fraction <= 0.95:
             raise ConfigError(f"kv_memory_fraction must be in (0, 0.95], got {self.kv_memory_fraction!r}")
         _choice(self, "policy", POLICIES)

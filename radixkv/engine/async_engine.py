@@ -13,6 +13,7 @@ import concurrent.futures
 import itertools
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -181,6 +182,8 @@ class AsyncEngine:
         self._id_prefix = uuid.uuid4().hex[:8]
         self._stats: EngineStats = engine.stats()
         self.error: BaseException | None = None  # set when the engine thread died
+        self._failed_steps_in_a_row = 0  # engine thread writes, anyone reads (an int: atomic)
+        self._step_started_s: float | None = None  # time.monotonic() of the running step
         self._thread = threading.Thread(target=self._run, name="radixkv-engine", daemon=True)
         if start:
             self.start()
@@ -239,6 +242,19 @@ class AsyncEngine:
     def alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
 
+    def unhealthy_reason(self) -> str | None:
+        """Why the engine should not be sent work now (for /health), or None when it is fine:
+        its thread is gone, its last steps all failed, or a step has run past the watchdog."""
+        config = self.engine.config
+        if not self.alive:
+            return "the engine is not running"
+        if self._failed_steps_in_a_row >= config.max_consecutive_failed_steps:
+            return f"the engine's last {self._failed_steps_in_a_row} steps failed"
+        started = self._step_started_s
+        if started is not None and time.monotonic() - started > config.step_watchdog_s:
+            return f"an engine step has run for more than {config.step_watchdog_s:g} s"
+        return None
+
     def shutdown(self, timeout_s: float = 30.0) -> None:
         """Abort every request, stop the thread and wait for it."""
         with self._cond:
@@ -283,14 +299,24 @@ class AsyncEngine:
             idle_wait_s = None
             if self.engine.has_unfinished():
                 steps_before = self.engine.counters.num_steps
+                self._step_started_s = time.monotonic()
                 try:
                     outputs = self.engine.step()
+                    self._failed_steps_in_a_row = 0
                 except Exception as error:  # noqa: BLE001 - fail the batch, keep serving
+                    self._failed_steps_in_a_row += 1
                     logger.exception("engine step failed; aborting every running request")
                     self._fail_running(error)
                     outputs = []
+                finally:
+                    self._step_started_s = None
                 for output in outputs:
                     self._dispatch(output)
+                for request_id, error in self.engine.take_failed():
+                    logger.error("request %s failed alone in a step: %r", request_id, error)
+                    stream = self._streams.pop(request_id, None)
+                    if stream is not None:
+                        stream._deliver(_End(_step_error(error)))
                 if self.engine.has_unfinished():
                     progressed = self.engine.counters.num_steps != steps_before
                     idle_wait_s = 0.0 if progressed else _NO_PROGRESS_WAIT_S
@@ -310,8 +336,12 @@ class AsyncEngine:
             self._streams[command.request_id] = command.stream
             command.future.set_result(command.request_id)
         elif isinstance(command, _Abort):
-            output = self.engine.abort(command.request_id)
             stream = self._streams.pop(command.request_id, None)
+            try:
+                output = self.engine.abort(command.request_id)
+            except Exception as error:  # noqa: BLE001 - one failed abort must not end the service
+                logger.exception("abort of %s failed", command.request_id)
+                output = _End(_step_error(error))
             if stream is not None and output is not None:
                 stream._deliver(output)
         elif command.future.set_running_or_notify_cancel():
@@ -328,15 +358,19 @@ class AsyncEngine:
             del self._streams[output.request_id]
         if not stream._deliver(output) and not output.finished:
             del self._streams[output.request_id]
-            self.engine.abort(output.request_id)
+            self._abort_quietly(output.request_id)
 
     def _fail_running(self, error: BaseException) -> None:
         for request_id, stream in list(self._streams.items()):
-            try:
-                self.engine.abort(request_id)
-            finally:
-                del self._streams[request_id]
-                stream._deliver(_End(_step_error(error)))
+            self._abort_quietly(request_id)
+            del self._streams[request_id]
+            stream._deliver(_End(_step_error(error)))
+
+    def _abort_quietly(self, request_id: str) -> None:
+        try:
+            self.engine.abort(request_id)
+        except Exception:  # noqa: BLE001 - logged; the engine thread keeps serving the rest
+            logger.exception("abort of %s failed", request_id)
 
     def _fail_everything(self, error: BaseException) -> None:
         with self._cond:

@@ -162,7 +162,8 @@ def engine_error(error: BaseException, names: WireNames = WireNames()) -> APIErr
     if isinstance(error, QueueFull):
         return APIError(503, str(error), type="server_error", code="queue_full", headers={"Retry-After": "1"})
     if isinstance(error, EngineStopped):
-        return APIError(503, str(error), type="server_error", code="engine_down")
+        # Its text may carry the internal error that stopped the engine: never sent to clients.
+        return APIError(503, "the engine is not running", type="server_error", code="engine_down")
     return APIError(500, "the engine failed while running this request", type="server_error", code="engine_error")
 
 
