@@ -14,9 +14,13 @@ from radixkv.engine.async_engine import AsyncEngine
 from radixkv.server import anthropic_routes, cache_routes, openai_routes, ops_routes, responses_routes
 from radixkv.server.access import AccessGuard
 from radixkv.server.body_limit import LimitBody
+from radixkv.server.anthropic_protocol import MessagesRequest
 from radixkv.server.errors import install_error_handlers
 from radixkv.server.limits import ServerLimits
+from radixkv.server.openapi import document_request_bodies
 from radixkv.server.metrics import CountRequests, ServerMetrics
+from radixkv.server.protocol import ChatCompletionRequest, CompletionRequest, PinRequest
+from radixkv.server.responses_protocol import ResponsesRequest
 from radixkv.server.state import Server
 from radixkv.server.tenants import Tenants
 
@@ -51,4 +55,14 @@ def create_app(
     responses_routes.register(app, server)
     cache_routes.register(app, server)
     anthropic_routes.register(app, server)
+    document_request_bodies(
+        app,
+        {
+            "/v1/chat/completions": ChatCompletionRequest,
+            "/v1/completions": CompletionRequest,
+            "/v1/responses": ResponsesRequest,
+            "/v1/messages": MessagesRequest,
+            "/v1/cache/pin": PinRequest,
+        },
+    )
     return app
