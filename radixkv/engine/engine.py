@@ -276,12 +276,14 @@ class Engine:
             clock.lap("forward")
         finally:
             masks = pending.join() if pending is not None else None
-        # Rows with NaN or +inf logits (one bad sequence, e.g. an overflow) are zeroed so the
-        # batch still samples; their requests then fail alone. Read back after sampling, whose
-        # own transfer has synced already: no extra stall on the device.
+        # Rows with NaN or infinite logits (one bad sequence, e.g. an overflow; a row sum is
+        # finite exactly when its entries are, one cheap pass) are zeroed so the batch still
+        # samples, and their requests then fail alone. On a device the fill runs unconditionally
+        # and the rows are read back after sampling, whose transfer has synced already: no stall.
         with torch.inference_mode():  # the logits are an inference tensor: update it in place there
-            non_finite = (torch.isnan(logits) | torch.isposinf(logits)).any(dim=-1)
-            logits.masked_fill_(non_finite.unsqueeze(-1), 0.0)
+            non_finite = ~torch.isfinite(logits.sum(dim=-1))
+            if logits.device.type != "cpu" or bool(non_finite.any()):
+                logits.masked_fill_(non_finite.unsqueeze(-1), 0.0)
         broken: dict[int, BaseException] = {}
         tokens, logprobs = self._sample(logits, sampling, masks, broken)
         for row in non_finite.nonzero().flatten().tolist():
