@@ -73,9 +73,9 @@ class RequestStream:
     the whole output).
 
     A consumer that falls behind (a client that stops reading) holds only the deltas it has not
-    taken yet, joined once when it next reads, never re-copied per step. `close()` aborts the request if
-    it is still running; it is idempotent and safe to call from `finally` blocks, even while
-    being cancelled.
+    taken yet, joined once when it next reads, never re-copied per step. `close()` aborts the
+    request if it is still running; it is idempotent and safe to call from `finally` blocks,
+    even while being cancelled.
     """
 
     def __init__(self, owner: AsyncEngine, request_id: str, loop: asyncio.AbstractEventLoop) -> None:

@@ -324,7 +324,8 @@ class Engine:
             return self.sampler.sample(logits, sampling) if masks is None else self.sampler.sample(logits, sampling, masks)
         except Exception:  # noqa: BLE001 - find the row at fault below
             if masks is not None:
-                masks.apply(logits)
+                with torch.inference_mode():
+                    masks.apply(logits)  # may have been applied already: masking twice is a no-op
         tokens: list[int] = []
         logprobs: list[TokenLogprob | None] = []
         for row, seq in enumerate(sampling):

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from radixkv.engine.detokenizer import TextState
