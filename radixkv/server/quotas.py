@@ -43,6 +43,17 @@ class KeyQuotas:
         self._usage: dict[bytes | None, _Usage] = {}
         self._lock = threading.Lock()
 
+    def check_fits(self, requests: int, seqs: int, param: str) -> None:
+        """APIError 400 for a submission larger than a key's whole share: waiting cannot help it."""
+        if requests > self.max_requests or seqs > self.max_seqs:
+            raise APIError(
+                400,
+                f"this request makes {requests} engine requests ({seqs} sequences); the server allows "
+                f"{self.max_requests} requests and {self.max_seqs} sequences per key at once; split it",
+                param=param,
+                code="request_too_large",
+            )
+
     def acquire(self, key: bytes | None, requests: int, seqs: int) -> Lease:
         """A lease on `requests` engine requests of `seqs` sequences, or APIError 429."""
         with self._lock:

@@ -51,6 +51,8 @@ async def submit(
     `quotas`, each request holds a share of `key`'s quota until its stream is done (429 past it)."""
     streams: list[RequestStream] = []
     leases: list[Lease] = []
+    if quotas is not None:
+        quotas.check_fits(len(prompts), len(prompts) * params.n, names.prompt if len(prompts) > 1 else "n")
     try:
         for prompt in prompts:
             if quotas is not None:

@@ -22,10 +22,10 @@ def shared_server(tiny_llama):
         yield live
 
 
-def open_stream(live, key: str, i: int):
+def open_stream(live, key: str, i: int, n: int = 1):
     """A long streamed completion that is generating when this returns (first event read)."""
     client = live.http(key)
-    body = {"model": MODEL, "prompt": f"Disconnect {i}: the quick brown fox", "max_tokens": 480, "temperature": 0, "stream": True}
+    body = {"model": MODEL, "prompt": f"Disconnect {i}: the quick brown fox", "max_tokens": 480, "temperature": 0, "stream": True, "n": n}
     context = client.stream("POST", "/v1/completions", json=body)
     response = context.__enter__()
     assert response.status_code == 200
@@ -58,11 +58,21 @@ def test_a_flooding_key_gets_429_while_another_key_gets_200(shared_server):
 
 
 def test_sequences_count_against_the_key(shared_server):
-    with shared_server.http(KEY_A) as client:
-        refused = client.post("/v1/completions", json={"model": MODEL, "prompt": "many", "n": 5, "max_tokens": 2, "temperature": 1})
-        served = client.post("/v1/completions", json={"model": MODEL, "prompt": "many", "n": 4, "max_tokens": 2, "temperature": 1})
-    assert refused.status_code == 429 and served.status_code == 200
-    shared_server.assert_idle_and_consistent()
+    live = shared_server
+    opened = [open_stream(live, KEY_A, 0, n=3)]  # 3 of the key's 4 sequences
+    try:
+        with live.http(KEY_A) as client:
+            refused = client.post("/v1/completions", json={"model": MODEL, "prompt": "two", "n": 2, "max_tokens": 2, "temperature": 1})
+            served = client.post("/v1/completions", json={"model": MODEL, "prompt": "one", "max_tokens": 2})
+        assert refused.status_code == 429 and served.status_code == 200
+    finally:
+        for client, context, _ in opened:
+            context.__exit__(None, None, None)
+            client.close()
+    with live.http(KEY_A) as client:  # more than a key's whole share can never run: 400, not 429
+        too_many = client.post("/v1/completions", json={"model": MODEL, "prompt": "many", "n": 5, "max_tokens": 2, "temperature": 1})
+    assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "n"
+    live.assert_idle_and_consistent()
 
 
 def test_pins_are_listed_per_key_capped_per_key_and_refused_when_empty(shared_server):
@@ -87,3 +97,13 @@ def test_pins_are_listed_per_key_capped_per_key_and_refused_when_empty(shared_se
         assert a.get("/v1/cache/pin").json()["data"] == []
         assert a.delete(f"/v1/cache/pin/{first.json()['pin_id']}").status_code == 404
     shared_server.assert_idle_and_consistent()
+
+
+def test_a_request_larger_than_a_keys_whole_share_is_refused_as_such(shared_server):
+    """Three prompts where a key may have two requests in flight: 400 (split it), not a 429
+    that no amount of waiting would fix."""
+    with shared_server.http(KEY_B) as client:
+        response = client.post("/v1/completions", json={"model": MODEL, "prompt": ["a", "b", "c"], "max_tokens": 2})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["code"] == "request_too_large" and error["param"] == "prompt"
