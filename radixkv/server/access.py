@@ -49,18 +49,28 @@ class AccessGuard:
         """Without keys anyone who can send to the socket may use it, and a browser can: a page
         on any site may post to localhost, or rebind its own name to 127.0.0.1."""
         host = headers.get("host", "")
-        if "*" not in self.limits.allowed_hosts and _hostname(host) not in _LOOPBACK_HOSTS | set(self.limits.allowed_hosts):
-            raise APIError(403, f"Host {host!r} is not served here; without an API key this server answers loopback names only",
-                           type="permission_error", code="host_not_allowed")
+        allowed_hosts = self.limits.allowed_hosts
+        if "*" not in allowed_hosts and _hostname(host) not in _LOOPBACK_HOSTS | set(allowed_hosts):
+            raise APIError(
+                403, f"Host {host!r} is not served here; without an API key this server answers loopback names only",
+                type="permission_error", param="host", code="host_not_allowed",
+            )
         origin = headers.get("origin")
-        if origin is not None and origin not in self.limits.allowed_origins and origin not in (f"http://{host}", f"https://{host}"):
-            raise APIError(403, f"cross-site requests from {origin!r} are refused; allow the origin in the server's options",
-                           type="permission_error", code="origin_not_allowed")
+        same_site = (f"http://{host}", f"https://{host}")
+        if origin is not None and origin not in self.limits.allowed_origins and origin not in same_site:
+            raise APIError(
+                403, f"cross-site requests from {origin!r} are refused; allow the origin in the server's options",
+                type="permission_error", param="origin", code="origin_not_allowed",
+            )
         if method in _BODY_METHODS and _has_body(headers):
+            # A form or a no-cors fetch can send text/plain or form types without a preflight;
+            # only JSON makes a browser ask first (and this server grants no CORS).
             media_type = headers.get("content-type", "").split(";")[0].strip().lower()
             if media_type != "application/json":
-                raise APIError(415, f"request bodies must be application/json, got {media_type or 'none'!r}",
-                               param="content-type", code="unsupported_media_type")
+                raise APIError(
+                    415, f"request bodies must be application/json, got {media_type or 'none'!r}",
+                    param="content-type", code="unsupported_media_type",
+                )
 
 
 def _hostname(host: str) -> str:
