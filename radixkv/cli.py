@@ -53,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     serving.add_argument("--dtype", default="auto")
     serving.add_argument("--num-pages", type=int, default=None)
     serving.add_argument("--no-prefix-caching", action="store_true", help="compute every prompt in full (for comparisons)")
+    serving.add_argument("--kv-disk-dir", default=None, help="keep evicted KV blocks (and all of them at exit) in this directory; a restart finds them")
+    serving.add_argument("--kv-disk-bytes", type=int, default=16 << 30, help="byte budget of --kv-disk-dir (default 16 GiB)")
+    serving.add_argument("--admin-key", action="append", default=None, help="bearer key that may also flush the cache (repeatable)")
 
     bench = commands.add_parser(
         "bench", help="run a scenario side by side with peers", epilog="scenarios: " + ", ".join(scenario_names())
@@ -108,30 +111,47 @@ def serve(args: argparse.Namespace) -> int:
     from radixkv.engine.async_engine import AsyncEngine
     from radixkv.engine.engine import Engine
     from radixkv.server.app import create_app
-    from radixkv.server.tenants import load_api_keys
+    from radixkv.server.tenants import load_api_keys, persistent_secret
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         api_keys = load_api_keys(args.api_key, args.api_key_file)
-        limits = _server_limits(args, keyless_remote=not api_keys and not _is_loopback(args.host))
+        keyless = not api_keys and not args.admin_key
+        limits = _server_limits(args, keyless_remote=keyless and not _is_loopback(args.host))
     except (ConfigError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     try:
         config = EngineConfig(
-            model=args.model, dtype=args.dtype, num_pages=args.num_pages, enable_prefix_caching=not args.no_prefix_caching
+            model=args.model,
+            dtype=args.dtype,
+            num_pages=args.num_pages,
+            enable_prefix_caching=not args.no_prefix_caching,
+            kv_disk_dir=args.kv_disk_dir,
+            kv_disk_bytes=args.kv_disk_bytes,
         )
         engine = Engine(config)
+        # With a disk tier the tenants' cache salts must survive a restart, or their blocks on
+        # disk would be unreachable: the secret lives beside them, owner-only.
+        tenant_secret = None
+        if engine.disk is not None and engine.disk.enabled:
+            tenant_secret = persistent_secret(engine.disk.directory / "tenant_secret")
     except (ConfigError, InvalidRequest, OSError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    if not api_keys and not _is_loopback(args.host):
+    if keyless and not _is_loopback(args.host):
         logger.warning("serving on %s without an API key: anyone who can reach it can use it", args.host)
     async_engine = AsyncEngine(engine)
     name = served_model_name(args.model)
     try:
         app = create_app(
-            async_engine, api_keys=api_keys, model_name=name, model_aliases=[args.model] if args.model else [], limits=limits
+            async_engine,
+            api_keys=api_keys,
+            model_name=name,
+            model_aliases=[args.model] if args.model else [],
+            tenant_secret=tenant_secret,
+            admin_keys=args.admin_key,
+            limits=limits,
         )
         logger.info(
             "serving %s on http://%s:%d (%d KV pages of %d tokens, context %d)",

@@ -13,8 +13,12 @@ from pathlib import Path
 from radixkv.errors import ConfigError
 
 POLICIES = ("lpm", "fcfs")
+# radixkv.cache.eviction.EVICTION_POLICIES; spelled out so the config stays free of torch
+# (importing radixkv.cache loads it), and a test checks the two agree.
+EVICTION_POLICIES = ("slru", "lru")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 BACKENDS = ("auto", "torch", "cpu", "triton")
+LINEAR_KERNELS = ("auto", "amx", "avx512_bf16", "onednn")
 
 
 @dataclass(slots=True)
@@ -31,7 +35,9 @@ class EngineConfig:
     lpm_fcfs_queue_threshold: int = 128  # above this many waiting requests LPM degrades to FCFS
     max_wait_steps: int = 64  # a request waiting longer than this many steps goes first
     enable_prefix_caching: bool = True
-    dtype: str = "auto"  # "auto": bf16 on CUDA or an AMX CPU, else fp32
+    # "auto": bf16 on CUDA, and on CPUs with native bf16 arithmetic (AMX, AVX512_BF16, aarch64
+    # bf16); elsewhere fp32, since there bf16 is emulated and slower than fp32.
+    dtype: str = "auto"
     device: str = "auto"  # "auto": cuda when available, else cpu
     # "auto": triton on CUDA; on CPU "cpu" (the native kernels) when native_kernels is on and
     # the library builds, else "torch" (the pure-torch reference).
@@ -44,6 +50,15 @@ class EngineConfig:
     # in different orders, so some bf16 bits differ). One setting per process: the native
     # library holds it, and the CPU backend applies this value when it is built.
     decode_amx: bool = True
+    # Decode reads a shared cached prefix from memory once per step, not once per request: the
+    # CPU kernel runs the requests' work over the same pages back to back, so all but the first
+    # read it from cache. Outputs are bit-identical either way; False keeps the natural order.
+    share_decode_reads: bool = True
+    # bf16 linears on CPU: "amx" (tiles), "avx512_bf16" (vdpbf16ps; any CPU with AVX512_BF16,
+    # AMX machines included, so either machine tests the other's path) or "onednn" (torch's
+    # library, over weights it packs once). "auto": the fastest native kernel that runs here.
+    # A named native kernel this CPU cannot run fails at load, naming the missing feature.
+    linear_kernel: str = "auto"
     # Check the Triton kernels' device indices (page table, slots, offsets) before each step;
     # each check syncs with the device. None: on under TRITON_INTERPRET=1 only.
     check_indices: bool | None = None
@@ -65,6 +80,18 @@ class EngineConfig:
     # fp32 is exact without it (token for token), bf16 is not: see README, "Exact".
     batch_invariant: bool = False
     cache_dir: str | None = None  # converted-weights cache; None: ~/.cache/radixkv
+    # Which unlocked cached blocks go first when pages run out: "slru" evicts blocks that never
+    # served a hit (one request's private tail) before those that did, each least recently
+    # used first, so a burst of one-off prompts cannot flush a hot system prompt; "lru" is
+    # plain least recently used. Retained prefixes go last under both.
+    eviction_policy: str = "slru"
+    # The disk tier of the prefix cache: blocks evicted from RAM (and all of RAM's at close)
+    # are kept as files under this directory, owner-only, and a match that runs out in RAM
+    # continues there; a restart finds them. None: off. A directory that cannot be used turns
+    # the tier off with a warning, never the engine. One directory per model is best: another
+    # model's blocks are misses there, and both models' evictions share its budget.
+    kv_disk_dir: str | None = None
+    kv_disk_bytes: int = 16 << 30  # the tier's budget in bytes; the least recently used blocks go past it
     # Serving health (AsyncEngine): after this many failed steps in a row, or while one step has
     # run longer than step_watchdog_s seconds, the engine reports itself unhealthy (/health 503)
     # so a supervisor can restart it; a step that succeeds again makes it healthy.
@@ -95,9 +122,14 @@ class EngineConfig:
         if not 0.0 < self.kv_memory_fraction <= 0.95:
             raise ConfigError(f"kv_memory_fraction must be in (0, 0.95], got {self.kv_memory_fraction!r}")
         _choice(self, "policy", POLICIES)
+        _choice(self, "eviction_policy", EVICTION_POLICIES)
+        if self.kv_disk_dir is not None and (not isinstance(self.kv_disk_dir, str) or not self.kv_disk_dir.strip()):
+            raise ConfigError(f"kv_disk_dir must be None or a directory path, got {self.kv_disk_dir!r}", param="kv_disk_dir")
+        _positive(self, "kv_disk_bytes", limit=1 << 50)
         _choice(self, "dtype", DTYPES)
         _choice(self, "attention_backend", BACKENDS)
-        for name in ("native_kernels", "decode_amx"):
+        _choice(self, "linear_kernel", LINEAR_KERNELS)
+        for name in ("native_kernels", "decode_amx", "share_decode_reads"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}", param=name)
         if self.check_indices is not None and not isinstance(self.check_indices, bool):

@@ -56,6 +56,11 @@ class LLM:
     def encode_chat(self, messages: Sequence[Message], *, add_generation_prompt: bool = True) -> list[int]:
         return encode_chat(self.tokenizer, messages, add_generation_prompt=add_generation_prompt)
 
+    def close(self) -> None:
+        """Write the RAM cache to the disk tier (EngineConfig.kv_disk_dir), so the next LLM on
+        the same model and directory starts warm. A no-op without a disk tier."""
+        self.engine.close()
+
     def stats(self) -> EngineStats:
         return self.engine.stats()
 

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import sys
 
+from radixkv.scenarios.bounds import Costs, workload_bound_s
 from radixkv.scenarios.harness import load_tokenizer, parse_args, peer_list, run, text_tokens
+from radixkv.scenarios.machine import machine_limits
 from radixkv.scenarios.peers import Workload
+from radixkv.scenarios.report import min_prefill_tokens
 
 DEFAULTS = dict(
     name="agent_system_prompt",
@@ -35,14 +38,33 @@ def build(args) -> Workload:
     return Workload(DEFAULTS["name"], prompts, args.output_len, model=args.model, dtype=args.dtype)
 
 
+def bound(workload: Workload, max_num_seqs: int = 64) -> dict:
+    """The workload's bound on this machine, in the dtype radixkv's `auto` picks here."""
+    from radixkv.model import load_model_config, resolve_device, resolve_dtype
+
+    dtype = resolve_dtype(workload.dtype, resolve_device("cpu"))
+    limits = machine_limits(dtype)
+    costs = Costs.of(load_model_config(workload.model), element_bytes=dtype.itemsize)
+    distinct = min_prefill_tokens(workload.prompts, workload.page_size)
+    seconds = workload_bound_s(
+        costs, [len(p) for p in workload.prompts], distinct, workload.output_len, max_num_seqs,
+        limits["read_bandwidth_gb_s"] * 1e9, limits["matmul_gflops"] * 1e9,
+    )  # fmt: skip
+    return limits | seconds
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv, __doc__, DEFAULTS)
     workload = build(args)
-    after = None
-    if args.decode_profile:
-        from radixkv.scenarios.decode_profile import profile_decode
 
-        after = lambda: {"decode_profile": profile_decode(args.model, args.dtype)}  # noqa: E731
+    def after() -> dict:
+        extra = {"bound": bound(workload)}
+        if args.decode_profile:
+            from radixkv.scenarios.decode_profile import profile_decode
+
+            extra["decode_profile"] = profile_decode(args.model, args.dtype)
+        return extra
+
     run(workload, peer_list(args.peers), args.out, after)
     return 0
 

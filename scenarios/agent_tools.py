@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from radixkv.scenarios.harness import TEXT
+from radixkv.scenarios.machine import machine_limits
 
 QUESTIONS = [
     "Where is my order 1042? I need it before Friday.",
@@ -277,16 +278,6 @@ def _plot(records: list[CallRecord], modes: list[str], out_dir: Path) -> None:
     plt.close(fig)
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -309,9 +300,14 @@ def main(argv: list[str] | None = None) -> int:
     for mode, turns in failed.items():
         if turns:
             print(f"{mode}: the SDK gave up on {', '.join(turns)}")
+    from radixkv.model import resolve_device, resolve_dtype
+
+    limits = machine_limits(resolve_dtype(args.dtype, resolve_device("cpu")))
+    print(f"\n{limits['cpu']}: read {limits['read_bandwidth_gb_s']:.1f} GB/s, {limits['matmul_dtype']} matmul "
+          f"{limits['matmul_gflops']:.0f} GFLOP/s, measured after the runs")  # fmt: skip
     meta = {
         "model": args.model or "SmolLM2-135M-Instruct", "dtype": args.dtype, "turns": args.turns,
-        "cpu": _cpu_model(), "failed_turns": failed,
+        "failed_turns": failed, **limits,
     }
     write_report(records, modes, out_dir, meta)
     return 0

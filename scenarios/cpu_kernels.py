@@ -2,10 +2,11 @@
 SmolLM2-135M's shapes with caches cold (every weight and KV byte comes from memory):
 
 - linears: all 30 layers' q/k/v, o, gate/up and down, at 1, 32 and 512 rows, plus the lm_head
-  at decode's row counts (prefill computes logits for its last token only), on AMX tiles
-  (radixkv/cpu/csrc/amx_linear.c) vs oneDNN with prepacked weights vs plain F.linear;
-- decode attention: 32 requests x 1,032 tokens over 30 layers' paged KV, the native kernel
-  (radixkv/cpu/csrc/paged_decode.c) vs the torch reference backend's gather + SDPA.
+  at decode's row counts (prefill computes logits for its last token only), on each native
+  kernel this CPU runs (radixkv/cpu/csrc/packed_linear.c: AMX tiles, AVX512_BF16) vs oneDNN with
+  prepacked weights vs plain F.linear;
+- decode attention: 32 requests x 1,032 tokens over 30 layers' paged KV, in bf16 and fp32, the
+  native kernel (radixkv/cpu/csrc/paged_decode.c) vs the torch reference backend's gather + SDPA.
 
     python -m radixkv.scenarios.cpu_kernels [--out out/cpu_kernels] [--repeats 5] [--layers 30] [--context 1032]
 """
@@ -26,7 +27,7 @@ from radixkv.attention.torch_backend import TorchBackend
 from radixkv.cpu import decode as cpu_decode
 from radixkv.cpu import native
 from radixkv.cpu.features import cpu_features
-from radixkv.cpu.linear import PACK_FOR_ROWS, PackedLinear
+from radixkv.cpu.linear import PACK_FOR_ROWS, PackedLinear, available_linear_kernels
 
 LINEAR_SHAPES = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576)}
 LM_HEAD = (576, 49152)
@@ -49,15 +50,19 @@ def linear_rows(repeats: int, flush: torch.Tensor, layers: int) -> list[dict]:
     torch.manual_seed(0)
     shapes = [shape for _ in range(layers) for shape in LINEAR_SHAPES.values()] + [LM_HEAD]
     weights = [torch.randn(n, k).to(BF16) for k, n in shapes]
-    amx = [PackedLinear(_linear(w)) for w in weights]
+    native_layers = {kernel: [PackedLinear(_linear(w), kernel) for w in weights] for kernel in available_linear_kernels()}
+    baseline = f"radixkv {available_linear_kernels()[0]}"
     onednn = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_FOR_ROWS) for w in weights]
     rows = []
     for m in (1, 32, 512):
         used = len(shapes) if m <= 32 else len(shapes) - 1  # no lm_head over prefill rows
         inputs = [torch.randn(m, k).to(BF16) for k, _ in shapes[:used]]
         weight_bytes = sum(w.numel() * w.element_size() for w in weights[:used])
-        peers = {
-            "radixkv AMX": lambda: [layer(x) for layer, x in zip(amx, inputs, strict=False)],
+        peers: dict[str, Callable[[], object]] = {
+            f"radixkv {kernel}": (lambda layers=layers: [layer(x) for layer, x in zip(layers, inputs, strict=False)])
+            for kernel, layers in native_layers.items()
+        }
+        peers |= {
             "oneDNN prepacked": lambda: [
                 torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "") for w, x in zip(onednn, inputs, strict=False)
             ],
@@ -68,7 +73,7 @@ def linear_rows(repeats: int, flush: torch.Tensor, layers: int) -> list[dict]:
         times = {name: coldest(run, repeats, flush) for name, run in peers.items()}
         for name, seconds in times.items():
             rows.append(dict(part="linears", case=f"{m} rows", peer=name, ms=seconds * 1e3,
-                             gb_s=weight_bytes / seconds / 1e9, x_radixkv=seconds / times["radixkv AMX"]))  # fmt: skip
+                             gb_s=weight_bytes / seconds / 1e9, x_radixkv=seconds / times[baseline]))  # fmt: skip
     return rows
 
 
@@ -78,16 +83,16 @@ def _linear(weight: torch.Tensor) -> torch.nn.Linear:
     return linear
 
 
-def decode_rows(repeats: int, flush: torch.Tensor, layers: int, context: int, num_seqs: int = 32) -> list[dict]:
+def decode_rows(repeats: int, flush: torch.Tensor, layers: int, context: int, dtype: torch.dtype, num_seqs: int = 32) -> list[dict]:
     torch.manual_seed(0)
     pages_per_seq = -(-context // PAGE_SIZE)
     num_pages = num_seqs * pages_per_seq
     shape = (num_pages, PAGE_SIZE, KV_HEADS, HEAD_DIM)
-    k_caches = [torch.randn(shape).to(BF16) for _ in range(layers)]
-    v_caches = [torch.randn(shape).to(BF16) for _ in range(layers)]
+    k_caches = [torch.randn(shape).to(dtype) for _ in range(layers)]
+    v_caches = [torch.randn(shape).to(dtype) for _ in range(layers)]
     page_table = torch.randperm(num_pages, dtype=torch.int32).view(num_seqs, pages_per_seq)
     seq_lens = torch.full((num_seqs,), context, dtype=torch.int32)
-    q = torch.randn(num_seqs, Q_HEADS, HEAD_DIM).to(BF16)
+    q = torch.randn(num_seqs, Q_HEADS, HEAD_DIM).to(dtype)
     backend = TorchBackend()
     meta = AttentionMetadata(
         positions=torch.full((num_seqs,), context - 1), slot_mapping=torch.full((num_seqs,), -1),
@@ -108,10 +113,10 @@ def decode_rows(repeats: int, flush: torch.Tensor, layers: int, context: int, nu
         ],
         "gather + SDPA": gather_sdpa,
     }
-    kv_bytes = 2 * layers * num_seqs * context * KV_HEADS * HEAD_DIM * 2
+    kv_bytes = 2 * layers * num_seqs * context * KV_HEADS * HEAD_DIM * k_caches[0].element_size()
     times = {name: coldest(run, repeats, flush) for name, run in peers.items()}
     return [
-        dict(part="decode attention", case=f"{num_seqs} x {context} tokens", peer=name, ms=seconds * 1e3,
+        dict(part=f"decode attention {str(dtype).removeprefix('torch.')}", case=f"{num_seqs} x {context} tokens", peer=name, ms=seconds * 1e3,
              gb_s=kv_bytes / seconds / 1e9, x_radixkv=seconds / times["radixkv paged kernel"])  # fmt: skip
         for name, seconds in times.items()
     ]
@@ -129,15 +134,18 @@ def main(argv: list[str] | None = None) -> int:
     if library is None:
         print("needs the native kernels (no C compiler here)")
         return 1
-    if not cpu_features().amx_bf16 or not library.radixkv_amx_linear_available():
-        print("needs AMX tiles (amx_bf16)")
+    if not available_linear_kernels():
+        print(f"needs a native linear kernel: this CPU ({cpu_features().model_name}) has neither avx512_bf16 nor amx_bf16")
         return 1
     flush = torch.ones(args.flush_mib << 20, dtype=torch.int8)
-    rows = linear_rows(args.repeats, flush, args.layers) + decode_rows(args.repeats, flush, args.layers, args.context)
-    print(f"\n{'part':<17} {'case':<18} {'peer':<21} {'ms':>8} {'GB/s':>6} {'x radixkv':>9}")
-    print("-" * 84)
+    rows = linear_rows(args.repeats, flush, args.layers)
+    for dtype in (BF16, torch.float32):
+        rows += decode_rows(args.repeats, flush, args.layers, args.context, dtype)
+    print(f"\n{cpu_features().model_name}, {torch.get_num_threads()} threads")
+    print(f"\n{'part':<26} {'case':<18} {'peer':<21} {'ms':>8} {'GB/s':>6} {'x radixkv':>9}")
+    print("-" * 93)
     for r in rows:
-        print(f"{r['part']:<17} {r['case']:<18} {r['peer']:<21} {r['ms']:8.2f} {r['gb_s']:6.1f} {r['x_radixkv']:9.2f}")
+        print(f"{r['part']:<26} {r['case']:<18} {r['peer']:<21} {r['ms']:8.2f} {r['gb_s']:6.1f} {r['x_radixkv']:9.2f}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "cpu_kernels.json").write_text(json.dumps(dict(threads=torch.get_num_threads(), rows=rows), indent=2))

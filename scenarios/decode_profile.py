@@ -1,72 +1,71 @@
-"""Where a decode step's time goes: 32 running requests at ~1k-token contexts, next to the
-time it takes to read the weights plus the KV they attend to once at this machine's read
-bandwidth, measured in the same run (the copy rate used before is reported beside it).
+"""Where a decode step's time goes: 32 running requests at ~1k-token contexts, against an
+honest bound measured in the same run: the larger of reading the weights plus the KV once at
+this machine's read bandwidth, and the step's flops at its matmul rate in the step's dtype.
+
+    python -m radixkv.scenarios.decode_profile [--dtype auto] [--out out/decode_profile]
+    python -m radixkv.scenarios.decode_profile --shared-prefix 1024 [--group-sizes 1,2,4,8,16,32]
+
+--shared-prefix N: the requests share N-token prefixes in groups (2 groups of 16 by default)
+with --own-tokens of their own each, timed with EngineConfig.share_decode_reads on and off in
+the same run, and the step time against the group size.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from collections import defaultdict
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict
+from pathlib import Path
 
 import torch
 
-
-def copy_bandwidth_bytes_per_s(size_bytes: int = 1 << 30, repeats: int = 5) -> float:
-    """Bytes read + written per second by a large tensor copy (the ceiling decode can reach)."""
-    src = torch.empty(size_bytes // 4, dtype=torch.float32).fill_(1.0)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - start)
-    return 2 * size_bytes / best
+from radixkv.scenarios.bounds import Costs
+from radixkv.scenarios.machine import copy_bandwidth_bytes_per_s, machine_limits
 
 
-def read_bandwidth_bytes_per_s(size_bytes: int = 1 << 30, repeats: int = 10) -> float:
-    """Bytes read per second by the fastest of a few streaming reductions over a 1 GiB tensor.
-
-    The fastest, not an average: the ideal a decode step is held to should be the machine's
-    read ceiling, so the ratio errs against us. On a shared VM the ceiling itself moves from run
-    to run (24.6 to 32.8 GB/s seen on one day), so compare ratios from one run only.
-    """
-    as_bytes = torch.ones(size_bytes, dtype=torch.int8)
-    as_floats = as_bytes.view(torch.float32)
-    best = float("inf")
-    for reduce in (lambda: as_bytes.max(), lambda: as_floats.sum()):
-        reduce()
-        for _ in range(repeats):
-            start = time.perf_counter()
-            reduce()
-            best = min(best, time.perf_counter() - start)
-    return size_bytes / best
+def prompts_for(vocab: int, num_seqs: int, context: int, shared_prefix: int = 0, group_size: int = 1) -> list[list[int]]:
+    """num_seqs prompts of `context` tokens; consecutive groups of group_size share their first
+    shared_prefix tokens (0: every prompt distinct, each request attends to its own KV)."""
+    prompts = []
+    for i in range(num_seqs):
+        group = i // group_size
+        prefix = [(11 * group + 17 * j) % (vocab - 10) + 5 for j in range(shared_prefix)]
+        own = [(7 * i + 13 * j + 3) % (vocab - 10) + 5 for j in range(context - shared_prefix)]
+        prompts.append(prefix + own)
+    return prompts
 
 
-def decode_weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of weights one decode step reads: all of them except the embedding table, of
-    which it reads a row per request (unless the lm_head is that same tensor)."""
-    embedding = model.embed_tokens.weight
-    tied = any(p is embedding for name, p in model.named_parameters() if not name.startswith("embed_tokens"))
-    return sum(
-        p.numel() * p.element_size() for p in model.parameters() if p is not embedding or tied
-    )
-
-
-def profile_decode(model: str | None = None, dtype: str = "auto", num_seqs: int = 32, context: int = 1024, steps: int = 8) -> dict:
+def profile_decode(
+    model: str | None = None,
+    dtype: str = "auto",
+    num_seqs: int = 32,
+    context: int = 1024,
+    steps: int = 8,
+    shared_prefix: int = 0,
+    group_size: int = 1,
+    share_reads: bool = True,
+    quiet: bool = False,
+    llm=None,
+    limits: dict | None = None,
+) -> dict:
+    """One decode step's time and where it goes, against the bound. llm/limits: an LLM and
+    machine limits from an earlier call to reuse (its cache stays warm; share_reads is set on
+    its backend, so on and off run over the very same pages)."""
     from radixkv import LLM, SamplingParams
 
-    page_size = 16
-    pages = num_seqs * (-(-(context + steps + 8) // page_size)) + 64
-    llm = LLM(model, dtype=dtype, num_pages=pages, max_num_seqs=num_seqs, max_batch_tokens=4096)
+    if llm is None:
+        pages = num_seqs * (-(-(context + steps + 8) // 16)) + 64
+        llm = LLM(model, dtype=dtype, num_pages=pages, max_num_seqs=num_seqs, max_batch_tokens=4096)
     engine = llm.engine
-    vocab = engine.model_config.vocab_size
-    for i in range(num_seqs):  # distinct prompts: no sharing, every request attends to its own KV
-        prompt = [(7 * i + 13 * j) % (vocab - 10) + 5 for j in range(context)]
+    engine.loaded.model.attention.share_reads = share_reads
+    prompts = prompts_for(engine.model_config.vocab_size, num_seqs, context, shared_prefix, group_size)
+    if shared_prefix:  # each group's prefix cached first, as a served system prompt would be
+        llm.generate([p[:shared_prefix] for p in prompts[::group_size]], SamplingParams(max_tokens=1))
+    for prompt in prompts:
         engine.add_request(prompt, SamplingParams(max_tokens=steps + 64, ignore_eos=True))
     while any(s.num_uncomputed_tokens > 1 for s in engine.scheduler.waiting) or engine.scheduler.waiting or any(
         s.num_uncomputed_tokens > 1 for s in engine.scheduler.running
@@ -74,42 +73,56 @@ def profile_decode(model: str | None = None, dtype: str = "auto", num_seqs: int 
         engine.step()
     engine.step()
     engine.step_times.reset()
+    reads_before = (engine.counters.num_kv_tokens_read, engine.counters.num_kv_tokens_read_shared)
     step_s = median_step_s(engine, steps)
+    kv_read = engine.counters.num_kv_tokens_read - reads_before[0]
+    kv_shared = engine.counters.num_kv_tokens_read_shared - reads_before[1]
     phases = {name: seconds / steps for name, seconds in asdict(engine.step_times).items()}
-    breakdown = kernel_breakdown(engine, steps)
+    breakdown = {} if quiet else kernel_breakdown(engine, steps)
     for request_id in list(engine._requests):
         engine.abort(request_id)
 
     mc = engine.model_config
     element = torch.finfo(engine.dtype).bits // 8
-    weight_bytes = decode_weight_bytes(engine.loaded.model)
-    kv_bytes = num_seqs * (context + steps) * mc.num_layers * mc.num_kv_heads * mc.head_dim * 2 * element
-    copy_bandwidth = copy_bandwidth_bytes_per_s()
-    read_bandwidth = read_bandwidth_bytes_per_s()
-    ideal_s = (weight_bytes + kv_bytes) / read_bandwidth
-    # The earlier yardstick: the copy rate (bytes read + written per second) taken as a read rate.
-    ideal_copy_s = (weight_bytes + kv_bytes) / copy_bandwidth
+    # The bound counts each distinct KV token once: a shared prefix need be read only once.
+    distinct_tokens = num_seqs * (context + steps) - (num_seqs - num_seqs // group_size) * shared_prefix
+    kv_bytes = distinct_tokens * mc.num_layers * mc.num_kv_heads * mc.head_dim * 2 * element
+    costs = Costs.of(mc, element)  # every linear's weights, the lm_head included, read once
+    weight_bytes = costs.weight_bytes
+    flops = costs.decode_step_flops([context + steps // 2] * num_seqs)
+    limits = limits or machine_limits(engine.dtype)
+    copy_bandwidth = None if quiet else copy_bandwidth_bytes_per_s()
+    read_s = (weight_bytes + kv_bytes) / (limits["read_bandwidth_gb_s"] * 1e9)
+    compute_s = flops / (limits["matmul_gflops"] * 1e9)
+    ideal_s = max(read_s, compute_s)
     result = dict(
         num_seqs=num_seqs,
         context=context,
+        shared_prefix=shared_prefix,
+        group_size=group_size,
+        share_reads=share_reads,
+        kv_tokens_read_per_step=kv_read / steps,
+        kv_tokens_shared_per_step=kv_shared / steps,
         dtype=str(engine.dtype),
         step_ms=step_s * 1e3,
         phases_ms={k: v * 1e3 for k, v in phases.items()},
         engine_overhead_fraction=(step_s - phases["forward"]) / step_s,
         weight_mib=weight_bytes / 2**20,
         kv_mib=kv_bytes / 2**20,
-        read_bandwidth_gb_s=read_bandwidth / 1e9,
-        copy_bandwidth_gb_s=copy_bandwidth / 1e9,
-        ideal_read_ms=ideal_s * 1e3,
+        step_gflop=flops / 1e9,
+        **limits,
+        copy_bandwidth_gb_s=None if copy_bandwidth is None else copy_bandwidth / 1e9,
+        read_once_ms=read_s * 1e3,
+        flops_at_matmul_rate_ms=compute_s * 1e3,
+        ideal_ms=ideal_s * 1e3,
+        bound_by="memory" if read_s >= compute_s else "compute",
         step_over_ideal=step_s / ideal_s,
-        ideal_at_copy_rate_ms=ideal_copy_s * 1e3,
-        step_over_ideal_at_copy_rate=step_s / ideal_copy_s,
         native_decode=native_decode_used(engine),
         fused_decode=engine.loaded.model.fused_decode is not None,
         breakdown_ms=breakdown,
-        torch_threads=torch.get_num_threads(),
     )
-    _print(result)
+    if not quiet:
+        _print(result)
     return result
 
 
@@ -156,7 +169,9 @@ def kernel_breakdown(engine, steps: int) -> dict[str, float]:
         with ExitStack() as stack:
             stack.enter_context(_timed(decode, "paged_decode", totals, "attention (paged decode)"))
             stack.enter_context(_timed(decode, "store_kv", totals, "KV stores"))
+            # Packed bf16 linears, and plain ones (fp32, or no oneDNN): every product is a linear's.
             stack.enter_context(_timed(linear.PackedLinear, "forward", totals, "linears (incl. lm_head)"))
+            stack.enter_context(_timed(torch.nn.Linear, "forward", totals, "linears (incl. lm_head)"))
             for op in ("add_rms_norm", "apply_rope", "silu_mul"):
                 stack.enter_context(_timed(llama, op, totals, "norms, rope, silu"))
             stack.enter_context(_timed(llama.CausalLM, "forward", totals, "forward"))
@@ -195,11 +210,13 @@ def _print(r: dict) -> None:
     print(f"  step time            {r['step_ms']:8.1f} ms (median of the steps)")
     for phase, ms in r["phases_ms"].items():
         print(f"    {phase:<18} {ms:8.1f} ms  ({ms / r['step_ms']:.0%})")
-    print(f"  weights + KV read    {r['weight_mib']:.0f} + {r['kv_mib']:.0f} MiB")
+    print(f"  machine              {r['cpu']}")
     print(f"  read bandwidth       {r['read_bandwidth_gb_s']:8.1f} GB/s (fastest streaming read)")
     print(f"  copy bandwidth       {r['copy_bandwidth_gb_s']:8.1f} GB/s (read + written)")
-    print(f"  ideal (read once)    {r['ideal_read_ms']:8.1f} ms -> step is {r['step_over_ideal']:.2f}x the ideal")
-    print(f"  ideal at copy rate   {r['ideal_at_copy_rate_ms']:8.1f} ms -> step is {r['step_over_ideal_at_copy_rate']:.2f}x")
+    print(f"  matmul rate          {r['matmul_gflops']:8.0f} GFLOP/s ({r['matmul_dtype']}, torch)")
+    print(f"  weights + KV read    {r['weight_mib']:.0f} + {r['kv_mib']:.0f} MiB -> {r['read_once_ms']:.1f} ms at the read bandwidth")
+    print(f"  step flops           {r['step_gflop']:.2f} GFLOP -> {r['flops_at_matmul_rate_ms']:.1f} ms at the matmul rate")
+    print(f"  bound                {r['ideal_ms']:8.1f} ms ({r['bound_by']}) -> step is {r['step_over_ideal']:.2f}x the bound")
     print(f"  attention            {'native paged kernel (KV read in place)' if r['native_decode'] else 'gather + SDPA'}")
     print(f"  decoder layers       {'one native call per step (fused)' if r['fused_decode'] else 'module by module'}")
     print("  where the time goes (the same steps layer by layer, each kernel timed):")
@@ -215,9 +232,98 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-seqs", type=int, default=32, help="requests decoding together")
     parser.add_argument("--context", type=int, default=1024, help="tokens of each request's prompt")
     parser.add_argument("--steps", type=int, default=8, help="decode steps timed")
+    parser.add_argument("--out", default="out/decode_profile")
+    parser.add_argument("--shared-prefix", type=int, default=0, help="tokens the requests of a group share (0: none)")
+    parser.add_argument("--own-tokens", type=int, default=64, help="with --shared-prefix: tokens of each request's own")
+    parser.add_argument("--group-size", type=int, default=16, help="with --shared-prefix: requests per group")
+    parser.add_argument("--group-sizes", default="1,2,4,8,16,32", help="with --shared-prefix: the sizes of the step-time sweep")
     args = parser.parse_args(argv)
-    profile_decode(args.model, args.dtype, args.num_seqs, args.context, args.steps)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.shared_prefix:
+        return shared_prefix_main(args, out)
+    result = profile_decode(args.model, args.dtype, args.num_seqs, args.context, args.steps)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"decode_profile_{result['dtype'].removeprefix('torch.')}.json"
+    path.write_text(json.dumps(result, indent=2))
+    _plot(result, path.with_suffix(".png"))
+    print(f"\nwrote {path} and {path.with_suffix('.png')}")
     return 0
+
+
+def shared_prefix_main(args, out: Path) -> int:
+    """Shared reads on and off, same requests, same run; then step time against group size."""
+    from radixkv import LLM
+
+    context = args.shared_prefix + args.own_tokens
+    pages = args.num_seqs * (-(-(context + args.steps + 72) // 16)) + 64
+    llm = LLM(args.model, dtype=args.dtype, num_pages=pages, max_num_seqs=args.num_seqs, max_batch_tokens=4096)
+    common = dict(num_seqs=args.num_seqs, context=context, steps=args.steps, shared_prefix=args.shared_prefix, quiet=True,
+                  llm=llm, limits=machine_limits(llm.engine.dtype))  # fmt: skip
+    runs = {share: profile_decode(**common, group_size=args.group_size, share_reads=share) for share in (True, False)}
+    sweep = [
+        {share: profile_decode(**common, group_size=size, share_reads=share) for share in (True, False)}
+        for size in (int(s) for s in args.group_sizes.split(","))
+    ]
+    on, off = runs[True], runs[False]
+    print(f"\ndecode step, {args.num_seqs} requests in groups of {args.group_size} over a {args.shared_prefix}-token shared "
+          f"prefix + {args.own_tokens} own tokens ({on['dtype']}) on {on['cpu']}")  # fmt: skip
+    print(f"  read {on['read_bandwidth_gb_s']:.1f} GB/s, {on['matmul_dtype']} matmul {on['matmul_gflops']:.0f} GFLOP/s")
+    print(f"  {'shared reads':<14}{'step ms':>9}{'KV read/step':>14}{'of it shared':>14}{'x bound':>9}")
+    for name, r in (("on", on), ("off", off)):
+        share = r["kv_tokens_shared_per_step"] / r["kv_tokens_read_per_step"] if r["kv_tokens_read_per_step"] else 0.0
+        print(f"  {name:<14}{r['step_ms']:>9.1f}{r['kv_tokens_read_per_step']:>14.0f}{share:>14.0%}{r['step_over_ideal']:>9.2f}")
+    print(f"  off / on: {off['step_ms'] / on['step_ms']:.2f}x; bound (unique KV read once) {on['ideal_ms']:.1f} ms ({on['bound_by']})")
+    print(f"\n  {'group size':<12}{'on ms':>9}{'off ms':>9}{'off/on':>8}")
+    for size, pair in zip(args.group_sizes.split(","), sweep, strict=True):
+        print(f"  {size:<12}{pair[True]['step_ms']:>9.1f}{pair[False]['step_ms']:>9.1f}{pair[False]['step_ms'] / pair[True]['step_ms']:>8.2f}")
+    path = out / "decode_profile_shared_prefix.json"
+    path.write_text(json.dumps(dict(on=on, off=off, sweep=[{"on": p[True], "off": p[False]} for p in sweep]), indent=2))
+    _plot_sweep(sweep, path.with_suffix(".png"))
+    print(f"\nwrote {path} and {path.with_suffix('.png')}")
+    return 0
+
+
+def _plot_sweep(sweep: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = [pair[True]["group_size"] for pair in sweep]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(sizes, [p[True]["step_ms"] for p in sweep], "o-", label="shared reads on")
+    ax.plot(sizes, [p[False]["step_ms"] for p in sweep], "s--", label="off")
+    ax.plot(sizes, [p[True]["ideal_ms"] for p in sweep], ":", color="gray", label="bound (unique KV once)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("requests per shared prefix")
+    ax.set_ylabel("decode step ms")
+    ax.set_title(f"{sweep[0][True]['num_seqs']} requests, {sweep[0][True]['shared_prefix']}-token prefixes — {sweep[0][True]['cpu']}", fontsize=8)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _plot(r: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    parts = {k: v for k, v in r["breakdown_ms"].items() if not k.startswith("step")}
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.barh(["step (as run)", "bound"], [r["step_ms"], r["ideal_ms"]], color=["tab:blue", "tab:gray"])
+    left = 0.0
+    for name, ms in parts.items():
+        ax.barh(["layer by layer"], [max(ms, 0.0)], left=left, label=name)
+        left += max(ms, 0.0)
+    ax.set_xlabel("ms")
+    ax.set_title(f"decode step, {r['num_seqs']} x {r['context']} tokens, {r['dtype']} — {r['cpu']}", fontsize=8)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
-from radixkv.scenarios.decode_profile import read_bandwidth_bytes_per_s
+from radixkv.scenarios.machine import machine_limits
 
 # A schema of the shape agents ask for: nested objects, arrays, enums, bounded strings.
 SCHEMA = {
@@ -44,29 +43,6 @@ DOCUMENT = {
     "active": True,
 }
 PROMPT = "Reply with a JSON object describing a person (name, age, role, tags, address, active). "
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def matmul_flops_per_s(size: int = 1024, repeats: int = 5) -> float:
-    """fp32 multiply-adds per second (x2) of the fastest of a few square matmuls."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    a @ b
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - start)
-    return 2 * size**3 / best
 
 
 def _document_tokens(tokenizer) -> list[int]:
@@ -239,11 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     unguided = decode_throughput(llm, args.num_requests, args.output_len, guided=False)
     guided = decode_throughput(llm, args.num_requests, args.output_len, guided=True)
     result = {
-        "cpu": cpu_model(),
-        "torch_threads": torch.get_num_threads(),
+        **machine_limits(engine.dtype),
         "dtype": str(engine.dtype),
-        "read_bandwidth_gb_s": read_bandwidth_bytes_per_s() / 1e9,
-        "matmul_gflops": matmul_flops_per_s() / 1e9,
         "library_comparison": libraries,
         "num_requests": args.num_requests,
         "unguided": unguided,
@@ -261,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _print(r: dict) -> None:
     print(f"\nmachine: {r['cpu']}, {r['torch_threads']} torch threads, {r['dtype']}")
-    print(f"  read bandwidth {r['read_bandwidth_gb_s']:.1f} GB/s, fp32 matmul {r['matmul_gflops']:.0f} GFLOP/s")
+    print(f"  read bandwidth {r['read_bandwidth_gb_s']:.1f} GB/s, {r['matmul_dtype']} matmul {r['matmul_gflops']:.0f} GFLOP/s")
     comparison = r["library_comparison"]
     print(f"\n(a) grammar libraries, vocab {comparison['vocab_size']}, {comparison['num_document_tokens']}-token document")
     print(f"  {'library':<12}{'setup ms':>10}{'compile ms':>12}{'fill us/tok':>13}{'fill 32 us':>12}{'apply 32 us':>13}")

@@ -1,6 +1,7 @@
 """Runs one workload on one engine in a fresh subprocess and measures it the same way for all.
 
-Peers: radixkv, radixkv-nocache, hf-generate (transformers `generate`, one request at a time),
+Peers: radixkv, radixkv-nocache, radixkv-noshare (the cache on, decode's shared reads off),
+hf-generate (transformers `generate`, one request at a time),
 hf-batch (transformers `generate_batch`, continuous batching with block sharing), llama.cpp
 (llama-cpp-python with its RAM prompt cache, when installed). Every request arrives at t0;
 time to first token is measured from t0. A subprocess per peer keeps threads, memory peaks
@@ -19,7 +20,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-PEERS = ("radixkv", "radixkv-nocache", "hf-generate", "hf-batch", "llama.cpp")
+PEERS = ("radixkv", "radixkv-nocache", "radixkv-noshare", "hf-generate", "hf-batch", "llama.cpp")
 
 
 @dataclass(slots=True)
@@ -77,7 +78,7 @@ def run_in_subprocess(peer: str, workload: Workload, timeout_s: float = 3600) ->
 # -- the peers, each run inside the subprocess -----------------------------------------------
 
 
-def _run_radixkv(workload: Workload, cache: bool) -> dict:
+def _run_radixkv(workload: Workload, cache: bool, share_reads: bool = True) -> dict:
     from radixkv import LLM, SamplingParams
 
     llm = LLM(
@@ -86,6 +87,7 @@ def _run_radixkv(workload: Workload, cache: bool) -> dict:
         page_size=workload.page_size,
         max_batch_tokens=workload.max_batch_tokens,
         enable_prefix_caching=cache,
+        share_decode_reads=share_reads,
     )
     params = SamplingParams(max_tokens=workload.output_len, ignore_eos=True)
     llm.generate([[1, 2, 3, 4] * 8], SamplingParams(max_tokens=2))  # first-call overheads off the clock
@@ -214,17 +216,28 @@ def _run_llama_cpp(workload: Workload) -> dict:
 
     path = workload.model if workload.model and workload.model.endswith(".gguf") else str(default_model_gguf())
     llm = llama_cpp.Llama(model_path=path, n_ctx=8192, n_threads=os.cpu_count() or 2, verbose=False)
-    llm.set_cache(llama_cpp.LlamaRAMCache(capacity_bytes=2 << 30))
+    cache = llama_cpp.LlamaRAMCache(capacity_bytes=2 << 30)
+    llm.set_cache(cache)
     start = time.perf_counter()
     outputs, ttfts = [], []
     for prompt in workload.prompts:
+        # As create_completion uses its cache: restore the saved state with the longest common
+        # prefix when it beats what is loaded; generate() then reuses the loaded prefix itself
+        # (reset=True matches the prompt against the tokens already evaluated).
+        try:
+            saved = cache[prompt]
+            if llm.longest_token_prefix(saved.input_ids.tolist(), prompt) > llm.longest_token_prefix(llm._input_ids.tolist(), prompt):
+                llm.load_state(saved)
+        except KeyError:
+            pass
         tokens = []
-        for token in llm.generate(prompt, temp=0.0, reset=False):
+        for token in llm.generate(prompt, temp=0.0):
             if not tokens:
                 ttfts.append(time.perf_counter() - start)
             tokens.append(int(token))
             if len(tokens) >= workload.output_len:
                 break
+        cache[prompt + tokens] = llm.save_state()
         outputs.append(tokens)
     wall = time.perf_counter() - start
     return dict(
@@ -243,6 +256,7 @@ def _main(argv: list[str]) -> None:
     runners = {
         "radixkv": lambda w: _run_radixkv(w, cache=True),
         "radixkv-nocache": lambda w: _run_radixkv(w, cache=False),
+        "radixkv-noshare": lambda w: _run_radixkv(w, cache=True, share_reads=False),
         "hf-generate": _run_hf_generate,
         "hf-batch": _run_hf_batch,
         "llama.cpp": _run_llama_cpp,

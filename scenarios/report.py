@@ -92,10 +92,25 @@ def _fmt(value, spec: str, width: int = 10) -> str:
     return f"{'-':>{width}}" if value is None else f"{value:>{width}{spec}}"
 
 
+def print_bound(rows: list[dict], bound: dict) -> None:
+    """Each peer's wall time over the workload's bound on this machine (scenarios/bounds.py)."""
+    print(
+        f"\nbound on {bound['cpu']}: {bound['bound_s']:.2f} s (prefill {bound['prefill_bound_s']:.2f} s + decode "
+        f"{bound['decode_bound_s']:.2f} s) at {bound['read_bandwidth_gb_s']:.1f} GB/s read and "
+        f"{bound['matmul_gflops']:.0f} GFLOP/s {bound['matmul_dtype']} matmul, measured in this run"
+    )
+    for row in rows:
+        if not row["error"]:
+            row["wall_over_bound"] = row["wall_s"] / bound["bound_s"]
+            print(f"  {row['peer']:<16} wall / bound {row['wall_over_bound']:6.2f}")
+
+
 def write_report(workload: Workload, results: list[PeerResult], out_dir: Path, extra: dict | None = None) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = summarize(workload, results)
     print_table(workload, rows)
+    if extra and "bound" in extra:
+        print_bound(rows, extra["bound"])
     report = dict(
         scenario=workload.name,
         num_requests=len(workload.prompts),

@@ -52,6 +52,7 @@ def make_backend(
     *,
     native_kernels: bool = True,
     decode_amx: bool = True,
+    share_decode_reads: bool = True,
     check_indices: bool | None = None,
 ) -> AttentionBackend:
     """The backend for `name` ("auto", "torch", "cpu", "triton") on `device`, set up from
@@ -60,7 +61,7 @@ def make_backend(
     if name == "cpu":
         if not native_kernels:
             raise ValueError("attention_backend 'cpu' runs the native kernels; it needs native_kernels=True")
-        return backend_class(name)(decode_amx=decode_amx)
+        return backend_class(name)(decode_amx=decode_amx, share_reads=share_decode_reads)
     if name == "triton":
         return backend_class(name)(check_indices=check_indices)
     return backend_class(name)()

@@ -28,6 +28,15 @@ class DecodeRows:
 
 
 @dataclass(frozen=True, slots=True)
+class KVReads:
+    """The KV a decode step reads through the kernel, in tokens summed over requests, and how
+    many of those were a shared prefix's, read again from cache after its first reader."""
+
+    tokens: int
+    shared_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
 class CPUStepState:
     # The kernel takes this step's caches and heads; every table below was range-checked
     # once, here in prepare, since the C code trusts its indices.
@@ -37,18 +46,23 @@ class CPUStepState:
     decode_rows: DecodeRows | None  # mixed steps with one-token requests
     row_by_row: RowByRow | None  # batch-invariant steps
     reference: TorchStepState | None  # where the kernel cannot take the tensors
+    order: torch.Tensor | None = None  # decode items with shared pages back to back (share_reads)
+    kv_reads: KVReads | None = None  # decode-only steps through the kernel
 
 
 class CPUBackend(AttentionBackend):
     name = "cpu"
     capabilities = BackendCapabilities(batch_invariant=True, fused_cpu_decode=True)
 
-    def __init__(self, decode_amx: bool = True) -> None:
+    def __init__(self, decode_amx: bool = True, share_reads: bool = True) -> None:
+        """share_reads: run the decode items of requests sharing a prefix's pages back to back,
+        so the prefix is read from memory once per step (EngineConfig.share_decode_reads)."""
         library = load()
         if library is None:
             raise RuntimeError("the CPU backend needs radixkv's native library, which could not be built here")
         # A process-wide setting of the library (it has one): the last backend built sets it.
         library.radixkv_decode_use_amx(int(decode_amx))
+        self.share_reads = share_reads
         self.reference = torch_backend.TorchBackend()
 
     def prepare(self, meta: AttentionMetadata, k_cache: torch.Tensor, num_q_heads: int) -> CPUStepState:
@@ -68,6 +82,9 @@ class CPUBackend(AttentionBackend):
             decode.check_tables(row_by_row.page_table, row_by_row.seq_lens, None, num_tokens, num_pages, page_size)
         elif meta.is_decode_only:
             decode.check_tables(page_table, seq_lens, None, num_tokens, num_pages, page_size)
+            order, shared = decode.share_order(page_table, seq_lens, page_size) if self.share_reads else (None, 0)
+            reads = KVReads(sum(meta.seq_lens_list), shared)
+            return CPUStepState(True, page_table, seq_lens, None, None, None, order, reads)
         else:
             requests = torch.tensor([b for b, q_len in enumerate(meta.q_lens_list) if q_len == 1], dtype=torch.long)
             if len(requests):
@@ -127,7 +144,9 @@ class CPUBackend(AttentionBackend):
         if not state.kernel:
             return torch_backend.reference_decode(q, k_cache, v_cache, meta, state.reference, scale)
         # Rows are independent in the kernel, so batch-invariant decode steps take it too.
-        return decode.paged_decode(_rows_side_by_side(q), k_cache, v_cache, state.page_table, state.seq_lens, scale, check=False)
+        return decode.paged_decode(
+            _rows_side_by_side(q), k_cache, v_cache, state.page_table, state.seq_lens, scale, check=False, order=state.order
+        )
 
 
 def _rows_side_by_side(q: torch.Tensor) -> torch.Tensor:

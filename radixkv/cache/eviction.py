@@ -1,6 +1,7 @@
-"""The order in which the prefix cache gives up its unlocked leaves: unretained leaves first,
-least recently used first; then retained leaves, earliest retention expiry first. Two sorted
-sets, so adding, removing and taking the next victim each cost O(log n).
+"""The order in which the prefix cache gives up its unlocked leaves, under a policy: `lru`
+(least recently used first) or `slru` (leaves that never served a hit first, then those that
+did, each by LRU); retained leaves always last, earliest expiry first. Sorted sets, so adding,
+removing and taking the next victim each cost O(log n).
 """
 
 from __future__ import annotations
@@ -12,41 +13,61 @@ from sortedcontainers import SortedList
 if TYPE_CHECKING:
     from radixkv.cache.radix import Node
 
-# (0, last_access, node_id, node) in the LRU set, (1, retain_until_s, node_id, node) in the
-# retained set: node_id breaks ties, so nodes are never compared; the tag says which set.
+# (tag, last_access, node_id, node) in the probation and protected sets, (tag, retain_until_s,
+# node_id, node) in the retained set: node_id breaks ties, so nodes are never compared; the tag
+# says which set.
 EvictKey = tuple[int, float, int, "Node"]
-_LRU, _RETAINED = 0, 1
+_PROBATION, _PROTECTED, _RETAINED = 0, 1, 2
+
+EVICTION_POLICIES = ("slru", "lru")
+# Under slru, protected (hit) pages beyond this share of the page pool are evicted before
+# probation ones, so an old hot set cannot freeze the cache against every newer prefix.
+DEFAULT_PROTECTED_FRACTION = 0.5
 
 
 class EvictionOrder:
-    """Every unlocked non-root leaf, each in exactly one of two sets. A node remembers the key
-    it was filed under (node.evict_key), so it can always be found again; the caller removes a
-    node before changing what its key is made of (last access, retention) and adds it after."""
+    """Every unlocked non-root leaf, each in exactly one set. A node remembers the key it was
+    filed under (node.evict_key), so it can always be found again; the caller removes a node
+    before changing what its key is made of (last access, hits, retention) and adds it after.
 
-    def __init__(self) -> None:
-        self._lru: SortedList = SortedList()
-        self._retained: SortedList = SortedList()
+    Why slru: most cached blocks are one request's private tail that is never asked for again
+    (a document read once, the last turn of a conversation). Under LRU a burst of them pushes
+    out the hot shared prefixes (system prompts, tool definitions); here they go first."""
+
+    def __init__(self, policy: str = "slru") -> None:
+        if policy not in EVICTION_POLICIES:
+            raise ValueError(f"eviction policy must be one of {EVICTION_POLICIES}, got {policy!r}")
+        self.policy = policy
+        self._sets: tuple[SortedList, SortedList, SortedList] = (SortedList(), SortedList(), SortedList())
+
+    def key_of(self, node: Node) -> EvictKey:
+        """The key `node` belongs under now (check_tree compares it with the filed one)."""
+        if node.retains:
+            return (_RETAINED, node.retain_until_s, node.node_id, node)
+        tag = _PROTECTED if self.policy == "slru" and node.num_hits > 0 else _PROBATION
+        return (tag, float(node.last_access), node.node_id, node)
 
     def add(self, node: Node) -> None:
         assert node.evict_key is None, f"{node!r} is already in the eviction order"
-        if node.retains:
-            key: EvictKey = (_RETAINED, node.retain_until_s, node.node_id, node)
-            self._retained.add(key)
-        else:
-            key = (_LRU, float(node.last_access), node.node_id, node)
-            self._lru.add(key)
+        key = self.key_of(node)
+        self._sets[key[0]].add(key)
         node.evict_key = key
 
     def remove(self, node: Node) -> None:
         key = node.evict_key
         assert key is not None, f"{node!r} is not in the eviction order"
-        (self._retained if key[0] == _RETAINED else self._lru).remove(key)
+        self._sets[key[0]].remove(key)
         node.evict_key = None
 
-    def pop(self) -> Node | None:
-        """The next victim: the least recently used unretained leaf, else the retained leaf
-        whose retention ends first; None when nothing is evictable."""
-        ordered = self._lru or self._retained
+    def pop(self, protected_over_cap: bool = False) -> Node | None:
+        """The next victim: a probation leaf (LRU), then a protected one (LRU), then the
+        retained leaf whose retention ends first; None when nothing is evictable. With
+        `protected_over_cap` a protected leaf goes before probation ones."""
+        probation, protected, retained = self._sets
+        if protected_over_cap and protected:
+            ordered = protected
+        else:
+            ordered = probation or protected or retained
         if not ordered:
             return None
         node = ordered.pop(0)[3]
@@ -54,17 +75,17 @@ class EvictionOrder:
         return node
 
     def clear(self) -> None:
-        for key in (*self._lru, *self._retained):
-            key[3].evict_key = None
-        self._lru.clear()
-        self._retained.clear()
+        for ordered in self._sets:
+            for key in ordered:
+                key[3].evict_key = None
+            ordered.clear()
 
     def keys(self) -> list[EvictKey]:
-        return [*self._lru, *self._retained]
+        return [key for ordered in self._sets for key in ordered]
 
     def __len__(self) -> int:
-        return len(self._lru) + len(self._retained)
+        return sum(map(len, self._sets))
 
     @property
     def num_retained_leaves(self) -> int:
-        return len(self._retained)
+        return len(self._sets[_RETAINED])

@@ -103,6 +103,28 @@ class PagePool:
                 freed += 1
         return freed
 
+    @property
+    def page_nbytes(self) -> int:
+        """Bytes of one page's K and V over all layers: what page_bytes returns."""
+        return sum(cache[0].numel() * cache.element_size() for cache in (*self.k_cache, *self.v_cache))
+
+    def page_bytes(self, page: int) -> bytes:
+        """One page's K then V of every layer, raw (for the disk tier)."""
+        parts = [cache[page].detach().to("cpu").contiguous().view(torch.uint8).reshape(-1) for cache in (*self.k_cache, *self.v_cache)]
+        return torch.cat(parts).numpy().tobytes() if parts else b""
+
+    def load_page(self, page: int, data: bytes) -> None:
+        """Fill `page` with bytes page_bytes returned (same layout, dtype and shapes)."""
+        if len(data) != self.page_nbytes:
+            raise ValueError(f"a page holds {self.page_nbytes} bytes of KV, got {len(data)}")
+        raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        offset = 0
+        for cache in (*self.k_cache, *self.v_cache):
+            target = cache[page]
+            size = target.numel() * target.element_size()
+            target.copy_(raw[offset : offset + size].view(target.dtype).view(target.shape))
+            offset += size
+
     def refcount(self, page: int) -> int:
         return self._refcounts[page]
 

@@ -1,7 +1,7 @@
 """RadixTree: the prefix cache. Maps (salt, full-block token prefix) to the KV pages holding it,
 as one compressed radix tree per salt, with lock counts on paths in use, retentions (paths kept
-until a time) and eviction of unlocked leaves in O(log n): LRU first, retained last. The tree
-holds one pool reference on every page it caches.
+until a time) and eviction of unlocked leaves in O(log n) under a policy (cache/eviction.py),
+retained last. The tree holds one pool reference on every page it caches.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from radixkv.cache.eviction import EvictionOrder, EvictKey
+from radixkv.cache.eviction import DEFAULT_PROTECTED_FRACTION, EvictionOrder, EvictKey
 from radixkv.cache.hashing import BlockHash, BlockHasher
 from radixkv.cache.pages import PagePool
 from radixkv.cache.radix_check import check_tree
@@ -24,11 +24,15 @@ from radixkv.cache.retention import Retention, RetentionBook
 # Retention (the engine relies on it too): a retention of node N puts its id in the `retains`
 # of N and of every ancestor, so `retains` never grows toward the leaves. It locks nothing:
 # retained pages stay evictable and are counted as such; they only go last. The unlocked
-# leaves are kept in two sorted sets (cache/eviction.py): unretained by last access, retained
-# by `retain_until_s`, the latest expiry among their retentions. Eviction empties the first
-# before it touches the second; since a retained node's ancestors are retained too, an empty
-# first set means no unretained evictable page is left. Expired retentions are dropped lazily
-# (at evict, retain and expire), which files their leaves back under LRU.
+# leaves are kept in sorted sets (cache/eviction.py): unretained by last access (under slru,
+# split by whether they ever served a hit), retained by `retain_until_s`, the latest expiry
+# among their retentions. Eviction empties the unretained sets before it touches the retained
+# one; since a retained node's ancestors are retained too, an empty unretained set means no
+# unretained evictable page is left. Expired retentions are dropped lazily (at evict, retain
+# and expire), which files their leaves back under the policy's order.
+#
+# Hits (slru): match() adds one to `num_hits` of every node on the matched path, so hits never
+# grow toward the leaves either, and a hit node's ancestors are protected too.
 
 
 @dataclass(slots=True, eq=False, repr=False)
@@ -48,6 +52,7 @@ class Node:
     retains: dict[int, float] = field(default_factory=dict)  # retention id -> expiry_s, this node or below
     retain_until_s: float = 0.0  # max(retains.values()); the node's key in the retained set
     evict_key: EvictKey | None = None  # its key in the eviction order; None when not in it
+    num_hits: int = 0  # matches that used this node's blocks (this node or below)
 
     def __repr__(self) -> str:
         kind = "root" if self.parent is None else f"{len(self.pages)} blocks"
@@ -87,24 +92,42 @@ class CacheStats:
     locked_pages: int
     evicted_pages: int
     num_nodes: int  # non-root nodes
+    protected_pages: int = 0  # cached pages that served a hit (slru keeps them longer)
     retained_pages: int = 0  # cached pages under a live retention (evictable or locked)
     num_retentions: int = 0  # live retentions
 
 
 Clock = Callable[[], float]  # seconds; time.monotonic, or a test's own
+# Called with each leaf eviction is about to drop, while its pages still hold its KV (the disk
+# tier writes them back from here). It must not change the tree.
+EvictHook = Callable[["Node"], None]
 
 
 class RadixTree:
     """Prefix cache over a PagePool. Not thread-safe: the engine's step loop owns it."""
 
-    def __init__(self, pool: PagePool, hasher: BlockHasher, *, clock: Clock = time.monotonic):
+    def __init__(
+        self,
+        pool: PagePool,
+        hasher: BlockHasher,
+        *,
+        clock: Clock = time.monotonic,
+        eviction_policy: str = "slru",
+        protected_fraction: float = DEFAULT_PROTECTED_FRACTION,
+        on_evict: EvictHook | None = None,
+    ):
         if hasher.page_size != pool.page_size:
             raise ValueError(f"hasher page_size {hasher.page_size} != pool page_size {pool.page_size}")
+        if not 0.0 < protected_fraction <= 1.0:
+            raise ValueError(f"protected_fraction must be in (0, 1], got {protected_fraction!r}")
         self.pool = pool
         self.hasher = hasher
         self.page_size = hasher.page_size
         self._roots: dict[str | None, Node] = {}
-        self._order = EvictionOrder()  # every unlocked non-root leaf
+        self._order = EvictionOrder(eviction_policy)  # every unlocked non-root leaf
+        self._protected_fraction = protected_fraction
+        self._protected_pages = 0  # pages of nodes with num_hits > 0
+        self.on_evict = on_evict
         self._book = RetentionBook()
         self._now_s = clock
         self._retained_pages = 0
@@ -141,6 +164,7 @@ class RadixTree:
             # Not registered: a miss for an unseen salt must not grow the root table.
             root = self._new_node(None, salt, [], [], [])
         node, num_blocks, pages, _, _ = self._descend(root, tokens, salt, max_blocks, block_hashes)
+        self._count_hit(node)
         self._touch_path(node, now)
         if record:
             self.record_lookup(len(tokens), num_blocks * self.page_size)
@@ -255,7 +279,9 @@ class RadixTree:
             return 0
         self.expire()
         freed = 0
-        while freed < num_pages and (node := self._order.pop()) is not None:
+        while freed < num_pages and (node := self._order.pop(self._protected_over_cap())) is not None:
+            if self.on_evict is not None:
+                self.on_evict(node)
             freed += self._remove_leaf(node)
         self._evicted_pages += freed
         return freed
@@ -327,6 +353,14 @@ class RadixTree:
     def num_nodes(self) -> int:
         return self._num_nodes
 
+    @property
+    def protected_pages(self) -> int:
+        return self._protected_pages
+
+    @property
+    def eviction_policy(self) -> str:
+        return self._order.policy
+
     def stats(self) -> CacheStats:
         return CacheStats(
             queries=self._queries,
@@ -340,6 +374,7 @@ class RadixTree:
             num_nodes=self._num_nodes,
             retained_pages=self._retained_pages,
             num_retentions=len(self._book),
+            protected_pages=self._protected_pages,
         )
 
     def reset_stats(self) -> None:
@@ -358,6 +393,7 @@ class RadixTree:
         self._order.clear()
         self._book.clear()
         self._cached_pages = self._evictable_pages = self._num_nodes = self._retained_pages = 0
+        self._protected_pages = 0
 
     def cached_page_set(self) -> set[int]:
         return {page for node in self._iter_nodes() for page in node.pages}
@@ -499,6 +535,7 @@ class RadixTree:
         # move between the two.
         top.retains = dict(node.retains)
         top.retain_until_s = node.retain_until_s
+        top.num_hits = node.num_hits  # both halves served the same matches
         del node.tokens[: num_blocks * ps]
         del node.pages[:num_blocks]
         del node.hashes[:num_blocks]
@@ -543,10 +580,13 @@ class RadixTree:
     def _touch_path(self, node: Node, now: int) -> None:
         """Mark `node` and its ancestors used at `now`. Only `node` itself can be in the
         eviction order (its ancestors have children), so only its key is moved."""
-        if node.last_access != now and node.evict_key is not None and not node.retains:
-            self._order.remove(node)
-            node.last_access = now
-            self._order.add(node)
+        if node.evict_key is not None:
+            moved = node.last_access != now and not node.retains
+            promoted = node.evict_key[0] != self._order.key_of(node)[0]  # its first hit, under slru
+            if moved or promoted:
+                self._order.remove(node)
+                node.last_access = now
+                self._order.add(node)
         current: Node | None = node
         while current is not None:
             current.last_access = now
@@ -563,6 +603,8 @@ class RadixTree:
         self._evictable_pages -= num
         if node.retains:
             self._retained_pages -= num
+        if node.num_hits:
+            self._protected_pages -= num
         self._num_nodes -= 1
         node.removed = True
         freed = self.pool.release(node.pages)
@@ -572,10 +614,33 @@ class RadixTree:
             self._maybe_drop_root(parent)
         return freed
 
+    def _count_hit(self, node: Node) -> None:
+        """A match used the path down to `node`: count it on every node of the path. The
+        caller refiles `node` if it is a leaf in the eviction order (_touch_path)."""
+        current: Node | None = node
+        while current is not None and current.parent is not None:
+            if current.num_hits == 0:
+                self._protected_pages += len(current.pages)
+            current.num_hits += 1
+            current = current.parent
+
+    def _protected_over_cap(self) -> bool:
+        # Of the pool, not of what is cached: a large request that evicts many pages at once
+        # must not turn the hot set into the over-cap set halfway through its evictions.
+        return self._protected_pages > self._protected_fraction * self.pool.num_pages
+
     def _maybe_drop_root(self, root: Node) -> None:
         # Per-request salts would otherwise leave one empty root per tenant forever.
         if not root.children and root.lock_ref == 0 and self._roots.get(root.salt) is root:
             del self._roots[root.salt]
+
+    def iter_nodes(self) -> Iterator[Node]:
+        """Every cached node, each before its children (what a disk tier persists in order)."""
+        stack = [child for root in self._roots.values() for child in reversed(list(root.children.values()))]
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(reversed(list(node.children.values())))
 
     def _iter_nodes(self) -> Iterator[Node]:
         """Every non-root node of every registered root."""
@@ -584,6 +649,16 @@ class RadixTree:
             node = stack.pop()
             yield node
             stack.extend(node.children.values())
+
+def path_tokens(node: Node) -> list[int]:
+    """Every token of the prefix `node` ends: its ancestors' runs, then its own. O(depth)."""
+    runs = []
+    current: Node | None = node
+    while current is not None:
+        runs.append(current.tokens)
+        current = current.parent
+    return [token for run in reversed(runs) for token in run]
+
 
 def _path_pages(node: Node) -> int:
     num = 0

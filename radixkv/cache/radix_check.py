@@ -31,6 +31,10 @@ def check_tree(tree: RadixTree, *, check_hashes: bool = False) -> None:
     _require(
         walk.retained == tree._retained_pages, f"retained_pages {tree._retained_pages} != walk {walk.retained}"
     )
+    _require(
+        walk.protected == tree._protected_pages,
+        f"protected_pages {tree._protected_pages} != walk {walk.protected}",
+    )
     _check_order(tree, walk)
     _check_book(tree, walk)
 
@@ -39,8 +43,8 @@ def _check_order(tree: RadixTree, walk: _Walk) -> None:
     """The eviction order holds exactly the unlocked leaves, each under its current key."""
     keys = tree._order.keys()
     for tag, value, node_id, node in keys:
-        expected = (1, node.retain_until_s) if node.retains else (0, float(node.last_access))
-        _require((tag, value, node_id) == (*expected, node.node_id), f"stale eviction key for {node!r}")
+        expected = tree._order.key_of(node)
+        _require((tag, value, node_id) == expected[:3], f"stale eviction key for {node!r}")
         _require(node.evict_key == (tag, value, node_id, node), f"{node!r} forgot its eviction key")
     ids = [key[2] for key in keys]
     _require(len(ids) == len(set(ids)), "a node is in the eviction order twice")
@@ -77,6 +81,8 @@ def _check_subtree(tree: RadixTree, root: Node, walk: _Walk) -> None:
             _require(bool(child.hashes) and key == child.hashes[0], f"{child!r} is filed under a wrong key")
             _require(child.salt == root.salt, f"{child!r} has another salt than its root")
             _require(child.last_access <= node.last_access, f"{child!r} was used after its parent {node!r}")
+            if node is not root:
+                _require(child.num_hits <= node.num_hits, f"{child!r} has more hits than its parent {node!r}")
             child_locks += child.lock_ref
             stack.append(child)
         _require(node.lock_ref >= child_locks, f"{node!r} has fewer locks than its children ({child_locks})")
@@ -93,6 +99,7 @@ def _check_subtree(tree: RadixTree, root: Node, walk: _Walk) -> None:
         _require(node.retain_until_s == max(node.retains.values(), default=0.0), f"{node!r} has a stale retain_until_s")
         walk.retention_ids.update(node.retains)
         walk.retained += num if node.retains else 0
+        walk.protected += num if node.num_hits else 0
         unlocked = node.lock_ref == 0
         if unlocked:
             walk.evictable += num
@@ -123,6 +130,7 @@ class _Walk:
     pages: set[int] = field(default_factory=set)
     unlocked_leaves: set[int] = field(default_factory=set)
     retained: int = 0
+    protected: int = 0
     retention_ids: dict[int, float] = field(default_factory=dict)
 
 

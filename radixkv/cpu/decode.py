@@ -84,6 +84,7 @@ def paged_decode(
     rows: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     check: bool = True,
+    order: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query per request over its paged KV, without copying the KV.
 
@@ -91,7 +92,8 @@ def paged_decode(
     [B] int32; rows: [B] int32, the q/out row of each request (None: row b). Returns out
     [R, num_q_heads, head_dim], contiguous; rows no request names are left as they were.
     check=False skips every check, for a caller that ran check_tables on these same tables
-    (the CPU backend, once per step) and built out itself.
+    (the CPU backend, once per step) and built out itself. order: the items' order from
+    share_order for these same tables (None: the natural order); the output is the same.
     """
     library = load()
     assert library is not None, "call supports() first"
@@ -114,7 +116,8 @@ def paged_decode(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
         page_table.data_ptr(), page_table.stride(0), seq_lens.data_ptr(),
         rows.data_ptr() if rows is not None else None, num_seqs, num_q_heads, num_kv_heads, head_dim,
-        page_size, scale, out.data_ptr(), work.data_ptr(), first_chunk.data_ptr(), torch.get_num_threads(),
+        page_size, scale, out.data_ptr(), work.data_ptr(), first_chunk.data_ptr(),
+        order.data_ptr() if order is not None else None, torch.get_num_threads(),
     )  # fmt: skip
     if status != 0:
         limit = limits()
@@ -123,6 +126,19 @@ def paged_decode(
             f"head_dim {head_dim} (limits: group <= {limit.max_group}, head_dim <= {limit.max_head_dim})"
         )
     return out
+
+
+def share_order(page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int) -> tuple[torch.Tensor, int]:
+    """The kernel's items reordered so that requests' items over the same pages (a shared cached
+    prefix) run back to back, and the KV tokens those repeats read: the first reads the prefix
+    from memory, the rest from cache (radixkv_decode_share_order). Tables as paged_decode takes
+    them, already checked."""
+    library = load()
+    order = torch.empty(max(library.radixkv_decode_num_items(seq_lens.data_ptr(), seq_lens.shape[0]), 1), dtype=torch.int32)
+    shared = library.radixkv_decode_share_order(
+        page_table.data_ptr(), page_table.stride(0), seq_lens.data_ptr(), seq_lens.shape[0], page_size, order.data_ptr()
+    )
+    return order, int(shared)
 
 
 def check_buffers(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor) -> None:

@@ -1,7 +1,8 @@
-"""What this CPU offers: its model name and feature flags, read from /proc/cpuinfo once.
+"""What this CPU offers: its model and feature flags, read from /proc/cpuinfo once.
 
-The native library's cache key, the `auto` dtype (bf16 only where AMX computes it) and the
-tests' skip reasons all read these, so the file is parsed in one place.
+The native library's cache key, the `auto` dtype (bf16 where the CPU computes it natively),
+the choice of linear kernel and the tests' skip reasons all read these, so the file is parsed
+in one place (`parse_cpuinfo`, tested with recorded samples of each kind of CPU).
 """
 
 from __future__ import annotations
@@ -13,9 +14,9 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, slots=True)
 class CPUFeatures:
-    machine: str  # platform.machine(), e.g. "x86_64"
+    machine: str  # platform.machine(), e.g. "x86_64" or "aarch64"
     model_name: str  # "" where /proc/cpuinfo is absent (not Linux)
-    flags: frozenset[str]
+    flags: frozenset[str]  # x86 "flags", aarch64 "Features"
 
     @property
     def amx_bf16(self) -> bool:
@@ -24,7 +25,29 @@ class CPUFeatures:
 
     @property
     def avx512_bf16(self) -> bool:
-        return "avx512_bf16" in self.flags
+        """vdpbf16ps on 512-bit vectors (Cooper Lake, Sapphire Rapids and later, AMD Zen 4/5)."""
+        return "avx512_bf16" in self.flags and "avx512f" in self.flags
+
+    @property
+    def avx512(self) -> bool:
+        return "avx512f" in self.flags and "avx512bw" in self.flags
+
+    @property
+    def arm_bf16(self) -> bool:
+        """aarch64 BFDOT/BFMMLA (Neoverse V1/N2 and later: Graviton 3, Grace, Axion)."""
+        return self.machine in ("aarch64", "arm64") and "bf16" in self.flags
+
+    @property
+    def native_bf16(self) -> bool:
+        """Whether bf16 products run in hardware here rather than emulated through fp32."""
+        return self.amx_bf16 or self.avx512_bf16 or self.arm_bf16
+
+    @property
+    def missing_bf16(self) -> str:
+        """The feature a bf16 fast path lacks here, for messages and test skips."""
+        if self.machine in ("aarch64", "arm64"):
+            return "" if self.arm_bf16 else "bf16 (aarch64)"
+        return "" if self.avx512_bf16 or self.amx_bf16 else "avx512_bf16"
 
     @property
     def signature(self) -> str:
@@ -32,26 +55,36 @@ class CPUFeatures:
         return f"{self.machine}|{self.model_name}|{' '.join(sorted(self.flags))}"
 
 
+def parse_cpuinfo(text: str, machine: str) -> CPUFeatures:
+    """The first processor's model and flags in /proc/cpuinfo text. x86 names the model in
+    "model name" and the features in "flags"; aarch64 has neither, only "Features" and the
+    implementer/part codes, which then stand for the model."""
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        key = key.strip()
+        if not sep:
+            if fields:  # a blank line ends the first processor's block
+                break
+            continue
+        fields.setdefault(key, value.strip())
+    model = fields.get("model name") or fields.get("Model Name") or ""
+    if not model and "CPU part" in fields:
+        model = f"implementer {fields.get('CPU implementer', '?')} part {fields['CPU part']}"
+    flags = fields.get("flags") or fields.get("Features") or ""
+    return CPUFeatures(machine, model, frozenset(flags.split()))
+
+
 # Cached: the CPU does not change under a running process, and /proc/cpuinfo is long.
 @functools.cache
 def cpu_features() -> CPUFeatures:
-    model_name, flags = "", frozenset[str]()
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                key = key.strip()
-                if key == "model name" and not model_name:
-                    model_name = value.strip()
-                elif key == "flags" and not flags:
-                    flags = frozenset(value.split())
-                if model_name and flags:
-                    break
+            return parse_cpuinfo(f.read(), platform.machine())
     except OSError:  # not Linux: no cheap way to tell, so report no features (the safe side)
-        pass
-    return CPUFeatures(platform.machine(), model_name, flags)
+        return CPUFeatures(platform.machine(), "", frozenset())
 
 
-def cpu_has_amx() -> bool:
-    """True when the CPU advertises AMX bf16 tiles."""
-    return cpu_features().amx_bf16
+def cpu_has_native_bf16() -> bool:
+    """True when bf16 arithmetic runs in hardware on this CPU (see CPUFeatures.native_bf16)."""
+    return cpu_features().native_bf16

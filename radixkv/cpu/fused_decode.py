@@ -1,5 +1,6 @@
 """A decode step's decoder layers as one native call (radixkv/cpu/csrc/decode_layers.c), for bf16
-models on CPUs with AMX: the same kernels as the layer-by-layer forward, minus its Python.
+models whose linears run a native kernel (AMX or AVX512_BF16): the same kernels as the
+layer-by-layer forward, minus its Python.
 
 At 32 rows the Python between a layer's ten kernels and inside their wrappers costs ~0.3 ms,
 which across SmolLM2's 30 layers is ~8 ms of a ~60 ms step (scenarios/decode_profile.py shows
@@ -28,6 +29,7 @@ class _Layer(ctypes.Structure):
 class _Shape(ctypes.Structure):
     _fields_ = [
         *((name, ctypes.c_int) for name in ("rows", "hidden", "intermediate", "num_q_heads", "num_kv_heads", "head_dim", "page_size", "num_threads")),
+        ("linear_kernel", ctypes.c_int),
         ("eps", ctypes.c_float),
         ("scale", ctypes.c_float),
     ]
@@ -37,8 +39,8 @@ class _Scratch(ctypes.Structure):
     _fields_ = [(name, _p) for name in ("h", "qkv", "attention", "projected", "gate_up", "activated", "work", "first_chunk")]
 
 
-def _amx_packed(linear: object) -> bool:
-    return isinstance(linear, PackedLinear) and linear.rows_independent
+def _linears(layer: torch.nn.Module) -> tuple[object, ...]:
+    return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
 
 
 class FusedDecode:
@@ -56,16 +58,16 @@ class FusedDecode:
         """A FusedDecode where every layer can take the native path, else None."""
         config = model.config
         library = native.load()
+        linears = [linear for layer in model.layers for linear in _linears(layer)]
+        # One native kernel for every linear: the C loop passes one kernel id to all of them.
+        kernels = {linear.kernel if isinstance(linear, PackedLinear) and linear.rows_independent else None for linear in linears}
         fits = (
             library is not None
             and not config.qk_norm
             and model.embed_tokens.weight.dtype == torch.bfloat16
             and model.embed_tokens.weight.device.type == "cpu"
-            and all(
-                _amx_packed(layer.self_attn.qkv_proj) and _amx_packed(layer.self_attn.o_proj)
-                and _amx_packed(layer.mlp.gate_up_proj) and _amx_packed(layer.mlp.down_proj)
-                for layer in model.layers
-            )
+            and len(kernels) == 1
+            and None not in kernels
         )  # fmt: skip
         return cls(model, library) if fits else None
 
@@ -96,7 +98,8 @@ class FusedDecode:
         shape = _Shape(
             rows=rows, hidden=config.hidden_size, intermediate=config.intermediate_size, num_q_heads=config.num_q_heads,
             num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, page_size=k_caches[0].shape[1],
-            num_threads=torch.get_num_threads(), eps=config.rms_norm_eps, scale=self.layers[0].self_attn.scale,
+            num_threads=torch.get_num_threads(), linear_kernel=self.layers[0].mlp.down_proj.kernel_bit,
+            eps=config.rms_norm_eps, scale=self.layers[0].self_attn.scale,
         )  # fmt: skip
         delta = torch.empty_like(x)
         x = x.contiguous()
@@ -104,7 +107,7 @@ class FusedDecode:
             ctypes.addressof(layers), len(self.layers), 1, ctypes.addressof(shape), ctypes.addressof(scratch),
             x.data_ptr(), delta.data_ptr(),
             cos.contiguous().data_ptr(), sin.contiguous().data_ptr(), slots.data_ptr(), page_table.data_ptr(),
-            page_table.stride(0), seq_lens.data_ptr(),
+            page_table.stride(0), seq_lens.data_ptr(), _pointer(state.order),
         )  # fmt: skip
         if status != 0:
             raise RuntimeError("the fused decode kernels refused this model's shapes")

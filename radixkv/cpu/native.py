@@ -25,7 +25,7 @@ from radixkv.cpu.features import cpu_features
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "paged_decode.c", CSRC / "row_ops.c", CSRC / "amx_linear.c", CSRC / "decode_layers.c")
+SOURCES = (CSRC / "paged_decode.c", CSRC / "row_ops.c", CSRC / "packed_linear.c", CSRC / "decode_layers.c")
 HEADERS = (CSRC / "bf16.h", CSRC / "amx.h", CSRC / "kernels.h")
 COMPILE_FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 
@@ -103,8 +103,10 @@ def _build(compiler: str, target: Path) -> None:
 def _declare(library: ctypes.CDLL) -> None:
     p, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
     signatures = {
-        "radixkv_paged_decode_bf16": [p, i64, p, p, p, i64, p, p, i32, i32, i32, i32, i32, f32, p, p, p, i32],
-        "radixkv_paged_decode_f32": [p, i64, p, p, p, i64, p, p, i32, i32, i32, i32, i32, f32, p, p, p, i32],
+        "radixkv_paged_decode_bf16": [p, i64, p, p, p, i64, p, p, i32, i32, i32, i32, i32, f32, p, p, p, p, i32],
+        "radixkv_paged_decode_f32": [p, i64, p, p, p, i64, p, p, i32, i32, i32, i32, i32, f32, p, p, p, p, i32],
+        "radixkv_decode_share_order": [p, i64, p, i32, i32, p],
+        "radixkv_decode_num_items": [p, i32],
         "radixkv_decode_work_floats": [p, i32, i32, i32],
         "radixkv_decode_use_amx": [i32],
         "radixkv_decode_limits": [p, p],
@@ -112,20 +114,22 @@ def _declare(library: ctypes.CDLL) -> None:
         "radixkv_add_rms_norm_bf16": [p, p, p, p, i32, i32, f32, i32],
         "radixkv_rope_bf16": [p, i64, i32, i32, i32, p, p, i32],
         "radixkv_silu_mul_bf16": [p, i64, p, i32, i32, i32],
-        "radixkv_amx_linear_available": [],
-        "radixkv_amx_packed_words": [i32, i32],
-        "radixkv_amx_pack": [p, i32, i32, p],
-        "radixkv_amx_linear": [p, i64, i32, i32, p, i32, p, p, i64, i32],
-        "radixkv_decode_layers_bf16": [p, i32, i32, p, p, p, p, p, p, p, p, i64, p],
+        "radixkv_linear_kernels": [],
+        "radixkv_packed_words": [i32, i32],
+        "radixkv_pack_weight": [p, i32, i32, p],
+        "radixkv_packed_linear": [i32, p, i64, i32, i32, p, i32, p, p, i64, i32],
+        "radixkv_decode_layers_bf16": [p, i32, i32, p, p, p, p, p, p, p, p, i64, p, p],
     }
     returns = {
         "radixkv_paged_decode_bf16": i32,
         "radixkv_paged_decode_f32": i32,
         "radixkv_decode_work_floats": i64,
+        "radixkv_decode_share_order": i64,
+        "radixkv_decode_num_items": i64,
         "radixkv_decode_use_amx": i32,
-        "radixkv_amx_linear_available": i32,
-        "radixkv_amx_packed_words": i64,
-        "radixkv_amx_linear": i32,
+        "radixkv_linear_kernels": i32,
+        "radixkv_packed_words": i64,
+        "radixkv_packed_linear": i32,
         "radixkv_decode_layers_bf16": i32,
     }
     for name, argtypes in signatures.items():

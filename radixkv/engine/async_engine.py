@@ -172,6 +172,7 @@ class AsyncEngine:
 
     def __init__(self, engine: Engine, *, start: bool = True) -> None:
         self.engine = engine
+        self._persisted = False
         # Fixed after construction, so any thread may read them.
         self.tokenizer = engine.tokenizer
         self.max_context_tokens = engine.max_context_tokens
@@ -256,12 +257,17 @@ class AsyncEngine:
         return None
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
-        """Abort every request, stop the thread and wait for it."""
+        """Abort every request, stop the thread and wait for it; then write the RAM cache to
+        the disk tier, if there is one (Engine.close), so the next start is warm."""
         with self._cond:
             self._shared.closed = True
             self._cond.notify()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout_s)
+        if not self._thread.is_alive() and self.engine.disk is not None and not self._persisted:
+            # Only once the thread is gone: the engine is single-threaded.
+            self._persisted = True
+            self.engine.close()
 
     # -- engine thread ---------------------------------------------------------------------
 

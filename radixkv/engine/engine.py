@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from radixkv.attention import make_backend
+from radixkv.cache.disk import DiskTier
 from radixkv.cache.hashing import BlockHasher
 from radixkv.cache.pages import PagePool
 from radixkv.cache.radix import RadixTree
@@ -37,6 +38,7 @@ from radixkv.engine.scheduler import Batch, Scheduler
 from radixkv.engine.stats import EngineCounters, EngineStats, StepTimes
 from radixkv.errors import ConfigError, InvalidRequest, QueueFull
 from radixkv.model.device import resolve_device, resolve_dtype
+from radixkv.model.fingerprint import model_fingerprint
 from radixkv.model.loader import LoadedModel, load_model
 
 
@@ -57,6 +59,7 @@ class Engine:
             self.device.type,
             native_kernels=config.native_kernels,
             decode_amx=config.decode_amx,
+            share_decode_reads=config.share_decode_reads,
             check_indices=config.check_indices,
         )
         # Before the model loads: a configuration the backend cannot run fails in a blink.
@@ -73,6 +76,7 @@ class Engine:
                 device=config.device,
                 cache_dir=config.cache_dir,
                 native_kernels=config.native_kernels,
+                linear_kernel=config.linear_kernel,
             )
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
@@ -97,8 +101,11 @@ class Engine:
         # less when the page pool is smaller. Every layer that checks a length reads this.
         self.max_context_tokens = min(self.max_model_len, num_pages * config.page_size)
         self.hasher = BlockHasher(config.page_size, seed=config.hash_seed)
-        self.tree = RadixTree(self.pool, self.hasher)
-        self.kv = KVManager(self.pool, self.tree, self.hasher, config.enable_prefix_caching)
+        self.tree = RadixTree(self.pool, self.hasher, eviction_policy=config.eviction_policy)
+        self.disk = self._disk_tier(loaded) if config.kv_disk_dir and config.enable_prefix_caching else None
+        self.kv = KVManager(
+            self.pool, self.tree, self.hasher, config.enable_prefix_caching, self.disk, self._compute_s_per_token
+        )
         self.scheduler = Scheduler(config, self.kv)
         self.runner = ModelRunner(loaded.model, self.pool, loaded.device, batch_invariant=config.batch_invariant)
         self.sampler = Sampler(config.seed)
@@ -289,7 +296,7 @@ class Engine:
         for row in non_finite.nonzero().flatten().tolist():
             broken.setdefault(row, FloatingPointError("non-finite logits"))
         clock.lap("sample")
-        self._account(batch)
+        self._account(batch, prepared[1].backend_state)
         for item in batch.items:
             item.seq.num_computed_tokens += item.num_new_tokens
             self.kv.commit(item.seq)
@@ -338,9 +345,14 @@ class Engine:
             logprobs.append(row_logprobs[0] if row_logprobs else None)
         return tokens, logprobs if any(lp is not None for lp in logprobs) else []
 
-    def _account(self, batch: Batch) -> None:
+    def _account(self, batch: Batch, backend_state: object) -> None:
         counters = self.counters
         counters.num_steps += 1
+        # Backends that count their decode reads (the CPU backend) leave them on their state.
+        reads = getattr(backend_state, "kv_reads", None)
+        if reads is not None:
+            counters.num_kv_tokens_read += reads.tokens
+            counters.num_kv_tokens_read_shared += reads.shared_tokens
         for item in batch.items:
             start = item.seq.num_computed_tokens
             counters.num_tokens_computed += item.num_new_tokens
@@ -415,6 +427,36 @@ class Engine:
             total_time_s=max(finish_times) - first.arrival_time if finish_times else None,
         )
 
+    def _disk_tier(self, loaded: LoadedModel) -> DiskTier:
+        assert self.config.kv_disk_dir is not None
+        return DiskTier(
+            self.config.kv_disk_dir,
+            self.config.kv_disk_bytes,
+            fingerprint=model_fingerprint(loaded),
+            page_size=self.config.page_size,
+            payload_bytes=self.pool.page_nbytes,
+        )
+
+    def lookup(self, prompt_token_ids: list[int], salt: str | None = None) -> tuple[int, int]:
+        """(prompt tokens cached in RAM, tokens after those cached on disk), in full blocks;
+        a pure lookup (POST /v1/cache/lookup)."""
+        return self.kv.lookup(prompt_token_ids, salt)
+
+    def flush_cache(self, *, ram: bool = True, disk: bool = True) -> tuple[int, int]:
+        """Drop the prefix cache's unlocked RAM pages and/or its disk blocks; (pages freed,
+        blocks deleted). Running requests and pins keep theirs."""
+        return self.kv.flush(ram, disk)
+
+    def _compute_s_per_token(self) -> float | None:
+        """Forward seconds per computed token so far; None until enough tokens ran to tell."""
+        tokens = self.counters.num_tokens_computed
+        return self.step_times.forward / tokens if tokens >= 256 else None
+
+    def close(self) -> int:
+        """Write what RAM caches to the disk tier, so the next start finds it warm; returns the
+        blocks written (0 without a disk tier). The engine stays usable."""
+        return self.kv.persist()
+
     # -- introspection -----------------------------------------------------------------------
 
     def stats(self) -> EngineStats:
@@ -431,6 +473,7 @@ class Engine:
             num_unfinished=len(self._requests),
             num_preemptions=self.scheduler.num_preemptions,
             num_deferrals=self.scheduler.num_deferrals,
+            disk=self.disk.stats() if self.disk is not None else None,
         )
 
     def check_invariants(self) -> None:

@@ -1,7 +1,7 @@
 """Turns each request's last-token logits into its next token, for the whole batch in one pass.
 
-Greedy rows take the argmax; sampled rows apply temperature, top-k and top-p together on the
-logits' device and draw by the exponential race (argmax of p / E, E ~ Exp(1)), with the noise
+Greedy rows take the argmax; sampled rows apply temperature (and top-k and top-p where asked,
+over sorted logits) on the logits' device and draw by the inverse CDF with one uniform number
 from each sequence's own generator, so a seeded request is reproducible in any batch. The only
 host sync is the final transfer of the token ids (with the logprobs of the rows that ask for
 them). Guided rows are masked to their grammar's allowed tokens first; logprobs are of the raw
@@ -44,13 +44,35 @@ class Sampler:
         return _with_logprobs(tokens, logprobs, logprob_rows, seqs)
 
     def _draw(self, logits: torch.Tensor, seqs: list[SequenceState]) -> torch.Tensor:
-        probs, order = sorted_filtered_probs(logits, [seq.params for seq in seqs])
-        # Each row's noise comes from its own generator, on the CPU (generators are per device).
-        noise = torch.stack([torch.empty(logits.shape[-1]).exponential_(generator=self._generator(seq)) for seq in seqs])
-        # A zero draw would make 0 / 0 = NaN, which argmax prefers: keep the noise positive.
-        noise.clamp_(min=torch.finfo(noise.dtype).tiny)
-        picks = (probs / noise.to(probs.device)).argmax(dim=-1, keepdim=True)
-        return order.gather(-1, picks).squeeze(-1)
+        vocab = logits.shape[-1]
+        # Rows with neither top-k nor top-p draw over the vocabulary as it is: sorting 49k
+        # logits a row costs far more than the draw (~60 ms of a 32-row step on 2 cores).
+        # Which way a row goes depends on its own parameters only, so a seed still gives the
+        # same tokens in any batch.
+        filtered = [i for i, seq in enumerate(seqs) if 0 < seq.params.top_k < vocab or seq.params.top_p < 1.0]
+        if not filtered:
+            return self._pick(_tempered_probs(logits, seqs), seqs)
+        if len(filtered) == len(seqs):
+            probs, order = sorted_filtered_probs(logits, [seq.params for seq in seqs])
+            return order.gather(-1, self._pick(probs, seqs).unsqueeze(-1)).squeeze(-1)
+        plain = [i for i in range(len(seqs)) if i not in set(filtered)]
+        drawn = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
+        for rows in (plain, filtered):
+            index = torch.tensor(rows, device=logits.device)
+            drawn.index_copy_(0, index, self._draw(logits[index], [seqs[i] for i in rows]))
+        return drawn
+
+    def _pick(self, probs: torch.Tensor, seqs: list[SequenceState]) -> torch.Tensor:
+        """Per row, a position drawn from p by its inverse CDF: one uniform number per row from
+        the sequence's own generator (the whole vocabulary of exponential noise cost ~40 ms a
+        32-row step). The sums run in float64, so the long tail's mass stays where it is."""
+        uniform = torch.stack([torch.rand(1, generator=self._generator(seq), dtype=torch.float64) for seq in seqs])
+        cdf = probs.double().cumsum(dim=-1)
+        target = uniform.to(probs.device) * cdf[:, -1:]
+        # right=True: the first position whose cumulative mass exceeds the target, which never
+        # lands on a zero-probability token.
+        picks = torch.searchsorted(cdf, target, right=True).squeeze(-1)
+        return picks.clamp_(max=probs.shape[-1] - 1)
 
     def _generator(self, seq: SequenceState) -> torch.Generator:
         if seq.generator is None:
@@ -85,6 +107,11 @@ def _with_logprobs(
         top = [(int(ids[i * k + j]), values[i * k + j]) for j in range(own_k)]
         result[row] = TokenLogprob(token_ids[row], packed[num_seqs + i], top)
     return token_ids, result
+
+
+def _tempered_probs(logits: torch.Tensor, seqs: list[SequenceState]) -> torch.Tensor:
+    temperature = torch.tensor([seq.params.temperature for seq in seqs], device=logits.device).unsqueeze(1)
+    return torch.softmax(logits.float() / temperature, dim=-1)
 
 
 def sorted_filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:

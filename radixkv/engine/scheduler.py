@@ -77,6 +77,12 @@ class Scheduler:
             if seq.status is not SeqStatus.RUNNING or token_budget == 0:
                 continue
             num_new = min(seq.num_uncomputed_tokens, token_budget)
+            if self.kv.disk is not None:
+                # A long disk hit goes on loading chunk by chunk, into pages the chunk needs anyway.
+                loaded = self.kv.continue_from_disk(seq, num_new)
+                num_new -= loaded
+                if seq.num_preemptions == 0 and not seq.output_token_ids:
+                    seq.num_cached_tokens += loaded  # served by the cache, as at admission
             while not self.kv.reserve(seq, num_new):
                 victim = self._preemption_victim(exclude=scheduled)
                 self._preempt(victim, batch)
@@ -133,8 +139,11 @@ class Scheduler:
         # preemptions when the running ones cross a page boundary.
         if needed + len(self.running) > available:
             return 0
-        cached = self.kv.admit(seq)
-        assert cached == peek.num_cached_tokens, "nothing ran between the look and the match"
+        cached = self.kv.admit(seq, num_new)
+        # Past what the peek saw, only blocks loaded from the disk tier, into pages the check
+        # counted for computing them; what is left of the chunk needs no more pages than that.
+        assert cached >= peek.num_cached_tokens, "nothing ran between the look and the match"
+        num_new -= cached - peek.num_cached_tokens
         reserved = self.kv.reserve(seq, num_new)
         assert reserved, "the pages were counted as available a moment ago"
         if seq.num_preemptions == 0 and not seq.output_token_ids:

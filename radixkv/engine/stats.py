@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from radixkv.cache.disk import DiskStats
 from radixkv.cache.radix import CacheStats
 
 
@@ -17,6 +18,10 @@ class EngineCounters:
     num_tokens_computed: int = 0  # tokens run through the model (prompt chunks and decode)
     num_prompt_tokens_computed: int = 0  # of those, prompt tokens: what the cache did not serve
     num_output_tokens: int = 0
+    # KV tokens decode steps read (summed over requests), and of those, a shared prefix's read
+    # again from cache after its first reader (EngineConfig.share_decode_reads; CPU backend).
+    num_kv_tokens_read: int = 0
+    num_kv_tokens_read_shared: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +38,7 @@ class EngineStats:
     num_unfinished: int  # requests the engine holds (a request with n > 1 counts once)
     num_preemptions: int
     num_deferrals: int
+    disk: DiskStats | None = None  # the disk tier's, when there is one
 
 
 @dataclass(slots=True)

@@ -3,9 +3,9 @@ cache), dtype/device resolution, and the Llama-family forward over a flat batch 
 
 from __future__ import annotations
 
-from radixkv.model.device import cpu_has_amx, resolve_device, resolve_dtype
+from radixkv.model.device import cpu_has_native_bf16, resolve_device, resolve_dtype
 from radixkv.model.llama import SUPPORTED_ARCHITECTURES, CausalLM, ModelConfig, UnsupportedModel
-from radixkv.model.loader import LoadedModel, ModelNotFound, default_model_gguf, load_model, load_tokenizer
+from radixkv.model.loader import LoadedModel, ModelNotFound, default_model_gguf, load_model, load_model_config, load_tokenizer
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
@@ -14,9 +14,10 @@ __all__ = [
     "ModelConfig",
     "ModelNotFound",
     "UnsupportedModel",
-    "cpu_has_amx",
+    "cpu_has_native_bf16",
     "default_model_gguf",
     "load_model",
+    "load_model_config",
     "load_tokenizer",
     "resolve_device",
     "resolve_dtype",

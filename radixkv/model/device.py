@@ -1,7 +1,7 @@
 """Resolving EngineConfig's device and dtype strings to torch objects.
 
-`auto` picks CUDA when present, and bf16 where the hardware computes it fast (CUDA with bf16
-support, or a CPU with AMX tiles); elsewhere fp32, since bf16 on other CPUs is emulated and slow.
+`auto` picks CUDA when present, and bf16 where the hardware computes it natively (CUDA with bf16
+support; CPUs with AMX, AVX512_BF16 or aarch64 bf16); elsewhere fp32, since there bf16 is emulated.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from radixkv.config import DTYPES
-from radixkv.cpu.features import cpu_has_amx
+from radixkv.cpu.features import cpu_has_native_bf16
 from radixkv.errors import ConfigError
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -43,7 +43,8 @@ def resolve_device(device: str | torch.device) -> torch.device:
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """'auto' -> bf16 on CUDA (fp16 on GPUs without bf16) or an AMX CPU, else fp32."""
+    """'auto' -> bf16 on CUDA (fp16 on GPUs without bf16) or a CPU with native bf16
+    arithmetic (AMX, AVX512_BF16, aarch64 bf16), else fp32."""
     if isinstance(dtype, torch.dtype):
         if dtype not in _DTYPES.values():
             raise ConfigError(f"dtype must be one of {DTYPES}, got {dtype!r}")
@@ -51,7 +52,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     if dtype == "auto":
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.bfloat16 if cpu_has_amx() else torch.float32
+        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
     if dtype not in _DTYPES:
         raise ConfigError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     return _DTYPES[dtype]

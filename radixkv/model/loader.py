@@ -24,7 +24,7 @@ from torch import Tensor
 from radixkv.attention.base import AttentionBackend
 from radixkv.config import default_cache_dir
 from radixkv.cpu.fused_decode import FusedDecode
-from radixkv.cpu.linear import can_prepack, prepack_linears
+from radixkv.cpu.linear import can_prepack, prepack_linears, resolve_linear_kernel
 from radixkv.model.device import resolve_device, resolve_dtype
 from radixkv.model.llama import CausalLM, ModelConfig
 
@@ -64,19 +64,22 @@ def load_model(
     device: str = "auto",
     cache_dir: str | None = None,
     native_kernels: bool = True,
+    linear_kernel: str = "auto",
 ) -> LoadedModel:
     """Load weights (cast to dtype, on device) and tokenizer. None means the default SmolLM2.
 
-    native_kernels=False keeps every layer on torch ops (EngineConfig.native_kernels): no AMX
-    linears, no native row ops, no fused decode step.
+    native_kernels=False keeps every layer on torch ops (EngineConfig.native_kernels): no native
+    linears, no native row ops, no fused decode step. linear_kernel: EngineConfig.linear_kernel,
+    for bf16 on CPU.
     """
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
+    # Before any weight is read: a named kernel this CPU cannot run fails at once.
+    packed = can_prepack(torch_dtype, torch_device)
+    kernel = resolve_linear_kernel(linear_kernel, native_kernels) if packed else None
     folder = resolve_model_folder(model, cache_dir)
 
-    from transformers import AutoConfig
-
-    config = ModelConfig.from_hf(AutoConfig.from_pretrained(folder))
+    config = _model_config(folder)
     tokenizer = load_tokenizer(folder)
     config = replace(config, eos_token_ids=_eos_token_ids(config, folder, tokenizer))
     # Built on the meta device: no random init of weights about to be replaced.
@@ -84,10 +87,21 @@ def load_model(
         net = CausalLM(config, attention, native_kernels)
     net.load_state_dict_hf(_weights_for(folder, torch_dtype, torch_device))
     net.eval()
-    if can_prepack(torch_dtype, torch_device):
-        prepack_linears(net, native_kernels)
+    if kernel is not None:
+        prepack_linears(net, kernel)
         net.fused_decode = FusedDecode.for_model(net) if native_kernels else None
     return LoadedModel(net, config, tokenizer, str(folder), torch_dtype, torch_device)
+
+
+def load_model_config(model: str | None, cache_dir: str | None = None) -> ModelConfig:
+    """The shapes of a model (None: the default SmolLM2) without loading its weights."""
+    return _model_config(resolve_model_folder(model, cache_dir))
+
+
+def _model_config(folder: Path) -> ModelConfig:
+    from transformers import AutoConfig
+
+    return ModelConfig.from_hf(AutoConfig.from_pretrained(folder))
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:

@@ -19,7 +19,13 @@ from radixkv.server.errors import install_error_handlers
 from radixkv.server.limits import ServerLimits
 from radixkv.server.openapi import document_request_bodies
 from radixkv.server.metrics import CountRequests, ServerMetrics
-from radixkv.server.protocol import ChatCompletionRequest, CompletionRequest, PinRequest
+from radixkv.server.protocol import (
+    CacheFlushRequest,
+    CacheLookupRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    PinRequest,
+)
 from radixkv.server.responses_protocol import ResponsesRequest
 from radixkv.server.state import Server
 from radixkv.server.tenants import Tenants
@@ -32,12 +38,15 @@ def create_app(
     *,
     model_aliases: Sequence[str] = (),
     tenant_secret: bytes | None = None,
+    admin_keys: Sequence[str] | None = None,
     limits: ServerLimits | None = None,
 ) -> FastAPI:
-    """An app serving `async_engine` (started and shut down by the caller) as `model_name`."""
+    """An app serving `async_engine` (started and shut down by the caller) as `model_name`.
+    `tenant_secret` fixes the cache salts across restarts (a disk tier needs that to stay warm
+    for tenants); `admin_keys` may also flush the cache."""
     server = Server(
         engine=async_engine,
-        tenants=Tenants(api_keys, tenant_secret),
+        tenants=Tenants(api_keys, tenant_secret, admin_keys),
         model_name=model_name,
         model_aliases=frozenset([model_name, *model_aliases]),
         metrics=ServerMetrics(async_engine.stats),
@@ -63,6 +72,8 @@ def create_app(
             "/v1/responses": ResponsesRequest,
             "/v1/messages": MessagesRequest,
             "/v1/cache/pin": PinRequest,
+            "/v1/cache/lookup": CacheLookupRequest,
+            "/v1/cache/flush": CacheFlushRequest,
         },
     )
     return app

@@ -1,6 +1,8 @@
 """radixkv's own cache endpoints (not OpenAI's): POST /v1/cache/pin locks a prefix against
-eviction, GET /v1/cache/pin lists the caller's pins, DELETE /v1/cache/pin/{pin_id} releases one;
-and the bookkeeping of who pinned what, how many pages pins may lock, and when they expire.
+eviction, GET /v1/cache/pin lists the caller's pins, DELETE /v1/cache/pin/{pin_id} releases
+one; POST /v1/cache/lookup tells how much of a prompt the caller's partition holds in RAM and on
+disk; POST /v1/cache/flush (admin only) empties a tier. And the bookkeeping of who pinned what,
+how many pages pins may lock, and when they expire.
 """
 
 from __future__ import annotations
@@ -19,7 +21,16 @@ from radixkv.engine.engine import Engine
 from radixkv.engine.request import SamplingParams
 from radixkv.server.errors import APIError, WireNames, parse_body
 from radixkv.server.prompts import pin_prompt
-from radixkv.server.protocol import PinList, PinRequest, PinResponse, UnpinResponse
+from radixkv.server.protocol import (
+    CacheFlushRequest,
+    CacheFlushResponse,
+    CacheLookupRequest,
+    CacheLookupResponse,
+    PinList,
+    PinRequest,
+    PinResponse,
+    UnpinResponse,
+)
 from radixkv.server.streaming import collect, off_loop, submit, until_disconnect
 
 if TYPE_CHECKING:
@@ -178,3 +189,34 @@ def register(app: FastAPI, server: Server) -> None:
         if not await server.engine.call_async(lambda engine: pins.unpin(engine, pin_id, key)):
             raise APIError(404, f"no pin {pin_id} (unknown, already unpinned, or another key's)", code="not_found")
         return JSONResponse(UnpinResponse(pin_id=pin_id).model_dump())
+
+    @app.post("/v1/cache/lookup")
+    async def lookup_prefix(request: Request) -> Response:
+        """How many tokens of a prompt are cached for the caller, in RAM and on disk. Only the
+        caller's own partition (its key and cache_salt) is looked at: another tenant's cache
+        is neither visible nor timeable through this."""
+        key = server.tenants.authenticate(request.headers.get("authorization"), request.headers.get("x-api-key"))
+        raw = await request.body()
+
+        def prepare() -> tuple[CacheLookupRequest, list[int]]:
+            body = parse_body(CacheLookupRequest, raw)
+            if body.model is not None:
+                server.check_model(body.model)
+            return body, pin_prompt(server, body)
+
+        body, prompt = await off_loop(prepare)
+        salt = server.tenants.cache_salt(key, body.cache_salt)
+        ram, disk = await server.engine.call_async(lambda engine: engine.lookup(prompt, salt))
+        response = CacheLookupResponse(prompt_tokens=len(prompt), cached_tokens=ram + disk, ram_tokens=ram, disk_tokens=disk)
+        return JSONResponse(response.model_dump())
+
+    @app.post("/v1/cache/flush")
+    async def flush_cache(request: Request) -> Response:
+        """Empty the RAM tier (unlocked pages), the disk tier, or both, for every tenant;
+        admin keys only. Reports what was freed."""
+        key = server.tenants.authenticate(request.headers.get("authorization"), request.headers.get("x-api-key"))
+        server.tenants.require_admin(key)
+        body = parse_body(CacheFlushRequest, await request.body() or b"{}")
+        ram, disk = body.tier in ("ram", "all"), body.tier in ("disk", "all")
+        pages, blocks = await server.engine.call_async(lambda engine: engine.flush_cache(ram=ram, disk=disk))
+        return JSONResponse(CacheFlushResponse(tier=body.tier, freed_ram_pages=pages, freed_disk_blocks=blocks).model_dump())

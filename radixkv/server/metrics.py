@@ -16,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from radixkv.cache.disk import DiskStats
 from radixkv.engine.stats import EngineStats
 
 if TYPE_CHECKING:
@@ -161,7 +162,39 @@ class _EngineCollector(Collector):
         yield _gauge("radixkv_num_requests_unfinished", "Requests the engine holds", s.num_unfinished)
         yield _counter("radixkv_engine_steps", "Engine steps run", counters.num_steps)
         yield _counter("radixkv_engine_tokens_computed", "Tokens run through the model", counters.num_tokens_computed)
+        yield _counter("radixkv_decode_kv_tokens_read", "KV tokens decode steps read, summed over requests", counters.num_kv_tokens_read)
+        yield _counter(
+            "radixkv_decode_kv_tokens_read_shared",
+            "Of those, a shared prefix's tokens read again from cache after its first reader",
+            counters.num_kv_tokens_read_shared,
+        )
         yield _counter("radixkv_preemptions", "Sequences preempted for pages", s.num_preemptions)
+        yield _gauge(
+            "radixkv_kv_pages_protected", "Cached pages that served a hit (slru evicts them after the rest)", cache.protected_pages
+        )
+        if s.disk is not None:
+            yield from _disk_metrics(s.disk)
+
+
+def _disk_metrics(disk: DiskStats) -> Iterator[Metric]:
+    """The disk tier's residency: what it holds, what it served, what it refused and why."""
+    yield _gauge("radixkv_disk_cache_enabled", "1 when the disk tier's directory is usable", float(disk.enabled))
+    yield _gauge("radixkv_disk_cache_blocks", "KV blocks stored in the disk tier", disk.blocks)
+    yield _gauge("radixkv_disk_cache_bytes", "Bytes the disk tier's block files take", disk.bytes_used)
+    yield _gauge("radixkv_disk_cache_budget_bytes", "The disk tier's byte budget", disk.budget_bytes)
+    yield _counter("radixkv_disk_cache_hit_blocks", "Blocks loaded from disk instead of computed", disk.hit_blocks)
+    yield _counter("radixkv_disk_cache_written_blocks", "Blocks written to the disk tier", disk.written_blocks)
+    yield _counter("radixkv_disk_cache_evicted_blocks", "Blocks deleted to stay within the budget", disk.evicted_blocks)
+    yield _counter("radixkv_disk_cache_write_failures", "Block writes that failed (a full disk, a vanished directory)", disk.write_failures)
+    yield _counter(
+        "radixkv_disk_cache_computed_instead", "Disk hits recomputed because reading was the slower", disk.computed_instead
+    )
+    rejected = CounterMetricFamily(
+        "radixkv_disk_cache_rejected_blocks", "Stored blocks refused on load, by reason (a miss each)", labels=["reason"]
+    )
+    for reason in ("fingerprint", "salt", "truncated", "corrupt", "checksum", "tokens", "missing", "unreadable"):
+        rejected.add_metric([reason], disk.rejected.get(reason, 0))
+    yield rejected
 
 
 def _counter(name: str, documentation: str, value: float) -> CounterMetricFamily:

@@ -192,7 +192,35 @@ class PinRequest(BaseModel):
     cache_salt: str | None = Field(default=None, max_length=1024)
 
 
+class CacheLookupRequest(PinRequest):
+    """radixkv's own POST /v1/cache/lookup: how much of a prompt (text, token ids, or chat
+    messages rendered as a prefix, as for a pin) the caller's cache partition holds."""
+
+
+class CacheFlushRequest(BaseModel):
+    """radixkv's own POST /v1/cache/flush (admin only): which tiers to empty."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tier: Literal["ram", "disk", "all"] = "all"
+
+
 # -- responses ------------------------------------------------------------------------------
+
+
+class CacheLookupResponse(BaseModel):
+    object: Literal["cache.lookup"] = "cache.lookup"
+    prompt_tokens: int
+    cached_tokens: int  # ram_tokens + disk_tokens: what a request for this prompt would not compute
+    ram_tokens: int
+    disk_tokens: int  # full blocks on disk right after those in RAM
+
+
+class CacheFlushResponse(BaseModel):
+    object: Literal["cache.flush"] = "cache.flush"
+    tier: str
+    freed_ram_pages: int
+    freed_disk_blocks: int
 
 
 class PromptTokensDetails(BaseModel):

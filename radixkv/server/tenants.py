@@ -39,8 +39,13 @@ class Tenants:
 
     Salts are HMACs under a per-process secret: a raw key never enters the engine."""
 
-    def __init__(self, api_keys: Sequence[str] | None, secret: bytes | None = None) -> None:
-        self._keys = [key.encode() for key in api_keys or []]
+    def __init__(
+        self, api_keys: Sequence[str] | None, secret: bytes | None = None, admin_keys: Sequence[str] | None = None
+    ) -> None:
+        # An admin key is an API key too (its own tenant), that may also run admin operations
+        # (POST /v1/cache/flush).
+        self._admin_keys = [key.encode() for key in admin_keys or []]
+        self._keys = [key.encode() for key in api_keys or []] + self._admin_keys
         if any(not key for key in self._keys):
             raise ValueError("an API key must not be empty")
         self._secret = secret or secrets.token_bytes(32)
@@ -73,6 +78,12 @@ class Tenants:
             )
         return matched
 
+    def require_admin(self, key: bytes | None) -> None:
+        """APIError 403 unless `key` (an authenticated caller's) is an admin key; with no admin
+        key configured, nobody is one."""
+        if key is None or not any(hmac.compare_digest(key, admin) for admin in self._admin_keys):
+            raise APIError(403, "this operation needs an admin key (serve --admin-key)", code="permission_denied")
+
     def cache_salt(self, key: bytes | None, request_salt: str | None) -> str | None:
         if key is None and request_salt is None:
             return None
@@ -82,3 +93,17 @@ class Tenants:
         mac.update(b"\x01" if request_salt is not None else b"\x00")
         return mac.hexdigest()[:32]
 
+
+def persistent_secret(path: Path) -> bytes:
+    """The tenant-salt secret kept in an owner-only file (made on first use), so cache salts
+    stay the same across restarts and a disk tier's blocks stay reachable for their tenants."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        data = b""
+    if len(data) != 32:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as out:
+            out.write(secrets.token_bytes(32))
+        data = path.read_bytes()
+    return data

@@ -641,24 +641,38 @@ def test_cpu_backend_refuses_a_slot_past_the_cache_before_any_store() -> None:
         CPUBackend().prepare(meta, k_cache, 1)
 
 
-def test_portable_build_without_avx512_gives_the_same_answers(gen, monkeypatch, tmp_path) -> None:
-    # CPUs without AVX-512 BF16 or AMX compile only the portable loops; build that variant here
-    # (into a scratch cache) and hold it to the same reference, decode and row ops alike.
+# The builds a user on another CPU runs, compiled here: no AVX-512 at all (the portable loops),
+# and AVX-512 without BF16 (Skylake to Ice Lake: fp32 items in vectors, bf16 in portable loops).
+OTHER_BUILDS = [
+    pytest.param("x86-64-v2", id="portable"),
+    pytest.param(
+        "skylake-avx512", id="avx512-without-bf16",
+        marks=pytest.mark.skipif(not cpu_features().avx512, reason="needs avx512f and avx512bw to run that build"),
+    ),
+]  # fmt: skip
+
+
+@pytest.mark.skipif(cpu_features().machine != "x86_64", reason="the builds are x86-64 ones")
+@pytest.mark.parametrize("march", OTHER_BUILDS)
+def test_builds_for_other_cpus_give_the_same_answers(gen, monkeypatch, tmp_path, march) -> None:
+    # Built into a scratch cache and held to the same reference, decode and row ops alike.
     from radixkv.cpu import row_ops
 
-    portable_flags = tuple("-march=x86-64-v2" if f == "-march=native" else f for f in native_library.COMPILE_FLAGS)
-    monkeypatch.setattr(native_library, "COMPILE_FLAGS", portable_flags)
+    flags = tuple(f"-march={march}" if f == "-march=native" else f for f in native_library.COMPILE_FLAGS)
+    monkeypatch.setattr(native_library, "COMPILE_FLAGS", flags)
     monkeypatch.setattr(native_library, "_tried", False)
     monkeypatch.setattr(native_library, "_library", None)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     library = native_library.load()
     assert library is not None and str(tmp_path) in library._name
-    assert library.radixkv_decode_use_amx(1) == 0  # a portable build has no AMX path
+    assert library.radixkv_decode_use_amx(1) == 0  # neither build has the AMX path
+    assert library.radixkv_linear_kernels() == 0  # nor a native bf16 linear: oneDNN runs them
     for dtype in (torch.bfloat16, torch.float32):
-        paged = make_paged(gen, [1, 16, 300], num_kv_heads=3, head_dim=64, page_size=16, dtype=dtype)
-        q = make_q(gen, 3, 9, 3, 64, dtype)
-        out = native.paged_decode(q, paged.k_cache, paged.v_cache, paged.page_table, paged.seq_lens, 0.125)
-        assert_close(out, reference(q, paged, 0.125), dtype, "portable build")
+        for head_dim in (64, 40):  # 40: not a multiple of 16, the portable item in every build
+            paged = make_paged(gen, [1, 16, 300], num_kv_heads=3, head_dim=head_dim, page_size=16, dtype=dtype)
+            q = make_q(gen, 3, 9, 3, head_dim, dtype)
+            out = native.paged_decode(q, paged.k_cache, paged.v_cache, paged.page_table, paged.seq_lens, 0.125)
+            assert_close(out, reference(q, paged, 0.125), dtype, f"{march} build, head_dim {head_dim}")
     x, delta, weight = (torch.randn(shape, generator=gen).to(torch.bfloat16) for shape in ((5, 64), (5, 64), (64,)))
     expected = row_ops.rms_norm(x + delta, weight, 1e-5)
     assert torch.equal(row_ops.add_rms_norm(x.clone(), delta, weight, 1e-5)[1], expected)
@@ -668,7 +682,7 @@ def test_portable_build_without_avx512_gives_the_same_answers(gen, monkeypatch, 
 def test_decode_amx_setting_picks_the_q_k_path(gen) -> None:
     # decode_amx=False keeps q.k on AVX-512 even after the AMX linears were granted tiles:
     # both paths meet the reference, and they sum in different orders, so some bits differ.
-    native_library.load().radixkv_amx_linear_available()  # the linears ask the OS for tiles too
+    native_library.load().radixkv_linear_kernels()  # the linears ask the OS for tiles too
     paged = make_paged(gen, [300, 17, 64, 600, 255, 999], num_kv_heads=3, head_dim=64, page_size=16, dtype=torch.bfloat16)
     q = make_q(gen, 6, 9, 3, 64, torch.bfloat16)
     expected = reference(q, paged, 0.125)

@@ -2,7 +2,9 @@
 (salt, cached full-block prefix) to its page. Requests behave as the engine's do; after every
 step the match results, the page accounting and the tree's own invariants are checked.
 Retentions run on a clock the machine moves: eviction must take unretained leaves by LRU, then
-retained ones by expiry, and an expired retention must count for nothing."""
+retained ones by expiry, and an expired retention must count for nothing. Under the slru policy
+blocks that served a match (protected) go after those that never did (probation), each by LRU,
+unless the protected share of the cache passes its cap."""
 
 from __future__ import annotations
 
@@ -49,14 +51,29 @@ def _few_values_hash(data: bytes) -> int:
 
 class CacheMachine(RuleBasedStateMachine):
     hash_fn: HashFn | None = None
+    eviction_policy = "slru"
 
-    @initialize(page_size=st.sampled_from([2, 4]), num_pages=st.integers(6, 24))
-    def setup(self, page_size: int, num_pages: int) -> None:
+    @initialize(
+        page_size=st.sampled_from([2, 4]),
+        num_pages=st.integers(6, 24),
+        protected_fraction=st.sampled_from([0.5, 1.0]),
+    )
+    def setup(self, page_size: int, num_pages: int, protected_fraction: float) -> None:
         self.ps = page_size
         self.hasher = BlockHasher(page_size, seed=1234, hash_fn=self.hash_fn)
         self.pool = PagePool(num_pages, page_size)
         self.now_s = 0.0
-        self.tree = RadixTree(self.pool, self.hasher, clock=lambda: self.now_s)
+        self.protected_fraction = protected_fraction
+        self.tree = RadixTree(
+            self.pool,
+            self.hasher,
+            clock=lambda: self.now_s,
+            eviction_policy=self.eviction_policy,
+            protected_fraction=protected_fraction,
+            on_evict=self.evicting,
+        )
+        self.hook_pages: list[int] = []  # pages the eviction hook saw, still cached when it ran
+        self.ref_hit: set[Key] = set()  # blocks that served a match since they were cached
         self.ref_retentions: dict[str, list[RefRetention]] = {}  # by owner
         self.owners = 0
         self.ref: dict[Key, int] = {}
@@ -77,6 +94,16 @@ class CacheMachine(RuleBasedStateMachine):
         while len(pages) < limit and (k := self.key(tokens, salt, len(pages) + 1)) in self.ref:
             pages.append(self.ref[k])
         return len(pages), pages
+
+    def evicting(self, node: Node) -> None:
+        """The tree's eviction hook (the disk tier's write-back): the node is still whole."""
+        assert not node.removed and not node.children and node.lock_ref == 0
+        assert all(self.pool.refcount(page) == 1 for page in node.pages)
+        self.hook_pages.extend(node.pages)
+
+    def ref_matched(self, tokens: list[int], salt: str | None, blocks: int) -> None:
+        """A match used the first `blocks` blocks: under slru they are protected from now."""
+        self.ref_hit.update(self.key(tokens, salt, i) for i in range(1, blocks + 1))
 
     def ref_touch(self, tokens: list[int], salt: str | None, blocks: int) -> None:
         self.clock += 1
@@ -115,10 +142,17 @@ class CacheMachine(RuleBasedStateMachine):
 
     def ref_evict(self, num_pages: int) -> None:
         retained = {k: self.retained_until(k) for k in self.ref}  # evict() expires first, at the same now
+        slru = self.eviction_policy == "slru"
+        hit = {k for k in self.ref if k in self.ref_hit and slru}
+        protected_pages = sum(1 for k in self.ref if k in self.ref_hit)
+        assert self.tree.protected_pages == protected_pages
+        never_over_cap = self.protected_fraction >= 1.0
+        self.hook_pages = []
         freed = self.tree.evict(num_pages)
         cached = self.tree.cached_page_set()
         evicted = {k for k, page in self.ref.items() if page not in cached}
         assert freed == len(evicted)
+        assert sorted(self.hook_pages) == sorted(self.ref[k] for k in evicted), "the hook saw other blocks than went"
         assert not evicted & self.locked_keys(), "evicted a locked block"
         for k in evicted:
             del self.ref[k]
@@ -130,8 +164,16 @@ class CacheMachine(RuleBasedStateMachine):
         plain_gone = [self.ref_time[k] for k in evicted if not retained[k]]
         kept_gone = [retained[k] for k in evicted if retained[k]]
         assert not (kept_gone and plain_left), "evicted a retained block while an unretained one was evictable"
-        if plain_gone and plain_left:
-            assert max(plain_gone) <= min(plain_left), "not LRU"
+        for protected in (False, True):  # LRU within each segment (one segment under lru)
+            gone = [self.ref_time[k] for k in evicted if not retained[k] and (k in hit) == protected]
+            left = [self.ref_time[k] for k in leaves if not retained[k] and (k in hit) == protected]
+            if gone and left:
+                assert max(gone) <= min(left), "not LRU"
+        if never_over_cap:
+            probation_left = [k for k in leaves if not retained[k] and k not in hit]
+            protected_gone = [k for k in evicted if not retained[k] and k in hit]
+            assert not (probation_left and protected_gone), "evicted a hit block while a never-hit one was evictable"
+        self.ref_hit -= evicted
         if kept_gone and kept_left:
             assert max(kept_gone) <= min(kept_left), "retained blocks not evicted in expiry order"
         for k in evicted:
@@ -183,6 +225,7 @@ class CacheMachine(RuleBasedStateMachine):
         result = self.tree.match(tokens, salt, block_hashes=hashes, record=record)
         blocks, pages = self.ref_match(tokens, salt)
         assert (result.num_cached_tokens, result.pages) == (blocks * self.ps, pages)
+        self.ref_matched(tokens, salt, blocks)
         self.ref_touch(tokens, salt, blocks)
         self.queries += record
         self.tree.lock(result.node)
@@ -217,6 +260,7 @@ class CacheMachine(RuleBasedStateMachine):
         assert self.tree_snapshot() == before
         evictable_before = self.tree.evictable_pages
         match = self.tree.match(tokens, salt, block_hashes=hashes, record=False)
+        self.ref_matched(tokens, salt, blocks)
         self.ref_touch(tokens, salt, blocks)
         self.tree.lock(match.node)
         self.ref_touch(tokens, salt, blocks)
@@ -291,6 +335,7 @@ class CacheMachine(RuleBasedStateMachine):
         result = self.tree.match(tokens, salt, record=False)
         blocks, pages = self.ref_match(tokens, salt)
         assert (result.num_cached_tokens, result.pages) == (blocks * self.ps, pages)
+        self.ref_matched(tokens, salt, blocks)
         self.ref_touch(tokens, salt, blocks)
 
     @rule(num_pages=st.integers(0, 8))
@@ -318,6 +363,7 @@ class CacheMachine(RuleBasedStateMachine):
         or by one owner with a small cap, whose surviving retentions the tree then reports."""
         blocks, _ = self.ref_match(tokens + [0], salt)
         node = self.tree.match(tokens + [0], salt, record=False).node
+        self.ref_matched(tokens, salt, blocks)
         self.ref_touch(tokens, salt, blocks)
         if capped:
             num = self.tree.retain(node, ttl_s, OWNER, OWNER_CAP_PAGES)
@@ -352,6 +398,7 @@ class CacheMachine(RuleBasedStateMachine):
             self.tree.reset()
             self.ref.clear()
             self.ref_time.clear()
+            self.ref_hit.clear()
             self.ref_retentions.clear()
 
     # ------------------------------------------------------------ checks after every step
@@ -406,6 +453,7 @@ class RealHash(CacheMachine):
 
 class FewValuesHash(CacheMachine):
     hash_fn = staticmethod(_few_values_hash)
+    eviction_policy = "lru"
 
 
 class ConstantHash(CacheMachine):

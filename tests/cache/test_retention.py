@@ -20,7 +20,10 @@ class FakeClock:
 
 def make_tree(num_pages: int = 64, page_size: int = 4) -> tuple[RadixTree, FakeClock]:
     clock = FakeClock()
-    return RadixTree(PagePool(num_pages, page_size), BlockHasher(page_size, seed=42), clock=clock), clock
+    # Plain LRU, so "ordinary node" means one order; slru's own order is tested in
+    # test_eviction_policy.py (under it a retain's match also counts as a hit).
+    tree = RadixTree(PagePool(num_pages, page_size), BlockHasher(page_size, seed=42), clock=clock, eviction_policy="lru")
+    return tree, clock
 
 
 def retain(tree: RadixTree, tokens: list[int], ttl_s: float, owner: str | None = None, cap: int | None = None) -> int:

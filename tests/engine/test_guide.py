@@ -92,8 +92,13 @@ def test_greedy_guided_output_parses_and_matches_the_schema(llm, name):
 def test_sampled_guided_output_parses_and_matches_the_schema(llm, name):
     schema = SCHEMAS[name]
     params = SamplingParams(max_tokens=120, temperature=1.2, top_p=0.95, seed=7, n=4, guide=JsonGuide(json.dumps(schema)))
-    results = llm.generate(PROMPTS, params)
-    values = [_assert_matches(output, schema) for result in results for output in result.outputs]
+    outputs = [output for result in llm.generate(PROMPTS, params) for output in result.outputs]
+    # Arrays without maxItems let a random model go on until max_tokens ("length", text cut);
+    # every reply that closed matches, and most close.
+    closed = [output for output in outputs if output.finish_reason == "stop"]
+    assert all(output.finish_reason == "length" for output in outputs if output not in closed)
+    assert len(closed) * 2 >= len(outputs), [o.text for o in outputs]
+    values = [_assert_matches(output, schema) for output in closed]
     assert len({json.dumps(v, sort_keys=True) for v in values}) > 1  # sampling still chooses
     assert_pages_returned(llm.engine)
 

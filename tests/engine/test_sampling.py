@@ -93,3 +93,23 @@ def test_prompts_over_the_context_are_refused_and_the_engine_goes_on(llm):
         llm.generate([[5, 999]])
     assert llm.generate([PROMPT], SamplingParams(max_tokens=2))[0].finish_reason is not None
     assert_pages_returned(llm.engine)
+
+
+def test_draws_follow_the_distribution_with_and_without_top_p():
+    # 20,000 draws of one row per sequence from a known distribution: each token's frequency is
+    # within 5 standard errors of its probability; top-p's cut tokens are never drawn.
+    from types import SimpleNamespace
+
+    import torch
+
+    from radixkv.engine.sampler import Sampler
+
+    logits = torch.log(torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05, 0.0, 0.0, 0.0]) + 1e-30)
+    for top_p, expected in ((1.0, [0.4, 0.3, 0.15, 0.1, 0.05]), (0.8, [0.4 / 0.85, 0.3 / 0.85, 0.15 / 0.85, 0, 0])):
+        params = SamplingParams(temperature=1.0, top_p=top_p, seed=1)
+        seqs = [SimpleNamespace(params=params, generator=None, index=i, seq_id=i) for i in range(20_000)]
+        tokens = Sampler()._draw(logits.expand(len(seqs), -1).clone(), seqs)
+        counts = torch.bincount(tokens, minlength=8).double() / len(seqs)
+        for token, p in enumerate(expected + [0.0, 0.0, 0.0]):
+            tolerance = 5 * (p * (1 - p) / len(seqs)) ** 0.5 + 1e-12
+            assert abs(counts[token].item() - p) <= tolerance, (top_p, token, counts.tolist())

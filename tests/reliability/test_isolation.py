@@ -69,8 +69,8 @@ class AdmissionAudit:
             self.owner[page] = salt
         return result
 
-    def admit(self, seq):
-        cached = self._admit(seq)
+    def admit(self, seq, *args, **kwargs):
+        cached = self._admit(seq, *args, **kwargs)
         matched = seq.page_table[: seq.num_tree_blocks]
         self.admissions.append((seq.salt, matched))
         for page in matched:

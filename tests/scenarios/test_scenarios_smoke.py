@@ -43,20 +43,45 @@ def test_scenario_runs_and_reports(name, tiny_model, tmp_path, capsys):
     assert rows["radixkv"]["same_tokens_as_nocache"] == report["num_requests"]
     assert report["min_prefill_tokens"] <= rows["radixkv"]["prefill_tokens_computed"]
     assert (tmp_path / f"{name}.png").exists()
-    assert "x radixkv" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "x radixkv" in out
+    if name == "agent_system_prompt":  # the scenario-level bound, measured on this machine
+        assert report["bound"]["bound_s"] > 0 and "wall / bound" in out
+        assert rows["radixkv"]["wall_over_bound"] > 0
+
+
+@pytest.mark.parametrize("mode", [[], ["--shared-prefix", "40", "--own-tokens", "8", "--group-size", "2", "--group-sizes", "1,4"]])
+def test_decode_profile_runs_and_reports(mode, tiny_model, tmp_path, capsys):
+    module = importlib.import_module("radixkv.scenarios.decode_profile")
+    argv = ["--model", str(tiny_model), "--dtype", "float32", "--num-seqs", "4", "--context", "48", "--steps", "2", "--out", str(tmp_path)]
+    assert module.main(argv + mode) == 0
+    out = capsys.readouterr().out
+    if mode:
+        result = json.loads((tmp_path / "decode_profile_shared_prefix.json").read_text())
+        assert result["on"]["kv_tokens_shared_per_step"] == 0  # 40-token prefixes: no whole 256-key chunk to share
+        assert result["off"]["kv_tokens_shared_per_step"] == 0 and len(result["sweep"]) == 2
+        assert "off / on" in out
+    else:
+        result = json.loads((tmp_path / "decode_profile_float32.json").read_text())
+        assert result["ideal_ms"] > 0 and result["breakdown_ms"]["linears (incl. lm_head)"] > 0
+        assert "x the bound" in out
 
 
 def test_cpu_kernels_bench_runs_and_reports(tmp_path, capsys):
     from radixkv.cpu import native
 
     library = native.load()
-    if library is None or not library.radixkv_amx_linear_available():
-        pytest.skip("the CPU kernel bench needs the native kernels and AMX tiles")
+    if library is None or not library.radixkv_linear_kernels():
+        pytest.skip("the CPU kernel bench needs the native kernels and a native linear kernel (avx512_bf16 or amx_bf16)")
     module = importlib.import_module("radixkv.scenarios.cpu_kernels")
     argv = ["--out", str(tmp_path), "--repeats", "1", "--layers", "1", "--context", "40", "--flush-mib", "8"]
     assert module.main(argv) == 0
     rows = json.loads((tmp_path / "cpu_kernels.json").read_text())["rows"]
-    assert {row["peer"] for row in rows} == {"radixkv AMX", "oneDNN prepacked", "F.linear", "radixkv paged kernel", "gather + SDPA"}
+    from radixkv.cpu.linear import available_linear_kernels
+
+    native_peers = {f"radixkv {kernel}" for kernel in available_linear_kernels()}
+    assert {row["peer"] for row in rows} == native_peers | {"oneDNN prepacked", "F.linear", "radixkv paged kernel", "gather + SDPA"}
+    assert {row["part"] for row in rows} == {"linears", "decode attention bfloat16", "decode attention float32"}
     assert all(row["ms"] > 0 for row in rows)
     assert (tmp_path / "cpu_kernels.png").exists()
     assert "x radixkv" in capsys.readouterr().out

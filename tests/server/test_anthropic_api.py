@@ -102,3 +102,38 @@ def test_bad_input_is_an_anthropic_shaped_error(live_server: LiveServer, body: o
 def test_client_raises_bad_request(live_server: LiveServer) -> None:
     with pytest.raises(anthropic.BadRequestError):
         client(live_server).messages.create(model=MODEL, max_tokens=2, messages=[])
+
+
+WEATHER_TOOL = {
+    "name": "get_weather",
+    "description": "Weather in a city.",
+    "input_schema": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}}, "required": ["city"]},
+}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_choice_any_gives_a_tool_use_block_the_client_parses(agent_server: LiveServer, stream: bool) -> None:
+    import jsonschema
+
+    c = client(agent_server)
+    kwargs = dict(
+        model=MODEL, max_tokens=200, tools=[WEATHER_TOOL], tool_choice={"type": "any", "disable_parallel_tool_use": True},
+        messages=[{"role": "user", "content": "Weather in Paris?"}],
+    )  # fmt: skip
+    if stream:
+        with c.messages.stream(**kwargs) as events:
+            message = events.get_final_message()
+    else:
+        message = c.messages.create(**kwargs)
+    assert message.stop_reason == "tool_use"
+    [use] = [block for block in message.content if block.type == "tool_use"]
+    assert use.name == "get_weather" and use.id.startswith("toolu_")
+    jsonschema.validate(use.input, WEATHER_TOOL["input_schema"])
+    # The result goes back as a tool_result block, and the conversation goes on.
+    reply = c.messages.create(
+        model=MODEL, max_tokens=8, tools=[WEATHER_TOOL],
+        messages=[*kwargs["messages"], {"role": "assistant", "content": [use.model_dump()]},
+                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "Sunny."}]}],
+    )  # fmt: skip
+    assert reply.type == "message" and reply.usage.cache_read_input_tokens > 0
+    agent_server.assert_idle_and_consistent()

@@ -22,9 +22,12 @@ static inline uint16_t float_to_bf16(float f) {
     return (uint16_t)(bits >> 16);
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
-#define HAVE_AVX512_BF16 1
+#define HAVE_AVX512 1 /* AVX-512 F/BW: fp32 vectors, bf16 only as loads and shifts */
+#if defined(__AVX512BF16__)
+#define HAVE_AVX512_BF16 1 /* vdpbf16ps and rounding to bf16 in hardware */
+#endif
 
 /* 16 bf16 values as floats. */
 static inline __m512 load16(const uint16_t *src) {

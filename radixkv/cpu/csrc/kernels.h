@@ -9,11 +9,15 @@ int radixkv_paged_decode_bf16(const uint16_t *q, int64_t q_row_stride, const uin
                               const int32_t *page_table, int64_t page_table_stride, const int32_t *seq_lens,
                               const int32_t *rows, int num_seqs, int num_q_heads, int num_kv_heads, int head_dim,
                               int page_size, float scale, uint16_t *out, float *work, int64_t *first_chunk,
-                              int num_threads);
+                              const int32_t *order, int num_threads);
 void radixkv_store_kv(char *k_cache, char *v_cache, const char *k, const char *v, int64_t k_row_stride,
                       int64_t v_row_stride, const int64_t *slots, int rows, int64_t row_bytes);
-int radixkv_amx_linear(const uint16_t *x, int64_t x_stride, int m, int k, const uint16_t *packed, int n,
-                       const float *bias, uint16_t *y, int64_t y_stride, int num_threads);
+/* The packed linears' kernels, as bits of radixkv_linear_kernels() (radixkv/cpu/linear.py names them). */
+#define RADIXKV_LINEAR_AMX 1
+#define RADIXKV_LINEAR_AVX512_BF16 2
+int radixkv_linear_kernels(void);
+int radixkv_packed_linear(int kernel, const uint16_t *x, int64_t x_stride, int m, int k, const uint16_t *packed, int n,
+                          const float *bias, uint16_t *y, int64_t y_stride, int num_threads);
 void radixkv_add_rms_norm_bf16(uint16_t *residual, const uint16_t *delta, const uint16_t *weight, uint16_t *out,
                                int rows, int dim, float eps, int num_threads);
 void radixkv_rope_bf16(uint16_t *x, int64_t row_stride, int rows, int heads, int head_dim, const uint16_t *cos,

@@ -24,6 +24,8 @@
 #define _GNU_SOURCE /* syscall() for the AMX permission request */
 #include "amx.h"
 
+#include <stdlib.h>
+
 #define CHUNK_TOKENS 256
 #define BLOCK_TOKENS 16
 #define MAX_GROUP 16
@@ -133,9 +135,9 @@ static inline float fold_scores(float *state, float *s, int n) {
     }
 
 DEFINE_ITEM(item_bf16_portable, uint16_t, bf16_to_float)
-DEFINE_ITEM(item_f32, float, f32_load)
+DEFINE_ITEM(item_f32_portable, float, f32_load)
 
-#ifdef HAVE_AVX512_BF16
+#ifdef HAVE_AVX512
 
 #ifdef HAVE_AMX
 #include <sys/syscall.h>
@@ -200,6 +202,7 @@ static inline __m512 sum_lanes_16(const __m512 v[16]) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], 0x88), _mm512_shuffle_f32x4(halves[0], halves[1], 0xDD));
 }
 
+#ifdef HAVE_AVX512_BF16
 /* Scores of n <= 16 keys for the G query heads of one kv head, by vdpbf16ps; lanes past n
  * are 0. Same layout as scores_amx. */
 static inline __attribute__((always_inline)) void scores_avx512(
@@ -221,6 +224,8 @@ static inline __attribute__((always_inline)) void scores_avx512(
     }
     for (int g = 0; g < G; g++) _mm512_storeu_ps(s + g * SCORE_STRIDE, _mm512_mul_ps(sum_lanes_16(dots[g]), _mm512_set1_ps(scale)));
 }
+
+#endif
 
 /* Softmax weights of the n scores in row, in place (unnormalised: e^(s - max)); the max and
  * their sum go to state[0] and state[1]. */
@@ -258,16 +263,16 @@ typedef struct {
     int lines_per_step;
 } Prefetcher;
 
-static inline void prefetcher_init(Prefetcher *p, const NextItem *next, const Shape *sh, const uint16_t *k,
-                                   const uint16_t *v, int steps) {
-    const int64_t row_bytes = (int64_t)sh->num_kv_heads * sh->head_dim * 2;
+static inline void prefetcher_init(Prefetcher *p, const NextItem *next, const Shape *sh, const char *k,
+                                   const char *v, int element_bytes, int steps) {
+    const int64_t row_bytes = (int64_t)sh->num_kv_heads * sh->head_dim * element_bytes;
     int64_t lines = 0;
     p->runs = p->run = 0;
     p->offset = 0;
     for (int t = next->begin; next->pages && t < next->end;) {
         const Block block = block_at(next->pages, t, next->end, sh);
         for (int which = 0; which < 2; which++) {
-            p->start[p->runs] = (const char *)((which ? v : k) + block.first);
+            p->start[p->runs] = (which ? v : k) + block.first * element_bytes;
             p->bytes[p->runs++] = block.n * row_bytes;
         }
         lines += 2 * (block.n * row_bytes + 63) / 64;
@@ -291,6 +296,10 @@ static inline void prefetch_step(Prefetcher *p) {
     }
 }
 
+/* Instances of the items below take these arguments; head_dim and group come as constants. */
+#define ITEM_ARGS q_row, k, v, pages, begin, end, sh, states, next
+
+#ifdef HAVE_AVX512_BF16
 /* The bf16 item with AVX-512, one kv head at a time, in three passes over the chunk: q.k for
  * all its keys (AMX tiles for full 16-key blocks, else vdpbf16ps), one softmax over the chunk
  * (so no running max and no rescaling), then p.v with fp32 FMAs into accumulators that stay in
@@ -307,7 +316,7 @@ static inline __attribute__((always_inline)) void item_bf16_avx512_impl(
     for (int t = begin; t < end; t += blocks[num_blocks - 1].n) blocks[num_blocks++] = block_at(pages, t, end, sh);
     float s[MAX_GROUP * SCORE_STRIDE] __attribute__((aligned(64)));
     Prefetcher prefetcher;
-    prefetcher_init(&prefetcher, next, sh, k, v, 2 * H * num_blocks);
+    prefetcher_init(&prefetcher, next, sh, (const char *)k, (const char *)v, 2, 2 * H * num_blocks);
     for (int h = 0; h < H; h++) {
         const uint16_t *q_head = q_row + (int64_t)h * G * D;
         __m512bh qv[MAX_GROUP][MAX_HEAD_DIM / 32];
@@ -373,7 +382,6 @@ static inline __attribute__((always_inline)) void item_bf16_avx512_impl(
 
 /* Instances with head_dim and group as constants, so the compiler unrolls the chunk loops and
  * keeps q and the accumulators in registers; other shapes run the general instance. */
-#define ITEM_ARGS q_row, k, v, pages, begin, end, sh, states, next
 #define GROUP_CASES(D)                                                   \
     switch (sh->group) {                                                 \
         case 1: item_bf16_avx512_impl(ITEM_ARGS, D, 1); return;          \
@@ -391,6 +399,89 @@ static void item_bf16_avx512(const uint16_t *q_row, const uint16_t *k, const uin
     if (sh->head_dim == 128) GROUP_CASES(128)
     item_bf16_avx512_impl(ITEM_ARGS, sh->head_dim, sh->group);
 }
+#undef GROUP_CASES
+#endif
+
+/* The fp32 item with AVX-512: the bf16 item's three passes with fp32 FMAs. q.k sums each key's
+ * head_dim products in 16 lanes, then folds 16 keys' lanes at once (sum_lanes_16); p.v adds
+ * into accumulators kept in registers, in natural dim order. head_dim % 16 == 0. */
+static inline __attribute__((always_inline)) void item_f32_avx512_impl(
+    const float *q_row, const float *k, const float *v, const int32_t *pages, int begin, int end,
+    const Shape *sh, float *states, const NextItem *next, const int D, const int G) {
+    const int H = sh->num_kv_heads, n = end - begin;
+    const int64_t token_stride = (int64_t)H * D;
+    Block blocks[CHUNK_TOKENS];
+    int num_blocks = 0;
+    for (int t = begin; t < end; t += blocks[num_blocks - 1].n) blocks[num_blocks++] = block_at(pages, t, end, sh);
+    float s[MAX_GROUP * SCORE_STRIDE] __attribute__((aligned(64)));
+    Prefetcher prefetcher;
+    prefetcher_init(&prefetcher, next, sh, (const char *)k, (const char *)v, 4, 2 * H * num_blocks);
+    for (int h = 0; h < H; h++) {
+        const float *q_head = q_row + (int64_t)h * G * D;
+        __m512 qv[MAX_GROUP][MAX_HEAD_DIM / 16];
+        for (int g = 0; g < G; g++)
+            for (int c = 0; c < D / 16; c++) qv[g][c] = _mm512_loadu_ps(q_head + (int64_t)g * D + 16 * c);
+        for (int bi = 0, offset = 0; bi < num_blocks; offset += blocks[bi++].n) {
+            const float *k0 = k + blocks[bi].first + (int64_t)h * D;
+            prefetch_step(&prefetcher);
+            __m512 dots[MAX_GROUP][16];
+            for (int j = 0; j < 16; j++) {
+                if (j >= blocks[bi].n) {
+                    for (int g = 0; g < G; g++) dots[g][j] = _mm512_setzero_ps();
+                    continue;
+                }
+                __m512 kv[MAX_HEAD_DIM / 16];
+                for (int c = 0; c < D / 16; c++) kv[c] = _mm512_loadu_ps(k0 + j * token_stride + 16 * c);
+                for (int g = 0; g < G; g++) {
+                    __m512 dot = _mm512_mul_ps(qv[g][0], kv[0]);
+                    for (int c = 1; c < D / 16; c++) dot = _mm512_fmadd_ps(qv[g][c], kv[c], dot);
+                    dots[g][j] = dot;
+                }
+            }
+            for (int g = 0; g < G; g++)
+                _mm512_storeu_ps(s + g * SCORE_STRIDE + offset, _mm512_mul_ps(sum_lanes_16(dots[g]), _mm512_set1_ps(sh->scale)));
+        }
+        for (int g = 0; g < G; g++) softmax_row(s + g * SCORE_STRIDE, n, states + (int64_t)(h * G + g) * (D + 2));
+        __m512 acc[MAX_GROUP][MAX_HEAD_DIM / 16];
+        for (int g = 0; g < G; g++)
+            for (int c = 0; c < D / 16; c++) acc[g][c] = _mm512_setzero_ps();
+        for (int bi = 0, offset = 0; bi < num_blocks; offset += blocks[bi++].n) {
+            prefetch_step(&prefetcher);
+            const float *v0 = v + blocks[bi].first + (int64_t)h * D;
+            for (int j = 0; j < blocks[bi].n; j++) {
+                __m512 vf[MAX_HEAD_DIM / 16];
+                for (int c = 0; c < D / 16; c++) vf[c] = _mm512_loadu_ps(v0 + j * token_stride + 16 * c);
+                for (int g = 0; g < G; g++) {
+                    const __m512 w = _mm512_set1_ps(s[g * SCORE_STRIDE + offset + j]);
+                    for (int c = 0; c < D / 16; c++) acc[g][c] = _mm512_fmadd_ps(w, vf[c], acc[g][c]);
+                }
+            }
+        }
+        for (int g = 0; g < G; g++) {
+            float *out = states + (int64_t)(h * G + g) * (D + 2) + 2;
+            for (int c = 0; c < D / 16; c++) _mm512_storeu_ps(out + 16 * c, acc[g][c]);
+        }
+    }
+}
+
+#define GROUP_CASES(D)                                                  \
+    switch (sh->group) {                                                \
+        case 1: item_f32_avx512_impl(ITEM_ARGS, D, 1); return;          \
+        case 2: item_f32_avx512_impl(ITEM_ARGS, D, 2); return;          \
+        case 3: item_f32_avx512_impl(ITEM_ARGS, D, 3); return;          \
+        case 4: item_f32_avx512_impl(ITEM_ARGS, D, 4); return;          \
+        case 5: item_f32_avx512_impl(ITEM_ARGS, D, 5); return;          \
+        case 6: item_f32_avx512_impl(ITEM_ARGS, D, 6); return;          \
+        case 7: item_f32_avx512_impl(ITEM_ARGS, D, 7); return;          \
+        case 8: item_f32_avx512_impl(ITEM_ARGS, D, 8); return;          \
+    }
+static void item_f32_avx512(const float *q_row, const float *k, const float *v, const int32_t *pages, int begin,
+                            int end, const Shape *sh, float *states, const NextItem *next) {
+    if (sh->head_dim == 64) GROUP_CASES(64)
+    if (sh->head_dim == 128) GROUP_CASES(128)
+    item_f32_avx512_impl(ITEM_ARGS, sh->head_dim, sh->group);
+}
+#undef GROUP_CASES
 #endif
 
 /* The bf16 item: the AVX-512 one where the CPU and head_dim allow, else the portable one. */
@@ -403,6 +494,18 @@ static void item_bf16(const uint16_t *q_row, const uint16_t *k, const uint16_t *
     }
 #endif
     item_bf16_portable(q_row, k, v, pages, begin, end, sh, states, next);
+}
+
+/* The fp32 item: the AVX-512 one where the CPU and head_dim allow, else the portable one. */
+static void item_f32(const float *q_row, const float *k, const float *v, const int32_t *pages, int begin, int end,
+                     const Shape *sh, float *states, const NextItem *next) {
+#ifdef HAVE_AVX512
+    if (sh->head_dim % 16 == 0) {
+        item_f32_avx512(q_row, k, v, pages, begin, end, sh, states, next);
+        return;
+    }
+#endif
+    item_f32_portable(q_row, k, v, pages, begin, end, sh, states, next);
 }
 
 /* Merge one request's count chunk items (consecutive in the buffer) into its output row. */
@@ -480,6 +583,13 @@ static inline Span locate_chunk(int64_t chunk, const int64_t *first_chunk, const
     return span;
 }
 
+/* The kernel's work items for these lengths: each request's keys in chunks of CHUNK_TOKENS. */
+int64_t radixkv_decode_num_items(const int32_t *seq_lens, int num_seqs) {
+    int64_t items = 0;
+    for (int b = 0; b < num_seqs; b++) items += num_chunks(seq_lens[b]);
+    return items;
+}
+
 /* Floats of work buffer the kernel needs for these lengths (the caller allocates it). */
 int64_t radixkv_decode_work_floats(const int32_t *seq_lens, int num_seqs, int num_q_heads, int head_dim) {
     int64_t chunks = 0;
@@ -494,7 +604,7 @@ int64_t radixkv_decode_work_floats(const int32_t *seq_lens, int num_seqs, int nu
              const int32_t *page_table, int64_t page_table_stride, const int32_t *seq_lens,       \
              const int32_t *rows, int num_seqs, int num_q_heads, int num_kv_heads, int head_dim,  \
              int page_size, float scale, T *out, float *work, int64_t *first_chunk,               \
-             int num_threads) {                                                                   \
+             const int32_t *order, int num_threads) {                                             \
         if (num_kv_heads <= 0 || num_q_heads % num_kv_heads != 0) return 1;                       \
         Shape sh = {num_kv_heads, head_dim, num_q_heads / num_kv_heads, page_size, scale, 0};     \
         if (sh.group > MAX_GROUP || head_dim > MAX_HEAD_DIM || page_size <= 0) return 1;          \
@@ -510,11 +620,13 @@ int64_t radixkv_decode_work_floats(const int32_t *seq_lens, int num_seqs, int nu
             thread_begin(&sh);                                                                    \
             /* Static: each thread runs a contiguous run of items, so it knows the next one. */   \
             _Pragma("omp for schedule(static)")                                                   \
-            for (int64_t chunk = 0; chunk < total_chunks; chunk++) {                              \
+            for (int64_t index = 0; index < total_chunks; index++) {                              \
+                const int64_t chunk = order ? order[index] : index;                               \
                 const Span span = locate_chunk(chunk, first_chunk, seq_lens, num_seqs);          \
                 NextItem next = {NULL, 0, 0};                                                     \
-                if (chunk + 1 < total_chunks) {                                                   \
-                    const Span after = locate_chunk(chunk + 1, first_chunk, seq_lens, num_seqs);  \
+                if (index + 1 < total_chunks) {                                                   \
+                    const int64_t following = order ? order[index + 1] : index + 1;               \
+                    const Span after = locate_chunk(following, first_chunk, seq_lens, num_seqs);  \
                     next.pages = page_table + (int64_t)after.seq * page_table_stride;             \
                     next.begin = after.begin, next.end = after.end;                               \
                 }                                                                                 \
@@ -536,6 +648,71 @@ int64_t radixkv_decode_work_floats(const int32_t *seq_lens, int num_seqs, int nu
 
 DEFINE_DECODE(radixkv_paged_decode_bf16, uint16_t, item_bf16, merge_bf16, 1)
 DEFINE_DECODE(radixkv_paged_decode_f32, float, item_f32, merge_f32, 0)
+
+/* Shared reads: requests that share a cached prefix hold the same pages for it, so their items
+ * over it read the same KV. Ordered back to back (and so, mostly, on one thread), the first such
+ * item reads the KV from memory and the others find it in L2: a shared prefix is read once per
+ * step, not once per request, and every item still computes exactly what it computed alone (the
+ * same code on the same numbers), so outputs are bit-identical to the natural order.
+ *
+ * Fills order (one entry per item, as radixkv_decode_work_floats counts them) with the item
+ * indices sorted by (the item's first page, its first key, its request) and returns how many KV
+ * tokens the ordered items read again: those of items whose pages and key range equal the item
+ * just before them. */
+typedef struct {
+    int32_t page, begin, seq, item;
+} ItemKey;
+
+static int compare_keys(const void *a, const void *b) {
+    const ItemKey *x = a, *y = b;
+    if (x->page != y->page) return x->page < y->page ? -1 : 1;
+    if (x->begin != y->begin) return x->begin < y->begin ? -1 : 1;
+    return x->seq < y->seq ? -1 : x->seq > y->seq;
+}
+
+/* Whether items a and b (sorted neighbours with the same first page and first key) read the
+ * same KV: the same key range over the same pages. */
+static int same_reads(const ItemKey *a, const ItemKey *b, const int32_t *page_table, int64_t stride,
+                      const int32_t *seq_lens, int page_size) {
+    const int32_t end_a = seq_lens[a->seq] < a->begin + CHUNK_TOKENS ? seq_lens[a->seq] : a->begin + CHUNK_TOKENS;
+    const int32_t end_b = seq_lens[b->seq] < b->begin + CHUNK_TOKENS ? seq_lens[b->seq] : b->begin + CHUNK_TOKENS;
+    if (end_a != end_b) return 0;
+    const int32_t *pa = page_table + (int64_t)a->seq * stride, *pb = page_table + (int64_t)b->seq * stride;
+    for (int32_t t = a->begin; t < end_a; t += page_size)
+        if (pa[t / page_size] != pb[t / page_size]) return 0;
+    return 1;
+}
+
+int64_t radixkv_decode_share_order(const int32_t *page_table, int64_t page_table_stride, const int32_t *seq_lens,
+                                   int num_seqs, int page_size, int32_t *order) {
+    int64_t total = 0;
+    for (int b = 0; b < num_seqs; b++) total += num_chunks(seq_lens[b]);
+    ItemKey *keys = malloc(sizeof(ItemKey) * (size_t)(total > 0 ? total : 1));
+    if (!keys) { /* no memory for the sort: the natural order, nothing shared */
+        for (int64_t i = 0; i < total; i++) order[i] = (int32_t)i;
+        return 0;
+    }
+    int64_t item = 0;
+    for (int b = 0; b < num_seqs; b++)
+        for (int64_t c = 0; c < num_chunks(seq_lens[b]); c++, item++) {
+            const int32_t begin = (int32_t)(c * CHUNK_TOKENS);
+            const ItemKey key = {page_table[(int64_t)b * page_table_stride + begin / page_size], begin, b, (int32_t)item};
+            keys[item] = key;
+        }
+    qsort(keys, (size_t)total, sizeof(ItemKey), compare_keys);
+    int64_t shared_tokens = 0;
+    for (int64_t i = 0; i < total; i++) {
+        order[i] = keys[i].item;
+        const ItemKey *a = keys + i, *before = keys + i - 1;
+        if (i > 0 && a->page == before->page && a->begin == before->begin &&
+            same_reads(a, before, page_table, page_table_stride, seq_lens, page_size)) {
+            const int32_t end = seq_lens[a->seq] < a->begin + CHUNK_TOKENS ? seq_lens[a->seq] : a->begin + CHUNK_TOKENS;
+            shared_tokens += end - a->begin;
+        }
+    }
+    free(keys);
+    return shared_tokens;
+}
 
 /* Turns the AMX q.k path on (on != 0, where the CPU and the OS allow) or off; returns whether
  * it is on. One setting per process: every later decode call reads it. */

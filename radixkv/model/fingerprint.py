@@ -1,0 +1,55 @@
+"""What makes a model's KV what it is, as one string: a digest of its weight files, the dtype,
+the attention shape and the rope settings. The disk KV tier stores it with every block and
+treats any other fingerprint as a miss.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from radixkv.model.loader import LoadedModel, _weight_files
+
+# Files up to this size are hashed whole; larger ones by their size, their first and last
+# megabytes and a few in between (a safetensors header, at the start, names every tensor's
+# shape and offset), so a start costs milliseconds, not a read of many gigabytes.
+_FULL_HASH_BYTES = 256 << 20
+_SAMPLE_BYTES = 1 << 20
+_NUM_SAMPLES = 8
+
+
+def model_fingerprint(loaded: LoadedModel) -> str:
+    config = loaded.config
+    fields = {
+        "weights": weights_digest(Path(loaded.path)),
+        "dtype": str(loaded.dtype).removeprefix("torch."),
+        "architecture": config.architecture,
+        "layers": config.num_layers,
+        "kv_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "rope_theta": config.rope_theta,
+        "rope_scaling": config.rope_scaling,
+        "qk_norm": config.qk_norm,
+    }
+    return json.dumps(fields, sort_keys=True, default=str)
+
+
+def weights_digest(folder: Path) -> str:
+    """sha256 over the checkpoint's weight files (names, sizes, and contents or samples of
+    them): the files the loader reads, not the per-dtype cast copies it may add later."""
+    hasher = hashlib.sha256()
+    files = _weight_files(folder, "model.safetensors") or _weight_files(folder, "pytorch_model.bin")
+    for path in files:
+        size = path.stat().st_size
+        hasher.update(f"{path.name}|{size}|".encode())
+        with path.open("rb") as handle:
+            if size <= _FULL_HASH_BYTES:
+                for chunk in iter(lambda: handle.read(1 << 22), b""):
+                    hasher.update(chunk)
+                continue
+            step = max(1, (size - _SAMPLE_BYTES) // (_NUM_SAMPLES - 1))
+            for i in range(_NUM_SAMPLES):
+                handle.seek(min(i * step, size - _SAMPLE_BYTES))
+                hasher.update(handle.read(_SAMPLE_BYTES))
+    return hasher.hexdigest()

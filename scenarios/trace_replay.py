@@ -1,0 +1,392 @@
+"""Trace-driven cache simulator: replays a Mooncake-format trace (timestamp, input_length,
+output_length, hash_ids of 512-token blocks) through the real RadixTree, PagePool and the
+engine's admission path (KVManager: peek, check, match and lock, reserve, commit, release)
+without a model, at a RAM capacity and optionally a disk tier under it, and reports prefix-hit
+ratios per tier against the infinite cache and Belady's optimal at the same capacity, plus the
+cache's own time per request.
+
+    radixkv bench trace_replay [--trace PATH] [--ram-fraction 0.05,0.1,0.25] [--policy lru,slru]
+                               [--disk-fraction 0,0.25] [--out out/trace_replay]
+
+Model of the replay: requests run one at a time in trace order; each trace block is one KV
+page (its tokens are a fixed run derived from its hash id, so two blocks are the same exactly
+when their whole prefixes are); every hash id counts as a full block and a one-token tail
+follows, so every block may hit (the trace's own convention). A capacity of C blocks is a
+pool of C pages plus the tail's page: the running request's blocks count against it, as in
+the Belady model. A block evicted from RAM is written to the disk tier (write-back, an index
+in blocks); a match that runs out in RAM continues there and the hit blocks come back into RAM.
+
+Rows: each policy replayed; `belady` (the optimal at the same capacity, RAM + disk where a
+disk tier is set); `lru+oracle` (LRU told which blocks are never used again, evicting those
+first: the ceiling of any "evict private tails first" guess); `infinite`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from sortedcontainers import SortedList
+
+from radixkv.cache import BlockHasher, PagePool, RadixTree
+from radixkv.cache.disk_index import DiskIndex
+from radixkv.cache.eviction import EVICTION_POLICIES
+from radixkv.cache.radix import Node
+from radixkv.engine.kv_manager import KVManager
+from radixkv.engine.request import SamplingParams, SequenceState
+
+TRACE_NAME = "synthetic_trace.jsonl"
+
+
+@dataclass(frozen=True, slots=True)
+class Trace:
+    name: str
+    requests: list[list[int]]  # hash_ids of each request, in trace order
+    num_blocks: int  # block accesses over the trace
+    num_distinct_blocks: int  # distinct blocks, each identified by its whole prefix
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    kind: str  # "replay", "belady", "oracle" or "infinite"
+    policy: str
+    ram_fraction: float
+    disk_fraction: float
+    ram_blocks: int
+    disk_blocks: int
+    ram_hit_ratio: float
+    disk_hit_ratio: float
+    hit_ratio: float  # both tiers
+    us_per_request: float  # the cache's own time (hashing, match, lock, evict, insert); replay only
+    evicted_blocks: int = 0
+    written_blocks: int = 0  # to the disk tier
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--trace", default=None, help=f"a Mooncake-format JSONL trace (default: shared/data/{TRACE_NAME})")
+    parser.add_argument("--ram-fraction", default="0.05,0.1,0.25", help="RAM capacity as fractions of the distinct blocks, comma separated")
+    parser.add_argument("--disk-fraction", default="0", help="disk tier capacity as fractions of the distinct blocks (0: none), comma separated")
+    parser.add_argument("--policy", default=",".join(EVICTION_POLICIES), help=f"eviction policies, comma separated ({', '.join(EVICTION_POLICIES)})")
+    parser.add_argument("--page-size", type=int, default=16, help="tokens per page (each trace block is one page)")
+    parser.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    parser.add_argument("--out", default="out/trace_replay", help="folder for trace_replay.json and .png")
+    args = parser.parse_args(argv)
+    ram_fractions = _fractions(args.ram_fraction, "--ram-fraction", allow_zero=False)
+    disk_fractions = _fractions(args.disk_fraction, "--disk-fraction", allow_zero=True)
+    policies = [p.strip() for p in args.policy.split(",") if p.strip()]
+    unknown = sorted(set(policies) - set(EVICTION_POLICIES))
+    if unknown:
+        parser.error(f"unknown --policy {unknown}; known: {list(EVICTION_POLICIES)}")
+
+    path = resolve_trace(args.trace)
+    trace = load_trace(path, args.limit)
+    print(
+        f"{trace.name}: {len(trace.requests):,} requests, {trace.num_blocks:,} block accesses, "
+        f"{trace.num_distinct_blocks:,} distinct blocks\n"
+    )
+    rows = [infinite_row(trace)]
+    for ram_fraction in ram_fractions:
+        ram_blocks = capacity(trace, ram_fraction)
+        for disk_fraction in disk_fractions:
+            disk_blocks = capacity(trace, disk_fraction) if disk_fraction else 0
+            rows.append(belady_row(trace, ram_fraction, disk_fraction, ram_blocks, disk_blocks))
+            if not disk_fraction:
+                rows.append(oracle_row(trace, ram_fraction, ram_blocks))
+            for policy in policies:
+                rows.append(replay(trace, policy, ram_fraction, disk_fraction, ram_blocks, disk_blocks, args.page_size))
+    print_table(rows)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = {
+        "trace": str(path),
+        "requests": len(trace.requests),
+        "block_accesses": trace.num_blocks,
+        "distinct_blocks": trace.num_distinct_blocks,
+        "page_size": args.page_size,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "rows": [asdict(row) for row in rows],
+    }
+    (out / "trace_replay.json").write_text(json.dumps(report, indent=2) + "\n")
+    plot(rows, out / "trace_replay.png")
+    print(f"\nwrote {out / 'trace_replay.json'} and {out / 'trace_replay.png'}")
+    return 0
+
+
+# --------------------------------------------------------------------------- the trace
+
+
+def resolve_trace(given: str | None) -> Path:
+    """The trace to replay: `given` if set, else the shared synthetic trace, looked for beside
+    the repository (../shared/data), then in /work/shared/data."""
+    if given is not None:
+        path = Path(given).expanduser()
+        if not path.is_file():
+            raise SystemExit(f"--trace {given}: no such file")
+        return path
+    here = Path(__file__).resolve()
+    candidates = [parent / "shared" / "data" / TRACE_NAME for parent in here.parents]
+    candidates += [Path.cwd().parent / "shared" / "data" / TRACE_NAME, Path("/work/shared/data") / TRACE_NAME]
+    for path in candidates:
+        if path.is_file():
+            return path
+    raise SystemExit(f"no {TRACE_NAME} found beside the repository or in /work/shared/data; pass --trace PATH")
+
+
+def load_trace(path: Path, limit: int | None = None) -> Trace:
+    requests: list[list[int]] = []
+    with path.open() as lines:
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                hash_ids = json.loads(line)["hash_ids"]
+            except (json.JSONDecodeError, KeyError, TypeError) as error:
+                raise SystemExit(f"{path}:{number}: not a Mooncake trace record ({error})") from None
+            requests.append([int(h) for h in hash_ids])
+            if limit is not None and len(requests) >= limit:
+                break
+    ids = prefix_ids(requests)
+    return Trace(path.name, requests, sum(map(len, requests)), len({b for r in ids for b in r}))
+
+
+def prefix_ids(requests: list[list[int]]) -> list[list[int]]:
+    """Each block as a small int naming its whole prefix (the trace's ids need not)."""
+    names: dict[tuple[int, int], int] = {}
+    out = []
+    for hash_ids in requests:
+        parent, row = -1, []
+        for h in hash_ids:
+            parent = names.setdefault((parent, h), len(names))
+            row.append(parent)
+        out.append(row)
+    return out
+
+
+def capacity(trace: Trace, fraction: float) -> int:
+    # A request's blocks must all fit while it runs (they are its pages), so never less.
+    return max(round(trace.num_distinct_blocks * fraction), max(map(len, trace.requests)))
+
+
+def block_tokens(hash_id: int, page_size: int) -> list[int]:
+    """A fixed run of token ids for a trace block: distinct blocks get distinct runs."""
+    base = hash_id * page_size
+    return list(range(base, base + page_size))
+
+
+# --------------------------------------------------------------------------- baselines
+
+
+def infinite_row(trace: Trace) -> Row:
+    seen: set[int] = set()
+    hits = 0
+    for row in prefix_ids(trace.requests):
+        hits += _prefix_hits(row, seen)
+        seen.update(row)
+    ratio = hits / trace.num_blocks
+    return Row("infinite", "-", 1.0, 0.0, trace.num_distinct_blocks, 0, ratio, 0.0, ratio, 0.0)
+
+
+def belady_row(trace: Trace, ram_fraction: float, disk_fraction: float, ram_blocks: int, disk_blocks: int) -> Row:
+    """Belady's optimal at the combined capacity (with a disk tier, an upper bound on both)."""
+    ratio = belady_hit_ratio(prefix_ids(trace.requests), ram_blocks + disk_blocks)
+    return Row("belady", "belady", ram_fraction, disk_fraction, ram_blocks, disk_blocks, ratio, 0.0, ratio, 0.0)
+
+
+def oracle_row(trace: Trace, ram_fraction: float, ram_blocks: int) -> Row:
+    """LRU told which blocks are never used again and evicting those first: the ceiling of any
+    "evict private tails first" policy, however well it guesses."""
+    ratio = belady_hit_ratio(prefix_ids(trace.requests), ram_blocks, oracle="reuse")
+    return Row("oracle", "lru+oracle", ram_fraction, 0.0, ram_blocks, 0, ratio, 0.0, ratio, 0.0)
+
+
+def belady_hit_ratio(requests: list[list[int]], capacity_blocks: int, oracle: str = "belady") -> float:
+    """Prefix hits of a cache of `capacity_blocks` blocks that evicts the block used again
+    farthest in the future (deepest first on ties, so a prefix outlives its extensions); with
+    oracle="reuse", the least recently used among those never used again, else among all."""
+    uses: dict[int, list[int]] = defaultdict(list)
+    for t, row in enumerate(requests):
+        for block in row:
+            uses[block].append(t)
+    next_use = {block: 0 for block in uses}  # index into uses[block] of the next use
+    never = len(requests)
+    cached: dict[int, tuple] = {}
+    order = SortedList()
+    hits = total = 0
+    for t, row in enumerate(requests):
+        hits += _prefix_hits(row, cached)
+        total += len(row)
+        for block in row:
+            if block in cached:
+                order.remove(cached.pop(block))
+            next_use[block] += 1
+        while len(cached) + len(row) > capacity_blocks:
+            victim = order.pop()
+            del cached[victim[-1]]
+        for depth, block in enumerate(row):
+            use = uses[block]
+            upcoming = use[next_use[block]] if next_use[block] < len(use) else never
+            # order.pop() takes the largest key: for "reuse", never-again first, then the oldest.
+            key = (upcoming, depth, block) if oracle == "belady" else (upcoming == never, -t, depth, block)
+            cached[block] = key
+            order.add(key)
+    return hits / total if total else 0.0
+
+
+def _prefix_hits(row: Sequence[int], cached) -> int:
+    hits = 0
+    while hits < len(row) and row[hits] in cached:
+        hits += 1
+    return hits
+
+
+# --------------------------------------------------------------------------- the replay
+
+
+def replay(
+    trace: Trace,
+    policy: str,
+    ram_fraction: float,
+    disk_fraction: float,
+    ram_blocks: int,
+    disk_blocks: int,
+    page_size: int,
+) -> Row:
+    pool = PagePool(ram_blocks + 1, page_size)  # + the one-token tail's page
+    hasher = BlockHasher(page_size, seed=0)
+    disk = DiskIndex(disk_blocks) if disk_blocks else None
+    written = [0]
+
+    def write_back(node: Node) -> None:
+        # Block hashes name whole prefixes within this process: good keys for a simulated tier.
+        for key in node.hashes:
+            if disk.touch(key):
+                continue  # inclusive tiers: a block read back from disk is still there
+            disk.add(key, 1)
+            written[0] += 1
+
+    tree = RadixTree(pool, hasher, eviction_policy=policy, on_evict=write_back if disk is not None else None)
+    kv = KVManager(pool, tree, hasher, enable_prefix_caching=True)
+    params = SamplingParams(max_tokens=1)
+    ram_hits = disk_hits = 0
+    spent_s = 0.0
+    for number, hash_ids in enumerate(trace.requests):
+        prompt = [token for h in hash_ids for token in block_tokens(h, page_size)] + [0]
+        seq = SequenceState(number, f"r{number}", 0, prompt, params, None, 0)
+        start = time.perf_counter()
+        ram, from_disk = _serve(kv, disk, seq)
+        spent_s += time.perf_counter() - start
+        ram_hits += ram
+        disk_hits += from_disk
+        if number % 500 == 0:
+            tree.check_invariants()  # slow (O(nodes)): now and then, outside the timing
+    tree.check_invariants()
+    pool.check_invariants()
+    total = trace.num_blocks
+    return Row(
+        "replay",
+        policy,
+        ram_fraction,
+        disk_fraction,
+        ram_blocks,
+        disk_blocks,
+        ram_hits / total,
+        disk_hits / total,
+        (ram_hits + disk_hits) / total,
+        spent_s / len(trace.requests) * 1e6,
+        tree.stats().evicted_pages,
+        written[0],
+    )
+
+
+def _serve(kv: KVManager, disk: DiskIndex | None, seq: SequenceState) -> tuple[int, int]:
+    """One request through admission as the scheduler runs it (peek, check, match and lock,
+    reserve), computed at once, committed and finished; returns (RAM hit, disk hit) blocks."""
+    ps = kv.page_size
+    peek = kv.peek_seq(seq)
+    needed, available = kv.pages_to_admit(peek, seq.num_tokens - peek.num_cached_tokens)
+    if needed > available:
+        return 0, 0  # larger than RAM: computed without the cache (capacity() rules it out)
+    ram_blocks = kv.admit(seq) // ps
+    disk_blocks = 0
+    if disk is not None:
+        hashes = kv.update_block_hashes(seq)
+        limit = (seq.num_tokens - 1) // ps  # at least one token left to compute
+        while ram_blocks + disk_blocks < limit and disk.touch(hashes[ram_blocks + disk_blocks]):
+            disk_blocks += 1
+    reserved = kv.reserve(seq, seq.num_tokens - seq.num_computed_tokens)
+    assert reserved, "the check counted these pages as available"
+    seq.num_computed_tokens = seq.num_tokens  # disk hits are loaded into their pages, the rest computed
+    kv.commit(seq)
+    kv.release(seq)
+    return ram_blocks, disk_blocks
+
+
+# --------------------------------------------------------------------------- report
+
+
+def print_table(rows: list[Row]) -> None:
+    header = f"{'policy':<10} {'RAM':>6} {'disk':>6} {'RAM blocks':>10} {'disk blocks':>11} {'hit RAM':>8} {'hit disk':>8} {'hit all':>8} {'us/req':>8}"
+    print(header)
+    print("-" * len(header))
+    for row in rows:
+        us = f"{row.us_per_request:8.0f}" if row.kind == "replay" else f"{'-':>8}"
+        ram = "inf" if row.kind == "infinite" else f"{row.ram_fraction:.0%}"
+        print(
+            f"{row.policy if row.kind != 'infinite' else 'infinite':<10} {ram:>6} {row.disk_fraction:>6.0%} "
+            f"{row.ram_blocks:>10,} {row.disk_blocks:>11,} {row.ram_hit_ratio:>8.3f} {row.disk_hit_ratio:>8.3f} "
+            f"{row.hit_ratio:>8.3f} {us}"
+        )
+
+
+def plot(rows: list[Row], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    infinite = next(row.hit_ratio for row in rows if row.kind == "infinite")
+    groups = sorted({(row.ram_fraction, row.disk_fraction) for row in rows if row.kind != "infinite"})
+    series = sorted({row.policy for row in rows if row.kind != "infinite"}, key=lambda p: (p in ("belady", "lru+oracle"), p))
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(groups) + 2), 4))
+    width = 0.8 / max(1, len(series))
+    for i, policy in enumerate(series):
+        for g, group in enumerate(groups):
+            row = next((r for r in rows if r.policy == policy and (r.ram_fraction, r.disk_fraction) == group), None)
+            if row is None:
+                continue
+            x = g + (i - (len(series) - 1) / 2) * width
+            ax.bar(x, row.ram_hit_ratio, width, color=f"C{i}", label=policy if g == 0 else None)
+            if row.disk_hit_ratio:
+                ax.bar(x, row.disk_hit_ratio, width, bottom=row.ram_hit_ratio, color=f"C{i}", alpha=0.45, hatch="//")
+    ax.axhline(infinite, color="black", linestyle="--", linewidth=1, label=f"infinite {infinite:.2f}")
+    ax.set_xticks(range(len(groups)), [f"RAM {r:.0%}" + (f"\n+disk {d:.0%}" if d else "") for r, d in groups])
+    ax.set_ylabel("prefix-hit ratio (hatched: from disk)")
+    ax.set_title("trace replay: prefix-hit ratio by capacity (fraction of distinct blocks; belady at RAM+disk)", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _fractions(text: str, flag: str, *, allow_zero: bool) -> list[float]:
+    try:
+        values = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise SystemExit(f"{flag} takes comma-separated numbers, got {text!r}") from None
+    low = 0.0 if allow_zero else 1e-9
+    if not values or any(not low <= v <= 10.0 for v in values):
+        raise SystemExit(f"{flag} values must be in [{0 if allow_zero else '>0'}, 10], got {text!r}")
+    return values
+
+
+if __name__ == "__main__":
+    sys.exit(main())

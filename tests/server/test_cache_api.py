@@ -1,0 +1,83 @@
+"""POST /v1/cache/lookup and /v1/cache/flush on a live server with a disk tier: a lookup counts
+RAM and disk tokens in the caller's own partition only, a flush needs an admin key and reports
+what it freed, the disk tier's metrics are exported, and a restart with the same tenant secret
+is warm for the same tenant."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from radixkv.server.app import create_app
+from radixkv.server.tenants import persistent_secret
+from radixkv.server.thread import ServerThread
+from tests.helpers.engine import VOCAB
+from tests.helpers.live_server import KEY_A, KEY_B, MODEL, LiveServer, make_async_engine, metric_values
+
+ADMIN = "sk-test-admin"
+
+
+@contextmanager
+def disk_server(model: Path, directory: Path, **overrides) -> Iterator[LiveServer]:
+    engine = make_async_engine(model, kv_disk_dir=str(directory), **overrides)
+    secret = persistent_secret(directory / "tenant_secret")
+    app = create_app(engine, api_keys=[KEY_A, KEY_B], model_name=MODEL, tenant_secret=secret, admin_keys=[ADMIN])
+    try:
+        with ServerThread(app) as thread:
+            yield LiveServer(thread.base_url, engine, app)
+    finally:
+        engine.shutdown()  # writes the RAM cache to disk
+
+
+def complete(live: LiveServer, prompt: list[int], key: str = KEY_A) -> dict:
+    with live.http(key) as http:
+        response = http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def lookup(live: LiveServer, prompt: list[int], key: str = KEY_A) -> dict:
+    with live.http(key) as http:
+        response = http.post("/v1/cache/lookup", json={"prompt": prompt})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_lookup_flush_metrics_and_a_warm_restart(tiny_llama: Path, tmp_path: Path) -> None:
+    rng = random.Random(5)
+    prompt = [rng.randrange(1, VOCAB) for _ in range(41)]  # 10 full blocks of 4
+    with disk_server(tiny_llama, tmp_path / "kv") as live:
+        assert lookup(live, prompt) == {
+            "object": "cache.lookup", "prompt_tokens": 41, "cached_tokens": 0, "ram_tokens": 0, "disk_tokens": 0
+        }
+        complete(live, prompt)
+        assert lookup(live, prompt)["ram_tokens"] == 40
+        assert lookup(live, prompt, key=KEY_B)["cached_tokens"] == 0  # another tenant sees nothing
+        with live.http(KEY_A) as http:
+            refused = http.post("/v1/cache/flush", json={"tier": "ram"})
+        assert refused.status_code == 403
+        with live.http(ADMIN) as http:
+            flushed = http.post("/v1/cache/flush", json={"tier": "ram"})
+        assert flushed.status_code == 200 and flushed.json()["freed_ram_pages"] >= 10
+        # A RAM flush is an eviction: the blocks were written back to disk.
+        assert lookup(live, prompt) == {
+            "object": "cache.lookup", "prompt_tokens": 41, "cached_tokens": 40, "ram_tokens": 0, "disk_tokens": 40
+        }
+        metrics = metric_values(live)
+        assert metrics[("radixkv_disk_cache_enabled", ())] == 1.0
+        assert metrics[("radixkv_disk_cache_written_blocks_total", ())] >= 10
+        assert metrics[("radixkv_disk_cache_rejected_blocks_total", (("reason", "checksum"),))] == 0
+        live.assert_idle_and_consistent()
+
+    with disk_server(tiny_llama, tmp_path / "kv") as live:  # a restart: same directory, same secret
+        assert lookup(live, prompt)["disk_tokens"] == 40
+        assert lookup(live, prompt, key=KEY_B)["cached_tokens"] == 0
+        assert complete(live, prompt)["usage"]["prompt_tokens_details"]["cached_tokens"] == 40
+        assert metric_values(live)[("radixkv_disk_cache_hit_blocks_total", ())] == 10
+        with live.http(ADMIN) as http:
+            flushed = http.post("/v1/cache/flush", json={"tier": "all"})
+        assert flushed.status_code == 200 and flushed.json()["freed_disk_blocks"] >= 10
+        assert lookup(live, prompt)["cached_tokens"] == 0
+        live.assert_idle_and_consistent()
