@@ -8,9 +8,13 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from radixkv.errors import ConfigError, InvalidRequest
 from radixkv.scenarios import scenario_names
+
+if TYPE_CHECKING:
+    from radixkv.server.limits import ServerLimits
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +37,19 @@ def main(argv: list[str] | None = None) -> int:
     serving.add_argument("--model", default=None)
     serving.add_argument("--host", default="127.0.0.1")
     serving.add_argument("--port", type=int, default=8000)
-    serving.add_argument("--api-key", action="append", default=None, help="accepted bearer key (repeatable)")
+    serving.add_argument(
+        "--api-key", action="append", default=None,
+        help="accepted bearer key (repeatable; visible in the process list: prefer --api-key-file or $RADIXKV_API_KEYS)",
+    )
+    serving.add_argument("--api-key-file", default=None, help="file of accepted keys, one a line ('#' comments)")
+    serving.add_argument("--allowed-origin", action="append", default=[], help="browser origin allowed to call a keyless server (repeatable)")
+    serving.add_argument("--public-metrics", action="store_true", help="serve /metrics without a key even when keys are set")
+    serving.add_argument("--max-body-bytes", type=int, default=None, help="largest request body accepted (default 8 MiB)")
+    serving.add_argument("--stream-send-timeout-s", type=float, default=None, help="abort a stream its client has not read for this long (default 30)")
+    serving.add_argument("--max-requests-per-key", type=int, default=None, help="requests one key may have in flight (default 256)")
+    serving.add_argument("--max-seqs-per-key", type=int, default=None, help="sequences (n summed) one key may have in flight (default 1024)")
+    serving.add_argument("--max-pinned-pages-per-key", type=int, default=None, help="KV pages one key's pins may lock (default 4096)")
+    serving.add_argument("--pin-ttl-s", type=float, default=None, help="seconds a pin lasts unless unpinned; 0: forever (default 3600)")
     serving.add_argument("--dtype", default="auto")
     serving.add_argument("--num-pages", type=int, default=None)
     serving.add_argument("--no-prefix-caching", action="store_true", help="compute every prompt in full (for comparisons)")
@@ -95,9 +111,16 @@ def serve(args: argparse.Namespace) -> int:
     from radixkv.engine.async_engine import AsyncEngine
     from radixkv.engine.engine import Engine
     from radixkv.server.app import create_app
-    from radixkv.server.tenants import persistent_secret
+    from radixkv.server.tenants import load_api_keys, persistent_secret
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        api_keys = load_api_keys(args.api_key, args.api_key_file)
+        keyless = not api_keys and not args.admin_key
+        limits = _server_limits(args, keyless_remote=keyless and not _is_loopback(args.host))
+    except (ConfigError, OSError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     try:
         config = EngineConfig(
             model=args.model,
@@ -116,18 +139,19 @@ def serve(args: argparse.Namespace) -> int:
     except (ConfigError, InvalidRequest, OSError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    if not args.api_key and not _is_loopback(args.host):
-        logger.warning("serving on %s without --api-key: anyone who can reach it can use it", args.host)
+    if keyless and not _is_loopback(args.host):
+        logger.warning("serving on %s without an API key: anyone who can reach it can use it", args.host)
     async_engine = AsyncEngine(engine)
     name = served_model_name(args.model)
     try:
         app = create_app(
             async_engine,
-            api_keys=args.api_key,
+            api_keys=api_keys,
             model_name=name,
             model_aliases=[args.model] if args.model else [],
             tenant_secret=tenant_secret,
             admin_keys=args.admin_key,
+            limits=limits,
         )
         logger.info(
             "serving %s on http://%s:%d (%d KV pages of %d tokens, context %d)",
@@ -140,6 +164,26 @@ def serve(args: argparse.Namespace) -> int:
     finally:
         async_engine.shutdown()
     return 0
+
+
+def _server_limits(args: argparse.Namespace, *, keyless_remote: bool) -> ServerLimits:
+    """The server's limits from the command line; options not given keep ServerLimits' defaults."""
+    from radixkv.server.limits import ServerLimits
+
+    given = {
+        "max_body_bytes": args.max_body_bytes,
+        "stream_send_timeout_s": args.stream_send_timeout_s,
+        "max_requests_per_key": args.max_requests_per_key,
+        "max_seqs_per_key": args.max_seqs_per_key,
+        "max_pinned_pages_per_key": args.max_pinned_pages_per_key,
+        "pin_ttl_s": args.pin_ttl_s,
+    }
+    options: dict = {name: value for name, value in given.items() if value is not None}
+    # Served beyond loopback without a key, the operator chose an open server: any Host name.
+    return ServerLimits(
+        allowed_origins=tuple(args.allowed_origin), public_metrics=args.public_metrics,
+        allowed_hosts=("*",) if keyless_remote else (), **options,
+    )
 
 
 def _is_loopback(host: str) -> bool:

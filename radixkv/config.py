@@ -92,6 +92,11 @@ class EngineConfig:
     # model's blocks are misses there, and both models' evictions share its budget.
     kv_disk_dir: str | None = None
     kv_disk_bytes: int = 16 << 30  # the tier's budget in bytes; the least recently used blocks go past it
+    # Serving health (AsyncEngine): after this many failed steps in a row, or while one step has
+    # run longer than step_watchdog_s seconds, the engine reports itself unhealthy (/health 503)
+    # so a supervisor can restart it; a step that succeeds again makes it healthy.
+    max_consecutive_failed_steps: int = 3
+    step_watchdog_s: float = 120.0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -110,6 +115,10 @@ class EngineConfig:
             _positive(self, "max_retained_pages_per_owner", limit=1 << 26)
         if self.max_model_len is not None:
             _positive(self, "max_model_len", limit=1 << 24)
+        _positive(self, "max_consecutive_failed_steps", limit=1 << 20)
+        watchdog = self.step_watchdog_s
+        if isinstance(watchdog, bool) or not isinstance(watchdog, (int, float)) or not 0.0 < watchdog <= 86400.0:
+            raise ConfigError(f"step_watchdog_s must be a number of seconds in (0, 86400], got {watchdog!r}", param="step_watchdog_s")
         if not 0.0 < self.kv_memory_fraction <= 0.95:
             raise ConfigError(f"kv_memory_fraction must be in (0, 0.95], got {self.kv_memory_fraction!r}")
         _choice(self, "policy", POLICIES)

@@ -6,7 +6,13 @@ prompts that share nothing, some clients disconnecting mid-stream. Reports compl
 and aborted requests, p50/p99 latency and time to first token, as a table and as JSON, and
 ends by checking that no request is left running and that the page accounting holds.
 
-    python -m radixkv.scenarios.load_test [--model DIR] [--clients 64] [--requests 200] [--max-tokens 16]
+With --abuse the workload runs twice, spread over --well-keys API keys: alone, then beside
+abusive clients (slow readers that stop reading, oversized bodies, one key flooding the
+server); the table reports, per well-behaved key, completed / failed and p99 latency in both
+runs (the verdict wants the second at most --max-p99-ratio times the first), what the abusers
+got (429s, 413s, aborts), and 0 leaked pages, 0 requests left running.
+
+    python -m radixkv.scenarios.load_test [--model DIR] [--clients 64] [--requests 200] [--max-tokens 16] [--abuse]
 
 Every loop is bounded: by the request count, by --time-limit-s for starting requests, and by
 --request-timeout-s for each request. Exit status 0 only when nothing failed and every check
@@ -42,6 +48,7 @@ class Job:
     body: dict[str, Any]
     shared: bool
     disconnect_after_chunks: int | None  # None: read to the end
+    key_index: int = 0  # which well-behaved API key sends it
 
 
 @dataclass(slots=True)
@@ -56,6 +63,38 @@ class Outcome:
     completion_tokens: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    key_index: int = 0
+
+
+@dataclass(slots=True)
+class KeyRow:
+    """One well-behaved key's requests, alone and beside the abusive clients."""
+
+    key_index: int
+    completed: int
+    failed: int
+    p99_alone_s: float | None
+    completed_with_abuse: int
+    failed_with_abuse: int
+    p99_with_abuse_s: float | None
+
+    @property
+    def p99_ratio(self) -> float | None:
+        if not self.p99_alone_s or self.p99_with_abuse_s is None:
+            return None
+        return self.p99_with_abuse_s / self.p99_alone_s
+
+
+@dataclass(slots=True)
+class AbuseTally:
+    """What the abusive clients sent and what they got."""
+
+    flood_sent: int = 0
+    flood_refused_429: int = 0
+    flood_other: int = 0
+    oversized_sent: int = 0
+    oversized_refused_413: int = 0
+    slow_readers: int = 0
 
 
 @dataclass(slots=True)
@@ -84,6 +123,9 @@ class Report:
     invariant_ok: bool
     invariant_error: str | None
     failures: list[str] = field(default_factory=list)
+    keys: list[KeyRow] = field(default_factory=list)  # with --abuse only
+    abuse: AbuseTally | None = None
+    max_p99_ratio: float = 2.0
 
     @property
     def ok(self) -> bool:
@@ -92,6 +134,21 @@ class Report:
             and self.completed + self.aborted == self.requests
             and self.invariant_ok
             and self.final_running == self.final_waiting == self.final_unfinished == 0
+            and self.abuse_ok
+        )
+
+    @property
+    def abuse_ok(self) -> bool:
+        """Abusers were refused and the well-behaved keys hardly noticed them."""
+        if self.abuse is None:
+            return True
+        tally = self.abuse
+        ratios_ok = all(row.p99_ratio is None or row.p99_ratio <= self.max_p99_ratio for row in self.keys)
+        return (
+            ratios_ok
+            and all(row.failed_with_abuse == 0 for row in self.keys)
+            and tally.oversized_refused_413 == tally.oversized_sent
+            and (tally.flood_sent == 0 or tally.flood_refused_429 > 0)
         )
 
 
@@ -115,9 +172,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--time-limit-s", type=float, default=600.0, help="no request starts after this")
     parser.add_argument("--request-timeout-s", type=float, default=300.0)
     parser.add_argument("--check-invariants", action="store_true", help="engine checks its pages every step (slow)")
+    parser.add_argument("--abuse", action="store_true", help="run again beside slow readers, oversized bodies and a flooding key")
+    parser.add_argument("--well-keys", type=int, default=3, help="well-behaved API keys the requests are spread over")
+    parser.add_argument("--flood-concurrency", type=int, default=32, help="requests the flooding key keeps in flight")
+    parser.add_argument("--slow-readers", type=int, default=4, help="streaming clients that never read their answer")
+    parser.add_argument("--slow-reader-tokens", type=int, default=256, help="max_tokens of each slow reader's request")
+    parser.add_argument("--oversized", type=int, default=8, help="requests with a body past the server's limit")
+    parser.add_argument("--max-body-bytes", type=int, default=1 << 20, help="the server's body limit in this run")
+    parser.add_argument("--stream-send-timeout-s", type=float, default=2.0, help="the server's slow-reader timeout in this run")
+    parser.add_argument("--max-p99-ratio", type=float, default=2.0, help="well-behaved p99 with abuse / alone, at most")
     parser.add_argument("--out", default="out/load_test")
     args = parser.parse_args(argv)
-    for name in ("clients", "requests", "max_tokens", "groups", "system_len", "question_len"):
+    for name in ("clients", "requests", "max_tokens", "groups", "system_len", "question_len", "well_keys"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     return args
@@ -162,12 +228,17 @@ def build_jobs(args: argparse.Namespace, tokenizer: Any, model_name: str) -> lis
             stream_options={"include_usage": True},
         )
         leave = rng.random() < args.disconnect_fraction
-        jobs.append(Job(i, path, body, shared, rng.randint(1, 3) if leave else None))
+        jobs.append(Job(i, path, body, shared, rng.randint(1, 3) if leave else None, i % args.well_keys))
     return jobs
 
 
+def salted(jobs: list[Job], salt: str) -> list[Job]:
+    """The same jobs in their own cache partition, so a second run finds nothing the first cached."""
+    return [Job(j.index, j.path, {**j.body, "cache_salt": salt}, j.shared, j.disconnect_after_chunks, j.key_index) for j in jobs]
+
+
 async def run_one(client: httpx.AsyncClient, job: Job, headers: dict[str, str]) -> Outcome:
-    outcome = Outcome(job.index, job.shared, "failed")
+    outcome = Outcome(job.index, job.shared, "failed", key_index=job.key_index)
     start = time.perf_counter()
     chunks = 0
     try:
@@ -209,11 +280,10 @@ async def run_one(client: httpx.AsyncClient, job: Job, headers: dict[str, str]) 
 
 
 async def run_clients(
-    base_url: str, api_key: str, jobs: list[Job], args: argparse.Namespace
+    base_url: str, api_keys: list[str], jobs: list[Job], args: argparse.Namespace
 ) -> tuple[list[Outcome], float]:
     queue = list(reversed(jobs))
     outcomes: list[Outcome] = []
-    headers = {"Authorization": f"Bearer {api_key}"}
     timeout = httpx.Timeout(args.request_timeout_s, connect=10.0)
     limits = httpx.Limits(max_connections=args.clients, max_keepalive_connections=args.clients)
     start = time.perf_counter()
@@ -222,10 +292,11 @@ async def run_clients(
     async def client_loop(client: httpx.AsyncClient) -> None:
         while queue and time.perf_counter() < deadline:
             job = queue.pop()
+            headers = {"Authorization": f"Bearer {api_keys[job.key_index]}"}
             try:
                 outcome = await asyncio.wait_for(run_one(client, job, headers), args.request_timeout_s)
             except TimeoutError:
-                outcome = Outcome(job.index, job.shared, "failed", error=f"no answer in {args.request_timeout_s} s")
+                outcome = Outcome(job.index, job.shared, "failed", error=f"no answer in {args.request_timeout_s} s", key_index=job.key_index)
             outcomes.append(outcome)
             done = len(outcomes)
             if done % max(1, len(jobs) // 10) == 0:
@@ -234,6 +305,106 @@ async def run_clients(
     async with httpx.AsyncClient(base_url=base_url, timeout=timeout, limits=limits) as client:
         await asyncio.gather(*(client_loop(client) for _ in range(args.clients)))
     return outcomes, time.perf_counter() - start
+
+
+# -- the abusive clients ---------------------------------------------------------------------
+
+
+async def flood(base_url: str, key: str, body: dict[str, Any], concurrency: int, stop: asyncio.Event, tally: AbuseTally) -> None:
+    """One key keeping `concurrency` requests in flight until `stop`: most should get 429."""
+    headers = {"Authorization": f"Bearer {key}"}
+
+    async def one_lane(client: httpx.AsyncClient) -> None:
+        while not stop.is_set():
+            tally.flood_sent += 1
+            try:
+                response = await client.post("/v1/completions", json=body, headers=headers)
+            except httpx.HTTPError:
+                tally.flood_other += 1
+                continue
+            if response.status_code == 429:
+                tally.flood_refused_429 += 1
+                await asyncio.sleep(float(response.headers.get("Retry-After", "1")) / 10)  # an impatient client
+            elif response.status_code != 200:
+                tally.flood_other += 1
+
+    limits = httpx.Limits(max_connections=concurrency)
+    async with httpx.AsyncClient(base_url=base_url, timeout=60, limits=limits) as client:
+        await asyncio.gather(*(one_lane(client) for _ in range(concurrency)))
+
+
+async def oversized(base_url: str, key: str, count: int, max_body_bytes: int, tally: AbuseTally) -> None:
+    """Bodies one byte past the limit: each must be refused (413) without being processed."""
+    body = json.dumps({"prompt": "x" * max_body_bytes, "max_tokens": 1}).encode()
+    async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
+        for _ in range(count):
+            tally.oversized_sent += 1
+            try:
+                response = await client.post(
+                    "/v1/completions", content=body, headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+                )
+            except httpx.HTTPError:
+                continue  # the server may close before the whole body is sent: not a 413 seen
+            tally.oversized_refused_413 += response.status_code == 413
+
+
+def open_slow_readers(base_url: str, key: str, body: dict[str, Any], count: int, tally: AbuseTally) -> list[Any]:
+    """Streaming requests on sockets that never read (a small receive window): the server must
+    abort them after its send timeout rather than hold their output."""
+    import socket
+
+    host, port = base_url.removeprefix("http://").split(":")
+    payload = json.dumps(body).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\nAuthorization: Bearer {key}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n"
+    ).encode()
+    sockets = []
+    for _ in range(count):
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect((host, int(port)))
+        sock.sendall(head + payload)
+        sockets.append(sock)
+        tally.slow_readers += 1
+    return sockets
+
+
+async def run_with_abuse(
+    base_url: str, api_keys: list[str], abuser_key: str, jobs: list[Job], args: argparse.Namespace, model_name: str
+) -> tuple[list[Outcome], float, AbuseTally]:
+    tally = AbuseTally()
+    stop = asyncio.Event()
+    slow_body = {"model": model_name, "prompt": "Never read: " + TEXT[:200], "max_tokens": args.slow_reader_tokens,
+                 "temperature": 0, "stream": True, "logprobs": 5}
+    flood_body = {"model": model_name, "prompt": "Flood: " + TEXT[:120], "max_tokens": args.max_tokens, "temperature": 0}
+    sockets = open_slow_readers(base_url, abuser_key, slow_body, args.slow_readers, tally)
+    try:
+        flooding = asyncio.create_task(flood(base_url, abuser_key, flood_body, args.flood_concurrency, stop, tally))
+        too_big = asyncio.create_task(oversized(base_url, abuser_key, args.oversized, args.max_body_bytes, tally))
+        outcomes, wall_s = await run_clients(base_url, api_keys, jobs, args)
+        stop.set()
+        await asyncio.gather(flooding, too_big)
+    finally:
+        for sock in sockets:
+            sock.close()
+    return outcomes, wall_s, tally
+
+
+def key_rows(alone: list[Outcome], abused: list[Outcome], num_keys: int) -> list[KeyRow]:
+    rows = []
+    for k in range(num_keys):
+        mine = [o for o in alone if o.key_index == k]
+        theirs = [o for o in abused if o.key_index == k]
+
+        def p99(outcomes: list[Outcome]) -> float | None:
+            return _round(percentile([o.latency_s for o in outcomes if o.status == "completed" and o.latency_s is not None], 99))
+
+        rows.append(KeyRow(
+            k, sum(o.status == "completed" for o in mine), sum(o.status == "failed" for o in mine), p99(mine),
+            sum(o.status == "completed" for o in theirs), sum(o.status == "failed" for o in theirs), p99(theirs),
+        ))  # fmt: skip
+    return rows
 
 
 # -- checks and report -----------------------------------------------------------------------
@@ -277,10 +448,10 @@ def final_check(engine: Any) -> dict[str, Any]:
     return result
 
 
-def server_aborts(base_url: str) -> float:
+def server_aborts(base_url: str, api_key: str) -> float:
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    text = httpx.get(f"{base_url}/metrics", timeout=10, headers={"Authorization": f"Bearer {api_key}"}).text
     return sum(
         sample.value
         for family in text_string_to_metric_families(text)
@@ -350,6 +521,34 @@ def format_table(report: Report) -> str:
     width = max(len(name) for name, _ in rows)
     lines = [f"| {'metric'.ljust(width)} | value", f"|{'-' * (width + 2)}|------"]
     lines += [f"| {name.ljust(width)} | {value}" for name, value in rows]
+    if report.abuse is not None:
+        lines += ["", format_abuse(report)]
+    return "\n".join(lines)
+
+
+def format_abuse(report: Report) -> str:
+    def s(value: float | None) -> str:
+        return "-" if value is None else f"{value:.3f}"
+
+    lines = [
+        "| well-behaved key | completed / failed alone | p99 alone (s) | completed / failed with abuse | p99 with abuse (s) | ratio",
+        "|------------------|--------------------------|---------------|-------------------------------|--------------------|------",
+    ]
+    for row in report.keys:
+        ratio = "-" if row.p99_ratio is None else f"{row.p99_ratio:.2f}"
+        lines.append(
+            f"| key {row.key_index:<12} | {row.completed} / {row.failed:<20} | {s(row.p99_alone_s):<13} | "
+            f"{row.completed_with_abuse} / {row.failed_with_abuse:<25} | {s(row.p99_with_abuse_s):<18} | {ratio}"
+        )
+    tally = report.abuse
+    assert tally is not None
+    lines += [
+        "",
+        f"flooding key: {tally.flood_sent} sent, {tally.flood_refused_429} refused with 429, {tally.flood_other} other errors",
+        f"oversized bodies: {tally.oversized_sent} sent, {tally.oversized_refused_413} refused with 413",
+        f"slow readers: {tally.slow_readers} opened and never read (aborts seen by server: {int(report.server_aborts)})",
+        f"abuse verdict: {'PASS' if report.abuse_ok else 'FAIL'} (p99 ratio at most {report.max_p99_ratio:g})",
+    ]
     return "\n".join(lines)
 
 
@@ -363,6 +562,7 @@ def main(argv: list[str] | None = None) -> int:
     from radixkv.engine.engine import Engine
     from radixkv.cli import served_model_name
     from radixkv.server.app import create_app
+    from radixkv.server.limits import ServerLimits
 
     config = EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, num_pages=args.num_pages, page_size=args.page_size,
@@ -372,31 +572,50 @@ def main(argv: list[str] | None = None) -> int:
     print(f"loading {args.model or 'the default model'} ...", flush=True)
     engine = Engine(config)
     model_name = served_model_name(args.model)
-    api_key = "sk-load-" + secrets.token_hex(8)
+    api_keys = [f"sk-load-{k}-" + secrets.token_hex(8) for k in range(args.well_keys)]
+    abuser_key = "sk-abuse-" + secrets.token_hex(8)
     jobs = build_jobs(args, engine.tokenizer, model_name)
     async_engine = AsyncEngine(engine)
+    # Each well-behaved key may keep all its clients busy; the flooding key gets the same share.
+    share = -(-args.clients // args.well_keys) + 2
+    limits = ServerLimits(
+        max_body_bytes=args.max_body_bytes, stream_send_timeout_s=args.stream_send_timeout_s, max_requests_per_key=share
+    )
+    alone: list[Outcome] = []
+    tally = None
     try:
-        app = create_app(async_engine, api_keys=[api_key], model_name=model_name)
+        app = create_app(async_engine, api_keys=[*api_keys, abuser_key], model_name=model_name, limits=limits)
         with ServerThread(app, HOST) as server:
             print(
                 f"serving on {server.base_url}: {engine.pool.num_pages} KV pages of {engine.pool.page_size} tokens; "
-                f"{args.clients} clients, {args.requests} requests",
+                f"{args.clients} clients, {args.requests} requests{' (twice: alone, then with abuse)' if args.abuse else ''}",
                 flush=True,
             )
-            outcomes, wall_s = asyncio.run(run_clients(server.base_url, api_key, jobs, args))
+            if args.abuse:
+                alone, _ = asyncio.run(run_clients(server.base_url, api_keys, salted(jobs, "alone"), args))
+                wait_idle(async_engine, timeout_s=60)
+                outcomes, wall_s, tally = asyncio.run(
+                    run_with_abuse(server.base_url, api_keys, abuser_key, salted(jobs, "abused"), args, model_name)
+                )
+            else:
+                outcomes, wall_s = asyncio.run(run_clients(server.base_url, api_keys, jobs, args))
             wait_idle(async_engine, timeout_s=60)
             check = async_engine.call(final_check).result(60)
             stats = async_engine.call(lambda e: e.stats()).result(60)
-            aborts = server_aborts(server.base_url)
+            aborts = server_aborts(server.base_url, api_keys[0])
     finally:
         async_engine.shutdown()
     report = make_report(args, model_name, outcomes, wall_s, stats, check, aborts)
+    if tally is not None:
+        report.abuse, report.keys = tally, key_rows(alone, outcomes, args.well_keys)
+        report.max_p99_ratio = args.max_p99_ratio
     print(format_table(report))
     for failure in report.failures:
         print("  failed", failure)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    payload = {**asdict(report), "ok": report.ok, "args": vars(args)}
+    payload = {**asdict(report), "ok": report.ok, "abuse_ok": report.abuse_ok, "args": vars(args)}
+    payload["keys"] = [{**asdict(row), "p99_ratio": row.p99_ratio} for row in report.keys]
     (out / "load_test.json").write_text(json.dumps(payload, indent=2))
     print(f"wrote {out / 'load_test.json'}")
     return 0 if report.ok else 1

@@ -49,6 +49,7 @@ def load() -> ctypes.CDLL | None:
         try:
             if not path.exists():
                 _build(compiler, path)
+            check_private(path)
             library = ctypes.CDLL(str(path))
         except (OSError, subprocess.CalledProcessError) as error:
             detail = getattr(error, "stderr", "") or str(error)
@@ -72,14 +73,27 @@ def _library_path(compiler: str) -> Path:
     return default_cache_dir() / "native" / f"radixkv-{key.hexdigest()[:16]}.so"
 
 
+def check_private(library: Path) -> None:
+    """PermissionError unless the library and its folder belong to this user and no one else
+    may write them: loading a library runs its code, so another user able to swap it (a shared
+    or world-writable cache) could run theirs in this process."""
+    for path in (library.parent, library):
+        info = path.stat()
+        if info.st_uid != os.getuid():
+            raise PermissionError(f"{path} belongs to uid {info.st_uid}, not this user ({os.getuid()}); not loading it")
+        if info.st_mode & 0o022:
+            raise PermissionError(f"{path} is writable by others (mode {info.st_mode & 0o777:o}); not loading it")
+
+
 def _build(compiler: str, target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
+    target.parent.mkdir(parents=True, exist_ok=True, mode=0o755)  # check_private: no one else writes it
     # Build beside the target and rename: a concurrent process never loads a half-written file.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
         command = [compiler, *COMPILE_FLAGS, "-o", tmp, *map(str, SOURCES), "-lm"]
         subprocess.run(command, check=True, capture_output=True, text=True)
+        os.chmod(tmp, 0o755)  # whatever the umask: check_private refuses a group-writable library
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):

@@ -13,13 +13,14 @@ import concurrent.futures
 import itertools
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from radixkv.engine.engine import Engine
-from radixkv.engine.request import RequestDelta, SamplingParams
+from radixkv.engine.request import RequestDelta, SamplingParams, merge_deltas
 from radixkv.engine.stats import EngineStats
 
 logger = logging.getLogger(__name__)
@@ -71,7 +72,8 @@ class RequestStream:
     """Async iterator over one request's RequestDeltas; the last one is finished (and carries
     the whole output).
 
-    Deltas that pile up while the consumer is busy are merged into one. `close()` aborts the
+    A consumer that falls behind (a client that stops reading) holds only the deltas it has not
+    taken yet, joined once when it next reads, never re-copied per step. `close()` aborts the
     request if it is still running; it is idempotent and safe to call from `finally` blocks,
     even while being cancelled.
     """
@@ -80,9 +82,12 @@ class RequestStream:
         self.request_id = request_id
         self._owner = owner
         self._loop = loop
-        self._queue: asyncio.Queue[RequestDelta | _End] = asyncio.Queue()
-        self._done = False  # the consumer has seen the end
+        self._backlog: list[RequestDelta] = []  # delivered, not taken yet (consumer's loop only)
+        self._end: _End | None = None
+        self._ready = asyncio.Event()
+        self._done = False  # the consumer has seen the end, or closed the stream
         self._ended = False  # the engine side has delivered the end (engine thread only)
+        self._done_callbacks: list[Callable[[], None]] = []
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -90,16 +95,30 @@ class RequestStream:
     async def __anext__(self) -> RequestDelta:
         if self._done:
             raise StopAsyncIteration
-        item = await self._queue.get()
-        while not self._queue.empty() and not _is_end(item):
-            later = self._queue.get_nowait()
-            item = later if isinstance(later, _End) else item.merge(later)  # type: ignore[union-attr]
-        if isinstance(item, _End):
-            self._done = True
-            raise item.error
+        while not self._backlog and self._end is None:
+            self._ready.clear()
+            await self._ready.wait()
+        if self._end is not None:  # an error ends the stream; output it overtook is moot
+            self._mark_done()
+            raise self._end.error
+        item = merge_deltas(self._backlog)
+        self._backlog = []
         if item.finished:
-            self._done = True
+            self._mark_done()
         return item
+
+    @property
+    def num_pending_tokens(self) -> int:
+        """Tokens delivered but not taken yet (what a stalled consumer holds)."""
+        return sum(len(c.token_ids) for delta in self._backlog for c in delta.completions)
+
+    def _put(self, item: RequestDelta | _End) -> None:
+        """On the consumer's loop: keep `item` until the consumer takes the backlog."""
+        if isinstance(item, _End):
+            self._end = item
+        else:
+            self._backlog.append(item)
+        self._ready.set()
 
     @property
     def finished(self) -> bool:
@@ -107,8 +126,21 @@ class RequestStream:
 
     def close(self) -> None:
         if not self._done:
-            self._done = True
+            self._mark_done()
             self._owner.abort(self.request_id)
+
+    def add_done_callback(self, callback: Callable[[], None]) -> None:
+        """Call `callback` once the stream is done (its end seen, or closed); now if it is."""
+        if self._done:
+            callback()
+        else:
+            self._done_callbacks.append(callback)
+
+    def _mark_done(self) -> None:
+        self._done = True
+        callbacks, self._done_callbacks = self._done_callbacks, []
+        for callback in callbacks:
+            callback()
 
     async def __aenter__(self) -> RequestStream:
         return self
@@ -121,14 +153,10 @@ class RequestStream:
     def _deliver(self, item: RequestDelta | _End) -> bool:
         """Hand an item to the consumer's loop; False when that loop is gone."""
         try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+            self._loop.call_soon_threadsafe(self._put, item)
         except RuntimeError:  # the loop is closed: nobody will ever read this request
             return False
         return True
-
-
-def _is_end(item: RequestDelta | _End) -> bool:
-    return isinstance(item, _End) or item.finished
 
 
 @dataclass(slots=True)
@@ -155,6 +183,8 @@ class AsyncEngine:
         self._id_prefix = uuid.uuid4().hex[:8]
         self._stats: EngineStats = engine.stats()
         self.error: BaseException | None = None  # set when the engine thread died
+        self._failed_steps_in_a_row = 0  # engine thread writes, anyone reads (an int: atomic)
+        self._step_started_s: float | None = None  # time.monotonic() of the running step
         self._thread = threading.Thread(target=self._run, name="radixkv-engine", daemon=True)
         if start:
             self.start()
@@ -213,6 +243,19 @@ class AsyncEngine:
     def alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
 
+    def unhealthy_reason(self) -> str | None:
+        """Why the engine should not be sent work now (for /health), or None when it is fine:
+        its thread is gone, its last steps all failed, or a step has run past the watchdog."""
+        config = self.engine.config
+        if not self.alive:
+            return "the engine is not running"
+        if self._failed_steps_in_a_row >= config.max_consecutive_failed_steps:
+            return f"the engine's last {self._failed_steps_in_a_row} steps failed"
+        started = self._step_started_s
+        if started is not None and time.monotonic() - started > config.step_watchdog_s:
+            return f"an engine step has run for more than {config.step_watchdog_s:g} s"
+        return None
+
     def shutdown(self, timeout_s: float = 30.0) -> None:
         """Abort every request, stop the thread and wait for it; then write the RAM cache to
         the disk tier, if there is one (Engine.close), so the next start is warm."""
@@ -262,14 +305,24 @@ class AsyncEngine:
             idle_wait_s = None
             if self.engine.has_unfinished():
                 steps_before = self.engine.counters.num_steps
+                self._step_started_s = time.monotonic()
                 try:
                     outputs = self.engine.step()
+                    self._failed_steps_in_a_row = 0
                 except Exception as error:  # noqa: BLE001 - fail the batch, keep serving
+                    self._failed_steps_in_a_row += 1
                     logger.exception("engine step failed; aborting every running request")
                     self._fail_running(error)
                     outputs = []
+                finally:
+                    self._step_started_s = None
                 for output in outputs:
                     self._dispatch(output)
+                for request_id, error in self.engine.take_failed():
+                    logger.error("request %s failed alone in a step: %r", request_id, error)
+                    stream = self._streams.pop(request_id, None)
+                    if stream is not None:
+                        stream._deliver(_End(_step_error(error)))
                 if self.engine.has_unfinished():
                     progressed = self.engine.counters.num_steps != steps_before
                     idle_wait_s = 0.0 if progressed else _NO_PROGRESS_WAIT_S
@@ -289,8 +342,12 @@ class AsyncEngine:
             self._streams[command.request_id] = command.stream
             command.future.set_result(command.request_id)
         elif isinstance(command, _Abort):
-            output = self.engine.abort(command.request_id)
             stream = self._streams.pop(command.request_id, None)
+            try:
+                output = self.engine.abort(command.request_id)
+            except Exception as error:  # noqa: BLE001 - one failed abort must not end the service
+                logger.exception("abort of %s failed", command.request_id)
+                output = _End(_step_error(error))
             if stream is not None and output is not None:
                 stream._deliver(output)
         elif command.future.set_running_or_notify_cancel():
@@ -307,15 +364,19 @@ class AsyncEngine:
             del self._streams[output.request_id]
         if not stream._deliver(output) and not output.finished:
             del self._streams[output.request_id]
-            self.engine.abort(output.request_id)
+            self._abort_quietly(output.request_id)
 
     def _fail_running(self, error: BaseException) -> None:
         for request_id, stream in list(self._streams.items()):
-            try:
-                self.engine.abort(request_id)
-            finally:
-                del self._streams[request_id]
-                stream._deliver(_End(_step_error(error)))
+            self._abort_quietly(request_id)
+            del self._streams[request_id]
+            stream._deliver(_End(_step_error(error)))
+
+    def _abort_quietly(self, request_id: str) -> None:
+        try:
+            self.engine.abort(request_id)
+        except Exception:  # noqa: BLE001 - logged; the engine thread keeps serving the rest
+            logger.exception("abort of %s failed", request_id)
 
     def _fail_everything(self, error: BaseException) -> None:
         with self._cond:

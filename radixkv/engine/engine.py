@@ -112,6 +112,9 @@ class Engine:
         self.guides = Guides(self.tokenizer, model_config.vocab_size, sorted(self.eos_token_ids))
         self._num_guided = 0  # live guided sequences: a step without any skips the guide work
         self._requests: dict[str, list[SequenceState]] = {}
+        # Requests a step failed alone (a broken logits row, a sampler error on their row):
+        # aborted, pages back; the AsyncEngine takes them to fail their streams.
+        self.failed_requests: list[tuple[str, BaseException]] = []
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
         self._pin_ids = itertools.count(1)
@@ -248,6 +251,11 @@ class Engine:
         cap = self.config.max_retained_pages_per_owner
         return self.kv.retain(prefix_token_ids, salt, float(ttl_s), owner, cap)
 
+    def take_failed(self) -> list[tuple[str, BaseException]]:
+        """The requests steps failed alone since the last call (already aborted), with why."""
+        failed, self.failed_requests = self.failed_requests, []
+        return failed
+
     def has_unfinished(self) -> bool:
         return bool(self._requests)
 
@@ -275,10 +283,18 @@ class Engine:
             clock.lap("forward")
         finally:
             masks = pending.join() if pending is not None else None
-        if masks is None:
-            tokens, logprobs = self.sampler.sample(logits, sampling)
-        else:
-            tokens, logprobs = self.sampler.sample(logits, sampling, masks)
+        # Rows with NaN or infinite logits (one bad sequence, e.g. an overflow; a row sum is
+        # finite exactly when its entries are, one cheap pass) are zeroed so the batch still
+        # samples, and their requests then fail alone. On a device the fill runs unconditionally
+        # and the rows are read back after sampling, whose transfer has synced already: no stall.
+        with torch.inference_mode():  # the logits are an inference tensor: update it in place there
+            non_finite = ~torch.isfinite(logits.sum(dim=-1))
+            if logits.device.type != "cpu" or bool(non_finite.any()):
+                logits.masked_fill_(non_finite.unsqueeze(-1), 0.0)
+        broken: dict[int, BaseException] = {}
+        tokens, logprobs = self._sample(logits, sampling, masks, broken)
+        for row in non_finite.nonzero().flatten().tolist():
+            broken.setdefault(row, FloatingPointError("non-finite logits"))
         clock.lap("sample")
         self._account(batch, prepared[1].backend_state)
         for item in batch.items:
@@ -287,8 +303,15 @@ class Engine:
         now = time.perf_counter()
         changed: dict[str, list[SequenceState]] = {}
         for row, (seq, token) in enumerate(zip(sampling, tokens)):
+            if row in broken:
+                continue
             self._append_token(seq, token, logprobs[row] if logprobs else None, now)
             changed.setdefault(seq.request_id, []).append(seq)
+        failed = {sampling[row].request_id: error for row, error in broken.items()}
+        for request_id, error in failed.items():
+            changed.pop(request_id, None)
+            self.abort(request_id)
+            self.failed_requests.append((request_id, error))
         deltas = [self._delta(self._requests[request_id], seqs) for request_id, seqs in changed.items()]
         for delta in deltas:
             if delta.finished:
@@ -297,6 +320,30 @@ class Engine:
         if self.config.check_invariants:
             self.check_invariants()
         return deltas
+
+    def _sample(
+        self, logits: torch.Tensor, sampling: list[SequenceState], masks: Any, broken: dict[int, BaseException]
+    ) -> tuple[list[int], list[TokenLogprob | None]]:
+        """The batch sampled at once; if that fails, row by row, so only the rows that fail
+        (added to `broken`) lose their request. Row by row, a guided row's mask is applied to
+        the logits first, so its logprobs are of the masked logits (this fallback only)."""
+        try:
+            return self.sampler.sample(logits, sampling) if masks is None else self.sampler.sample(logits, sampling, masks)
+        except Exception:  # noqa: BLE001 - find the row at fault below
+            if masks is not None:
+                with torch.inference_mode():
+                    masks.apply(logits)  # may have been applied already: masking twice is a no-op
+        tokens: list[int] = []
+        logprobs: list[TokenLogprob | None] = []
+        for row, seq in enumerate(sampling):
+            try:
+                row_tokens, row_logprobs = self.sampler.sample(logits[row : row + 1].clone(), [seq])
+            except Exception as error:  # noqa: BLE001 - this row's request fails, alone
+                broken[row] = error
+                row_tokens, row_logprobs = [0], []
+            tokens.append(row_tokens[0])
+            logprobs.append(row_logprobs[0] if row_logprobs else None)
+        return tokens, logprobs if any(lp is not None for lp in logprobs) else []
 
     def _account(self, batch: Batch, backend_state: object) -> None:
         counters = self.counters

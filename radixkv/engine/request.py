@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +19,9 @@ from radixkv.errors import InvalidRequest
 MAX_TOKENS_LIMIT = 1 << 20
 MAX_N = 64
 MAX_STOP_STRINGS = 16
+# Characters per stop string: each new token is checked against every stop's length in
+# held-back text, so a client must not make that work (or the held-back tail) unbounded.
+MAX_STOP_CHARS = 256
 MIN_SAMPLING_TEMPERATURE = 1e-5
 MAX_SEED = (1 << 63) - 1
 MAX_TOP_LOGPROBS = 20
@@ -71,6 +75,11 @@ class SamplingParams:
         if len(self.stop) > MAX_STOP_STRINGS or not all(isinstance(s, str) and s for s in self.stop):
             raise InvalidRequest(
                 f"stop must be at most {MAX_STOP_STRINGS} non-empty strings, got {self.stop!r}", param="stop", limit=MAX_STOP_STRINGS
+            )
+        longest = max((len(s) for s in self.stop), default=0)
+        if longest > MAX_STOP_CHARS:
+            raise InvalidRequest(
+                f"each stop string may be at most {MAX_STOP_CHARS} characters, got one of {longest}", param="stop", limit=MAX_STOP_CHARS
             )
         if self.logprobs is not None:
             _int_in("logprobs", self.logprobs, 0, MAX_TOP_LOGPROBS)
@@ -204,24 +213,37 @@ class RequestDelta:
 
     def merge(self, later: RequestDelta) -> RequestDelta:
         """This delta followed by `later`, as one (for a consumer that fell behind)."""
-        by_index = {c.index: _copy(c) for c in self.completions}
-        for c in later.completions:
-            if c.index in by_index:
-                by_index[c.index].extend(c)
-            else:
-                by_index[c.index] = _copy(c)
-        return RequestDelta(
-            later.request_id,
-            [by_index[i] for i in sorted(by_index)],
-            later.num_prompt_tokens,
-            later.num_cached_tokens,
-            later.time_to_first_token_s,
-            later.output,
-        )
+        return merge_deltas([self, later])
 
 
-def _copy(delta: CompletionDelta) -> CompletionDelta:
-    return CompletionDelta(delta.index, delta.text, list(delta.token_ids), delta.finish_reason, list(delta.logprobs))
+def merge_deltas(deltas: Sequence[RequestDelta]) -> RequestDelta:
+    """Consecutive deltas of one request as one, in time linear in their total size (a stalled
+    consumer's backlog is joined once, not re-copied per step)."""
+    if len(deltas) == 1:
+        return deltas[0]
+    parts: dict[int, list[CompletionDelta]] = {}
+    for delta in deltas:
+        for c in delta.completions:
+            parts.setdefault(c.index, []).append(c)
+    last = deltas[-1]
+    return RequestDelta(
+        last.request_id,
+        [_join(parts[i]) for i in sorted(parts)],
+        last.num_prompt_tokens,
+        last.num_cached_tokens,
+        last.time_to_first_token_s,
+        last.output,
+    )
+
+
+def _join(parts: list[CompletionDelta]) -> CompletionDelta:
+    return CompletionDelta(
+        parts[0].index,
+        "".join(c.text for c in parts),
+        [t for c in parts for t in c.token_ids],
+        next((c.finish_reason for c in reversed(parts) if c.finish_reason is not None), None),
+        [lp for c in parts for lp in c.logprobs],
+    )
 
 
 @dataclass(slots=True)

@@ -48,6 +48,9 @@ def run_to_completion(
                 i = running.pop(delta.request_id, None) if delta.finished else None
                 if i is not None:
                     on_finished(i, delta.output)  # type: ignore[arg-type]
+            for request_id, error in engine.take_failed():
+                if running.pop(request_id, None) is not None:
+                    raise error  # as a failed step would: the caller sees why, the rest are aborted
             if on_step is not None:
                 on_step(engine)
     finally:

@@ -202,13 +202,13 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
     logger.warning("radixkv: converting %s once into %s", gguf, target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is an ordinary folder
     try:
         hf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         _save_converted(hf_model, tokenizer, tmp)
         source = {"gguf": str(gguf.resolve()), "size": gguf.stat().st_size, "mtime_ns": gguf.stat().st_mtime_ns}
         (tmp / CONVERTED_MARKER).write_text(json.dumps(source, indent=2) + "\n")
+        keep_mode_of(gguf, tmp)
         try:
             os.rename(tmp, target)
         except OSError:
@@ -236,9 +236,19 @@ def _save_converted(hf_model: Any, tokenizer: Any, folder: Path) -> None:
     if hf_model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)  # safetensors refuses shared tensors; the config ties them
     save_file({name: t.contiguous() for name, t in state.items()}, folder / "model.safetensors", {"format": "pt"})
-    os.chmod(folder / "model.safetensors", 0o644)  # save_file makes it private, unlike the rest
     hf_model.generation_config.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+
+
+def keep_mode_of(source: Path, folder: Path) -> None:
+    """Give a converted folder the source file's permissions: a private model stays private
+    (its copy is no more readable than it), a shared one stays shared. Folders get the search
+    bit wherever they are readable."""
+    mode = source.stat().st_mode & 0o777
+    folder_mode = mode | ((mode & 0o444) >> 2) | 0o700
+    for path in folder.rglob("*"):
+        os.chmod(path, folder_mode if path.is_dir() else mode | 0o600)
+    os.chmod(folder, folder_mode)
 
 
 def _eos_token_ids(config: ModelConfig, folder: Path, tokenizer: Any) -> tuple[int, ...]:
@@ -293,9 +303,12 @@ def _weights_for(folder: Path, dtype: torch.dtype, device: torch.device) -> _Wei
     source = _open_weights(folder, dtype, torch.device("cpu"))
     cast = {key: source[key].contiguous() for key in source}
     tmp = folder / f".{name}.tmp-{os.getpid()}"
-    save_file(cast, str(tmp), {"format": "pt"})
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, folder / name)  # atomic: concurrent writers produce identical files
+    try:
+        save_file(cast, str(tmp), {"format": "pt"})
+        os.chmod(tmp, (folder / "model.safetensors").stat().st_mode & 0o777)  # as private as its source
+        os.replace(tmp, folder / name)  # atomic: concurrent writers produce identical files
+    finally:
+        tmp.unlink(missing_ok=True)  # a failed write (disk full) leaves nothing behind
     return _Weights({key: (lambda t=t: t) for key, t in cast.items()}, dtype, device)
 
 

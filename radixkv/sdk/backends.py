@@ -176,6 +176,9 @@ class HTTPBackend(Backend):
     the shared prefix cached whatever the server does with concurrent duplicates. A `tokenizer`
     (the served model's, an object or a path) is optional: with it the SDK checks shared
     prefixes in tokens and sends template prefixes as token ids; without it, in characters.
+
+    Given a URL, the key is `api_key`, else $RADIXKV_API_KEY; $OPENAI_API_KEY only with
+    `forward_openai_api_key=True`, so OpenAI's credential never goes to a URL unasked.
     """
 
     def __init__(
@@ -189,6 +192,7 @@ class HTTPBackend(Backend):
         max_concurrency: int = 8,
         salt: str | None = None,
         timeout_s: float = 600.0,
+        forward_openai_api_key: bool = False,
     ) -> None:
         import openai
 
@@ -196,7 +200,10 @@ class HTTPBackend(Backend):
             base_url = target.rstrip("/")
             if not base_url.endswith("/v1"):
                 base_url += "/v1"
-            api_key = api_key or os.environ.get("RADIXKV_API_KEY") or os.environ.get("OPENAI_API_KEY") or "none"
+            # OPENAI_API_KEY is a credential for OpenAI: sent to an arbitrary URL only when the
+            # caller says so; RADIXKV_API_KEY is meant for radixkv servers.
+            openai_key = os.environ.get("OPENAI_API_KEY") if forward_openai_api_key else None
+            api_key = api_key or os.environ.get("RADIXKV_API_KEY") or openai_key or "none"
             target = openai.OpenAI(base_url=base_url, api_key=api_key, timeout=timeout_s)
         if not isinstance(target, openai.OpenAI):
             raise TypeError(f"HTTPBackend needs an openai.OpenAI client or a base URL, got {type(target).__name__}")

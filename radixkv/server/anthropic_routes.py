@@ -23,7 +23,7 @@ from radixkv.server import anthropic_conversation as conv_mod
 from radixkv.server.anthropic_conversation import Breakpoint, Conversation, tool_layer
 from radixkv.server.anthropic_protocol import MessagesRequest, error_body
 from radixkv.server.errors import APIError, ClientGone, WireNames, context_error, engine_error, parse_body
-from radixkv.server.streaming import SSEResponse, collect, merge, submit, until_disconnect
+from radixkv.server.streaming import SSEResponse, collect, merge, off_loop, submit, until_disconnect
 
 if TYPE_CHECKING:
     from radixkv.server.state import Server
@@ -47,14 +47,28 @@ def register(app: FastAPI, server: Server) -> None:
 
 
 def _error_response(error: APIError) -> JSONResponse:
-    # Anthropic says 529 where OpenAI's layer says 503 (queue full, engine down).
-    status = {503: 529, 422: 400}.get(error.status, error.status)
-    return JSONResponse(error_body(status, error.message), status_code=status, headers=error.headers)
+    return error.anthropic_response()
 
 
 async def _messages(server: Server, request: Request) -> Response:
     key = server.tenants.authenticate(request.headers.get("authorization"), api_key=request.headers.get("x-api-key"))
-    body = parse_body(MessagesRequest, await request.body())
+    raw = await request.body()
+    body, conv, prompt, marks, params = await off_loop(lambda: _prepare(server, raw))
+    salt = server.tenants.cache_salt(key, None)  # the same partition as the key's OpenAI calls
+    owner = salt or "anonymous"
+    streams = await submit(
+        server.engine, server.metrics, [prompt], params, salt, _NAMES, quotas=server.quotas, key=key
+    )
+    ctx = _Context(server, body, conv, prompt, salt, owner, marks)
+    if body.stream:
+        return SSEResponse(_events(ctx, streams), streams, server.limits.stream_send_timeout_s)
+    finals = await until_disconnect(request, collect(server.metrics, streams, 1), streams)
+    return JSONResponse(await _message(ctx, finals[0]))
+
+
+def _prepare(server: Server, raw: bytes) -> tuple[MessagesRequest, Conversation, list[int], list[Breakpoint], SamplingParams]:
+    """The body parsed, templated, tokenized and checked (off the event loop: it may be large)."""
+    body = parse_body(MessagesRequest, raw)
     server.check_model(body.model)
     tokenizer = server.engine.tokenizer
     try:
@@ -63,15 +77,7 @@ async def _messages(server: Server, request: Request) -> Response:
         marks = conv_mod.breakpoints(tokenizer, body, conv, prompt)
     except InvalidRequest as error:
         raise engine_error(error, _NAMES) from None
-    params = _sampling_params(server, body, conv, prompt)
-    salt = server.tenants.cache_salt(key, None)  # the same partition as the key's OpenAI calls
-    owner = salt or "anonymous"
-    streams = await submit(server.engine, server.metrics, [prompt], params, salt, _NAMES)
-    ctx = _Context(server, body, conv, prompt, salt, owner, marks)
-    if body.stream:
-        return SSEResponse(_events(ctx, streams), streams)
-    finals = await until_disconnect(request, collect(server.metrics, streams, 1), streams)
-    return JSONResponse(await _message(ctx, finals[0]))
+    return body, conv, prompt, marks, _sampling_params(server, body, conv, prompt)
 
 
 class _Context:

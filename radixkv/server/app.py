@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP server as a FastAPI app: `create_app` builds the routes' shared
-state (`state.Server`) and registers the routes of `openai_routes`, `anthropic_routes`,
-`cache_routes` and `ops_routes`; `radixkv serve` is in `radixkv.cli`.
+state (`state.Server`), the guards before any route (`access`, `body_limit`) and registers the
+routes of `openai_routes`, `anthropic_routes`, `cache_routes` and `ops_routes`; `radixkv serve`
+is in `radixkv.cli`.
 """
 
 from __future__ import annotations
@@ -11,8 +12,21 @@ from fastapi import FastAPI
 
 from radixkv.engine.async_engine import AsyncEngine
 from radixkv.server import anthropic_routes, cache_routes, openai_routes, ops_routes, responses_routes
+from radixkv.server.access import AccessGuard
+from radixkv.server.body_limit import LimitBody
+from radixkv.server.anthropic_protocol import MessagesRequest
 from radixkv.server.errors import install_error_handlers
+from radixkv.server.limits import ServerLimits
+from radixkv.server.openapi import document_request_bodies
 from radixkv.server.metrics import CountRequests, ServerMetrics
+from radixkv.server.protocol import (
+    CacheFlushRequest,
+    CacheLookupRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    PinRequest,
+)
+from radixkv.server.responses_protocol import ResponsesRequest
 from radixkv.server.state import Server
 from radixkv.server.tenants import Tenants
 
@@ -25,6 +39,7 @@ def create_app(
     model_aliases: Sequence[str] = (),
     tenant_secret: bytes | None = None,
     admin_keys: Sequence[str] | None = None,
+    limits: ServerLimits | None = None,
 ) -> FastAPI:
     """An app serving `async_engine` (started and shut down by the caller) as `model_name`.
     `tenant_secret` fixes the cache salts across restarts (a disk tier needs that to stay warm
@@ -35,14 +50,30 @@ def create_app(
         model_name=model_name,
         model_aliases=frozenset([model_name, *model_aliases]),
         metrics=ServerMetrics(async_engine.stats),
+        limits=limits or ServerLimits(),
     )
     app = FastAPI(title="radixkv", description="OpenAI-compatible API over a prefix-sharing KV cache")
     app.state.radixkv = server
     install_error_handlers(app)
+    # Added last runs first: count every request, then refuse forged or oversized ones unread.
+    app.add_middleware(LimitBody, max_body_bytes=server.limits.max_body_bytes)
+    app.add_middleware(AccessGuard, tenants=server.tenants, limits=server.limits)
     app.add_middleware(CountRequests, metrics=server.metrics)
     ops_routes.register(app, server)
     openai_routes.register(app, server)
     responses_routes.register(app, server)
     cache_routes.register(app, server)
     anthropic_routes.register(app, server)
+    document_request_bodies(
+        app,
+        {
+            "/v1/chat/completions": ChatCompletionRequest,
+            "/v1/completions": CompletionRequest,
+            "/v1/responses": ResponsesRequest,
+            "/v1/messages": MessagesRequest,
+            "/v1/cache/pin": PinRequest,
+            "/v1/cache/lookup": CacheLookupRequest,
+            "/v1/cache/flush": CacheFlushRequest,
+        },
+    )
     return app

@@ -1,17 +1,23 @@
 """radixkv's own cache endpoints (not OpenAI's): POST /v1/cache/pin locks a prefix against
-eviction, DELETE /v1/cache/pin/{pin_id} releases it; POST /v1/cache/lookup tells how much of a
-prompt the caller's partition holds in RAM and on disk; POST /v1/cache/flush (admin only)
-empties a tier. And the bookkeeping of who pinned what and how many pages all pins may lock.
+eviction, GET /v1/cache/pin lists the caller's pins, DELETE /v1/cache/pin/{pin_id} releases
+one; POST /v1/cache/lookup tells how much of a prompt the caller's partition holds in RAM and on
+disk; POST /v1/cache/flush (admin only) empties a tier. And the bookkeeping of who pinned what,
+how many pages pins may lock, and when they expire.
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from radixkv.engine.engine import Engine, PinnedPrefix
+from radixkv.engine.async_engine import EngineStopped
+from radixkv.engine.engine import Engine
 from radixkv.engine.request import SamplingParams
 from radixkv.server.errors import APIError, WireNames, parse_body
 from radixkv.server.prompts import pin_prompt
@@ -20,11 +26,12 @@ from radixkv.server.protocol import (
     CacheFlushResponse,
     CacheLookupRequest,
     CacheLookupResponse,
+    PinList,
     PinRequest,
     PinResponse,
     UnpinResponse,
 )
-from radixkv.server.streaming import collect, submit, until_disconnect
+from radixkv.server.streaming import collect, off_loop, submit, until_disconnect
 
 if TYPE_CHECKING:
     from radixkv.server.state import Server
@@ -33,66 +40,148 @@ if TYPE_CHECKING:
 _MAX_PINNED_FRACTION = 0.5
 
 
-class Pins:
-    """Pins made over HTTP and the key that made each: only that key may unpin it, and together
-    they lock at most _MAX_PINNED_FRACTION of the pool, and never so much that a request of the
-    whole context no longer fits beside them (overlapping pins count twice: a safe
-    over-estimate). Touched only on the engine thread (AsyncEngine.call), which orders them."""
+@dataclass(frozen=True, slots=True)
+class PinRecord:
+    owner: bytes | None  # the API key that made the pin (None: the anonymous caller)
+    pages: int
+    pinned_tokens: int
+    prompt_tokens: int
+    expires_at_s: float | None  # time.monotonic() seconds; None: until unpinned
 
-    def __init__(self) -> None:
-        self._owners: dict[int, tuple[bytes | None, int]] = {}  # pin_id -> (key, pages)
+
+class Pins:
+    """Pins made over HTTP and the key that made each: only that key may see or unpin it; each
+    key locks at most `max_pages_per_key`, all keys together at most _MAX_PINNED_FRACTION of the
+    pool and never so much that a request of the whole context no longer fits beside them
+    (overlapping pins count twice: a safe over-estimate). A pin that locks no page (a prefix
+    shorter than a page) is refused, so pins cannot pile up uncounted; each expires `ttl_s`
+    after it was made (0: never). Touched only on the engine thread (AsyncEngine.call)."""
+
+    def __init__(self, max_pages_per_key: int, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self._records: dict[int, PinRecord] = {}
+        self._max_pages_per_key = max_pages_per_key
+        self._ttl_s = ttl_s
+        self._clock = clock
         self.pages = 0
 
-    def pin(self, engine: Engine, prompt: list[int], salt: str | None, owner: bytes | None) -> PinnedPrefix:
+    def pin(self, engine: Engine, prompt: list[int], salt: str | None, owner: bytes | None) -> tuple[int, PinRecord]:
+        self.expire(engine)
         pinned = engine.pin(prompt, salt)
+        pages = pinned.num_pinned_tokens // engine.pool.page_size
+        try:
+            self._check(engine, pages, owner)
+        except APIError:
+            engine.unpin(pinned.pin_id)
+            raise
+        expires = self._clock() + self._ttl_s if self._ttl_s else None
+        record = PinRecord(owner, pages, pinned.num_pinned_tokens, len(prompt), expires)
+        self._records[pinned.pin_id] = record
+        self.pages += pages
+        return pinned.pin_id, record
+
+    def _check(self, engine: Engine, pages: int, owner: bytes | None) -> None:
         num_pages, page_size = engine.pool.num_pages, engine.pool.page_size
-        pages = pinned.num_pinned_tokens // page_size
+        if pages == 0:
+            raise APIError(
+                400, f"the prefix holds no full page of {page_size} tokens (or none is cached), so there is nothing to pin",
+                param="prompt", code="nothing_to_pin",
+            )
         # Pinned pages are never evicted: leave room for a request of the whole context, or a
         # request the server accepted could wait forever for pages no one will give back.
         context_pages = -(-engine.max_context_tokens // page_size)
         limit = max(0, min(int(num_pages * _MAX_PINNED_FRACTION), num_pages - context_pages))
         if self.pages + pages > limit:
-            engine.unpin(pinned.pin_id)
             raise APIError(
                 400,
                 f"pinning this prefix would lock {self.pages + pages} KV pages in all; the server allows at most "
                 f"{limit} pinned pages (of {num_pages}); unpin others first",
                 code="pin_limit_exceeded",
             )
-        self._owners[pinned.pin_id] = (owner, pages)
-        self.pages += pages
-        return pinned
+        held = sum(r.pages for r in self._records.values() if r.owner == owner)
+        if held + pages > self._max_pages_per_key:
+            raise APIError(
+                429,
+                f"this key's pins would lock {held + pages} KV pages; each key may pin at most "
+                f"{self._max_pages_per_key}; unpin others first",
+                type="rate_limit_error",
+                code="pin_limit_exceeded",
+            )
 
     def unpin(self, engine: Engine, pin_id: int, owner: bytes | None) -> bool:
-        record = self._owners.get(pin_id)
-        if record is None or record[0] != owner:
+        self.expire(engine)
+        record = self._records.get(pin_id)
+        if record is None or record.owner != owner:
             return False  # unknown, or another tenant's: the same answer, so ids reveal nothing
-        del self._owners[pin_id]
-        self.pages -= record[1]
-        return engine.unpin(pin_id)
+        self._release(engine, pin_id)
+        return True
+
+    def owned_by(self, engine: Engine, owner: bytes | None) -> list[tuple[int, PinRecord]]:
+        self.expire(engine)
+        return [(pin_id, r) for pin_id, r in self._records.items() if r.owner == owner]
+
+    def expire(self, engine: Engine) -> int:
+        """Release every pin past its ttl; how many were."""
+        now = self._clock()
+        expired = [pin_id for pin_id, r in self._records.items() if r.expires_at_s is not None and r.expires_at_s <= now]
+        for pin_id in expired:
+            self._release(engine, pin_id)
+        return len(expired)
+
+    def _release(self, engine: Engine, pin_id: int) -> None:
+        record = self._records.pop(pin_id)
+        self.pages -= record.pages
+        engine.unpin(pin_id)
+
+
+def _pin_response(pin_id: int, record: PinRecord) -> PinResponse:
+    expires_in_s = None if record.expires_at_s is None else max(0.0, record.expires_at_s - time.monotonic())
+    return PinResponse(pin_id=pin_id, pinned_tokens=record.pinned_tokens, prompt_tokens=record.prompt_tokens, expires_in_s=expires_in_s)
+
+
+def _expire_soon(server: Server, pins: Pins) -> None:
+    try:
+        server.engine.call(pins.expire)
+    except EngineStopped:
+        pass  # shutting down: the engine goes with its pins
 
 
 def register(app: FastAPI, server: Server) -> None:
-    pins = Pins()
+    pins = Pins(server.limits.max_pinned_pages_per_key, server.limits.pin_ttl_s)
+    app.state.pins = pins  # tests reach it here
 
     @app.post("/v1/cache/pin")
     async def pin_prefix(request: Request) -> Response:
         """Compute a prefix (a one-token request) and lock its full pages in the cache until
         DELETE /v1/cache/pin/{pin_id}; a pin lasts until then or until the server stops."""
         key = server.tenants.authenticate(request.headers.get("authorization"))
-        body = parse_body(PinRequest, await request.body())
-        if body.model is not None:
-            server.check_model(body.model)
-        prompt = pin_prompt(server, body)
+        raw = await request.body()
+
+        def prepare() -> tuple[PinRequest, list[int]]:
+            body = parse_body(PinRequest, raw)
+            if body.model is not None:
+                server.check_model(body.model)
+            return body, pin_prompt(server, body)
+
+        body, prompt = await off_loop(prepare)
         salt = server.tenants.cache_salt(key, body.cache_salt)
         names = WireNames(prompt="messages" if body.messages is not None else "prompt")
-        streams = await submit(server.engine, server.metrics, [prompt], SamplingParams(max_tokens=1), salt, names)
+        params = SamplingParams(max_tokens=1)
+        streams = await submit(server.engine, server.metrics, [prompt], params, salt, names, quotas=server.quotas, key=key)
         await until_disconnect(request, collect(server.metrics, streams, 1), streams)
         # Eviction between the request's end and the pin can only shorten what is pinned;
         # pinned_tokens says how much was.
-        pinned = await server.engine.call_async(lambda engine: pins.pin(engine, prompt, salt, key))
-        response = PinResponse(pin_id=pinned.pin_id, pinned_tokens=pinned.num_pinned_tokens, prompt_tokens=len(prompt))
-        return JSONResponse(response.model_dump())
+        pin_id, record = await server.engine.call_async(lambda engine: pins.pin(engine, prompt, salt, key))
+        if record.expires_at_s is not None:
+            # Released on time even if no other pin call comes to expire it lazily.
+            asyncio.get_running_loop().call_later(server.limits.pin_ttl_s, _expire_soon, server, pins)
+        return JSONResponse(_pin_response(pin_id, record).model_dump())
+
+    @app.get("/v1/cache/pin")
+    async def list_pins(request: Request) -> Response:
+        """The caller's own pins (no other key's), oldest first."""
+        key = server.tenants.authenticate(request.headers.get("authorization"))
+        owned = await server.engine.call_async(lambda engine: pins.owned_by(engine, key))
+        return JSONResponse(PinList(data=[_pin_response(pin_id, record) for pin_id, record in owned]).model_dump())
 
     @app.delete("/v1/cache/pin/{pin_id}")
     async def unpin_prefix(pin_id: int, request: Request) -> Response:
@@ -107,10 +196,15 @@ def register(app: FastAPI, server: Server) -> None:
         caller's own partition (its key and cache_salt) is looked at: another tenant's cache
         is neither visible nor timeable through this."""
         key = server.tenants.authenticate(request.headers.get("authorization"), request.headers.get("x-api-key"))
-        body = parse_body(CacheLookupRequest, await request.body())
-        if body.model is not None:
-            server.check_model(body.model)
-        prompt = pin_prompt(server, body)
+        raw = await request.body()
+
+        def prepare() -> tuple[CacheLookupRequest, list[int]]:
+            body = parse_body(CacheLookupRequest, raw)
+            if body.model is not None:
+                server.check_model(body.model)
+            return body, pin_prompt(server, body)
+
+        body, prompt = await off_loop(prepare)
         salt = server.tenants.cache_salt(key, body.cache_salt)
         ram, disk = await server.engine.call_async(lambda engine: engine.lookup(prompt, salt))
         response = CacheLookupResponse(prompt_tokens=len(prompt), cached_tokens=ram + disk, ram_tokens=ram, disk_tokens=disk)

@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from radixkv.engine.async_engine import EngineStepError, EngineStopped
 from radixkv.errors import InvalidRequest, QueueFull
+from radixkv.server.anthropic_protocol import error_body as anthropic_error_body
 from radixkv.server.protocol import ErrorBody, ErrorResponse
 
 logger = logging.getLogger("radixkv.server")
@@ -54,6 +55,18 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+    def anthropic_response(self) -> JSONResponse:
+        """This error in Anthropic's shape, for /v1/messages (529 where OpenAI's layer says 503)."""
+        status = {503: 529, 422: 400}.get(self.status, self.status)
+        return JSONResponse(anthropic_error_body(status, self.message), status_code=status, headers=self.headers)
+
+    def response_for(self, path: str) -> JSONResponse:
+        """In the shape of the API `path` belongs to (for errors raised before any route runs)."""
+        return self.anthropic_response() if path.startswith(ANTHROPIC_PATH) else self.response()
+
+
+ANTHROPIC_PATH = "/v1/messages"
 
 
 class ClientGone(Exception):
@@ -149,7 +162,8 @@ def engine_error(error: BaseException, names: WireNames = WireNames()) -> APIErr
     if isinstance(error, QueueFull):
         return APIError(503, str(error), type="server_error", code="queue_full", headers={"Retry-After": "1"})
     if isinstance(error, EngineStopped):
-        return APIError(503, str(error), type="server_error", code="engine_down")
+        # Its text may carry the internal error that stopped the engine: never sent to clients.
+        return APIError(503, "the engine is not running", type="server_error", code="engine_down")
     return APIError(500, "the engine failed while running this request", type="server_error", code="engine_error")
 
 

@@ -42,7 +42,7 @@ from radixkv.server.protocol import (
     new_id,
     now_s,
 )
-from radixkv.server.streaming import SSEResponse, collect, sse, submit, text_events, until_disconnect, usage
+from radixkv.server.streaming import SSEResponse, collect, off_loop, sse, submit, text_events, until_disconnect, usage
 from radixkv.server.tools import (
     Tool,
     ToolCall,
@@ -105,19 +105,28 @@ def register(app: FastAPI, server: Server) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         key = server.tenants.authenticate(request.headers.get("authorization"))
-        body = parse_body(ChatCompletionRequest, await request.body())
-        _check_request(server, body)
-        tools = _chat_tools(body)
-        prompt = chat_prompt(server, body.messages, tools.tools, tools.choice)
-        max_tokens, max_tokens_param = body.requested_max_tokens()
-        guide, guide_param = _chat_guide(body, tools)
-        names = _ChatNames(prompt="messages", max_tokens=max_tokens_param, guide=guide_param)
-        params = _sampling_params(server, body, [prompt], max_tokens, names, default_max_tokens=None, guide=guide)
+        raw = await request.body()
+
+        def prepare() -> tuple[ChatCompletionRequest, _ChatTools, list[int], _ChatNames, SamplingParams]:
+            body = parse_body(ChatCompletionRequest, raw)
+            _check_request(server, body)
+            tools = _chat_tools(body)
+            prompt = chat_prompt(server, body.messages, tools.tools, tools.choice)
+            max_tokens, max_tokens_param = body.requested_max_tokens()
+            guide, guide_param = _chat_guide(body, tools)
+            names = _ChatNames(prompt="messages", max_tokens=max_tokens_param, guide=guide_param)
+            params = _sampling_params(server, body, [prompt], max_tokens, names, default_max_tokens=None, guide=guide)
+            return body, tools, prompt, names, params
+
+        body, tools, prompt, names, params = await off_loop(prepare)
         salt = server.tenants.cache_salt(key, body.cache_salt)
-        streams = await submit(server.engine, server.metrics, [prompt], params, salt, names)
+        streams = await submit(
+            server.engine, server.metrics, [prompt], params, salt, names, quotas=server.quotas, key=key
+        )
         hints = _CacheHints(server, body, [prompt], salt)
         if body.stream:
-            return SSEResponse(hints.after(_chat_events(server, texts, body, tools, streams, params.n)), streams)
+            events = hints.after(_chat_events(server, texts, body, tools, streams, params.n))
+            return SSEResponse(events, streams, server.limits.stream_send_timeout_s)
         finals = await until_disconnect(request, collect(server.metrics, streams, params.n), streams)
         hints.finished(finals)
         return JSONResponse(_chat_response(server, texts, body, tools, finals[0]).model_dump())
@@ -125,16 +134,25 @@ def register(app: FastAPI, server: Server) -> None:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         key = server.tenants.authenticate(request.headers.get("authorization"))
-        body = parse_body(CompletionRequest, await request.body())
-        _check_request(server, body)
-        prompts = completion_prompts(server, body)
+        raw = await request.body()
         names = WireNames()
-        params = _sampling_params(server, body, prompts, body.max_tokens, names, default_max_tokens=_COMPLETIONS_DEFAULT_MAX_TOKENS)
+
+        def prepare() -> tuple[CompletionRequest, list[list[int]], SamplingParams]:
+            body = parse_body(CompletionRequest, raw)
+            _check_request(server, body)
+            prompts = completion_prompts(server, body)
+            default = _COMPLETIONS_DEFAULT_MAX_TOKENS
+            return body, prompts, _sampling_params(server, body, prompts, body.max_tokens, names, default_max_tokens=default)
+
+        body, prompts, params = await off_loop(prepare)
         salt = server.tenants.cache_salt(key, body.cache_salt)
-        streams = await submit(server.engine, server.metrics, prompts, params, salt, names)
+        streams = await submit(
+            server.engine, server.metrics, prompts, params, salt, names, quotas=server.quotas, key=key
+        )
         hints = _CacheHints(server, body, prompts, salt)
         if body.stream:
-            return SSEResponse(hints.after(_completion_events(server, texts, body, streams, params.n)), streams)
+            events = hints.after(_completion_events(server, texts, body, streams, params.n))
+            return SSEResponse(events, streams, server.limits.stream_send_timeout_s)
         finals = await until_disconnect(request, collect(server.metrics, streams, params.n), streams)
         hints.finished(finals)
         return JSONResponse(_completion_response(server, texts, body, finals, params.n).model_dump())

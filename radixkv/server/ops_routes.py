@@ -1,5 +1,6 @@
-"""The operator's endpoints: /health (is the engine thread alive) and /metrics (Prometheus).
-Neither asks for an API key.
+"""The operator's endpoints: /health (is the engine serving: its thread alive, its steps
+succeeding, none stuck) and /metrics (Prometheus). /health never asks for an API key; /metrics
+does when keys are set (radixkv.server.access), unless ServerLimits.public_metrics.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ if TYPE_CHECKING:
 def register(app: FastAPI, server: Server) -> None:
     @app.get("/health")
     async def health() -> Response:
-        if not server.engine.alive:
-            return APIError(503, "the engine is not running", type="server_error", code="engine_down").response()
+        reason = server.engine.unhealthy_reason()
+        if reason is not None:
+            return APIError(503, reason, type="server_error", code="engine_down").response()
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")

@@ -349,6 +349,12 @@ class PinResponse(BaseModel):
     pin_id: int
     pinned_tokens: int  # the prefix's full pages' worth of tokens now locked
     prompt_tokens: int
+    expires_in_s: float | None = None  # None: until unpinned (the server's pin ttl is 0)
+
+
+class PinList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[PinResponse]
 
 
 class UnpinResponse(BaseModel):

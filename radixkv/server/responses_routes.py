@@ -30,7 +30,7 @@ from radixkv.server.responses_protocol import (
     response_usage,
 )
 from radixkv.server.responses_store import ResponseStore
-from radixkv.server.streaming import SSEResponse, collect, merge, submit, until_disconnect
+from radixkv.server.streaming import SSEResponse, collect, merge, off_loop, submit, until_disconnect
 
 if TYPE_CHECKING:
     from radixkv.server.state import Server
@@ -72,14 +72,22 @@ def register(app: FastAPI, server: Server, store: ResponseStore | None = None) -
     @app.post("/v1/responses")
     async def create_response(request: Request) -> Response:
         key = server.tenants.authenticate(request.headers.get("authorization"))
-        body = parse_body(ResponsesRequest, await request.body())
-        if body.model is not None:
-            server.check_model(body.model)
-        turn, prompt = _prepare(server, store, body, server.tenants.cache_salt(key, None))
+        raw = await request.body()
+        owner = server.tenants.cache_salt(key, None)
+
+        def prepare() -> tuple[ResponsesRequest, _Turn, list[int]]:
+            body = parse_body(ResponsesRequest, raw)
+            if body.model is not None:
+                server.check_model(body.model)
+            return body, *_prepare(server, store, body, owner)
+
+        body, turn, prompt = await off_loop(prepare)
         salt = server.tenants.cache_salt(key, body.cache_salt)
-        streams = await submit(server.engine, server.metrics, [prompt], turn.params, salt, turn.names)
+        streams = await submit(
+            server.engine, server.metrics, [prompt], turn.params, salt, turn.names, quotas=server.quotas, key=key
+        )
         if body.stream:
-            return SSEResponse(_events(server, store, turn, streams), streams)
+            return SSEResponse(_events(server, store, turn, streams), streams, server.limits.stream_send_timeout_s)
         finals = await until_disconnect(request, collect(server.metrics, streams, 1), streams)
         response = _finished(server, turn, finals[0])
         if body.store:

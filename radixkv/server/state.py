@@ -1,5 +1,5 @@
-"""The state every route of one app reads: the engine, tenants, the served model's names and the
-metrics; fixed when the app is created (the metrics count on).
+"""The state every route of one app reads: the engine, tenants, the served model's names, the
+limits and per-key quotas, and the metrics; fixed when the app is created (the metrics count on).
 """
 
 from __future__ import annotations
@@ -8,8 +8,10 @@ from dataclasses import dataclass, field
 
 from radixkv.engine.async_engine import AsyncEngine
 from radixkv.server.errors import APIError
+from radixkv.server.limits import ServerLimits
 from radixkv.server.metrics import ServerMetrics
 from radixkv.server.protocol import now_s
+from radixkv.server.quotas import KeyQuotas
 from radixkv.server.tenants import Tenants
 
 
@@ -22,7 +24,12 @@ class Server:
     model_name: str
     model_aliases: frozenset[str]
     metrics: ServerMetrics
+    limits: ServerLimits = field(default_factory=ServerLimits)
+    quotas: KeyQuotas = field(init=False)
     created: int = field(default_factory=now_s)
+
+    def __post_init__(self) -> None:
+        self.quotas = KeyQuotas(self.limits.max_requests_per_key, self.limits.max_seqs_per_key)
 
     def check_model(self, model: str) -> None:
         """APIError 404 unless `model` names the model this server serves."""

@@ -7,19 +7,22 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import aclosing
 from typing import Any, TypeVar
 
+import anyio.to_thread
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from radixkv.engine.async_engine import AsyncEngine, EngineStepError, EngineStopped, RequestStream
 from radixkv.engine.request import CompletionDelta, RequestDelta, RequestOutput, SamplingParams
 from radixkv.server.errors import ENGINE_ERRORS, APIError, ClientGone, WireNames, engine_error
 from radixkv.server.metrics import RequestTracker, ServerMetrics
+from radixkv.server.quotas import KeyQuotas, Lease
 from radixkv.server.protocol import (
     ChatChunkChoice,
     ChatCompletionRequest,
@@ -30,6 +33,7 @@ from radixkv.server.protocol import (
 )
 
 T = TypeVar("T")
+logger = logging.getLogger("radixkv.server")
 
 
 async def submit(
@@ -39,15 +43,29 @@ async def submit(
     params: SamplingParams,
     salt: str | None,
     names: WireNames,
+    *,
+    quotas: KeyQuotas | None = None,
+    key: bytes | None = None,
 ) -> list[RequestStream]:
-    """One stream per prompt, or none: if any submission fails, those made are aborted."""
+    """One stream per prompt, or none: if any submission fails, those made are aborted. With
+    `quotas`, each request holds a share of `key`'s quota until its stream is done (429 past it)."""
     streams: list[RequestStream] = []
+    leases: list[Lease] = []
+    if quotas is not None:
+        quotas.check_fits(len(prompts), len(prompts) * params.n, names.prompt if len(prompts) > 1 else "n")
     try:
         for prompt in prompts:
-            streams.append(await engine.submit(prompt, params, salt=salt))
+            if quotas is not None:
+                leases.append(quotas.acquire(key, 1, params.n))
+            stream = await engine.submit(prompt, params, salt=salt)
+            streams.append(stream)
+            if quotas is not None:
+                stream.add_done_callback(leases[-1].release)
     except BaseException as error:
         for stream in streams:
             stream.close()
+        for lease in leases:
+            lease.release()  # idempotent: those of closed streams are already back
         if isinstance(error, ENGINE_ERRORS):
             raise engine_error(error, names) from None
         raise
@@ -55,19 +73,27 @@ async def submit(
     return streams
 
 
+async def off_loop(fn: Callable[[], T]) -> T:
+    """fn() on a worker thread: parsing, templating and tokenizing a large body must not stall
+    the event loop, which every other request (and /health) shares."""
+    return await anyio.to_thread.run_sync(fn)
+
+
 async def merge(metrics: ServerMetrics, streams: list[RequestStream], n: int) -> AsyncIterator[tuple[int, RequestDelta]]:
     """(prompt index, delta) from every stream as they come; closes them all at the end."""
     trackers = [RequestTracker(metrics, n) for _ in streams]
-    queue: asyncio.Queue[tuple[int, RequestDelta | BaseException | None]] = asyncio.Queue()
+    # Bounded: while the consumer is stalled (its client not reading), each pump waits here and
+    # its stream keeps the backlog, joined into one delta, instead of this queue growing per step.
+    queue: asyncio.Queue[tuple[int, RequestDelta | BaseException | None]] = asyncio.Queue(maxsize=len(streams))
 
     async def pump(i: int, stream: RequestStream) -> None:
+        end: BaseException | None = None
         try:
             async for delta in stream:
-                queue.put_nowait((i, delta))
+                await queue.put((i, delta))
         except Exception as error:  # noqa: BLE001 - handed to the consumer
-            queue.put_nowait((i, error))
-        finally:
-            queue.put_nowait((i, None))
+            end = error
+        await queue.put((i, end))
 
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
     try:
@@ -180,21 +206,44 @@ async def text_events(
         yield sse(api_error.body())
 
 
+class SlowReader(Exception):
+    """A streaming client did not take the next event within the send timeout."""
+
+
 class SSEResponse(StreamingResponse):
-    """Server-sent events whose requests are aborted the moment the client goes away.
+    """Server-sent events whose requests are aborted the moment the client goes away, or stops
+    reading: a send that the client's socket has not taken within `send_timeout_s` ends the
+    response and aborts its requests, so their pages go back.
 
     Starlette cancels the body iterator when it sees the disconnect; closing the iterator and
     the streams here as well covers a cancellation that lands while the iterator is suspended
     at a yield, or before it ever started."""
 
-    def __init__(self, events: AsyncIterator[str], streams: list[RequestStream]) -> None:
+    def __init__(self, events: AsyncIterator[str], streams: list[RequestStream], send_timeout_s: float | None = None) -> None:
         super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         self._events = events
         self._streams = streams
+        self._send_timeout_s = send_timeout_s
+
+    async def stream_response(self, send: Send) -> None:
+        if self._send_timeout_s is None:
+            return await super().stream_response(send)
+        timeout_s = self._send_timeout_s
+
+        async def send_in_time(message: Message) -> None:
+            try:
+                await asyncio.wait_for(send(message), timeout_s)
+            except TimeoutError:
+                raise SlowReader from None
+
+        return await super().stream_response(send_in_time)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
+        except SlowReader:
+            # Returning with the response unfinished makes the server close the connection.
+            logger.warning("a streaming client read nothing for %.1f s; its requests are aborted", self._send_timeout_s)
         finally:
             for stream in self._streams:
                 stream.close()

@@ -8,10 +8,30 @@ import hashlib
 import hmac
 import os
 import secrets
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from radixkv.server.errors import APIError
+
+# Where `radixkv serve` also reads keys, so none has to be on the command line (which every
+# user of the machine can read in the process list): comma- or newline-separated.
+API_KEYS_ENV = "RADIXKV_API_KEYS"
+
+
+def load_api_keys(
+    keys: Sequence[str] | None, key_file: str | Path | None = None, environ: Mapping[str, str] = os.environ
+) -> list[str]:
+    """The accepted keys from the command line, a file (one per line; blank lines and '#'
+    comments skipped) and $RADIXKV_API_KEYS, in that order, without duplicates."""
+    found = list(keys or [])
+    if key_file is not None:
+        for line in Path(key_file).read_text().splitlines():
+            line = line.strip()
+            if line and not line.startswith("#"):
+                found.append(line)
+    found += [k.strip() for k in environ.get(API_KEYS_ENV, "").replace("\n", ",").split(",") if k.strip()]
+    return list(dict.fromkeys(found))
+
 
 class Tenants:
     """Bearer-key checks and cache salts: each key (and each cache_salt within it) gets its own

@@ -18,6 +18,7 @@ from radixkv.config import EngineConfig
 from radixkv.engine.async_engine import AsyncEngine
 from radixkv.engine.engine import Engine
 from radixkv.server.app import create_app
+from radixkv.server.limits import ServerLimits
 from radixkv.server.thread import ServerThread
 from tests.helpers.engine import assert_pages_returned, wait_until
 from tests.helpers.tiny_models import CHAT_TEMPLATE
@@ -69,9 +70,11 @@ def make_async_engine(model_dir: Path, *, start: bool = True, **overrides) -> As
 
 
 @contextmanager
-def serve(async_engine: AsyncEngine, keys: tuple[str, ...] = (KEY_A, KEY_B)) -> Iterator[LiveServer]:
+def serve(
+    async_engine: AsyncEngine, keys: tuple[str, ...] = (KEY_A, KEY_B), limits: ServerLimits | None = None
+) -> Iterator[LiveServer]:
     """The app over async_engine on a free loopback port; shuts the engine down on exit."""
-    app = create_app(async_engine, api_keys=list(keys), model_name=MODEL)
+    app = create_app(async_engine, api_keys=list(keys), model_name=MODEL, limits=limits)
     try:
         with ServerThread(app) as thread:
             yield LiveServer(thread.base_url, async_engine, app)
@@ -80,8 +83,8 @@ def serve(async_engine: AsyncEngine, keys: tuple[str, ...] = (KEY_A, KEY_B)) -> 
 
 
 def metric_values(live: LiveServer) -> dict[tuple[str, tuple], float]:
-    """Every sample on /metrics, keyed by (name, sorted labels)."""
-    text = httpx.get(f"{live.base_url}/metrics").text
+    """Every sample on /metrics (behind the key, as every page but /health), keyed by (name, sorted labels)."""
+    text = httpx.get(f"{live.base_url}/metrics", headers={"Authorization": f"Bearer {KEY_A}"}).text
     return {
         (sample.name, tuple(sorted(sample.labels.items()))): sample.value
         for family in text_string_to_metric_families(text)

@@ -32,3 +32,25 @@ def test_percentiles_and_verdict():
     assert load_test.percentile([3.0, 1.0, 2.0], 50) == 2.0
     assert load_test.percentile(list(map(float, range(1, 101))), 99) == 99.0
     assert load_test.percentile([5.0], 99) == 5.0
+
+
+def test_small_load_beside_abusive_clients(tiny_llama, tmp_path, capsys):
+    """--abuse at a small size: the flooding key is refused with 429s, every oversized body
+    with 413, slow readers are cut off, the well-behaved keys lose nothing and no page leaks.
+    (The p99 ratio is reported, not judged here: tests do not assert on wall time.)"""
+    argv = [
+        "--model", str(tiny_llama), "--dtype", "float32", "--device", "cpu", "--page-size", "4", "--num-pages", "200",
+        "--clients", "6", "--requests", "24", "--max-tokens", "8", "--groups", "2", "--system-len", "40",
+        "--question-len", "10", "--disconnect-fraction", "0", "--abuse", "--well-keys", "2",
+        "--flood-concurrency", "12", "--slow-readers", "2", "--slow-reader-tokens", "200", "--oversized", "3",
+        "--max-body-bytes", "65536", "--stream-send-timeout-s", "1", "--max-p99-ratio", "1000",
+        "--time-limit-s", "120", "--request-timeout-s", "60", "--out", str(tmp_path),
+    ]  # fmt: skip
+    assert load_test.main(argv) == 0, capsys.readouterr().out
+    report = json.loads((tmp_path / "load_test.json").read_text())
+    assert report["ok"] and report["abuse_ok"]
+    assert [(row["completed_with_abuse"], row["failed_with_abuse"]) for row in report["keys"]] == [(12, 0), (12, 0)]
+    abuse = report["abuse"]
+    assert abuse["flood_refused_429"] > 0 and abuse["oversized_refused_413"] == abuse["oversized_sent"] == 3
+    assert report["final_running"] == report["final_waiting"] == report["final_unfinished"] == 0 and report["invariant_ok"]
+    assert "| well-behaved key" in capsys.readouterr().out

@@ -122,17 +122,19 @@ def test_engine_calls_run_on_the_engine_thread(async_engine):
 
 def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(tiny_llama):
     async_engine = make_async_engine(tiny_llama)
-    sampler = async_engine.engine.sampler
-    real_sample = sampler.sample
+    runner = async_engine.engine.runner
+    real_forward = runner.forward
     calls = {"n": 0}
 
-    def flaky(logits, seqs):  # fails mid-request, after the step scheduled and ran the batch
+    # The forward fails mid-request, for the whole batch (a row's own fault fails only its
+    # request: tests/server/test_faults.py).
+    def flaky(*args):
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("boom")
-        return real_sample(logits, seqs)
+        return real_forward(*args)
 
-    sampler.sample = flaky
+    runner.forward = flaky
 
     async def main():
         with pytest.raises(EngineStepError):

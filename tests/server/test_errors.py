@@ -174,7 +174,7 @@ def test_engine_errors_map_by_their_fields_into_the_request_s_names():
 def test_engine_failures_map_to_server_errors():
     full = engine_error(QueueFull("the waiting queue is full", limit=8))
     assert (full.status, full.type, full.code, full.headers) == (503, "server_error", "queue_full", {"Retry-After": "1"})
-    stopped = engine_error(EngineStopped("the engine has shut down"))
-    assert (stopped.status, stopped.code, stopped.message) == (503, "engine_down", "the engine has shut down")
+    stopped = engine_error(EngineStopped("the engine thread died: RuntimeError('/secret/path')"))
+    assert (stopped.status, stopped.code, stopped.message) == (503, "engine_down", "the engine is not running")
     failed = engine_error(EngineStepError("boom"))
     assert (failed.status, failed.code) == (500, "engine_error") and "boom" not in failed.message

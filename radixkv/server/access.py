@@ -1,0 +1,84 @@
+"""AccessGuard: who may reach the server before any route runs. With API keys, the operator's
+pages (/metrics, /docs, the OpenAPI schema) need one too; without keys (a local server), requests
+a web page could forge are refused: a foreign Origin, a non-loopback Host, a non-JSON body.
+"""
+
+from __future__ import annotations
+
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from radixkv.server.errors import APIError
+from radixkv.server.limits import ServerLimits
+from radixkv.server.tenants import Tenants
+
+_DOC_PATHS = frozenset(["/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"])
+_LOOPBACK_HOSTS = frozenset(["localhost", "127.0.0.1", "[::1]", "::1"])
+_BODY_METHODS = frozenset(["POST", "PUT", "PATCH", "DELETE"])
+
+
+class AccessGuard:
+    """Pure ASGI middleware; see the module docstring. /health stays open to everyone."""
+
+    def __init__(self, app: ASGIApp, tenants: Tenants, limits: ServerLimits) -> None:
+        self.app = app
+        self.tenants = tenants
+        self.limits = limits
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            error = self._refusal(scope)
+            if error is not None:
+                await error.response_for(scope.get("path", ""))(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def _refusal(self, scope: Scope) -> APIError | None:
+        headers = Headers(scope=scope)
+        path = scope.get("path", "")
+        try:
+            if not self.tenants.auth_required:
+                self._check_same_site(headers, scope.get("method", "GET"))
+            elif path in _DOC_PATHS or (path == "/metrics" and not self.limits.public_metrics):
+                self.tenants.authenticate(headers.get("authorization"), api_key=headers.get("x-api-key"))
+        except APIError as error:
+            return error
+        return None
+
+    def _check_same_site(self, headers: Headers, method: str) -> None:
+        """Without keys anyone who can send to the socket may use it, and a browser can: a page
+        on any site may post to localhost, or rebind its own name to 127.0.0.1."""
+        host = headers.get("host", "")
+        allowed_hosts = self.limits.allowed_hosts
+        if "*" not in allowed_hosts and _hostname(host) not in _LOOPBACK_HOSTS | set(allowed_hosts):
+            raise APIError(
+                403, f"Host {host!r} is not served here; without an API key this server answers loopback names only",
+                type="permission_error", param="host", code="host_not_allowed",
+            )
+        origin = headers.get("origin")
+        same_site = (f"http://{host}", f"https://{host}")
+        if origin is not None and origin not in self.limits.allowed_origins and origin not in same_site:
+            raise APIError(
+                403, f"cross-site requests from {origin!r} are refused; allow the origin in the server's options",
+                type="permission_error", param="origin", code="origin_not_allowed",
+            )
+        if method in _BODY_METHODS and _has_body(headers):
+            # A form or a no-cors fetch can send text/plain or form types without a preflight;
+            # only JSON makes a browser ask first (and this server grants no CORS).
+            media_type = headers.get("content-type", "").split(";")[0].strip().lower()
+            if media_type != "application/json":
+                raise APIError(
+                    415, f"request bodies must be application/json, got {media_type or 'none'!r}",
+                    param="content-type", code="unsupported_media_type",
+                )
+
+
+def _hostname(host: str) -> str:
+    """The Host header without its port ('[::1]:8000' -> '[::1]', 'localhost:8000' -> 'localhost')."""
+    if host.startswith("["):
+        return host[: host.find("]") + 1]
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+def _has_body(headers: Headers) -> bool:
+    return headers.get("content-length", "0") not in ("0", "") or "transfer-encoding" in headers

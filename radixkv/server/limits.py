@@ -1,0 +1,60 @@
+"""ServerLimits: the HTTP server's own protective knobs (body size, slow readers, per-key fair
+share, pins, cross-site checks), one validated dataclass with every default and unit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from radixkv.errors import ConfigError
+
+MIB = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class ServerLimits:
+    # Request bodies past this are refused with 413 before they are read in full. 8 MiB holds
+    # any prompt that fits a 128k-token context several times over.
+    max_body_bytes: int = 8 * MIB
+    # A streaming client whose socket has not taken the next event for this long is treated as
+    # gone: its requests are aborted and their pages freed (it stalls nobody else meanwhile).
+    stream_send_timeout_s: float = 30.0
+    # Per API key (or per anonymous caller when no keys are set): engine requests in flight at
+    # once (queued or running), and their sequences (n summed). Past either: 429, Retry-After.
+    max_requests_per_key: int = 256
+    max_seqs_per_key: int = 1024
+    # KV pages one key's pins may lock together (besides the server-wide cap on all pins).
+    max_pinned_pages_per_key: int = 4096
+    # A pin is released this long after it was made unless unpinned before; 0: pins never expire.
+    pin_ttl_s: float = 3600.0
+    # Browser origins allowed to call the server (exact "scheme://host[:port]"); with no API key
+    # configured, any other Origin is refused so a web page cannot drive a local server.
+    allowed_origins: tuple[str, ...] = ()
+    # Host names (besides loopback ones) a keyless server answers, "*" for any: a keyless server
+    # refuses other Host headers so a DNS-rebound name cannot reach it from a browser.
+    allowed_hosts: tuple[str, ...] = ()
+    # Serve /metrics without a key even when keys are set (for a scraper on a private network).
+    public_metrics: bool = False
+
+    def __post_init__(self) -> None:
+        _int_in("max_body_bytes", self.max_body_bytes, 1024, 1 << 34)
+        _int_in("max_requests_per_key", self.max_requests_per_key, 1, 1 << 30)
+        _int_in("max_seqs_per_key", self.max_seqs_per_key, 1, 1 << 30)
+        _int_in("max_pinned_pages_per_key", self.max_pinned_pages_per_key, 0, 1 << 30)
+        _seconds("stream_send_timeout_s", self.stream_send_timeout_s, allow_zero=False)
+        _seconds("pin_ttl_s", self.pin_ttl_s, allow_zero=True)
+        if not all(isinstance(o, str) and "://" in o for o in self.allowed_origins):
+            raise ConfigError(f"allowed_origins must be 'scheme://host[:port]' strings, got {self.allowed_origins!r}", param="allowed_origins")
+        if not all(isinstance(h, str) and h for h in self.allowed_hosts):
+            raise ConfigError(f"allowed_hosts must be non-empty host names, got {self.allowed_hosts!r}", param="allowed_hosts")
+
+
+def _int_in(name: str, value: object, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ConfigError(f"{name} must be an integer in [{low}, {high}], got {value!r}", param=name)
+
+
+def _seconds(name: str, value: object, *, allow_zero: bool) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (value >= 0 if allow_zero else value > 0)
+    if not ok or value > 1e9:  # type: ignore[operator]
+        raise ConfigError(f"{name} must be a number of seconds {'>= 0' if allow_zero else '> 0'}, got {value!r}", param=name)

@@ -1,0 +1,52 @@
+"""API keys from a file and the environment (not only the command line, which the process list
+shows), and the SDK's HTTP backend not sending OPENAI_API_KEY to arbitrary URLs unasked."""
+
+from __future__ import annotations
+
+from radixkv.sdk import HTTPBackend
+from radixkv.server.tenants import API_KEYS_ENV, load_api_keys
+
+
+def test_keys_come_from_the_command_line_a_file_and_the_environment(tmp_path):
+    key_file = tmp_path / "keys"
+    key_file.write_text("# comment\nsk-file-1\n\n  sk-file-2  \nsk-cli\n")
+    keys = load_api_keys(["sk-cli"], key_file, {API_KEYS_ENV: "sk-env-1, sk-env-2\nsk-env-3"})
+    assert keys == ["sk-cli", "sk-file-1", "sk-file-2", "sk-env-1", "sk-env-2", "sk-env-3"]
+    assert load_api_keys(None, None, {}) == []
+
+
+def test_the_http_backend_keeps_openai_api_key_to_itself_unless_asked(monkeypatch):
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-openai-secret")
+    monkeypatch.delenv("RADIXKV_API_KEY", raising=False)
+    assert HTTPBackend("http://127.0.0.1:9").client.api_key != "sk-openai-secret"
+    assert HTTPBackend("http://127.0.0.1:9", forward_openai_api_key=True).client.api_key == "sk-openai-secret"
+    monkeypatch.setenv("RADIXKV_API_KEY", "sk-radixkv")
+    assert HTTPBackend("http://127.0.0.1:9").client.api_key == "sk-radixkv"
+    assert HTTPBackend("http://127.0.0.1:9", api_key="sk-given").client.api_key == "sk-given"
+
+
+def test_serve_options_become_server_limits():
+    import argparse
+
+    from radixkv.cli import _server_limits
+
+    args = argparse.Namespace(
+        max_body_bytes=4096, stream_send_timeout_s=5.0, max_requests_per_key=3, max_seqs_per_key=6, max_pinned_pages_per_key=0,
+        pin_ttl_s=0.0, allowed_origin=["https://app.example"], public_metrics=True,
+    )
+    limits = _server_limits(args, keyless_remote=True)
+    assert (limits.max_body_bytes, limits.stream_send_timeout_s, limits.max_requests_per_key, limits.max_seqs_per_key) == (4096, 5.0, 3, 6)
+    assert limits.max_pinned_pages_per_key == 0 and limits.pin_ttl_s == 0.0 and limits.public_metrics
+    assert limits.allowed_origins == ("https://app.example",) and limits.allowed_hosts == ("*",)
+
+
+def test_invalid_server_limits_name_the_field():
+    import pytest
+
+    from radixkv.errors import ConfigError
+    from radixkv.server.limits import ServerLimits
+
+    for bad in ({"max_body_bytes": 10}, {"stream_send_timeout_s": 0}, {"max_requests_per_key": 0}, {"allowed_origins": ("evil",)}):
+        with pytest.raises(ConfigError) as error:
+            ServerLimits(**bad)
+        assert error.value.param == next(iter(bad))
