@@ -187,3 +187,25 @@ def test_unguided_requests_beside_guided_ones_do_not_change(llm):
     assert [r.token_ids for r in mixed[: len(PROMPTS)]] == alone
     for result in mixed[len(PROMPTS) :]:
         _assert_matches(result.outputs[0], FLAT)
+
+
+@pytest.mark.parametrize("vocab", [49152, 1000])  # 1000: the last word half used
+def test_native_mask_apply_equals_xgrammars(vocab):
+    import torch
+    import xgrammar
+
+    from radixkv.cpu.native import load
+    from radixkv.engine.guide import GuideMasks
+
+    if load() is None:
+        pytest.skip("needs the native kernels (no C compiler here)")
+    generator = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(8, vocab, generator=generator)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (8, (vocab + 31) // 32), dtype=torch.int32, generator=generator)
+    bitmask[:, ::3] = 0  # whole words disallowed, and whole words allowed
+    bitmask[:, 1::5] = -1
+    rows = [0, 3, 4, 7]
+    expected = logits.clone()
+    xgrammar.apply_token_bitmask_inplace(expected, bitmask, indices=rows)
+    GuideMasks(rows, bitmask).apply(logits)
+    assert torch.equal(logits, expected)
