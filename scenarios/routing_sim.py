@@ -26,7 +26,7 @@ from pathlib import Path
 from radixkv.cache import BlockHasher, PagePool, RadixTree
 from radixkv.engine.kv_manager import KVManager
 from radixkv.engine.request import SamplingParams, SequenceState
-from radixkv.scenarios.trace_replay import _serve, block_tokens, load_trace, resolve_trace
+from radixkv.scenarios.trace_replay import block_tokens, load_trace, resolve_trace, serve_request
 
 POLICIES = ("round_robin", "least_load", "prefix_affinity", "cache_aware")
 BLOCK_TOKENS = 512  # the trace's block size
@@ -86,7 +86,7 @@ def simulate(trace, timestamps: list[float], num_replicas: int, policy: str, tot
         prompt = [token for h in hash_ids for token in block_tokens(h, page_size)] + [0]
         seq = SequenceState(number, f"r{number}", 0, prompt, params, None, 0)
         target = replicas[choose(policy, replicas, seq, hash_ids, number, load_bound)]
-        ram_hits, _ = _serve(target.kv, None, seq)
+        ram_hits, _ = serve_request(target.kv, None, seq)
         hits += ram_hits
         target.queued_tokens += (len(hash_ids) - ram_hits) * BLOCK_TOKENS
         loads = [r.queued_tokens for r in replicas]

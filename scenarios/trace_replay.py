@@ -282,7 +282,7 @@ def replay(
         prompt = [token for h in hash_ids for token in block_tokens(h, page_size)] + [0]
         seq = SequenceState(number, f"r{number}", 0, prompt, params, None, 0)
         start = time.perf_counter()
-        ram, from_disk = _serve(kv, disk, seq)
+        ram, from_disk = serve_request(kv, disk, seq)
         spent_s += time.perf_counter() - start
         ram_hits += ram
         disk_hits += from_disk
@@ -307,7 +307,7 @@ def replay(
     )
 
 
-def _serve(kv: KVManager, disk: DiskIndex | None, seq: SequenceState) -> tuple[int, int]:
+def serve_request(kv: KVManager, disk: DiskIndex | None, seq: SequenceState) -> tuple[int, int]:
     """One request through admission as the scheduler runs it (peek, check, match and lock,
     reserve), computed at once, committed and finished; returns (RAM hit, disk hit) blocks."""
     ps = kv.page_size

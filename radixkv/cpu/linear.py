@@ -86,9 +86,9 @@ class PackedLinear(nn.Module):
         weight = linear.weight.detach()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         native_ok = kernel in NATIVE_LINEAR_KERNELS and weight.dtype == torch.bfloat16 and weight.shape[1] % 32 == 0
-        self.kernel = kernel if native_ok else "onednn"
-        self.rows_independent = self.kernel != "onednn"
-        self._library = native.load() if self.rows_independent else None
+        self._library = native.load() if native_ok else None
+        self.kernel = kernel if self._library is not None else "onednn"
+        self.rows_independent = self._library is not None
         if self._library is not None:
             self.kernel_bit = NATIVE_LINEAR_KERNELS[self.kernel][0]
             packed = torch.empty(self._library.radixkv_packed_words(*weight.shape), dtype=torch.bfloat16)

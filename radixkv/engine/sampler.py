@@ -55,7 +55,8 @@ class Sampler:
         if len(filtered) == len(seqs):
             probs, order = sorted_filtered_probs(logits, [seq.params for seq in seqs])
             return order.gather(-1, self._pick(probs, seqs).unsqueeze(-1)).squeeze(-1)
-        plain = [i for i in range(len(seqs)) if i not in set(filtered)]
+        chosen = set(filtered)
+        plain = [i for i in range(len(seqs)) if i not in chosen]
         drawn = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
         for rows in (plain, filtered):
             index = torch.tensor(rows, device=logits.device)

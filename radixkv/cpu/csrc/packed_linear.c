@@ -53,6 +53,27 @@ static inline void store_sums(__m512 sums, const float *bias, uint16_t *dst, int
     _mm256_mask_storeu_epi16(dst, mask, (__m256i)_mm512_cvtneps_pbh(sums));
 }
 
+/* Weight prefetch for k-block kb of a pass over a pair (b: its tiles). ahead == NULL: this
+ * pass streams the pair, so its own tiles are requested PREFETCH_TILES ahead; else the pass
+ * reads the pair from cache and requests its share [ahead, ahead + ahead_bytes) of the next
+ * pair, ahead_step bytes per k-block. */
+static inline void prefetch_weights(const uint16_t *b, int kb, const char *ahead, int64_t ahead_step, int64_t ahead_bytes) {
+    if (ahead == NULL) {
+        for (int line = 0; line < 2 * TILE_WORDS * 2; line += 64)
+            _mm_prefetch((const char *)(b + PREFETCH_TILES * TILE_WORDS) + line, _MM_HINT_T0);
+    } else {
+        for (int64_t byte = kb * ahead_step; byte < (kb + 1) * ahead_step && byte < ahead_bytes; byte += 64)
+            _mm_prefetch(ahead + byte, _MM_HINT_T1);
+    }
+}
+
+/* Rows per group: as many as keep the group's x in L2 while every pair's weights stream past
+ * it once (each group reads all the weights again), a multiple of block rows. */
+static inline int group_rows_for(int k, int block_rows) {
+    const int fit = GROUP_X_BYTES / (k * 2) / block_rows * block_rows;
+    return fit > block_rows ? fit : block_rows;
+}
+
 #define VEC_ROWS 8 /* rows per pass of the vdpbf16ps kernel: 16 accumulators of 32 registers */
 
 /* Rows [m0, m0 + R) of y for the 32 features of pair p by vdpbf16ps. Per input pair r of a
@@ -72,13 +93,7 @@ static inline __attribute__((always_inline)) void pair_rows_avx512(
     const int64_t ahead_step = (ahead_bytes / kb_count + 63) / 64 * 64;
     for (int kb = 0; kb < kb_count; kb++) {
         const uint16_t *b = pair_tiles + (int64_t)kb * 2 * TILE_WORDS;
-        if (ahead == NULL) {
-            for (int line = 0; line < 2 * TILE_WORDS * 2; line += 64)
-                _mm_prefetch((const char *)(b + PREFETCH_TILES * TILE_WORDS) + line, _MM_HINT_T0);
-        } else {
-            for (int64_t byte = kb * ahead_step; byte < (kb + 1) * ahead_step && byte < ahead_bytes; byte += 64)
-                _mm_prefetch(ahead + byte, _MM_HINT_T1);
-        }
+        prefetch_weights(b, kb, ahead, ahead_step, ahead_bytes);
         for (int r = 0; r < 16; r++) {
             const __m512bh w0 = (__m512bh)_mm512_loadu_si512(b + r * 32);
             const __m512bh w1 = (__m512bh)_mm512_loadu_si512(b + TILE_WORDS + r * 32);
@@ -118,8 +133,7 @@ static void pair_rows_any(const uint16_t *x, int64_t x_stride, int m0, int rows,
 static void linear_avx512(const uint16_t *x, int64_t x_stride, int m, int k, const uint16_t *packed, int n,
                           const float *bias, uint16_t *y, int64_t y_stride, int num_threads) {
     const int64_t pairs = pair_count(n), pair_words = (int64_t)(k / 32) * 2 * TILE_WORDS;
-    const int fit = GROUP_X_BYTES / (k * 2) / VEC_ROWS * VEC_ROWS;
-    const int group_rows = fit > VEC_ROWS ? fit : VEC_ROWS;
+    const int group_rows = group_rows_for(k, VEC_ROWS);
 #pragma omp parallel num_threads(num_threads)
     for (int g0 = 0; g0 < m; g0 += group_rows) {
         const int group_end = m - g0 < group_rows ? m : g0 + group_rows;
@@ -177,13 +191,7 @@ static inline void pair_block(const uint16_t *x, int64_t x_stride, int m0, int r
     const int64_t ahead_step = (ahead_bytes / kb_count + 63) / 64 * 64;
     for (int kb = 0; kb < kb_count; kb++) {
         const uint16_t *b = pair_tiles + (int64_t)kb * 2 * TILE_WORDS;
-        if (ahead == NULL) {
-            for (int line = 0; line < 2 * TILE_WORDS * 2; line += 64)
-                _mm_prefetch((const char *)(b + PREFETCH_TILES * TILE_WORDS) + line, _MM_HINT_T0);
-        } else {
-            for (int64_t byte = kb * ahead_step; byte < (kb + 1) * ahead_step && byte < ahead_bytes; byte += 64)
-                _mm_prefetch(ahead + byte, _MM_HINT_T1);
-        }
+        prefetch_weights(b, kb, ahead, ahead_step, ahead_bytes);
         _tile_loadd(4, x0 + kb * 32, x_stride * 2);
         _tile_loadd(6, b, 64);
         _tile_loadd(7, b + TILE_WORDS, 64);
@@ -235,9 +243,7 @@ static int linear_amx(const uint16_t *x, int64_t x_stride, int m, int k, const u
 #pragma omp parallel num_threads(num_threads)
     {
         int configured = -1; /* rows of the tile configuration this thread has loaded */
-        /* Rows in groups whose x stays in L2 while the pairs' weights stream past it once:
-         * each group reads all the weights again, so groups are as large as L2 allows. */
-        const int group_rows = GROUP_X_BYTES / (k * 2) / ROW_BLOCK * ROW_BLOCK > ROW_BLOCK ? GROUP_X_BYTES / (k * 2) / ROW_BLOCK * ROW_BLOCK : ROW_BLOCK;
+        const int group_rows = group_rows_for(k, ROW_BLOCK);
         for (int g0 = 0; g0 < m; g0 += group_rows) {
             const int group_end = m - g0 < group_rows ? m : g0 + group_rows;
             /* Each thread takes one contiguous run of pairs: one stream through the weights. */

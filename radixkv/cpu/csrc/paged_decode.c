@@ -54,6 +54,13 @@ static inline Block block_at(const int32_t *pages, int t, int end, const Shape *
     return block;
 }
 
+/* The blocks of keys [begin, end) into blocks[]; returns how many. */
+static inline int chunk_blocks(const int32_t *pages, int begin, int end, const Shape *sh, Block *blocks) {
+    int num_blocks = 0;
+    for (int t = begin; t < end; t += blocks[num_blocks - 1].n) blocks[num_blocks++] = block_at(pages, t, end, sh);
+    return num_blocks;
+}
+
 /* The item a thread runs after this one: its KV is requested while this one computes. */
 typedef struct {
     const int32_t *pages; /* NULL: none */
@@ -296,8 +303,22 @@ static inline void prefetch_step(Prefetcher *p) {
     }
 }
 
-/* Instances of the items below take these arguments; head_dim and group come as constants. */
+/* The items below run as instances with head_dim and group as constants, so the compiler
+ * unrolls the chunk loops and keeps q and the accumulators in registers; other shapes run the
+ * general instance. GROUP_CASES(IMPL, D) returns from the caller after the instance for its
+ * group, if there is one. */
 #define ITEM_ARGS q_row, k, v, pages, begin, end, sh, states, next
+#define GROUP_CASES(IMPL, D)                             \
+    switch (sh->group) {                                 \
+        case 1: IMPL(ITEM_ARGS, D, 1); return;           \
+        case 2: IMPL(ITEM_ARGS, D, 2); return;           \
+        case 3: IMPL(ITEM_ARGS, D, 3); return;           \
+        case 4: IMPL(ITEM_ARGS, D, 4); return;           \
+        case 5: IMPL(ITEM_ARGS, D, 5); return;           \
+        case 6: IMPL(ITEM_ARGS, D, 6); return;           \
+        case 7: IMPL(ITEM_ARGS, D, 7); return;           \
+        case 8: IMPL(ITEM_ARGS, D, 8); return;           \
+    }
 
 #ifdef HAVE_AVX512_BF16
 /* The bf16 item with AVX-512, one kv head at a time, in three passes over the chunk: q.k for
@@ -312,8 +333,7 @@ static inline __attribute__((always_inline)) void item_bf16_avx512_impl(
     const int H = sh->num_kv_heads, n = end - begin;
     const int64_t token_stride = (int64_t)H * D;
     Block blocks[CHUNK_TOKENS];
-    int num_blocks = 0;
-    for (int t = begin; t < end; t += blocks[num_blocks - 1].n) blocks[num_blocks++] = block_at(pages, t, end, sh);
+    const int num_blocks = chunk_blocks(pages, begin, end, sh, blocks);
     float s[MAX_GROUP * SCORE_STRIDE] __attribute__((aligned(64)));
     Prefetcher prefetcher;
     prefetcher_init(&prefetcher, next, sh, (const char *)k, (const char *)v, 2, 2 * H * num_blocks);
@@ -380,26 +400,12 @@ static inline __attribute__((always_inline)) void item_bf16_avx512_impl(
     }
 }
 
-/* Instances with head_dim and group as constants, so the compiler unrolls the chunk loops and
- * keeps q and the accumulators in registers; other shapes run the general instance. */
-#define GROUP_CASES(D)                                                   \
-    switch (sh->group) {                                                 \
-        case 1: item_bf16_avx512_impl(ITEM_ARGS, D, 1); return;          \
-        case 2: item_bf16_avx512_impl(ITEM_ARGS, D, 2); return;          \
-        case 3: item_bf16_avx512_impl(ITEM_ARGS, D, 3); return;          \
-        case 4: item_bf16_avx512_impl(ITEM_ARGS, D, 4); return;          \
-        case 5: item_bf16_avx512_impl(ITEM_ARGS, D, 5); return;          \
-        case 6: item_bf16_avx512_impl(ITEM_ARGS, D, 6); return;          \
-        case 7: item_bf16_avx512_impl(ITEM_ARGS, D, 7); return;          \
-        case 8: item_bf16_avx512_impl(ITEM_ARGS, D, 8); return;          \
-    }
 static void item_bf16_avx512(const uint16_t *q_row, const uint16_t *k, const uint16_t *v, const int32_t *pages,
                              int begin, int end, const Shape *sh, float *states, const NextItem *next) {
-    if (sh->head_dim == 64) GROUP_CASES(64)
-    if (sh->head_dim == 128) GROUP_CASES(128)
+    if (sh->head_dim == 64) GROUP_CASES(item_bf16_avx512_impl, 64)
+    if (sh->head_dim == 128) GROUP_CASES(item_bf16_avx512_impl, 128)
     item_bf16_avx512_impl(ITEM_ARGS, sh->head_dim, sh->group);
 }
-#undef GROUP_CASES
 #endif
 
 /* The fp32 item with AVX-512: the bf16 item's three passes with fp32 FMAs. q.k sums each key's
@@ -411,8 +417,7 @@ static inline __attribute__((always_inline)) void item_f32_avx512_impl(
     const int H = sh->num_kv_heads, n = end - begin;
     const int64_t token_stride = (int64_t)H * D;
     Block blocks[CHUNK_TOKENS];
-    int num_blocks = 0;
-    for (int t = begin; t < end; t += blocks[num_blocks - 1].n) blocks[num_blocks++] = block_at(pages, t, end, sh);
+    const int num_blocks = chunk_blocks(pages, begin, end, sh, blocks);
     float s[MAX_GROUP * SCORE_STRIDE] __attribute__((aligned(64)));
     Prefetcher prefetcher;
     prefetcher_init(&prefetcher, next, sh, (const char *)k, (const char *)v, 4, 2 * H * num_blocks);
@@ -464,24 +469,12 @@ static inline __attribute__((always_inline)) void item_f32_avx512_impl(
     }
 }
 
-#define GROUP_CASES(D)                                                  \
-    switch (sh->group) {                                                \
-        case 1: item_f32_avx512_impl(ITEM_ARGS, D, 1); return;          \
-        case 2: item_f32_avx512_impl(ITEM_ARGS, D, 2); return;          \
-        case 3: item_f32_avx512_impl(ITEM_ARGS, D, 3); return;          \
-        case 4: item_f32_avx512_impl(ITEM_ARGS, D, 4); return;          \
-        case 5: item_f32_avx512_impl(ITEM_ARGS, D, 5); return;          \
-        case 6: item_f32_avx512_impl(ITEM_ARGS, D, 6); return;          \
-        case 7: item_f32_avx512_impl(ITEM_ARGS, D, 7); return;          \
-        case 8: item_f32_avx512_impl(ITEM_ARGS, D, 8); return;          \
-    }
 static void item_f32_avx512(const float *q_row, const float *k, const float *v, const int32_t *pages, int begin,
                             int end, const Shape *sh, float *states, const NextItem *next) {
-    if (sh->head_dim == 64) GROUP_CASES(64)
-    if (sh->head_dim == 128) GROUP_CASES(128)
+    if (sh->head_dim == 64) GROUP_CASES(item_f32_avx512_impl, 64)
+    if (sh->head_dim == 128) GROUP_CASES(item_f32_avx512_impl, 128)
     item_f32_avx512_impl(ITEM_ARGS, sh->head_dim, sh->group);
 }
-#undef GROUP_CASES
 #endif
 
 /* The bf16 item: the AVX-512 one where the CPU and head_dim allow, else the portable one. */
