@@ -5,7 +5,6 @@ streaming, text.format, bad input as 400s in OpenAI's shape."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 from collections.abc import Iterator
 from typing import Literal
@@ -28,9 +27,6 @@ WEATHER = {
     },
     "strict": True,
 }
-# JSON guides are enforced by the engine's grammar (radixkv/engine/guide.py, issue 14's "guide"
-# part); without it neither schemas nor forced tool calls on a random tiny model can hold.
-needs_guide = pytest.mark.skipif(importlib.util.find_spec("radixkv.engine.guide") is None, reason="the engine has no JSON guides yet")
 LONG_INPUT = "The quick brown fox jumps over the lazy dog. " * 6
 
 
@@ -151,7 +147,6 @@ def test_store_bound_and_expiry():
     assert store.get("resp_2", "tenant") is None and len(store) == 0
 
 
-@needs_guide
 def test_text_format_json_schema(live_server):
     # Bounded values only: a random tiny model fills free strings until max_output_tokens.
     schema = {
@@ -175,11 +170,7 @@ def test_text_format_json_schema(live_server):
         ({"input": "hi", "previous_response_id": "resp_unknown"}, "previous_response_id"),
         ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools.0"),
         ({"input": "hi", "tools": [WEATHER], "tool_choice": {"type": "function", "name": "other"}}, "tool_choice"),
-        pytest.param(
-            {"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": 7}}}},
-            "text.format.schema",
-            marks=needs_guide,
-        ),
+        ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": 7}}}}, "text.format.schema"),
         ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
         ({"input": "hi", "temperature": -1}, "temperature"),
     ],
@@ -235,7 +226,6 @@ def _agent_run(base_url: str, streamed: bool) -> tuple[list[dict], object]:
     return calls, asyncio.run(run())
 
 
-@needs_guide
 @pytest.mark.parametrize("streamed", [False, True], ids=["run", "run_streamed"])
 def test_agents_sdk_runs_a_function_tool(live_server, streamed):
     calls, result = _agent_run(live_server.base_url, streamed)
