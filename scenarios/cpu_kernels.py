@@ -28,6 +28,7 @@ from radixkv.cpu import decode as cpu_decode
 from radixkv.cpu import native
 from radixkv.cpu.features import cpu_features
 from radixkv.cpu.linear import PACK_FOR_ROWS, PackedLinear, available_linear_kernels
+from radixkv.scenarios.machine import machine_limits
 
 LINEAR_SHAPES = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576)}
 LM_HEAD = (576, 49152)
@@ -141,14 +142,16 @@ def main(argv: list[str] | None = None) -> int:
     rows = linear_rows(args.repeats, flush, args.layers)
     for dtype in (BF16, torch.float32):
         rows += decode_rows(args.repeats, flush, args.layers, args.context, dtype)
-    print(f"\n{cpu_features().model_name}, {torch.get_num_threads()} threads")
+    limits = machine_limits(BF16)
+    print(f"\n{limits['cpu']}, {limits['torch_threads']} threads: read {limits['read_bandwidth_gb_s']:.1f} GB/s, "
+          f"bf16 matmul {limits['matmul_gflops']:.0f} GFLOP/s (measured in this run)")  # fmt: skip
     print(f"\n{'part':<26} {'case':<18} {'peer':<21} {'ms':>8} {'GB/s':>6} {'x radixkv':>9}")
     print("-" * 93)
     for r in rows:
         print(f"{r['part']:<26} {r['case']:<18} {r['peer']:<21} {r['ms']:8.2f} {r['gb_s']:6.1f} {r['x_radixkv']:9.2f}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "cpu_kernels.json").write_text(json.dumps(dict(threads=torch.get_num_threads(), rows=rows), indent=2))
+    (out / "cpu_kernels.json").write_text(json.dumps(dict(**limits, rows=rows), indent=2))
     _plot(rows, out / "cpu_kernels.png")
     print(f"\nwrote {out / 'cpu_kernels.json'} and {out / 'cpu_kernels.png'}")
     return 0
