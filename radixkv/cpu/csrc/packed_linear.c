@@ -56,8 +56,9 @@ static inline void store_sums(__m512 sums, const float *bias, uint16_t *dst, int
 /* Weight prefetch for k-block kb of a pass over a pair (b: its tiles). ahead == NULL: this
  * pass streams the pair, so its own tiles are requested PREFETCH_TILES ahead; else the pass
  * reads the pair from cache and requests its share [ahead, ahead + ahead_bytes) of the next
- * pair, ahead_step bytes per k-block. */
-static inline void prefetch_weights(const uint16_t *b, int kb, const char *ahead, int64_t ahead_step, int64_t ahead_bytes) {
+ * pair, ahead_step bytes per k-block. Always inlined: a call inside the k-loop would spill
+ * the accumulators (every vector register is caller-saved). */
+static inline __attribute__((always_inline)) void prefetch_weights(const uint16_t *b, int kb, const char *ahead, int64_t ahead_step, int64_t ahead_bytes) {
     if (ahead == NULL) {
         for (int line = 0; line < 2 * TILE_WORDS * 2; line += 64)
             _mm_prefetch((const char *)(b + PREFETCH_TILES * TILE_WORDS) + line, _MM_HINT_T0);
