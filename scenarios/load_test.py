@@ -174,7 +174,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--check-invariants", action="store_true", help="engine checks its pages every step (slow)")
     parser.add_argument("--abuse", action="store_true", help="run again beside slow readers, oversized bodies and a flooding key")
     parser.add_argument("--well-keys", type=int, default=3, help="well-behaved API keys the requests are spread over")
-    parser.add_argument("--flood-concurrency", type=int, default=32, help="requests the flooding key keeps in flight")
+    parser.add_argument("--flood-concurrency", type=int, default=160, help="requests the flooding key keeps in flight (past its share: see share in main)")
     parser.add_argument("--slow-readers", type=int, default=4, help="streaming clients that never read their answer")
     parser.add_argument("--slow-reader-tokens", type=int, default=256, help="max_tokens of each slow reader's request")
     parser.add_argument("--oversized", type=int, default=8, help="requests with a body past the server's limit")
@@ -576,8 +576,11 @@ def main(argv: list[str] | None = None) -> int:
     abuser_key = "sk-abuse-" + secrets.token_hex(8)
     jobs = build_jobs(args, engine.tokenizer, model_name)
     async_engine = AsyncEngine(engine)
-    # Each well-behaved key may keep all its clients busy; the flooding key gets the same share.
-    share = -(-args.clients // args.well_keys) + 2
+    # A well-behaved key's cap must not bind on well-behaved traffic: clients take jobs from one
+    # queue, so every client may be on one key at once, and a client that left may already be
+    # on its next request while the server is still aborting the last. The flooding key gets
+    # the same share, and floods past it.
+    share = args.clients * (2 if args.disconnect_fraction > 0 else 1)
     limits = ServerLimits(
         max_body_bytes=args.max_body_bytes, stream_send_timeout_s=args.stream_send_timeout_s, max_requests_per_key=share
     )
