@@ -50,9 +50,11 @@ class EngineConfig:
     # in different orders, so some bf16 bits differ). One setting per process: the native
     # library holds it, and the CPU backend applies this value when it is built.
     decode_amx: bool = True
-    # Decode reads a shared cached prefix from memory once per step, not once per request: the
-    # CPU kernel runs the requests' work over the same pages back to back, so all but the first
-    # read it from cache. Outputs are bit-identical either way; False keeps the natural order.
+    # Cascade decode (CPU backend): requests that share a cached prefix of at least 64 tokens
+    # read its KV once per step as a group (q.k and p.v as small matrix products), merged by
+    # log-sum-exp with each request's own suffix. Outputs equal plain decode's up to summation
+    # order; batch-invariant steps never group (a group depends on the batch). False: each
+    # request reads all its KV itself.
     share_decode_reads: bool = True
     # bf16 linears on CPU: "amx" (tiles), "avx512_bf16" (vdpbf16ps; any CPU with AVX512_BF16,
     # AMX machines included, so either machine tests the other's path) or "onednn" (torch's

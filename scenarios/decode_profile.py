@@ -6,8 +6,9 @@ this machine's read bandwidth, and the step's flops at its matmul rate in the st
     python -m radixkv.scenarios.decode_profile --shared-prefix 1024 [--group-sizes 1,2,4,8,16,32]
 
 --shared-prefix N: the requests share N-token prefixes in groups (2 groups of 16 by default)
-with --own-tokens of their own each, timed with EngineConfig.share_decode_reads on and off in
-the same run, and the step time against the group size.
+with --own-tokens of their own each, timed with cascade decode (EngineConfig.share_decode_reads)
+on and off in the same run: step time, attention time, KV read per step against the unique KV,
+and the step time against the group size.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ def profile_decode(
     group_size: int = 1,
     share_reads: bool = True,
     quiet: bool = False,
+    breakdown: bool | None = None,
     llm=None,
     limits: dict | None = None,
 ) -> dict:
@@ -78,7 +80,7 @@ def profile_decode(
     kv_read = engine.counters.num_kv_tokens_read - reads_before[0]
     kv_shared = engine.counters.num_kv_tokens_read_shared - reads_before[1]
     phases = {name: seconds / steps for name, seconds in asdict(engine.step_times).items()}
-    breakdown = {} if quiet else kernel_breakdown(engine, steps)
+    breakdown = kernel_breakdown(engine, steps) if (not quiet if breakdown is None else breakdown) else {}
     for request_id in list(engine._requests):
         engine.abort(request_id)
 
@@ -103,6 +105,9 @@ def profile_decode(
         share_reads=share_reads,
         kv_tokens_read_per_step=kv_read / steps,
         kv_tokens_shared_per_step=kv_shared / steps,
+        # What the kernel reads from the pool per step: a group's prefix once, not per member.
+        kv_tokens_fetched_per_step=(kv_read - kv_shared) / steps,
+        kv_tokens_unique_per_step=distinct_tokens,
         dtype=str(engine.dtype),
         step_ms=step_s * 1e3,
         phases_ms={k: v * 1e3 for k, v in phases.items()},
@@ -252,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def shared_prefix_main(args, out: Path) -> int:
-    """Shared reads on and off, same requests, same run; then step time against group size."""
+    """Cascade decode on and off, same requests, same run; then step time against group size."""
     from radixkv import LLM
 
     context = args.shared_prefix + args.own_tokens
@@ -260,7 +265,7 @@ def shared_prefix_main(args, out: Path) -> int:
     llm = LLM(args.model, dtype=args.dtype, num_pages=pages, max_num_seqs=args.num_seqs, max_batch_tokens=4096)
     common = dict(num_seqs=args.num_seqs, context=context, steps=args.steps, shared_prefix=args.shared_prefix, quiet=True,
                   llm=llm, limits=machine_limits(llm.engine.dtype))  # fmt: skip
-    runs = {share: profile_decode(**common, group_size=args.group_size, share_reads=share) for share in (True, False)}
+    runs = {share: profile_decode(**common, group_size=args.group_size, share_reads=share, breakdown=True) for share in (True, False)}
     sweep = [
         {share: profile_decode(**common, group_size=size, share_reads=share) for share in (True, False)}
         for size in (int(s) for s in args.group_sizes.split(","))
@@ -269,11 +274,15 @@ def shared_prefix_main(args, out: Path) -> int:
     print(f"\ndecode step, {args.num_seqs} requests in groups of {args.group_size} over a {args.shared_prefix}-token shared "
           f"prefix + {args.own_tokens} own tokens ({on['dtype']}) on {on['cpu']}")  # fmt: skip
     print(f"  read {on['read_bandwidth_gb_s']:.1f} GB/s, {on['matmul_dtype']} matmul {on['matmul_gflops']:.0f} GFLOP/s")
-    print(f"  {'shared reads':<14}{'step ms':>9}{'KV read/step':>14}{'of it shared':>14}{'x bound':>9}")
+    print(f"  {'cascade':<9}{'step ms':>9}{'attention ms':>14}{'KV fetched/step':>17}{'/ unique KV':>13}{'x bound':>9}")
+    attention = "attention (paged decode)"
     for name, r in (("on", on), ("off", off)):
-        share = r["kv_tokens_shared_per_step"] / r["kv_tokens_read_per_step"] if r["kv_tokens_read_per_step"] else 0.0
-        print(f"  {name:<14}{r['step_ms']:>9.1f}{r['kv_tokens_read_per_step']:>14.0f}{share:>14.0%}{r['step_over_ideal']:>9.2f}")
-    print(f"  off / on: {off['step_ms'] / on['step_ms']:.2f}x; bound (unique KV read once) {on['ideal_ms']:.1f} ms ({on['bound_by']})")
+        fetched = r["kv_tokens_fetched_per_step"]
+        print(f"  {name:<9}{r['step_ms']:>9.1f}{r['breakdown_ms'][attention]:>14.1f}{fetched:>17.0f}"
+              f"{fetched / r['kv_tokens_unique_per_step']:>13.2f}{r['step_over_ideal']:>9.2f}")  # fmt: skip
+    print(f"  off / on: step {off['step_ms'] / on['step_ms']:.2f}x, attention "
+          f"{off['breakdown_ms'][attention] / on['breakdown_ms'][attention]:.2f}x; "
+          f"bound (unique KV read once) {on['ideal_ms']:.1f} ms ({on['bound_by']})")  # fmt: skip
     print(f"\n  {'group size':<12}{'on ms':>9}{'off ms':>9}{'off/on':>8}")
     for size, pair in zip(args.group_sizes.split(","), sweep, strict=True):
         print(f"  {size:<12}{pair[True]['step_ms']:>9.1f}{pair[False]['step_ms']:>9.1f}{pair[False]['step_ms'] / pair[True]['step_ms']:>8.2f}")
@@ -292,7 +301,7 @@ def _plot_sweep(sweep: list[dict], path: Path) -> None:
 
     sizes = [pair[True]["group_size"] for pair in sweep]
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(sizes, [p[True]["step_ms"] for p in sweep], "o-", label="shared reads on")
+    ax.plot(sizes, [p[True]["step_ms"] for p in sweep], "o-", label="cascade on")
     ax.plot(sizes, [p[False]["step_ms"] for p in sweep], "s--", label="off")
     ax.plot(sizes, [p[True]["ideal_ms"] for p in sweep], ":", color="gray", label="bound (unique KV once)")
     ax.set_xscale("log", base=2)

@@ -1,6 +1,6 @@
 """Runs one workload on one engine in a fresh subprocess and measures it the same way for all.
 
-Peers: radixkv, radixkv-nocache, radixkv-noshare (the cache on, decode's shared reads off),
+Peers: radixkv, radixkv-nocache, radixkv-noshare (the cache on, cascade decode off),
 hf-generate (transformers `generate`, one request at a time),
 hf-batch (transformers `generate_batch`, continuous batching with block sharing), llama.cpp
 (llama-cpp-python with its RAM prompt cache, when installed). Every request arrives at t0;

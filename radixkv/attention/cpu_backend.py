@@ -29,8 +29,9 @@ class DecodeRows:
 
 @dataclass(frozen=True, slots=True)
 class KVReads:
-    """The KV a decode step reads through the kernel, in tokens summed over requests, and how
-    many of those were a shared prefix's, read again from cache after its first reader."""
+    """The KV a decode step's requests attend to through the kernel, in tokens summed over
+    requests, and how many of those a group read once for all its members (cascade decode)
+    instead of each member reading them itself."""
 
     tokens: int
     shared_tokens: int
@@ -46,7 +47,7 @@ class CPUStepState:
     decode_rows: DecodeRows | None  # mixed steps with one-token requests
     row_by_row: RowByRow | None  # batch-invariant steps
     reference: TorchStepState | None  # where the kernel cannot take the tensors
-    order: torch.Tensor | None = None  # decode items with shared pages back to back (share_reads)
+    plan: torch.Tensor | None = None  # cascade decode's groups (share_reads), None: no groups
     kv_reads: KVReads | None = None  # decode-only steps through the kernel
 
 
@@ -55,8 +56,8 @@ class CPUBackend(AttentionBackend):
     capabilities = BackendCapabilities(batch_invariant=True, fused_cpu_decode=True)
 
     def __init__(self, decode_amx: bool = True, share_reads: bool = True) -> None:
-        """share_reads: run the decode items of requests sharing a prefix's pages back to back,
-        so the prefix is read from memory once per step (EngineConfig.share_decode_reads)."""
+        """share_reads: cascade decode, where requests that share a cached prefix read its pages
+        once per step for the whole group (EngineConfig.share_decode_reads)."""
         library = load()
         if library is None:
             raise RuntimeError("the CPU backend needs radixkv's native library, which could not be built here")
@@ -82,9 +83,11 @@ class CPUBackend(AttentionBackend):
             decode.check_tables(row_by_row.page_table, row_by_row.seq_lens, None, num_tokens, num_pages, page_size)
         elif meta.is_decode_only:
             decode.check_tables(page_table, seq_lens, None, num_tokens, num_pages, page_size)
-            order, shared = decode.share_order(page_table, seq_lens, page_size) if self.share_reads else (None, 0)
-            reads = KVReads(sum(meta.seq_lens_list), shared)
-            return CPUStepState(True, page_table, seq_lens, None, None, None, order, reads)
+            # A batch-invariant step keeps every row on its own: grouping depends on the batch.
+            cascade = self.share_reads and not meta.batch_invariant
+            plan = decode.cascade_plan(page_table, seq_lens, page_size) if cascade else decode.CascadePlan(None, 0)
+            reads = KVReads(sum(meta.seq_lens_list), plan.saved_tokens)
+            return CPUStepState(True, page_table, seq_lens, None, None, None, plan.plan, reads)
         else:
             requests = torch.tensor([b for b, q_len in enumerate(meta.q_lens_list) if q_len == 1], dtype=torch.long)
             if len(requests):
@@ -145,7 +148,7 @@ class CPUBackend(AttentionBackend):
             return torch_backend.reference_decode(q, k_cache, v_cache, meta, state.reference, scale)
         # Rows are independent in the kernel, so batch-invariant decode steps take it too.
         return decode.paged_decode(
-            _rows_side_by_side(q), k_cache, v_cache, state.page_table, state.seq_lens, scale, check=False, order=state.order
+            _rows_side_by_side(q), k_cache, v_cache, state.page_table, state.seq_lens, scale, check=False, plan=state.plan
         )
 
 

@@ -84,7 +84,7 @@ def paged_decode(
     rows: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     check: bool = True,
-    order: torch.Tensor | None = None,
+    plan: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query per request over its paged KV, without copying the KV.
 
@@ -92,8 +92,8 @@ def paged_decode(
     [B] int32; rows: [B] int32, the q/out row of each request (None: row b). Returns out
     [R, num_q_heads, head_dim], contiguous; rows no request names are left as they were.
     check=False skips every check, for a caller that ran check_tables on these same tables
-    (the CPU backend, once per step) and built out itself. order: the items' order from
-    share_order for these same tables (None: the natural order); the output is the same.
+    (the CPU backend, once per step) and built out itself. plan: cascade_plan's groups for these
+    same tables (None: every request reads all its keys itself).
     """
     library = load()
     assert library is not None, "call supports() first"
@@ -109,16 +109,16 @@ def paged_decode(
     if check:
         check_buffers(q, k_cache, v_cache, out)
         check_tables(page_table, seq_lens, rows, q.shape[0], k_cache.shape[0], page_size)
-    work_floats = library.radixkv_decode_work_floats(seq_lens.data_ptr(), num_seqs, num_q_heads, head_dim)
-    work = torch.empty(max(work_floats, 1), dtype=torch.float32)
-    first_chunk = torch.empty(max(num_seqs, 1), dtype=torch.int64)
+    plan_pointer = plan.data_ptr() if plan is not None else None
+    work = torch.empty(max(work_floats(seq_lens, plan, num_q_heads, head_dim), 1), dtype=torch.float32)
     status = getattr(library, _FUNCTIONS[q.dtype])(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
         page_table.data_ptr(), page_table.stride(0), seq_lens.data_ptr(),
         rows.data_ptr() if rows is not None else None, num_seqs, num_q_heads, num_kv_heads, head_dim,
-        page_size, scale, out.data_ptr(), work.data_ptr(), first_chunk.data_ptr(),
-        order.data_ptr() if order is not None else None, torch.get_num_threads(),
+        page_size, scale, out.data_ptr(), work.data_ptr(), plan_pointer, torch.get_num_threads(),
     )  # fmt: skip
+    if status == 2:
+        raise MemoryError("paged decode could not allocate its work item tables")
     if status != 0:
         limit = limits()
         raise ValueError(
@@ -128,17 +128,40 @@ def paged_decode(
     return out
 
 
-def share_order(page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int) -> tuple[torch.Tensor, int]:
-    """The kernel's items reordered so that requests' items over the same pages (a shared cached
-    prefix) run back to back, and the KV tokens those repeats read: the first reads the prefix
-    from memory, the rest from cache (radixkv_decode_share_order). Tables as paged_decode takes
-    them, already checked."""
+def work_floats(seq_lens: torch.Tensor, plan: torch.Tensor | None, num_q_heads: int, head_dim: int) -> int:
+    """Floats of softmax state the kernel needs for these lengths and plan."""
+    plan_pointer = plan.data_ptr() if plan is not None else None
+    return load().radixkv_decode_work_floats(seq_lens.data_ptr(), seq_lens.shape[0], plan_pointer, num_q_heads, head_dim)
+
+
+# Requests sharing fewer cached tokens than this decode on their own: below it a shared item's
+# set-up (transposing its keys, one more state to merge) outweighs the reads it saves
+# (scenarios/cpu_kernels.py measures the break-even).
+MIN_SHARED_TOKENS = 64
+
+
+@dataclass(frozen=True, slots=True)
+class CascadePlan:
+    """Which requests decode their shared cached prefix together this step (the kernel's int32
+    plan buffer, None where nobody shares), and the KV tokens that saves reading."""
+
+    plan: torch.Tensor | None
+    saved_tokens: int
+
+
+def cascade_plan(page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int, min_shared_tokens: int = MIN_SHARED_TOKENS) -> CascadePlan:
+    """Groups requests by the deepest cached prefix they share (equal page ids: the same radix
+    tree blocks), choosing the grouping that saves the most reads (radixkv_cascade_plan).
+    Tables as paged_decode takes them, already checked."""
     library = load()
-    order = torch.empty(max(library.radixkv_decode_num_items(seq_lens.data_ptr(), seq_lens.shape[0]), 1), dtype=torch.int32)
-    shared = library.radixkv_decode_share_order(
-        page_table.data_ptr(), page_table.stride(0), seq_lens.data_ptr(), seq_lens.shape[0], page_size, order.data_ptr()
+    num_seqs = seq_lens.shape[0]
+    plan = torch.empty(library.radixkv_cascade_plan_ints(num_seqs), dtype=torch.int32)
+    saved = library.radixkv_cascade_plan(
+        page_table.data_ptr(), page_table.stride(0), seq_lens.data_ptr(), num_seqs, page_size, min_shared_tokens, plan.data_ptr()
     )
-    return order, int(shared)
+    if saved < 0:
+        raise MemoryError("cascade planning could not allocate its sort buffers")
+    return CascadePlan(plan if int(plan[0]) > 0 else None, int(saved))
 
 
 def check_buffers(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor) -> None:

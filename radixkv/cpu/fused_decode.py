@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from radixkv.attention.base import AttentionMetadata
-from radixkv.cpu import native
+from radixkv.cpu import decode, native
 from radixkv.cpu.linear import PackedLinear
 
 _p = ctypes.c_void_p
@@ -36,7 +36,7 @@ class _Shape(ctypes.Structure):
 
 
 class _Scratch(ctypes.Structure):
-    _fields_ = [(name, _p) for name in ("h", "qkv", "attention", "projected", "gate_up", "activated", "work", "first_chunk")]
+    _fields_ = [(name, _p) for name in ("h", "qkv", "attention", "projected", "gate_up", "activated", "work")]
 
 
 def _linears(layer: torch.nn.Module) -> tuple[object, ...]:
@@ -91,10 +91,8 @@ class FusedDecode:
         widths = dict(h=config.hidden_size, qkv=q_size + 2 * kv_size, attention=q_size, projected=config.hidden_size,
                       gate_up=2 * config.intermediate_size, activated=config.intermediate_size)  # fmt: skip
         buffers = {name: torch.empty(rows, width, dtype=torch.bfloat16) for name, width in widths.items()}
-        work_floats = self.library.radixkv_decode_work_floats(seq_lens.data_ptr(), rows, config.num_q_heads, config.head_dim)
-        work = torch.empty(max(work_floats, 1), dtype=torch.float32)
-        first_chunk = torch.empty(max(rows, 1), dtype=torch.int64)
-        scratch = _Scratch(**{name: t.data_ptr() for name, t in buffers.items()}, work=work.data_ptr(), first_chunk=first_chunk.data_ptr())
+        work = torch.empty(max(decode.work_floats(seq_lens, state.plan, config.num_q_heads, config.head_dim), 1), dtype=torch.float32)
+        scratch = _Scratch(**{name: t.data_ptr() for name, t in buffers.items()}, work=work.data_ptr())
         shape = _Shape(
             rows=rows, hidden=config.hidden_size, intermediate=config.intermediate_size, num_q_heads=config.num_q_heads,
             num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, page_size=k_caches[0].shape[1],
@@ -107,7 +105,7 @@ class FusedDecode:
             ctypes.addressof(layers), len(self.layers), 1, ctypes.addressof(shape), ctypes.addressof(scratch),
             x.data_ptr(), delta.data_ptr(),
             cos.contiguous().data_ptr(), sin.contiguous().data_ptr(), slots.data_ptr(), page_table.data_ptr(),
-            page_table.stride(0), seq_lens.data_ptr(), _pointer(state.order),
+            page_table.stride(0), seq_lens.data_ptr(), _pointer(state.plan),
         )  # fmt: skip
         if status != 0:
             raise RuntimeError("the fused decode kernels refused this model's shapes")

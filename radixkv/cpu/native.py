@@ -25,8 +25,8 @@ from radixkv.cpu.features import cpu_features
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "paged_decode.c", CSRC / "row_ops.c", CSRC / "packed_linear.c", CSRC / "decode_layers.c", CSRC / "token_mask.c")
-HEADERS = (CSRC / "bf16.h", CSRC / "amx.h", CSRC / "kernels.h")
+SOURCES = (CSRC / "paged_decode.c", CSRC / "cascade.c", CSRC / "row_ops.c", CSRC / "packed_linear.c", CSRC / "decode_layers.c", CSRC / "token_mask.c")
+HEADERS = (CSRC / "bf16.h", CSRC / "amx.h", CSRC / "decode.h", CSRC / "kernels.h")
 COMPILE_FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 
 _lock = threading.Lock()
@@ -103,11 +103,11 @@ def _build(compiler: str, target: Path) -> None:
 def _declare(library: ctypes.CDLL) -> None:
     p, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
     signatures = {
-        "radixkv_paged_decode_bf16": [p, i64, p, p, p, i64, p, p, i32, i32, i32, i32, i32, f32, p, p, p, p, i32],
-        "radixkv_paged_decode_f32": [p, i64, p, p, p, i64, p, p, i32, i32, i32, i32, i32, f32, p, p, p, p, i32],
-        "radixkv_decode_share_order": [p, i64, p, i32, i32, p],
-        "radixkv_decode_num_items": [p, i32],
-        "radixkv_decode_work_floats": [p, i32, i32, i32],
+        "radixkv_paged_decode_bf16": [p, i64, p, p, p, i64, p, p, i32, i32, i32, i32, i32, f32, p, p, p, i32],
+        "radixkv_paged_decode_f32": [p, i64, p, p, p, i64, p, p, i32, i32, i32, i32, i32, f32, p, p, p, i32],
+        "radixkv_cascade_plan": [p, i64, p, i32, i32, i32, p],
+        "radixkv_cascade_plan_ints": [i32],
+        "radixkv_decode_work_floats": [p, i32, p, i32, i32],
         "radixkv_decode_use_amx": [i32],
         "radixkv_decode_limits": [p, p],
         "radixkv_store_kv": [p, p, p, p, i64, i64, p, i32, i64],
@@ -125,8 +125,8 @@ def _declare(library: ctypes.CDLL) -> None:
         "radixkv_paged_decode_bf16": i32,
         "radixkv_paged_decode_f32": i32,
         "radixkv_decode_work_floats": i64,
-        "radixkv_decode_share_order": i64,
-        "radixkv_decode_num_items": i64,
+        "radixkv_cascade_plan": i64,
+        "radixkv_cascade_plan_ints": i64,
         "radixkv_decode_use_amx": i32,
         "radixkv_linear_kernels": i32,
         "radixkv_packed_words": i64,

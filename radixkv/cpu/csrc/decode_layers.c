@@ -27,18 +27,17 @@ typedef struct {
  * projected (hidden), gate_up (2 intermediate), activated (intermediate). */
 typedef struct {
     uint16_t *h, *qkv, *attention, *projected, *gate_up, *activated;
-    float *work;          /* radixkv_decode_work_floats floats */
-    int64_t *first_chunk; /* rows int64 */
+    float *work; /* radixkv_decode_work_floats floats */
 } DecodeScratch;
 
 /* x [rows][hidden]: the residual stream, updated in place; delta [rows][hidden]: the MLP output
  * of the layer before the first one run here (ignored when first_layer is 1), replaced by the
- * last layer's. order: the decode items' order (radixkv_decode_share_order), or NULL. Returns 0,
+ * last layer's. plan: the step's cascade plan (radixkv_cascade_plan), or NULL. Returns 0,
  * or 1 where a kernel refused its shapes. */
 int radixkv_decode_layers_bf16(const DecodeLayer *layers, int num_layers, int first_layer, const DecodeShape *sh,
                                const DecodeScratch *scratch, uint16_t *x, uint16_t *delta, const uint16_t *cos,
                                const uint16_t *signed_sin, const int64_t *slots, const int32_t *page_table,
-                               int64_t page_table_stride, const int32_t *seq_lens, const int32_t *order) {
+                               int64_t page_table_stride, const int32_t *seq_lens, const int32_t *plan) {
     const int rows = sh->rows, threads = sh->num_threads, hidden = sh->hidden, inter = sh->intermediate;
     const int q_size = sh->num_q_heads * sh->head_dim, kv_size = sh->num_kv_heads * sh->head_dim;
     const int qkv_size = q_size + 2 * kv_size;
@@ -56,8 +55,8 @@ int radixkv_decode_layers_bf16(const DecodeLayer *layers, int num_layers, int fi
                          (int64_t)qkv_size * 2, (int64_t)qkv_size * 2, slots, rows, (int64_t)kv_size * 2);
         if (radixkv_paged_decode_bf16(scratch->qkv, qkv_size, layer->k_cache, layer->v_cache, page_table,
                                       page_table_stride, seq_lens, NULL, rows, sh->num_q_heads, sh->num_kv_heads,
-                                      sh->head_dim, sh->page_size, sh->scale, scratch->attention, scratch->work,
-                                      scratch->first_chunk, order, threads))
+                                      sh->head_dim, sh->page_size, sh->scale, scratch->attention, scratch->work, plan,
+                                      threads))
             return 1;
         if (radixkv_packed_linear(sh->linear_kernel, scratch->attention, q_size, rows, q_size, layer->o, hidden, layer->o_bias,
                                scratch->projected, hidden, threads))

@@ -8,8 +8,8 @@
 int radixkv_paged_decode_bf16(const uint16_t *q, int64_t q_row_stride, const uint16_t *k, const uint16_t *v,
                               const int32_t *page_table, int64_t page_table_stride, const int32_t *seq_lens,
                               const int32_t *rows, int num_seqs, int num_q_heads, int num_kv_heads, int head_dim,
-                              int page_size, float scale, uint16_t *out, float *work, int64_t *first_chunk,
-                              const int32_t *order, int num_threads);
+                              int page_size, float scale, uint16_t *out, float *work, const int32_t *plan,
+                              int num_threads);
 void radixkv_store_kv(char *k_cache, char *v_cache, const char *k, const char *v, int64_t k_row_stride,
                       int64_t v_row_stride, const int64_t *slots, int rows, int64_t row_bytes);
 /* The packed linears' kernels, as bits of radixkv_linear_kernels() (radixkv/cpu/linear.py names them). */

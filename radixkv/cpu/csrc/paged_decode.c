@@ -22,60 +22,10 @@
  * positions 0 .. seq_lens[b]-1. Query heads h*group .. h*group+group-1 share kv head h (GQA).
  */
 #define _GNU_SOURCE /* syscall() for the AMX permission request */
-#include "amx.h"
+#include "decode.h"
 
+#include <omp.h>
 #include <stdlib.h>
-
-#define CHUNK_TOKENS 256
-#define BLOCK_TOKENS 16
-#define MAX_GROUP 16
-#define MAX_HEAD_DIM 256
-/* A query head's row of scores for a chunk, with room for a last block's 16-lane store. */
-#define SCORE_STRIDE (CHUNK_TOKENS + BLOCK_TOKENS)
-
-typedef struct {
-    int num_kv_heads, head_dim, group, page_size;
-    float scale;
-    int use_amx; /* q.k of full 16-key blocks on AMX tiles (bf16, where the OS allows it) */
-} Shape;
-
-/* The keys [t, t + n) that share a page (at most BLOCK_TOKENS of them) and where they start. */
-typedef struct {
-    int n;
-    int64_t first; /* element offset of key t, kv head 0, in k and v */
-} Block;
-
-static inline Block block_at(const int32_t *pages, int t, int end, const Shape *sh) {
-    const int ps = sh->page_size, offset = t % ps;
-    int n = ps - offset;
-    if (n > end - t) n = end - t;
-    if (n > BLOCK_TOKENS) n = BLOCK_TOKENS;
-    const Block block = {n, ((int64_t)pages[t / ps] * ps + offset) * sh->num_kv_heads * sh->head_dim};
-    return block;
-}
-
-/* The blocks of keys [begin, end) into blocks[]; returns how many. */
-static inline int chunk_blocks(const int32_t *pages, int begin, int end, const Shape *sh, Block *blocks) {
-    int num_blocks = 0;
-    for (int t = begin; t < end; t += blocks[num_blocks - 1].n) blocks[num_blocks++] = block_at(pages, t, end, sh);
-    return num_blocks;
-}
-
-/* The item a thread runs after this one: its KV is requested while this one computes. */
-typedef struct {
-    const int32_t *pages; /* NULL: none */
-    int begin, end;
-} NextItem;
-
-/* One query head's online-softmax state: running max, running sum, unnormalised output. The
- * states of an item lie in the caller's buffer, kv head major: (head * group + g). */
-static inline int64_t state_floats(const Shape *sh) { return sh->head_dim + 2; }
-static inline int64_t item_floats(const Shape *sh) {
-    return (int64_t)sh->num_kv_heads * sh->group * state_floats(sh);
-}
-
-static inline float f32_load(float x) { return x; }
-static inline float f32_store(float x) { return x; }
 
 static void init_states(float *states, const Shape *sh) {
     const int64_t count = (int64_t)sh->num_kv_heads * sh->group;
@@ -233,31 +183,6 @@ static inline __attribute__((always_inline)) void scores_avx512(
 }
 
 #endif
-
-/* Softmax weights of the n scores in row, in place (unnormalised: e^(s - max)); the max and
- * their sum go to state[0] and state[1]. */
-static inline void softmax_row(float *row, int n, float *state) {
-    const __mmask16 tail = (__mmask16)((1u << (n % 16)) - 1);
-    const int full = n - n % 16;
-    __m512 top = _mm512_set1_ps(-INFINITY);
-    for (int j = 0; j < full; j += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(row + j));
-    if (tail) top = _mm512_max_ps(top, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), tail, row + full));
-    const float max = _mm512_reduce_max_ps(top);
-    const __m512 shift = _mm512_set1_ps(max);
-    __m512 sum = _mm512_setzero_ps();
-    for (int j = 0; j < full; j += 16) {
-        const __m512 weights = exp16(_mm512_sub_ps(_mm512_loadu_ps(row + j), shift));
-        _mm512_storeu_ps(row + j, weights);
-        sum = _mm512_add_ps(sum, weights);
-    }
-    if (tail) {
-        const __m512 weights = _mm512_maskz_mov_ps(tail, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, row + full), shift)));
-        _mm512_mask_storeu_ps(row + full, tail, weights);
-        sum = _mm512_add_ps(sum, weights);
-    }
-    state[0] = max;
-    state[1] = _mm512_reduce_add_ps(sum);
-}
 
 /* Requests the next item's K and V a few lines at a time, spread over this item's work: the
  * memory stays busy while this item computes, and no burst fills the line-fill buffers. A
@@ -478,7 +403,7 @@ static void item_f32_avx512(const float *q_row, const float *k, const float *v, 
 #endif
 
 /* The bf16 item: the AVX-512 one where the CPU and head_dim allow, else the portable one. */
-static void item_bf16(const uint16_t *q_row, const uint16_t *k, const uint16_t *v, const int32_t *pages,
+HIDDEN void radixkv_item_bf16(const uint16_t *q_row, const uint16_t *k, const uint16_t *v, const int32_t *pages,
                       int begin, int end, const Shape *sh, float *states, const NextItem *next) {
 #ifdef HAVE_AVX512_BF16
     if (sh->head_dim % 32 == 0) {
@@ -490,7 +415,7 @@ static void item_bf16(const uint16_t *q_row, const uint16_t *k, const uint16_t *
 }
 
 /* The fp32 item: the AVX-512 one where the CPU and head_dim allow, else the portable one. */
-static void item_f32(const float *q_row, const float *k, const float *v, const int32_t *pages, int begin, int end,
+HIDDEN void radixkv_item_f32(const float *q_row, const float *k, const float *v, const int32_t *pages, int begin, int end,
                      const Shape *sh, float *states, const NextItem *next) {
 #ifdef HAVE_AVX512
     if (sh->head_dim % 16 == 0) {
@@ -501,29 +426,39 @@ static void item_f32(const float *q_row, const float *k, const float *v, const i
     item_f32_portable(q_row, k, v, pages, begin, end, sh, states, next);
 }
 
-/* Merge one request's count chunk items (consecutive in the buffer) into its output row. */
-#define DEFINE_MERGE(NAME, T, STORE)                                                         \
-    static void NAME(const float *items, int64_t count, int head, const Shape *sh, T *out_row) { \
-        const int D = sh->head_dim;                                                          \
-        float merged[MAX_HEAD_DIM];                                                          \
-        for (int g = 0; g < sh->group; g++) {                                                \
-            const int64_t at = (int64_t)(head * sh->group + g) * state_floats(sh);           \
-            float top = -INFINITY, total = 0.0f;                                             \
-            for (int64_t c = 0; c < count; c++) {                                            \
-                const float m = items[c * item_floats(sh) + at];                             \
-                top = m > top ? m : top;                                                     \
-            }                                                                                \
-            memset(merged, 0, sizeof(float) * D);                                            \
-            for (int64_t c = 0; c < count; c++) {                                            \
-                const float *state = items + c * item_floats(sh) + at;                       \
-                const float w = state[0] == -INFINITY ? 0.0f : expf(state[0] - top);         \
-                total += state[1] * w;                                                       \
-                for (int d = 0; d < D; d++) merged[d] += state[2 + d] * w;                   \
-            }                                                                                \
-            const float inv = total > 0.0f ? 1.0f / total : 0.0f;                            \
-            T *dst = out_row + (int64_t)(head * sh->group + g) * D;                          \
-            for (int d = 0; d < D; d++) dst[d] = STORE(merged[d] * inv);                     \
-        }                                                                                    \
+/* A request's softmax states: its share of its group's shared items, then its own items. Each
+ * run is count states, stride floats apart. */
+typedef struct {
+    const float *base[2];
+    int64_t stride[2], count[2];
+} StateRuns;
+
+#define FOR_EACH_STATE(runs, at, state, BODY)                                              \
+    for (int run = 0; run < 2; run++)                                                      \
+        for (int64_t c = 0; c < (runs)->count[run]; c++) {                                 \
+            const float *state = (runs)->base[run] + c * (runs)->stride[run] + (at);       \
+            BODY                                                                           \
+        }
+
+/* Merge one request's states by their log-sum-exp into its output row, one kv head's queries. */
+#define DEFINE_MERGE(NAME, T, STORE)                                                              \
+    static void NAME(const StateRuns *runs, int head, const Shape *sh, T *out_row) {              \
+        const int D = sh->head_dim;                                                               \
+        float merged[MAX_HEAD_DIM];                                                               \
+        for (int g = 0; g < sh->group; g++) {                                                     \
+            const int64_t at = (int64_t)(head * sh->group + g) * state_floats(sh);                \
+            float top = -INFINITY, total = 0.0f;                                                  \
+            FOR_EACH_STATE(runs, at, state, { top = state[0] > top ? state[0] : top; })           \
+            memset(merged, 0, sizeof(float) * D);                                                 \
+            FOR_EACH_STATE(runs, at, state, {                                                     \
+                const float w = state[0] == -INFINITY ? 0.0f : expf(state[0] - top);              \
+                total += state[1] * w;                                                            \
+                for (int d = 0; d < D; d++) merged[d] += state[2 + d] * w;                        \
+            })                                                                                    \
+            const float inv = total > 0.0f ? 1.0f / total : 0.0f;                                 \
+            T *dst = out_row + (int64_t)(head * sh->group + g) * D;                               \
+            for (int d = 0; d < D; d++) dst[d] = STORE(merged[d] * inv);                          \
+        }                                                                                         \
     }
 
 DEFINE_MERGE(merge_bf16, uint16_t, float_to_bf16)
@@ -556,156 +491,198 @@ static int amx_fits(const Shape *sh) {
 #endif
 }
 
-static inline int64_t num_chunks(int32_t seq_len) {
-    return seq_len > 0 ? (seq_len + CHUNK_TOKENS - 1) / CHUNK_TOKENS : 0;
+static inline int64_t num_chunks(int32_t tokens) {
+    return tokens > 0 ? (tokens + CHUNK_TOKENS - 1) / CHUNK_TOKENS : 0;
 }
 
-/* The request owning a chunk item and the keys [begin, end) the item covers. */
+/* A cascade plan (radixkv_cascade_plan) in the int32 buffer that carries it:
+ *   [0] num_groups, then group_of[num_seqs] (-1: no group), member_index[num_seqs],
+ *   group_start[num_groups + 1], members[group_start[num_groups]], shared_len[num_groups].
+ * A group's members share the pages of their first shared_len keys. */
 typedef struct {
-    int seq, begin, end;
-} Span;
+    int num_groups;
+    const int32_t *group_of, *member_index, *group_start, *members, *shared_len;
+} Plan;
 
-static inline Span locate_chunk(int64_t chunk, const int64_t *first_chunk, const int32_t *seq_lens, int num_seqs) {
-    int lo = 0, hi = num_seqs - 1;
-    while (lo < hi) {
-        const int mid = (lo + hi + 1) / 2;
-        if (first_chunk[mid] <= chunk) lo = mid; else hi = mid - 1;
-    }
-    const int begin = (int)((chunk - first_chunk[lo]) * CHUNK_TOKENS);
-    const Span span = {lo, begin, begin + CHUNK_TOKENS < seq_lens[lo] ? begin + CHUNK_TOKENS : seq_lens[lo]};
-    return span;
+static Plan plan_view(const int32_t *buffer, int num_seqs) {
+    Plan plan = {0, NULL, NULL, NULL, NULL, NULL};
+    if (!buffer) return plan;
+    plan.num_groups = buffer[0];
+    plan.group_of = buffer + 1;
+    plan.member_index = plan.group_of + num_seqs;
+    plan.group_start = plan.member_index + num_seqs;
+    plan.members = plan.group_start + plan.num_groups + 1;
+    plan.shared_len = plan.members + plan.group_start[plan.num_groups];
+    return plan;
 }
 
-/* The kernel's work items for these lengths: each request's keys in chunks of CHUNK_TOKENS. */
-int64_t radixkv_decode_num_items(const int32_t *seq_lens, int num_seqs) {
-    int64_t items = 0;
-    for (int b = 0; b < num_seqs; b++) items += num_chunks(seq_lens[b]);
-    return items;
+/* The first key of request b's own part: past its group's shared prefix. */
+static inline int32_t own_begin(const Plan *plan, int b) {
+    return plan->num_groups && plan->group_of[b] >= 0 ? plan->shared_len[plan->group_of[b]] : 0;
 }
 
-/* Floats of work buffer the kernel needs for these lengths (the caller allocates it). */
-int64_t radixkv_decode_work_floats(const int32_t *seq_lens, int num_seqs, int num_q_heads, int head_dim) {
-    int64_t chunks = 0;
-    for (int b = 0; b < num_seqs; b++) chunks += num_chunks(seq_lens[b]);
-    return chunks * num_q_heads * (head_dim + 2);
+static inline int group_size(const Plan *plan, int group) {
+    return plan->group_start[group + 1] - plan->group_start[group];
 }
 
-/* Returns 0, or 1 for shapes this kernel does not take (callers check them first).
- * work: radixkv_decode_work_floats floats; first_chunk: num_seqs int64 of scratch. */
-#define DEFINE_DECODE(NAME, T, ITEM, MERGE, AMX_CAPABLE)                                                       \
-    int NAME(const T *q, int64_t q_row_stride, const T *k, const T *v,                            \
-             const int32_t *page_table, int64_t page_table_stride, const int32_t *seq_lens,       \
-             const int32_t *rows, int num_seqs, int num_q_heads, int num_kv_heads, int head_dim,  \
-             int page_size, float scale, T *out, float *work, int64_t *first_chunk,               \
-             const int32_t *order, int num_threads) {                                             \
-        if (num_kv_heads <= 0 || num_q_heads % num_kv_heads != 0) return 1;                       \
-        Shape sh = {num_kv_heads, head_dim, num_q_heads / num_kv_heads, page_size, scale, 0};     \
-        if (sh.group > MAX_GROUP || head_dim > MAX_HEAD_DIM || page_size <= 0) return 1;          \
-        sh.use_amx = AMX_CAPABLE && amx_fits(&sh);                                                \
-        int64_t total_chunks = 0;                                                                 \
-        for (int b = 0; b < num_seqs; b++) {                                                      \
-            first_chunk[b] = total_chunks;                                                        \
-            total_chunks += num_chunks(seq_lens[b]);                                              \
-        }                                                                                         \
-        const int64_t out_row_stride = (int64_t)num_q_heads * head_dim;                           \
-        _Pragma("omp parallel num_threads(num_threads)")                                          \
-        {                                                                                         \
-            thread_begin(&sh);                                                                    \
-            /* Static: each thread runs a contiguous run of items, so it knows the next one. */   \
-            _Pragma("omp for schedule(static)")                                                   \
-            for (int64_t index = 0; index < total_chunks; index++) {                              \
-                const int64_t chunk = order ? order[index] : index;                               \
-                const Span span = locate_chunk(chunk, first_chunk, seq_lens, num_seqs);          \
-                NextItem next = {NULL, 0, 0};                                                     \
-                if (index + 1 < total_chunks) {                                                   \
-                    const int64_t following = order ? order[index + 1] : index + 1;               \
-                    const Span after = locate_chunk(following, first_chunk, seq_lens, num_seqs);  \
-                    next.pages = page_table + (int64_t)after.seq * page_table_stride;             \
-                    next.begin = after.begin, next.end = after.end;                               \
-                }                                                                                 \
-                const int64_t row = rows ? rows[span.seq] : span.seq;                             \
-                ITEM(q + row * q_row_stride, k, v, page_table + (int64_t)span.seq * page_table_stride, \
-                     span.begin, span.end, &sh, work + chunk * item_floats(&sh), &next);          \
-            }                                                                                     \
-            _Pragma("omp for schedule(static)")                                                   \
-            for (int64_t pair = 0; pair < (int64_t)num_seqs * num_kv_heads; pair++) {             \
-                const int b = (int)(pair / num_kv_heads), head = (int)(pair % num_kv_heads);      \
-                const int64_t row = rows ? rows[b] : b;                                           \
-                MERGE(work + first_chunk[b] * item_floats(&sh), num_chunks(seq_lens[b]), head,    \
-                      &sh, out + row * out_row_stride);                                           \
-            }                                                                                     \
-            thread_end(&sh);                                                                      \
-        }                                                                                         \
-        return 0;                                                                                 \
-    }
-
-DEFINE_DECODE(radixkv_paged_decode_bf16, uint16_t, item_bf16, merge_bf16, 1)
-DEFINE_DECODE(radixkv_paged_decode_f32, float, item_f32, merge_f32, 0)
-
-/* Shared reads: requests that share a cached prefix hold the same pages for it, so their items
- * over it read the same KV. Ordered back to back (and so, mostly, on one thread), the first such
- * item reads the KV from memory and the others find it in L2: a shared prefix is read once per
- * step, not once per request, and every item still computes exactly what it computed alone (the
- * same code on the same numbers), so outputs are bit-identical to the natural order.
- *
- * Fills order (one entry per item, as radixkv_decode_work_floats counts them) with the item
- * indices sorted by (the item's first page, its first key, its request) and returns how many KV
- * tokens the ordered items read again: those of items whose pages and key range equal the item
- * just before them. */
+/* A unit of work: CHUNK_TOKENS keys at most, of one request's own part (members == 0) or of a
+ * group's shared prefix for all its members; its states start at work + offset. */
 typedef struct {
-    int32_t page, begin, seq, item;
-} ItemKey;
+    int32_t owner; /* request, or group for a shared item */
+    int32_t members;
+    int32_t begin, end;
+    int64_t offset;
+    double cost_end; /* the running cost up to and including this item, for the thread split */
+} Item;
 
-static int compare_keys(const void *a, const void *b) {
-    const ItemKey *x = a, *y = b;
-    if (x->page != y->page) return x->page < y->page ? -1 : 1;
-    if (x->begin != y->begin) return x->begin < y->begin ? -1 : 1;
-    return x->seq < y->seq ? -1 : x->seq > y->seq;
-}
+/* Relative costs per key: a shared item's members share one read of the keys and compute with
+ * matrix-shaped loops, cheaper per query than an own item (measured: scenarios/cpu_kernels.py). */
+#define OWN_COST 1.0
+#define SHARED_READ_COST 0.5
+#define SHARED_MEMBER_COST 0.6
 
-/* Whether items a and b (sorted neighbours with the same first page and first key) read the
- * same KV: the same key range over the same pages. */
-static int same_reads(const ItemKey *a, const ItemKey *b, const int32_t *page_table, int64_t stride,
-                      const int32_t *seq_lens, int page_size) {
-    const int32_t end_a = seq_lens[a->seq] < a->begin + CHUNK_TOKENS ? seq_lens[a->seq] : a->begin + CHUNK_TOKENS;
-    const int32_t end_b = seq_lens[b->seq] < b->begin + CHUNK_TOKENS ? seq_lens[b->seq] : b->begin + CHUNK_TOKENS;
-    if (end_a != end_b) return 0;
-    const int32_t *pa = page_table + (int64_t)a->seq * stride, *pb = page_table + (int64_t)b->seq * stride;
-    for (int32_t t = a->begin; t < end_a; t += page_size)
-        if (pa[t / page_size] != pb[t / page_size]) return 0;
-    return 1;
-}
+/* The call's items (shared ones first, group by group, then each request's own) and where each
+ * request's runs start. Returns the number of items; NULL items: only counts them. */
+typedef struct {
+    Item *items;
+    int64_t num_items, work_floats;
+    int64_t *group_first, *own_first; /* item indices */
+} Items;
 
-int64_t radixkv_decode_share_order(const int32_t *page_table, int64_t page_table_stride, const int32_t *seq_lens,
-                                   int num_seqs, int page_size, int32_t *order) {
-    int64_t total = 0;
-    for (int b = 0; b < num_seqs; b++) total += num_chunks(seq_lens[b]);
-    ItemKey *keys = malloc(sizeof(ItemKey) * (size_t)(total > 0 ? total : 1));
-    if (!keys) { /* no memory for the sort: the natural order, nothing shared */
-        for (int64_t i = 0; i < total; i++) order[i] = (int32_t)i;
-        return 0;
-    }
-    int64_t item = 0;
-    for (int b = 0; b < num_seqs; b++)
-        for (int64_t c = 0; c < num_chunks(seq_lens[b]); c++, item++) {
-            const int32_t begin = (int32_t)(c * CHUNK_TOKENS);
-            const ItemKey key = {page_table[(int64_t)b * page_table_stride + begin / page_size], begin, b, (int32_t)item};
-            keys[item] = key;
-        }
-    qsort(keys, (size_t)total, sizeof(ItemKey), compare_keys);
-    int64_t shared_tokens = 0;
-    for (int64_t i = 0; i < total; i++) {
-        order[i] = keys[i].item;
-        const ItemKey *a = keys + i, *before = keys + i - 1;
-        if (i > 0 && a->page == before->page && a->begin == before->begin &&
-            same_reads(a, before, page_table, page_table_stride, seq_lens, page_size)) {
-            const int32_t end = seq_lens[a->seq] < a->begin + CHUNK_TOKENS ? seq_lens[a->seq] : a->begin + CHUNK_TOKENS;
-            shared_tokens += end - a->begin;
+static void build_items(const int32_t *seq_lens, int num_seqs, const Plan *plan, const Shape *sh, Items *out) {
+    int64_t count = 0, floats = 0;
+    double cost = 0.0;
+    for (int g = 0; g < plan->num_groups; g++) {
+        const int members = group_size(plan, g);
+        if (out->group_first) out->group_first[g] = count;
+        for (int32_t begin = 0; begin < plan->shared_len[g]; begin += CHUNK_TOKENS, count++) {
+            const int32_t end = begin + CHUNK_TOKENS < plan->shared_len[g] ? begin + CHUNK_TOKENS : plan->shared_len[g];
+            cost += (end - begin) * (SHARED_READ_COST + SHARED_MEMBER_COST * members);
+            if (out->items) out->items[count] = (Item){g, members, begin, end, floats, cost};
+            floats += members * item_floats(sh);
         }
     }
-    free(keys);
-    return shared_tokens;
+    for (int b = 0; b < num_seqs; b++) {
+        if (out->own_first) out->own_first[b] = count;
+        for (int32_t begin = own_begin(plan, b); begin < seq_lens[b]; begin += CHUNK_TOKENS, count++) {
+            const int32_t end = begin + CHUNK_TOKENS < seq_lens[b] ? begin + CHUNK_TOKENS : seq_lens[b];
+            cost += (end - begin) * OWN_COST;
+            if (out->items) out->items[count] = (Item){b, 0, begin, end, floats, cost};
+            floats += item_floats(sh);
+        }
+    }
+    out->num_items = count;
+    out->work_floats = floats;
 }
+
+/* Floats of work buffer the kernel needs for these lengths and plan (NULL: none); the caller
+ * allocates it. */
+int64_t radixkv_decode_work_floats(const int32_t *seq_lens, int num_seqs, const int32_t *plan_buffer, int num_q_heads,
+                                   int head_dim) {
+    const Plan plan = plan_view(plan_buffer, num_seqs);
+    const Shape sh = {1, head_dim, num_q_heads, 16, 1.0f, 0};
+    Items items = {NULL, 0, 0, NULL, NULL};
+    build_items(seq_lens, num_seqs, &plan, &sh, &items);
+    return items.work_floats;
+}
+
+/* The page list an item reads: its request's, or its group's first member's. */
+static inline const int32_t *item_pages(const Item *item, const Plan *plan, const int32_t *page_table, int64_t stride) {
+    const int seq = item->members ? plan->members[plan->group_start[item->owner]] : item->owner;
+    return page_table + (int64_t)seq * stride;
+}
+
+/* Thread t of T runs the items whose cost midpoint falls in its T-th of the total: a contiguous
+ * run, so each item knows the next one its thread runs, and shares of about equal cost. */
+static inline int item_thread(const Items *items, int64_t i, int num_threads) {
+    const double total = items->items[items->num_items - 1].cost_end;
+    const double before = i ? items->items[i - 1].cost_end : 0.0;
+    const int t = (int)((before + items->items[i].cost_end) * 0.5 / total * num_threads);
+    return t < num_threads ? t : num_threads - 1;
+}
+
+/* Returns 0, 1 for shapes this kernel does not take (callers check them first), or 2 when out
+ * of memory. work: radixkv_decode_work_floats floats; plan: radixkv_cascade_plan's buffer or
+ * NULL (every request reads all its keys itself). */
+#define DEFINE_DECODE(NAME, T, ITEM, SHARED_ITEM, MERGE, AMX_CAPABLE)                                            \
+    int NAME(const T *q, int64_t q_row_stride, const T *k, const T *v, const int32_t *page_table,                 \
+             int64_t page_table_stride, const int32_t *seq_lens, const int32_t *rows, int num_seqs,               \
+             int num_q_heads, int num_kv_heads, int head_dim, int page_size, float scale, T *out, float *work,   \
+             const int32_t *plan_buffer, int num_threads) {                                                      \
+        if (num_kv_heads <= 0 || num_q_heads % num_kv_heads != 0) return 1;                                      \
+        Shape sh = {num_kv_heads, head_dim, num_q_heads / num_kv_heads, page_size, scale, 0};                    \
+        if (sh.group > MAX_GROUP || head_dim > MAX_HEAD_DIM || page_size <= 0) return 1;                         \
+        sh.use_amx = AMX_CAPABLE && amx_fits(&sh);                                                               \
+        const Plan plan = plan_view(plan_buffer, num_seqs);                                                      \
+        Items items = {NULL, 0, 0, NULL, NULL};                                                                  \
+        build_items(seq_lens, num_seqs, &plan, &sh, &items);                                                     \
+        items.items = malloc(sizeof(Item) * (size_t)(items.num_items + 1));                                      \
+        items.group_first = malloc(sizeof(int64_t) * (size_t)(plan.num_groups + 1));                             \
+        items.own_first = malloc(sizeof(int64_t) * (size_t)(num_seqs + 1));                                      \
+        int status = items.items && items.group_first && items.own_first ? 0 : 2;                                \
+        if (status == 0) build_items(seq_lens, num_seqs, &plan, &sh, &items);                                    \
+        /* Shared items' per-thread scratch (transposed keys, widened values), 64-byte aligned. */             \
+        const int64_t scratch_bytes = plan.num_groups ? radixkv_shared_scratch_bytes(&sh, num_seqs) : 0;         \
+        char *scratches = scratch_bytes ? aligned_alloc(64, (size_t)(scratch_bytes * num_threads)) : NULL;       \
+        if (scratch_bytes && !scratches) status = 2;                                                             \
+        const int64_t out_row_stride = (int64_t)num_q_heads * head_dim;                                          \
+        _Pragma("omp parallel num_threads(num_threads) if(status == 0)")                                         \
+        {                                                                                                        \
+            const int threads = omp_get_num_threads(), self = omp_get_thread_num();                              \
+            void *scratch = scratches ? scratches + self * scratch_bytes : NULL;                                 \
+            thread_begin(&sh);                                                                                   \
+            int32_t q_rows[num_seqs > 0 ? num_seqs : 1];                                                         \
+            for (int64_t i = 0; status == 0 && i < items.num_items; i++) {                                       \
+                if (item_thread(&items, i, threads) != self) continue;                                           \
+                const Item *item = items.items + i;                                                              \
+                const int32_t *pages = item_pages(item, &plan, page_table, page_table_stride);                   \
+                NextItem next = {NULL, 0, 0};                                                                    \
+                if (i + 1 < items.num_items && item_thread(&items, i + 1, threads) == self) {                    \
+                    const Item *after = item + 1;                                                                \
+                    next.pages = item_pages(after, &plan, page_table, page_table_stride);                        \
+                    next.begin = after->begin, next.end = after->end;                                            \
+                }                                                                                                \
+                if (item->members) {                                                                             \
+                    const int32_t *members = plan.members + plan.group_start[item->owner];                       \
+                    for (int m = 0; m < item->members; m++) q_rows[m] = rows ? rows[members[m]] : members[m];     \
+                    const SharedItem shared = {q, q_row_stride, q_rows, item->members, pages, item->begin,       \
+                                               item->end, work + item->offset};                                  \
+                    SHARED_ITEM(&shared, k, v, &sh, scratch);                                                    \
+                } else {                                                                                         \
+                    const int64_t row = rows ? rows[item->owner] : item->owner;                                  \
+                    ITEM(q + row * q_row_stride, k, v, pages, item->begin, item->end, &sh, work + item->offset,  \
+                         &next);                                                                                 \
+                }                                                                                                \
+            }                                                                                                    \
+            _Pragma("omp barrier")                                                                               \
+            _Pragma("omp for schedule(static)")                                                                  \
+            for (int64_t pair = 0; pair < (int64_t)num_seqs * num_kv_heads; pair++) {                            \
+                if (status != 0) continue;                                                                       \
+                const int b = (int)(pair / num_kv_heads), head = (int)(pair % num_kv_heads);                     \
+                const int group = plan.num_groups ? plan.group_of[b] : -1;                                       \
+                StateRuns runs = {{NULL, NULL}, {0, item_floats(&sh)}, {0, 0}};                                  \
+                if (group >= 0) {                                                                                \
+                    const Item *first = items.items + items.group_first[group];                                  \
+                    runs.base[0] = work + first->offset + plan.member_index[b] * item_floats(&sh);               \
+                    runs.stride[0] = first->members * item_floats(&sh);                                          \
+                    runs.count[0] = num_chunks(plan.shared_len[group]);                                          \
+                }                                                                                                \
+                runs.count[1] = num_chunks(seq_lens[b] - own_begin(&plan, b));                                   \
+                if (runs.count[1]) runs.base[1] = work + items.items[items.own_first[b]].offset;                 \
+                const int64_t row = rows ? rows[b] : b;                                                          \
+                MERGE(&runs, head, &sh, out + row * out_row_stride);                                             \
+            }                                                                                                    \
+            thread_end(&sh);                                                                                     \
+        }                                                                                                        \
+        free(scratches);                                                                                         \
+        free(items.items);                                                                                       \
+        free(items.group_first);                                                                                 \
+        free(items.own_first);                                                                                   \
+        return status;                                                                                           \
+    }
+
+DEFINE_DECODE(radixkv_paged_decode_bf16, uint16_t, radixkv_item_bf16, radixkv_shared_item_bf16, merge_bf16, 1)
+DEFINE_DECODE(radixkv_paged_decode_f32, float, radixkv_item_f32, radixkv_shared_item_f32, merge_f32, 0)
 
 /* Turns the AMX q.k path on (on != 0, where the CPU and the OS allow) or off; returns whether
  * it is on. One setting per process: every later decode call reads it. */

@@ -1,0 +1,114 @@
+/* What paged decode (paged_decode.c) and its cascade part (cascade.c) share: the work units'
+ * shapes, the softmax state layout, the per-item kernels and the shared-prefix items. */
+#ifndef RADIXKV_DECODE_H
+#define RADIXKV_DECODE_H
+
+#include "amx.h"
+
+#define HIDDEN __attribute__((visibility("hidden"))) /* between the library's files only */
+
+#define CHUNK_TOKENS 256
+#define BLOCK_TOKENS 16
+#define MAX_GROUP 16
+#define MAX_HEAD_DIM 256
+/* A query head's row of scores for a chunk, with room for a last block's 16-lane store. */
+#define SCORE_STRIDE (CHUNK_TOKENS + BLOCK_TOKENS)
+
+typedef struct {
+    int num_kv_heads, head_dim, group, page_size;
+    float scale;
+    int use_amx; /* q.k of full 16-key blocks on AMX tiles (bf16, where the OS allows it) */
+} Shape;
+
+/* The keys [t, t + n) that share a page (at most BLOCK_TOKENS of them) and where they start. */
+typedef struct {
+    int n;
+    int64_t first; /* element offset of key t, kv head 0, in k and v */
+} Block;
+
+static inline Block block_at(const int32_t *pages, int t, int end, const Shape *sh) {
+    const int ps = sh->page_size, offset = t % ps;
+    int n = ps - offset;
+    if (n > end - t) n = end - t;
+    if (n > BLOCK_TOKENS) n = BLOCK_TOKENS;
+    const Block block = {n, ((int64_t)pages[t / ps] * ps + offset) * sh->num_kv_heads * sh->head_dim};
+    return block;
+}
+
+/* The blocks of keys [begin, end) into blocks[]; returns how many. */
+static inline int chunk_blocks(const int32_t *pages, int begin, int end, const Shape *sh, Block *blocks) {
+    int num_blocks = 0;
+    for (int t = begin; t < end; t += blocks[num_blocks - 1].n) blocks[num_blocks++] = block_at(pages, t, end, sh);
+    return num_blocks;
+}
+
+/* The item a thread runs after this one: its KV is requested while this one computes. */
+typedef struct {
+    const int32_t *pages; /* NULL: none */
+    int begin, end;
+} NextItem;
+
+/* One query head's online-softmax state: running max, running sum, unnormalised output. The
+ * states of an item lie in the caller's buffer, kv head major: (head * group + g). */
+static inline int64_t state_floats(const Shape *sh) { return sh->head_dim + 2; }
+static inline int64_t item_floats(const Shape *sh) {
+    return (int64_t)sh->num_kv_heads * sh->group * state_floats(sh);
+}
+
+static inline float f32_load(float x) { return x; }
+static inline float f32_store(float x) { return x; }
+
+#ifdef HAVE_AVX512
+/* Softmax weights of the n scores in row, in place (unnormalised: e^(s - max)); the max and
+ * their sum go to state[0] and state[1]. */
+static inline void softmax_row(float *row, int n, float *state) {
+    const __mmask16 tail = (__mmask16)((1u << (n % 16)) - 1);
+    const int full = n - n % 16;
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    for (int j = 0; j < full; j += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(row + j));
+    if (tail) top = _mm512_max_ps(top, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), tail, row + full));
+    const float max = _mm512_reduce_max_ps(top);
+    const __m512 shift = _mm512_set1_ps(max);
+    __m512 sum = _mm512_setzero_ps();
+    for (int j = 0; j < full; j += 16) {
+        const __m512 weights = exp16(_mm512_sub_ps(_mm512_loadu_ps(row + j), shift));
+        _mm512_storeu_ps(row + j, weights);
+        sum = _mm512_add_ps(sum, weights);
+    }
+    if (tail) {
+        const __m512 weights = _mm512_maskz_mov_ps(tail, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, row + full), shift)));
+        _mm512_mask_storeu_ps(row + full, tail, weights);
+        sum = _mm512_add_ps(sum, weights);
+    }
+    state[0] = max;
+    state[1] = _mm512_reduce_add_ps(sum);
+}
+#endif
+
+/* One request's keys [begin, end) (at most CHUNK_TOKENS, through its page list) for its query
+ * row: online-softmax states, kv head major, into states (item_floats floats). */
+HIDDEN void radixkv_item_bf16(const uint16_t *q_row, const uint16_t *k, const uint16_t *v, const int32_t *pages,
+                              int begin, int end, const Shape *sh, float *states, const NextItem *next);
+HIDDEN void radixkv_item_f32(const float *q_row, const float *k, const float *v, const int32_t *pages, int begin,
+                             int end, const Shape *sh, float *states, const NextItem *next);
+
+/* A shared prefix's keys [begin, end) (pages: any member's page list) for all members of a
+ * group at once: member m reads q row q_rows[m] and its states go to states + m * item_floats.
+ * scratch: shared_scratch_bytes bytes, 64-byte aligned. */
+typedef struct {
+    const void *q;
+    int64_t q_row_stride;
+    const int32_t *q_rows; /* one per member */
+    int num_members;
+    const int32_t *pages;
+    int begin, end;
+    float *states;
+} SharedItem;
+
+HIDDEN int64_t radixkv_shared_scratch_bytes(const Shape *sh, int max_members);
+HIDDEN void radixkv_shared_item_bf16(const SharedItem *item, const uint16_t *k, const uint16_t *v, const Shape *sh,
+                                     void *scratch);
+HIDDEN void radixkv_shared_item_f32(const SharedItem *item, const float *k, const float *v, const Shape *sh,
+                                    void *scratch);
+
+#endif

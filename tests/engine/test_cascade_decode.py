@@ -1,0 +1,60 @@
+"""Cascade decode through the engine (EngineConfig.share_decode_reads): requests decoding over
+one cached system prompt read it once per step as a group, give the tokens they give without
+it (equal to transformers' greedy tokens in fp32), keep doing so when pages run out and
+requests are preempted or their prefix evicted, and the engine counts the reads it saved."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from radixkv import SamplingParams
+from radixkv.cpu.native import load
+from tests.helpers.engine import VOCAB, assert_pages_returned, hf_greedy, make_llm
+
+pytestmark = pytest.mark.skipif(load() is None, reason="needs the native kernels (no C compiler here)")
+
+
+def agent_prompts(seed: int, groups: int = 2, members: int = 4, system_len: int = 300) -> list[list[int]]:
+    """Groups of requests over one long system prompt each (past a 256-key chunk of the
+    kernel, and off the page grid), each with a short question of its own."""
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(groups):
+        system = [rng.randrange(1, VOCAB) for _ in range(system_len)]
+        prompts += [system + [rng.randrange(1, VOCAB) for _ in range(rng.randrange(3, 20))] for _ in range(members)]
+    return prompts
+
+
+def run(tiny_llama, prompts, share: bool, num_pages: int = 256, max_tokens: int = 10):
+    llm = make_llm(tiny_llama, share_decode_reads=share, page_size=16, num_pages=num_pages)
+    llm.generate([prompts[0]], SamplingParams(max_tokens=1))  # the first system prompt cached
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens))
+    assert_pages_returned(llm.engine)
+    return [o.token_ids for o in outputs], llm
+
+
+def test_greedy_tokens_are_the_same_with_and_without_cascade(tiny_llama):
+    prompts = agent_prompts(1)
+    cascade, cascade_llm = run(tiny_llama, prompts, share=True)
+    plain, plain_llm = run(tiny_llama, prompts, share=False)
+    assert cascade == plain == hf_greedy(tiny_llama, prompts, 10)
+    on, off = cascade_llm.engine.counters, plain_llm.engine.counters
+    assert on.num_kv_tokens_read == off.num_kv_tokens_read > 0
+    assert off.num_kv_tokens_read_shared == 0
+    # Each decode step, three of a group's four members skip reading its 288 shared tokens.
+    assert on.num_kv_tokens_read_shared >= 2 * 3 * 288 * 8
+
+
+def test_preemption_and_eviction_mid_run_keep_outputs_exact(tiny_llama):
+    # 30 pages of 16 tokens for 8 requests of ~22 pages each, 2 x 18 of them shareable: groups
+    # form, then requests are preempted and the prefix pages evicted and recomputed as the pool
+    # runs out; every step's plan is rebuilt from its tables.
+    prompts = agent_prompts(3)
+    tokens, llm = run(tiny_llama, prompts, share=True, num_pages=30, max_tokens=40)
+    assert tokens == hf_greedy(tiny_llama, prompts, 40)
+    stats = llm.stats()
+    assert stats.num_preemptions > 0
+    assert stats.cache.evicted_pages > 0
+    assert llm.engine.counters.num_kv_tokens_read_shared > 0
