@@ -53,6 +53,16 @@ class AttentionMetadata:
 
 
 @dataclass(frozen=True, slots=True)
+class KVReads:
+    """The KV a decode step's requests attend to through the kernel, in tokens summed over
+    requests, and how many of those a group read once for all its members (cascade decode)
+    instead of each member reading them itself."""
+
+    tokens: int
+    shared_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
 class BackendCapabilities:
     """What a backend can do, so callers ask this rather than the backend's name."""
 

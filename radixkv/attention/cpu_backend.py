@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from radixkv.attention import torch_backend
-from radixkv.attention.base import AttentionBackend, AttentionMetadata, BackendCapabilities
+from radixkv.attention.base import AttentionBackend, AttentionMetadata, BackendCapabilities, KVReads
 from radixkv.attention.torch_backend import RowByRow, TorchStepState
 from radixkv.cpu import decode
 from radixkv.cpu.native import load
@@ -25,16 +25,6 @@ class DecodeRows:
     rows: torch.Tensor  # [D] int32
     page_table: torch.Tensor  # [D, max_pages] int32
     seq_lens: torch.Tensor  # [D] int32
-
-
-@dataclass(frozen=True, slots=True)
-class KVReads:
-    """The KV a decode step's requests attend to through the kernel, in tokens summed over
-    requests, and how many of those a group read once for all its members (cascade decode)
-    instead of each member reading them itself."""
-
-    tokens: int
-    shared_tokens: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,13 +8,14 @@ lengths and shapes), and on device values (page table, slots, offsets) when chec
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
 import torch
 
-from radixkv.attention.base import AttentionBackend, AttentionMetadata, BackendCapabilities
-from radixkv.kernels import extend_attention, paged_decode, store_kv
+from radixkv.attention.base import AttentionBackend, AttentionMetadata, BackendCapabilities, KVReads
+from radixkv.kernels import CascadeGroups, extend_attention, paged_decode, store_kv
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,16 +26,22 @@ class TritonStepState:
     seq_lens: torch.Tensor
     page_table: torch.Tensor
     slot_mapping: torch.Tensor  # int64
+    groups: CascadeGroups | None = None  # decode-only steps with requests sharing a cached prefix
+    kv_reads: KVReads | None = None  # decode-only steps
 
 
 class TritonBackend(AttentionBackend):
     name = "triton"
     capabilities = BackendCapabilities()
 
-    def __init__(self, check_indices: bool | None = None) -> None:
+    def __init__(self, check_indices: bool | None = None, share_reads: bool = True) -> None:
+        """share_reads: cascade decode for requests sharing a cached prefix
+        (EngineConfig.share_decode_reads); the grouping is planned on the host by the native
+        library, so without it every request decodes alone."""
         # TRITON_INTERPRET stays an environment variable: Triton itself reads it.
         interpreted = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
         self.check_indices = interpreted if check_indices is None else check_indices
+        self.share_reads = share_reads
 
     def prepare(self, meta: AttentionMetadata, k_cache: torch.Tensor, num_q_heads: int) -> TritonStepState:
         """The checks that keep loads in range, then the tables on the caches' device."""
@@ -59,6 +66,10 @@ class TritonBackend(AttentionBackend):
         )
         if self.check_indices:
             self._check_device_indices(state, meta, num_pages, num_pages * page_size)
+        if meta.is_decode_only:
+            cascade = self.share_reads and not meta.batch_invariant
+            groups, saved = _cascade_groups(meta, device) if cascade else (None, 0)
+            state = dataclasses.replace(state, groups=groups, kv_reads=KVReads(sum(meta.seq_lens_list), saved))
         return state
 
     def store_kv(
@@ -102,7 +113,9 @@ class TritonBackend(AttentionBackend):
             raise ValueError("decode needs exactly one new token per request; use extend")
         state: TritonStepState = meta.backend_state
         _check_rows(q, meta)
-        return paged_decode(q, k_cache, v_cache, state.seq_lens, state.page_table, meta.max_seq_len, scale)
+        return paged_decode(
+            q, k_cache, v_cache, state.seq_lens, state.page_table, meta.max_seq_len, scale, groups=state.groups
+        )
 
     @staticmethod
     def _check_device_indices(state: TritonStepState, meta: AttentionMetadata, num_pages: int, num_slots: int) -> None:
@@ -127,6 +140,29 @@ class TritonBackend(AttentionBackend):
             raise IndexError(
                 f"page table entry out of range [0, {num_pages}): min {int(entries.min())}, max {int(entries.max())}"
             )
+
+
+def _cascade_groups(meta: AttentionMetadata, device: torch.device) -> tuple[CascadeGroups | None, int]:
+    """The step's cascade groups (requests sharing whole cached pages), planned on the host's
+    tables by the native library and moved to the device (None where nobody shares or the
+    library is missing), and the KV tokens they save reading."""
+    from radixkv.cpu import decode, native
+
+    if native.load() is None:
+        return None, 0
+    page_table = meta.page_table.to(device="cpu", dtype=torch.int32).contiguous()
+    seq_lens = meta.seq_lens.to(device="cpu", dtype=torch.int32).contiguous()
+    plan = decode.cascade_plan(page_table, seq_lens, meta.page_size)
+    if plan.plan is None:
+        return None, 0
+    group_start, members, shared_len, own_begin = plan.groups(len(meta.seq_lens_list))
+    sizes = group_start[1:] - group_start[:-1]
+    groups = CascadeGroups(
+        *(t.to(device) for t in (group_start, members, shared_len, own_begin)),
+        max_shared_len=int(shared_len.max()),
+        max_members=int(sizes.max()),
+    )
+    return groups, plan.saved_tokens
 
 
 def _check_rows(q: torch.Tensor, meta: AttentionMetadata) -> None:

@@ -148,6 +148,20 @@ class CascadePlan:
     plan: torch.Tensor | None
     saved_tokens: int
 
+    def groups(self, num_seqs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The plan as int32 tensors: group_start [G + 1], members, shared_len [G] (tokens) and
+        own_begin [num_seqs], where each request's own keys start (the buffer's layout is
+        radixkv_decode's Plan in csrc/paged_decode.c)."""
+        assert self.plan is not None
+        buffer, num_groups = self.plan, int(self.plan[0])
+        group_of = buffer[1 : 1 + num_seqs]
+        group_start = buffer[1 + 2 * num_seqs : 2 + 2 * num_seqs + num_groups]
+        members_at = 2 + 2 * num_seqs + num_groups
+        members = buffer[members_at : members_at + int(group_start[-1])]
+        shared_len = buffer[members_at + int(group_start[-1]) : members_at + int(group_start[-1]) + num_groups]
+        own_begin = torch.where(group_of >= 0, shared_len[group_of.clamp(min=0).long()], 0).to(torch.int32)
+        return group_start.clone(), members.clone(), shared_len.clone(), own_begin
+
 
 def cascade_plan(page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int, min_shared_tokens: int = MIN_SHARED_TOKENS) -> CascadePlan:
     """Groups requests by the deepest cached prefix they share (equal page ids: the same radix

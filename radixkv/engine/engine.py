@@ -348,7 +348,7 @@ class Engine:
     def _account(self, batch: Batch, backend_state: object) -> None:
         counters = self.counters
         counters.num_steps += 1
-        # Backends that count their decode reads (the CPU backend) leave them on their state.
+        # Backends that count their decode reads (CPU and Triton) leave them on their state.
         reads = getattr(backend_state, "kv_reads", None)
         if reads is not None:
             counters.num_kv_tokens_read += reads.tokens

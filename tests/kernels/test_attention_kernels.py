@@ -26,7 +26,7 @@ import torch
 from radixkv.attention.base import AttentionMetadata
 from radixkv.attention.torch_backend import TorchBackend, store_by_index_copy
 from radixkv.attention.triton_backend import TritonBackend
-from radixkv.kernels import ExtendConfig, extend_attention, paged_decode, store_kv
+from radixkv.kernels import CascadeGroups, ExtendConfig, extend_attention, paged_decode, store_kv
 from radixkv.kernels.paged_decode import MAX_SPLITS, splits_for
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -205,6 +205,49 @@ def test_decode_matches_torch_backend(gen, seq_lens, heads, page_size, dtype) ->
         paged_decode(case.q, case.k_cache, case.v_cache, m.seq_lens, m.page_table, m.max_seq_len,
                      case.scale, out=out, num_splits=num_splits)
         assert_matches(out, ref, gen, f"decode num_splits={num_splits}")
+
+
+def share_prefixes(case: Case, groups: list[list[int]], shared_lens: list[int]) -> CascadeGroups:
+    """Makes each group's members hold their leader's pages for its first shared_len keys (as the
+    radix tree hands out a cached prefix; the reference reads through the same tables) and
+    returns the groups as the kernel takes them."""
+    m, page_size = case.meta, case.meta.page_size
+    own_begin = torch.zeros(len(m.seq_lens_list), dtype=torch.int32)
+    for members, shared_len in zip(groups, shared_lens, strict=True):
+        assert shared_len % page_size == 0 and all(shared_len <= m.seq_lens_list[b] for b in members)
+        for b in members:
+            m.page_table[b, : shared_len // page_size] = m.page_table[members[0], : shared_len // page_size]
+            own_begin[b] = shared_len
+    starts = torch.tensor([0] + [len(g) for g in groups]).cumsum(0).to(torch.int32)
+    to = lambda values: torch.as_tensor(values, dtype=torch.int32).to(DEVICE)  # noqa: E731
+    return CascadeGroups(to(starts), to([b for g in groups for b in g]), to(shared_lens), to(own_begin),
+                         max_shared_len=max(shared_lens), max_members=max(map(len, groups)))
+
+
+# (seq lens, groups of request indices, shared keys per group): groups of 1 (request 0 alone in
+# the first), 2 and 5; a member whose keys are all shared; prefixes on and off split edges.
+CASCADE_CASES = {
+    "two_groups": ([70, 90, 65, 100, 81, 77, 96, 66], [[1, 2], [3, 4, 5, 6, 7]], [48, 64]),
+    "all_shared_member": ([64, 80, 97], [[0, 1, 2]], [64]),
+    "one_pair_long": ([300, 290, 20], [[0, 1]], [272]),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("heads", list(HEADS.values()), ids=list(HEADS))
+@pytest.mark.parametrize("layout", list(CASCADE_CASES.values()), ids=list(CASCADE_CASES))
+def test_cascade_decode_matches_torch_backend(gen, layout, heads, dtype) -> None:
+    seq_lens, groups, shared_lens = layout
+    case = make_case(gen, [s - 1 for s in seq_lens], [1] * len(seq_lens), *heads, head_dim=32, page_size=16, dtype=dtype)
+    cascade = share_prefixes(case, groups, shared_lens)
+    case.meta.page_table = case.meta.page_table.to(DEVICE)
+    ref = reference(case, decode=True)
+    m = case.meta
+    for num_splits in (None, 1):
+        out = poisoned_like(case.q)
+        paged_decode(case.q, case.k_cache, case.v_cache, m.seq_lens, m.page_table, m.max_seq_len, case.scale,
+                     out=out, num_splits=num_splits, groups=cascade)
+        assert_matches(out, ref, gen, f"cascade decode num_splits={num_splits}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
