@@ -134,6 +134,60 @@ static inline __attribute__((always_inline)) void finish_tile(float *scores, int
 #endif
 
 #ifdef HAVE_AVX512_BF16
+/* Value rows of token pairs interleaved, [pairs][head_dim] of (v[2t][d], v[2t + 1][d]) bf16
+ * pairs, so one vdpbf16ps adds two keys' weighted values into 16 dims; a last odd key pairs
+ * with zeros. rows[j]: key j's value row. */
+static inline __attribute__((always_inline)) void pair_values(const uint16_t *const *rows, int n, uint32_t *pairs,
+                                                              const int D) {
+    __m512i low_index, high_index;
+    {
+        uint16_t low[32], high[32];
+        for (int m = 0; m < 16; m++) low[2 * m] = m, low[2 * m + 1] = 32 + m, high[2 * m] = 16 + m, high[2 * m + 1] = 48 + m;
+        low_index = _mm512_loadu_si512(low), high_index = _mm512_loadu_si512(high);
+    }
+    for (int t = 0; 2 * t < n; t++)
+        for (int c = 0; c < D / 32; c++) {
+            const __m512i a = _mm512_loadu_si512(rows[2 * t] + 32 * c);
+            const __m512i b = 2 * t + 1 < n ? _mm512_loadu_si512(rows[2 * t + 1] + 32 * c) : _mm512_setzero_si512();
+            _mm512_storeu_si512(pairs + (int64_t)t * D + 32 * c, _mm512_permutex2var_epi16(a, low_index, b));
+            _mm512_storeu_si512(pairs + (int64_t)t * D + 32 * c + 16, _mm512_permutex2var_epi16(a, high_index, b));
+        }
+}
+
+/* p.v for one tile's live queries by vdpbf16ps: each row of softmax weights (n keys) rounded
+ * to bf16 pairs in place (as flash attention rounds P before P.V; the output is bf16 anyway),
+ * then two keys per instruction against the paired values, PV_TILE queries at a time. */
+static inline __attribute__((always_inline)) void weights_times_value_pairs(
+    float *weights, int live, int n, const uint32_t *pairs, float *const *states, const int D) {
+    enum { PV_TILE_MAX = 4 };
+    const int tile = D <= 64 ? 4 : D <= 128 ? 2 : 1, num_pairs = (n + 1) / 2;
+    for (int i = 0; i < live; i++) {
+        float *row = weights + i * SCORE_STRIDE;
+        if (n % 2) row[n] = 0.0f; /* the zero value row's partner: never NaN from an unused column */
+        for (int j = 0; j < n; j += 32) /* 32 floats to 32 bf16 in place: the store trails the loads */
+            _mm512_storeu_si512((uint16_t *)row + j,
+                                (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(row + j + 16), _mm512_loadu_ps(row + j)));
+    }
+    for (int p0 = 0; p0 < live; p0 += tile) {
+        __m512 acc[PV_TILE_MAX][MAX_HEAD_DIM / 16];
+        const uint32_t *weight_pairs[PV_TILE_MAX];
+        for (int i = 0; i < tile; i++) {
+            weight_pairs[i] = (const uint32_t *)(weights + (p0 + i < live ? p0 + i : live - 1) * SCORE_STRIDE);
+            for (int c = 0; c < D / 16; c++) acc[i][c] = _mm512_setzero_ps();
+        }
+        for (int t = 0; t < num_pairs; t++)
+            for (int c = 0; c < D / 16; c++) {
+                const __m512bh x = (__m512bh)_mm512_loadu_si512(pairs + (int64_t)t * D + 16 * c);
+                for (int i = 0; i < tile; i++)
+                    acc[i][c] = _mm512_dpbf16_ps(acc[i][c], (__m512bh)_mm512_set1_epi32((int)weight_pairs[i][t]), x);
+            }
+        for (int i = 0; i < tile && p0 + i < live; i++)
+            for (int c = 0; c < D / 16; c++) _mm512_storeu_ps(states[p0 + i] + 2 + 16 * c, acc[i][c]);
+    }
+}
+#endif
+
+#ifdef HAVE_AVX512_BF16
 /* The bf16 shared item: keys as bf16 pairs [head_dim / 2][padded keys], so one vdpbf16ps
  * multiplies a query's dimension pair (broadcast) into 16 keys' scores. */
 static inline __attribute__((always_inline)) void shared_bf16_impl(const SharedItem *item, const uint16_t *k,
@@ -146,8 +200,8 @@ static inline __attribute__((always_inline)) void shared_bf16_impl(const SharedI
     Block blocks[CHUNK_TOKENS];
     const int num_blocks = chunk_blocks(item->pages, item->begin, item->end, sh, blocks);
     Scratch s = scratch_view(buffer, sh);
-    uint32_t *keys = s.keys;
-    const float *value_rows[CHUNK_TOKENS];
+    uint32_t *keys = s.keys, *value_pairs = (uint32_t *)s.values;
+    const uint16_t *value_rows[CHUNK_TOKENS];
     float scores[QK_TILE * SCORE_STRIDE] __attribute__((aligned(64)));
     for (int h = 0; h < H; h++) {
         /* Blocks are 16 keys but where a page ends: stored at `at`, they overlap the next
@@ -155,12 +209,9 @@ static inline __attribute__((always_inline)) void shared_bf16_impl(const SharedI
         for (int bi = 0, at = 0; bi < num_blocks; at += blocks[bi++].n) {
             const int64_t first = blocks[bi].first + (int64_t)h * D;
             transpose_block((const uint32_t *)(k + first), token_stride / 2, blocks[bi].n, D / 2, keys, npad, at);
-            for (int j = 0; j < blocks[bi].n; j++) {
-                float *widened = s.values + (int64_t)(at + j) * D;
-                for (int c = 0; c < D / 16; c++) _mm512_storeu_ps(widened + 16 * c, load16(v + first + j * token_stride + 16 * c));
-                value_rows[at + j] = widened;
-            }
+            for (int j = 0; j < blocks[bi].n; j++) value_rows[at + j] = v + first + j * token_stride;
         }
+        pair_values(value_rows, n, value_pairs, D);
         const int count = gather_queries(item, sh, h, 2, &s);
         for (int first = 0; first < count; first += QK_TILE) {
             const int live = count - first < QK_TILE ? count - first : QK_TILE;
@@ -177,7 +228,8 @@ static inline __attribute__((always_inline)) void shared_bf16_impl(const SharedI
                 for (int i = 0; i < QK_TILE; i++)
                     _mm512_store_ps(scores + i * SCORE_STRIDE + 16 * block, _mm512_mul_ps(acc[i], _mm512_set1_ps(sh->scale)));
             }
-            finish_tile(scores, live, n, value_rows, s.states + first, D);
+            for (int i = 0; i < live; i++) softmax_row(scores + i * SCORE_STRIDE, n, s.states[first + i]);
+            weights_times_value_pairs(scores, live, n, value_pairs, s.states + first, D);
         }
     }
 }
