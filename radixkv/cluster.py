@@ -27,6 +27,10 @@ POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
 # a row: a draining worker answers /health with 503, so it leaves within about two seconds.
 HEALTH_CHECK_INTERVAL_S = 1
 HEALTH_FAILURE_THRESHOLD = 2
+# Until then the router keeps choosing the draining worker, which refuses with 503 (and, once it
+# has exited, cannot be reached): the router retries those, backing off from 250 ms up to 2 s, 8
+# tries in all (about 7 s), so a retry outlives the health checks and lands on a live worker.
+RETRY_ARGS = ("--retry-max-retries", "8", "--retry-initial-backoff-ms", "250", "--retry-max-backoff-ms", "2000")
 
 
 def router_installed() -> bool:
@@ -77,6 +81,7 @@ class LocalCluster:
         self.worker_args = list(worker_args or [])
         self.router_args = list(router_args or [])
         self.log_dir = log_dir or Path(tempfile.mkdtemp(prefix="radixkv-cluster-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
         self.startup_timeout_s = startup_timeout_s
         ports = [port + i for i in range(num_workers + 1)] if port is not None else _free_ports(host, num_workers + 1)
         self.router_port, self.worker_ports = ports[0], ports[1:]
@@ -126,7 +131,7 @@ class LocalCluster:
             "--health-check-interval-secs", str(HEALTH_CHECK_INTERVAL_S),
             "--health-failure-threshold", str(HEALTH_FAILURE_THRESHOLD),
             "--prometheus-host", self.host, "--prometheus-port", str(self.router_metrics_port),
-            "--log-level", "warn", *self.router_args,
+            *RETRY_ARGS, "--log-level", "warn", *self.router_args,
         ]
         self.router = self._spawn("router", self.router_url, command)
         self._wait_ready(self.router, "/health")
@@ -242,13 +247,10 @@ def run(args: argparse.Namespace) -> int:
     worker_args = [a for a in args.serve_args if a != "--"]
     if args.threads_per_worker is not None:
         worker_args += ["--threads", str(args.threads_per_worker)]
-    log_dir = Path(args.log_dir) if args.log_dir else None
-    if log_dir is not None:
-        log_dir.mkdir(parents=True, exist_ok=True)
     try:
         cluster = LocalCluster(
             args.workers, model=args.model, host=args.host, port=args.port, policy=args.policy,
-            worker_args=worker_args, log_dir=log_dir,
+            worker_args=worker_args, log_dir=Path(args.log_dir) if args.log_dir else None,
         )
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
