@@ -179,7 +179,10 @@ def serve(args: argparse.Namespace) -> int:
         )
         config = uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=10, log_level="info")
         server = DrainingServer(config, app.state.radixkv.drain, async_engine, args.drain_timeout_s)
-        server.run()
+        try:
+            server.run()
+        except KeyboardInterrupt:
+            pass  # uvicorn re-raises the SIGINT it stopped on; stopping was the point (as uvicorn.run)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
