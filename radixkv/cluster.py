@@ -227,7 +227,9 @@ def _free_ports(host: str, count: int) -> list[int]:
 def add_parser(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
         "cluster", help="start N workers behind sglang-router on this machine (to try routing out)",
-        description=__doc__, epilog="Options after -- go to every worker's `radixkv serve`.",
+        description="Start N `radixkv serve` workers and sglang-router (the `router` extra) in front of them, on "
+        "this machine. Ctrl-C or SIGTERM stops the router, then drains the workers.",
+        epilog="Options after -- go to every worker's `radixkv serve`.",
     )
     parser.add_argument("--workers", type=int, default=2, help="how many `radixkv serve` workers (default 2)")
     parser.add_argument("--model", default=None, help="HF folder or .gguf file; default SmolLM2-135M-Instruct")

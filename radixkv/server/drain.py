@@ -34,14 +34,12 @@ _ABORT_GRACE_S = 5.0
 _POLL_S = 0.05
 
 
+@dataclass(slots=True)
 class Drain:
     """Whether the server is draining, and how many requests it is serving (event loop only)."""
 
-    __slots__ = ("draining", "in_flight")
-
-    def __init__(self) -> None:
-        self.draining = False
-        self.in_flight = 0  # HTTP requests being served, the operator's reads aside
+    draining: bool = False
+    in_flight: int = 0  # HTTP requests being served, the operator's reads aside
 
     def refusal(self) -> APIError:
         # Retryable by its status: a router sends the request to another worker.
