@@ -1,4 +1,5 @@
-"""The `radixkv` command: `generate` text, `serve` the OpenAI-compatible API, `bench` a scenario."""
+"""The `radixkv` command: `generate` text, `serve` the OpenAI-compatible API, `cluster` (workers
+behind sglang-router, radixkv.cluster), `bench` a scenario."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from radixkv import cluster
 from radixkv.errors import ConfigError, InvalidRequest
 from radixkv.scenarios import scenario_names
 
@@ -56,6 +58,13 @@ def main(argv: list[str] | None = None) -> int:
     serving.add_argument("--kv-disk-dir", default=None, help="keep evicted KV blocks (and all of them at exit) in this directory; a restart finds them")
     serving.add_argument("--kv-disk-bytes", type=int, default=16 << 30, help="byte budget of --kv-disk-dir (default 16 GiB)")
     serving.add_argument("--admin-key", action="append", default=None, help="bearer key that may also flush the cache (repeatable)")
+    serving.add_argument(
+        "--drain-timeout-s", type=float, default=30.0,
+        help="on SIGTERM, refuse new requests and give in-flight ones this long to finish before aborting them (default 30)",
+    )
+    serving.add_argument("--threads", type=int, default=None, help="CPU threads the engine computes with (default: torch's)")
+
+    cluster.add_parser(commands)
 
     bench = commands.add_parser(
         "bench", help="run a scenario side by side with peers", epilog="scenarios: " + ", ".join(scenario_names())
@@ -68,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
         return _generate(args)
     if args.command == "serve":
         return serve(args)
+    if args.command == "cluster":
+        return cluster.run(args)
     return _bench(args)
 
 
@@ -104,16 +115,25 @@ def served_model_name(model: str | None) -> str:
 
 
 def serve(args: argparse.Namespace) -> int:
-    """`radixkv serve`: load the model, start the engine thread, run uvicorn until stopped."""
+    """`radixkv serve`: load the model, start the engine thread, run uvicorn until stopped; on
+    SIGTERM drain first (radixkv.server.drain). 0 when stopped cleanly."""
     import uvicorn
 
     from radixkv.config import EngineConfig
     from radixkv.engine.async_engine import AsyncEngine
     from radixkv.engine.engine import Engine
     from radixkv.server.app import create_app
+    from radixkv.server.drain import DrainingServer
     from radixkv.server.tenants import load_api_keys, persistent_secret
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if args.drain_timeout_s < 0 or (args.threads is not None and args.threads < 1):
+        print("error: --drain-timeout-s must be >= 0 and --threads >= 1", file=sys.stderr)
+        return 2
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
     try:
         api_keys = load_api_keys(args.api_key, args.api_key_file)
         keyless = not api_keys and not args.admin_key
@@ -157,13 +177,20 @@ def serve(args: argparse.Namespace) -> int:
             "serving %s on http://%s:%d (%d KV pages of %d tokens, context %d)",
             name, args.host, args.port, engine.pool.num_pages, engine.pool.page_size, engine.max_context_tokens,
         )
-        uvicorn.run(app, host=args.host, port=args.port, timeout_graceful_shutdown=10, log_level="info")
+        config = uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=10, log_level="info")
+        server = DrainingServer(config, app.state.radixkv.drain, async_engine, args.drain_timeout_s)
+        try:
+            server.run()
+        except KeyboardInterrupt:
+            pass  # uvicorn re-raises the SIGINT it stopped on; stopping was the point (as uvicorn.run)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     finally:
         async_engine.shutdown()
-    return 0
+    if not server.started:
+        return 1  # the port was taken, or the like: uvicorn has said why
+    return 0 if server.report is None or server.report.clean else 1
 
 
 def _server_limits(args: argparse.Namespace, *, keyless_remote: bool) -> ServerLimits:

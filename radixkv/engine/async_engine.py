@@ -226,6 +226,18 @@ class AsyncEngine:
         except EngineStopped:
             pass  # everything was aborted at shutdown
 
+    def abort_all(self) -> concurrent.futures.Future[int]:
+        """Abort every request between steps (a drain past its deadline), each stream ending
+        with its abort output as abort() does; resolves to how many there were."""
+
+        def abort_every(_: Engine) -> int:
+            request_ids = list(self._streams)  # on the engine thread, which owns _streams
+            for request_id in request_ids:
+                self._apply(_Abort(request_id))
+            return len(request_ids)
+
+        return self.call(abort_every)
+
     def call(self, fn: Callable[[Engine], T]) -> concurrent.futures.Future[T]:
         """Run fn(engine) on the engine thread between steps (introspection, checks)."""
         future: concurrent.futures.Future[T] = concurrent.futures.Future()

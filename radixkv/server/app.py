@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP server as a FastAPI app: `create_app` builds the routes' shared
 state (`state.Server`), the guards before any route (`access`, `body_limit`) and registers the
-routes of `openai_routes`, `anthropic_routes`, `cache_routes` and `ops_routes`; `radixkv serve`
+routes of `openai_routes`, `anthropic_routes`, `cache_routes`, `ops_routes` and
+`worker_routes` (what routers poll), with `drain` refusing new work while draining; `radixkv serve`
 is in `radixkv.cli`.
 """
 
@@ -11,9 +12,10 @@ from collections.abc import Sequence
 from fastapi import FastAPI
 
 from radixkv.engine.async_engine import AsyncEngine
-from radixkv.server import anthropic_routes, cache_routes, openai_routes, ops_routes, responses_routes
+from radixkv.server import anthropic_routes, cache_routes, openai_routes, ops_routes, responses_routes, worker_routes
 from radixkv.server.access import AccessGuard
 from radixkv.server.body_limit import LimitBody
+from radixkv.server.drain import DrainCollector, DrainGuard
 from radixkv.server.anthropic_protocol import MessagesRequest
 from radixkv.server.errors import install_error_handlers
 from radixkv.server.limits import ServerLimits
@@ -58,12 +60,15 @@ def create_app(
     # Added last runs first: count every request, then refuse forged or oversized ones unread.
     app.add_middleware(LimitBody, max_body_bytes=server.limits.max_body_bytes)
     app.add_middleware(AccessGuard, tenants=server.tenants, limits=server.limits)
+    app.add_middleware(DrainGuard, drain=server.drain)  # refusals while draining are counted too
     app.add_middleware(CountRequests, metrics=server.metrics)
+    server.metrics.registry.register(DrainCollector(server.drain))
     ops_routes.register(app, server)
     openai_routes.register(app, server)
     responses_routes.register(app, server)
     cache_routes.register(app, server)
     anthropic_routes.register(app, server)
+    worker_routes.register(app, server)
     document_request_bodies(
         app,
         {

@@ -157,6 +157,9 @@ class _EngineCollector(Collector):
             "radixkv_kv_pages_retained", "Cached pages under a live retention (cache_control ttl)", cache.retained_pages
         )
         yield _gauge("radixkv_kv_pages_in_use", "KV pages running requests hold", s.num_pages_in_use)
+        yield _gauge(
+            "radixkv_kv_usage", "Fraction of KV pages in use (neither free nor evictable)", s.num_pages_in_use / max(s.num_pages, 1)
+        )
         yield _gauge("radixkv_num_requests_waiting", "Sequences in the waiting queue", s.num_waiting)
         yield _gauge("radixkv_num_requests_running", "Sequences running", s.num_running)
         yield _gauge("radixkv_num_requests_unfinished", "Requests the engine holds", s.num_unfinished)

@@ -1,6 +1,6 @@
 """The operator's endpoints: /health (is the engine serving: its thread alive, its steps
-succeeding, none stuck) and /metrics (Prometheus). /health never asks for an API key; /metrics
-does when keys are set (radixkv.server.access), unless ServerLimits.public_metrics.
+succeeding, none stuck, the server not draining) and /metrics (Prometheus). /health never asks
+for an API key; /metrics does when keys are set (radixkv.server.access), unless ServerLimits.public_metrics.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ if TYPE_CHECKING:
 def register(app: FastAPI, server: Server) -> None:
     @app.get("/health")
     async def health() -> Response:
+        if server.drain.draining:  # 503 takes the worker out of a router's rotation
+            return server.drain.refusal().response()
         reason = server.engine.unhealthy_reason()
         if reason is not None:
             return APIError(503, reason, type="server_error", code="engine_down").response()

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from radixkv.engine.async_engine import AsyncEngine
+from radixkv.server.drain import Drain
 from radixkv.server.errors import APIError
 from radixkv.server.limits import ServerLimits
 from radixkv.server.metrics import ServerMetrics
@@ -27,6 +28,7 @@ class Server:
     limits: ServerLimits = field(default_factory=ServerLimits)
     quotas: KeyQuotas = field(init=False)
     created: int = field(default_factory=now_s)
+    drain: Drain = field(default_factory=Drain)  # set draining by SIGTERM (radixkv serve)
 
     def __post_init__(self) -> None:
         self.quotas = KeyQuotas(self.limits.max_requests_per_key, self.limits.max_seqs_per_key)

@@ -1,0 +1,84 @@
+"""Two real `radixkv serve` workers behind a real sglang-router (radixkv.cluster.LocalCluster),
+policy cache_aware: requests that share a system prompt land on one worker, whose cached tokens
+grow; a worker drained with SIGTERM leaves the rotation and no request is lost."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from radixkv.cluster import LocalCluster, router_installed
+from tests.helpers.engine import wait_until
+
+pytestmark = pytest.mark.skipif(
+    not router_installed(), reason="sglang-router is not installed (pip install 'radixkv[router]')"
+)
+
+PAGE = 16  # `radixkv serve`'s default page size: a prompt's cached part is whole pages
+SYSTEM_A = "You are a helpful assistant. Answer briefly and precisely. " * 3
+SYSTEM_B = "def add(a, b):\n    return a + b\n" * 5
+
+
+def completions_served(worker_url: str) -> float:
+    """Completions a worker has answered (its own /metrics)."""
+    text = httpx.get(f"{worker_url}/metrics", timeout=10).text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "radixkv_requests_total" and sample.labels.get("endpoint") == "/v1/completions"
+    )
+
+
+def complete(router_url: str, model: str, prompt: str, max_tokens: int) -> httpx.Response:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    return httpx.post(f"{router_url}/v1/completions", json=body, timeout=120)
+
+
+def test_cache_aware_routing_and_a_drained_worker(tiny_llama: Path, tmp_path: Path):
+    worker_args = ["--num-pages", "256", "--dtype", "float32", "--threads", "1", "--drain-timeout-s", "60"]
+    with LocalCluster(2, model=str(tiny_llama), worker_args=worker_args, log_dir=tmp_path) as cluster:
+        urls = cluster.worker_urls
+        # 1. Sequential requests, two system prompts: each prompt's requests go to one worker
+        # (the router's approximate tree matches their text), whose cache serves the prefix.
+        served_by: dict[str, set[str]] = {"A": set(), "B": set()}
+        for i in range(4):
+            for name, system in (("A", SYSTEM_A), ("B", SYSTEM_B)):
+                before = [completions_served(u) for u in urls]
+                response = complete(cluster.router_url, tiny_llama.name, f"{system}Question {i}?", 4)
+                assert response.status_code == 200, response.text
+                after = [completions_served(u) for u in urls]
+                (worker,) = [u for u, b, a in zip(urls, before, after) if a == b + 1]
+                served_by[name].add(worker)
+                usage = response.json()["usage"]
+                cached = usage["prompt_tokens_details"]["cached_tokens"]
+                if i == 0:
+                    assert cached < usage["prompt_tokens"] - 2 * PAGE  # cold: at most a shared first block
+                else:
+                    assert cached >= usage["prompt_tokens"] - PAGE  # every full block of the prefix
+        assert len(served_by["A"]) == len(served_by["B"]) == 1, served_by
+        (holder,) = served_by["A"]
+        other = next(u for u in urls if u != holder)
+
+        # 2. A flood sharing prompt A, all on its worker; SIGTERM that worker mid-flood. It
+        # refuses new work and finishes what it runs; the router retries the refusals and takes
+        # the worker out; every request completes.
+        def one(i: int) -> httpx.Response:
+            return complete(cluster.router_url, tiny_llama.name, f"{SYSTEM_A}Flood {i}?", 32)
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(one, i) for i in range(16)]
+            assert wait_until(lambda: httpx.get(f"{holder}/get_load").json()[0]["num_running_reqs"] > 0)
+            status = cluster.drain_worker(urls.index(holder))
+            responses = [f.result() for f in futures]
+        assert [r.status_code for r in responses] == [200] * 16, [r.text for r in responses if r.status_code != 200]
+        assert status == 0
+        log = cluster.workers[urls.index(holder)].log_tail(20000)
+        assert "+ 0 in use ==" in log and "0 request(s) left" in log, log
+        assert wait_until(lambda: cluster.healthy_workers() == {other}), cluster.healthy_workers()
+        assert complete(cluster.router_url, tiny_llama.name, f"{SYSTEM_A}After?", 4).status_code == 200
+
