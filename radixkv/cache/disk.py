@@ -207,12 +207,14 @@ class DiskTier:
         num_blocks: int,
         *,
         on_block: Callable[[bytes], bool] | None = None,
+        into: DiskRead | None = None,
     ) -> DiskRead:
         """Read and check blocks [start_block, start_block + num_blocks) against this model,
         this tenant and these tokens, stopping at the first that fails or is missing. Changes
-        nothing in memory, so it may run off the step loop (accept() does the bookkeeping).
-        `on_block` gets each payload as it is read; it returns False to stop (cancelled)."""
-        result = DiskRead(start_block)
+        nothing in memory but `into` (the result, if given), so it may run off the step loop
+        (accept() does the bookkeeping). `on_block` is called after each payload is added; it
+        returns False to stop (cancelled)."""
+        result = DiskRead(start_block) if into is None else into
         if not self.enabled:
             return result
         tokens = list(token_ids)
@@ -243,8 +245,8 @@ class DiskTier:
             if result.failure is not None:
                 break
             _touch(path)
-            result.payloads.append(payload)
             result.seconds += time.perf_counter() - began
+            result.payloads.append(payload)
             if on_block is not None and not on_block(payload):
                 break
         return result
