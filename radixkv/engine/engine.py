@@ -113,6 +113,7 @@ class Engine:
             self.disk,
             self.compute_cost.estimate_s,
             config.kv_disk_prefetch_bytes,
+            config.max_retained_pages_per_owner,
         )
         self.scheduler = Scheduler(config, self.kv)
         self.runner = ModelRunner(loaded.model, self.pool, loaded.device, batch_invariant=config.batch_invariant)
@@ -281,6 +282,8 @@ class Engine:
         if not batch:
             if batch.num_loaded_tokens:
                 self.counters.num_steps += 1  # a step that only loaded from disk still moved on
+                if self.config.check_invariants:
+                    self.check_invariants()
             return []
         sampling = [item.seq for item in batch.items if item.samples]
         # The grammar masks fill on worker threads while the forward runs.

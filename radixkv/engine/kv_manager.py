@@ -34,6 +34,7 @@ class KVManager:
         disk: DiskTier | None = None,
         compute_s: ComputeEstimate = lambda start, num: None,
         prefetch_bytes: int = 256 << 20,
+        max_retained_pages_per_owner: int | None = None,
     ) -> None:
         self.pool = pool
         self.tree = tree
@@ -42,6 +43,7 @@ class KVManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.disk = disk if enable_prefix_caching else None
         self.compute_s = compute_s
+        self.max_retained_pages_per_owner = max_retained_pages_per_owner  # for retentions found on disk
         self.prefetcher = DiskPrefetcher(self.disk, prefetch_bytes) if self.disk is not None else None
         self._disk_keys: dict[int, list[int]] = {}  # seq id -> disk keys of its blocks (a token to spare)
         self._recompute: set[int] = set()  # seq ids whose disk hit is computed: reading is the slower
@@ -227,6 +229,25 @@ class KVManager:
         seq.page_table.extend(pages)
         seq.num_computed_tokens = (start + used) * ps
         self.commit(seq)
+        self._retain_as_on_disk(seq, keys, start + used)
+
+    def _retain_as_on_disk(self, seq: SequenceState, keys: list[int], num_blocks: int) -> None:
+        """Blocks that came back from disk under a live retention (one a previous process made,
+        say) are retained in RAM again, until the same time: retention holds in both tiers. The
+        owner is known there only by a digest, so it counts as its own owner in RAM's cap."""
+        assert self.disk is not None
+        for block in range(num_blocks - 1, -1, -1):  # a retention covers a prefix: the deepest says it all
+            retention = self.disk.retention(keys[block])
+            if retention is None:
+                continue
+            ttl_s = retention.until_s - time.time()
+            cap = self.max_retained_pages_per_owner
+            if ttl_s > 0 and (cap is None or cap > 0):
+                prefix = seq.all_token_ids[: (block + 1) * self.page_size]
+                match = self.tree.match(prefix + [0], seq.salt, record=False)
+                for page in match.pages[: self.tree.retain(match.node, ttl_s, f"disk:{retention.owner}", cap)]:
+                    self._page_retained[page] = True
+            return
 
     def _disk_pays(self, start_block: int, num_blocks: int) -> bool:
         """Whether reading blocks [start_block, start_block + num_blocks) beats computing them.

@@ -236,7 +236,7 @@ def test_retention_survives_a_restart_and_a_burst_on_disk(tiny_llama: Path, work
     evicted under 'capacity'."""
     batch, expected = workload
     block_bytes = 512 + 4 * 4 * 2 * 2 * 8 * 4  # well over one block file of the tiny model
-    options = dict(kv_disk_dir=str(tmp_path / "kv"), kv_disk_bytes=40 * block_bytes, num_pages=16)
+    options = dict(kv_disk_dir=str(tmp_path / "kv"), kv_disk_bytes=40 * block_bytes, num_pages=24)
     first = make_llm(tiny_llama, **options)
     assert generate(first, batch[:1]) == expected[:1]
     assert first.engine.retain(batch[0], ttl_s=3600, owner="tenant") == 44  # 11 blocks, written through
@@ -248,6 +248,11 @@ def test_retention_survives_a_restart_and_a_burst_on_disk(tiny_llama: Path, work
     assert disk.evicted_blocks["capacity"] > 0 and disk.evicted_blocks["retained"] == 0
     output = second.generate([batch[0]], PARAMS)[0]
     assert output.token_ids == expected[0] and output.num_cached_tokens == 44
+    # Back in RAM it is retained again, until the same time: another burst leaves it there.
+    assert second.stats().cache.retained_pages == 11
+    generate(second, prompts(10, count=4))
+    again = second.generate([batch[0]], PARAMS)[0]
+    assert again.token_ids == expected[0] and second.stats().disk.hit_blocks == 11  # from RAM this time
     assert_pages_returned(second.engine)
 
 
