@@ -214,8 +214,7 @@ class KVManager:
         used = len(pages)
         if used < num:
             self.prefetcher.cancel(seq.seq_id)  # no page for the rest: computed instead
-        for page, payload in zip(pages, taken.payloads):
-            self.pool.load_page(page, payload)
+        self.pool.load_pages(pages, taken.payloads[:used])
         self.disk.accept(
             keys,
             start,
