@@ -20,6 +20,7 @@ class Prefetch:
     keys: list[int]
     start_block: int
     end_block: int
+    run_end_block: int  # where the run on disk ended when the read began (past end_block: read in parts)
     read: DiskRead | None = None  # set by the worker as it starts; payloads grow block by block
     taken: int = 0  # payloads handed out so far (their blocks are start_block + 0..taken-1)
     done: threading.Event = field(default_factory=threading.Event)
@@ -60,10 +61,13 @@ class DiskPrefetcher:
         held = sum(p.end_block - p.next_block for p in self._pending.values())
         return max(0, self.max_bytes // max(1, self.disk.payload_bytes) - held)
 
-    def start(self, seq_id: int, token_ids: Sequence[int], salt: str | None, keys: list[int], start: int, num: int) -> Prefetch:
-        """Begin reading blocks [start, start + num) of the sequence's prefix."""
+    def start(
+        self, seq_id: int, token_ids: Sequence[int], salt: str | None, keys: list[int], start: int, num: int, run_end: int
+    ) -> Prefetch:
+        """Begin reading blocks [start, start + num) of the sequence's prefix, part of a run
+        on disk that ends at block `run_end`."""
         assert seq_id not in self._pending
-        prefetch = Prefetch(keys, start, start + num)
+        prefetch = Prefetch(keys, start, start + num, run_end)
         self._pending[seq_id] = prefetch
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="radixkv-disk-prefetch")

@@ -175,16 +175,16 @@ class KVManager:
         holds, at least `min_blocks`); None when there is none, or it is computed instead."""
         assert self.disk is not None and self.prefetcher is not None
         keys, end = self._disk_keys_of(seq)
-        num = self.disk.count_cached(keys, start, end - start)  # touched: evictions spare them
-        if num == 0:
+        found = self.disk.count_cached(keys, start, end - start)  # touched: evictions spare them
+        if found == 0:
             return None
-        if not self._disk_pays(start, num):
+        if not self._disk_pays(start, found):
             self._recompute.add(seq.seq_id)
             return None
-        num = min(num, max(min_blocks, self.prefetcher.room_blocks()))
+        num = min(found, max(min_blocks, self.prefetcher.room_blocks()))
         if num == 0:
             return None
-        self.prefetcher.start(seq.seq_id, seq.all_token_ids, seq.salt, keys, start, num)
+        self.prefetcher.start(seq.seq_id, seq.all_token_ids, seq.salt, keys, start, num, start + found)
         return True
 
     def _load_from_disk(self, seq: SequenceState, max_blocks: int) -> None:
@@ -203,8 +203,11 @@ class KVManager:
             # RAM gained or lost blocks since the read began: read again from where it is now.
             self.prefetcher.cancel(seq.seq_id)
             prefetch = None
-        if prefetch is None and self._start_prefetch(seq, start, min_blocks=limit) is None:
-            return
+        if prefetch is None:
+            if self._start_prefetch(seq, start, min_blocks=limit) is None:
+                return
+            prefetch = self.prefetcher.get(seq.seq_id)
+            assert prefetch is not None
         keys, _ = self._disk_keys_of(seq)
         taken = self.prefetcher.take(seq.seq_id, limit)
         num = len(taken.payloads)
@@ -229,6 +232,11 @@ class KVManager:
         seq.num_computed_tokens = (start + used) * ps
         self.commit(seq)
         self._retain_as_on_disk(seq, keys, start + used)
+        if used == num and taken.failure is None and self.prefetcher.get(seq.seq_id) is None:
+            if prefetch.end_block == start + used < prefetch.run_end_block:
+                # The budget cut the read short of the run: read the next part while this chunk
+                # computes (at least a chunk's worth, so a long hit never falls back to compute).
+                self._start_prefetch(seq, start + used, min_blocks=limit)
 
     def _retain_as_on_disk(self, seq: SequenceState, keys: list[int], num_blocks: int) -> None:
         """Blocks that came back from disk under a live retention (one a previous process made,
