@@ -94,6 +94,12 @@ class EngineConfig:
     # model's blocks are misses there, and both models' evictions share its budget.
     kv_disk_dir: str | None = None
     kv_disk_bytes: int = 16 << 30  # the tier's budget in bytes; the least recently used blocks go past it
+    # Per retention owner (a tenant), at most this many bytes of the disk tier are retained
+    # (evicted last); past it the owner's retentions that end first are given up there.
+    kv_disk_retained_bytes_per_owner: int = 4 << 30
+    # A disk hit is read on a background thread ahead of its use (while other requests, or the
+    # request's own earlier chunks, compute); at most this many bytes are held read but unused.
+    kv_disk_prefetch_bytes: int = 256 << 20
     # Serving health (AsyncEngine): after this many failed steps in a row, or while one step has
     # run longer than step_watchdog_s seconds, the engine reports itself unhealthy (/health 503)
     # so a supervisor can restart it; a step that succeeds again makes it healthy.
@@ -128,6 +134,8 @@ class EngineConfig:
         if self.kv_disk_dir is not None and (not isinstance(self.kv_disk_dir, str) or not self.kv_disk_dir.strip()):
             raise ConfigError(f"kv_disk_dir must be None or a directory path, got {self.kv_disk_dir!r}", param="kv_disk_dir")
         _positive(self, "kv_disk_bytes", limit=1 << 50)
+        _positive(self, "kv_disk_retained_bytes_per_owner", limit=1 << 50)
+        _positive(self, "kv_disk_prefetch_bytes", limit=1 << 40)
         _choice(self, "dtype", DTYPES)
         _choice(self, "attention_backend", BACKENDS)
         _choice(self, "linear_kernel", LINEAR_KERNELS)

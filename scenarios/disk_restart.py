@@ -20,6 +20,7 @@ from pathlib import Path
 from radixkv.config import EngineConfig
 from radixkv.engine.engine import Engine
 from radixkv.engine.request import SamplingParams
+from radixkv.scenarios.machine import machine_limits
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,16 +53,29 @@ def main(argv: list[str] | None = None) -> int:
     written = first.close()
     persist_s = time.perf_counter() - start
     disk_bytes = first.disk.stats().bytes_used if first.disk else 0
+    page_size = first.config.page_size
+    num_blocks = args.system_len // page_size
+    # The engine's fitted compute cost for the system prompt's blocks, learnt from the cold run.
+    compute_s = first.compute_cost.estimate_s(0, num_blocks * page_size)
+    fit = first.compute_cost.coefficients()
     del first
 
     warm = _engine(loaded, base, directory)
     rows.append(_ttft(warm, "restart: system prompt from disk", system + questions[1]))
     rows.append(_ttft(warm, "then: system prompt from RAM", system + questions[2]))
-    hit_blocks = warm.disk.stats().hit_blocks if warm.disk else 0
+    warm_disk = warm.disk.stats() if warm.disk else None
+    hit_blocks = warm_disk.hit_blocks if warm_disk else 0
+    read_s = warm_disk.read_s_per_block * num_blocks if warm_disk and warm_disk.read_s_per_block else None
+    warm.close()
     del warm
     recompute = _engine(loaded, base, None)
     rows.append(_ttft(recompute, "restart without the tier: recompute", system + questions[1]))
 
+    limits = machine_limits(loaded.dtype)
+    print(
+        f"{limits['cpu']}, {limits['torch_threads']} threads, read {limits['read_bandwidth_gb_s']:.1f} GB/s, "
+        f"{limits['matmul_dtype']} matmul {limits['matmul_gflops']:.0f} GFLOP/s; model {loaded.path} {loaded.dtype}\n"
+    )
     print(f"{'case':<40} {'TTFT s':>8} {'cached tokens':>14}")
     for row in rows:
         print(f"{row['case']:<40} {row['ttft_s']:>8.3f} {row['cached_tokens']:>14,}")
@@ -69,6 +83,13 @@ def main(argv: list[str] | None = None) -> int:
         f"\nclose wrote {written} blocks ({disk_bytes / 2**20:,.1f} MiB) in {persist_s:.2f} s; "
         f"the restart loaded {hit_blocks} blocks; disk vs recompute: {rows[3]['ttft_s'] / rows[1]['ttft_s']:.1f}x faster"
     )
+    if read_s is not None and compute_s is not None and fit is not None:
+        # What the engine weighs before reading a disk hit (KVManager._disk_pays).
+        print(
+            f"the decision for {num_blocks} blocks: reading {read_s:.3f} s (measured, {read_s / num_blocks * 1e3:.2f} ms/block) "
+            f"vs computing {compute_s:.2f} s (fitted: {fit[0] * 1e3:.3f} ms/token + {fit[1] * 1e9:.2f} ns/attended position) "
+            f"-> {'read' if read_s < compute_s else 'compute'}"
+        )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report = {
@@ -80,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
         "persist_blocks": written,
         "persist_s": persist_s,
         "disk_bytes": disk_bytes,
+        "decision": {"blocks": num_blocks, "read_s": read_s, "compute_s": compute_s, "fit_s_per_token_and_attended": fit},
+        "machine_limits": limits,
         "rows": rows,
     }
     (out / "disk_restart.json").write_text(json.dumps(report, indent=2) + "\n")

@@ -18,7 +18,10 @@ in blocks); a match that runs out in RAM continues there and the hit blocks come
 
 Rows: each policy replayed; `belady` (the optimal at the same capacity, RAM + disk where a
 disk tier is set); `lru+oracle` (LRU told which blocks are never used again, evicting those
-first: the ceiling of any "evict private tails first" guess); `infinite`.
+first: the ceiling of any "evict private tails first" guess); `infinite`. With --oracles, two
+ceilings of frequency-based policies: `lfu+oracle` (evicts the blocks with the fewest uses
+over the whole trace, known in advance: perfect popularity) and `future+oracle` (the fewest
+uses still to come).
 """
 
 from __future__ import annotations
@@ -77,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--policy", default=",".join(EVICTION_POLICIES), help=f"eviction policies, comma separated ({', '.join(EVICTION_POLICIES)})")
     parser.add_argument("--page-size", type=int, default=16, help="tokens per page (each trace block is one page)")
     parser.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    parser.add_argument("--oracles", action="store_true", help="add the frequency oracles (lfu+oracle, future+oracle) beside lru+oracle")
     parser.add_argument("--out", default="out/trace_replay", help="folder for trace_replay.json and .png")
     args = parser.parse_args(argv)
     ram_fractions = _fractions(args.ram_fraction, "--ram-fraction", allow_zero=False)
@@ -100,6 +104,9 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(belady_row(trace, ram_fraction, disk_fraction, ram_blocks, disk_blocks))
             if not disk_fraction:
                 rows.append(oracle_row(trace, ram_fraction, ram_blocks))
+                if args.oracles:
+                    rows.append(oracle_row(trace, ram_fraction, ram_blocks, "popularity"))
+                    rows.append(oracle_row(trace, ram_fraction, ram_blocks, "remaining"))
             for policy in policies:
                 rows.append(replay(trace, policy, ram_fraction, disk_fraction, ram_blocks, disk_blocks, args.page_size))
     print_table(rows)
@@ -201,17 +208,24 @@ def belady_row(trace: Trace, ram_fraction: float, disk_fraction: float, ram_bloc
     return Row("belady", "belady", ram_fraction, disk_fraction, ram_blocks, disk_blocks, ratio, 0.0, ratio, 0.0)
 
 
-def oracle_row(trace: Trace, ram_fraction: float, ram_blocks: int) -> Row:
-    """LRU told which blocks are never used again and evicting those first: the ceiling of any
-    "evict private tails first" policy, however well it guesses."""
-    ratio = belady_hit_ratio(prefix_ids(trace.requests), ram_blocks, oracle="reuse")
-    return Row("oracle", "lru+oracle", ram_fraction, 0.0, ram_blocks, 0, ratio, 0.0, ratio, 0.0)
+_ORACLE_NAMES = {"reuse": "lru+oracle", "popularity": "lfu+oracle", "remaining": "future+oracle"}
+
+
+def oracle_row(trace: Trace, ram_fraction: float, ram_blocks: int, oracle: str = "reuse") -> Row:
+    """A policy told something of the future (see belady_hit_ratio's `oracle`): the ceiling of
+    any online policy that guesses it ("reuse": which blocks are never used again, the guess
+    of "evict private tails first"; "popularity"/"remaining": how often a block is used,
+    the guess of every frequency-based policy)."""
+    ratio = belady_hit_ratio(prefix_ids(trace.requests), ram_blocks, oracle=oracle)
+    return Row("oracle", _ORACLE_NAMES[oracle], ram_fraction, 0.0, ram_blocks, 0, ratio, 0.0, ratio, 0.0)
 
 
 def belady_hit_ratio(requests: list[list[int]], capacity_blocks: int, oracle: str = "belady") -> float:
     """Prefix hits of a cache of `capacity_blocks` blocks that evicts the block used again
     farthest in the future (deepest first on ties, so a prefix outlives its extensions); with
-    oracle="reuse", the least recently used among those never used again, else among all."""
+    oracle="reuse", the least recently used among those never used again, else among all;
+    "popularity": the one with the fewest uses over the whole trace, "remaining": the fewest
+    uses still to come (least recently used first among equals, for both)."""
     uses: dict[int, list[int]] = defaultdict(list)
     for t, row in enumerate(requests):
         for block in row:
@@ -235,7 +249,14 @@ def belady_hit_ratio(requests: list[list[int]], capacity_blocks: int, oracle: st
             use = uses[block]
             upcoming = use[next_use[block]] if next_use[block] < len(use) else never
             # order.pop() takes the largest key: for "reuse", never-again first, then the oldest.
-            key = (upcoming, depth, block) if oracle == "belady" else (upcoming == never, -t, depth, block)
+            if oracle == "belady":
+                key = (upcoming, depth, block)
+            elif oracle == "reuse":
+                key = (upcoming == never, -t, depth, block)
+            elif oracle == "popularity":
+                key = (-len(use), -t, depth, block)
+            else:
+                key = (next_use[block] - len(use), -t, depth, block)
             cached[block] = key
             order.add(key)
     return hits / total if total else 0.0
@@ -334,14 +355,14 @@ def serve_request(kv: KVManager, disk: DiskIndex | None, seq: SequenceState) -> 
 
 
 def print_table(rows: list[Row]) -> None:
-    header = f"{'policy':<10} {'RAM':>6} {'disk':>6} {'RAM blocks':>10} {'disk blocks':>11} {'hit RAM':>8} {'hit disk':>8} {'hit all':>8} {'us/req':>8}"
+    header = f"{'policy':<13} {'RAM':>6} {'disk':>6} {'RAM blocks':>10} {'disk blocks':>11} {'hit RAM':>8} {'hit disk':>8} {'hit all':>8} {'us/req':>8}"
     print(header)
     print("-" * len(header))
     for row in rows:
         us = f"{row.us_per_request:8.0f}" if row.kind == "replay" else f"{'-':>8}"
         ram = "inf" if row.kind == "infinite" else f"{row.ram_fraction:.0%}"
         print(
-            f"{row.policy if row.kind != 'infinite' else 'infinite':<10} {ram:>6} {row.disk_fraction:>6.0%} "
+            f"{row.policy if row.kind != 'infinite' else 'infinite':<13} {ram:>6} {row.disk_fraction:>6.0%} "
             f"{row.ram_blocks:>10,} {row.disk_blocks:>11,} {row.ram_hit_ratio:>8.3f} {row.disk_hit_ratio:>8.3f} "
             f"{row.hit_ratio:>8.3f} {us}"
         )
@@ -355,7 +376,7 @@ def plot(rows: list[Row], path: Path) -> None:
 
     infinite = next(row.hit_ratio for row in rows if row.kind == "infinite")
     groups = sorted({(row.ram_fraction, row.disk_fraction) for row in rows if row.kind != "infinite"})
-    series = sorted({row.policy for row in rows if row.kind != "infinite"}, key=lambda p: (p in ("belady", "lru+oracle"), p))
+    series = sorted({row.policy for row in rows if row.kind != "infinite"}, key=lambda p: (p == "belady" or "oracle" in p, p))
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(groups) + 2), 4))
     width = 0.8 / max(1, len(series))
     for i, policy in enumerate(series):

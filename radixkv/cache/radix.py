@@ -333,6 +333,14 @@ class RadixTree:
         """The owner's live retentions (as of the last expire), oldest first."""
         return self._book.of_owner(owner)
 
+    def retention(self, retention_id: int) -> Retention | None:
+        """A live retention by id (the keys of Node.retains)."""
+        return self._book.get(retention_id)
+
+    def now_s(self) -> float:
+        """The clock retention expiries are on."""
+        return self._now_s()
+
     @property
     def evictable_pages(self) -> int:
         return self._evictable_pages

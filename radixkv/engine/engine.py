@@ -20,6 +20,7 @@ from radixkv.cache.hashing import BlockHasher
 from radixkv.cache.pages import PagePool
 from radixkv.cache.radix import RadixTree
 from radixkv.config import EngineConfig
+from radixkv.engine.compute_cost import ComputeCost, attended
 from radixkv.engine.guide import Guides
 from radixkv.engine.kv_manager import KVManager
 from radixkv.engine.request import (
@@ -103,8 +104,16 @@ class Engine:
         self.hasher = BlockHasher(config.page_size, seed=config.hash_seed)
         self.tree = RadixTree(self.pool, self.hasher, eviction_policy=config.eviction_policy)
         self.disk = self._disk_tier(loaded) if config.kv_disk_dir and config.enable_prefix_caching else None
+        self.compute_cost = ComputeCost()
         self.kv = KVManager(
-            self.pool, self.tree, self.hasher, config.enable_prefix_caching, self.disk, self._compute_s_per_token
+            self.pool,
+            self.tree,
+            self.hasher,
+            config.enable_prefix_caching,
+            self.disk,
+            self.compute_cost.estimate_s,
+            config.kv_disk_prefetch_bytes,
+            config.max_retained_pages_per_owner,
         )
         self.scheduler = Scheduler(config, self.kv)
         self.runner = ModelRunner(loaded.model, self.pool, loaded.device, batch_invariant=config.batch_invariant)
@@ -271,6 +280,10 @@ class Engine:
         clock = _PhaseClock(self.step_times)
         batch = self.scheduler.schedule()
         if not batch:
+            if batch.num_loaded_tokens:
+                self.counters.num_steps += 1  # a step that only loaded from disk still moved on
+                if self.config.check_invariants:
+                    self.check_invariants()
             return []
         sampling = [item.seq for item in batch.items if item.samples]
         # The grammar masks fill on worker threads while the forward runs.
@@ -279,8 +292,14 @@ class Engine:
         try:
             prepared = self.runner.prepare(batch)
             clock.lap("prepare")
+            forward_start_s = clock.last
             logits = self.runner.forward(*prepared)
             clock.lap("forward")
+            self.compute_cost.observe(
+                batch.num_tokens,
+                sum(attended(item.seq.num_computed_tokens, item.num_new_tokens) for item in batch.items),
+                clock.last - forward_start_s,
+            )
         finally:
             masks = pending.join() if pending is not None else None
         # Rows with NaN or infinite logits (one bad sequence, e.g. an overflow; a row sum is
@@ -435,6 +454,7 @@ class Engine:
             fingerprint=model_fingerprint(loaded),
             page_size=self.config.page_size,
             payload_bytes=self.pool.page_nbytes,
+            max_owner_retained_bytes=self.config.kv_disk_retained_bytes_per_owner,
         )
 
     def lookup(self, prompt_token_ids: list[int], salt: str | None = None) -> tuple[int, int]:
@@ -447,14 +467,10 @@ class Engine:
         blocks deleted). Running requests and pins keep theirs."""
         return self.kv.flush(ram, disk)
 
-    def _compute_s_per_token(self) -> float | None:
-        """Forward seconds per computed token so far; None until enough tokens ran to tell."""
-        tokens = self.counters.num_tokens_computed
-        return self.step_times.forward / tokens if tokens >= 256 else None
-
     def close(self) -> int:
         """Write what RAM caches to the disk tier, so the next start finds it warm; returns the
         blocks written (0 without a disk tier). The engine stays usable."""
+        self.kv.close()
         return self.kv.persist()
 
     # -- introspection -----------------------------------------------------------------------
@@ -474,6 +490,7 @@ class Engine:
             num_preemptions=self.scheduler.num_preemptions,
             num_deferrals=self.scheduler.num_deferrals,
             disk=self.disk.stats() if self.disk is not None else None,
+            residency=self.kv.residency(),
         )
 
     def check_invariants(self) -> None:

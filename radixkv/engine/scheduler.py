@@ -27,6 +27,9 @@ class ScheduledSeq:
 class Batch:
     items: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[SequenceState] = field(default_factory=list)
+    # Tokens loaded from the disk tier this step by sequences with nothing to compute yet (their
+    # disk hit goes on past this chunk): progress, though no item runs for them.
+    num_loaded_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -45,6 +48,7 @@ class Scheduler:
         self.step_count = 0
         self.num_preemptions = 0
         self.num_deferrals = 0
+        self.num_disk_waits = 0  # admissions put off a step while the disk hit was read
 
     def add(self, seq: SequenceState) -> None:
         seq.arrival_step = self.step_count
@@ -83,6 +87,12 @@ class Scheduler:
                 num_new -= loaded
                 if seq.num_preemptions == 0 and not seq.output_token_ids:
                     seq.num_cached_tokens += loaded  # served by the cache, as at admission
+                if loaded and self.kv.loading(seq):
+                    # The hit goes on past this chunk: computing the chunk's last few tokens would
+                    # end it inside a block and cut the hit short there.
+                    batch.num_loaded_tokens += loaded
+                    token_budget -= loaded
+                    continue
             while not self.kv.reserve(seq, num_new):
                 victim = self._preemption_victim(exclude=scheduled)
                 self._preempt(victim, batch)
@@ -122,28 +132,41 @@ class Scheduler:
             if self._should_defer(seq, cached, computing):
                 self.num_deferrals += 1
                 continue
-            num_new = self._admit(seq, token_budget)
-            if num_new == 0:
+            if self.kv.prefetcher is not None and not self.kv.prefetch(seq, token_budget) and batch.items:
+                # Its disk hit is being read on the background thread while this batch
+                # computes; it is admitted once read (with nothing else to run, it waits now).
+                self.num_disk_waits += 1
+                continue
+            admitted = self._admit(seq, token_budget)
+            if admitted is None:
                 break
+            num_new, loaded = admitted
+            token_budget -= num_new + loaded
+            if num_new == 0:
+                batch.num_loaded_tokens += loaded  # only loaded this step (its hit goes on)
+                continue
             batch.items.append(ScheduledSeq(seq, num_new, num_new == seq.num_uncomputed_tokens))
-            token_budget -= num_new
             computing.update(self._uncomputed_block_hashes(seq))
 
-    def _admit(self, seq: SequenceState, token_budget: int) -> int:
-        """Look, check, then match, lock and allocate for seq's first chunk; 0 (nothing held,
-        nothing touched) if it can't fit, so a refusal has nothing to undo."""
+    def _admit(self, seq: SequenceState, token_budget: int) -> tuple[int, int] | None:
+        """Look, check, then match, lock and allocate for seq's first chunk: (tokens to compute,
+        tokens loaded from disk in it); None (nothing held, nothing touched) if it can't fit,
+        so a refusal has nothing to undo."""
         peek = self.kv.peek_seq(seq)
         num_new = min(seq.num_tokens - peek.num_cached_tokens, token_budget)
         needed, available = self.kv.pages_to_admit(peek, num_new)
         # Keep a page of headroom per running sequence so admissions don't immediately force
         # preemptions when the running ones cross a page boundary.
         if needed + len(self.running) > available:
-            return 0
+            return None
         cached = self.kv.admit(seq, num_new)
         # Past what the peek saw, only blocks loaded from the disk tier, into pages the check
         # counted for computing them; what is left of the chunk needs no more pages than that.
         assert cached >= peek.num_cached_tokens, "nothing ran between the look and the match"
-        num_new -= cached - peek.num_cached_tokens
+        loaded = cached - peek.num_cached_tokens
+        num_new -= loaded
+        if loaded and self.kv.loading(seq):
+            num_new = 0  # the hit goes on past this chunk: the next one loads on (see above)
         reserved = self.kv.reserve(seq, num_new)
         assert reserved, "the pages were counted as available a moment ago"
         if seq.num_preemptions == 0 and not seq.output_token_ids:
@@ -151,7 +174,7 @@ class Scheduler:
         self.waiting.remove(seq)
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
-        return num_new
+        return num_new, loaded
 
     def _waiting_in_policy_order(self) -> list[tuple[SequenceState, int]]:
         """Waiting sequences in the order to try them, each with its cached-token count now

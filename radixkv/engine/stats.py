@@ -8,6 +8,7 @@ from dataclasses import dataclass, fields
 
 from radixkv.cache.disk import DiskStats
 from radixkv.cache.radix import CacheStats
+from radixkv.cache.residency import TierResidency
 
 
 @dataclass(slots=True)
@@ -40,6 +41,9 @@ class EngineStats:
     num_preemptions: int
     num_deferrals: int
     disk: DiskStats | None = None  # the disk tier's, when there is one
+    # Per tier ("ram", and "disk" with a disk tier): hits, blocks, bytes, evictions by reason,
+    # block lifetime and reuse gap histograms.
+    residency: dict[str, TierResidency] | None = None
 
 
 @dataclass(slots=True)

@@ -12,11 +12,12 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from radixkv.cache.disk import DiskStats
+from radixkv.cache.residency import EVICTION_REASONS, HistogramSnapshot, TierResidency
 from radixkv.engine.stats import EngineStats
 
 if TYPE_CHECKING:
@@ -177,6 +178,42 @@ class _EngineCollector(Collector):
         )
         if s.disk is not None:
             yield from _disk_metrics(s.disk)
+        if s.residency:
+            yield from _residency_metrics(s.residency)
+
+
+def _residency_metrics(tiers: dict[str, TierResidency]) -> Iterator[Metric]:
+    """Per tier (label tier="ram" or "disk"): hits, holdings, evictions by reason, and how long
+    blocks stay and how long between their uses."""
+    hits = CounterMetricFamily("radixkv_cache_hit_blocks", "KV blocks served from each cache tier", labels=["tier"])
+    blocks = GaugeMetricFamily("radixkv_cache_blocks", "KV blocks each cache tier holds", labels=["tier"])
+    nbytes = GaugeMetricFamily("radixkv_cache_bytes", "Bytes of KV each cache tier holds", labels=["tier"])
+    evicted = CounterMetricFamily(
+        "radixkv_cache_evicted_blocks",
+        "KV blocks that left a tier, by reason: capacity, retained (under a live retention, nothing "
+        "else left), retention_expired, flush, rejected (failed its checks on load)",
+        labels=["tier", "reason"],
+    )
+    lifetime = HistogramMetricFamily(
+        "radixkv_cache_block_lifetime_seconds", "From a block entering a tier to leaving it", labels=["tier"]
+    )
+    reuse = HistogramMetricFamily(
+        "radixkv_cache_block_reuse_gap_seconds", "Between consecutive hits of a block in a tier (first hit: since it entered)", labels=["tier"]
+    )
+    for tier, residency in tiers.items():
+        hits.add_metric([tier], residency.hit_blocks)
+        blocks.add_metric([tier], residency.blocks)
+        nbytes.add_metric([tier], residency.bytes)
+        for reason in EVICTION_REASONS:
+            evicted.add_metric([tier, reason], residency.evicted_blocks.get(reason, 0))
+        lifetime.add_metric([tier], _buckets(residency.lifetime_s), sum_value=residency.lifetime_s.sum)
+        reuse.add_metric([tier], _buckets(residency.reuse_gap_s), sum_value=residency.reuse_gap_s.sum)
+    yield from (hits, blocks, nbytes, evicted, lifetime, reuse)
+
+
+def _buckets(histogram: HistogramSnapshot) -> list[tuple[str, float]]:
+    bounds = [repr(float(bound)) for bound in histogram.bounds] + ["+Inf"]
+    return list(zip(bounds, histogram.cumulative()))
 
 
 def _disk_metrics(disk: DiskStats) -> Iterator[Metric]:

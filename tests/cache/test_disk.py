@@ -10,6 +10,7 @@ import resource
 import shutil
 import signal
 import stat
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -226,17 +227,79 @@ def test_budget_evicts_least_recently_used_blocks_first(tmp_path: Path) -> None:
     assert restarted.stats().blocks == 2 and len(block_files(tmp_path / "kv")) == 2
 
 
+FOREVER = float("inf")
+
+
 def test_disk_index_keeps_retained_blocks_last() -> None:
     index = DiskIndex(budget_bytes=3)
-    index.add("kept", 1, retained=True)
+    index.add("kept", 1, retain_until_s=FOREVER)
     index.add("a", 1)
     index.add("b", 1)
-    assert index.add("c", 1) == ["a"]
+    assert index.add("c", 1) == ["a"] and index.reasons == ["capacity"]
     index.touch("b")
     assert index.add("d", 1) == ["c"]
     assert index.add("e", 2) == ["b", "d"]
     assert index.add("f", 1) == ["e"] and "kept" in index
-    assert index.add("g", 3) == ["f", "kept"] and index.add("h", 4) is None
+    assert index.add("g", 3) == ["f", "kept"] and index.reasons == ["capacity", "retained"]
+    assert index.add("h", 4) is None
+
+
+def test_disk_retentions_go_by_expiry_then_lapse_into_lru() -> None:
+    now = [100.0]
+    index = DiskIndex(budget_bytes=4, clock=lambda: now[0])
+    index.add("late", 1, retain_until_s=300.0)
+    index.add("early", 1, retain_until_s=200.0)
+    index.add("plain", 1)
+    index.add("plain2", 1)
+    assert index.add("x", 2) == ["plain", "plain2"]
+    assert index.add("y", 2) == ["x"]  # retained ones stay while any plain is left
+    index.remove("y")
+    assert index.add("w", 3) == ["early"] and index.reasons == ["retained"]  # earliest expiry first
+    index.add("u", 3)  # late (1) + u (3): full
+    now[0] = 301.0  # "late" expired: first in line among the plain, under its own reason
+    assert index.retention("late") is None
+    assert index.add("v", 1) == ["late"] and index.reasons == ["retention_expired"]
+    assert not index.retain("v", 250.0)  # a time already past retains nothing
+
+
+def test_each_owners_retained_bytes_are_capped() -> None:
+    index = DiskIndex(budget_bytes=100, max_owner_bytes=3, clock=lambda: 0.0)
+    for key, until in (("a1", 10.0), ("a2", 30.0), ("a3", 20.0)):
+        index.add(key, 1, retain_until_s=until, owner="a")
+    index.add("b1", 2, retain_until_s=5.0, owner="b")
+    assert index.owner_bytes("a") == 3 and index.owner_bytes("b") == 2
+    index.add("a4", 2, retain_until_s=40.0, owner="a")  # over a's cap: a's earliest expiries go
+    assert index.owner_bytes("a") == 3 and index.retention("a1") is None and index.retention("a3") is None
+    assert index.retention("a2") is not None and index.retention("a4") is not None and "a1" in index
+    assert index.owner_bytes("b") == 2  # another owner is untouched
+    assert not index.retain("a5", 50.0, "a")  # not stored
+    assert index.add("big", 4, retain_until_s=50.0, owner="a") == []
+    assert index.retention("big") is None  # stored, but more than the cap alone: not retained
+
+
+def test_retentions_survive_a_restart_until_they_expire(tmp_path: Path) -> None:
+    pool = make_pool()
+    probe = make_tier(tmp_path / "probe", pool=pool)
+    save_prompt(probe, pool, PROMPT[:PS])
+    one_block = probe.stats().bytes_used
+    budget = 5 * one_block  # a block's file grows with its prefix: room for 4 or so
+    tier = make_tier(tmp_path / "kv", budget_bytes=budget, pool=pool)
+    kept = [9] * (2 * PS)
+    keys = tier.keys(kept, None)
+    until_s = time.time() + 3600
+    assert tier.save(kept, None, keys, 0, 2, pool.page_bytes, retain_until_s=until_s, owner="tenant") == 2
+    short = [8] * PS
+    tier.save(short, None, tier.keys(short, None), 0, 1, pool.page_bytes, retain_until_s=time.time() + 0.05, owner="t2")
+    assert tier.stats().retained_blocks == 3 and stat.S_IMODE(os.stat(tmp_path / "kv" / "retained.json").st_mode) == 0o600
+    time.sleep(0.1)
+    restarted = make_tier(tmp_path / "kv", budget_bytes=budget, pool=pool)
+    assert restarted.stats().retained_blocks == 2  # the short one expired meanwhile
+    assert restarted.retention(keys[1]).until_s == until_s
+    for filler in range(6):  # a burst of other blocks: the retained pair stays
+        save_prompt(restarted, pool, [filler + 20] * PS)
+    assert len(load_prompt(restarted, kept)) == 2
+    evicted = restarted.residency_stats().evicted_blocks
+    assert evicted["capacity"] >= 4 and evicted["retained"] == 0
 
 
 @settings(max_examples=200, deadline=None)
@@ -249,34 +312,38 @@ def test_disk_index_keeps_retained_blocks_last() -> None:
 )
 def test_disk_index_against_a_reference(budget: int, ops) -> None:
     """Bytes stay within the budget and equal the sum of the sizes; victims go least recently
-    used first, plain before retained."""
+    used first, plain before retained (retained ones, never expiring, in the order retained)."""
     index = DiskIndex(budget)
     ref: dict[int, tuple[int, bool]] = {}  # key -> (size, retained), in use order
+
+    def order() -> list[int]:
+        return [k for k in ref if not ref[k][1]] + [k for k in ref if ref[k][1]]
+
     for op, key, size, retained in ops:
         if op == "add":
-            evicted = index.add(key, size, retained=retained)
+            evicted = index.add(key, size, retain_until_s=FOREVER if retained else 0.0)
             if size > budget:
                 assert evicted is None
                 continue
             ref.pop(key, None)
             expected = []
-            order = [k for k in ref if not ref[k][1]] + [k for k in ref if ref[k][1]]
+            victims = order()
             while sum(s for s, _ in ref.values()) + size > budget:
-                victim = order.pop(0)
+                victim = victims.pop(0)
                 expected.append(victim)
                 del ref[victim]
             assert evicted == expected
             ref[key] = (size, retained)
         elif op == "touch":
             assert index.touch(key) == (key in ref)
-            if key in ref:
+            if key in ref and not ref[key][1]:
                 ref[key] = ref.pop(key)
         elif op == "remove":
             assert index.remove(key) == (ref.pop(key)[0] if key in ref else 0)
         else:
-            order = [k for k in ref if not ref[k][1]] + [k for k in ref if ref[k][1]]
-            assert index.pop_victim() == (order[0] if order else None)
-            if order:
-                del ref[order[0]]
+            victims = order()
+            assert index.pop_victim() == (victims[0] if victims else None)
+            if victims:
+                del ref[victims[0]]
         assert index.bytes_used == sum(s for s, _ in ref.values()) <= budget
-        assert list(index) == [k for k in ref if not ref[k][1]] + [k for k in ref if ref[k][1]]
+        assert list(index) == order()

@@ -135,3 +135,23 @@ class PoolMachine(RuleBasedStateMachine):
 
 TestPoolMachine = PoolMachine.TestCase
 TestPoolMachine.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pages_round_trip_through_bytes_page_by_page_and_gathered(dtype: torch.dtype) -> None:
+    """What page_bytes gives, load_pages puts back bit for bit, by the CPU's page-by-page copy
+    and by the gathered copy devices use (run here on the CPU)."""
+    source = PagePool(6, 4, num_layers=3, num_kv_heads=2, head_dim=8, dtype=dtype)
+    generator = torch.Generator().manual_seed(0)
+    for cache in (*source.k_cache, *source.v_cache):
+        cache.copy_(torch.randn(cache.shape, generator=generator).to(dtype))
+    payloads = [source.page_bytes(page) for page in (4, 1, 2)]
+    for load in ("load_pages", "_load_pages_gathered"):
+        target = PagePool(6, 4, num_layers=3, num_kv_heads=2, head_dim=8, dtype=dtype)
+        for cache in (*target.k_cache, *target.v_cache):
+            cache.zero_()
+        getattr(target, load)([0, 5, 3], payloads)
+        for mine, theirs in zip((*target.k_cache, *target.v_cache), (*source.k_cache, *source.v_cache)):
+            assert torch.equal(mine[[0, 5, 3]], theirs[[4, 1, 2]]) and not mine[[1, 2, 4]].any()
+    with pytest.raises(ValueError):
+        target.load_pages([0], [payloads[0][:-1]])

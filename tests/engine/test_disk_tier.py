@@ -5,7 +5,9 @@ a full disk and an unusable directory each cost a miss, never a wrong token."""
 
 from __future__ import annotations
 
+import os
 import random
+import threading
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,7 @@ from radixkv import SamplingParams
 from radixkv.config import EngineConfig
 from radixkv.errors import ConfigError
 from tests.cache.test_disk import file_size_limit
-from tests.helpers.engine import VOCAB, assert_pages_returned, hf_greedy, make_llm
+from tests.helpers.engine import VOCAB, assert_pages_returned, hf_greedy, make_llm, run_to_end
 from tests.helpers.tiny_models import make_tiny_model
 
 MAX_NEW = 6
@@ -56,21 +58,23 @@ def test_restart_is_warm_and_exact(tiny_llama: Path, workload, tmp_path: Path) -
     assert_pages_returned(second.engine)
 
 
-def test_a_restart_with_chunked_prefill_is_exact(tiny_llama: Path, workload, tmp_path: Path) -> None:
+@pytest.mark.parametrize("prefetch_bytes", [256 << 20, 1], ids=["whole-hit-read-ahead", "read-in-chunk-parts"])
+def test_a_restart_with_chunked_prefill_is_exact(tiny_llama: Path, workload, tmp_path: Path, prefetch_bytes: int) -> None:
     """A disk hit loads the blocks inside each chunk (the pages the chunk needs anyway), chunk
-    after chunk, leaving a token of each to compute; the tokens do not change."""
+    after chunk, computing only once the hit ends; the tokens do not change. With a read-ahead
+    budget smaller than a block, the hit is read a chunk at a time, and still wholly."""
     batch, expected = workload
     first = make_llm(tiny_llama, kv_disk_dir=str(tmp_path / "kv"))
     generate(first, batch)
     first.close()
-    second = make_llm(tiny_llama, kv_disk_dir=str(tmp_path / "kv"), max_batch_tokens=16)
+    second = make_llm(tiny_llama, kv_disk_dir=str(tmp_path / "kv"), max_batch_tokens=16, kv_disk_prefetch_bytes=prefetch_bytes)
     outputs = [second.generate([prompt], PARAMS)[0] for prompt in batch]
     assert [output.token_ids for output in outputs] == expected
-    # Each 16-token chunk loads 3 blocks and computes 4 tokens: 45-token prompts load 3 + 3 + 3
-    # blocks before the last chunk computes the rest (10 blocks each at most).
-    assert [output.num_cached_tokens for output in outputs] == [36] * len(batch)
-    assert second.stats().disk.hit_blocks == 9 * len(batch)
-    assert second.stats().counters.num_prompt_tokens_computed < sum(map(len, batch)) - 9 * 4 * len(batch) + 1
+    # Each 16-token chunk loads 4 blocks and computes nothing while the hit goes on: 45-token
+    # prompts load 4 + 4 + 3 blocks, the last chunk computing the last token only.
+    assert [output.num_cached_tokens for output in outputs] == [44] * len(batch)
+    assert second.stats().disk.hit_blocks == 11 * len(batch)
+    assert second.stats().counters.num_prompt_tokens_computed == len(batch)
     assert_pages_returned(second.engine)
 
 
@@ -172,3 +176,99 @@ def test_disk_options_are_validated() -> None:
         with pytest.raises(ConfigError) as info:
             EngineConfig(**bad)
         assert info.value.param == next(iter(bad))
+
+
+def test_a_disk_hit_is_read_while_other_requests_compute(tiny_llama: Path, workload, tmp_path: Path) -> None:
+    """The disk hit is read on the background thread while a running request decodes: with
+    its first block behind a pipe no one writes to yet (a disk that does not answer), the
+    other request goes on stepping and the hit waits, counted; once the bytes arrive it is
+    admitted, and the tokens are transformers' own, every page invariant checked each step."""
+    batch, expected = workload
+    first = make_llm(tiny_llama, kv_disk_dir=str(tmp_path / "kv"))
+    generate(first, batch[:1])
+    first.close()
+    second = make_llm(tiny_llama, kv_disk_dir=str(tmp_path / "kv"), max_batch_tokens=16)
+    engine = second.engine
+    path = engine.disk._path(engine.disk.keys(batch[0][:4], None)[0])
+    data = path.read_bytes()
+    path.unlink()
+    os.mkfifo(path, 0o600)
+    busy = prompts(7, count=1, length=9)[0]
+    busy_id = engine.add_request(busy, SamplingParams(max_tokens=30, ignore_eos=True))
+    engine.step()
+    hit_id = engine.add_request(batch[0], PARAMS)
+    writer = threading.Thread(target=path.write_bytes, args=(data,))
+    try:
+        for _ in range(5):
+            assert any(delta.request_id == busy_id for delta in engine.step())  # the loop is not blocked
+        assert engine.scheduler.num_disk_waits == 5 and len(engine.scheduler.waiting) == 1
+    finally:
+        writer.start()  # whatever happened, the reader blocked on the pipe gets its bytes
+    outputs = run_to_end(engine)
+    writer.join()
+    assert outputs[hit_id].outputs[0].token_ids == expected[0]
+    assert outputs[hit_id].num_cached_tokens == 44  # every full block before the last token
+    stats = second.stats()
+    assert stats.disk.hit_blocks == 11 and stats.disk.prefetched_blocks >= 1
+    assert stats.residency["disk"].hit_blocks == 11 and stats.disk.rejected == {}
+    assert_pages_returned(engine)
+
+
+def test_an_aborted_request_stops_its_read_and_returns_every_page(tiny_llama: Path, workload, tmp_path: Path) -> None:
+    batch, _ = workload
+    first = make_llm(tiny_llama, kv_disk_dir=str(tmp_path / "kv"))
+    generate(first, batch)
+    first.close()
+    second = make_llm(tiny_llama, kv_disk_dir=str(tmp_path / "kv"))
+    engine = second.engine
+    engine.add_request(prompts(7, count=1, length=9)[0], SamplingParams(max_tokens=8, ignore_eos=True))
+    engine.step()
+    ids = [engine.add_request(prompt, PARAMS) for prompt in batch]
+    engine.step()  # their reads start; they wait for them
+    for request_id in ids:
+        engine.abort(request_id)
+    run_to_end(engine)
+    assert engine.kv.prefetcher.get(0) is None and not engine.kv.prefetcher._pending
+    assert_pages_returned(engine)
+
+
+def test_retention_survives_a_restart_and_a_burst_on_disk(tiny_llama: Path, workload, tmp_path: Path) -> None:
+    """A retained prompt stays on disk through a burst of other prompts larger than the tier's
+    budget, before and after a restart, and then comes back token-exact; the others are
+    evicted under 'capacity'."""
+    batch, expected = workload
+    block_bytes = 512 + 4 * 4 * 2 * 2 * 8 * 4  # well over one block file of the tiny model
+    options = dict(kv_disk_dir=str(tmp_path / "kv"), kv_disk_bytes=40 * block_bytes, num_pages=24)
+    first = make_llm(tiny_llama, **options)
+    assert generate(first, batch[:1]) == expected[:1]
+    assert first.engine.retain(batch[0], ttl_s=3600, owner="tenant") == 44  # 11 blocks, written through
+    first.close()
+    second = make_llm(tiny_llama, **options)
+    assert second.stats().disk.retained_blocks == 11
+    generate(second, prompts(9, count=5))  # a burst of distinct prompts, through RAM onto disk
+    disk = second.stats().residency["disk"]
+    assert disk.evicted_blocks["capacity"] > 0 and disk.evicted_blocks["retained"] == 0
+    output = second.generate([batch[0]], PARAMS)[0]
+    assert output.token_ids == expected[0] and output.num_cached_tokens == 44
+    # Back in RAM it is retained again, until the same time: another burst leaves it there.
+    assert second.stats().cache.retained_pages == 11
+    generate(second, prompts(10, count=3))
+    again = second.generate([batch[0]], PARAMS)[0]
+    assert again.token_ids == expected[0] and second.stats().disk.hit_blocks == 11  # from RAM this time
+    assert_pages_returned(second.engine)
+
+
+def test_residency_counts_hits_evictions_and_lifetimes_per_tier(tiny_llama: Path, workload, tmp_path: Path) -> None:
+    batch, expected = workload
+    llm = make_llm(tiny_llama, kv_disk_dir=str(tmp_path / "kv"), num_pages=16)
+    assert generate(llm, batch + batch[:1]) == expected + expected[:1]
+    ram = llm.stats().residency["ram"]
+    # 16 pages: each prompt pushes the previous one out of RAM (capacity), then batch[0] comes back from disk.
+    assert ram.evicted_blocks["capacity"] > 0 and ram.lifetime_s.count == sum(ram.evicted_blocks.values())
+    disk = llm.stats().residency["disk"]
+    assert disk.hit_blocks == 11 and disk.reuse_gap_s.count == 11 and disk.blocks > 0 and disk.bytes > 0
+    pages, blocks = llm.engine.flush_cache(ram=True, disk=True)
+    after = llm.stats().residency
+    assert after["ram"].evicted_blocks["flush"] == pages and after["disk"].evicted_blocks["flush"] == blocks > 0
+    assert after["ram"].blocks == 0 and after["disk"].bytes == 0
+    assert_pages_returned(llm.engine)

@@ -65,6 +65,18 @@ def test_replay_matches_a_direct_lru_count_and_stays_under_the_bounds(tmp_path: 
     assert slru.hit_ratio < with_disk.hit_ratio <= infinite.hit_ratio
 
 
+def test_frequency_oracles_stay_under_belady(tmp_path: Path) -> None:
+    """The frequency oracles know something of the future (a block's uses over the whole trace,
+    or those still to come), yet never beat Belady, the optimal."""
+    trace = trace_replay.load_trace(write_trace(tmp_path / "trace.jsonl", seed=3))
+    ram = trace_replay.capacity(trace, 0.1)
+    belady = trace_replay.belady_row(trace, 0.1, 0.0, ram, 0).hit_ratio
+    popularity = trace_replay.oracle_row(trace, 0.1, ram, "popularity")
+    remaining = trace_replay.oracle_row(trace, 0.1, ram, "remaining")
+    assert (popularity.policy, remaining.policy) == ("lfu+oracle", "future+oracle")
+    assert 0 < popularity.hit_ratio <= belady and 0 < remaining.hit_ratio <= belady
+
+
 def test_main_writes_json_and_plot(tmp_path: Path, capsys) -> None:
     path = write_trace(tmp_path / "trace.jsonl", num_requests=120)
     argv = ["--trace", str(path), "--ram-fraction", "0.1,0.25", "--disk-fraction", "0,0.25", "--page-size", "2", "--out", str(tmp_path / "out")]

@@ -69,13 +69,23 @@ def test_lookup_flush_metrics_and_a_warm_restart(tiny_llama: Path, tmp_path: Pat
         assert metrics[("radixkv_disk_cache_enabled", ())] == 1.0
         assert metrics[("radixkv_disk_cache_written_blocks_total", ())] >= 10
         assert metrics[("radixkv_disk_cache_rejected_blocks_total", (("reason", "checksum"),))] == 0
+        # Residency: the flushed pages left RAM under "flush", each with its lifetime observed.
+        ram = (("tier", "ram"),)
+        assert metrics[("radixkv_cache_evicted_blocks_total", (("reason", "flush"), ("tier", "ram")))] >= 10
+        assert metrics[("radixkv_cache_block_lifetime_seconds_count", ram)] >= 10
+        assert metrics[("radixkv_cache_block_lifetime_seconds_bucket", (("le", "+Inf"), ("tier", "ram")))] >= 10
+        assert metrics[("radixkv_cache_bytes", (("tier", "disk"),))] > 0
         live.assert_idle_and_consistent()
 
     with disk_server(tiny_llama, tmp_path / "kv") as live:  # a restart: same directory, same secret
         assert lookup(live, prompt)["disk_tokens"] == 40
         assert lookup(live, prompt, key=KEY_B)["cached_tokens"] == 0
         assert complete(live, prompt)["usage"]["prompt_tokens_details"]["cached_tokens"] == 40
-        assert metric_values(live)[("radixkv_disk_cache_hit_blocks_total", ())] == 10
+        metrics = metric_values(live)
+        assert metrics[("radixkv_disk_cache_hit_blocks_total", ())] == 10
+        assert metrics[("radixkv_cache_hit_blocks_total", (("tier", "disk"),))] == 10
+        # Ages carry over a restart (the files' times): each hit's reuse gap is observed.
+        assert metrics[("radixkv_cache_block_reuse_gap_seconds_count", (("tier", "disk"),))] == 10
         with live.http(ADMIN) as http:
             flushed = http.post("/v1/cache/flush", json={"tier": "all"})
         assert flushed.status_code == 200 and flushed.json()["freed_disk_blocks"] >= 10
