@@ -63,6 +63,12 @@ def main(argv: list[str] | None = None) -> int:
         help="on SIGTERM, refuse new requests and give in-flight ones this long to finish before aborting them (default 30)",
     )
     serving.add_argument("--threads", type=int, default=None, help="CPU threads the engine computes with (default: torch's)")
+    serving.add_argument(
+        "--kv-events", default=None, metavar="ENDPOINT",
+        help="publish KV cache events in vLLM's schema on this ZMQ PUB endpoint (tcp://*:5557 binds, tcp://HOST:PORT connects)",
+    )
+    serving.add_argument("--kv-events-replay", default=None, metavar="ENDPOINT", help="ZMQ ROUTER endpoint that replays missed KV-event batches")
+    serving.add_argument("--kv-events-topic", default="", help="topic frame of every KV-event message (default empty)")
 
     cluster.add_parser(commands)
 
@@ -149,6 +155,9 @@ def serve(args: argparse.Namespace) -> int:
             enable_prefix_caching=not args.no_prefix_caching,
             kv_disk_dir=args.kv_disk_dir,
             kv_disk_bytes=args.kv_disk_bytes,
+            kv_events_endpoint=args.kv_events,
+            kv_events_replay_endpoint=args.kv_events_replay,
+            kv_events_topic=args.kv_events_topic,
         )
         engine = Engine(config)
         # With a disk tier the tenants' cache salts must survive a restart, or their blocks on

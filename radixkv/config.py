@@ -105,6 +105,15 @@ class EngineConfig:
     # so a supervisor can restart it; a step that succeeds again makes it healthy.
     max_consecutive_failed_steps: int = 3
     step_watchdog_s: float = 120.0
+    # KV events in vLLM's schema (radixkv/kv_events), for indexers that route by cache
+    # contents: a ZMQ PUB endpoint ("tcp://*:5557" binds; "tcp://host:5557" connects to a
+    # subscriber that binds; ipc:// binds). None: off. Needs the `events` extra.
+    kv_events_endpoint: str | None = None
+    # A ROUTER endpoint (always bound) from which a subscriber that saw a gap in the sequence
+    # numbers gets the missed batches again; None: no replay.
+    kv_events_replay_endpoint: str | None = None
+    kv_events_topic: str = ""  # first frame of every message (llm-d reads "kv@<pod>@<model>")
+    kv_events_buffer_steps: int = 10_000  # batches kept for replay
 
     def __post_init__(self) -> None:
         self.validate()
@@ -136,6 +145,7 @@ class EngineConfig:
         _positive(self, "kv_disk_bytes", limit=1 << 50)
         _positive(self, "kv_disk_retained_bytes_per_owner", limit=1 << 50)
         _positive(self, "kv_disk_prefetch_bytes", limit=1 << 40)
+        _check_kv_events(self)
         _choice(self, "dtype", DTYPES)
         _choice(self, "attention_backend", BACKENDS)
         _choice(self, "linear_kernel", LINEAR_KERNELS)
@@ -168,6 +178,21 @@ def _choice(config: EngineConfig, name: str, choices: tuple[str, ...]) -> None:
     value = getattr(config, name)
     if value not in choices:
         raise ConfigError(f"{name} must be one of {choices}, got {value!r}", param=name)
+
+
+_ZMQ_SCHEMES = ("tcp://", "ipc://", "inproc://")
+
+
+def _check_kv_events(config: EngineConfig) -> None:
+    for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+        value = getattr(config, name)
+        if value is not None and (not isinstance(value, str) or not value.startswith(_ZMQ_SCHEMES)):
+            raise ConfigError(f"{name} must be None or a ZMQ endpoint starting with one of {_ZMQ_SCHEMES}, got {value!r}", param=name)
+    if config.kv_events_replay_endpoint is not None and config.kv_events_endpoint is None:
+        raise ConfigError("kv_events_replay_endpoint replays the events of kv_events_endpoint; set that too", param="kv_events_replay_endpoint")
+    if not isinstance(config.kv_events_topic, str):
+        raise ConfigError(f"kv_events_topic must be a string, got {config.kv_events_topic!r}", param="kv_events_topic")
+    _positive(config, "kv_events_buffer_steps", limit=1 << 24)
 
 
 def default_cache_dir() -> Path:

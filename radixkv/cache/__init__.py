@@ -6,11 +6,12 @@ from __future__ import annotations
 
 from radixkv.cache.hashing import BlockHash, BlockHasher, HashFn
 from radixkv.cache.pages import OutOfPages, PagePool
-from radixkv.cache.radix import CacheStats, InsertResult, MatchResult, Node, RadixTree
+from radixkv.cache.radix import CacheListener, CacheStats, InsertResult, MatchResult, Node, RadixTree
 
 __all__ = [
     "BlockHash",
     "BlockHasher",
+    "CacheListener",
     "CacheStats",
     "HashFn",
     "InsertResult",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from radixkv.cache.eviction import DEFAULT_PROTECTED_FRACTION, EvictionOrder, EvictKey
 from radixkv.cache.hashing import BlockHash, BlockHasher
@@ -103,6 +104,21 @@ Clock = Callable[[], float]  # seconds; time.monotonic, or a test's own
 EvictHook = Callable[["Node"], None]
 
 
+class CacheListener(Protocol):
+    """Told of every change to the set of cached blocks, as it happens (the KV-event recorder,
+    radixkv/kv_events, publishes them). It must copy what it keeps: a later split shortens a
+    node's runs in place. It must not change the tree."""
+
+    def blocks_stored(self, node: Node) -> None:
+        """`node`, a new leaf under node.parent, now caches its blocks (node.hashes)."""
+
+    def blocks_removed(self, node: Node) -> None:
+        """`node`, a leaf, was just evicted: its blocks are no longer cached."""
+
+    def all_cleared(self) -> None:
+        """Every cached block was dropped (reset)."""
+
+
 class RadixTree:
     """Prefix cache over a PagePool. Not thread-safe: the engine's step loop owns it."""
 
@@ -115,6 +131,7 @@ class RadixTree:
         eviction_policy: str = "slru",
         protected_fraction: float = DEFAULT_PROTECTED_FRACTION,
         on_evict: EvictHook | None = None,
+        listener: CacheListener | None = None,
     ):
         if hasher.page_size != pool.page_size:
             raise ValueError(f"hasher page_size {hasher.page_size} != pool page_size {pool.page_size}")
@@ -128,6 +145,7 @@ class RadixTree:
         self._protected_fraction = protected_fraction
         self._protected_pages = 0  # pages of nodes with num_hits > 0
         self.on_evict = on_evict
+        self.listener = listener
         self._book = RetentionBook()
         self._now_s = clock
         self._retained_pages = 0
@@ -402,6 +420,8 @@ class RadixTree:
         self._book.clear()
         self._cached_pages = self._evictable_pages = self._num_nodes = self._retained_pages = 0
         self._protected_pages = 0
+        if self.listener is not None:
+            self.listener.all_cleared()
 
     def cached_page_set(self) -> set[int]:
         return {page for node in self._iter_nodes() for page in node.pages}
@@ -583,6 +603,8 @@ class RadixTree:
         self._cached_pages += len(new_pages)
         self._evictable_pages += len(new_pages)
         self._num_nodes += 1
+        if self.listener is not None:
+            self.listener.blocks_stored(child)
         return child
 
     def _touch_path(self, node: Node, now: int) -> None:
@@ -616,6 +638,8 @@ class RadixTree:
         self._num_nodes -= 1
         node.removed = True
         freed = self.pool.release(node.pages)
+        if self.listener is not None:
+            self.listener.blocks_removed(node)
         if self._is_evictable_leaf(parent):
             self._order.add(parent)  # it just became an unlocked leaf
         elif parent.parent is None:

@@ -280,6 +280,8 @@ class AsyncEngine:
             # Only once the thread is gone: the engine is single-threaded.
             self._persisted = True
             self.engine.close()
+        if not self._thread.is_alive():
+            self.engine.stop_kv_events()
 
     # -- engine thread ---------------------------------------------------------------------
 

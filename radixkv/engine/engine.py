@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -38,9 +38,13 @@ from radixkv.engine.sampler import Sampler
 from radixkv.engine.scheduler import Batch, Scheduler
 from radixkv.engine.stats import EngineCounters, EngineStats, StepTimes
 from radixkv.errors import ConfigError, InvalidRequest, QueueFull
+from radixkv.kv_events import start_kv_events
 from radixkv.model.device import resolve_device, resolve_dtype
 from radixkv.model.fingerprint import model_fingerprint
 from radixkv.model.loader import LoadedModel, load_model
+
+if TYPE_CHECKING:
+    from radixkv.kv_events.recorder import KVEventRecorder
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +134,13 @@ class Engine:
         self._pins: dict[int, PinnedPrefix] = {}
         self.counters = EngineCounters()
         self.step_times = StepTimes()
+        # KV events (off by default): the tree tells the recorder of every block it stores or
+        # evicts; each step's events go out as one batch. Opened last, so a failed start
+        # leaves no socket bound.
+        self.kv_events: KVEventRecorder | None = None
+        if config.kv_events_endpoint is not None:
+            self.kv_events = start_kv_events(config, "GPU" if self.device.type == "cuda" else "CPU")
+            self.tree.listener = self.kv_events
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -277,6 +288,13 @@ class Engine:
     def step(self) -> list[RequestDelta]:
         """Run one batch; return what is new for every request that changed (the last delta of
         a request that ended carries its whole output)."""
+        try:
+            return self._step()
+        finally:
+            if self.kv_events is not None:
+                self.kv_events.flush()  # even after a failed step: what the tree did stands
+
+    def _step(self) -> list[RequestDelta]:
         clock = _PhaseClock(self.step_times)
         batch = self.scheduler.schedule()
         if not batch:
@@ -465,7 +483,17 @@ class Engine:
     def flush_cache(self, *, ram: bool = True, disk: bool = True) -> tuple[int, int]:
         """Drop the prefix cache's unlocked RAM pages and/or its disk blocks; (pages freed,
         blocks deleted). Running requests and pins keep theirs."""
-        return self.kv.flush(ram, disk)
+        flushed = self.kv.flush(ram, disk)
+        if self.kv_events is not None:
+            self.kv_events.flush()
+        return flushed
+
+    def stop_kv_events(self) -> None:
+        """Publish the last KV events and close their sockets (at shutdown); a no-op when off."""
+        if self.kv_events is not None:
+            self.kv_events.close()
+            self.tree.listener = None
+            self.kv_events = None
 
     def close(self) -> int:
         """Write what RAM caches to the disk tier, so the next start finds it warm; returns the

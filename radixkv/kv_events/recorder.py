@@ -1,0 +1,83 @@
+"""KVEventRecorder: the radix tree's listener that turns each change to its set of cached blocks
+into a vLLM-schema event, kept until the engine flushes them as one batch (once per step, as
+vLLM publishes once per scheduler step).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Protocol
+
+from radixkv.cache.radix import Node
+from radixkv.kv_events.schema import (
+    GROUP_IDX,
+    SPEC_KIND,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    KVCacheEvent,
+    wire_hash,
+)
+
+
+class BatchSink(Protocol):
+    def publish(self, batch: EventBatch) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class KVEventRecorder:
+    """A CacheListener (radixkv.cache.radix) for one tree. Runs on the engine's thread, like the
+    tree; `sink.publish` must not block (the ZMQ publisher only queues)."""
+
+    def __init__(self, sink: BatchSink, page_size: int, medium: str, data_parallel_rank: int = 0) -> None:
+        self.sink = sink
+        self.page_size = page_size
+        self.medium = medium
+        self.data_parallel_rank = data_parallel_rank
+        self._pending: list[KVCacheEvent] = []
+
+    def blocks_stored(self, node: Node) -> None:
+        # Copied now: a later split cuts node.hashes and node.tokens in place.
+        parent = node.parent
+        first_block = parent is None or parent.parent is None
+        extra_keys: list[tuple[str, ...] | None] = [None] * len(node.hashes)
+        if first_block and node.salt is not None:
+            extra_keys[0] = (node.salt,)  # the salt enters the chain at the first block only
+        self._pending.append(
+            BlockStored(
+                block_hashes=[wire_hash(h) for h in node.hashes],
+                parent_block_hash=None if first_block else wire_hash(parent.hashes[-1]),
+                token_ids=list(node.tokens),
+                block_size=self.page_size,
+                lora_id=None,
+                medium=self.medium,
+                lora_name=None,
+                extra_keys=extra_keys,
+                group_idx=GROUP_IDX,
+                kv_cache_spec_kind=SPEC_KIND,
+            )
+        )
+
+    def blocks_removed(self, node: Node) -> None:
+        self._pending.append(
+            BlockRemoved(block_hashes=[wire_hash(h) for h in node.hashes], medium=self.medium, group_idx=GROUP_IDX)
+        )
+
+    def all_cleared(self) -> None:
+        self._pending.append(AllBlocksCleared())
+
+    def flush(self) -> int:
+        """Publish the events since the last flush as one batch (none when there are none);
+        returns how many events it carried."""
+        if not self._pending:
+            return 0
+        events, self._pending = self._pending, []
+        self.sink.publish(EventBatch(ts=time.time(), events=events, data_parallel_rank=self.data_parallel_rank))
+        return len(events)
+
+    def close(self) -> None:
+        """Publish what is pending, then close the sink (the publisher's sockets)."""
+        self.flush()
+        self.sink.close()
