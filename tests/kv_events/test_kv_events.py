@@ -136,7 +136,7 @@ def test_subscriber_rebuilds_the_tree_and_repairs_injected_gaps(tmp_path):
             if recorder.flush():  # one batch per operation, as the engine sends one per step
                 last_seq += 1
                 subscriber.catch_up(last_seq)
-        assert publisher.num_sent == last_seq + 1
+        assert publisher.drain() and publisher.num_sent == last_seq + 1
         assert_mirrors(subscriber, tree)
     finally:
         subscriber.close()
