@@ -1,13 +1,13 @@
 """radixkv on Ray Serve at the smallest size that runs here: a local Ray with two radixkv
 replicas of the tiny model behind the prefix-aware router and the HTTP ingress on 127.0.0.1.
 Requests that share a long prefix all land on the replica that cached it (each after the first
-reports cached tokens, which round robin over two replicas would miss half the time), and the
+reports cached tokens; a router blind to prefixes would send each to the other replica half
+the time, so six hits in a row would be a 1-in-64 chance), and the
 OpenAI endpoints work through the ingress, streaming included. Skipped without Ray Serve.
 """
 
 from __future__ import annotations
 
-import os
 import socket
 from pathlib import Path
 
@@ -69,7 +69,8 @@ def test_prefix_affinity_through_the_ingress(ray_serve_url):
     assert [m.id for m in client.models.list().data] == [MODEL]
     system = "You are a helpful assistant. Answer briefly and precisely. " * 3
     cached = []
-    for question in ("What is the capital of France?", "def add(a, b):", "The quick brown fox", "Prefix caching"):
+    questions = ["What is the capital of France?", "def add(a, b):", "The quick brown fox", "Prefix caching", "Why?", "How?", "Who?"]
+    for question in questions:
         response = client.completions.create(model=MODEL, prompt=system + question, max_tokens=2, temperature=0)
         details = response.usage.prompt_tokens_details
         cached.append(details.cached_tokens if details else 0)
