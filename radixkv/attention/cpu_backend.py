@@ -75,7 +75,8 @@ class CPUBackend(AttentionBackend):
             decode.check_tables(page_table, seq_lens, None, num_tokens, num_pages, page_size)
             # A batch-invariant step keeps every row on its own: grouping depends on the batch.
             cascade = self.share_reads and not meta.batch_invariant
-            plan = decode.cascade_plan(page_table, seq_lens, page_size) if cascade else decode.CascadePlan(None, 0)
+            members = decode.min_members(num_q_heads // k_cache.shape[2])
+            plan = decode.cascade_plan(page_table, seq_lens, page_size, min_group_members=members) if cascade else decode.CascadePlan(None, 0)
             reads = KVReads(sum(meta.seq_lens_list), plan.saved_tokens)
             return CPUStepState(True, page_table, seq_lens, None, None, None, plan.plan, reads)
         else:

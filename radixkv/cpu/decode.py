@@ -134,10 +134,18 @@ def work_floats(seq_lens: torch.Tensor, plan: torch.Tensor | None, num_q_heads: 
     return load().radixkv_decode_work_floats(seq_lens.data_ptr(), seq_lens.shape[0], plan_pointer, num_q_heads, head_dim)
 
 
-# Requests sharing fewer cached tokens than this decode on their own: below it a shared item's
-# set-up (transposing its keys, one more state to merge) outweighs the reads it saves
-# (scenarios/cpu_kernels.py measures the break-even).
-MIN_SHARED_TOKENS = 64
+# Who decodes as a cascade group on CPU. A shared item transposes and pairs its keys and values
+# once for all its queries, then runs at the vdpbf16ps rate; amortising that set-up needs about
+# 8 query heads per KV head (members x GQA group) over 128 or more shared tokens. Measured with
+# 32 requests in groups over prefixes of 16..256 tokens (bf16, SmolLM2's heads, Zen 4): groups
+# of 2 (6 query heads) never gained, groups of 4 (12) gained 1.2x from 128 shared tokens.
+MIN_SHARED_TOKENS = 128
+MIN_GROUP_QUERY_HEADS = 8
+
+
+def min_members(query_heads_per_kv_head: int) -> int:
+    """The fewest requests worth a cascade group for this GQA group size."""
+    return max(2, -(-MIN_GROUP_QUERY_HEADS // max(1, query_heads_per_kv_head)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,16 +171,24 @@ class CascadePlan:
         return group_start.clone(), members.clone(), shared_len.clone(), own_begin
 
 
-def cascade_plan(page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int, min_shared_tokens: int = MIN_SHARED_TOKENS) -> CascadePlan:
+def cascade_plan(
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_size: int,
+    min_shared_tokens: int = MIN_SHARED_TOKENS,
+    min_group_members: int = 2,
+) -> CascadePlan:
     """Groups requests by the deepest cached prefix they share (equal page ids: the same radix
-    tree blocks), choosing the grouping that saves the most reads (radixkv_cascade_plan).
-    Tables as paged_decode takes them, already checked."""
+    tree blocks), choosing the grouping that saves the most reads (radixkv_cascade_plan); a
+    group has at least min_group_members requests sharing min_shared_tokens or more. Tables as
+    paged_decode takes them, already checked."""
     library = load()
     num_seqs = seq_lens.shape[0]
     plan = torch.empty(library.radixkv_cascade_plan_ints(num_seqs), dtype=torch.int32)
     saved = library.radixkv_cascade_plan(
-        page_table.data_ptr(), page_table.stride(0), seq_lens.data_ptr(), num_seqs, page_size, min_shared_tokens, plan.data_ptr()
-    )
+        page_table.data_ptr(), page_table.stride(0), seq_lens.data_ptr(), num_seqs, page_size, min_shared_tokens,
+        min_group_members, plan.data_ptr(),
+    )  # fmt: skip
     if saved < 0:
         raise MemoryError("cascade planning could not allocate its sort buffers")
     return CascadePlan(plan if int(plan[0]) > 0 else None, int(saved))

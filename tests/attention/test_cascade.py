@@ -56,15 +56,23 @@ class Tables:
     def paged(self) -> Paged:
         return Paged(self.k_cache, self.v_cache, self.page_table, self.seq_lens, PAGE)
 
-    def expected_saved_tokens(self, min_tokens: int = decode.MIN_SHARED_TOKENS) -> int:
-        """Groups of two or more sharing at least min_tokens of whole pages save (members - 1)
-        reads of those pages."""
-        return sum((size - 1) * pages * PAGE for (_, size), pages in zip(self.groups, self.shared_pages) if size > 1 and pages * PAGE >= min_tokens)
+    def expected_saved_tokens(self, min_tokens: int, min_members: int) -> int:
+        """Groups of at least min_members sharing at least min_tokens of whole pages save
+        (members - 1) reads of those pages."""
+        return sum(
+            (size - 1) * pages * PAGE
+            for (_, size), pages in zip(self.groups, self.shared_pages)
+            if size >= max(2, min_members) and pages * PAGE >= min_tokens
+        )
 
 
-def check_cascade(t: Tables, dtype, what: str) -> decode.CascadePlan:
+# The kernel tests group every pair sharing a page; the engine's thresholds are tested apart.
+ANY_SHARING = dict(min_shared_tokens=PAGE, min_group_members=2)
+
+
+def check_cascade(t: Tables, dtype, what: str, **thresholds) -> decode.CascadePlan:
     scale = t.q.shape[-1] ** -0.5
-    plan = decode.cascade_plan(t.page_table, t.seq_lens, PAGE)
+    plan = decode.cascade_plan(t.page_table, t.seq_lens, PAGE, **(thresholds or ANY_SHARING))
     cascade = decode.paged_decode(t.q, t.k_cache, t.v_cache, t.page_table, t.seq_lens, scale, plan=plan.plan)
     plain = decode.paged_decode(t.q, t.k_cache, t.v_cache, t.page_table, t.seq_lens, scale)
     expected = reference(t.q, t.paged(), scale)
@@ -91,8 +99,20 @@ def test_cascade_matches_the_reference_for_every_grouping(gen, dtype, groups, he
     own = torch.randint(1, 90, (sum(size for _, size in groups),), generator=gen).tolist()
     t = Tables(gen, groups, own, heads=heads, head_dim=head_dim, dtype=dtype)
     plan = check_cascade(t, dtype, f"{groups} {heads} d{head_dim}")
-    assert plan.saved_tokens == t.expected_saved_tokens()
+    assert plan.saved_tokens == t.expected_saved_tokens(PAGE, 2)
     assert (plan.plan is None) == (plan.saved_tokens == 0)
+
+
+def test_default_thresholds_group_only_what_pays(gen):
+    # SmolLM2's heads (GQA 3): groups need 3 members (9 query heads per KV head) and 128 shared
+    # tokens; a pair, and a trio over 112 tokens, decode on their own.
+    groups = [(1024, 2), (112, 3), (128, 3), (700, 16)]
+    own = torch.randint(1, 40, (sum(size for _, size in groups),), generator=gen).tolist()
+    t = Tables(gen, groups, own, heads=(9, 3), head_dim=64, dtype=torch.bfloat16)
+    members = decode.min_members(3)
+    assert members == 3
+    plan = check_cascade(t, torch.bfloat16, "default thresholds", min_shared_tokens=decode.MIN_SHARED_TOKENS, min_group_members=members)
+    assert plan.saved_tokens == t.expected_saved_tokens(decode.MIN_SHARED_TOKENS, members) == 2 * 128 + 15 * 688
 
 
 def test_plan_groups_by_the_deepest_prefix_that_saves_most(gen):

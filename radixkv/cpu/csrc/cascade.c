@@ -19,10 +19,14 @@
 
 static inline int64_t padded_keys(void) { return CHUNK_TOKENS + BLOCK_TOKENS; }
 
+/* Bytes of transposed keys: head_dim rows of padded keys, 4 bytes each, and slack for the
+ * q.k passes that read 4 blocks at a time past the last row's end. */
+static inline int64_t key_bytes(const Shape *sh) { return ((int64_t)sh->head_dim * padded_keys() + 64) * 4; }
+
 /* Transposed keys (head_dim x padded keys, 4 bytes each: bf16 pairs or fp32), fp32 values
  * (CHUNK_TOKENS x head_dim), then per member query and state pointers. */
 HIDDEN int64_t radixkv_shared_scratch_bytes(const Shape *sh, int max_members) {
-    const int64_t keys = (int64_t)sh->head_dim * padded_keys() * 4;
+    const int64_t keys = key_bytes(sh);
     const int64_t values = (int64_t)CHUNK_TOKENS * sh->head_dim * 4;
     const int64_t pointers = (int64_t)max_members * sh->group * 2 * (int64_t)sizeof(void *);
     return (keys + values + pointers + 63) / 64 * 64;
@@ -39,7 +43,7 @@ static Scratch scratch_view(void *buffer, const Shape *sh) {
     char *at = buffer;
     Scratch s;
     s.keys = at;
-    at += (int64_t)sh->head_dim * padded_keys() * 4;
+    at += key_bytes(sh);
     s.values = (float *)at;
     at += (int64_t)CHUNK_TOKENS * sh->head_dim * 4;
     s.queries = (const void **)at;
@@ -217,17 +221,29 @@ static inline __attribute__((always_inline)) void shared_bf16_impl(const SharedI
             const int live = count - first < QK_TILE ? count - first : QK_TILE;
             const uint32_t *q[QK_TILE];
             for (int i = 0; i < QK_TILE; i++) q[i] = s.queries[first + (i < live ? i : live - 1)];
-            for (int block = 0; block < ncols / 16; block++) {
-                __m512 acc[QK_TILE];
-                for (int i = 0; i < QK_TILE; i++) acc[i] = _mm512_setzero_ps();
-                for (int c = 0; c < D / 2; c++) {
-                    const __m512bh key_pairs = (__m512bh)_mm512_loadu_si512(keys + (int64_t)c * npad + 16 * block);
-                    for (int i = 0; i < QK_TILE; i++)
-                        acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_set1_epi32((int)q[i][c]), key_pairs);
+            /* 4 queries x 4 blocks of 16 keys a pass: each loaded key vector and broadcast
+             * query pair feeds 4 products (16 accumulators stay in registers). */
+            for (int i0 = 0; i0 < QK_TILE; i0 += 4)
+                for (int block = 0; block < ncols / 16; block += 4) {
+                    __m512 acc[4][4];
+                    for (int i = 0; i < 4; i++)
+                        for (int b = 0; b < 4; b++) acc[i][b] = _mm512_setzero_ps();
+                    for (int c = 0; c < D / 2; c++) {
+                        /* Past the last block these read spare columns (and rows) of the
+                         * scratch buffer; their sums are never stored. */
+                        __m512bh key_pairs[4];
+                        for (int b = 0; b < 4; b++)
+                            key_pairs[b] = (__m512bh)_mm512_loadu_si512(keys + (int64_t)c * npad + 16 * (block + b));
+                        for (int i = 0; i < 4; i++) {
+                            const __m512bh query_pair = (__m512bh)_mm512_set1_epi32((int)q[i0 + i][c]);
+                            for (int b = 0; b < 4; b++) acc[i][b] = _mm512_dpbf16_ps(acc[i][b], query_pair, key_pairs[b]);
+                        }
+                    }
+                    for (int i = 0; i < 4; i++)
+                        for (int b = 0; b < 4 && block + b < ncols / 16; b++)
+                            _mm512_store_ps(scores + (i0 + i) * SCORE_STRIDE + 16 * (block + b),
+                                            _mm512_mul_ps(acc[i][b], _mm512_set1_ps(sh->scale)));
                 }
-                for (int i = 0; i < QK_TILE; i++)
-                    _mm512_store_ps(scores + i * SCORE_STRIDE + 16 * block, _mm512_mul_ps(acc[i], _mm512_set1_ps(sh->scale)));
-            }
             for (int i = 0; i < live; i++) softmax_row(scores + i * SCORE_STRIDE, n, s.states[first + i]);
             weights_times_value_pairs(scores, live, n, value_pairs, s.states + first, D);
         }
@@ -261,16 +277,24 @@ static inline __attribute__((always_inline)) void shared_f32_impl(const SharedIt
             const int live = count - first < QK_TILE ? count - first : QK_TILE;
             const float *q[QK_TILE];
             for (int i = 0; i < QK_TILE; i++) q[i] = s.queries[first + (i < live ? i : live - 1)];
-            for (int block = 0; block < ncols / 16; block++) {
-                __m512 acc[QK_TILE];
-                for (int i = 0; i < QK_TILE; i++) acc[i] = _mm512_setzero_ps();
-                for (int d = 0; d < D; d++) {
-                    const __m512 key = _mm512_loadu_ps(keys + (int64_t)d * npad + 16 * block);
-                    for (int i = 0; i < QK_TILE; i++) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(q[i][d]), key, acc[i]);
+            for (int i0 = 0; i0 < QK_TILE; i0 += 4) /* 4 queries x 4 blocks a pass, as in bf16 */
+                for (int block = 0; block < ncols / 16; block += 4) {
+                    __m512 acc[4][4];
+                    for (int i = 0; i < 4; i++)
+                        for (int b = 0; b < 4; b++) acc[i][b] = _mm512_setzero_ps();
+                    for (int d = 0; d < D; d++) {
+                        __m512 key[4];
+                        for (int b = 0; b < 4; b++) key[b] = _mm512_loadu_ps(keys + (int64_t)d * npad + 16 * (block + b));
+                        for (int i = 0; i < 4; i++) {
+                            const __m512 query = _mm512_set1_ps(q[i0 + i][d]);
+                            for (int b = 0; b < 4; b++) acc[i][b] = _mm512_fmadd_ps(query, key[b], acc[i][b]);
+                        }
+                    }
+                    for (int i = 0; i < 4; i++)
+                        for (int b = 0; b < 4 && block + b < ncols / 16; b++)
+                            _mm512_store_ps(scores + (i0 + i) * SCORE_STRIDE + 16 * (block + b),
+                                            _mm512_mul_ps(acc[i][b], _mm512_set1_ps(sh->scale)));
                 }
-                for (int i = 0; i < QK_TILE; i++)
-                    _mm512_store_ps(scores + i * SCORE_STRIDE + 16 * block, _mm512_mul_ps(acc[i], _mm512_set1_ps(sh->scale)));
-            }
             finish_tile(scores, live, n, value_rows, s.states + first, D);
         }
     }
@@ -357,11 +381,16 @@ static int argmin_lcp(const int32_t *lcp, int lo, int hi) {
     return k;
 }
 
-static int64_t best_saving(const int32_t *lcp, int lo, int hi, int min_pages, uint8_t *merged) {
+typedef struct {
+    int min_pages, min_members;
+} Thresholds;
+
+static int64_t best_saving(const int32_t *lcp, int lo, int hi, const Thresholds *at_least, uint8_t *merged) {
     if (hi - lo < 2) return 0;
     const int k = argmin_lcp(lcp, lo, hi);
-    const int64_t split = best_saving(lcp, lo, k, min_pages, merged) + best_saving(lcp, k, hi, min_pages, merged);
-    const int64_t whole = lcp[k] >= min_pages ? (int64_t)(hi - lo - 1) * lcp[k] : 0;
+    const int64_t split = best_saving(lcp, lo, k, at_least, merged) + best_saving(lcp, k, hi, at_least, merged);
+    const int worth = lcp[k] >= at_least->min_pages && hi - lo >= at_least->min_members;
+    const int64_t whole = worth ? (int64_t)(hi - lo - 1) * lcp[k] : 0;
     merged[k] = whole > 0 && whole >= split;
     return merged[k] ? whole : split;
 }
@@ -393,12 +422,12 @@ static void emit_groups(const int32_t *lcp, const int32_t *sorted, int lo, int h
 /* Ints of plan buffer radixkv_cascade_plan may write for num_seqs requests. */
 int64_t radixkv_cascade_plan_ints(int num_seqs) { return 2 + 5 * (int64_t)(num_seqs > 0 ? num_seqs : 0); }
 
-/* Groups the requests that share at least min_shared_tokens of cached prefix, into plan (the
- * layout paged_decode.c reads: see Plan there). Returns the KV tokens the groups save: what
- * members other than the first would have read of the shared prefixes; -1 when out of memory
- * (the plan then has no groups). */
+/* Groups of at least min_members requests that share at least min_shared_tokens of cached
+ * prefix, into plan (the layout paged_decode.c reads: see Plan there). Returns the KV tokens
+ * the groups save: what members other than the first would have read of the shared prefixes;
+ * -1 when out of memory (the plan then has no groups). */
 int64_t radixkv_cascade_plan(const int32_t *page_table, int64_t page_table_stride, const int32_t *seq_lens,
-                             int num_seqs, int page_size, int min_shared_tokens, int32_t *plan) {
+                             int num_seqs, int page_size, int min_shared_tokens, int min_members, int32_t *plan) {
     plan[0] = 0;
     for (int b = 0; b < num_seqs; b++) plan[1 + b] = -1, plan[1 + num_seqs + b] = 0;
     int32_t *group_start = plan + 1 + 2 * num_seqs;
@@ -415,7 +444,8 @@ int64_t radixkv_cascade_plan(const int32_t *page_table, int64_t page_table_strid
         lcp[0] = 0;
         for (int i = 1; i < num_seqs; i++) lcp[i] = common_pages(&tables, sorted[i - 1], sorted[i]);
         const int min_pages = (min_shared_tokens + page_size - 1) / page_size;
-        best_saving(lcp, 0, num_seqs, min_pages > 0 ? min_pages : 1, merged);
+        const Thresholds at_least = {min_pages > 0 ? min_pages : 1, min_members > 2 ? min_members : 2};
+        best_saving(lcp, 0, num_seqs, &at_least, merged);
         PlanOut out = {plan + 1, plan + 1 + num_seqs, group_start, members, shared, 0};
         emit_groups(lcp, sorted, 0, num_seqs, merged, &out);
         /* Members and shared lengths follow group_start in the buffer. */
