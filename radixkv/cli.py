@@ -57,6 +57,10 @@ def main(argv: list[str] | None = None) -> int:
     serving.add_argument("--no-prefix-caching", action="store_true", help="compute every prompt in full (for comparisons)")
     serving.add_argument("--kv-disk-dir", default=None, help="keep evicted KV blocks (and all of them at exit) in this directory; a restart finds them")
     serving.add_argument("--kv-disk-bytes", type=int, default=16 << 30, help="byte budget of --kv-disk-dir (default 16 GiB)")
+    serving.add_argument("--kv-disk-prefetch-bytes", type=int, default=None, help="disk-hit bytes read ahead and not yet used, at most (default 256 MiB)")
+    serving.add_argument(
+        "--kv-disk-retained-bytes-per-owner", type=int, default=None, help="retained bytes one key may keep on disk (default 4 GiB)"
+    )
     serving.add_argument("--admin-key", action="append", default=None, help="bearer key that may also flush the cache (repeatable)")
     serving.add_argument(
         "--drain-timeout-s", type=float, default=30.0,
@@ -155,6 +159,7 @@ def serve(args: argparse.Namespace) -> int:
             enable_prefix_caching=not args.no_prefix_caching,
             kv_disk_dir=args.kv_disk_dir,
             kv_disk_bytes=args.kv_disk_bytes,
+            **_given(args, "kv_disk_prefetch_bytes", "kv_disk_retained_bytes_per_owner"),
             kv_events_endpoint=args.kv_events,
             kv_events_replay_endpoint=args.kv_events_replay,
             kv_events_topic=args.kv_events_topic,
@@ -220,6 +225,11 @@ def _server_limits(args: argparse.Namespace, *, keyless_remote: bool) -> ServerL
         allowed_origins=tuple(args.allowed_origin), public_metrics=args.public_metrics,
         allowed_hosts=("*",) if keyless_remote else (), **options,
     )
+
+
+def _given(args: argparse.Namespace, *names: str) -> dict:
+    """The options among names the command line set: the rest keep EngineConfig's defaults."""
+    return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
 
 
 def _is_loopback(host: str) -> bool:

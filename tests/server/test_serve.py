@@ -107,3 +107,13 @@ def test_default_model_with_its_own_chat_template():
             assert second.usage.prompt_tokens_details.cached_tokens >= second.usage.prompt_tokens - 16 > 0
     finally:
         async_engine.shutdown()
+
+
+def test_serve_passes_the_disk_tier_options_to_the_engine(capsys):
+    from radixkv.cli import main
+
+    # Checked with the engine's options, before any model loads: each flag reaches EngineConfig,
+    # whose error names it.
+    for flag, field in (("--kv-disk-prefetch-bytes", "kv_disk_prefetch_bytes"), ("--kv-disk-retained-bytes-per-owner", "kv_disk_retained_bytes_per_owner")):
+        assert main(["serve", "--model", "/nonexistent", flag, "0", "--port", "1"]) == 2
+        assert field in capsys.readouterr().err
