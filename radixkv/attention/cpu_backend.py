@@ -25,6 +25,7 @@ class DecodeRows:
     rows: torch.Tensor  # [D] int32
     page_table: torch.Tensor  # [D, max_pages] int32
     seq_lens: torch.Tensor  # [D] int32
+    plan: torch.Tensor | None = None  # their cascade groups, None: none
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,22 +74,26 @@ class CPUBackend(AttentionBackend):
             decode.check_tables(row_by_row.page_table, row_by_row.seq_lens, None, num_tokens, num_pages, page_size)
         elif meta.is_decode_only:
             decode.check_tables(page_table, seq_lens, None, num_tokens, num_pages, page_size)
-            # A batch-invariant step keeps every row on its own: grouping depends on the batch.
-            cascade = self.share_reads and not meta.batch_invariant
-            members = decode.min_members(num_q_heads // k_cache.shape[2])
-            plan = decode.cascade_plan(page_table, seq_lens, page_size, min_group_members=members) if cascade else decode.CascadePlan(None, 0)
+            plan = self._plan(meta, page_table, seq_lens, num_q_heads, k_cache)
             reads = KVReads(sum(meta.seq_lens_list), plan.saved_tokens)
             return CPUStepState(True, page_table, seq_lens, None, None, None, plan.plan, reads)
         else:
             requests = torch.tensor([b for b, q_len in enumerate(meta.q_lens_list) if q_len == 1], dtype=torch.long)
             if len(requests):
-                decode_rows = DecodeRows(
-                    meta.cu_q_lens[requests].to(torch.int32), page_table[requests], seq_lens[requests]
-                )
-                decode.check_tables(
-                    decode_rows.page_table, decode_rows.seq_lens, decode_rows.rows, num_tokens, num_pages, page_size
-                )
+                rows, tables, lens = meta.cu_q_lens[requests].to(torch.int32), page_table[requests], seq_lens[requests]
+                decode.check_tables(tables, lens, rows, num_tokens, num_pages, page_size)
+                # Requests decoding beside a prefill group as in a decode-only step.
+                decode_rows = DecodeRows(rows, tables, lens, self._plan(meta, tables, lens, num_q_heads, k_cache).plan)
         return CPUStepState(True, page_table, seq_lens, decode_rows, row_by_row, None)
+
+    def _plan(self, meta: AttentionMetadata, page_table: torch.Tensor, seq_lens: torch.Tensor, num_q_heads: int,
+              k_cache: torch.Tensor) -> decode.CascadePlan:  # fmt: skip
+        """The cascade groups of these decoding requests (checked tables). A batch-invariant step
+        keeps every row on its own: a group depends on the batch."""
+        if not self.share_reads or meta.batch_invariant:
+            return decode.CascadePlan(None, 0)
+        members = decode.min_members(num_q_heads // k_cache.shape[2])
+        return decode.cascade_plan(page_table, seq_lens, k_cache.shape[1], min_group_members=members)
 
     def store_kv(
         self,
@@ -122,7 +127,9 @@ class CPUBackend(AttentionBackend):
         out = torch.empty(q.shape, dtype=q.dtype)
         rows = state.decode_rows
         if rows is not None:  # requests decoding beside a prefill: one kernel call for all
-            decode.paged_decode(q, k_cache, v_cache, rows.page_table, rows.seq_lens, scale, rows=rows.rows, out=out, check=False)
+            decode.paged_decode(
+                q, k_cache, v_cache, rows.page_table, rows.seq_lens, scale, rows=rows.rows, out=out, check=False, plan=rows.plan
+            )
         torch_backend.extend_requests(q, k_cache, v_cache, meta, scale, out, skip_one_token=rows is not None)
         return out
 

@@ -146,3 +146,19 @@ def test_a_member_whose_whole_sequence_is_shared(gen):
     t = Tables(gen, [(512, 3)], [0, 0, 16], heads=(4, 2), head_dim=64, dtype=torch.float32)
     plan = check_cascade(t, torch.float32, "no own keys")
     assert plan.saved_tokens == 2 * 512
+
+
+def test_cascade_rows_of_a_mixed_step(gen):
+    # In a mixed step the decoding requests' q and out rows sit among prefill rows: each request
+    # (and each group member) reads and writes only its own row.
+    t = Tables(gen, [(400, 4), (300, 3)], [20, 30, 40, 50, 10, 60, 5], heads=(9, 3), head_dim=64, dtype=torch.bfloat16)
+    rows = torch.tensor([9, 2, 5, 0, 11, 7, 3], dtype=torch.int32)
+    q = make_q(gen, 12, 9, 3, 64, torch.bfloat16)
+    q[rows.long()] = t.q
+    plan = decode.cascade_plan(t.page_table, t.seq_lens, PAGE, **ANY_SHARING)
+    assert plan.plan is not None
+    out = torch.full((12, 9, 64), 7.0, dtype=torch.bfloat16)
+    decode.paged_decode(q, t.k_cache, t.v_cache, t.page_table, t.seq_lens, 0.125, rows=rows, out=out, plan=plan.plan)
+    assert_close(out[rows.long()], reference(t.q, t.paged(), 0.125), torch.bfloat16, "mixed-step rows")
+    others = [r for r in range(12) if r not in rows.tolist()]
+    assert (out[others] == 7.0).all()
