@@ -6,7 +6,10 @@ SmolLM2-135M's shapes with caches cold (every weight and KV byte comes from memo
   kernel this CPU runs (radixkv/cpu/csrc/packed_linear.c: AMX tiles, AVX512_BF16) vs oneDNN with
   prepacked weights vs plain F.linear;
 - decode attention: 32 requests x 1,032 tokens over 30 layers' paged KV, in bf16 and fp32, the
-  native kernel (radixkv/cpu/csrc/paged_decode.c) vs the torch reference backend's gather + SDPA.
+  native kernel (radixkv/cpu/csrc/paged_decode.c) vs the torch reference backend's gather + SDPA;
+- cascade decode: 32 requests in groups of 2, 4 and 16 over shared prefixes of 64 to 1,024
+  tokens (+64 own), cascade groups (radixkv/cpu/csrc/cascade.c) vs the plain kernel, in bf16:
+  where grouping starts to pay (radixkv/cpu/decode.py's thresholds come from these rows).
 
     python -m radixkv.scenarios.cpu_kernels [--out out/cpu_kernels] [--repeats 5] [--layers 30] [--context 1032]
 """
@@ -123,6 +126,42 @@ def decode_rows(repeats: int, flush: torch.Tensor, layers: int, context: int, dt
     ]
 
 
+def cascade_rows(repeats: int, flush: torch.Tensor, layers: int, own: int = 64, num_seqs: int = 32) -> list[dict]:
+    """Plain paged decode vs cascade groups (every group formed, whatever the thresholds say)."""
+    rows = []
+    for members in (2, 4, 16):
+        for shared in (64, 128, 256, 1024):
+            torch.manual_seed(0)
+            groups, shared_pages, own_pages = num_seqs // members, shared // PAGE_SIZE, -(-own // PAGE_SIZE)
+            num_pages = groups * shared_pages + num_seqs * own_pages
+            shape = (num_pages, PAGE_SIZE, KV_HEADS, HEAD_DIM)
+            k_caches = [torch.randn(shape).to(BF16) for _ in range(layers)]
+            v_caches = [torch.randn(shape).to(BF16) for _ in range(layers)]
+            pages = torch.randperm(num_pages, dtype=torch.int32)
+            prefixes = pages[: groups * shared_pages].view(groups, shared_pages)
+            tails = pages[groups * shared_pages :].view(num_seqs, own_pages)
+            page_table = torch.cat([prefixes.repeat_interleave(members, dim=0), tails], dim=1).contiguous()
+            seq_lens = torch.full((num_seqs,), shared + own, dtype=torch.int32)
+            q = torch.randn(num_seqs, Q_HEADS, HEAD_DIM).to(BF16)
+            plan = cpu_decode.cascade_plan(page_table, seq_lens, PAGE_SIZE, min_shared_tokens=PAGE_SIZE, min_group_members=2).plan
+
+            def run(plan=plan, k_caches=k_caches, v_caches=v_caches, page_table=page_table, seq_lens=seq_lens, q=q) -> None:
+                for k, v in zip(k_caches, v_caches, strict=True):
+                    cpu_decode.paged_decode(q, k, v, page_table, seq_lens, HEAD_DIM**-0.5, check=False, plan=plan)
+
+            times = {
+                "radixkv cascade": coldest(run, repeats, flush),
+                "radixkv plain": coldest(lambda run=run: run(plan=None), repeats, flush),
+            }
+            unique_bytes = 2 * layers * num_pages * PAGE_SIZE * KV_HEADS * HEAD_DIM * 2
+            rows += [
+                dict(part="cascade decode bfloat16", case=f"{members:>2} x {shared} shared", peer=name, ms=seconds * 1e3,
+                     gb_s=unique_bytes / seconds / 1e9, x_radixkv=seconds / times["radixkv cascade"])  # fmt: skip
+                for name, seconds in times.items()
+            ]
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="out/cpu_kernels")
@@ -142,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = linear_rows(args.repeats, flush, args.layers)
     for dtype in (BF16, torch.float32):
         rows += decode_rows(args.repeats, flush, args.layers, args.context, dtype)
+    rows += cascade_rows(args.repeats, flush, args.layers)
     limits = machine_limits(BF16)
     print(f"\n{limits['cpu']}, {limits['torch_threads']} threads: read {limits['read_bandwidth_gb_s']:.1f} GB/s, "
           f"bf16 matmul {limits['matmul_gflops']:.0f} GFLOP/s (measured in this run)")  # fmt: skip
@@ -164,8 +204,12 @@ def _plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     cases = list(dict.fromkeys((r["part"], r["case"]) for r in rows))
-    fig, axes = plt.subplots(1, len(cases), figsize=(4 * len(cases), 4))
-    for ax, (part, case) in zip(axes, cases, strict=True):
+    columns = min(6, len(cases))
+    lines = -(-len(cases) // columns)
+    fig, axes = plt.subplots(lines, columns, figsize=(4 * columns, 4 * lines), squeeze=False)
+    for ax in axes.flat[len(cases) :]:
+        ax.axis("off")
+    for ax, (part, case) in zip(axes.flat, cases):
         mine = [r for r in rows if (r["part"], r["case"]) == (part, case)]
         ax.bar([r["peer"] for r in mine], [r["ms"] for r in mine], color=["tab:blue"] + ["tab:gray"] * (len(mine) - 1))
         ax.set_title(f"{part}, {case} (ms)", fontsize=9)

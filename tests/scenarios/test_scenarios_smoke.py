@@ -80,8 +80,11 @@ def test_cpu_kernels_bench_runs_and_reports(tmp_path, capsys):
     from radixkv.cpu.linear import available_linear_kernels
 
     native_peers = {f"radixkv {kernel}" for kernel in available_linear_kernels()}
-    assert {row["peer"] for row in rows} == native_peers | {"oneDNN prepacked", "F.linear", "radixkv paged kernel", "gather + SDPA"}
-    assert {row["part"] for row in rows} == {"linears", "decode attention bfloat16", "decode attention float32"}
+    assert {row["peer"] for row in rows} == native_peers | {
+        "oneDNN prepacked", "F.linear", "radixkv paged kernel", "gather + SDPA", "radixkv cascade", "radixkv plain"
+    }  # fmt: skip
+    parts = {"linears", "decode attention bfloat16", "decode attention float32", "cascade decode bfloat16"}
+    assert {row["part"] for row in rows} == parts
     assert all(row["ms"] > 0 for row in rows)
     assert (tmp_path / "cpu_kernels.png").exists()
     assert "x radixkv" in capsys.readouterr().out
