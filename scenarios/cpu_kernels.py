@@ -7,7 +7,7 @@ SmolLM2-135M's shapes with caches cold (every weight and KV byte comes from memo
   prepacked weights vs plain F.linear;
 - decode attention: 32 requests x 1,032 tokens over 30 layers' paged KV, in bf16 and fp32, the
   native kernel (radixkv/cpu/csrc/paged_decode.c) vs the torch reference backend's gather + SDPA;
-- cascade decode: 32 requests in groups of 2, 4 and 16 over shared prefixes of 64 to 1,024
+- cascade decode: 32 requests in groups of 2, 4, 8 and 16 over shared prefixes of 64 to 1,024
   tokens (+64 own), cascade groups (radixkv/cpu/csrc/cascade.c) vs the plain kernel, in bf16:
   where grouping starts to pay (radixkv/cpu/decode.py's thresholds come from these rows).
 
@@ -129,7 +129,7 @@ def decode_rows(repeats: int, flush: torch.Tensor, layers: int, context: int, dt
 def cascade_rows(repeats: int, flush: torch.Tensor, layers: int, own: int = 64, num_seqs: int = 32) -> list[dict]:
     """Plain paged decode vs cascade groups (every group formed, whatever the thresholds say)."""
     rows = []
-    for members in (2, 4, 16):
+    for members in (2, 4, 8, 16):
         for shared in (64, 128, 256, 1024):
             torch.manual_seed(0)
             groups, shared_pages, own_pages = num_seqs // members, shared // PAGE_SIZE, -(-own // PAGE_SIZE)

@@ -135,12 +135,13 @@ def work_floats(seq_lens: torch.Tensor, plan: torch.Tensor | None, num_q_heads: 
 
 
 # Who decodes as a cascade group on CPU. A shared item transposes and pairs its keys and values
-# once for all its queries, then runs at the vdpbf16ps rate; amortising that set-up needs about
-# 8 query heads per KV head (members x GQA group) over 128 or more shared tokens. Measured with
-# 32 requests in groups over prefixes of 16..256 tokens (bf16, SmolLM2's heads, Zen 4): groups
-# of 2 (6 query heads) never gained, groups of 4 (12) gained 1.2x from 128 shared tokens.
-MIN_SHARED_TOKENS = 128
-MIN_GROUP_QUERY_HEADS = 8
+# once for all its queries, then runs at the vdpbf16ps rate; that set-up pays over 256 or more
+# shared tokens for 6 or more query heads per KV head (members x GQA group). Measured by
+# `python -m radixkv.scenarios.cpu_kernels` (32 requests, 30 layers, cold caches, bf16, Zen 4),
+# plain time / cascade time: 2 members 0.83 / 1.01 / 1.12 over 64 / 256 / 1,024 shared tokens,
+# 4 members 0.84 / 1.00 / 1.11, 8 members 0.97 / 1.14 / 1.56, 16 members 0.93 / 1.00 / 1.55.
+MIN_SHARED_TOKENS = 256
+MIN_GROUP_QUERY_HEADS = 6
 
 
 def min_members(query_heads_per_kv_head: int) -> int:

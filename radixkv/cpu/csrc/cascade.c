@@ -8,7 +8,8 @@
  * p.v reuses each value row for a tile of queries. The per-query cost falls to about half of
  * an own item's, and the KV is read from memory once for the group instead of once per member.
  * Each member's states go where its own items' states would, and paged_decode.c merges them
- * by log-sum-exp with the member's own suffix.
+ * by log-sum-exp with the member's own suffix. Like an own item, a shared item requests the
+ * KV of its thread's next item while it computes.
  */
 #define _GNU_SOURCE /* qsort_r */
 #include "decode.h"
@@ -207,7 +208,12 @@ static inline __attribute__((always_inline)) void shared_bf16_impl(const SharedI
     uint32_t *keys = s.keys, *value_pairs = (uint32_t *)s.values;
     const uint16_t *value_rows[CHUNK_TOKENS];
     float scores[QK_TILE * SCORE_STRIDE] __attribute__((aligned(64)));
+    Prefetcher prefetcher;
+    /* Steps: each kv head's set-up, and each pass of 4 queries over 4 key blocks. */
+    const int quads = (item->num_members * sh->group + 3) / 4, passes = (ncols / 16 + 3) / 4;
+    prefetcher_init(&prefetcher, item->next, sh, (const char *)k, (const char *)v, 2, H * (1 + quads * passes));
     for (int h = 0; h < H; h++) {
+        prefetch_step(&prefetcher);
         /* Blocks are 16 keys but where a page ends: stored at `at`, they overlap the next
          * block's columns, which that block then overwrites (blocks run in order). */
         for (int bi = 0, at = 0; bi < num_blocks; at += blocks[bi++].n) {
@@ -223,8 +229,9 @@ static inline __attribute__((always_inline)) void shared_bf16_impl(const SharedI
             for (int i = 0; i < QK_TILE; i++) q[i] = s.queries[first + (i < live ? i : live - 1)];
             /* 4 queries x 4 blocks of 16 keys a pass: each loaded key vector and broadcast
              * query pair feeds 4 products (16 accumulators stay in registers). */
-            for (int i0 = 0; i0 < QK_TILE; i0 += 4)
+            for (int i0 = 0; i0 < live; i0 += 4)
                 for (int block = 0; block < ncols / 16; block += 4) {
+                    prefetch_step(&prefetcher);
                     __m512 acc[4][4];
                     for (int i = 0; i < 4; i++)
                         for (int b = 0; b < 4; b++) acc[i][b] = _mm512_setzero_ps();
@@ -266,7 +273,11 @@ static inline __attribute__((always_inline)) void shared_f32_impl(const SharedIt
     float *keys = s.keys;
     const float *value_rows[CHUNK_TOKENS];
     float scores[QK_TILE * SCORE_STRIDE] __attribute__((aligned(64)));
+    Prefetcher prefetcher;
+    const int quads = (item->num_members * sh->group + 3) / 4, passes = (ncols / 16 + 3) / 4;
+    prefetcher_init(&prefetcher, item->next, sh, (const char *)k, (const char *)v, 4, H * (1 + quads * passes));
     for (int h = 0; h < H; h++) {
+        prefetch_step(&prefetcher);
         for (int bi = 0, at = 0; bi < num_blocks; at += blocks[bi++].n) {
             const int64_t first = blocks[bi].first + (int64_t)h * D;
             transpose_block((const uint32_t *)(k + first), token_stride, blocks[bi].n, D, (uint32_t *)keys, npad, at);
@@ -277,8 +288,9 @@ static inline __attribute__((always_inline)) void shared_f32_impl(const SharedIt
             const int live = count - first < QK_TILE ? count - first : QK_TILE;
             const float *q[QK_TILE];
             for (int i = 0; i < QK_TILE; i++) q[i] = s.queries[first + (i < live ? i : live - 1)];
-            for (int i0 = 0; i0 < QK_TILE; i0 += 4) /* 4 queries x 4 blocks a pass, as in bf16 */
+            for (int i0 = 0; i0 < live; i0 += 4) /* 4 queries x 4 blocks a pass, as in bf16 */
                 for (int block = 0; block < ncols / 16; block += 4) {
+                    prefetch_step(&prefetcher);
                     __m512 acc[4][4];
                     for (int i = 0; i < 4; i++)
                         for (int b = 0; b < 4; b++) acc[i][b] = _mm512_setzero_ps();

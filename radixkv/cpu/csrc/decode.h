@@ -83,6 +83,51 @@ static inline void softmax_row(float *row, int n, float *state) {
     state[0] = max;
     state[1] = _mm512_reduce_add_ps(sum);
 }
+
+/* Requests the next item's K and V a few lines at a time, spread over this item's work: the
+ * memory stays busy while this item computes, and no burst fills the line-fill buffers. A
+ * block's rows (all kv heads) are one contiguous run in K and one in V. */
+typedef struct {
+    const char *start[2 * CHUNK_TOKENS];
+    int64_t bytes[2 * CHUNK_TOKENS];
+    int runs, run;
+    int64_t offset;
+    int lines_per_step;
+} Prefetcher;
+
+static inline void prefetcher_init(Prefetcher *p, const NextItem *next, const Shape *sh, const char *k,
+                                   const char *v, int element_bytes, int steps) {
+    const int64_t row_bytes = (int64_t)sh->num_kv_heads * sh->head_dim * element_bytes;
+    int64_t lines = 0;
+    p->runs = p->run = 0;
+    p->offset = 0;
+    for (int t = next->begin; next->pages && t < next->end;) {
+        const Block block = block_at(next->pages, t, next->end, sh);
+        for (int which = 0; which < 2; which++) {
+            p->start[p->runs] = (which ? v : k) + block.first * element_bytes;
+            p->bytes[p->runs++] = block.n * row_bytes;
+        }
+        lines += 2 * (block.n * row_bytes + 63) / 64;
+        t += block.n;
+    }
+    p->lines_per_step = (int)(lines / (steps > 0 ? steps : 1)) + 1;
+}
+
+static inline void prefetch_step(Prefetcher *p) {
+    int budget = p->lines_per_step;
+    while (budget > 0 && p->run < p->runs) {
+        const char *base = p->start[p->run];
+        const int64_t run_end = p->bytes[p->run];
+        const int64_t stop = p->offset + (int64_t)budget * 64 < run_end ? p->offset + (int64_t)budget * 64 : run_end;
+        /* Into L2 (T1): in L1 the lines would only push out the block being computed. */
+#pragma GCC unroll 8
+        for (int64_t offset = p->offset; offset < stop; offset += 64) _mm_prefetch(base + offset, _MM_HINT_T1);
+        budget -= (int)((stop - p->offset + 63) / 64);
+        p->offset = stop;
+        if (stop >= run_end) p->run++, p->offset = 0;
+    }
+}
+
 #endif
 
 /* One request's keys [begin, end) (at most CHUNK_TOKENS, through its page list) for its query
@@ -103,6 +148,7 @@ typedef struct {
     const int32_t *pages;
     int begin, end;
     float *states;
+    const NextItem *next; /* the item this thread runs next: its KV is requested meanwhile */
 } SharedItem;
 
 HIDDEN int64_t radixkv_shared_scratch_bytes(const Shape *sh, int max_members);

@@ -184,50 +184,6 @@ static inline __attribute__((always_inline)) void scores_avx512(
 
 #endif
 
-/* Requests the next item's K and V a few lines at a time, spread over this item's work: the
- * memory stays busy while this item computes, and no burst fills the line-fill buffers. A
- * block's rows (all kv heads) are one contiguous run in K and one in V. */
-typedef struct {
-    const char *start[2 * CHUNK_TOKENS];
-    int64_t bytes[2 * CHUNK_TOKENS];
-    int runs, run;
-    int64_t offset;
-    int lines_per_step;
-} Prefetcher;
-
-static inline void prefetcher_init(Prefetcher *p, const NextItem *next, const Shape *sh, const char *k,
-                                   const char *v, int element_bytes, int steps) {
-    const int64_t row_bytes = (int64_t)sh->num_kv_heads * sh->head_dim * element_bytes;
-    int64_t lines = 0;
-    p->runs = p->run = 0;
-    p->offset = 0;
-    for (int t = next->begin; next->pages && t < next->end;) {
-        const Block block = block_at(next->pages, t, next->end, sh);
-        for (int which = 0; which < 2; which++) {
-            p->start[p->runs] = (which ? v : k) + block.first * element_bytes;
-            p->bytes[p->runs++] = block.n * row_bytes;
-        }
-        lines += 2 * (block.n * row_bytes + 63) / 64;
-        t += block.n;
-    }
-    p->lines_per_step = (int)(lines / (steps > 0 ? steps : 1)) + 1;
-}
-
-static inline void prefetch_step(Prefetcher *p) {
-    int budget = p->lines_per_step;
-    while (budget > 0 && p->run < p->runs) {
-        const char *base = p->start[p->run];
-        const int64_t run_end = p->bytes[p->run];
-        const int64_t stop = p->offset + (int64_t)budget * 64 < run_end ? p->offset + (int64_t)budget * 64 : run_end;
-        /* Into L2 (T1): in L1 the lines would only push out the block being computed. */
-#pragma GCC unroll 8
-        for (int64_t offset = p->offset; offset < stop; offset += 64) _mm_prefetch(base + offset, _MM_HINT_T1);
-        budget -= (int)((stop - p->offset + 63) / 64);
-        p->offset = stop;
-        if (stop >= run_end) p->run++, p->offset = 0;
-    }
-}
-
 /* The items below run as instances with head_dim and group as constants, so the compiler
  * unrolls the chunk loops and keeps q and the accumulators in registers; other shapes run the
  * general instance. GROUP_CASES(IMPL, D) returns from the caller after the instance for its
@@ -646,7 +602,7 @@ static inline int item_thread(const Items *items, int64_t i, int num_threads) {
                     const int32_t *members = plan.members + plan.group_start[item->owner];                       \
                     for (int m = 0; m < item->members; m++) q_rows[m] = rows ? rows[members[m]] : members[m];     \
                     const SharedItem shared = {q, q_row_stride, q_rows, item->members, pages, item->begin,       \
-                                               item->end, work + item->offset};                                  \
+                                               item->end, work + item->offset, &next};                           \
                     SHARED_ITEM(&shared, k, v, &sh, scratch);                                                    \
                 } else {                                                                                         \
                     const int64_t row = rows ? rows[item->owner] : item->owner;                                  \
