@@ -138,8 +138,10 @@ def work_floats(seq_lens: torch.Tensor, plan: torch.Tensor | None, num_q_heads: 
 # once for all its queries, then runs at the vdpbf16ps rate; that set-up pays over 256 or more
 # shared tokens for 6 or more query heads per KV head (members x GQA group). Measured by
 # `python -m radixkv.scenarios.cpu_kernels` (32 requests, 30 layers, cold caches, bf16, Zen 4),
-# plain time / cascade time: 2 members 0.83 / 1.01 / 1.12 over 64 / 256 / 1,024 shared tokens,
-# 4 members 0.84 / 1.00 / 1.11, 8 members 0.97 / 1.14 / 1.56, 16 members 0.93 / 1.00 / 1.55.
+# plain time / cascade time in two runs: over 64 shared tokens 0.83-1.02 whatever the group;
+# over 256, 0.93-1.14; over 1,024, 0.97-1.12 for pairs, 1.11-1.20 for 4 members and 1.36-1.56
+# for 8 and 16. Below 256 tokens grouping loses up to 20%; from 256 on it is within noise or
+# better.
 MIN_SHARED_TOKENS = 256
 MIN_GROUP_QUERY_HEADS = 6
 
