@@ -66,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         "--drain-timeout-s", type=float, default=30.0,
         help="on SIGTERM, refuse new requests and give in-flight ones this long to finish before aborting them (default 30)",
     )
+    serving.add_argument("--no-access-log", action="store_true", help="do not log each request (a router's health checks, for one)")
     serving.add_argument("--threads", type=int, default=None, help="CPU threads the engine computes with (default: torch's)")
     serving.add_argument(
         "--kv-events", default=None, metavar="ENDPOINT",
@@ -191,7 +192,8 @@ def serve(args: argparse.Namespace) -> int:
             "serving %s on http://%s:%d (%d KV pages of %d tokens, context %d)",
             name, args.host, args.port, engine.pool.num_pages, engine.pool.page_size, engine.max_context_tokens,
         )
-        config = uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=10, log_level="info")
+        config = uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=10, log_level="info",
+                                access_log=not args.no_access_log)
         server = DrainingServer(config, app.state.radixkv.drain, async_engine, args.drain_timeout_s)
         try:
             server.run()

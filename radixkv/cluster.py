@@ -114,7 +114,8 @@ class LocalCluster:
     def start_workers(self) -> None:
         """Start every worker and wait until each answers /health (they load in parallel)."""
         for i, (port, url) in enumerate(zip(self.worker_ports, self.worker_urls)):
-            command = [sys.executable, "-m", "radixkv.cli", "serve", "--host", self.host, "--port", str(port)]
+            # The router checks health every second: its requests would fill the workers' logs.
+            command = [sys.executable, "-m", "radixkv.cli", "serve", "--host", self.host, "--port", str(port), "--no-access-log"]
             if self.model is not None:
                 command += ["--model", self.model]
             self.workers.append(self._spawn(f"worker{i}", url, command + self.worker_args))
