@@ -1,4 +1,5 @@
-"""The CPU paged-decode and store-KV kernels (radixkv/cpu/csrc/paged_decode.c) as tensor functions.
+"""The CPU paged-decode, cascade-plan and store-KV kernels (radixkv/cpu/csrc/paged_decode.c,
+cascade.c) as tensor functions.
 
 Checks what the C code trusts (dtypes, shapes, index ranges), allocates the decode work buffer
 and calls the library that radixkv.cpu.native builds and loads.

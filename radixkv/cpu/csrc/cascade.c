@@ -2,10 +2,10 @@
  * of them together, and the grouping that decides who shares what (radixkv_cascade_plan).
  *
  * A shared item holds one chunk of a group's shared prefix. Per kv head it lays the chunk's
- * keys out once, transposed (dimension major, 16 keys to a vector), and widens its values to
- * fp32; then every member's query heads run against them as small matrix products: q.k takes
- * one vdpbf16ps (or FMA) per dimension pair for 16 keys at once, with no horizontal sums, and
- * p.v reuses each value row for a tile of queries. The per-query cost falls to about half of
+ * keys out once, transposed (dimension major, 16 keys to a vector), and (bf16) pairs its values
+ * by token; then every member's query heads run against them as small matrix products: q.k
+ * takes one vdpbf16ps (or FMA) per dimension pair for 16 keys at once, with no horizontal sums,
+ * and p.v reuses each value row for a tile of queries. The per-query cost falls to about half of
  * an own item's, and the KV is read from memory once for the group instead of once per member.
  * Each member's states go where its own items' states would, and paged_decode.c merges them
  * by log-sum-exp with the member's own suffix. Like an own item, a shared item requests the
@@ -24,8 +24,9 @@ static inline int64_t padded_keys(void) { return CHUNK_TOKENS + BLOCK_TOKENS; }
  * q.k passes that read 4 blocks at a time past the last row's end. */
 static inline int64_t key_bytes(const Shape *sh) { return ((int64_t)sh->head_dim * padded_keys() + 64) * 4; }
 
-/* Transposed keys (head_dim x padded keys, 4 bytes each: bf16 pairs or fp32), fp32 values
- * (CHUNK_TOKENS x head_dim), then per member query and state pointers. */
+/* Transposed keys (head_dim x padded keys, 4 bytes each: bf16 pairs or fp32), room for the
+ * bf16 path's paired values (CHUNK_TOKENS x head_dim x 4 bytes), then per member query and
+ * state pointers. */
 HIDDEN int64_t radixkv_shared_scratch_bytes(const Shape *sh, int max_members) {
     const int64_t keys = key_bytes(sh);
     const int64_t values = (int64_t)CHUNK_TOKENS * sh->head_dim * 4;
@@ -35,7 +36,7 @@ HIDDEN int64_t radixkv_shared_scratch_bytes(const Shape *sh, int max_members) {
 
 typedef struct {
     void *keys;           /* transposed */
-    float *values;        /* [keys][head_dim] fp32 */
+    float *values;        /* bf16: value pairs [keys / 2][head_dim] */
     const void **queries; /* [members * group] query head rows of the current kv head */
     float **states;       /* [members * group] their softmax states */
 } Scratch;
@@ -52,8 +53,8 @@ static Scratch scratch_view(void *buffer, const Shape *sh) {
     return s;
 }
 
-/* Query and state pointers of every member's query heads over kv head h; states of the fake
- * queries that pad the last tile to QK_TILE go to a scratch state. */
+/* Query and state pointers of every member's query heads over kv head h; returns how many.
+ * A last tile short of QK_TILE repeats its last query, whose extra results are never stored. */
 static int gather_queries(const SharedItem *item, const Shape *sh, int h, int element_bytes, Scratch *s) {
     const int G = sh->group, count = item->num_members * G;
     s->states = (float **)(s->queries + count);
@@ -92,8 +93,8 @@ static inline __attribute__((always_inline)) void transpose_16x16(__m512i r[16])
     }
 }
 
-/* One block's keys (n <= 16 rows of D / per_lane 32-bit words at row_stride words) into
- * columns [at, at + 16) of the transposed keys (npad words a row); rows past n are zero. */
+/* One block's keys (n <= 16 rows of `words` 32-bit words, row_stride words apart) into columns
+ * [at, at + 16) of the transposed keys (npad words a row); rows past n are zero. */
 static inline __attribute__((always_inline)) void transpose_block(const uint32_t *rows, int64_t row_stride, int n,
                                                                   int words, uint32_t *keys, int64_t npad, int at) {
     for (int w = 0; w < words; w += 16) {
@@ -103,9 +104,7 @@ static inline __attribute__((always_inline)) void transpose_block(const uint32_t
         for (int i = 0; i < 16; i++) _mm512_storeu_si512(keys + (int64_t)(w + i) * npad + at, r[i]);
     }
 }
-#endif
 
-#ifdef HAVE_AVX512
 /* p.v for one tile's live queries: weights[i] (softmax weights of row i, n keys) against the
  * fp32 value rows, PV_TILE queries at a time so their accumulators stay in registers. */
 static inline __attribute__((always_inline)) void weights_times_values(
@@ -190,9 +189,7 @@ static inline __attribute__((always_inline)) void weights_times_value_pairs(
             for (int c = 0; c < D / 16; c++) _mm512_storeu_ps(states[p0 + i] + 2 + 16 * c, acc[i][c]);
     }
 }
-#endif
 
-#ifdef HAVE_AVX512_BF16
 /* The bf16 shared item: keys as bf16 pairs [head_dim / 2][padded keys], so one vdpbf16ps
  * multiplies a query's dimension pair (broadcast) into 16 keys' scores. */
 static inline __attribute__((always_inline)) void shared_bf16_impl(const SharedItem *item, const uint16_t *k,
@@ -315,8 +312,9 @@ static inline __attribute__((always_inline)) void shared_f32_impl(const SharedIt
 
 /* Where no vector path fits: each member runs the own-item kernel over the shared keys in
  * turn; the first reads them from memory, the others from cache. */
+/* One statement, since it follows an else. */
 #define MEMBER_BY_MEMBER(ITEM, T)                                                                         \
-    for (int m = 0; m < item->num_members; m++) /* after an else: one statement */                                                           \
+    for (int m = 0; m < item->num_members; m++)                                                           \
         ITEM((const T *)item->q + (int64_t)item->q_rows[m] * item->q_row_stride, k, v, item->pages,       \
              item->begin, item->end, sh, item->states + m * item_floats(sh), NULL);
 

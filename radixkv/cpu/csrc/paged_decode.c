@@ -1,11 +1,13 @@
 /* Paged decode attention for CPU: one query token per request attends to its KV where it lies
  * in the page pool, so no request's KV is copied on any step (the torch fallback gathers it).
  *
- * Work is split into (request, chunk of CHUNK_TOKENS keys) items; each OpenMP thread runs a
- * contiguous run of them. An item keeps fp32 softmax state per query head (max, sum,
- * unnormalised output), and a second pass merges a request's chunks by their log-sum-exp.
- * Chunk edges depend only on the request's own length, never on the batch or the thread
- * count, so a request's output is the same whatever it runs beside.
+ * Work is split into items of at most CHUNK_TOKENS keys: a request's own keys, and, where a
+ * cascade plan groups requests over a shared cached prefix, the prefix's keys for the whole
+ * group at once (cascade.c). Each OpenMP thread runs a contiguous run of items of about equal
+ * cost. An item keeps fp32 softmax state per query head (max, sum, unnormalised output), and a
+ * second pass merges a request's states by their log-sum-exp. Without a plan, chunk edges
+ * depend only on the request's own length, never on the batch or the thread count, so a
+ * request's output is the same whatever it runs beside.
  *
  * Memory, not arithmetic, bounds decode, and a core keeps only a few cache-line misses in
  * flight. So while an item computes, it requests the KV of the thread's next item into L2, a
