@@ -655,7 +655,8 @@ OTHER_BUILDS = [
 @pytest.mark.skipif(cpu_features().machine != "x86_64", reason="the builds are x86-64 ones")
 @pytest.mark.parametrize("march", OTHER_BUILDS)
 def test_builds_for_other_cpus_give_the_same_answers(gen, monkeypatch, tmp_path, march) -> None:
-    # Built into a scratch cache and held to the same reference, decode and row ops alike.
+    # Built into a scratch cache and held to the same reference: decode (with and without
+    # cascade groups) and row ops alike.
     from radixkv.cpu import row_ops
 
     flags = tuple(f"-march={march}" if f == "-march=native" else f for f in native_library.COMPILE_FLAGS)
@@ -673,6 +674,13 @@ def test_builds_for_other_cpus_give_the_same_answers(gen, monkeypatch, tmp_path,
             q = make_q(gen, 3, 9, 3, head_dim, dtype)
             out = native.paged_decode(q, paged.k_cache, paged.v_cache, paged.page_table, paged.seq_lens, 0.125)
             assert_close(out, reference(q, paged, 0.125), dtype, f"{march} build, head_dim {head_dim}")
+            # Cascade groups: three requests over one 256-token cached prefix (its 16 pages shared).
+            grouped = make_paged(gen, [300, 310, 290], num_kv_heads=3, head_dim=head_dim, page_size=16, dtype=dtype)
+            grouped.page_table[1:, :16] = grouped.page_table[0, :16]
+            plan = native.cascade_plan(grouped.page_table, grouped.seq_lens, 16, min_shared_tokens=16, min_group_members=2)
+            assert plan.saved_tokens == 2 * 256
+            out = native.paged_decode(q, grouped.k_cache, grouped.v_cache, grouped.page_table, grouped.seq_lens, 0.125, plan=plan.plan)
+            assert_close(out, reference(q, grouped, 0.125), dtype, f"{march} build, cascade, head_dim {head_dim}")
     x, delta, weight = (torch.randn(shape, generator=gen).to(torch.bfloat16) for shape in ((5, 64), (5, 64), (64,)))
     expected = row_ops.rms_norm(x + delta, weight, 1e-5)
     assert torch.equal(row_ops.add_rms_norm(x.clone(), delta, weight, 1e-5)[1], expected)
