@@ -1,8 +1,10 @@
-"""The CPU backend: the native kernels (radixkv.cpu.decode) behind the attention interface.
+"""The CPU backend: the native kernels (radixkv.cpu.decode, radixkv.cpu.extend) behind the
+attention interface.
 
 Stores KV with one native call, runs decode rows (decode steps, the one-token requests of mixed
-steps, and every row of a batch-invariant step) through the paged kernel, which reads KV in
-place; multi-token requests, and tensors the kernel cannot take, run the reference's torch code.
+steps, and every row of a batch-invariant step) through the paged decode kernel and multi-token
+requests through the prefill kernel, both reading KV in place; tensors the kernels cannot take
+run the reference's torch code.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import torch
 from radixkv.attention import torch_backend
 from radixkv.attention.base import AttentionBackend, AttentionMetadata, BackendCapabilities, KVReads
 from radixkv.attention.torch_backend import RowByRow, TorchStepState
-from radixkv.cpu import decode
+from radixkv.cpu import decode, extend
 from radixkv.cpu.native import load
 
 
@@ -29,6 +31,16 @@ class DecodeRows:
 
 
 @dataclass(frozen=True, slots=True)
+class ExtendRows:
+    """The multi-token requests of a mixed step, for the prefill kernel: their tables and rows."""
+
+    page_table: torch.Tensor  # [E, max_pages] int32
+    seq_lens: torch.Tensor  # [E] int32
+    q_starts: torch.Tensor  # [E] int32, each request's first q/out row
+    q_lens: torch.Tensor  # [E] int32
+
+
+@dataclass(frozen=True, slots=True)
 class CPUStepState:
     # The kernel takes this step's caches and heads; every table below was range-checked
     # once, here in prepare, since the C code trusts its indices.
@@ -40,21 +52,24 @@ class CPUStepState:
     reference: TorchStepState | None  # where the kernel cannot take the tensors
     plan: torch.Tensor | None = None  # cascade decode's groups (share_reads), None: no groups
     kv_reads: KVReads | None = None  # decode-only steps through the kernel
+    extend_rows: ExtendRows | None = None  # mixed steps whose multi-token requests the prefill kernel runs
 
 
 class CPUBackend(AttentionBackend):
     name = "cpu"
     capabilities = BackendCapabilities(batch_invariant=True, fused_cpu_decode=True)
 
-    def __init__(self, decode_amx: bool = True, share_reads: bool = True) -> None:
+    def __init__(self, decode_amx: bool = True, share_reads: bool = True, native_extend: bool = True) -> None:
         """share_reads: cascade decode, where requests that share a cached prefix read its pages
-        once per step for the whole group (EngineConfig.share_decode_reads)."""
+        once per step for the whole group (EngineConfig.share_decode_reads). native_extend=False
+        keeps multi-token requests on the torch reference (a baseline for benchmarks)."""
         library = load()
         if library is None:
             raise RuntimeError("the CPU backend needs radixkv's native library, which could not be built here")
         # A process-wide setting of the library (it has one): the last backend built sets it.
         library.radixkv_decode_use_amx(int(decode_amx))
         self.share_reads = share_reads
+        self.native_extend = native_extend
         self.reference = torch_backend.TorchBackend()
 
     def prepare(self, meta: AttentionMetadata, k_cache: torch.Tensor, num_q_heads: int) -> CPUStepState:
@@ -84,7 +99,24 @@ class CPUBackend(AttentionBackend):
                 decode.check_tables(tables, lens, rows, num_tokens, num_pages, page_size)
                 # Requests decoding beside a prefill group as in a decode-only step.
                 decode_rows = DecodeRows(rows, tables, lens, self._plan(meta, tables, lens, num_q_heads, k_cache).plan)
+            extend_rows = self._extend_rows(meta, page_table, seq_lens, num_q_heads, k_cache)
+            return CPUStepState(True, page_table, seq_lens, decode_rows, None, None, extend_rows=extend_rows)
         return CPUStepState(True, page_table, seq_lens, decode_rows, row_by_row, None)
+
+    def _extend_rows(self, meta: AttentionMetadata, page_table: torch.Tensor, seq_lens: torch.Tensor, num_q_heads: int,
+                     k_cache: torch.Tensor) -> ExtendRows | None:  # fmt: skip
+        """The multi-token requests as the prefill kernel takes them (checked), or None where it
+        does not run these shapes here (they then take the torch reference)."""
+        head_dim, num_kv_heads = k_cache.shape[3], k_cache.shape[2]
+        if not self.native_extend or not extend.fits(k_cache.dtype, head_dim, num_q_heads // num_kv_heads):
+            return None
+        requests = torch.tensor([b for b, q_len in enumerate(meta.q_lens_list) if q_len > 1], dtype=torch.long)
+        tables, lens = page_table[requests], seq_lens[requests]
+        q_starts, q_lens = meta.cu_q_lens[requests].to(torch.int32), meta.q_lens[requests].to(torch.int32)
+        num_tokens = meta.slot_mapping.shape[0]
+        decode.check_tables(tables, lens, q_starts, num_tokens, k_cache.shape[0], k_cache.shape[1])
+        extend.check_rows(q_starts, q_lens, lens, num_tokens)
+        return ExtendRows(tables, lens, q_starts, q_lens)
 
     def _plan(self, meta: AttentionMetadata, page_table: torch.Tensor, seq_lens: torch.Tensor, num_q_heads: int,
               k_cache: torch.Tensor) -> decode.CascadePlan:  # fmt: skip
@@ -130,7 +162,13 @@ class CPUBackend(AttentionBackend):
             decode.paged_decode(
                 q, k_cache, v_cache, rows.page_table, rows.seq_lens, scale, rows=rows.rows, out=out, check=False, plan=rows.plan
             )
-        torch_backend.extend_requests(q, k_cache, v_cache, meta, scale, out, skip_one_token=rows is not None)
+        requests = state.extend_rows
+        if requests is None or q.dtype != k_cache.dtype:
+            torch_backend.extend_requests(q, k_cache, v_cache, meta, scale, out, skip_one_token=rows is not None)
+        elif len(requests.q_lens):
+            extend.paged_extend(
+                q, k_cache, v_cache, requests.page_table, requests.seq_lens, requests.q_starts, requests.q_lens, scale, out
+            )
         return out
 
     def decode(

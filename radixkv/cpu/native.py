@@ -25,8 +25,8 @@ from radixkv.cpu.features import cpu_features
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "paged_decode.c", CSRC / "cascade.c", CSRC / "row_ops.c", CSRC / "packed_linear.c", CSRC / "decode_layers.c", CSRC / "token_mask.c")
-HEADERS = (CSRC / "bf16.h", CSRC / "amx.h", CSRC / "decode.h", CSRC / "kernels.h")
+SOURCES = (CSRC / "paged_decode.c", CSRC / "cascade.c", CSRC / "paged_extend.c", CSRC / "row_ops.c", CSRC / "packed_linear.c", CSRC / "decode_layers.c", CSRC / "token_mask.c")
+HEADERS = (CSRC / "bf16.h", CSRC / "amx.h", CSRC / "decode.h", CSRC / "tiles.h", CSRC / "kernels.h")
 COMPILE_FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 
 _lock = threading.Lock()
@@ -105,6 +105,9 @@ def _declare(library: ctypes.CDLL) -> None:
     signatures = {
         "radixkv_paged_decode_bf16": [p, i64, p, p, p, i64, p, p, i32, i32, i32, i32, i32, f32, p, p, p, i32],
         "radixkv_paged_decode_f32": [p, i64, p, p, p, i64, p, p, i32, i32, i32, i32, i32, f32, p, p, p, i32],
+        "radixkv_paged_extend_bf16": [p, i64, p, p, p, i64, p, p, p, i32, i32, i32, i32, i32, f32, p, i64, i32],
+        "radixkv_paged_extend_f32": [p, i64, p, p, p, i64, p, p, p, i32, i32, i32, i32, i32, f32, p, i64, i32],
+        "radixkv_paged_extend_fits": [i32, i32, i32],
         "radixkv_cascade_plan": [p, i64, p, i32, i32, i32, i32, p],
         "radixkv_cascade_plan_ints": [i32],
         "radixkv_decode_work_floats": [p, i32, p, i32, i32],
@@ -125,6 +128,9 @@ def _declare(library: ctypes.CDLL) -> None:
         "radixkv_paged_decode_bf16": i32,
         "radixkv_paged_decode_f32": i32,
         "radixkv_decode_work_floats": i64,
+        "radixkv_paged_extend_bf16": i32,
+        "radixkv_paged_extend_f32": i32,
+        "radixkv_paged_extend_fits": i32,
         "radixkv_cascade_plan": i64,
         "radixkv_cascade_plan_ints": i64,
         "radixkv_decode_use_amx": i32,

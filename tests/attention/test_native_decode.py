@@ -38,6 +38,7 @@ from radixkv.attention.cpu_backend import CPUBackend
 from radixkv.attention.torch_backend import TorchBackend
 from radixkv.config import EngineConfig
 from radixkv.cpu import decode as native
+from radixkv.cpu import extend
 from radixkv.cpu import native as native_library
 from radixkv.cpu.features import cpu_features
 from radixkv.errors import ConfigError
@@ -469,7 +470,8 @@ def mixed_batch(gen, head_dim: int, dtype: torch.dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("head_dim", [64, 48])
 def test_cpu_backend_extend_mixed_batch_matches_the_torch_reference(gen, head_dim, dtype) -> None:
-    """One-token requests of a mixed batch go through the kernel (rows=); the rest run the
+    """One-token requests of a mixed batch go through the decode kernel (rows=); the rest through
+    the prefill kernel where it takes the shapes (test_native_extend tests it), else through the
     reference's gather + SDPA code."""
     paged, q, k, v, prefix_lens, q_lens = mixed_batch(gen, head_dim, dtype)
     scale = head_dim**-0.5
@@ -485,8 +487,10 @@ def test_cpu_backend_extend_mixed_batch_matches_the_torch_reference(gen, head_di
     decode_requests = [b for b, n in enumerate(q_lens) if n == 1]
     decode_rows = [starts[b] for b in decode_requests]
     prefill_rows = [r for b, n in enumerate(q_lens) if n > 1 for r in range(starts[b], starts[b] + n)]
-    # Multi-token requests run the reference's own code in the CPU backend.
-    assert torch.equal(out[prefill_rows], torch_out[prefill_rows])
+    if extend.fits(dtype, head_dim, q.shape[1] // paged.k_cache.shape[2]):
+        assert_close(out[prefill_rows], torch_out[prefill_rows].double(), dtype, f"prefill kernel vs torch reference, {what}")
+    else:  # multi-token requests run the reference's own code in the CPU backend
+        assert torch.equal(out[prefill_rows], torch_out[prefill_rows])
     assert_close(out[decode_rows], torch_out[decode_rows].double(), dtype, f"cpu vs torch reference, {what}")
     decode_paged = Paged(
         paged.k_cache, paged.v_cache, paged.page_table[decode_requests], paged.seq_lens[decode_requests], 7
@@ -681,6 +685,14 @@ def test_builds_for_other_cpus_give_the_same_answers(gen, monkeypatch, tmp_path,
             assert plan.saved_tokens == 2 * 256
             out = native.paged_decode(q, grouped.k_cache, grouped.v_cache, grouped.page_table, grouped.seq_lens, 0.125, plan=plan.plan)
             assert_close(out, reference(q, grouped, 0.125), dtype, f"{march} build, cascade, head_dim {head_dim}")
+        # Prefill attention: the fp32 kernel needs AVX-512, the bf16 one AVX512_BF16; elsewhere the
+        # backend keeps the torch reference.
+        assert extend.fits(dtype, 64, 3) == (march == "skylake-avx512" and dtype == torch.float32)
+        if extend.fits(dtype, 64, 3):
+            from tests.attention.test_native_extend import REQUESTS, run_case
+
+            out, rows, expected = run_case(gen, REQUESTS, (9, 3), 64, 16, dtype)
+            assert_close(out[rows], expected, dtype, f"{march} build, prefill")
     x, delta, weight = (torch.randn(shape, generator=gen).to(torch.bfloat16) for shape in ((5, 64), (5, 64), (64,)))
     expected = row_ops.rms_norm(x + delta, weight, 1e-5)
     assert torch.equal(row_ops.add_rms_norm(x.clone(), delta, weight, 1e-5)[1], expected)

@@ -1,0 +1,211 @@
+/* Attention over a chunk of keys as small matrix products, for many queries at once: the keys
+ * transposed (dimension major, 16 keys to a vector) and the values paired by token (bf16), so
+ * q.k and p.v run as vdpbf16ps (or FMA) tiles with no horizontal sums. Cascade decode's shared
+ * items (cascade.c) and prefill attention (paged_extend.c) both run on these. */
+#ifndef RADIXKV_TILES_H
+#define RADIXKV_TILES_H
+
+#include "decode.h"
+
+#define QK_TILE 8 /* queries whose scores one pass over the transposed keys computes */
+
+/* Bytes of a chunk's transposed keys: head_dim rows of CHUNK_TOKENS + BLOCK_TOKENS columns
+ * (the last block stores 16 wherever it starts), 4 bytes each, and slack for the q.k passes
+ * that read 4 blocks at a time past the last row's end. */
+static inline int64_t key_bytes(int head_dim) { return ((int64_t)head_dim * (CHUNK_TOKENS + BLOCK_TOKENS) + 64) * 4; }
+
+#ifdef HAVE_AVX512
+/* Rows r[0..15] of 16 32-bit lanes, transposed in registers: afterwards r[i] holds lane i of
+ * every row (unpacks within 128-bit lanes, then 128-bit lane shuffles: 64 shuffles). */
+static inline __attribute__((always_inline)) void transpose_16x16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++)
+        for (int j = 0; j < 2; j++) {
+            r[4 * i + 2 * j] = _mm512_unpacklo_epi64(t[4 * i + j], t[4 * i + 2 + j]);
+            r[4 * i + 2 * j + 1] = _mm512_unpackhi_epi64(t[4 * i + j], t[4 * i + 2 + j]);
+        }
+    /* r[4i + m] now holds, per 128-bit lane L, element m of rows 4i..4i+3 at columns 4L + m. */
+    for (int i = 0; i < 2; i++)
+        for (int m = 0; m < 4; m++) {
+            t[8 * i + m] = _mm512_shuffle_i32x4(r[8 * i + m], r[8 * i + 4 + m], 0x88);
+            t[8 * i + 4 + m] = _mm512_shuffle_i32x4(r[8 * i + m], r[8 * i + 4 + m], 0xDD);
+        }
+    for (int m = 0; m < 8; m++) {
+        r[m] = _mm512_shuffle_i32x4(t[m], t[8 + m], 0x88);
+        r[8 + m] = _mm512_shuffle_i32x4(t[m], t[8 + m], 0xDD);
+    }
+}
+
+/* One block's keys (n <= 16 rows of `words` 32-bit words, row_stride words apart) into columns
+ * [at, at + 16) of the transposed keys (npad words a row); rows past n are zero. */
+static inline __attribute__((always_inline)) void transpose_block(const uint32_t *rows, int64_t row_stride, int n,
+                                                                  int words, uint32_t *keys, int64_t npad, int at) {
+    for (int w = 0; w < words; w += 16) {
+        __m512i r[16];
+        for (int j = 0; j < 16; j++) r[j] = j < n ? _mm512_loadu_si512(rows + j * row_stride + w) : _mm512_setzero_si512();
+        transpose_16x16(r);
+        for (int i = 0; i < 16; i++) _mm512_storeu_si512(keys + (int64_t)(w + i) * npad + at, r[i]);
+    }
+}
+
+/* Kv head h of a chunk's keys (its blocks, in order) transposed into `keys` (npad words a row):
+ * bf16 pairs (element_bytes 2) or floats (4). A block stores 16 columns wherever it starts, so
+ * where a page ends early it overlaps the next block's columns, which that block overwrites. */
+static inline __attribute__((always_inline)) void transpose_chunk_keys(const Block *blocks, int num_blocks, const void *k,
+                                                                       int h, const int D, const int element_bytes,
+                                                                       int64_t token_stride, uint32_t *keys, int64_t npad) {
+    for (int bi = 0, at = 0; bi < num_blocks; at += blocks[bi++].n) {
+        const char *rows = (const char *)k + (blocks[bi].first + (int64_t)h * D) * element_bytes;
+        transpose_block((const uint32_t *)rows, token_stride * element_bytes / 4, blocks[bi].n, D * element_bytes / 4, keys, npad, at);
+    }
+}
+
+/* p.v for one tile's live queries: weights[i] (softmax weights of row i, n keys) against the
+ * fp32 value rows, PV_TILE queries at a time so their accumulators stay in registers. */
+static inline __attribute__((always_inline)) void weights_times_values(
+    const float *weights, int live, int n, const float *const *value_rows, float *const *states, const int D) {
+    enum { PV_TILE_MAX = 4 };
+    const int tile = D <= 64 ? 4 : D <= 128 ? 2 : 1;
+    for (int p0 = 0; p0 < live; p0 += tile) {
+        __m512 acc[PV_TILE_MAX][MAX_HEAD_DIM / 16];
+        for (int i = 0; i < tile; i++)
+            for (int c = 0; c < D / 16; c++) acc[i][c] = _mm512_setzero_ps();
+        for (int j = 0; j < n; j++) {
+            const float *row = value_rows[j];
+            for (int c = 0; c < D / 16; c++) {
+                const __m512 x = _mm512_loadu_ps(row + 16 * c);
+                for (int i = 0; i < tile; i++)
+                    acc[i][c] = _mm512_fmadd_ps(_mm512_set1_ps(weights[(p0 + i) * SCORE_STRIDE + j]), x, acc[i][c]);
+            }
+        }
+        for (int i = 0; i < tile && p0 + i < live; i++)
+            for (int c = 0; c < D / 16; c++) _mm512_storeu_ps(states[p0 + i] + 2 + 16 * c, acc[i][c]);
+    }
+}
+
+/* Softmax of each live row of scores (n keys) into its state, then p.v. */
+static inline __attribute__((always_inline)) void finish_tile(float *scores, int live, int n,
+                                                              const float *const *value_rows, float *const *states,
+                                                              const int D) {
+    for (int i = 0; i < live; i++) softmax_row(scores + i * SCORE_STRIDE, n, states[i]);
+    weights_times_values(scores, live, n, value_rows, states, D);
+}
+#endif
+
+#ifdef HAVE_AVX512_BF16
+/* Value rows of token pairs interleaved, [pairs][head_dim] of (v[2t][d], v[2t + 1][d]) bf16
+ * pairs, so one vdpbf16ps adds two keys' weighted values into 16 dims; a last odd key pairs
+ * with zeros. rows[j]: key j's value row. */
+static inline __attribute__((always_inline)) void pair_values(const uint16_t *const *rows, int n, uint32_t *pairs,
+                                                              const int D) {
+    __m512i low_index, high_index;
+    {
+        uint16_t low[32], high[32];
+        for (int m = 0; m < 16; m++) low[2 * m] = m, low[2 * m + 1] = 32 + m, high[2 * m] = 16 + m, high[2 * m + 1] = 48 + m;
+        low_index = _mm512_loadu_si512(low), high_index = _mm512_loadu_si512(high);
+    }
+    for (int t = 0; 2 * t < n; t++)
+        for (int c = 0; c < D / 32; c++) {
+            const __m512i a = _mm512_loadu_si512(rows[2 * t] + 32 * c);
+            const __m512i b = 2 * t + 1 < n ? _mm512_loadu_si512(rows[2 * t + 1] + 32 * c) : _mm512_setzero_si512();
+            _mm512_storeu_si512(pairs + (int64_t)t * D + 32 * c, _mm512_permutex2var_epi16(a, low_index, b));
+            _mm512_storeu_si512(pairs + (int64_t)t * D + 32 * c + 16, _mm512_permutex2var_epi16(a, high_index, b));
+        }
+}
+
+/* p.v for one tile's live queries by vdpbf16ps: each row of softmax weights (n keys) rounded
+ * to bf16 pairs in place (as flash attention rounds P before P.V; the output is bf16 anyway),
+ * then two keys per instruction against the paired values, PV_TILE queries at a time. */
+static inline __attribute__((always_inline)) void weights_times_value_pairs(
+    float *weights, int live, int n, const uint32_t *pairs, float *const *states, const int D) {
+    enum { PV_TILE_MAX = 4 };
+    const int tile = D <= 64 ? 4 : D <= 128 ? 2 : 1, num_pairs = (n + 1) / 2;
+    for (int i = 0; i < live; i++) {
+        float *row = weights + i * SCORE_STRIDE;
+        if (n % 2) row[n] = 0.0f; /* the zero value row's partner: never NaN from an unused column */
+        for (int j = 0; j < n; j += 32) /* 32 floats to 32 bf16 in place: the store trails the loads */
+            _mm512_storeu_si512((uint16_t *)row + j,
+                                (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(row + j + 16), _mm512_loadu_ps(row + j)));
+    }
+    for (int p0 = 0; p0 < live; p0 += tile) {
+        __m512 acc[PV_TILE_MAX][MAX_HEAD_DIM / 16];
+        const uint32_t *weight_pairs[PV_TILE_MAX];
+        for (int i = 0; i < tile; i++) {
+            weight_pairs[i] = (const uint32_t *)(weights + (p0 + i < live ? p0 + i : live - 1) * SCORE_STRIDE);
+            for (int c = 0; c < D / 16; c++) acc[i][c] = _mm512_setzero_ps();
+        }
+        for (int t = 0; t < num_pairs; t++)
+            for (int c = 0; c < D / 16; c++) {
+                const __m512bh x = (__m512bh)_mm512_loadu_si512(pairs + (int64_t)t * D + 16 * c);
+                for (int i = 0; i < tile; i++)
+                    acc[i][c] = _mm512_dpbf16_ps(acc[i][c], (__m512bh)_mm512_set1_epi32((int)weight_pairs[i][t]), x);
+            }
+        for (int i = 0; i < tile && p0 + i < live; i++)
+            for (int c = 0; c < D / 16; c++) _mm512_storeu_ps(states[p0 + i] + 2 + 16 * c, acc[i][c]);
+    }
+}
+#endif
+
+#ifdef HAVE_AVX512_BF16
+/* Scores (times scale) of the `live` queries q[0..live) (QK_TILE pointers; past live they repeat
+ * a live one, whose extra sums are never stored) against ncols transposed bf16 key pairs (npad
+ * words a row) into rows of scores, SCORE_STRIDE apart. 4 queries x 4 blocks of 16 keys a pass:
+ * each loaded key vector and broadcast query pair feeds 4 products (16 accumulators stay in
+ * registers). Each pass first takes a prefetcher step, where one is given. */
+static inline __attribute__((always_inline)) void qk_scores_bf16(const uint32_t *const *q, int live, const uint32_t *keys,
+                                                                 int64_t npad, int ncols, float scale, float *scores,
+                                                                 Prefetcher *prefetcher, const int D) {
+    for (int i0 = 0; i0 < live; i0 += 4)
+        for (int block = 0; block < ncols / 16; block += 4) {
+            if (prefetcher) prefetch_step(prefetcher);
+            __m512 acc[4][4];
+            for (int i = 0; i < 4; i++)
+                for (int b = 0; b < 4; b++) acc[i][b] = _mm512_setzero_ps();
+            for (int c = 0; c < D / 2; c++) {
+                /* Past the last block these read spare columns (and rows) of the keys' buffer;
+                 * their sums are never stored. */
+                __m512bh key_pairs[4];
+                for (int b = 0; b < 4; b++) key_pairs[b] = (__m512bh)_mm512_loadu_si512(keys + (int64_t)c * npad + 16 * (block + b));
+                for (int i = 0; i < 4; i++) {
+                    const __m512bh query_pair = (__m512bh)_mm512_set1_epi32((int)q[i0 + i][c]);
+                    for (int b = 0; b < 4; b++) acc[i][b] = _mm512_dpbf16_ps(acc[i][b], query_pair, key_pairs[b]);
+                }
+            }
+            for (int i = 0; i < 4; i++)
+                for (int b = 0; b < 4 && block + b < ncols / 16; b++)
+                    _mm512_store_ps(scores + (i0 + i) * SCORE_STRIDE + 16 * (block + b), _mm512_mul_ps(acc[i][b], _mm512_set1_ps(scale)));
+        }
+}
+#endif
+
+#ifdef HAVE_AVX512
+/* qk_scores_bf16 for fp32 keys transposed to [head_dim][npad], by FMAs. */
+static inline __attribute__((always_inline)) void qk_scores_f32(const float *const *q, int live, const float *keys,
+                                                                int64_t npad, int ncols, float scale, float *scores,
+                                                                Prefetcher *prefetcher, const int D) {
+    for (int i0 = 0; i0 < live; i0 += 4)
+        for (int block = 0; block < ncols / 16; block += 4) {
+            if (prefetcher) prefetch_step(prefetcher);
+            __m512 acc[4][4];
+            for (int i = 0; i < 4; i++)
+                for (int b = 0; b < 4; b++) acc[i][b] = _mm512_setzero_ps();
+            for (int d = 0; d < D; d++) {
+                __m512 key[4];
+                for (int b = 0; b < 4; b++) key[b] = _mm512_loadu_ps(keys + (int64_t)d * npad + 16 * (block + b));
+                for (int i = 0; i < 4; i++) {
+                    const __m512 query = _mm512_set1_ps(q[i0 + i][d]);
+                    for (int b = 0; b < 4; b++) acc[i][b] = _mm512_fmadd_ps(query, key[b], acc[i][b]);
+                }
+            }
+            for (int i = 0; i < 4; i++)
+                for (int b = 0; b < 4 && block + b < ncols / 16; b++)
+                    _mm512_store_ps(scores + (i0 + i) * SCORE_STRIDE + 16 * (block + b), _mm512_mul_ps(acc[i][b], _mm512_set1_ps(scale)));
+        }
+}
+#endif
+
+#endif
