@@ -9,7 +9,10 @@ SmolLM2-135M's shapes with caches cold (every weight and KV byte comes from memo
   native kernel (radixkv/cpu/csrc/paged_decode.c) vs the torch reference backend's gather + SDPA;
 - cascade decode: 32 requests in groups of 2, 4, 8 and 16 over shared prefixes of 64 to 1,024
   tokens (+64 own), cascade groups (radixkv/cpu/csrc/cascade.c) vs the plain kernel, in bf16:
-  where grouping starts to pay (radixkv/cpu/decode.py's thresholds come from these rows).
+  where grouping starts to pay (radixkv/cpu/decode.py's thresholds come from these rows);
+- prefill attention: a 1,024-token prompt, and 32 requests' 64 new tokens over 1,024 cached
+  ones (an agent's questions after its system prompt), over 30 layers' paged KV, in bf16 and
+  fp32, the native kernel (radixkv/cpu/csrc/paged_extend.c) vs the torch reference's gather + SDPA.
 
     python -m radixkv.scenarios.cpu_kernels [--out out/cpu_kernels] [--repeats 5] [--layers 30] [--context 1032]
 """
@@ -26,8 +29,9 @@ import torch
 import torch.nn.functional as F
 
 from radixkv.attention.base import AttentionMetadata
-from radixkv.attention.torch_backend import TorchBackend
+from radixkv.attention.torch_backend import TorchBackend, extend_requests
 from radixkv.cpu import decode as cpu_decode
+from radixkv.cpu import extend as cpu_extend
 from radixkv.cpu import native
 from radixkv.cpu.features import cpu_features
 from radixkv.cpu.linear import PACK_FOR_ROWS, PackedLinear, available_linear_kernels
@@ -162,6 +166,47 @@ def cascade_rows(repeats: int, flush: torch.Tensor, layers: int, own: int = 64, 
     return rows
 
 
+def extend_rows(repeats: int, flush: torch.Tensor, layers: int, dtype: torch.dtype) -> list[dict]:
+    """Prefill attention: the native kernel vs the torch reference backend's per-request gather + SDPA."""
+    rows = []
+    for num_seqs, new, cached in ((1, 1024, 0), (32, 64, 1024)):
+        torch.manual_seed(0)
+        context = cached + new
+        pages_per_seq = -(-context // PAGE_SIZE)
+        shape = (num_seqs * pages_per_seq, PAGE_SIZE, KV_HEADS, HEAD_DIM)
+        k_caches = [torch.randn(shape).to(dtype) for _ in range(layers)]
+        v_caches = [torch.randn(shape).to(dtype) for _ in range(layers)]
+        page_table = torch.randperm(shape[0], dtype=torch.int32).view(num_seqs, pages_per_seq)
+        seq_lens = torch.full((num_seqs,), context, dtype=torch.int32)
+        q_starts = torch.arange(0, num_seqs * new, new, dtype=torch.int32)
+        q_lens = torch.full((num_seqs,), new, dtype=torch.int32)
+        q = torch.randn(num_seqs * new, Q_HEADS, HEAD_DIM).to(dtype)
+        out = torch.empty_like(q)
+        meta = AttentionMetadata(
+            positions=torch.arange(cached, context).repeat(num_seqs), slot_mapping=torch.full((num_seqs * new,), -1),
+            page_table=page_table, cu_q_lens=torch.arange(0, (num_seqs + 1) * new, new, dtype=torch.int32),
+            q_lens=q_lens, seq_lens=seq_lens, prefix_lens=seq_lens - new, max_q_len=new, max_seq_len=context,
+            page_size=PAGE_SIZE, q_lens_list=[new] * num_seqs, seq_lens_list=[context] * num_seqs,
+        )  # fmt: skip
+
+        def native_kernel() -> None:
+            for k, v in zip(k_caches, v_caches, strict=True):
+                cpu_extend.paged_extend(q, k, v, page_table, seq_lens, q_starts, q_lens, HEAD_DIM**-0.5, out)
+
+        def gather_sdpa() -> None:
+            for k, v in zip(k_caches, v_caches, strict=True):
+                extend_requests(q, k, v, meta, HEAD_DIM**-0.5, out)
+
+        times = {"radixkv prefill kernel": coldest(native_kernel, repeats, flush), "gather + SDPA": coldest(gather_sdpa, repeats, flush)}
+        flops = 4 * layers * num_seqs * Q_HEADS * HEAD_DIM * new * (cached + (new + 1) / 2)
+        rows += [
+            dict(part=f"prefill attention {str(dtype).removeprefix('torch.')}", case=f"{num_seqs} x {new} new / {cached}", peer=name,
+                 ms=seconds * 1e3, gflops=flops / seconds / 1e9, x_radixkv=seconds / times["radixkv prefill kernel"])  # fmt: skip
+            for name, seconds in times.items()
+        ]
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="out/cpu_kernels")
@@ -182,13 +227,17 @@ def main(argv: list[str] | None = None) -> int:
     for dtype in (BF16, torch.float32):
         rows += decode_rows(args.repeats, flush, args.layers, args.context, dtype)
     rows += cascade_rows(args.repeats, flush, args.layers)
+    for dtype in (BF16, torch.float32):
+        if cpu_extend.fits(dtype, HEAD_DIM, Q_HEADS // KV_HEADS):
+            rows += extend_rows(args.repeats, flush, args.layers, dtype)
     limits = machine_limits(BF16)
     print(f"\n{limits['cpu']}, {limits['torch_threads']} threads: read {limits['read_bandwidth_gb_s']:.1f} GB/s, "
           f"bf16 matmul {limits['matmul_gflops']:.0f} GFLOP/s (measured in this run)")  # fmt: skip
-    print(f"\n{'part':<26} {'case':<18} {'peer':<21} {'ms':>8} {'GB/s':>6} {'x radixkv':>9}")
-    print("-" * 93)
+    print(f"\n{'part':<26} {'case':<19} {'peer':<22} {'ms':>8} {'rate':>14} {'x radixkv':>9}")
+    print("-" * 103)
     for r in rows:
-        print(f"{r['part']:<26} {r['case']:<18} {r['peer']:<21} {r['ms']:8.2f} {r['gb_s']:6.1f} {r['x_radixkv']:9.2f}")
+        rate = f"{r['gflops']:7.1f} GFLOP/s" if "gflops" in r else f"{r['gb_s']:9.1f} GB/s"
+        print(f"{r['part']:<26} {r['case']:<19} {r['peer']:<22} {r['ms']:8.2f} {rate:>14} {r['x_radixkv']:9.2f}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "cpu_kernels.json").write_text(json.dumps(dict(**limits, rows=rows), indent=2))

@@ -59,17 +59,15 @@ class CPUBackend(AttentionBackend):
     name = "cpu"
     capabilities = BackendCapabilities(batch_invariant=True, fused_cpu_decode=True)
 
-    def __init__(self, decode_amx: bool = True, share_reads: bool = True, native_extend: bool = True) -> None:
+    def __init__(self, decode_amx: bool = True, share_reads: bool = True) -> None:
         """share_reads: cascade decode, where requests that share a cached prefix read its pages
-        once per step for the whole group (EngineConfig.share_decode_reads). native_extend=False
-        keeps multi-token requests on the torch reference (a baseline for benchmarks)."""
+        once per step for the whole group (EngineConfig.share_decode_reads)."""
         library = load()
         if library is None:
             raise RuntimeError("the CPU backend needs radixkv's native library, which could not be built here")
         # A process-wide setting of the library (it has one): the last backend built sets it.
         library.radixkv_decode_use_amx(int(decode_amx))
         self.share_reads = share_reads
-        self.native_extend = native_extend
         self.reference = torch_backend.TorchBackend()
 
     def prepare(self, meta: AttentionMetadata, k_cache: torch.Tensor, num_q_heads: int) -> CPUStepState:
@@ -108,7 +106,7 @@ class CPUBackend(AttentionBackend):
         """The multi-token requests as the prefill kernel takes them (checked), or None where it
         does not run these shapes here (they then take the torch reference)."""
         head_dim, num_kv_heads = k_cache.shape[3], k_cache.shape[2]
-        if not self.native_extend or not extend.fits(k_cache.dtype, head_dim, num_q_heads // num_kv_heads):
+        if not extend.fits(k_cache.dtype, head_dim, num_q_heads // num_kv_heads):
             return None
         requests = torch.tensor([b for b, q_len in enumerate(meta.q_lens_list) if q_len > 1], dtype=torch.long)
         tables, lens = page_table[requests], seq_lens[requests]

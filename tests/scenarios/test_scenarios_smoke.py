@@ -81,9 +81,12 @@ def test_cpu_kernels_bench_runs_and_reports(tmp_path, capsys):
 
     native_peers = {f"radixkv {kernel}" for kernel in available_linear_kernels()}
     assert {row["peer"] for row in rows} == native_peers | {
-        "oneDNN prepacked", "F.linear", "radixkv paged kernel", "gather + SDPA", "radixkv cascade", "radixkv plain"
+        "oneDNN prepacked", "F.linear", "radixkv paged kernel", "gather + SDPA", "radixkv cascade", "radixkv plain",
+        "radixkv prefill kernel",
     }  # fmt: skip
-    parts = {"linears", "decode attention bfloat16", "decode attention float32", "cascade decode bfloat16"}
+    # A machine with a native linear kernel has AVX512_BF16 (AMX machines too): the prefill kernel runs.
+    parts = {"linears", "decode attention bfloat16", "decode attention float32", "cascade decode bfloat16",
+             "prefill attention bfloat16", "prefill attention float32"}  # fmt: skip
     assert {row["part"] for row in rows} == parts
     assert all(row["ms"] > 0 for row in rows)
     assert (tmp_path / "cpu_kernels.png").exists()
