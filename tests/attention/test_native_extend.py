@@ -65,7 +65,7 @@ def run_case(gen, requests, heads, head_dim, page_size, dtype, order=None):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("heads", HEADS.values(), ids=HEADS.keys())
-@pytest.mark.parametrize("head_dim,page_size", [(64, 16), (128, 7), (96, 16)])
+@pytest.mark.parametrize("head_dim,page_size", [(64, 16), (128, 7), (96, 16), (256, 16)])
 def test_paged_extend_matches_reference(gen, dtype, heads, head_dim, page_size) -> None:
     kernel_runs(dtype, head_dim, heads[0] // heads[1])
     out, rows, expected = run_case(gen, REQUESTS, heads, head_dim, page_size, dtype)
