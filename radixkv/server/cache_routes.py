@@ -38,6 +38,11 @@ if TYPE_CHECKING:
 
 # Pins made over HTTP may lock at most this share of the page pool, so they cannot starve requests.
 _MAX_PINNED_FRACTION = 0.5
+# A pin whose expiry is this close counts as expired. The timer that expires a pin fires once,
+# and uvloop's timers (uvicorn's default loop where uvloop is installed) count from the loop's
+# cached millisecond clock, so they may fire a millisecond or two before time.monotonic()
+# reaches the expiry: without the slack such a pin would stay until the next pin call.
+_EXPIRY_SLACK_S = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,7 +126,7 @@ class Pins:
 
     def expire(self, engine: Engine) -> int:
         """Release every pin past its ttl; how many were."""
-        now = self._clock()
+        now = self._clock() + _EXPIRY_SLACK_S
         expired = [pin_id for pin_id, r in self._records.items() if r.expires_at_s is not None and r.expires_at_s <= now]
         for pin_id in expired:
             self._release(engine, pin_id)
