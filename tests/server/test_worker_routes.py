@@ -45,10 +45,15 @@ def test_server_and_model_info_name_the_model_routers_register(live_server, tiny
 
 
 def test_health_generate_runs_one_token_through_the_engine(live_server):
-    before = live_server.async_engine.stats().counters.num_output_tokens
+    # The counters are read on the engine thread: stats() is a snapshot of the last loop
+    # iteration, which may not have run yet when the response arrives.
+    def output_tokens() -> int:
+        return live_server.engine_call(lambda engine: engine.counters.num_output_tokens)
+
+    before = output_tokens()
     response = httpx.get(f"{live_server.base_url}/health_generate")  # open, as /health is
     assert response.status_code == 200 and response.json() == {"status": "ok"}
-    assert live_server.async_engine.stats().counters.num_output_tokens == before + 1
+    assert output_tokens() == before + 1
     live_server.assert_idle_and_consistent()
 
 
