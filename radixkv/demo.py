@@ -74,10 +74,10 @@ def main() -> None:
     print(f"speed-up: {uncached_time / cached_time:.2f}x; identical outputs: {same}/{len(outputs)} ({cached_llm.engine.dtype})")
     if same < len(outputs):
         print(
-            "  (bf16 on CPU is not batch-invariant by default: PyTorch's flash attention, which runs\n"
-            "   prefill, tiles queries by their count (and oneDNN GEMMs, where there is no AMX, pick kernels\n"
-            "   by row count), rounding differently, so a suffix computed over a cached prefix can differ in\n"
-            "   the last bit and flip a near-tie; `python -m radixkv.demo --batch-invariant`\n"
+            "  (bf16 on CPU is not batch-invariant by default: prefill attention splits a prompt's keys\n"
+            "   where the step's new tokens start (and oneDNN GEMMs, on CPUs without a native linear kernel,\n"
+            "   pick kernels by row count), rounding differently, so a suffix computed over a cached prefix\n"
+            "   can differ in the last bit and flip a near-tie; `python -m radixkv.demo --batch-invariant`\n"
             "   (LLM(batch_invariant=True)) makes them bit-identical, and dtype='float32' is token-exact)"
         )
 
