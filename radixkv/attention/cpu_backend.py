@@ -81,7 +81,7 @@ class CPUBackend(AttentionBackend):
         if not kernel:
             reference = self.reference.prepare(meta, k_cache, num_q_heads)
             return CPUStepState(False, page_table, seq_lens, None, None, reference)
-        decode_rows = row_by_row = None
+        decode_rows = row_by_row = extend_rows = None
         if meta.batch_invariant and not meta.is_decode_only:
             row_by_row = torch_backend.row_by_row_tables(meta)
             decode.check_tables(row_by_row.page_table, row_by_row.seq_lens, None, num_tokens, num_pages, page_size)
@@ -98,8 +98,7 @@ class CPUBackend(AttentionBackend):
                 # Requests decoding beside a prefill group as in a decode-only step.
                 decode_rows = DecodeRows(rows, tables, lens, self._plan(meta, tables, lens, num_q_heads, k_cache).plan)
             extend_rows = self._extend_rows(meta, page_table, seq_lens, num_q_heads, k_cache)
-            return CPUStepState(True, page_table, seq_lens, decode_rows, None, None, extend_rows=extend_rows)
-        return CPUStepState(True, page_table, seq_lens, decode_rows, row_by_row, None)
+        return CPUStepState(True, page_table, seq_lens, decode_rows, row_by_row, None, extend_rows=extend_rows)
 
     def _extend_rows(self, meta: AttentionMetadata, page_table: torch.Tensor, seq_lens: torch.Tensor, num_q_heads: int,
                      k_cache: torch.Tensor) -> ExtendRows | None:  # fmt: skip

@@ -73,7 +73,7 @@ static inline __attribute__((always_inline)) void shared_bf16_impl(const SharedI
     const int num_blocks = chunk_blocks(item->pages, item->begin, item->end, sh, blocks);
     Scratch s = scratch_view(buffer, sh);
     uint32_t *keys = s.keys, *value_pairs = (uint32_t *)s.values;
-    const uint16_t *value_rows[CHUNK_TOKENS];
+    const void *value_rows[CHUNK_TOKENS];
     float scores[QK_TILE * SCORE_STRIDE] __attribute__((aligned(64)));
     Prefetcher prefetcher;
     /* Steps: each kv head's set-up, and each pass of 4 queries over 4 key blocks. */
@@ -82,15 +82,14 @@ static inline __attribute__((always_inline)) void shared_bf16_impl(const SharedI
     for (int h = 0; h < H; h++) {
         prefetch_step(&prefetcher);
         transpose_chunk_keys(blocks, num_blocks, k, h, D, 2, token_stride, keys, npad);
-        for (int bi = 0, at = 0; bi < num_blocks; at += blocks[bi++].n)
-            for (int j = 0; j < blocks[bi].n; j++) value_rows[at + j] = v + blocks[bi].first + h * D + j * token_stride;
-        pair_values(value_rows, n, value_pairs, D);
+        chunk_value_rows(blocks, num_blocks, v, h, D, 2, token_stride, value_rows);
+        pair_values((const uint16_t *const *)value_rows, n, value_pairs, D);
         const int count = gather_queries(item, sh, h, 2, &s);
         for (int first = 0; first < count; first += QK_TILE) {
             const int live = count - first < QK_TILE ? count - first : QK_TILE;
             const uint32_t *q[QK_TILE];
             for (int i = 0; i < QK_TILE; i++) q[i] = s.queries[first + (i < live ? i : live - 1)];
-            qk_scores_bf16(q, live, keys, npad, ncols, sh->scale, scores, &prefetcher, D);
+            qk_scores((const void *const *)q, live, keys, npad, ncols, sh->scale, scores, &prefetcher, D, 1);
             for (int i = 0; i < live; i++) softmax_row(scores + i * SCORE_STRIDE, n, s.states[first + i]);
             weights_times_value_pairs(scores, live, n, value_pairs, s.states + first, D);
         }
@@ -111,7 +110,7 @@ static inline __attribute__((always_inline)) void shared_f32_impl(const SharedIt
     const int num_blocks = chunk_blocks(item->pages, item->begin, item->end, sh, blocks);
     Scratch s = scratch_view(buffer, sh);
     float *keys = s.keys;
-    const float *value_rows[CHUNK_TOKENS];
+    const void *value_rows[CHUNK_TOKENS];
     float scores[QK_TILE * SCORE_STRIDE] __attribute__((aligned(64)));
     Prefetcher prefetcher;
     const int quads = (item->num_members * sh->group + 3) / 4, passes = (ncols / 16 + 3) / 4;
@@ -119,15 +118,14 @@ static inline __attribute__((always_inline)) void shared_f32_impl(const SharedIt
     for (int h = 0; h < H; h++) {
         prefetch_step(&prefetcher);
         transpose_chunk_keys(blocks, num_blocks, k, h, D, 4, token_stride, (uint32_t *)keys, npad);
-        for (int bi = 0, at = 0; bi < num_blocks; at += blocks[bi++].n)
-            for (int j = 0; j < blocks[bi].n; j++) value_rows[at + j] = v + blocks[bi].first + h * D + j * token_stride;
+        chunk_value_rows(blocks, num_blocks, v, h, D, 4, token_stride, value_rows);
         const int count = gather_queries(item, sh, h, 4, &s);
         for (int first = 0; first < count; first += QK_TILE) {
             const int live = count - first < QK_TILE ? count - first : QK_TILE;
             const float *q[QK_TILE];
             for (int i = 0; i < QK_TILE; i++) q[i] = s.queries[first + (i < live ? i : live - 1)];
-            qk_scores_f32(q, live, keys, npad, ncols, sh->scale, scores, &prefetcher, D);
-            finish_tile(scores, live, n, value_rows, s.states + first, D);
+            qk_scores((const void *const *)q, live, (const uint32_t *)keys, npad, ncols, sh->scale, scores, &prefetcher, D, 0);
+            finish_tile(scores, live, n, (const float *const *)value_rows, s.states + first, D);
         }
     }
 }

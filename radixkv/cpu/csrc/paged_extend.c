@@ -108,9 +108,7 @@ static inline __attribute__((always_inline)) void extend_item(const Extend *e, c
         const int64_t npad = ncols + BLOCK_TOKENS;
         const int num_blocks = chunk_blocks(pages, begin, stop, sh, blocks);
         transpose_chunk_keys(blocks, num_blocks, e->k, h, D, element_bytes, token_stride, keys, npad);
-        for (int bi = 0, at = 0; bi < num_blocks; at += blocks[bi++].n)
-            for (int j = 0; j < blocks[bi].n; j++)
-                value_rows[at + j] = (const char *)e->v + (blocks[bi].first + h * D + j * token_stride) * element_bytes;
+        chunk_value_rows(blocks, num_blocks, e->v, h, D, element_bytes, token_stride, value_rows);
 #ifdef HAVE_AVX512_BF16
         if (bf16) pair_values((const uint16_t *const *)value_rows, n, value_pairs, D);
 #endif
@@ -118,10 +116,7 @@ static inline __attribute__((always_inline)) void extend_item(const Extend *e, c
             const int live = count - first < QK_TILE ? count - first : QK_TILE;
             const void *q[QK_TILE];
             for (int i = 0; i < QK_TILE; i++) q[i] = queries[first + (i < live ? i : live - 1)];
-#ifdef HAVE_AVX512_BF16
-            if (bf16) qk_scores_bf16((const uint32_t *const *)q, live, keys, npad, ncols, sh->scale, scores, NULL, D);
-#endif
-            if (!bf16) qk_scores_f32((const float *const *)q, live, (const float *)keys, npad, ncols, sh->scale, scores, NULL, D);
+            qk_scores(q, live, keys, npad, ncols, sh->scale, scores, NULL, D, bf16);
             for (int i = 0; i < live; i++) {
                 /* In the block's own chunk, new token t sees keys up to its own position. */
                 const int visible = diagonal ? (first + i) / G + 1 : n;

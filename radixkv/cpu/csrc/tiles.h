@@ -64,6 +64,15 @@ static inline __attribute__((always_inline)) void transpose_chunk_keys(const Blo
     }
 }
 
+/* The addresses of kv head h's value rows for a chunk's keys (its blocks, in order). */
+static inline __attribute__((always_inline)) void chunk_value_rows(const Block *blocks, int num_blocks, const void *v, int h,
+                                                                   const int D, const int element_bytes,
+                                                                   int64_t token_stride, const void **rows) {
+    for (int bi = 0, at = 0; bi < num_blocks; at += blocks[bi++].n)
+        for (int j = 0; j < blocks[bi].n; j++)
+            rows[at + j] = (const char *)v + (blocks[bi].first + (int64_t)h * D + j * token_stride) * element_bytes;
+}
+
 /* p.v for one tile's live queries: weights[i] (softmax weights of row i, n keys) against the
  * fp32 value rows, PV_TILE queries at a time so their accumulators stay in registers. */
 static inline __attribute__((always_inline)) void weights_times_values(
@@ -150,55 +159,40 @@ static inline __attribute__((always_inline)) void weights_times_value_pairs(
 }
 #endif
 
+#ifdef HAVE_AVX512
+/* a x b + acc over 32-bit lanes: bf16 pairs by vdpbf16ps, or floats by FMA. bf16 = 1 only
+ * where the build has AVX512_BF16 (the callers' paths are compiled only there). */
+static inline __attribute__((always_inline)) __m512 multiply_add(__m512 acc, __m512i a, __m512i b, const int bf16) {
 #ifdef HAVE_AVX512_BF16
+    if (bf16) return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
+#endif
+    return _mm512_fmadd_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b), acc);
+}
+
 /* Scores (times scale) of the `live` queries q[0..live) (QK_TILE pointers; past live they repeat
- * a live one, whose extra sums are never stored) against ncols transposed bf16 key pairs (npad
- * words a row) into rows of scores, SCORE_STRIDE apart. 4 queries x 4 blocks of 16 keys a pass:
- * each loaded key vector and broadcast query pair feeds 4 products (16 accumulators stay in
- * registers). Each pass first takes a prefetcher step, where one is given. */
-static inline __attribute__((always_inline)) void qk_scores_bf16(const uint32_t *const *q, int live, const uint32_t *keys,
-                                                                 int64_t npad, int ncols, float scale, float *scores,
-                                                                 Prefetcher *prefetcher, const int D) {
+ * a live one, whose extra sums are never stored) against ncols transposed keys (npad words a
+ * row: bf16 pairs, head_dim / 2 rows, or floats, head_dim rows) into rows of scores,
+ * SCORE_STRIDE apart. 4 queries x 4 blocks of 16 keys a pass: each loaded key vector and
+ * broadcast query word feeds 4 products (16 accumulators stay in registers). Each pass first
+ * takes a prefetcher step, where one is given. */
+static inline __attribute__((always_inline)) void qk_scores(const void *const *q, int live, const uint32_t *keys,
+                                                            int64_t npad, int ncols, float scale, float *scores,
+                                                            Prefetcher *prefetcher, const int D, const int bf16) {
+    const int rows = bf16 ? D / 2 : D;
     for (int i0 = 0; i0 < live; i0 += 4)
         for (int block = 0; block < ncols / 16; block += 4) {
             if (prefetcher) prefetch_step(prefetcher);
             __m512 acc[4][4];
             for (int i = 0; i < 4; i++)
                 for (int b = 0; b < 4; b++) acc[i][b] = _mm512_setzero_ps();
-            for (int c = 0; c < D / 2; c++) {
+            for (int c = 0; c < rows; c++) {
                 /* Past the last block these read spare columns (and rows) of the keys' buffer;
                  * their sums are never stored. */
-                __m512bh key_pairs[4];
-                for (int b = 0; b < 4; b++) key_pairs[b] = (__m512bh)_mm512_loadu_si512(keys + (int64_t)c * npad + 16 * (block + b));
+                __m512i key[4];
+                for (int b = 0; b < 4; b++) key[b] = _mm512_loadu_si512(keys + (int64_t)c * npad + 16 * (block + b));
                 for (int i = 0; i < 4; i++) {
-                    const __m512bh query_pair = (__m512bh)_mm512_set1_epi32((int)q[i0 + i][c]);
-                    for (int b = 0; b < 4; b++) acc[i][b] = _mm512_dpbf16_ps(acc[i][b], query_pair, key_pairs[b]);
-                }
-            }
-            for (int i = 0; i < 4; i++)
-                for (int b = 0; b < 4 && block + b < ncols / 16; b++)
-                    _mm512_store_ps(scores + (i0 + i) * SCORE_STRIDE + 16 * (block + b), _mm512_mul_ps(acc[i][b], _mm512_set1_ps(scale)));
-        }
-}
-#endif
-
-#ifdef HAVE_AVX512
-/* qk_scores_bf16 for fp32 keys transposed to [head_dim][npad], by FMAs. */
-static inline __attribute__((always_inline)) void qk_scores_f32(const float *const *q, int live, const float *keys,
-                                                                int64_t npad, int ncols, float scale, float *scores,
-                                                                Prefetcher *prefetcher, const int D) {
-    for (int i0 = 0; i0 < live; i0 += 4)
-        for (int block = 0; block < ncols / 16; block += 4) {
-            if (prefetcher) prefetch_step(prefetcher);
-            __m512 acc[4][4];
-            for (int i = 0; i < 4; i++)
-                for (int b = 0; b < 4; b++) acc[i][b] = _mm512_setzero_ps();
-            for (int d = 0; d < D; d++) {
-                __m512 key[4];
-                for (int b = 0; b < 4; b++) key[b] = _mm512_loadu_ps(keys + (int64_t)d * npad + 16 * (block + b));
-                for (int i = 0; i < 4; i++) {
-                    const __m512 query = _mm512_set1_ps(q[i0 + i][d]);
-                    for (int b = 0; b < 4; b++) acc[i][b] = _mm512_fmadd_ps(query, key[b], acc[i][b]);
+                    const __m512i query = _mm512_set1_epi32(((const int32_t *)q[i0 + i])[c]);
+                    for (int b = 0; b < 4; b++) acc[i][b] = multiply_add(acc[i][b], query, key[b], bf16);
                 }
             }
             for (int i = 0; i < 4; i++)
