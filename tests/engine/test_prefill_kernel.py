@@ -35,7 +35,7 @@ def first_token_logprobs(llm, prompts: list[list[int]]) -> list[dict[int, float]
 
 def test_bf16_prefill_is_as_close_to_fp32_as_the_torch_backend_cold_and_over_a_cached_prefix(model_dir, monkeypatch):
     if not extend.fits(torch.bfloat16, 64, 3):
-        pytest.skip("the bf16 prefill kernel needs AVX512_BF16, which this CPU lacks")
+        pytest.skip("the bf16 prefill kernel needs avx512_bf16, which this CPU lacks")
     calls = []
     kernel = extend.paged_extend
     monkeypatch.setattr(extend, "paged_extend", lambda *args: calls.append(args[6].tolist()) or kernel(*args))
