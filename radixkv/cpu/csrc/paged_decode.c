@@ -163,12 +163,13 @@ static inline __m512 sum_lanes_16(const __m512 v[16]) {
 
 #ifdef HAVE_AVX512_BF16
 /* Scores of n <= 16 keys for the G query heads of one kv head, by vdpbf16ps; lanes past n
- * are 0. Same layout as scores_amx. */
+ * are 0. Same layout as scores_amx. Takes the block's prefetch steps between its keys. */
 static inline __attribute__((always_inline)) void scores_avx512(
     __m512bh qv[MAX_GROUP][MAX_HEAD_DIM / 32], const uint16_t *k0, int64_t token_stride, int n, const int D,
-    const int G, float scale, float *s) {
+    const int G, float scale, float *s, Prefetcher *prefetcher) {
     __m512 dots[MAX_GROUP][16];
     for (int j = 0; j < 16; j++) {
+        if (j % PREFETCH_KEYS == 0) prefetch_step(prefetcher);
         if (j >= n) {
             for (int g = 0; g < G; g++) dots[g][j] = _mm512_setzero_ps();
             continue;
@@ -219,7 +220,7 @@ static inline __attribute__((always_inline)) void item_bf16_avx512_impl(
     const int num_blocks = chunk_blocks(pages, begin, end, sh, blocks);
     float s[MAX_GROUP * SCORE_STRIDE] __attribute__((aligned(64)));
     Prefetcher prefetcher;
-    prefetcher_init(&prefetcher, next, sh, (const char *)k, (const char *)v, 2, 2 * H * num_blocks);
+    prefetcher_init(&prefetcher, next, sh, (const char *)k, (const char *)v, 2, 2 * H * num_blocks * STEPS_PER_BLOCK);
     for (int h = 0; h < H; h++) {
         const uint16_t *q_head = q_row + (int64_t)h * G * D;
         __m512bh qv[MAX_GROUP][MAX_HEAD_DIM / 32];
@@ -237,13 +238,13 @@ static inline __attribute__((always_inline)) void item_bf16_avx512_impl(
 #endif
         for (int bi = 0, offset = 0; bi < num_blocks; offset += blocks[bi++].n) {
             const uint16_t *k0 = k + blocks[bi].first + (int64_t)h * D;
-            prefetch_step(&prefetcher);
 #ifdef HAVE_AMX
-            if (sh->use_amx && blocks[bi].n == 16)
+            if (sh->use_amx && blocks[bi].n == 16) {
+                for (int step = 0; step < STEPS_PER_BLOCK; step++) prefetch_step(&prefetcher);
                 scores_amx(q_pairs, k0, token_stride, D, G, sh->scale, s + offset);
-            else
+            } else
 #endif
-                scores_avx512(qv, k0, token_stride, blocks[bi].n, D, G, sh->scale, s + offset);
+                scores_avx512(qv, k0, token_stride, blocks[bi].n, D, G, sh->scale, s + offset, &prefetcher);
         }
         for (int g = 0; g < G; g++) softmax_row(s + g * SCORE_STRIDE, n, states + (int64_t)(h * G + g) * (D + 2));
         /* Accumulators hold a 32-dim chunk as (even dims, odd dims): a bf16 pair converts
@@ -253,9 +254,10 @@ static inline __attribute__((always_inline)) void item_bf16_avx512_impl(
             for (int c = 0; c < D / 16; c++) acc[g][c] = _mm512_setzero_ps();
         const __m512i high_half = _mm512_set1_epi32((int)0xffff0000u);
         for (int bi = 0, offset = 0; bi < num_blocks; offset += blocks[bi++].n) {
-            prefetch_step(&prefetcher);
             const uint16_t *v0 = v + blocks[bi].first + (int64_t)h * D;
-            for (int j = 0; j < blocks[bi].n; j++) {
+            for (int j = 0; j < BLOCK_TOKENS; j++) {
+                if (j % PREFETCH_KEYS == 0) prefetch_step(&prefetcher);
+                if (j >= blocks[bi].n) continue;
                 __m512 vf[MAX_HEAD_DIM / 16];
                 for (int c = 0; c < D / 32; c++) {
                     const __m512i pairs = _mm512_loadu_si512(v0 + j * token_stride + 32 * c);
@@ -303,7 +305,7 @@ static inline __attribute__((always_inline)) void item_f32_avx512_impl(
     const int num_blocks = chunk_blocks(pages, begin, end, sh, blocks);
     float s[MAX_GROUP * SCORE_STRIDE] __attribute__((aligned(64)));
     Prefetcher prefetcher;
-    prefetcher_init(&prefetcher, next, sh, (const char *)k, (const char *)v, 4, 2 * H * num_blocks);
+    prefetcher_init(&prefetcher, next, sh, (const char *)k, (const char *)v, 4, 2 * H * num_blocks * STEPS_PER_BLOCK);
     for (int h = 0; h < H; h++) {
         const float *q_head = q_row + (int64_t)h * G * D;
         __m512 qv[MAX_GROUP][MAX_HEAD_DIM / 16];
@@ -311,9 +313,9 @@ static inline __attribute__((always_inline)) void item_f32_avx512_impl(
             for (int c = 0; c < D / 16; c++) qv[g][c] = _mm512_loadu_ps(q_head + (int64_t)g * D + 16 * c);
         for (int bi = 0, offset = 0; bi < num_blocks; offset += blocks[bi++].n) {
             const float *k0 = k + blocks[bi].first + (int64_t)h * D;
-            prefetch_step(&prefetcher);
             __m512 dots[MAX_GROUP][16];
             for (int j = 0; j < 16; j++) {
+                if (j % PREFETCH_KEYS == 0) prefetch_step(&prefetcher);
                 if (j >= blocks[bi].n) {
                     for (int g = 0; g < G; g++) dots[g][j] = _mm512_setzero_ps();
                     continue;
@@ -334,9 +336,10 @@ static inline __attribute__((always_inline)) void item_f32_avx512_impl(
         for (int g = 0; g < G; g++)
             for (int c = 0; c < D / 16; c++) acc[g][c] = _mm512_setzero_ps();
         for (int bi = 0, offset = 0; bi < num_blocks; offset += blocks[bi++].n) {
-            prefetch_step(&prefetcher);
             const float *v0 = v + blocks[bi].first + (int64_t)h * D;
-            for (int j = 0; j < blocks[bi].n; j++) {
+            for (int j = 0; j < BLOCK_TOKENS; j++) {
+                if (j % PREFETCH_KEYS == 0) prefetch_step(&prefetcher);
+                if (j >= blocks[bi].n) continue;
                 __m512 vf[MAX_HEAD_DIM / 16];
                 for (int c = 0; c < D / 16; c++) vf[c] = _mm512_loadu_ps(v0 + j * token_stride + 16 * c);
                 for (int g = 0; g < G; g++) {
