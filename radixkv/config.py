@@ -50,7 +50,7 @@ class EngineConfig:
     # in different orders, so some bf16 bits differ). One setting per process: the native
     # library holds it, and the CPU backend applies this value when it is built.
     decode_amx: bool = True
-    # Cascade decode: requests that share a cached prefix (CPU: 6+ query heads per KV head over
+    # Cascade decode: requests that share a cached prefix (CPU: 9+ query heads per KV head over
     # 256+ tokens; radixkv/cpu/decode.py says why) read its KV once per step as a group (q.k
     # and p.v as small matrix products, CPU native or Triton), merged by
     # log-sum-exp with each request's own suffix. Outputs equal plain decode's up to summation

@@ -137,14 +137,15 @@ def work_floats(seq_lens: torch.Tensor, plan: torch.Tensor | None, num_q_heads: 
 
 # Who decodes as a cascade group on CPU. A shared item transposes and pairs its keys and values
 # once for all its queries, then runs at the vdpbf16ps rate; that set-up pays over 256 or more
-# shared tokens for 6 or more query heads per KV head (members x GQA group). Measured by
-# `python -m radixkv.scenarios.cpu_kernels` (32 requests, 30 layers, cold caches, bf16, Zen 4),
-# plain time / cascade time in two runs: over 64 shared tokens 0.83-1.02 whatever the group;
-# over 256, 0.93-1.14; over 1,024, 0.97-1.12 for pairs, 1.11-1.20 for 4 members and 1.36-1.56
-# for 8 and 16. Below 256 tokens grouping loses up to 20%; from 256 on it is within noise or
-# better.
+# shared tokens for 9 or more query heads per KV head (members x GQA group: 3 members of
+# SmolLM2's GQA 3). Measured on Zen 4 (32 requests, 30 layers, cold caches, bf16), plain time /
+# cascade time: `python -m radixkv.scenarios.cpu_kernels`, three runs: over 64 shared tokens
+# 0.76-1.02 whatever the group; over 1,024, 1.11-1.27 for 4 members and 1.36-1.56 for 8 and 16.
+# Pairs (6 query heads) lost in every run: 0.93-0.97 over 256 and 1,024 tokens, and 0.95 and
+# 0.93 alternated in one process, where trios gave 1.00 (256) and 1.06 (1,024) and groups of 4
+# 1.10 and 1.27. Below 256 tokens grouping loses up to 24%.
 MIN_SHARED_TOKENS = 256
-MIN_GROUP_QUERY_HEADS = 6
+MIN_GROUP_QUERY_HEADS = 9
 
 
 def min_members(query_heads_per_kv_head: int) -> int:
