@@ -1,7 +1,6 @@
 """Real workloads run side by side with peers, the cache bench, the CPU kernel bench, the load
-test. Installed as `radixkv.scenarios` (pyproject.toml maps this folder there, as it maps
-kernels/ to radixkv.kernels), so `radixkv bench NAME` and `python -m radixkv.scenarios.NAME`
-work from any directory.
+test. Installed as `radixkv.scenarios` (pyproject.toml maps this folder there), so `radixkv bench
+NAME` and `python -m radixkv.scenarios.NAME` work from any directory.
 
 Every module here is a scenario with `main(argv) -> int`, except the library modules below.
 """

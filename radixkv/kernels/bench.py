@@ -294,10 +294,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="out/kernel_bench.json", help="where to write the JSON results")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        print("kernels/bench.py: no CUDA device found; this benchmark needs a GPU. Nothing was measured.")
+        print("radixkv/kernels/bench.py: no CUDA device found; this benchmark needs a GPU. Nothing was measured.")
         return 0
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        print("kernels/bench.py: TRITON_INTERPRET is set; timing the interpreter means nothing. Unset it.")
+        print("radixkv/kernels/bench.py: TRITON_INTERPRET is set; timing the interpreter means nothing. Unset it.")
         return 0
 
     started = time.perf_counter()
