@@ -141,7 +141,7 @@ def work_floats(seq_lens: torch.Tensor, plan: torch.Tensor | None, num_q_heads: 
 # SmolLM2's GQA 3). Measured on Zen 4 (32 requests, 30 layers, cold caches, bf16), plain time /
 # cascade time: `python -m radixkv.scenarios.cpu_kernels`, three runs: over 64 shared tokens
 # 0.76-1.02 whatever the group; over 1,024, 1.11-1.27 for 4 members and 1.36-1.56 for 8 and 16.
-# Pairs (6 query heads) lost in every run: 0.93-0.97 over 256 and 1,024 tokens, and 0.95 and
+# Pairs (6 query heads) lost in every run: 0.93-0.98 over 256 and 1,024 tokens, and 0.95 and
 # 0.93 alternated in one process, where trios gave 1.00 (256) and 1.06 (1,024) and groups of 4
 # 1.10 and 1.27. Below 256 tokens grouping loses up to 24%.
 MIN_SHARED_TOKENS = 256
