@@ -60,7 +60,16 @@ QUERY_GAIN = 3.0
 UNWRITTEN = 1000.0
 CHUNK_EDGE_LENS = [1, 15, 16, 17, 255, 256, 257, 600]
 # (num_q_heads, num_kv_heads): GQA groups 1, 3, 4 and 12 (> 8: the general AVX-512 instance).
-HEADS = {"group1": (2, 2), "group3": (6, 2), "group4": (8, 2), "group12": (12, 1)}
+# (q heads, kv heads). The last two have more query heads than one sweep of an item covers
+# (SPAN_ROWS, 16): their kv heads are read in spans, the last one partial.
+HEADS = {
+    "group1": (2, 2),
+    "group3": (6, 2),
+    "group4": (8, 2),
+    "group12": (12, 1),
+    "group6_spans": (18, 3),
+    "group1_spans": (20, 20),
+}
 DTYPES = [torch.float32, torch.bfloat16]
 
 
