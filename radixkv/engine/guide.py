@@ -140,7 +140,7 @@ class GuideMasks:
 
     def apply(self, logits: torch.Tensor) -> None:
         """Disallowed tokens of the guided rows to -inf, in place: by the native kernel for fp32
-        logits on CPU (radixkv/cpu/csrc/token_mask.c, ~20x xgrammar's CPU apply), else xgrammar."""
+        logits on CPU (radixkv/cpu/csrc/logits.c, ~20x xgrammar's CPU apply), else xgrammar."""
         library = _native_mask_library(logits, self.bitmask)
         if library is not None:
             rows = torch.tensor(self.rows, dtype=torch.int32)

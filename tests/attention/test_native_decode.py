@@ -671,6 +671,7 @@ def test_builds_for_other_cpus_give_the_same_answers(gen, monkeypatch, tmp_path,
     # Built into a scratch cache and held to the same reference: decode (with and without
     # cascade groups) and row ops alike.
     from radixkv.cpu import row_ops
+    from radixkv.engine.sampler import greedy_tokens
 
     flags = tuple(f"-march={march}" if f == "-march=native" else f for f in native_library.COMPILE_FLAGS)
     monkeypatch.setattr(native_library, "COMPILE_FLAGS", flags)
@@ -705,6 +706,9 @@ def test_builds_for_other_cpus_give_the_same_answers(gen, monkeypatch, tmp_path,
     x, delta, weight = (torch.randn(shape, generator=gen).to(torch.bfloat16) for shape in ((5, 64), (5, 64), (64,)))
     expected = row_ops.rms_norm(x + delta, weight, 1e-5)
     assert torch.equal(row_ops.add_rms_norm(x.clone(), delta, weight, 1e-5)[1], expected)
+    logits = torch.randn(3, 1000, generator=gen)
+    logits[1, 7], logits[2, 900] = float("nan"), logits[2].max() + 1.0
+    assert torch.equal(greedy_tokens(logits), logits.max(dim=-1).indices)  # the sampler's argmax
 
 
 @pytest.mark.skipif(not cpu_features().amx_bf16, reason="needs AMX tiles (amx_bf16)")

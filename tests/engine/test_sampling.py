@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from radixkv import LLM, InvalidRequest, SamplingParams
-from radixkv.engine.sampler import filtered_probs
+from radixkv.cpu import native
+from radixkv.engine.sampler import filtered_probs, greedy_tokens
 from tests.helpers.engine import assert_pages_returned
 
 
@@ -132,3 +135,39 @@ def test_the_candidate_shortcut_gives_the_full_sorts_probabilities(scale, monkey
     monkeypatch.setattr(sampler, "CANDIDATES", logits.shape[1])  # no shortcut: the whole sort
     whole = in_vocab_order(*sampler.sorted_filtered_probs(logits, params))
     torch.testing.assert_close(shortcut, whole, atol=1e-6, rtol=0)
+
+
+SPECIALS = (float("nan"), float("inf"), -float("inf"), -0.0, 0.0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    rows=st.integers(1, 5),
+    width=st.integers(1, 90),  # under and over one 16-float vector, with tails
+    levels=st.integers(1, 6),  # few distinct values: many ties
+    special_rate=st.sampled_from([0.0, 0.05, 0.5]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_greedy_tokens_follow_torch_max(rows, width, levels, special_rate, seed) -> None:
+    """The native argmax keeps torch's semantics: the first of equal maxima, a NaN above every
+    number, +-inf and signed zeros as they compare."""
+    assert native.load() is not None  # the native kernel runs, not the torch fallback
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randint(-levels, levels + 1, (rows, width + 3), generator=gen).float()
+    special = torch.rand(logits.shape, generator=gen) < special_rate
+    picks = torch.randint(0, len(SPECIALS), logits.shape, generator=gen)
+    logits[special] = torch.tensor(SPECIALS)[picks[special]]
+    strided = logits[:, 1 : width + 1]  # rows one stride apart, not contiguous
+    assert torch.equal(greedy_tokens(strided), strided.max(dim=-1).indices)
+    assert torch.equal(greedy_tokens(logits), logits.max(dim=-1).indices)
+
+
+def test_greedy_tokens_of_a_full_vocabulary() -> None:
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(32, 49152, generator=gen)
+    logits[5, 40000] = logits[5, 7] = logits[5].max() + 1.0  # a tie: the first wins
+    logits[9, 30000] = float("nan")
+    logits[11] = -float("inf")  # a row every token of which a grammar masked
+    expected = logits.max(dim=-1).indices
+    assert expected[5] == 7 and expected[9] == 30000 and expected[11] == 0
+    assert torch.equal(greedy_tokens(logits), expected)
