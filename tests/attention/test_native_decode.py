@@ -60,8 +60,10 @@ QUERY_GAIN = 3.0
 UNWRITTEN = 1000.0
 CHUNK_EDGE_LENS = [1, 15, 16, 17, 255, 256, 257, 600]
 # (num_q_heads, num_kv_heads): GQA groups 1, 3, 4 and 12 (> 8: the general AVX-512 instance).
-# (q heads, kv heads). The last two have more query heads than one sweep of an item covers
-# (SPAN_ROWS, 16): their kv heads are read in spans, the last one partial.
+# (q heads, kv heads). group3: the default model's group, at a kv head count other than its own
+# (the kernel's constant-count instance is SmolLM2-135M's 9/3, below). The last two have more
+# query heads than one bf16 sweep covers (SPAN_ROWS, 16): their kv heads are read in spans, the
+# last one partial.
 HEADS = {
     "group1": (2, 2),
     "group3": (6, 2),
@@ -69,6 +71,7 @@ HEADS = {
     "group12": (12, 1),
     "group6_spans": (18, 3),
     "group1_spans": (20, 20),
+    "default_model": (9, 3),
 }
 DTYPES = [torch.float32, torch.bfloat16]
 

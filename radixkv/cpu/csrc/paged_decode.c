@@ -96,9 +96,9 @@ static inline float fold_scores(float *state, float *s, int n) {
 DEFINE_ITEM(item_bf16_portable, uint16_t, bf16_to_float)
 DEFINE_ITEM(item_f32_portable, float, f32_load)
 
-/* Query heads whose keys an item reads in one sweep: a span's kv heads are read row by row,
- * in address order. 16 covers every kv head of SmolLM2's models at once; wider models sweep
- * their rows in parts. At least one kv head (MAX_GROUP <= SPAN_ROWS). */
+/* Query heads whose keys a bf16 item reads in one sweep: a span's kv heads are read row by
+ * row, in address order. 16 covers every kv head of SmolLM2's models at once; wider models
+ * sweep their rows in parts. At least one kv head (MAX_GROUP <= SPAN_ROWS). */
 #define SPAN_ROWS 16
 
 #ifdef HAVE_AVX512
@@ -166,82 +166,204 @@ static inline __m512 sum_lanes_16(const __m512 v[16]) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], 0x88), _mm512_shuffle_f32x4(halves[0], halves[1], 0xDD));
 }
 
+/* A span's query rows: per row D / 32 vectors of bf16 dim pairs (bf16 items) or D / 16 vectors
+ * of floats (fp32 items). The helpers below take `bf16` as a constant, so each item's instance
+ * holds only its own dtype's code. */
+typedef __m512 SpanQueries[SPAN_ROWS][MAX_HEAD_DIM / 16];
+
+/* dots[r][j] for the key row at `key`, across the span's kv heads (rows r = h * G + g): lanes
+ * of partial q.k sums, by vdpbf16ps over dim pairs or by fp32 FMAs; each kv head's values are
+ * loaded once for its G query heads. */
+static inline __attribute__((always_inline)) void key_dots(SpanQueries qv, const char *key, int heads, const int D,
+                                                           const int G, const int bf16, __m512 dots[SPAN_ROWS][16],
+                                                           int j) {
+    for (int h = 0; h < heads; h++) {
+        if (bf16) {
 #ifdef HAVE_AVX512_BF16
-/* Scores of one block's n <= 16 keys for a span's query heads (rows r = h * G + g of its
- * `heads` kv heads), by vdpbf16ps, key by key across the kv heads so each row of K is read in
- * address order: s[r * SCORE_STRIDE + j] = scale * q_r . k_j, 0 past n. Takes the block's
- * prefetch steps between its keys. */
-static inline __attribute__((always_inline)) void block_scores_bf16(
-    __m512bh qv[SPAN_ROWS][MAX_HEAD_DIM / 32], const uint16_t *k0, int64_t token_stride, int n, int heads,
-    const int D, const int G, float scale, float *s, Prefetcher *prefetcher) {
-    __m512 dots[SPAN_ROWS][16];
-    for (int j = 0; j < 16; j++) {
-        if (j % PREFETCH_KEYS == 0) prefetch_step(prefetcher);
-        for (int h = 0; h < heads; h++) {
-            if (j >= n) {
-                for (int g = 0; g < G; g++) dots[h * G + g][j] = _mm512_setzero_ps();
-                continue;
-            }
+            const uint16_t *head = (const uint16_t *)key + h * D;
             __m512bh kv[MAX_HEAD_DIM / 32];
-            for (int c = 0; c < D / 32; c++) kv[c] = (__m512bh)_mm512_loadu_si512(k0 + j * token_stride + h * D + 32 * c);
+            for (int c = 0; c < D / 32; c++) kv[c] = (__m512bh)_mm512_loadu_si512(head + 32 * c);
             for (int g = 0; g < G; g++) {
                 __m512 dot = _mm512_setzero_ps();
-                for (int c = 0; c < D / 32; c++) dot = _mm512_dpbf16_ps(dot, qv[h * G + g][c], kv[c]);
+                for (int c = 0; c < D / 32; c++) dot = _mm512_dpbf16_ps(dot, (__m512bh)qv[h * G + g][c], kv[c]);
+                dots[h * G + g][j] = dot;
+            }
+#endif
+        } else {
+            const float *head = (const float *)key + h * D;
+            __m512 kv[MAX_HEAD_DIM / 16];
+            for (int c = 0; c < D / 16; c++) kv[c] = _mm512_loadu_ps(head + 16 * c);
+            for (int g = 0; g < G; g++) {
+                __m512 dot = _mm512_mul_ps(qv[h * G + g][0], kv[0]);
+                for (int c = 1; c < D / 16; c++) dot = _mm512_fmadd_ps(qv[h * G + g][c], kv[c], dot);
                 dots[h * G + g][j] = dot;
             }
         }
+    }
+}
+
+/* Scores of one block's n <= 16 keys for the span's query heads, key by key across its kv heads
+ * so each row of K is read in address order: s[r * SCORE_STRIDE + j] = scale * q_r . k_j, 0
+ * past n. Takes the block's prefetch steps between its keys. */
+static inline __attribute__((always_inline)) void block_scores(SpanQueries qv, const char *k0, int64_t row_bytes,
+                                                               int n, int heads, const int D, const int G,
+                                                               const int bf16, float scale, float *s,
+                                                               Prefetcher *prefetcher) {
+    __m512 dots[SPAN_ROWS][16];
+    for (int j = 0; j < 16; j++) {
+        if (j % PREFETCH_KEYS == 0) prefetch_step(prefetcher);
+        if (j < n) key_dots(qv, k0 + j * row_bytes, heads, D, G, bf16, dots, j);
+        else
+            for (int r = 0; r < heads * G; r++) dots[r][j] = _mm512_setzero_ps();
     }
     for (int r = 0; r < heads * G; r++)
         _mm512_storeu_ps(s + r * SCORE_STRIDE, _mm512_mul_ps(sum_lanes_16(dots[r]), _mm512_set1_ps(scale)));
 }
 
-/* Adds `keys` consecutive keys' weighted values into a span's accumulators, a 32-dim chunk at
- * a time across the kv heads (rows in address order); each accumulator takes its keys in key
- * order, as a key-at-a-time loop would. acc[r] holds a 32-dim chunk as (even dims, odd dims):
- * a bf16 pair converts to two float vectors by one shift and one mask, with no shuffle. */
-static inline __attribute__((always_inline)) void keys_values_bf16(
-    __m512 acc[SPAN_ROWS][MAX_HEAD_DIM / 16], const uint16_t *v_row, int64_t token_stride, int keys, int heads,
-    const int D, const int G, const float *w) {
+/* Adds `keys` consecutive keys' weighted values into the span's accumulators, 16 dims (fp32)
+ * or 32 (bf16) at a time across the kv heads, so rows are read in address order; each
+ * accumulator takes its keys in key order, as a key-at-a-time loop would. bf16 accumulators
+ * hold a 32-dim chunk as (even dims, odd dims) in acc[r][c], acc[r][c + 1]: a bf16 pair
+ * converts to two float vectors by one shift and one mask, with no shuffle. */
+static inline __attribute__((always_inline)) void keys_values(__m512 acc[SPAN_ROWS][MAX_HEAD_DIM / 16],
+                                                              const char *v_row, int64_t row_bytes, int keys,
+                                                              int heads, const int D, const int G, const int bf16,
+                                                              const float *w) {
     const __m512i high_half = _mm512_set1_epi32((int)0xffff0000u);
     for (int h = 0; h < heads; h++)
-        for (int c = 0; c < D / 32; c++) {
-            __m512 even[PREFETCH_KEYS], odd[PREFETCH_KEYS];
+        for (int c = 0; c < D / 16; c += 1 + bf16) {
+            __m512 low[PREFETCH_KEYS], high[PREFETCH_KEYS];
             for (int i = 0; i < keys; i++) {
-                const __m512i pairs = _mm512_loadu_si512(v_row + i * token_stride + h * D + 32 * c);
-                even[i] = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
-                odd[i] = _mm512_castsi512_ps(_mm512_and_si512(pairs, high_half));
+                const char *at = v_row + i * row_bytes + (int64_t)(h * D + 16 * c) * (bf16 ? 2 : 4);
+                if (bf16) {
+                    const __m512i pairs = _mm512_loadu_si512(at);
+                    low[i] = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+                    high[i] = _mm512_castsi512_ps(_mm512_and_si512(pairs, high_half));
+                } else {
+                    low[i] = _mm512_loadu_ps(at);
+                }
             }
             for (int g = 0; g < G; g++) {
                 const int r = h * G + g;
-                __m512 a0 = acc[r][2 * c], a1 = acc[r][2 * c + 1];
+                __m512 a0 = acc[r][c], a1 = bf16 ? acc[r][c + 1] : a0;
                 for (int i = 0; i < keys; i++) {
                     const __m512 weight = _mm512_set1_ps(w[r * SCORE_STRIDE + i]);
-                    a0 = _mm512_fmadd_ps(weight, even[i], a0);
-                    a1 = _mm512_fmadd_ps(weight, odd[i], a1);
+                    a0 = _mm512_fmadd_ps(weight, low[i], a0);
+                    if (bf16) a1 = _mm512_fmadd_ps(weight, high[i], a1);
                 }
-                acc[r][2 * c] = a0, acc[r][2 * c + 1] = a1;
+                acc[r][c] = a0;
+                if (bf16) acc[r][c + 1] = a1;
             }
         }
 }
 
 /* One block's n <= 16 keys into the accumulators, PREFETCH_KEYS at a time with a prefetch step
  * before each; w: the block's weights, row r at w[r * SCORE_STRIDE]. */
-static inline __attribute__((always_inline)) void block_values_bf16(
-    __m512 acc[SPAN_ROWS][MAX_HEAD_DIM / 16], const uint16_t *v0, int64_t token_stride, int n, int heads,
-    const int D, const int G, const float *w, Prefetcher *prefetcher) {
+static inline __attribute__((always_inline)) void block_values(__m512 acc[SPAN_ROWS][MAX_HEAD_DIM / 16],
+                                                               const char *v0, int64_t row_bytes, int n, int heads,
+                                                               const int D, const int G, const int bf16,
+                                                               const float *w, Prefetcher *prefetcher) {
     for (int j = 0; j < BLOCK_TOKENS; j += PREFETCH_KEYS) {
         prefetch_step(prefetcher);
         if (n - j >= PREFETCH_KEYS)
-            keys_values_bf16(acc, v0 + j * token_stride, token_stride, PREFETCH_KEYS, heads, D, G, w + j);
+            keys_values(acc, v0 + j * row_bytes, row_bytes, PREFETCH_KEYS, heads, D, G, bf16, w + j);
         else if (n > j)
-            keys_values_bf16(acc, v0 + j * token_stride, token_stride, n - j, heads, D, G, w + j);
+            keys_values(acc, v0 + j * row_bytes, row_bytes, n - j, heads, D, G, bf16, w + j);
     }
 }
+
+/* The AVX-512 item, a span of kv heads at a time, in three passes over the chunk: q.k for all
+ * its keys (bf16: AMX tiles for full 16-key blocks where enabled), one softmax over the chunk
+ * (so no running max and no rescaling), then p.v with fp32 FMAs.
+ *
+ * A bf16 span holds up to SPAN_ROWS query heads (every kv head of SmolLM2's models), and each
+ * pass reads a page's rows once, in address order, for all of them; one pass per kv head
+ * touched every page once per head. Measured with 32 x 1,032 tokens over 30 layers, A/B in
+ * one process, outputs bit-identical: pages shuffled 11-16% faster, in order or in cache the
+ * same (with the default model's kv head count a constant: at run time a key in cache took
+ * 15-18% longer, its queries and sums no longer in registers). head_dim % 32 == 0 (bf16) or
+ * % 16 == 0 (fp32); D and G are constants in the hot instances. */
+static inline __attribute__((always_inline)) void item_avx512_impl(
+    const void *q_row, const void *k, const void *v, const int32_t *pages, int begin, int end, const Shape *sh,
+    float *states, const NextItem *next, const int D, const int G, const int bf16, const int fixed_heads) {
+    const int H = fixed_heads ? fixed_heads : sh->num_kv_heads, n = end - begin;
+    /* fp32 spans are one kv head: its queries and sums stay in registers (wider spans, with
+     * twice bf16's vectors per row, took 7-20% longer per key in cache and 6% in order, for
+     * 10-15% on shuffled pages). */
+    const int span = bf16 ? SPAN_ROWS / G : 1;
+    const int bytes = bf16 ? 2 : 4;
+    const int64_t token_stride = (int64_t)H * D, row_bytes = token_stride * bytes;
+    Block blocks[CHUNK_TOKENS];
+    const int num_blocks = chunk_blocks(pages, begin, end, sh, blocks);
+    float s[SPAN_ROWS * SCORE_STRIDE] __attribute__((aligned(64)));
+    Prefetcher prefetcher;
+    prefetcher_init(&prefetcher, next, sh, (const char *)k, (const char *)v, bytes,
+                    2 * ((H + span - 1) / span) * num_blocks * STEPS_PER_BLOCK);
+    for (int h0 = 0; h0 < H; h0 += span) {
+        const int heads = H - h0 < span ? H - h0 : span, rows = heads * G;
+        const char *q_span = (const char *)q_row + (int64_t)h0 * G * D * bytes;
+        SpanQueries qv;
+        for (int r = 0; r < rows; r++)
+            for (int c = 0; c < (bf16 ? D / 32 : D / 16); c++) qv[r][c] = _mm512_loadu_ps(q_span + (int64_t)r * D * bytes + 64 * c);
+#ifdef HAVE_AMX
+        /* q as AMX B tiles: per kv head and 32-dim chunk, [16 dim pairs][G heads] bf16 pairs. */
+        uint32_t q_pairs[MAX_HEAD_DIM / 32 * 16 * SPAN_ROWS];
+        const int head_pairs = D / 32 * 16 * G;
+        if (bf16 && sh->use_amx) {
+            const uint32_t *q_words = (const uint32_t *)q_span;
+            for (int h = 0; h < heads; h++)
+                for (int c = 0; c < D / 32; c++)
+                    for (int pair = 0; pair < 16; pair++)
+                        for (int g = 0; g < G; g++)
+                            q_pairs[h * head_pairs + (c * 16 + pair) * G + g] = q_words[((h * G + g) * D) / 2 + 16 * c + pair];
+        }
 #endif
+        for (int bi = 0, offset = 0; bi < num_blocks; offset += blocks[bi++].n) {
+            const char *k0 = (const char *)k + (blocks[bi].first + (int64_t)h0 * D) * bytes;
+#ifdef HAVE_AMX
+            if (bf16 && sh->use_amx && blocks[bi].n == 16) {
+                for (int step = 0; step < STEPS_PER_BLOCK; step++) prefetch_step(&prefetcher);
+                for (int h = 0; h < heads; h++)
+                    scores_amx(q_pairs + h * head_pairs, (const uint16_t *)k0 + h * D, token_stride, D, G, sh->scale,
+                               s + h * G * SCORE_STRIDE + offset);
+            } else
+#endif
+                block_scores(qv, k0, row_bytes, blocks[bi].n, heads, D, G, bf16, sh->scale, s + offset, &prefetcher);
+        }
+        for (int r = 0; r < rows; r++) softmax_row(s + r * SCORE_STRIDE, n, states + (int64_t)(h0 * G + r) * (D + 2));
+        __m512 acc[SPAN_ROWS][MAX_HEAD_DIM / 16];
+        for (int r = 0; r < rows; r++)
+            for (int c = 0; c < D / 16; c++) acc[r][c] = _mm512_setzero_ps();
+        for (int bi = 0, offset = 0; bi < num_blocks; offset += blocks[bi++].n)
+            block_values(acc, (const char *)v + (blocks[bi].first + (int64_t)h0 * D) * bytes, row_bytes, blocks[bi].n,
+                         heads, D, G, bf16, s + offset, &prefetcher);
+        for (int r = 0; r < rows; r++) {
+            float *out = states + (int64_t)(h0 * G + r) * (D + 2) + 2;
+            for (int c = 0; c < D / 16; c += 1 + bf16) {
+                if (!bf16) {
+                    _mm512_storeu_ps(out + 16 * c, acc[r][c]);
+                    continue;
+                }
+                float chunk[32]; /* (even dims, odd dims) back to natural dim order for the merge */
+                _mm512_storeu_ps(chunk, acc[r][c]);
+                _mm512_storeu_ps(chunk + 16, acc[r][c + 1]);
+                for (int d = 0; d < 16; d++) {
+                    out[16 * c + 2 * d] = chunk[d];
+                    out[16 * c + 2 * d + 1] = chunk[16 + d];
+                }
+            }
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void item_f32_avx512_impl(
+    const float *q_row, const float *k, const float *v, const int32_t *pages, int begin, int end, const Shape *sh,
+    float *states, const NextItem *next, const int D, const int G) {
+    item_avx512_impl(q_row, k, v, pages, begin, end, sh, states, next, D, G, 0, 0);
+}
 
 /* The items below run as instances with head_dim and group as constants, so the compiler
- * unrolls the chunk loops and keeps q and the accumulators in registers; other shapes run the
- * general instance. GROUP_CASES(IMPL, D) returns from the caller after the instance for its
+ * unrolls the loops over dims and query heads; other shapes run the general instance. GROUP_CASES(IMPL, D) returns from the caller after the instance for its
  * group, if there is one. */
 #define ITEM_ARGS q_row, k, v, pages, begin, end, sh, states, next
 #define GROUP_CASES(IMPL, D)                             \
@@ -256,178 +378,37 @@ static inline __attribute__((always_inline)) void block_values_bf16(
         case 8: IMPL(ITEM_ARGS, D, 8); return;           \
     }
 
+/* The default model's shape (SmolLM2-135M: 3 kv heads of 64 dims, 3 query heads each) runs
+ * with every count a constant. */
+static inline int default_model_shape(const Shape *sh) {
+    return sh->head_dim == 64 && sh->group == 3 && sh->num_kv_heads == 3;
+}
+
 #ifdef HAVE_AVX512_BF16
-/* The bf16 item with AVX-512, a span of kv heads at a time (all of them for up to SPAN_ROWS
- * query heads), in three passes over the chunk: q.k for all its keys (AMX tiles for full
- * 16-key blocks, else vdpbf16ps), one softmax over the chunk (so no running max and no
- * rescaling), then p.v with fp32 FMAs. Each pass reads a page's rows once, in address order,
- * for all the span's kv heads, where a pass per kv head touched every page once per head
- * (measured: cold decode of pages out of order 8-14% faster, of pages in order the same;
- * outputs bit-identical). head_dim % 32 == 0; D and G are constants in the hot instances. */
 static inline __attribute__((always_inline)) void item_bf16_avx512_impl(
-    const uint16_t *q_row, const uint16_t *k, const uint16_t *v, const int32_t *pages, int begin,
-    int end, const Shape *sh, float *states, const NextItem *next, const int D, const int G) {
-    const int H = sh->num_kv_heads, n = end - begin, span = SPAN_ROWS / G;
-    const int64_t token_stride = (int64_t)H * D;
-    Block blocks[CHUNK_TOKENS];
-    const int num_blocks = chunk_blocks(pages, begin, end, sh, blocks);
-    float s[SPAN_ROWS * SCORE_STRIDE] __attribute__((aligned(64)));
-    Prefetcher prefetcher;
-    prefetcher_init(&prefetcher, next, sh, (const char *)k, (const char *)v, 2,
-                    2 * ((H + span - 1) / span) * num_blocks * STEPS_PER_BLOCK);
-    for (int h0 = 0; h0 < H; h0 += span) {
-        const int heads = H - h0 < span ? H - h0 : span, rows = heads * G;
-        const uint16_t *q_span = q_row + (int64_t)h0 * G * D;
-        __m512bh qv[SPAN_ROWS][MAX_HEAD_DIM / 32];
-        for (int r = 0; r < rows; r++)
-            for (int c = 0; c < D / 32; c++) qv[r][c] = (__m512bh)_mm512_loadu_si512(q_span + (int64_t)r * D + 32 * c);
-#ifdef HAVE_AMX
-        /* q as AMX B tiles: per kv head and 32-dim chunk, [16 dim pairs][G heads] bf16 pairs. */
-        uint32_t q_pairs[MAX_HEAD_DIM / 32 * 16 * SPAN_ROWS];
-        const int head_pairs = D / 32 * 16 * G;
-        if (sh->use_amx) {
-            const uint32_t *q_words = (const uint32_t *)q_span;
-            for (int h = 0; h < heads; h++)
-                for (int c = 0; c < D / 32; c++)
-                    for (int pair = 0; pair < 16; pair++)
-                        for (int g = 0; g < G; g++)
-                            q_pairs[h * head_pairs + (c * 16 + pair) * G + g] = q_words[((h * G + g) * D) / 2 + 16 * c + pair];
-        }
-#endif
-        for (int bi = 0, offset = 0; bi < num_blocks; offset += blocks[bi++].n) {
-            const uint16_t *k0 = k + blocks[bi].first + (int64_t)h0 * D;
-#ifdef HAVE_AMX
-            if (sh->use_amx && blocks[bi].n == 16) {
-                for (int step = 0; step < STEPS_PER_BLOCK; step++) prefetch_step(&prefetcher);
-                for (int h = 0; h < heads; h++)
-                    scores_amx(q_pairs + h * head_pairs, k0 + h * D, token_stride, D, G, sh->scale,
-                               s + h * G * SCORE_STRIDE + offset);
-            } else
-#endif
-                block_scores_bf16(qv, k0, token_stride, blocks[bi].n, heads, D, G, sh->scale, s + offset, &prefetcher);
-        }
-        for (int r = 0; r < rows; r++) softmax_row(s + r * SCORE_STRIDE, n, states + (int64_t)(h0 * G + r) * (D + 2));
-        __m512 acc[SPAN_ROWS][MAX_HEAD_DIM / 16];
-        for (int r = 0; r < rows; r++)
-            for (int c = 0; c < D / 16; c++) acc[r][c] = _mm512_setzero_ps();
-        for (int bi = 0, offset = 0; bi < num_blocks; offset += blocks[bi++].n)
-            block_values_bf16(acc, v + blocks[bi].first + (int64_t)h0 * D, token_stride, blocks[bi].n, heads, D, G,
-                              s + offset, &prefetcher);
-        /* Back to natural dim order for the merge. */
-        for (int r = 0; r < rows; r++) {
-            float *out = states + (int64_t)(h0 * G + r) * (D + 2) + 2, chunk[32];
-            for (int c = 0; c < D / 32; c++) {
-                _mm512_storeu_ps(chunk, acc[r][2 * c]);
-                _mm512_storeu_ps(chunk + 16, acc[r][2 * c + 1]);
-                for (int d = 0; d < 16; d++) {
-                    out[32 * c + 2 * d] = chunk[d];
-                    out[32 * c + 2 * d + 1] = chunk[16 + d];
-                }
-            }
-        }
-    }
+    const uint16_t *q_row, const uint16_t *k, const uint16_t *v, const int32_t *pages, int begin, int end,
+    const Shape *sh, float *states, const NextItem *next, const int D, const int G) {
+    item_avx512_impl(q_row, k, v, pages, begin, end, sh, states, next, D, G, 1, 0);
 }
 
 static void item_bf16_avx512(const uint16_t *q_row, const uint16_t *k, const uint16_t *v, const int32_t *pages,
                              int begin, int end, const Shape *sh, float *states, const NextItem *next) {
+    if (default_model_shape(sh)) {
+        item_avx512_impl(ITEM_ARGS, 64, 3, 1, 3);
+        return;
+    }
     if (sh->head_dim == 64) GROUP_CASES(item_bf16_avx512_impl, 64)
     if (sh->head_dim == 128) GROUP_CASES(item_bf16_avx512_impl, 128)
     item_bf16_avx512_impl(ITEM_ARGS, sh->head_dim, sh->group);
 }
 #endif
 
-/* The fp32 counterparts of block_scores_bf16 and keys_values_bf16: q.k sums each key's
- * head_dim products in 16 lanes, then folds 16 keys' lanes at once (sum_lanes_16); p.v adds
- * into accumulators in natural dim order. */
-static inline __attribute__((always_inline)) void block_scores_f32(
-    __m512 qv[SPAN_ROWS][MAX_HEAD_DIM / 16], const float *k0, int64_t token_stride, int n, int heads, const int D,
-    const int G, float scale, float *s, Prefetcher *prefetcher) {
-    __m512 dots[SPAN_ROWS][16];
-    for (int j = 0; j < 16; j++) {
-        if (j % PREFETCH_KEYS == 0) prefetch_step(prefetcher);
-        for (int h = 0; h < heads; h++) {
-            if (j >= n) {
-                for (int g = 0; g < G; g++) dots[h * G + g][j] = _mm512_setzero_ps();
-                continue;
-            }
-            __m512 kv[MAX_HEAD_DIM / 16];
-            for (int c = 0; c < D / 16; c++) kv[c] = _mm512_loadu_ps(k0 + j * token_stride + h * D + 16 * c);
-            for (int g = 0; g < G; g++) {
-                __m512 dot = _mm512_mul_ps(qv[h * G + g][0], kv[0]);
-                for (int c = 1; c < D / 16; c++) dot = _mm512_fmadd_ps(qv[h * G + g][c], kv[c], dot);
-                dots[h * G + g][j] = dot;
-            }
-        }
-    }
-    for (int r = 0; r < heads * G; r++)
-        _mm512_storeu_ps(s + r * SCORE_STRIDE, _mm512_mul_ps(sum_lanes_16(dots[r]), _mm512_set1_ps(scale)));
-}
-
-static inline __attribute__((always_inline)) void keys_values_f32(
-    __m512 acc[SPAN_ROWS][MAX_HEAD_DIM / 16], const float *v_row, int64_t token_stride, int keys, int heads,
-    const int D, const int G, const float *w) {
-    for (int h = 0; h < heads; h++)
-        for (int c = 0; c < D / 16; c++) {
-            __m512 values[PREFETCH_KEYS];
-            for (int i = 0; i < keys; i++) values[i] = _mm512_loadu_ps(v_row + i * token_stride + h * D + 16 * c);
-            for (int g = 0; g < G; g++) {
-                const int r = h * G + g;
-                __m512 a = acc[r][c];
-                for (int i = 0; i < keys; i++) a = _mm512_fmadd_ps(_mm512_set1_ps(w[r * SCORE_STRIDE + i]), values[i], a);
-                acc[r][c] = a;
-            }
-        }
-}
-
-static inline __attribute__((always_inline)) void block_values_f32(
-    __m512 acc[SPAN_ROWS][MAX_HEAD_DIM / 16], const float *v0, int64_t token_stride, int n, int heads, const int D,
-    const int G, const float *w, Prefetcher *prefetcher) {
-    for (int j = 0; j < BLOCK_TOKENS; j += PREFETCH_KEYS) {
-        prefetch_step(prefetcher);
-        if (n - j >= PREFETCH_KEYS)
-            keys_values_f32(acc, v0 + j * token_stride, token_stride, PREFETCH_KEYS, heads, D, G, w + j);
-        else if (n > j)
-            keys_values_f32(acc, v0 + j * token_stride, token_stride, n - j, heads, D, G, w + j);
-    }
-}
-
-/* The fp32 item with AVX-512: the bf16 item's spans and passes with fp32 FMAs. head_dim % 16 == 0. */
-static inline __attribute__((always_inline)) void item_f32_avx512_impl(
-    const float *q_row, const float *k, const float *v, const int32_t *pages, int begin, int end,
-    const Shape *sh, float *states, const NextItem *next, const int D, const int G) {
-    const int H = sh->num_kv_heads, n = end - begin, span = SPAN_ROWS / G;
-    const int64_t token_stride = (int64_t)H * D;
-    Block blocks[CHUNK_TOKENS];
-    const int num_blocks = chunk_blocks(pages, begin, end, sh, blocks);
-    float s[SPAN_ROWS * SCORE_STRIDE] __attribute__((aligned(64)));
-    Prefetcher prefetcher;
-    prefetcher_init(&prefetcher, next, sh, (const char *)k, (const char *)v, 4,
-                    2 * ((H + span - 1) / span) * num_blocks * STEPS_PER_BLOCK);
-    for (int h0 = 0; h0 < H; h0 += span) {
-        const int heads = H - h0 < span ? H - h0 : span, rows = heads * G;
-        const float *q_span = q_row + (int64_t)h0 * G * D;
-        __m512 qv[SPAN_ROWS][MAX_HEAD_DIM / 16];
-        for (int r = 0; r < rows; r++)
-            for (int c = 0; c < D / 16; c++) qv[r][c] = _mm512_loadu_ps(q_span + (int64_t)r * D + 16 * c);
-        for (int bi = 0, offset = 0; bi < num_blocks; offset += blocks[bi++].n)
-            block_scores_f32(qv, k + blocks[bi].first + (int64_t)h0 * D, token_stride, blocks[bi].n, heads, D, G,
-                             sh->scale, s + offset, &prefetcher);
-        for (int r = 0; r < rows; r++) softmax_row(s + r * SCORE_STRIDE, n, states + (int64_t)(h0 * G + r) * (D + 2));
-        __m512 acc[SPAN_ROWS][MAX_HEAD_DIM / 16];
-        for (int r = 0; r < rows; r++)
-            for (int c = 0; c < D / 16; c++) acc[r][c] = _mm512_setzero_ps();
-        for (int bi = 0, offset = 0; bi < num_blocks; offset += blocks[bi++].n)
-            block_values_f32(acc, v + blocks[bi].first + (int64_t)h0 * D, token_stride, blocks[bi].n, heads, D, G,
-                             s + offset, &prefetcher);
-        for (int r = 0; r < rows; r++) {
-            float *out = states + (int64_t)(h0 * G + r) * (D + 2) + 2;
-            for (int c = 0; c < D / 16; c++) _mm512_storeu_ps(out + 16 * c, acc[r][c]);
-        }
-    }
-}
-
 static void item_f32_avx512(const float *q_row, const float *k, const float *v, const int32_t *pages, int begin,
                             int end, const Shape *sh, float *states, const NextItem *next) {
+    if (default_model_shape(sh)) {
+        item_avx512_impl(ITEM_ARGS, 64, 3, 0, 3);
+        return;
+    }
     if (sh->head_dim == 64) GROUP_CASES(item_f32_avx512_impl, 64)
     if (sh->head_dim == 128) GROUP_CASES(item_f32_avx512_impl, 128)
     item_f32_avx512_impl(ITEM_ARGS, sh->head_dim, sh->group);
