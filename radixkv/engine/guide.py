@@ -22,6 +22,7 @@ import torch
 
 # xgrammar is imported where it is first needed: importing it takes about as long as importing
 # torch, and an engine that never sees a guide should not pay for it.
+from radixkv.cpu.logits import apply_token_bitmask
 from radixkv.engine.request import JsonGuide, SequenceState
 from radixkv.errors import InvalidRequest
 
@@ -141,32 +142,12 @@ class GuideMasks:
     def apply(self, logits: torch.Tensor) -> None:
         """Disallowed tokens of the guided rows to -inf, in place: by the native kernel for fp32
         logits on CPU (radixkv/cpu/csrc/logits.c, ~20x xgrammar's CPU apply), else xgrammar."""
-        library = _native_mask_library(logits, self.bitmask)
-        if library is not None:
-            rows = torch.tensor(self.rows, dtype=torch.int32)
-            library.radixkv_apply_token_bitmask_f32(
-                logits.data_ptr(), logits.stride(0), self.bitmask.data_ptr(), self.bitmask.stride(0),
-                rows.data_ptr(), len(self.rows), logits.shape[1],
-            )  # fmt: skip
+        if apply_token_bitmask(logits, self.bitmask, self.rows):
             return
         import xgrammar
 
         bitmask = self.bitmask.to(logits.device, non_blocking=True)
         xgrammar.apply_token_bitmask_inplace(logits, bitmask, indices=self.rows)
-
-
-def _native_mask_library(logits: torch.Tensor, bitmask: torch.Tensor):
-    """The native library where it can mask these tensors in place, else None."""
-    fits = (
-        logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2 and logits.stride(1) == 1
-        and bitmask.dtype == torch.int32 and bitmask.is_contiguous()
-        and bitmask.shape[0] >= logits.shape[0] and bitmask.shape[1] * 32 >= logits.shape[1]
-    )  # fmt: skip
-    if not fits:
-        return None
-    from radixkv.cpu import native
-
-    return native.load()
 
 
 @dataclass(slots=True)

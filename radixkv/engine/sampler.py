@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
+from radixkv.cpu.logits import argmax_rows
 from radixkv.engine.guide import GuideMasks
 from radixkv.engine.request import SamplingParams, SequenceState, TokenLogprob
 
@@ -177,15 +178,5 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """Each row's argmax, int64: the first of equal maxima, a NaN above every number (torch's
     max semantics). fp32 rows on CPU take the native kernel (radixkv/cpu/csrc/logits.c, ~10x
     torch on a 32 x 49k step); elsewhere max().indices, which is argmax at ~2.5x its speed."""
-    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2 and logits.stride(1) == 1:
-        from radixkv.cpu import native
-
-        library = native.load()
-        if library is not None and logits.shape[1] > 0:
-            tokens = torch.empty(logits.shape[0], dtype=torch.int64)
-            library.radixkv_argmax_rows_f32(
-                logits.data_ptr(), logits.stride(0), logits.shape[0], logits.shape[1], tokens.data_ptr(),
-                torch.get_num_threads(),
-            )  # fmt: skip
-            return tokens
-    return logits.max(dim=-1).indices
+    tokens = argmax_rows(logits)
+    return tokens if tokens is not None else logits.max(dim=-1).indices

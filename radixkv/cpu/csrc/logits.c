@@ -11,7 +11,6 @@
  * the max and a second, stopping at it, its first index.
  */
 #include <math.h>
-#include <omp.h>
 #include <stdint.h>
 
 #include "bf16.h"
