@@ -29,6 +29,11 @@ class CPUFeatures:
         return "avx512_bf16" in self.flags and "avx512f" in self.flags
 
     @property
+    def avx2(self) -> bool:
+        """8-lane fp32 vectors with FMA (Haswell and later, AMD Zen): the native kernels' floor."""
+        return "avx2" in self.flags and "fma" in self.flags
+
+    @property
     def avx512(self) -> bool:
         return "avx512f" in self.flags and "avx512bw" in self.flags
 

@@ -657,10 +657,15 @@ def test_cpu_backend_refuses_a_slot_past_the_cache_before_any_store() -> None:
         CPUBackend().prepare(meta, k_cache, 1)
 
 
-# The builds a user on another CPU runs, compiled here: no AVX-512 at all (the portable loops),
-# and AVX-512 without BF16 (Skylake to Ice Lake: fp32 items in vectors, bf16 in portable loops).
+# The builds a user on another CPU runs, compiled here: no AVX2 at all (the portable loops), AVX2
+# without AVX-512 (Haswell to Alder Lake, AMD Zen 1-3: the 8-lane items), and AVX-512 without
+# BF16 (Skylake to Ice Lake: fp32 items in 16 lanes, bf16 in 8).
 OTHER_BUILDS = [
     pytest.param("x86-64-v2", id="portable"),
+    pytest.param(
+        "x86-64-v3", id="avx2",
+        marks=pytest.mark.skipif(not cpu_features().avx2, reason="needs avx2 and fma to run that build"),
+    ),
     pytest.param(
         "skylake-avx512", id="avx512-without-bf16",
         marks=pytest.mark.skipif(not cpu_features().avx512, reason="needs avx512f and avx512bw to run that build"),

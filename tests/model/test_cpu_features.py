@@ -16,6 +16,7 @@ SAMPLES = Path(__file__).parent / "cpuinfo"
 EXPECTED = {
     "intel_sapphire_rapids": ("x86_64", "Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz", True, True, True, ""),
     "amd_epyc_zen4": ("x86_64", "AMD EPYC", True, False, True, ""),
+    "amd_epyc_zen3": ("x86_64", "AMD EPYC", False, False, False, "avx512_bf16"),
     "intel_skylake_avx512": ("x86_64", "Intel(R) Xeon(R) Platinum 8175M CPU @ 2.50GHz", False, False, False, "avx512_bf16"),
     "intel_broadwell_avx2": ("x86_64", "Intel(R) Xeon(R) CPU E5-2686 v4 @ 2.30GHz", False, False, False, "avx512_bf16"),
     "aws_graviton3": ("aarch64", "implementer 0x41 part 0xd40", True, False, False, ""),
@@ -36,6 +37,13 @@ def test_each_kind_of_cpu_is_read_right(name):
     assert features.native_bf16 == native_bf16
     assert (features.amx_bf16, features.avx512_bf16) == (amx, avx512_bf16)
     assert features.missing_bf16 == missing
+
+
+def test_avx2_is_every_x86_samples_floor_and_no_arm_ones():
+    # The native kernels' 8-lane items need AVX2 with FMA: every x86 sample has them (Broadwell
+    # and Zen 3 have nothing wider), no aarch64 one does.
+    assert {name for name in EXPECTED if load(name).avx2} == {name for name in EXPECTED if EXPECTED[name][0] == "x86_64"}
+    assert not load("amd_epyc_zen3").avx512 and load("amd_epyc_zen4").avx512
 
 
 def test_only_the_first_processor_is_read():

@@ -42,7 +42,8 @@ static inline int chunk_blocks(const int32_t *pages, int begin, int end, const S
     return num_blocks;
 }
 
-/* The item a thread runs after this one: its KV is requested while this one computes. */
+/* The item a thread runs after this one: its KV is requested while this one computes. A NULL
+ * NextItem pointer, like NULL pages, means none. */
 typedef struct {
     const int32_t *pages; /* NULL: none */
     int begin, end;
@@ -83,6 +84,9 @@ static inline void softmax_row(float *row, int n, float *state) {
     state[0] = max;
     state[1] = _mm512_reduce_add_ps(sum);
 }
+#endif
+
+#ifdef HAVE_AVX2
 
 /* Plain items take a prefetch step every 4 keys rather than every 16-key block: smaller bursts
  * leave the item's own L2-to-L1 misses a free miss buffer (cold decode 4-12% faster, A/B). */
@@ -106,7 +110,7 @@ static inline void prefetcher_init(Prefetcher *p, const NextItem *next, const Sh
     int64_t lines = 0;
     p->runs = p->run = 0;
     p->offset = 0;
-    for (int t = next->begin; next->pages && t < next->end;) {
+    for (int t = next ? next->begin : 0; next && next->pages && t < next->end;) {
         const Block block = block_at(next->pages, t, next->end, sh);
         for (int which = 0; which < 2; which++) {
             p->start[p->runs] = (which ? v : k) + block.first * element_bytes;
@@ -136,12 +140,25 @@ static inline void prefetch_step(Prefetcher *p) {
 
 #endif
 
+/* The default model's shape (SmolLM2-135M: 3 kv heads of 64 dims, 3 query heads each): the
+ * vector items run it with every count a constant. */
+static inline int default_model_shape(const Shape *sh) {
+    return sh->head_dim == 64 && sh->group == 3 && sh->num_kv_heads == 3;
+}
+
 /* One request's keys [begin, end) (at most CHUNK_TOKENS, through its page list) for its query
  * row: online-softmax states, kv head major, into states (item_floats floats). */
 HIDDEN void radixkv_item_bf16(const uint16_t *q_row, const uint16_t *k, const uint16_t *v, const int32_t *pages,
                               int begin, int end, const Shape *sh, float *states, const NextItem *next);
 HIDDEN void radixkv_item_f32(const float *q_row, const float *k, const float *v, const int32_t *pages, int begin,
                              int end, const Shape *sh, float *states, const NextItem *next);
+
+#ifdef HAVE_AVX2
+/* The same items in 8-lane vectors (paged_decode_avx2.c), for CPUs without AVX-512:
+ * head_dim % 8 == 0 (fp32) or % 16 == 0 (bf16). */
+HIDDEN void radixkv_item_avx2(const void *q_row, const void *k, const void *v, const int32_t *pages, int begin,
+                              int end, const Shape *sh, float *states, const NextItem *next, int bf16);
+#endif
 
 /* A shared prefix's keys [begin, end) (pages: any member's page list) for all members of a
  * group at once: member m reads q row q_rows[m] and its states go to states + m * item_floats.

@@ -378,12 +378,6 @@ static inline __attribute__((always_inline)) void item_f32_avx512_impl(
         case 8: IMPL(ITEM_ARGS, D, 8); return;           \
     }
 
-/* The default model's shape (SmolLM2-135M: 3 kv heads of 64 dims, 3 query heads each) runs
- * with every count a constant. */
-static inline int default_model_shape(const Shape *sh) {
-    return sh->head_dim == 64 && sh->group == 3 && sh->num_kv_heads == 3;
-}
-
 #ifdef HAVE_AVX512_BF16
 static inline __attribute__((always_inline)) void item_bf16_avx512_impl(
     const uint16_t *q_row, const uint16_t *k, const uint16_t *v, const int32_t *pages, int begin, int end,
@@ -415,7 +409,8 @@ static void item_f32_avx512(const float *q_row, const float *k, const float *v, 
 }
 #endif
 
-/* The bf16 item: the AVX-512 one where the CPU and head_dim allow, else the portable one. */
+/* The bf16 item: the AVX-512 one where the CPU and head_dim allow, else the AVX2 one, else the
+ * portable one. */
 HIDDEN void radixkv_item_bf16(const uint16_t *q_row, const uint16_t *k, const uint16_t *v, const int32_t *pages,
                       int begin, int end, const Shape *sh, float *states, const NextItem *next) {
 #ifdef HAVE_AVX512_BF16
@@ -424,15 +419,28 @@ HIDDEN void radixkv_item_bf16(const uint16_t *q_row, const uint16_t *k, const ui
         return;
     }
 #endif
+#ifdef HAVE_AVX2
+    if (sh->head_dim % 16 == 0) {
+        radixkv_item_avx2(q_row, k, v, pages, begin, end, sh, states, next, 1);
+        return;
+    }
+#endif
     item_bf16_portable(q_row, k, v, pages, begin, end, sh, states, next);
 }
 
-/* The fp32 item: the AVX-512 one where the CPU and head_dim allow, else the portable one. */
+/* The fp32 item: the AVX-512 one where the CPU and head_dim allow, else the AVX2 one, else the
+ * portable one. */
 HIDDEN void radixkv_item_f32(const float *q_row, const float *k, const float *v, const int32_t *pages, int begin, int end,
                      const Shape *sh, float *states, const NextItem *next) {
 #ifdef HAVE_AVX512
     if (sh->head_dim % 16 == 0) {
         item_f32_avx512(q_row, k, v, pages, begin, end, sh, states, next);
+        return;
+    }
+#endif
+#ifdef HAVE_AVX2
+    if (sh->head_dim % 8 == 0) {
+        radixkv_item_avx2(q_row, k, v, pages, begin, end, sh, states, next, 0);
         return;
     }
 #endif

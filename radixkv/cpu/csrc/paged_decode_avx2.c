@@ -1,0 +1,209 @@
+/* Paged decode's plain item in 8-lane AVX2 vectors, for CPUs without AVX-512 (Intel Haswell to
+ * Alder Lake, AMD Zen 1-3): the three passes of paged_decode.c's AVX-512 item, one kv head at a time.
+ *
+ * A row of head_dim values is held as head_dim / 8 float vectors. fp32 rows are in dim order;
+ * a bf16 row's 16-dim chunk becomes (even dims, odd dims) by one shift and one mask, with no
+ * shuffle. q and K take the same order, so their dot product needs no reordering, and the
+ * output accumulators put the dims back in order once, at the end.
+ */
+#include "decode.h"
+
+#ifdef HAVE_AVX2
+
+#define LANES 8
+#define MAX_VECTORS (MAX_HEAD_DIM / LANES)
+
+/* The D values at `row` (bf16 or fp32) as D / 8 float vectors, in the order above. */
+static inline __attribute__((always_inline)) void row_vectors(const char *row, const int D, const int bf16,
+                                                              __m256 out[MAX_VECTORS]) {
+    if (bf16) {
+        const __m256i high_half = _mm256_set1_epi32((int)0xffff0000u);
+        for (int c = 0; c < D / 16; c++) {
+            const __m256i pairs = _mm256_loadu_si256((const __m256i *)(row + 32 * c));
+            out[2 * c] = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
+            out[2 * c + 1] = _mm256_castsi256_ps(_mm256_and_si256(pairs, high_half));
+        }
+    } else {
+        for (int c = 0; c < D / 8; c++) out[c] = _mm256_loadu_ps((const float *)row + 8 * c);
+    }
+}
+
+/* Lane j of the result is the sum of the 8 lanes of v[j] (a transpose-and-add tree). */
+static inline __m256 sum_lanes_8(const __m256 v[LANES]) {
+    const __m256 a0 = _mm256_hadd_ps(v[0], v[1]), a1 = _mm256_hadd_ps(v[2], v[3]);
+    const __m256 a2 = _mm256_hadd_ps(v[4], v[5]), a3 = _mm256_hadd_ps(v[6], v[7]);
+    const __m256 b0 = _mm256_hadd_ps(a0, a1), b1 = _mm256_hadd_ps(a2, a3); /* 128-bit halves apart */
+    return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
+}
+
+/* Scores of one block's n <= 16 keys for the kv head's G query heads: s[g * SCORE_STRIDE + j] =
+ * scale * q_g . k_j, 0 past n. A prefetch step every PREFETCH_KEYS keys, full block or not, as
+ * the prefetcher's step count assumes. */
+static inline __attribute__((always_inline)) void block_scores(__m256 qv[MAX_GROUP][MAX_VECTORS], const char *k0,
+                                                               int64_t row_bytes, int n, const int D, const int G,
+                                                               const int bf16, float scale, float *s,
+                                                               Prefetcher *prefetcher) {
+    for (int j0 = 0; j0 < BLOCK_TOKENS; j0 += LANES) {
+        __m256 dots[MAX_GROUP][LANES];
+        for (int j = 0; j < LANES; j++) {
+            if ((j0 + j) % PREFETCH_KEYS == 0) prefetch_step(prefetcher);
+            if (j0 + j >= n) {
+                for (int g = 0; g < G; g++) dots[g][j] = _mm256_setzero_ps();
+                continue;
+            }
+            __m256 kv[MAX_VECTORS];
+            row_vectors(k0 + (j0 + j) * row_bytes, D, bf16, kv);
+            for (int g = 0; g < G; g++) {
+                __m256 dot = _mm256_mul_ps(qv[g][0], kv[0]);
+                for (int c = 1; c < D / 8; c++) dot = _mm256_fmadd_ps(qv[g][c], kv[c], dot);
+                dots[g][j] = dot;
+            }
+        }
+        if (j0 < n)
+            for (int g = 0; g < G; g++)
+                _mm256_storeu_ps(s + g * SCORE_STRIDE + j0, _mm256_mul_ps(sum_lanes_8(dots[g]), _mm256_set1_ps(scale)));
+    }
+}
+
+/* Softmax weights of the n scores in row, in place (unnormalised: e^(s - max)); the max and their
+ * sum go to state[0] and state[1]. The last partial vector is read and written under a mask. */
+static void softmax_row_avx2(float *row, int n, float *state) {
+    const int full = n - n % LANES;
+    const __m256i tail = _mm256_cmpgt_epi32(_mm256_set1_epi32(n % LANES), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256 minus_inf = _mm256_set1_ps(-INFINITY);
+    __m256 top = minus_inf;
+    for (int j = 0; j < full; j += LANES) top = _mm256_max_ps(top, _mm256_loadu_ps(row + j));
+    if (n % LANES) top = _mm256_max_ps(top, _mm256_blendv_ps(minus_inf, _mm256_maskload_ps(row + full, tail), _mm256_castsi256_ps(tail)));
+    float lanes[LANES];
+    _mm256_storeu_ps(lanes, top);
+    float max = lanes[0];
+    for (int i = 1; i < LANES; i++) max = lanes[i] > max ? lanes[i] : max;
+    const __m256 shift = _mm256_set1_ps(max);
+    __m256 sum = _mm256_setzero_ps();
+    for (int j = 0; j < full; j += LANES) {
+        const __m256 weights = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + j), shift));
+        _mm256_storeu_ps(row + j, weights);
+        sum = _mm256_add_ps(sum, weights);
+    }
+    if (n % LANES) {
+        const __m256 x = _mm256_sub_ps(_mm256_maskload_ps(row + full, tail), shift);
+        const __m256 weights = _mm256_and_ps(exp8(x), _mm256_castsi256_ps(tail));
+        _mm256_maskstore_ps(row + full, tail, weights);
+        sum = _mm256_add_ps(sum, weights);
+    }
+    _mm256_storeu_ps(lanes, sum);
+    float total = 0.0f;
+    for (int i = 0; i < LANES; i++) total += lanes[i];
+    state[0] = max;
+    state[1] = total;
+}
+
+/* Adds `keys` consecutive keys' weighted values into the G accumulators, 8 dims (fp32) or 16
+ * (bf16: one load, two vectors) at a time; each accumulator takes its keys in key order. */
+static inline __attribute__((always_inline)) void keys_values(__m256 acc[MAX_GROUP][MAX_VECTORS], const char *v_row,
+                                                              int64_t row_bytes, int keys, const int D, const int G,
+                                                              const int bf16, const float *w) {
+    const __m256i high_half = _mm256_set1_epi32((int)0xffff0000u);
+    for (int c = 0; c < D / 8; c += 1 + bf16) {
+        __m256 low[PREFETCH_KEYS], high[PREFETCH_KEYS];
+        for (int i = 0; i < keys; i++) {
+            const char *at = v_row + i * row_bytes + 32 * c / (1 + bf16);
+            if (bf16) {
+                const __m256i pairs = _mm256_loadu_si256((const __m256i *)at);
+                low[i] = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
+                high[i] = _mm256_castsi256_ps(_mm256_and_si256(pairs, high_half));
+            } else {
+                low[i] = _mm256_loadu_ps((const float *)at);
+            }
+        }
+        for (int g = 0; g < G; g++) {
+            __m256 a0 = acc[g][c], a1 = bf16 ? acc[g][c + 1] : a0;
+            for (int i = 0; i < keys; i++) {
+                const __m256 weight = _mm256_set1_ps(w[g * SCORE_STRIDE + i]);
+                a0 = _mm256_fmadd_ps(weight, low[i], a0);
+                if (bf16) a1 = _mm256_fmadd_ps(weight, high[i], a1);
+            }
+            acc[g][c] = a0;
+            if (bf16) acc[g][c + 1] = a1;
+        }
+    }
+}
+
+/* One block's n <= 16 keys into the accumulators, PREFETCH_KEYS at a time with a prefetch step
+ * before each; w: the block's weights, query head g's at w[g * SCORE_STRIDE]. */
+static inline __attribute__((always_inline)) void block_values(__m256 acc[MAX_GROUP][MAX_VECTORS], const char *v0,
+                                                               int64_t row_bytes, int n, const int D, const int G,
+                                                               const int bf16, const float *w, Prefetcher *prefetcher) {
+    for (int j = 0; j < BLOCK_TOKENS; j += PREFETCH_KEYS) {
+        prefetch_step(prefetcher);
+        if (n - j >= PREFETCH_KEYS) keys_values(acc, v0 + j * row_bytes, row_bytes, PREFETCH_KEYS, D, G, bf16, w + j);
+        else if (n > j) keys_values(acc, v0 + j * row_bytes, row_bytes, n - j, D, G, bf16, w + j);
+    }
+}
+
+/* An accumulator row back to dim order into out: bf16's (even, odd) vector pairs interleave. */
+static inline __attribute__((always_inline)) void store_output(const __m256 acc[MAX_VECTORS], const int D,
+                                                               const int bf16, float *out) {
+    for (int c = 0; c < D / 8; c += 1 + bf16) {
+        if (!bf16) {
+            _mm256_storeu_ps(out + 8 * c, acc[c]);
+            continue;
+        }
+        const __m256 low = _mm256_unpacklo_ps(acc[c], acc[c + 1]), high = _mm256_unpackhi_ps(acc[c], acc[c + 1]);
+        _mm256_storeu_ps(out + 8 * c, _mm256_permute2f128_ps(low, high, 0x20));
+        _mm256_storeu_ps(out + 8 * c + 8, _mm256_permute2f128_ps(low, high, 0x31));
+    }
+}
+
+/* The item, one kv head at a time: q.k for all the chunk's keys, one softmax over the chunk
+ * (no running max, no rescaling), then p.v. D and G are constants in the hot instances. */
+static inline __attribute__((always_inline)) void item_avx2_impl(const void *q_row, const void *k, const void *v,
+                                                                 const int32_t *pages, int begin, int end,
+                                                                 const Shape *sh, float *states, const NextItem *next,
+                                                                 const int D, const int G, const int bf16,
+                                                                 const int fixed_heads) {
+    const int H = fixed_heads ? fixed_heads : sh->num_kv_heads, n = end - begin, bytes = bf16 ? 2 : 4;
+    const int64_t row_bytes = (int64_t)H * D * bytes;
+    Block blocks[CHUNK_TOKENS];
+    const int num_blocks = chunk_blocks(pages, begin, end, sh, blocks);
+    float s[MAX_GROUP * SCORE_STRIDE] __attribute__((aligned(32)));
+    Prefetcher prefetcher;
+    prefetcher_init(&prefetcher, next, sh, (const char *)k, (const char *)v, bytes, 2 * H * num_blocks * STEPS_PER_BLOCK);
+    for (int h = 0; h < H; h++) {
+        __m256 qv[MAX_GROUP][MAX_VECTORS], acc[MAX_GROUP][MAX_VECTORS];
+        for (int g = 0; g < G; g++) row_vectors((const char *)q_row + (int64_t)(h * G + g) * D * bytes, D, bf16, qv[g]);
+        for (int bi = 0, offset = 0; bi < num_blocks; offset += blocks[bi++].n)
+            block_scores(qv, (const char *)k + (blocks[bi].first + (int64_t)h * D) * bytes, row_bytes, blocks[bi].n, D, G,
+                         bf16, sh->scale, s + offset, &prefetcher);
+        for (int g = 0; g < G; g++) {
+            softmax_row_avx2(s + g * SCORE_STRIDE, n, states + (int64_t)(h * G + g) * (D + 2));
+            for (int c = 0; c < D / 8; c++) acc[g][c] = _mm256_setzero_ps();
+        }
+        for (int bi = 0, offset = 0; bi < num_blocks; offset += blocks[bi++].n)
+            block_values(acc, (const char *)v + (blocks[bi].first + (int64_t)h * D) * bytes, row_bytes, blocks[bi].n, D,
+                         G, bf16, s + offset, &prefetcher);
+        for (int g = 0; g < G; g++) store_output(acc[g], D, bf16, states + (int64_t)(h * G + g) * (D + 2) + 2);
+    }
+}
+
+#define ITEM_ARGS q_row, k, v, pages, begin, end, sh, states, next
+
+static void item_bf16(const void *q_row, const void *k, const void *v, const int32_t *pages, int begin, int end,
+                      const Shape *sh, float *states, const NextItem *next) {
+    if (default_model_shape(sh)) item_avx2_impl(ITEM_ARGS, 64, 3, 1, 3);
+    else item_avx2_impl(ITEM_ARGS, sh->head_dim, sh->group, 1, 0);
+}
+
+static void item_f32(const void *q_row, const void *k, const void *v, const int32_t *pages, int begin, int end,
+                     const Shape *sh, float *states, const NextItem *next) {
+    if (default_model_shape(sh)) item_avx2_impl(ITEM_ARGS, 64, 3, 0, 3);
+    else item_avx2_impl(ITEM_ARGS, sh->head_dim, sh->group, 0, 0);
+}
+
+HIDDEN void radixkv_item_avx2(const void *q_row, const void *k, const void *v, const int32_t *pages, int begin,
+                              int end, const Shape *sh, float *states, const NextItem *next, int bf16) {
+    if (bf16) item_bf16(ITEM_ARGS);
+    else item_f32(ITEM_ARGS);
+}
+
+#endif
