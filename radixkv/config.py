@@ -18,7 +18,7 @@ POLICIES = ("lpm", "fcfs")
 EVICTION_POLICIES = ("slru", "lru")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 BACKENDS = ("auto", "torch", "cpu", "triton")
-LINEAR_KERNELS = ("auto", "amx", "avx512_bf16", "onednn")
+LINEAR_KERNELS = ("auto", "amx", "avx512_bf16", "avx2", "onednn")
 
 
 @dataclass(slots=True)
@@ -57,10 +57,12 @@ class EngineConfig:
     # order; batch-invariant steps never group (a group depends on the batch). False: each
     # request reads all its KV itself.
     share_decode_reads: bool = True
-    # bf16 linears on CPU: "amx" (tiles), "avx512_bf16" (vdpbf16ps; any CPU with AVX512_BF16,
+    # Linears on CPU. bf16: "amx" (tiles), "avx512_bf16" (vdpbf16ps; any CPU with AVX512_BF16,
     # AMX machines included, so either machine tests the other's path) or "onednn" (torch's
-    # library, over weights it packs once). "auto": the fastest native kernel that runs here.
-    # A named native kernel this CPU cannot run fails at load, naming the missing feature.
+    # library, over weights it packs once). fp32: "avx2" (FMAs over weights packed once; any
+    # x86 CPU with AVX2, so every x86 machine tests it) or "onednn" (torch's own linear).
+    # "auto": the fastest native kernel for the model's dtype that runs here. A named native
+    # kernel this CPU cannot run, or that runs the other dtype, fails at load, naming why.
     linear_kernel: str = "auto"
     # Check the Triton kernels' device indices (page table, slots, offsets) before each step;
     # each check syncs with the device. None: on under TRITON_INTERPRET=1 only.

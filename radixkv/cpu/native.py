@@ -25,7 +25,7 @@ from radixkv.cpu.features import cpu_features
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "paged_decode.c", CSRC / "paged_decode_avx2.c", CSRC / "cascade.c", CSRC / "paged_extend.c", CSRC / "row_ops.c", CSRC / "packed_linear.c", CSRC / "decode_layers.c", CSRC / "logits.c")
+SOURCES = (CSRC / "paged_decode.c", CSRC / "paged_decode_avx2.c", CSRC / "cascade.c", CSRC / "paged_extend.c", CSRC / "row_ops.c", CSRC / "packed_linear.c", CSRC / "linear_f32.c", CSRC / "decode_layers.c", CSRC / "logits.c")
 HEADERS = (CSRC / "bf16.h", CSRC / "amx.h", CSRC / "decode.h", CSRC / "tiles.h", CSRC / "kernels.h")
 COMPILE_FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 
@@ -121,6 +121,9 @@ def _declare(library: ctypes.CDLL) -> None:
         "radixkv_packed_words": [i32, i32],
         "radixkv_pack_weight": [p, i32, i32, p],
         "radixkv_packed_linear": [i32, p, i64, i32, i32, p, i32, p, p, i64, i32],
+        "radixkv_packed_floats_f32": [i32, i32],
+        "radixkv_pack_weight_f32": [p, i32, i32, p],
+        "radixkv_packed_linear_f32": [p, i64, i32, i32, p, i32, p, p, i64, i32],
         "radixkv_apply_token_bitmask_f32": [p, i64, p, i64, p, i32, i32],
         "radixkv_argmax_rows_f32": [p, i64, i32, i64, p, i32],
         "radixkv_decode_layers_bf16": [p, i32, i32, p, p, p, p, p, p, p, p, i64, p, p],
@@ -138,6 +141,8 @@ def _declare(library: ctypes.CDLL) -> None:
         "radixkv_linear_kernels": i32,
         "radixkv_packed_words": i64,
         "radixkv_packed_linear": i32,
+        "radixkv_packed_floats_f32": i64,
+        "radixkv_packed_linear_f32": i32,
         "radixkv_decode_layers_bf16": i32,
     }
     for name, argtypes in signatures.items():

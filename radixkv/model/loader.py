@@ -70,13 +70,12 @@ def load_model(
 
     native_kernels=False keeps every layer on torch ops (EngineConfig.native_kernels): no native
     linears, no native row ops, no fused decode step. linear_kernel: EngineConfig.linear_kernel,
-    for bf16 on CPU.
+    for bf16 and fp32 on CPU.
     """
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     # Before any weight is read: a named kernel this CPU cannot run fails at once.
-    packed = can_prepack(torch_dtype, torch_device)
-    kernel = resolve_linear_kernel(linear_kernel, native_kernels) if packed else None
+    kernel = _linear_kernel(linear_kernel, native_kernels, torch_dtype, torch_device)
     folder = resolve_model_folder(model, cache_dir)
 
     config = _model_config(folder)
@@ -91,6 +90,16 @@ def load_model(
         prepack_linears(net, kernel)
         net.fused_decode = FusedDecode.for_model(net) if native_kernels else None
     return LoadedModel(net, config, tokenizer, str(folder), torch_dtype, torch_device)
+
+
+def _linear_kernel(requested: str, native_kernels: bool, dtype: torch.dtype, device: torch.device) -> str | None:
+    """The kernel the model's linears are packed for (see resolve_linear_kernel), or None to keep
+    them as torch modules: off the CPU, in fp32 without the native kernel (torch's linear is
+    fp32's fallback), and in bf16 without oneDNN's packed linear."""
+    if device.type == "cpu" and dtype == torch.float32:
+        kernel = resolve_linear_kernel(requested, native_kernels, dtype)
+        return None if kernel == "onednn" else kernel
+    return resolve_linear_kernel(requested, native_kernels, dtype) if can_prepack(dtype, device) else None
 
 
 def load_model_config(model: str | None, cache_dir: str | None = None) -> ModelConfig:

@@ -9,10 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from radixkv.cpu.linear import NATIVE_LINEAR_KERNELS, PackedLinear, can_prepack, missing_linear_kernel, resolve_linear_kernel
+from radixkv.cpu.linear import PackedLinear, can_prepack, linear_kernels_for, missing_linear_kernel, resolve_linear_kernel
 from radixkv.errors import ConfigError
 
 BF16 = torch.bfloat16
+BF16_KERNELS = linear_kernels_for(BF16)  # the fp32 kernel has its own tests (test_cpu_linear_f32.py)
 
 pytestmark = pytest.mark.skipif(not can_prepack(BF16, torch.device("cpu")), reason="no oneDNN bf16 on this CPU")
 
@@ -22,7 +23,7 @@ def runs(kernel: str) -> pytest.MarkDecorator:
 
 
 needs_amx = runs("amx")
-NATIVE = [pytest.param(kernel, marks=runs(kernel)) for kernel in NATIVE_LINEAR_KERNELS]
+NATIVE = [pytest.param(kernel, marks=runs(kernel)) for kernel in BF16_KERNELS]
 
 
 def packed(in_features: int, out_features: int, bias: bool, seed: int, kernel: str = "amx") -> tuple[PackedLinear, torch.nn.Linear]:
@@ -81,7 +82,7 @@ def test_native_linear_reads_strided_rows(kernel):
 @pytest.mark.parametrize("kernel", NATIVE)
 def test_native_linear_names_the_expected_input(kernel):
     layer, _ = packed(64, 16, bias=False, seed=3, kernel=kernel)
-    with pytest.raises(ValueError, match=r"bf16 input \[rows, 64\]"):
+    with pytest.raises(ValueError, match=r"bfloat16 input \[rows, 64\]"):
         layer(torch.randn(2, 64))
 
 
@@ -104,7 +105,7 @@ def test_native_off_keeps_onednn():
 @pytest.mark.parametrize("kernel", NATIVE)
 def test_the_two_native_kernels_agree_within_rounding(kernel):
     # Either kernel against the other where both run (an AMX machine): same layout, other sums.
-    other = next(name for name in NATIVE_LINEAR_KERNELS if name != kernel)
+    other = next(name for name in BF16_KERNELS if name != kernel)
     if missing_linear_kernel(other):
         pytest.skip(f"{other}: {missing_linear_kernel(other)}")
     a, linear = packed(576, 960, bias=True, seed=9, kernel=kernel)
@@ -114,12 +115,12 @@ def test_the_two_native_kernels_agree_within_rounding(kernel):
 
 
 def test_auto_picks_a_native_kernel_where_one_runs():
-    runnable = [name for name in NATIVE_LINEAR_KERNELS if not missing_linear_kernel(name)]
+    runnable = [name for name in BF16_KERNELS if not missing_linear_kernel(name)]
     assert resolve_linear_kernel("auto") == (runnable[0] if runnable else "onednn")
     assert resolve_linear_kernel("onednn") == "onednn"
 
 
-@pytest.mark.parametrize("kernel", list(NATIVE_LINEAR_KERNELS))
+@pytest.mark.parametrize("kernel", BF16_KERNELS)
 def test_a_named_kernel_that_cannot_run_fails_naming_why(kernel):
     reason = missing_linear_kernel(kernel)
     if not reason:

@@ -12,17 +12,17 @@ from tests.helpers.model import Stepper, make_random_model
 from radixkv.attention.cpu_backend import CPUBackend
 from radixkv.attention.torch_backend import TorchBackend
 from radixkv.cpu import native
-from radixkv.cpu.linear import NATIVE_LINEAR_KERNELS, available_linear_kernels, missing_linear_kernel
+from radixkv.cpu.linear import available_linear_kernels, linear_kernels_for, missing_linear_kernel
 from radixkv.model import load_model
 
-# The fused step chains the native linears: it runs with each kernel this CPU can run.
+# The fused step chains the native bf16 linears: it runs with each of them this CPU can run.
 pytestmark = pytest.mark.skipif(native.load() is None, reason="needs the native kernels (no C compiler here)")
 KERNELS = [
     pytest.param(kernel, marks=pytest.mark.skipif(bool(missing_linear_kernel(kernel)), reason=f"{kernel}: {missing_linear_kernel(kernel)}"))
-    for kernel in NATIVE_LINEAR_KERNELS
+    for kernel in linear_kernels_for(torch.bfloat16)
 ]
 needs_native_linears = pytest.mark.skipif(
-    not available_linear_kernels(), reason=f"no native linear kernel: avx512_bf16: {missing_linear_kernel('avx512_bf16')}"
+    not set(available_linear_kernels()) & set(linear_kernels_for(torch.bfloat16)), reason=f"no native linear kernel: avx512_bf16: {missing_linear_kernel('avx512_bf16')}"
 )
 
 

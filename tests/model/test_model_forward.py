@@ -10,6 +10,7 @@ from tests.helpers.model import Stepper, make_random_model, reference_logits
 from radixkv.attention.cpu_backend import CPUBackend
 from radixkv.attention.torch_backend import TorchBackend
 from radixkv.cpu import native
+from radixkv.cpu.linear import PackedLinear
 from radixkv.model import load_model
 
 ATOL = 1e-4
@@ -112,11 +113,15 @@ def test_weights_are_fused_frozen_and_tied(model_case):
     model, config = loaded.model, loaded.config
     attn = model.layers[0].self_attn
     qkv_rows = (config.num_q_heads + 2 * config.num_kv_heads) * config.head_dim
-    assert attn.qkv_proj.weight.shape == (qkv_rows, config.hidden_size)
-    assert model.layers[0].mlp.gate_up_proj.weight.shape == (2 * config.intermediate_size, config.hidden_size)
+    assert (attn.qkv_proj.out_features, attn.qkv_proj.in_features) == (qkv_rows, config.hidden_size)
+    gate_up = model.layers[0].mlp.gate_up_proj
+    assert (gate_up.out_features, gate_up.in_features) == (2 * config.intermediate_size, config.hidden_size)
     assert not any(p.requires_grad for p in model.parameters())
     assert not any(p.is_meta for p in model.parameters())
-    assert (model.lm_head.weight is model.embed_tokens.weight) == config.tie_word_embeddings
+    if isinstance(model.lm_head, PackedLinear):  # packed at load (fp32 on AVX2): a copy, laid out for the product
+        assert model.lm_head.out_features == model.embed_tokens.weight.shape[0]
+    else:
+        assert (model.lm_head.weight is model.embed_tokens.weight) == config.tie_word_embeddings
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

@@ -74,7 +74,7 @@ def test_default_model_loads_through_cache_and_matches_transformers(monkeypatch)
 
 @needs_smollm2
 def test_default_model_bf16_comes_from_a_cast_copy():
-    fp32 = load_model(None, TorchBackend(), dtype="float32", device="cpu")
+    fp32 = load_model(None, TorchBackend(), dtype="float32", device="cpu", linear_kernel="onednn")  # plain weights
     bf16 = load_model(None, TorchBackend(), dtype="bfloat16", device="cpu")
     assert (Path(bf16.path) / "model.bfloat16.safetensors").is_file()
     again = load_model(None, TorchBackend(), dtype="bfloat16", device="cpu")

@@ -15,6 +15,7 @@ void radixkv_store_kv(char *k_cache, char *v_cache, const char *k, const char *v
 /* The packed linears' kernels, as bits of radixkv_linear_kernels() (radixkv/cpu/linear.py names them). */
 #define RADIXKV_LINEAR_AMX 1
 #define RADIXKV_LINEAR_AVX512_BF16 2
+#define RADIXKV_LINEAR_AVX2 4 /* fp32 weights (linear_f32.c) */
 int radixkv_linear_kernels(void);
 int radixkv_packed_linear(int kernel, const uint16_t *x, int64_t x_stride, int m, int k, const uint16_t *packed, int n,
                           const float *bias, uint16_t *y, int64_t y_stride, int num_threads);

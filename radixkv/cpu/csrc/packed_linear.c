@@ -232,9 +232,13 @@ static inline void pair_block(const uint16_t *x, int64_t x_stride, int m0, int r
 #endif
 
 /* The kernels this library runs here: RADIXKV_LINEAR_AMX where the CPU has tiles and the OS
- * grants them (asked once), RADIXKV_LINEAR_AVX512_BF16 where it was built for vdpbf16ps. */
+ * grants them (asked once), RADIXKV_LINEAR_AVX512_BF16 where it was built for vdpbf16ps, and
+ * RADIXKV_LINEAR_AVX2 (fp32 weights, linear_f32.c) where it was built for AVX2 with FMA. */
 int radixkv_linear_kernels(void) {
     int kernels = 0;
+#ifdef HAVE_AVX2
+    kernels |= RADIXKV_LINEAR_AVX2;
+#endif
 #ifdef HAVE_AMX
     if (radixkv_enable_amx()) kernels |= RADIXKV_LINEAR_AMX;
 #endif
