@@ -110,7 +110,8 @@ static inline void prefetcher_init(Prefetcher *p, const NextItem *next, const Sh
     int64_t lines = 0;
     p->runs = p->run = 0;
     p->offset = 0;
-    for (int t = next ? next->begin : 0; next && next->pages && t < next->end;) {
+    const int has_next = next != NULL && next->pages != NULL;
+    for (int t = has_next ? next->begin : 0; has_next && t < next->end;) {
         const Block block = block_at(next->pages, t, next->end, sh);
         for (int which = 0; which < 2; which++) {
             p->start[p->runs] = (which ? v : k) + block.first * element_bytes;

@@ -11,10 +11,7 @@
  * rows x 24 features keeps its 12 sums in registers over all k inputs and adds the inputs in
  * order, one FMA each, so a row's bits never depend on the call's row count.
  */
-#include <omp.h>
-
 #include "bf16.h"
-#include "kernels.h"
 
 #define PANEL 24
 #define BLOCK_ROWS 4
@@ -59,10 +56,9 @@ static inline __attribute__((always_inline)) void store_row(float *dst, const __
  * and the weights as memory operands they fit AVX2's 16 registers. */
 static void panel_rows(const float *x, int64_t x_stride, int rows, int k, const float *panel, const float *bias,
                        int live, float *y, int64_t y_stride) {
-    const float *x0 = x, *x1 = x + (rows > 1) * x_stride, *x2 = x + (rows > 2) * 2 * x_stride;
-    const float *x3 = x + (rows > 3) * 3 * x_stride;
-    if (rows == 3) x3 = x2;
-    else if (rows == 2) x2 = x3 = x1;
+    const float *row[BLOCK_ROWS];
+    for (int r = 0; r < BLOCK_ROWS; r++) row[r] = x + (r < rows ? r : rows - 1) * x_stride;
+    const float *x0 = row[0], *x1 = row[1], *x2 = row[2], *x3 = row[3];
     __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a10 = a00, a11 = a00, a12 = a00;
     __m256 a20 = a00, a21 = a00, a22 = a00, a30 = a00, a31 = a00, a32 = a00;
     for (int i = 0; i < k; i++) {

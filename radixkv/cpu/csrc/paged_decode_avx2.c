@@ -13,19 +13,23 @@
 #define LANES 8
 #define MAX_VECTORS (MAX_HEAD_DIM / LANES)
 
+/* One load at `at`: 8 floats into low (fp32), or 16 bf16 values as (even dims, odd dims) into
+ * low and high, by a shift and a mask. */
+static inline __attribute__((always_inline)) void load_dims(const char *at, const int bf16, __m256 *low,
+                                                            __m256 *high) {
+    if (bf16) {
+        const __m256i pairs = _mm256_loadu_si256((const __m256i *)at);
+        *low = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
+        *high = _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32((int)0xffff0000u)));
+    } else {
+        *low = _mm256_loadu_ps((const float *)at);
+    }
+}
+
 /* The D values at `row` (bf16 or fp32) as D / 8 float vectors, in the order above. */
 static inline __attribute__((always_inline)) void row_vectors(const char *row, const int D, const int bf16,
                                                               __m256 out[MAX_VECTORS]) {
-    if (bf16) {
-        const __m256i high_half = _mm256_set1_epi32((int)0xffff0000u);
-        for (int c = 0; c < D / 16; c++) {
-            const __m256i pairs = _mm256_loadu_si256((const __m256i *)(row + 32 * c));
-            out[2 * c] = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
-            out[2 * c + 1] = _mm256_castsi256_ps(_mm256_and_si256(pairs, high_half));
-        }
-    } else {
-        for (int c = 0; c < D / 8; c++) out[c] = _mm256_loadu_ps((const float *)row + 8 * c);
-    }
+    for (int c = 0; c < D / 8; c += 1 + bf16) load_dims(row + 32 * c / (1 + bf16), bf16, &out[c], &out[c + bf16]);
 }
 
 /* Lane j of the result is the sum of the 8 lanes of v[j] (a transpose-and-add tree). */
@@ -103,19 +107,9 @@ static void softmax_row_avx2(float *row, int n, float *state) {
 static inline __attribute__((always_inline)) void keys_values(__m256 acc[MAX_GROUP][MAX_VECTORS], const char *v_row,
                                                               int64_t row_bytes, int keys, const int D, const int G,
                                                               const int bf16, const float *w) {
-    const __m256i high_half = _mm256_set1_epi32((int)0xffff0000u);
     for (int c = 0; c < D / 8; c += 1 + bf16) {
         __m256 low[PREFETCH_KEYS], high[PREFETCH_KEYS];
-        for (int i = 0; i < keys; i++) {
-            const char *at = v_row + i * row_bytes + 32 * c / (1 + bf16);
-            if (bf16) {
-                const __m256i pairs = _mm256_loadu_si256((const __m256i *)at);
-                low[i] = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
-                high[i] = _mm256_castsi256_ps(_mm256_and_si256(pairs, high_half));
-            } else {
-                low[i] = _mm256_loadu_ps((const float *)at);
-            }
-        }
+        for (int i = 0; i < keys; i++) load_dims(v_row + i * row_bytes + 32 * c / (1 + bf16), bf16, &low[i], &high[i]);
         for (int g = 0; g < G; g++) {
             __m256 a0 = acc[g][c], a1 = bf16 ? acc[g][c + 1] : a0;
             for (int i = 0; i < keys; i++) {
@@ -188,22 +182,14 @@ static inline __attribute__((always_inline)) void item_avx2_impl(const void *q_r
 
 #define ITEM_ARGS q_row, k, v, pages, begin, end, sh, states, next
 
-static void item_bf16(const void *q_row, const void *k, const void *v, const int32_t *pages, int begin, int end,
-                      const Shape *sh, float *states, const NextItem *next) {
-    if (default_model_shape(sh)) item_avx2_impl(ITEM_ARGS, 64, 3, 1, 3);
-    else item_avx2_impl(ITEM_ARGS, sh->head_dim, sh->group, 1, 0);
-}
-
-static void item_f32(const void *q_row, const void *k, const void *v, const int32_t *pages, int begin, int end,
-                     const Shape *sh, float *states, const NextItem *next) {
-    if (default_model_shape(sh)) item_avx2_impl(ITEM_ARGS, 64, 3, 0, 3);
-    else item_avx2_impl(ITEM_ARGS, sh->head_dim, sh->group, 0, 0);
-}
-
+/* The default model's shape runs as an instance with every count a constant. */
 HIDDEN void radixkv_item_avx2(const void *q_row, const void *k, const void *v, const int32_t *pages, int begin,
                               int end, const Shape *sh, float *states, const NextItem *next, int bf16) {
-    if (bf16) item_bf16(ITEM_ARGS);
-    else item_f32(ITEM_ARGS);
+    const int fixed = default_model_shape(sh);
+    if (bf16 && fixed) item_avx2_impl(ITEM_ARGS, 64, 3, 1, 3);
+    else if (bf16) item_avx2_impl(ITEM_ARGS, sh->head_dim, sh->group, 1, 0);
+    else if (fixed) item_avx2_impl(ITEM_ARGS, 64, 3, 0, 3);
+    else item_avx2_impl(ITEM_ARGS, sh->head_dim, sh->group, 0, 0);
 }
 
 #endif
