@@ -34,7 +34,7 @@ from radixkv.cpu import decode as cpu_decode
 from radixkv.cpu import extend as cpu_extend
 from radixkv.cpu import native
 from radixkv.cpu.features import cpu_features
-from radixkv.cpu.linear import PACK_FOR_ROWS, PackedLinear, available_linear_kernels, linear_kernels_for
+from radixkv.cpu.linear import PACK_FOR_ROWS, PackedLinear, available_linear_kernels
 from radixkv.scenarios.machine import machine_limits
 
 LINEAR_SHAPES = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576)}
@@ -54,17 +54,12 @@ def coldest(run: Callable[[], object], repeats: int, flush: torch.Tensor) -> flo
     return best
 
 
-def bf16_linear_kernels() -> list[str]:
-    """The native bf16 linear kernels that run here (the bench's linears are bf16)."""
-    return [kernel for kernel in available_linear_kernels() if kernel in linear_kernels_for(BF16)]
-
-
 def linear_rows(repeats: int, flush: torch.Tensor, layers: int) -> list[dict]:
     torch.manual_seed(0)
     shapes = [shape for _ in range(layers) for shape in LINEAR_SHAPES.values()] + [LM_HEAD]
     weights = [torch.randn(n, k).to(BF16) for k, n in shapes]
-    native_layers = {kernel: [PackedLinear(_linear(w), kernel) for w in weights] for kernel in bf16_linear_kernels()}
-    baseline = f"radixkv {bf16_linear_kernels()[0]}"
+    native_layers = {kernel: [PackedLinear(_linear(w), kernel) for w in weights] for kernel in available_linear_kernels(BF16)}
+    baseline = f"radixkv {available_linear_kernels(BF16)[0]}"
     onednn = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_FOR_ROWS) for w in weights]
     rows = []
     for m in (1, 32, 512):
@@ -224,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     if library is None:
         print("needs the native kernels (no C compiler here)")
         return 1
-    if not bf16_linear_kernels():
+    if not available_linear_kernels(BF16):
         print(f"needs a native bf16 linear kernel: this CPU ({cpu_features().model_name}) has neither avx512_bf16 nor amx_bf16")
         return 1
     flush = torch.ones(args.flush_mib << 20, dtype=torch.int8)

@@ -11,6 +11,8 @@ slower than the AVX2 kernel on Zen 3), and at prefill's rows the two are even.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor, nn
 
@@ -47,14 +49,16 @@ def can_prepack(dtype: torch.dtype, device: torch.device) -> bool:
     )
 
 
-def available_linear_kernels() -> tuple[str, ...]:
+def available_linear_kernels(dtype: torch.dtype | None = None) -> tuple[str, ...]:
     """The native kernels that run here, fastest first (needs the library, the CPU feature and,
-    for AMX, the OS's grant of tiles)."""
+    for AMX, the OS's grant of tiles); with a dtype, only those taking weights of that dtype."""
     library = native.load()
     if library is None:
         return ()
     bits = library.radixkv_linear_kernels()
-    return tuple(name for name, (bit, _, _) in NATIVE_LINEAR_KERNELS.items() if bits & bit)
+    return tuple(
+        name for name, (bit, _, runs) in NATIVE_LINEAR_KERNELS.items() if bits & bit and dtype in (None, runs)
+    )
 
 
 def missing_linear_kernel(name: str) -> str:
@@ -76,7 +80,7 @@ def resolve_linear_kernel(requested: str, native_kernels: bool = True, dtype: to
     if requested == "onednn" or not native_kernels:
         return "onednn"
     if requested == "auto":
-        return next((name for name in available_linear_kernels() if name in linear_kernels_for(dtype)), "onednn")
+        return next(iter(available_linear_kernels(dtype)), "onednn")
     if requested not in NATIVE_LINEAR_KERNELS:
         raise ConfigError(f"linear_kernel must be one of {LINEAR_KERNELS}, got {requested!r}", param="linear_kernel")
     if requested not in linear_kernels_for(dtype):
@@ -112,8 +116,13 @@ class PackedLinear(nn.Module):
         self.kernel = kernel if self._library is not None else "onednn"
         self.rows_independent = self._library is not None
         if self._library is not None:
-            self.kernel_bit = NATIVE_LINEAR_KERNELS[self.kernel][0]
+            self.kernel_bit = NATIVE_LINEAR_KERNELS[self.kernel][0]  # the fused decode step passes it on
             packed = self._pack(weight.contiguous())
+            # Both entry points take the same arguments after the bf16 one's kernel id.
+            if self.dtype == torch.float32:
+                self._run = self._library.radixkv_packed_linear_f32
+            else:
+                self._run = functools.partial(self._library.radixkv_packed_linear, self.kernel_bit)
         elif weight.dtype == torch.bfloat16:
             packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_FOR_ROWS)
         else:
@@ -145,16 +154,10 @@ class PackedLinear(nn.Module):
             x = x.contiguous()
         y = torch.empty(x.shape[0], self.out_features, dtype=self.dtype)
         bias = None if self.bias_f32 is None else self.bias_f32.data_ptr()
-        if self.dtype == torch.float32:
-            status = self._library.radixkv_packed_linear_f32(
-                x.data_ptr(), x.stride(0), x.shape[0], self.in_features, self.packed_weight.data_ptr(),
-                self.out_features, bias, y.data_ptr(), y.stride(0), torch.get_num_threads(),
-            )  # fmt: skip
-        else:
-            status = self._library.radixkv_packed_linear(
-                self.kernel_bit, x.data_ptr(), x.stride(0), x.shape[0], self.in_features, self.packed_weight.data_ptr(),
-                self.out_features, bias, y.data_ptr(), y.stride(0), torch.get_num_threads(),
-            )  # fmt: skip
+        status = self._run(
+            x.data_ptr(), x.stride(0), x.shape[0], self.in_features, self.packed_weight.data_ptr(),
+            self.out_features, bias, y.data_ptr(), y.stride(0), torch.get_num_threads(),
+        )  # fmt: skip
         if status != 0:
             raise RuntimeError(f"the {self.kernel} linear kernel does not run on this CPU")
         return y

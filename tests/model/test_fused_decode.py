@@ -22,7 +22,7 @@ KERNELS = [
     for kernel in linear_kernels_for(torch.bfloat16)
 ]
 needs_native_linears = pytest.mark.skipif(
-    not set(available_linear_kernels()) & set(linear_kernels_for(torch.bfloat16)), reason=f"no native linear kernel: avx512_bf16: {missing_linear_kernel('avx512_bf16')}"
+    not available_linear_kernels(torch.bfloat16), reason=f"no native linear kernel: avx512_bf16: {missing_linear_kernel('avx512_bf16')}"
 )
 
 

@@ -68,16 +68,19 @@ def test_decode_profile_runs_and_reports(mode, tiny_model, tmp_path, capsys):
 
 
 def test_cpu_kernels_bench_runs_and_reports(tmp_path, capsys):
+    import torch
+
     from radixkv.cpu import native
+    from radixkv.cpu.linear import available_linear_kernels
 
     library = native.load()
-    module = importlib.import_module("radixkv.scenarios.cpu_kernels")
-    if library is None or not module.bf16_linear_kernels():
+    if library is None or not available_linear_kernels(torch.bfloat16):
         pytest.skip("the CPU kernel bench needs the native kernels and a native bf16 linear kernel (avx512_bf16 or amx_bf16)")
+    module = importlib.import_module("radixkv.scenarios.cpu_kernels")
     argv = ["--out", str(tmp_path), "--repeats", "1", "--layers", "1", "--context", "40", "--flush-mib", "8"]
     assert module.main(argv) == 0
     rows = json.loads((tmp_path / "cpu_kernels.json").read_text())["rows"]
-    native_peers = {f"radixkv {kernel}" for kernel in module.bf16_linear_kernels()}
+    native_peers = {f"radixkv {kernel}" for kernel in available_linear_kernels(torch.bfloat16)}
     assert {row["peer"] for row in rows} == native_peers | {
         "oneDNN prepacked", "F.linear", "radixkv paged kernel", "gather + SDPA", "radixkv cascade", "radixkv plain",
         "radixkv prefill kernel",
