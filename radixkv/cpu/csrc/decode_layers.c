@@ -2,73 +2,100 @@
  * forward (radixkv/model/llama.py) calls one by one on this path, in the same order, so the
  * results are bit-identical; only the ~100 us of Python between them per layer is gone.
  *
- * For bf16 Llama-family layers without q/k norms whose linears are packed for one of the
- * native kernels (AMX or AVX512_BF16, shape.linear_kernel); one query row per request. The caller checks page tables, lengths and slots once per step.
+ * For bf16 or fp32 Llama-family layers without q/k norms whose linears are packed for one of
+ * the native kernels (AMX or AVX512_BF16 for bf16, AVX2 for fp32: shape.linear_kernel); one
+ * query row per request. The caller checks page tables, lengths and slots once per step.
  */
 #include "kernels.h"
 
 #include <stddef.h>
 
-/* One layer's weights and KV pages. Linear weights are packed (packed_linear.c); biases fp32 or NULL. */
+/* One layer's weights and KV pages, in the model's dtype. Linear weights are packed
+ * (packed_linear.c, linear_f32.c); biases fp32 or NULL. */
 typedef struct {
-    const uint16_t *input_norm, *post_norm;
-    const uint16_t *qkv, *o, *gate_up, *down;
+    const void *input_norm, *post_norm;
+    const void *qkv, *o, *gate_up, *down;
     const float *qkv_bias, *o_bias;
-    uint16_t *k_cache, *v_cache;
+    void *k_cache, *v_cache;
 } DecodeLayer;
 
 typedef struct {
     int rows, hidden, intermediate, num_q_heads, num_kv_heads, head_dim, page_size, num_threads;
-    int linear_kernel; /* RADIXKV_LINEAR_* */
+    int linear_kernel; /* RADIXKV_LINEAR_*: RADIXKV_LINEAR_AVX2 runs fp32 layers, the others bf16 */
     float eps, scale;
 } DecodeShape;
 
-/* Scratch rows, each [rows][width] bf16: h (hidden), qkv (q + 2 kv), attention (q),
- * projected (hidden), gate_up (2 intermediate), activated (intermediate). */
+/* Scratch rows, each [rows][width] in the model's dtype: h (hidden), qkv (q + 2 kv), attention
+ * (q), projected (hidden), gate_up (2 intermediate), activated (intermediate). */
 typedef struct {
-    uint16_t *h, *qkv, *attention, *projected, *gate_up, *activated;
+    void *h, *qkv, *attention, *projected, *gate_up, *activated;
     float *work; /* radixkv_decode_work_floats floats */
 } DecodeScratch;
 
+/* The kernels of either dtype, called with the shape's threads. */
+static inline int fp32(const DecodeShape *sh) { return sh->linear_kernel == RADIXKV_LINEAR_AVX2; }
+
+static void add_rms_norm(const DecodeShape *sh, void *x, const void *delta, const void *weight, void *out) {
+    if (fp32(sh)) radixkv_add_rms_norm_f32(x, delta, weight, out, sh->rows, sh->hidden, sh->eps, sh->num_threads);
+    else radixkv_add_rms_norm_bf16(x, delta, weight, out, sh->rows, sh->hidden, sh->eps, sh->num_threads);
+}
+
+/* y [rows][n] = x [rows][k] W^T (+ bias), rows packed side by side. */
+static int linear(const DecodeShape *sh, const void *x, int k, const void *packed, int n, const float *bias, void *y) {
+    if (fp32(sh)) return radixkv_packed_linear_f32(x, k, sh->rows, k, packed, n, bias, y, n, sh->num_threads);
+    return radixkv_packed_linear(sh->linear_kernel, x, k, sh->rows, k, packed, n, bias, y, n, sh->num_threads);
+}
+
+static void rope(const DecodeShape *sh, void *qkv, int64_t row_stride, const void *cos, const void *signed_sin) {
+    const int heads = sh->num_q_heads + sh->num_kv_heads;
+    if (fp32(sh)) radixkv_rope_f32(qkv, row_stride, sh->rows, heads, sh->head_dim, cos, signed_sin, sh->num_threads);
+    else radixkv_rope_bf16(qkv, row_stride, sh->rows, heads, sh->head_dim, cos, signed_sin, sh->num_threads);
+}
+
+static int attend(const DecodeShape *sh, const DecodeLayer *layer, const void *qkv, int64_t qkv_size, void *out,
+                  float *work, const int32_t *page_table, int64_t page_table_stride, const int32_t *seq_lens,
+                  const int32_t *plan) {
+    if (fp32(sh))
+        return radixkv_paged_decode_f32(qkv, qkv_size, layer->k_cache, layer->v_cache, page_table, page_table_stride,
+                                        seq_lens, NULL, sh->rows, sh->num_q_heads, sh->num_kv_heads, sh->head_dim,
+                                        sh->page_size, sh->scale, out, work, plan, sh->num_threads);
+    return radixkv_paged_decode_bf16(qkv, qkv_size, layer->k_cache, layer->v_cache, page_table, page_table_stride,
+                                     seq_lens, NULL, sh->rows, sh->num_q_heads, sh->num_kv_heads, sh->head_dim,
+                                     sh->page_size, sh->scale, out, work, plan, sh->num_threads);
+}
+
+static void silu_mul(const DecodeShape *sh, const void *gate_up, void *out) {
+    if (fp32(sh)) radixkv_silu_mul_f32(gate_up, 2 * sh->intermediate, out, sh->rows, sh->intermediate, sh->num_threads);
+    else radixkv_silu_mul_bf16(gate_up, 2 * sh->intermediate, out, sh->rows, sh->intermediate, sh->num_threads);
+}
+
 /* x [rows][hidden]: the residual stream, updated in place; delta [rows][hidden]: the MLP output
  * of the layer before the first one run here (ignored when first_layer is 1), replaced by the
- * last layer's. plan: the step's cascade plan (radixkv_cascade_plan), or NULL. Returns 0,
- * or 1 where a kernel refused its shapes. */
-int radixkv_decode_layers_bf16(const DecodeLayer *layers, int num_layers, int first_layer, const DecodeShape *sh,
-                               const DecodeScratch *scratch, uint16_t *x, uint16_t *delta, const uint16_t *cos,
-                               const uint16_t *signed_sin, const int64_t *slots, const int32_t *page_table,
-                               int64_t page_table_stride, const int32_t *seq_lens, const int32_t *plan) {
-    const int rows = sh->rows, threads = sh->num_threads, hidden = sh->hidden, inter = sh->intermediate;
+ * last layer's. cos, signed_sin: [rows][head_dim]. plan: the step's cascade plan
+ * (radixkv_cascade_plan), or NULL. Returns 0, or 1 where a kernel refused its shapes. */
+int radixkv_decode_layers(const DecodeLayer *layers, int num_layers, int first_layer, const DecodeShape *sh,
+                          const DecodeScratch *scratch, void *x, void *delta, const void *cos, const void *signed_sin,
+                          const int64_t *slots, const int32_t *page_table, int64_t page_table_stride,
+                          const int32_t *seq_lens, const int32_t *plan) {
+    const int hidden = sh->hidden, inter = sh->intermediate, bytes = fp32(sh) ? 4 : 2;
     const int q_size = sh->num_q_heads * sh->head_dim, kv_size = sh->num_kv_heads * sh->head_dim;
     const int qkv_size = q_size + 2 * kv_size;
     for (int i = 0; i < num_layers; i++) {
         const DecodeLayer *layer = layers + i;
-        radixkv_add_rms_norm_bf16(x, (first_layer && i == 0) ? NULL : delta, layer->input_norm, scratch->h, rows,
-                                  hidden, sh->eps, threads);
-        if (radixkv_packed_linear(sh->linear_kernel, scratch->h, hidden, rows, hidden, layer->qkv, qkv_size, layer->qkv_bias, scratch->qkv,
-                               qkv_size, threads))
+        add_rms_norm(sh, x, (first_layer && i == 0) ? NULL : delta, layer->input_norm, scratch->h);
+        if (linear(sh, scratch->h, hidden, layer->qkv, qkv_size, layer->qkv_bias, scratch->qkv)) return 1;
+        rope(sh, scratch->qkv, qkv_size, cos, signed_sin);
+        const char *k = (const char *)scratch->qkv + (int64_t)q_size * bytes, *v = k + (int64_t)kv_size * bytes;
+        radixkv_store_kv(layer->k_cache, layer->v_cache, k, v, (int64_t)qkv_size * bytes, (int64_t)qkv_size * bytes,
+                         slots, sh->rows, (int64_t)kv_size * bytes);
+        if (attend(sh, layer, scratch->qkv, qkv_size, scratch->attention, scratch->work, page_table, page_table_stride,
+                   seq_lens, plan))
             return 1;
-        radixkv_rope_bf16(scratch->qkv, qkv_size, rows, sh->num_q_heads + sh->num_kv_heads, sh->head_dim, cos,
-                          signed_sin, threads);
-        const uint16_t *k = scratch->qkv + q_size, *v = scratch->qkv + q_size + kv_size;
-        radixkv_store_kv((char *)layer->k_cache, (char *)layer->v_cache, (const char *)k, (const char *)v,
-                         (int64_t)qkv_size * 2, (int64_t)qkv_size * 2, slots, rows, (int64_t)kv_size * 2);
-        if (radixkv_paged_decode_bf16(scratch->qkv, qkv_size, layer->k_cache, layer->v_cache, page_table,
-                                      page_table_stride, seq_lens, NULL, rows, sh->num_q_heads, sh->num_kv_heads,
-                                      sh->head_dim, sh->page_size, sh->scale, scratch->attention, scratch->work, plan,
-                                      threads))
-            return 1;
-        if (radixkv_packed_linear(sh->linear_kernel, scratch->attention, q_size, rows, q_size, layer->o, hidden, layer->o_bias,
-                               scratch->projected, hidden, threads))
-            return 1;
-        radixkv_add_rms_norm_bf16(x, scratch->projected, layer->post_norm, scratch->h, rows, hidden, sh->eps, threads);
-        if (radixkv_packed_linear(sh->linear_kernel, scratch->h, hidden, rows, hidden, layer->gate_up, 2 * inter, NULL, scratch->gate_up,
-                               2 * inter, threads))
-            return 1;
-        radixkv_silu_mul_bf16(scratch->gate_up, 2 * inter, scratch->activated, rows, inter, threads);
-        if (radixkv_packed_linear(sh->linear_kernel, scratch->activated, inter, rows, inter, layer->down, hidden, NULL, delta, hidden,
-                               threads))
-            return 1;
+        if (linear(sh, scratch->attention, q_size, layer->o, hidden, layer->o_bias, scratch->projected)) return 1;
+        add_rms_norm(sh, x, scratch->projected, layer->post_norm, scratch->h);
+        if (linear(sh, scratch->h, hidden, layer->gate_up, 2 * inter, NULL, scratch->gate_up)) return 1;
+        silu_mul(sh, scratch->gate_up, scratch->activated);
+        if (linear(sh, scratch->activated, inter, layer->down, hidden, NULL, delta)) return 1;
     }
     return 0;
 }

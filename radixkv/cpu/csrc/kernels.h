@@ -25,5 +25,16 @@ void radixkv_rope_bf16(uint16_t *x, int64_t row_stride, int rows, int heads, int
                        const uint16_t *signed_sin, int num_threads);
 void radixkv_silu_mul_bf16(const uint16_t *gate_up, int64_t row_stride, uint16_t *out, int rows, int dim,
                            int num_threads);
+void radixkv_add_rms_norm_f32(float *residual, const float *delta, const float *weight, float *out, int rows, int dim,
+                              float eps, int num_threads);
+void radixkv_rope_f32(float *x, int64_t row_stride, int rows, int heads, int head_dim, const float *cos,
+                      const float *signed_sin, int num_threads);
+void radixkv_silu_mul_f32(const float *gate_up, int64_t row_stride, float *out, int rows, int dim, int num_threads);
+int radixkv_paged_decode_f32(const float *q, int64_t q_row_stride, const float *k, const float *v,
+                             const int32_t *page_table, int64_t page_table_stride, const int32_t *seq_lens,
+                             const int32_t *rows, int num_seqs, int num_q_heads, int num_kv_heads, int head_dim,
+                             int page_size, float scale, float *out, float *work, const int32_t *plan, int num_threads);
+int radixkv_packed_linear_f32(const float *x, int64_t x_stride, int m, int k, const float *packed, int n,
+                              const float *bias, float *y, int64_t y_stride, int num_threads);
 
 #endif

@@ -12,6 +12,7 @@
  * order, one FMA each, so a row's bits never depend on the call's row count.
  */
 #include "bf16.h"
+#include "kernels.h"
 
 #define PANEL 24
 #define BLOCK_ROWS 4

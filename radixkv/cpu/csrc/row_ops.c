@@ -1,12 +1,15 @@
-/* The row-wise glue of a decoder layer for bf16 on CPU, one call each instead of five to ten
- * small torch ops: residual add + RMSNorm, rotary embedding in place, and SiLU(gate) * up.
+/* The row-wise glue of a decoder layer on CPU, one call each instead of five to ten small
+ * torch ops: residual add + RMSNorm, rotary embedding in place, and SiLU(gate) * up; in bf16
+ * and in fp32.
  *
- * Each kernel rounds to bf16 where the torch ops it replaces round (radixkv/model/llama.py),
- * so the results match them bit for bit except where a reduction or exp is ordered or
- * approximated differently (the RMSNorm sum of squares, SiLU's exp): a last-bit difference
- * now and then, never one that depends on the other rows of the batch.
+ * Each kernel rounds where the torch ops it replaces round (radixkv/model/llama.py: to bf16
+ * after each op in bf16, every op once in fp32), so the results match them bit for bit except
+ * where a reduction or exp is ordered or approximated differently (the RMSNorm sum of squares,
+ * SiLU's exp): a last-bit difference now and then, never one that depends on the other rows
+ * of the batch.
  */
 #include "bf16.h"
+#include "kernels.h"
 
 #ifdef HAVE_AVX512_BF16
 /* vcvtneps2bf16 rounds to nearest even, as torch does (NaN payloads aside). */
@@ -124,5 +127,102 @@ void radixkv_silu_mul_bf16(const uint16_t *gate_up, int64_t row_stride, uint16_t
             const float activated = bf16_to_float(float_to_bf16(g / (1.0f + expf(-g))));
             y[i] = float_to_bf16(activated * bf16_to_float(up[i]));
         }
+    }
+}
+
+/* fp32 versions of the three kernels above. No product is fused into an add (the file builds
+ * as ISO C, where GCC does not contract): x * x, then the sum, as torch's pow and mean. */
+
+/* Lane 0 of the result: the sum of v's 8 lanes. */
+#ifdef HAVE_AVX2
+static inline float sum8(__m256 v) {
+    const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 quarter = _mm_add_ps(half, _mm_movehl_ps(half, half));
+    return _mm_cvtss_f32(_mm_add_ss(quarter, _mm_movehdup_ps(quarter)));
+}
+#endif
+
+void radixkv_add_rms_norm_f32(float *residual, const float *delta, const float *weight, float *out, int rows, int dim,
+                              float eps, int num_threads) {
+    const int threads = (int64_t)rows * dim >= PARALLEL_ELEMENTS ? num_threads : 1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int r = 0; r < rows; r++) {
+        float *x = residual + (int64_t)r * dim, *y = out + (int64_t)r * dim;
+        const float *d = delta ? delta + (int64_t)r * dim : NULL;
+        int i = 0;
+        float squares = 0.0f;
+#ifdef HAVE_AVX2
+        __m256 lanes = _mm256_setzero_ps();
+        for (; i + 8 <= dim; i += 8) {
+            __m256 v = _mm256_loadu_ps(x + i);
+            if (d) {
+                v = _mm256_add_ps(v, _mm256_loadu_ps(d + i));
+                _mm256_storeu_ps(x + i, v);
+            }
+            lanes = _mm256_add_ps(lanes, _mm256_mul_ps(v, v));
+        }
+        squares = sum8(lanes);
+#endif
+        for (; i < dim; i++) {
+            if (d) x[i] += d[i];
+            squares += x[i] * x[i];
+        }
+        const float inv_rms = 1.0f / sqrtf(squares / (float)dim + eps);
+        i = 0;
+#ifdef HAVE_AVX2
+        const __m256 scale = _mm256_set1_ps(inv_rms);
+        for (; i + 8 <= dim; i += 8)
+            _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_loadu_ps(weight + i), _mm256_mul_ps(_mm256_loadu_ps(x + i), scale)));
+#endif
+        for (; i < dim; i++) y[i] = weight[i] * (x[i] * inv_rms);
+    }
+}
+
+void radixkv_rope_f32(float *x, int64_t row_stride, int rows, int heads, int head_dim, const float *cos,
+                      const float *signed_sin, int num_threads) {
+    const int half = head_dim / 2;
+    const int threads = (int64_t)rows * heads * head_dim >= PARALLEL_ELEMENTS ? num_threads : 1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int r = 0; r < rows; r++) {
+        const float *c = cos + (int64_t)r * head_dim, *s = signed_sin + (int64_t)r * head_dim;
+        float *row = x + (int64_t)r * row_stride;
+        int i = 0;
+#ifdef HAVE_AVX2
+        for (; i + 8 <= half; i += 8) { /* cos and sin once per row, for every head */
+            const __m256 c_lo = _mm256_loadu_ps(c + i), c_hi = _mm256_loadu_ps(c + half + i);
+            const __m256 s_lo = _mm256_loadu_ps(s + i), s_hi = _mm256_loadu_ps(s + half + i);
+            for (int h = 0; h < heads; h++) {
+                float *v = row + (int64_t)h * head_dim;
+                const __m256 lo = _mm256_loadu_ps(v + i), hi = _mm256_loadu_ps(v + half + i);
+                _mm256_storeu_ps(v + i, _mm256_add_ps(_mm256_mul_ps(lo, c_lo), _mm256_mul_ps(hi, s_lo)));
+                _mm256_storeu_ps(v + half + i, _mm256_add_ps(_mm256_mul_ps(hi, c_hi), _mm256_mul_ps(lo, s_hi)));
+            }
+        }
+#endif
+        for (int h = 0; h < heads; h++) /* the dims past the last full vector, each pair once */
+            for (int j = i; j < half; j++) {
+                float *v = row + (int64_t)h * head_dim;
+                const float lo = v[j], hi = v[half + j];
+                v[j] = lo * c[j] + hi * s[j];
+                v[half + j] = hi * c[half + j] + lo * s[half + j];
+            }
+    }
+}
+
+void radixkv_silu_mul_f32(const float *gate_up, int64_t row_stride, float *out, int rows, int dim, int num_threads) {
+    const int threads = (int64_t)rows * dim >= PARALLEL_ELEMENTS ? num_threads : 1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int r = 0; r < rows; r++) {
+        const float *gate = gate_up + (int64_t)r * row_stride, *up = gate + dim;
+        float *y = out + (int64_t)r * dim;
+        int i = 0;
+#ifdef HAVE_AVX2
+        for (; i + 8 <= dim; i += 8) {
+            const __m256 g = _mm256_loadu_ps(gate + i);
+            const __m256 activated = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+            _mm256_storeu_ps(y + i, _mm256_mul_ps(activated, _mm256_loadu_ps(up + i)));
+        }
+#endif
+        for (; i < dim; i++) y[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
     }
 }
