@@ -69,39 +69,6 @@ static inline __attribute__((always_inline)) void block_scores(__m256 qv[MAX_GRO
     }
 }
 
-/* Softmax weights of the n scores in row, in place (unnormalised: e^(s - max)); the max and their
- * sum go to state[0] and state[1]. The last partial vector is read and written under a mask. */
-static void softmax_row_avx2(float *row, int n, float *state) {
-    const int full = n - n % LANES;
-    const __m256i tail = _mm256_cmpgt_epi32(_mm256_set1_epi32(n % LANES), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    const __m256 minus_inf = _mm256_set1_ps(-INFINITY);
-    __m256 top = minus_inf;
-    for (int j = 0; j < full; j += LANES) top = _mm256_max_ps(top, _mm256_loadu_ps(row + j));
-    if (n % LANES) top = _mm256_max_ps(top, _mm256_blendv_ps(minus_inf, _mm256_maskload_ps(row + full, tail), _mm256_castsi256_ps(tail)));
-    float lanes[LANES];
-    _mm256_storeu_ps(lanes, top);
-    float max = lanes[0];
-    for (int i = 1; i < LANES; i++) max = lanes[i] > max ? lanes[i] : max;
-    const __m256 shift = _mm256_set1_ps(max);
-    __m256 sum = _mm256_setzero_ps();
-    for (int j = 0; j < full; j += LANES) {
-        const __m256 weights = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + j), shift));
-        _mm256_storeu_ps(row + j, weights);
-        sum = _mm256_add_ps(sum, weights);
-    }
-    if (n % LANES) {
-        const __m256 x = _mm256_sub_ps(_mm256_maskload_ps(row + full, tail), shift);
-        const __m256 weights = _mm256_and_ps(exp8(x), _mm256_castsi256_ps(tail));
-        _mm256_maskstore_ps(row + full, tail, weights);
-        sum = _mm256_add_ps(sum, weights);
-    }
-    _mm256_storeu_ps(lanes, sum);
-    float total = 0.0f;
-    for (int i = 0; i < LANES; i++) total += lanes[i];
-    state[0] = max;
-    state[1] = total;
-}
-
 /* Adds `keys` consecutive keys' weighted values into the G accumulators, 8 dims (fp32) or 16
  * (bf16: one load, two vectors) at a time; each accumulator takes its keys in key order. */
 static inline __attribute__((always_inline)) void keys_values(__m256 acc[MAX_GROUP][MAX_VECTORS], const char *v_row,

@@ -52,27 +52,6 @@ static inline __attribute__((always_inline)) void transpose_block(const uint32_t
     }
 }
 
-/* Kv head h of a chunk's keys (its blocks, in order) transposed into `keys` (npad words a row):
- * bf16 pairs (element_bytes 2) or floats (4). A block stores 16 columns wherever it starts, so
- * where a page ends early it overlaps the next block's columns, which that block overwrites. */
-static inline __attribute__((always_inline)) void transpose_chunk_keys(const Block *blocks, int num_blocks, const void *k,
-                                                                       int h, const int D, const int element_bytes,
-                                                                       int64_t token_stride, uint32_t *keys, int64_t npad) {
-    for (int bi = 0, at = 0; bi < num_blocks; at += blocks[bi++].n) {
-        const char *rows = (const char *)k + (blocks[bi].first + (int64_t)h * D) * element_bytes;
-        transpose_block((const uint32_t *)rows, token_stride * element_bytes / 4, blocks[bi].n, D * element_bytes / 4, keys, npad, at);
-    }
-}
-
-/* The addresses of kv head h's value rows for a chunk's keys (its blocks, in order). */
-static inline __attribute__((always_inline)) void chunk_value_rows(const Block *blocks, int num_blocks, const void *v, int h,
-                                                                   const int D, const int element_bytes,
-                                                                   int64_t token_stride, const void **rows) {
-    for (int bi = 0, at = 0; bi < num_blocks; at += blocks[bi++].n)
-        for (int j = 0; j < blocks[bi].n; j++)
-            rows[at + j] = (const char *)v + (blocks[bi].first + (int64_t)h * D + j * token_stride) * element_bytes;
-}
-
 /* p.v for one tile's live queries: weights[i] (softmax weights of row i, n keys) against the
  * fp32 value rows, PV_TILE queries at a time so their accumulators stay in registers. */
 static inline __attribute__((always_inline)) void weights_times_values(
@@ -103,6 +82,128 @@ static inline __attribute__((always_inline)) void finish_tile(float *scores, int
     for (int i = 0; i < live; i++) softmax_row(scores + i * SCORE_STRIDE, n, states[i]);
     weights_times_values(scores, live, n, value_rows, states, D);
 }
+#endif
+
+#if defined(HAVE_AVX2) && !defined(HAVE_AVX512)
+/* The same tiles in 8-lane AVX2 vectors for CPUs without AVX-512, fp32 only (prefill attention):
+ * the same transposed-key layout, a 16-key block as two vectors. */
+
+/* Rows r[0..7] of 8 floats transposed in registers: afterwards r[i] holds lane i of every row. */
+static inline __attribute__((always_inline)) void transpose_8x8(__m256 r[8]) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);     /* rows 2i, 2i+1: lanes 0 1 | 4 5 */
+        t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]); /* lanes 2 3 | 6 7 */
+    }
+    for (int i = 0; i < 2; i++) /* u[4i + m]: lane m (and m + 4) of rows 4i..4i+3 */
+        for (int j = 0; j < 2; j++) {
+            u[4 * i + 2 * j] = _mm256_shuffle_ps(t[4 * i + j], t[4 * i + 2 + j], 0x44);
+            u[4 * i + 2 * j + 1] = _mm256_shuffle_ps(t[4 * i + j], t[4 * i + 2 + j], 0xEE);
+        }
+    for (int m = 0; m < 4; m++) {
+        r[m] = _mm256_permute2f128_ps(u[m], u[4 + m], 0x20);
+        r[4 + m] = _mm256_permute2f128_ps(u[m], u[4 + m], 0x31);
+    }
+}
+
+/* One block's keys (n <= 16 rows of `words` floats, row_stride words apart) into columns
+ * [at, at + 16) of the transposed keys (npad words a row); rows past n are zero. */
+static inline __attribute__((always_inline)) void transpose_block(const uint32_t *rows, int64_t row_stride, int n,
+                                                                  int words, uint32_t *keys, int64_t npad, int at) {
+    for (int w = 0; w < words; w += 8)
+        for (int half = 0; half < 16; half += 8) {
+            __m256 r[8];
+            for (int j = 0; j < 8; j++)
+                r[j] = half + j < n ? _mm256_loadu_ps((const float *)(rows + (half + j) * row_stride + w)) : _mm256_setzero_ps();
+            transpose_8x8(r);
+            for (int i = 0; i < 8; i++) _mm256_storeu_ps((float *)(keys + (int64_t)(w + i) * npad + at + half), r[i]);
+        }
+}
+
+/* Keys p.v takes per pass over the queries: their value rows stay in L1 while every query of
+ * the tile reads them. */
+#define VALUE_SLAB 64
+
+/* p.v for one tile's live queries: weights[i] (softmax weights of row i, n keys) against the
+ * fp32 value rows, 2 queries x 32 dims at a time so their 8 accumulators stay in registers;
+ * each accumulator takes the keys in order. */
+static inline __attribute__((always_inline)) void weights_times_values(
+    const float *weights, int live, int n, const float *const *value_rows, float *const *states, const int D) {
+    enum { QUERIES = 2, VECTORS = 4 };
+    const int width = (D / 8) % 4 == 0 ? 4 : (D / 8) % 2 == 0 ? 2 : 1;
+    for (int j0 = 0; j0 < n; j0 += VALUE_SLAB) {
+        const int j1 = n - j0 < VALUE_SLAB ? n : j0 + VALUE_SLAB;
+        for (int p0 = 0; p0 < live; p0 += QUERIES)
+            for (int c0 = 0; c0 < D / 8; c0 += width) {
+                __m256 acc[QUERIES][VECTORS];
+                for (int i = 0; i < QUERIES; i++)
+                    for (int c = 0; c < width; c++)
+                        acc[i][c] = j0 == 0 || p0 + i >= live ? _mm256_setzero_ps() : _mm256_loadu_ps(states[p0 + i] + 2 + 8 * (c0 + c));
+                for (int j = j0; j < j1; j++) {
+                    __m256 x[VECTORS];
+                    for (int c = 0; c < width; c++) x[c] = _mm256_loadu_ps(value_rows[j] + 8 * (c0 + c));
+                    for (int i = 0; i < QUERIES; i++) { /* a row past live reads a spare row of weights */
+                        const __m256 w = _mm256_set1_ps(weights[(p0 + i) * SCORE_STRIDE + j]);
+                        for (int c = 0; c < width; c++) acc[i][c] = _mm256_fmadd_ps(w, x[c], acc[i][c]);
+                    }
+                }
+                for (int i = 0; i < QUERIES && p0 + i < live; i++)
+                    for (int c = 0; c < width; c++) _mm256_storeu_ps(states[p0 + i] + 2 + 8 * (c0 + c), acc[i][c]);
+            }
+    }
+}
+
+/* Scores (times scale) of the `live` queries q[0..live) (QK_TILE pointers; past live they repeat
+ * a live one, whose extra sums are never read) against ncols transposed fp32 keys (npad floats
+ * a row, head_dim rows) into rows of scores, SCORE_STRIDE apart: 4 queries x one 16-key block a
+ * pass, 8 accumulators in registers. */
+static inline __attribute__((always_inline)) void qk_scores(const void *const *q, int live, const uint32_t *keys,
+                                                            int64_t npad, int ncols, float scale, float *scores,
+                                                            Prefetcher *prefetcher, const int D, const int bf16) {
+    (void)bf16;
+    for (int i0 = 0; i0 < live; i0 += 4)
+        for (int block = 0; block < ncols / 16; block++) {
+            if (prefetcher) prefetch_step(prefetcher);
+            __m256 acc[4][2];
+            for (int i = 0; i < 4; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+            for (int c = 0; c < D; c++) {
+                const float *row = (const float *)keys + (int64_t)c * npad + 16 * block;
+                const __m256 k0 = _mm256_loadu_ps(row), k1 = _mm256_loadu_ps(row + 8);
+                for (int i = 0; i < 4; i++) {
+                    const __m256 query = _mm256_set1_ps(((const float *)q[i0 + i])[c]);
+                    acc[i][0] = _mm256_fmadd_ps(query, k0, acc[i][0]);
+                    acc[i][1] = _mm256_fmadd_ps(query, k1, acc[i][1]);
+                }
+            }
+            for (int i = 0; i < 4; i++)
+                for (int b = 0; b < 2; b++)
+                    _mm256_storeu_ps(scores + (i0 + i) * SCORE_STRIDE + 16 * block + 8 * b, _mm256_mul_ps(acc[i][b], _mm256_set1_ps(scale)));
+        }
+}
+#endif
+
+#if defined(HAVE_AVX512) || defined(HAVE_AVX2)
+/* Kv head h of a chunk's keys (its blocks, in order) transposed into `keys` (npad words a row):
+ * bf16 pairs (element_bytes 2) or floats (4). A block stores 16 columns wherever it starts, so
+ * where a page ends early it overlaps the next block's columns, which that block overwrites. */
+static inline __attribute__((always_inline)) void transpose_chunk_keys(const Block *blocks, int num_blocks, const void *k,
+                                                                       int h, const int D, const int element_bytes,
+                                                                       int64_t token_stride, uint32_t *keys, int64_t npad) {
+    for (int bi = 0, at = 0; bi < num_blocks; at += blocks[bi++].n) {
+        const char *rows = (const char *)k + (blocks[bi].first + (int64_t)h * D) * element_bytes;
+        transpose_block((const uint32_t *)rows, token_stride * element_bytes / 4, blocks[bi].n, D * element_bytes / 4, keys, npad, at);
+    }
+}
+
+/* The addresses of kv head h's value rows for a chunk's keys (its blocks, in order). */
+static inline __attribute__((always_inline)) void chunk_value_rows(const Block *blocks, int num_blocks, const void *v, int h,
+                                                                   const int D, const int element_bytes,
+                                                                   int64_t token_stride, const void **rows) {
+    for (int bi = 0, at = 0; bi < num_blocks; at += blocks[bi++].n)
+        for (int j = 0; j < blocks[bi].n; j++)
+            rows[at + j] = (const char *)v + (blocks[bi].first + (int64_t)h * D + j * token_stride) * element_bytes;
+}
+
 #endif
 
 #ifdef HAVE_AVX512_BF16
