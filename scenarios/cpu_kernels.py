@@ -2,17 +2,19 @@
 SmolLM2-135M's shapes with caches cold (every weight and KV byte comes from memory):
 
 - linears: all 30 layers' q/k/v, o, gate/up and down, at 1, 32 and 512 rows, plus the lm_head
-  at decode's row counts (prefill computes logits for its last token only), on each native
-  kernel this CPU runs (radixkv/cpu/csrc/packed_linear.c: AMX tiles, AVX512_BF16) vs oneDNN with
-  prepacked weights vs plain F.linear;
+  at decode's row counts (prefill computes logits for its last token only), in each dtype with a
+  native kernel this CPU runs (radixkv/cpu/csrc/packed_linear.c: AMX tiles, AVX512_BF16 for bf16;
+  linear_f32.c: AVX2 for fp32) vs oneDNN with prepacked weights (bf16) vs plain F.linear;
 - decode attention: 32 requests x 1,032 tokens over 30 layers' paged KV, in bf16 and fp32, the
   native kernel (radixkv/cpu/csrc/paged_decode.c) vs the torch reference backend's gather + SDPA;
 - cascade decode: 32 requests in groups of 2, 4, 8 and 16 over shared prefixes of 64 to 1,024
   tokens (+64 own), cascade groups (radixkv/cpu/csrc/cascade.c) vs the plain kernel, in bf16:
-  where grouping starts to pay (radixkv/cpu/decode.py's thresholds come from these rows);
+  where grouping starts to pay (radixkv/cpu/decode.py's thresholds come from these rows; AVX-512
+  machines only: elsewhere a group runs member by member, the plain kernel's work);
 - prefill attention: a 1,024-token prompt, and 32 requests' 64 new tokens over 1,024 cached
   ones (an agent's questions after its system prompt), over 30 layers' paged KV, in bf16 and
-  fp32, the native kernel (radixkv/cpu/csrc/paged_extend.c) vs the torch reference's gather + SDPA.
+  fp32 where the kernel takes them, the native kernel (radixkv/cpu/csrc/paged_extend.c) vs the
+  torch reference's gather + SDPA.
 
     python -m radixkv.scenarios.cpu_kernels [--out out/cpu_kernels] [--repeats 5] [--layers 30] [--context 1032]
 """
@@ -34,7 +36,7 @@ from radixkv.cpu import decode as cpu_decode
 from radixkv.cpu import extend as cpu_extend
 from radixkv.cpu import native
 from radixkv.cpu.features import cpu_features
-from radixkv.cpu.linear import PACK_FOR_ROWS, PackedLinear, available_linear_kernels
+from radixkv.cpu.linear import PACK_FOR_ROWS, PackedLinear, available_linear_kernels, can_prepack
 from radixkv.scenarios.machine import machine_limits
 
 LINEAR_SHAPES = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576)}
@@ -54,39 +56,40 @@ def coldest(run: Callable[[], object], repeats: int, flush: torch.Tensor) -> flo
     return best
 
 
-def linear_rows(repeats: int, flush: torch.Tensor, layers: int) -> list[dict]:
+def linear_rows(repeats: int, flush: torch.Tensor, layers: int, dtype: torch.dtype) -> list[dict]:
+    """The native kernels for weights of `dtype` (at least one runs here) against torch's paths."""
     torch.manual_seed(0)
     shapes = [shape for _ in range(layers) for shape in LINEAR_SHAPES.values()] + [LM_HEAD]
-    weights = [torch.randn(n, k).to(BF16) for k, n in shapes]
-    native_layers = {kernel: [PackedLinear(_linear(w), kernel) for w in weights] for kernel in available_linear_kernels(BF16)}
-    baseline = f"radixkv {available_linear_kernels(BF16)[0]}"
-    onednn = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_FOR_ROWS) for w in weights]
+    weights = [torch.randn(n, k).to(dtype) for k, n in shapes]
+    native_layers = {kernel: [PackedLinear(_linear(w), kernel) for w in weights] for kernel in available_linear_kernels(dtype)}
+    baseline = f"radixkv {available_linear_kernels(dtype)[0]}"
+    prepacked = can_prepack(dtype, torch.device("cpu"))
+    onednn = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_FOR_ROWS) for w in weights] if prepacked else []
     rows = []
     for m in (1, 32, 512):
         used = len(shapes) if m <= 32 else len(shapes) - 1  # no lm_head over prefill rows
-        inputs = [torch.randn(m, k).to(BF16) for k, _ in shapes[:used]]
+        inputs = [torch.randn(m, k).to(dtype) for k, _ in shapes[:used]]
         weight_bytes = sum(w.numel() * w.element_size() for w in weights[:used])
         peers: dict[str, Callable[[], object]] = {
             f"radixkv {kernel}": (lambda layers=layers: [layer(x) for layer, x in zip(layers, inputs, strict=False)])
             for kernel, layers in native_layers.items()
         }
-        peers |= {
-            "oneDNN prepacked": lambda: [
+        if prepacked:
+            peers["oneDNN prepacked"] = lambda: [
                 torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "") for w, x in zip(onednn, inputs, strict=False)
-            ],
-            "F.linear": lambda: [F.linear(x, w) for w, x in zip(weights, inputs, strict=False)],
-        }
+            ]
+        peers["F.linear"] = lambda: [F.linear(x, w) for w, x in zip(weights, inputs, strict=False)]
         for run in peers.values():  # untimed: the first large allocations of a process fault pages in
             run()
         times = {name: coldest(run, repeats, flush) for name, run in peers.items()}
         for name, seconds in times.items():
-            rows.append(dict(part="linears", case=f"{m} rows", peer=name, ms=seconds * 1e3,
+            rows.append(dict(part=f"linears {str(dtype).removeprefix('torch.')}", case=f"{m} rows", peer=name, ms=seconds * 1e3,
                              gb_s=weight_bytes / seconds / 1e9, x_radixkv=seconds / times[baseline]))  # fmt: skip
     return rows
 
 
 def _linear(weight: torch.Tensor) -> torch.nn.Linear:
-    linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=BF16)
+    linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=weight.dtype)
     linear.weight.data = weight
     return linear
 
@@ -219,20 +222,22 @@ def main(argv: list[str] | None = None) -> int:
     if library is None:
         print("needs the native kernels (no C compiler here)")
         return 1
-    if not available_linear_kernels(BF16):
-        print(f"needs a native bf16 linear kernel: this CPU ({cpu_features().model_name}) has neither avx512_bf16 nor amx_bf16")
-        return 1
     flush = torch.ones(args.flush_mib << 20, dtype=torch.int8)
-    rows = linear_rows(args.repeats, flush, args.layers)
+    rows = []
+    for dtype in (BF16, torch.float32):
+        if available_linear_kernels(dtype):
+            rows += linear_rows(args.repeats, flush, args.layers, dtype)
     for dtype in (BF16, torch.float32):
         rows += decode_rows(args.repeats, flush, args.layers, args.context, dtype)
-    rows += cascade_rows(args.repeats, flush, args.layers)
+    if cpu_features().avx512:  # the shared items' tiles; elsewhere groups run member by member
+        rows += cascade_rows(args.repeats, flush, args.layers)
     for dtype in (BF16, torch.float32):
         if cpu_extend.fits(dtype, HEAD_DIM, Q_HEADS // KV_HEADS):
             rows += extend_rows(args.repeats, flush, args.layers, dtype)
-    limits = machine_limits(BF16)
+    matmul_dtype = BF16 if available_linear_kernels(BF16) else torch.float32  # the dtype models load in here
+    limits = machine_limits(matmul_dtype)
     print(f"\n{limits['cpu']}, {limits['torch_threads']} threads: read {limits['read_bandwidth_gb_s']:.1f} GB/s, "
-          f"bf16 matmul {limits['matmul_gflops']:.0f} GFLOP/s (measured in this run)")  # fmt: skip
+          f"{str(matmul_dtype).removeprefix('torch.')} matmul {limits['matmul_gflops']:.0f} GFLOP/s (measured in this run)")  # fmt: skip
     print(f"\n{'part':<26} {'case':<19} {'peer':<22} {'ms':>8} {'rate':>14} {'x radixkv':>9}")
     print("-" * 103)
     for r in rows:

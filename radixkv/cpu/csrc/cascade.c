@@ -97,7 +97,7 @@ static inline __attribute__((always_inline)) void shared_bf16_impl(const SharedI
 }
 #endif
 
-#ifdef HAVE_AVX512
+#if defined(HAVE_AVX512) || defined(HAVE_AVX2)
 /* The fp32 shared item: keys transposed to [head_dim][padded keys]; values read in place. */
 static inline __attribute__((always_inline)) void shared_f32_impl(const SharedItem *item, const float *k,
                                                                   const float *v, const Shape *sh, void *buffer,
@@ -113,7 +113,8 @@ static inline __attribute__((always_inline)) void shared_f32_impl(const SharedIt
     const void *value_rows[CHUNK_TOKENS];
     float scores[QK_TILE * SCORE_STRIDE] __attribute__((aligned(64)));
     Prefetcher prefetcher;
-    const int quads = (item->num_members * sh->group + 3) / 4, passes = (ncols / 16 + 3) / 4;
+    const int quads = (item->num_members * sh->group + 3) / 4;
+    const int passes = (ncols / 16 + QK_BLOCKS_PER_PASS - 1) / QK_BLOCKS_PER_PASS;
     prefetcher_init(&prefetcher, item->next, sh, (const char *)k, (const char *)v, 4, H * (1 + quads * passes));
     for (int h = 0; h < H; h++) {
         prefetch_step(&prefetcher);
@@ -154,10 +155,15 @@ HIDDEN void radixkv_shared_item_bf16(const SharedItem *item, const uint16_t *k, 
 
 HIDDEN void radixkv_shared_item_f32(const SharedItem *item, const float *k, const float *v, const Shape *sh,
                                     void *scratch) {
+#if defined(HAVE_AVX512) || defined(HAVE_AVX2)
 #ifdef HAVE_AVX512
+    const int lanes = 16;
+#else
+    const int lanes = 8;
+#endif
     if (sh->head_dim == 64) shared_f32_impl(item, k, v, sh, scratch, 64);
     else if (sh->head_dim == 128) shared_f32_impl(item, k, v, sh, scratch, 128);
-    else if (sh->head_dim % 16 == 0) shared_f32_impl(item, k, v, sh, scratch, sh->head_dim);
+    else if (sh->head_dim % lanes == 0) shared_f32_impl(item, k, v, sh, scratch, sh->head_dim);
     else
 #else
     (void)scratch;

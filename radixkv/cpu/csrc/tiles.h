@@ -1,13 +1,19 @@
 /* Attention over a chunk of keys as small matrix products, for many queries at once: the keys
- * transposed (dimension major, 16 keys to a vector) and the values paired by token (bf16), so
+ * transposed (dimension major, 16 keys to a block) and the values paired by token (bf16), so
  * q.k and p.v run as vdpbf16ps (or FMA) tiles with no horizontal sums. Cascade decode's shared
- * items (cascade.c) and prefill attention (paged_extend.c) both run on these. */
+ * items (cascade.c) and prefill attention (paged_extend.c) both run on these: in AVX-512, or in
+ * AVX2 (8 lanes, fp32 only) where AVX-512 is missing. */
 #ifndef RADIXKV_TILES_H
 #define RADIXKV_TILES_H
 
 #include "decode.h"
 
 #define QK_TILE 8 /* queries whose scores one pass over the transposed keys computes */
+#ifdef HAVE_AVX512
+#define QK_BLOCKS_PER_PASS 4 /* 16-key blocks a q.k pass scores (and takes one prefetch step for) */
+#else
+#define QK_BLOCKS_PER_PASS 1
+#endif
 
 /* Bytes of a chunk's transposed keys: head_dim rows of CHUNK_TOKENS + BLOCK_TOKENS columns
  * (the last block stores 16 wherever it starts), 4 bytes each, and slack for the q.k passes
@@ -151,6 +157,14 @@ static inline __attribute__((always_inline)) void weights_times_values(
                     for (int c = 0; c < width; c++) _mm256_storeu_ps(states[p0 + i] + 2 + 8 * (c0 + c), acc[i][c]);
             }
     }
+}
+
+/* Softmax of each live row of scores (n keys) into its state, then p.v. */
+static inline __attribute__((always_inline)) void finish_tile(float *scores, int live, int n,
+                                                              const float *const *value_rows, float *const *states,
+                                                              const int D) {
+    for (int i = 0; i < live; i++) softmax_row(scores + i * SCORE_STRIDE, n, states[i]);
+    weights_times_values(scores, live, n, value_rows, states, D);
 }
 
 /* Scores (times scale) of the `live` queries q[0..live) (QK_TILE pointers; past live they repeat
