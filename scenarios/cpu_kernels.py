@@ -8,9 +8,9 @@ SmolLM2-135M's shapes with caches cold (every weight and KV byte comes from memo
 - decode attention: 32 requests x 1,032 tokens over 30 layers' paged KV, in bf16 and fp32, the
   native kernel (radixkv/cpu/csrc/paged_decode.c) vs the torch reference backend's gather + SDPA;
 - cascade decode: 32 requests in groups of 2, 4, 8 and 16 over shared prefixes of 64 to 1,024
-  tokens (+64 own), cascade groups (radixkv/cpu/csrc/cascade.c) vs the plain kernel, in bf16:
-  where grouping starts to pay (radixkv/cpu/decode.py's thresholds come from these rows; AVX-512
-  machines only: elsewhere a group runs member by member, the plain kernel's work);
+  tokens (+64 own), cascade groups (radixkv/cpu/csrc/cascade.c) vs the plain kernel, in bf16
+  (fp32 where the CPU lacks AVX512_BF16): where grouping starts to pay (radixkv/cpu/decode.py's
+  thresholds come from these rows);
 - prefill attention: a 1,024-token prompt, and 32 requests' 64 new tokens over 1,024 cached
   ones (an agent's questions after its system prompt), over 30 layers' paged KV, in bf16 and
   fp32 where the kernel takes them, the native kernel (radixkv/cpu/csrc/paged_extend.c) vs the
@@ -133,7 +133,7 @@ def decode_rows(repeats: int, flush: torch.Tensor, layers: int, context: int, dt
     ]
 
 
-def cascade_rows(repeats: int, flush: torch.Tensor, layers: int, own: int = 64, num_seqs: int = 32) -> list[dict]:
+def cascade_rows(repeats: int, flush: torch.Tensor, layers: int, dtype: torch.dtype, own: int = 64, num_seqs: int = 32) -> list[dict]:
     """Plain paged decode vs cascade groups (every group formed, whatever the thresholds say)."""
     rows = []
     for members in (2, 4, 8, 16):
@@ -142,14 +142,14 @@ def cascade_rows(repeats: int, flush: torch.Tensor, layers: int, own: int = 64, 
             groups, shared_pages, own_pages = num_seqs // members, shared // PAGE_SIZE, -(-own // PAGE_SIZE)
             num_pages = groups * shared_pages + num_seqs * own_pages
             shape = (num_pages, PAGE_SIZE, KV_HEADS, HEAD_DIM)
-            k_caches = [torch.randn(shape).to(BF16) for _ in range(layers)]
-            v_caches = [torch.randn(shape).to(BF16) for _ in range(layers)]
+            k_caches = [torch.randn(shape).to(dtype) for _ in range(layers)]
+            v_caches = [torch.randn(shape).to(dtype) for _ in range(layers)]
             pages = torch.randperm(num_pages, dtype=torch.int32)
             prefixes = pages[: groups * shared_pages].view(groups, shared_pages)
             tails = pages[groups * shared_pages :].view(num_seqs, own_pages)
             page_table = torch.cat([prefixes.repeat_interleave(members, dim=0), tails], dim=1).contiguous()
             seq_lens = torch.full((num_seqs,), shared + own, dtype=torch.int32)
-            q = torch.randn(num_seqs, Q_HEADS, HEAD_DIM).to(BF16)
+            q = torch.randn(num_seqs, Q_HEADS, HEAD_DIM).to(dtype)
             plan = cpu_decode.cascade_plan(page_table, seq_lens, PAGE_SIZE, min_shared_tokens=PAGE_SIZE, min_group_members=2).plan
 
             def run(plan=plan, k_caches=k_caches, v_caches=v_caches, page_table=page_table, seq_lens=seq_lens, q=q) -> None:
@@ -160,9 +160,9 @@ def cascade_rows(repeats: int, flush: torch.Tensor, layers: int, own: int = 64, 
                 "radixkv cascade": coldest(run, repeats, flush),
                 "radixkv plain": coldest(lambda run=run: run(plan=None), repeats, flush),
             }
-            unique_bytes = 2 * layers * num_pages * PAGE_SIZE * KV_HEADS * HEAD_DIM * 2
+            unique_bytes = 2 * layers * num_pages * PAGE_SIZE * KV_HEADS * HEAD_DIM * dtype.itemsize
             rows += [
-                dict(part="cascade decode bfloat16", case=f"{members:>2} x {shared} shared", peer=name, ms=seconds * 1e3,
+                dict(part=f"cascade decode {str(dtype).removeprefix('torch.')}", case=f"{members:>2} x {shared} shared", peer=name, ms=seconds * 1e3,
                      gb_s=unique_bytes / seconds / 1e9, x_radixkv=seconds / times["radixkv cascade"])  # fmt: skip
                 for name, seconds in times.items()
             ]
@@ -229,8 +229,8 @@ def main(argv: list[str] | None = None) -> int:
             rows += linear_rows(args.repeats, flush, args.layers, dtype)
     for dtype in (BF16, torch.float32):
         rows += decode_rows(args.repeats, flush, args.layers, args.context, dtype)
-    if cpu_features().avx512:  # the shared items' tiles; elsewhere groups run member by member
-        rows += cascade_rows(args.repeats, flush, args.layers)
+    # The shared items' tiles: bf16 on AVX512_BF16, fp32 on AVX-512 or AVX2; the dtype models load in.
+    rows += cascade_rows(args.repeats, flush, args.layers, BF16 if cpu_features().avx512_bf16 else torch.float32)
     for dtype in (BF16, torch.float32):
         if cpu_extend.fits(dtype, HEAD_DIM, Q_HEADS // KV_HEADS):
             rows += extend_rows(args.repeats, flush, args.layers, dtype)
