@@ -24,12 +24,9 @@ def _native_for(native: bool, name: str, *tensors: Tensor):
     """The native kernel `name` for the tensors' dtype when native is on and every tensor is
     bf16 or fp32 (one dtype) on CPU with unit inner stride, else None."""
     dtype = tensors[0].dtype
-    if not native or dtype not in _SUFFIX:
-        return None
-    if all(t.dtype == dtype and t.device.type == "cpu" and t.stride(-1) == 1 for t in tensors):
-        library = load()
-        return None if library is None else getattr(library, f"radixkv_{name}_{_SUFFIX[dtype]}")
-    return None
+    fits = native and dtype in _SUFFIX and all(t.dtype == dtype and t.device.type == "cpu" and t.stride(-1) == 1 for t in tensors)
+    library = load() if fits else None
+    return None if library is None else getattr(library, f"radixkv_{name}_{_SUFFIX[dtype]}")
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
