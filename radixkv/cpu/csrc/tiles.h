@@ -91,8 +91,9 @@ static inline __attribute__((always_inline)) void finish_tile(float *scores, int
 #endif
 
 #if defined(HAVE_AVX2) && !defined(HAVE_AVX512)
-/* The same tiles in 8-lane AVX2 vectors for CPUs without AVX-512, fp32 only (prefill attention):
- * the same transposed-key layout, a 16-key block as two vectors. */
+/* The same tiles in 8-lane AVX2 vectors for CPUs without AVX-512, fp32 only (prefill attention
+ * and cascade decode's fp32 shared items): the same transposed-key layout, a 16-key block as
+ * two vectors. */
 
 /* Rows r[0..7] of 8 floats transposed in registers: afterwards r[i] holds lane i of every row. */
 static inline __attribute__((always_inline)) void transpose_8x8(__m256 r[8]) {
