@@ -46,8 +46,8 @@ static inline __m256 exp8(__m256 x) {
 }
 #endif
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-#include <immintrin.h>
+/* Every AVX-512 CPU has AVX2 and FMA too, so the AVX-512 paths may use 8-lane helpers. */
+#if defined(HAVE_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__)
 #define HAVE_AVX512 1 /* AVX-512 F/BW: fp32 vectors, bf16 only as loads and shifts */
 #if defined(__AVX512BF16__)
 #define HAVE_AVX512_BF16 1 /* vdpbf16ps and rounding to bf16 in hardware */

@@ -77,7 +77,8 @@ static inline __attribute__((always_inline)) void shared_bf16_impl(const SharedI
     float scores[QK_TILE * SCORE_STRIDE] __attribute__((aligned(64)));
     Prefetcher prefetcher;
     /* Steps: each kv head's set-up, and each pass of 4 queries over 4 key blocks. */
-    const int quads = (item->num_members * sh->group + 3) / 4, passes = (ncols / 16 + 3) / 4;
+    const int quads = (item->num_members * sh->group + 3) / 4;
+    const int passes = (ncols / 16 + QK_BLOCKS_PER_PASS - 1) / QK_BLOCKS_PER_PASS;
     prefetcher_init(&prefetcher, item->next, sh, (const char *)k, (const char *)v, 2, H * (1 + quads * passes));
     for (int h = 0; h < H; h++) {
         prefetch_step(&prefetcher);
@@ -97,7 +98,7 @@ static inline __attribute__((always_inline)) void shared_bf16_impl(const SharedI
 }
 #endif
 
-#if defined(HAVE_AVX512) || defined(HAVE_AVX2)
+#ifdef HAVE_AVX2 /* AVX-512 builds too */
 /* The fp32 shared item: keys transposed to [head_dim][padded keys]; values read in place. */
 static inline __attribute__((always_inline)) void shared_f32_impl(const SharedItem *item, const float *k,
                                                                   const float *v, const Shape *sh, void *buffer,
@@ -155,7 +156,7 @@ HIDDEN void radixkv_shared_item_bf16(const SharedItem *item, const uint16_t *k, 
 
 HIDDEN void radixkv_shared_item_f32(const SharedItem *item, const float *k, const float *v, const Shape *sh,
                                     void *scratch) {
-#if defined(HAVE_AVX512) || defined(HAVE_AVX2)
+#ifdef HAVE_AVX2
 #ifdef HAVE_AVX512
     const int lanes = 16;
 #else

@@ -43,7 +43,7 @@ int radixkv_paged_extend_fits(int bf16, int head_dim, int group) {
     return 0;
 }
 
-#if defined(HAVE_AVX512) || defined(HAVE_AVX2)
+#ifdef HAVE_AVX2 /* AVX-512 builds too */
 /* One thread's scratch: a chunk's transposed keys and paired values, then per query its row
  * pointer, its partial state's pointer, its running state and its partial state. */
 static int64_t scratch_bytes(const Shape *sh) {
@@ -60,35 +60,27 @@ static inline __attribute__((always_inline)) void fold_state(float *run, const f
     const float keep = expf(run[0] - top), add = expf(part[0] - top);
     run[0] = top;
     run[1] = run[1] * keep + part[1] * add;
-#ifdef HAVE_AVX512
-    const __m512 k = _mm512_set1_ps(keep), a = _mm512_set1_ps(add);
-    for (int d = 0; d < D; d += 16)
-        _mm512_storeu_ps(run + 2 + d, _mm512_fmadd_ps(_mm512_loadu_ps(run + 2 + d), k,
-                                                      _mm512_mul_ps(_mm512_loadu_ps(part + 2 + d), a)));
-#else
+    /* Each float is one FMA of its own, so 8 lanes give AVX-512 builds the same bits as 16. */
     const __m256 k = _mm256_set1_ps(keep), a = _mm256_set1_ps(add);
     for (int d = 0; d < D; d += 8)
         _mm256_storeu_ps(run + 2 + d, _mm256_fmadd_ps(_mm256_loadu_ps(run + 2 + d), k,
                                                       _mm256_mul_ps(_mm256_loadu_ps(part + 2 + d), a)));
-#endif
 }
 
 /* A running state's output, acc / sum, to an output row (bf16 rounded to nearest even). */
 static inline __attribute__((always_inline)) void write_state(const float *run, void *dst, const int D, const int bf16) {
-#ifdef HAVE_AVX512
-    const __m512 inv = _mm512_set1_ps(1.0f / run[1]);
-    for (int d = 0; d < D; d += 16) {
-        const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(run + 2 + d), inv);
 #ifdef HAVE_AVX512_BF16
-        if (bf16) _mm256_storeu_si256((__m256i *)((uint16_t *)dst + d), (__m256i)_mm512_cvtneps_pbh(x));
-#endif
-        if (!bf16) _mm512_storeu_ps((float *)dst + d, x);
+    if (bf16) {
+        const __m512 inv = _mm512_set1_ps(1.0f / run[1]);
+        for (int d = 0; d < D; d += 16)
+            _mm256_storeu_si256((__m256i *)((uint16_t *)dst + d),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(run + 2 + d), inv)));
+        return;
     }
-#else
-    (void)bf16; /* fp32 only here */
+#endif
+    (void)bf16;
     const __m256 inv = _mm256_set1_ps(1.0f / run[1]);
     for (int d = 0; d < D; d += 8) _mm256_storeu_ps((float *)dst + d, _mm256_mul_ps(_mm256_loadu_ps(run + 2 + d), inv));
-#endif
 }
 
 /* One item (see the file's comment): D and bf16 are constants in each instance. */
@@ -226,7 +218,7 @@ static int extend(const Extend *e, int num_seqs, int num_threads, int bf16) {
             return 1;                                                                                                 \
         EXTEND_BODY(BF16)                                                                                             \
     }
-#if defined(HAVE_AVX512) || defined(HAVE_AVX2)
+#ifdef HAVE_AVX2
 #define EXTEND_BODY(BF16)                                                                                            \
     const Extend e = {q, k, v, out, q_row_stride, out_row_stride, page_table_stride, page_table, seq_lens, q_starts, \
                       q_lens, {num_kv_heads, head_dim, num_q_heads / num_kv_heads, page_size, scale, 0}};            \

@@ -177,7 +177,7 @@ static inline __attribute__((always_inline)) void qk_scores(const void *const *q
                                                             Prefetcher *prefetcher, const int D, const int bf16) {
     (void)bf16;
     for (int i0 = 0; i0 < live; i0 += 4)
-        for (int block = 0; block < ncols / 16; block++) {
+        for (int block = 0; block < ncols / 16; block += QK_BLOCKS_PER_PASS) {
             if (prefetcher) prefetch_step(prefetcher);
             __m256 acc[4][2];
             for (int i = 0; i < 4; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
@@ -197,7 +197,7 @@ static inline __attribute__((always_inline)) void qk_scores(const void *const *q
 }
 #endif
 
-#if defined(HAVE_AVX512) || defined(HAVE_AVX2)
+#ifdef HAVE_AVX2 /* AVX-512 builds too */
 /* Kv head h of a chunk's keys (its blocks, in order) transposed into `keys` (npad words a row):
  * bf16 pairs (element_bytes 2) or floats (4). A block stores 16 columns wherever it starts, so
  * where a page ends early it overlaps the next block's columns, which that block overwrites. */
@@ -296,7 +296,7 @@ static inline __attribute__((always_inline)) void qk_scores(const void *const *q
                                                             Prefetcher *prefetcher, const int D, const int bf16) {
     const int rows = bf16 ? D / 2 : D;
     for (int i0 = 0; i0 < live; i0 += 4)
-        for (int block = 0; block < ncols / 16; block += 4) {
+        for (int block = 0; block < ncols / 16; block += QK_BLOCKS_PER_PASS) {
             if (prefetcher) prefetch_step(prefetcher);
             __m512 acc[4][4];
             for (int i = 0; i < 4; i++)
