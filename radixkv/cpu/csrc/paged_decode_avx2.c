@@ -1,5 +1,6 @@
 /* Paged decode's plain item in 8-lane AVX2 vectors, for CPUs without AVX-512 (Intel Haswell to
- * Alder Lake, AMD Zen 1-3): the three passes of paged_decode.c's AVX-512 item, one kv head at a time.
+ * Alder Lake, AMD Zen 1-3): the three passes of paged_decode.c's AVX-512 item, over all kv heads
+ * at once where their query rows fit.
  *
  * A row of head_dim values is held as head_dim / 8 float vectors. fp32 rows are in dim order;
  * a bf16 row's 16-dim chunk becomes (even dims, odd dims) by one shift and one mask, with no
@@ -43,7 +44,7 @@ static inline __m256 sum_lanes_8(const __m256 v[LANES]) {
 /* Scores of one block's n <= 16 keys for the kv head's G query heads: s[g * SCORE_STRIDE + j] =
  * scale * q_g . k_j, 0 past n. A prefetch step every PREFETCH_KEYS keys, full block or not, as
  * the prefetcher's step count assumes. */
-static inline __attribute__((always_inline)) void block_scores(__m256 qv[MAX_GROUP][MAX_VECTORS], const char *k0,
+static inline __attribute__((always_inline)) void block_scores(__m256 (*qv)[MAX_VECTORS], const char *k0,
                                                                int64_t row_bytes, int n, const int D, const int G,
                                                                const int bf16, float scale, float *s,
                                                                Prefetcher *prefetcher) {
@@ -71,7 +72,7 @@ static inline __attribute__((always_inline)) void block_scores(__m256 qv[MAX_GRO
 
 /* Adds `keys` consecutive keys' weighted values into the G accumulators, 8 dims (fp32) or 16
  * (bf16: one load, two vectors) at a time; each accumulator takes its keys in key order. */
-static inline __attribute__((always_inline)) void keys_values(__m256 acc[MAX_GROUP][MAX_VECTORS], const char *v_row,
+static inline __attribute__((always_inline)) void keys_values(__m256 (*acc)[MAX_VECTORS], const char *v_row,
                                                               int64_t row_bytes, int keys, const int D, const int G,
                                                               const int bf16, const float *w) {
     for (int c = 0; c < D / 8; c += 1 + bf16) {
@@ -92,7 +93,7 @@ static inline __attribute__((always_inline)) void keys_values(__m256 acc[MAX_GRO
 
 /* One block's n <= 16 keys into the accumulators, PREFETCH_KEYS at a time with a prefetch step
  * before each; w: the block's weights, query head g's at w[g * SCORE_STRIDE]. */
-static inline __attribute__((always_inline)) void block_values(__m256 acc[MAX_GROUP][MAX_VECTORS], const char *v0,
+static inline __attribute__((always_inline)) void block_values(__m256 (*acc)[MAX_VECTORS], const char *v0,
                                                                int64_t row_bytes, int n, const int D, const int G,
                                                                const int bf16, const float *w, Prefetcher *prefetcher) {
     for (int j = 0; j < BLOCK_TOKENS; j += PREFETCH_KEYS) {
@@ -116,8 +117,16 @@ static inline __attribute__((always_inline)) void store_output(const __m256 acc[
     }
 }
 
-/* The item, one kv head at a time: q.k for all the chunk's keys, one softmax over the chunk
- * (no running max, no rescaling), then p.v. D and G are constants in the hot instances. */
+/* How many blocks ahead of an all-heads item its K and V are requested (A/B on Zen 3: 2 beat 1,
+ * 3, 4 and 8 by a few percent). */
+#define LEAD_BLOCKS 2
+
+/* The item: q.k for all the chunk's keys, one softmax over the chunk (no running max, no
+ * rescaling), then p.v. Where all kv heads' query rows fit the buffers (H * G <= MAX_GROUP) one
+ * pass takes every kv head, so each block's K rows, then its V rows, are read once, in address
+ * order, with requests a few blocks ahead; otherwise one pass a kv head, with the next item
+ * requested meanwhile. Query row r of a pass over kv heads [h0, ...) is h0 * G + r. D and G are
+ * constants in the hot instances. */
 static inline __attribute__((always_inline)) void item_avx2_impl(const void *q_row, const void *k, const void *v,
                                                                  const int32_t *pages, int begin, int end,
                                                                  const Shape *sh, float *states, const NextItem *next,
@@ -125,25 +134,33 @@ static inline __attribute__((always_inline)) void item_avx2_impl(const void *q_r
                                                                  const int fixed_heads) {
     const int H = fixed_heads ? fixed_heads : sh->num_kv_heads, n = end - begin, bytes = bf16 ? 2 : 4;
     const int64_t row_bytes = (int64_t)H * D * bytes;
+    const int heads_per_pass = H * G <= MAX_GROUP ? H : 1, rows = heads_per_pass * G;
     Block blocks[CHUNK_TOKENS];
     const int num_blocks = chunk_blocks(pages, begin, end, sh, blocks);
+    const int steps = 2 * H * num_blocks * STEPS_PER_BLOCK;
     float s[MAX_GROUP * SCORE_STRIDE] __attribute__((aligned(32)));
     Prefetcher prefetcher;
-    prefetcher_init(&prefetcher, next, sh, (const char *)k, (const char *)v, bytes, 2 * H * num_blocks * STEPS_PER_BLOCK);
-    for (int h = 0; h < H; h++) {
+    if (heads_per_pass == H)
+        prefetcher_init_ahead(&prefetcher, blocks, num_blocks, next, sh, (const char *)k, (const char *)v, bytes, steps,
+                              LEAD_BLOCKS);
+    else prefetcher_init(&prefetcher, next, sh, (const char *)k, (const char *)v, bytes, steps);
+    for (int h0 = 0; h0 < H; h0 += heads_per_pass) {
         __m256 qv[MAX_GROUP][MAX_VECTORS], acc[MAX_GROUP][MAX_VECTORS];
-        for (int g = 0; g < G; g++) row_vectors((const char *)q_row + (int64_t)(h * G + g) * D * bytes, D, bf16, qv[g]);
+        float *first_state = states + (int64_t)h0 * G * (D + 2);
+        for (int r = 0; r < rows; r++) row_vectors((const char *)q_row + (int64_t)(h0 * G + r) * D * bytes, D, bf16, qv[r]);
         for (int bi = 0, offset = 0; bi < num_blocks; offset += blocks[bi++].n)
-            block_scores(qv, (const char *)k + (blocks[bi].first + (int64_t)h * D) * bytes, row_bytes, blocks[bi].n, D, G,
-                         bf16, sh->scale, s + offset, &prefetcher);
-        for (int g = 0; g < G; g++) {
-            softmax_row_avx2(s + g * SCORE_STRIDE, n, states + (int64_t)(h * G + g) * (D + 2));
-            for (int c = 0; c < D / 8; c++) acc[g][c] = _mm256_setzero_ps();
+            for (int h = 0; h < heads_per_pass; h++)
+                block_scores(qv + h * G, (const char *)k + (blocks[bi].first + (int64_t)(h0 + h) * D) * bytes, row_bytes,
+                             blocks[bi].n, D, G, bf16, sh->scale, s + h * G * SCORE_STRIDE + offset, &prefetcher);
+        for (int r = 0; r < rows; r++) {
+            softmax_row_avx2(s + r * SCORE_STRIDE, n, first_state + (int64_t)r * (D + 2));
+            for (int c = 0; c < D / 8; c++) acc[r][c] = _mm256_setzero_ps();
         }
         for (int bi = 0, offset = 0; bi < num_blocks; offset += blocks[bi++].n)
-            block_values(acc, (const char *)v + (blocks[bi].first + (int64_t)h * D) * bytes, row_bytes, blocks[bi].n, D,
-                         G, bf16, s + offset, &prefetcher);
-        for (int g = 0; g < G; g++) store_output(acc[g], D, bf16, states + (int64_t)(h * G + g) * (D + 2) + 2);
+            for (int h = 0; h < heads_per_pass; h++)
+                block_values(acc + h * G, (const char *)v + (blocks[bi].first + (int64_t)(h0 + h) * D) * bytes, row_bytes,
+                             blocks[bi].n, D, G, bf16, s + h * G * SCORE_STRIDE + offset, &prefetcher);
+        for (int r = 0; r < rows; r++) store_output(acc[r], D, bf16, first_state + (int64_t)r * (D + 2) + 2);
     }
 }
 
