@@ -34,6 +34,11 @@ _library: ctypes.CDLL | None = None
 _tried = False
 
 
+def find_compiler() -> str | None:
+    """The C compiler the library is built with: $CC, else cc, else gcc; None where none is."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
 def load() -> ctypes.CDLL | None:
     """The compiled library, or None where it cannot be built (no compiler, not Linux)."""
     global _library, _tried
@@ -41,7 +46,7 @@ def load() -> ctypes.CDLL | None:
         if _tried:
             return _library
         _tried = True
-        compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+        compiler = find_compiler()
         if compiler is None or platform.system() != "Linux":
             logger.warning("no C compiler found: radixkv runs its CPU kernels as torch ops (slower decode)")
             return None

@@ -26,6 +26,7 @@ HIDDEN int64_t radixkv_shared_scratch_bytes(const Shape *sh, int max_members) {
     return (keys + values + pointers + 63) / 64 * 64;
 }
 
+#ifdef HAVE_AVX2 /* the vector items below use the scratch; portable builds run members alone */
 typedef struct {
     void *keys;           /* transposed */
     float *values;        /* bf16: value pairs [keys / 2][head_dim] */
@@ -58,6 +59,8 @@ static int gather_queries(const SharedItem *item, const Shape *sh, int h, int el
         }
     return count;
 }
+
+#endif
 
 #ifdef HAVE_AVX512_BF16
 /* The bf16 shared item: keys as bf16 pairs [head_dim / 2][padded keys], so one vdpbf16ps

@@ -40,6 +40,7 @@ int radixkv_paged_extend_fits(int bf16, int head_dim, int group) {
 #elif defined(HAVE_AVX2)
     if (!bf16) return head_dim % 8 == 0;
 #endif
+    (void)bf16; /* portable builds take no shape */
     return 0;
 }
 
@@ -154,6 +155,8 @@ static void run_item(const Extend *e, const Item *item, char *scratch, int bf16)
         else extend_item(e, item, scratch, D, 1);
         return;
     }
+#else
+    (void)bf16; /* bf16 items run only where AVX512_BF16 does (radixkv_paged_extend_fits) */
 #endif
     if (D == 64) extend_item(e, item, scratch, 64, 0);
     else if (D == 128) extend_item(e, item, scratch, 128, 0);

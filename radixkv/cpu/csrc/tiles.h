@@ -281,6 +281,8 @@ static inline __attribute__((always_inline)) void weights_times_value_pairs(
 static inline __attribute__((always_inline)) __m512 multiply_add(__m512 acc, __m512i a, __m512i b, const int bf16) {
 #ifdef HAVE_AVX512_BF16
     if (bf16) return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
+#else
+    (void)bf16;
 #endif
     return _mm512_fmadd_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b), acc);
 }
