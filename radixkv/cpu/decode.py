@@ -143,9 +143,10 @@ def work_floats(seq_lens: torch.Tensor, plan: torch.Tensor | None, num_q_heads: 
 # 0.76-1.02 whatever the group; over 1,024, 1.11-1.27 for 4 members and 1.36-1.56 for 8 and 16.
 # Pairs (6 query heads) lost in every run: 0.93-0.98 over 256 and 1,024 tokens, and 0.95 and
 # 0.93 alternated in one process, where trios gave 1.00 (256) and 1.06 (1,024) and groups of 4
-# 1.10 and 1.27. Below 256 tokens grouping loses up to 24%. On Zen 3 (AVX2, fp32 tiles) one run
-# gave 1.13 and 1.34 for groups of 8 and 16 over 1,024 tokens and 0.81-1.27 elsewhere, within
-# that VM's noise; the same thresholds hold there.
+# 1.10 and 1.27. Below 256 tokens grouping loses up to 24%. On Zen 3 (AVX2, fp32 tiles), after
+# the plain item's one-pass reads (session 12): 1.37 and 1.50 for groups of 8 and 16 over 1,024
+# tokens, 1.04 for 4, 0.95-1.14 over 256, and pairs 0.77-0.84 (which min_members leaves plain);
+# the same thresholds hold there.
 MIN_SHARED_TOKENS = 256
 MIN_GROUP_QUERY_HEADS = 9
 
