@@ -8,6 +8,7 @@ EngineConfig.native_kernels=False makes them take those paths without asking for
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -17,6 +18,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 from radixkv.config import default_cache_dir
@@ -50,17 +52,12 @@ def load() -> ctypes.CDLL | None:
         if compiler is None or platform.system() != "Linux":
             logger.warning("no C compiler found: radixkv runs its CPU kernels as torch ops (slower decode)")
             return None
-        path = _library_path(compiler)
         try:
-            if not path.exists():
-                _build(compiler, path)
-            check_private(path)
-            library = ctypes.CDLL(str(path))
+            library = build_from(CSRC, compiler)
         except (OSError, subprocess.CalledProcessError) as error:
             detail = getattr(error, "stderr", "") or str(error)
             logger.warning("building radixkv's CPU kernels failed, using torch ops instead: %s", detail)
             return None
-        _declare(library)
         # Decode's q.k starts on AMX where the OS grants tiles, as EngineConfig.decode_amx's
         # default says; the CPU backend applies its own config's setting over this.
         library.radixkv_decode_use_amx(1)
@@ -68,10 +65,37 @@ def load() -> ctypes.CDLL | None:
         return library
 
 
-def _library_path(compiler: str) -> Path:
+def build_from(csrc: Path, compiler: str) -> ctypes.CDLL:
+    """The library compiled from the sources in `csrc` (this package's, or another revision's),
+    built once into the cache and loaded with its functions declared; raises where it fails."""
+    path = _library_path(compiler, csrc)
+    if not path.exists():
+        _build(compiler, csrc, path)
+    check_private(path)
+    library = ctypes.CDLL(str(path))
+    _declare(library)
+    return library
+
+
+@contextlib.contextmanager
+def using(library: ctypes.CDLL) -> Iterator[ctypes.CDLL]:
+    """Every kernel call within runs `library` (two builds timed against each other in one
+    process: scenarios/native_ab.py); the loaded one is back after."""
+    global _library, _tried
+    with _lock:
+        saved = _library, _tried
+        _library, _tried = library, True
+    try:
+        yield library
+    finally:
+        with _lock:
+            _library, _tried = saved
+
+
+def _library_path(compiler: str, csrc: Path) -> Path:
     key = hashlib.sha256()
     for source in (*SOURCES, *HEADERS):
-        key.update(source.read_bytes())
+        key.update((csrc / source.name).read_bytes())
     # A library built with -march=native runs only on this CPU model with these flags.
     for part in (compiler, " ".join(COMPILE_FLAGS), cpu_features().signature):
         key.update(part.encode())
@@ -90,13 +114,13 @@ def check_private(library: Path) -> None:
             raise PermissionError(f"{path} is writable by others (mode {info.st_mode & 0o777:o}); not loading it")
 
 
-def _build(compiler: str, target: Path) -> None:
+def _build(compiler: str, csrc: Path, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True, mode=0o755)  # check_private: no one else writes it
     # Build beside the target and rename: a concurrent process never loads a half-written file.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        command = [compiler, *COMPILE_FLAGS, "-o", tmp, *map(str, SOURCES), "-lm"]
+        command = [compiler, *COMPILE_FLAGS, "-o", tmp, *(str(csrc / source.name) for source in SOURCES), "-lm"]
         subprocess.run(command, check=True, capture_output=True, text=True)
         os.chmod(tmp, 0o755)  # whatever the umask: check_private refuses a group-writable library
         os.replace(tmp, target)

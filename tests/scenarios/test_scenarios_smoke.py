@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -100,3 +101,27 @@ def test_cpu_kernels_bench_runs_and_reports(tmp_path, capsys):
     assert all(row["ms"] > 0 for row in rows)
     assert (tmp_path / "cpu_kernels.png").exists()
     assert "x radixkv" in capsys.readouterr().out
+
+
+def test_native_ab_times_two_builds_in_one_process(tmp_path, capsys):
+    from radixkv.cpu import native
+
+    loaded = native.load()
+    if loaded is None:
+        pytest.skip("the native A/B needs the native kernels (no C compiler here)")
+    if not (Path(__file__).resolve().parents[2] / ".git").exists():
+        pytest.skip("the native A/B reads its baseline from git")
+    module = importlib.import_module("radixkv.scenarios.native_ab")
+    argv = ["--out", str(tmp_path), "--rounds", "2", "--layers", "1", "--num-seqs", "3", "--context", "40", "--flush-mib", "8"]
+    assert module.main(argv) == 0
+    rows = json.loads((tmp_path / "native_ab.json").read_text())["rows"]
+    assert [(row["part"], row["case"]) for row in rows] == [
+        (f"decode attention {dtype}", order) for dtype in ("float32", "bfloat16") for order in module.ORDERS
+    ]
+    assert all(row["ratio"] > 0 for row in rows)
+    csrc = str(native.CSRC)
+    if subprocess.run(["git", "-C", csrc, "diff", "--quiet", "HEAD", "--", csrc]).returncode == 0:
+        # HEAD's sources are the tree's (as in CI): the same code gives the same bits in every layout.
+        assert all(row["identical"] for row in rows)
+    assert native.load() is loaded  # the build under test is back after each turn
+    assert (tmp_path / "native_ab.png").exists() and "tree / base" in capsys.readouterr().out
