@@ -3,12 +3,15 @@ the working tree and those of a git revision (default HEAD), compiled alike and 
 the same inputs with cold caches, their outputs compared bit for bit. On a shared VM whose
 speed moves 2x from one minute to the next, only such an A/B settles a change of 10-20%.
 
-It times decode attention (radixkv/cpu/csrc/paged_decode*.c), SmolLM2-135M's shape over 30
-layers of 32 requests x 1,032 tokens, in each dtype and with the requests' pages laid out three
-ways: in order (one prompt's prefill), interleaved (as decode leaves them, a page per request
-per 16 steps) and shuffled (a pool after hours of churn).
+On SmolLM2-135M's shapes over 30 layers it times:
+- decode attention (radixkv/cpu/csrc/paged_decode*.c), 32 requests x 1,032 tokens, in each
+  dtype, with the requests' pages laid out three ways: in order (one prompt's prefill),
+  interleaved (as decode leaves them, a page per request per 16 steps) and shuffled (a pool
+  after hours of churn);
+- the packed linears (packed_linear.c, linear_f32.c) of each dtype with a native kernel here,
+  at decode's 32 rows (with the lm_head) and prefill's 512, each build packing its own weights.
 
-    python -m radixkv.scenarios.native_ab [--base HEAD] [--rounds 8] [--dtypes float32,bfloat16]
+    python -m radixkv.scenarios.native_ab [--base HEAD] [--rounds 8] [--parts decode,linears]
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ import torch
 
 from radixkv.cpu import decode as cpu_decode
 from radixkv.cpu import native
-from radixkv.scenarios.cpu_kernels import HEAD_DIM, KV_HEADS, PAGE_SIZE, Q_HEADS
+from radixkv.cpu.linear import PackedLinear, available_linear_kernels
+from radixkv.scenarios.cpu_kernels import HEAD_DIM, KV_HEADS, LINEAR_SHAPES, LM_HEAD, PAGE_SIZE, Q_HEADS
 from radixkv.scenarios.machine import machine_limits
 
 ORDERS = ("in_order", "interleaved", "shuffled")
@@ -51,8 +55,7 @@ def page_table(order: str, num_seqs: int, pages_per_seq: int, generator: torch.G
 
 
 def decode_ab(builds: dict, dtype: torch.dtype, order: str, args, flush: torch.Tensor) -> dict:
-    """Decode attention under each build in turn, `rounds` times: best and median ms, and
-    whether every build's output equals the first's bit for bit."""
+    """Decode attention over every layer's KV, under each build in turn."""
     generator = torch.Generator().manual_seed(0)
     pages_per_seq = -(-args.context // PAGE_SIZE)
     shape = (args.num_seqs * pages_per_seq, PAGE_SIZE, KV_HEADS, HEAD_DIM)
@@ -60,25 +63,55 @@ def decode_ab(builds: dict, dtype: torch.dtype, order: str, args, flush: torch.T
     table = page_table(order, args.num_seqs, pages_per_seq, generator)
     seq_lens = torch.full((args.num_seqs,), args.context, dtype=torch.int32)
     q = torch.randn(args.num_seqs, Q_HEADS, HEAD_DIM, generator=generator).to(dtype)
+    runs = {name: (lambda: [cpu_decode.paged_decode(q, k, v, table, seq_lens, HEAD_DIM**-0.5) for k, v in caches]) for name in builds}
+    return in_turns(builds, runs, args.rounds, flush) | dict(part=f"decode attention {_name(dtype)}", case=order)
+
+
+def linears_ab(builds: dict, dtype: torch.dtype, rows: int, args, flush: torch.Tensor) -> dict:
+    """The native linears of `dtype` over every layer's shapes (and the lm_head at decode's rows),
+    under each build in turn, each with the weights it packed itself."""
+    generator = torch.Generator().manual_seed(0)
+    shapes = [shape for _ in range(args.layers) for shape in LINEAR_SHAPES.values()] + ([LM_HEAD] if rows <= 32 else [])
+    weights = [torch.randn(n, k, generator=generator).to(dtype) for k, n in shapes]
+    inputs = [torch.randn(rows, k, generator=generator).to(dtype) for k, _ in shapes]
+    runs = {}
+    for name, library in builds.items():
+        with native.using(library):
+            kernel = available_linear_kernels(dtype)[0]
+            layers = [PackedLinear(_linear(weight), kernel) for weight in weights]
+        runs[name] = lambda layers=layers: [layer(x) for layer, x in zip(layers, inputs, strict=True)]
+    return in_turns(builds, runs, args.rounds, flush) | dict(part=f"linears {_name(dtype)} ({kernel})", case=f"{rows} rows")
+
+
+def in_turns(builds: dict, runs: dict, rounds: int, flush: torch.Tensor) -> dict:
+    """Each build's run (a list of output tensors), `rounds` times in turns, caches emptied before
+    each: best and median ms, and whether every build's outputs equal the first's bit for bit."""
     seconds: dict[str, list[float]] = {name: [] for name in builds}
     outputs = {}
-    for turn in range(args.rounds):
+    for turn in range(rounds):
         # Alternate who goes first: a VM slowing down mid-round does not favour either.
         for name, library in list(builds.items())[:: 1 if turn % 2 == 0 else -1]:
             with native.using(library):
                 flush.max()
                 start = time.perf_counter()
-                for k, v in caches:
-                    out = cpu_decode.paged_decode(q, k, v, table, seq_lens, HEAD_DIM**-0.5)
+                outputs[name] = runs[name]()
                 seconds[name].append(time.perf_counter() - start)
-            outputs[name] = out
     first = next(iter(builds))
     return dict(
-        part=f"decode attention {str(dtype).removeprefix('torch.')}", case=order,
         best_ms={name: min(times) * 1e3 for name, times in seconds.items()},
         median_ms={name: statistics.median(times) * 1e3 for name, times in seconds.items()},
-        identical=all(torch.equal(out, outputs[first]) for out in outputs.values()),
-    )  # fmt: skip
+        identical=all(all(map(torch.equal, out, outputs[first])) for out in outputs.values()),
+    )
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _linear(weight: torch.Tensor) -> torch.nn.Linear:
+    linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=weight.dtype)
+    linear.weight.data = weight
+    return linear
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--base", default="HEAD", help="git revision whose sources are the baseline")
     parser.add_argument("--rounds", type=int, default=8, help="timed turns of each build")
     parser.add_argument("--dtypes", default="float32,bfloat16")
-    parser.add_argument("--orders", default=",".join(ORDERS))
+    parser.add_argument("--orders", default=",".join(ORDERS), help="decode's page layouts")
+    parser.add_argument("--parts", default="decode,linears")
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--num-seqs", type=int, default=32)
     parser.add_argument("--context", type=int, default=1032)
@@ -101,14 +135,18 @@ def main(argv: list[str] | None = None) -> int:
         base = f"base ({args.base})"
         builds = {base: native.build_from(sources_at(args.base, Path(scratch)), compiler), "working tree": native.build_from(native.CSRC, compiler)}
     flush = torch.ones(args.flush_mib << 20, dtype=torch.int8)
-    rows = [
-        decode_ab(builds, getattr(torch, dtype), order, args, flush)
-        for dtype in args.dtypes.split(",") for order in args.orders.split(",")
-    ]  # fmt: skip
+    dtypes, parts = [getattr(torch, name) for name in args.dtypes.split(",")], args.parts.split(",")
+    rows = []
+    if "decode" in parts:
+        rows += [decode_ab(builds, dtype, order, args, flush) for dtype in dtypes for order in args.orders.split(",")]
+    if "linears" in parts:
+        with native.using(builds["working tree"]):
+            linear_dtypes = [dtype for dtype in dtypes if available_linear_kernels(dtype)]
+        rows += [linears_ab(builds, dtype, count, args, flush) for dtype in linear_dtypes for count in (32, 512)]
     limits = machine_limits(torch.float32)
     print(f"\n{limits['cpu']}, {limits['torch_threads']} threads: read {limits['read_bandwidth_gb_s']:.1f} GB/s (measured in this run)")
-    print(f"{args.layers} layers of {args.num_seqs} x {args.context} tokens, best of {args.rounds} turns each, caches cold\n")
-    print(f"{'part':<28} {'pages':<12} {base:>18} {'working tree':>14} {'tree / base':>12}  same bits")
+    print(f"{args.layers} layers (decode: {args.num_seqs} x {args.context} tokens), best of {args.rounds} turns each, caches cold\n")
+    print(f"{'part':<28} {'case':<12} {base:>18} {'working tree':>14} {'tree / base':>12}  same bits")
     print("-" * 98)
     for row in rows:
         best = row["best_ms"]
@@ -128,13 +166,13 @@ def _plot(rows: list[dict], base: str, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 3.5))
-    labels = [f"{row['part'].removeprefix('decode attention ')}\n{row['case']}" for row in rows]
+    fig, ax = plt.subplots(figsize=(max(8, 1.3 * len(rows)), 3.8))
+    labels = [f"{row['part']}\n{row['case']}".replace("decode attention", "decode") for row in rows]
     ax.bar(range(len(rows)), [row["ratio"] for row in rows], color="tab:blue")
     ax.axhline(1.0, color="grey", linewidth=0.8)
     ax.set_xticks(range(len(rows)), labels, fontsize=7)
     ax.set_ylabel(f"working tree / {base} (time)")
-    ax.set_title("native library A/B, decode attention, caches cold")
+    ax.set_title("native library A/B, caches cold")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -104,7 +104,10 @@ def test_cpu_kernels_bench_runs_and_reports(tmp_path, capsys):
 
 
 def test_native_ab_times_two_builds_in_one_process(tmp_path, capsys):
+    import torch
+
     from radixkv.cpu import native
+    from radixkv.cpu.linear import available_linear_kernels
 
     loaded = native.load()
     if loaded is None:
@@ -115,9 +118,11 @@ def test_native_ab_times_two_builds_in_one_process(tmp_path, capsys):
     argv = ["--out", str(tmp_path), "--rounds", "2", "--layers", "1", "--num-seqs", "3", "--context", "40", "--flush-mib", "8"]
     assert module.main(argv) == 0
     rows = json.loads((tmp_path / "native_ab.json").read_text())["rows"]
-    assert [(row["part"], row["case"]) for row in rows] == [
-        (f"decode attention {dtype}", order) for dtype in ("float32", "bfloat16") for order in module.ORDERS
-    ]
+    decode = [(f"decode attention {dtype}", order) for dtype in ("float32", "bfloat16") for order in module.ORDERS]
+    assert [(row["part"], row["case"]) for row in rows[: len(decode)]] == decode
+    linears = [(row["part"].split(" (")[0], row["case"]) for row in rows[len(decode) :]]
+    with_kernel = [dtype for dtype in (torch.float32, torch.bfloat16) if available_linear_kernels(dtype)]
+    assert linears == [(f"linears {str(dtype)[6:]}", f"{count} rows") for dtype in with_kernel for count in (32, 512)]
     assert all(row["ratio"] > 0 for row in rows)
     csrc = str(native.CSRC)
     if subprocess.run(["git", "-C", csrc, "diff", "--quiet", "HEAD", "--", csrc]).returncode == 0:
