@@ -11,7 +11,7 @@ On SmolLM2-135M's shapes over 30 layers it times:
 - the packed linears (packed_linear.c, linear_f32.c) of each dtype with a native kernel here,
   at decode's 32 rows (with the lm_head) and prefill's 512, each build packing its own weights.
 
-    python -m radixkv.scenarios.native_ab [--base HEAD] [--rounds 8] [--parts decode,linears]
+    python -m radixkv.scenarios.native_ab [--base HEAD] [--rounds 12] [--parts decode,linears]
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ def _linear(weight: torch.Tensor) -> torch.nn.Linear:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", default="HEAD", help="git revision whose sources are the baseline")
-    parser.add_argument("--rounds", type=int, default=8, help="timed turns of each build")
+    parser.add_argument("--rounds", type=int, default=12, help="timed turns of each build (identical builds: within 2% at 16)")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--orders", default=",".join(ORDERS), help="decode's page layouts")
     parser.add_argument("--parts", default="decode,linears")
