@@ -9,7 +9,8 @@ On SmolLM2-135M's shapes over 30 layers it times:
   interleaved (as decode leaves them, a page per request per 16 steps) and shuffled (a pool
   after hours of churn);
 - the packed linears (packed_linear.c, linear_f32.c) of each dtype with a native kernel here,
-  at decode's 32 rows (with the lm_head) and prefill's 512, each build packing its own weights.
+  at 1 and 32 rows (decode's, with the lm_head) and 512 (prefill's), each build packing its own
+  weights.
 
     python -m radixkv.scenarios.native_ab [--base HEAD] [--rounds 12] [--parts decode,linears]
 """
@@ -142,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     if "linears" in parts:
         with native.using(builds["working tree"]):
             linear_dtypes = [dtype for dtype in dtypes if available_linear_kernels(dtype)]
-        rows += [linears_ab(builds, dtype, count, args, flush) for dtype in linear_dtypes for count in (32, 512)]
+        rows += [linears_ab(builds, dtype, count, args, flush) for dtype in linear_dtypes for count in (1, 32, 512)]
     limits = machine_limits(torch.float32)
     print(f"\n{limits['cpu']}, {limits['torch_threads']} threads: read {limits['read_bandwidth_gb_s']:.1f} GB/s (measured in this run)")
     print(f"{args.layers} layers (decode: {args.num_seqs} x {args.context} tokens), best of {args.rounds} turns each, caches cold\n")

@@ -122,7 +122,7 @@ def test_native_ab_times_two_builds_in_one_process(tmp_path, capsys):
     assert [(row["part"], row["case"]) for row in rows[: len(decode)]] == decode
     linears = [(row["part"].split(" (")[0], row["case"]) for row in rows[len(decode) :]]
     with_kernel = [dtype for dtype in (torch.float32, torch.bfloat16) if available_linear_kernels(dtype)]
-    assert linears == [(f"linears {str(dtype)[6:]}", f"{count} rows") for dtype in with_kernel for count in (32, 512)]
+    assert linears == [(f"linears {str(dtype)[6:]}", f"{count} rows") for dtype in with_kernel for count in (1, 32, 512)]
     assert all(row["ratio"] > 0 for row in rows)
     csrc = str(native.CSRC)
     if subprocess.run(["git", "-C", csrc, "diff", "--quiet", "HEAD", "--", csrc]).returncode == 0:
