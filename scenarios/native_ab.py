@@ -10,9 +10,11 @@ On SmolLM2-135M's shapes over 30 layers it times:
   after hours of churn);
 - the packed linears (packed_linear.c, linear_f32.c) of each dtype with a native kernel here,
   at 1 and 32 rows (decode's, with the lm_head) and 512 (prefill's), each build packing its own
-  weights.
+  weights;
+- prefill attention (paged_extend.c) in each dtype it takes here: a 1,024-token prompt, and 32
+  requests' 64 new tokens over 1,024 cached ones.
 
-    python -m radixkv.scenarios.native_ab [--base HEAD] [--rounds 12] [--parts decode,linears]
+    python -m radixkv.scenarios.native_ab [--base HEAD] [--rounds 12] [--parts decode,linears,prefill]
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from pathlib import Path
 import torch
 
 from radixkv.cpu import decode as cpu_decode
+from radixkv.cpu import extend as cpu_extend
 from radixkv.cpu import native
 from radixkv.cpu.linear import PackedLinear, available_linear_kernels
 from radixkv.scenarios.cpu_kernels import HEAD_DIM, KV_HEADS, LINEAR_SHAPES, LM_HEAD, PAGE_SIZE, Q_HEADS
@@ -84,6 +87,30 @@ def linears_ab(builds: dict, dtype: torch.dtype, rows: int, args, flush: torch.T
     return in_turns(builds, runs, args.rounds, flush) | dict(part=f"linears {_name(dtype)} ({kernel})", case=f"{rows} rows")
 
 
+def prefill_ab(builds: dict, dtype: torch.dtype, num_seqs: int, new: int, cached: int, args, flush: torch.Tensor) -> dict:
+    """Prefill attention of `new` tokens a request over `cached` ones in its pages, shuffled over
+    the pool, under each build in turn."""
+    generator = torch.Generator().manual_seed(0)
+    context = cached + new
+    pages_per_seq = -(-context // PAGE_SIZE)
+    shape = (num_seqs * pages_per_seq, PAGE_SIZE, KV_HEADS, HEAD_DIM)
+    caches = [(torch.randn(shape, generator=generator).to(dtype), torch.randn(shape, generator=generator).to(dtype)) for _ in range(args.layers)]
+    table = page_table("shuffled", num_seqs, pages_per_seq, generator)
+    seq_lens = torch.full((num_seqs,), context, dtype=torch.int32)
+    q_starts = torch.arange(0, num_seqs * new, new, dtype=torch.int32)
+    q_lens = torch.full((num_seqs,), new, dtype=torch.int32)
+    q = torch.randn(num_seqs * new, Q_HEADS, HEAD_DIM, generator=generator).to(dtype)
+
+    def run() -> list[torch.Tensor]:
+        outs = [torch.empty_like(q) for _ in caches]
+        for (k, v), out in zip(caches, outs, strict=True):
+            cpu_extend.paged_extend(q, k, v, table, seq_lens, q_starts, q_lens, HEAD_DIM**-0.5, out)
+        return outs
+
+    result = in_turns(builds, {name: run for name in builds}, args.rounds, flush)
+    return result | dict(part=f"prefill attention {_name(dtype)}", case=f"{num_seqs} x {new} new / {cached}")
+
+
 def in_turns(builds: dict, runs: dict, rounds: int, flush: torch.Tensor) -> dict:
     """Each build's run (a list of output tensors), `rounds` times in turns, caches emptied before
     each: best and median ms, and whether every build's outputs equal the first's bit for bit."""
@@ -121,10 +148,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=12, help="timed turns of each build (identical builds: within 2% at 16)")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--orders", default=",".join(ORDERS), help="decode's page layouts")
-    parser.add_argument("--parts", default="decode,linears")
+    parser.add_argument("--parts", default="decode,linears,prefill")
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--num-seqs", type=int, default=32)
-    parser.add_argument("--context", type=int, default=1032)
+    parser.add_argument("--context", type=int, default=1032, help="decode's tokens a request")
+    parser.add_argument("--prefill-len", type=int, default=1024, help="prefill's prompt, and its cached tokens a request")
     parser.add_argument("--flush-mib", type=int, default=1024, help="buffer read before each timing to empty the caches")
     parser.add_argument("--out", default="out/native_ab")
     args = parser.parse_args(argv)
@@ -144,6 +172,11 @@ def main(argv: list[str] | None = None) -> int:
         with native.using(builds["working tree"]):
             linear_dtypes = [dtype for dtype in dtypes if available_linear_kernels(dtype)]
         rows += [linears_ab(builds, dtype, count, args, flush) for dtype in linear_dtypes for count in (1, 32, 512)]
+    if "prefill" in parts:
+        with native.using(builds["working tree"]):
+            prefill_dtypes = [dtype for dtype in dtypes if cpu_extend.fits(dtype, HEAD_DIM, Q_HEADS // KV_HEADS)]
+        shapes = [(1, args.prefill_len, 0), (args.num_seqs, 64, args.prefill_len)]
+        rows += [prefill_ab(builds, dtype, *shape, args, flush) for dtype in prefill_dtypes for shape in shapes]
     limits = machine_limits(torch.float32)
     print(f"\n{limits['cpu']}, {limits['torch_threads']} threads: read {limits['read_bandwidth_gb_s']:.1f} GB/s (measured in this run)")
     print(f"{args.layers} layers (decode: {args.num_seqs} x {args.context} tokens), best of {args.rounds} turns each, caches cold\n")

@@ -106,7 +106,7 @@ def test_cpu_kernels_bench_runs_and_reports(tmp_path, capsys):
 def test_native_ab_times_two_builds_in_one_process(tmp_path, capsys):
     import torch
 
-    from radixkv.cpu import native
+    from radixkv.cpu import extend, native
     from radixkv.cpu.linear import available_linear_kernels
 
     loaded = native.load()
@@ -115,14 +115,16 @@ def test_native_ab_times_two_builds_in_one_process(tmp_path, capsys):
     if not (Path(__file__).resolve().parents[2] / ".git").exists():
         pytest.skip("the native A/B reads its baseline from git")
     module = importlib.import_module("radixkv.scenarios.native_ab")
-    argv = ["--out", str(tmp_path), "--rounds", "2", "--layers", "1", "--num-seqs", "3", "--context", "40", "--flush-mib", "8"]
+    argv = ["--out", str(tmp_path), "--rounds", "2", "--layers", "1", "--num-seqs", "3", "--context", "40", "--prefill-len", "40", "--flush-mib", "8"]
     assert module.main(argv) == 0
     rows = json.loads((tmp_path / "native_ab.json").read_text())["rows"]
     decode = [(f"decode attention {dtype}", order) for dtype in ("float32", "bfloat16") for order in module.ORDERS]
     assert [(row["part"], row["case"]) for row in rows[: len(decode)]] == decode
-    linears = [(row["part"].split(" (")[0], row["case"]) for row in rows[len(decode) :]]
     with_kernel = [dtype for dtype in (torch.float32, torch.bfloat16) if available_linear_kernels(dtype)]
-    assert linears == [(f"linears {str(dtype)[6:]}", f"{count} rows") for dtype in with_kernel for count in (1, 32, 512)]
+    linears = [(f"linears {str(dtype)[6:]}", f"{count} rows") for dtype in with_kernel for count in (1, 32, 512)]
+    prefill_dtypes = [dtype for dtype in (torch.float32, torch.bfloat16) if extend.fits(dtype, 64, 3)]
+    prefill = [(f"prefill attention {str(dtype)[6:]}", case) for dtype in prefill_dtypes for case in ("1 x 40 new / 0", "3 x 64 new / 40")]
+    assert [(row["part"].split(" (")[0], row["case"]) for row in rows[len(decode) :]] == linears + prefill
     assert all(row["ratio"] > 0 for row in rows)
     csrc = str(native.CSRC)
     if subprocess.run(["git", "-C", csrc, "diff", "--quiet", "HEAD", "--", csrc]).returncode == 0:
