@@ -160,9 +160,14 @@ def main(argv: list[str] | None = None) -> int:
     if compiler is None:
         print("needs a C compiler")
         return 1
+    base = f"base ({args.base})"
     with tempfile.TemporaryDirectory() as scratch:
-        base = f"base ({args.base})"
-        builds = {base: native.build_from(sources_at(args.base, Path(scratch)), compiler), "working tree": native.build_from(native.CSRC, compiler)}
+        try:
+            builds = {base: native.build_from(sources_at(args.base, Path(scratch)), compiler), "working tree": native.build_from(native.CSRC, compiler)}
+        except subprocess.CalledProcessError as error:
+            detail = error.stderr.decode(errors="replace") if isinstance(error.stderr, bytes) else error.stderr or ""
+            print(f"{' '.join(map(str, error.cmd[:3]))} ... failed: {detail.strip()[-2000:]}")
+            return 2
     flush = torch.ones(args.flush_mib << 20, dtype=torch.int8)
     dtypes, parts = [getattr(torch, name) for name in args.dtypes.split(",")], args.parts.split(",")
     rows = []

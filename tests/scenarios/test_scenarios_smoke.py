@@ -132,3 +132,15 @@ def test_native_ab_times_two_builds_in_one_process(tmp_path, capsys):
         assert all(row["identical"] for row in rows)
     assert native.load() is loaded  # the build under test is back after each turn
     assert (tmp_path / "native_ab.png").exists() and "tree / base" in capsys.readouterr().out
+
+
+def test_native_ab_names_a_bad_revision(tmp_path, capsys):
+    from radixkv.cpu import native
+
+    if native.find_compiler() is None:
+        pytest.skip("the native A/B needs a C compiler")
+    if not (Path(__file__).resolve().parents[2] / ".git").exists():
+        pytest.skip("the native A/B reads its baseline from git")
+    module = importlib.import_module("radixkv.scenarios.native_ab")
+    assert module.main(["--base", "no-such-revision", "--out", str(tmp_path)]) == 2
+    assert "no-such-revision" in capsys.readouterr().out
