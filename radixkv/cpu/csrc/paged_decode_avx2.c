@@ -117,8 +117,8 @@ static inline __attribute__((always_inline)) void store_output(const __m256 acc[
     }
 }
 
-/* How many blocks ahead of an all-heads item its K and V are requested (A/B on Zen 3: 2 beat 1,
- * 3, 4 and 8 by a few percent). */
+/* How many blocks ahead of an all-heads item its K and V are requested (A/B on Zen 3: 2 was as
+ * fast as any of 1, 3, 4 and 8, each of which lost a few percent with some page layouts). */
 #define LEAD_BLOCKS 2
 
 /* The item: q.k for all the chunk's keys, one softmax over the chunk (no running max, no
