@@ -58,9 +58,6 @@ def load() -> ctypes.CDLL | None:
             detail = getattr(error, "stderr", "") or str(error)
             logger.warning("building radixkv's CPU kernels failed, using torch ops instead: %s", detail)
             return None
-        # Decode's q.k starts on AMX where the OS grants tiles, as EngineConfig.decode_amx's
-        # default says; the CPU backend applies its own config's setting over this.
-        library.radixkv_decode_use_amx(1)
         _library = library
         return library
 
@@ -74,6 +71,9 @@ def build_from(csrc: Path, compiler: str) -> ctypes.CDLL:
     check_private(path)
     library = ctypes.CDLL(str(path))
     _declare(library)
+    # Decode's q.k starts on AMX where the OS grants tiles, as EngineConfig.decode_amx's
+    # default says; the CPU backend applies its own config's setting over this.
+    library.radixkv_decode_use_amx(1)
     return library
 
 
