@@ -61,7 +61,7 @@ def linear_rows(repeats: int, flush: torch.Tensor, layers: int, dtype: torch.dty
     torch.manual_seed(0)
     shapes = [shape for _ in range(layers) for shape in LINEAR_SHAPES.values()] + [LM_HEAD]
     weights = [torch.randn(n, k).to(dtype) for k, n in shapes]
-    native_layers = {kernel: [PackedLinear(_linear(w), kernel) for w in weights] for kernel in available_linear_kernels(dtype)}
+    native_layers = {kernel: [PackedLinear(linear_module(w), kernel) for w in weights] for kernel in available_linear_kernels(dtype)}
     baseline = f"radixkv {available_linear_kernels(dtype)[0]}"
     prepacked = can_prepack(dtype, torch.device("cpu"))
     onednn = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_FOR_ROWS) for w in weights] if prepacked else []
@@ -88,7 +88,8 @@ def linear_rows(repeats: int, flush: torch.Tensor, layers: int, dtype: torch.dty
     return rows
 
 
-def _linear(weight: torch.Tensor) -> torch.nn.Linear:
+def linear_module(weight: torch.Tensor) -> torch.nn.Linear:
+    """An nn.Linear (no bias) holding `weight`, for PackedLinear to pack."""
     linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=weight.dtype)
     linear.weight.data = weight
     return linear

@@ -33,7 +33,7 @@ from radixkv.cpu import decode as cpu_decode
 from radixkv.cpu import extend as cpu_extend
 from radixkv.cpu import native
 from radixkv.cpu.linear import PackedLinear, available_linear_kernels
-from radixkv.scenarios.cpu_kernels import HEAD_DIM, KV_HEADS, LINEAR_SHAPES, LM_HEAD, PAGE_SIZE, Q_HEADS
+from radixkv.scenarios.cpu_kernels import HEAD_DIM, KV_HEADS, LINEAR_SHAPES, LM_HEAD, PAGE_SIZE, Q_HEADS, linear_module
 from radixkv.scenarios.machine import machine_limits
 
 ORDERS = ("in_order", "interleaved", "shuffled")
@@ -58,12 +58,17 @@ def page_table(order: str, num_seqs: int, pages_per_seq: int, generator: torch.G
     return pages.view(num_seqs, pages_per_seq)
 
 
+def kv_caches(num_pages: int, dtype: torch.dtype, layers: int, generator: torch.Generator) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's K and V pools of random values, SmolLM2's kv heads and head_dim."""
+    shape = (num_pages, PAGE_SIZE, KV_HEADS, HEAD_DIM)
+    return [(torch.randn(shape, generator=generator).to(dtype), torch.randn(shape, generator=generator).to(dtype)) for _ in range(layers)]
+
+
 def decode_ab(builds: dict, dtype: torch.dtype, order: str, args, flush: torch.Tensor) -> dict:
     """Decode attention over every layer's KV, under each build in turn."""
     generator = torch.Generator().manual_seed(0)
     pages_per_seq = -(-args.context // PAGE_SIZE)
-    shape = (args.num_seqs * pages_per_seq, PAGE_SIZE, KV_HEADS, HEAD_DIM)
-    caches = [(torch.randn(shape, generator=generator).to(dtype), torch.randn(shape, generator=generator).to(dtype)) for _ in range(args.layers)]
+    caches = kv_caches(args.num_seqs * pages_per_seq, dtype, args.layers, generator)
     table = page_table(order, args.num_seqs, pages_per_seq, generator)
     seq_lens = torch.full((args.num_seqs,), args.context, dtype=torch.int32)
     q = torch.randn(args.num_seqs, Q_HEADS, HEAD_DIM, generator=generator).to(dtype)
@@ -82,7 +87,7 @@ def linears_ab(builds: dict, dtype: torch.dtype, rows: int, args, flush: torch.T
     for name, library in builds.items():
         with native.using(library):
             kernel = available_linear_kernels(dtype)[0]
-            layers = [PackedLinear(_linear(weight), kernel) for weight in weights]
+            layers = [PackedLinear(linear_module(weight), kernel) for weight in weights]
         runs[name] = lambda layers=layers: [layer(x) for layer, x in zip(layers, inputs, strict=True)]
     return in_turns(builds, runs, args.rounds, flush) | dict(part=f"linears {_name(dtype)} ({kernel})", case=f"{rows} rows")
 
@@ -93,8 +98,7 @@ def prefill_ab(builds: dict, dtype: torch.dtype, num_seqs: int, new: int, cached
     generator = torch.Generator().manual_seed(0)
     context = cached + new
     pages_per_seq = -(-context // PAGE_SIZE)
-    shape = (num_seqs * pages_per_seq, PAGE_SIZE, KV_HEADS, HEAD_DIM)
-    caches = [(torch.randn(shape, generator=generator).to(dtype), torch.randn(shape, generator=generator).to(dtype)) for _ in range(args.layers)]
+    caches = kv_caches(num_seqs * pages_per_seq, dtype, args.layers, generator)
     table = page_table("shuffled", num_seqs, pages_per_seq, generator)
     seq_lens = torch.full((num_seqs,), context, dtype=torch.int32)
     q_starts = torch.arange(0, num_seqs * new, new, dtype=torch.int32)
@@ -134,12 +138,6 @@ def in_turns(builds: dict, runs: dict, rounds: int, flush: torch.Tensor) -> dict
 
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def _linear(weight: torch.Tensor) -> torch.nn.Linear:
-    linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=weight.dtype)
-    linear.weight.data = weight
-    return linear
 
 
 def main(argv: list[str] | None = None) -> int:

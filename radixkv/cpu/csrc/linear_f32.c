@@ -61,7 +61,7 @@ static inline __attribute__((always_inline)) void store_row(float *dst, const __
  * lines from `ahead` are requested into L2, one before each equal stretch of inputs. */
 static void panel_rows(const float *x, int64_t x_stride, int rows, int k, const float *panel, const float *bias,
                        int live, float *y, int64_t y_stride, const char *ahead, int ahead_lines) {
-    const int stretch = ahead_lines > 0 && k > ahead_lines ? k / ahead_lines : (ahead_lines > 0 ? 1 : k); /* stretches >= lines */
+    const int stretch = ahead_lines > 0 ? k / ahead_lines : k; /* callers keep ahead_lines <= k: stretches >= lines */
     const float *row[BLOCK_ROWS];
     for (int r = 0; r < BLOCK_ROWS; r++) row[r] = x + (r < rows ? r : rows - 1) * x_stride;
     const float *x0 = row[0], *x1 = row[1], *x2 = row[2], *x3 = row[3];
