@@ -124,7 +124,8 @@ def in_turns(builds: dict, runs: dict, rounds: int, flush: torch.Tensor) -> dict
         # Alternate who goes first: a VM slowing down mid-round does not favour either.
         for name, library in list(builds.items())[:: 1 if turn % 2 == 0 else -1]:
             with native.using(library):
-                flush.max()
+                if flush.numel():  # --flush-mib 0 times warm caches
+                    flush.max()
                 start = time.perf_counter()
                 outputs[name] = runs[name]()
                 seconds[name].append(time.perf_counter() - start)
@@ -143,7 +144,7 @@ def _name(dtype: torch.dtype) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", default="HEAD", help="git revision whose sources are the baseline")
-    parser.add_argument("--rounds", type=int, default=12, help="timed turns of each build (identical builds: within 2% at 16)")
+    parser.add_argument("--rounds", type=int, default=12, help="timed turns of each build (identical builds: within 2%% at 16)")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--orders", default=",".join(ORDERS), help="decode's page layouts")
     parser.add_argument("--parts", default="decode,linears,prefill")

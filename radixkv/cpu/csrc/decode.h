@@ -170,6 +170,10 @@ static inline void prefetcher_init(Prefetcher *p, const NextItem *next, const Sh
     prefetcher_pace(p, lines, steps);
 }
 
+/* How many blocks ahead of an all-heads item its K and V are requested (A/B on Zen 3: 2 was as
+ * fast as any of 1, 3, 4 and 8, each of which lost a few percent with some page layouts). */
+#define LEAD_BLOCKS 2
+
 /* For an item that reads every block's K rows (all kv heads) and then every block's V rows, in
  * that order: the lines it reads `lead` blocks from now, then the next item's first ones, at the
  * rate it reads its own. Each request arrives shortly before its block is read, as one

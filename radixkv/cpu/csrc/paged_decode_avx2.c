@@ -117,10 +117,6 @@ static inline __attribute__((always_inline)) void store_output(const __m256 acc[
     }
 }
 
-/* How many blocks ahead of an all-heads item its K and V are requested (A/B on Zen 3: 2 was as
- * fast as any of 1, 3, 4 and 8, each of which lost a few percent with some page layouts). */
-#define LEAD_BLOCKS 2
-
 /* The item: q.k for all the chunk's keys, one softmax over the chunk (no running max, no
  * rescaling), then p.v. Where all kv heads' query rows fit the buffers (H * G <= MAX_GROUP) one
  * pass takes every kv head, so each block's K rows, then its V rows, are read once, in address
