@@ -171,7 +171,8 @@ static inline void prefetcher_init(Prefetcher *p, const NextItem *next, const Sh
 }
 
 /* How many blocks ahead of an all-heads item its K and V are requested (A/B on Zen 3: 2 was as
- * fast as any of 1, 3, 4 and 8, each of which lost a few percent with some page layouts). */
+ * fast as any of 1, 3, 4 and 8, each of which lost a few percent with some page layouts; on
+ * Zen 4, 1 and 4 were the same as 2). */
 #define LEAD_BLOCKS 2
 
 /* For an item that reads every block's K rows (all kv heads) and then every block's V rows, in

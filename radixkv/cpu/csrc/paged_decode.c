@@ -9,11 +9,12 @@
  * depend only on the request's own length, never on the batch or the thread count, so a
  * request's output is the same whatever it runs beside.
  *
- * Memory, not arithmetic, bounds decode, and a core keeps only a few cache-line misses in
- * flight. So while an item computes, it requests the KV of the thread's next item into L2, a
- * few lines per step, spread evenly over its work: the memory never idles and the item itself
- * reads from cache. (Prefetching a block ahead, or all at once, left the memory idle during
- * compute or stalled on full line-fill buffers.)
+ * Memory bounds decode on most CPUs, and a core keeps only a few cache-line misses in flight.
+ * So while an item computes, it requests KV into L2 a few lines per step, spread evenly over its
+ * work: an item that reads all kv heads in one pass requests its own blocks a few blocks ahead
+ * and then the thread's next item's first ones; other items request the next item's KV. The
+ * memory never idles and the item itself reads from cache. (Requesting everything at once
+ * stalled on full line-fill buffers; no software requests at all was 1.5-1.9x slower.)
  *
  * Layouts (element strides):
  *   q          [rows][q_row_stride], a row holds num_q_heads * head_dim values
@@ -279,13 +280,15 @@ static inline __attribute__((always_inline)) void block_values(__m512 acc[SPAN_R
  * A span holds up to SPAN_ROWS query heads (every kv head of SmolLM2's models), and each pass
  * reads a page's rows once, in address order, for all of them; one pass per kv head touched
  * every page once per head. Where one span takes every kv head, K and V are requested
- * LEAD_BLOCKS blocks ahead of their reading, else the next item meanwhile. Measured with 32 x
- * 1,032 tokens over 30 layers, A/B in one process, cold, outputs bit-identical: bf16 spans
- * against one kv head a pass, shuffled pages 11-16% faster; requests ahead
- * against the next item's, 19-21% faster in bf16 (Zen 4); fp32 spans of all heads with
- * requests ahead against one kv head a pass, 17-28% faster (Zen 4), though a key already in
- * cache takes longer (its queries and sums no longer all in registers). head_dim % 32 == 0
- * (bf16) or % 16 == 0 (fp32); D and G are constants in the hot instances. */
+ * LEAD_BLOCKS blocks ahead of their reading; else the next item is requested meanwhile.
+ * Measured with 32 x 1,032 tokens over 30 layers, A/B in one process, cold, outputs
+ * bit-identical:
+ * - bf16 spans against one kv head a pass: shuffled pages 11-16% faster;
+ * - requests ahead against the next item's: bf16 19-21% faster (Zen 4);
+ * - fp32 spans of all heads, with requests ahead, against one kv head a pass: 17-28% faster
+ *   (Zen 4), though a key already in cache takes longer (its queries and sums no longer all
+ *   in registers).
+ * head_dim % 32 == 0 (bf16) or % 16 == 0 (fp32); D and G are constants in the hot instances. */
 static inline __attribute__((always_inline)) void item_avx512_impl(
     const void *q_row, const void *k, const void *v, const int32_t *pages, int begin, int end, const Shape *sh,
     float *states, const NextItem *next, const int D, const int G, const int bf16, const int fixed_heads) {
