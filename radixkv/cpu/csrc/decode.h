@@ -202,6 +202,15 @@ static inline void prefetcher_init_ahead(Prefetcher *p, const Block *blocks, int
     prefetcher_pace(p, lines, steps);
 }
 
+/* The requests of an item over `steps` prefetch steps: its own blocks ahead where one pass reads
+ * every kv head's rows (all_heads), else the next item's KV meanwhile. */
+static inline void prefetcher_for_item(Prefetcher *p, const Block *blocks, int num_blocks, const NextItem *next,
+                                       const Shape *sh, const char *k, const char *v, int element_bytes, int steps,
+                                       int all_heads) {
+    if (all_heads) prefetcher_init_ahead(p, blocks, num_blocks, next, sh, k, v, element_bytes, steps, LEAD_BLOCKS);
+    else prefetcher_init(p, next, sh, k, v, element_bytes, steps);
+}
+
 static inline void prefetch_step(Prefetcher *p) {
     int budget = p->lines_per_step;
     while (budget > 0 && p->run < p->runs) {

@@ -136,10 +136,8 @@ static inline __attribute__((always_inline)) void item_avx2_impl(const void *q_r
     const int steps = 2 * H * num_blocks * STEPS_PER_BLOCK;
     float s[MAX_GROUP * SCORE_STRIDE] __attribute__((aligned(32)));
     Prefetcher prefetcher;
-    if (heads_per_pass == H)
-        prefetcher_init_ahead(&prefetcher, blocks, num_blocks, next, sh, (const char *)k, (const char *)v, bytes, steps,
-                              LEAD_BLOCKS);
-    else prefetcher_init(&prefetcher, next, sh, (const char *)k, (const char *)v, bytes, steps);
+    prefetcher_for_item(&prefetcher, blocks, num_blocks, next, sh, (const char *)k, (const char *)v, bytes, steps,
+                        heads_per_pass == H);
     for (int h0 = 0; h0 < H; h0 += heads_per_pass) {
         __m256 qv[MAX_GROUP][MAX_VECTORS], acc[MAX_GROUP][MAX_VECTORS];
         float *first_state = states + (int64_t)h0 * G * (D + 2);
