@@ -21,6 +21,7 @@ from typing import Any
 
 from radixkv.scenarios.harness import TEXT
 from radixkv.scenarios.machine import machine_limits
+from radixkv.scenarios.plots import pyplot, save
 
 QUESTIONS = [
     "Where is my order 1042? I need it before Friday.",
@@ -258,10 +259,7 @@ def write_report(records: list[CallRecord], modes: list[str], out_dir: Path, met
 
 
 def _plot(records: list[CallRecord], modes: list[str], out_dir: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (share_ax, wall_ax) = plt.subplots(1, 2, figsize=(11, 4))
     for m in modes:
@@ -273,9 +271,7 @@ def _plot(records: list[CallRecord], modes: list[str], out_dir: Path) -> None:
     wall_ax.set(title="wall time of each call", xlabel="model call", ylabel="s")
     share_ax.legend()
     wall_ax.legend()
-    fig.tight_layout()
-    fig.savefig(out_dir / "agent_tools.png", dpi=110)
-    plt.close(fig)
+    save(fig, out_dir / "agent_tools.png")
 
 
 def main(argv: list[str] | None = None) -> int:

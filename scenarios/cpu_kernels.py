@@ -38,6 +38,7 @@ from radixkv.cpu import native
 from radixkv.cpu.features import cpu_features
 from radixkv.cpu.linear import PACK_FOR_ROWS, PackedLinear, available_linear_kernels, can_prepack
 from radixkv.scenarios.machine import machine_limits
+from radixkv.scenarios.plots import pyplot, save
 
 LINEAR_SHAPES = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576)}
 LM_HEAD = (576, 49152)
@@ -253,10 +254,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     cases = list(dict.fromkeys((r["part"], r["case"]) for r in rows))
     columns = min(6, len(cases))
@@ -270,9 +268,7 @@ def _plot(rows: list[dict], path: Path) -> None:
         ax.set_title(f"{part}, {case} (ms)", fontsize=9)
         ax.tick_params(axis="x", rotation=30, labelsize=8)
     fig.suptitle("CPU kernels vs the torch paths they replace (SmolLM2-135M shapes, cold caches)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
 
 
 if __name__ == "__main__":

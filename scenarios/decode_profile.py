@@ -26,6 +26,7 @@ import torch
 
 from radixkv.scenarios.bounds import Costs
 from radixkv.scenarios.machine import copy_bandwidth_bytes_per_s, machine_limits
+from radixkv.scenarios.plots import pyplot, save
 
 
 def prompts_for(vocab: int, num_seqs: int, context: int, shared_prefix: int = 0, group_size: int = 1) -> list[list[int]]:
@@ -294,10 +295,7 @@ def shared_prefix_main(args, out: Path) -> int:
 
 
 def _plot_sweep(sweep: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     sizes = [pair[True]["group_size"] for pair in sweep]
     fig, ax = plt.subplots(figsize=(6, 3.5))
@@ -309,16 +307,11 @@ def _plot_sweep(sweep: list[dict], path: Path) -> None:
     ax.set_ylabel("decode step ms")
     ax.set_title(f"{sweep[0][True]['num_seqs']} requests, {sweep[0][True]['shared_prefix']}-token prefixes — {sweep[0][True]['cpu']}", fontsize=8)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
 
 
 def _plot(r: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     parts = {k: v for k, v in r["breakdown_ms"].items() if not k.startswith("step")}
     fig, ax = plt.subplots(figsize=(7, 3.5))
@@ -330,9 +323,7 @@ def _plot(r: dict, path: Path) -> None:
     ax.set_xlabel("ms")
     ax.set_title(f"decode step, {r['num_seqs']} x {r['context']} tokens, {r['dtype']} — {r['cpu']}", fontsize=8)
     ax.legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
 
 
 if __name__ == "__main__":

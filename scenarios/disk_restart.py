@@ -21,6 +21,7 @@ from radixkv.config import EngineConfig
 from radixkv.engine.engine import Engine
 from radixkv.engine.request import SamplingParams
 from radixkv.scenarios.machine import machine_limits
+from radixkv.scenarios.plots import pyplot, save
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,18 +133,13 @@ def _ttft(engine: Engine, case: str, prompt: list[int]) -> dict:
 
 
 def _plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 3.2))
     ax.barh([row["case"] for row in rows][::-1], [row["ttft_s"] for row in rows][::-1], color=["C3", "C2", "C0", "C1"])
     ax.set_xlabel("time to first token (s)")
     ax.set_title(f"{rows[0]['prompt_tokens']:,}-token prompt: TTFT after a restart", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from radixkv.scenarios.machine import machine_limits
+from radixkv.scenarios.plots import pyplot, save
 
 # A schema of the shape agents ask for: nested objects, arrays, enums, bounded strings.
 SCHEMA = {
@@ -255,10 +256,7 @@ def _print(r: dict) -> None:
 
 
 def _plot(r: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     libs = r["library_comparison"]["libraries"]
@@ -274,9 +272,7 @@ def _plot(r: dict, path: Path) -> None:
     right.bar(["unguided", "guided"], [r["unguided"]["tokens_per_s"], r["guided"]["tokens_per_s"]])
     right.set_ylabel("output tokens / s")
     right.set_title(f"{r['num_requests']} concurrent requests: ratio {r['guided_over_unguided']:.2f}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path, dpi=120)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ from radixkv.cpu import native
 from radixkv.cpu.linear import PackedLinear, available_linear_kernels
 from radixkv.scenarios.cpu_kernels import HEAD_DIM, KV_HEADS, LINEAR_SHAPES, LM_HEAD, PAGE_SIZE, Q_HEADS, linear_module
 from radixkv.scenarios.machine import machine_limits
+from radixkv.scenarios.plots import pyplot, save
 
 ORDERS = ("in_order", "interleaved", "shuffled")
 REPO = Path(__file__).resolve().parents[1]
@@ -199,10 +200,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _plot(rows: list[dict], base: str, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(max(8, 1.3 * len(rows)), 3.8))
     labels = [f"{row['part']}\n{row['case']}".replace("decode attention", "decode") for row in rows]
@@ -211,9 +209,7 @@ def _plot(rows: list[dict], base: str, path: Path) -> None:
     ax.set_xticks(range(len(rows)), labels, fontsize=7)
     ax.set_ylabel(f"working tree / {base} (time)")
     ax.set_title("native library A/B, caches cold")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path, dpi=120)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from radixkv.scenarios.peers import PeerResult, Workload
+from radixkv.scenarios.plots import pyplot, save
 
 
 def min_prefill_tokens(prompts: list[list[int]], page_size: int) -> int:
@@ -131,10 +132,7 @@ def write_report(workload: Workload, results: list[PeerResult], out_dir: Path, e
 
 
 def _plot(workload: Workload, rows: list[dict], results: list[PeerResult], out_dir: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     ok = [r for r in rows if not r["error"]]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
@@ -153,6 +151,4 @@ def _plot(workload: Workload, rows: list[dict], results: list[PeerResult], out_d
     for ax in axes:
         ax.tick_params(axis="x", rotation=30)
     fig.suptitle(f"{workload.name}: {len(workload.prompts)} requests, {workload.output_len} output tokens")
-    fig.tight_layout()
-    fig.savefig(out_dir / f"{workload.name}.png", dpi=110)
-    plt.close(fig)
+    save(fig, out_dir / f"{workload.name}.png")

@@ -32,6 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from radixkv.cluster import ROUTER_INSTALL, LocalCluster, router_installed
 from radixkv.scenarios.harness import load_tokenizer, text_tokens
+from radixkv.scenarios.plots import pyplot, save
 
 PAGE_SIZE = 16  # `radixkv serve`'s default
 
@@ -219,10 +220,7 @@ def format_table(results: list[PolicyResult]) -> str:
 
 
 def plot(results: list[PolicyResult], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     names = [r.policy for r in results]
     panels = [
@@ -237,9 +235,7 @@ def plot(results: list[PolicyResult], path: Path, title: str) -> None:
         ax.set_title(panel, fontsize=10)
         ax.margins(y=0.2)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,6 +26,7 @@ from pathlib import Path
 from radixkv.cache import BlockHasher, PagePool, RadixTree
 from radixkv.engine.kv_manager import KVManager
 from radixkv.engine.request import SamplingParams, SequenceState
+from radixkv.scenarios.plots import pyplot, save
 from radixkv.scenarios.trace_replay import block_tokens, load_trace, resolve_trace, serve_request
 
 POLICIES = ("round_robin", "least_load", "prefix_affinity", "cache_aware")
@@ -146,10 +147,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _plot(results: list[Result], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (hit_ax, load_ax) = plt.subplots(1, 2, figsize=(9, 3.5))
     for policy in dict.fromkeys(r.policy for r in results):
@@ -161,9 +159,7 @@ def _plot(results: list[Result], path: Path) -> None:
         ax.set_xlabel("replicas")
         ax.set_title(title, fontsize=9)
     hit_ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ from radixkv.cache.eviction import EVICTION_POLICIES
 from radixkv.cache.radix import Node
 from radixkv.engine.kv_manager import KVManager
 from radixkv.engine.request import SamplingParams, SequenceState
+from radixkv.scenarios.plots import pyplot, save
 
 TRACE_NAME = "synthetic_trace.jsonl"
 
@@ -369,10 +370,7 @@ def print_table(rows: list[Row]) -> None:
 
 
 def plot(rows: list[Row], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     infinite = next(row.hit_ratio for row in rows if row.kind == "infinite")
     groups = sorted({(row.ram_fraction, row.disk_fraction) for row in rows if row.kind != "infinite"})
@@ -393,9 +391,7 @@ def plot(rows: list[Row], path: Path) -> None:
     ax.set_ylabel("prefix-hit ratio (hatched: from disk)")
     ax.set_title("trace replay: prefix-hit ratio by capacity (fraction of distinct blocks; belady at RAM+disk)", fontsize=10)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
 
 
 def _fractions(text: str, flag: str, *, allow_zero: bool) -> list[float]:
