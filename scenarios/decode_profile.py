@@ -81,7 +81,9 @@ def profile_decode(
     kv_read = engine.counters.num_kv_tokens_read - reads_before[0]
     kv_shared = engine.counters.num_kv_tokens_read_shared - reads_before[1]
     phases = {name: seconds / steps for name, seconds in asdict(engine.step_times).items()}
-    breakdown = kernel_breakdown(engine, steps) if (not quiet if breakdown is None else breakdown) else {}
+    wanted = not quiet if breakdown is None else breakdown
+    fused_parts = fused_breakdown(engine, steps) if wanted and engine.loaded.model.fused_decode is not None else {}
+    breakdown = kernel_breakdown(engine, steps) if wanted else {}
     for request_id in list(engine._requests):
         engine.abort(request_id)
 
@@ -125,6 +127,7 @@ def profile_decode(
         step_over_ideal=step_s / ideal_s,
         native_decode=native_decode_used(engine),
         fused_decode=engine.loaded.model.fused_decode is not None,
+        fused_breakdown_ms=fused_parts,
         breakdown_ms=breakdown,
     )
     if not quiet:
@@ -159,6 +162,29 @@ def _timed(owner, name: str, totals: dict[str, float], label: str):
         yield
     finally:
         setattr(owner, name, original)
+
+
+def fused_breakdown(engine, steps: int) -> dict[str, float]:
+    """Where the fused step's time goes, in ms: the native call times its phases as it runs
+    (FusedDecode.PHASES, all layers together), and the rest of the step is what lies outside
+    the decoder layers (embedding, final norm, lm_head, sampling, the engine). Medians per part,
+    so the parts need not add up to the median step."""
+    fused = engine.loaded.model.fused_decode
+    seconds = torch.zeros(len(fused.PHASES), dtype=torch.float64)
+    per_step = []
+    fused.phase_seconds = seconds
+    try:
+        for _ in range(steps):
+            seconds.zero_()
+            start = time.perf_counter()
+            engine.step()
+            step = time.perf_counter() - start
+            parts = dict(zip(fused.PHASES, seconds.tolist(), strict=True))
+            parts["outside the layers"] = step - sum(parts.values())
+            per_step.append(parts)
+    finally:
+        fused.phase_seconds = None
+    return {label: statistics.median(parts[label] for parts in per_step) * 1e3 for label in per_step[0]}
 
 
 def kernel_breakdown(engine, steps: int) -> dict[str, float]:
@@ -225,6 +251,10 @@ def _print(r: dict) -> None:
     print(f"  bound                {r['ideal_ms']:8.1f} ms ({r['bound_by']}) -> step is {r['step_over_ideal']:.2f}x the bound")
     print(f"  attention            {'native paged kernel (KV read in place)' if r['native_decode'] else 'gather + SDPA'}")
     print(f"  decoder layers       {'one native call per step (fused)' if r['fused_decode'] else 'module by module'}")
+    if r["fused_breakdown_ms"]:
+        print("  where the fused step's time goes (timed inside the native call as it runs):")
+        for part, ms in r["fused_breakdown_ms"].items():
+            print(f"    {part:<26} {ms:8.1f} ms")
     print("  where the time goes (the same steps layer by layer, each kernel timed):")
     for part, ms in r["breakdown_ms"].items():
         print(f"    {part:<26} {ms:8.1f} ms")
@@ -313,16 +343,20 @@ def _plot_sweep(sweep: list[dict], path: Path) -> None:
 def _plot(r: dict, path: Path) -> None:
     plt = pyplot()
 
-    parts = {k: v for k, v in r["breakdown_ms"].items() if not k.startswith("step")}
-    fig, ax = plt.subplots(figsize=(7, 3.5))
+    runs = {"layer by layer": {k: v for k, v in r["breakdown_ms"].items() if not k.startswith("step")}}
+    if r["fused_breakdown_ms"]:
+        runs["fused, by phase"] = r["fused_breakdown_ms"]
+    fig, ax = plt.subplots(figsize=(9, 3.5 + 0.5 * len(runs)))
     ax.barh(["step (as run)", "bound"], [r["step_ms"], r["ideal_ms"]], color=["tab:blue", "tab:gray"])
-    left = 0.0
-    for name, ms in parts.items():
-        ax.barh(["layer by layer"], [max(ms, 0.0)], left=left, label=name)
-        left += max(ms, 0.0)
+    labels = list(dict.fromkeys(name for parts in runs.values() for name in parts))
+    for row, parts in runs.items():
+        left = 0.0
+        for name, ms in parts.items():
+            ax.barh([row], [max(ms, 0.0)], left=left, label=name, color=plt.cm.tab20(labels.index(name) % 20))
+            left += max(ms, 0.0)
     ax.set_xlabel("ms")
     ax.set_title(f"decode step, {r['num_seqs']} x {r['context']} tokens, {r['dtype']} — {r['cpu']}", fontsize=8)
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
     save(fig, path)
 
 

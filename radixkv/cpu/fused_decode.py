@@ -36,7 +36,7 @@ class _Shape(ctypes.Structure):
 
 
 class _Scratch(ctypes.Structure):
-    _fields_ = [(name, _p) for name in ("h", "qkv", "attention", "projected", "gate_up", "activated", "work")]
+    _fields_ = [(name, _p) for name in ("h", "qkv", "attention", "projected", "gate_up", "activated", "work", "phase_seconds")]
 
 
 def _linears(layer: torch.nn.Module) -> tuple[object, ...]:
@@ -47,11 +47,17 @@ class FusedDecode:
     """Runs a CausalLM's layers for a decode-only step in one native call, when the model fits
     (see `for_model`); the weights are read through the model's own tensors, never copied."""
 
+    # The parts of a step the native call can time (decode_layers.c's PHASE_*), in its order.
+    PHASES = ("norms, silu", "qkv", "rope, KV store", "attention", "o", "gate_up", "down")
+
     def __init__(self, model: torch.nn.Module, library: ctypes.CDLL) -> None:
         # The layers, config and backend, not the model: the model holds this object.
         self.layers, self.config, self.attention, self.library = model.layers, model.config, model.attention, library
         self._layers: ctypes.Array | None = None
         self._caches: tuple[int, int] | None = None  # data_ptr of the first k and v cache bound
+        # float64 [len(PHASES)] that each fused step adds its seconds per phase to, or None:
+        # untimed. A profiler's (scenarios/decode_profile.py) to set, zero and read.
+        self.phase_seconds: Tensor | None = None
 
     @classmethod
     def for_model(cls, model: torch.nn.Module) -> FusedDecode | None:
@@ -93,7 +99,10 @@ class FusedDecode:
                       gate_up=2 * config.intermediate_size, activated=config.intermediate_size)  # fmt: skip
         buffers = {name: torch.empty(rows, width, dtype=x.dtype) for name, width in widths.items()}
         work = torch.empty(max(decode.work_floats(seq_lens, state.plan, config.num_q_heads, config.head_dim), 1), dtype=torch.float32)
-        scratch = _Scratch(**{name: t.data_ptr() for name, t in buffers.items()}, work=work.data_ptr())
+        timed = self.phase_seconds
+        if timed is not None and (timed.dtype != torch.float64 or timed.device.type != "cpu" or timed.numel() != len(self.PHASES) or not timed.is_contiguous()):
+            raise ValueError(f"phase_seconds must be a contiguous float64 CPU tensor of {len(self.PHASES)} values")
+        scratch = _Scratch(**{name: t.data_ptr() for name, t in buffers.items()}, work=work.data_ptr(), phase_seconds=_pointer(timed))
         shape = _Shape(
             rows=rows, hidden=config.hidden_size, intermediate=config.intermediate_size, num_q_heads=config.num_q_heads,
             num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, page_size=k_caches[0].shape[1],

@@ -139,3 +139,27 @@ def test_only_a_backend_with_the_capability_runs_the_fused_step(tmp_path, monkey
     monkeypatch.setattr(loaded.model.fused_decode, "run", lambda *args: calls.append(1))
     run_schedule(loaded, [[5, 6, 7, 8, 9, 10]], fused=True, decode_steps=2)
     assert not calls  # the torch reference decodes module by module
+
+
+@needs_native_linears
+def test_the_fused_step_times_its_phases_without_changing_its_bits(tmp_path, monkeypatch):
+    # decode_profile reads the step's phases from inside the native call; timing must leave
+    # every output bit as it was, and each phase of a step that ran must have taken some time.
+    folder = make_random_model(tmp_path / "llama", "llama", hidden_size=256, num_attention_heads=4, num_key_value_heads=1)
+    loaded = load_model(str(folder), CPUBackend(), dtype=FUSED_DTYPE, device="cpu", linear_kernel=FUSED_KERNEL)
+    generator = torch.Generator().manual_seed(4)
+    sequences = [torch.randint(1, 320, (n,), generator=generator).tolist() for n in (9, 40, 23)]
+    fused = loaded.model.fused_decode
+    untimed, _ = run_schedule(loaded, sequences, fused=True)
+    fused.phase_seconds = torch.zeros(len(fused.PHASES), dtype=torch.float64)
+    try:
+        timed, _ = run_schedule(loaded, sequences, fused=True)
+        seconds = fused.phase_seconds.clone()
+        fused.phase_seconds = torch.zeros(3, dtype=torch.float64)
+        with pytest.raises(ValueError, match="7 values"):
+            run_schedule(loaded, sequences, fused=True)
+    finally:
+        fused.phase_seconds = None
+    for a, b in zip(untimed, timed, strict=True):
+        assert torch.equal(a, b)
+    assert (seconds > 0).all(), dict(zip(fused.PHASES, seconds.tolist()))

@@ -65,6 +65,8 @@ def test_decode_profile_runs_and_reports(mode, tiny_model, tmp_path, capsys):
     else:
         result = json.loads((tmp_path / "decode_profile_float32.json").read_text())
         assert result["ideal_ms"] > 0 and result["breakdown_ms"]["linears (incl. lm_head)"] > 0
+        if result["fused_decode"]:  # the fused step as run, by phase, timed inside the native call
+            assert result["fused_breakdown_ms"]["attention"] > 0 and "fused step's time" in out
         assert "x the bound" in out
 
 

@@ -8,6 +8,7 @@
  */
 #include "kernels.h"
 
+#include <omp.h>
 #include <stddef.h>
 
 /* One layer's weights and KV pages, in the model's dtype. Linear weights are packed
@@ -25,12 +26,26 @@ typedef struct {
     float eps, scale;
 } DecodeShape;
 
+/* A step's phases, in the order fused_decode.py's PHASES names them. */
+enum { PHASE_NORMS, PHASE_QKV, PHASE_ROPE_STORE, PHASE_ATTENTION, PHASE_O, PHASE_GATE_UP, PHASE_DOWN };
+
 /* Scratch rows, each [rows][width] in the model's dtype: h (hidden), qkv (q + 2 kv), attention
  * (q), projected (hidden), gate_up (2 intermediate), activated (intermediate). */
 typedef struct {
     void *h, *qkv, *attention, *projected, *gate_up, *activated;
-    float *work; /* radixkv_decode_work_floats floats */
+    float *work;           /* radixkv_decode_work_floats floats */
+    double *phase_seconds; /* NULL, or one sum per phase that each call adds its seconds to */
 } DecodeScratch;
+
+/* Adds the time since `since` to phase_seconds[phase], where the caller asked for timing, and
+ * returns the time now (0 where not). The wall clock of the calling thread, which every kernel
+ * joins before it returns: a phase's time is its kernel's, threads included. */
+static inline double lap(double *phase_seconds, int phase, double since) {
+    if (phase_seconds == NULL) return 0.0;
+    const double now = omp_get_wtime();
+    phase_seconds[phase] += now - since;
+    return now;
+}
 
 /* The kernels of either dtype, called with the shape's threads. */
 static inline int fp32(const DecodeShape *sh) { return sh->linear_kernel == RADIXKV_LINEAR_AVX2; }
@@ -80,22 +95,33 @@ int radixkv_decode_layers(const DecodeLayer *layers, int num_layers, int first_l
     const int hidden = sh->hidden, inter = sh->intermediate, bytes = fp32(sh) ? 4 : 2;
     const int q_size = sh->num_q_heads * sh->head_dim, kv_size = sh->num_kv_heads * sh->head_dim;
     const int qkv_size = q_size + 2 * kv_size;
+    double *timed = scratch->phase_seconds;
+    double t = timed ? omp_get_wtime() : 0.0;
     for (int i = 0; i < num_layers; i++) {
         const DecodeLayer *layer = layers + i;
         add_rms_norm(sh, x, (first_layer && i == 0) ? NULL : delta, layer->input_norm, scratch->h);
+        t = lap(timed, PHASE_NORMS, t);
         if (linear(sh, scratch->h, hidden, layer->qkv, qkv_size, layer->qkv_bias, scratch->qkv)) return 1;
+        t = lap(timed, PHASE_QKV, t);
         rope(sh, scratch->qkv, qkv_size, cos, signed_sin);
         const char *k = (const char *)scratch->qkv + (int64_t)q_size * bytes, *v = k + (int64_t)kv_size * bytes;
         radixkv_store_kv(layer->k_cache, layer->v_cache, k, v, (int64_t)qkv_size * bytes, (int64_t)qkv_size * bytes,
                          slots, sh->rows, (int64_t)kv_size * bytes);
+        t = lap(timed, PHASE_ROPE_STORE, t);
         if (attend(sh, layer, scratch->qkv, qkv_size, scratch->attention, scratch->work, page_table, page_table_stride,
                    seq_lens, plan))
             return 1;
+        t = lap(timed, PHASE_ATTENTION, t);
         if (linear(sh, scratch->attention, q_size, layer->o, hidden, layer->o_bias, scratch->projected)) return 1;
+        t = lap(timed, PHASE_O, t);
         add_rms_norm(sh, x, scratch->projected, layer->post_norm, scratch->h);
+        t = lap(timed, PHASE_NORMS, t);
         if (linear(sh, scratch->h, hidden, layer->gate_up, 2 * inter, NULL, scratch->gate_up)) return 1;
+        t = lap(timed, PHASE_GATE_UP, t);
         silu_mul(sh, scratch->gate_up, scratch->activated);
+        t = lap(timed, PHASE_NORMS, t);
         if (linear(sh, scratch->activated, inter, layer->down, hidden, NULL, delta)) return 1;
+        t = lap(timed, PHASE_DOWN, t);
     }
     return 0;
 }
