@@ -8,7 +8,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from radixkv.cache.pages import OutOfPages, PagePool
+from radixkv.cache.pages import ZERO_CHUNK_PAGES, OutOfPages, PagePool
 
 
 def test_allocate_gives_distinct_pages_with_refcount_one() -> None:
@@ -21,6 +21,25 @@ def test_allocate_gives_distinct_pages_with_refcount_one() -> None:
     assert pool.free_pages() == {5, 6, 7}
     assert pool.allocate(0) == []
     pool.check_invariants()
+
+
+def test_a_page_is_zero_before_its_first_use_and_zeroing_stays_lazy() -> None:
+    # Attention reads unwritten slots under a mask (0 * NaN = NaN): every page handed out must
+    # be zero whatever its memory held. Zeroing runs in chunks, never far past what is in use.
+    num_pages = 3 * ZERO_CHUNK_PAGES + 5
+    pool = PagePool(num_pages, 2, num_layers=2, num_kv_heads=1, head_dim=4)
+    for cache in (*pool.k_cache, *pool.v_cache):
+        cache.fill_(float("nan"))
+    taken: list[int] = []
+    for n in (1, 1, ZERO_CHUNK_PAGES, 3, 2 * ZERO_CHUNK_PAGES):
+        taken += pool.allocate(n)
+        for cache in (*pool.k_cache, *pool.v_cache):
+            assert torch.equal(cache[taken], torch.zeros_like(cache[taken]))
+            clean = ~cache.flatten(1).isnan().any(dim=1)
+            zeroed = int(clean.sum())
+            assert clean[:zeroed].all()  # the zeroed pages are the lowest ones
+            assert max(taken) < zeroed < max(taken) + 1 + ZERO_CHUNK_PAGES
+    assert pool.num_free == 0
 
 
 def test_out_of_pages_names_the_limits_and_allocates_nothing() -> None:
