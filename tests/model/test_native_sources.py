@@ -1,9 +1,11 @@
 """The native sources compile without a warning (-Wall -Wextra) for each kind of x86 CPU, those
-this machine cannot run included: a warning in a path no test here executes (an unused
-parameter, a helper left without its caller) is otherwise found only on the other machine."""
+this machine cannot run included, and for aarch64 where a cross compiler is installed: a
+warning in a path no test here executes (an unused parameter, a helper left without its
+caller) is otherwise found only on the other machine."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 
 import pytest
@@ -19,9 +21,14 @@ COMPILER = native.find_compiler()
 MARCHES = ["x86-64-v2", "x86-64-v3", "skylake-avx512", "cooperlake", "sapphirerapids"]
 
 
-def compile_only(march: str, *extra: str) -> subprocess.CompletedProcess:
+# ARM servers build the portable loops (Graviton 2: armv8.2-a; Graviton 3, Grace: with bf16).
+AARCH64_COMPILER = shutil.which("aarch64-linux-gnu-gcc")
+AARCH64_MARCHES = ["armv8.2-a", "armv8.6-a+bf16+sve"]
+
+
+def compile_only(march: str, *extra: str, compiler: str | None = COMPILER) -> subprocess.CompletedProcess:
     flags = [flag for flag in native.COMPILE_FLAGS if flag not in ("-march=native", "-shared", "-fPIC")]
-    command = [COMPILER, "-fsyntax-only", f"-march={march}", *flags, *extra, *map(str, native.SOURCES)]
+    command = [compiler, "-fsyntax-only", f"-march={march}", *flags, *extra, *map(str, native.SOURCES)]
     return subprocess.run(command, capture_output=True, text=True)
 
 
@@ -33,4 +40,11 @@ def test_sources_compile_without_warnings(march) -> None:
     if probe.returncode != 0:
         pytest.skip(f"{COMPILER} lacks -march={march}")
     result = compile_only(march, "-Wall", "-Wextra", "-Werror")
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.skipif(AARCH64_COMPILER is None, reason="no aarch64 cross compiler (Debian: gcc-aarch64-linux-gnu)")
+@pytest.mark.parametrize("march", AARCH64_MARCHES)
+def test_sources_compile_for_aarch64_without_warnings(march) -> None:
+    result = compile_only(march, "-Wall", "-Wextra", "-Werror", compiler=AARCH64_COMPILER)
     assert result.returncode == 0, result.stderr
