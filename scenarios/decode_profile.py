@@ -184,7 +184,7 @@ def fused_breakdown(engine, steps: int) -> dict[str, float]:
             per_step.append(parts)
     finally:
         fused.phase_seconds = None
-    return {label: statistics.median(parts[label] for parts in per_step) * 1e3 for label in per_step[0]}
+    return _medians_ms(per_step)
 
 
 def kernel_breakdown(engine, steps: int) -> dict[str, float]:
@@ -211,7 +211,11 @@ def kernel_breakdown(engine, steps: int) -> dict[str, float]:
             per_step = [_timed_step(engine, totals) for _ in range(steps)]
     finally:
         model.fused_decode = fused
-    # Medians per part, like the step time: a stalled step would skew a mean.
+    return _medians_ms(per_step)
+
+
+def _medians_ms(per_step: list[dict[str, float]]) -> dict[str, float]:
+    """Each part's median over the steps, seconds to ms: a stalled step would skew a mean."""
     return {label: statistics.median(step[label] for step in per_step) * 1e3 for label in per_step[0]}
 
 

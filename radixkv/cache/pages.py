@@ -11,7 +11,7 @@ import torch
 
 
 # Pages zeroed together the first time allocation reaches past the zeroed ones (see
-# PagePool._zero_up_to): 64 SmolLM2 pages hold 23 MiB of bf16 KV over its 30 layers.
+# PagePool._zero_up_to): a few MiB to a few tens of MiB of KV, at a few calls per layer.
 ZERO_CHUNK_PAGES = 64
 
 
@@ -83,9 +83,9 @@ class PagePool:
 
     def _zero_up_to(self, end: int) -> None:
         if end > self._num_zeroed_pages:
-            # At least ZERO_CHUNK_PAGES at a time: decode takes a page per request every few
+            # At least ZERO_CHUNK_PAGES at a time: decode takes a page per sequence every few
             # steps, and zeroing each alone cost a call per layer tensor each time (~1 ms a
-            # step at 32 requests over 30 layers while a fresh pool fills).
+            # step at 32 sequences over 30 layers while a fresh pool fills).
             end = min(self.num_pages, max(end, self._num_zeroed_pages + ZERO_CHUNK_PAGES))
             for cache in (*self.k_cache, *self.v_cache):
                 cache[self._num_zeroed_pages : end].zero_()
