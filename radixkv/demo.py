@@ -49,10 +49,12 @@ def main() -> None:
     parser.add_argument(
         "--batch-invariant", action="store_true", help="bit-identical bf16 outputs with and without the cache (slower)"
     )
-    invariant = parser.parse_args().batch_invariant
+    parser.add_argument("--model", default=None, help="a model folder or .gguf file (default: SmolLM2-135M-Instruct)")
+    args = parser.parse_args()
+    invariant = args.batch_invariant
     params = SamplingParams(max_tokens=24)
-    print("loading the default model (SmolLM2-135M-Instruct)...")
-    cached_llm = LLM(batch_invariant=invariant)
+    print(f"loading {args.model or 'the default model (SmolLM2-135M-Instruct)'}...")
+    cached_llm = LLM(args.model, batch_invariant=invariant)
     run(cached_llm, SamplingParams(max_tokens=1))  # warm-up: first-call overheads off the clock
     cached_llm.engine.tree.reset()
     computed_before = cached_llm.stats().counters.num_prompt_tokens_computed
@@ -63,7 +65,7 @@ def main() -> None:
         print(f"{question:<60} {output.num_prompt_tokens:>7} {output.num_cached_tokens:>7}")
     print(f"\nfirst answer: {outputs[0].text.strip()!r}")
 
-    uncached_llm = LLM(enable_prefix_caching=False, batch_invariant=invariant)
+    uncached_llm = LLM(args.model, enable_prefix_caching=False, batch_invariant=invariant)
     run(uncached_llm, SamplingParams(max_tokens=1))
     computed_before = uncached_llm.stats().counters.num_prompt_tokens_computed
     uncached_time, uncached_outputs = run(uncached_llm, params)
@@ -71,7 +73,7 @@ def main() -> None:
     same = sum(a.token_ids == b.token_ids for a, b in zip(outputs, uncached_outputs))
     print(f"\nwall time, prefix cache on : {cached_time:6.2f} s  (prompt tokens computed: {cached_computed})")
     print(f"wall time, prefix cache off: {uncached_time:6.2f} s  (prompt tokens computed: {uncached_computed})")
-    print(f"speed-up: {uncached_time / cached_time:.2f}x; identical outputs: {same}/{len(outputs)} ({cached_llm.engine.dtype})")
+    print(f"speed-up: {uncached_time / cached_time:.2f}x; identical outputs: {same}/{len(outputs)} ({cached_llm.engine.dtype} on {cached_llm.engine.device})")
     if same < len(outputs):
         print(
             "  (bf16 on CPU is not batch-invariant by default: prefill attention splits a prompt's keys\n"

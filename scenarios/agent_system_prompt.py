@@ -35,7 +35,7 @@ def build(args) -> Workload:
         system = text_tokens(tokenizer, args.system_len, offset=97 * group)
         question = text_tokens(tokenizer, args.question_len, offset=1000 + 37 * i)
         prompts.append(system + question)
-    return Workload(DEFAULTS["name"], prompts, args.output_len, model=args.model, dtype=args.dtype)
+    return Workload(DEFAULTS["name"], prompts, args.output_len, model=args.model, dtype=args.dtype, device=args.device)
 
 
 def bound(workload: Workload, max_num_seqs: int = 64) -> dict:
@@ -58,6 +58,10 @@ def main(argv: list[str] | None = None) -> int:
     workload = build(args)
 
     def after() -> dict:
+        from radixkv.model import resolve_device
+
+        if resolve_device(workload.device).type != "cpu":
+            return {}  # the bound and the decode profile measure a CPU's limits and kernels
         extra = {"bound": bound(workload)}
         if args.decode_profile:
             from radixkv.scenarios.decode_profile import profile_decode

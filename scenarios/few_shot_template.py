@@ -49,7 +49,7 @@ def build(args) -> Workload:
     for i in range(args.num_requests):
         review = f"{REVIEWS[i % len(REVIEWS)]} (order {1000 + i})"
         prompts.append(tokenizer(f"{shared}Review: {review}\nSentiment:", add_special_tokens=False).input_ids)
-    return Workload(DEFAULTS["name"], prompts, args.output_len, model=args.model, dtype=args.dtype)
+    return Workload(DEFAULTS["name"], prompts, args.output_len, model=args.model, dtype=args.dtype, device=args.device)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,6 +31,7 @@ def parse_args(argv: list[str] | None, description: str, defaults: dict) -> argp
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--model", default=None, help="HF folder or .gguf; default SmolLM2-135M-Instruct")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--device", default="auto", help="auto (cuda when available), cpu or cuda[:N]; llama.cpp runs on the CPU")
     parser.add_argument("--num-requests", type=int, default=defaults["num_requests"])
     parser.add_argument("--output-len", type=int, default=defaults["output_len"])
     parser.add_argument("--peers", default=defaults.get("peers", "radixkv,radixkv-nocache,hf-generate,hf-batch"))

@@ -38,7 +38,7 @@ def build(args) -> Workload:
             # The reply the history carries into the next turn (scripted, so every peer sees
             # the same prompts whatever it generates).
             histories[c] += text_tokens(tokenizer, args.reply_len, offset=900 + 29 * c + 101 * turn)
-    return Workload(DEFAULTS["name"], prompts, args.output_len, model=args.model, dtype=args.dtype, rounds=rounds)
+    return Workload(DEFAULTS["name"], prompts, args.output_len, model=args.model, dtype=args.dtype, device=args.device, rounds=rounds)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,7 +20,7 @@ def build(args) -> Workload:
     tokenizer = load_tokenizer(args.model)
     # Each prompt starts at its own offset of the text, so no two share even a first block.
     prompts = [text_tokens(tokenizer, args.prompt_len, offset=61 * i + 1) for i in range(args.num_requests)]
-    return Workload(DEFAULTS["name"], prompts, args.output_len, model=args.model, dtype=args.dtype)
+    return Workload(DEFAULTS["name"], prompts, args.output_len, model=args.model, dtype=args.dtype, device=args.device)
 
 
 def main(argv: list[str] | None = None) -> int:

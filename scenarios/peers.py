@@ -30,6 +30,7 @@ class Workload:
     output_len: int
     model: str | None = None  # None: the default SmolLM2-135M-Instruct
     dtype: str = "auto"
+    device: str = "auto"  # radixkv's and transformers' peers; llama.cpp's build here is CPU-only
     page_size: int = 16
     max_batch_tokens: int = 2048
     # Round of each prompt (None: all in round 0). A round is submitted once the previous one
@@ -84,6 +85,7 @@ def _run_radixkv(workload: Workload, cache: bool, share_reads: bool = True) -> d
     llm = LLM(
         workload.model,
         dtype=workload.dtype,
+        device=workload.device,
         page_size=workload.page_size,
         max_batch_tokens=workload.max_batch_tokens,
         enable_prefix_caching=cache,
@@ -120,12 +122,13 @@ def _hf_model(workload: Workload):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from radixkv.model.device import resolve_dtype
+    from radixkv.model.device import resolve_device, resolve_dtype
     from radixkv.model.loader import resolve_model_folder
 
-    dtype = resolve_dtype(workload.dtype, torch.device("cpu"))
+    device = resolve_device(workload.device)
+    dtype = resolve_dtype(workload.dtype, device)
     model = AutoModelForCausalLM.from_pretrained(resolve_model_folder(workload.model), dtype=dtype)
-    return model.eval()
+    return model.to(device).eval()
 
 
 def _run_hf_generate(workload: Workload) -> dict:
@@ -148,10 +151,10 @@ def _run_hf_generate(workload: Workload) -> dict:
 
     outputs, ttfts = [], []
     with torch.inference_mode():
-        model.generate(torch.tensor([[1, 2, 3, 4]]), max_new_tokens=2, do_sample=False)
+        model.generate(torch.tensor([[1, 2, 3, 4]], device=model.device), max_new_tokens=2, do_sample=False)
         start = time.perf_counter()
         for prompt in workload.prompts:
-            ids = torch.tensor([prompt])
+            ids = torch.tensor([prompt], device=model.device)
             streamer = FirstToken()
             out = model.generate(
                 ids,

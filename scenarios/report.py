@@ -38,6 +38,8 @@ def percentile(values: list[float], q: float) -> float:
 def summarize(workload: Workload, results: list[PeerResult]) -> list[dict]:
     base = next((r for r in results if r.peer == "radixkv" and not r.error), None)
     reference = next((r for r in results if r.peer == "radixkv-nocache" and not r.error), None)
+    # transformers' generate, one request at a time: the plainest reference for greedy tokens.
+    transformers = next((r for r in results if r.peer == "hf-generate" and not r.error), None)
     rows = []
     for r in results:
         ttft = [t for t in r.ttft_s if t is not None]
@@ -54,12 +56,18 @@ def summarize(workload: Workload, results: list[PeerResult]) -> list[dict]:
             peak_rss_mib=r.peak_rss_bytes / 2**20,
             wall_ratio=r.wall_s / base.wall_s if base and base.wall_s and not r.error else None,
             throughput_ratio=r.tokens_per_s / base.tokens_per_s if base and base.tokens_per_s and not r.error else None,
-            same_tokens_as_nocache=(
-                sum(a == b for a, b in zip(r.output_token_ids, reference.output_token_ids)) if reference else None
-            ),
+            same_tokens_as_nocache=_same_outputs(r, reference),
+            same_tokens_as_hf_generate=_same_outputs(r, transformers),
         )
         rows.append(row)
     return rows
+
+
+def _same_outputs(result: PeerResult, reference: PeerResult | None) -> int | None:
+    """How many requests got exactly the reference's tokens (None: no reference ran)."""
+    if reference is None or result.error:
+        return None
+    return sum(a == b for a, b in zip(result.output_token_ids, reference.output_token_ids))
 
 
 def print_table(workload: Workload, rows: list[dict]) -> None:
@@ -67,11 +75,12 @@ def print_table(workload: Workload, rows: list[dict]) -> None:
     minimum = min_prefill_tokens(prompts, workload.page_size)
     print(
         f"\n{workload.name}: {len(prompts)} requests, {sum(map(len, prompts))} prompt tokens "
-        f"(minimum to compute: {minimum}), {workload.output_len} output tokens each"
+        f"(minimum to compute: {minimum}), {workload.output_len} output tokens each; "
+        f"dtype {workload.dtype}, device {workload.device}"
     )
     header = (
         f"{'peer':<16}{'wall s':>9}{'x radixkv':>10}{'tok/s':>9}{'ttft mean':>10}{'ttft p90':>9}"
-        f"{'prefill':>9}{'x min':>7}{'hit':>6}{'RSS MiB':>9}{'same':>6}"
+        f"{'prefill':>9}{'x min':>7}{'hit':>6}{'RSS MiB':>9}{'same':>6}{'=hf':>5}"
     )
     print(header)
     print("-" * len(header))
@@ -85,7 +94,7 @@ def print_table(workload: Workload, rows: list[dict]) -> None:
             f"{_fmt(row['ttft_mean_s'], '.2f')}{_fmt(row['ttft_p90_s'], '.2f', 9)}"
             f"{_fmt(prefill, 'd', 9)}{_fmt(prefill / minimum if prefill is not None else None, '.2f', 7)}"
             f"{_fmt(row['cache_hit_rate'], '.0%', 6)}{row['peak_rss_mib']:>9.0f}"
-            f"{_fmt(row['same_tokens_as_nocache'], 'd', 6)}"
+            f"{_fmt(row['same_tokens_as_nocache'], 'd', 6)}{_fmt(row['same_tokens_as_hf_generate'], 'd', 5)}"
         )
 
 
@@ -120,6 +129,7 @@ def write_report(workload: Workload, results: list[PeerResult], out_dir: Path, e
         output_len=workload.output_len,
         model=workload.model or "SmolLM2-135M-Instruct",
         dtype=workload.dtype,
+        device=workload.device,
         rows=rows,
         raw=[{k: v for k, v in asdict(r).items() if k != "output_token_ids"} for r in results],
         **(extra or {}),

@@ -37,7 +37,7 @@ def build(args) -> Workload:
         prompts += next_level
         rounds += [depth] * len(next_level)
         level = next_level
-    return Workload(DEFAULTS["name"], prompts, args.output_len, model=args.model, dtype=args.dtype, rounds=rounds)
+    return Workload(DEFAULTS["name"], prompts, args.output_len, model=args.model, dtype=args.dtype, device=args.device, rounds=rounds)
 
 
 def main(argv: list[str] | None = None) -> int:

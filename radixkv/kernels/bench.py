@@ -2,7 +2,8 @@
 
 Measures this GPU's ceilings (device copy bandwidth, bf16 matmul rate), times each kernel with
 triton.testing.do_bench in bf16, and prints achieved GB/s (decode, store) and TFLOP/s (extend)
-as fractions of those ceilings, next to PyTorch SDPA over the already gathered KV.
+as fractions of those ceilings, next to PyTorch SDPA over the already gathered KV; and cascade
+decode (groups sharing a cached prefix read it once) against the same requests decoded apart.
 
     python -m radixkv.kernels.bench --out out/kernel_bench.json
 """
@@ -59,6 +60,24 @@ EXTEND_SHAPES = [
     ExtendShape(16, 4096, 512, 16, 16, 64),
 ]
 STORE_TOKENS = [(8192, 8, 128), (256, 8, 128)]
+
+
+@dataclass(frozen=True, slots=True)
+class CascadeShape:
+    num_seqs: int
+    num_groups: int  # requests split evenly; a group's members share its first `shared` tokens
+    shared: int
+    own: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+CASCADE_SHAPES = [
+    CascadeShape(64, 4, 4096, 256, 32, 8, 128),  # agents: a few long system prompts
+    CascadeShape(32, 1, 8192, 512, 32, 8, 128),  # one shared document, many questions
+    CascadeShape(128, 8, 2048, 128, 9, 3, 64),  # SmolLM2-135M's heads
+]
 
 
 def _bench_ms(fn) -> float:
@@ -225,6 +244,59 @@ def bench_store(num_tokens: int, num_kv_heads: int, head_dim: int, ceilings: dic
     }
 
 
+def bench_cascade(shape: CascadeShape, ceilings: dict[str, float]) -> dict:
+    """The same decode with and without cascade groups: time, bytes each must read, agreement."""
+    from radixkv.kernels import CascadeGroups, paged_decode
+
+    b, g, hq, hkv, d = shape.num_seqs, shape.num_groups, shape.num_q_heads, shape.num_kv_heads, shape.head_dim
+    assert b % g == 0 and shape.shared % PAGE_SIZE == 0
+    seq_len = shape.shared + shape.own
+    shared_pages, own_pages = shape.shared // PAGE_SIZE, math.ceil(shape.own / PAGE_SIZE)
+    num_pages = g * shared_pages + b * own_pages
+    cache_shape = (num_pages, PAGE_SIZE, hkv, d)
+    k_cache = torch.randn(cache_shape, dtype=DTYPE, device=DEVICE)
+    v_cache = torch.randn(cache_shape, dtype=DTYPE, device=DEVICE)
+    order = torch.randperm(num_pages, device=DEVICE).to(torch.int32)
+    shared = order[: g * shared_pages].view(g, shared_pages)
+    own = order[g * shared_pages :].view(b, own_pages)
+    members_per_group = b // g
+    group_of = torch.arange(b, device=DEVICE) // members_per_group
+    page_table = torch.cat([shared[group_of], own], dim=1).contiguous()
+    groups = CascadeGroups(
+        group_start=(torch.arange(g + 1, device=DEVICE) * members_per_group).to(torch.int32),
+        members=torch.arange(b, device=DEVICE, dtype=torch.int32),
+        shared_len=torch.full((g,), shape.shared, dtype=torch.int32, device=DEVICE),
+        own_begin=torch.full((b,), shape.shared, dtype=torch.int32, device=DEVICE),
+        max_shared_len=shape.shared,
+        max_members=members_per_group,
+    )
+    q = torch.randn(b, hq, d, dtype=DTYPE, device=DEVICE) * 2
+    seq_lens = torch.full((b,), seq_len, dtype=torch.int32, device=DEVICE)
+    scale = d**-0.5
+    apart = paged_decode(q, k_cache, v_cache, seq_lens, page_table, seq_len, scale)
+    together = paged_decode(q, k_cache, v_cache, seq_lens, page_table, seq_len, scale, groups=groups)
+    apart_ms = _bench_ms(lambda: paged_decode(q, k_cache, v_cache, seq_lens, page_table, seq_len, scale, out=apart))
+    cascade_ms = _bench_ms(
+        lambda: paged_decode(q, k_cache, v_cache, seq_lens, page_table, seq_len, scale, out=together, groups=groups)
+    )
+    token_bytes = 2 * hkv * d * 2  # K and V of one token
+    cascade_bytes = (g * shape.shared + b * shape.own) * token_bytes
+    apart_bytes = b * seq_len * token_bytes
+    del k_cache, v_cache
+    torch.cuda.empty_cache()
+    return {
+        **asdict(shape),
+        "apart_ms": apart_ms,
+        "cascade_ms": cascade_ms,
+        "speedup": apart_ms / cascade_ms,
+        "bytes_ratio": apart_bytes / cascade_bytes,
+        # Each kernel against the bytes it must read, at the copy rate.
+        "apart_frac_of_copy": apart_bytes / apart_ms / 1e6 / ceilings["copy_gbps"],
+        "cascade_frac_of_copy": cascade_bytes / cascade_ms / 1e6 / ceilings["copy_gbps"],
+        "max_rel_err_cascade_vs_apart": _rel_err(together, apart),
+    }
+
+
 def check_against_torch_backend() -> list[dict]:
     """Small ragged cases (uneven lengths, GQA 4, page size 16) vs the torch reference backend in fp32."""
     from dataclasses import replace
@@ -326,6 +398,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"B={r['num_seqs']:<3} prefix={r['prefix']:<5} q={r['q_len']:<5} H={r['num_q_heads']}/{r['num_kv_heads']}"
               f" D={r['head_dim']:<4} {r['triton_ms']:>8.3f} {r['triton_tflops']:>7.0f} {r['triton_frac_of_matmul']:>5.0%}"
               f" | {r['sdpa_ms']:>7.3f} {r['sdpa_tflops']:>7.0f} {r['sdpa_frac_of_matmul']:>5.0%} | {r['max_rel_err_vs_sdpa']:.1e}")
+    cascade = []
+    print("\ncascade decode (bf16, page 16)            apart ms  cascade ms  speed-up  bytes /  of copy a/c | rel err")
+    for shape in CASCADE_SHAPES:
+        r = bench_cascade(shape, ceilings)
+        cascade.append(r)
+        print(f"B={r['num_seqs']:<4} groups={r['num_groups']:<2} shared={r['shared']:<5} own={r['own']:<4}"
+              f" H={r['num_q_heads']}/{r['num_kv_heads']} D={r['head_dim']:<4}"
+              f" {r['apart_ms']:>8.3f} {r['cascade_ms']:>10.3f} {r['speedup']:>8.2f}x {r['bytes_ratio']:>6.1f}x"
+              f" {r['apart_frac_of_copy']:>5.0%}/{r['cascade_frac_of_copy']:<5.0%} | {r['max_rel_err_cascade_vs_apart']:.1e}")
     store = []
     print("\nstore_kv (bf16)            triton ms   GB/s  of copy | index_copy ms")
     for tokens, hkv, d in STORE_TOKENS:
@@ -344,6 +425,7 @@ def main(argv: list[str] | None = None) -> int:
         "checks": checks,
         "decode": decode,
         "extend": extend,
+        "cascade_decode": cascade,
         "store_kv": store,
         "wall_s": time.perf_counter() - started,
     }
