@@ -55,7 +55,9 @@ def main() -> None:
     params = SamplingParams(max_tokens=24)
     print(f"loading {args.model or 'the default model (SmolLM2-135M-Instruct)'}...")
     cached_llm = LLM(args.model, batch_invariant=invariant)
-    run(cached_llm, SamplingParams(max_tokens=1))  # warm-up: first-call overheads off the clock
+    # Warm-up: first-call overheads off the clock, a decode step too (on a GPU, Triton compiles
+    # each kernel on its first launch).
+    run(cached_llm, SamplingParams(max_tokens=2))
     cached_llm.engine.tree.reset()
     computed_before = cached_llm.stats().counters.num_prompt_tokens_computed
     cached_time, outputs = run(cached_llm, params)
@@ -66,7 +68,7 @@ def main() -> None:
     print(f"\nfirst answer: {outputs[0].text.strip()!r}")
 
     uncached_llm = LLM(args.model, enable_prefix_caching=False, batch_invariant=invariant)
-    run(uncached_llm, SamplingParams(max_tokens=1))
+    run(uncached_llm, SamplingParams(max_tokens=2))
     computed_before = uncached_llm.stats().counters.num_prompt_tokens_computed
     uncached_time, uncached_outputs = run(uncached_llm, params)
     uncached_computed = uncached_llm.stats().counters.num_prompt_tokens_computed - computed_before
@@ -76,11 +78,11 @@ def main() -> None:
     print(f"speed-up: {uncached_time / cached_time:.2f}x; identical outputs: {same}/{len(outputs)} ({cached_llm.engine.dtype} on {cached_llm.engine.device})")
     if same < len(outputs):
         print(
-            "  (bf16 on CPU is not batch-invariant by default: prefill attention splits a prompt's keys\n"
-            "   where the step's new tokens start (and oneDNN GEMMs, on CPUs without a native linear kernel,\n"
-            "   pick kernels by row count), rounding differently, so a suffix computed over a cached prefix\n"
-            "   can differ in the last bit and flip a near-tie; `python -m radixkv.demo --batch-invariant`\n"
-            "   (LLM(batch_invariant=True)) makes them bit-identical, and dtype='float32' is token-exact)"
+            "  (bf16 is not batch-invariant by default: prefill attention splits a prompt's keys where\n"
+            "   the step's new tokens start (and matmul libraries pick kernels by row count), rounding\n"
+            "   differently, so a suffix computed over a cached prefix can differ in the last bit and flip\n"
+            "   a near-tie; `python -m radixkv.demo --batch-invariant` (LLM(batch_invariant=True)) makes\n"
+            "   them bit-identical on CPU, and dtype='float32' is token-exact)"
         )
 
 

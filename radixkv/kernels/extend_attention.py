@@ -27,7 +27,8 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-@triton.jit
+# The page table's width changes from step to step: no variant compiled for its value.
+@triton.jit(do_not_specialize=("stride_table",))
 def _extend_kernel(
     q_ptr,
     k_ptr,

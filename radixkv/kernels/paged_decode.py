@@ -68,7 +68,13 @@ def _attend_keys(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, head_off
     return m_i, l_i, acc
 
 
-@triton.jit
+# Integers that change from step to step (the page table's width, the split counts and the
+# partial buffers' strides that follow from them) are not specialized on: Triton would compile a
+# new variant, for a second or more, the first time one of them is 1 or a multiple of 16.
+STEP_VARYING = ("stride_table", "stride_pob", "stride_poh", "stride_plb", "stride_plh", "num_splits")
+
+
+@triton.jit(do_not_specialize=STEP_VARYING)
 def _decode_split_kernel(
     q_ptr,
     k_cache_ptr,
@@ -136,7 +142,7 @@ def _decode_split_kernel(
         tl.store(part_lse_ptr + req64 * stride_plb + q_head * stride_plh + split, lse, mask=head_valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=STEP_VARYING[:-1] + ("first_slot", "num_shared_splits"))
 def _cascade_shared_kernel(
     q_ptr,
     k_cache_ptr,
@@ -206,7 +212,7 @@ def _cascade_shared_kernel(
         tl.store(part_lse_ptr + req * stride_plb + q_head * stride_plh + slot, lse, mask=row_valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=STEP_VARYING[1:] + ("num_shared_slots",))
 def _decode_merge_kernel(
     part_out_ptr,
     part_lse_ptr,

@@ -339,7 +339,7 @@ def test_inputs_make_softmax_peaked(gen) -> None:
     """
     case = make_case(gen, [255], [1], 4, 4, head_dim=32, page_size=16, dtype=torch.float32)
     m = case.meta
-    slots = m.page_table[0].long().repeat_interleave(16) * 16 + torch.arange(16).repeat(m.page_table.shape[1])
+    slots = m.page_table[0].long().repeat_interleave(16) * 16 + torch.arange(16, device=m.page_table.device).repeat(m.page_table.shape[1])
     keys = case.k_cache.view(-1, 4, 32)[slots[: m.seq_lens_list[0]].to(case.k_cache.device)]
     probs = (torch.einsum("hd,thd->ht", case.q[0].float(), keys.float()) * case.scale).softmax(-1)
     uniform = 1.0 / m.seq_lens_list[0]
