@@ -58,24 +58,8 @@ def profile_decode(
     """One decode step's time and where it goes, against the bound. llm/limits: an LLM and
     machine limits from an earlier call to reuse (its cache stays warm; share_reads is set on
     its backend, so on and off run over the very same pages)."""
-    from radixkv import LLM, SamplingParams
-
-    if llm is None:
-        pages = num_seqs * (-(-(context + steps + 8) // 16)) + 64
-        llm = LLM(model, dtype=dtype, num_pages=pages, max_num_seqs=num_seqs, max_batch_tokens=4096)
+    llm = start_decoding(model, dtype, num_seqs, context, steps, shared_prefix, group_size, share_reads, llm=llm)
     engine = llm.engine
-    engine.loaded.model.attention.share_reads = share_reads
-    prompts = prompts_for(engine.model_config.vocab_size, num_seqs, context, shared_prefix, group_size)
-    if shared_prefix:  # each group's prefix cached first, as a served system prompt would be
-        llm.generate([p[:shared_prefix] for p in prompts[::group_size]], SamplingParams(max_tokens=1))
-    for prompt in prompts:
-        engine.add_request(prompt, SamplingParams(max_tokens=steps + 64, ignore_eos=True))
-    while any(s.num_uncomputed_tokens > 1 for s in engine.scheduler.waiting) or engine.scheduler.waiting or any(
-        s.num_uncomputed_tokens > 1 for s in engine.scheduler.running
-    ):
-        engine.step()
-    engine.step()
-    engine.step_times.reset()
     reads_before = (engine.counters.num_kv_tokens_read, engine.counters.num_kv_tokens_read_shared)
     step_s = median_step_s(engine, steps)
     kv_read = engine.counters.num_kv_tokens_read - reads_before[0]
@@ -133,6 +117,41 @@ def profile_decode(
     if not quiet:
         _print(result)
     return result
+
+
+def start_decoding(
+    model: str | None,
+    dtype: str,
+    num_seqs: int,
+    context: int,
+    steps: int,
+    shared_prefix: int = 0,
+    group_size: int = 1,
+    share_reads: bool = True,
+    device: str = "auto",
+    llm=None,
+):
+    """An LLM whose engine holds num_seqs requests of `context` tokens, prefilled and one step into
+    decode, each with room for `steps` more (llm: reuse one, its cache warm)."""
+    from radixkv import LLM, SamplingParams
+
+    if llm is None:
+        pages = num_seqs * (-(-(context + steps + 8) // 16)) + 64
+        llm = LLM(model, dtype=dtype, device=device, num_pages=pages, max_num_seqs=num_seqs, max_batch_tokens=4096)
+    engine = llm.engine
+    engine.loaded.model.attention.share_reads = share_reads
+    prompts = prompts_for(engine.model_config.vocab_size, num_seqs, context, shared_prefix, group_size)
+    if shared_prefix:  # each group's prefix cached first, as a served system prompt would be
+        llm.generate([p[:shared_prefix] for p in prompts[::group_size]], SamplingParams(max_tokens=1))
+    for prompt in prompts:
+        engine.add_request(prompt, SamplingParams(max_tokens=steps + 64, ignore_eos=True))
+    while any(s.num_uncomputed_tokens > 1 for s in engine.scheduler.waiting) or engine.scheduler.waiting or any(
+        s.num_uncomputed_tokens > 1 for s in engine.scheduler.running
+    ):
+        engine.step()
+    engine.step()
+    engine.step_times.reset()
+    return llm
 
 
 def median_step_s(engine, steps: int) -> float:

@@ -6,8 +6,9 @@
 #   tools/gpu_check.sh model FILE.gguf  # the demo, agent_system_prompt in bf16 and in fp32 vs transformers
 #
 # It runs from the repository root without installing radixkv (the GPU machine's python has torch,
-# triton and transformers; pass the gguf wheel on PYTHONPATH for `model`). Logs and JSON go to $OUT
-# (default out/gpu). Each stage has its own time limit, so one hang cannot eat the machine's lease.
+# triton and transformers; pass the gguf wheel on PYTHONPATH for `model`). Logs go to $OUT (default
+# out/gpu), the scenarios' JSON and plots into one $OUT/runs.tar (a lent machine returns few
+# files). Each stage has its own time limit, so one hang cannot eat the machine's lease.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/gpu}
@@ -39,11 +40,16 @@ kernels)
     ;;
 model)
     gguf=${2:?usage: tools/gpu_check.sh model FILE.gguf}
+    runs=$(mktemp -d)
     stage 90 demo $PY -m radixkv.demo --model "$gguf"
     stage 150 agent_bf16 $PY -m radixkv.scenarios.agent_system_prompt --model "$gguf" --device cuda \
-        --peers radixkv,radixkv-nocache,radixkv-noshare,hf-batch --out "$OUT/agent_bf16"
+        --peers radixkv,radixkv-nocache,radixkv-noshare,hf-batch --out "$runs/agent_bf16"
     stage 150 agent_fp32 $PY -m radixkv.scenarios.agent_system_prompt --model "$gguf" --device cuda \
-        --dtype float32 --num-requests 16 --peers radixkv,radixkv-nocache,hf-generate --out "$OUT/agent_fp32"
+        --dtype float32 --num-requests 16 --peers radixkv,radixkv-nocache,hf-generate --out "$runs/agent_fp32"
+    # Host-bound or kernel-bound: the device's busy time in a decode step against its wall time.
+    stage 90 step_profile $PY -m radixkv.scenarios.step_profile --model "$gguf" --device cuda \
+        --num-seqs 64 --context 1024 --out "$runs/step_profile"
+    tar -cf "$OUT/runs.tar" -C "$runs" .
     ;;
 *)
     echo "usage: tools/gpu_check.sh kernels | model FILE.gguf" >&2

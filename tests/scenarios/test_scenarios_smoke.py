@@ -71,6 +71,16 @@ def test_decode_profile_runs_and_reports(mode, tiny_model, tmp_path, capsys):
         assert "x the bound" in out
 
 
+def test_step_profile_runs_and_reports(tiny_model, tmp_path, capsys):
+    module = importlib.import_module("radixkv.scenarios.step_profile")
+    argv = ["--model", str(tiny_model), "--dtype", "float32", "--device", "cpu", "--num-seqs", "3", "--context", "40", "--steps", "2"]
+    assert module.main(argv + ["--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "step_profile.json").read_text())
+    assert report["device"] == "cpu" and report["step_ms"] > 0 and report["host_ops_ms_per_step"] > 0
+    assert report["top_host_ops"] and report["top_device_ops"] == []  # no device time on a CPU
+    assert (tmp_path / "step_profile.png").exists() and "top operators by host time" in capsys.readouterr().out
+
+
 def test_cpu_kernels_bench_runs_and_reports(tmp_path, capsys):
     import torch
 
