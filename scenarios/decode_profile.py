@@ -68,8 +68,7 @@ def profile_decode(
     wanted = not quiet if breakdown is None else breakdown
     fused_parts = fused_breakdown(engine, steps) if wanted and engine.loaded.model.fused_decode is not None else {}
     breakdown = kernel_breakdown(engine, steps) if wanted else {}
-    for request_id in list(engine._requests):
-        engine.abort(request_id)
+    engine.abort_all()
 
     mc = engine.model_config
     element = torch.finfo(engine.dtype).bits // 8

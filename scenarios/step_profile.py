@@ -99,8 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     llm = start_decoding(args.model, args.dtype, args.num_seqs, args.context, 2 * args.steps, device=args.device)
     engine = llm.engine
     result = dict(num_seqs=args.num_seqs, context=args.context, dtype=str(engine.dtype), **profile_steps(engine, args.steps))
-    for request_id in list(engine._requests):
-        engine.abort(request_id)
+    engine.abort_all()
     _print(result)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -242,6 +242,13 @@ class Engine:
             self._finish(seq, "abort")
         return self._delta(seqs, live)
 
+    def abort_all(self) -> int:
+        """End every request, wherever it is; all their pages go back. Returns how many ended."""
+        request_ids = list(self._requests)
+        for request_id in request_ids:
+            self.abort(request_id)
+        return len(request_ids)
+
     def pin(self, prefix_token_ids: list[int], salt: str | None = None) -> PinnedPrefix:
         """Lock the cached full blocks of a prefix so eviction never takes them (until unpin).
 

@@ -261,8 +261,7 @@ def test_a_failed_step_then_aborting_everything_returns_every_page(tiny_loaded):
     engine.runner.forward = FailingForward(engine.runner, {1})
     with pytest.raises(RuntimeError, match="injected fault"):
         engine.step()
-    for request_id in ids:
-        engine.abort(request_id)
+    assert engine.abort_all() == len(ids)
     assert_pages_returned(engine)
     del engine.runner.forward
     again = [engine.add_request(p, SamplingParams(max_tokens=m)) for p, m in requests]
