@@ -82,7 +82,7 @@ class EngineConfig:
     # query row at a time; GEMMs in fixed 32-row blocks where the linears are not AMX's, whose
     # rows are independent already), so bf16 outputs are bit-identical with
     # the cache on or off and in any batch. Slower prefill; the torch and cpu backends only.
-    # fp32 is exact without it (token for token), bf16 is not: see README, "Exact".
+    # fp32 is exact without it (token for token), bf16 is not: see README, "Use it".
     batch_invariant: bool = False
     cache_dir: str | None = None  # converted-weights cache; None: ~/.cache/radixkv
     # Which unlocked cached blocks go first when pages run out: "slru" evicts blocks that never

@@ -153,7 +153,7 @@ def _cascade_groups(meta: AttentionMetadata, device: torch.device) -> tuple[Casc
     page_table = meta.page_table.to(device="cpu", dtype=torch.int32).contiguous()
     seq_lens = meta.seq_lens.to(device="cpu", dtype=torch.int32).contiguous()
     # Any two requests sharing 64 tokens group (a shared tile is one matrix product on tensor
-    # cores). On an H200 (README, "Measured on a GPU") that read 1.1-2.2x faster for 32/8 heads
+    # cores). On an H200 (docs/measurements.md, "On a GPU") that read 1.1-2.2x faster for 32/8 heads
     # of 128 over 4-8k shared tokens, but 0.3-1.2x for SmolLM2's 9/3 heads of 64, whose shared
     # keys the per-request kernel reads from L2 anyway; too few runs to fit a rule on yet.
     plan = decode.cascade_plan(page_table, seq_lens, meta.page_size, min_shared_tokens=64, min_group_members=2)
