@@ -42,9 +42,10 @@ class EngineConfig:
     # "auto": triton on CUDA; on CPU "cpu" (the native kernels) when native_kernels is on and
     # the library builds, else "torch" (the pure-torch reference).
     attention_backend: str = "auto"
-    # The C kernels on CPU (paged decode, KV stores, AMX/packed linears, row ops, the fused
-    # decode step), built with the system compiler on first use. False: the torch paths
-    # everywhere, as on a machine without a compiler.
+    # radixkv's own kernels beside attention: on CPU the C kernels (paged decode, KV stores,
+    # AMX/packed linears, row ops, the fused decode step), built with the system compiler on
+    # first use; on CUDA the Triton row ops (residual add + RMSNorm, rope, SiLU * up). False:
+    # the torch paths everywhere, as on a machine without a compiler.
     native_kernels: bool = True
     # Decode's q.k on AMX tiles where the CPU has them; False keeps it on AVX-512 (the two sum
     # in different orders, so some bf16 bits differ). One setting per process: the native

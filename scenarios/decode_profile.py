@@ -129,6 +129,7 @@ def start_decoding(
     share_reads: bool = True,
     device: str = "auto",
     llm=None,
+    native_kernels: bool = True,
 ):
     """An LLM whose engine holds num_seqs requests of `context` tokens, prefilled and one step into
     decode, each with room for `steps` more (llm: reuse one, its cache warm)."""
@@ -136,7 +137,10 @@ def start_decoding(
 
     if llm is None:
         pages = num_seqs * (-(-(context + steps + 8) // 16)) + 64
-        llm = LLM(model, dtype=dtype, device=device, num_pages=pages, max_num_seqs=num_seqs, max_batch_tokens=4096)
+        llm = LLM(
+            model, dtype=dtype, device=device, num_pages=pages, max_num_seqs=num_seqs, max_batch_tokens=4096,
+            native_kernels=native_kernels,
+        )  # fmt: skip
     engine = llm.engine
     engine.loaded.model.attention.share_reads = share_reads
     prompts = prompts_for(engine.model_config.vocab_size, num_seqs, context, shared_prefix, group_size)

@@ -60,7 +60,8 @@ def _top(events, cost, steps: int) -> list[dict]:
 
 
 def _print(r: dict) -> None:
-    print(f"\ndecode step, {r['num_seqs']} requests at {r['context']} tokens ({r['dtype']} on {r['device']})")
+    kernels = "radixkv's kernels" if r["native_kernels"] else "torch ops (native_kernels=False)"
+    print(f"\ndecode step, {r['num_seqs']} requests at {r['context']} tokens ({r['dtype']} on {r['device']}, {kernels})")
     print(f"  step time            {r['step_ms']:8.2f} ms (median, unprofiled)")
     print(f"  host in torch ops    {r['host_ops_ms_per_step']:8.2f} ms a step (the rest: Python, native calls, waiting)")
     if r["device"].startswith("cuda"):
@@ -94,11 +95,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-seqs", type=int, default=32)
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--no-native", action="store_true", help="torch ops for what radixkv's own kernels do (native_kernels=False)")
     parser.add_argument("--out", default="out/step_profile")
     args = parser.parse_args(argv)
-    llm = start_decoding(args.model, args.dtype, args.num_seqs, args.context, 2 * args.steps, device=args.device)
+    llm = start_decoding(
+        args.model, args.dtype, args.num_seqs, args.context, 2 * args.steps, device=args.device,
+        native_kernels=not args.no_native,
+    )  # fmt: skip
     engine = llm.engine
-    result = dict(num_seqs=args.num_seqs, context=args.context, dtype=str(engine.dtype), **profile_steps(engine, args.steps))
+    result = dict(
+        num_seqs=args.num_seqs, context=args.context, dtype=str(engine.dtype), native_kernels=not args.no_native,
+        **profile_steps(engine, args.steps),
+    )  # fmt: skip
     engine.abort_all()
     _print(result)
     out = Path(args.out)

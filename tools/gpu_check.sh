@@ -49,6 +49,9 @@ model)
     # Host-bound or kernel-bound: the device's busy time in a decode step against its wall time.
     stage 90 step_profile $PY -m radixkv.scenarios.step_profile --model "$gguf" --device cuda \
         --num-seqs 64 --context 1024 --out "$runs/step_profile"
+    # The same step with torch's ops for the row glue: what the Triton row ops save.
+    stage 90 step_profile_torch_ops $PY -m radixkv.scenarios.step_profile --model "$gguf" --device cuda \
+        --num-seqs 64 --context 1024 --no-native --out "$runs/step_profile_torch_ops"
     tar -cf "$OUT/runs.tar" -C "$runs" .
     ;;
 *)

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from radixkv.attention.base import AttentionBackend, AttentionMetadata
 from radixkv.cpu.fused_decode import FusedDecode
-from radixkv.cpu.row_ops import add_rms_norm, apply_rope, rms_norm, silu_mul
+from radixkv.model.row_ops import add_rms_norm, apply_rope, rms_norm, silu_mul
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")

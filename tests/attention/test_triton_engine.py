@@ -59,3 +59,17 @@ def test_triton_cascade_decode_matches_torch_backend(tmp_path):
         if backend == "triton":
             assert llm.engine.counters.num_kv_tokens_read_shared > 0
     assert outputs["triton"] == outputs["torch"]
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the Triton row ops run on CUDA tensors only (no GPU here)")
+def test_triton_row_ops_keep_the_greedy_tokens_of_the_torch_ops(tmp_path):
+    # On CUDA, native_kernels=True runs the residual add + RMSNorm, rope and SiLU * up as one
+    # Triton kernel each; False keeps torch's ops. In fp32 they differ in the last bit at most.
+    model_dir = make_tiny_model(tmp_path / "tiny", "llama", seed=5)
+    shared = [(17 * i) % 300 + 1 for i in range(40)]
+    prompts = [shared + [7, 8, 9], shared + [40], [5, 6, 7, 8, 9, 10]]
+    outputs = {}
+    for native in (True, False):
+        llm = LLM(str(model_dir), dtype="float32", device=DEVICE, page_size=4, num_pages=96, native_kernels=native)
+        outputs[native] = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=8))]
+    assert outputs[True] == outputs[False]

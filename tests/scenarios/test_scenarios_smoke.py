@@ -76,7 +76,7 @@ def test_step_profile_runs_and_reports(tiny_model, tmp_path, capsys):
     argv = ["--model", str(tiny_model), "--dtype", "float32", "--device", "cpu", "--num-seqs", "3", "--context", "40", "--steps", "2"]
     assert module.main(argv + ["--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "step_profile.json").read_text())
-    assert report["device"] == "cpu" and report["step_ms"] > 0 and report["host_ops_ms_per_step"] > 0
+    assert report["device"] == "cpu" and report["native_kernels"] and report["step_ms"] > 0 and report["host_ops_ms_per_step"] > 0
     assert report["top_host_ops"] and report["top_device_ops"] == []  # no device time on a CPU
     assert (tmp_path / "step_profile.png").exists() and "top operators by host time" in capsys.readouterr().out
 
