@@ -37,6 +37,11 @@ kernels)
     stage 180 kernel_bench $PY -m radixkv.kernels.bench --out "$OUT/kernel_bench.json"
     # Workers compile the kernels' many shapes side by side (xdist is on the GPU machine's image).
     stage 200 gpu_tests $PY -m pytest -q -p no:cacheprovider -rs -n 8 tests/kernels tests/attention/test_triton_engine.py
+    # The engine tests (scheduling, cache, sampling, exactness) with their LLMs on cuda. Some hold
+    # the CPU backends to CPU-only behaviour or the CPU's transformers to the last bit: read the
+    # failures, don't count them.
+    RADIXKV_TEST_DEVICE=cuda stage 200 engine_tests_cuda $PY -m pytest -q -p no:cacheprovider -n 8 --maxfail 40 \
+        tests/engine
     ;;
 model)
     gguf=${2:?usage: tools/gpu_check.sh model FILE.gguf}

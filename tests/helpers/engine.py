@@ -3,6 +3,7 @@ factories over tiny models, stepping to the end, and the page checks every test 
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from collections import Counter
@@ -20,6 +21,10 @@ from radixkv.model.loader import LoadedModel
 from tests.helpers.tiny_models import CHAT_TEMPLATE
 
 VOCAB = 320  # the tiny models' vocabulary
+# Where make_llm's engines run: the CPU, unless a GPU run of the engine tests asks for cuda
+# (tools/gpu_check.sh: RADIXKV_TEST_DEVICE=cuda pytest tests/engine), so a short loan of a GPU
+# drives the same scheduling, caching and sampling tests through the Triton backend.
+TEST_DEVICE = os.environ.get("RADIXKV_TEST_DEVICE", "cpu")
 
 
 def hf_greedy(model_dir: Path | str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
@@ -49,9 +54,9 @@ def shared_prefix_prompts(seed: int, vocab: int = VOCAB, count: int = 6) -> list
 
 
 def make_llm(model_dir: Path | str, *, chat: bool = False, **options) -> LLM:
-    """An LLM on the CPU in fp32 with small pages and every invariant checked each step; with
-    chat, the tiny chat template (the tiny tokenizer has none)."""
-    defaults = dict(dtype="float32", device="cpu", page_size=4, num_pages=256, check_invariants=True, seed=0)
+    """An LLM on TEST_DEVICE (the CPU) in fp32 with small pages and every invariant checked each
+    step; with chat, the tiny chat template (the tiny tokenizer has none)."""
+    defaults = dict(dtype="float32", device=TEST_DEVICE, page_size=4, num_pages=256, check_invariants=True, seed=0)
     defaults.update(options)
     llm = LLM(str(model_dir), **defaults)
     if chat:
