@@ -22,7 +22,6 @@ SmolLM2-135M's shapes with caches cold (every weight and KV byte comes from memo
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -38,7 +37,7 @@ from radixkv.cpu import native
 from radixkv.cpu.features import cpu_features
 from radixkv.cpu.linear import PACK_FOR_ROWS, PackedLinear, available_linear_kernels, can_prepack
 from radixkv.scenarios.machine import machine_limits
-from radixkv.scenarios.plots import pyplot, save
+from radixkv.scenarios.plots import pyplot, save, save_results
 
 LINEAR_SHAPES = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576)}
 LM_HEAD = (576, 49152)
@@ -245,11 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         rate = f"{r['gflops']:7.1f} GFLOP/s" if "gflops" in r else f"{r['gb_s']:9.1f} GB/s"
         print(f"{r['part']:<26} {r['case']:<19} {r['peer']:<22} {r['ms']:8.2f} {rate:>14} {r['x_radixkv']:9.2f}")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "cpu_kernels.json").write_text(json.dumps(dict(**limits, rows=rows), indent=2))
-    _plot(rows, out / "cpu_kernels.png")
-    print(f"\nwrote {out / 'cpu_kernels.json'} and {out / 'cpu_kernels.png'}")
+    save_results(args.out, "cpu_kernels", dict(**limits, rows=rows), lambda path: _plot(rows, path))
     return 0
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from radixkv.scenarios.machine import machine_limits
-from radixkv.scenarios.plots import pyplot, save
+from radixkv.scenarios.plots import pyplot, save, save_results
 
 # A schema of the shape agents ask for: nested objects, arrays, enums, bounded strings.
 SCHEMA = {
@@ -225,11 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         "guided_over_unguided": guided["tokens_per_s"] / unguided["tokens_per_s"],
     }
     _print(result)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "guided_decoding.json").write_text(json.dumps(result, indent=2))
-    _plot(result, out / "guided_decoding.png")
-    print(f"\nwrote {out / 'guided_decoding.json'} and {out / 'guided_decoding.png'}")
+    save_results(args.out, "guided_decoding", result, lambda path: _plot(result, path))
     return 0
 
 

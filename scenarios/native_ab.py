@@ -20,7 +20,6 @@ On SmolLM2-135M's shapes over 30 layers it times:
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import tempfile
@@ -35,7 +34,7 @@ from radixkv.cpu import native
 from radixkv.cpu.linear import PackedLinear, available_linear_kernels
 from radixkv.scenarios.cpu_kernels import HEAD_DIM, KV_HEADS, LINEAR_SHAPES, LM_HEAD, PAGE_SIZE, Q_HEADS, linear_module
 from radixkv.scenarios.machine import machine_limits
-from radixkv.scenarios.plots import pyplot, save
+from radixkv.scenarios.plots import pyplot, save, save_results
 
 ORDERS = ("in_order", "interleaved", "shuffled")
 REPO = Path(__file__).resolve().parents[1]
@@ -191,11 +190,8 @@ def main(argv: list[str] | None = None) -> int:
         best = row["best_ms"]
         row["ratio"] = best["working tree"] / best[base]
         print(f"{row['part']:<28} {row['case']:<12} {best[base]:15.2f} ms {best['working tree']:11.2f} ms {row['ratio']:12.3f}  {row['identical']}")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "native_ab.json").write_text(json.dumps(dict(**limits, base=args.base, rounds=args.rounds, rows=rows), indent=2))
-    _plot(rows, base, out / "native_ab.png")
-    print(f"\nwrote {out / 'native_ab.json'} and {out / 'native_ab.png'}")
+    results = dict(**limits, base=args.base, rounds=args.rounds, rows=rows)
+    save_results(args.out, "native_ab", results, lambda path: _plot(rows, base, path))
     return 0
 
 

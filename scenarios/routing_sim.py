@@ -26,7 +26,7 @@ from pathlib import Path
 from radixkv.cache import BlockHasher, PagePool, RadixTree
 from radixkv.engine.kv_manager import KVManager
 from radixkv.engine.request import SamplingParams, SequenceState
-from radixkv.scenarios.plots import pyplot, save
+from radixkv.scenarios.plots import pyplot, save, save_results
 from radixkv.scenarios.trace_replay import block_tokens, load_trace, resolve_trace, serve_request
 
 POLICIES = ("round_robin", "least_load", "prefix_affinity", "cache_aware")
@@ -138,11 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'replicas':>8} {'policy':<16}{'hit ratio':>10}{'prefill saved':>15}{'imbalance':>10}")
     for r in results:
         print(f"{r.replicas:>8} {r.policy:<16}{r.hit_ratio:>10.3f}{r.prefill_tokens_saved:>15,}{r.load_imbalance:>10.2f}")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "routing_sim.json").write_text(json.dumps(dict(trace=path.name, args=vars(args), results=[asdict(r) for r in results]), indent=2))
-    _plot(results, out / "routing_sim.png")
-    print(f"\nwrote {out / 'routing_sim.json'} and {out / 'routing_sim.png'}")
+    summary = dict(trace=path.name, args=vars(args), results=[asdict(r) for r in results])
+    save_results(args.out, "routing_sim", summary, lambda figure: _plot(results, figure))
     return 0
 
 

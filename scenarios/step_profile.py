@@ -9,7 +9,6 @@ for a small part of the wall time) from a kernel-bound one.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -17,7 +16,7 @@ from pathlib import Path
 import torch
 
 from radixkv.scenarios.decode_profile import start_decoding
-from radixkv.scenarios.plots import pyplot, save
+from radixkv.scenarios.plots import pyplot, save, save_results
 
 TOP_OPS = 12
 
@@ -109,11 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     engine.abort_all()
     _print(result)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "step_profile.json").write_text(json.dumps(result, indent=2))
-    _plot(result, out / "step_profile.png")
-    print(f"\nwrote {out / 'step_profile.json'} and {out / 'step_profile.png'}")
+    save_results(args.out, "step_profile", result, lambda path: _plot(result, path))
     return 0
 
 
