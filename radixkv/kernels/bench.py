@@ -361,6 +361,40 @@ def check_against_torch_backend() -> list[dict]:
     return results
 
 
+def _section(header: str, cases, bench, row) -> list[dict]:
+    """Bench each case, printing the header and then a row per case as it completes."""
+    print(f"\n{header}")
+    results = []
+    for case in cases:
+        results.append(bench(case))
+        print(row(results[-1]))
+    return results
+
+
+def _decode_row(r: dict) -> str:
+    return (f"B={r['num_seqs']:<4} ctx={r['context']:<6} H={r['num_q_heads']}/{r['num_kv_heads']} D={r['head_dim']:<4}"
+            f" {r['num_splits']:>3} {r['triton_ms']:>9.3f} {r['triton_gbps']:>6.0f} {r['triton_frac_of_copy']:>7.0%}"
+            f" | {r['sdpa_ms']:>7.3f} {r['sdpa_gbps']:>6.0f} {r['sdpa_frac_of_copy']:>7.0%} | {r['max_rel_err_vs_sdpa']:.1e}")
+
+
+def _extend_row(r: dict) -> str:
+    return (f"B={r['num_seqs']:<3} prefix={r['prefix']:<5} q={r['q_len']:<5} H={r['num_q_heads']}/{r['num_kv_heads']}"
+            f" D={r['head_dim']:<4} {r['triton_ms']:>8.3f} {r['triton_tflops']:>7.0f} {r['triton_frac_of_matmul']:>5.0%}"
+            f" | {r['sdpa_ms']:>7.3f} {r['sdpa_tflops']:>7.0f} {r['sdpa_frac_of_matmul']:>5.0%} | {r['max_rel_err_vs_sdpa']:.1e}")
+
+
+def _cascade_row(r: dict) -> str:
+    return (f"B={r['num_seqs']:<4} groups={r['num_groups']:<2} shared={r['shared']:<5} own={r['own']:<4}"
+            f" H={r['num_q_heads']}/{r['num_kv_heads']} D={r['head_dim']:<4}"
+            f" {r['apart_ms']:>8.3f} {r['cascade_ms']:>10.3f} {r['speedup']:>8.2f}x {r['bytes_ratio']:>6.1f}x"
+            f" {r['apart_frac_of_copy']:>5.0%}/{r['cascade_frac_of_copy']:<5.0%} | {r['max_rel_err_cascade_vs_apart']:.1e}")
+
+
+def _store_row(r: dict) -> str:
+    return (f"T={r['num_tokens']:<6} Hkv={r['num_kv_heads']} D={r['head_dim']:<4} {r['triton_ms']:>12.4f}"
+            f" {r['triton_gbps']:>6.0f} {r['triton_frac_of_copy']:>7.0%} | {r['index_copy_ms']:.4f}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="out/kernel_bench.json", help="where to write the JSON results")
@@ -382,38 +416,22 @@ def main(argv: list[str] | None = None) -> int:
     ceilings = measure_ceilings()
     print(f"ceilings: copy {ceilings['copy_gbps']:.0f} GB/s, bf16 matmul {ceilings['matmul_tflops']:.0f} TFLOP/s")
 
-    decode = []
-    print("\ndecode (bf16, page 16)        splits  triton ms   GB/s  of copy | sdpa ms   GB/s  of copy | rel err")
-    for shape in DECODE_SHAPES:
-        r = bench_decode(shape, ceilings)
-        decode.append(r)
-        print(f"B={r['num_seqs']:<4} ctx={r['context']:<6} H={r['num_q_heads']}/{r['num_kv_heads']} D={r['head_dim']:<4}"
-              f" {r['num_splits']:>3} {r['triton_ms']:>9.3f} {r['triton_gbps']:>6.0f} {r['triton_frac_of_copy']:>7.0%}"
-              f" | {r['sdpa_ms']:>7.3f} {r['sdpa_gbps']:>6.0f} {r['sdpa_frac_of_copy']:>7.0%} | {r['max_rel_err_vs_sdpa']:.1e}")
-    extend = []
-    print("\nextend (bf16, page 16)                  triton ms  TFLOP/s of mm | sdpa ms  TFLOP/s of mm | rel err")
-    for shape in EXTEND_SHAPES:
-        r = bench_extend(shape, ceilings)
-        extend.append(r)
-        print(f"B={r['num_seqs']:<3} prefix={r['prefix']:<5} q={r['q_len']:<5} H={r['num_q_heads']}/{r['num_kv_heads']}"
-              f" D={r['head_dim']:<4} {r['triton_ms']:>8.3f} {r['triton_tflops']:>7.0f} {r['triton_frac_of_matmul']:>5.0%}"
-              f" | {r['sdpa_ms']:>7.3f} {r['sdpa_tflops']:>7.0f} {r['sdpa_frac_of_matmul']:>5.0%} | {r['max_rel_err_vs_sdpa']:.1e}")
-    cascade = []
-    print("\ncascade decode (bf16, page 16)            apart ms  cascade ms  speed-up  bytes /  of copy a/c | rel err")
-    for shape in CASCADE_SHAPES:
-        r = bench_cascade(shape, ceilings)
-        cascade.append(r)
-        print(f"B={r['num_seqs']:<4} groups={r['num_groups']:<2} shared={r['shared']:<5} own={r['own']:<4}"
-              f" H={r['num_q_heads']}/{r['num_kv_heads']} D={r['head_dim']:<4}"
-              f" {r['apart_ms']:>8.3f} {r['cascade_ms']:>10.3f} {r['speedup']:>8.2f}x {r['bytes_ratio']:>6.1f}x"
-              f" {r['apart_frac_of_copy']:>5.0%}/{r['cascade_frac_of_copy']:<5.0%} | {r['max_rel_err_cascade_vs_apart']:.1e}")
-    store = []
-    print("\nstore_kv (bf16)            triton ms   GB/s  of copy | index_copy ms")
-    for tokens, hkv, d in STORE_TOKENS:
-        r = bench_store(tokens, hkv, d, ceilings)
-        store.append(r)
-        print(f"T={tokens:<6} Hkv={hkv} D={d:<4} {r['triton_ms']:>12.4f} {r['triton_gbps']:>6.0f} {r['triton_frac_of_copy']:>7.0%}"
-              f" | {r['index_copy_ms']:.4f}")
+    decode = _section(
+        "decode (bf16, page 16)        splits  triton ms   GB/s  of copy | sdpa ms   GB/s  of copy | rel err",
+        DECODE_SHAPES, lambda shape: bench_decode(shape, ceilings), _decode_row,
+    )  # fmt: skip
+    extend = _section(
+        "extend (bf16, page 16)                  triton ms  TFLOP/s of mm | sdpa ms  TFLOP/s of mm | rel err",
+        EXTEND_SHAPES, lambda shape: bench_extend(shape, ceilings), _extend_row,
+    )  # fmt: skip
+    cascade = _section(
+        "cascade decode (bf16, page 16)            apart ms  cascade ms  speed-up  bytes /  of copy a/c | rel err",
+        CASCADE_SHAPES, lambda shape: bench_cascade(shape, ceilings), _cascade_row,
+    )  # fmt: skip
+    store = _section(
+        "store_kv (bf16)            triton ms   GB/s  of copy | index_copy ms",
+        STORE_TOKENS, lambda case: bench_store(*case, ceilings), _store_row,
+    )  # fmt: skip
 
     result = {
         "device": props.name,
