@@ -34,6 +34,25 @@ def completions_served(worker_url: str) -> float:
     )
 
 
+def requests_on(worker_url: str) -> int:
+    """Requests a worker holds now, running or waiting (its /get_load)."""
+    return httpx.get(f"{worker_url}/get_load", timeout=10).json()[0]["num_reqs"]
+
+
+def flood_report(cluster: LocalCluster, futures: list[concurrent.futures.Future]) -> str:
+    """What a failed wait saw: the router's healthy workers, each worker's load and served
+    completions, and how the flood's requests ended so far (status, or still open)."""
+
+    def ended(future: concurrent.futures.Future) -> object:
+        if not future.done():
+            return "open"
+        return repr(future.exception()) if future.exception() is not None else future.result().status_code
+
+    loads = {u: (requests_on(u), completions_served(u)) for u in cluster.worker_urls}
+    routed = sorted(cluster.healthy_workers())
+    return f"router routes to {routed}; (requests, completions) by worker {loads}; flood {[ended(f) for f in futures]}"
+
+
 def complete(router_url: str, model: str, prompt: str, max_tokens: int) -> httpx.Response:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
     return httpx.post(f"{router_url}/v1/completions", json=body, timeout=120)
@@ -70,9 +89,16 @@ def test_cache_aware_routing_and_a_drained_worker(tiny_llama: Path, tmp_path: Pa
         def one(i: int) -> httpx.Response:
             return complete(cluster.router_url, tiny_llama.name, f"{SYSTEM_A}Flood {i}?", 32)
 
+        served_before = completions_served(holder)
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             futures = [pool.submit(one, i) for i in range(16)]
-            assert wait_until(lambda: httpx.get(f"{holder}/get_load").json()[0]["num_running_reqs"] > 0)
+
+            def reached_holder() -> bool:
+                # Polls can miss the few ms a tiny model's request is in flight; the count of
+                # served completions cannot (a full-suite run once missed all of them for 20 s).
+                return requests_on(holder) > 0 or completions_served(holder) > served_before
+
+            assert wait_until(reached_holder), flood_report(cluster, futures)
             status = cluster.drain_worker(urls.index(holder))
             responses = [f.result() for f in futures]
         assert [r.status_code for r in responses] == [200] * 16, [r.text for r in responses if r.status_code != 200]
