@@ -15,7 +15,6 @@ import ctypes
 import torch
 from torch import Tensor
 
-from radixkv.attention.base import AttentionMetadata
 from radixkv.cpu import decode, native
 from radixkv.cpu.linear import PackedLinear
 
@@ -51,8 +50,8 @@ class FusedDecode:
     PHASES = ("norms, silu", "qkv", "rope, KV store", "attention", "o", "gate_up", "down")
 
     def __init__(self, model: torch.nn.Module, library: ctypes.CDLL) -> None:
-        # The layers, config and backend, not the model: the model holds this object.
-        self.layers, self.config, self.attention, self.library = model.layers, model.config, model.attention, library
+        # The layers and config, not the model: the model holds this object.
+        self.layers, self.config, self.library = model.layers, model.config, library
         self._layers: ctypes.Array | None = None
         self._caches: tuple[int, int] | None = None  # data_ptr of the first k and v cache bound
         # float64 [len(PHASES)] that each fused step adds its seconds per phase to, or None:
@@ -78,27 +77,21 @@ class FusedDecode:
         )  # fmt: skip
         return cls(model, library) if fits else None
 
-    def usable(self, x: Tensor, meta: AttentionMetadata) -> bool:
-        """Whether this step can run fused: one new token per request, decoded by a backend
-        whose kernel takes these caches (its prepare() checked the tables the C code reads).
-        Batch invariance holds either way: the kernels are the ones the modules call."""
-        if not meta.is_decode_only or not self.attention.capabilities.fused_cpu_decode or meta.num_seqs != x.shape[0]:
-            return False
-        return meta.backend_state.kernel
-
-    def run(self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata, k_caches: list[Tensor], v_caches: list[Tensor]) -> tuple[Tensor, Tensor]:
-        """(residual stream, last MLP output) after all layers, as the module loop returns them."""
+    def run(
+        self, x: Tensor, cos: Tensor, sin: Tensor, k_caches: list[Tensor], v_caches: list[Tensor],
+        slots: Tensor, page_table: Tensor, seq_lens: Tensor, plan: Tensor | None,
+    ) -> tuple[Tensor, Tensor]:  # fmt: skip
+        """(residual stream, last MLP output) after all layers, as the module loop returns them,
+        for one new token a row. The C code trusts slots, page_table and seq_lens, so the caller
+        range-checks them first (the CPU attention backend's prepare() does); plan: its cascade plan."""
         config, rows = self.config, x.shape[0]
-        # The backend's prepare() range-checked these tables and the slots for this step.
-        state = meta.backend_state
-        page_table, seq_lens = state.page_table, state.seq_lens
-        slots = meta.slot_mapping.to(torch.int64).contiguous()
+        slots = slots.to(torch.int64).contiguous()
         layers = self._bind(k_caches, v_caches)
         q_size, kv_size = config.num_q_heads * config.head_dim, config.num_kv_heads * config.head_dim
         widths = dict(h=config.hidden_size, qkv=q_size + 2 * kv_size, attention=q_size, projected=config.hidden_size,
                       gate_up=2 * config.intermediate_size, activated=config.intermediate_size)  # fmt: skip
         buffers = {name: torch.empty(rows, width, dtype=x.dtype) for name, width in widths.items()}
-        work = torch.empty(max(decode.work_floats(seq_lens, state.plan, config.num_q_heads, config.head_dim), 1), dtype=torch.float32)
+        work = torch.empty(max(decode.work_floats(seq_lens, plan, config.num_q_heads, config.head_dim), 1), dtype=torch.float32)
         timed = self.phase_seconds
         if timed is not None and (timed.dtype != torch.float64 or timed.device.type != "cpu" or timed.numel() != len(self.PHASES) or not timed.is_contiguous()):
             raise ValueError(f"phase_seconds must be a contiguous float64 CPU tensor of {len(self.PHASES)} values")
@@ -115,7 +108,7 @@ class FusedDecode:
             ctypes.addressof(layers), len(self.layers), 1, ctypes.addressof(shape), ctypes.addressof(scratch),
             x.data_ptr(), delta.data_ptr(),
             cos.contiguous().data_ptr(), sin.contiguous().data_ptr(), slots.data_ptr(), page_table.data_ptr(),
-            page_table.stride(0), seq_lens.data_ptr(), _pointer(state.plan),
+            page_table.stride(0), seq_lens.data_ptr(), _pointer(plan),
         )  # fmt: skip
         if status != 0:
             raise RuntimeError("the fused decode kernels refused this model's shapes")

@@ -355,8 +355,11 @@ class CausalLM(nn.Module):
         self.attention.begin_step(meta, k_caches[0], self.config.num_q_heads)
         x, delta = self.embed_tokens(input_ids), None
         cos, sin = self.rope(positions, x.dtype)
-        if self.fused_decode is not None and self.fused_decode.usable(x, meta):
-            x, delta = self.fused_decode.run(x, cos, sin, meta, k_caches, v_caches)
+        if self.fused_decode is not None and self._runs_fused(x, meta):
+            state = meta.backend_state  # the CPU backend's: its prepare() range-checked the tables and slots
+            x, delta = self.fused_decode.run(
+                x, cos, sin, k_caches, v_caches, meta.slot_mapping, state.page_table, state.seq_lens, state.plan
+            )
         else:
             for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches, strict=True):
                 x, delta = layer(x, delta, cos, sin, meta, k_cache, v_cache)
@@ -364,6 +367,14 @@ class CausalLM(nn.Module):
         # projection of every prefill token would cost more than the rest of the forward.
         _, last = self.norm.add_and_normalize(x[logits_indices], delta[logits_indices])
         return project(self.lm_head, last, meta).float()
+
+    def _runs_fused(self, x: Tensor, meta: AttentionMetadata) -> bool:
+        """Whether this step runs fused: one new token per request, decoded by a backend whose
+        kernel takes these caches (its prepare() checked the tables the C code reads). Batch
+        invariance holds either way: the fused step calls the kernels the modules call."""
+        if not meta.is_decode_only or not self.attention.capabilities.fused_cpu_decode or meta.num_seqs != x.shape[0]:
+            return False
+        return meta.backend_state.kernel
 
     def load_state_dict_hf(self, tensors: Mapping[str, Tensor]) -> None:
         """Take weights under transformers' names, fusing q/k/v and gate/up, tying embeddings.

@@ -61,7 +61,7 @@ def assert_fused_matches_modules(loaded, sequences: list[list[int]], monkeypatch
     assert plan is not None
     calls = []
     run = plan.run
-    monkeypatch.setattr(plan, "run", lambda *args: calls.append(args[3].backend_state.plan is not None) or run(*args))
+    monkeypatch.setattr(plan, "run", lambda *args: calls.append(args[8] is not None) or run(*args))  # args[8]: the cascade plan
     fused, fused_stepper = run_schedule(loaded, sequences, fused=True, shared_pages=shared_pages)
     assert calls == [bool(shared_pages)] * len(fused)  # every decode step took the fused path, in groups where shared
     modules, module_stepper = run_schedule(loaded, sequences, fused=False, shared_pages=shared_pages)
