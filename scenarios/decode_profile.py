@@ -97,8 +97,7 @@ def profile_decode(
         dtype=str(engine.dtype),
         step_ms=step_s * 1e3,
         phases_ms={k: v * 1e3 for k, v in phases.items()},
-        # Means over the same steps on both sides: the median step less the mean forward
-        # mixed two statistics and read 0.0% where the phases said 2.6%.
+        # Means over the same steps on both sides (step_s is a median, another statistic).
         engine_overhead_fraction=(sum(phases.values()) - phases["forward"]) / sum(phases.values()),
         weight_mib=weight_bytes / 2**20,
         kv_mib=kv_bytes / 2**20,
