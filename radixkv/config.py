@@ -118,6 +118,14 @@ class EngineConfig:
     kv_events_replay_endpoint: str | None = None
     kv_events_topic: str = ""  # first frame of every message (llm-d reads "kv@<pod>@<model>")
     kv_events_buffer_steps: int = 10_000  # batches kept for replay
+    # Structured outputs (radixkv/engine/guide.py): what one JSON schema may cost before it is
+    # refused (InvalidRequest, param response_format): its text in bytes, its JSON nesting, its
+    # compile (on a compile thread, never the engine's) and its first token mask, the proxy
+    # for the mask every later step of the request pays. A schema refused as slow is remembered.
+    max_guide_schema_bytes: int = 64 << 10
+    max_guide_schema_depth: int = 64
+    guide_compile_timeout_s: float = 10.0
+    guide_mask_timeout_s: float = 0.25
 
     def __post_init__(self) -> None:
         self.validate()
@@ -150,6 +158,12 @@ class EngineConfig:
         _positive(self, "kv_disk_retained_bytes_per_owner", limit=1 << 50)
         _positive(self, "kv_disk_prefetch_bytes", limit=1 << 40)
         _check_kv_events(self)
+        _positive(self, "max_guide_schema_bytes", limit=1 << 26)
+        _positive(self, "max_guide_schema_depth", limit=1 << 16)
+        for name in ("guide_compile_timeout_s", "guide_mask_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value <= 3600.0:
+                raise ConfigError(f"{name} must be a number of seconds in (0, 3600], got {value!r}", param=name)
         _choice(self, "dtype", DTYPES)
         _choice(self, "attention_backend", BACKENDS)
         _choice(self, "linear_kernel", LINEAR_KERNELS)

@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 from radixkv.engine.engine import Engine
 from radixkv.engine.request import RequestDelta, SamplingParams, merge_deltas
 from radixkv.engine.stats import EngineStats
+from radixkv.errors import InvalidRequest
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ class _Add:
     request_id: str
     stream: RequestStream
     future: concurrent.futures.Future[str]
+    guide_grammar: Any = None  # params.guide, compiled before queuing (never on the engine thread)
 
 
 @dataclass(slots=True)
@@ -205,13 +207,15 @@ class AsyncEngine:
         """Queue a request; return its stream once the engine has accepted it.
 
         The Engine's own errors (InvalidRequest, QueueFull) are raised here, to the caller,
-        before any output exists. Cancelling this await aborts the request.
+        before any output exists. Cancelling this await aborts the request. A JSON schema
+        compiles on a compile thread first, bounded in time, so the engine thread never does.
         """
         loop = asyncio.get_running_loop()
+        grammar = await self.engine.guides.compile_async(params.guide) if params.guide is not None else None
         request_id = request_id or f"{self._id_prefix}-{next(self._ids)}"
         stream = RequestStream(self, request_id, loop)
         future: concurrent.futures.Future[str] = concurrent.futures.Future()
-        self._post(_Add(list(prompt_token_ids), params, salt, request_id, stream, future))
+        self._post(_Add(list(prompt_token_ids), params, salt, request_id, stream, future, grammar))
         try:
             await asyncio.wrap_future(future)
         except asyncio.CancelledError:
@@ -333,7 +337,9 @@ class AsyncEngine:
                 for output in outputs:
                     self._dispatch(output)
                 for request_id, error in self.engine.take_failed():
-                    logger.error("request %s failed alone in a step: %r", request_id, error)
+                    # A request's own input (a schema with no way on) is the client's error, not the engine's.
+                    level = logging.INFO if isinstance(error, InvalidRequest) else logging.ERROR
+                    logger.log(level, "request %s failed alone in a step: %r", request_id, error)
                     stream = self._streams.pop(request_id, None)
                     if stream is not None:
                         stream._deliver(_End(_step_error(error)))
@@ -348,7 +354,11 @@ class AsyncEngine:
                 return
             try:
                 self.engine.add_request(
-                    command.prompt_token_ids, command.params, salt=command.salt, request_id=command.request_id
+                    command.prompt_token_ids,
+                    command.params,
+                    salt=command.salt,
+                    request_id=command.request_id,
+                    guide_grammar=command.guide_grammar,
                 )
             except Exception as error:  # noqa: BLE001 - InvalidRequest, QueueFull: the caller's to handle
                 command.future.set_exception(error)

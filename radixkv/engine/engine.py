@@ -21,7 +21,7 @@ from radixkv.cache.pages import PagePool
 from radixkv.cache.radix import RadixTree
 from radixkv.config import EngineConfig
 from radixkv.engine.compute_cost import ComputeCost, attended
-from radixkv.engine.guide import Guides
+from radixkv.engine.guide import GuideLimits, GuideRejected, Guides
 from radixkv.engine.kv_manager import KVManager
 from radixkv.engine.request import (
     CompletionDelta,
@@ -122,7 +122,10 @@ class Engine:
         self.scheduler = Scheduler(config, self.kv)
         self.runner = ModelRunner(loaded.model, self.pool, loaded.device, batch_invariant=config.batch_invariant)
         self.sampler = Sampler(config.seed)
-        self.guides = Guides(self.tokenizer, model_config.vocab_size, sorted(self.eos_token_ids))
+        guide_limits = GuideLimits(
+            config.max_guide_schema_bytes, config.max_guide_schema_depth, config.guide_compile_timeout_s, config.guide_mask_timeout_s
+        )
+        self.guides = Guides(self.tokenizer, model_config.vocab_size, sorted(self.eos_token_ids), guide_limits)
         self._num_guided = 0  # live guided sequences: a step without any skips the guide work
         self._requests: dict[str, list[SequenceState]] = {}
         # Requests a step failed alone (a broken logits row, a sampler error on their row):
@@ -151,9 +154,12 @@ class Engine:
         *,
         salt: str | None = None,
         request_id: str | None = None,
+        guide_grammar: Any = None,
     ) -> str:
+        """Queue a request; its id. `guide_grammar` is params.guide compiled beforehand off
+        this thread (AsyncEngine.submit); without it a guide compiles (or is found cached) here."""
         params = params or SamplingParams()
-        self.check_request(prompt_token_ids, params, salt)
+        self.check_request(prompt_token_ids, params, salt, guide_checked=guide_grammar is not None)
         if params.n > self.queue_room():
             raise QueueFull(f"the waiting queue is full ({self.config.max_queue_len} requests); retry later", limit=self.config.max_queue_len)
         request_id = request_id if request_id is not None else f"req-{next(self._request_ids)}"
@@ -166,7 +172,7 @@ class Engine:
         ]
         if params.guide is not None:
             for seq in seqs:
-                seq.guide_state = self.guides.new_state(params.guide)
+                seq.guide_state = self.guides.new_state(params.guide, guide_grammar)
             self._num_guided += len(seqs)
         self._requests[request_id] = seqs
         for seq in seqs:
@@ -177,7 +183,7 @@ class Engine:
         """How many more sequences the waiting queue takes before add_request raises QueueFull."""
         return self.config.max_queue_len - len(self.scheduler.waiting)
 
-    def check_request(self, prompt: list[int], params: SamplingParams, salt: str | None = None) -> None:
+    def check_request(self, prompt: list[int], params: SamplingParams, salt: str | None = None, *, guide_checked: bool = False) -> None:
         """Raise InvalidRequest (naming the parameter and the limit) unless the engine can run
         this request: a valid prompt that fits the context and the page pool beside the pins."""
         if not prompt:
@@ -204,7 +210,7 @@ class Engine:
         pages = -(-total // self.pool.page_size)
         if self._pins:
             self._check_room_beside_pins(prompt, pages, salt)
-        if params.guide is not None:
+        if params.guide is not None and not guide_checked:
             self.guides.check(params.guide)  # compiles it once; add_request finds it cached
 
     def _context_limit_text(self) -> str:
@@ -327,6 +333,15 @@ class Engine:
             )
         finally:
             masks = pending.join() if pending is not None else None
+        broken: dict[int, BaseException] = {}
+        if masks is not None:
+            for row in masks.take_dead_rows():
+                broken[row] = InvalidRequest(
+                    f"the JSON schema allows no token this model can produce after {len(sampling[row].output_token_ids)} "
+                    "generated tokens (e.g. a pattern only raw control characters would continue)",
+                    param="response_format",
+                    code="schema_unsatisfiable",
+                )
         # Rows with NaN or infinite logits (one bad sequence, e.g. an overflow; a row sum is
         # finite exactly when its entries are, one cheap pass) are zeroed so the batch still
         # samples, and their requests then fail alone. On a device the fill runs unconditionally
@@ -335,7 +350,6 @@ class Engine:
             non_finite = ~torch.isfinite(logits.sum(dim=-1))
             if logits.device.type != "cpu" or bool(non_finite.any()):
                 logits.masked_fill_(non_finite.unsqueeze(-1), 0.0)
-        broken: dict[int, BaseException] = {}
         tokens, logprobs = self._sample(logits, sampling, masks, broken)
         for row in non_finite.nonzero().flatten().tolist():
             broken.setdefault(row, FloatingPointError("non-finite logits"))
@@ -349,7 +363,11 @@ class Engine:
         for row, (seq, token) in enumerate(zip(sampling, tokens)):
             if row in broken:
                 continue
-            self._append_token(seq, token, logprobs[row] if logprobs else None, now)
+            try:
+                self._append_token(seq, token, logprobs[row] if logprobs else None, now)
+            except GuideRejected as error:
+                broken[row] = error
+                continue
             changed.setdefault(seq.request_id, []).append(seq)
         failed = {sampling[row].request_id: error for row, error in broken.items()}
         for request_id, error in failed.items():

@@ -11,10 +11,14 @@ than llguidance's lazy 1.3 ms, but it is paid once per schema, not per token.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +30,29 @@ from radixkv.cpu.logits import apply_token_bitmask
 from radixkv.engine.request import JsonGuide, SequenceState
 from radixkv.errors import InvalidRequest
 
+GuideKey = tuple[str | None, bool]
+
+
+@dataclass(frozen=True, slots=True)
+class GuideLimits:
+    """What one schema may cost before it is refused (InvalidRequest, param response_format):
+    its text, its nesting, its compile and its first token mask (a proxy for every later one)."""
+
+    max_schema_bytes: int = 64 << 10
+    max_schema_depth: int = 64
+    compile_timeout_s: float = 10.0
+    mask_timeout_s: float = 0.25
+
+
+class GuideRejected(RuntimeError):
+    """A guided sequence's matcher refused the token sampled for it: the row fails alone."""
+
 MAX_CACHED_GRAMMARS = 256
+# Schemas refused for being too slow, remembered so a resent one costs nothing.
+MAX_REMEMBERED_SLOW = 1024
+# Compiles run on their own threads, never the engine's; two keep one slow schema from holding
+# every compile while leaving the forward its cores.
+COMPILE_THREADS = 2
 # Threads xgrammar fills a step's rows with: enough to spread a large batch, few enough to
 # leave the forward its cores.
 MAX_FILL_THREADS = 4
@@ -36,44 +62,142 @@ ANY_OBJECT_SCHEMA = '{"type": "object"}'
 
 class GuideCompiler:
     """Compiles guides for one tokenizer; the vocabulary is the model's logits width (it may
-    exceed the tokenizer's), and the engine's EOS ids are the tokens that end a grammar."""
+    exceed the tokenizer's), and the engine's EOS ids are the tokens that end a grammar.
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
+    Thread-safe: the server compiles a request's schema on a compile thread before queuing it
+    (`submit`), so the engine thread only finds it cached; in-process callers `compile`."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int], limits: GuideLimits | None = None) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(stop_token_ids)
+        self.limits = limits or GuideLimits()
         self._compiler: Any = None  # built on first use: an unguided engine never pays for it
         self.no_control_bytes: torch.Tensor | None = None  # with the compiler; see _control_free_bitmask
-        self._grammars: OrderedDict[tuple[str | None, bool], Any] = OrderedDict()
+        self._lock = threading.Lock()  # guards the maps below and the compiler's creation
+        self._grammars: OrderedDict[GuideKey, Any] = OrderedDict()
+        self._in_flight: dict[GuideKey, Future[Any]] = {}
+        self._too_slow: OrderedDict[GuideKey, str] = OrderedDict()  # key -> why it was refused
+        self._pool: ThreadPoolExecutor | None = None
+
+    def submit(self, guide: JsonGuide) -> Future[Any]:
+        """The guide's compiled grammar as a future (done at once when cached); from any thread.
+        The future raises InvalidRequest(param="response_format") for a schema that is not
+        JSON Schema xgrammar accepts, is over the limits, or leaves no first token."""
+        key = _key(guide)
+        with self._lock:
+            grammar = self._grammars.get(key)
+            if grammar is not None:
+                self._grammars.move_to_end(key)
+                return _done(grammar)
+            if key in self._too_slow:
+                return _failed(InvalidRequest(self._too_slow[key], param="response_format"))
+            future = self._in_flight.get(key)
+            if future is not None:
+                return future
+            try:
+                schema = _checked_schema_text(guide.schema, self.limits)
+            except InvalidRequest as error:
+                return _failed(error)
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="radixkv-guide-compile")
+            future = self._pool.submit(self._compile, key, schema)
+            self._in_flight[key] = future
+        return future
 
     def compile(self, guide: JsonGuide) -> Any:
-        """The compiled grammar of a guide; InvalidRequest(param="response_format") if its
-        schema is not valid JSON Schema text that xgrammar accepts."""
-        key = (guide.schema, guide.strict if guide.schema is not None else False)
-        grammar = self._grammars.get(key)
-        if grammar is not None:
-            self._grammars.move_to_end(key)
-            return grammar
-        schema = _checked_schema_text(guide.schema)
+        """The guide's compiled grammar, waiting at most the compile timeout for it."""
+        return self.wait(guide, self.submit(guide))
+
+    def wait(self, guide: JsonGuide, future: Future[Any]) -> Any:
         try:
-            grammar = self._xgrammar_compiler().compile_json_schema(schema, any_whitespace=False, separators=(",", ":"), strict_mode=key[1])
-        except (RuntimeError, ValueError, TypeError) as error:
-            raise InvalidRequest(f"the JSON schema cannot be compiled: {_first_line(error)}", param="response_format") from error
-        self._grammars[key] = grammar
-        if len(self._grammars) > MAX_CACHED_GRAMMARS:
-            self._grammars.popitem(last=False)
+            return future.result(timeout=self.limits.compile_timeout_s)
+        except FutureTimeout:
+            raise self.refuse_slow(guide) from None
+
+    def refuse_slow(self, guide: JsonGuide) -> InvalidRequest:
+        """The error for a guide whose compile ran past the timeout; remembered, so the schema
+        is refused at once from now on (its compile may still finish on its thread)."""
+        message = f"the JSON schema took longer than {self.limits.compile_timeout_s:g} s to compile; simplify it"
+        self._remember_slow(_key(guide), message)
+        return InvalidRequest(message, param="response_format", code="schema_too_complex")
+
+    def _compile(self, key: GuideKey, schema: str) -> Any:
+        start_s = time.perf_counter()
+        try:
+            compiler = self._xgrammar_compiler()
+            try:
+                grammar = compiler.compile_json_schema(schema, any_whitespace=False, separators=(",", ":"), strict_mode=key[1])
+            except (RuntimeError, ValueError, TypeError) as error:
+                raise InvalidRequest(f"the JSON schema cannot be compiled: {_first_line(error)}", param="response_format") from error
+            compile_s = time.perf_counter() - start_s
+            if compile_s > self.limits.compile_timeout_s:
+                raise self._slow(key, f"the JSON schema took {compile_s:.1f} s to compile, over the {self.limits.compile_timeout_s:g} s limit; simplify it")
+            self._check_first_mask(key, grammar)
+        except BaseException:
+            with self._lock:
+                self._in_flight.pop(key, None)
+            raise
+        with self._lock:  # cached and out of flight at once: no second compile slips between
+            self._in_flight.pop(key, None)
+            self._grammars[key] = grammar
+            if len(self._grammars) > MAX_CACHED_GRAMMARS:
+                self._grammars.popitem(last=False)
         return grammar
 
-    def _xgrammar_compiler(self) -> Any:
-        if self._compiler is None:
-            import xgrammar
+    def _check_first_mask(self, key: GuideKey, grammar: Any) -> None:
+        """Fill the grammar's first mask once: a schema whose masks are slow costs every token
+        of every batch it joins, and one whose first mask is empty can never start."""
+        import xgrammar
 
-            info = xgrammar.TokenizerInfo.from_huggingface(
-                self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
-            )
-            self._compiler = xgrammar.GrammarCompiler(info, max_threads=min(MAX_FILL_THREADS, os.cpu_count() or 1))
-            self.no_control_bytes = _control_free_bitmask(info, self.vocab_size)
-        return self._compiler
+        matcher = xgrammar.GrammarMatcher(grammar)
+        bitmask = xgrammar.allocate_token_bitmask(1, self.vocab_size)
+        start_s = time.perf_counter()
+        matcher.fill_next_token_bitmask(bitmask)
+        mask_s = time.perf_counter() - start_s
+        if mask_s > self.limits.mask_timeout_s:
+            raise self._slow(key, f"the JSON schema's token mask took {mask_s * 1e3:.0f} ms, over the {self.limits.mask_timeout_s * 1e3:.0f} ms limit; simplify it")
+        assert self.no_control_bytes is not None  # built with the compiler
+        if not bool(bitmask.bitwise_and_(self.no_control_bytes).any()):
+            raise InvalidRequest("the JSON schema allows no token this model can start with", param="response_format", code="schema_unsatisfiable")
+
+    def _slow(self, key: GuideKey, message: str) -> InvalidRequest:
+        self._remember_slow(key, message)
+        return InvalidRequest(message, param="response_format", code="schema_too_complex")
+
+    def _remember_slow(self, key: GuideKey, message: str) -> None:
+        with self._lock:
+            self._too_slow[key] = message
+            if len(self._too_slow) > MAX_REMEMBERED_SLOW:
+                self._too_slow.popitem(last=False)
+
+    def _xgrammar_compiler(self) -> Any:
+        with self._lock:
+            if self._compiler is None:
+                import xgrammar
+
+                info = xgrammar.TokenizerInfo.from_huggingface(
+                    self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
+                )
+                self.no_control_bytes = _control_free_bitmask(info, self.vocab_size)
+                self._compiler = xgrammar.GrammarCompiler(info, max_threads=min(MAX_FILL_THREADS, os.cpu_count() or 1))
+            return self._compiler
+
+
+def _key(guide: JsonGuide) -> GuideKey:
+    return (guide.schema, guide.strict if guide.schema is not None else False)
+
+
+def _done(value: Any) -> Future[Any]:
+    future: Future[Any] = Future()
+    future.set_result(value)
+    return future
+
+
+def _failed(error: BaseException) -> Future[Any]:
+    future: Future[Any] = Future()
+    future.set_exception(error)
+    return future
 
 
 def _control_free_bitmask(info: Any, vocab_size: int) -> torch.Tensor:
@@ -93,20 +217,48 @@ def _control_free_bitmask(info: Any, vocab_size: int) -> torch.Tensor:
     return bitmask
 
 
-def _checked_schema_text(schema: str | None) -> str:
-    """The schema text to compile, refused early when it is not JSON or not a schema object
-    (xgrammar's own messages for those are less clear)."""
+def _checked_schema_text(schema: str | None, limits: GuideLimits) -> str:
+    """The schema text to compile, refused early when it is not JSON, not a schema object, or
+    over the size and nesting limits (xgrammar's own messages for those are less clear, and
+    its compile time grows with both)."""
     if schema is None:
         return ANY_OBJECT_SCHEMA
     if not isinstance(schema, str):
         raise InvalidRequest(f"the JSON schema must be JSON text, got {type(schema).__name__}", param="response_format")
+    size = len(schema.encode())
+    if size > limits.max_schema_bytes:
+        raise InvalidRequest(
+            f"the JSON schema has {size} bytes; the limit is {limits.max_schema_bytes}", param="response_format", limit=limits.max_schema_bytes
+        )
     try:
         parsed = json.loads(schema)
     except json.JSONDecodeError as error:
         raise InvalidRequest(f"the JSON schema is not valid JSON: {error}", param="response_format") from error
+    except RecursionError:  # nested past the parser's stack: past any depth limit too
+        parsed = None
+        depth = limits.max_schema_depth + 1
+    else:
+        depth = _json_depth(parsed)
+    if depth > limits.max_schema_depth:
+        raise InvalidRequest(
+            f"the JSON schema nests deeper than {limits.max_schema_depth} levels", param="response_format", limit=limits.max_schema_depth
+        )
     if not isinstance(parsed, dict):
         raise InvalidRequest(f"a JSON schema must be a JSON object, got {type(parsed).__name__}", param="response_format")
     return schema
+
+
+def _json_depth(value: object) -> int:
+    """How deep objects and arrays nest in a parsed JSON value (a scalar is 0), without recursion."""
+    deepest = 0
+    stack: list[tuple[object, int]] = [(value, 0)]
+    while stack:
+        node, depth = stack.pop()
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else None
+        if children is not None:
+            deepest = max(deepest, depth + 1)
+            stack.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 def _first_line(error: BaseException) -> str:
@@ -126,9 +278,10 @@ class GuideState:
 
     def accept(self, token: int) -> bool:
         """Advance by the sampled token; True once the grammar is complete."""
-        accepted = self.matcher.accept_token(token)
-        # The sampler drew from the masked row, so only an engine bug can get here.
-        assert accepted, f"token {token} was sampled outside the grammar"
+        if not self.matcher.accept_token(token):
+            # The sampler drew from the masked row, so only an engine bug gets here; the row's
+            # request fails alone, the batch goes on.
+            raise GuideRejected(f"token {token} was sampled outside the grammar")
         return self.matcher.is_terminated()
 
 
@@ -138,6 +291,15 @@ class GuideMasks:
 
     rows: list[int]  # the sampling rows that have a guide
     bitmask: torch.Tensor  # int32 [sampling rows, ceil(vocab / 32)]; only `rows` are filled
+
+    def take_dead_rows(self) -> list[int]:
+        """The guided rows whose grammar allows no token at all (a pattern only control bytes
+        could continue): opened to every token so the batch still samples, for the caller to
+        fail alone."""
+        dead = [row for row, alive in zip(self.rows, self.bitmask[self.rows].any(dim=-1).tolist()) if not alive]
+        for row in dead:
+            self.bitmask[row].fill_(-1)
+        return dead
 
     def apply(self, logits: torch.Tensor) -> None:
         """Disallowed tokens of the guided rows to -inf, in place: by the native kernel for fp32
@@ -166,8 +328,8 @@ class Guides:
     """The engine's guided decoding: checks and compiles guides, gives each guided sequence its
     matcher, and fills a step's masks beside the forward."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
-        self.compiler = GuideCompiler(tokenizer, vocab_size, stop_token_ids)
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int], limits: GuideLimits | None = None) -> None:
+        self.compiler = GuideCompiler(tokenizer, vocab_size, stop_token_ids, limits)
         self.vocab_size = vocab_size
         self._fill_thread: ThreadPoolExecutor | None = None
         self._batch_matcher: Any = None
@@ -175,8 +337,20 @@ class Guides:
     def check(self, guide: JsonGuide) -> None:
         self.compiler.compile(guide)
 
-    def new_state(self, guide: JsonGuide) -> GuideState:
-        return GuideState(self.compiler.compile(guide))
+    async def compile_async(self, guide: JsonGuide) -> Any:
+        """The guide's grammar, compiled on a compile thread while the caller's event loop goes
+        on; InvalidRequest past the compile timeout (the compile may finish on its thread)."""
+        future = self.compiler.submit(guide)
+        try:
+            # Shielded: the compile is shared by every request sending this schema.
+            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), self.compiler.limits.compile_timeout_s)
+        except TimeoutError:
+            raise self.compiler.refuse_slow(guide) from None
+
+    def new_state(self, guide: JsonGuide, grammar: Any = None) -> GuideState:
+        """A matcher at the grammar's start; `grammar` is the guide's, compiled beforehand off
+        the engine thread (AsyncEngine.submit), else it is compiled (or found cached) now."""
+        return GuideState(grammar if grammar is not None else self.compiler.compile(guide))
 
     def start_fills(self, seqs: list[SequenceState]) -> PendingMasks | None:
         """Start filling the bitmasks of the guided rows among one step's sampling sequences
@@ -194,7 +368,7 @@ class Guides:
         bitmask = xgrammar.allocate_token_bitmask(len(seqs), self.vocab_size)
         matchers = [seqs[row].guide_state.matcher for row in rows]
         no_control_bytes = self.compiler.no_control_bytes
-        assert no_control_bytes is not None  # built with the compiler, before any guide had a state
+        assert no_control_bytes is not None  # internal: built with the compiler, before any guide had a state
 
         def fill() -> None:
             self._batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask, rows)

@@ -258,7 +258,8 @@ async def _events(ctx: _Context, streams: list[RequestStream]) -> AsyncIterator[
                 yield event
         for event in blocks.close():
             yield event
-        assert final is not None
+        if final is None:  # every stream ends with its output or an error; never a silent end
+            raise APIError(500, "the request ended without an output", type="server_error")
         stop_reason, stop_sequence = _stop_reason(ctx, final, num_calls > 0)
         usage = await _usage(ctx, final)
         yield _event("message_delta", {"delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence}, "usage": usage})

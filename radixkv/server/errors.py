@@ -153,7 +153,11 @@ class WireNames:
 
 
 def engine_error(error: BaseException, names: WireNames = WireNames()) -> APIError:
-    """An engine error as the client sees it; anything unexpected is the engine failing (500)."""
+    """An engine error as the client sees it; anything unexpected is the engine failing (500).
+    A request a step failed alone for its own input (a schema with no way on) is the client's
+    error (400), as if refused up front."""
+    if isinstance(error, EngineStepError) and isinstance(error.__cause__, InvalidRequest):
+        error = error.__cause__
     if isinstance(error, InvalidRequest):
         param = names.of(error.param)
         # The engine's message names its own parameter; say which field of the request that is.

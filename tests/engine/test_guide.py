@@ -209,3 +209,69 @@ def test_native_mask_apply_equals_xgrammars(vocab):
     xgrammar.apply_token_bitmask_inplace(expected, bitmask, indices=rows)
     GuideMasks(rows, bitmask).apply(logits)
     assert torch.equal(logits, expected)
+
+
+# A string only raw control bytes could continue: the grammar opens `{"a":"` and then every
+# token it allows is masked out as a control byte, so the row has nowhere to go.
+DEAD_END = {"type": "object", "properties": {"a": {"type": "string", "pattern": "\u0001+"}}, "required": ["a"]}
+
+
+def test_a_guided_row_with_no_way_on_fails_alone(llm):
+    # On the first main this tripped an assert in the step and failed every request beside it.
+    engine = llm.engine
+    plain = SamplingParams(max_tokens=20, ignore_eos=True)
+    alone = llm.generate([PROMPTS[0]], plain)[0].token_ids
+    beside = engine.add_request(llm.tokenizer.encode(PROMPTS[0]), plain)
+    doomed = engine.add_request([5, 6, 7, 9], SamplingParams(max_tokens=20, guide=JsonGuide(json.dumps(DEAD_END))))
+    finished = {}
+    while engine.has_unfinished():
+        for delta in engine.step():
+            if delta.finished:
+                finished[delta.request_id] = delta.output
+    failed = dict(engine.take_failed())
+    assert list(failed) == [doomed]
+    assert isinstance(failed[doomed], InvalidRequest) and failed[doomed].param == "response_format"
+    assert "allows no token" in str(failed[doomed])
+    assert finished[beside].outputs[0].token_ids == alone  # the neighbour went on, unchanged
+    assert_pages_returned(engine)
+
+
+def test_a_token_the_grammar_refuses_raises_a_row_error_not_an_assert(llm):
+    from radixkv.engine.guide import GuideRejected
+
+    state = llm.engine.guides.new_state(JsonGuide(json.dumps(FLAT)))
+    brace = llm.tokenizer.encode("{")[-1]
+    not_json = llm.tokenizer.encode("x")[-1]
+    with pytest.raises(GuideRejected):  # survives python -O, unlike the assert it replaces
+        state.accept(not_json)
+    assert brace != not_json
+
+
+def test_schemas_over_the_size_and_nesting_limits_are_refused_before_compiling(llm):
+    engine = llm.engine
+    limits = engine.guides.compiler.limits
+    huge = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(limits.max_schema_bytes // 20)}}
+    deep: dict = {"type": "integer"}
+    for _ in range(limits.max_schema_depth):
+        deep = {"type": "array", "items": deep}
+    very_deep = '{"a":' * 5_000 + "1" + "}" * 5_000  # past json's own recursion limit, within the bytes
+    for schema, limit in ((json.dumps(huge), limits.max_schema_bytes), (json.dumps(deep), limits.max_schema_depth), (very_deep, limits.max_schema_depth)):
+        with pytest.raises(InvalidRequest) as refused:
+            engine.add_request([5, 6, 7], SamplingParams(guide=JsonGuide(schema)))
+        assert refused.value.param == "response_format" and refused.value.limit == limit
+    assert not engine.has_unfinished()
+
+
+@pytest.mark.parametrize("option", ["guide_compile_timeout_s", "guide_mask_timeout_s"])
+def test_a_schema_too_slow_to_compile_or_mask_is_refused_and_remembered(tiny_llama, option):
+    # A limit no compile or mask can meet: every new schema is refused as too slow.
+    llm = make_llm(tiny_llama, **{option: 1e-9})
+    engine = llm.engine
+    params = SamplingParams(guide=JsonGuide(json.dumps(FLAT)))
+    with pytest.raises(InvalidRequest) as refused:
+        engine.add_request([5, 6, 7], params)
+    assert refused.value.param == "response_format" and refused.value.code == "schema_too_complex"
+    # Remembered: the resend is refused without a second compile.
+    assert engine.guides.compiler.submit(params.guide).exception() is not None
+    assert not engine.has_unfinished()
+    assert llm.generate(["still serving"], SamplingParams(max_tokens=4))[0].finish_reason == "length"

@@ -136,3 +136,23 @@ def test_cache_hints_are_accepted(agent_server):
         assert response.choices[0].message.content is not None
     completion = client.completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body={"prompt_cache_key": "k"})
     assert completion.choices[0].text is not None
+
+
+def test_a_schema_with_no_way_on_fails_its_own_request_not_another_keys_stream(agent_server):
+    # On the first main, one such request failed the whole step and aborted every tenant's
+    # streams. Now it is the sender's 400 (naming response_format), and the other key's
+    # stream, running meanwhile, ends as it would have.
+    from tests.helpers.live_server import KEY_B
+
+    dead_end = {"type": "object", "properties": {"a": {"type": "string", "pattern": "\u0001+"}}, "required": ["a"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "dead_end", "schema": dead_end}}
+    other = create(agent_server.client(KEY_B), max_tokens=300, stream=True)
+    first = next(iter(other))
+    with pytest.raises(openai.BadRequestError) as refused:
+        create(agent_server.client(), response_format=fmt)
+    assert refused.value.body["param"] == "response_format" and "allows no token" in refused.value.body["message"]
+    rest = list(other)
+    assert first.choices and rest[-1].choices[0].finish_reason in ("stop", "length")
+    with pytest.raises(openai.APIError, match="allows no token"):  # streamed: its error event
+        list(create(agent_server.client(), response_format=fmt, stream=True))
+    agent_server.assert_idle_and_consistent()
