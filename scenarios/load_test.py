@@ -8,9 +8,13 @@ ends by checking that no request is left running and that the page accounting ho
 
 With --abuse the workload runs twice, spread over --well-keys API keys: alone, then beside
 abusive clients (slow readers that stop reading, oversized bodies, one key flooding the
-server); the table reports, per well-behaved key, completed / failed and p99 latency in both
-runs (the verdict wants the second at most --max-p99-ratio times the first), what the abusers
-got (429s, 413s, aborts), and 0 leaked pages, 0 requests left running.
+server, and one key sending what a request may not carry: 30,000 tools, dozens of
+cache_control breakpoints, a JSON schema with no way on, retention under a new cache_salt
+each time, and a flood of stored Responses); the table reports, per well-behaved key,
+completed / failed and p99 latency in both runs (the verdict wants the second at most
+--max-p99-ratio times the first), what the abusers got (429s, 413s, 400s, aborts), that a
+well-behaved key's retained prefix and stored response outlived the abuse, that the abuser
+retained at most its cap, and 0 leaked pages, 0 requests left running.
 
     python -m radixkv.scenarios.load_test [--model DIR] [--clients 64] [--requests 200] [--max-tokens 16] [--abuse]
 
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import math
 import random
@@ -39,6 +44,12 @@ from radixkv.scenarios.harness import TEXT
 from radixkv.server.thread import ServerThread
 
 HOST = "127.0.0.1"  # loopback only, by design: this is a test, not a benchmark of a network
+# For a model folder without a chat template (the tests' tiny models): the chat, Messages and
+# Responses routes need one, and the abuse run sends to all three.
+PLAIN_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 
 
 @dataclass(slots=True)
@@ -94,7 +105,39 @@ class AbuseTally:
     flood_other: int = 0
     oversized_sent: int = 0
     oversized_refused_413: int = 0
+    oversized_cut_off: int = 0  # refused by closing the connection before the body was all sent
     slow_readers: int = 0
+    # Requests carrying what no request may: each must get a 4xx, quickly, costing no one else.
+    many_tools_sent: int = 0
+    many_tools_refused: int = 0
+    breakpoints_sent: int = 0
+    breakpoints_refused: int = 0
+    dead_schema_sent: int = 0
+    dead_schema_refused: int = 0
+    # Retention under a fresh cache_salt each time: served, but retained within one owner's cap.
+    salt_rotations_sent: int = 0
+    salt_rotations_other: int = 0  # answers that were neither 200 nor 429
+    retained_pages_end: int = 0
+    retained_pages_cap: int = 0  # the abuser's cap plus what the well-behaved key retained
+    # Stored Responses from the abuser: a well-behaved key's stored response must outlive them.
+    store_flood_sent: int = 0
+    store_flood_other: int = 0
+    well_retained_tokens: tuple[int, int] = (0, 0)  # its retained prefix's cached tokens, before and after
+    well_retained_kept: bool = False  # the well-behaved key's retained prefix still cached
+    well_stored_kept: bool = False  # its stored response still continues
+
+    @property
+    def request_attacks_ok(self) -> bool:
+        return (
+            self.many_tools_refused == self.many_tools_sent
+            and self.breakpoints_refused == self.breakpoints_sent
+            and self.dead_schema_refused == self.dead_schema_sent
+            and self.salt_rotations_other == 0
+            and self.store_flood_other == 0
+            and self.retained_pages_end <= self.retained_pages_cap
+            and self.well_retained_kept
+            and self.well_stored_kept
+        )
 
 
 @dataclass(slots=True)
@@ -147,8 +190,9 @@ class Report:
         return (
             ratios_ok
             and all(row.failed_with_abuse == 0 for row in self.keys)
-            and tally.oversized_refused_413 == tally.oversized_sent
+            and tally.oversized_refused_413 + tally.oversized_cut_off == tally.oversized_sent
             and (tally.flood_sent == 0 or tally.flood_refused_429 > 0)
+            and tally.request_attacks_ok
         )
 
 
@@ -178,7 +222,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--slow-readers", type=int, default=4, help="streaming clients that never read their answer")
     parser.add_argument("--slow-reader-tokens", type=int, default=256, help="max_tokens of each slow reader's request")
     parser.add_argument("--oversized", type=int, default=8, help="requests with a body past the server's limit")
-    parser.add_argument("--max-body-bytes", type=int, default=1 << 20, help="the server's body limit in this run")
+    parser.add_argument("--many-tools", type=int, default=30_000, help="tools in each of the abuser's tool-flood requests")
+    parser.add_argument("--breakpoints", type=int, default=64, help="cache_control breakpoints in each of the abuser's messages")
+    parser.add_argument("--store-flood", type=int, default=1100, help="stored Responses the abuser creates (past the old global 1,024)")
+    parser.add_argument("--retain-cap", type=int, default=64, help="the engine's max_retained_pages_per_owner in this run")
+    parser.add_argument("--max-body-bytes", type=int, default=2 << 20, help="the server's body limit in this run (30,000 tools fit under 2 MiB)")
     parser.add_argument("--stream-send-timeout-s", type=float, default=2.0, help="the server's slow-reader timeout in this run")
     parser.add_argument("--max-p99-ratio", type=float, default=2.0, help="well-behaved p99 with abuse / alone, at most")
     parser.add_argument("--out", default="out/load_test")
@@ -343,9 +391,110 @@ async def oversized(base_url: str, key: str, count: int, max_body_bytes: int, ta
                 response = await client.post(
                     "/v1/completions", content=body, headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
                 )
-            except httpx.HTTPError:
-                continue  # the server may close before the whole body is sent: not a 413 seen
+            except httpx.TimeoutException:
+                continue
+            except httpx.TransportError:
+                # The server answered 413 and closed while the body was still going out.
+                tally.oversized_cut_off += 1
+                continue
             tally.oversized_refused_413 += response.status_code == 413
+
+
+# A string only raw control bytes could continue: the grammar has no way on after `{"a":"`.
+DEAD_END_SCHEMA = {"type": "object", "properties": {"a": {"type": "string", "pattern": "\u0001+"}}, "required": ["a"]}
+
+
+async def request_attacks(base_url: str, key: str, model_name: str, args: argparse.Namespace, stop: asyncio.Event, tally: AbuseTally) -> None:
+    """One lane of requests that carry what no request may (refused with a 4xx each), and
+    retention under a new cache_salt each time (served, capped per owner), round robin until `stop`."""
+    headers = {"Authorization": f"Bearer {key}"}
+    tools = [{"type": "function", "function": {"name": f"f{i}"}} for i in range(args.many_tools)]
+    ask = [{"role": "user", "content": "Hi"}]
+    blocks = [{"type": "text", "text": f"part {i}", "cache_control": {"type": "ephemeral"}} for i in range(args.breakpoints)]
+    dead_end = {"type": "json_schema", "json_schema": {"name": "dead_end", "schema": DEAD_END_SCHEMA}}
+    async with httpx.AsyncClient(base_url=base_url, timeout=120, headers=headers) as client:
+        for i in itertools.count():
+            if stop.is_set() and i >= 4:  # every attack at least once, however short the run
+                return
+            kind = i % 4
+            try:
+                if kind == 0:
+                    tally.many_tools_sent += 1
+                    response = await client.post("/v1/chat/completions", json={"model": model_name, "messages": ask, "tools": tools, "max_tokens": 1})
+                    tally.many_tools_refused += 400 <= response.status_code < 500
+                elif kind == 1:
+                    tally.breakpoints_sent += 1
+                    body = {"model": model_name, "max_tokens": 1, "messages": [{"role": "user", "content": blocks}]}
+                    response = await client.post("/v1/messages", json=body)
+                    tally.breakpoints_refused += 400 <= response.status_code < 500
+                elif kind == 2:
+                    tally.dead_schema_sent += 1
+                    body = {"model": model_name, "messages": ask, "response_format": dead_end, "max_tokens": 64}
+                    response = await client.post("/v1/chat/completions", json=body)
+                    tally.dead_schema_refused += response.status_code == 400
+                else:
+                    tally.salt_rotations_sent += 1
+                    body = {"model": model_name, "prompt": f"Retain {i}: " + TEXT[:600], "max_tokens": 1,
+                            "prompt_cache_retention": "24h", "cache_salt": secrets.token_hex(8)}  # fmt: skip
+                    response = await client.post("/v1/completions", json=body)
+                    tally.salt_rotations_other += response.status_code not in (200, 429)
+            except httpx.HTTPError:
+                tally.salt_rotations_other += kind == 3  # the refusals count as not refused
+            await asyncio.sleep(0)
+
+
+async def store_flood(base_url: str, key: str, model_name: str, count: int, stop: asyncio.Event, tally: AbuseTally) -> None:
+    """`count` stored Responses from one key, a few lanes at a time: none may push out another
+    tenant's stored response."""
+    headers = {"Authorization": f"Bearer {key}"}
+    remaining = iter(range(count))
+
+    async def lane(client: httpx.AsyncClient) -> None:
+        for i in remaining:
+            if stop.is_set():
+                return
+            tally.store_flood_sent += 1
+            body = {"model": model_name, "input": f"Store {i}", "max_output_tokens": 1, "store": True}
+            try:
+                response = await client.post("/v1/responses", json=body)
+            except httpx.HTTPError:
+                tally.store_flood_other += 1
+                continue
+            if response.status_code == 429:
+                await asyncio.sleep(float(response.headers.get("Retry-After", "1")) / 10)
+            elif response.status_code != 200:
+                tally.store_flood_other += 1
+
+    async with httpx.AsyncClient(base_url=base_url, timeout=120, headers=headers) as client:
+        await asyncio.gather(*(lane(client) for _ in range(4)))
+
+
+@dataclass(slots=True)
+class WellKeyState:
+    """What one well-behaved key kept before the abuse: a retained prefix and a stored response."""
+
+    retained_prompt: str
+    retained_tokens: int
+    stored_response_id: str
+
+
+def keep_before_abuse(base_url: str, key: str, model_name: str) -> WellKeyState:
+    prompt = "Kept by a well-behaved key: " + TEXT[:400]
+    with httpx.Client(base_url=base_url, timeout=120, headers={"Authorization": f"Bearer {key}"}) as client:
+        body = {"model": model_name, "prompt": prompt, "max_tokens": 1, "prompt_cache_retention": "24h"}
+        client.post("/v1/completions", json=body).raise_for_status()
+        cached = client.post("/v1/cache/lookup", json={"prompt": prompt}).raise_for_status().json()["ram_tokens"]
+        stored = client.post("/v1/responses", json={"model": model_name, "input": "Remember me.", "max_output_tokens": 1, "store": True})
+        return WellKeyState(prompt, cached, stored.raise_for_status().json()["id"])
+
+
+def check_after_abuse(base_url: str, key: str, model_name: str, kept: WellKeyState, tally: AbuseTally) -> None:
+    with httpx.Client(base_url=base_url, timeout=120, headers={"Authorization": f"Bearer {key}"}) as client:
+        cached = client.post("/v1/cache/lookup", json={"prompt": kept.retained_prompt}).json().get("ram_tokens", 0)
+        tally.well_retained_tokens = (kept.retained_tokens, cached)
+        tally.well_retained_kept = kept.retained_tokens > 0 and cached >= kept.retained_tokens
+        body = {"model": model_name, "input": "Still there?", "max_output_tokens": 1, "previous_response_id": kept.stored_response_id}
+        tally.well_stored_kept = client.post("/v1/responses", json=body).status_code == 200
 
 
 def open_slow_readers(base_url: str, key: str, body: dict[str, Any], count: int, tally: AbuseTally) -> list[Any]:
@@ -382,9 +531,12 @@ async def run_with_abuse(
     try:
         flooding = asyncio.create_task(flood(base_url, abuser_key, flood_body, args.flood_concurrency, stop, tally))
         too_big = asyncio.create_task(oversized(base_url, abuser_key, args.oversized, args.max_body_bytes, tally))
+        attacks = asyncio.create_task(request_attacks(base_url, abuser_key, model_name, args, stop, tally))
+        storing = asyncio.create_task(store_flood(base_url, abuser_key, model_name, args.store_flood, stop, tally))
         outcomes, wall_s = await run_clients(base_url, api_keys, jobs, args)
+        await storing  # the whole flood lands before the well-behaved key looks for its response
         stop.set()
-        await asyncio.gather(flooding, too_big)
+        await asyncio.gather(flooding, too_big, attacks)
     finally:
         for sock in sockets:
             sock.close()
@@ -545,8 +697,17 @@ def format_abuse(report: Report) -> str:
     lines += [
         "",
         f"flooding key: {tally.flood_sent} sent, {tally.flood_refused_429} refused with 429, {tally.flood_other} other errors",
-        f"oversized bodies: {tally.oversized_sent} sent, {tally.oversized_refused_413} refused with 413",
+        f"oversized bodies: {tally.oversized_sent} sent, {tally.oversized_refused_413} refused with 413, "
+        f"{tally.oversized_cut_off} cut off unread",
         f"slow readers: {tally.slow_readers} opened and never read (aborts seen by server: {int(report.server_aborts)})",
+        f"requests with too many tools: {tally.many_tools_sent} sent, {tally.many_tools_refused} refused with 4xx",
+        f"messages with too many cache_control breakpoints: {tally.breakpoints_sent} sent, {tally.breakpoints_refused} refused with 4xx",
+        f"JSON schemas with no way on: {tally.dead_schema_sent} sent, {tally.dead_schema_refused} refused with 400",
+        f"retention under a new cache_salt each time: {tally.salt_rotations_sent} sent, {tally.salt_rotations_other} unexpected answers; "
+        f"retained pages at the end {tally.retained_pages_end} (cap {tally.retained_pages_cap})",
+        f"stored Responses flood: {tally.store_flood_sent} sent, {tally.store_flood_other} unexpected answers",
+        f"the well-behaved key's retained prefix kept: {tally.well_retained_kept} (cached tokens before / after: "
+        f"{tally.well_retained_tokens[0]} / {tally.well_retained_tokens[1]}); its stored response kept: {tally.well_stored_kept}",
         f"abuse verdict: {'PASS' if report.abuse_ok else 'FAIL'} (p99 ratio at most {report.max_p99_ratio:g})",
     ]
     return "\n".join(lines)
@@ -567,10 +728,12 @@ def main(argv: list[str] | None = None) -> int:
     config = EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, num_pages=args.num_pages, page_size=args.page_size,
         max_num_seqs=args.max_num_seqs, check_invariants=args.check_invariants,
-        max_queue_len=max(4096, args.requests),
+        max_queue_len=max(4096, args.requests), max_retained_pages_per_owner=args.retain_cap,
     )
     print(f"loading {args.model or 'the default model'} ...", flush=True)
     engine = Engine(config)
+    if not getattr(engine.tokenizer, "chat_template", None):
+        engine.tokenizer.chat_template = PLAIN_CHAT_TEMPLATE
     model_name = served_model_name(args.model)
     api_keys = [f"sk-load-{k}-" + secrets.token_hex(8) for k in range(args.well_keys)]
     abuser_key = "sk-abuse-" + secrets.token_hex(8)
@@ -597,9 +760,16 @@ def main(argv: list[str] | None = None) -> int:
             if args.abuse:
                 alone, _ = asyncio.run(run_clients(server.base_url, api_keys, salted(jobs, "alone"), args))
                 wait_idle(async_engine, timeout_s=60)
+                kept = keep_before_abuse(server.base_url, api_keys[0], model_name)
+                well_retained = async_engine.call(lambda e: e.stats().cache.retained_pages).result(60)
+                # Only the retained pages are promised to stay (at most the cap); the rest may go.
+                kept.retained_tokens = min(kept.retained_tokens, well_retained * args.page_size)
                 outcomes, wall_s, tally = asyncio.run(
                     run_with_abuse(server.base_url, api_keys, abuser_key, salted(jobs, "abused"), args, model_name)
                 )
+                check_after_abuse(server.base_url, api_keys[0], model_name, kept, tally)
+                tally.retained_pages_end = async_engine.call(lambda e: e.stats().cache.retained_pages).result(60)
+                tally.retained_pages_cap = args.retain_cap + well_retained
             else:
                 outcomes, wall_s = asyncio.run(run_clients(server.base_url, api_keys, jobs, args))
             wait_idle(async_engine, timeout_s=60)

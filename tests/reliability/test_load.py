@@ -43,7 +43,8 @@ def test_small_load_beside_abusive_clients(tiny_llama, tmp_path, capsys):
         "--clients", "6", "--requests", "24", "--max-tokens", "8", "--groups", "2", "--system-len", "40",
         "--question-len", "10", "--disconnect-fraction", "0", "--abuse", "--well-keys", "2",
         "--flood-concurrency", "12", "--slow-readers", "2", "--slow-reader-tokens", "200", "--oversized", "3",
-        "--max-body-bytes", "65536", "--stream-send-timeout-s", "1", "--max-p99-ratio", "1000",
+        "--max-body-bytes", str(2 << 20), "--stream-send-timeout-s", "1", "--max-p99-ratio", "1000",
+        "--store-flood", "40", "--retain-cap", "16",
         "--time-limit-s", "120", "--request-timeout-s", "60", "--out", str(tmp_path),
     ]  # fmt: skip
     assert load_test.main(argv) == 0, capsys.readouterr().out
@@ -51,6 +52,13 @@ def test_small_load_beside_abusive_clients(tiny_llama, tmp_path, capsys):
     assert report["ok"] and report["abuse_ok"]
     assert [(row["completed_with_abuse"], row["failed_with_abuse"]) for row in report["keys"]] == [(12, 0), (12, 0)]
     abuse = report["abuse"]
-    assert abuse["flood_refused_429"] > 0 and abuse["oversized_refused_413"] == abuse["oversized_sent"] == 3
+    assert abuse["flood_refused_429"] > 0 and abuse["oversized_refused_413"] + abuse["oversized_cut_off"] == abuse["oversized_sent"] == 3
+    # The request-shaped attacks: 30,000 tools, 64 breakpoints, a schema with no way on, each
+    # refused; retention under rotating salts held to one cap; the well-behaved key kept its own.
+    assert abuse["many_tools_sent"] > 0 and abuse["many_tools_refused"] == abuse["many_tools_sent"]
+    assert abuse["breakpoints_sent"] > 0 and abuse["breakpoints_refused"] == abuse["breakpoints_sent"]
+    assert abuse["dead_schema_sent"] > 0 and abuse["dead_schema_refused"] == abuse["dead_schema_sent"]
+    assert abuse["salt_rotations_sent"] > 0 and abuse["retained_pages_end"] <= abuse["retained_pages_cap"]
+    assert abuse["store_flood_sent"] == 40 and abuse["well_retained_kept"] and abuse["well_stored_kept"]
     assert report["final_running"] == report["final_waiting"] == report["final_unfinished"] == 0 and report["invariant_ok"]
     assert "| well-behaved key" in capsys.readouterr().out
