@@ -1,6 +1,9 @@
 """schemathesis against a live server: every operation of the server's own OpenAPI schema fuzzed
-with --examples cases; reports each operation's status codes, any 5xx or error outside the
-API's error shape, and whether the server is alive with its pages accounted for afterwards.
+with --examples cases; then the agent APIs' deep parts, which a schema-driven fuzzer leaves
+shallow: chat completions, /v1/responses and /v1/messages with random tools (names, schemas,
+tool choices) and random JSON schemas as output formats, nested, enumerated, patterned or
+malformed. Reports each operation's status codes, any 5xx or error outside the API's error
+shape, and whether the server is alive with its pages accounted for afterwards.
 
     python -m radixkv.scenarios.schema_fuzz [--model DIR] [--examples 200]
 
@@ -79,6 +82,115 @@ def fuzz_operations(base_url: str, api_key: str, model_name: str, examples: int,
     return tally
 
 
+# -- tools and schemas ------------------------------------------------------------------------
+
+
+def json_schemas() -> Any:
+    """Hypothesis strategy: JSON schemas as clients write them, and as they should not (junk
+    keywords, bad bounds, patterns of any text, unsatisfiable enums), nested a few levels."""
+    from hypothesis import strategies as st
+
+    names = st.text(max_size=8)
+    scalars = st.one_of(
+        st.sampled_from([{"type": t} for t in ("string", "integer", "number", "boolean", "null")]),
+        st.builds(lambda n: {"type": "string", "maxLength": n}, st.integers(-1, 12)),
+        st.builds(lambda p: {"type": "string", "pattern": p}, st.text(max_size=8)),
+        st.builds(lambda lo, hi: {"type": "integer", "minimum": lo, "maximum": hi}, st.integers(-9, 9), st.integers(-9, 9)),
+        st.builds(lambda xs: {"enum": xs}, st.lists(st.one_of(st.text(max_size=5), st.integers(), st.none()), max_size=5)),
+        st.dictionaries(st.sampled_from(["type", "format", "$ref", "const", "anyOf", "items"]), st.text(max_size=6), max_size=2),
+    )
+
+    def nested(children: Any) -> Any:
+        return st.one_of(
+            st.builds(
+                lambda props, required, closed: {"type": "object", "properties": props, "required": required, "additionalProperties": closed},
+                st.dictionaries(names, children, max_size=4), st.lists(names, max_size=3), st.booleans(),
+            ),
+            st.builds(lambda items, most: {"type": "array", "items": items, "maxItems": most}, children, st.integers(-1, 3)),
+            st.builds(lambda options: {"anyOf": options}, st.lists(children, min_size=1, max_size=3)),
+        )
+
+    return st.recursive(scalars, nested, max_leaves=10)
+
+
+def agent_requests(model_name: str) -> Any:
+    """Hypothesis strategy: (path, body) of a chat, Responses or Messages request with random
+    tools and output formats; the tool count sometimes runs past every cap."""
+    from hypothesis import strategies as st
+
+    tool_names = st.one_of(st.text(max_size=12), st.text(min_size=60, max_size=140), st.from_regex(r"[a-z_]{1,10}", fullmatch=True))
+    schemas = json_schemas()
+    counts = st.one_of(st.integers(0, 4), st.just(129))
+    tools = counts.flatmap(lambda n: st.lists(st.tuples(tool_names, schemas, st.booleans()), min_size=n, max_size=n))
+    max_tokens = st.integers(1, 12)
+
+    def chat(tools: list, fmt: dict | None, choice: str, strict: bool, tokens: int) -> tuple[str, dict]:
+        body: dict[str, Any] = {"model": model_name, "messages": [{"role": "user", "content": "Go."}], "max_tokens": tokens}
+        if tools:
+            body["tools"] = [{"type": "function", "function": {"name": n, "parameters": p, "strict": s}} for n, p, s in tools]
+            body["tool_choice"] = choice if choice != "named" else {"type": "function", "function": {"name": tools[0][0]}}
+        if fmt is not None:
+            body["response_format"] = {"type": "json_schema", "json_schema": {"name": "out", "schema": fmt, "strict": strict}}
+        return "/v1/chat/completions", body
+
+    def responses(tools: list, fmt: dict | None, choice: str, strict: bool, tokens: int) -> tuple[str, dict]:
+        body: dict[str, Any] = {"model": model_name, "input": "Go.", "max_output_tokens": tokens, "store": False}
+        if tools:
+            body["tools"] = [{"type": "function", "name": n, "parameters": p, "strict": s} for n, p, s in tools]
+            body["tool_choice"] = choice if choice != "named" else {"type": "function", "name": tools[0][0]}
+        if fmt is not None:
+            body["text"] = {"format": {"type": "json_schema", "name": "out", "schema": fmt, "strict": strict}}
+        return "/v1/responses", body
+
+    def messages(tools: list, fmt: dict | None, choice: str, strict: bool, tokens: int) -> tuple[str, dict]:
+        body: dict[str, Any] = {"model": model_name, "max_tokens": tokens, "messages": [{"role": "user", "content": "Go."}]}
+        if tools:
+            body["tools"] = [{"name": n, "input_schema": p} for n, p, _ in tools]
+            anthropic_choice = {"auto": {"type": "auto"}, "required": {"type": "any"}, "none": {"type": "none"}}
+            body["tool_choice"] = anthropic_choice.get(choice) or {"type": "tool", "name": tools[0][0]}
+        return "/v1/messages", body
+
+    return st.builds(
+        lambda build, *args: build(*args),
+        st.sampled_from([chat, responses, messages]),
+        tools,
+        st.one_of(st.none(), schemas),
+        st.sampled_from(["auto", "required", "none", "named"]),
+        st.booleans(),
+        max_tokens,
+    )
+
+
+def fuzz_agent_requests(base_url: str, api_key: str, model_name: str, examples: int, *, seed: int | None = 0) -> FuzzTally:
+    """`examples` requests from `agent_requests`, each answered below 500 and, when refused,
+    in its API's error shape; the first failure is shrunk and recorded."""
+    import httpx
+    from hypothesis import HealthCheck, given, settings
+
+    tally = FuzzTally()
+    headers = {"Authorization": f"Bearer {api_key}", "x-api-key": api_key}
+    with httpx.Client(base_url=base_url, headers=headers, timeout=60) as client:
+
+        @settings(max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck), derandomize=seed is not None, database=None)
+        @given(request=agent_requests(model_name))
+        def run(request: tuple[str, dict]) -> None:
+            path, body = request
+            response = client.post(path, json=body)
+            tally.statuses[(f"POST {path} (tools, schemas)", response.status_code)] += 1
+            assert response.status_code < 500, (path, response.status_code, response.text[:500])
+            if response.status_code >= 400:
+                answer = response.json()
+                if path == "/v1/messages":
+                    assert answer["type"] == "error", answer
+                assert isinstance(answer["error"]["message"], str) and isinstance(answer["error"]["type"], str), answer
+
+        try:
+            run()
+        except Exception as error:  # noqa: BLE001 - recorded; the caller reports it
+            tally.failures.append(f"tools and schemas: {type(error).__name__}: {str(error)[:2000]}")
+    return tally
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="HF folder or .gguf; default SmolLM2-135M-Instruct")
@@ -107,6 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with ServerThread(create_app(async_engine, api_keys=[key], model_name=model_name, limits=limits), HOST) as server:
             tally = fuzz_operations(server.base_url, key, model_name, args.examples, seed=None)
+            deep = fuzz_agent_requests(server.base_url, key, model_name, args.examples * 3, seed=None)
+            tally.statuses.update(deep.statuses)
+            tally.failures += deep.failures
             alive = httpx.get(f"{server.base_url}/health", timeout=10).status_code == 200
         check_error = _page_check(async_engine)
     finally:

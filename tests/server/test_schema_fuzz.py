@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from radixkv.scenarios.schema_fuzz import fuzz_operations
+from radixkv.scenarios.schema_fuzz import fuzz_agent_requests, fuzz_operations
 from radixkv.server.limits import ServerLimits
 from tests.helpers.live_server import KEY_A, MODEL, LiveServer, make_async_engine, serve
 
@@ -35,6 +35,16 @@ def test_fuzzed_requests_get_no_5xx_and_errors_in_shape(fuzz_server):
     # Some cases got past validation and were served, not only refused.
     generation = ("POST /v1/chat/completions", "POST /v1/completions", "POST /v1/responses", "POST /v1/messages")
     assert sum(tally.statuses[(name, 200)] for name in generation) > 0, sorted(tally.statuses.items())
+
+
+def test_tools_and_schemas_fuzzed_on_chat_responses_and_messages(fuzz_server):
+    # The deep parts a schema-driven fuzzer leaves shallow: random tools (names, parameter
+    # schemas, choices, sometimes past the tool cap) and random output schemas, on all three
+    # agent APIs; every answer below 500, every refusal in its API's shape.
+    tally = fuzz_agent_requests(fuzz_server.base_url, KEY_A, MODEL, 3 * EXAMPLES_PER_OPERATION)
+    assert tally.failures == [] and tally.num_5xx == 0
+    paths = {name.split()[1] for name, _ in tally.statuses}
+    assert paths == {"/v1/chat/completions", "/v1/responses", "/v1/messages"}, sorted(tally.statuses.items())
 
 
 def test_the_server_is_alive_and_consistent_after_fuzzing(fuzz_server):
