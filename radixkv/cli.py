@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     serving.add_argument("--stream-send-timeout-s", type=float, default=None, help="abort a stream its client has not read for this long (default 30)")
     serving.add_argument("--max-requests-per-key", type=int, default=None, help="requests one key may have in flight (default 256)")
     serving.add_argument("--max-seqs-per-key", type=int, default=None, help="sequences (n summed) one key may have in flight (default 1024)")
-    serving.add_argument("--max-pinned-pages-per-key", type=int, default=None, help="KV pages one key's pins may lock (default: an eighth of the page pool)")
+    serving.add_argument("--max-pinned-pages-per-key", type=int, default=None, help="KV pages one key's pins may lock (default: a quarter of the page pool)")
     serving.add_argument("--max-stored-responses-per-key", type=int, default=None, help="Responses one key may keep for previous_response_id (default 1024)")
     serving.add_argument(
         "--max-stored-response-bytes-per-key", type=int, default=None, help="bytes of stored Responses one key may keep (default 64 MiB)"

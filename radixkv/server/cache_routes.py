@@ -39,9 +39,9 @@ if TYPE_CHECKING:
 # Pins made over HTTP may lock at most this share of the page pool, so they cannot starve requests.
 _MAX_PINNED_FRACTION = 0.5
 # One key's pins may lock at most this share of the pool unless ServerLimits sets a number of
-# pages: a quarter of what all pins may lock, so no one key takes the pin room from the others
-# on a pool of any size (a fixed number is the whole pin room on a small pool, nothing on a big one).
-MAX_PINNED_FRACTION_PER_KEY = 0.125
+# pages: half of what all pins may lock, so no one key takes all the pin room, on a pool of any
+# size (a fixed number is the whole pin room on a small pool and a sliver of a large one).
+MAX_PINNED_FRACTION_PER_KEY = 0.25
 # A pin whose expiry is this close counts as expired. The timer that expires a pin fires once,
 # and uvloop's timers (uvicorn's default loop where uvloop is installed) count from the loop's
 # cached millisecond clock, so they may fire a millisecond or two before time.monotonic()

@@ -25,7 +25,7 @@ class ServerLimits:
     max_requests_per_key: int = 256
     max_seqs_per_key: int = 1024
     # KV pages one key's pins may lock together (besides the server-wide cap on all pins);
-    # None: an eighth of the page pool (cache_routes.MAX_PINNED_FRACTION_PER_KEY), so the cap
+    # None: a quarter of the page pool (cache_routes.MAX_PINNED_FRACTION_PER_KEY), so the cap
     # scales with the pool.
     max_pinned_pages_per_key: int | None = None
     # A pin is released this long after it was made unless unpinned before; 0: pins never expire.
