@@ -261,7 +261,7 @@ class Engine:
         """Lock the cached full blocks of a prefix so eviction never takes them (until unpin).
 
         Only what is cached now is pinned: compute the prefix first (a request for it) to pin
-        all of it. Pinned pages count as in use, not evictable.
+        all of it. Pinned pages count as in use, not evictable. The pin id is random.
         """
         node, num_pinned_tokens = self.kv.pin(prefix_token_ids, salt)
         pin_id = secrets.randbelow(_PIN_ID_BOUND - 1) + 1
