@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
+from pathlib import Path
 
 import openai
 import pytest
 
+from radixkv.cache.disk_format import digest
 from radixkv.server.limits import ServerLimits
+from tests.helpers.engine import wait_until
 from tests.helpers.live_server import KEY_A, KEY_B, MODEL, LiveServer, make_async_engine, serve
 from tests.helpers.tiny_models import make_tiny_model
 
@@ -70,6 +73,25 @@ def test_a_key_rotating_cache_salt_has_one_retention_cap_and_evicts_no_other_key
     with live.http(KEY_B) as b:
         assert b.post("/v1/cache/lookup", json={"prompt": kept}).json()["ram_tokens"] == before
     live.assert_idle_and_consistent()
+
+
+def test_a_key_rotating_cache_salt_retains_on_disk_as_one_owner(tiny_llama: Path, tmp_path: Path) -> None:
+    """Retention is written through to the disk tier under its owner, whose retained bytes
+    there are capped: every salt of one key must be that one owner."""
+    with serve(make_async_engine(tiny_llama, kv_disk_dir=str(tmp_path / "kv"))) as server:
+        with server.http(KEY_A) as a:
+            for i in range(6):
+                body = {
+                    "model": MODEL, "prompt": tokens(400 + i, 4), "max_tokens": 1,
+                    "cache_salt": f"rotated-{i}", "prompt_cache_retention": "24h",
+                }
+                assert a.post("/v1/completions", json=body).status_code == 200
+        expected = {digest(owner_of(server, KEY_A)).hex()}
+
+        def disk_owners(engine) -> set[str]:
+            return {retention.owner for _, retention in engine.disk.index.retentions()}
+
+        assert wait_until(lambda: server.engine_call(disk_owners) == expected, 10), server.engine_call(disk_owners)
 
 
 def pin(http, seed: int, num_pages: int):
