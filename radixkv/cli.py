@@ -50,7 +50,11 @@ def main(argv: list[str] | None = None) -> int:
     serving.add_argument("--stream-send-timeout-s", type=float, default=None, help="abort a stream its client has not read for this long (default 30)")
     serving.add_argument("--max-requests-per-key", type=int, default=None, help="requests one key may have in flight (default 256)")
     serving.add_argument("--max-seqs-per-key", type=int, default=None, help="sequences (n summed) one key may have in flight (default 1024)")
-    serving.add_argument("--max-pinned-pages-per-key", type=int, default=None, help="KV pages one key's pins may lock (default 4096)")
+    serving.add_argument("--max-pinned-pages-per-key", type=int, default=None, help="KV pages one key's pins may lock (default: a quarter of the page pool)")
+    serving.add_argument("--max-stored-responses-per-key", type=int, default=None, help="Responses one key may keep for previous_response_id (default 1024)")
+    serving.add_argument(
+        "--max-stored-response-bytes-per-key", type=int, default=None, help="bytes of stored Responses one key may keep (default 64 MiB)"
+    )
     serving.add_argument("--pin-ttl-s", type=float, default=None, help="seconds a pin lasts unless unpinned; 0: forever (default 3600)")
     serving.add_argument("--dtype", default="auto")
     serving.add_argument("--num-pages", type=int, default=None)
@@ -220,6 +224,8 @@ def _server_limits(args: argparse.Namespace, *, keyless_remote: bool) -> ServerL
         "max_seqs_per_key": args.max_seqs_per_key,
         "max_pinned_pages_per_key": args.max_pinned_pages_per_key,
         "pin_ttl_s": args.pin_ttl_s,
+        "max_stored_responses_per_key": args.max_stored_responses_per_key,
+        "max_stored_response_bytes_per_key": args.max_stored_response_bytes_per_key,
     }
     options: dict = {name: value for name, value in given.items() if value is not None}
     # Served beyond loopback without a key, the operator chose an open server: any Host name.

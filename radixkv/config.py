@@ -79,6 +79,10 @@ class EngineConfig:
     # Past it the owner's oldest retentions are released; a single prefix longer than it
     # retains only its first this-many pages. 0 turns retention off.
     max_retained_pages_per_owner: int = 1024
+    # And over all owners together, at most this share of the page pool is retained at once:
+    # past it an owner's own oldest retentions go first, then its new retention is trimmed to
+    # the pages that fit (it retains fewer tokens, and says so), never another owner's.
+    max_retained_pages_fraction: float = 0.5
     # Compute every token's numbers independently of what it is batched with (attention one
     # query row at a time; GEMMs in fixed 32-row blocks where the linears are not AMX's, whose
     # rows are independent already), so bf16 outputs are bit-identical with
@@ -142,6 +146,9 @@ class EngineConfig:
             _positive(self, "num_pages", limit=1 << 26)
         if self.max_retained_pages_per_owner != 0:
             _positive(self, "max_retained_pages_per_owner", limit=1 << 26)
+        fraction = self.max_retained_pages_fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 < fraction <= 1.0:
+            raise ConfigError(f"max_retained_pages_fraction must be in (0, 1], got {fraction!r}", param="max_retained_pages_fraction")
         if self.max_model_len is not None:
             _positive(self, "max_model_len", limit=1 << 24)
         _positive(self, "max_consecutive_failed_steps", limit=1 << 20)

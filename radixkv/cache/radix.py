@@ -132,6 +132,7 @@ class RadixTree:
         protected_fraction: float = DEFAULT_PROTECTED_FRACTION,
         on_evict: EvictHook | None = None,
         listener: CacheListener | None = None,
+        max_retained_pages: int | None = None,
     ):
         if hasher.page_size != pool.page_size:
             raise ValueError(f"hasher page_size {hasher.page_size} != pool page_size {pool.page_size}")
@@ -149,6 +150,10 @@ class RadixTree:
         self._book = RetentionBook()
         self._now_s = clock
         self._retained_pages = 0
+        # Over all owners, at most this many pages retained at once (None: no bound but the
+        # pool): each owner's cap bounds one tenant, this bounds how many tenants together may
+        # turn the pool into pages that go last.
+        self.max_retained_pages = max_retained_pages
         self._clock = 0
         self._next_id = 0
         self._cached_pages = 0
@@ -311,7 +316,12 @@ class RadixTree:
         Per owner, at most `max_owner_pages` pages (summed over its retentions): the owner's
         retentions of this path or a prefix of it that end no later are replaced by this one;
         past the cap, its oldest retentions are released first. A path longer than the cap is
-        not retained at all: the caller trims the prefix to the cap before matching it."""
+        not retained at all: the caller trims the prefix to the cap before matching it.
+
+        Over all owners, at most `max_retained_pages` pages (distinct) stay retained: past it
+        the owner's own oldest retentions are released first, never another owner's, and then
+        the path is trimmed to its first pages that fit (splitting a node if need be), so the
+        count returned may be short of the path's, down to 0."""
         if node.removed:
             raise RuntimeError(f"retain of {node!r}, which was evicted; match again before retaining")
         if ttl_s <= 0:
@@ -321,6 +331,11 @@ class RadixTree:
         num_pages = _path_pages(node)
         if num_pages == 0 or (max_owner_pages is not None and num_pages > max_owner_pages):
             return 0
+        if self.max_retained_pages is not None:
+            trimmed = self._fit_retained_cap(node, owner, self.max_retained_pages)
+            if trimmed is None:
+                return 0
+            node, num_pages = trimmed, _path_pages(trimmed)
         expiry_s = self._supersede(node, now_s + ttl_s, owner)
         if max_owner_pages is not None:
             for old in self._book.of_owner(owner):
@@ -448,6 +463,31 @@ class RadixTree:
     def _is_evictable_leaf(node: Node) -> bool:
         # The membership rule of self._order; check_invariants verifies it holds.
         return node.parent is not None and node.lock_ref == 0 and not node.children
+
+    def _fit_retained_cap(self, node: Node, owner: str | None, cap: int) -> Node | None:
+        """The deepest node of `node`'s path whose retention keeps the tree's retained pages
+        within `cap` (None: not one page fits), after releasing the owner's own oldest
+        retentions while the whole path does not fit. Changes the tree (releases, a split)."""
+        for old in self._book.of_owner(owner):
+            if self._retained_pages + _unretained_path_pages(node) <= cap:
+                break
+            self.release(old.retention_id)
+        room = cap - self._retained_pages
+        # A retention marks its whole path, so the retained nodes of a path lead it: what this
+        # retention adds is the unretained tail, top down.
+        path: list[Node] = []
+        current: Node | None = node
+        while current is not None and current.parent is not None:
+            path.append(current)
+            current = current.parent
+        kept: Node | None = None
+        for step in reversed(path):
+            if not step.retains:
+                if len(step.pages) > room:
+                    return self._split(step, room) if room > 0 else kept
+                room -= len(step.pages)
+            kept = step
+        return kept
 
     def _supersede(self, node: Node, expiry_s: float, owner: str | None) -> float:
         """Release the owner's retentions that the new one on `node` covers (its path or a
@@ -690,6 +730,16 @@ def path_tokens(node: Node) -> list[int]:
         runs.append(current.tokens)
         current = current.parent
     return [token for run in reversed(runs) for token in run]
+
+
+def _unretained_path_pages(node: Node) -> int:
+    """Pages on `node`'s path that no retention covers (the path's tail: see _fit_retained_cap)."""
+    num = 0
+    current: Node | None = node
+    while current is not None and current.parent is not None and not current.retains:
+        num += len(current.pages)
+        current = current.parent
+    return num
 
 
 def _path_pages(node: Node) -> int:

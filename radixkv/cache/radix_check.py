@@ -31,6 +31,8 @@ def check_tree(tree: RadixTree, *, check_hashes: bool = False) -> None:
     _require(
         walk.retained == tree._retained_pages, f"retained_pages {tree._retained_pages} != walk {walk.retained}"
     )
+    cap = tree.max_retained_pages
+    _require(cap is None or walk.retained <= cap, f"{walk.retained} retained pages, over the cap of {cap}")
     _require(
         walk.protected == tree._protected_pages,
         f"protected_pages {tree._protected_pages} != walk {walk.protected}",

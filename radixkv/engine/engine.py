@@ -8,6 +8,7 @@ back every page it held.
 from __future__ import annotations
 
 import itertools
+import secrets
 import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -45,6 +46,11 @@ from radixkv.model.loader import LoadedModel, load_model
 
 if TYPE_CHECKING:
     from radixkv.kv_events.recorder import KVEventRecorder
+
+
+# Pin ids are random below 2**53 (exact in any JSON number): a sequential id would tell a
+# caller how many pins others made, and let it guess theirs.
+_PIN_ID_BOUND = 1 << 53
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +112,10 @@ class Engine:
         # less when the page pool is smaller. Every layer that checks a length reads this.
         self.max_context_tokens = min(self.max_model_len, num_pages * config.page_size)
         self.hasher = BlockHasher(config.page_size, seed=config.hash_seed)
-        self.tree = RadixTree(self.pool, self.hasher, eviction_policy=config.eviction_policy)
+        self.tree = RadixTree(
+            self.pool, self.hasher, eviction_policy=config.eviction_policy,
+            max_retained_pages=int(num_pages * config.max_retained_pages_fraction),
+        )
         self.disk = self._disk_tier(loaded) if config.kv_disk_dir and config.enable_prefix_caching else None
         self.compute_cost = ComputeCost()
         self.kv = KVManager(
@@ -133,7 +142,6 @@ class Engine:
         self.failed_requests: list[tuple[str, BaseException]] = []
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
-        self._pin_ids = itertools.count(1)
         self._pins: dict[int, PinnedPrefix] = {}
         self.counters = EngineCounters()
         self.step_times = StepTimes()
@@ -259,10 +267,13 @@ class Engine:
         """Lock the cached full blocks of a prefix so eviction never takes them (until unpin).
 
         Only what is cached now is pinned: compute the prefix first (a request for it) to pin
-        all of it. Pinned pages count as in use, not evictable.
+        all of it. Pinned pages count as in use, not evictable. The pin id is random.
         """
         node, num_pinned_tokens = self.kv.pin(prefix_token_ids, salt)
-        pinned = PinnedPrefix(next(self._pin_ids), num_pinned_tokens, node)
+        pin_id = secrets.randbelow(_PIN_ID_BOUND - 1) + 1
+        while pin_id in self._pins:
+            pin_id = secrets.randbelow(_PIN_ID_BOUND - 1) + 1
+        pinned = PinnedPrefix(pin_id, num_pinned_tokens, node)
         self._pins[pinned.pin_id] = pinned
         return pinned
 
@@ -278,7 +289,8 @@ class Engine:
         """Keep the cached full blocks of a prefix cached for ttl_s seconds: eviction takes them
         only after every unretained evictable page, earliest expiry first. Never locks, so no
         request waits for them. Only what is cached now is retained, at most
-        config.max_retained_pages_per_owner pages per owner; returns the tokens retained."""
+        config.max_retained_pages_per_owner pages per owner and max_retained_pages_fraction of
+        the pool over all owners (past that, trimmed); returns the tokens retained."""
         if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not 0 < ttl_s < float("inf"):
             raise InvalidRequest(f"a retention ttl must be a positive number of seconds, got {ttl_s!r}", param="ttl")
         cap = self.config.max_retained_pages_per_owner

@@ -387,7 +387,7 @@ class KVManager:
     def retain(self, prefix_token_ids: list[int], salt: str | None, ttl_s: float, owner: str | None, max_owner_pages: int) -> int:
         """Retain the cached full blocks of a prefix for ttl_s seconds (no lock: they go last,
         not never); returns tokens retained. A prefix longer than the owner's cap retains its
-        first max_owner_pages pages."""
+        first max_owner_pages pages, and the tree's cap over all owners may trim it further."""
         if not self.enable_prefix_caching or max_owner_pages <= 0:
             return 0
         prefix = list(prefix_token_ids[: max_owner_pages * self.page_size])

@@ -55,7 +55,7 @@ async def _messages(server: Server, request: Request) -> Response:
     raw = await request.body()
     body, conv, prompt, marks, params = await off_loop(lambda: _prepare(server, raw))
     salt = server.tenants.cache_salt(key, None)  # the same partition as the key's OpenAI calls
-    owner = salt or "anonymous"
+    owner = server.tenants.owner(key)  # whose retention cap the breakpoints count against
     streams = await submit(
         server.engine, server.metrics, [prompt], params, salt, _NAMES, quotas=server.quotas, key=key
     )

@@ -38,6 +38,10 @@ if TYPE_CHECKING:
 
 # Pins made over HTTP may lock at most this share of the page pool, so they cannot starve requests.
 _MAX_PINNED_FRACTION = 0.5
+# One key's pins may lock at most this share of the pool unless ServerLimits sets a number of
+# pages: half of what all pins may lock, so no one key takes all the pin room, on a pool of any
+# size (a fixed number is the whole pin room on a small pool and a sliver of a large one).
+MAX_PINNED_FRACTION_PER_KEY = 0.25
 # A pin whose expiry is this close counts as expired. The timer that expires a pin fires once,
 # and uvloop's timers (uvicorn's default loop where uvloop is installed) count from the loop's
 # cached millisecond clock, so they may fire a millisecond or two before time.monotonic()
@@ -47,7 +51,7 @@ _EXPIRY_SLACK_S = 0.05
 
 @dataclass(frozen=True, slots=True)
 class PinRecord:
-    owner: bytes | None  # the API key that made the pin (None: the anonymous caller)
+    owner: str  # Tenants.owner of the API key that made the pin
     pages: int
     pinned_tokens: int
     prompt_tokens: int
@@ -55,21 +59,23 @@ class PinRecord:
 
 
 class Pins:
-    """Pins made over HTTP and the key that made each: only that key may see or unpin it; each
-    key locks at most `max_pages_per_key`, all keys together at most _MAX_PINNED_FRACTION of the
-    pool and never so much that a request of the whole context no longer fits beside them
-    (overlapping pins count twice: a safe over-estimate). A pin that locks no page (a prefix
-    shorter than a page) is refused, so pins cannot pile up uncounted; each expires `ttl_s`
-    after it was made (0: never). Touched only on the engine thread (AsyncEngine.call)."""
+    """Pins made over HTTP and the owner (the key) that made each: only that owner may see or
+    unpin it; each owner locks at most `max_pages_per_key` (None: MAX_PINNED_FRACTION_PER_KEY of
+    the pool), all together at most _MAX_PINNED_FRACTION of the pool and never so much that a
+    request of the whole context no longer fits beside them (overlapping pins count twice: a
+    safe over-estimate). A pin that locks no page (a prefix shorter than a page) is refused, so
+    pins cannot pile up uncounted; each expires `ttl_s` after it was made (0: never). Pin ids
+    are the engine's, random: one tells nothing of the others. Touched only on the engine
+    thread (AsyncEngine.call)."""
 
-    def __init__(self, max_pages_per_key: int, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, max_pages_per_key: int | None, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self._records: dict[int, PinRecord] = {}
         self._max_pages_per_key = max_pages_per_key
         self._ttl_s = ttl_s
         self._clock = clock
         self.pages = 0
 
-    def pin(self, engine: Engine, prompt: list[int], salt: str | None, owner: bytes | None) -> tuple[int, PinRecord]:
+    def pin(self, engine: Engine, prompt: list[int], salt: str | None, owner: str) -> tuple[int, PinRecord]:
         self.expire(engine)
         pinned = engine.pin(prompt, salt)
         pages = pinned.num_pinned_tokens // engine.pool.page_size
@@ -84,7 +90,13 @@ class Pins:
         self.pages += pages
         return pinned.pin_id, record
 
-    def _check(self, engine: Engine, pages: int, owner: bytes | None) -> None:
+    def max_pages_per_key(self, engine: Engine) -> int:
+        """The pages one owner's pins may lock on this engine's pool."""
+        if self._max_pages_per_key is not None:
+            return self._max_pages_per_key
+        return max(1, int(engine.pool.num_pages * MAX_PINNED_FRACTION_PER_KEY))
+
+    def _check(self, engine: Engine, pages: int, owner: str) -> None:
         num_pages, page_size = engine.pool.num_pages, engine.pool.page_size
         if pages == 0:
             raise APIError(
@@ -103,16 +115,17 @@ class Pins:
                 code="pin_limit_exceeded",
             )
         held = sum(r.pages for r in self._records.values() if r.owner == owner)
-        if held + pages > self._max_pages_per_key:
+        per_key = self.max_pages_per_key(engine)
+        if held + pages > per_key:
             raise APIError(
                 429,
                 f"this key's pins would lock {held + pages} KV pages; each key may pin at most "
-                f"{self._max_pages_per_key}; unpin others first",
+                f"{per_key} (of {num_pages}); unpin others first",
                 type="rate_limit_error",
                 code="pin_limit_exceeded",
             )
 
-    def unpin(self, engine: Engine, pin_id: int, owner: bytes | None) -> bool:
+    def unpin(self, engine: Engine, pin_id: int, owner: str) -> bool:
         self.expire(engine)
         record = self._records.get(pin_id)
         if record is None or record.owner != owner:
@@ -120,7 +133,7 @@ class Pins:
         self._release(engine, pin_id)
         return True
 
-    def owned_by(self, engine: Engine, owner: bytes | None) -> list[tuple[int, PinRecord]]:
+    def owned_by(self, engine: Engine, owner: str) -> list[tuple[int, PinRecord]]:
         self.expire(engine)
         return [(pin_id, r) for pin_id, r in self._records.items() if r.owner == owner]
 
@@ -169,13 +182,14 @@ def register(app: FastAPI, server: Server) -> None:
 
         body, prompt = await off_loop(prepare)
         salt = server.tenants.cache_salt(key, body.cache_salt)
+        owner = server.tenants.owner(key)  # not the salt's: one pin cap per key, whatever salts it uses
         names = WireNames(prompt="messages" if body.messages is not None else "prompt")
         params = SamplingParams(max_tokens=1)
         streams = await submit(server.engine, server.metrics, [prompt], params, salt, names, quotas=server.quotas, key=key)
         await until_disconnect(request, collect(server.metrics, streams, 1), streams)
         # Eviction between the request's end and the pin can only shorten what is pinned;
         # pinned_tokens says how much was.
-        pin_id, record = await server.engine.call_async(lambda engine: pins.pin(engine, prompt, salt, key))
+        pin_id, record = await server.engine.call_async(lambda engine: pins.pin(engine, prompt, salt, owner))
         if record.expires_at_s is not None:
             # Released on time even if no other pin call comes to expire it lazily.
             asyncio.get_running_loop().call_later(server.limits.pin_ttl_s, _expire_soon, server, pins)
@@ -184,14 +198,14 @@ def register(app: FastAPI, server: Server) -> None:
     @app.get("/v1/cache/pin")
     async def list_pins(request: Request) -> Response:
         """The caller's own pins (no other key's), oldest first."""
-        key = server.tenants.authenticate(request.headers.get("authorization"))
-        owned = await server.engine.call_async(lambda engine: pins.owned_by(engine, key))
+        owner = server.tenants.owner(server.tenants.authenticate(request.headers.get("authorization")))
+        owned = await server.engine.call_async(lambda engine: pins.owned_by(engine, owner))
         return JSONResponse(PinList(data=[_pin_response(pin_id, record) for pin_id, record in owned]).model_dump())
 
     @app.delete("/v1/cache/pin/{pin_id}")
     async def unpin_prefix(pin_id: int, request: Request) -> Response:
-        key = server.tenants.authenticate(request.headers.get("authorization"))
-        if not await server.engine.call_async(lambda engine: pins.unpin(engine, pin_id, key)):
+        owner = server.tenants.owner(server.tenants.authenticate(request.headers.get("authorization")))
+        if not await server.engine.call_async(lambda engine: pins.unpin(engine, pin_id, owner)):
             raise APIError(404, f"no pin {pin_id} (unknown, already unpinned, or another key's)", code="not_found")
         return JSONResponse(UnpinResponse(pin_id=pin_id).model_dump())
 

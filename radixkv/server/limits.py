@@ -1,5 +1,6 @@
 """ServerLimits: the HTTP server's own protective knobs (body size, slow readers, per-key fair
-share, pins, cross-site checks), one validated dataclass with every default and unit.
+share, pins, stored responses, cross-site checks), one validated dataclass with every default
+and unit.
 """
 
 from __future__ import annotations
@@ -23,10 +24,21 @@ class ServerLimits:
     # once (queued or running), and their sequences (n summed). Past either: 429, Retry-After.
     max_requests_per_key: int = 256
     max_seqs_per_key: int = 1024
-    # KV pages one key's pins may lock together (besides the server-wide cap on all pins).
-    max_pinned_pages_per_key: int = 4096
+    # KV pages one key's pins may lock together (besides the server-wide cap on all pins);
+    # None: a quarter of the page pool (cache_routes.MAX_PINNED_FRACTION_PER_KEY), so the cap
+    # scales with the pool.
+    max_pinned_pages_per_key: int | None = None
     # A pin is released this long after it was made unless unpinned before; 0: pins never expire.
     pin_ttl_s: float = 3600.0
+    # Responses kept for previous_response_id (store: true), per key: past either cap the key's
+    # own oldest go; a conversation larger than the byte cap on its own is refused (400). The
+    # bytes are the conversation's JSON size.
+    max_stored_responses_per_key: int = 1024
+    max_stored_response_bytes_per_key: int = 64 * MIB
+    # And over all keys together: past either, the key holding the most bytes loses its oldest,
+    # so a key within its own caps never loses a response to a key storing more.
+    max_stored_responses: int = 65536
+    max_stored_response_bytes: int = 1024 * MIB
     # Browser origins allowed to call the server (exact "scheme://host[:port]"); with no API key
     # configured, any other Origin is refused so a web page cannot drive a local server.
     allowed_origins: tuple[str, ...] = ()
@@ -40,7 +52,12 @@ class ServerLimits:
         _int_in("max_body_bytes", self.max_body_bytes, 1024, 1 << 34)
         _int_in("max_requests_per_key", self.max_requests_per_key, 1, 1 << 30)
         _int_in("max_seqs_per_key", self.max_seqs_per_key, 1, 1 << 30)
-        _int_in("max_pinned_pages_per_key", self.max_pinned_pages_per_key, 0, 1 << 30)
+        if self.max_pinned_pages_per_key is not None:
+            _int_in("max_pinned_pages_per_key", self.max_pinned_pages_per_key, 0, 1 << 30)
+        _int_in("max_stored_responses_per_key", self.max_stored_responses_per_key, 1, 1 << 30)
+        _int_in("max_stored_response_bytes_per_key", self.max_stored_response_bytes_per_key, 1024, 1 << 40)
+        _int_in("max_stored_responses", self.max_stored_responses, 1, 1 << 30)
+        _int_in("max_stored_response_bytes", self.max_stored_response_bytes, 1024, 1 << 40)
         _seconds("stream_send_timeout_s", self.stream_send_timeout_s, allow_zero=False)
         _seconds("pin_ttl_s", self.pin_ttl_s, allow_zero=True)
         if not all(isinstance(o, str) and "://" in o for o in self.allowed_origins):

@@ -123,7 +123,7 @@ def register(app: FastAPI, server: Server) -> None:
         streams = await submit(
             server.engine, server.metrics, [prompt], params, salt, names, quotas=server.quotas, key=key
         )
-        hints = _CacheHints(server, body, [prompt], salt)
+        hints = _CacheHints(server, body, [prompt], salt, server.tenants.owner(key))
         if body.stream:
             events = hints.after(_chat_events(server, texts, body, tools, streams, params.n))
             return SSEResponse(events, streams, server.limits.stream_send_timeout_s)
@@ -149,7 +149,7 @@ def register(app: FastAPI, server: Server) -> None:
         streams = await submit(
             server.engine, server.metrics, prompts, params, salt, names, quotas=server.quotas, key=key
         )
-        hints = _CacheHints(server, body, prompts, salt)
+        hints = _CacheHints(server, body, prompts, salt, server.tenants.owner(key))
         if body.stream:
             events = hints.after(_completion_events(server, texts, body, streams, params.n))
             return SSEResponse(events, streams, server.limits.stream_send_timeout_s)
@@ -195,8 +195,10 @@ class _CacheHints:
     """prompt_cache_key (recorded: logged with the cache hits it saw; it partitions nothing, as
     with OpenAI) and prompt_cache_retention, asked of the engine once the prompt is cached."""
 
-    def __init__(self, server: Server, body: ChatCompletionRequest | CompletionRequest, prompts: list[list[int]], salt: str | None) -> None:
-        self._server, self._body, self._prompts, self._salt = server, body, prompts, salt
+    def __init__(
+        self, server: Server, body: ChatCompletionRequest | CompletionRequest, prompts: list[list[int]], salt: str | None, owner: str
+    ) -> None:
+        self._server, self._body, self._prompts, self._salt, self._owner = server, body, prompts, salt, owner
 
     async def after(self, events: AsyncIterator[str]) -> AsyncIterator[str]:
         async for event in events:
@@ -211,12 +213,14 @@ class _CacheHints:
         if body.prompt_cache_retention is not None:
             ttl_s = RETENTION_TTL_S[body.prompt_cache_retention]
             for prompt in self._prompts:
-                retain_prompt(self._server, prompt, self._salt, ttl_s, owner=self._salt or "anonymous")
+                retain_prompt(self._server, prompt, self._salt, ttl_s, owner=self._owner)
 
 
 def retain_prompt(server: Server, prompt: list[int], salt: str | None, ttl_s: float, owner: str) -> None:
     """The one place a prompt_cache_retention becomes retention: Engine.retain keeps the
-    prompt's cached full pages for ttl_s, capped per owner (the tenant's salt)."""
+    prompt's cached full pages (in the request's partition, `salt`) for ttl_s, capped per
+    owner: the API key's Tenants.owner, never its salt, or rotating cache_salt would buy a
+    fresh cap per salt."""
     server.engine.call(lambda engine: engine.retain(prompt, salt, ttl_s, owner))
 
 

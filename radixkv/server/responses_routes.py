@@ -1,6 +1,7 @@
 """OpenAI's Responses API: POST /v1/responses, streamed or not. Owns turning a request (input
 items, a stored conversation, tools, text.format) into one engine request, and its output into a
-Response or its events; conversations are kept for previous_response_id in a ResponseStore.
+Response or its events; conversations are kept for previous_response_id in a ResponseStore, per
+API key (Tenants.owner), within ServerLimits' caps.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from radixkv.server.responses_protocol import (
     now_s,
     response_usage,
 )
-from radixkv.server.responses_store import ResponseStore
+from radixkv.server.responses_store import ResponseStore, conversation_bytes
 from radixkv.server.streaming import SSEResponse, collect, merge, off_loop, submit, until_disconnect
 
 if TYPE_CHECKING:
@@ -56,7 +57,7 @@ class _Turn:
     """One request made ready for the engine, and what its reply needs to be read and stored."""
 
     body: ResponsesRequest
-    owner: str | None
+    owner: str  # Tenants.owner: whose store it reads and is kept in
     messages: list[Message]  # the conversation so far, without instructions
     tools: list[tool_layer.Tool]
     choice: str
@@ -66,14 +67,18 @@ class _Turn:
 
 def register(app: FastAPI, server: Server, store: ResponseStore | None = None) -> None:
     # The store lives with the app (one per server); tests reach it through app.state.
-    store = store or ResponseStore()
+    limits = server.limits
+    store = store or ResponseStore(
+        limits.max_stored_responses_per_key, limits.max_stored_response_bytes_per_key,
+        limits.max_stored_responses, limits.max_stored_response_bytes,
+    )
     app.state.responses_store = store
 
     @app.post("/v1/responses")
     async def create_response(request: Request) -> Response:
         key = server.tenants.authenticate(request.headers.get("authorization"))
         raw = await request.body()
-        owner = server.tenants.cache_salt(key, None)
+        owner = server.tenants.owner(key)
 
         def prepare() -> tuple[ResponsesRequest, _Turn, list[int]]:
             body = parse_body(ResponsesRequest, raw)
@@ -95,7 +100,7 @@ def register(app: FastAPI, server: Server, store: ResponseStore | None = None) -
         return JSONResponse(response.model_dump())
 
 
-def _prepare(server: Server, store: ResponseStore, body: ResponsesRequest, owner: str | None) -> tuple[_Turn, list[int]]:
+def _prepare(server: Server, store: ResponseStore, body: ResponsesRequest, owner: str) -> tuple[_Turn, list[int]]:
     history: list[Message] = []
     if body.previous_response_id is not None:
         found = store.get(body.previous_response_id, owner)
@@ -108,6 +113,16 @@ def _prepare(server: Server, store: ResponseStore, body: ResponsesRequest, owner
             )
         history = found
     messages = convert.conversation(body, history)
+    if body.store and (size := conversation_bytes(messages)) > store.max_bytes_per_owner:
+        # Refused before any work: stored after it, the reply could not be kept, and the
+        # client would learn so only when it chains onto it.
+        raise APIError(
+            400,
+            f"this conversation is {size} bytes; a key may keep at most {store.max_bytes_per_owner} bytes of stored "
+            "responses; send store=false, or a shorter conversation",
+            param="input",
+            code="stored_response_too_large",
+        )
     tools = convert.tool_list(body)
     choice = body.choice()
     guide, guide_param = convert.guide(body, tools, choice)

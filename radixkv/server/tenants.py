@@ -1,5 +1,6 @@
-"""Tenants: who may call the server (bearer API keys) and which prefix-cache partition each
-caller's requests use (cache salts, HMACs of the key and the request's cache_salt).
+"""Tenants: who may call the server (bearer API keys), which prefix-cache partition each
+caller's requests use (cache salts, HMACs of the key and the request's cache_salt), and the one
+owner id per key that every per-tenant cap (retention, pins, stored responses) counts against.
 """
 
 from __future__ import annotations
@@ -12,6 +13,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from radixkv.server.errors import APIError
+
+# The owner of every caller when the server has no keys: one tenant, one set of caps.
+ANONYMOUS_OWNER = "anonymous"
+# Mixed into an owner id's HMAC, so no owner id ever equals a cache salt (both are HMACs of the
+# key under the same secret).
+_OWNER_LABEL = b"radixkv owner\x00"
 
 # Where `radixkv serve` also reads keys, so none has to be on the command line (which every
 # user of the machine can read in the process list): comma- or newline-separated.
@@ -34,8 +41,9 @@ def load_api_keys(
 
 
 class Tenants:
-    """Bearer-key checks and cache salts: each key (and each cache_salt within it) gets its own
-    prefix-cache partition, so no tenant can hit, or time, another's cached prefixes.
+    """Bearer-key checks, cache salts and owner ids: each key (and each cache_salt within it)
+    gets its own prefix-cache partition, so no tenant can hit, or time, another's cached
+    prefixes; each key is one owner, so a cache_salt never buys another share of a cap.
 
     Salts are HMACs under a per-process secret: a raw key never enters the engine."""
 
@@ -83,6 +91,15 @@ class Tenants:
         key configured, nobody is one."""
         if key is None or not any(hmac.compare_digest(key, admin) for admin in self._admin_keys):
             raise APIError(403, "this operation needs an admin key (serve --admin-key)", code="permission_denied")
+
+    def owner(self, key: bytes | None) -> str:
+        """The caller's owner id: one per API key, whatever cache_salt its requests carry, so a
+        key that rotates salts still has one retention cap, one pin cap and one store of
+        responses. Stable across restarts when the secret is (a disk tier's retentions keep
+        their owner); a raw key never leaves this class."""
+        if key is None:
+            return ANONYMOUS_OWNER
+        return hmac.new(self._secret, _OWNER_LABEL + key, hashlib.sha256).hexdigest()[:32]
 
     def cache_salt(self, key: bytes | None, request_salt: str | None) -> str | None:
         if key is None and request_salt is None:

@@ -1,9 +1,12 @@
 """Unit tests for retention in RadixTree: retained prefixes outlive eviction pressure, go last
-in expiry order, become ordinary LRU nodes once expired, and count against an owner's cap."""
+in expiry order, become ordinary LRU nodes once expired, and count against an owner's cap and
+the tree's cap over all owners."""
 
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from radixkv.cache import BlockHasher, PagePool, RadixTree
 from radixkv.engine.kv_manager import KVManager
@@ -156,3 +159,71 @@ def test_kv_manager_trims_a_prefix_to_the_cap() -> None:
     assert kv.retain(seq(900, 20), None, 300, "k", max_owner_pages=3) == 0  # nothing cached: nothing retained
     assert tree.retained_pages == 3
     tree.check_invariants()
+
+
+def test_retained_pages_stay_within_the_global_cap_across_many_owners() -> None:
+    """Each owner within its own cap, yet many owners together stop at the tree's cap: a new
+    retention past it is trimmed to the pages that fit (the count says so), and it never
+    releases another owner's retention to make room."""
+    tree, _ = make_tree(num_pages=64)
+    tree.max_retained_pages = 10
+    prompts = [seq(1000 * i, 12) for i in range(6)]  # 3 pages each
+    for tokens in prompts:
+        run_request(tree, tokens)
+    counts = [retain(tree, tokens, 300, f"owner{i}", cap=8) for i, tokens in enumerate(prompts)]
+    assert counts == [3, 3, 3, 1, 0, 0]  # the fourth trimmed to the one page left, then none
+    assert tree.retained_pages == 10
+    for i in range(3):  # the first owners' retentions are whole and theirs still
+        assert [r.num_pages for r in tree.retentions(f"owner{i}")] == [3]
+    assert cached(tree, prompts[3]) == 12  # the trim split a node; nothing was evicted
+    tree.check_invariants()
+    # An owner past the global cap gives up its own oldest retention first, nobody else's.
+    assert retain(tree, prompts[4], 300, "owner0", cap=8) == 3
+    assert tree.retained_pages == 10 and len(tree.retentions("owner0")) == 1
+    assert [r.num_pages for r in tree.retentions("owner1")] == [3]
+    assert [r.num_pages for r in tree.retentions("owner2")] == [3]
+    tree.check_invariants()
+
+
+def test_retaining_a_path_already_retained_needs_no_room() -> None:
+    tree, _ = make_tree(num_pages=64)
+    tree.max_retained_pages = 4
+    shared = seq(0, 16)
+    run_request(tree, shared)
+    assert retain(tree, shared, 300, "a") == 4
+    # Another owner retaining the same pages adds none: it fits although the cap is reached.
+    assert retain(tree, seq(0, 8), 300, "b") == 2
+    assert tree.retained_pages == 4
+    tree.check_invariants()
+
+
+# Prompts that share prefixes of different lengths, so retentions overlap, split nodes and
+# trim inside a node.
+_PROMPTS = [seq(0, 24), seq(0, 12) + seq(500, 12), seq(0, 4) + seq(600, 16), seq(700, 20), seq(800, 8)]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    cap=st.integers(1, 20),
+    owner_cap=st.sampled_from([None, 4, 8]),
+    ops=st.lists(st.tuples(st.sampled_from(["run", "retain", "evict"]), st.integers(0, 4), st.integers(0, 3)), max_size=40),
+)
+def test_retention_never_passes_the_global_cap_nor_takes_another_owners(cap: int, owner_cap: int | None, ops: list) -> None:
+    tree, _ = make_tree(num_pages=32)
+    tree.max_retained_pages = cap
+    for op, prompt, owner_index in ops:
+        tokens, owner = _PROMPTS[prompt], f"owner{owner_index}"
+        if op == "run":
+            tree.evict(len(tokens) // tree.page_size - tree.pool.num_free)
+            run_request(tree, tokens)
+        elif op == "evict":
+            tree.evict(prompt + 1)
+        else:
+            others = {o: [r.retention_id for r in tree.retentions(o)] for o in (f"owner{i}" for i in range(4)) if o != owner}
+            num = retain(tree, tokens, 300, owner, owner_cap)
+            assert {o: [r.retention_id for r in tree.retentions(o)] for o in others} == others
+            if num:
+                assert tree.retentions(owner)[-1].num_pages == num
+            assert num <= cached(tree, tokens) // tree.page_size
+        assert tree.retained_pages <= cap
+        tree.check_invariants()

@@ -13,6 +13,7 @@ import pytest
 
 from radixkv import LLM, InvalidRequest, SamplingParams
 from radixkv.errors import QueueFull
+from radixkv.server.limits import ServerLimits
 from tests.helpers.engine import assert_pages_returned, make_engine, run_to_end
 from tests.helpers.live_server import KEY_A, MODEL, LiveServer, make_async_engine, serve
 
@@ -194,7 +195,8 @@ def pin_server(tiny_llama) -> Iterator[LiveServer]:
     """48 pages of 4 tokens and a 128-token context (32 pages): pins may lock at most 16 pages,
     or a request that fills the context could never be admitted."""
     async_engine = make_async_engine(tiny_llama, num_pages=48, max_model_len=128)
-    with serve(async_engine, keys=(KEY_A,)) as live:
+    # One key may pin the whole pin room here: the server-wide cap is what is tested.
+    with serve(async_engine, keys=(KEY_A,), limits=ServerLimits(max_pinned_pages_per_key=48)) as live:
         yield live
 
 

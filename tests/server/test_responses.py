@@ -147,6 +147,39 @@ def test_store_bound_and_expiry():
     assert store.get("resp_2", "tenant") is None and len(store) == 0
 
 
+def test_store_caps_per_owner_and_over_all_owners():
+    """Per owner a count and a byte cap (its own oldest go); over all owners a global bound
+    that takes from the largest holder, so an owner within its share keeps everything."""
+    from radixkv.server.responses_store import ResponseStore, conversation_bytes
+
+    message = [{"role": "user", "content": "x" * 100}]
+    size = conversation_bytes(message)
+    store = ResponseStore(max_responses_per_owner=3, max_bytes_per_owner=10 * size, max_responses=8, max_bytes=1 << 20)
+    store.put("small_0", "small", message)
+    for i in range(10):  # the flooder: over its own count cap, its own oldest go
+        store.put(f"flood_{i}", "flood", message)
+    assert store.held_by("flood") == (3, 3 * size)
+    assert store.get("flood_6", "flood") is None and store.get("flood_9", "flood") == message
+    for owner in ("b", "c"):
+        for i in range(3):
+            store.put(f"{owner}_{i}", owner, message)
+    # 1 + 3 + 3 + 3 = 10 > 8: the holders of the most went down by one each, never "small".
+    assert len(store) == 8 and store.get("small_0", "small") == message
+    assert store.held_by("small") == (1, size)
+    assert sorted(store.held_by(o)[0] for o in ("flood", "b", "c")) == [2, 2, 3]
+    # The byte cap per owner: its own oldest make room; a conversation over it alone is not kept.
+    store = ResponseStore(max_responses_per_owner=100, max_bytes_per_owner=10 * size)
+    store.put("other_0", "other", message)
+    big = [{"role": "user", "content": "y" * (4 * size)}]
+    for i in range(3):
+        assert store.put(f"big_{i}", "mine", big)
+    assert store.get("big_0", "mine") is None and store.get("big_2", "mine") == big
+    assert store.held_by("mine") == (2, 2 * conversation_bytes(big))
+    assert not store.put("huge", "mine", [{"role": "user", "content": "z" * (11 * size)}])
+    assert store.get("huge", "mine") is None and store.held_by("mine")[0] == 2
+    assert store.get("other_0", "other") == message
+
+
 def test_text_format_json_schema(live_server):
     # Bounded values only: a random tiny model fills free strings until max_output_tokens.
     schema = {
