@@ -70,10 +70,11 @@ def tool_from_openai(raw: Mapping[str, Any], param: str = "tools") -> Tool:
 
 def tools_from_openai(raw: Sequence[Mapping[str, Any]] | None, param: str = "tools") -> list[Tool]:
     tools = [tool_from_openai(t, param) for t in raw or ()]
-    names = [t.name for t in tools]
-    duplicate = next((n for n in names if names.count(n) > 1), None)
-    if duplicate is not None:
-        raise InvalidRequest(f"{param}: the function name {duplicate!r} appears twice", param=param)
+    seen: set[str] = set()  # linear: a request may carry up to request_caps' max_tools
+    for tool in tools:
+        if tool.name in seen:
+            raise InvalidRequest(f"{param}: the function name {tool.name!r} appears twice", param=param)
+        seen.add(tool.name)
     return tools
 
 
