@@ -165,10 +165,10 @@ def _history_call(raw: Any, index: int) -> dict:
 def _args_object(arguments: Any) -> Any:
     """Arguments as a JSON value: templates (and the fallback) print them with tojson."""
     if isinstance(arguments, str):
-        try:
-            return json.loads(arguments) if arguments.strip() else {}
-        except json.JSONDecodeError:
-            return arguments  # a model's malformed call, replayed as it was
+        if not arguments.strip():
+            return {}
+        value = _loads(arguments)
+        return arguments if value is _MALFORMED else value  # a model's malformed call, replayed as it was
     return {} if arguments is None else arguments
 
 
@@ -269,9 +269,8 @@ def _bare_calls(text: str, names: set[str]) -> list[ToolCall] | None:
     stripped = text.strip()
     if not stripped or stripped[0] not in "{[":
         return None
-    try:
-        value = json.loads(stripped)
-    except json.JSONDecodeError:
+    value = _loads(stripped)
+    if value is _MALFORMED:
         return None
     items = value if isinstance(value, list) else [value]
     calls = [_call_of(item, names) for item in items]
@@ -284,20 +283,31 @@ def _call_of(value: Any, names: set[str]) -> ToolCall | None:
         return None
     arguments = value.get("arguments", value.get("parameters", {}))
     if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
-            return None
+        arguments = _loads(arguments)
     if not isinstance(arguments, dict):
         return None
-    return ToolCall(new_call_id(), value["name"], json.dumps(arguments, ensure_ascii=False))
+    try:
+        text = json.dumps(arguments, ensure_ascii=False)
+    except RecursionError:  # parsed near json's recursion limit; may not write back from here
+        return None
+    return ToolCall(new_call_id(), value["name"], text)
 
 
 def _parse_call(body: str, names: set[str]) -> ToolCall | None:
+    value = _loads(body)
+    return None if value is _MALFORMED else _call_of(value, names)
+
+
+_MALFORMED = object()
+
+
+def _loads(text: str) -> Any:
+    """JSON text as a value, or _MALFORMED: a model may write anything, nesting deeper than
+    json's recursion takes included (RecursionError), and that is content, not a server error."""
     try:
-        return _call_of(json.loads(body), names)
-    except json.JSONDecodeError:
-        return None
+        return json.loads(text)
+    except (json.JSONDecodeError, RecursionError):
+        return _MALFORMED
 
 
 def _tagged_calls(text: str, names: set[str]) -> tuple[str, list[ToolCall]]:
