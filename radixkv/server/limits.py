@@ -23,6 +23,10 @@ class ServerLimits:
     # once (queued or running), and their sequences (n summed). Past either: 429, Retry-After.
     max_requests_per_key: int = 256
     max_seqs_per_key: int = 1024
+    # Per key: request bodies parsed, templated and tokenized on worker threads at once (more
+    # wait without a thread, up to max_requests_per_key, then 429). 0: a quarter of the thread
+    # pool (anyio's, 40 threads: 10), so one key never holds every parsing thread.
+    max_parses_per_key: int = 0
     # KV pages one key's pins may lock together (besides the server-wide cap on all pins).
     max_pinned_pages_per_key: int = 4096
     # A pin is released this long after it was made unless unpinned before; 0: pins never expire.
@@ -40,6 +44,7 @@ class ServerLimits:
         _int_in("max_body_bytes", self.max_body_bytes, 1024, 1 << 34)
         _int_in("max_requests_per_key", self.max_requests_per_key, 1, 1 << 30)
         _int_in("max_seqs_per_key", self.max_seqs_per_key, 1, 1 << 30)
+        _int_in("max_parses_per_key", self.max_parses_per_key, 0, 1 << 20)
         _int_in("max_pinned_pages_per_key", self.max_pinned_pages_per_key, 0, 1 << 30)
         _seconds("stream_send_timeout_s", self.stream_send_timeout_s, allow_zero=False)
         _seconds("pin_ttl_s", self.pin_ttl_s, allow_zero=True)
