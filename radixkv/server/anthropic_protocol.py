@@ -52,7 +52,7 @@ class ToolUseBlock(_Wire):
 class ToolResultBlock(_Wire):
     type: Literal["tool_result"]
     tool_use_id: str = Field(max_length=CAPS.max_id_chars)
-    content: Annotated[str | list[TextBlock], max_items(CAPS.max_content_blocks, "content blocks")] = ""
+    content: Annotated[str | Annotated[list[TextBlock], Field(max_length=CAPS.max_content_blocks)], max_items(CAPS.max_content_blocks, "content blocks")] = ""
     is_error: bool = False
     cache_control: CacheControl | None = None
 
@@ -65,7 +65,7 @@ Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminato
 
 class InputMessage(_Wire):
     role: Literal["user", "assistant"]
-    content: Annotated[str | list[Block], max_items(CAPS.max_content_blocks, "content blocks")]
+    content: Annotated[str | Annotated[list[Block], Field(max_length=CAPS.max_content_blocks)], max_items(CAPS.max_content_blocks, "content blocks")]
 
     def blocks(self) -> list[TextBlock | ToolUseBlock | ToolResultBlock]:
         return [TextBlock(type="text", text=self.content)] if isinstance(self.content, str) else list(self.content)
@@ -88,7 +88,7 @@ class MessagesRequest(_Wire):
     model: str
     max_tokens: int = Field(ge=1)
     messages: Annotated[list[InputMessage], Field(min_length=1, max_length=CAPS.max_messages), max_items(CAPS.max_messages, "messages")]
-    system: Annotated[str | list[TextBlock] | None, max_items(CAPS.max_content_blocks, "system blocks")] = None
+    system: Annotated[str | Annotated[list[TextBlock], Field(max_length=CAPS.max_content_blocks)] | None, max_items(CAPS.max_content_blocks, "system blocks")] = None
     tools: Annotated[list[ToolParam] | None, Field(max_length=CAPS.max_tools), max_items(CAPS.max_tools, "tools")] = None
     tool_choice: ToolChoiceParam | None = None
     stop_sequences: list[str] | None = None

@@ -47,7 +47,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Annotated[str | list[TextPart] | None, max_items(CAPS.max_content_blocks, "content parts")] = None
+    content: Annotated[str | Annotated[list[TextPart], Field(max_length=CAPS.max_content_blocks)] | None, max_items(CAPS.max_content_blocks, "content parts")] = None
     name: str | None = Field(default=None, max_length=CAPS.max_id_chars)
     # Assistant turns that called tools.
     tool_calls: list[MessageToolCall] | None = Field(default=None, max_length=CAPS.max_content_blocks)

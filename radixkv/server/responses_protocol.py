@@ -32,7 +32,7 @@ class TextContent(_Lenient):
 class MessageItem(_Lenient):
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
-    content: Annotated[str | list[TextContent], max_items(CAPS.max_content_blocks, "content parts")]
+    content: Annotated[str | Annotated[list[TextContent], Field(max_length=CAPS.max_content_blocks)], max_items(CAPS.max_content_blocks, "content parts")]
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
@@ -49,7 +49,7 @@ class FunctionCallItem(_Lenient):
 class FunctionCallOutputItem(_Lenient):
     type: Literal["function_call_output"]
     call_id: str = Field(max_length=CAPS.max_id_chars)
-    output: Annotated[str | list[TextContent], max_items(CAPS.max_content_blocks, "content parts")]
+    output: Annotated[str | Annotated[list[TextContent], Field(max_length=CAPS.max_content_blocks)], max_items(CAPS.max_content_blocks, "content parts")]
 
     def text(self) -> str:
         return self.output if isinstance(self.output, str) else "".join(part.text for part in self.output)
@@ -95,7 +95,7 @@ class TextConfig(_Lenient):
 class ResponsesRequest(_Lenient):
     model: str | None = None
     # Items are checked one by one (responses_convert.input_items), so an error names the item.
-    input: Annotated[str | list[dict[str, Any]], max_items(CAPS.max_messages, "input items")]
+    input: Annotated[str | Annotated[list[dict[str, Any]], Field(max_length=CAPS.max_messages)], max_items(CAPS.max_messages, "input items")]
     instructions: str | None = None
     tools: Annotated[list[FunctionTool], Field(max_length=CAPS.max_tools), max_items(CAPS.max_tools, "tools")] = Field(default_factory=list)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice = "auto"
