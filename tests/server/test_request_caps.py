@@ -9,9 +9,12 @@ from typing import Any
 
 import pytest
 
+from radixkv.server import anthropic_conversation as conv_mod
 from radixkv.server import tools as tool_layer
+from radixkv.server.anthropic_protocol import MessagesRequest
 from radixkv.server.request_caps import CAPS, json_depth_exceeds
 from tests.helpers.live_server import MODEL, LiveServer
+from tests.helpers.tiny_models import CHAT_TEMPLATE, tiny_tokenizer
 
 HI = [{"role": "user", "content": "hi"}]
 
@@ -98,6 +101,43 @@ def test_four_breakpoints_are_served(live_server: LiveServer) -> None:
     status, payload = _post(live_server, "/v1/messages", body)
     assert status == 200, payload
     live_server.assert_idle_and_consistent()
+
+
+class CountingTemplates:
+    """The tiny tokenizer with the tiny chat template, counting what it renders."""
+
+    def __init__(self) -> None:
+        self._tokenizer = tiny_tokenizer()
+        self._tokenizer.chat_template = CHAT_TEMPLATE
+        self.num_renders = 0
+        self.num_rendered_chars = 0
+
+    def apply_chat_template(self, *args, **kwargs):
+        text = self._tokenizer.apply_chat_template(*args, **kwargs)
+        self.num_renders += 1
+        self.num_rendered_chars += len(text)
+        return text
+
+    def __call__(self, *args, **kwargs):
+        return self._tokenizer(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+
+def test_breakpoints_cost_one_render_of_their_prefix_each() -> None:
+    messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i} " * 5} for i in range(199)]
+    for i in (20, 60, 120, 198):
+        messages[i] = {"role": messages[i]["role"], "content": [_marked(f"turn {i}")]}
+    body = MessagesRequest.model_validate({"model": MODEL, "max_tokens": 4, "messages": messages})
+    tokenizer = CountingTemplates()
+    conv = conv_mod.conversation(body)
+    prompt = conv_mod.encode(tokenizer, conv)
+    whole = tokenizer.num_rendered_chars
+    marks = conv_mod.breakpoints(tokenizer, body, conv, prompt)
+    assert len(marks) == 4 and [m.num_tokens for m in marks] == sorted(m.num_tokens for m in marks)
+    assert tokenizer.num_renders == 1 + CAPS.max_cache_breakpoints
+    assert tokenizer.num_rendered_chars <= (1 + CAPS.max_cache_breakpoints) * whole
 
 
 # -- messages, content blocks, ids -----------------------------------------------------------
@@ -215,3 +255,8 @@ def test_json_depth_scan_ignores_brackets_in_strings() -> None:
     assert not json_depth_exceeds('{"a": "[[[[[[[[[["}', 2)
     assert json_depth_exceeds('{"a": [[1]]}', 2)
     assert not json_depth_exceeds('{"a": "\\"[[[["}', 1)
+
+
+def test_responses_metadata_is_capped_as_openai_caps_it(live_server: LiveServer) -> None:
+    metadata = {f"k{i}": "v" for i in range(17)}
+    _openai_refusal(live_server, "/v1/responses", {"model": MODEL, "input": "hi", "metadata": metadata}, "metadata", 16)
