@@ -109,6 +109,12 @@ def parse_body(model: type[M], raw: bytes) -> M:
         raise _validation_error(error.errors()) from None
 
 
+def validation_error_at(prefix: Sequence[str | int], errors: Sequence[Any]) -> APIError:
+    """A part validated on its own (a Responses input item) as the body's error would be, its
+    location under `prefix`."""
+    return _validation_error([{**e, "loc": (*prefix, *e.get("loc", ()))} for e in errors])
+
+
 def _validation_error(errors: Sequence[Any]) -> APIError:
     capped = next((e for e in errors if _cap_of(e) is not None or e.get("type") == "too_long"), None)
     if capped is not None:

@@ -260,3 +260,10 @@ def test_json_depth_scan_ignores_brackets_in_strings() -> None:
 def test_responses_metadata_is_capped_as_openai_caps_it(live_server: LiveServer) -> None:
     metadata = {f"k{i}": "v" for i in range(17)}
     _openai_refusal(live_server, "/v1/responses", {"model": MODEL, "input": "hi", "metadata": metadata}, "metadata", 16)
+
+
+def test_duplicate_tool_names_are_refused_on_responses(live_server: LiveServer) -> None:
+    tools = [{"type": "function", "name": "f"}, {"type": "function", "name": "g"}, {"type": "function", "name": "f"}]
+    status, payload = _post(live_server, "/v1/responses", {"model": MODEL, "input": "hi", "tools": tools})
+    assert status == 400 and payload["error"]["param"] == "tools", payload
+    assert "'f' appears twice" in payload["error"]["message"]
