@@ -1,5 +1,6 @@
 """ServerLimits: the HTTP server's own protective knobs (body size, slow readers, per-key fair
-share, pins, cross-site checks), one validated dataclass with every default and unit.
+share and parsing threads, pins, cross-site checks), one validated dataclass with every default
+and unit. What one request body may carry is radixkv.server.request_caps.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """The state every route of one app reads: the engine, tenants, the served model's names, the
-limits and per-key quotas, and the metrics; fixed when the app is created (the metrics count on).
+limits, per-key quotas and parse slots, and the metrics; fixed when the app is created (the
+metrics count on).
 """
 
 from __future__ import annotations
