@@ -10,6 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+# Tokens past read_offset decoded again while they end mid-character (U+FFFD) or add no text
+# (special tokens skipped). A character is at most 4 UTF-8 bytes, one token at least one, so a
+# real character completes within 4 tokens; past 8 the bytes are invalid for good, and are
+# emitted as U+FFFD so the window (and each token's decode) stays bounded: without the bound a
+# model writing invalid bytes made every token decode the whole run again, O(n^2).
+MAX_PENDING_TOKENS = 8
+
 
 @dataclass(slots=True)
 class TextState:
@@ -33,8 +40,9 @@ class TextState:
         before = tokenizer.decode(token_ids[self.prefix_offset : self.read_offset], skip_special_tokens=True)
         after = tokenizer.decode(token_ids[self.prefix_offset :], skip_special_tokens=True)
         # A byte-level token may end mid-character, which decodes to U+FFFD until the next
-        # token completes it: emit only complete characters.
-        if len(after) <= len(before) or after.endswith("\ufffd"):
+        # token completes it: emit only complete characters, within MAX_PENDING_TOKENS.
+        settled = len(token_ids) - self.read_offset >= MAX_PENDING_TOKENS
+        if (len(after) <= len(before) or after.endswith("\ufffd")) and not settled:
             return False
         old_len = len(self.text)
         self.text += after[len(before) :]

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+
+from radixkv.server.request_caps import CAPS, CapExceeded, check_arguments, check_schema, max_items
 
 TTL_S = {"5m": 300.0, "1h": 3600.0}
 
@@ -41,16 +43,16 @@ class TextBlock(_Wire):
 
 class ToolUseBlock(_Wire):
     type: Literal["tool_use"]
-    id: str
-    name: str
-    input: dict[str, Any]
+    id: str = Field(max_length=CAPS.max_id_chars)
+    name: str = Field(max_length=CAPS.max_anthropic_tool_name_chars)
+    input: Annotated[dict[str, Any], AfterValidator(check_arguments)]
     cache_control: CacheControl | None = None
 
 
 class ToolResultBlock(_Wire):
     type: Literal["tool_result"]
-    tool_use_id: str
-    content: str | list[TextBlock] = ""
+    tool_use_id: str = Field(max_length=CAPS.max_id_chars)
+    content: Annotated[str | Annotated[list[TextBlock], Field(max_length=CAPS.max_content_blocks)], max_items(CAPS.max_content_blocks, "content blocks")] = ""
     is_error: bool = False
     cache_control: CacheControl | None = None
 
@@ -63,16 +65,16 @@ Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminato
 
 class InputMessage(_Wire):
     role: Literal["user", "assistant"]
-    content: str | list[Block]
+    content: Annotated[str | Annotated[list[Block], Field(max_length=CAPS.max_content_blocks)], max_items(CAPS.max_content_blocks, "content blocks")]
 
     def blocks(self) -> list[TextBlock | ToolUseBlock | ToolResultBlock]:
         return [TextBlock(type="text", text=self.content)] if isinstance(self.content, str) else list(self.content)
 
 
 class ToolParam(_Wire):
-    name: str = Field(min_length=1, max_length=128)
+    name: str = Field(min_length=1, max_length=CAPS.max_anthropic_tool_name_chars)
     description: str = ""
-    input_schema: dict[str, Any]
+    input_schema: Annotated[dict[str, Any], AfterValidator(check_schema)]
     cache_control: CacheControl | None = None
 
 
@@ -85,9 +87,9 @@ class ToolChoiceParam(_Wire):
 class MessagesRequest(_Wire):
     model: str
     max_tokens: int = Field(ge=1)
-    messages: list[InputMessage] = Field(min_length=1)
-    system: str | list[TextBlock] | None = None
-    tools: list[ToolParam] | None = None
+    messages: Annotated[list[InputMessage], Field(min_length=1, max_length=CAPS.max_messages), max_items(CAPS.max_messages, "messages")]
+    system: Annotated[str | Annotated[list[TextBlock], Field(max_length=CAPS.max_content_blocks)] | None, max_items(CAPS.max_content_blocks, "system blocks")] = None
+    tools: Annotated[list[ToolParam] | None, Field(max_length=CAPS.max_tools), max_items(CAPS.max_tools, "tools")] = None
     tool_choice: ToolChoiceParam | None = None
     stop_sequences: list[str] | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=1.0)
@@ -95,6 +97,22 @@ class MessagesRequest(_Wire):
     top_k: int | None = Field(default=None, ge=0)
     metadata: dict[str, Any] | None = None
     stream: bool = False
+
+    @model_validator(mode="after")
+    def _breakpoints_within_cap(self) -> MessagesRequest:
+        # Each breakpoint renders and tokenizes its prefix again (anthropic_conversation), so
+        # their number bounds that work; Anthropic allows 4 and counts them the same way.
+        blocks: list[Any] = [*self.system_blocks(), *(self.tools or ())]
+        for message in self.messages:
+            for block in message.blocks():
+                blocks.append(block)
+                if isinstance(block, ToolResultBlock) and isinstance(block.content, list):
+                    blocks += block.content
+        count = sum(1 for block in blocks if block.cache_control is not None)
+        limit = CAPS.max_cache_breakpoints
+        if count > limit:
+            raise CapExceeded(f"at most {limit} blocks may carry cache_control, got {count}", limit=limit, param="cache_control")
+        return self
 
     def system_blocks(self) -> list[TextBlock]:
         if self.system is None:

@@ -23,7 +23,7 @@ from radixkv.server import anthropic_conversation as conv_mod
 from radixkv.server.anthropic_conversation import Breakpoint, Conversation, tool_layer
 from radixkv.server.anthropic_protocol import MessagesRequest, error_body
 from radixkv.server.errors import APIError, ClientGone, WireNames, context_error, engine_error, parse_body
-from radixkv.server.streaming import SSEResponse, collect, merge, off_loop, submit, until_disconnect
+from radixkv.server.streaming import SSEResponse, collect, merge, submit, until_disconnect
 
 if TYPE_CHECKING:
     from radixkv.server.state import Server
@@ -53,7 +53,7 @@ def _error_response(error: APIError) -> JSONResponse:
 async def _messages(server: Server, request: Request) -> Response:
     key = server.tenants.authenticate(request.headers.get("authorization"), api_key=request.headers.get("x-api-key"))
     raw = await request.body()
-    body, conv, prompt, marks, params = await off_loop(lambda: _prepare(server, raw))
+    body, conv, prompt, marks, params = await server.parse_slots.run(key, lambda: _prepare(server, raw))
     salt = server.tenants.cache_salt(key, None)  # the same partition as the key's OpenAI calls
     owner = server.tenants.owner(key)  # whose retention cap the breakpoints count against
     streams = await submit(

@@ -31,7 +31,7 @@ from radixkv.server.protocol import (
     PinResponse,
     UnpinResponse,
 )
-from radixkv.server.streaming import collect, off_loop, submit, until_disconnect
+from radixkv.server.streaming import collect, submit, until_disconnect
 
 if TYPE_CHECKING:
     from radixkv.server.state import Server
@@ -180,7 +180,7 @@ def register(app: FastAPI, server: Server) -> None:
                 server.check_model(body.model)
             return body, pin_prompt(server, body)
 
-        body, prompt = await off_loop(prepare)
+        body, prompt = await server.parse_slots.run(key, prepare)
         salt = server.tenants.cache_salt(key, body.cache_salt)
         owner = server.tenants.owner(key)  # not the salt's: one pin cap per key, whatever salts it uses
         names = WireNames(prompt="messages" if body.messages is not None else "prompt")
@@ -223,7 +223,7 @@ def register(app: FastAPI, server: Server) -> None:
                 server.check_model(body.model)
             return body, pin_prompt(server, body)
 
-        body, prompt = await off_loop(prepare)
+        body, prompt = await server.parse_slots.run(key, prepare)
         salt = server.tenants.cache_salt(key, body.cache_salt)
         ram, disk = await server.engine.call_async(lambda engine: engine.lookup(prompt, salt))
         response = CacheLookupResponse(prompt_tokens=len(prompt), cached_tokens=ram + disk, ram_tokens=ram, disk_tokens=disk)

@@ -20,6 +20,7 @@ from radixkv.engine.async_engine import EngineStepError, EngineStopped
 from radixkv.errors import InvalidRequest, QueueFull
 from radixkv.server.anthropic_protocol import error_body as anthropic_error_body
 from radixkv.server.protocol import ErrorBody, ErrorResponse
+from radixkv.server.request_caps import CapExceeded
 
 logger = logging.getLogger("radixkv.server")
 
@@ -108,7 +109,16 @@ def parse_body(model: type[M], raw: bytes) -> M:
         raise _validation_error(error.errors()) from None
 
 
+def validation_error_at(prefix: Sequence[str | int], errors: Sequence[Any]) -> APIError:
+    """A part validated on its own (a Responses input item) as the body's error would be, its
+    location under `prefix`."""
+    return _validation_error([{**e, "loc": (*prefix, *e.get("loc", ()))} for e in errors])
+
+
 def _validation_error(errors: Sequence[Any]) -> APIError:
+    capped = next((e for e in errors if _cap_of(e) is not None or e.get("type") == "too_long"), None)
+    if capped is not None:
+        return _cap_error(capped)
     first = errors[0] if errors else {}
     if first.get("type") == "json_invalid":
         return APIError(400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}")
@@ -131,6 +141,21 @@ def _validation_error(errors: Sequence[Any]) -> APIError:
         detail = f"matches no accepted form; as {where}: {errors[deepest].get('msg', 'invalid value')}"
     message = f"{param}: {detail}" if param else detail
     return APIError(400, message, param=param)
+
+
+def _cap_of(error: Any) -> CapExceeded | None:
+    cause = error.get("ctx", {}).get("error") if isinstance(error.get("ctx"), dict) else None
+    return cause if isinstance(cause, CapExceeded) else None
+
+
+def _cap_error(error: Any) -> APIError:
+    """A request part past its cap (request_caps): named alone, even under a union whose other
+    branches also failed, since the cap is what the client must change."""
+    cap = _cap_of(error)
+    loc = ".".join(str(part) for part in error.get("loc", ()) if part != "body")
+    param = (cap.param if cap is not None else None) or loc or None
+    detail = cap.message if cap is not None else str(error.get("msg", "too long"))
+    return APIError(400, f"{param}: {detail}" if param else detail, param=param)
 
 
 # -- engine errors ---------------------------------------------------------------------------

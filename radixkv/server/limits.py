@@ -1,6 +1,6 @@
 """ServerLimits: the HTTP server's own protective knobs (body size, slow readers, per-key fair
-share, pins, stored responses, cross-site checks), one validated dataclass with every default
-and unit.
+share, parsing threads, pins, stored responses, cross-site checks), one validated dataclass
+with every default and unit. What one request body may carry is radixkv.server.request_caps.
 """
 
 from __future__ import annotations
@@ -24,6 +24,10 @@ class ServerLimits:
     # once (queued or running), and their sequences (n summed). Past either: 429, Retry-After.
     max_requests_per_key: int = 256
     max_seqs_per_key: int = 1024
+    # Per key: request bodies parsed, templated and tokenized on worker threads at once (more
+    # wait without a thread, up to max_requests_per_key, then 429). 0: a quarter of the thread
+    # pool (anyio's, 40 threads: 10), so one key never holds every parsing thread.
+    max_parses_per_key: int = 0
     # KV pages one key's pins may lock together (besides the server-wide cap on all pins);
     # None: a quarter of the page pool (cache_routes.MAX_PINNED_FRACTION_PER_KEY), so the cap
     # scales with the pool.
@@ -52,6 +56,7 @@ class ServerLimits:
         _int_in("max_body_bytes", self.max_body_bytes, 1024, 1 << 34)
         _int_in("max_requests_per_key", self.max_requests_per_key, 1, 1 << 30)
         _int_in("max_seqs_per_key", self.max_seqs_per_key, 1, 1 << 30)
+        _int_in("max_parses_per_key", self.max_parses_per_key, 0, 1 << 20)
         if self.max_pinned_pages_per_key is not None:
             _int_in("max_pinned_pages_per_key", self.max_pinned_pages_per_key, 0, 1 << 30)
         _int_in("max_stored_responses_per_key", self.max_stored_responses_per_key, 1, 1 << 30)

@@ -42,7 +42,7 @@ from radixkv.server.protocol import (
     new_id,
     now_s,
 )
-from radixkv.server.streaming import SSEResponse, collect, off_loop, sse, submit, text_events, until_disconnect, usage
+from radixkv.server.streaming import SSEResponse, collect, sse, submit, text_events, until_disconnect, usage
 from radixkv.server.tools import (
     Tool,
     ToolCall,
@@ -118,7 +118,7 @@ def register(app: FastAPI, server: Server) -> None:
             params = _sampling_params(server, body, [prompt], max_tokens, names, default_max_tokens=None, guide=guide)
             return body, tools, prompt, names, params
 
-        body, tools, prompt, names, params = await off_loop(prepare)
+        body, tools, prompt, names, params = await server.parse_slots.run(key, prepare)
         salt = server.tenants.cache_salt(key, body.cache_salt)
         streams = await submit(
             server.engine, server.metrics, [prompt], params, salt, names, quotas=server.quotas, key=key
@@ -144,7 +144,7 @@ def register(app: FastAPI, server: Server) -> None:
             default = _COMPLETIONS_DEFAULT_MAX_TOKENS
             return body, prompts, _sampling_params(server, body, prompts, body.max_tokens, names, default_max_tokens=default)
 
-        body, prompts, params = await off_loop(prepare)
+        body, prompts, params = await server.parse_slots.run(key, prepare)
         salt = server.tenants.cache_salt(key, body.cache_salt)
         streams = await submit(
             server.engine, server.metrics, prompts, params, salt, names, quotas=server.quotas, key=key

@@ -45,6 +45,12 @@ def completion_prompts(server: Server, body: CompletionRequest) -> list[list[int
     return token_lists
 
 
+def check_token_ids(server: Server, token_ids: list[int], param: str) -> None:
+    vocab = server.engine.vocab_size
+    if any(isinstance(t, bool) or not 0 <= t < vocab for t in token_ids):
+        raise APIError(400, f"{param}: token ids must be integers in [0, {vocab})", param=param)
+
+
 def pin_prompt(server: Server, body: PinRequest) -> list[int]:
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "give the prefix to pin as exactly one of prompt (text or token ids) or messages")
@@ -54,6 +60,10 @@ def pin_prompt(server: Server, body: PinRequest) -> list[int]:
     else:
         prompt = encode_prompt(server.engine.tokenizer, body.prompt)  # type: ignore[arg-type]
         param = "prompt"
+        if isinstance(body.prompt, list):
+            # A lookup never reaches the engine's request check: out-of-range ids are refused
+            # here as a request's would be, not looked up (or hashed) as if they were tokens.
+            check_token_ids(server, prompt, param)
     if not prompt:
         raise APIError(400, f"{param} must hold at least one token", param=param)
     if len(prompt) >= server.engine.max_context_tokens:

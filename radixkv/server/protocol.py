@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+
+from radixkv.server.request_caps import CAPS, CapExceeded, check_arguments, check_schema, check_schema_or_none, max_items
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_TOP_LOGPROBS = 20
@@ -29,12 +31,14 @@ class TextPart(BaseModel):
 
 
 class FunctionCall(BaseModel):
-    name: str
-    arguments: str | dict[str, Any] = "{}"  # JSON text, as OpenAI sends it; some clients send the object
+    name: str = Field(max_length=CAPS.max_tool_name_chars)
+    # JSON text, as OpenAI sends it; some clients send the object. Nesting is capped: json and
+    # the chat template recurse once per level.
+    arguments: Annotated[str | dict[str, Any], AfterValidator(check_arguments)] = "{}"
 
 
 class MessageToolCall(BaseModel):
-    id: str | None = None
+    id: str | None = Field(default=None, max_length=CAPS.max_id_chars)
     type: Literal["function"] = "function"
     function: FunctionCall
 
@@ -43,10 +47,11 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
-    tool_calls: list[MessageToolCall] | None = None  # assistant turns that called tools
-    tool_call_id: str | None = None  # a tool turn: the call it answers
+    content: Annotated[str | Annotated[list[TextPart], Field(max_length=CAPS.max_content_blocks)] | None, max_items(CAPS.max_content_blocks, "content parts")] = None
+    name: str | None = Field(default=None, max_length=CAPS.max_id_chars)
+    # Assistant turns that called tools.
+    tool_calls: list[MessageToolCall] | None = Field(default=None, max_length=CAPS.max_content_blocks)
+    tool_call_id: str | None = Field(default=None, max_length=CAPS.max_id_chars)  # a tool turn: the call it answers
 
     @model_validator(mode="after")
     def _tool_result_names_its_call(self) -> ChatMessage:
@@ -118,9 +123,9 @@ class _GenerationRequest(BaseModel):
 
 
 class JsonSchemaFormat(BaseModel):
-    name: str = "response"
+    name: str = Field(default="response", max_length=CAPS.max_tool_name_chars)
     description: str | None = None
-    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    schema_: Annotated[dict[str, Any] | None, AfterValidator(check_schema_or_none)] = Field(default=None, alias="schema")
     strict: bool | None = None
 
 
@@ -129,12 +134,31 @@ class ResponseFormat(BaseModel):
     json_schema: JsonSchemaFormat | None = None
 
 
+def _check_tool(tool: dict[str, Any]) -> dict[str, Any]:
+    """A tool's name and schema against the caps; the rest is checked by tools.tool_from_openai."""
+    spec = tool.get("function", tool)
+    if isinstance(spec, dict):
+        name = spec.get("name")
+        if isinstance(name, str) and len(name) > CAPS.max_tool_name_chars:
+            raise CapExceeded(f"a function name may be at most {CAPS.max_tool_name_chars} characters", limit=CAPS.max_tool_name_chars)
+        if isinstance(spec.get("parameters"), dict):
+            check_schema(spec["parameters"])
+    return tool
+
+
+Tools = Annotated[
+    list[Annotated[dict[str, Any], AfterValidator(_check_tool)]], Field(max_length=CAPS.max_tools), max_items(CAPS.max_tools, "tools")
+]
+# max_items checks the count before any item is validated; Field(max_length) documents it in OpenAPI.
+Messages = Annotated[list[ChatMessage], Field(max_length=CAPS.max_messages), max_items(CAPS.max_messages, "messages")]
+
+
 class ChatCompletionRequest(_GenerationRequest):
-    messages: list[ChatMessage]
+    messages: Messages
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: list[dict[str, Any]] | None = None
+    tools: Tools | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
@@ -188,7 +212,7 @@ class PinRequest(BaseModel):
 
     model: str | None = None
     prompt: str | list[int] | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Messages | None = None
     cache_salt: str | None = Field(default=None, max_length=1024)
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from radixkv.engine.request import JsonGuide
 from radixkv.server import tools as tool_layer
-from radixkv.server.errors import APIError
+from radixkv.server.errors import APIError, validation_error_at
 from pydantic import ValidationError
 
 from radixkv.server.responses_protocol import (
@@ -63,9 +63,7 @@ def input_items(raw: list[dict[str, Any]]) -> list[InputItem]:
         try:
             items.append(model.model_validate(value))
         except ValidationError as error:
-            first = error.errors()[0]
-            where = ".".join(["input", str(index), *(str(part) for part in first["loc"])])
-            raise APIError(400, f"{where}: {first['msg']}", param=where) from None
+            raise validation_error_at(("input", index), error.errors()) from None
     return items  # type: ignore[return-value]
 
 
@@ -113,8 +111,13 @@ def tool_list(body: ResponsesRequest) -> list[tool_layer.Tool]:
         )
         for t in body.tools
     ]
+    names: set[str] = set()  # linear in the tools, as in tools.tools_from_openai
+    for tool in tools:
+        if tool.name in names:
+            raise APIError(400, f"tools: the function name {tool.name!r} appears twice", param="tools")
+        names.add(tool.name)
     choice = body.choice()
-    if choice not in ("none", "auto", "required") and choice not in {t.name for t in tools}:
+    if choice not in ("none", "auto", "required") and choice not in names:
         raise APIError(400, f"tool_choice names the function {choice!r}, which is not among the tools", param="tool_choice")
     if choice == "required" and not tools:
         raise APIError(400, "tool_choice 'required' needs at least one tool", param="tool_choice")

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+from radixkv.server.request_caps import CAPS, check_arguments, check_schema_or_none, max_items
 
 
 class _Lenient(BaseModel):
@@ -30,7 +32,7 @@ class TextContent(_Lenient):
 class MessageItem(_Lenient):
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
-    content: str | list[TextContent]
+    content: Annotated[str | Annotated[list[TextContent], Field(max_length=CAPS.max_content_blocks)], max_items(CAPS.max_content_blocks, "content parts")]
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
@@ -38,16 +40,16 @@ class MessageItem(_Lenient):
 
 class FunctionCallItem(_Lenient):
     type: Literal["function_call"]
-    call_id: str
-    name: str
-    arguments: str
-    id: str | None = None
+    call_id: str = Field(max_length=CAPS.max_id_chars)
+    name: str = Field(max_length=CAPS.max_tool_name_chars)
+    arguments: Annotated[str, AfterValidator(check_arguments)]
+    id: str | None = Field(default=None, max_length=CAPS.max_id_chars)
 
 
 class FunctionCallOutputItem(_Lenient):
     type: Literal["function_call_output"]
-    call_id: str
-    output: str | list[TextContent]
+    call_id: str = Field(max_length=CAPS.max_id_chars)
+    output: Annotated[str | Annotated[list[TextContent], Field(max_length=CAPS.max_content_blocks)], max_items(CAPS.max_content_blocks, "content parts")]
 
     def text(self) -> str:
         return self.output if isinstance(self.output, str) else "".join(part.text for part in self.output)
@@ -66,22 +68,22 @@ InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem
 
 class FunctionTool(_Lenient):
     type: Literal["function"]
-    name: str = Field(min_length=1, max_length=64)
+    name: str = Field(min_length=1, max_length=CAPS.max_tool_name_chars)
     description: str | None = None
-    parameters: dict[str, Any] | None = None
+    parameters: Annotated[dict[str, Any] | None, AfterValidator(check_schema_or_none)] = None
     strict: bool | None = None
 
 
 class NamedToolChoice(_Lenient):
     type: Literal["function"]
-    name: str
+    name: str = Field(max_length=CAPS.max_tool_name_chars)
 
 
 class TextFormat(_Lenient):
     type: Literal["text", "json_object", "json_schema"] = "text"
-    name: str | None = None
+    name: str | None = Field(default=None, max_length=CAPS.max_tool_name_chars)
     description: str | None = None
-    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    schema_: Annotated[dict[str, Any] | None, AfterValidator(check_schema_or_none)] = Field(default=None, alias="schema")
     strict: bool | None = None
 
 
@@ -93,9 +95,9 @@ class TextConfig(_Lenient):
 class ResponsesRequest(_Lenient):
     model: str | None = None
     # Items are checked one by one (responses_convert.input_items), so an error names the item.
-    input: str | list[dict[str, Any]]
+    input: Annotated[str | Annotated[list[dict[str, Any]], Field(max_length=CAPS.max_messages)], max_items(CAPS.max_messages, "input items")]
     instructions: str | None = None
-    tools: list[FunctionTool] = Field(default_factory=list)
+    tools: Annotated[list[FunctionTool], Field(max_length=CAPS.max_tools), max_items(CAPS.max_tools, "tools")] = Field(default_factory=list)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice = "auto"
     parallel_tool_calls: bool = True
     max_output_tokens: int | None = None
@@ -103,9 +105,10 @@ class ResponsesRequest(_Lenient):
     top_p: float | None = None
     text: TextConfig = Field(default_factory=TextConfig)
     store: bool = True
-    previous_response_id: str | None = None
+    previous_response_id: str | None = Field(default=None, max_length=CAPS.max_id_chars)
     stream: bool = False
-    metadata: dict[str, str] | None = None
+    # OpenAI's caps: 16 pairs, keys of 64 characters, values of 512 (stored and echoed back).
+    metadata: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | None = Field(default=None, max_length=16)
     user: str | None = None
     prompt_cache_key: str | None = None  # recorded by OpenAI, partitions nothing; likewise here
     truncation: Literal["auto", "disabled"] | None = None
@@ -199,7 +202,7 @@ class ResponseObject(BaseModel):
     instructions: str | None = None
     max_output_tokens: int | None = None
     parallel_tool_calls: bool = True
-    previous_response_id: str | None = None
+    previous_response_id: str | None = Field(default=None, max_length=CAPS.max_id_chars)
     temperature: float | None = None
     top_p: float | None = None
     text: dict[str, Any] = Field(default_factory=dict)

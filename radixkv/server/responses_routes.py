@@ -31,7 +31,7 @@ from radixkv.server.responses_protocol import (
     response_usage,
 )
 from radixkv.server.responses_store import ResponseStore, conversation_bytes
-from radixkv.server.streaming import SSEResponse, collect, merge, off_loop, submit, until_disconnect
+from radixkv.server.streaming import SSEResponse, collect, merge, submit, until_disconnect
 
 if TYPE_CHECKING:
     from radixkv.server.state import Server
@@ -86,7 +86,7 @@ def register(app: FastAPI, server: Server, store: ResponseStore | None = None) -
                 server.check_model(body.model)
             return body, *_prepare(server, store, body, owner)
 
-        body, turn, prompt = await off_loop(prepare)
+        body, turn, prompt = await server.parse_slots.run(key, prepare)
         salt = server.tenants.cache_salt(key, body.cache_salt)
         streams = await submit(
             server.engine, server.metrics, [prompt], turn.params, salt, turn.names, quotas=server.quotas, key=key

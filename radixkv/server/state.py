@@ -1,5 +1,6 @@
 """The state every route of one app reads: the engine, tenants, the served model's names, the
-limits and per-key quotas, and the metrics; fixed when the app is created (the metrics count on).
+limits, per-key quotas and parse slots, and the metrics; fixed when the app is created (the
+metrics count on).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from radixkv.server.drain import Drain
 from radixkv.server.errors import APIError
 from radixkv.server.limits import ServerLimits
 from radixkv.server.metrics import ServerMetrics
+from radixkv.server.parse_slots import ParseSlots
 from radixkv.server.protocol import now_s
 from radixkv.server.quotas import KeyQuotas
 from radixkv.server.tenants import Tenants
@@ -27,11 +29,13 @@ class Server:
     metrics: ServerMetrics
     limits: ServerLimits = field(default_factory=ServerLimits)
     quotas: KeyQuotas = field(init=False)
+    parse_slots: ParseSlots = field(init=False)  # bodies parsed off the loop, a few per key
     created: int = field(default_factory=now_s)
     drain: Drain = field(default_factory=Drain)  # set draining by SIGTERM (radixkv serve)
 
     def __post_init__(self) -> None:
         self.quotas = KeyQuotas(self.limits.max_requests_per_key, self.limits.max_seqs_per_key)
+        self.parse_slots = ParseSlots(self.limits.max_parses_per_key, self.limits.max_requests_per_key)
 
     def check_model(self, model: str) -> None:
         """APIError 404 unless `model` names the model this server serves."""

@@ -12,7 +12,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import aclosing
 from typing import Any, TypeVar
 
-import anyio.to_thread
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
@@ -71,12 +70,6 @@ async def submit(
         raise
     metrics.prompt_tokens.inc(sum(len(prompt) for prompt in prompts))
     return streams
-
-
-async def off_loop(fn: Callable[[], T]) -> T:
-    """fn() on a worker thread: parsing, templating and tokenizing a large body must not stall
-    the event loop, which every other request (and /health) shares."""
-    return await anyio.to_thread.run_sync(fn)
 
 
 async def merge(metrics: ServerMetrics, streams: list[RequestStream], n: int) -> AsyncIterator[tuple[int, RequestDelta]]:

@@ -70,10 +70,11 @@ def tool_from_openai(raw: Mapping[str, Any], param: str = "tools") -> Tool:
 
 def tools_from_openai(raw: Sequence[Mapping[str, Any]] | None, param: str = "tools") -> list[Tool]:
     tools = [tool_from_openai(t, param) for t in raw or ()]
-    names = [t.name for t in tools]
-    duplicate = next((n for n in names if names.count(n) > 1), None)
-    if duplicate is not None:
-        raise InvalidRequest(f"{param}: the function name {duplicate!r} appears twice", param=param)
+    seen: set[str] = set()  # linear: a request may carry up to request_caps' max_tools
+    for tool in tools:
+        if tool.name in seen:
+            raise InvalidRequest(f"{param}: the function name {tool.name!r} appears twice", param=param)
+        seen.add(tool.name)
     return tools
 
 
@@ -164,10 +165,10 @@ def _history_call(raw: Any, index: int) -> dict:
 def _args_object(arguments: Any) -> Any:
     """Arguments as a JSON value: templates (and the fallback) print them with tojson."""
     if isinstance(arguments, str):
-        try:
-            return json.loads(arguments) if arguments.strip() else {}
-        except json.JSONDecodeError:
-            return arguments  # a model's malformed call, replayed as it was
+        if not arguments.strip():
+            return {}
+        value = _loads(arguments)
+        return arguments if value is _MALFORMED else value  # a model's malformed call, replayed as it was
     return {} if arguments is None else arguments
 
 
@@ -268,9 +269,8 @@ def _bare_calls(text: str, names: set[str]) -> list[ToolCall] | None:
     stripped = text.strip()
     if not stripped or stripped[0] not in "{[":
         return None
-    try:
-        value = json.loads(stripped)
-    except json.JSONDecodeError:
+    value = _loads(stripped)
+    if value is _MALFORMED:
         return None
     items = value if isinstance(value, list) else [value]
     calls = [_call_of(item, names) for item in items]
@@ -283,20 +283,31 @@ def _call_of(value: Any, names: set[str]) -> ToolCall | None:
         return None
     arguments = value.get("arguments", value.get("parameters", {}))
     if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
-            return None
+        arguments = _loads(arguments)
     if not isinstance(arguments, dict):
         return None
-    return ToolCall(new_call_id(), value["name"], json.dumps(arguments, ensure_ascii=False))
+    try:
+        text = json.dumps(arguments, ensure_ascii=False)
+    except RecursionError:  # parsed near json's recursion limit; may not write back from here
+        return None
+    return ToolCall(new_call_id(), value["name"], text)
 
 
 def _parse_call(body: str, names: set[str]) -> ToolCall | None:
+    value = _loads(body)
+    return None if value is _MALFORMED else _call_of(value, names)
+
+
+_MALFORMED = object()
+
+
+def _loads(text: str) -> Any:
+    """JSON text as a value, or _MALFORMED: a model may write anything, nesting deeper than
+    json's recursion takes included (RecursionError), and that is content, not a server error."""
     try:
-        return _call_of(json.loads(body), names)
-    except json.JSONDecodeError:
-        return None
+        return json.loads(text)
+    except (json.JSONDecodeError, RecursionError):
+        return _MALFORMED
 
 
 def _tagged_calls(text: str, names: set[str]) -> tuple[str, list[ToolCall]]:
@@ -319,62 +330,95 @@ def _tagged_calls(text: str, names: set[str]) -> tuple[str, list[ToolCall]]:
 class ToolCallStream:
     """Splits a streamed reply into content deltas and finished calls. Text passes through as it
     comes while it cannot be part of a call: a possible `<tool_call>` opening is held back until
-    it is or is not one; a reply that opens with JSON (a guided or bare call) is held to the end."""
+    it is or is not one; a reply that opens with JSON (a guided or bare call) is held to the end.
+
+    Linear in the reply: each delta is searched once (an open call's end only in the delta and
+    the few characters before it), and held text is kept as pieces joined once, so a call left
+    open over a long reply is not re-scanned or re-copied per delta. `num_scanned_chars` counts
+    the characters searched, for the tests that hold it to that."""
 
     def __init__(self, tools: list[Tool], tool_choice: ToolChoice) -> None:
         self._tools = tools
         self._names = {t.name for t in tools}
         self._active = tool_choice != "none" and bool(tools)
-        self._held = ""  # text not yet handed out
+        self._pieces: list[str] = []  # before the first non-space character, or a JSON reply
+        self._held = ""  # in text: a tail that may begin CALL_OPEN
+        self._call: list[str] | None = None  # the body of an open call, in pieces
+        self._call_tail = ""  # its last len(CALL_CLOSE) - 1 characters: a close may straddle
         self._json_reply = tool_choice not in CHOICES or tool_choice == "required"  # guided: all JSON
         self._started = False  # seen a non-space character
         self.num_calls = 0
+        self.num_scanned_chars = 0
 
     def feed(self, text_delta: str) -> tuple[str, list[ToolCall]]:
         if not self._active:
             return text_delta, []
-        self._held += text_delta
-        if not self._started and self._held.strip():
+        if not self._started:
+            self._pieces.append(text_delta)
+            stripped = text_delta.lstrip()  # all before it was space: only the delta can start
+            self.num_scanned_chars += len(text_delta) - len(stripped) + (1 if stripped else 0)
+            if not stripped:
+                return "", []
             self._started = True
-            self._json_reply = self._json_reply or self._held.lstrip()[0] in "{["
-        if self._json_reply or not self._started:
+            self._json_reply = self._json_reply or stripped[0] in "{["
+            if self._json_reply:
+                return "", []
+            text_delta = "".join(self._pieces)
+            self._pieces = []
+        elif self._json_reply:
+            self._pieces.append(text_delta)
             return "", []
-        return self._drain(final=False)
+        return self._text(text_delta, final=False)
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         if not self._active:
             return "", []
+        held, self._pieces = "".join(self._pieces), []
         if self._json_reply:
-            held, self._held = self._held, ""
             bare = _bare_calls(held, self._names)
             if bare is not None:
                 self.num_calls += len(bare)
                 return "", bare
             self._json_reply = False
-            self._held = held
-        return self._drain(final=True)
+        return self._text(held, final=True)
 
-    def _drain(self, *, final: bool) -> tuple[str, list[ToolCall]]:
+    def _text(self, delta: str, *, final: bool) -> tuple[str, list[ToolCall]]:
         content: list[str] = []
         calls: list[ToolCall] = []
+        text, self._held = self._held + delta, ""
         while True:
-            start = self._held.find(CALL_OPEN)
-            if start < 0:
-                keep = 0 if final else _partial_suffix(self._held, CALL_OPEN)
-                content.append(self._held[: len(self._held) - keep])
-                self._held = self._held[len(self._held) - keep :]
+            if self._call is None:
+                start = text.find(CALL_OPEN)
+                self.num_scanned_chars += len(text) if start < 0 else start + len(CALL_OPEN)
+                if start < 0:
+                    keep = 0 if final else _partial_suffix(text, CALL_OPEN)
+                    content.append(text[: len(text) - keep])
+                    self._held = text[len(text) - keep :]
+                    break
+                content.append(text[:start])
+                self._call, self._call_tail = [], ""
+                text = text[start + len(CALL_OPEN) :]
+            window = self._call_tail + text
+            end = window.find(CALL_CLOSE)
+            self.num_scanned_chars += len(window) if end < 0 else end + len(CALL_CLOSE)
+            if end < 0:
+                self._call.append(text)
+                self._call_tail = window[len(window) - (len(CALL_CLOSE) - 1) :] if len(window) >= len(CALL_CLOSE) else window
+                if final:  # cut off (max_tokens): a call if its body parses, else text
+                    body = "".join(self._call)
+                    self._call = None
+                    call = _parse_call(body, self._names)
+                    content.append("" if call is not None else CALL_OPEN + body)
+                    calls += [call] if call is not None else []
                 break
-            end = self._held.find(CALL_CLOSE, start)
-            if end < 0 and not final:
-                content.append(self._held[:start])
-                self._held = self._held[start:]
-                break
-            stop = len(self._held) if end < 0 else end + len(CALL_CLOSE)
-            call = _parse_call(self._held[start + len(CALL_OPEN) : len(self._held) if end < 0 else end], self._names)
-            content.append(self._held[:start] if call is not None else self._held[:stop])
-            if call is not None:
-                calls.append(call)
-            self._held = self._held[stop:]
+            # The close starts `cut` characters into this text (negative: in the pieces before).
+            cut = end - len(self._call_tail)
+            body = "".join(self._call) + text[:cut] if cut >= 0 else "".join(self._call)[:cut]
+            self._call = None
+            call = _parse_call(body, self._names)
+            content.append("" if call is not None else CALL_OPEN + body + CALL_CLOSE)
+            calls += [call] if call is not None else []
+            text = text[cut + len(CALL_CLOSE) :]
         self.num_calls += len(calls)
         return "".join(content), calls
 

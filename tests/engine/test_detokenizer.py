@@ -52,3 +52,43 @@ def test_deltas_add_up_to_the_text_cut_at_the_first_stop(text, stop):
 )
 def test_held_back_tail(text, stop, held):
     assert _suffix_prefix_overlap(text, stop) == held
+
+
+class CountingTokenizer:
+    """The tiny tokenizer, counting the tokens it is asked to decode (the detokenizer's work)."""
+
+    def __init__(self) -> None:
+        self.num_decoded = 0
+
+    def decode(self, token_ids, **kwargs):
+        self.num_decoded += len(token_ids)
+        return TOKENIZER.decode(token_ids, **kwargs)
+
+
+def feed_ids(token_ids: list[int], tokenizer) -> str:
+    state, sent, so_far = TextState(), [], []
+    for token in token_ids:
+        so_far.append(token)
+        state.append(tokenizer, so_far)
+        sent.append(state.pending(finished=False))
+    sent.append(state.pending(finished=True))
+    assert "".join(sent) == state.text
+    return state.text
+
+
+def test_a_run_of_invalid_bytes_is_decoded_in_linear_work():
+    # A lone UTF-8 continuation byte never completes a character: before the bound, every
+    # token decoded the whole run again (n^2 / 2 tokens, ~4.5 million here).
+    continuation = TOKENIZER("é", add_special_tokens=False).input_ids[-1]
+    tail = TOKENIZER("ok é€ done", add_special_tokens=False).input_ids
+    token_ids = [continuation] * 3000 + tail
+    counting = CountingTokenizer()
+    text = feed_ids(token_ids, counting)
+    assert text == TOKENIZER.decode(token_ids) and text.endswith("ok é€ done")
+    assert counting.num_decoded <= 64 * len(token_ids)
+
+
+def test_characters_split_across_tokens_still_wait_for_their_last_byte():
+    token_ids = TOKENIZER("a€é€b" * 50, add_special_tokens=False).input_ids
+    text = feed_ids(token_ids, TOKENIZER)
+    assert text == TOKENIZER.decode(token_ids) and "\ufffd" not in text

@@ -32,13 +32,14 @@ def test_serve_options_become_server_limits():
 
     args = argparse.Namespace(
         max_body_bytes=4096, stream_send_timeout_s=5.0, max_requests_per_key=3, max_seqs_per_key=6, max_pinned_pages_per_key=0,
-        pin_ttl_s=0.0, allowed_origin=["https://app.example"], public_metrics=True,
+        pin_ttl_s=0.0, max_parses_per_key=2, allowed_origin=["https://app.example"], public_metrics=True,
         max_stored_responses_per_key=7, max_stored_response_bytes_per_key=1 << 20,
     )
     limits = _server_limits(args, keyless_remote=True)
     assert (limits.max_body_bytes, limits.stream_send_timeout_s, limits.max_requests_per_key, limits.max_seqs_per_key) == (4096, 5.0, 3, 6)
     assert limits.max_pinned_pages_per_key == 0 and limits.pin_ttl_s == 0.0 and limits.public_metrics
     assert (limits.max_stored_responses_per_key, limits.max_stored_response_bytes_per_key) == (7, 1 << 20)
+    assert limits.max_parses_per_key == 2
     assert limits.allowed_origins == ("https://app.example",) and limits.allowed_hosts == ("*",)
 
 

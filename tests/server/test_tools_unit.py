@@ -189,3 +189,23 @@ def test_stream_agrees_with_parse_reply(parts, data):
         assert content.strip() == (expected_content or "")
     else:
         assert content == expected_content
+
+
+def test_a_call_left_open_over_a_long_reply_is_scanned_once():
+    # One character a delta inside an open call: each delta is searched with at most the
+    # close marker's length of lookback, not the whole call again (quadratic: ~2e8 here).
+    stream = ToolCallStream(TOOLS, "auto")
+    pieces = ["Hi ", CALL_OPEN, '{"name": "get_time", "arguments": {"x": "', *("a" * 20_000), '"}}', *CALL_CLOSE, " bye"]
+    content, calls = stream_all(stream, pieces)
+    assert content == "Hi  bye" and [c.name for c in calls] == ["get_time"]
+    assert json.loads(calls[0].arguments) == {"x": "a" * 20_000}
+    total = sum(len(p) for p in pieces)
+    assert stream.num_scanned_chars <= total + len(CALL_CLOSE) * len(pieces)
+
+
+def test_a_long_space_prefix_and_a_long_json_reply_are_not_rescanned():
+    stream = ToolCallStream(TOOLS, "auto")
+    pieces = [" "] * 20_000 + ['{"name": "get_time", "arguments": {"x": "'] + ["b"] * 20_000 + ['"}}']
+    content, calls = stream_all(stream, pieces)
+    assert content == "" and json.loads(calls[0].arguments) == {"x": "b" * 20_000}
+    assert stream.num_scanned_chars <= sum(len(p) for p in pieces)
