@@ -431,10 +431,12 @@ async def request_attacks(base_url: str, key: str, model_name: str, args: argpar
                     tally.dead_schema_sent += 1
                     body = {"model": model_name, "messages": ask, "response_format": dead_end, "max_tokens": 64}
                     response = await client.post("/v1/chat/completions", json=body)
+                    # A 429 (the key's share taken by its own flood) is no answer: not counted.
+                    tally.dead_schema_sent -= response.status_code == 429
                     tally.dead_schema_refused += response.status_code == 400
                 else:
                     tally.salt_rotations_sent += 1
-                    body = {"model": model_name, "prompt": f"Retain {i}: " + TEXT[:600], "max_tokens": 1,
+                    body = {"model": model_name, "prompt": f"Retain {i}: " + TEXT[:300], "max_tokens": 1,
                             "prompt_cache_retention": "24h", "cache_salt": secrets.token_hex(8)}  # fmt: skip
                     response = await client.post("/v1/completions", json=body)
                     tally.salt_rotations_other += response.status_code not in (200, 429)

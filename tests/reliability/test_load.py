@@ -39,7 +39,7 @@ def test_small_load_beside_abusive_clients(tiny_llama, tmp_path, capsys):
     with 413, slow readers are cut off, the well-behaved keys lose nothing and no page leaks.
     (The p99 ratio is reported, not judged here: tests do not assert on wall time.)"""
     argv = [
-        "--model", str(tiny_llama), "--dtype", "float32", "--device", "cpu", "--page-size", "4", "--num-pages", "200",
+        "--model", str(tiny_llama), "--dtype", "float32", "--device", "cpu", "--page-size", "4", "--num-pages", "600",
         "--clients", "6", "--requests", "24", "--max-tokens", "8", "--groups", "2", "--system-len", "40",
         "--question-len", "10", "--disconnect-fraction", "0", "--abuse", "--well-keys", "2",
         "--flood-concurrency", "12", "--slow-readers", "2", "--slow-reader-tokens", "200", "--oversized", "3",
