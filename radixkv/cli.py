@@ -16,6 +16,7 @@ from radixkv.errors import ConfigError, InvalidRequest
 from radixkv.scenarios import scenario_names
 
 if TYPE_CHECKING:
+    from radixkv.engine.engine import Engine
     from radixkv.server.limits import ServerLimits
 
 logger = logging.getLogger(__name__)
@@ -65,6 +66,11 @@ def main(argv: list[str] | None = None) -> int:
     serving.add_argument("--kv-disk-prefetch-bytes", type=int, default=None, help="disk-hit bytes read ahead and not yet used, at most (default 256 MiB)")
     serving.add_argument(
         "--kv-disk-retained-bytes-per-owner", type=int, default=None, help="retained bytes one key may keep on disk (default 4 GiB)"
+    )
+    serving.add_argument(
+        "--tenant-secret-file", default=None,
+        help="owner-only file of the secret that keeps tenants' cache salts across restarts, made on first use "
+        "(with --kv-disk-dir; default $XDG_CACHE_HOME/radixkv/tenant_secret, never inside the KV directory)",
     )
     serving.add_argument("--admin-key", action="append", default=None, help="bearer key that may also flush the cache (repeatable)")
     serving.add_argument(
@@ -130,6 +136,21 @@ def served_model_name(model: str | None) -> str:
     return path.stem if path.suffix == ".gguf" else path.name or model
 
 
+def tenant_secret_for(args: argparse.Namespace, engine: Engine) -> bytes | None:
+    """The secret the tenants' cache salts are made with: with a disk tier they must survive a
+    restart, or their blocks on disk would be unreachable, so it is kept in an owner-only file
+    (--tenant-secret-file, else the radixkv cache folder), never inside the KV directory, whose
+    files are not to tell how to compute any key's salt. None (a fresh one per process) without."""
+    from radixkv.server.tenants import default_tenant_secret_path, persistent_secret
+
+    if engine.disk is None or not engine.disk.enabled:
+        return None
+    path = Path(args.tenant_secret_file or default_tenant_secret_path()).expanduser()
+    if path.resolve().is_relative_to(engine.disk.directory.resolve()):
+        raise ConfigError(f"--tenant-secret-file must be outside --kv-disk-dir, got {path}", param="tenant_secret_file")
+    return persistent_secret(path)
+
+
 def serve(args: argparse.Namespace) -> int:
     """`radixkv serve`: load the model, start the engine thread, run uvicorn until stopped; on
     SIGTERM drain first (radixkv.server.drain). 0 when stopped cleanly."""
@@ -140,7 +161,7 @@ def serve(args: argparse.Namespace) -> int:
     from radixkv.engine.engine import Engine
     from radixkv.server.app import create_app
     from radixkv.server.drain import DrainingServer
-    from radixkv.server.tenants import load_api_keys, persistent_secret
+    from radixkv.server.tenants import load_api_keys
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.drain_timeout_s < 0 or (args.threads is not None and args.threads < 1):
@@ -171,11 +192,7 @@ def serve(args: argparse.Namespace) -> int:
             kv_events_topic=args.kv_events_topic,
         )
         engine = Engine(config)
-        # With a disk tier the tenants' cache salts must survive a restart, or their blocks on
-        # disk would be unreachable: the secret lives beside them, owner-only.
-        tenant_secret = None
-        if engine.disk is not None and engine.disk.enabled:
-            tenant_secret = persistent_secret(engine.disk.directory / "tenant_secret")
+        tenant_secret = tenant_secret_for(args, engine)
     except (ConfigError, InvalidRequest, OSError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -1,10 +1,12 @@
 """The byte layout of one KV block on disk: a fixed header (magic, version, model fingerprint,
-tenant salt digest, the block's key and its parent's, sizes, checksum), then every token of
-the prefix the block ends, then the block's KV bytes. Encoding and checking only; no I/O.
+tenant salt digest, the block's key and its parent's, sizes, checksum, MAC), then every token
+of the prefix the block ends, then the block's KV bytes. Encoding and checking only; no I/O.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import struct
 from array import array
 from dataclasses import dataclass
@@ -12,13 +14,17 @@ from dataclasses import dataclass
 import xxhash
 
 MAGIC = b"RKVB"
-VERSION = 1
+# 2: the MAC. A file of an older version is a miss ("corrupt"), never read as this one.
+VERSION = 2
 # magic, version, page_size, num_prefix_tokens, payload_bytes, fingerprint, salt digest, key,
-# parent key (0 for a first block), checksum of everything after the header and of the header
-# before the checksum itself.
-_HEADER = struct.Struct("<4sHIIQ16s16s16s16s16s")
+# parent key (0 for a first block), checksum (xxh3: damage) of the header before it and of
+# everything after the header, MAC (BLAKE2b keyed with the directory's key: a block someone
+# else made) of the header before it and of everything after the header.
+_HEADER = struct.Struct("<4sHIIQ16s16s16s16s16s16s")
 HEADER_BYTES = _HEADER.size
-_CHECKED_HEADER_BYTES = HEADER_BYTES - 16
+_CHECKED_HEADER_BYTES = HEADER_BYTES - 32
+_MACED_HEADER_BYTES = HEADER_BYTES - 16
+MAC_KEY_BYTES = 32
 _TOKEN_BYTES = 4  # int32: token ids are vocabulary indices
 
 
@@ -40,10 +46,17 @@ class BlockHeader:
     key: int
     parent_key: int
     checksum: bytes
+    mac: bytes
 
     @property
     def file_bytes(self) -> int:
-        return HEADER_BYTES + self.num_prefix_tokens * _TOKEN_BYTES + self.payload_bytes
+        return block_file_bytes(self.num_prefix_tokens, self.payload_bytes)
+
+
+def block_file_bytes(num_prefix_tokens: int, payload_bytes: int) -> int:
+    """The size of the file of a block that ends a prefix of `num_prefix_tokens` tokens: known
+    before a file is opened, so one of another size is refused unread."""
+    return HEADER_BYTES + num_prefix_tokens * _TOKEN_BYTES + payload_bytes
 
 
 def digest(text: str) -> bytes:
@@ -64,6 +77,7 @@ def encode_block(
     page_size: int,
     prefix_tokens: list[int],
     payload: bytes,
+    mac_key: bytes,
 ) -> bytes:
     """One file's bytes. The whole prefix is stored, not only the block's own tokens: a load
     then compares every token the block's KV depends on, so no hash is ever trusted alone."""
@@ -82,15 +96,16 @@ def encode_block(
         key.to_bytes(16, "little"),
         parent_key.to_bytes(16, "little"),
         b"\x00" * 16,
+        b"\x00" * 16,
     )
-    checksum = _checksum(head[:_CHECKED_HEADER_BYTES], body)
-    return head[:_CHECKED_HEADER_BYTES] + checksum + body
+    head = head[:_CHECKED_HEADER_BYTES] + _checksum(head[:_CHECKED_HEADER_BYTES], body)
+    return head + _mac(mac_key, head, body) + body
 
 
 def decode_header(data: bytes) -> BlockHeader:
     if len(data) < HEADER_BYTES:
         raise BlockRejected("truncated", f"{len(data)} bytes, a header needs {HEADER_BYTES}")
-    magic, version, page_size, num_tokens, payload_bytes, fingerprint, salt, key, parent, checksum = _HEADER.unpack(
+    magic, version, page_size, num_tokens, payload_bytes, fingerprint, salt, key, parent, checksum, mac = _HEADER.unpack(
         data[:HEADER_BYTES]
     )
     if magic != MAGIC or version != VERSION:
@@ -104,7 +119,20 @@ def decode_header(data: bytes) -> BlockHeader:
         int.from_bytes(key, "little"),
         int.from_bytes(parent, "little"),
         checksum,
+        mac,
     )
+
+
+def check_header(data: bytes, *, fingerprint: bytes, salt: str | None, page_size: int, payload_bytes: int) -> BlockHeader:
+    """The header at the start of `data` if it is of this model, layout and tenant, else
+    BlockRejected: "fingerprint" (another model or layout), "salt" (another tenant), or
+    "truncated" / "corrupt" where it is no header of this version."""
+    header = decode_header(data)
+    if header.fingerprint != fingerprint or header.page_size != page_size or header.payload_bytes != payload_bytes:
+        raise BlockRejected("fingerprint", "written by another model or layout")
+    if header.salt_digest != salt_digest(salt):
+        raise BlockRejected("salt", "written for another tenant")
+    return header
 
 
 def check_block(
@@ -117,14 +145,12 @@ def check_block(
     page_size: int,
     prefix_tokens: list[int],
     payload_bytes: int,
+    mac_key: bytes,
 ) -> bytes:
     """The payload of a stored block if it is exactly the block asked for, else BlockRejected
-    with the reason: another model's, another tenant's, truncated, corrupt, or other tokens."""
-    header = decode_header(data)
-    if header.fingerprint != fingerprint or header.page_size != page_size or header.payload_bytes != payload_bytes:
-        raise BlockRejected("fingerprint", "written by another model or layout")
-    if header.salt_digest != salt_digest(salt):
-        raise BlockRejected("salt", "written for another tenant")
+    with the reason: another model's, another tenant's, truncated, corrupt (or damaged:
+    "checksum"), not made with this directory's key ("mac"), or other tokens."""
+    header = check_header(data, fingerprint=fingerprint, salt=salt, page_size=page_size, payload_bytes=payload_bytes)
     if len(data) != header.file_bytes:
         raise BlockRejected("truncated", f"{len(data)} bytes, the header says {header.file_bytes}")
     if header.key != key or header.parent_key != parent_key:
@@ -132,6 +158,8 @@ def check_block(
     body = data[HEADER_BYTES:]
     if _checksum(data[:_CHECKED_HEADER_BYTES], body) != header.checksum:
         raise BlockRejected("checksum", "the bytes changed since they were written")
+    if not hmac.compare_digest(_mac(mac_key, data[:_MACED_HEADER_BYTES], body), header.mac):
+        raise BlockRejected("mac", "not written with this directory's key")
     split = header.num_prefix_tokens * _TOKEN_BYTES
     stored = array("i")
     stored.frombytes(body[:split])
@@ -142,6 +170,13 @@ def check_block(
 
 def _checksum(head: bytes, body: bytes) -> bytes:
     hasher = xxhash.xxh3_128()
+    hasher.update(head)
+    hasher.update(body)
+    return hasher.digest()
+
+
+def _mac(key: bytes, head: bytes, body: bytes) -> bytes:
+    hasher = hashlib.blake2b(key=key, digest_size=16)
     hasher.update(head)
     hasher.update(body)
     return hasher.digest()

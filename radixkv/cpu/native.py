@@ -21,6 +21,7 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+from radixkv import private_files
 from radixkv.config import default_cache_dir
 from radixkv.cpu.features import cpu_features
 
@@ -106,12 +107,7 @@ def check_private(library: Path) -> None:
     """PermissionError unless the library and its folder belong to this user and no one else
     may write them: loading a library runs its code, so another user able to swap it (a shared
     or world-writable cache) could run theirs in this process."""
-    for path in (library.parent, library):
-        info = path.stat()
-        if info.st_uid != os.getuid():
-            raise PermissionError(f"{path} belongs to uid {info.st_uid}, not this user ({os.getuid()}); not loading it")
-        if info.st_mode & 0o022:
-            raise PermissionError(f"{path} is writable by others (mode {info.st_mode & 0o777:o}); not loading it")
+    private_files.check_private(library.parent, library)
 
 
 def _build(compiler: str, csrc: Path, target: Path) -> None:

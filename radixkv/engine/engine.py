@@ -533,10 +533,10 @@ class Engine:
             self.kv_events = None
 
     def close(self) -> int:
-        """Write what RAM caches to the disk tier, so the next start finds it warm; returns the
-        blocks written (0 without a disk tier). The engine stays usable."""
-        self.kv.close()
-        return self.kv.persist()
+        """Write what RAM caches to the disk tier, so the next start finds it warm, and release
+        its directory; returns the blocks written (0 without a disk tier). The engine stays
+        usable, without the disk tier."""
+        return self.kv.close()
 
     # -- introspection -----------------------------------------------------------------------
 

@@ -301,9 +301,10 @@ class KVManager:
         keys = disk.keys(tokens, node.salt)
         pages = node.pages
         until_s, owner = self._disk_retention(node)
+        # Queued to the tier's writer thread: the step loop copies the pages' bytes, no more.
         return disk.save(
             tokens, node.salt, keys, first, len(pages), lambda i: self.pool.page_bytes(pages[i]),
-            retain_until_s=until_s, owner=owner,
+            retain_until_s=until_s, owner=owner, wait=False,
         )
 
     def _disk_retention(self, node: Node) -> tuple[float, str | None]:
@@ -352,6 +353,7 @@ class KVManager:
         if self.disk is None:
             return 0
         written = sum(self._save_node(node) for node in self.tree.iter_nodes())
+        self.disk.drain()
         self.disk.write_manifest()
         return written
 
@@ -364,10 +366,16 @@ class KVManager:
             tiers["disk"] = self.disk.residency_stats()
         return tiers
 
-    def close(self) -> None:
-        """Stop the background reads (the engine stays usable: a later read starts them again)."""
+    def close(self) -> int:
+        """Stop the background reads, write every block cached in RAM to the disk tier and close
+        it (its directory is the next process's); returns blocks written. The engine stays
+        usable, without the disk tier."""
         if self.prefetcher is not None:
             self.prefetcher.close()
+        written = self.persist()
+        if self.disk is not None:
+            self.disk.close()
+        return written
 
     # -- pins --------------------------------------------------------------------------------
 
@@ -398,7 +406,8 @@ class KVManager:
             self._page_retained[page] = True
         if num_pages and self.disk is not None:
             # Write-through for what a client asked to keep: it then survives a crash or a
-            # restart, not only a clean close.
+            # restart, not only a clean close. Queued to the tier's writer (files and the
+            # manifest are written off this thread, the manifest once per writer batch).
             node: Node | None = match.node
             while node is not None and node.parent is not None:
                 self._save_node(node)

@@ -16,7 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from radixkv.cache.disk import DiskStats
+from radixkv.cache.disk import REJECTED_REASONS, DiskStats
 from radixkv.cache.residency import EVICTION_REASONS, HistogramSnapshot, TierResidency
 from radixkv.engine.stats import EngineStats
 
@@ -232,7 +232,7 @@ def _disk_metrics(disk: DiskStats) -> Iterator[Metric]:
     rejected = CounterMetricFamily(
         "radixkv_disk_cache_rejected_blocks", "Stored blocks refused on load, by reason (a miss each)", labels=["reason"]
     )
-    for reason in ("fingerprint", "salt", "truncated", "corrupt", "checksum", "tokens", "missing", "unreadable"):
+    for reason in REJECTED_REASONS:
         rejected.add_metric([reason], disk.rejected.get(reason, 0))
     yield rejected
 

@@ -12,6 +12,8 @@ import secrets
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from radixkv.config import default_cache_dir
+from radixkv.private_files import private_secret
 from radixkv.server.errors import APIError
 
 # The owner of every caller when the server has no keys: one tenant, one set of caps.
@@ -23,6 +25,7 @@ _OWNER_LABEL = b"radixkv owner\x00"
 # Where `radixkv serve` also reads keys, so none has to be on the command line (which every
 # user of the machine can read in the process list): comma- or newline-separated.
 API_KEYS_ENV = "RADIXKV_API_KEYS"
+TENANT_SECRET_BYTES = 32
 
 
 def load_api_keys(
@@ -112,15 +115,13 @@ class Tenants:
 
 
 def persistent_secret(path: Path) -> bytes:
-    """The tenant-salt secret kept in an owner-only file (made on first use), so cache salts
-    stay the same across restarts and a disk tier's blocks stay reachable for their tenants."""
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        data = b""
-    if len(data) != 32:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as out:
-            out.write(secrets.token_bytes(32))
-        data = path.read_bytes()
-    return data
+    """The tenant-salt secret kept in an owner-only file (made on first use, atomically), so
+    cache salts stay the same across restarts and a disk tier's blocks stay reachable for their
+    tenants. Keep it outside the disk tier's directory (default_tenant_secret_path): whoever
+    reads it can compute any key's salt. OSError where the file or its folder is not private."""
+    return private_secret(Path(path).expanduser(), TENANT_SECRET_BYTES)
+
+
+def default_tenant_secret_path() -> Path:
+    """Where `radixkv serve` keeps the tenant secret unless told (--tenant-secret-file)."""
+    return default_cache_dir() / "tenant_secret"

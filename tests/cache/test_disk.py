@@ -35,9 +35,19 @@ def make_pool(num_pages: int = 16) -> PagePool:
     return pool
 
 
+_open_tiers: dict[Path, DiskTier] = {}
+
+
 def make_tier(directory: Path, budget_bytes: int = 1 << 20, fingerprint: str = FINGERPRINT, pool: PagePool | None = None) -> DiskTier:
+    """A tier on `directory`; a tier opened there before is closed first, as a process that
+    restarts has exited (the directory is locked by one tier at a time)."""
+    previous = _open_tiers.pop(Path(directory), None)
+    if previous is not None:
+        previous.close()
     pool = pool or make_pool()
-    return DiskTier(directory, budget_bytes, fingerprint=fingerprint, page_size=PS, payload_bytes=pool.page_nbytes)
+    tier = DiskTier(directory, budget_bytes, fingerprint=fingerprint, page_size=PS, payload_bytes=pool.page_nbytes)
+    _open_tiers[Path(directory)] = tier
+    return tier
 
 
 def save_prompt(tier: DiskTier, pool: PagePool, tokens: list[int], salt: str | None = None, pages: list[int] | None = None) -> list[int]:

@@ -180,32 +180,36 @@ def test_disk_options_are_validated() -> None:
 
 def test_a_disk_hit_is_read_while_other_requests_compute(tiny_llama: Path, workload, tmp_path: Path) -> None:
     """The disk hit is read on the background thread while a running request decodes: with
-    its first block behind a pipe no one writes to yet (a disk that does not answer), the
-    other request goes on stepping and the hit waits, counted; once the bytes arrive it is
-    admitted, and the tokens are transformers' own, every page invariant checked each step."""
+    its reads held until released (a disk that does not answer), the other request goes on
+    stepping and the hit waits, counted; once the read goes on it is admitted, and the tokens
+    are transformers' own, every page invariant checked each step. (A pipe planted as a block
+    is refused unread, test_a_planted_pipe_is_a_miss_not_a_hang: it cannot stand for a slow
+    disk.)"""
     batch, expected = workload
     first = make_llm(tiny_llama, kv_disk_dir=str(tmp_path / "kv"))
     generate(first, batch[:1])
     first.close()
     second = make_llm(tiny_llama, kv_disk_dir=str(tmp_path / "kv"), max_batch_tokens=16)
     engine = second.engine
-    path = engine.disk._path(engine.disk.keys(batch[0][:4], None)[0])
-    data = path.read_bytes()
-    path.unlink()
-    os.mkfifo(path, 0o600)
+    disk_answers = threading.Event()
+    real_read = engine.disk.read
+
+    def slow_read(*args, **kwargs):
+        disk_answers.wait()
+        return real_read(*args, **kwargs)
+
+    engine.disk.read = slow_read  # the real read, once the "disk" answers
     busy = prompts(7, count=1, length=9)[0]
     busy_id = engine.add_request(busy, SamplingParams(max_tokens=30, ignore_eos=True))
     engine.step()
     hit_id = engine.add_request(batch[0], PARAMS)
-    writer = threading.Thread(target=path.write_bytes, args=(data,))
     try:
         for _ in range(5):
             assert any(delta.request_id == busy_id for delta in engine.step())  # the loop is not blocked
         assert engine.scheduler.num_disk_waits == 5 and len(engine.scheduler.waiting) == 1
     finally:
-        writer.start()  # whatever happened, the reader blocked on the pipe gets its bytes
+        disk_answers.set()  # whatever happened, the blocked read goes on
     outputs = run_to_end(engine)
-    writer.join()
     assert outputs[hit_id].outputs[0].token_ids == expected[0]
     assert outputs[hit_id].num_cached_tokens == 44  # every full block before the last token
     stats = second.stats()
@@ -272,3 +276,62 @@ def test_residency_counts_hits_evictions_and_lifetimes_per_tier(tiny_llama: Path
     assert after["ram"].evicted_blocks["flush"] == pages and after["disk"].evicted_blocks["flush"] == blocks > 0
     assert after["ram"].blocks == 0 and after["disk"].bytes == 0
     assert_pages_returned(llm.engine)
+
+
+def test_two_engines_on_one_directory_fail_clearly(tiny_llama: Path, tmp_path: Path) -> None:
+    first = make_llm(tiny_llama, kv_disk_dir=str(tmp_path / "kv"))
+    with pytest.raises(ConfigError, match="in use by another engine") as info:
+        make_llm(tiny_llama, kv_disk_dir=str(tmp_path / "kv"))
+    assert info.value.param == "kv_disk_dir"
+    first.close()  # releases the directory: a restart opens it
+    assert make_llm(tiny_llama, kv_disk_dir=str(tmp_path / "kv")).stats().disk.enabled
+
+
+def test_a_directory_others_may_write_is_refused(tiny_llama: Path, tmp_path: Path) -> None:
+    (tmp_path / "kv").mkdir()
+    os.chmod(tmp_path / "kv", 0o775)
+    with pytest.raises(ConfigError, match="writable by others") as info:
+        make_llm(tiny_llama, kv_disk_dir=str(tmp_path / "kv"))
+    assert info.value.param == "kv_disk_dir"
+
+
+def test_retention_is_written_off_the_engine_thread_and_close_persists_it(tiny_llama: Path, workload, tmp_path: Path) -> None:
+    """retain() queues the write-through to the tier's writer thread: with that thread held,
+    it returns having written no file on the calling thread, the queued blocks already serve a
+    hit token-exact; close() waits for every queued write, and a restart finds them retained."""
+    batch, expected = workload
+    llm = make_llm(tiny_llama, kv_disk_dir=str(tmp_path / "kv"))
+    disk = llm.engine.disk
+    writer_may_go = threading.Event()
+    writes_by_thread: list[str] = []
+    real_write = disk._write
+
+    def held_write(key: int, data: bytes) -> bool:
+        writes_by_thread.append(threading.current_thread().name)
+        if threading.current_thread() is not threading.main_thread():
+            writer_may_go.wait()
+        return real_write(key, data)
+
+    disk._write = held_write
+    assert generate(llm, batch[:1]) == expected[:1]
+    try:
+        assert llm.engine.retain(batch[0], ttl_s=3600, owner="tenant") == 44
+        assert "MainThread" not in writes_by_thread  # nothing written on the calling thread
+        assert sorted((tmp_path / "kv" / "blocks").rglob("*.kvb")) == []
+        assert not (tmp_path / "kv" / "retained.json").exists()
+        assert llm.stats().disk.blocks == 11 and llm.stats().disk.retained_blocks == 11
+        # Out of RAM, the queued blocks serve the hit before any is on disk.
+        llm.engine.flush_cache(ram=True, disk=False)
+        output = llm.generate([batch[0]], PARAMS)[0]
+        assert output.token_ids == expected[0] and output.num_cached_tokens == 44
+        assert llm.stats().disk.hit_blocks == 11
+    finally:
+        writer_may_go.set()
+    llm.close()
+    assert "MainThread" not in writes_by_thread
+    assert len(list((tmp_path / "kv" / "blocks").rglob("*.kvb"))) >= 11  # the retained prefix and what else RAM held
+    restarted = make_llm(tiny_llama, kv_disk_dir=str(tmp_path / "kv"))
+    assert restarted.stats().disk.retained_blocks == 11
+    again = restarted.generate([batch[0]], PARAMS)[0]
+    assert again.token_ids == expected[0] and again.num_cached_tokens == 44
+    assert restarted.stats().disk.rejected == {}

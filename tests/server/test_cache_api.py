@@ -22,7 +22,7 @@ ADMIN = "sk-test-admin"
 @contextmanager
 def disk_server(model: Path, directory: Path, **overrides) -> Iterator[LiveServer]:
     engine = make_async_engine(model, kv_disk_dir=str(directory), **overrides)
-    secret = persistent_secret(directory / "tenant_secret")
+    secret = persistent_secret(directory.parent / "tenant_secret")  # never inside the KV directory
     app = create_app(engine, api_keys=[KEY_A, KEY_B], model_name=MODEL, tenant_secret=secret, admin_keys=[ADMIN])
     try:
         with ServerThread(app) as thread:

@@ -117,3 +117,35 @@ def test_serve_passes_the_disk_tier_options_to_the_engine(capsys):
     for flag, field in (("--kv-disk-prefetch-bytes", "kv_disk_prefetch_bytes"), ("--kv-disk-retained-bytes-per-owner", "kv_disk_retained_bytes_per_owner")):
         assert main(["serve", "--model", "/nonexistent", flag, "0", "--port", "1"]) == 2
         assert field in capsys.readouterr().err
+
+
+def test_serve_keeps_the_tenant_secret_outside_the_kv_directory(tiny_llama: Path, tmp_path: Path, monkeypatch) -> None:
+    """Whoever may read the KV directory's files must not learn the secret every key's cache
+    salt is made with: serve keeps it in the radixkv cache folder (or --tenant-secret-file),
+    owner-only, the same across restarts."""
+    import argparse
+
+    from radixkv.cli import tenant_secret_for
+    from radixkv.errors import ConfigError
+    from tests.helpers.engine import make_llm
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    llm = make_llm(tiny_llama, kv_disk_dir=str(tmp_path / "kv"))
+    try:
+        secret = tenant_secret_for(argparse.Namespace(tenant_secret_file=None), llm.engine)
+        path = tmp_path / "cache" / "radixkv" / "tenant_secret"
+        assert secret is not None and path.read_bytes() == secret and os.stat(path).st_mode & 0o777 == 0o600
+        assert not (tmp_path / "kv" / "tenant_secret").exists()
+        assert tenant_secret_for(argparse.Namespace(tenant_secret_file=None), llm.engine) == secret  # kept
+        chosen = tmp_path / "private" / "secret"
+        assert tenant_secret_for(argparse.Namespace(tenant_secret_file=str(chosen)), llm.engine) == chosen.read_bytes() != secret
+        with pytest.raises(ConfigError) as info:
+            tenant_secret_for(argparse.Namespace(tenant_secret_file=str(tmp_path / "kv" / "secret")), llm.engine)
+        assert info.value.param == "tenant_secret_file"
+    finally:
+        llm.close()
+    assert tenant_secret_for(argparse.Namespace(tenant_secret_file=None), llm.engine) is None  # no disk tier: none kept
+    # A secret an earlier version left in the KV directory is removed when the tier opens.
+    (tmp_path / "kv" / "tenant_secret").write_bytes(secret)
+    make_llm(tiny_llama, kv_disk_dir=str(tmp_path / "kv")).close()
+    assert not (tmp_path / "kv" / "tenant_secret").exists()
