@@ -70,9 +70,17 @@ def main(argv: list[str] | None = None) -> int:
     serving.add_argument("--threads", type=int, default=None, help="CPU threads the engine computes with (default: torch's)")
     serving.add_argument(
         "--kv-events", default=None, metavar="ENDPOINT",
-        help="publish KV cache events in vLLM's schema on this ZMQ PUB endpoint (tcp://*:5557 binds, tcp://HOST:PORT connects)",
+        help="publish KV cache events in vLLM's schema on this ZMQ PUB endpoint, unauthenticated: ipc:///PATH binds this "
+        "machine only (e.g. ipc:///tmp/radixkv-kv-events), tcp://*:5557 binds every interface, tcp://HOST:PORT connects",
     )
-    serving.add_argument("--kv-events-replay", default=None, metavar="ENDPOINT", help="ZMQ ROUTER endpoint that replays missed KV-event batches")
+    serving.add_argument(
+        "--kv-events-replay", default=None, metavar="ENDPOINT",
+        help="ZMQ ROUTER endpoint that replays missed KV-event batches (e.g. ipc:///tmp/radixkv-kv-replay); rate-limited per peer",
+    )
+    serving.add_argument(
+        "--kv-events-token-ids", action="store_true",
+        help="also send each stored block's token ids and cache salt (the tenants' prompts); default hashes only",
+    )
     serving.add_argument("--kv-events-topic", default="", help="topic frame of every KV-event message (default empty)")
 
     cluster.add_parser(commands)
@@ -164,6 +172,7 @@ def serve(args: argparse.Namespace) -> int:
             kv_events_endpoint=args.kv_events,
             kv_events_replay_endpoint=args.kv_events_replay,
             kv_events_topic=args.kv_events_topic,
+            kv_events_token_ids=args.kv_events_token_ids,
         )
         engine = Engine(config)
         # With a disk tier the tenants' cache salts must survive a restart, or their blocks on
