@@ -45,8 +45,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     serving.add_argument("--api-key-file", default=None, help="file of accepted keys, one a line ('#' comments)")
     serving.add_argument("--allowed-origin", action="append", default=[], help="browser origin allowed to call a keyless server (repeatable)")
-    serving.add_argument("--public-metrics", action="store_true", help="serve /metrics without a key even when keys are set")
+    serving.add_argument(
+        "--public-operator-endpoints", "--public-metrics", action="store_true", dest="public_operator_endpoints",
+        help="serve /metrics, /get_load, /server_info and /model_info without a key even when keys are set",
+    )
     serving.add_argument("--max-body-bytes", type=int, default=None, help="largest request body accepted (default 8 MiB)")
+    serving.add_argument("--max-connections", type=int, default=None, help="connections open at once; more get 503 (default 1024)")
+    serving.add_argument(
+        "--header-read-timeout-s", type=float, default=None, help="seconds a request's headers may take to arrive; then 408 (default 10)"
+    )
+    serving.add_argument(
+        "--body-read-timeout-s", type=float, default=None, help="seconds a request's body may take to arrive; then 408 (default 60)"
+    )
     serving.add_argument("--stream-send-timeout-s", type=float, default=None, help="abort a stream its client has not read for this long (default 30)")
     serving.add_argument("--max-requests-per-key", type=int, default=None, help="requests one key may have in flight (default 256)")
     serving.add_argument("--max-seqs-per-key", type=int, default=None, help="sequences (n summed) one key may have in flight (default 1024)")
@@ -61,7 +71,11 @@ def main(argv: list[str] | None = None) -> int:
     serving.add_argument(
         "--kv-disk-retained-bytes-per-owner", type=int, default=None, help="retained bytes one key may keep on disk (default 4 GiB)"
     )
-    serving.add_argument("--admin-key", action="append", default=None, help="bearer key that may also flush the cache (repeatable)")
+    serving.add_argument(
+        "--admin-key", action="append", default=None,
+        help="bearer key that may also flush the cache (repeatable; prefer --admin-key-file or $RADIXKV_ADMIN_KEYS)",
+    )
+    serving.add_argument("--admin-key-file", default=None, help="file of admin keys, one a line ('#' comments)")
     serving.add_argument(
         "--drain-timeout-s", type=float, default=30.0,
         help="on SIGTERM, refuse new requests and give in-flight ones this long to finish before aborting them (default 30)",
@@ -143,7 +157,8 @@ def serve(args: argparse.Namespace) -> int:
     from radixkv.engine.engine import Engine
     from radixkv.server.app import create_app
     from radixkv.server.drain import DrainingServer
-    from radixkv.server.tenants import load_api_keys, persistent_secret
+    from radixkv.server.connections import uvicorn_options
+    from radixkv.server.tenants import ADMIN_KEYS_ENV, load_api_keys, persistent_secret
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.drain_timeout_s < 0 or (args.threads is not None and args.threads < 1):
@@ -155,7 +170,8 @@ def serve(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     try:
         api_keys = load_api_keys(args.api_key, args.api_key_file)
-        keyless = not api_keys and not args.admin_key
+        admin_keys = load_api_keys(args.admin_key, args.admin_key_file, env_name=ADMIN_KEYS_ENV)
+        keyless = not api_keys and not admin_keys
         limits = _server_limits(args, keyless_remote=keyless and not _is_loopback(args.host))
     except (ConfigError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
@@ -194,7 +210,7 @@ def serve(args: argparse.Namespace) -> int:
             model_name=name,
             model_aliases=[args.model] if args.model else [],
             tenant_secret=tenant_secret,
-            admin_keys=args.admin_key,
+            admin_keys=admin_keys,
             limits=limits,
         )
         logger.info(
@@ -202,7 +218,7 @@ def serve(args: argparse.Namespace) -> int:
             name, args.host, args.port, engine.pool.num_pages, engine.pool.page_size, engine.max_context_tokens,
         )
         config = uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=10, log_level="info",
-                                access_log=not args.no_access_log)
+                                access_log=not args.no_access_log, **uvicorn_options(limits))
         server = DrainingServer(config, app.state.radixkv.drain, async_engine, args.drain_timeout_s)
         try:
             server.run()
@@ -229,11 +245,14 @@ def _server_limits(args: argparse.Namespace, *, keyless_remote: bool) -> ServerL
         "max_seqs_per_key": args.max_seqs_per_key,
         "max_pinned_pages_per_key": args.max_pinned_pages_per_key,
         "pin_ttl_s": args.pin_ttl_s,
+        "max_connections": args.max_connections,
+        "header_read_timeout_s": args.header_read_timeout_s,
+        "body_read_timeout_s": args.body_read_timeout_s,
     }
     options: dict = {name: value for name, value in given.items() if value is not None}
     # Served beyond loopback without a key, the operator chose an open server: any Host name.
     return ServerLimits(
-        allowed_origins=tuple(args.allowed_origin), public_metrics=args.public_metrics,
+        allowed_origins=tuple(args.allowed_origin), public_operator_endpoints=args.public_operator_endpoints,
         allowed_hosts=("*",) if keyless_remote else (), **options,
     )
 
