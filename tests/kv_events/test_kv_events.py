@@ -403,3 +403,13 @@ def test_the_engine_sends_hashes_only_unless_asked(loaded_tiny, tmp_path):
     finally:
         subscriber.close()
         engine.stop_kv_events()
+
+
+def test_endpoints_reachable_beyond_this_machine_are_told_apart():
+    """What start_kv_events warns about: an endpoint another machine could reach."""
+    from radixkv.kv_events import _local_only
+
+    for endpoint in ("ipc:///tmp/kv", "inproc://kv", "tcp://127.0.0.1:5557", "tcp://localhost:5557", "tcp://[::1]:5557"):
+        assert _local_only(endpoint), endpoint
+    for endpoint in ("tcp://*:5557", "tcp://0.0.0.0:5557", "tcp://[::]:5557", "tcp://10.0.0.7:5557", "tcp://indexer:5557"):
+        assert not _local_only(endpoint), endpoint
