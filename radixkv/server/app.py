@@ -20,7 +20,7 @@ from radixkv.server.anthropic_protocol import MessagesRequest
 from radixkv.server.errors import install_error_handlers
 from radixkv.server.limits import ServerLimits
 from radixkv.server.openapi import document_request_bodies
-from radixkv.server.metrics import CountRequests, ServerMetrics
+from radixkv.server.metrics import CountRequests, KVEventsCollector, ServerMetrics
 from radixkv.server.protocol import (
     CacheFlushRequest,
     CacheLookupRequest,
@@ -62,6 +62,7 @@ def create_app(
     app.add_middleware(DrainGuard, drain=server.drain)  # refusals while draining are counted too
     app.add_middleware(CountRequests, metrics=server.metrics)
     server.metrics.registry.register(DrainCollector(server.drain))
+    server.metrics.registry.register(KVEventsCollector(async_engine.engine))
     ops_routes.register(app, server)
     openai_routes.register(app, server)
     responses_routes.register(app, server)

@@ -413,3 +413,16 @@ def test_endpoints_reachable_beyond_this_machine_are_told_apart():
         assert _local_only(endpoint), endpoint
     for endpoint in ("tcp://*:5557", "tcp://0.0.0.0:5557", "tcp://[::]:5557", "tcp://10.0.0.7:5557", "tcp://indexer:5557"):
         assert not _local_only(endpoint), endpoint
+
+
+def test_the_server_reports_kv_event_losses_in_metrics(tiny_llama, tmp_path):
+    import httpx
+
+    from tests.helpers.live_server import KEY_A, make_async_engine, serve
+
+    endpoint, replay = endpoints(tmp_path)
+    async_engine = make_async_engine(tiny_llama, kv_events_endpoint=endpoint, kv_events_replay_endpoint=replay)
+    with serve(async_engine) as live:
+        text = httpx.get(f"{live.base_url}/metrics", headers={"Authorization": f"Bearer {KEY_A}"}).text
+    assert "radixkv_kv_events_dropped_batches_total 0.0" in text
+    assert "radixkv_kv_events_replays_refused_total 0.0" in text
