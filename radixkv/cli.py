@@ -46,8 +46,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     serving.add_argument("--api-key-file", default=None, help="file of accepted keys, one a line ('#' comments)")
     serving.add_argument("--allowed-origin", action="append", default=[], help="browser origin allowed to call a keyless server (repeatable)")
-    serving.add_argument("--public-metrics", action="store_true", help="serve /metrics without a key even when keys are set")
+    serving.add_argument(
+        "--public-operator-endpoints", "--public-metrics", action="store_true", dest="public_operator_endpoints",
+        help="serve /metrics, /get_load, /server_info and /model_info without a key even when keys are set",
+    )
     serving.add_argument("--max-body-bytes", type=int, default=None, help="largest request body accepted (default 8 MiB)")
+    serving.add_argument("--max-connections", type=int, default=None, help="connections open at once; more get 503 (default 1024)")
+    serving.add_argument(
+        "--header-read-timeout-s", type=float, default=None, help="seconds a request's headers may take to arrive; then 408 (default 10)"
+    )
+    serving.add_argument(
+        "--body-read-timeout-s", type=float, default=None, help="seconds a request's body may take to arrive; then 408 (default 60)"
+    )
     serving.add_argument("--stream-send-timeout-s", type=float, default=None, help="abort a stream its client has not read for this long (default 30)")
     serving.add_argument("--max-requests-per-key", type=int, default=None, help="requests one key may have in flight (default 256)")
     serving.add_argument("--max-seqs-per-key", type=int, default=None, help="sequences (n summed) one key may have in flight (default 1024)")
@@ -72,7 +82,11 @@ def main(argv: list[str] | None = None) -> int:
         help="owner-only file of the secret that keeps tenants' cache salts across restarts, made on first use "
         "(with --kv-disk-dir; default $XDG_CACHE_HOME/radixkv/tenant_secret, never inside the KV directory)",
     )
-    serving.add_argument("--admin-key", action="append", default=None, help="bearer key that may also flush the cache (repeatable)")
+    serving.add_argument(
+        "--admin-key", action="append", default=None,
+        help="bearer key that may also flush the cache (repeatable; prefer --admin-key-file or $RADIXKV_ADMIN_KEYS)",
+    )
+    serving.add_argument("--admin-key-file", default=None, help="file of admin keys, one a line ('#' comments)")
     serving.add_argument(
         "--drain-timeout-s", type=float, default=30.0,
         help="on SIGTERM, refuse new requests and give in-flight ones this long to finish before aborting them (default 30)",
@@ -81,9 +95,17 @@ def main(argv: list[str] | None = None) -> int:
     serving.add_argument("--threads", type=int, default=None, help="CPU threads the engine computes with (default: torch's)")
     serving.add_argument(
         "--kv-events", default=None, metavar="ENDPOINT",
-        help="publish KV cache events in vLLM's schema on this ZMQ PUB endpoint (tcp://*:5557 binds, tcp://HOST:PORT connects)",
+        help="publish KV cache events in vLLM's schema on this ZMQ PUB endpoint, unauthenticated: ipc:///PATH binds this "
+        "machine only (e.g. ipc:///tmp/radixkv-kv-events), tcp://*:5557 binds every interface, tcp://HOST:PORT connects",
     )
-    serving.add_argument("--kv-events-replay", default=None, metavar="ENDPOINT", help="ZMQ ROUTER endpoint that replays missed KV-event batches")
+    serving.add_argument(
+        "--kv-events-replay", default=None, metavar="ENDPOINT",
+        help="ZMQ ROUTER endpoint that replays missed KV-event batches (e.g. ipc:///tmp/radixkv-kv-replay); rate-limited per peer",
+    )
+    serving.add_argument(
+        "--kv-events-token-ids", action="store_true",
+        help="also send each stored block's token ids and cache salt (the tenants' prompts); default hashes only",
+    )
     serving.add_argument("--kv-events-topic", default="", help="topic frame of every KV-event message (default empty)")
 
     cluster.add_parser(commands)
@@ -161,7 +183,8 @@ def serve(args: argparse.Namespace) -> int:
     from radixkv.engine.engine import Engine
     from radixkv.server.app import create_app
     from radixkv.server.drain import DrainingServer
-    from radixkv.server.tenants import load_api_keys
+    from radixkv.server.connections import uvicorn_options
+    from radixkv.server.tenants import ADMIN_KEYS_ENV, load_api_keys
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.drain_timeout_s < 0 or (args.threads is not None and args.threads < 1):
@@ -173,7 +196,8 @@ def serve(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     try:
         api_keys = load_api_keys(args.api_key, args.api_key_file)
-        keyless = not api_keys and not args.admin_key
+        admin_keys = load_api_keys(args.admin_key, args.admin_key_file, env_name=ADMIN_KEYS_ENV)
+        keyless = not api_keys and not admin_keys
         limits = _server_limits(args, keyless_remote=keyless and not _is_loopback(args.host))
     except (ConfigError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
@@ -190,6 +214,7 @@ def serve(args: argparse.Namespace) -> int:
             kv_events_endpoint=args.kv_events,
             kv_events_replay_endpoint=args.kv_events_replay,
             kv_events_topic=args.kv_events_topic,
+            kv_events_token_ids=args.kv_events_token_ids,
         )
         engine = Engine(config)
         tenant_secret = tenant_secret_for(args, engine)
@@ -207,7 +232,7 @@ def serve(args: argparse.Namespace) -> int:
             model_name=name,
             model_aliases=[args.model] if args.model else [],
             tenant_secret=tenant_secret,
-            admin_keys=args.admin_key,
+            admin_keys=admin_keys,
             limits=limits,
         )
         logger.info(
@@ -215,7 +240,7 @@ def serve(args: argparse.Namespace) -> int:
             name, args.host, args.port, engine.pool.num_pages, engine.pool.page_size, engine.max_context_tokens,
         )
         config = uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=10, log_level="info",
-                                access_log=not args.no_access_log)
+                                access_log=not args.no_access_log, **uvicorn_options(limits))
         server = DrainingServer(config, app.state.radixkv.drain, async_engine, args.drain_timeout_s)
         try:
             server.run()
@@ -245,11 +270,14 @@ def _server_limits(args: argparse.Namespace, *, keyless_remote: bool) -> ServerL
         "pin_ttl_s": args.pin_ttl_s,
         "max_stored_responses_per_key": args.max_stored_responses_per_key,
         "max_stored_response_bytes_per_key": args.max_stored_response_bytes_per_key,
+        "max_connections": args.max_connections,
+        "header_read_timeout_s": args.header_read_timeout_s,
+        "body_read_timeout_s": args.body_read_timeout_s,
     }
     options: dict = {name: value for name, value in given.items() if value is not None}
     # Served beyond loopback without a key, the operator chose an open server: any Host name.
     return ServerLimits(
-        allowed_origins=tuple(args.allowed_origin), public_metrics=args.public_metrics,
+        allowed_origins=tuple(args.allowed_origin), public_operator_endpoints=args.public_operator_endpoints,
         allowed_hosts=("*",) if keyless_remote else (), **options,
     )
 

@@ -78,7 +78,7 @@ class LocalCluster:
         self.model = model
         self.host = host
         self.policy = policy
-        self.worker_args = list(worker_args or [])
+        self.worker_args = _open_operator_endpoints_if_keyed(list(worker_args or []))
         self.router_args = list(router_args or [])
         self.log_dir = log_dir or Path(tempfile.mkdtemp(prefix="radixkv-cluster-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -220,6 +220,22 @@ def _free_ports(host: str, count: int) -> list[int]:
     finally:
         for sock in sockets:
             sock.close()
+
+
+_KEY_OPTIONS = ("--api-key", "--api-key-file", "--admin-key", "--admin-key-file")
+_KEY_ENVS = ("RADIXKV_API_KEYS", "RADIXKV_ADMIN_KEYS")
+_OPEN_OPTIONS = ("--public-operator-endpoints", "--public-metrics")
+
+
+def _open_operator_endpoints_if_keyed(worker_args: list[str]) -> list[str]:
+    """Workers with API keys ask for one on /get_load and /server_info too, which the router
+    polls without any (its --api-key would also lock the router itself to that one key): so a
+    keyed cluster's workers open their operator endpoints (load and limits, no tenant data), on
+    the cluster's own host, and keep the key on everything else."""
+    keyed = any(arg.split("=", 1)[0] in _KEY_OPTIONS for arg in worker_args) or any(os.environ.get(name) for name in _KEY_ENVS)
+    if keyed and not any(arg in _OPEN_OPTIONS for arg in worker_args):
+        return [*worker_args, "--public-operator-endpoints"]
+    return worker_args
 
 
 # -- the command ---------------------------------------------------------------------------------

@@ -114,14 +114,18 @@ class EngineConfig:
     max_consecutive_failed_steps: int = 3
     step_watchdog_s: float = 120.0
     # KV events in vLLM's schema (radixkv/kv_events), for indexers that route by cache
-    # contents: a ZMQ PUB endpoint ("tcp://*:5557" binds; "tcp://host:5557" connects to a
-    # subscriber that binds; ipc:// binds). None: off. Needs the `events` extra.
+    # contents: a ZMQ PUB endpoint ("ipc:///run/radixkv/kv-events" binds this machine only;
+    # "tcp://*:5557" binds every interface; "tcp://host:5557" connects to a subscriber that
+    # binds). None: off. Needs the `events` extra. The socket has no authentication.
     kv_events_endpoint: str | None = None
     # A ROUTER endpoint (always bound) from which a subscriber that saw a gap in the sequence
     # numbers gets the missed batches again; None: no replay.
     kv_events_replay_endpoint: str | None = None
     kv_events_topic: str = ""  # first frame of every message (llm-d reads "kv@<pod>@<model>")
     kv_events_buffer_steps: int = 10_000  # batches kept for replay
+    # Send each stored block's token ids and extra keys (the tenants' prompts and cache salts)
+    # too; off, BlockStored carries the block hashes only (token_ids [], extra_keys None).
+    kv_events_token_ids: bool = False
     # Structured outputs (radixkv/engine/guide.py): what one JSON schema may cost before it is
     # refused (InvalidRequest, param response_format): its text in bytes, its JSON nesting, its
     # compile (on a compile thread, never the engine's) and its first token mask, the proxy
@@ -218,6 +222,8 @@ def _check_kv_events(config: EngineConfig) -> None:
     if not isinstance(config.kv_events_topic, str):
         raise ConfigError(f"kv_events_topic must be a string, got {config.kv_events_topic!r}", param="kv_events_topic")
     _positive(config, "kv_events_buffer_steps", limit=1 << 24)
+    if not isinstance(config.kv_events_token_ids, bool):
+        raise ConfigError(f"kv_events_token_ids must be a bool, got {config.kv_events_token_ids!r}", param="kv_events_token_ids")
 
 
 def default_cache_dir() -> Path:

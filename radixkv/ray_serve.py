@@ -7,7 +7,10 @@ Needs the `ray` extra (`ray[serve]`).
 Why two deployments: Ray's PrefixCacheAffinityRouter chooses a replica from the text of the
 `prompt` or `messages` attribute of a handle call's argument, which an HTTP request reaching an
 ingress deployment does not have. So the ingress reads the body, names its text, and hands the
-request to the replicas through a handle whose router sees that text.
+request to the replicas through a handle whose router sees that text. The ingress first applies
+the server's own guards (radixkv.server.app.install_guards: the API key, before any body is
+read, then the body's size and read deadline), so it buffers nothing for a caller the replicas
+would refuse.
 
     from ray import serve
     from radixkv.ray_serve import build_app
@@ -197,15 +200,30 @@ async def call_asgi(app: Any, request: ForwardedRequest) -> AsyncIterator[tuple[
 class OpenAIIngress:
     """Every route of radixkv's app, answered by the replica the prefix-aware router picks."""
 
-    def __init__(self, replicas: DeploymentHandle) -> None:
+    def __init__(
+        self, replicas: DeploymentHandle, api_keys: Sequence[str] | None = None, limits: ServerLimits | None = None
+    ) -> None:
         self.replicas = replicas.options(stream=True)
+        self.api_keys = list(api_keys or [])
+        self.limits = limits or ServerLimits()
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         # Built per ingress replica around its handle (Ray Serve calls this after __init__).
-        app = FastAPI(title="radixkv on Ray Serve", openapi_url=None, docs_url=None, redoc_url=None)
-        app.state.replicas = self.replicas
-        app.add_api_route("/{path:path}", _forward, methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
-        return app
+        return ingress_app(self.replicas, self.api_keys, self.limits)
+
+
+def ingress_app(replicas: Any, api_keys: Sequence[str] | None, limits: ServerLimits) -> FastAPI:
+    """The ingress's HTTP app: every path forwarded to `replicas`, behind the same guards as
+    radixkv's own app (a keyed server refuses a caller without a key before reading its body)."""
+    from radixkv.server.app import install_guards
+    from radixkv.server.tenants import Tenants
+
+    app = FastAPI(title="radixkv on Ray Serve", openapi_url=None, docs_url=None, redoc_url=None)
+    app.state.replicas = replicas
+    app.add_api_route("/{path:path}", _forward, methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
+    # Only the key's validity matters here (the replicas derive the tenant): any secret does.
+    install_guards(app, Tenants(api_keys), limits)
+    return app
 
 
 async def _forward(request: Request) -> StreamingResponse:
@@ -260,4 +278,4 @@ def build_app(
     if replica_actor_options is not None:
         options["ray_actor_options"] = dict(replica_actor_options)
     replicas = RadixkvReplica.options(**options).bind(dict(engine_options), model_name, api_keys, limits)
-    return OpenAIIngress.bind(replicas)
+    return OpenAIIngress.bind(replicas, api_keys, limits)

@@ -108,3 +108,16 @@ def test_cache_aware_routing_and_a_drained_worker(tiny_llama: Path, tmp_path: Pa
         assert wait_until(lambda: cluster.healthy_workers() == {other}), cluster.healthy_workers()
         assert complete(cluster.router_url, tiny_llama.name, f"{SYSTEM_A}After?", 4).status_code == 200
 
+
+
+def test_keyed_workers_open_their_operator_endpoints_to_the_router(monkeypatch, tmp_path):
+    """The router polls /get_load and /server_info without a key: keyed workers open those
+    (AccessGuard would refuse them), keyless ones need nothing, an explicit choice stands."""
+    monkeypatch.delenv("RADIXKV_API_KEYS", raising=False)
+    monkeypatch.delenv("RADIXKV_ADMIN_KEYS", raising=False)
+    assert "--public-operator-endpoints" in LocalCluster(1, worker_args=["--api-key-file", "k"], log_dir=tmp_path).worker_args
+    assert "--public-operator-endpoints" in LocalCluster(1, worker_args=["--admin-key=x"], log_dir=tmp_path).worker_args
+    assert LocalCluster(1, worker_args=["--threads", "1"], log_dir=tmp_path).worker_args == ["--threads", "1"]
+    assert LocalCluster(1, worker_args=["--api-key", "k", "--public-metrics"], log_dir=tmp_path).worker_args.count("--public-metrics") == 1
+    monkeypatch.setenv("RADIXKV_API_KEYS", "k")
+    assert LocalCluster(1, log_dir=tmp_path).worker_args == ["--public-operator-endpoints"]

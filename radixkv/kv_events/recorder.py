@@ -29,10 +29,18 @@ class BatchSink(Protocol):
 
 class KVEventRecorder:
     """A CacheListener (radixkv.cache.radix) for one tree. Runs on the engine's thread, like the
-    tree; `sink.publish` must not block (the ZMQ publisher only queues)."""
+    tree; `sink.publish` must not block (the ZMQ publisher only queues).
 
-    def __init__(self, sink: BatchSink, page_size: int, medium: str, data_parallel_rank: int = 0) -> None:
+    The events go to whoever can reach the socket, so by default a BlockStored carries hashes
+    only: its token ids (the tenants' prompts) and extra keys (their cache salts) are sent only
+    with `token_ids=True` (EngineConfig.kv_events_token_ids), for indexers that need them. Without
+    them the event stays valid in vLLM's schema: token_ids is [] and extra_keys is None."""
+
+    def __init__(
+        self, sink: BatchSink, page_size: int, medium: str, data_parallel_rank: int = 0, *, token_ids: bool = False
+    ) -> None:
         self.sink = sink
+        self.token_ids = token_ids
         self.page_size = page_size
         self.medium = medium
         self.data_parallel_rank = data_parallel_rank
@@ -42,14 +50,16 @@ class KVEventRecorder:
         # Copied now: a later split cuts node.hashes and node.tokens in place.
         parent = node.parent
         first_block = parent is None or parent.parent is None
-        extra_keys: list[tuple[str, ...] | None] = [None] * len(node.hashes)
-        if first_block and node.salt is not None:
-            extra_keys[0] = (node.salt,)  # the salt enters the chain at the first block only
+        extra_keys: list[tuple[str, ...] | None] | None = None
+        if self.token_ids:
+            extra_keys = [None] * len(node.hashes)
+            if first_block and node.salt is not None:
+                extra_keys[0] = (node.salt,)  # the salt enters the chain at the first block only
         self._pending.append(
             BlockStored(
                 block_hashes=[wire_hash(h) for h in node.hashes],
                 parent_block_hash=None if first_block else wire_hash(parent.hashes[-1]),
-                token_ids=list(node.tokens),
+                token_ids=list(node.tokens) if self.token_ids else [],
                 block_size=self.page_size,
                 lora_id=None,
                 medium=self.medium,

@@ -1,6 +1,8 @@
-"""AccessGuard: who may reach the server before any route runs. With API keys, the operator's
-pages (/metrics, /docs, the OpenAPI schema) need one too; without keys (a local server), requests
-a web page could forge are refused: a foreign Origin, a non-loopback Host, a non-JSON body.
+"""AccessGuard: who may reach the server before any route runs. With API keys, every path but
+the health checks needs one (as `Authorization: Bearer` or `x-api-key`), checked before the body
+is read; the operator endpoints (/metrics, /get_load, /server_info, /model_info) can be opened
+with ServerLimits.public_operator_endpoints. Without keys (a local server), requests a web page
+could forge are refused: a foreign Origin, a non-loopback Host, a non-JSON body.
 """
 
 from __future__ import annotations
@@ -12,13 +14,20 @@ from radixkv.server.errors import APIError
 from radixkv.server.limits import ServerLimits
 from radixkv.server.tenants import Tenants
 
-_DOC_PATHS = frozenset(["/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"])
+# Routers and supervisors probe these without credentials; they tell only whether it serves.
+OPEN_PATHS = frozenset(["/health", "/health_generate"])
+# What operators and routers poll: load, limits, model. Open only with public_operator_endpoints.
+OPERATOR_PATHS = frozenset(
+    ["/metrics", "/get_load", "/server_info", "/get_server_info", "/model_info", "/get_model_info"]
+)
 _LOOPBACK_HOSTS = frozenset(["localhost", "127.0.0.1", "[::1]", "::1"])
 _BODY_METHODS = frozenset(["POST", "PUT", "PATCH", "DELETE"])
 
 
 class AccessGuard:
-    """Pure ASGI middleware; see the module docstring. /health stays open to everyone."""
+    """Pure ASGI middleware; see the module docstring. The routes authenticate again for the
+    caller's key (its tenant); this guard makes sure no route, and no body read, runs for a
+    caller without one."""
 
     def __init__(self, app: ASGIApp, tenants: Tenants, limits: ServerLimits) -> None:
         self.app = app
@@ -39,8 +48,8 @@ class AccessGuard:
         try:
             if not self.tenants.auth_required:
                 self._check_same_site(headers, scope.get("method", "GET"))
-            elif path in _DOC_PATHS or (path == "/metrics" and not self.limits.public_metrics):
-                self.tenants.authenticate(headers.get("authorization"), api_key=headers.get("x-api-key"))
+            elif path not in OPEN_PATHS and not (path in OPERATOR_PATHS and self.limits.public_operator_endpoints):
+                self.tenants.authenticate_headers(headers)
         except APIError as error:
             return error
         return None

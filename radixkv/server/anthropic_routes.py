@@ -51,7 +51,7 @@ def _error_response(error: APIError) -> JSONResponse:
 
 
 async def _messages(server: Server, request: Request) -> Response:
-    key = server.tenants.authenticate(request.headers.get("authorization"), api_key=request.headers.get("x-api-key"))
+    key = server.tenants.authenticate_headers(request.headers)
     raw = await request.body()
     body, conv, prompt, marks, params = await server.parse_slots.run(key, lambda: _prepare(server, raw))
     salt = server.tenants.cache_salt(key, None)  # the same partition as the key's OpenAI calls

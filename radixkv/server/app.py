@@ -20,7 +20,7 @@ from radixkv.server.anthropic_protocol import MessagesRequest
 from radixkv.server.errors import install_error_handlers
 from radixkv.server.limits import ServerLimits
 from radixkv.server.openapi import document_request_bodies
-from radixkv.server.metrics import CountRequests, ServerMetrics
+from radixkv.server.metrics import CountRequests, KVEventsCollector, ServerMetrics
 from radixkv.server.protocol import (
     CacheFlushRequest,
     CacheLookupRequest,
@@ -58,11 +58,11 @@ def create_app(
     app.state.radixkv = server
     install_error_handlers(app)
     # Added last runs first: count every request, then refuse forged or oversized ones unread.
-    app.add_middleware(LimitBody, max_body_bytes=server.limits.max_body_bytes)
-    app.add_middleware(AccessGuard, tenants=server.tenants, limits=server.limits)
+    install_guards(app, server.tenants, server.limits)
     app.add_middleware(DrainGuard, drain=server.drain)  # refusals while draining are counted too
     app.add_middleware(CountRequests, metrics=server.metrics)
     server.metrics.registry.register(DrainCollector(server.drain))
+    server.metrics.registry.register(KVEventsCollector(async_engine.engine))
     ops_routes.register(app, server)
     openai_routes.register(app, server)
     responses_routes.register(app, server)
@@ -82,3 +82,12 @@ def create_app(
         },
     )
     return app
+
+
+def install_guards(app: FastAPI, tenants: Tenants, limits: ServerLimits) -> None:
+    """AccessGuard, then LimitBody: a caller without a valid key is refused before a byte of
+    its body is read, and a body is read only up to the size limit and the read deadline.
+    Shared with the Ray Serve ingress (radixkv.ray_serve), which must refuse the same requests."""
+    # Starlette runs the middleware added last first.
+    app.add_middleware(LimitBody, max_body_bytes=limits.max_body_bytes, body_read_timeout_s=limits.body_read_timeout_s)
+    app.add_middleware(AccessGuard, tenants=tenants, limits=limits)

@@ -1,8 +1,12 @@
-"""LimitBody: refuses request bodies over ServerLimits.max_body_bytes with 413 (in the error shape
-of the API the path belongs to), before the body is read in full or parsed.
+"""LimitBody: reads a request's body before any route sees it, refusing one over
+ServerLimits.max_body_bytes with 413 (in the error shape of the API the path belongs to) before
+it is read in full, and one that has not arrived within ServerLimits.body_read_timeout_s with
+408. It runs after AccessGuard, so a body is only read for a caller who may send one.
 """
 
 from __future__ import annotations
+
+import asyncio
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -10,25 +14,39 @@ from radixkv.server.errors import APIError
 
 
 class LimitBody:
-    """Pure ASGI middleware: a declared Content-Length past the limit is refused unread; a body
-    without one (chunked) is read up to the limit and refused as soon as it passes it."""
+    """Pure ASGI middleware: a declared Content-Length past the limit is refused unread; any
+    other body (chunked ones too) is read up to the limit, under the deadline, and refused as
+    soon as it passes either; the route then gets the body read already."""
 
-    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_body_bytes: int, body_read_timeout_s: float = 60.0) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
+        self.body_read_timeout_s = body_read_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         declared = _content_length(scope)
-        if declared is not None:
-            if declared > self.max_body_bytes:
-                await self._refuse(scope, receive, send, declared)
-                return
-            await self.app(scope, receive, send)  # the server holds the client to its length
+        if declared is not None and declared > self.max_body_bytes:
+            await self._refuse(scope, receive, send, declared)
             return
-        body, more = await self._read_up_to_limit(receive)
+        if not declared and not _chunked(scope):
+            await self.app(scope, receive, send)  # no body to wait for
+            return
+        try:
+            # The whole body, not each chunk, has the deadline: a client sending one byte a
+            # second would otherwise never run out of time.
+            async with asyncio.timeout(self.body_read_timeout_s):
+                body, more = await self._read_up_to_limit(receive)
+        except TimeoutError:
+            error = APIError(
+                408,
+                f"the request body did not arrive within {self.body_read_timeout_s:g} s (body_read_timeout_s)",
+                param="body", code="request_timeout", headers={"Connection": "close"},
+            )
+            await error.response_for(scope.get("path", ""))(scope, receive, send)
+            return
         if more:
             await self._refuse(scope, receive, send, None)
             return
@@ -71,6 +89,10 @@ def _content_length(scope: Scope) -> int | None:
             except ValueError:
                 return None  # the HTTP server refuses a malformed length before we see it
     return None
+
+
+def _chunked(scope: Scope) -> bool:
+    return any(name == b"transfer-encoding" for name, _ in scope.get("headers", ()))
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

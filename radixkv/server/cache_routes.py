@@ -171,7 +171,7 @@ def register(app: FastAPI, server: Server) -> None:
     async def pin_prefix(request: Request) -> Response:
         """Compute a prefix (a one-token request) and lock its full pages in the cache until
         DELETE /v1/cache/pin/{pin_id}; a pin lasts until then or until the server stops."""
-        key = server.tenants.authenticate(request.headers.get("authorization"))
+        key = server.tenants.authenticate_headers(request.headers)
         raw = await request.body()
 
         def prepare() -> tuple[PinRequest, list[int]]:
@@ -198,13 +198,13 @@ def register(app: FastAPI, server: Server) -> None:
     @app.get("/v1/cache/pin")
     async def list_pins(request: Request) -> Response:
         """The caller's own pins (no other key's), oldest first."""
-        owner = server.tenants.owner(server.tenants.authenticate(request.headers.get("authorization")))
+        owner = server.tenants.owner(server.tenants.authenticate_headers(request.headers))
         owned = await server.engine.call_async(lambda engine: pins.owned_by(engine, owner))
         return JSONResponse(PinList(data=[_pin_response(pin_id, record) for pin_id, record in owned]).model_dump())
 
     @app.delete("/v1/cache/pin/{pin_id}")
     async def unpin_prefix(pin_id: int, request: Request) -> Response:
-        owner = server.tenants.owner(server.tenants.authenticate(request.headers.get("authorization")))
+        owner = server.tenants.owner(server.tenants.authenticate_headers(request.headers))
         if not await server.engine.call_async(lambda engine: pins.unpin(engine, pin_id, owner)):
             raise APIError(404, f"no pin {pin_id} (unknown, already unpinned, or another key's)", code="not_found")
         return JSONResponse(UnpinResponse(pin_id=pin_id).model_dump())
@@ -214,7 +214,7 @@ def register(app: FastAPI, server: Server) -> None:
         """How many tokens of a prompt are cached for the caller, in RAM and on disk. Only the
         caller's own partition (its key and cache_salt) is looked at: another tenant's cache
         is neither visible nor timeable through this."""
-        key = server.tenants.authenticate(request.headers.get("authorization"), request.headers.get("x-api-key"))
+        key = server.tenants.authenticate_headers(request.headers)
         raw = await request.body()
 
         def prepare() -> tuple[CacheLookupRequest, list[int]]:
@@ -233,7 +233,7 @@ def register(app: FastAPI, server: Server) -> None:
     async def flush_cache(request: Request) -> Response:
         """Empty the RAM tier (unlocked pages), the disk tier, or both, for every tenant;
         admin keys only. Reports what was freed."""
-        key = server.tenants.authenticate(request.headers.get("authorization"), request.headers.get("x-api-key"))
+        key = server.tenants.authenticate_headers(request.headers)
         server.tenants.require_admin(key)
         body = parse_body(CacheFlushRequest, await request.body() or b"{}")
         ram, disk = body.tier in ("ram", "all"), body.tier in ("disk", "all")

@@ -1,6 +1,7 @@
-"""ServerLimits: the HTTP server's own protective knobs (body size, slow readers, per-key fair
-share, parsing threads, pins, stored responses, cross-site checks), one validated dataclass
-with every default and unit. What one request body may carry is radixkv.server.request_caps.
+"""ServerLimits: the HTTP server's own protective knobs (body size, connections and read
+deadlines, slow readers, per-key fair share, parsing threads, pins, stored responses,
+cross-site checks, operator endpoints), one validated dataclass with every default and unit.
+What one request body may carry is radixkv.server.request_caps.
 """
 
 from __future__ import annotations
@@ -49,8 +50,17 @@ class ServerLimits:
     # Host names (besides loopback ones) a keyless server answers, "*" for any: a keyless server
     # refuses other Host headers so a DNS-rebound name cannot reach it from a browser.
     allowed_hosts: tuple[str, ...] = ()
-    # Serve /metrics without a key even when keys are set (for a scraper on a private network).
-    public_metrics: bool = False
+    # Connections open at once (idle keep-alive ones included); past it a new connection is
+    # answered 503 and closed (radixkv.server.connections).
+    max_connections: int = 1024
+    # A request's headers must arrive within this long of its connection opening (or of the
+    # previous response's end), its body within body_read_timeout_s of the headers; else 408
+    # and the connection is closed, so a client trickling bytes cannot hold it open.
+    header_read_timeout_s: float = 10.0
+    body_read_timeout_s: float = 60.0
+    # Serve /metrics, /get_load, /server_info and /model_info (and their /get_ aliases) without a
+    # key even when keys are set (for a scraper or a router on a private network).
+    public_operator_endpoints: bool = False
 
     def __post_init__(self) -> None:
         _int_in("max_body_bytes", self.max_body_bytes, 1024, 1 << 34)
@@ -65,6 +75,9 @@ class ServerLimits:
         _int_in("max_stored_response_bytes", self.max_stored_response_bytes, 1024, 1 << 40)
         _seconds("stream_send_timeout_s", self.stream_send_timeout_s, allow_zero=False)
         _seconds("pin_ttl_s", self.pin_ttl_s, allow_zero=True)
+        _int_in("max_connections", self.max_connections, 1, 1 << 20)
+        _seconds("header_read_timeout_s", self.header_read_timeout_s, allow_zero=False)
+        _seconds("body_read_timeout_s", self.body_read_timeout_s, allow_zero=False)
         if not all(isinstance(o, str) and "://" in o for o in self.allowed_origins):
             raise ConfigError(f"allowed_origins must be 'scheme://host[:port]' strings, got {self.allowed_origins!r}", param="allowed_origins")
         if not all(isinstance(h, str) and h for h in self.allowed_hosts):

@@ -66,6 +66,29 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
+class KVEventsCollector(Collector):
+    """The KV-event publisher's losses for /metrics (none while KV events are off): batches
+    dropped because its queue was full (gaps its subscribers saw) and replay requests refused
+    by the per-peer rate limit. Read at scrape time; plain ints, so no lock is needed."""
+
+    def __init__(self, engine: object) -> None:
+        self._engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        recorder = getattr(self._engine, "kv_events", None)
+        if recorder is None:
+            return
+        sink = recorder.sink
+        yield CounterMetricFamily(
+            "radixkv_kv_events_dropped_batches", "KV-event batches dropped on a full queue (sequence gaps)",
+            value=getattr(sink, "num_dropped", 0),
+        )
+        yield CounterMetricFamily(
+            "radixkv_kv_events_replays_refused", "KV-event replay requests refused by the per-peer rate limit",
+            value=getattr(sink, "num_replays_refused", 0),
+        )
+
+
 _COUNTED_PATHS = frozenset(["/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"])
 
 

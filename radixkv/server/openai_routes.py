@@ -91,12 +91,12 @@ class _ChatNames(WireNames):
 def register(app: FastAPI, server: Server) -> None:
     @app.get("/v1/models")
     async def list_models(request: Request) -> ModelList:
-        server.tenants.authenticate(request.headers.get("authorization"))
+        server.tenants.authenticate_headers(request.headers)
         return ModelList(data=[_model_card(server)])
 
     @app.get("/v1/models/{model:path}")
     async def get_model(model: str, request: Request) -> ModelCard:
-        server.tenants.authenticate(request.headers.get("authorization"))
+        server.tenants.authenticate_headers(request.headers)
         server.check_model(model)
         return _model_card(server)
 
@@ -104,7 +104,7 @@ def register(app: FastAPI, server: Server) -> None:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        key = server.tenants.authenticate(request.headers.get("authorization"))
+        key = server.tenants.authenticate_headers(request.headers)
         raw = await request.body()
 
         def prepare() -> tuple[ChatCompletionRequest, _ChatTools, list[int], _ChatNames, SamplingParams]:
@@ -133,7 +133,7 @@ def register(app: FastAPI, server: Server) -> None:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        key = server.tenants.authenticate(request.headers.get("authorization"))
+        key = server.tenants.authenticate_headers(request.headers)
         raw = await request.body()
         names = WireNames()
 

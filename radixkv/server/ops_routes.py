@@ -1,6 +1,7 @@
 """The operator's endpoints: /health (is the engine serving: its thread alive, its steps
 succeeding, none stuck, the server not draining) and /metrics (Prometheus). /health never asks
-for an API key; /metrics does when keys are set (radixkv.server.access), unless ServerLimits.public_metrics.
+for an API key; /metrics does when keys are set (radixkv.server.access), unless
+ServerLimits.public_operator_endpoints.
 """
 
 from __future__ import annotations

@@ -76,7 +76,7 @@ def register(app: FastAPI, server: Server, store: ResponseStore | None = None) -
 
     @app.post("/v1/responses")
     async def create_response(request: Request) -> Response:
-        key = server.tenants.authenticate(request.headers.get("authorization"))
+        key = server.tenants.authenticate_headers(request.headers)
         raw = await request.body()
         owner = server.tenants.owner(key)
 

@@ -26,20 +26,25 @@ _OWNER_LABEL = b"radixkv owner\x00"
 # user of the machine can read in the process list): comma- or newline-separated.
 API_KEYS_ENV = "RADIXKV_API_KEYS"
 TENANT_SECRET_BYTES = 32
+ADMIN_KEYS_ENV = "RADIXKV_ADMIN_KEYS"
 
 
 def load_api_keys(
-    keys: Sequence[str] | None, key_file: str | Path | None = None, environ: Mapping[str, str] = os.environ
+    keys: Sequence[str] | None,
+    key_file: str | Path | None = None,
+    environ: Mapping[str, str] = os.environ,
+    env_name: str = API_KEYS_ENV,
 ) -> list[str]:
     """The accepted keys from the command line, a file (one per line; blank lines and '#'
-    comments skipped) and $RADIXKV_API_KEYS, in that order, without duplicates."""
+    comments skipped) and the environment variable `env_name` ($RADIXKV_API_KEYS; the admin
+    keys come from $RADIXKV_ADMIN_KEYS the same way), in that order, without duplicates."""
     found = list(keys or [])
     if key_file is not None:
         for line in Path(key_file).read_text().splitlines():
             line = line.strip()
             if line and not line.startswith("#"):
                 found.append(line)
-    found += [k.strip() for k in environ.get(API_KEYS_ENV, "").replace("\n", ",").split(",") if k.strip()]
+    found += [k.strip() for k in environ.get(env_name, "").replace("\n", ",").split(",") if k.strip()]
     return list(dict.fromkeys(found))
 
 
@@ -88,6 +93,10 @@ class Tenants:
                 headers={"WWW-Authenticate": "Bearer"},
             )
         return matched
+
+    def authenticate_headers(self, headers: Mapping[str, str]) -> bytes | None:
+        """`authenticate` on a request's headers: every route takes the key both ways."""
+        return self.authenticate(headers.get("authorization"), api_key=headers.get("x-api-key"))
 
     def require_admin(self, key: bytes | None) -> None:
         """APIError 403 unless `key` (an authenticated caller's) is an admin key; with no admin

@@ -50,9 +50,10 @@ def register(app: FastAPI, server: Server) -> None:
     page_size = engine.pool.page_size
 
     def authorize(request: Request) -> None:
-        # The same rule as /metrics: these tell who runs what and how busy it is.
-        if not server.limits.public_metrics:
-            server.tenants.authenticate(request.headers.get("authorization"), request.headers.get("x-api-key"))
+        # The same rule as /metrics (AccessGuard checked it already; kept here so the route
+        # stands alone): these tell who runs what and how busy it is.
+        if not server.limits.public_operator_endpoints:
+            server.tenants.authenticate_headers(request.headers)
 
     @app.get("/get_load")
     async def get_load(request: Request) -> Response:
@@ -90,7 +91,7 @@ def register(app: FastAPI, server: Server) -> None:
     @app.post("/flush_cache")
     async def flush_cache(request: Request) -> Response:
         """sglang's name for emptying the RAM tier (POST /v1/cache/flush with tier "ram")."""
-        key = server.tenants.authenticate(request.headers.get("authorization"), request.headers.get("x-api-key"))
+        key = server.tenants.authenticate_headers(request.headers)
         server.tenants.require_admin(key)
         pages, _ = await server.engine.call_async(lambda e: e.flush_cache(ram=True, disk=False))
         return JSONResponse({"tier": "ram", "freed_ram_pages": pages})

@@ -17,7 +17,7 @@ END_SEQ = -1
 @dataclass(slots=True)
 class Block:
     parent: int | None
-    tokens: list[int]
+    tokens: list[int] | None  # None: the publisher sent hashes only (no kv_events_token_ids)
     extra_keys: list | None
     medium: str | None
 
@@ -134,13 +134,15 @@ class SchemaSubscriber:
 
     def _stored(self, event: dict) -> None:
         hashes, tokens, size = event["block_hashes"], event["token_ids"], event["block_size"]
-        assert len(tokens) == size * len(hashes)
+        # vLLM's schema always has token_ids; a publisher that keeps prompts private sends [].
+        assert len(tokens) in (0, size * len(hashes)), event
         extra_keys = event.get("extra_keys") or [None] * len(hashes)
         parent = event["parent_block_hash"]
         assert parent is None or parent in self.blocks, f"parent {parent:#x} is not cached"
         for i, block_hash in enumerate(hashes):
             assert 0 <= block_hash < 1 << 64
-            self.blocks[block_hash] = Block(parent, tokens[i * size : (i + 1) * size], extra_keys[i], event["medium"])
+            block_tokens = tokens[i * size : (i + 1) * size] if tokens else None
+            self.blocks[block_hash] = Block(parent, block_tokens, extra_keys[i], event["medium"])
             parent = block_hash
 
     def prefix(self, block_hash: int) -> list[int]:
@@ -149,6 +151,7 @@ class SchemaSubscriber:
         current: int | None = block_hash
         while current is not None:
             block = self.blocks[current]
+            assert block.tokens is not None, "the publisher sent no token ids"
             runs.append(block.tokens)
             current = block.parent
         return [token for run in reversed(runs) for token in run]

@@ -8,6 +8,7 @@ recovers them through the replay socket.
 from __future__ import annotations
 
 import random
+import threading
 import time
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from tests.helpers.engine import make_engine, run_to_end, shared_prefix_prompts
 from tests.helpers.kv_subscriber import SchemaSubscriber
 
 PAGE = 4
+SALT = "tenant-salt-7f3a"
 MASK_64 = (1 << 64) - 1
 
 
@@ -124,7 +126,7 @@ def test_subscriber_rebuilds_the_tree_and_repairs_injected_gaps(tmp_path):
     publisher = ZmqEventPublisher(endpoint, replay, topic="kv@pod-0@tiny")
     subscriber = SchemaSubscriber(endpoint, replay, topic=b"kv@pod-0@tiny", drop_live={3, 10, 11, 40})
     pool = PagePool(24, PAGE)
-    recorder = KVEventRecorder(publisher, PAGE, "CPU")
+    recorder = KVEventRecorder(publisher, PAGE, "CPU", token_ids=True)
     tree = RadixTree(pool, BlockHasher(PAGE, seed=99), listener=recorder)
     workload = Workload(tree, pool, seed=5)
     try:
@@ -151,9 +153,9 @@ def test_subscriber_rebuilds_the_tree_and_repairs_injected_gaps(tmp_path):
     assert [b[0] for b in subscriber.batches] == sorted(b[0] for b in subscriber.batches)  # ts never go back
 
 
-def test_wire_format_of_one_insert(tmp_path):
-    """The exact shape an indexer decodes: [topic, seq, payload]; the payload a positional
-    [ts, events, rank]; each event a map tagged under "type", in vLLM's field order."""
+def first_stored_event(tmp_path: Path, *, token_ids: bool) -> dict:
+    """The BlockStored of one salted insert as a SUB socket receives it, checking the frames
+    ([topic, seq, payload]) and the batch (a positional [ts, events, rank]) on the way."""
     endpoint, _ = endpoints(tmp_path)
     publisher = ZmqEventPublisher(endpoint)
     context = zmq.Context.instance()
@@ -161,14 +163,14 @@ def test_wire_format_of_one_insert(tmp_path):
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.connect(endpoint)
     pool = PagePool(8, PAGE)
-    recorder = KVEventRecorder(publisher, PAGE, "CPU")
+    recorder = KVEventRecorder(publisher, PAGE, "CPU", token_ids=token_ids)
     tree = RadixTree(pool, BlockHasher(PAGE, seed=1), listener=recorder)
     try:
         tokens = list(range(10, 19))  # two full blocks and a partial one
         # Resend until the slow-joining SUB socket gets one (each send is a new seq).
         for _ in range(100):
             pages = pool.allocate(2)
-            tree.insert(tokens, pages, "s")
+            tree.insert(tokens, pages, SALT)
             pool.release(pages)
             recorder.flush()
             if sub.poll(100):
@@ -186,17 +188,141 @@ def test_wire_format_of_one_insert(tmp_path):
     finally:
         sub.close(linger=0)
         publisher.close()
+    hashes = BlockHasher(PAGE, seed=1).hash_blocks(tokens, SALT)
+    assert stored["block_hashes"] == [h & MASK_64 for h in hashes]  # xxh3_128's low 64 bits
+    assert stored["parent_block_hash"] is None and stored["block_size"] == PAGE
+    assert (stored["medium"], stored["group_idx"], stored["kv_cache_spec_kind"]) == ("CPU", 0, "full_attention")
+    assert stored["lora_id"] is None and stored["lora_name"] is None
+    return stored
+
+
+def test_wire_format_of_one_insert_with_token_ids(tmp_path):
+    """The exact shape an indexer decodes: each event a map tagged under "type", in vLLM's
+    field order; asked for, the tokens and the salt come too."""
+    stored = first_stored_event(tmp_path, token_ids=True)
     assert list(stored) == [
         "type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name",
         "extra_keys", "group_idx", "kv_cache_spec_kind",
     ]
-    hashes = BlockHasher(PAGE, seed=1).hash_blocks(tokens, "s")
-    assert stored["block_hashes"] == [h & MASK_64 for h in hashes]  # xxh3_128's low 64 bits
-    assert stored["parent_block_hash"] is None
-    assert stored["token_ids"] == tokens[:8] and stored["block_size"] == PAGE
-    assert stored["extra_keys"] == [["s"], None]  # the cache salt on the prompt's first block
-    assert (stored["medium"], stored["group_idx"], stored["kv_cache_spec_kind"]) == ("CPU", 0, "full_attention")
-    assert stored["lora_id"] is None and stored["lora_name"] is None
+    assert stored["token_ids"] == list(range(10, 18))
+    assert stored["extra_keys"] == [[SALT], None]  # the cache salt on the prompt's first block
+
+
+def test_block_stored_carries_no_prompt_or_salt_by_default(tmp_path):
+    """Whoever can reach the socket reads the events: by default they name blocks by hash only.
+    token_ids stays in the map (vLLM's schema requires it) but empty; extra_keys, which would
+    carry the tenant's salt, is left out (None, its default)."""
+    stored = first_stored_event(tmp_path, token_ids=False)
+    assert list(stored) == [
+        "type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name",
+        "group_idx", "kv_cache_spec_kind",
+    ]
+    assert stored["token_ids"] == []
+    assert SALT not in repr(stored)
+
+
+class StallablePublisher(ZmqEventPublisher):
+    """A publisher whose thread can be held between batches, as one busy with a replay flood or
+    starved of CPU would be (the thread calls _serve_replays before taking each batch)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        self.running = threading.Event()
+        self.running.set()
+        super().__init__(*args, **kwargs)
+
+    def _serve_replays(self) -> None:
+        self.running.wait()
+        super()._serve_replays()
+
+
+def test_publish_never_waits_for_a_stalled_thread_and_drops_show_as_gaps(tmp_path):
+    endpoint, replay = endpoints(tmp_path)
+    publisher = StallablePublisher(endpoint, replay, max_queue_size=4)
+    subscriber = SchemaSubscriber(endpoint, replay)
+    sub = subscriber.sub
+    try:
+        subscribe(publisher, subscriber)
+        first = publisher.num_sent
+        publisher.running.clear()
+        publishing = threading.Thread(
+            target=lambda: [publisher.publish(EventBatch(ts=time.time(), events=[], data_parallel_rank=0)) for _ in range(100)]
+        )
+        publishing.start()
+        publishing.join(30)
+        assert not publishing.is_alive(), "publish waited for the stalled publisher thread"
+        assert publisher.num_dropped >= 100 - 4 - 1  # the queue, and the batch the thread held
+        publisher.running.set()
+        assert publisher.drain()  # the queue is empty again
+        publisher.publish(EventBatch(ts=time.time(), events=[], data_parallel_rank=0))  # after the drops
+        assert publisher.drain()
+        assert publisher.num_sent == first + 101
+        received = []
+        while sub.poll(2000):
+            _, seq, _ = sub.recv_multipart()
+            received.append(int.from_bytes(seq, "big"))
+            if received[-1] == first + 100:
+                break
+    finally:
+        subscriber.close()
+        publisher.close()
+    # Every sequence number was either received or dropped; a drop is a jump a subscriber sees.
+    assert received[-1] == first + 100 and received == sorted(received)
+    assert len(received) + publisher.num_dropped == 101
+    assert any(b - a > 1 for a, b in zip(received, received[1:]))
+
+
+def test_a_replay_flood_from_one_peer_is_limited(tmp_path):
+    endpoint, replay = endpoints(tmp_path)
+    publisher = ZmqEventPublisher(endpoint, replay)
+    context = zmq.Context.instance()
+    flooder, other = context.socket(zmq.DEALER), context.socket(zmq.DEALER)
+    for dealer in (flooder, other):
+        dealer.connect(replay)
+
+    def replies(dealer: zmq.Socket, requests: int) -> list[int]:
+        """The batches each replay request brought back (0: refused, the end marker alone)."""
+        for _ in range(requests):
+            dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        counts = []
+        batches = 0
+        while len(counts) < requests:
+            assert dealer.poll(5000), "the replay socket did not answer"
+            _, _, seq, _ = dealer.recv_multipart()
+            if int.from_bytes(seq, "big", signed=True) == -1:
+                counts.append(batches)
+                batches = 0
+            else:
+                batches += 1
+        return counts
+
+    try:
+        for _ in range(3):
+            publisher.publish(EventBatch(ts=time.time(), events=[], data_parallel_rank=0))
+        assert publisher.drain()
+        flood = replies(flooder, 200)
+        served = [count for count in flood if count]
+        assert all(count == 3 for count in served)
+        # A burst of 10, then one a second: a run of a few seconds at most gets a few more.
+        assert 10 <= len(served) <= 20, len(served)
+        assert publisher.num_replays_refused == 200 - len(served)
+        assert replies(other, 1) == [3]  # another peer is not refused for the flooder's requests
+    finally:
+        flooder.close(linger=0)
+        other.close(linger=0)
+        publisher.close()
+
+
+def test_replay_limiter_refills_per_peer_and_caps_all_peers():
+    from radixkv.kv_events.publisher import ReplayLimiter
+
+    limiter = ReplayLimiter(per_peer_per_s=1.0, per_peer_burst=2, total_per_s=2.0, total_burst=3, max_peers=3)
+    assert [limiter.allow(b"a", 0.0) for _ in range(3)] == [True, True, False]
+    assert limiter.allow(b"b", 0.0) and not limiter.allow(b"c", 0.0)  # the shared bucket is empty
+    assert limiter.allow(b"a", 1.0)  # one token a second per peer (and two shared)
+    assert not limiter.allow(b"a", 1.0)
+    assert not limiter.allow(b"a", 1.5) and limiter.allow(b"a", 2.0)
+    limiter.allow(b"d", 2.0)
+    assert len(limiter._peers) == 3  # the least recently seen peer was forgotten
 
 
 @pytest.fixture(scope="module")
@@ -208,7 +334,8 @@ def test_engine_publishes_what_its_tree_holds(loaded_tiny, tmp_path):
     endpoint, replay = endpoints(tmp_path)
     # A pool of 40 pages: the prompts below need more, so the engine evicts as it runs.
     engine = make_engine(
-        loaded_tiny, num_pages=40, kv_events_endpoint=endpoint, kv_events_replay_endpoint=replay, kv_events_topic="t"
+        loaded_tiny, num_pages=40, kv_events_endpoint=endpoint, kv_events_replay_endpoint=replay, kv_events_topic="t",
+        kv_events_token_ids=True,
     )
     subscriber = SchemaSubscriber(endpoint, replay, topic=b"t")
     try:
@@ -255,3 +382,47 @@ def test_serve_takes_the_kv_events_option():
 
     # Checked with the engine's options, before any model loads: the flag reaches EngineConfig.
     assert main(["serve", "--model", "/nonexistent", "--kv-events", "not-an-endpoint", "--port", "1"]) == 2
+    # --kv-events-token-ids is an option of serve (argparse would exit on an unknown one).
+    assert main(["serve", "--model", "/nonexistent", "--kv-events", "not-an-endpoint", "--kv-events-token-ids", "--port", "1"]) == 2
+
+
+def test_the_engine_sends_hashes_only_unless_asked(loaded_tiny, tmp_path):
+    endpoint, replay = endpoints(tmp_path)
+    engine = make_engine(loaded_tiny, kv_events_endpoint=endpoint, kv_events_replay_endpoint=replay)
+    assert engine.config.kv_events_token_ids is False
+    subscriber = SchemaSubscriber(endpoint, replay)
+    try:
+        subscribe(engine.kv_events.sink, subscriber)
+        engine.add_request(shared_prefix_prompts(1, count=1)[0], SamplingParams(max_tokens=3, temperature=0.0), salt="tenant-a")
+        run_to_end(engine)
+        publisher = engine.kv_events.sink
+        assert publisher.drain()
+        subscriber.catch_up(publisher.num_sent - 1)
+        assert len(subscriber.blocks) == engine.tree.cached_pages > 0  # every block, by hash
+        assert all(block.tokens is None and block.extra_keys is None for block in subscriber.blocks.values())
+    finally:
+        subscriber.close()
+        engine.stop_kv_events()
+
+
+def test_endpoints_reachable_beyond_this_machine_are_told_apart():
+    """What start_kv_events warns about: an endpoint another machine could reach."""
+    from radixkv.kv_events import _local_only
+
+    for endpoint in ("ipc:///tmp/kv", "inproc://kv", "tcp://127.0.0.1:5557", "tcp://localhost:5557", "tcp://[::1]:5557"):
+        assert _local_only(endpoint), endpoint
+    for endpoint in ("tcp://*:5557", "tcp://0.0.0.0:5557", "tcp://[::]:5557", "tcp://10.0.0.7:5557", "tcp://indexer:5557"):
+        assert not _local_only(endpoint), endpoint
+
+
+def test_the_server_reports_kv_event_losses_in_metrics(tiny_llama, tmp_path):
+    import httpx
+
+    from tests.helpers.live_server import KEY_A, make_async_engine, serve
+
+    endpoint, replay = endpoints(tmp_path)
+    async_engine = make_async_engine(tiny_llama, kv_events_endpoint=endpoint, kv_events_replay_endpoint=replay)
+    with serve(async_engine) as live:
+        text = httpx.get(f"{live.base_url}/metrics", headers={"Authorization": f"Bearer {KEY_A}"}).text
+    assert "radixkv_kv_events_dropped_batches_total 0.0" in text
+    assert "radixkv_kv_events_replays_refused_total 0.0" in text

@@ -1,6 +1,7 @@
 """Who may reach the server: without API keys (a local server) requests a web page could forge
-are refused (foreign Origin, non-loopback Host, non-JSON bodies); with keys, /metrics and the
-docs need one too (unless metrics are made public); /health is always open."""
+are refused (foreign Origin, non-loopback Host, non-JSON bodies); with keys, every route needs
+one, as `Authorization: Bearer` or as `x-api-key` alike, the operator endpoints and the docs too
+(unless the operator endpoints are made public); /health is always open."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import httpx
 import pytest
 
 from radixkv.server.limits import ServerLimits
-from tests.helpers.live_server import KEY_A, MODEL, make_async_engine, serve
+from tests.helpers.live_server import KEY_A, KEY_B, MODEL, make_async_engine, serve
 
 BODY = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
 
@@ -65,14 +66,47 @@ def test_refusals_on_messages_are_in_anthropic_shape(keyless_server):
     assert response.json()["type"] == "error"
 
 
-@pytest.mark.parametrize("path", ["/metrics", "/docs", "/openapi.json", "/redoc"])
+OPERATOR_PATHS = ["/metrics", "/get_load", "/server_info", "/get_server_info", "/model_info", "/get_model_info"]
+
+
+@pytest.mark.parametrize("path", [*OPERATOR_PATHS, "/docs", "/openapi.json", "/redoc"])
 def test_operator_pages_need_the_key_when_keys_are_set(keyed_server, path):
     assert httpx.get(f"{keyed_server.base_url}{path}").status_code == 401
+    assert httpx.get(f"{keyed_server.base_url}{path}", headers={"Authorization": "Bearer sk-wrong"}).status_code == 401
     assert httpx.get(f"{keyed_server.base_url}{path}", headers={"Authorization": f"Bearer {KEY_A}"}).status_code == 200
+    assert httpx.get(f"{keyed_server.base_url}{path}", headers={"x-api-key": KEY_B}).status_code == 200
     assert httpx.get(f"{keyed_server.base_url}/health").status_code == 200
 
 
-def test_metrics_can_be_made_public(tiny_llama):
-    with serve(make_async_engine(tiny_llama), limits=ServerLimits(public_metrics=True)) as live:
-        assert httpx.get(f"{live.base_url}/metrics").status_code == 200
+def test_operator_endpoints_can_be_made_public(tiny_llama):
+    with serve(make_async_engine(tiny_llama), limits=ServerLimits(public_operator_endpoints=True)) as live:
+        for path in OPERATOR_PATHS:
+            assert httpx.get(f"{live.base_url}{path}").status_code == 200, path
         assert httpx.get(f"{live.base_url}/docs").status_code == 401
+        assert httpx.get(f"{live.base_url}/v1/models").status_code == 401
+
+
+# One request per kind of route: OpenAI, Anthropic, Responses, cache management, worker (admin).
+ROUTES = [
+    ("GET", "/v1/models", None, 200),
+    ("POST", "/v1/completions", BODY, 200),
+    ("POST", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}, 200),
+    ("POST", "/v1/messages", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}, 200),
+    ("POST", "/v1/responses", {"model": MODEL, "input": "hi", "max_output_tokens": 1, "store": False}, 200),
+    ("POST", "/v1/cache/lookup", {"model": MODEL, "prompt": "hi"}, 200),
+    ("GET", "/v1/cache/pin", None, 200),
+    ("POST", "/v1/cache/pin", {"model": MODEL, "prompt": "a prompt to pin here"}, 200),
+    ("POST", "/flush_cache", None, 403),  # a tenant's key, not an admin's: known, but not allowed
+]
+
+
+@pytest.mark.parametrize("method, path, body, status", ROUTES, ids=[f"{m} {p}" for m, p, _, _ in ROUTES])
+def test_every_route_takes_the_key_either_way(keyed_server, method, path, body, status):
+    """x-api-key (Anthropic's clients) and Authorization: Bearer (OpenAI's) are the same key on
+    every route; neither, or a wrong one, is 401 on every route."""
+    url = f"{keyed_server.base_url}{path}"
+    for headers in ({"Authorization": f"Bearer {KEY_A}"}, {"x-api-key": KEY_A}):
+        response = httpx.request(method, url, json=body, headers=headers, timeout=60)
+        assert response.status_code == status, (headers, response.text)
+    for headers in ({}, {"x-api-key": "sk-wrong"}, {"Authorization": "Bearer sk-wrong"}):
+        assert httpx.request(method, url, json=body, headers=headers, timeout=60).status_code == 401, headers

@@ -4,7 +4,7 @@ shows), and the SDK's HTTP backend not sending OPENAI_API_KEY to arbitrary URLs 
 from __future__ import annotations
 
 from radixkv.sdk import HTTPBackend
-from radixkv.server.tenants import API_KEYS_ENV, load_api_keys
+from radixkv.server.tenants import ADMIN_KEYS_ENV, API_KEYS_ENV, load_api_keys
 
 
 def test_keys_come_from_the_command_line_a_file_and_the_environment(tmp_path):
@@ -13,6 +13,15 @@ def test_keys_come_from_the_command_line_a_file_and_the_environment(tmp_path):
     keys = load_api_keys(["sk-cli"], key_file, {API_KEYS_ENV: "sk-env-1, sk-env-2\nsk-env-3"})
     assert keys == ["sk-cli", "sk-file-1", "sk-file-2", "sk-env-1", "sk-env-2", "sk-env-3"]
     assert load_api_keys(None, None, {}) == []
+
+
+def test_admin_keys_come_from_a_file_and_their_own_environment_variable(tmp_path):
+    key_file = tmp_path / "admin-keys"
+    key_file.write_text("# operators\nsk-admin-file\n")
+    environ = {API_KEYS_ENV: "sk-tenant", ADMIN_KEYS_ENV: "sk-admin-env"}
+    assert load_api_keys(["sk-admin-cli"], key_file, environ, env_name=ADMIN_KEYS_ENV) == [
+        "sk-admin-cli", "sk-admin-file", "sk-admin-env"
+    ]
 
 
 def test_the_http_backend_keeps_openai_api_key_to_itself_unless_asked(monkeypatch):
@@ -32,14 +41,16 @@ def test_serve_options_become_server_limits():
 
     args = argparse.Namespace(
         max_body_bytes=4096, stream_send_timeout_s=5.0, max_requests_per_key=3, max_seqs_per_key=6, max_pinned_pages_per_key=0,
-        pin_ttl_s=0.0, max_parses_per_key=2, allowed_origin=["https://app.example"], public_metrics=True,
+        pin_ttl_s=0.0, max_parses_per_key=2, allowed_origin=["https://app.example"], public_operator_endpoints=True,
         max_stored_responses_per_key=7, max_stored_response_bytes_per_key=1 << 20,
+        max_connections=7, header_read_timeout_s=2.5, body_read_timeout_s=4.0,
     )
     limits = _server_limits(args, keyless_remote=True)
     assert (limits.max_body_bytes, limits.stream_send_timeout_s, limits.max_requests_per_key, limits.max_seqs_per_key) == (4096, 5.0, 3, 6)
-    assert limits.max_pinned_pages_per_key == 0 and limits.pin_ttl_s == 0.0 and limits.public_metrics
+    assert limits.max_pinned_pages_per_key == 0 and limits.pin_ttl_s == 0.0 and limits.public_operator_endpoints
     assert (limits.max_stored_responses_per_key, limits.max_stored_response_bytes_per_key) == (7, 1 << 20)
     assert limits.max_parses_per_key == 2
+    assert (limits.max_connections, limits.header_read_timeout_s, limits.body_read_timeout_s) == (7, 2.5, 4.0)
     assert limits.allowed_origins == ("https://app.example",) and limits.allowed_hosts == ("*",)
 
 
@@ -53,6 +64,7 @@ def test_invalid_server_limits_name_the_field():
         {"max_body_bytes": 10}, {"stream_send_timeout_s": 0}, {"max_requests_per_key": 0}, {"allowed_origins": ("evil",)},
         {"max_pinned_pages_per_key": -1}, {"max_stored_responses_per_key": 0}, {"max_stored_response_bytes_per_key": 10},
         {"max_stored_responses": 0}, {"max_stored_response_bytes": 1.5},
+        {"max_connections": 0}, {"header_read_timeout_s": 0}, {"body_read_timeout_s": -1.0},
     ):
         with pytest.raises(ConfigError) as error:
             ServerLimits(**bad)

@@ -39,9 +39,12 @@ def test_radixkv_serve_command(tiny_llama, tmp_path):
     # process list).
     key_file = tmp_path / "keys"
     key_file.write_text("# the tenants' keys\nk2\n\n")
+    admin_file = tmp_path / "admin-keys"
+    admin_file.write_text("admin-from-file\n")
     command = [sys.executable, "-m", "radixkv.cli", "serve", "--model", str(tiny_llama), "--port", str(port)]
     command += ["--api-key", "k1", "--api-key-file", str(key_file), "--num-pages", "128", "--dtype", "float32"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "RADIXKV_API_KEYS": "k4, k5"}
+    command += ["--admin-key-file", str(admin_file), "--max-connections", "64", "--header-read-timeout-s", "5"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "RADIXKV_API_KEYS": "k4, k5", "RADIXKV_ADMIN_KEYS": "admin-from-env"}
     process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 90
@@ -63,6 +66,12 @@ def test_radixkv_serve_command(tiny_llama, tmp_path):
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k3", max_retries=0).models.list()
         assert openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k5", max_retries=0).models.list().data
+        # Admin keys from a file and $RADIXKV_ADMIN_KEYS (never on the command line) may flush;
+        # a tenant's key may not.
+        flush = f"http://127.0.0.1:{port}/flush_cache"
+        assert httpx.post(flush, headers={"Authorization": "Bearer k2"}).status_code == 403
+        assert httpx.post(flush, headers={"Authorization": "Bearer admin-from-file"}).status_code == 200
+        assert httpx.post(flush, headers={"x-api-key": "admin-from-env"}).status_code == 200
     finally:
         process.send_signal(signal.SIGINT)
         try:
