@@ -38,7 +38,7 @@ class GuideLimits:
     """What one schema may cost before it is refused (InvalidRequest, param response_format):
     its text, its nesting, its compile and its first token mask (a proxy for every later one)."""
 
-    max_schema_bytes: int = 64 << 10
+    max_schema_bytes: int = 128 << 10
     max_schema_depth: int = 64
     compile_timeout_s: float = 10.0
     mask_timeout_s: float = 0.25
