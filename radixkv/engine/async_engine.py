@@ -50,6 +50,7 @@ class _Add:
     stream: RequestStream
     future: concurrent.futures.Future[str]
     guide_grammar: Any = None  # params.guide, compiled before queuing (never on the engine thread)
+    owner: str | None = None  # whose fair share of the batch it takes
 
 
 @dataclass(slots=True)
@@ -204,6 +205,7 @@ class AsyncEngine:
         *,
         salt: str | None = None,
         request_id: str | None = None,
+        owner: str | None = None,
     ) -> RequestStream:
         """Queue a request; return its stream once the engine has accepted it.
 
@@ -216,7 +218,7 @@ class AsyncEngine:
         request_id = request_id or f"{self._id_prefix}-{next(self._ids)}"
         stream = RequestStream(self, request_id, loop)
         future: concurrent.futures.Future[str] = concurrent.futures.Future()
-        self._post(_Add(list(prompt_token_ids), params, salt, request_id, stream, future, grammar))
+        self._post(_Add(list(prompt_token_ids), params, salt, request_id, stream, future, grammar, owner))
         try:
             await asyncio.wrap_future(future)
         except asyncio.CancelledError:
@@ -360,6 +362,7 @@ class AsyncEngine:
                     salt=command.salt,
                     request_id=command.request_id,
                     guide_grammar=command.guide_grammar,
+                    owner=command.owner,
                 )
             except Exception as error:  # noqa: BLE001 - InvalidRequest, QueueFull: the caller's to handle
                 command.future.set_exception(error)

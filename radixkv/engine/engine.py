@@ -163,9 +163,11 @@ class Engine:
         salt: str | None = None,
         request_id: str | None = None,
         guide_grammar: Any = None,
+        owner: str | None = None,
     ) -> str:
         """Queue a request; its id. `guide_grammar` is params.guide compiled beforehand off
-        this thread (AsyncEngine.submit); without it a guide compiles (or is found cached) here."""
+        this thread (AsyncEngine.submit); without it a guide compiles (or is found cached) here.
+        `owner` (the server's Tenants.owner) is whose fair share of the batch it takes."""
         params = params or SamplingParams()
         self.check_request(prompt_token_ids, params, salt, guide_checked=guide_grammar is not None)
         if params.n > self.queue_room():
@@ -175,7 +177,7 @@ class Engine:
             raise InvalidRequest(f"request_id {request_id!r} is already in use", param="request_id")
         prompt = list(prompt_token_ids)
         seqs = [
-            SequenceState(next(self._seq_ids), request_id, i, prompt, params, salt, self.scheduler.step_count)
+            SequenceState(next(self._seq_ids), request_id, i, prompt, params, salt, self.scheduler.step_count, owner=owner)
             for i in range(params.n)
         ]
         if params.guide is not None:

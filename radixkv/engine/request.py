@@ -112,6 +112,9 @@ class SequenceState:
     salt: str | None
     arrival_step: int
     arrival_time: float = field(default_factory=time.perf_counter)
+    # Whose share of the batch it takes (the server's Tenants.owner of its API key); None for
+    # in-process callers, who are one owner together.
+    owner: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None

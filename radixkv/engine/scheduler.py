@@ -2,13 +2,15 @@
 
 Running sequences go first (decode tokens and continuing prefill chunks); then waiting ones
 are admitted in policy order (`lpm`: longest cached prefix first, with in-step deferral and
-an aging bound; `fcfs`) while the token, sequence and page budgets allow. When pages run out
-the tree is evicted first, then the most recently admitted sequence is preempted.
+an aging bound; `fcfs`), taken across owners (API keys) fewest-running first, while the
+token, sequence and page budgets allow. When pages run out the tree is evicted first, then
+the most recently admitted sequence is preempted.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import heapq
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from radixkv.config import EngineConfig
@@ -178,14 +180,39 @@ class Scheduler:
 
     def _waiting_in_policy_order(self) -> list[tuple[SequenceState, int]]:
         """Waiting sequences in the order to try them, each with its cached-token count now
-        (-1 where the policy did not look)."""
+        (-1 where the policy did not look), shared fairly among their owners."""
         waiting = list(self.waiting)
         if self.config.policy == "fcfs" or len(waiting) > self.config.lpm_fcfs_queue_threshold:
-            return [(s, -1) for s in waiting]
+            return self._shared_among_owners([(s, -1) for s in waiting])
         overdue = [(s, -1) for s in waiting if self._overdue(s)]
         rest = [(s, self.kv.peek_seq(s).num_cached_tokens) for s in waiting if not self._overdue(s)]
         rest.sort(key=lambda pair: -pair[1])  # stable: arrival order among equals
-        return overdue + rest
+        return self._shared_among_owners(overdue + rest)
+
+    def _shared_among_owners(self, order: list[tuple[SequenceState, int]]) -> list[tuple[SequenceState, int]]:
+        """`order` interleaved across owners: each next candidate is the first (in `order`) of
+        the owner with the fewest sequences running or placed before it, ties going to the
+        earlier in `order`. One key holding many requests then gets its share of the batch, not
+        all of it, and every other key's next request goes ahead of its backlog. With a single
+        owner (in-process use) the order is unchanged."""
+        queues: dict[str | None, deque[tuple[int, tuple[SequenceState, int]]]] = {}
+        for position, item in enumerate(order):
+            queues.setdefault(item[0].owner, deque()).append((position, item))
+        if len(queues) <= 1:
+            return order
+        running = Counter(seq.owner for seq in self.running)
+        # (load, position of the owner's next candidate, owner): positions are unique, so the
+        # owners themselves (str or None) are never compared.
+        heap = [(running[owner], queue[0][0], owner) for owner, queue in queues.items()]
+        heapq.heapify(heap)
+        shared: list[tuple[SequenceState, int]] = []
+        while heap:
+            load, _, owner = heapq.heappop(heap)
+            queue = queues[owner]
+            shared.append(queue.popleft()[1])
+            if queue:
+                heapq.heappush(heap, (load + 1, queue[0][0], owner))
+        return shared
 
     def _overdue(self, seq: SequenceState) -> bool:
         return self.step_count - seq.arrival_step > self.config.max_wait_steps

@@ -121,7 +121,7 @@ def register(app: FastAPI, server: Server) -> None:
         body, tools, prompt, names, params = await server.parse_slots.run(key, prepare)
         salt = server.tenants.cache_salt(key, body.cache_salt)
         streams = await submit(
-            server.engine, server.metrics, [prompt], params, salt, names, quotas=server.quotas, key=key
+            server.engine, server.metrics, [prompt], params, salt, names, quotas=server.quotas, key=key, owner=server.tenants.owner(key)
         )
         hints = _CacheHints(server, body, [prompt], salt, server.tenants.owner(key))
         if body.stream:
@@ -147,7 +147,7 @@ def register(app: FastAPI, server: Server) -> None:
         body, prompts, params = await server.parse_slots.run(key, prepare)
         salt = server.tenants.cache_salt(key, body.cache_salt)
         streams = await submit(
-            server.engine, server.metrics, prompts, params, salt, names, quotas=server.quotas, key=key
+            server.engine, server.metrics, prompts, params, salt, names, quotas=server.quotas, key=key, owner=server.tenants.owner(key)
         )
         hints = _CacheHints(server, body, prompts, salt, server.tenants.owner(key))
         if body.stream:

@@ -45,9 +45,11 @@ async def submit(
     *,
     quotas: KeyQuotas | None = None,
     key: bytes | None = None,
+    owner: str | None = None,
 ) -> list[RequestStream]:
     """One stream per prompt, or none: if any submission fails, those made are aborted. With
-    `quotas`, each request holds a share of `key`'s quota until its stream is done (429 past it)."""
+    `quotas`, each request holds a share of `key`'s quota until its stream is done (429 past it);
+    `owner` (Tenants.owner of the key) is whose fair share of the engine's batch each takes."""
     streams: list[RequestStream] = []
     leases: list[Lease] = []
     if quotas is not None:
@@ -56,7 +58,7 @@ async def submit(
         for prompt in prompts:
             if quotas is not None:
                 leases.append(quotas.acquire(key, 1, params.n))
-            stream = await engine.submit(prompt, params, salt=salt)
+            stream = await engine.submit(prompt, params, salt=salt, owner=owner)
             streams.append(stream)
             if quotas is not None:
                 stream.add_done_callback(leases[-1].release)

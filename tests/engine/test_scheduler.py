@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 
 from radixkv.cache.hashing import BlockHasher
 from radixkv.cache.pages import PagePool
@@ -156,3 +157,51 @@ def test_page_shortage_preempts_the_newest_and_it_recomputes_later():
     assert b in preempted and a not in preempted
     assert scheduler.num_preemptions >= 1
     assert len(a.output_token_ids) > len(b.output_token_ids)
+
+
+def _owned(tokens: list[int], owner: str | None, max_tokens: int = 4) -> SequenceState:
+    seq = make_seq(tokens, max_tokens)
+    seq.owner = owner
+    return seq
+
+
+def test_a_key_with_a_backlog_gets_its_share_not_the_whole_batch():
+    # Key "flood" queued 12 requests before key "well" sent 2: with 4 sequence slots each key
+    # gets 2, and "well" does not wait behind the backlog (before owners: flood took all 4).
+    scheduler = make_scheduler(max_num_seqs=4, policy="fcfs")
+    flood = [_owned([100 + i] * 6, "flood", max_tokens=50) for i in range(12)]
+    well = [_owned([200 + i] * 6, "well") for i in range(2)]
+    for seq in flood + well:
+        scheduler.add(seq)
+    run_step(scheduler)
+    running = Counter(seq.owner for seq in scheduler.running)
+    assert running == {"flood": 2, "well": 2}
+    # A slot freed by "well" goes to "well" again while it waits, and to "flood" otherwise.
+    done = well[0]
+    scheduler.remove(done)
+    scheduler.add(_owned([300] * 6, "well"))
+    run_step(scheduler)
+    assert Counter(seq.owner for seq in scheduler.running) == {"flood": 2, "well": 2}
+
+
+def test_one_owner_keeps_the_policy_order_unchanged():
+    # In-process callers (owner None) and a server with one key see the policy's order as it was.
+    scheduler = make_scheduler(policy="fcfs")
+    seqs = [_owned([400 + i] * 5, None) for i in range(5)]
+    for seq in seqs:
+        scheduler.add(seq)
+    assert [s for s, _ in scheduler._waiting_in_policy_order()] == seqs
+
+
+def test_owners_take_turns_fewest_running_first():
+    scheduler = make_scheduler(policy="fcfs")
+    a = [_owned([500 + i] * 5, "a") for i in range(4)]
+    b = [_owned([600 + i] * 5, "b") for i in range(2)]
+    c = [_owned([700] * 5, "c")]
+    running_b = _owned([800] * 5, "b")
+    scheduler.add(running_b)
+    run_step(scheduler)  # b has one running now
+    for seq in a + b + c:
+        scheduler.add(seq)
+    order = [s.owner for s, _ in scheduler._waiting_in_policy_order()]
+    assert order == ["a", "c", "a", "b", "a", "b", "a"]
