@@ -2,7 +2,8 @@
 the health checks needs one (as `Authorization: Bearer` or `x-api-key`), checked before the body
 is read; the operator endpoints (/metrics, /get_load, /server_info, /model_info) can be opened
 with ServerLimits.public_operator_endpoints. Without keys (a local server), requests a web page
-could forge are refused: a foreign Origin, a non-loopback Host, a non-JSON body.
+could forge are refused: a foreign Origin, a non-loopback Host, a non-JSON body. A generation
+request from a key with its whole share in flight is refused (429) here too, unread.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from radixkv.server.errors import APIError
 from radixkv.server.limits import ServerLimits
+from radixkv.server.quotas import KeyQuotas
 from radixkv.server.tenants import Tenants
 
 # Routers and supervisors probe these without credentials; they tell only whether it serves.
@@ -20,6 +22,8 @@ OPEN_PATHS = frozenset(["/health", "/health_generate"])
 OPERATOR_PATHS = frozenset(
     ["/metrics", "/get_load", "/server_info", "/get_server_info", "/model_info", "/get_model_info"]
 )
+# The paths whose POST becomes engine requests, each counted against its key's share.
+GENERATION_PATHS = frozenset(["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/v1/cache/pin"])
 _LOOPBACK_HOSTS = frozenset(["localhost", "127.0.0.1", "[::1]", "::1"])
 _BODY_METHODS = frozenset(["POST", "PUT", "PATCH", "DELETE"])
 
@@ -29,10 +33,11 @@ class AccessGuard:
     caller's key (its tenant); this guard makes sure no route, and no body read, runs for a
     caller without one."""
 
-    def __init__(self, app: ASGIApp, tenants: Tenants, limits: ServerLimits) -> None:
+    def __init__(self, app: ASGIApp, tenants: Tenants, limits: ServerLimits, quotas: KeyQuotas | None = None) -> None:
         self.app = app
         self.tenants = tenants
         self.limits = limits
+        self.quotas = quotas  # None: no per-key shares to check (the Ray Serve ingress)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
@@ -46,10 +51,14 @@ class AccessGuard:
         headers = Headers(scope=scope)
         path = scope.get("path", "")
         try:
+            key = None
             if not self.tenants.auth_required:
                 self._check_same_site(headers, scope.get("method", "GET"))
             elif path not in OPEN_PATHS and not (path in OPERATOR_PATHS and self.limits.public_operator_endpoints):
-                self.tenants.authenticate_headers(headers)
+                key = self.tenants.authenticate_headers(headers)
+            if self.quotas is not None and path in GENERATION_PATHS and scope.get("method") == "POST":
+                # A flooding key's excess then costs no body read, parse, template or tokenizer.
+                self.quotas.check_room(key)
         except APIError as error:
             return error
         return None

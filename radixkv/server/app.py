@@ -28,6 +28,7 @@ from radixkv.server.protocol import (
     CompletionRequest,
     PinRequest,
 )
+from radixkv.server.quotas import KeyQuotas
 from radixkv.server.responses_protocol import ResponsesRequest
 from radixkv.server.state import Server
 from radixkv.server.tenants import Tenants
@@ -58,7 +59,7 @@ def create_app(
     app.state.radixkv = server
     install_error_handlers(app)
     # Added last runs first: count every request, then refuse forged or oversized ones unread.
-    install_guards(app, server.tenants, server.limits)
+    install_guards(app, server.tenants, server.limits, server.quotas)
     app.add_middleware(DrainGuard, drain=server.drain)  # refusals while draining are counted too
     app.add_middleware(CountRequests, metrics=server.metrics)
     server.metrics.registry.register(DrainCollector(server.drain))
@@ -84,10 +85,10 @@ def create_app(
     return app
 
 
-def install_guards(app: FastAPI, tenants: Tenants, limits: ServerLimits) -> None:
+def install_guards(app: FastAPI, tenants: Tenants, limits: ServerLimits, quotas: KeyQuotas | None = None) -> None:
     """AccessGuard, then LimitBody: a caller without a valid key is refused before a byte of
     its body is read, and a body is read only up to the size limit and the read deadline.
     Shared with the Ray Serve ingress (radixkv.ray_serve), which must refuse the same requests."""
     # Starlette runs the middleware added last first.
     app.add_middleware(LimitBody, max_body_bytes=limits.max_body_bytes, body_read_timeout_s=limits.body_read_timeout_s)
-    app.add_middleware(AccessGuard, tenants=tenants, limits=limits)
+    app.add_middleware(AccessGuard, tenants=tenants, limits=limits, quotas=quotas)

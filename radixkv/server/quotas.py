@@ -54,22 +54,33 @@ class KeyQuotas:
                 code="request_too_large",
             )
 
+    def check_room(self, key: bytes | None) -> None:
+        """APIError 429 when `key` has no room for one more request: called before its body is
+        read, so a flooding key's excess costs the server no parse, template or tokenizer."""
+        with self._lock:
+            usage = self._usage.get(key)
+            if usage is not None and usage.requests >= self.max_requests:
+                raise self._full(usage)
+
     def acquire(self, key: bytes | None, requests: int, seqs: int) -> Lease:
         """A lease on `requests` engine requests of `seqs` sequences, or APIError 429."""
         with self._lock:
             usage = self._usage.setdefault(key, _Usage())
             if usage.requests + requests > self.max_requests or usage.seqs + seqs > self.max_seqs:
-                raise APIError(
-                    429,
-                    f"this API key has {usage.requests} requests ({usage.seqs} sequences) in flight; the server allows "
-                    f"{self.max_requests} requests and {self.max_seqs} sequences per key at once; retry later",
-                    type="rate_limit_error",
-                    code="rate_limit_exceeded",
-                    headers={"Retry-After": str(_RETRY_AFTER_S)},
-                )
+                raise self._full(usage)
             usage.requests += requests
             usage.seqs += seqs
         return Lease(self, key, requests, seqs)
+
+    def _full(self, usage: _Usage) -> APIError:
+        return APIError(
+            429,
+            f"this API key has {usage.requests} requests ({usage.seqs} sequences) in flight; the server allows "
+            f"{self.max_requests} requests and {self.max_seqs} sequences per key at once; retry later",
+            type="rate_limit_error",
+            code="rate_limit_exceeded",
+            headers={"Retry-After": str(_RETRY_AFTER_S)},
+        )
 
     def in_flight(self, key: bytes | None) -> tuple[int, int]:
         with self._lock:

@@ -129,3 +129,27 @@ def test_a_pin_is_released_when_its_timer_fires_a_moment_early(tiny_llama):
     assert pins.expire(engine) == 0 and engine.tree.locked_pages == 6
     now[0] = 102.0 - 0.002  # the timer, 2 ms early
     assert pins.expire(engine) == 1 and engine.tree.locked_pages == 0 and pins.pages == 0
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages"])
+def test_a_key_at_its_share_is_refused_before_its_body_is_read(shared_server, path):
+    # The 429 comes back while the body has not been sent at all: a flooding key's excess costs
+    # no parse, template or tokenizer (before, the server read, parsed and tokenized it first).
+    import socket
+
+    live = shared_server
+    opened = [open_stream(live, KEY_A, 100 + i) for i in range(2)]
+    try:
+        host, port = live.base_url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall(
+                f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nAuthorization: Bearer {KEY_A}\r\n"
+                "Content-Type: application/json\r\nContent-Length: 100000\r\n\r\n".encode()
+            )
+            answer = sock.recv(4096).decode(errors="replace")
+        assert answer.startswith("HTTP/1.1 429"), answer[:200]
+    finally:
+        for client, context, _ in opened:
+            context.__exit__(None, None, None)
+            client.close()
+    live.assert_idle_and_consistent()
