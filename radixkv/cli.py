@@ -62,6 +62,10 @@ def main(argv: list[str] | None = None) -> int:
     serving.add_argument("--max-requests-per-key", type=int, default=None, help="requests one key may have in flight (default 256)")
     serving.add_argument("--max-seqs-per-key", type=int, default=None, help="sequences (n summed) one key may have in flight (default 1024)")
     serving.add_argument("--max-parses-per-key", type=int, default=None, help="request bodies one key may have parsed at once (default 0: a quarter of the threads)")
+    serving.add_argument(
+        "--parse-cpu-share-per-key", type=float, default=None,
+        help="CPU seconds a second one key's request parsing may spend past a 2 s burst (default 0.25; 0: no share)",
+    )
     serving.add_argument("--max-pinned-pages-per-key", type=int, default=None, help="KV pages one key's pins may lock (default: a quarter of the page pool)")
     serving.add_argument("--max-stored-responses-per-key", type=int, default=None, help="Responses one key may keep for previous_response_id (default 1024)")
     serving.add_argument(
@@ -266,6 +270,7 @@ def _server_limits(args: argparse.Namespace, *, keyless_remote: bool) -> ServerL
         "max_requests_per_key": args.max_requests_per_key,
         "max_seqs_per_key": args.max_seqs_per_key,
         "max_parses_per_key": args.max_parses_per_key,
+        "parse_cpu_share_per_key": args.parse_cpu_share_per_key,
         "max_pinned_pages_per_key": args.max_pinned_pages_per_key,
         "pin_ttl_s": args.pin_ttl_s,
         "max_stored_responses_per_key": args.max_stored_responses_per_key,

@@ -397,7 +397,8 @@ async def oversized(base_url: str, key: str, count: int, max_body_bytes: int, ta
                 # The server answered 413 and closed while the body was still going out.
                 tally.oversized_cut_off += 1
                 continue
-            tally.oversized_refused_413 += response.status_code == 413
+            # 429: the key's share is in flight (its own flood), refused unread as well.
+            tally.oversized_refused_413 += response.status_code in (413, 429)
 
 
 # A string only raw control bytes could continue: the grammar has no way on after `{"a":"`.
@@ -733,7 +734,7 @@ def format_abuse(report: Report) -> str:
     lines += [
         "",
         f"flooding key: {tally.flood_sent} sent, {tally.flood_refused_429} refused with 429, {tally.flood_other} other errors",
-        f"oversized bodies: {tally.oversized_sent} sent, {tally.oversized_refused_413} refused with 413, "
+        f"oversized bodies: {tally.oversized_sent} sent, {tally.oversized_refused_413} refused with 413 (or 429), "
         f"{tally.oversized_cut_off} cut off unread",
         f"slow readers: {tally.slow_readers} opened and never read (aborts seen by server: {int(report.server_aborts)})",
         f"requests with too many tools: {tally.many_tools_sent} sent, {tally.many_tools_refused} refused with 4xx",

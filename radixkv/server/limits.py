@@ -29,6 +29,12 @@ class ServerLimits:
     # wait without a thread, up to max_requests_per_key, then 429). 0: a quarter of the thread
     # pool (anyio's, 40 threads: 10), so one key never holds every parsing thread.
     max_parses_per_key: int = 0
+    # Per key: CPU seconds a second its parses may spend, past a burst (a parse then waits,
+    # holding no thread, until its key's earlier parses are paid off): one key sending large
+    # bodies back to back gets a quarter of a core, not the interpreter lock the engine needs.
+    # 0: no share.
+    parse_cpu_share_per_key: float = 0.25
+    parse_cpu_burst_s: float = 2.0
     # KV pages one key's pins may lock together (besides the server-wide cap on all pins);
     # None: a quarter of the page pool (cache_routes.MAX_PINNED_FRACTION_PER_KEY), so the cap
     # scales with the pool.
@@ -67,6 +73,8 @@ class ServerLimits:
         _int_in("max_requests_per_key", self.max_requests_per_key, 1, 1 << 30)
         _int_in("max_seqs_per_key", self.max_seqs_per_key, 1, 1 << 30)
         _int_in("max_parses_per_key", self.max_parses_per_key, 0, 1 << 20)
+        _seconds("parse_cpu_share_per_key", self.parse_cpu_share_per_key, allow_zero=True)
+        _seconds("parse_cpu_burst_s", self.parse_cpu_burst_s, allow_zero=True)
         if self.max_pinned_pages_per_key is not None:
             _int_in("max_pinned_pages_per_key", self.max_pinned_pages_per_key, 0, 1 << 30)
         _int_in("max_stored_responses_per_key", self.max_stored_responses_per_key, 1, 1 << 30)

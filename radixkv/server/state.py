@@ -35,7 +35,11 @@ class Server:
 
     def __post_init__(self) -> None:
         self.quotas = KeyQuotas(self.limits.max_requests_per_key, self.limits.max_seqs_per_key)
-        self.parse_slots = ParseSlots(self.limits.max_parses_per_key, self.limits.max_requests_per_key)
+        limits = self.limits
+        self.parse_slots = ParseSlots(
+            limits.max_parses_per_key, limits.max_requests_per_key,
+            cpu_share=limits.parse_cpu_share_per_key, cpu_burst_s=limits.parse_cpu_burst_s,
+        )  # fmt: skip
 
     def check_model(self, model: str) -> None:
         """APIError 404 unless `model` names the model this server serves."""

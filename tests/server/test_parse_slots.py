@@ -5,6 +5,7 @@ parses wait without a thread, and past the waiting bound it gets 429 with Retry-
 from __future__ import annotations
 
 import asyncio
+import time
 import threading
 
 import anyio
@@ -98,3 +99,40 @@ def test_every_route_parses_through_the_slots(live_server) -> None:
         ]:
             assert client.post(path, json=body).status_code == 200
     assert slots._keys == {}
+
+
+def _burn_cpu(seconds: float) -> str:
+    start = time.thread_time()
+    while time.thread_time() - start < seconds:
+        pass
+    return "burnt"
+
+
+def test_a_key_past_its_cpu_share_waits_while_another_key_parses_at_once() -> None:
+    async def main() -> None:
+        # A share of 0.01 CPU-seconds a second past a 0.01 s burst: after 0.1 s of parsing,
+        # key a owes about 9 s before its next parse may start; key b owes nothing.
+        slots = ParseSlots(per_key=2, limiter=anyio.CapacityLimiter(4), cpu_share=0.01, cpu_burst_s=0.01)
+        assert await slots.run(b"a", lambda: _burn_cpu(0.1)) == "burnt"
+        assert slots._debts[b"a"].seconds >= 0.1  # the thread's CPU time, charged to its key
+        started = asyncio.Event()
+        waiting = asyncio.create_task(slots.run(b"a", started.set))
+        assert await slots.run(b"b", lambda: "b") == "b"  # another key is never held up
+        await asyncio.sleep(0.3)
+        assert not started.is_set() and slots.in_use(b"a") == 1  # waits, holding no thread
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        assert slots.in_use(b"a") == 0
+
+    asyncio.run(main())
+
+
+def test_without_a_share_nothing_is_charged() -> None:
+    async def main() -> None:
+        slots = ParseSlots(per_key=1, limiter=anyio.CapacityLimiter(2), cpu_share=0.0)
+        for _ in range(3):
+            assert await slots.run(b"a", lambda: _burn_cpu(0.02)) == "burnt"
+        assert slots._debts == {}
+
+    asyncio.run(main())
