@@ -526,7 +526,7 @@ def open_slow_readers(base_url: str, key: str, body: dict[str, Any], count: int,
 
 
 async def run_with_abuse(
-    base_url: str, api_keys: list[str], abuser_key: str, jobs: list[Job], args: argparse.Namespace, model_name: str
+    base_url: str, api_keys: list[str], abuser_keys: tuple[str, str], jobs: list[Job], args: argparse.Namespace, model_name: str
 ) -> tuple[list[Outcome], float, AbuseTally]:
     """The well-behaved clients here, as in the run alone; the abusers in a process of their
     own at a lower CPU priority, as they would be on another machine: in this process their
@@ -537,10 +537,10 @@ async def run_with_abuse(
     slow_body = {"model": model_name, "prompt": "Never read: " + TEXT[:200], "max_tokens": args.slow_reader_tokens,
                  "temperature": 0, "stream": True, "logprobs": 5}
     slow_tally = AbuseTally()
-    sockets = open_slow_readers(base_url, abuser_key, slow_body, args.slow_readers, slow_tally)
+    sockets = open_slow_readers(base_url, abuser_keys[0], slow_body, args.slow_readers, slow_tally)
     spawn = multiprocessing.get_context("spawn")
     stop, results = spawn.Event(), spawn.Queue()
-    abusers = spawn.Process(target=abuse_in_own_process, args=(base_url, abuser_key, model_name, vars(args), stop, results), daemon=True)
+    abusers = spawn.Process(target=abuse_in_own_process, args=(base_url, abuser_keys, model_name, vars(args), stop, results), daemon=True)
     abusers.start()
     try:
         outcomes, wall_s = await run_clients(base_url, api_keys, jobs, args)
@@ -557,22 +557,26 @@ async def run_with_abuse(
     return outcomes, wall_s, tally
 
 
-def abuse_in_own_process(base_url: str, abuser_key: str, model_name: str, options: dict, stop: Any, results: Any) -> None:
+def abuse_in_own_process(base_url: str, abuser_keys: tuple[str, str], model_name: str, options: dict, stop: Any, results: Any) -> None:
     """The abusive clients until `stop` (a multiprocessing Event), then their tally on `results`."""
     import os
 
     os.nice(10)  # the abusers' own CPU is not the server's to defend
-    results.put(asyncio.run(_abuse(base_url, abuser_key, model_name, argparse.Namespace(**options), stop)))
+    results.put(asyncio.run(_abuse(base_url, abuser_keys, model_name, argparse.Namespace(**options), stop)))
 
 
-async def _abuse(base_url: str, abuser_key: str, model_name: str, args: argparse.Namespace, outer_stop: Any) -> dict[str, Any]:
+async def _abuse(base_url: str, abuser_keys: tuple[str, str], model_name: str, args: argparse.Namespace, outer_stop: Any) -> dict[str, Any]:
+    """The first abusive key floods, reads nothing and sends oversized bodies; the second sends
+    what no request may carry and stores Responses by the thousand (below its share, so its
+    requests reach the caps rather than the first key's 429s)."""
+    flooder, prober = abuser_keys
     tally = AbuseTally()
     stop = asyncio.Event()
     flood_body = {"model": model_name, "prompt": "Flood: " + TEXT[:120], "max_tokens": args.max_tokens, "temperature": 0}
-    flooding = asyncio.create_task(flood(base_url, abuser_key, flood_body, args.flood_concurrency, stop, tally))
-    too_big = asyncio.create_task(oversized(base_url, abuser_key, args.oversized, args.max_body_bytes, tally))
-    attacks = asyncio.create_task(request_attacks(base_url, abuser_key, model_name, args, stop, tally))
-    storing = asyncio.create_task(store_flood(base_url, abuser_key, model_name, args.store_flood, stop, tally))
+    flooding = asyncio.create_task(flood(base_url, flooder, flood_body, args.flood_concurrency, stop, tally))
+    too_big = asyncio.create_task(oversized(base_url, flooder, args.oversized, args.max_body_bytes, tally))
+    attacks = asyncio.create_task(request_attacks(base_url, prober, model_name, args, stop, tally))
+    storing = asyncio.create_task(store_flood(base_url, prober, model_name, args.store_flood, stop, tally))
     await asyncio.to_thread(outer_stop.wait)
     await storing
     stop.set()
@@ -773,7 +777,7 @@ def main(argv: list[str] | None = None) -> int:
         engine.tokenizer.chat_template = PLAIN_CHAT_TEMPLATE
     model_name = served_model_name(args.model)
     api_keys = [f"sk-load-{k}-" + secrets.token_hex(8) for k in range(args.well_keys)]
-    abuser_key = "sk-abuse-" + secrets.token_hex(8)
+    abuser_keys = ("sk-abuse-flood-" + secrets.token_hex(8), "sk-abuse-probe-" + secrets.token_hex(8))
     jobs = build_jobs(args, engine.tokenizer, model_name)
     async_engine = AsyncEngine(engine)
     # A well-behaved key's cap must not bind on well-behaved traffic: clients take jobs from one
@@ -787,7 +791,7 @@ def main(argv: list[str] | None = None) -> int:
     alone: list[Outcome] = []
     tally = None
     try:
-        app = create_app(async_engine, api_keys=[*api_keys, abuser_key], model_name=model_name, limits=limits)
+        app = create_app(async_engine, api_keys=[*api_keys, *abuser_keys], model_name=model_name, limits=limits)
         with ServerThread(app, HOST) as server:
             print(
                 f"serving on {server.base_url}: {engine.pool.num_pages} KV pages of {engine.pool.page_size} tokens; "
@@ -802,7 +806,7 @@ def main(argv: list[str] | None = None) -> int:
                 # Only the retained pages are promised to stay (at most the cap); the rest may go.
                 kept.retained_tokens = min(kept.retained_tokens, well_retained * args.page_size)
                 outcomes, wall_s, tally = asyncio.run(
-                    run_with_abuse(server.base_url, api_keys, abuser_key, salted(jobs, "abused"), args, model_name)
+                    run_with_abuse(server.base_url, api_keys, abuser_keys, salted(jobs, "abused"), args, model_name)
                 )
                 check_after_abuse(server.base_url, api_keys[0], model_name, kept, tally)
                 tally.retained_pages_end = async_engine.call(lambda e: e.stats().cache.retained_pages).result(60)

@@ -8,6 +8,8 @@ request from a key with its whole share in flight is refused (429) here too, unr
 
 from __future__ import annotations
 
+import asyncio
+
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -43,6 +45,11 @@ class AccessGuard:
         if scope["type"] == "http":
             error = self._refusal(scope)
             if error is not None:
+                if error.status == 429:
+                    # Held for its Retry-After before it is sent (an idle coroutine, no thread):
+                    # a client retrying at once then costs one request per lane a second, not
+                    # hundreds that each take the event loop and the interpreter lock.
+                    await asyncio.sleep(float(error.headers.get("Retry-After", "0")) if error.headers else 0.0)
                 await error.response_for(scope.get("path", ""))(scope, receive, send)
                 return
         await self.app(scope, receive, send)
