@@ -819,6 +819,13 @@ def main(argv: list[str] | None = None) -> int:
             aborts = server_aborts(server.base_url, api_keys[0])
     finally:
         async_engine.shutdown()
+    from radixkv.scenarios.machine import machine_limits
+
+    limits_measured = machine_limits(engine.dtype)  # after the run: nothing else is running
+    print(
+        f"{limits_measured['cpu']}, {limits_measured['torch_threads']} threads, read {limits_measured['read_bandwidth_gb_s']:.1f} GB/s, "
+        f"{limits_measured['matmul_dtype']} matmul {limits_measured['matmul_gflops']:.0f} GFLOP/s"
+    )
     report = make_report(args, model_name, outcomes, wall_s, stats, check, aborts)
     if tally is not None:
         report.abuse, report.keys = tally, key_rows(alone, outcomes, args.well_keys)
@@ -828,7 +835,7 @@ def main(argv: list[str] | None = None) -> int:
         print("  failed", failure)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    payload = {**asdict(report), "ok": report.ok, "abuse_ok": report.abuse_ok, "args": vars(args)}
+    payload = {**asdict(report), "ok": report.ok, "abuse_ok": report.abuse_ok, "args": vars(args), "machine_limits": limits_measured}
     payload["keys"] = [{**asdict(row), "p99_ratio": row.p99_ratio} for row in report.keys]
     (out / "load_test.json").write_text(json.dumps(payload, indent=2))
     print(f"wrote {out / 'load_test.json'}")
