@@ -98,6 +98,13 @@ def install_error_handlers(app: FastAPI) -> None:
         return APIError(500, "internal server error", type="server_error", code="internal_error").response()
 
 
+def rate_limited(message: str, retry_after_s: int = 1) -> APIError:
+    """A 429 for a key past one of its per-key shares, telling the client when to retry."""
+    return APIError(
+        429, message, type="rate_limit_error", code="rate_limit_exceeded", headers={"Retry-After": str(retry_after_s)}
+    )
+
+
 # -- request bodies --------------------------------------------------------------------------
 
 

@@ -14,7 +14,7 @@ from typing import TypeVar
 
 import anyio.to_thread
 
-from radixkv.server.errors import APIError
+from radixkv.server.errors import rate_limited
 
 T = TypeVar("T")
 
@@ -80,13 +80,10 @@ class ParseSlots:
         if slots is None:
             slots = self._keys[key] = _KeySlots(asyncio.Semaphore(self.limit()))
         if slots.users >= self.limit() + self.max_waiting:
-            raise APIError(
-                429,
+            raise rate_limited(
                 f"this API key has {slots.users} request bodies being parsed or waiting to be; the server parses "
                 f"{self.limit()} per key at once and queues {self.max_waiting} more; retry later",
-                type="rate_limit_error",
-                code="rate_limit_exceeded",
-                headers={"Retry-After": str(_RETRY_AFTER_S)},
+                _RETRY_AFTER_S,
             )
         slots.users += 1
         try:

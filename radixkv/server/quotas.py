@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from radixkv.server.errors import APIError
+from radixkv.server.errors import APIError, rate_limited
 
 # Seconds a refused client is told to wait: requests usually finish within a few steps.
 _RETRY_AFTER_S = 1
@@ -73,13 +73,10 @@ class KeyQuotas:
         return Lease(self, key, requests, seqs)
 
     def _full(self, usage: _Usage) -> APIError:
-        return APIError(
-            429,
+        return rate_limited(
             f"this API key has {usage.requests} requests ({usage.seqs} sequences) in flight; the server allows "
             f"{self.max_requests} requests and {self.max_seqs} sequences per key at once; retry later",
-            type="rate_limit_error",
-            code="rate_limit_exceeded",
-            headers={"Retry-After": str(_RETRY_AFTER_S)},
+            _RETRY_AFTER_S,
         )
 
     def in_flight(self, key: bytes | None) -> tuple[int, int]:
