@@ -91,7 +91,7 @@ class GuideCompiler:
                 self._grammars.move_to_end(key)
                 return _done(grammar)
             if key in self._too_slow:
-                return _failed(InvalidRequest(self._too_slow[key], param="response_format"))
+                return _failed(_too_complex(self._too_slow[key]))
             future = self._in_flight.get(key)
             if future is not None:
                 return future
@@ -118,9 +118,7 @@ class GuideCompiler:
     def refuse_slow(self, guide: JsonGuide) -> InvalidRequest:
         """The error for a guide whose compile ran past the timeout; remembered, so the schema
         is refused at once from now on (its compile may still finish on its thread)."""
-        message = f"the JSON schema took longer than {self.limits.compile_timeout_s:g} s to compile; simplify it"
-        self._remember_slow(_key(guide), message)
-        return InvalidRequest(message, param="response_format", code="schema_too_complex")
+        return self._slow(_key(guide), f"the JSON schema took longer than {self.limits.compile_timeout_s:g} s to compile; simplify it")
 
     def _compile(self, key: GuideKey, schema: str) -> Any:
         start_s = time.perf_counter()
@@ -162,14 +160,12 @@ class GuideCompiler:
             raise InvalidRequest("the JSON schema allows no token this model can start with", param="response_format", code="schema_unsatisfiable")
 
     def _slow(self, key: GuideKey, message: str) -> InvalidRequest:
-        self._remember_slow(key, message)
-        return InvalidRequest(message, param="response_format", code="schema_too_complex")
-
-    def _remember_slow(self, key: GuideKey, message: str) -> None:
+        """The refusal of a schema too slow to compile or mask, remembered for its next time."""
         with self._lock:
             self._too_slow[key] = message
             if len(self._too_slow) > MAX_REMEMBERED_SLOW:
                 self._too_slow.popitem(last=False)
+        return _too_complex(message)
 
     def _xgrammar_compiler(self) -> Any:
         with self._lock:
@@ -182,6 +178,10 @@ class GuideCompiler:
                 self.no_control_bytes = _control_free_bitmask(info, self.vocab_size)
                 self._compiler = xgrammar.GrammarCompiler(info, max_threads=min(MAX_FILL_THREADS, os.cpu_count() or 1))
             return self._compiler
+
+
+def _too_complex(message: str) -> InvalidRequest:
+    return InvalidRequest(message, param="response_format", code="schema_too_complex")
 
 
 def _key(guide: JsonGuide) -> GuideKey:

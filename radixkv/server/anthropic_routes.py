@@ -57,7 +57,7 @@ async def _messages(server: Server, request: Request) -> Response:
     salt = server.tenants.cache_salt(key, None)  # the same partition as the key's OpenAI calls
     owner = server.tenants.owner(key)  # whose retention cap the breakpoints count against
     streams = await submit(
-        server.engine, server.metrics, [prompt], params, salt, _NAMES, quotas=server.quotas, key=key, owner=server.tenants.owner(key)
+        server.engine, server.metrics, [prompt], params, salt, _NAMES, quotas=server.quotas, key=key, owner=owner
     )
     ctx = _Context(server, body, conv, prompt, salt, owner, marks)
     if body.stream:

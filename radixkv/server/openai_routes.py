@@ -119,11 +119,11 @@ def register(app: FastAPI, server: Server) -> None:
             return body, tools, prompt, names, params
 
         body, tools, prompt, names, params = await server.parse_slots.run(key, prepare)
-        salt = server.tenants.cache_salt(key, body.cache_salt)
+        salt, owner = server.tenants.cache_salt(key, body.cache_salt), server.tenants.owner(key)
         streams = await submit(
-            server.engine, server.metrics, [prompt], params, salt, names, quotas=server.quotas, key=key, owner=server.tenants.owner(key)
+            server.engine, server.metrics, [prompt], params, salt, names, quotas=server.quotas, key=key, owner=owner
         )
-        hints = _CacheHints(server, body, [prompt], salt, server.tenants.owner(key))
+        hints = _CacheHints(server, body, [prompt], salt, owner)
         if body.stream:
             events = hints.after(_chat_events(server, texts, body, tools, streams, params.n))
             return SSEResponse(events, streams, server.limits.stream_send_timeout_s)
@@ -145,11 +145,11 @@ def register(app: FastAPI, server: Server) -> None:
             return body, prompts, _sampling_params(server, body, prompts, body.max_tokens, names, default_max_tokens=default)
 
         body, prompts, params = await server.parse_slots.run(key, prepare)
-        salt = server.tenants.cache_salt(key, body.cache_salt)
+        salt, owner = server.tenants.cache_salt(key, body.cache_salt), server.tenants.owner(key)
         streams = await submit(
-            server.engine, server.metrics, prompts, params, salt, names, quotas=server.quotas, key=key, owner=server.tenants.owner(key)
+            server.engine, server.metrics, prompts, params, salt, names, quotas=server.quotas, key=key, owner=owner
         )
-        hints = _CacheHints(server, body, prompts, salt, server.tenants.owner(key))
+        hints = _CacheHints(server, body, prompts, salt, owner)
         if body.stream:
             events = hints.after(_completion_events(server, texts, body, streams, params.n))
             return SSEResponse(events, streams, server.limits.stream_send_timeout_s)

@@ -89,7 +89,7 @@ def register(app: FastAPI, server: Server, store: ResponseStore | None = None) -
         body, turn, prompt = await server.parse_slots.run(key, prepare)
         salt = server.tenants.cache_salt(key, body.cache_salt)
         streams = await submit(
-            server.engine, server.metrics, [prompt], turn.params, salt, turn.names, quotas=server.quotas, key=key, owner=server.tenants.owner(key)
+            server.engine, server.metrics, [prompt], turn.params, salt, turn.names, quotas=server.quotas, key=key, owner=owner
         )
         if body.stream:
             return SSEResponse(_events(server, store, turn, streams), streams, server.limits.stream_send_timeout_s)
