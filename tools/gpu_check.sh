@@ -2,7 +2,7 @@
 # The GPU checks, short enough for one lent machine: `kernels` builds, checks and times the Triton
 # kernels and runs the GPU tests; `model GGUF` runs the default model end to end on the GPU.
 #
-#   tools/gpu_check.sh kernels          # radixkv/kernels/bench.py, the kernel and Triton engine tests
+#   tools/gpu_check.sh kernels          # scenarios/triton_kernels.py, the kernel and Triton engine tests
 #   tools/gpu_check.sh model FILE.gguf  # the demo, agent_system_prompt in bf16 and in fp32 vs transformers
 #
 # It runs from the repository root without installing radixkv (the GPU machine's python has torch,
@@ -34,7 +34,7 @@ kernels)
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
     gcc --version | head -1  # the native library plans cascade groups for the Triton backend too
     $PY -c "import sys, torch, triton, transformers; print(sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
-    stage 180 kernel_bench $PY -m radixkv.kernels.bench --out "$OUT/kernel_bench.json"
+    stage 180 kernel_bench $PY -m radixkv.scenarios.triton_kernels --out "$OUT/kernel_bench.json"
     # Workers compile the kernels' many shapes side by side (xdist is on the GPU machine's image).
     stage 200 gpu_tests $PY -m pytest -q -p no:cacheprovider -rs -n 8 tests/kernels tests/attention/test_triton_engine.py
     # The engine tests (scheduling, cache, sampling, exactness) with their LLMs on cuda. Some hold

@@ -1,8 +1,8 @@
-"""The OpenAI-compatible HTTP server (`radixkv serve`, in `radixkv.cli`): `app.create_app`.
+"""The HTTP server (`radixkv serve`, in `radixkv.cli`): `app.create_app` over `state.AppState`.
 
-Routes per API (`openai_routes`, `cache_routes`, `ops_routes`), `errors`, `tenants` (auth and
-cache salts), `streaming`, `prompts`, `metrics`; `protocol` holds the wire format. Before any
-route: `access` (who may reach the server) and `body_limit`; `limits` holds the server's knobs,
-`quotas` each key's fair share, `openapi` the request bodies in the schema. The engine runs
-beside the event loop through `radixkv.engine.async_engine.AsyncEngine`.
+One subpackage per API family (`openai/`, `anthropic/`, `cache/`), each with its wire format and
+routes; beside them the operator's and routers' routes (`ops_routes`, `worker_routes`) and what
+every family shares: `errors`, `tenants` (keys, partitions, owners), `encode` (prompts to token
+ids), `tools`, `logprobs`, `streaming`, `metrics`. Before any route: `connections`, `access`,
+`body_limit`, `drain`; `limits`, `quotas`, `parse_slots` and `request_caps` bound each key.
 """

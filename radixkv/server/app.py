@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP server as a FastAPI app: `create_app` builds the routes' shared
-state (`state.Server`), the guards before any route (`access`, `body_limit`) and registers the
-routes of `openai_routes`, `anthropic_routes`, `cache_routes`, `ops_routes` and
-`worker_routes` (what routers poll), with `drain` refusing new work while draining; `radixkv serve`
+state (`state.AppState`), the guards before any route (`access`, `body_limit`) and registers the
+routes of `openai/` (chat, completions, models, Responses), `anthropic/`, `cache/`, `ops_routes`
+and `worker_routes` (what routers poll), with `drain` refusing new work while draining; `radixkv serve`
 is in `radixkv.cli`.
 """
 
@@ -12,25 +12,28 @@ from collections.abc import Sequence
 from fastapi import FastAPI
 
 from radixkv.engine.async_engine import AsyncEngine
-from radixkv.server import anthropic_routes, cache_routes, openai_routes, ops_routes, responses_routes, worker_routes
+from radixkv.server import ops_routes, worker_routes
 from radixkv.server.access import AccessGuard
+from radixkv.server.anthropic import routes as anthropic_routes
+from radixkv.server.anthropic.protocol import MessagesRequest
 from radixkv.server.body_limit import LimitBody
-from radixkv.server.drain import DrainCollector, DrainGuard
-from radixkv.server.anthropic_protocol import MessagesRequest
-from radixkv.server.errors import install_error_handlers
-from radixkv.server.limits import ServerLimits
-from radixkv.server.openapi import document_request_bodies
-from radixkv.server.metrics import CountRequests, KVEventsCollector, ServerMetrics
-from radixkv.server.protocol import (
+from radixkv.server.cache import routes as cache_routes
+from radixkv.server.cache.protocol import (
     CacheFlushRequest,
     CacheLookupRequest,
-    ChatCompletionRequest,
-    CompletionRequest,
     PinRequest,
 )
+from radixkv.server.drain import DrainCollector, DrainGuard
+from radixkv.server.errors import install_error_handlers
+from radixkv.server.limits import ServerLimits
+from radixkv.server.metrics import CountRequests, KVEventsCollector, ServerMetrics
+from radixkv.server.openai import responses_routes
+from radixkv.server.openai import routes as openai_routes
+from radixkv.server.openai.protocol import ChatCompletionRequest, CompletionRequest
+from radixkv.server.openai.responses_protocol import ResponsesRequest
+from radixkv.server.openapi import document_request_bodies
 from radixkv.server.quotas import KeyQuotas
-from radixkv.server.responses_protocol import ResponsesRequest
-from radixkv.server.state import Server
+from radixkv.server.state import AppState
 from radixkv.server.tenants import Tenants
 
 
@@ -47,7 +50,7 @@ def create_app(
     """An app serving `async_engine` (started and shut down by the caller) as `model_name`.
     `tenant_secret` fixes the cache salts across restarts (a disk tier needs that to stay warm
     for tenants); `admin_keys` may also flush the cache."""
-    server = Server(
+    server = AppState(
         engine=async_engine,
         tenants=Tenants(api_keys, tenant_secret, admin_keys),
         model_name=model_name,

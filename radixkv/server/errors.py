@@ -18,8 +18,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from radixkv.engine.async_engine import EngineStepError, EngineStopped
 from radixkv.errors import InvalidRequest, QueueFull
-from radixkv.server.anthropic_protocol import error_body as anthropic_error_body
-from radixkv.server.protocol import ErrorBody, ErrorResponse
 from radixkv.server.request_caps import CapExceeded
 
 logger = logging.getLogger("radixkv.server")
@@ -28,6 +26,35 @@ M = TypeVar("M", bound=BaseModel)
 
 # What AsyncEngine.submit and a request's stream may raise that is not a bug of the server.
 ENGINE_ERRORS = (InvalidRequest, QueueFull, EngineStopped, EngineStepError)
+
+
+# The two wire shapes of an error: OpenAI's, and Anthropic's on its own paths.
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody
+
+
+# Anthropic's error type per HTTP status; 529 is its "overloaded".
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    529: "overloaded_error",
+}
+
+
+def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
+    return {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"), "message": message}}
 
 
 class APIError(Exception):

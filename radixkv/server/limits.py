@@ -36,7 +36,7 @@ class ServerLimits:
     parse_cpu_share_per_key: float = 0.25
     parse_cpu_burst_s: float = 2.0
     # KV pages one key's pins may lock together (besides the server-wide cap on all pins);
-    # None: a quarter of the page pool (cache_routes.MAX_PINNED_FRACTION_PER_KEY), so the cap
+    # None: a quarter of the page pool (server.cache.routes.MAX_PINNED_FRACTION_PER_KEY), so the cap
     # scales with the pool.
     max_pinned_pages_per_key: int | None = None
     # A pin is released this long after it was made unless unpinned before; 0: pins never expire.

@@ -15,10 +15,10 @@ from radixkv.server.errors import APIError
 from radixkv.server.metrics import CONTENT_TYPE
 
 if TYPE_CHECKING:
-    from radixkv.server.state import Server
+    from radixkv.server.state import AppState
 
 
-def register(app: FastAPI, server: Server) -> None:
+def register(app: FastAPI, server: AppState) -> None:
     @app.get("/health")
     async def health() -> Response:
         if server.drain.draining:  # 503 takes the worker out of a router's rotation

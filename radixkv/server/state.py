@@ -12,14 +12,14 @@ from radixkv.server.drain import Drain
 from radixkv.server.errors import APIError
 from radixkv.server.limits import ServerLimits
 from radixkv.server.metrics import ServerMetrics
+import time
 from radixkv.server.parse_slots import ParseSlots
-from radixkv.server.protocol import now_s
 from radixkv.server.quotas import KeyQuotas
 from radixkv.server.tenants import Tenants
 
 
 @dataclass(slots=True)
-class Server:
+class AppState:
     """What every route of one app reads: fixed at creation, except the metrics it counts."""
 
     engine: AsyncEngine
@@ -30,7 +30,7 @@ class Server:
     limits: ServerLimits = field(default_factory=ServerLimits)
     quotas: KeyQuotas = field(init=False)
     parse_slots: ParseSlots = field(init=False)  # bodies parsed off the loop, a few per key
-    created: int = field(default_factory=now_s)
+    created: int = field(default_factory=lambda: int(time.time()))
     drain: Drain = field(default_factory=Drain)  # set draining by SIGTERM (radixkv serve)
 
     def __post_init__(self) -> None:

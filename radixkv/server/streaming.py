@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import aclosing
 from typing import Any, TypeVar
 
@@ -17,19 +17,26 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 from starlette.types import Message, Receive, Scope, Send
 
-from radixkv.engine.async_engine import AsyncEngine, EngineStepError, EngineStopped, RequestStream
-from radixkv.engine.request import CompletionDelta, RequestDelta, RequestOutput, SamplingParams
-from radixkv.server.errors import ENGINE_ERRORS, APIError, ClientGone, WireNames, engine_error
+from radixkv.engine.async_engine import (
+    AsyncEngine,
+    EngineStepError,
+    EngineStopped,
+    RequestStream,
+)
+from radixkv.engine.request import (
+    RequestDelta,
+    RequestOutput,
+    SamplingParams,
+)
+from radixkv.server.errors import (
+    ENGINE_ERRORS,
+    APIError,
+    ClientGone,
+    WireNames,
+    engine_error,
+)
 from radixkv.server.metrics import RequestTracker, ServerMetrics
 from radixkv.server.quotas import KeyQuotas, Lease
-from radixkv.server.protocol import (
-    ChatChunkChoice,
-    ChatCompletionRequest,
-    CompletionChoice,
-    CompletionRequest,
-    Usage,
-    make_usage,
-)
 
 T = TypeVar("T")
 logger = logging.getLogger("radixkv.server")
@@ -125,14 +132,6 @@ async def collect(metrics: ServerMetrics, streams: list[RequestStream], n: int) 
     return finals  # type: ignore[return-value]
 
 
-def usage(finals: Sequence[RequestOutput]) -> Usage:
-    return make_usage(
-        sum(f.num_prompt_tokens for f in finals),
-        sum(f.num_output_tokens for f in finals),
-        sum(f.num_cached_tokens for f in finals),
-    )
-
-
 async def until_disconnect(request: Request, work: Awaitable[T], streams: list[RequestStream]) -> T:
     """Await work, unless the client disconnects first: then abort its requests (ClientGone)."""
     work_task = asyncio.ensure_future(work)
@@ -162,43 +161,6 @@ async def _wait_for_disconnect(request: Request) -> None:
 def sse(payload: BaseModel | dict[str, Any]) -> str:
     data = payload.model_dump() if isinstance(payload, BaseModel) else payload
     return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
-
-
-async def text_events(
-    metrics: ServerMetrics,
-    streams: list[RequestStream],
-    n: int,
-    body: ChatCompletionRequest | CompletionRequest,
-    chunk: Callable[..., str],
-    choice: Callable[[int, CompletionDelta], Sequence[ChatChunkChoice | CompletionChoice]],
-    opening: str | None = None,
-) -> AsyncIterator[str]:
-    """The SSE events of a streamed chat or completion: each choice's new text as the engine
-    hands it out (already safe from stop strings), the usage chunk when asked for, and [DONE];
-    an error mid-stream ends it with an error event. chunk(choices, usage) formats one event;
-    choice(prompt index, completion delta) gives that completion's choices in order (a tool
-    call takes several), and event k holds the k-th of each, so no event names an index twice."""
-    finals: list[RequestOutput] = []
-    try:
-        if opening is not None:
-            yield opening
-        async with aclosing(merge(metrics, streams, n)) as merged:
-            async for i, delta in merged:
-                if any(c.finish_reason == "abort" for c in delta.completions):
-                    raise APIError(503, "the request was aborted", type="server_error", code="aborted")
-                per_completion = [
-                    choice(i, c) for c in delta.completions if c.text or c.logprobs or c.finish_reason is not None
-                ]
-                for k in range(max(map(len, per_completion), default=0)):
-                    yield chunk([choices[k] for choices in per_completion if k < len(choices)])
-                if delta.output is not None:
-                    finals.append(delta.output)
-        if body.include_usage:
-            yield chunk([], usage(finals))
-        yield "data: [DONE]\n\n"
-    except (APIError, EngineStepError, EngineStopped) as error:
-        api_error = error if isinstance(error, APIError) else engine_error(error)
-        yield sse(api_error.body())
 
 
 class SlowReader(Exception):

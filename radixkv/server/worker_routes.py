@@ -20,7 +20,7 @@ from radixkv.server.errors import APIError
 
 if TYPE_CHECKING:
     from radixkv.engine.stats import EngineStats
-    from radixkv.server.state import Server
+    from radixkv.server.state import AppState
 
 # /health_generate gives up on an engine that has not produced one token in this long.
 _HEALTH_GENERATE_TIMEOUT_S = 20.0
@@ -45,7 +45,7 @@ def load_report(stats: EngineStats, page_size: int, draining: bool) -> dict[str,
     }
 
 
-def register(app: FastAPI, server: Server) -> None:
+def register(app: FastAPI, server: AppState) -> None:
     engine = server.engine.engine  # read-only facts fixed at load; never stepped from here
     page_size = engine.pool.page_size
 
@@ -97,7 +97,7 @@ def register(app: FastAPI, server: Server) -> None:
         return JSONResponse({"tier": "ram", "freed_ram_pages": pages})
 
 
-def _server_info(server: Server) -> dict[str, Any]:
+def _server_info(server: AppState) -> dict[str, Any]:
     engine = server.engine.engine
     config = engine.config
     info: dict[str, Any] = {
@@ -119,7 +119,7 @@ def _server_info(server: Server) -> dict[str, Any]:
     return info
 
 
-def _model_info(server: Server) -> dict[str, Any]:
+def _model_info(server: AppState) -> dict[str, Any]:
     engine = server.engine.engine
     info: dict[str, Any] = {"is_generation": True, "model_type": engine.model_config.architecture}
     path = _local_model_folder(engine.config.model)
@@ -148,7 +148,7 @@ class _GenerateProbe:
     """One /health_generate generation at a time: concurrent probes share the one in flight, so
     a router polling fast never queues probes behind each other."""
 
-    def __init__(self, server: Server) -> None:
+    def __init__(self, server: AppState) -> None:
         self._server = server
         self._running: asyncio.Task[str | None] | None = None
 

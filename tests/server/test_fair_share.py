@@ -114,7 +114,7 @@ def test_a_pin_is_released_when_its_timer_fires_a_moment_early(tiny_llama):
     (uvloop counts from its cached millisecond clock); the pin must go then, not stay locked
     until some later pin call."""
     from radixkv.engine.request import SamplingParams
-    from radixkv.server.cache_routes import Pins
+    from radixkv.server.cache.routes import Pins
     from tests.helpers.engine import run_to_end
 
     engine = make_async_engine(tiny_llama, start=False).engine  # the server's engine, no thread

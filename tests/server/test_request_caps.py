@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from radixkv.server import anthropic_conversation as conv_mod
+from radixkv.server.anthropic import conversation as conv_mod
 from radixkv.server import tools as tool_layer
-from radixkv.server.anthropic_protocol import MessagesRequest
+from radixkv.server.anthropic.protocol import MessagesRequest
 from radixkv.server.request_caps import CAPS, json_depth_exceeds
 from tests.helpers.live_server import MODEL, LiveServer
 from tests.helpers.tiny_models import CHAT_TEMPLATE, tiny_tokenizer

@@ -8,12 +8,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from pydantic import ValidationError
+
 from radixkv.engine.request import JsonGuide
 from radixkv.server import tools as tool_layer
 from radixkv.server.errors import APIError, validation_error_at
-from pydantic import ValidationError
-
-from radixkv.server.responses_protocol import (
+from radixkv.server.openai.responses_protocol import (
     INPUT_ITEMS,
     FunctionCallItem,
     FunctionCallOutputItem,

@@ -5,7 +5,7 @@ triton.testing.do_bench in bf16, and prints achieved GB/s (decode, store) and TF
 as fractions of those ceilings, next to PyTorch SDPA over the already gathered KV; and cascade
 decode (groups sharing a cached prefix read it once) against the same requests decoded apart.
 
-    python -m radixkv.kernels.bench --out out/kernel_bench.json
+    python -m radixkv.scenarios.triton_kernels --out out/kernel_bench.json
 """
 
 from __future__ import annotations
@@ -400,10 +400,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="out/kernel_bench.json", help="where to write the JSON results")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        print("radixkv/kernels/bench.py: no CUDA device found; this benchmark needs a GPU. Nothing was measured.")
+        print("scenarios/triton_kernels.py: no CUDA device found; this benchmark needs a GPU. Nothing was measured.")
         return 0
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        print("radixkv/kernels/bench.py: TRITON_INTERPRET is set; timing the interpreter means nothing. Unset it.")
+        print("scenarios/triton_kernels.py: TRITON_INTERPRET is set; timing the interpreter means nothing. Unset it.")
         return 0
 
     started = time.perf_counter()

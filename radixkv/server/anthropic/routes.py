@@ -19,20 +19,34 @@ from fastapi.responses import JSONResponse, Response
 from radixkv.engine.async_engine import EngineStepError, EngineStopped, RequestStream
 from radixkv.engine.request import RequestOutput, SamplingParams
 from radixkv.errors import InvalidRequest
-from radixkv.server import anthropic_conversation as conv_mod
-from radixkv.server.anthropic_conversation import Breakpoint, Conversation, tool_layer
-from radixkv.server.anthropic_protocol import MessagesRequest, error_body
-from radixkv.server.errors import APIError, ClientGone, WireNames, context_error, engine_error, parse_body
-from radixkv.server.streaming import SSEResponse, collect, merge, submit, until_disconnect
+from radixkv.server.anthropic import conversation as conv_mod
+from radixkv.server.anthropic.conversation import Breakpoint, Conversation, tool_layer
+from radixkv.server.anthropic.protocol import MessagesRequest
+from radixkv.server.errors import (
+    APIError,
+    ClientGone,
+    WireNames,
+    anthropic_error_body,
+    context_error,
+    engine_error,
+    parse_body,
+)
+from radixkv.server.streaming import (
+    SSEResponse,
+    collect,
+    merge,
+    submit,
+    until_disconnect,
+)
 
 if TYPE_CHECKING:
-    from radixkv.server.state import Server
+    from radixkv.server.state import AppState
 
 logger = logging.getLogger("radixkv.server")
 _NAMES = WireNames(prompt="messages", max_tokens="max_tokens")
 
 
-def register(app: FastAPI, server: Server) -> None:
+def register(app: FastAPI, server: AppState) -> None:
     @app.post("/v1/messages")
     async def messages(request: Request) -> Response:
         try:
@@ -43,14 +57,14 @@ def register(app: FastAPI, server: Server) -> None:
             return _error_response(error)
         except Exception as error:  # noqa: BLE001 - answered in Anthropic's shape, logged
             logger.exception("unhandled error", exc_info=error)
-            return JSONResponse(error_body(500, "internal server error"), status_code=500)
+            return JSONResponse(anthropic_error_body(500, "internal server error"), status_code=500)
 
 
 def _error_response(error: APIError) -> JSONResponse:
     return error.anthropic_response()
 
 
-async def _messages(server: Server, request: Request) -> Response:
+async def _messages(server: AppState, request: Request) -> Response:
     key = server.tenants.authenticate_headers(request.headers)
     raw = await request.body()
     body, conv, prompt, marks, params = await server.parse_slots.run(key, lambda: _prepare(server, raw))
@@ -66,7 +80,7 @@ async def _messages(server: Server, request: Request) -> Response:
     return JSONResponse(await _message(ctx, finals[0]))
 
 
-def _prepare(server: Server, raw: bytes) -> tuple[MessagesRequest, Conversation, list[int], list[Breakpoint], SamplingParams]:
+def _prepare(server: AppState, raw: bytes) -> tuple[MessagesRequest, Conversation, list[int], list[Breakpoint], SamplingParams]:
     """The body parsed, templated, tokenized and checked (off the event loop: it may be large)."""
     body = parse_body(MessagesRequest, raw)
     server.check_model(body.model)
@@ -81,14 +95,14 @@ def _prepare(server: Server, raw: bytes) -> tuple[MessagesRequest, Conversation,
 
 
 class _Context:
-    def __init__(self, server: Server, body: MessagesRequest, conv: Conversation, prompt: list[int],
+    def __init__(self, server: AppState, body: MessagesRequest, conv: Conversation, prompt: list[int],
                  salt: str | None, owner: str, marks: list[Breakpoint]) -> None:
         self.server, self.body, self.conv, self.prompt = server, body, conv, prompt
         self.salt, self.owner, self.marks = salt, owner, marks
         self.message_id = f"msg_{secrets.token_hex(12)}"
 
 
-def _sampling_params(server: Server, body: MessagesRequest, conv: Conversation, prompt: list[int]) -> SamplingParams:
+def _sampling_params(server: AppState, body: MessagesRequest, conv: Conversation, prompt: list[int]) -> SamplingParams:
     context = server.engine.max_context_tokens
     if len(prompt) + body.max_tokens > context:
         raise context_error(context, len(prompt), body.max_tokens, "max_tokens" if len(prompt) < context else "messages")
@@ -267,7 +281,7 @@ async def _events(ctx: _Context, streams: list[RequestStream]) -> AsyncIterator[
     except (APIError, EngineStepError, EngineStopped) as error:
         api_error = error if isinstance(error, APIError) else engine_error(error)
         status = 529 if api_error.status == 503 else api_error.status
-        yield f"event: error\ndata: {json.dumps(error_body(status, api_error.message))}\n\n"
+        yield f"event: error\ndata: {json.dumps(anthropic_error_body(status, api_error.message))}\n\n"
 
 
 def _stream_parts(blocks: _Blocks, content: str, calls: list[Any]) -> list[str]:

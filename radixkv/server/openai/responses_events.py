@@ -9,8 +9,8 @@ import json
 from typing import Any
 
 from radixkv.server.errors import APIError
-from radixkv.server.responses_convert import function_call_item
-from radixkv.server.responses_protocol import (
+from radixkv.server.openai.responses_convert import function_call_item
+from radixkv.server.openai.responses_protocol import (
     IncompleteDetails,
     OutputMessage,
     OutputText,

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from radixkv.errors import InvalidRequest
-from radixkv.server.anthropic_protocol import (
+from radixkv.server import tools as tool_layer
+from radixkv.server.anthropic.protocol import (
     TTL_S,
     CacheControl,
     MessagesRequest,
@@ -18,8 +19,6 @@ from radixkv.server.anthropic_protocol import (
     ToolResultBlock,
     ToolUseBlock,
 )
-
-from radixkv.server import tools as tool_layer
 
 
 @dataclass(frozen=True, slots=True)

@@ -134,7 +134,7 @@ def test_stream_true_on_create_is_stored_for_chaining(live_server):
 
 
 def test_store_bound_and_expiry():
-    from radixkv.server.responses_store import ResponseStore
+    from radixkv.server.openai.responses_store import ResponseStore
 
     now = [0.0]
     store = ResponseStore(max_responses=2, ttl_s=10.0, clock=lambda: now[0])
@@ -150,7 +150,7 @@ def test_store_bound_and_expiry():
 def test_store_caps_per_owner_and_over_all_owners():
     """Per owner a count and a byte cap (its own oldest go); over all owners a global bound
     that takes from the largest holder, so an owner within its share keeps everything."""
-    from radixkv.server.responses_store import ResponseStore, conversation_bytes
+    from radixkv.server.openai.responses_store import ResponseStore, conversation_bytes
 
     message = [{"role": "user", "content": "x" * 100}]
     size = conversation_bytes(message)
@@ -276,8 +276,8 @@ def test_streamed_tool_call_events_parse_in_the_client():
     from openai.lib.streaming.responses._responses import ResponseStreamState
     from openai.types.responses import Response, ResponseStreamEvent
 
-    from radixkv.server.responses_events import ResponseEvents
-    from radixkv.server.responses_protocol import ResponseObject, response_usage
+    from radixkv.server.openai.responses_events import ResponseEvents
+    from radixkv.server.openai.responses_protocol import ResponseObject, response_usage
     from radixkv.server.tools import ToolCall
 
     events = ResponseEvents(ResponseObject(id="resp_1", created_at=0, status="in_progress", model=MODEL, tools=[WEATHER]))

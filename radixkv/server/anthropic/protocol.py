@@ -9,21 +9,15 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
-from radixkv.server.request_caps import CAPS, CapExceeded, check_arguments, check_schema, max_items
+from radixkv.server.request_caps import (
+    CAPS,
+    CapExceeded,
+    check_arguments,
+    check_schema,
+    max_items,
+)
 
 TTL_S = {"5m": 300.0, "1h": 3600.0}
-
-# Anthropic's error type per HTTP status; 529 is its "overloaded".
-ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    500: "api_error",
-    529: "overloaded_error",
-}
 
 
 class _Wire(BaseModel):
@@ -118,7 +112,3 @@ class MessagesRequest(_Wire):
         if self.system is None:
             return []
         return [TextBlock(type="text", text=self.system)] if isinstance(self.system, str) else list(self.system)
-
-
-def error_body(status: int, message: str) -> dict[str, Any]:
-    return {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"), "message": message}}

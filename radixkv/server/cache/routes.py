@@ -19,9 +19,8 @@ from fastapi.responses import JSONResponse, Response
 from radixkv.engine.async_engine import EngineStopped
 from radixkv.engine.engine import Engine
 from radixkv.engine.request import SamplingParams
-from radixkv.server.errors import APIError, WireNames, parse_body
-from radixkv.server.prompts import pin_prompt
-from radixkv.server.protocol import (
+from radixkv.prompts import encode_prompt
+from radixkv.server.cache.protocol import (
     CacheFlushRequest,
     CacheFlushResponse,
     CacheLookupRequest,
@@ -31,10 +30,12 @@ from radixkv.server.protocol import (
     PinResponse,
     UnpinResponse,
 )
+from radixkv.server.encode import chat_prompt
+from radixkv.server.errors import APIError, WireNames, context_error, parse_body
 from radixkv.server.streaming import collect, submit, until_disconnect
 
 if TYPE_CHECKING:
-    from radixkv.server.state import Server
+    from radixkv.server.state import AppState
 
 # Pins made over HTTP may lock at most this share of the page pool, so they cannot starve requests.
 _MAX_PINNED_FRACTION = 0.5
@@ -151,19 +152,45 @@ class Pins:
         engine.unpin(pin_id)
 
 
+
+def check_token_ids(server: AppState, token_ids: list[int], param: str) -> None:
+    vocab = server.engine.vocab_size
+    if any(isinstance(t, bool) or not 0 <= t < vocab for t in token_ids):
+        raise APIError(400, f"{param}: token ids must be integers in [0, {vocab})", param=param)
+
+
+def pin_prompt(server: AppState, body: PinRequest) -> list[int]:
+    if (body.prompt is None) == (body.messages is None):
+        raise APIError(400, "give the prefix to pin as exactly one of prompt (text or token ids) or messages")
+    if body.messages is not None:
+        prompt = chat_prompt(server, [m.as_chat() for m in body.messages], add_generation_prompt=False)
+        param = "messages"
+    else:
+        prompt = encode_prompt(server.engine.tokenizer, body.prompt)  # type: ignore[arg-type]
+        param = "prompt"
+        if isinstance(body.prompt, list):
+            # A lookup never reaches the engine's request check: out-of-range ids are refused
+            # here as a request's would be, not looked up (or hashed) as if they were tokens.
+            check_token_ids(server, prompt, param)
+    if not prompt:
+        raise APIError(400, f"{param} must hold at least one token", param=param)
+    if len(prompt) >= server.engine.max_context_tokens:
+        raise context_error(server.engine.max_context_tokens, len(prompt), None, param)
+    return prompt
+
 def _pin_response(pin_id: int, record: PinRecord) -> PinResponse:
     expires_in_s = None if record.expires_at_s is None else max(0.0, record.expires_at_s - time.monotonic())
     return PinResponse(pin_id=pin_id, pinned_tokens=record.pinned_tokens, prompt_tokens=record.prompt_tokens, expires_in_s=expires_in_s)
 
 
-def _expire_soon(server: Server, pins: Pins) -> None:
+def _expire_soon(server: AppState, pins: Pins) -> None:
     try:
         server.engine.call(pins.expire)
     except EngineStopped:
         pass  # shutting down: the engine goes with its pins
 
 
-def register(app: FastAPI, server: Server) -> None:
+def register(app: FastAPI, server: AppState) -> None:
     pins = Pins(server.limits.max_pinned_pages_per_key, server.limits.pin_ttl_s)
     app.state.pins = pins  # tests reach it here
 

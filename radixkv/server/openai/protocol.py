@@ -13,7 +13,14 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
-from radixkv.server.request_caps import CAPS, CapExceeded, check_arguments, check_schema, check_schema_or_none, max_items
+from radixkv.server.request_caps import (
+    CAPS,
+    CapExceeded,
+    check_arguments,
+    check_schema,
+    check_schema_or_none,
+    max_items,
+)
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_TOP_LOGPROBS = 20
@@ -203,48 +210,7 @@ class CompletionRequest(_GenerationRequest):
         return list(prompt)  # type: ignore[arg-type]
 
 
-
-class PinRequest(BaseModel):
-    """radixkv's own POST /v1/cache/pin: a prefix as text, token ids, or chat messages (rendered
-    without the generation prompt, as the beginning of a longer conversation)."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    model: str | None = None
-    prompt: str | list[int] | None = None
-    messages: Messages | None = None
-    cache_salt: str | None = Field(default=None, max_length=1024)
-
-
-class CacheLookupRequest(PinRequest):
-    """radixkv's own POST /v1/cache/lookup: how much of a prompt (text, token ids, or chat
-    messages rendered as a prefix, as for a pin) the caller's cache partition holds."""
-
-
-class CacheFlushRequest(BaseModel):
-    """radixkv's own POST /v1/cache/flush (admin only): which tiers to empty."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    tier: Literal["ram", "disk", "all"] = "all"
-
-
 # -- responses ------------------------------------------------------------------------------
-
-
-class CacheLookupResponse(BaseModel):
-    object: Literal["cache.lookup"] = "cache.lookup"
-    prompt_tokens: int
-    cached_tokens: int  # ram_tokens + disk_tokens: what a request for this prompt would not compute
-    ram_tokens: int
-    disk_tokens: int  # full blocks on disk right after those in RAM
-
-
-class CacheFlushResponse(BaseModel):
-    object: Literal["cache.flush"] = "cache.flush"
-    tier: str
-    freed_ram_pages: int
-    freed_disk_blocks: int
 
 
 class PromptTokensDetails(BaseModel):
@@ -366,36 +332,6 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
-
-
-class PinResponse(BaseModel):
-    object: Literal["cache.pin"] = "cache.pin"
-    pin_id: int
-    pinned_tokens: int  # the prefix's full pages' worth of tokens now locked
-    prompt_tokens: int
-    expires_in_s: float | None = None  # None: until unpinned (the server's pin ttl is 0)
-
-
-class PinList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[PinResponse]
-
-
-class UnpinResponse(BaseModel):
-    object: Literal["cache.pin"] = "cache.pin"
-    pin_id: int
-    deleted: bool = True
-
-
-class ErrorBody(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorBody
 
 
 def new_id(prefix: str) -> str:

@@ -12,7 +12,12 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from radixkv.server.request_caps import CAPS, check_arguments, check_schema_or_none, max_items
+from radixkv.server.request_caps import (
+    CAPS,
+    check_arguments,
+    check_schema_or_none,
+    max_items,
+)
 
 
 class _Lenient(BaseModel):

@@ -7,20 +7,35 @@ logprobs (radixkv.server.logprobs).
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from radixkv.engine.async_engine import RequestStream
-from radixkv.engine.request import CompletionDelta, CompletionOutput, JsonGuide, RequestOutput, SamplingParams
+from radixkv.engine.async_engine import EngineStepError, EngineStopped, RequestStream
+from radixkv.engine.request import (
+    CompletionDelta,
+    CompletionOutput,
+    JsonGuide,
+    RequestOutput,
+    SamplingParams,
+)
 from radixkv.errors import InvalidRequest
-from radixkv.server.errors import APIError, WireNames, context_error, engine_error, parse_body
+from radixkv.server.encode import chat_prompt, completion_prompts
+from radixkv.server.errors import (
+    APIError,
+    WireNames,
+    context_error,
+    engine_error,
+    parse_body,
+)
 from radixkv.server.logprobs import TokenTexts, chat_logprobs, completion_logprobs
-from radixkv.server.prompts import chat_prompt, completion_prompts
-from radixkv.server.protocol import (
+from radixkv.server.metrics import ServerMetrics
+from radixkv.server.openai.protocol import (
+    RETENTION_TTL_S,
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -37,12 +52,19 @@ from radixkv.server.protocol import (
     ModelList,
     ReplyFunction,
     ReplyToolCall,
-    RETENTION_TTL_S,
     Usage,
+    make_usage,
     new_id,
     now_s,
 )
-from radixkv.server.streaming import SSEResponse, collect, sse, submit, text_events, until_disconnect, usage
+from radixkv.server.streaming import (
+    SSEResponse,
+    collect,
+    merge,
+    sse,
+    submit,
+    until_disconnect,
+)
 from radixkv.server.tools import (
     Tool,
     ToolCall,
@@ -56,7 +78,7 @@ from radixkv.server.tools import (
 )
 
 if TYPE_CHECKING:
-    from radixkv.server.state import Server
+    from radixkv.server.state import AppState
 
 # Below this a temperature is greedy: dividing logits by ~0 would overflow to inf/NaN.
 _MIN_TEMPERATURE = 1e-5
@@ -88,7 +110,7 @@ class _ChatNames(WireNames):
         return self.guide if param in ("response_format", "guide") else WireNames.of(self, param)
 
 
-def register(app: FastAPI, server: Server) -> None:
+def register(app: FastAPI, server: AppState) -> None:
     @app.get("/v1/models")
     async def list_models(request: Request) -> ModelList:
         server.tenants.authenticate_headers(request.headers)
@@ -111,7 +133,7 @@ def register(app: FastAPI, server: Server) -> None:
             body = parse_body(ChatCompletionRequest, raw)
             _check_request(server, body)
             tools = _chat_tools(body)
-            prompt = chat_prompt(server, body.messages, tools.tools, tools.choice)
+            prompt = chat_prompt(server, [m.as_chat() for m in body.messages], tools.tools, tools.choice)
             max_tokens, max_tokens_param = body.requested_max_tokens()
             guide, guide_param = _chat_guide(body, tools)
             names = _ChatNames(prompt="messages", max_tokens=max_tokens_param, guide=guide_param)
@@ -140,7 +162,7 @@ def register(app: FastAPI, server: Server) -> None:
         def prepare() -> tuple[CompletionRequest, list[list[int]], SamplingParams]:
             body = parse_body(CompletionRequest, raw)
             _check_request(server, body)
-            prompts = completion_prompts(server, body)
+            prompts = completion_prompts(server, body.prompts())
             default = _COMPLETIONS_DEFAULT_MAX_TOKENS
             return body, prompts, _sampling_params(server, body, prompts, body.max_tokens, names, default_max_tokens=default)
 
@@ -158,7 +180,7 @@ def register(app: FastAPI, server: Server) -> None:
         return JSONResponse(_completion_response(server, texts, body, finals, params.n).model_dump())
 
 
-def _check_request(server: Server, body: ChatCompletionRequest | CompletionRequest) -> None:
+def _check_request(server: AppState, body: ChatCompletionRequest | CompletionRequest) -> None:
     if body.model is not None:
         server.check_model(body.model)
     unsupported = body.unsupported()
@@ -196,7 +218,7 @@ class _CacheHints:
     with OpenAI) and prompt_cache_retention, asked of the engine once the prompt is cached."""
 
     def __init__(
-        self, server: Server, body: ChatCompletionRequest | CompletionRequest, prompts: list[list[int]], salt: str | None, owner: str
+        self, server: AppState, body: ChatCompletionRequest | CompletionRequest, prompts: list[list[int]], salt: str | None, owner: str
     ) -> None:
         self._server, self._body, self._prompts, self._salt, self._owner = server, body, prompts, salt, owner
 
@@ -216,7 +238,7 @@ class _CacheHints:
                 retain_prompt(self._server, prompt, self._salt, ttl_s, owner=self._owner)
 
 
-def retain_prompt(server: Server, prompt: list[int], salt: str | None, ttl_s: float, owner: str) -> None:
+def retain_prompt(server: AppState, prompt: list[int], salt: str | None, ttl_s: float, owner: str) -> None:
     """The one place a prompt_cache_retention becomes retention: Engine.retain keeps the
     prompt's cached full pages (in the request's partition, `salt`) for ttl_s, capped per
     owner: the API key's Tenants.owner, never its salt, or rotating cache_salt would buy a
@@ -224,13 +246,13 @@ def retain_prompt(server: Server, prompt: list[int], salt: str | None, ttl_s: fl
     server.engine.call(lambda engine: engine.retain(prompt, salt, ttl_s, owner))
 
 
-def _model_card(server: Server) -> ModelCard:
+def _model_card(server: AppState) -> ModelCard:
     # The limit requests are held to: the model's context, or less when the page pool is smaller.
     return ModelCard(id=server.model_name, created=server.created, max_model_len=server.engine.max_context_tokens)
 
 
 def _sampling_params(
-    server: Server,
+    server: AppState,
     body: ChatCompletionRequest | CompletionRequest,
     prompts: list[list[int]],
     max_tokens: int | None,
@@ -291,7 +313,7 @@ def _chat_choice(texts: TokenTexts, body: ChatCompletionRequest, tools: _ChatToo
     )
 
 
-def _chat_response(server: Server, texts: TokenTexts, body: ChatCompletionRequest, tools: _ChatTools, final: RequestOutput) -> ChatCompletion:
+def _chat_response(server: AppState, texts: TokenTexts, body: ChatCompletionRequest, tools: _ChatTools, final: RequestOutput) -> ChatCompletion:
     return ChatCompletion(
         id=new_id("chatcmpl"),
         created=now_s(),
@@ -301,7 +323,7 @@ def _chat_response(server: Server, texts: TokenTexts, body: ChatCompletionReques
     )
 
 
-def _completion_response(server: Server, texts: TokenTexts, body: CompletionRequest, finals: list[RequestOutput], n: int) -> Completion:
+def _completion_response(server: AppState, texts: TokenTexts, body: CompletionRequest, finals: list[RequestOutput], n: int) -> Completion:
     def logprobs(o: CompletionOutput) -> dict | None:
         return None if body.logprobs is None else completion_logprobs(texts, o.logprobs, body.logprobs)
 
@@ -356,7 +378,7 @@ class _ChatChoiceStream:
 
 
 async def _chat_events(
-    server: Server, texts: TokenTexts, body: ChatCompletionRequest, tools: _ChatTools, streams: list[RequestStream], n: int
+    server: AppState, texts: TokenTexts, body: ChatCompletionRequest, tools: _ChatTools, streams: list[RequestStream], n: int
 ) -> AsyncIterator[str]:
     chunk_id, created, model = new_id("chatcmpl"), now_s(), server.model_name
     per_choice = [_ChatChoiceStream(texts, body, tools, j) for j in range(n)]
@@ -373,7 +395,7 @@ async def _chat_events(
 
 
 async def _completion_events(
-    server: Server, texts: TokenTexts, body: CompletionRequest, streams: list[RequestStream], n: int
+    server: AppState, texts: TokenTexts, body: CompletionRequest, streams: list[RequestStream], n: int
 ) -> AsyncIterator[str]:
     chunk_id, created, model = new_id("cmpl"), now_s(), server.model_name
     text_offsets: dict[int, int] = {}  # characters each choice has sent, for logprobs' text_offset
@@ -405,3 +427,48 @@ def _sse_data(payload: ChatCompletionChunk | Completion, include_usage: bool) ->
     if not include_usage:
         data.pop("usage")
     return sse(data)
+
+
+async def text_events(
+    metrics: ServerMetrics,
+    streams: list[RequestStream],
+    n: int,
+    body: ChatCompletionRequest | CompletionRequest,
+    chunk: Callable[..., str],
+    choice: Callable[[int, CompletionDelta], Sequence[ChatChunkChoice | CompletionChoice]],
+    opening: str | None = None,
+) -> AsyncIterator[str]:
+    """The SSE events of a streamed chat or completion: each choice's new text as the engine
+    hands it out (already safe from stop strings), the usage chunk when asked for, and [DONE];
+    an error mid-stream ends it with an error event. chunk(choices, usage) formats one event;
+    choice(prompt index, completion delta) gives that completion's choices in order (a tool
+    call takes several), and event k holds the k-th of each, so no event names an index twice."""
+    finals: list[RequestOutput] = []
+    try:
+        if opening is not None:
+            yield opening
+        async with aclosing(merge(metrics, streams, n)) as merged:
+            async for i, delta in merged:
+                if any(c.finish_reason == "abort" for c in delta.completions):
+                    raise APIError(503, "the request was aborted", type="server_error", code="aborted")
+                per_completion = [
+                    choice(i, c) for c in delta.completions if c.text or c.logprobs or c.finish_reason is not None
+                ]
+                for k in range(max(map(len, per_completion), default=0)):
+                    yield chunk([choices[k] for choices in per_completion if k < len(choices)])
+                if delta.output is not None:
+                    finals.append(delta.output)
+        if body.include_usage:
+            yield chunk([], usage(finals))
+        yield "data: [DONE]\n\n"
+    except (APIError, EngineStepError, EngineStopped) as error:
+        api_error = error if isinstance(error, APIError) else engine_error(error)
+        yield sse(api_error.body())
+
+
+def usage(finals: Sequence[RequestOutput]) -> Usage:
+    return make_usage(
+        sum(f.num_prompt_tokens for f in finals),
+        sum(f.num_output_tokens for f in finals),
+        sum(f.num_cached_tokens for f in finals),
+    )

@@ -17,11 +17,17 @@ from fastapi.responses import JSONResponse, Response
 from radixkv.engine.async_engine import EngineStepError, EngineStopped, RequestStream
 from radixkv.engine.request import JsonGuide, RequestOutput, SamplingParams
 from radixkv.errors import InvalidRequest
-from radixkv.server import responses_convert as convert
 from radixkv.server import tools as tool_layer
-from radixkv.server.errors import APIError, WireNames, context_error, engine_error, parse_body
-from radixkv.server.responses_events import ResponseEvents
-from radixkv.server.responses_protocol import (
+from radixkv.server.errors import (
+    APIError,
+    WireNames,
+    context_error,
+    engine_error,
+    parse_body,
+)
+from radixkv.server.openai import responses_convert as convert
+from radixkv.server.openai.responses_events import ResponseEvents
+from radixkv.server.openai.responses_protocol import (
     IncompleteDetails,
     ResponseObject,
     ResponsesRequest,
@@ -30,11 +36,17 @@ from radixkv.server.responses_protocol import (
     now_s,
     response_usage,
 )
-from radixkv.server.responses_store import ResponseStore, conversation_bytes
-from radixkv.server.streaming import SSEResponse, collect, merge, submit, until_disconnect
+from radixkv.server.openai.responses_store import ResponseStore, conversation_bytes
+from radixkv.server.streaming import (
+    SSEResponse,
+    collect,
+    merge,
+    submit,
+    until_disconnect,
+)
 
 if TYPE_CHECKING:
-    from radixkv.server.state import Server
+    from radixkv.server.state import AppState
 
 Message = dict[str, Any]
 
@@ -65,7 +77,7 @@ class _Turn:
     names: _Names
 
 
-def register(app: FastAPI, server: Server, store: ResponseStore | None = None) -> None:
+def register(app: FastAPI, server: AppState, store: ResponseStore | None = None) -> None:
     # The store lives with the app (one per server); tests reach it through app.state.
     limits = server.limits
     store = store or ResponseStore(
@@ -100,7 +112,7 @@ def register(app: FastAPI, server: Server, store: ResponseStore | None = None) -
         return JSONResponse(response.model_dump())
 
 
-def _prepare(server: Server, store: ResponseStore, body: ResponsesRequest, owner: str) -> tuple[_Turn, list[int]]:
+def _prepare(server: AppState, store: ResponseStore, body: ResponsesRequest, owner: str) -> tuple[_Turn, list[int]]:
     history: list[Message] = []
     if body.previous_response_id is not None:
         found = store.get(body.previous_response_id, owner)
@@ -135,7 +147,7 @@ def _prepare(server: Server, store: ResponseStore, body: ResponsesRequest, owner
     return _Turn(body, owner, messages, tools, choice, params, names), prompt
 
 
-def _sampling_params(server: Server, body: ResponsesRequest, prompt: list[int], guide: JsonGuide | None, names: _Names) -> SamplingParams:
+def _sampling_params(server: AppState, body: ResponsesRequest, prompt: list[int], guide: JsonGuide | None, names: _Names) -> SamplingParams:
     # Checked here, not only by the engine: the default max_output_tokens is the room left.
     context = server.engine.max_context_tokens
     if len(prompt) >= context:
@@ -155,7 +167,7 @@ def _sampling_params(server: Server, body: ResponsesRequest, prompt: list[int], 
     return params
 
 
-def _skeleton(server: Server, body: ResponsesRequest) -> ResponseObject:
+def _skeleton(server: AppState, body: ResponsesRequest) -> ResponseObject:
     """The Response before any output: the request's settings echoed as OpenAI does."""
     return ResponseObject(
         id=new_item_id("resp"),
@@ -178,7 +190,7 @@ def _skeleton(server: Server, body: ResponsesRequest) -> ResponseObject:
     )
 
 
-def _usage(server: Server, final: RequestOutput) -> ResponseUsage:
+def _usage(server: AppState, final: RequestOutput) -> ResponseUsage:
     # Written to the cache: the prompt's full pages (only those are cached) that it did not
     # already hold. The engine's config is fixed once built, so reading it here is safe.
     config = server.engine.engine.config
@@ -187,7 +199,7 @@ def _usage(server: Server, final: RequestOutput) -> ResponseUsage:
     return response_usage(final.num_prompt_tokens, final.num_output_tokens, final.num_cached_tokens, written)
 
 
-def _finished(server: Server, turn: _Turn, final: RequestOutput) -> ResponseObject:
+def _finished(server: AppState, turn: _Turn, final: RequestOutput) -> ResponseObject:
     complete = final.outputs[0].finish_reason != "length"
     content, calls = convert.split_reply(final.outputs[0].text, turn.tools, turn.choice)
     response = _skeleton(server, turn.body)
@@ -199,7 +211,7 @@ def _finished(server: Server, turn: _Turn, final: RequestOutput) -> ResponseObje
     return response
 
 
-async def _events(server: Server, store: ResponseStore, turn: _Turn, streams: list[RequestStream]) -> AsyncIterator[str]:
+async def _events(server: AppState, store: ResponseStore, turn: _Turn, streams: list[RequestStream]) -> AsyncIterator[str]:
     """The streamed response: text passes through as the engine decodes it, except what may
     still become a tool call (ToolCallStream holds that back until it parses)."""
     events = ResponseEvents(_skeleton(server, turn.body))

@@ -1,4 +1,4 @@
-"""radixkv/kernels/bench.py's measuring code, run at tiny sizes on the interpreter (fp32, one call
+"""scenarios/triton_kernels.py's measuring code, run at tiny sizes on the interpreter (fp32, one call
 per timing), so the one GPU run a session may get does not fail on the bench itself."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from radixkv.kernels import bench
+from radixkv.scenarios import triton_kernels as bench
 
 CEILINGS = {"copy_gbps": 100.0, "matmul_tflops": 1.0}
 
@@ -14,7 +14,7 @@ CEILINGS = {"copy_gbps": 100.0, "matmul_tflops": 1.0}
 @pytest.fixture
 def cpu_bench(monkeypatch):
     if torch.cuda.is_available():
-        pytest.skip("on a GPU the bench itself runs: python -m radixkv.kernels.bench")
+        pytest.skip("on a GPU the bench itself runs: python -m radixkv.scenarios.triton_kernels")
     monkeypatch.setattr(bench, "DEVICE", "cpu")
     monkeypatch.setattr(bench, "DTYPE", torch.float32)
     monkeypatch.setattr(bench, "_bench_ms", lambda fn: (fn(), 1.0)[1])

@@ -1,0 +1,3 @@
+"""radixkv's own cache endpoints (pin, unpin, list, lookup, flush): `protocol` on the wire,
+`routes` over the engine.
+"""

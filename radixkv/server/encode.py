@@ -1,0 +1,43 @@
+"""Prompts to token ids through radixkv.prompts (the encoder LLM and the SDK use), for every
+API family: a conversation of chat messages (with its tools, through radixkv.server.tools) and
+completion prompts (text or token ids, one or a batch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from radixkv.errors import InvalidRequest
+from radixkv.prompts import encode_prompt
+from radixkv.server.errors import APIError, engine_error
+from radixkv.server.tools import Tool, ToolChoice, encode_conversation
+
+if TYPE_CHECKING:
+    from radixkv.server.state import AppState
+
+
+def chat_prompt(
+    server: AppState,
+    conversation: Sequence[Mapping[str, Any]],
+    tools: list[Tool] | None = None,
+    tool_choice: ToolChoice = "none",
+    *,
+    add_generation_prompt: bool = True,
+) -> list[int]:
+    """One encoder for chat and pins alike, so a pinned conversation is the prefix of its next turn."""
+    try:
+        return encode_conversation(
+            server.engine.tokenizer, list(conversation), tools or [], tool_choice, add_generation_prompt=add_generation_prompt
+        )
+    except InvalidRequest as error:
+        raise engine_error(error) from None
+
+
+def completion_prompts(server: AppState, prompts: Sequence[str | list[int]]) -> list[list[int]]:
+    if not prompts:
+        raise APIError(400, "prompt must not be empty", param="prompt")
+    token_lists = [encode_prompt(server.engine.tokenizer, p) for p in prompts]
+    if any(not tokens for tokens in token_lists):
+        raise APIError(400, "prompt must hold at least one token", param="prompt")
+    return token_lists
