@@ -85,7 +85,3 @@ class EvictionOrder:
 
     def __len__(self) -> int:
         return sum(map(len, self._sets))
-
-    @property
-    def num_retained_leaves(self) -> int:
-        return len(self._sets[_RETAINED])
