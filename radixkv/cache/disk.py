@@ -37,7 +37,7 @@ from radixkv.cache.disk_format import (
     encode_block,
     salt_digest,
 )
-from radixkv.cache.disk_index import DiskIndex, Retention
+from radixkv.cache.disk_index import DiskIndex, DiskRetention
 from radixkv.cache.hashing import BlockHasher
 from radixkv.cache.residency import Residency, TierResidency
 from radixkv.errors import ConfigError
@@ -257,8 +257,8 @@ class DiskTier:
                 found.append((info.st_mtime_ns, key, info.st_size))
         found.sort()
         for mtime_ns, key, size in found:
-            until_s, owner = retained.get(key, (0.0, None))
-            evicted = self.index.add(key, size, retain_until_s=until_s, owner=owner)
+            expires_at_s, owner = retained.get(key, (0.0, None))
+            evicted = self.index.add(key, size, retention_expires_at_s=expires_at_s, owner=owner)
             # Over a budget that shrank since, the oldest go; one larger than all of it, itself.
             for victim in [key] if evicted is None else evicted:
                 self._forget(victim)
@@ -274,7 +274,7 @@ class DiskTier:
             if data is None:
                 return {}
             entries = json.loads(data)["retained"]
-            return {int(key, 16): (float(until_s), str(owner)) for key, until_s, owner in entries}
+            return {int(key, 16): (float(expires_at_s), str(owner)) for key, expires_at_s, owner in entries}
         except (OSError, ValueError, KeyError, TypeError) as error:
             logger.warning("disk KV retentions not restored (%s): the blocks stay, unretained", error)
             return {}
@@ -294,7 +294,7 @@ class DiskTier:
 
     def _manifest_bytes(self) -> bytes:
         with self._index_lock:
-            entries = [[f"{key:032x}", retention.until_s, retention.owner] for key, retention in self.index.retentions()]
+            entries = [[f"{key:032x}", retention.expires_at_s, retention.owner] for key, retention in self.index.retentions()]
         return json.dumps({"version": 1, "retained": entries}).encode()
 
     # ----------------------------------------------------------------- keys
@@ -498,13 +498,13 @@ class DiskTier:
         num_blocks: int,
         payload_of: Callable[[int], bytes],
         *,
-        retain_until_s: float = 0.0,
+        retention_expires_at_s: float = 0.0,
         owner: str | None = None,
         wait: bool = True,
     ) -> int:
         """Store blocks [start_block, start_block + num_blocks) of `token_ids`, the KV of the
         i-th from payload_of(i) (asked only for blocks not stored yet, at once; a stored one is
-        only marked used). With `retain_until_s` (wall time) the blocks are retained until then,
+        only marked used). With `retention_expires_at_s` (wall time) the blocks are retained until then,
         counted against `owner` (kept as a digest), and the manifest is rewritten (once per
         writer batch) so a restart keeps them retained. The files are written on the writer
         thread; with `wait` this returns once they are, else at once (the blocks are served
@@ -514,7 +514,7 @@ class DiskTier:
             return 0
         tokens = list(token_ids)  # a snapshot, the writer's own
         ps = self.page_size
-        owner_id = digest("" if owner is None else owner).hex() if retain_until_s else None
+        owner_id = digest("" if owner is None else owner).hex() if retention_expires_at_s else None
         run = _Run()
         stored = 0
         now_s = time.time()
@@ -525,13 +525,13 @@ class DiskTier:
                 key = keys[block]
                 if key in self.index:
                     self.index.touch(key)
-                    if retain_until_s:
-                        self.index.retain(key, retain_until_s, owner_id)
+                    if retention_expires_at_s:
+                        self.index.retain(key, retention_expires_at_s, owner_id)
                     continue
                 payload = payload_of(offset)
                 num_prefix_tokens = (block + 1) * ps
                 evicted = self.index.add(
-                    key, block_file_bytes(num_prefix_tokens, len(payload)), retain_until_s=retain_until_s, owner=owner_id
+                    key, block_file_bytes(num_prefix_tokens, len(payload)), retention_expires_at_s=retention_expires_at_s, owner=owner_id
                 )
                 if evicted is None:
                     self.counters["too_large"] += 1
@@ -545,7 +545,7 @@ class DiskTier:
                 self._times[key] = [now_s, now_s]
                 stored += 1
             self.counters["written_blocks"] += stored
-            if retain_until_s:
+            if retention_expires_at_s:
                 self._queue_manifest()
         if wait:
             self.drain()
@@ -743,7 +743,7 @@ class DiskTier:
         self.enabled = False
         self._unlock_directory()
 
-    def retention(self, key: int) -> Retention | None:
+    def retention(self, key: int) -> DiskRetention | None:
         """The live retention of a stored block (expiry in wall time, owner digest)."""
         with self._index_lock:
             return self.index.retention(key)

@@ -17,14 +17,14 @@ from sortedcontainers import SortedList
 @dataclass(slots=True)
 class _Retained:
     size: int
-    until_s: float  # on the index's clock (wall time: it must mean the same after a restart)
+    expires_at_s: float  # on the index's clock (wall time: it must mean the same after a restart)
     owner: Hashable
-    order: tuple[float, int]  # its key in the expiry order: (until_s, tie-breaker)
+    order: tuple[float, int]  # its key in the expiry order: (expires_at_s, tie-breaker)
 
 
 @dataclass(frozen=True, slots=True)
-class Retention:
-    until_s: float
+class DiskRetention:
+    expires_at_s: float
     owner: Hashable
 
 
@@ -49,7 +49,7 @@ class DiskIndex:
         self._clock = clock
         self._plain: OrderedDict[Hashable, int] = OrderedDict()  # key -> bytes, least recent first
         self._retained: dict[Hashable, _Retained] = {}
-        self._by_expiry = SortedList()  # (until_s, tie, key)
+        self._by_expiry = SortedList()  # (expires_at_s, tie, key)
         self._owner_bytes: dict[Hashable, int] = {}
         self._expired: set[Hashable] = set()  # plain keys whose retention ended, unused since
         self._tie = 0
@@ -60,9 +60,9 @@ class DiskIndex:
     # ----------------------------------------------------------------- membership
 
     def add(
-        self, key: Hashable, size_bytes: int, *, retain_until_s: float = 0.0, owner: Hashable = None
+        self, key: Hashable, size_bytes: int, *, retention_expires_at_s: float = 0.0, owner: Hashable = None
     ) -> list[Hashable] | None:
-        """Record `key` as most recently used (retained until `retain_until_s` when that is in
+        """Record `key` as most recently used (retained until `retention_expires_at_s` when that is in
         the future), evicting to stay within the budget; returns the evicted keys (the caller
         deletes their data; `reasons` says why each went), or None when it can never fit."""
         if size_bytes > self.budget_bytes:
@@ -77,45 +77,45 @@ class DiskIndex:
             self.reasons.append(self.last_reason)
         self._plain[key] = size_bytes
         self.bytes_used += size_bytes
-        if retain_until_s:
-            self.retain(key, retain_until_s, owner)
+        if retention_expires_at_s:
+            self.retain(key, retention_expires_at_s, owner)
         return evicted
 
-    def retain(self, key: Hashable, until_s: float, owner: Hashable = None) -> bool:
-        """Keep `key` until `until_s` (a later expiry already there stands), counted against
+    def retain(self, key: Hashable, expires_at_s: float, owner: Hashable = None) -> bool:
+        """Keep `key` until `expires_at_s` (a later expiry already there stands), counted against
         `owner`'s cap; False if the key is not indexed, its time has passed, or it alone is
         more than the owner's cap."""
         size = self.size_of(key)
-        if size is None or until_s <= self._clock():
+        if size is None or expires_at_s <= self._clock():
             return False
         if self.max_owner_bytes is not None and size > self.max_owner_bytes:
             return False
         old = self._retained.get(key)
         if old is not None:
-            until_s = max(until_s, old.until_s)
+            expires_at_s = max(expires_at_s, old.expires_at_s)
             self._unretain(key)
         else:
             del self._plain[key]
         self._expired.discard(key)
         self._tie += 1
-        entry = _Retained(size, until_s, owner, (until_s, self._tie))
+        entry = _Retained(size, expires_at_s, owner, (expires_at_s, self._tie))
         self._retained[key] = entry
         self._by_expiry.add((*entry.order, key))
         self._owner_bytes[owner] = self._owner_bytes.get(owner, 0) + size
         self._enforce_owner_cap(owner, keep=key)
         return True
 
-    def retention(self, key: Hashable) -> Retention | None:
+    def retention(self, key: Hashable) -> DiskRetention | None:
         """The live retention of `key`, if any."""
         self.expire()
         entry = self._retained.get(key)
-        return None if entry is None else Retention(entry.until_s, entry.owner)
+        return None if entry is None else DiskRetention(entry.expires_at_s, entry.owner)
 
-    def retentions(self) -> Iterator[tuple[Hashable, Retention]]:
+    def retentions(self) -> Iterator[tuple[Hashable, DiskRetention]]:
         """Every live retention (what a restart must find again)."""
         self.expire()
         for key, entry in list(self._retained.items()):
-            yield key, Retention(entry.until_s, entry.owner)
+            yield key, DiskRetention(entry.expires_at_s, entry.owner)
 
     def owner_bytes(self, owner: Hashable) -> int:
         return self._owner_bytes.get(owner, 0)

@@ -13,7 +13,7 @@ from sortedcontainers import SortedList
 if TYPE_CHECKING:
     from radixkv.cache.radix import Node
 
-# (tag, last_access, node_id, node) in the probation and protected sets, (tag, retain_until_s,
+# (tag, last_access, node_id, node) in the probation and protected sets, (tag, retention_expires_at_s,
 # node_id, node) in the retained set: node_id breaks ties, so nodes are never compared; the tag
 # says which set.
 EvictKey = tuple[int, float, int, "Node"]
@@ -43,7 +43,7 @@ class EvictionOrder:
     def key_of(self, node: Node) -> EvictKey:
         """The key `node` belongs under now (check_tree compares it with the filed one)."""
         if node.retains:
-            return (_RETAINED, node.retain_until_s, node.node_id, node)
+            return (_RETAINED, node.retention_expires_at_s, node.node_id, node)
         tag = _PROTECTED if self.policy == "slru" and node.num_hits > 0 else _PROBATION
         return (tag, float(node.last_access), node.node_id, node)
 

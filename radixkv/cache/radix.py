@@ -26,7 +26,7 @@ from radixkv.cache.retention import Retention, RetentionBook
 # of N and of every ancestor, so `retains` never grows toward the leaves. It locks nothing:
 # retained pages stay evictable and are counted as such; they only go last. The unlocked
 # leaves are kept in sorted sets (cache/eviction.py): unretained by last access (under slru,
-# split by whether they ever served a hit), retained by `retain_until_s`, the latest expiry
+# split by whether they ever served a hit), retained by `retention_expires_at_s`, the latest expiry
 # among their retentions. Eviction empties the unretained sets before it touches the retained
 # one; since a retained node's ancestors are retained too, an empty unretained set means no
 # unretained evictable page is left. Expired retentions are dropped lazily (at evict, retain
@@ -50,8 +50,8 @@ class Node:
     lock_ref: int = 0  # locks taken on this node or any descendant
     last_access: int = 0  # logical clock; never older than a descendant's
     removed: bool = False  # evicted or reset: a stale handle must not be locked
-    retains: dict[int, float] = field(default_factory=dict)  # retention id -> expiry_s, this node or below
-    retain_until_s: float = 0.0  # max(retains.values()); the node's key in the retained set
+    retains: dict[int, float] = field(default_factory=dict)  # retention id -> expires_at_s, this node or below
+    retention_expires_at_s: float = 0.0  # max(retains.values()); the node's key in the retained set
     evict_key: EvictKey | None = None  # its key in the eviction order; None when not in it
     num_hits: int = 0  # matches that used this node's blocks (this node or below)
 
@@ -336,13 +336,13 @@ class RadixTree:
             if trimmed is None:
                 return 0
             node, num_pages = trimmed, _path_pages(trimmed)
-        expiry_s = self._supersede(node, now_s + ttl_s, owner)
+        expires_at_s = self._supersede(node, now_s + ttl_s, owner)
         if max_owner_pages is not None:
             for old in self._book.of_owner(owner):
                 if self._book.owner_pages(owner) + num_pages <= max_owner_pages:
                     break
                 self.release(old.retention_id)
-        retention = self._book.add(node, expiry_s, owner, num_pages)
+        retention = self._book.add(node, expires_at_s, owner, num_pages)
         self._mark_path(retention)
         return num_pages
 
@@ -489,7 +489,7 @@ class RadixTree:
             kept = step
         return kept
 
-    def _supersede(self, node: Node, expiry_s: float, owner: str | None) -> float:
+    def _supersede(self, node: Node, expires_at_s: float, owner: str | None) -> float:
         """Release the owner's retentions that the new one on `node` covers (its path or a
         prefix of it, ending no later), so re-retaining a growing conversation does not count
         its prefix twice; returns the new retention's expiry (a same-path one never shortens)."""
@@ -500,19 +500,19 @@ class RadixTree:
             current = current.parent
         for old in self._book.of_owner(owner):
             if old.node is node:
-                expiry_s = max(expiry_s, old.expiry_s)
-            elif old.node.node_id not in path or old.expiry_s > expiry_s:
+                expires_at_s = max(expires_at_s, old.expires_at_s)
+            elif old.node.node_id not in path or old.expires_at_s > expires_at_s:
                 continue
             self.release(old.retention_id)
-        return expiry_s
+        return expires_at_s
 
     def _mark_path(self, retention: Retention) -> None:
-        rid, expiry_s = retention.retention_id, retention.expiry_s
+        rid, expires_at_s = retention.retention_id, retention.expires_at_s
         current: Node | None = retention.node
         while current is not None and current.parent is not None:
             if not current.retains:
                 self._retained_pages += len(current.pages)
-            self._set_retains(current, lambda retains: retains.__setitem__(rid, expiry_s))
+            self._set_retains(current, lambda retains: retains.__setitem__(rid, expires_at_s))
             current = current.parent
 
     def _unmark_path(self, retention: Retention) -> None:
@@ -535,7 +535,7 @@ class RadixTree:
         if filed:
             self._order.remove(node)
         change(node.retains)
-        node.retain_until_s = max(node.retains.values(), default=0.0)
+        node.retention_expires_at_s = max(node.retains.values(), default=0.0)
         if filed:
             self._order.add(node)
 
@@ -602,7 +602,7 @@ class RadixTree:
         # Every retention of node covers all of it, so all of top too; retained pages only
         # move between the two.
         top.retains = dict(node.retains)
-        top.retain_until_s = node.retain_until_s
+        top.retention_expires_at_s = node.retention_expires_at_s
         top.num_hits = node.num_hits  # both halves served the same matches
         del node.tokens[: num_blocks * ps]
         del node.pages[:num_blocks]

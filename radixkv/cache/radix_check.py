@@ -60,10 +60,10 @@ def _check_order(tree: RadixTree, walk: _Walk) -> None:
 def _check_book(tree: RadixTree, walk: _Walk) -> None:
     """Every retention id in the tree is live with the same expiry, and a live retention
     marks every still-cached node of its path."""
-    for retention_id, expiry_s in walk.retention_ids.items():
+    for retention_id, expires_at_s in walk.retention_ids.items():
         retention = tree._book.get(retention_id)
         _require(retention is not None, f"retention {retention_id} is marked in the tree but not live")
-        _require(retention.expiry_s == expiry_s, f"retention {retention_id} is marked with another expiry")
+        _require(retention.expires_at_s == expires_at_s, f"retention {retention_id} is marked with another expiry")
     for retention in tree._book:
         node: Node | None = retention.node
         while node is not None and node.parent is not None:
@@ -98,7 +98,7 @@ def _check_subtree(tree: RadixTree, root: Node, walk: _Walk) -> None:
         walk.cached += num
         if node.parent is not root:
             _require(node.retains.items() <= node.parent.retains.items(), f"{node!r} is retained below an unretained parent")
-        _require(node.retain_until_s == max(node.retains.values(), default=0.0), f"{node!r} has a stale retain_until_s")
+        _require(node.retention_expires_at_s == max(node.retains.values(), default=0.0), f"{node!r} has a stale retention_expires_at_s")
         walk.retention_ids.update(node.retains)
         walk.retained += num if node.retains else 0
         walk.protected += num if node.num_hits else 0

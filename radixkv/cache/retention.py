@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 class Retention:
     retention_id: int
     node: Node  # deepest node of the retained prefix; the path above it carries the id too
-    expiry_s: float  # on the tree's clock
+    expires_at_s: float  # on the tree's clock
     owner: str | None  # whose cap it counts against
     num_pages: int  # pages of the path when it was retained
 
@@ -30,15 +30,15 @@ class RetentionBook:
 
     def __init__(self) -> None:
         self._by_id: dict[int, Retention] = {}
-        self._by_expiry: SortedList = SortedList()  # (expiry_s, retention_id)
+        self._by_expiry: SortedList = SortedList()  # (expires_at_s, retention_id)
         self._by_owner: dict[str | None, dict[int, Retention]] = {}  # insertion order: oldest first
         self._next_id = 0
 
-    def add(self, node: Node, expiry_s: float, owner: str | None, num_pages: int) -> Retention:
+    def add(self, node: Node, expires_at_s: float, owner: str | None, num_pages: int) -> Retention:
         self._next_id += 1
-        retention = Retention(self._next_id, node, expiry_s, owner, num_pages)
+        retention = Retention(self._next_id, node, expires_at_s, owner, num_pages)
         self._by_id[retention.retention_id] = retention
-        self._by_expiry.add((expiry_s, retention.retention_id))
+        self._by_expiry.add((expires_at_s, retention.retention_id))
         self._by_owner.setdefault(owner, {})[retention.retention_id] = retention
         return retention
 
@@ -46,7 +46,7 @@ class RetentionBook:
         retention = self._by_id.pop(retention_id, None)
         if retention is None:
             return None
-        self._by_expiry.remove((retention.expiry_s, retention_id))
+        self._by_expiry.remove((retention.expires_at_s, retention_id))
         mine = self._by_owner[retention.owner]
         del mine[retention_id]
         if not mine:
@@ -54,7 +54,7 @@ class RetentionBook:
         return retention
 
     def pop_expired(self, now_s: float) -> list[Retention]:
-        """Remove and return every retention whose time has come (expiry_s <= now_s)."""
+        """Remove and return every retention whose time has come (expires_at_s <= now_s)."""
         expired = []
         while self._by_expiry and self._by_expiry[0][0] <= now_s:
             retention = self.remove(self._by_expiry[0][1])

@@ -247,7 +247,7 @@ class KVManager:
             retention = self.disk.retention(keys[block])
             if retention is None:
                 continue
-            ttl_s = retention.until_s - time.time()
+            ttl_s = retention.expires_at_s - time.time()
             cap = self.max_retained_pages_per_owner
             if ttl_s > 0 and (cap is None or cap > 0):
                 prefix = seq.all_token_ids[: (block + 1) * self.page_size]
@@ -300,11 +300,11 @@ class KVManager:
         first = len(tokens) // self.page_size - len(node.pages)
         keys = disk.keys(tokens, node.salt)
         pages = node.pages
-        until_s, owner = self._disk_retention(node)
+        expires_at_s, owner = self._disk_retention(node)
         # Queued to the tier's writer thread: the step loop copies the pages' bytes, no more.
         return disk.save(
             tokens, node.salt, keys, first, len(pages), lambda i: self.pool.page_bytes(pages[i]),
-            retain_until_s=until_s, owner=owner, wait=False,
+            retention_expires_at_s=expires_at_s, owner=owner, wait=False,
         )
 
     def _disk_retention(self, node: Node) -> tuple[float, str | None]:
@@ -312,9 +312,9 @@ class KVManager:
         none: the disk keeps retentions on the wall clock, which a restart shares."""
         if not node.retains:
             return 0.0, None
-        retention_id, expiry_s = max(node.retains.items(), key=lambda item: item[1])
+        retention_id, expires_at_s = max(node.retains.items(), key=lambda item: item[1])
         retention = self.tree.retention(retention_id)
-        return time.time() + (expiry_s - self.tree.now_s()), retention.owner if retention is not None else None
+        return time.time() + (expires_at_s - self.tree.now_s()), retention.owner if retention is not None else None
 
     def lookup(self, token_ids: list[int], salt: str | None) -> tuple[int, int]:
         """(tokens of the prompt's full blocks cached in RAM, tokens cached on disk right after

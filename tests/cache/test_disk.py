@@ -242,7 +242,7 @@ FOREVER = float("inf")
 
 def test_disk_index_keeps_retained_blocks_last() -> None:
     index = DiskIndex(budget_bytes=3)
-    index.add("kept", 1, retain_until_s=FOREVER)
+    index.add("kept", 1, retention_expires_at_s=FOREVER)
     index.add("a", 1)
     index.add("b", 1)
     assert index.add("c", 1) == ["a"] and index.reasons == ["capacity"]
@@ -257,8 +257,8 @@ def test_disk_index_keeps_retained_blocks_last() -> None:
 def test_disk_retentions_go_by_expiry_then_lapse_into_lru() -> None:
     now = [100.0]
     index = DiskIndex(budget_bytes=4, clock=lambda: now[0])
-    index.add("late", 1, retain_until_s=300.0)
-    index.add("early", 1, retain_until_s=200.0)
+    index.add("late", 1, retention_expires_at_s=300.0)
+    index.add("early", 1, retention_expires_at_s=200.0)
     index.add("plain", 1)
     index.add("plain2", 1)
     assert index.add("x", 2) == ["plain", "plain2"]
@@ -275,15 +275,15 @@ def test_disk_retentions_go_by_expiry_then_lapse_into_lru() -> None:
 def test_each_owners_retained_bytes_are_capped() -> None:
     index = DiskIndex(budget_bytes=100, max_owner_bytes=3, clock=lambda: 0.0)
     for key, until in (("a1", 10.0), ("a2", 30.0), ("a3", 20.0)):
-        index.add(key, 1, retain_until_s=until, owner="a")
-    index.add("b1", 2, retain_until_s=5.0, owner="b")
+        index.add(key, 1, retention_expires_at_s=until, owner="a")
+    index.add("b1", 2, retention_expires_at_s=5.0, owner="b")
     assert index.owner_bytes("a") == 3 and index.owner_bytes("b") == 2
-    index.add("a4", 2, retain_until_s=40.0, owner="a")  # over a's cap: a's earliest expiries go
+    index.add("a4", 2, retention_expires_at_s=40.0, owner="a")  # over a's cap: a's earliest expiries go
     assert index.owner_bytes("a") == 3 and index.retention("a1") is None and index.retention("a3") is None
     assert index.retention("a2") is not None and index.retention("a4") is not None and "a1" in index
     assert index.owner_bytes("b") == 2  # another owner is untouched
     assert not index.retain("a5", 50.0, "a")  # not stored
-    assert index.add("big", 4, retain_until_s=50.0, owner="a") == []
+    assert index.add("big", 4, retention_expires_at_s=50.0, owner="a") == []
     assert index.retention("big") is None  # stored, but more than the cap alone: not retained
 
 
@@ -296,15 +296,15 @@ def test_retentions_survive_a_restart_until_they_expire(tmp_path: Path) -> None:
     tier = make_tier(tmp_path / "kv", budget_bytes=budget, pool=pool)
     kept = [9] * (2 * PS)
     keys = tier.keys(kept, None)
-    until_s = time.time() + 3600
-    assert tier.save(kept, None, keys, 0, 2, pool.page_bytes, retain_until_s=until_s, owner="tenant") == 2
+    expires_at_s = time.time() + 3600
+    assert tier.save(kept, None, keys, 0, 2, pool.page_bytes, retention_expires_at_s=expires_at_s, owner="tenant") == 2
     short = [8] * PS
-    tier.save(short, None, tier.keys(short, None), 0, 1, pool.page_bytes, retain_until_s=time.time() + 0.05, owner="t2")
+    tier.save(short, None, tier.keys(short, None), 0, 1, pool.page_bytes, retention_expires_at_s=time.time() + 0.05, owner="t2")
     assert tier.stats().retained_blocks == 3 and stat.S_IMODE(os.stat(tmp_path / "kv" / "retained.json").st_mode) == 0o600
     time.sleep(0.1)
     restarted = make_tier(tmp_path / "kv", budget_bytes=budget, pool=pool)
     assert restarted.stats().retained_blocks == 2  # the short one expired meanwhile
-    assert restarted.retention(keys[1]).until_s == until_s
+    assert restarted.retention(keys[1]).expires_at_s == expires_at_s
     for filler in range(6):  # a burst of other blocks: the retained pair stays
         save_prompt(restarted, pool, [filler + 20] * PS)
     assert len(load_prompt(restarted, kept)) == 2
@@ -331,7 +331,7 @@ def test_disk_index_against_a_reference(budget: int, ops) -> None:
 
     for op, key, size, retained in ops:
         if op == "add":
-            evicted = index.add(key, size, retain_until_s=FOREVER if retained else 0.0)
+            evicted = index.add(key, size, retention_expires_at_s=FOREVER if retained else 0.0)
             if size > budget:
                 assert evicted is None
                 continue

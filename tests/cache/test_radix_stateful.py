@@ -29,7 +29,7 @@ salt_st = st.sampled_from([None, None, None, "", "t"])
 index_st = st.integers(0, 1 << 16)
 
 Key = tuple[str | None, tuple[int, ...]]
-# (expiry_s, the block keys it covers): those cached when it was made, less those evicted since
+# (expires_at_s, the block keys it covers): those cached when it was made, less those evicted since
 # (a block computed again later is a new block, not retained).
 RefRetention = tuple[float, set[Key]]
 OWNER = "capped"
@@ -209,7 +209,7 @@ class CacheMachine(RuleBasedStateMachine):
                     if not n.removed:
                         covered.add(key)
                 prefix += tuple(n.tokens)
-            out.append((r.expiry_s, covered))
+            out.append((r.expires_at_s, covered))
         return out
 
     def unlocked_leaf_keys(self) -> list[Key]:

@@ -125,7 +125,7 @@ def test_re_retaining_a_growing_prefix_does_not_count_twice() -> None:
     run_request(tree, turn2)
     assert retain(tree, turn1, 3600, "k") == 2
     assert retain(tree, turn1, 300, "k") == 2  # same path: one retention, and it never shortens
-    assert [r.expiry_s for r in tree.retentions("k")] == [clock.now_s + 3600]
+    assert [r.expires_at_s for r in tree.retentions("k")] == [clock.now_s + 3600]
     assert retain(tree, turn2, 300, "k") == 4  # the 1h prefix ends later: both kept
     assert len(tree.retentions("k")) == 2
     assert retain(tree, turn2, 7200, "k") == 4  # now it covers both, and ends later
