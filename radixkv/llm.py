@@ -15,9 +15,10 @@ from radixkv.engine.request import RequestOutput, SamplingParams
 from radixkv.engine.run import run_to_completion
 from radixkv.engine.stats import EngineStats
 from radixkv.errors import InvalidRequest, QueueFull
-from radixkv.prompts import Message, encode_chat, encode_prompt
+from radixkv.prompts import Message, Prompt, encode, encode_chat
 
-Prompt = str | list[int]
+# What generate takes per prompt: text, token ids, or a Prompt (messages, text or token ids).
+PromptLike = str | list[int] | Prompt
 
 
 class LLM:
@@ -28,13 +29,13 @@ class LLM:
 
     def generate(
         self,
-        prompts: Prompt | Sequence[Prompt],
+        prompts: PromptLike | Sequence[PromptLike],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         salt: str | None = None,
     ) -> list[RequestOutput]:
-        """One output per prompt, in order. A prompt is text or a list of token ids."""
-        token_lists = [encode_prompt(self.tokenizer, p) for p in _as_prompt_list(prompts)]
+        """One output per prompt, in order. A prompt is text, a list of token ids, or a Prompt."""
+        token_lists = [encode(self.tokenizer, p) for p in _as_prompt_list(prompts)]
         return self._run(token_lists, _as_params_list(params, len(token_lists)), salt)
 
     def chat(
@@ -50,8 +51,8 @@ class LLM:
         token_lists = [encode_chat(self.tokenizer, c) for c in conversations]  # type: ignore[arg-type]
         return self._run(token_lists, _as_params_list(params, len(token_lists)), salt)
 
-    def encode(self, prompt: Prompt) -> list[int]:
-        return encode_prompt(self.tokenizer, prompt)
+    def encode(self, prompt: PromptLike) -> list[int]:
+        return encode(self.tokenizer, prompt)
 
     def encode_chat(self, messages: Sequence[Message], *, add_generation_prompt: bool = True) -> list[int]:
         return encode_chat(self.tokenizer, messages, add_generation_prompt=add_generation_prompt)
@@ -79,8 +80,8 @@ class LLM:
         return results  # type: ignore[return-value]
 
 
-def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
+def _as_prompt_list(prompts: PromptLike | Sequence[PromptLike]) -> list[PromptLike]:
+    if isinstance(prompts, (str, Prompt)):
         return [prompts]
     prompts = list(prompts)
     if prompts and all(isinstance(t, int) for t in prompts):

@@ -1,16 +1,46 @@
 """Prompt encoding: text, token ids, or chat messages (through the model's chat template) into
 prompt token ids. `LLM`, the SDK and the server all encode here, so the same input always gives
-the same tokens, and so the same cache hits.
+the same tokens, and so the same cache hits. `Prompt` is the one record of a prompt in any form.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from radixkv.errors import InvalidRequest
 
 Message = Mapping[str, Any]
+
+
+@dataclass(slots=True)
+class Prompt:
+    """One prompt in any of its forms: chat messages or text, and its token ids once known.
+
+    `add_generation_prompt=False` renders messages as a prefix (for warm and pin), without the
+    assistant header that a chat template appends to ask for a reply.
+    """
+
+    messages: list[Message] | None = None
+    text: str | None = None
+    token_ids: list[int] | None = None
+    add_generation_prompt: bool = True
+
+    def __post_init__(self) -> None:
+        if (self.messages is None) == (self.text is None) and self.token_ids is None:
+            raise InvalidRequest("a Prompt needs exactly one of messages or text (or token ids)", param="prompt")
+
+
+def encode(tokenizer: Any, prompt: Prompt | str | Sequence[int]) -> list[int]:
+    """Token ids exactly as `LLM`, the SDK and `radixkv serve` compute them for the same input."""
+    if not isinstance(prompt, Prompt):
+        return encode_prompt(tokenizer, prompt)
+    if prompt.token_ids is not None:
+        return list(prompt.token_ids)
+    if prompt.text is not None:
+        return encode_prompt(tokenizer, prompt.text)
+    return encode_chat(tokenizer, prompt.messages or [], add_generation_prompt=prompt.add_generation_prompt)
 
 
 def has_chat_template(tokenizer: Any) -> bool:

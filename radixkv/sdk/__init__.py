@@ -8,6 +8,7 @@ The same calls run in process (pass a `radixkv.LLM`) or against `radixkv serve` 
 
 from __future__ import annotations
 
+from radixkv.prompts import Prompt
 from radixkv.sdk.backends import (
     Backend,
     GenerationError,
@@ -19,7 +20,7 @@ from radixkv.sdk.backends import (
 )
 from radixkv.sdk.batch import pin, run_batch, warm
 from radixkv.sdk.session import Session, generate_all
-from radixkv.sdk.template import Prompt, PromptTemplate, TemplateError, TemplateWarning
+from radixkv.sdk.template import PromptTemplate, TemplateError, TemplateWarning
 
 __all__ = [
     "Backend",

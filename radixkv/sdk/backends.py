@@ -16,7 +16,7 @@ from typing import Any
 
 from radixkv.engine.request import RequestOutput, SamplingParams
 from radixkv.errors import InvalidRequest
-from radixkv.sdk.template import Prompt, encode, has_chat_template
+from radixkv.prompts import Prompt, encode, has_chat_template
 
 OnResult = Callable[[int, "Result"], None]
 

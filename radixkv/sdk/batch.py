@@ -11,8 +11,9 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from radixkv.engine.request import SamplingParams
+from radixkv.prompts import Prompt
 from radixkv.sdk.backends import Pin, Result, as_backend
-from radixkv.sdk.template import Message, Prompt, PromptTemplate, Row, render_rows
+from radixkv.sdk.template import Message, PromptTemplate, Row, render_rows
 
 Prefix = PromptTemplate | str | Sequence[int] | Sequence[Message] | Prompt
 

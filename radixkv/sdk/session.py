@@ -17,8 +17,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from radixkv.engine.request import SamplingParams
+from radixkv.prompts import Prompt
 from radixkv.sdk.backends import Backend, GenerationError, Result, as_backend
-from radixkv.sdk.template import Message, Prompt
+from radixkv.sdk.template import Message
 
 
 class Session:

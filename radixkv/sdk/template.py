@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixkv.prompts import encode_chat, encode_prompt, has_chat_template
+from radixkv.prompts import Prompt, encode
 
 Message = dict[str, str]
 Row = Mapping[str, Any] | str
@@ -31,33 +31,6 @@ PLAIN_PART_SEPARATOR = "\n\n"
 
 class TemplateError(ValueError):
     """A row (or example) that the template cannot render: a missing field, a bad pattern."""
-
-
-@dataclass(slots=True)
-class Prompt:
-    """One request as a backend sends it: chat messages or text, and its token ids once known.
-
-    `add_generation_prompt=False` renders messages as a prefix (for warm and pin), without the
-    assistant header that a chat template appends to ask for a reply.
-    """
-
-    messages: list[Message] | None = None
-    text: str | None = None
-    token_ids: list[int] | None = None
-    add_generation_prompt: bool = True
-
-    def __post_init__(self) -> None:
-        if (self.messages is None) == (self.text is None) and self.token_ids is None:
-            raise TemplateError("a Prompt needs exactly one of messages or text (or token ids)")
-
-
-def encode(tokenizer: Any, prompt: Prompt) -> list[int]:
-    """Token ids exactly as `LLM` and `radixkv serve` compute them for the same input."""
-    if prompt.token_ids is not None:
-        return list(prompt.token_ids)
-    if prompt.text is not None:
-        return encode_prompt(tokenizer, prompt.text)
-    return encode_chat(tokenizer, prompt.messages or [], add_generation_prompt=prompt.add_generation_prompt)
 
 
 @dataclass(slots=True)

@@ -9,9 +9,8 @@ import random
 import pytest
 
 from radixkv import SamplingParams
+from radixkv.prompts import encode
 from radixkv.sdk import InProcessBackend, PromptTemplate, pin, run_batch, warm
-from radixkv.sdk.template import encode
-
 from tests.helpers.sdk import EXAMPLES, PAGE_SIZE, SYSTEM, five_shot, make_sdk_llm, rows
 
 PARAMS = SamplingParams(max_tokens=6)

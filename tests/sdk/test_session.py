@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from radixkv import SamplingParams
+from radixkv.prompts import encode
 from radixkv.sdk import GenerationError, InProcessBackend, Prompt, Session, generate_all
-from radixkv.sdk.template import common_prefix, encode
-
+from radixkv.sdk.template import common_prefix
 from tests.helpers.sdk import PAGE_SIZE, make_sdk_llm
 
 SYSTEM = "You are a helpful assistant. Answer briefly and precisely. " * 4

@@ -7,9 +7,10 @@ import warnings
 
 import pytest
 
+from radixkv.errors import InvalidRequest
+from radixkv.prompts import encode
 from radixkv.sdk import Prompt, PromptTemplate, TemplateError, TemplateWarning
-from radixkv.sdk.template import encode, render_rows
-
+from radixkv.sdk.template import render_rows
 from tests.helpers.sdk import five_shot, rows
 
 
@@ -80,9 +81,9 @@ def test_a_well_placed_template_does_not_warn(llm):
 
 
 def test_a_prompt_is_messages_or_text():
-    with pytest.raises(TemplateError):
+    with pytest.raises(InvalidRequest, match="exactly one of"):
         Prompt()
-    with pytest.raises(TemplateError):
+    with pytest.raises(InvalidRequest, match="exactly one of"):
         Prompt(messages=[], text="x")
 
 
