@@ -72,12 +72,6 @@ class DiskLoader:
         self.prefetcher = DiskPrefetcher(tier, prefetch_bytes)
         self._keys: dict[int, list[int]] = {}  # seq id -> disk keys of its blocks (a token to spare)
         self._recompute: set[int] = set()  # seq ids whose disk hit is computed: reading is the slower
-        # Write-back: a block reaches the disk when RAM gives it up (or at close), not when it is
-        # computed; most computed blocks are private tails never asked for again, and writing
-        # each of them through would spend the disk's bandwidth and budget on them. Retained
-        # prefixes are written through at retain time (write_through). Off while a flush drops
-        # RAM and disk both.
-        self.write_back = True
 
     # -- loading a sequence's hit --------------------------------------------------------------
 
@@ -229,8 +223,11 @@ class DiskLoader:
 
     def evicted(self, node: Node) -> None:
         """The tree is evicting `node` (its pages still hold the KV): keep it on disk."""
-        if self.write_back:
-            self.save(node)
+        # Write-back: a block reaches the disk when RAM gives it up (or at close), not when it is
+        # computed; most computed blocks are private tails never asked for again, and writing
+        # each of them through would spend the disk's bandwidth and budget on them. Retained
+        # prefixes are written through at retain time (write_through).
+        self.save(node)
 
     def write_through(self, node: Node | None) -> None:
         """Write a retained prefix (node and its ancestors) now: what a client asked to keep

@@ -14,7 +14,7 @@ from radixkv.cache.disk import DiskStats, DiskTier
 from radixkv.cache.hashing import BlockHasher
 from radixkv.cache.pages import OutOfPages, PagePool
 from radixkv.cache.radix import Node, PeekResult, RadixTree
-from radixkv.cache.residency import Residency, TierResidency
+from radixkv.cache.residency import PageResidency, TierResidency
 from radixkv.engine.disk_loader import ComputeEstimate, DiskLoader
 from radixkv.engine.request import Admitted, SequenceState
 
@@ -40,20 +40,16 @@ class KVManager:
         self.hasher = hasher
         self.page_size = pool.page_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.ram_residency = PageResidency(pool.num_pages)
         self.loader: DiskLoader | None = None
         if disk is not None and enable_prefix_caching:
             self.loader = DiskLoader(
                 disk, pool, tree, commit=self.commit, peek_tokens=lambda seq: self.peek(seq).num_cached_tokens,
-                mark_retained=self._mark_retained, compute_s=compute_s, prefetch_bytes=prefetch_bytes,
+                mark_retained=self.ram_residency.retained, compute_s=compute_s, prefetch_bytes=prefetch_bytes,
                 max_retained_pages_per_owner=max_retained_pages_per_owner,
             )
-        # The RAM tier's residency, per page (a page holds one cached block at a time):
-        # when it entered the tree, when it last served a hit, whether it was ever retained.
-        self.ram_residency = Residency()
-        self._page_born_s = [0.0] * pool.num_pages
-        self._page_used_s = [0.0] * pool.num_pages
-        self._page_retained = [False] * pool.num_pages
         self._flushing = False
+        self._write_back = True  # off while a flush drops RAM and disk both
         self._next_on_evict = tree.on_evict
         tree.on_evict = self._on_evict
 
@@ -95,7 +91,7 @@ class KVManager:
             self.tree.lock(match.node)
             self.tree.record_lookup(seq.num_tokens, match.num_cached_tokens)
             self.pool.incref(match.pages)
-            self._ram_hits(match.pages)
+            self.ram_residency.hit_pages(match.pages, time.monotonic())
             seq.tree_node = match.node
             seq.page_table = list(match.pages)
             seq.num_tree_blocks = len(match.pages)
@@ -149,13 +145,6 @@ class KVManager:
             seq.block_hashes.extend(self.hasher.hash_blocks(tokens, seq.salt, parent=parent))
         return seq.block_hashes
 
-    def _ram_hits(self, pages: list[int]) -> None:
-        now_s = time.monotonic()
-        used = self._page_used_s
-        for page in pages:
-            self.ram_residency.hit(now_s - used[page])
-            used[page] = now_s
-
     def _allocate(self, seq: SequenceState, num_new_tokens: int) -> bool:
         """Pages for num_new_tokens more tokens of seq, evicting if needed; False if short."""
         needed = max(0, -(-(seq.num_computed_tokens + num_new_tokens) // self.page_size) - len(seq.page_table))
@@ -184,9 +173,7 @@ class KVManager:
         tokens = seq.all_token_ids[: num_full * self.page_size]
         result = self.tree.insert(tokens, seq.page_table[:num_full], seq.salt, block_hashes=hashes[:num_full])
         if result.num_inserted_blocks:
-            now_s = time.monotonic()
-            for page in result.pages[result.num_existing_blocks :]:
-                self._page_born_s[page] = self._page_used_s[page] = now_s
+            self.ram_residency.cached(result.pages[result.num_existing_blocks :], time.monotonic())
         # Blocks another sequence cached first: drop our copy and point at the tree's page,
         # so no page table keeps a page the pool may hand out again.
         for i in range(result.num_existing_blocks):
@@ -232,33 +219,18 @@ class KVManager:
         # As in pin: one more token lets match return every full block of the prefix itself.
         match = self.tree.match(prefix + [0], salt, record=False)
         num_pages = self.tree.retain(match.node, ttl_s, owner, max_owner_pages)
-        self._mark_retained(match.pages[:num_pages])
+        self.ram_residency.retained(match.pages[:num_pages])
         if num_pages and self.loader is not None:
             self.loader.write_through(match.node)
         return num_pages * self.page_size
-
-    def _mark_retained(self, pages: list[int]) -> None:
-        for page in pages:
-            self._page_retained[page] = True
 
     # -- the whole cache ---------------------------------------------------------------------
 
     def _on_evict(self, node: Node) -> None:
         """The tree is evicting `node` (its pages still hold the KV): count why and how long
         its blocks stayed, and keep them on disk (write-back)."""
-        now_s = time.monotonic()
-        if self._flushing:
-            reason = "flush"
-        elif node.retains:
-            reason = "retained"
-        elif any(self._page_retained[page] for page in node.pages):
-            reason = "retention_expired"
-        else:
-            reason = "capacity"
-        for page in node.pages:
-            self.ram_residency.evicted_block(reason, now_s - self._page_born_s[page])
-            self._page_retained[page] = False
-        if self.loader is not None:
+        self.ram_residency.evicted_pages(node.pages, time.monotonic(), flushing=self._flushing, retained_now=bool(node.retains))
+        if self.loader is not None and self._write_back:
             self.loader.evicted(node)
         if self._next_on_evict is not None:
             self._next_on_evict(node)
@@ -278,19 +250,14 @@ class KVManager:
         stay), every disk block. Returns (pages freed, blocks deleted). Flushing both drops RAM
         first without writing it back; RAM alone is written back as by any eviction."""
         pages = blocks = 0
-        loader = self.loader
         if ram:
-            self._flushing = True
-            if loader is not None:
-                loader.write_back = not disk
+            self._flushing, self._write_back = True, not disk
             try:
                 pages = self.tree.evict(self.tree.evictable_pages)
             finally:
-                self._flushing = False
-                if loader is not None:
-                    loader.write_back = True
-        if disk and loader is not None:
-            blocks = loader.flush()
+                self._flushing, self._write_back = False, True
+        if disk and self.loader is not None:
+            blocks = self.loader.flush()
         return pages, blocks
 
     def close(self) -> int:

@@ -335,3 +335,25 @@ def test_retention_is_written_off_the_engine_thread_and_close_persists_it(tiny_l
     again = restarted.generate([batch[0]], PARAMS)[0]
     assert again.token_ids == expected[0] and again.num_cached_tokens == 44
     assert restarted.stats().disk.rejected == {}
+
+
+def test_no_file_in_the_kv_directory_holds_the_tenant_secret(tiny_llama: Path, workload, tmp_path: Path, monkeypatch) -> None:
+    """The tenant secret (every key's cache salt is made with it) is kept outside the KV
+    directory by default: after serving, retaining and closing, no file there holds its bytes."""
+    import argparse
+
+    from radixkv.cli import tenant_secret_for
+
+    batch, expected = workload
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    llm = make_llm(tiny_llama, kv_disk_dir=str(tmp_path / "kv"))
+    secret = tenant_secret_for(argparse.Namespace(tenant_secret_file=None), llm.engine)
+    assert secret is not None and len(secret) >= 16
+    assert generate(llm, batch[:1], salt="tenant-a") == expected[:1]
+    assert llm.engine.retain(batch[0], salt="tenant-a", ttl_s=3600, owner="tenant-a") == 44
+    llm.close()
+    files = [path for path in (tmp_path / "kv").rglob("*") if path.is_file()]
+    assert len(files) > 11  # the blocks, the seed, the key, the manifest
+    for path in files:
+        data = path.read_bytes()
+        assert secret not in data and secret.hex().encode() not in data, path
