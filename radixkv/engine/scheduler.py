@@ -66,8 +66,8 @@ class Scheduler:
                 if victim is seq:
                     break
                 reserved = self.kv.reserve(seq, end - seq.num_computed_tokens)
-            if reserved is None or seq.status is not SeqStatus.RUNNING:
-                continue
+            if reserved is None:
+                continue  # seq itself was preempted
             if reserved.more_to_load:
                 # The hit goes on past this chunk: computing the chunk's last few tokens would
                 # end it inside a block and cut the hit short there.
