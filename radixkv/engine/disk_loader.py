@@ -1,8 +1,6 @@
-"""DiskLoader: the disk tier's traffic with RAM, held by KVManager alone (nothing else sees the tier).
-
-RAM's evictions are written back to the tier, retained prefixes written through, all of RAM at
-close; a sequence's match that runs out in RAM continues on disk, read ahead on a background
-thread (DiskPrefetcher) and loaded into pages chunk by chunk, unless computing measures faster.
+"""DiskLoader: all traffic between RAM and the disk tier, held by KVManager alone. Evictions are
+written back, retentions written through, RAM persisted at close; a match that runs out in RAM
+continues on disk, read ahead on a thread and loaded chunk by chunk unless computing is faster.
 """
 
 from __future__ import annotations

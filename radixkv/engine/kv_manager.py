@@ -1,8 +1,6 @@
-"""The bridge between sequences and the prefix cache: pages in, pages out, blocks shared.
-
-A running sequence holds one pool reference on every page of its page table and locks the
-deepest tree node covering its cached blocks; this module alone moves them. The disk tier is
-behind its DiskLoader: admit and reserve extend a match from disk, unseen by their callers.
+"""The bridge between sequences and the prefix cache: pages in, pages out, blocks shared. A
+running sequence holds a pool reference on each page of its table and locks its deepest cached
+node; only this module moves them. Admit and reserve extend a match from disk (its DiskLoader).
 """
 
 from __future__ import annotations
