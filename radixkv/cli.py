@@ -169,10 +169,11 @@ def tenant_secret_for(args: argparse.Namespace, engine: Engine) -> bytes | None:
     files are not to tell how to compute any key's salt. None (a fresh one per process) without."""
     from radixkv.server.tenants import default_tenant_secret_path, persistent_secret
 
-    if engine.disk is None or not engine.disk.enabled:
+    kv_directory = engine.kv.disk_directory()
+    if kv_directory is None:
         return None
     path = Path(args.tenant_secret_file or default_tenant_secret_path()).expanduser()
-    if path.resolve().is_relative_to(engine.disk.directory.resolve()):
+    if path.resolve().is_relative_to(kv_directory.resolve()):
         raise ConfigError(f"--tenant-secret-file must be outside --kv-disk-dir, got {path}", param="tenant_secret_file")
     return persistent_secret(path)
 

@@ -53,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     written = first.close()
     persist_s = time.perf_counter() - start
-    disk_bytes = first.disk.stats().bytes_used if first.disk else 0
+    disk_stats = first.kv.disk_stats()
+    disk_bytes = disk_stats.bytes_used if disk_stats else 0
     page_size = first.config.page_size
     num_blocks = args.system_len // page_size
     # The engine's fitted compute cost for the system prompt's blocks, learnt from the cold run.
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     warm = _engine(loaded, base, directory)
     rows.append(_ttft(warm, "restart: system prompt from disk", system + questions[1]))
     rows.append(_ttft(warm, "then: system prompt from RAM", system + questions[2]))
-    warm_disk = warm.disk.stats() if warm.disk else None
+    warm_disk = warm.kv.disk_stats()
     hit_blocks = warm_disk.hit_blocks if warm_disk else 0
     read_s = warm_disk.read_s_per_block * num_blocks if warm_disk and warm_disk.read_s_per_block else None
     warm.close()
@@ -85,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         f"the restart loaded {hit_blocks} blocks; disk vs recompute: {rows[3]['ttft_s'] / rows[1]['ttft_s']:.1f}x faster"
     )
     if read_s is not None and compute_s is not None and fit is not None:
-        # What the engine weighs before reading a disk hit (KVManager._disk_pays).
+        # What the engine weighs before reading a disk hit (DiskLoader.pays).
         print(
             f"the decision for {num_blocks} blocks: reading {read_s:.3f} s (measured, {read_s / num_blocks * 1e3:.2f} ms/block) "
             f"vs computing {compute_s:.2f} s (fitted: {fit[0] * 1e3:.3f} ms/token + {fit[1] * 1e9:.2f} ns/attended position) "

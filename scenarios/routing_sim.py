@@ -71,7 +71,7 @@ def choose(policy: str, replicas: list[Replica], seq: SequenceState, hash_ids: l
         return zlib.crc32(key) % len(replicas)
     # cache_aware: the longest cached match among replicas not overloaded against the least.
     limit = replicas[least].queued_tokens + load_bound
-    matches = [(r.kv.peek_seq(seq).num_cached_tokens, -r.queued_tokens, i) for i, r in enumerate(replicas) if r.queued_tokens <= limit]
+    matches = [(r.kv.peek(seq).num_cached_tokens, -r.queued_tokens, i) for i, r in enumerate(replicas) if r.queued_tokens <= limit]
     return max(matches)[2]
 
 

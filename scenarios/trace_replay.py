@@ -1,6 +1,6 @@
 """Trace-driven cache simulator: replays a Mooncake-format trace (timestamp, input_length,
 output_length, hash_ids of 512-token blocks) through the real RadixTree, PagePool and the
-engine's admission path (KVManager: peek, check, match and lock, reserve, commit, release)
+engine's admission path (KVManager: peek, can_admit, admit, commit, release)
 without a model, at a RAM capacity and optionally a disk tier under it, and reports prefix-hit
 ratios per tier against the infinite cache and Belady's optimal at the same capacity, plus the
 cache's own time per request.
@@ -330,22 +330,19 @@ def replay(
 
 
 def serve_request(kv: KVManager, disk: DiskIndex | None, seq: SequenceState) -> tuple[int, int]:
-    """One request through admission as the scheduler runs it (peek, check, match and lock,
-    reserve), computed at once, committed and finished; returns (RAM hit, disk hit) blocks."""
+    """One request through admission as the scheduler runs it (peek, check, then match, lock
+    and allocate), computed at once, committed and finished; returns (RAM hit, disk hit) blocks."""
     ps = kv.page_size
-    peek = kv.peek_seq(seq)
-    needed, available = kv.pages_to_admit(peek, seq.num_tokens - peek.num_cached_tokens)
-    if needed > available:
+    peek = kv.peek(seq)
+    if not kv.can_admit(peek, seq.num_tokens - peek.num_cached_tokens):
         return 0, 0  # larger than RAM: computed without the cache (capacity() rules it out)
-    ram_blocks = kv.admit(seq) // ps
+    ram_blocks = kv.admit(seq, seq.num_tokens - peek.num_cached_tokens).num_cached_tokens // ps
     disk_blocks = 0
     if disk is not None:
-        hashes = kv.update_block_hashes(seq)
+        hashes = kv.block_hashes(seq)
         limit = (seq.num_tokens - 1) // ps  # at least one token left to compute
         while ram_blocks + disk_blocks < limit and disk.touch(hashes[ram_blocks + disk_blocks]):
             disk_blocks += 1
-    reserved = kv.reserve(seq, seq.num_tokens - seq.num_computed_tokens)
-    assert reserved, "the check counted these pages as available"
     seq.num_computed_tokens = seq.num_tokens  # disk hits are loaded into their pages, the rest computed
     kv.commit(seq)
     kv.release(seq)

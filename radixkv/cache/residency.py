@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections import Counter
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 # Seconds: from a request's own burst to a week (the longest retention anyone asks for is a day).
@@ -93,3 +94,43 @@ class Residency:
             self.lifetime.snapshot(),
             self.reuse_gap.snapshot(),
         )
+
+
+class PageResidency(Residency):
+    """The RAM tier's residency, kept per page (a page holds one cached block at a time): when
+    it entered the tier, when it last served a hit, whether it was ever retained."""
+
+    def __init__(self, num_pages: int) -> None:
+        super().__init__()
+        self._born_s = [0.0] * num_pages
+        self._used_s = [0.0] * num_pages
+        self._retained = [False] * num_pages
+
+    def cached(self, pages: Iterable[int], now_s: float) -> None:
+        """`pages` entered the tier (their blocks were inserted) at now_s."""
+        for page in pages:
+            self._born_s[page] = self._used_s[page] = now_s
+
+    def hit_pages(self, pages: Iterable[int], now_s: float) -> None:
+        used = self._used_s
+        for page in pages:
+            self.hit(now_s - used[page])
+            used[page] = now_s
+
+    def retained(self, pages: Iterable[int]) -> None:
+        for page in pages:
+            self._retained[page] = True
+
+    def evicted_pages(self, pages: Sequence[int], now_s: float, *, flushing: bool, retained_now: bool) -> None:
+        """`pages` (one node's) left the tier at now_s; the reason follows from how."""
+        if flushing:
+            reason = "flush"
+        elif retained_now:
+            reason = "retained"
+        elif any(self._retained[page] for page in pages):
+            reason = "retention_expired"
+        else:
+            reason = "capacity"
+        for page in pages:
+            self.evicted_block(reason, now_s - self._born_s[page])
+            self._retained[page] = False

@@ -283,8 +283,9 @@ class AsyncEngine:
             self._cond.notify()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout_s)
-        if not self._thread.is_alive() and self.engine.disk is not None and not self._persisted:
-            # Only once the thread is gone: the engine is single-threaded.
+        if not self._thread.is_alive() and not self._persisted:
+            # Only once the thread is gone: the engine is single-threaded. (Without a disk
+            # tier, close writes nothing.)
             self._persisted = True
             self.engine.close()
         if not self._thread.is_alive():

@@ -16,15 +16,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from radixkv.attention import make_backend
-from radixkv.cache.disk import DiskTier
 from radixkv.cache.hashing import BlockHasher
 from radixkv.cache.pages import PagePool
 from radixkv.cache.radix import RadixTree
 from radixkv.config import EngineConfig
 from radixkv.engine.compute_cost import ComputeCost, attended
 from radixkv.engine.guide import GuideLimits, GuideRejected, Guides
+from radixkv.engine.disk_loader import open_disk_tier
 from radixkv.engine.kv_manager import KVManager
 from radixkv.engine.request import (
+    Batch,
     CompletionDelta,
     CompletionOutput,
     RequestDelta,
@@ -36,12 +37,11 @@ from radixkv.engine.request import (
 )
 from radixkv.engine.runner import ModelRunner
 from radixkv.engine.sampler import Sampler
-from radixkv.engine.scheduler import Batch, Scheduler
+from radixkv.engine.scheduler import Scheduler
 from radixkv.engine.stats import EngineCounters, EngineStats, StepTimes
 from radixkv.errors import ConfigError, InvalidRequest, QueueFull
 from radixkv.kv_events import start_kv_events
 from radixkv.model.device import resolve_device, resolve_dtype
-from radixkv.model.fingerprint import model_fingerprint
 from radixkv.model.loader import LoadedModel, load_model
 
 if TYPE_CHECKING:
@@ -116,14 +116,13 @@ class Engine:
             self.pool, self.hasher, eviction_policy=config.eviction_policy,
             max_retained_pages=int(num_pages * config.max_retained_pages_fraction),
         )
-        self.disk = self._disk_tier(loaded) if config.kv_disk_dir and config.enable_prefix_caching else None
         self.compute_cost = ComputeCost()
         self.kv = KVManager(
             self.pool,
             self.tree,
             self.hasher,
             config.enable_prefix_caching,
-            self.disk,
+            open_disk_tier(config, loaded, self.pool.page_nbytes),
             self.compute_cost.estimate_s,
             config.kv_disk_prefetch_bytes,
             config.max_retained_pages_per_owner,
@@ -238,7 +237,7 @@ class Engine:
             while node is not None:
                 pinned.update(node.pages)
                 node = node.parent
-        shared = sum(1 for page in self.kv.peek(prompt, salt).pages if page in pinned)
+        shared = sum(1 for page in self.kv.peek_prefix(prompt, salt).pages if page in pinned)
         room = self.pool.num_pages - len(pinned)
         if pages - shared > room:
             raise InvalidRequest(
@@ -503,17 +502,6 @@ class Engine:
             total_time_s=max(finish_times) - first.arrival_time if finish_times else None,
         )
 
-    def _disk_tier(self, loaded: LoadedModel) -> DiskTier:
-        assert self.config.kv_disk_dir is not None
-        return DiskTier(
-            self.config.kv_disk_dir,
-            self.config.kv_disk_bytes,
-            fingerprint=model_fingerprint(loaded),
-            page_size=self.config.page_size,
-            payload_bytes=self.pool.page_nbytes,
-            max_owner_retained_bytes=self.config.kv_disk_retained_bytes_per_owner,
-        )
-
     def lookup(self, prompt_token_ids: list[int], salt: str | None = None) -> tuple[int, int]:
         """(prompt tokens cached in RAM, tokens after those cached on disk), in full blocks;
         a pure lookup (POST /v1/cache/lookup)."""
@@ -556,7 +544,7 @@ class Engine:
             num_unfinished=len(self._requests),
             num_preemptions=self.scheduler.num_preemptions,
             num_deferrals=self.scheduler.num_deferrals,
-            disk=self.disk.stats() if self.disk is not None else None,
+            disk=self.kv.disk_stats(),
             residency=self.kv.residency(),
         )
 

@@ -1,8 +1,9 @@
 """A request's life in the engine: its sampling parameters, tokens, pages and outputs.
 
 `SamplingParams` is validated where it is made; `SequenceState` is one generated continuation
-(a request with n > 1 has n of them); each step emits a `RequestDelta` (what is new) per request
-that changed, and the last one carries the whole `RequestOutput`.
+(a request with n > 1 has n of them); a step runs a `Batch` of their chunks, whose pages KVManager
+gave as `Admitted`; each step emits a `RequestDelta` (what is new) per request that changed, and
+the last one carries the whole `RequestOutput`.
 """
 
 from __future__ import annotations
@@ -160,6 +161,43 @@ class SequenceState:
     @property
     def finished(self) -> bool:
         return self.status is SeqStatus.FINISHED
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """What KVManager.admit or .reserve gave a sequence for its next chunk: the tokens whose KV
+    it now holds (cached in RAM, or loaded), of them those loaded from the disk tier by this
+    call, and whether the hit goes on past the chunk (then nothing is computed this step: the
+    next chunk loads on, as ending inside a block would cut the hit short there)."""
+
+    num_cached_tokens: int
+    num_loaded_tokens: int
+    more_to_load: bool
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    seq: SequenceState
+    num_new_tokens: int
+    samples: bool  # this chunk reaches the sequence's last token, so a new token is drawn
+
+
+@dataclass(slots=True)
+class Batch:
+    """One step's work: the chunks to compute, and what the scheduler did besides."""
+
+    items: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[SequenceState] = field(default_factory=list)
+    # Tokens loaded into pages this step by sequences with nothing to compute yet (their hit
+    # goes on past this chunk): progress, though no item runs for them.
+    num_loaded_tokens: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(item.num_new_tokens for item in self.items)
+
+    def __bool__(self) -> bool:
+        return bool(self.items)
 
 
 @dataclass(slots=True)

@@ -9,8 +9,7 @@ import torch
 
 from radixkv.attention.base import AttentionMetadata
 from radixkv.cache.pages import PagePool
-from radixkv.engine.request import SequenceState
-from radixkv.engine.scheduler import Batch
+from radixkv.engine.request import Batch, SequenceState
 
 
 class ModelRunner:

@@ -4,41 +4,18 @@ Running sequences go first (decode tokens and continuing prefill chunks); then w
 are admitted in policy order (`lpm`: longest cached prefix first, with in-step deferral and
 an aging bound; `fcfs`), taken across owners (API keys) fewest-running first, while the
 token, sequence and page budgets allow. When pages run out the tree is evicted first, then
-the most recently admitted sequence is preempted.
+the most recently admitted sequence is preempted. The cache is KVManager's seven verbs (peek,
+can_admit, load_ready, admit, reserve, release, block_hashes); where a hit lies is not seen here.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections import Counter, deque
-from dataclasses import dataclass, field
 
 from radixkv.config import EngineConfig
 from radixkv.engine.kv_manager import KVManager
-from radixkv.engine.request import SequenceState, SeqStatus
-
-
-@dataclass(slots=True)
-class ScheduledSeq:
-    seq: SequenceState
-    num_new_tokens: int
-    samples: bool  # this chunk reaches the sequence's last token, so a new token is drawn
-
-
-@dataclass(slots=True)
-class Batch:
-    items: list[ScheduledSeq] = field(default_factory=list)
-    preempted: list[SequenceState] = field(default_factory=list)
-    # Tokens loaded from the disk tier this step by sequences with nothing to compute yet (their
-    # disk hit goes on past this chunk): progress, though no item runs for them.
-    num_loaded_tokens: int = 0
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(item.num_new_tokens for item in self.items)
-
-    def __bool__(self) -> bool:
-        return bool(self.items)
+from radixkv.engine.request import Batch, ScheduledSeq, SequenceState, SeqStatus
 
 
 class Scheduler:
@@ -50,7 +27,7 @@ class Scheduler:
         self.step_count = 0
         self.num_preemptions = 0
         self.num_deferrals = 0
-        self.num_disk_waits = 0  # admissions put off a step while the disk hit was read
+        self.num_load_waits = 0  # admissions put off a step while their cache hit was read
 
     def add(self, seq: SequenceState) -> None:
         seq.arrival_step = self.step_count
@@ -63,9 +40,6 @@ class Scheduler:
         elif seq.status is SeqStatus.WAITING:
             self.waiting.remove(seq)
         self.kv.release(seq)
-
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
 
     # -- the step ----------------------------------------------------------------------------
 
@@ -82,26 +56,25 @@ class Scheduler:
         for seq in list(self.running):
             if seq.status is not SeqStatus.RUNNING or token_budget == 0:
                 continue
-            num_new = min(seq.num_uncomputed_tokens, token_budget)
-            if self.kv.disk is not None:
-                # A long disk hit goes on loading chunk by chunk, into pages the chunk needs anyway.
-                loaded = self.kv.continue_from_disk(seq, num_new)
-                num_new -= loaded
-                if seq.num_preemptions == 0 and not seq.output_token_ids:
-                    seq.num_cached_tokens += loaded  # served by the cache, as at admission
-                if loaded and self.kv.loading(seq):
-                    # The hit goes on past this chunk: computing the chunk's last few tokens would
-                    # end it inside a block and cut the hit short there.
-                    batch.num_loaded_tokens += loaded
-                    token_budget -= loaded
-                    continue
-            while not self.kv.reserve(seq, num_new):
+            # The chunk ends here; what reserve loads into pages (a long hit goes on loading chunk
+            # by chunk, into pages the chunk needs anyway) is not computed.
+            end = seq.num_computed_tokens + min(seq.num_uncomputed_tokens, token_budget)
+            reserved = self.kv.reserve(seq, end - seq.num_computed_tokens)
+            while reserved is None:
                 victim = self._preemption_victim(exclude=scheduled)
                 self._preempt(victim, batch)
                 if victim is seq:
                     break
-            if seq.status is not SeqStatus.RUNNING:
+                reserved = self.kv.reserve(seq, end - seq.num_computed_tokens)
+            if reserved is None:
+                continue  # seq itself was preempted
+            if reserved.more_to_load:
+                # The hit goes on past this chunk: computing the chunk's last few tokens would
+                # end it inside a block and cut the hit short there.
+                batch.num_loaded_tokens += reserved.num_loaded_tokens
+                token_budget -= reserved.num_loaded_tokens
                 continue
+            num_new = end - seq.num_computed_tokens
             batch.items.append(ScheduledSeq(seq, num_new, num_new == seq.num_uncomputed_tokens))
             scheduled.add(seq.seq_id)
             token_budget -= num_new
@@ -134,10 +107,10 @@ class Scheduler:
             if self._should_defer(seq, cached, computing):
                 self.num_deferrals += 1
                 continue
-            if self.kv.prefetcher is not None and not self.kv.prefetch(seq, token_budget) and batch.items:
-                # Its disk hit is being read on the background thread while this batch
-                # computes; it is admitted once read (with nothing else to run, it waits now).
-                self.num_disk_waits += 1
+            if not self.kv.load_ready(seq, token_budget) and batch.items:
+                # Its cache hit is being read in the background while this batch computes; it
+                # is admitted once read (with nothing else to run, it waits now).
+                self.num_load_waits += 1
                 continue
             admitted = self._admit(seq, token_budget)
             if admitted is None:
@@ -152,31 +125,23 @@ class Scheduler:
 
     def _admit(self, seq: SequenceState, token_budget: int) -> tuple[int, int] | None:
         """Look, check, then match, lock and allocate for seq's first chunk: (tokens to compute,
-        tokens loaded from disk in it); None (nothing held, nothing touched) if it can't fit,
-        so a refusal has nothing to undo."""
-        peek = self.kv.peek_seq(seq)
+        tokens loaded in it); None (nothing held, nothing touched) if it can't fit, so a refusal
+        has nothing to undo."""
+        peek = self.kv.peek(seq)
         num_new = min(seq.num_tokens - peek.num_cached_tokens, token_budget)
-        needed, available = self.kv.pages_to_admit(peek, num_new)
         # Keep a page of headroom per running sequence so admissions don't immediately force
         # preemptions when the running ones cross a page boundary.
-        if needed + len(self.running) > available:
+        if not self.kv.can_admit(peek, num_new, headroom_pages=len(self.running)):
             return None
-        cached = self.kv.admit(seq, num_new)
-        # Past what the peek saw, only blocks loaded from the disk tier, into pages the check
-        # counted for computing them; what is left of the chunk needs no more pages than that.
-        assert cached >= peek.num_cached_tokens, "nothing ran between the look and the match"
-        loaded = cached - peek.num_cached_tokens
-        num_new -= loaded
-        if loaded and self.kv.loading(seq):
-            num_new = 0  # the hit goes on past this chunk: the next one loads on (see above)
-        reserved = self.kv.reserve(seq, num_new)
-        assert reserved, "the pages were counted as available a moment ago"
-        if seq.num_preemptions == 0 and not seq.output_token_ids:
-            seq.num_cached_tokens = cached
+        admitted = self.kv.admit(seq, num_new)
+        assert admitted.num_cached_tokens >= peek.num_cached_tokens, "nothing ran between the look and the match"
         self.waiting.remove(seq)
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
-        return num_new, loaded
+        # Loaded blocks went into pages the check counted for computing them; with the hit going
+        # on past this chunk, nothing is computed (the next chunk loads on, see above).
+        loaded = admitted.num_loaded_tokens
+        return (0 if admitted.more_to_load else num_new - loaded), loaded
 
     def _waiting_in_policy_order(self) -> list[tuple[SequenceState, int]]:
         """Waiting sequences in the order to try them, each with its cached-token count now
@@ -185,7 +150,7 @@ class Scheduler:
         if self.config.policy == "fcfs" or len(waiting) > self.config.lpm_fcfs_queue_threshold:
             return self._shared_among_owners([(s, -1) for s in waiting])
         overdue = [(s, -1) for s in waiting if self._overdue(s)]
-        rest = [(s, self.kv.peek_seq(s).num_cached_tokens) for s in waiting if not self._overdue(s)]
+        rest = [(s, self.kv.peek(s).num_cached_tokens) for s in waiting if not self._overdue(s)]
         rest.sort(key=lambda pair: -pair[1])  # stable: arrival order among equals
         return self._shared_among_owners(overdue + rest)
 
@@ -220,19 +185,14 @@ class Scheduler:
     def _should_defer(self, seq: SequenceState, cached_tokens: int, computing: set[int]) -> bool:
         if not computing or cached_tokens < 0:
             return False
-        hashes = self.kv.update_block_hashes(seq)
-        next_block = cached_tokens // self.kv.page_size
-        return next_block < len(hashes) and hashes[next_block] in computing
+        uncached = self.kv.block_hashes(seq, cached_tokens)
+        return bool(uncached) and uncached[0] in computing
 
     def _blocks_in_flight(self, batch: Batch) -> set[int]:
         computing: set[int] = set()
-        if self.kv.enable_prefix_caching:
-            for item in batch.items:
-                computing.update(self._uncomputed_block_hashes(item.seq))
+        for item in batch.items:
+            computing.update(self._uncomputed_block_hashes(item.seq))
         return computing
 
     def _uncomputed_block_hashes(self, seq: SequenceState) -> list[int]:
-        if not self.kv.enable_prefix_caching:
-            return []
-        hashes = self.kv.update_block_hashes(seq)
-        return hashes[seq.num_computed_tokens // self.kv.page_size :]
+        return self.kv.block_hashes(seq, seq.num_computed_tokens)

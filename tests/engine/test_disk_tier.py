@@ -163,7 +163,7 @@ def test_a_disk_slower_than_compute_is_skipped(tiny_llama: Path, workload, tmp_p
     assert second.stats().disk.hit_blocks > 0 and second.stats().disk.read_s_per_block is not None
     warm_up = [[7] * 300]  # enough computed tokens for the engine to know its compute speed
     generate(second, warm_up)
-    second.engine.disk.read_s_per_block = 3600.0  # as if the disk took an hour a block
+    second.engine.kv.loader.tier.read_s_per_block = 3600.0  # as if the disk took an hour a block
     hits = second.stats().disk.hit_blocks
     assert generate(second, batch[1:]) == expected[1:]
     assert second.stats().disk.hit_blocks == hits and second.stats().disk.computed_instead == len(batch) - 1
@@ -192,13 +192,13 @@ def test_a_disk_hit_is_read_while_other_requests_compute(tiny_llama: Path, workl
     second = make_llm(tiny_llama, kv_disk_dir=str(tmp_path / "kv"), max_batch_tokens=16)
     engine = second.engine
     disk_answers = threading.Event()
-    real_read = engine.disk.read
+    real_read = engine.kv.loader.tier.read
 
     def slow_read(*args, **kwargs):
         disk_answers.wait()
         return real_read(*args, **kwargs)
 
-    engine.disk.read = slow_read  # the real read, once the "disk" answers
+    engine.kv.loader.tier.read = slow_read  # the real read, once the "disk" answers
     busy = prompts(7, count=1, length=9)[0]
     busy_id = engine.add_request(busy, SamplingParams(max_tokens=30, ignore_eos=True))
     engine.step()
@@ -206,7 +206,7 @@ def test_a_disk_hit_is_read_while_other_requests_compute(tiny_llama: Path, workl
     try:
         for _ in range(5):
             assert any(delta.request_id == busy_id for delta in engine.step())  # the loop is not blocked
-        assert engine.scheduler.num_disk_waits == 5 and len(engine.scheduler.waiting) == 1
+        assert engine.scheduler.num_load_waits == 5 and len(engine.scheduler.waiting) == 1
     finally:
         disk_answers.set()  # whatever happened, the blocked read goes on
     outputs = run_to_end(engine)
@@ -232,7 +232,7 @@ def test_an_aborted_request_stops_its_read_and_returns_every_page(tiny_llama: Pa
     for request_id in ids:
         engine.abort(request_id)
     run_to_end(engine)
-    assert engine.kv.prefetcher.get(0) is None and not engine.kv.prefetcher._pending
+    assert engine.kv.loader.prefetcher.get(0) is None and not engine.kv.loader.prefetcher._pending
     assert_pages_returned(engine)
 
 
@@ -301,7 +301,7 @@ def test_retention_is_written_off_the_engine_thread_and_close_persists_it(tiny_l
     hit token-exact; close() waits for every queued write, and a restart finds them retained."""
     batch, expected = workload
     llm = make_llm(tiny_llama, kv_disk_dir=str(tmp_path / "kv"))
-    disk = llm.engine.disk
+    disk = llm.engine.kv.loader.tier
     writer_may_go = threading.Event()
     writes_by_thread: list[str] = []
     real_write = disk._write
@@ -335,3 +335,25 @@ def test_retention_is_written_off_the_engine_thread_and_close_persists_it(tiny_l
     again = restarted.generate([batch[0]], PARAMS)[0]
     assert again.token_ids == expected[0] and again.num_cached_tokens == 44
     assert restarted.stats().disk.rejected == {}
+
+
+def test_no_file_in_the_kv_directory_holds_the_tenant_secret(tiny_llama: Path, workload, tmp_path: Path, monkeypatch) -> None:
+    """The tenant secret (every key's cache salt is made with it) is kept outside the KV
+    directory by default: after serving, retaining and closing, no file there holds its bytes."""
+    import argparse
+
+    from radixkv.cli import tenant_secret_for
+
+    batch, expected = workload
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    llm = make_llm(tiny_llama, kv_disk_dir=str(tmp_path / "kv"))
+    secret = tenant_secret_for(argparse.Namespace(tenant_secret_file=None), llm.engine)
+    assert secret is not None and len(secret) >= 16
+    assert generate(llm, batch[:1], salt="tenant-a") == expected[:1]
+    assert llm.engine.retain(batch[0], salt="tenant-a", ttl_s=3600, owner="tenant-a") == 44
+    llm.close()
+    files = [path for path in (tmp_path / "kv").rglob("*") if path.is_file()]
+    assert len(files) > 11  # the blocks, the seed, the key, the manifest
+    for path in files:
+        data = path.read_bytes()
+        assert secret not in data and secret.hex().encode() not in data, path

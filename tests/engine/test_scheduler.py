@@ -205,3 +205,23 @@ def test_owners_take_turns_fewest_running_first():
         scheduler.add(seq)
     order = [s.owner for s, _ in scheduler._waiting_in_policy_order()]
     assert order == ["a", "c", "a", "b", "a", "b", "a"]
+
+
+def test_the_scheduler_speaks_to_the_cache_in_seven_verbs_and_never_names_the_disk():
+    """The scheduler sees the cache only through KVManager's verbs; where a hit lies (RAM or
+    the disk tier) is the KV manager's business, so its source names no disk or prefetcher."""
+    import ast
+    import inspect
+
+    from radixkv.engine import scheduler as module
+
+    source = inspect.getsource(module)
+    assert "disk" not in source.lower() and "prefetch" not in source.lower()
+    used = {
+        node.attr
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Attribute)
+        and node.value.attr == "kv"
+    }
+    assert used <= {"peek", "can_admit", "load_ready", "admit", "reserve", "release", "block_hashes"}, used

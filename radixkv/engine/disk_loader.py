@@ -1,0 +1,297 @@
+"""DiskLoader: all traffic between RAM and the disk tier, held by KVManager alone. Evictions are
+written back, retentions written through, RAM persisted at close; a match that runs out in RAM
+continues on disk, read ahead on a thread and loaded chunk by chunk unless computing is faster.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from radixkv.cache.disk import DiskStats, DiskTier
+from radixkv.cache.disk_prefetch import DiskPrefetcher
+from radixkv.cache.pages import PagePool
+from radixkv.cache.radix import Node, RadixTree, path_tokens
+from radixkv.cache.residency import TierResidency
+from radixkv.config import EngineConfig
+from radixkv.engine.request import SequenceState
+
+if TYPE_CHECKING:
+    from radixkv.model.loader import LoadedModel
+
+# (start token, number of tokens) -> seconds to compute them, None until measured
+ComputeEstimate = Callable[[int, int], "float | None"]
+
+
+def open_disk_tier(config: EngineConfig, loaded: LoadedModel, payload_bytes: int) -> DiskTier | None:
+    """The disk tier `config` asks for (kv_disk_dir, with prefix caching on), None without one."""
+    if not config.kv_disk_dir or not config.enable_prefix_caching:
+        return None
+    from radixkv.model.fingerprint import model_fingerprint
+
+    return DiskTier(
+        config.kv_disk_dir,
+        config.kv_disk_bytes,
+        fingerprint=model_fingerprint(loaded),
+        page_size=config.page_size,
+        payload_bytes=payload_bytes,
+        max_owner_retained_bytes=config.kv_disk_retained_bytes_per_owner,
+    )
+
+
+class DiskLoader:
+    """Moves blocks between the tree's pages and the disk tier. The RAM side's own steps are
+    KVManager's, handed in: `commit` (a sequence's new full blocks into the tree), `peek` (what
+    RAM serves a sequence: where its disk run starts) and `mark_retained` (RAM residency)."""
+
+    def __init__(
+        self,
+        tier: DiskTier,
+        pool: PagePool,
+        tree: RadixTree,
+        *,
+        commit: Callable[[SequenceState], None],
+        peek_tokens: Callable[[SequenceState], int],
+        mark_retained: Callable[[list[int]], None],
+        compute_s: ComputeEstimate,
+        prefetch_bytes: int,
+        max_retained_pages_per_owner: int | None,
+    ) -> None:
+        self.tier = tier
+        self.pool = pool
+        self.tree = tree
+        self.page_size = pool.page_size
+        self._commit = commit
+        self._peek_tokens = peek_tokens
+        self._mark_retained = mark_retained
+        self.compute_s = compute_s
+        self.max_retained_pages_per_owner = max_retained_pages_per_owner  # for retentions found on disk
+        self.prefetcher = DiskPrefetcher(tier, prefetch_bytes)
+        self._keys: dict[int, list[int]] = {}  # seq id -> disk keys of its blocks (a token to spare)
+        self._recompute: set[int] = set()  # seq ids whose disk hit is computed: reading is the slower
+
+    # -- loading a sequence's hit --------------------------------------------------------------
+
+    def ready(self, seq: SequenceState, chunk_tokens: int) -> bool:
+        """For a waiting sequence: start reading its disk hit (the blocks right after its RAM
+        match) on the background thread, unless computing them is the faster; returns whether
+        its first chunk's blocks are read (or there are none to wait for), so it can be admitted
+        now or let other work compute while the disk is read."""
+        if not self.tier.enabled or seq.seq_id in self._recompute:
+            return True
+        ps = self.page_size
+        chunk_blocks = max(1, (chunk_tokens - 1) // ps)
+        if self.prefetcher.get(seq.seq_id) is None:
+            start = self._peek_tokens(seq) // ps
+            if self._start_prefetch(seq, start, min_blocks=0) is None:
+                return True
+        return self.prefetcher.ready(seq.seq_id, chunk_blocks)
+
+    def loading(self, seq: SequenceState) -> bool:
+        """Whether seq's disk hit goes on past what it has loaded (its next chunk loads on)."""
+        return self.prefetcher.get(seq.seq_id) is not None
+
+    def continue_load(self, seq: SequenceState, num_new_tokens: int) -> int:
+        """For a sequence whose disk hit ran past its last chunk: load the blocks inside its
+        next `num_new_tokens` from disk; returns the tokens loaded."""
+        ps = self.page_size
+        if self.prefetcher.get(seq.seq_id) is None:
+            return 0
+        if seq.num_computed_tokens % ps or len(seq.page_table) * ps != seq.num_computed_tokens:
+            self.prefetcher.cancel(seq.seq_id)  # the chunk ended inside a block: the rest is computed
+            return 0
+        before = seq.num_computed_tokens
+        self.load(seq, num_new_tokens // ps)
+        return seq.num_computed_tokens - before
+
+    def load(self, seq: SequenceState, max_blocks: int) -> None:
+        """Continue seq's match on disk: take up to `max_blocks` following blocks from its
+        prefetch (starting one now if there is none: this chunk waits for its read, the next
+        ones are read while it computes), load them into new pages, insert them into the tree
+        and lock them as seq's (through commit)."""
+        ps = self.page_size
+        start = len(seq.page_table)
+        limit = min(max_blocks, (seq.num_tokens - 1) // ps - start)
+        if limit <= 0 or not self.tier.enabled or seq.seq_id in self._recompute:
+            return
+        prefetch = self.prefetcher.get(seq.seq_id)
+        if prefetch is not None and prefetch.next_block != start:
+            # RAM gained or lost blocks since the read began: read again from where it is now.
+            self.prefetcher.cancel(seq.seq_id)
+            prefetch = None
+        if prefetch is None:
+            if self._start_prefetch(seq, start, min_blocks=limit) is None:
+                return
+            prefetch = self.prefetcher.get(seq.seq_id)
+            assert prefetch is not None
+        keys, _ = self._keys_of(seq)
+        taken = self.prefetcher.take(seq.seq_id, limit)
+        num = len(taken.payloads)
+        if self.pool.num_free < num:
+            self.tree.evict(num - self.pool.num_free)  # seq's match is locked: not its pages
+        pages = self.pool.allocate(min(num, self.pool.num_free))
+        used = len(pages)
+        if used < num:
+            self.prefetcher.cancel(seq.seq_id)  # no page for the rest: computed instead
+        self.pool.load_pages(pages, taken.payloads[:used])
+        self.tier.accept(
+            keys,
+            start,
+            used,
+            read_s_per_block=taken.read_s_per_block,
+            failure=taken.failure if used == num else None,
+            prefetched=taken.num_ready >= used,
+        )
+        if not used:
+            return
+        seq.page_table.extend(pages)
+        seq.num_computed_tokens = (start + used) * ps
+        self._commit(seq)
+        self._retain_as_on_disk(seq, keys, start + used)
+        if used == num and taken.failure is None and self.prefetcher.get(seq.seq_id) is None:
+            if prefetch.end_block == start + used < prefetch.run_end_block:
+                # The budget cut the read short of the run: read the next part while this chunk
+                # computes (at least a chunk's worth, so a long hit never falls back to compute).
+                self._start_prefetch(seq, start + used, min_blocks=limit)
+
+    def forget(self, seq: SequenceState) -> None:
+        """seq gave back its pages: stop its read and drop what was kept for it."""
+        self.prefetcher.cancel(seq.seq_id)
+        self._keys.pop(seq.seq_id, None)
+        self._recompute.discard(seq.seq_id)
+
+    def _keys_of(self, seq: SequenceState) -> tuple[list[int], int]:
+        """The disk keys of seq's blocks up to the last full one before its last token, and
+        how many blocks that is (cached per sequence: its prompt does not change)."""
+        end = (seq.num_tokens - 1) // self.page_size  # a token left to compute
+        keys = self._keys.get(seq.seq_id)
+        if keys is None or len(keys) < end:
+            keys = self.tier.keys(seq.all_token_ids[: end * self.page_size], seq.salt)
+            self._keys[seq.seq_id] = keys
+        return keys, end
+
+    def _start_prefetch(self, seq: SequenceState, start: int, min_blocks: int) -> bool | None:
+        """Begin reading seq's disk run from block `start` (as much as the prefetch budget
+        holds, at least `min_blocks`); None when there is none, or it is computed instead."""
+        keys, end = self._keys_of(seq)
+        found = self.tier.count_cached(keys, start, end - start)  # touched: evictions spare them
+        if found == 0:
+            return None
+        if not self.pays(start, found):
+            self._recompute.add(seq.seq_id)
+            return None
+        num = min(found, max(min_blocks, self.prefetcher.room_blocks()))
+        if num == 0:
+            return None
+        self.prefetcher.start(seq.seq_id, seq.all_token_ids, seq.salt, keys, start, num, start + found)
+        return True
+
+    def _retain_as_on_disk(self, seq: SequenceState, keys: list[int], num_blocks: int) -> None:
+        """Blocks that came back from disk under a live retention (one a previous process made,
+        say) are retained in RAM again, until the same time: retention holds in both tiers. The
+        owner is known there only by a digest, so it counts as its own owner in RAM's cap."""
+        for block in range(num_blocks - 1, -1, -1):  # a retention covers a prefix: the deepest says it all
+            retention = self.tier.retention(keys[block])
+            if retention is None:
+                continue
+            ttl_s = retention.expires_at_s - time.time()
+            cap = self.max_retained_pages_per_owner
+            if ttl_s > 0 and (cap is None or cap > 0):
+                prefix = seq.all_token_ids[: (block + 1) * self.page_size]
+                match = self.tree.match(prefix + [0], seq.salt, record=False)
+                self._mark_retained(match.pages[: self.tree.retain(match.node, ttl_s, f"disk:{retention.owner}", cap)])
+            return
+
+    def pays(self, start_block: int, num_blocks: int) -> bool:
+        """Whether reading blocks [start_block, start_block + num_blocks) beats computing them.
+        Reading costs the same per block wherever it lies (read_s_per_block, measured on the
+        loads so far); computing a block costs more the deeper it lies, attention reading the
+        whole prefix (the engine's fitted cost at those positions). Either unmeasured: read,
+        which measures it."""
+        ps = self.page_size
+        read_s = self.tier.read_s_per_block
+        compute_s = self.compute_s(start_block * ps, num_blocks * ps)
+        if read_s is None or compute_s is None or read_s * num_blocks < compute_s:
+            return True
+        self.tier.counters["computed_instead"] += 1
+        return False
+
+    # -- writing RAM's blocks ------------------------------------------------------------------
+
+    def evicted(self, node: Node) -> None:
+        """The tree is evicting `node` (its pages still hold the KV): keep it on disk."""
+        # Write-back: a block reaches the disk when RAM gives it up (or at close), not when it is
+        # computed; most computed blocks are private tails never asked for again, and writing
+        # each of them through would spend the disk's bandwidth and budget on them. Retained
+        # prefixes are written through at retain time (write_through).
+        self.save(node)
+
+    def write_through(self, node: Node | None) -> None:
+        """Write a retained prefix (node and its ancestors) now: what a client asked to keep
+        then survives a crash or a restart, not only a clean close. Queued to the tier's writer
+        (files and the manifest are written off this thread, the manifest once per batch)."""
+        while node is not None and node.parent is not None:
+            self.save(node)
+            node = node.parent
+
+    def save(self, node: Node) -> int:
+        """Queue node's blocks to the tier's writer thread (this thread copies the pages' bytes,
+        no more); returns blocks queued."""
+        tier = self.tier
+        if not tier.enabled:
+            return 0
+        tokens = path_tokens(node)
+        first = len(tokens) // self.page_size - len(node.pages)
+        keys = tier.keys(tokens, node.salt)
+        pages = node.pages
+        expires_at_s, owner = self._retention_of(node)
+        return tier.save(
+            tokens, node.salt, keys, first, len(pages), lambda i: self.pool.page_bytes(pages[i]),
+            retention_expires_at_s=expires_at_s, owner=owner, wait=False,
+        )
+
+    def _retention_of(self, node: Node) -> tuple[float, str | None]:
+        """(wall-clock expiry, owner) of the retention on `node` that ends last, (0, None) if
+        none: the disk keeps retentions on the wall clock, which a restart shares."""
+        if not node.retains:
+            return 0.0, None
+        retention_id, expires_at_s = max(node.retains.items(), key=lambda item: item[1])
+        retention = self.tree.retention(retention_id)
+        return time.time() + (expires_at_s - self.tree.now_s()), retention.owner if retention is not None else None
+
+    # -- the tier as a whole -------------------------------------------------------------------
+
+    def lookup(self, token_ids: list[int], salt: str | None, ram_tokens: int) -> int:
+        """Tokens of the prompt's full blocks cached on disk right after its first `ram_tokens`,
+        changing nothing: no LRU time, no hit counted, no file read."""
+        ps = self.page_size
+        num_full = len(token_ids) // ps
+        keys = self.tier.keys(token_ids[: num_full * ps], salt)
+        return self.tier.count_cached(keys, ram_tokens // ps, num_full - ram_tokens // ps, touch=False) * ps
+
+    def flush(self) -> int:
+        """Delete every block on disk; returns how many."""
+        return self.tier.flush()
+
+    def persist(self) -> int:
+        """Write every block cached in RAM to the tier (at close, so a restart finds what this
+        process had); returns blocks written."""
+        written = sum(self.save(node) for node in self.tree.iter_nodes())
+        self.tier.drain()
+        self.tier.write_manifest()
+        return written
+
+    def close(self) -> int:
+        """Stop the background reads, persist RAM and close the tier (its directory is the next
+        process's); returns blocks written."""
+        self.prefetcher.close()
+        written = self.persist()
+        self.tier.close()
+        return written
+
+    def residency(self) -> TierResidency:
+        return self.tier.residency_stats()
+
+    def stats(self) -> DiskStats:
+        return self.tier.stats()
