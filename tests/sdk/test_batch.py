@@ -91,7 +91,9 @@ def traffic(llm, count: int, seed: int) -> None:
 def test_a_pinned_prefix_survives_eviction_pressure(tiny_llama):
     # lru: the default slru would keep the unpinned prefix too (it served hits, one-off traffic
     # never did), which hides whether the pin was what kept it.
-    llm = make_sdk_llm(tiny_llama, num_pages=96, eviction_policy="lru")  # the prefix is over a third of the pool
+    # The prefix is over a third of the pool: past the default pin caps (a quarter of the pool per
+    # owner, and room for a full-context request, the whole of this pool), so they are lifted.
+    llm = make_sdk_llm(tiny_llama, num_pages=96, eviction_policy="lru", max_pinned_pages=96, max_pinned_pages_per_owner=96)
     template = PromptTemplate(system=SYSTEM, examples=EXAMPLES[:1], user="Review: {review}")
     shared = template.shared_token_ids(llm.tokenizer, chat=True)
     assert 30 <= len(shared) // PAGE_SIZE <= 45
