@@ -23,7 +23,7 @@ from radixkv.config import EngineConfig
 from radixkv.engine.compute_cost import ComputeCost, attended
 from radixkv.engine.guide import GuideLimits, GuideRejected, Guides
 from radixkv.engine.kv_manager import KVManager
-from radixkv.engine.pins import PinnedPrefix, Pins
+from radixkv.engine.pins import Owner, PinnedPrefix, Pins
 from radixkv.engine.request import (
     CompletionDelta,
     CompletionOutput,
@@ -155,7 +155,7 @@ class Engine:
         salt: str | None = None,
         request_id: str | None = None,
         guide_grammar: Any = None,
-        owner: str | None = None,
+        owner: Owner = None,
     ) -> str:
         """Queue a request; its id. `guide_grammar` is params.guide compiled beforehand off
         this thread (AsyncEngine.submit); without it a guide compiles (or is found cached) here.
@@ -250,7 +250,7 @@ class Engine:
         return len(request_ids)
 
     def pin(
-        self, prefix_token_ids: list[int], salt: str | None = None, *, owner: str | None = None, ttl_s: float | None = None
+        self, prefix_token_ids: list[int], salt: str | None = None, *, owner: Owner = None, ttl_s: float | None = None
     ) -> PinnedPrefix:
         """Lock the cached full blocks of a prefix so eviction never takes them (until unpin,
         or `ttl_s` seconds). Only what is cached now is pinned: compute the prefix first (a
@@ -264,12 +264,12 @@ class Engine:
             raise InvalidRequest(f"a pin ttl must be a non-negative number of seconds, got {ttl_s!r}", param="ttl")
         return self.pins.pin(list(prefix_token_ids), salt, owner, ttl_s)
 
-    def unpin(self, pin_id: int, owner: str | None = None) -> bool:
+    def unpin(self, pin_id: int, owner: Owner = None) -> bool:
         """Release `owner`'s pin; False if it is unknown, expired or another owner's (the same
         answer, so an id tells nothing)."""
         return self.pins.unpin(pin_id, owner)
 
-    def pins_of(self, owner: str | None = None) -> list[PinnedPrefix]:
+    def pins_of(self, owner: Owner = None) -> list[PinnedPrefix]:
         """`owner`'s live pins, oldest first (expired ones are released first)."""
         return self.pins.owned_by(owner)
 
@@ -277,7 +277,7 @@ class Engine:
         """Release every pin past its ttl now; how many were. Pins also expire at any pin call."""
         return self.pins.expire()
 
-    def retain(self, prefix_token_ids: list[int], salt: str | None = None, ttl_s: float = 300.0, owner: str | None = None) -> int:
+    def retain(self, prefix_token_ids: list[int], salt: str | None = None, ttl_s: float = 300.0, owner: Owner = None) -> int:
         """Keep the cached full blocks of a prefix cached for ttl_s seconds: eviction takes them
         only after every unretained evictable page, earliest expiry first. Never locks, so no
         request waits for them. Only what is cached now is retained, at most

@@ -17,6 +17,12 @@ if TYPE_CHECKING:
     from radixkv.cache.radix import Node
     from radixkv.engine.kv_manager import KVManager
 
+# Whose share of a per-owner cap (pins, retention) a pin, retention or request counts against:
+# the caller's own partition, over HTTP the API key's (server.tenants.Tenants.owner), never a
+# salt that mixes in a request's cache_salt, or rotating salts would buy a fresh share each
+# time. None: in-process callers, one owner together.
+Owner = str | None
+
 # Pin ids are random below 2**53 (exact in any JSON number): a sequential id would tell a
 # caller how many pins others made, and let it guess theirs.
 _PIN_ID_BOUND = 1 << 53
@@ -41,7 +47,7 @@ class PinnedPrefix:
     num_pinned_tokens: int  # the prefix's full pages' worth of tokens locked
     num_prompt_tokens: int  # the prefix's length as given
     node: Node  # the tree node whose path is locked (to unlock)
-    owner: str | None  # whose cap it counts against (the server's Tenants.owner; None in process)
+    owner: Owner  # whose cap it counts against
     expires_at_s: float | None  # time.monotonic() seconds; None: until unpinned
 
 
@@ -81,7 +87,7 @@ class Pins:
     def __bool__(self) -> bool:
         return bool(self._records)
 
-    def pin(self, prompt: list[int], salt: str | None, owner: str | None, ttl_s: float | None) -> PinnedPrefix:
+    def pin(self, prompt: list[int], salt: str | None, owner: Owner, ttl_s: float | None) -> PinnedPrefix:
         """Lock the cached full blocks of `prompt` (in partition `salt`) for `owner`, until
         unpinned or, with a ttl, until then; InvalidRequest (OwnerCapExceeded for the owner's
         own cap) if it locks nothing or passes a cap, having locked nothing."""
@@ -102,7 +108,7 @@ class Pins:
         self.pages += pages
         return record
 
-    def _check(self, pages: int, owner: str | None) -> None:
+    def _check(self, pages: int, owner: Owner) -> None:
         if pages == 0:
             raise InvalidRequest(
                 f"the prefix holds no full page of {self._page_size} tokens (or none is cached), so there is nothing to pin",
@@ -125,7 +131,7 @@ class Pins:
                 limit=self.max_pages_per_owner,
             )
 
-    def unpin(self, pin_id: int, owner: str | None) -> bool:
+    def unpin(self, pin_id: int, owner: Owner) -> bool:
         """Release `owner`'s pin; False if it is unknown, expired or another owner's."""
         self.expire()
         record = self._records.get(pin_id)
@@ -134,7 +140,7 @@ class Pins:
         self._release(pin_id)
         return True
 
-    def owned_by(self, owner: str | None) -> list[PinnedPrefix]:
+    def owned_by(self, owner: Owner) -> list[PinnedPrefix]:
         """`owner`'s live pins, oldest first; changes nothing but expiring pins past their ttl."""
         self.expire()
         return [r for r in self._records.values() if r.owner == owner]

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from radixkv import SamplingParams
-from radixkv.sdk import InProcessBackend, PromptTemplate, pin, run_batch, warm
+from radixkv.sdk import GenerationError, InProcessBackend, PromptTemplate, pin, run_batch, warm
 from radixkv.sdk.template import encode
 
 from tests.helpers.sdk import EXAMPLES, PAGE_SIZE, SYSTEM, five_shot, make_sdk_llm, rows
@@ -131,3 +131,14 @@ def test_pin_accepts_text_token_ids_and_messages(llm):
     assert llm.engine.tree.locked_pages == 0
     with pytest.raises(TypeError):
         pin(llm, 3.5)
+
+
+def test_in_process_pins_get_the_caps_http_pins_get(llm):
+    """One owner in process, as one key over HTTP: its pins lock at most a quarter of the pool
+    (128 of 512 pages here), and a pin past that is refused, locking nothing."""
+    first = pin(llm, [1 + i % 300 for i in range(400)])  # 100 pages
+    assert first.num_pinned_tokens == 400
+    with pytest.raises(GenerationError, match="may pin at most 128"):
+        pin(llm, [1 + (i + 7) % 300 for i in range(400)])
+    assert llm.engine.tree.locked_pages == 100
+    assert first.unpin() and llm.engine.tree.locked_pages == 0
