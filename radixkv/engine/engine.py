@@ -48,7 +48,6 @@ if TYPE_CHECKING:
     from radixkv.kv_events.recorder import KVEventRecorder
 
 
-
 class Engine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config

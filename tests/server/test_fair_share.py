@@ -4,8 +4,6 @@ per key and released after their ttl."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from radixkv.server.limits import ServerLimits

@@ -19,10 +19,10 @@ from fastapi.responses import JSONResponse, Response
 from radixkv.engine.async_engine import EngineStepError, EngineStopped, RequestStream
 from radixkv.engine.request import RequestOutput, SamplingParams
 from radixkv.errors import InvalidRequest
+from radixkv.server import sampling
 from radixkv.server.anthropic import conversation as conv_mod
 from radixkv.server.anthropic.conversation import Breakpoint, Conversation, tool_layer
 from radixkv.server.anthropic.protocol import MessagesRequest
-from radixkv.server import sampling
 from radixkv.server.errors import (
     APIError,
     ClientGone,

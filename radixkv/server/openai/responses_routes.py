@@ -15,10 +15,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from radixkv.engine.async_engine import EngineStepError, EngineStopped, RequestStream
-from radixkv.engine.request import JsonGuide, RequestOutput, SamplingParams
+from radixkv.engine.request import RequestOutput, SamplingParams
 from radixkv.errors import InvalidRequest
-from radixkv.server import tools as tool_layer
 from radixkv.server import sampling
+from radixkv.server import tools as tool_layer
 from radixkv.server.errors import (
     APIError,
     engine_error,

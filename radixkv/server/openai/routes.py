@@ -25,6 +25,7 @@ from radixkv.engine.request import (
     SamplingParams,
 )
 from radixkv.errors import InvalidRequest
+from radixkv.server import sampling
 from radixkv.server.encode import chat_prompt, completion_prompts
 from radixkv.server.errors import (
     APIError,
@@ -33,8 +34,6 @@ from radixkv.server.errors import (
 )
 from radixkv.server.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from radixkv.server.metrics import ServerMetrics
-from radixkv.server import sampling
-from radixkv.server.sampling import WireNames
 from radixkv.server.openai.protocol import (
     RETENTION_TTL_S,
     AssistantMessage,
@@ -58,6 +57,7 @@ from radixkv.server.openai.protocol import (
     new_id,
     now_s,
 )
+from radixkv.server.sampling import WireNames
 from radixkv.server.streaming import (
     SSEResponse,
     collect,
