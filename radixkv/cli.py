@@ -216,6 +216,7 @@ def serve(args: argparse.Namespace) -> int:
             kv_disk_dir=args.kv_disk_dir,
             kv_disk_bytes=args.kv_disk_bytes,
             **_given(args, "kv_disk_prefetch_bytes", "kv_disk_retained_bytes_per_owner"),
+            **_pin_options(args),
             kv_events_endpoint=args.kv_events,
             kv_events_replay_endpoint=args.kv_events_replay,
             kv_events_topic=args.kv_events_topic,
@@ -272,7 +273,6 @@ def _server_limits(args: argparse.Namespace, *, keyless_remote: bool) -> ServerL
         "max_seqs_per_key": args.max_seqs_per_key,
         "max_parses_per_key": args.max_parses_per_key,
         "parse_cpu_share_per_key": args.parse_cpu_share_per_key,
-        "max_pinned_pages_per_key": args.max_pinned_pages_per_key,
         "pin_ttl_s": args.pin_ttl_s,
         "max_stored_responses_per_key": args.max_stored_responses_per_key,
         "max_stored_response_bytes_per_key": args.max_stored_response_bytes_per_key,
@@ -286,6 +286,13 @@ def _server_limits(args: argparse.Namespace, *, keyless_remote: bool) -> ServerL
         allowed_origins=tuple(args.allowed_origin), public_operator_endpoints=args.public_operator_endpoints,
         allowed_hosts=("*",) if keyless_remote else (), **options,
     )
+
+
+def _pin_options(args: argparse.Namespace) -> dict:
+    """--max-pinned-pages-per-key is the engine's cap per owner (one owner per key), which
+    in-process pins get too: EngineConfig.max_pinned_pages_per_owner."""
+    value = getattr(args, "max_pinned_pages_per_key", None)
+    return {} if value is None else {"max_pinned_pages_per_owner": value}
 
 
 def _given(args: argparse.Namespace, *names: str) -> dict:

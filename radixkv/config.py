@@ -83,6 +83,13 @@ class EngineConfig:
     # past it an owner's own oldest retentions go first, then its new retention is trimmed to
     # the pages that fit (it retains fewer tokens, and says so), never another owner's.
     max_retained_pages_fraction: float = 0.5
+    # Pins (Engine.pin: a prefix locked against eviction until unpinned or its ttl): KV pages
+    # one owner's pins may lock together; None: a quarter of the page pool, so the cap scales
+    # with the pool. The server's --max-pinned-pages-per-key.
+    max_pinned_pages_per_owner: int | None = None
+    # And all pins together; None: half the pool, and never so much that a request of the
+    # whole context no longer fits beside them (pinned pages are never evicted).
+    max_pinned_pages: int | None = None
     # Compute every token's numbers independently of what it is batched with (attention one
     # query row at a time; GEMMs in fixed 32-row blocks where the linears are not AMX's, whose
     # rows are independent already), so bf16 outputs are bit-identical with
@@ -153,6 +160,10 @@ class EngineConfig:
         fraction = self.max_retained_pages_fraction
         if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 < fraction <= 1.0:
             raise ConfigError(f"max_retained_pages_fraction must be in (0, 1], got {fraction!r}", param="max_retained_pages_fraction")
+        for name in ("max_pinned_pages_per_owner", "max_pinned_pages"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 1 << 26):
+                raise ConfigError(f"{name} must be None or an integer in [0, {1 << 26}], got {value!r}", param=name)
         if self.max_model_len is not None:
             _positive(self, "max_model_len", limit=1 << 24)
         _positive(self, "max_consecutive_failed_steps", limit=1 << 20)

@@ -34,3 +34,8 @@ class ConfigError(ValueError):
     def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+
+
+class OwnerCapExceeded(InvalidRequest):
+    """A request past its owner's own share of a cap (pins per owner): the same request may
+    succeed once the owner releases some of its share. The server answers it with 429."""

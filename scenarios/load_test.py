@@ -629,7 +629,7 @@ def final_check(engine: Any) -> dict[str, Any]:
         engine.check_invariants()
         engine.pool.check_invariants()
         locked = engine.tree.locked_pages
-        pinned = len(getattr(engine, "_pins", ()))
+        pinned = engine.pins.pages
         if not pinned and locked:
             raise AssertionError(f"{locked} pages still locked with no request running")
         if not pinned and engine.pool.num_free + engine.tree.cached_pages != engine.pool.num_pages:

@@ -8,9 +8,8 @@ back every page it held.
 from __future__ import annotations
 
 import itertools
-import secrets
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -24,6 +23,7 @@ from radixkv.engine.compute_cost import ComputeCost, attended
 from radixkv.engine.guide import GuideLimits, GuideRejected, Guides
 from radixkv.engine.disk_loader import open_disk_tier
 from radixkv.engine.kv_manager import KVManager
+from radixkv.engine.pins import Owner, PinnedPrefix, Pins
 from radixkv.engine.request import (
     Batch,
     CompletionDelta,
@@ -46,18 +46,6 @@ from radixkv.model.loader import LoadedModel, load_model
 
 if TYPE_CHECKING:
     from radixkv.kv_events.recorder import KVEventRecorder
-
-
-# Pin ids are random below 2**53 (exact in any JSON number): a sequential id would tell a
-# caller how many pins others made, and let it guess theirs.
-_PIN_ID_BOUND = 1 << 53
-
-
-@dataclass(frozen=True, slots=True)
-class PinnedPrefix:
-    pin_id: int
-    num_pinned_tokens: int
-    node: Any
 
 
 class Engine:
@@ -141,7 +129,10 @@ class Engine:
         self.failed_requests: list[tuple[str, BaseException]] = []
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
-        self._pins: dict[int, PinnedPrefix] = {}
+        # Pins and their caps live here, not in the server, so in-process callers get the same.
+        self.pins = Pins(
+            self.kv, num_pages, config.page_size, self.max_context_tokens, config.max_pinned_pages, config.max_pinned_pages_per_owner
+        )
         self.counters = EngineCounters()
         self.step_times = StepTimes()
         # KV events (off by default): the tree tells the recorder of every block it stores or
@@ -162,13 +153,17 @@ class Engine:
         salt: str | None = None,
         request_id: str | None = None,
         guide_grammar: Any = None,
-        owner: str | None = None,
+        owner: Owner = None,
     ) -> str:
         """Queue a request; its id. `guide_grammar` is params.guide compiled beforehand off
         this thread (AsyncEngine.submit); without it a guide compiles (or is found cached) here.
-        `owner` (the server's Tenants.owner) is whose fair share of the batch it takes."""
+        `owner` (the server's Tenants.owner) is whose fair share of the batch it takes.
+        max_tokens None becomes the room the context leaves after this prompt (for this
+        request only: `params` may be shared)."""
         params = params or SamplingParams()
         self.check_request(prompt_token_ids, params, salt, guide_checked=guide_grammar is not None)
+        if params.max_tokens is None:
+            params = replace(params, max_tokens=self.max_context_tokens - len(prompt_token_ids))
         if params.n > self.queue_room():
             raise QueueFull(f"the waiting queue is full ({self.config.max_queue_len} requests); retry later", limit=self.config.max_queue_len)
         request_id = request_id if request_id is not None else f"req-{next(self._request_ids)}"
@@ -194,58 +189,46 @@ class Engine:
 
     def check_request(self, prompt: list[int], params: SamplingParams, salt: str | None = None, *, guide_checked: bool = False) -> None:
         """Raise InvalidRequest (naming the parameter and the limit) unless the engine can run
-        this request: a valid prompt that fits the context and the page pool beside the pins."""
+        this request: a valid prompt that fits the context (with max_tokens, or leaving room
+        for one token when it is None) and the page pool beside the pins. The one context
+        check: no other layer repeats it."""
+        self._check_prompt(prompt)
+        total = len(prompt) + (params.max_tokens if params.max_tokens is not None else 1)
+        if total > self.max_context_tokens:
+            raise InvalidRequest(
+                f"{self._context_limit_text()}; the request needs {total} ({len(prompt)} prompt + {params.max_tokens} max_tokens)",
+                param="max_tokens",
+                code="context_length_exceeded",
+                limit=self.max_context_tokens,
+            )
+        if self.pins:
+            # max_tokens None fills the context: the most pages it may take.
+            total = len(prompt) + params.max_tokens if params.max_tokens is not None else self.max_context_tokens
+            self.pins.check_room(prompt, -(-total // self.pool.page_size), salt)
+        if params.guide is not None and not guide_checked:
+            self.guides.check(params.guide)  # compiles it once; add_request finds it cached
+
+    def _check_prompt(self, prompt: list[int]) -> None:
+        """InvalidRequest (param "prompt") unless `prompt` is token ids of this model that leave
+        the context room for at least one more token."""
         if not prompt:
             raise InvalidRequest("the prompt is empty; it needs at least one token", param="prompt")
         vocab = self.model_config.vocab_size
         if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in prompt):
             raise InvalidRequest(f"prompt token ids must be integers in [0, {vocab})", param="prompt", limit=vocab)
-        limit = self._context_limit_text()
         if len(prompt) >= self.max_context_tokens:
             raise InvalidRequest(
-                f"{limit}; the prompt has {len(prompt)} tokens, which leaves no room for a completion",
+                f"{self._context_limit_text()}; the prompt has {len(prompt)} tokens, which leaves no room for a completion",
                 param="prompt",
                 code="context_length_exceeded",
                 limit=self.max_context_tokens,
             )
-        total = len(prompt) + params.max_tokens
-        if total > self.max_context_tokens:
-            raise InvalidRequest(
-                f"{limit}; the request needs {total} ({len(prompt)} prompt + {params.max_tokens} max_tokens)",
-                param="max_tokens",
-                code="context_length_exceeded",
-                limit=self.max_context_tokens,
-            )
-        pages = -(-total // self.pool.page_size)
-        if self._pins:
-            self._check_room_beside_pins(prompt, pages, salt)
-        if params.guide is not None and not guide_checked:
-            self.guides.check(params.guide)  # compiles it once; add_request finds it cached
 
     def _context_limit_text(self) -> str:
         text = f"this model's maximum context length is {self.max_context_tokens} tokens"
         if self.max_context_tokens < self.max_model_len:
             text += f" (the KV page pool holds {self.pool.num_pages} pages of {self.pool.page_size} tokens)"
         return text
-
-    def _check_room_beside_pins(self, prompt: list[int], pages: int, salt: str | None) -> None:
-        # Pinned pages are never evicted, so a request that cannot fit beside them would wait
-        # forever. The pinned blocks it starts with are its own and do not count against it.
-        pinned: set[int] = set()
-        for pin in self._pins.values():
-            node = pin.node
-            while node is not None:
-                pinned.update(node.pages)
-                node = node.parent
-        shared = sum(1 for page in self.kv.peek_prefix(prompt, salt).pages if page in pinned)
-        room = self.pool.num_pages - len(pinned)
-        if pages - shared > room:
-            raise InvalidRequest(
-                f"the request needs up to {pages - shared} KV pages besides pinned ones, but pins hold {len(pinned)} "
-                f"of the pool's {self.pool.num_pages}, leaving {room}; unpin a prefix or send a shorter request",
-                param="prompt",
-                limit=room,
-            )
 
     def abort(self, request_id: str) -> RequestDelta | None:
         """End a request wherever it is; its pages go back. None if it is unknown or done."""
@@ -264,29 +247,35 @@ class Engine:
             self.abort(request_id)
         return len(request_ids)
 
-    def pin(self, prefix_token_ids: list[int], salt: str | None = None) -> PinnedPrefix:
-        """Lock the cached full blocks of a prefix so eviction never takes them (until unpin).
+    def pin(
+        self, prefix_token_ids: list[int], salt: str | None = None, *, owner: Owner = None, ttl_s: float | None = None
+    ) -> PinnedPrefix:
+        """Lock the cached full blocks of a prefix so eviction never takes them (until unpin,
+        or `ttl_s` seconds). Only what is cached now is pinned: compute the prefix first (a
+        request for it) to pin all of it. Pinned pages count as in use, not evictable. The pin
+        id is random. Capped per `owner` (the server's Tenants.owner; in-process callers are
+        one owner, None) and over all owners (EngineConfig.max_pinned_pages*): InvalidRequest
+        past a cap (OwnerCapExceeded past the owner's own), for a prefix too long for the
+        context, or one that locks no full page; nothing is locked then."""
+        self._check_prompt(list(prefix_token_ids))
+        if ttl_s is not None and (isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not 0 <= ttl_s < float("inf")):
+            raise InvalidRequest(f"a pin ttl must be a non-negative number of seconds, got {ttl_s!r}", param="ttl")
+        return self.pins.pin(list(prefix_token_ids), salt, owner, ttl_s)
 
-        Only what is cached now is pinned: compute the prefix first (a request for it) to pin
-        all of it. Pinned pages count as in use, not evictable. The pin id is random.
-        """
-        node, num_pinned_tokens = self.kv.pin(prefix_token_ids, salt)
-        pin_id = secrets.randbelow(_PIN_ID_BOUND - 1) + 1
-        while pin_id in self._pins:
-            pin_id = secrets.randbelow(_PIN_ID_BOUND - 1) + 1
-        pinned = PinnedPrefix(pin_id, num_pinned_tokens, node)
-        self._pins[pinned.pin_id] = pinned
-        return pinned
+    def unpin(self, pin_id: int, owner: Owner = None) -> bool:
+        """Release `owner`'s pin; False if it is unknown, expired or another owner's (the same
+        answer, so an id tells nothing)."""
+        return self.pins.unpin(pin_id, owner)
 
-    def unpin(self, pin_id: int) -> bool:
-        """Release a pin; False if it was unknown (already released)."""
-        pinned = self._pins.pop(pin_id, None)
-        if pinned is None:
-            return False
-        self.kv.unpin(pinned.node)
-        return True
+    def pins_of(self, owner: Owner = None) -> list[PinnedPrefix]:
+        """`owner`'s live pins, oldest first (expired ones are released first)."""
+        return self.pins.owned_by(owner)
 
-    def retain(self, prefix_token_ids: list[int], salt: str | None = None, ttl_s: float = 300.0, owner: str | None = None) -> int:
+    def expire_pins(self) -> int:
+        """Release every pin past its ttl now; how many were. Pins also expire at any pin call."""
+        return self.pins.expire()
+
+    def retain(self, prefix_token_ids: list[int], salt: str | None = None, ttl_s: float = 300.0, owner: Owner = None) -> int:
         """Keep the cached full blocks of a prefix cached for ttl_s seconds: eviction takes them
         only after every unretained evictable page, earliest expiry first. Never locks, so no
         request waits for them. Only what is cached now is retained, at most

@@ -24,7 +24,10 @@ MAX_STOP_STRINGS = 16
 # held-back text, so a client must not make that work (or the held-back tail) unbounded.
 MAX_STOP_CHARS = 256
 MIN_SAMPLING_TEMPERATURE = 1e-5
-MAX_SEED = (1 << 63) - 1
+# Any 64-bit seed, signed or unsigned (OpenAI's clients send either): the sampler maps it onto
+# its generator's range, so every seed in here names one reproducible stream.
+MIN_SEED = -(1 << 63)
+MAX_SEED = (1 << 64) - 1
 MAX_TOP_LOGPROBS = 20
 
 
@@ -39,7 +42,8 @@ class JsonGuide:
 
 @dataclass(slots=True)
 class SamplingParams:
-    max_tokens: int = 16
+    # None: the room the context leaves after the prompt, filled in per request by the engine.
+    max_tokens: int | None = 16
     temperature: float = 0.0  # 0: greedy
     top_k: int = 0  # 0: off
     top_p: float = 1.0
@@ -64,7 +68,8 @@ class SamplingParams:
         return self.temperature < MIN_SAMPLING_TEMPERATURE
 
     def validate(self) -> None:
-        _int_in("max_tokens", self.max_tokens, 1, MAX_TOKENS_LIMIT)
+        if self.max_tokens is not None:
+            _int_in("max_tokens", self.max_tokens, 1, MAX_TOKENS_LIMIT)
         _int_in("n", self.n, 1, MAX_N)
         _int_in("top_k", self.top_k, 0, 1 << 20)
         if not isinstance(self.temperature, (int, float)) or not 0.0 <= self.temperature <= 100.0:
@@ -72,7 +77,7 @@ class SamplingParams:
         if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
             raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p!r}", param="top_p")
         if self.seed is not None:
-            _int_in("seed", self.seed, -MAX_SEED - 1, MAX_SEED)
+            _int_in("seed", self.seed, MIN_SEED, MAX_SEED)
         if len(self.stop) > MAX_STOP_STRINGS or not all(isinstance(s, str) and s for s in self.stop):
             raise InvalidRequest(
                 f"stop must be at most {MAX_STOP_STRINGS} non-empty strings, got {self.stop!r}", param="stop", limit=MAX_STOP_STRINGS

@@ -143,9 +143,14 @@ class InProcessBackend(Backend):
         return results  # type: ignore[return-value]
 
     def pin(self, prefix: Prompt) -> Pin:
+        """Warm and pin `prefix` under the engine's pin caps (the same an HTTP caller gets);
+        GenerationError past a cap, as from the HTTP backend."""
         token_ids = encode(self.tokenizer, prefix)
         warmed = self.warm(Prompt(token_ids=token_ids))
-        pinned = self.engine.pin(token_ids, self.salt)
+        try:
+            pinned = self.engine.pin(token_ids, self.salt)
+        except InvalidRequest as error:
+            raise GenerationError(f"{type(error).__name__}: {error}") from error
         return Pin(pinned.pin_id, pinned.num_pinned_tokens, warmed.num_prompt_tokens, self)
 
     def unpin(self, pin_id: int) -> bool:

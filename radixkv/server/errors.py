@@ -1,14 +1,13 @@
 """Every error the server answers with, in OpenAI's error shape: APIError, the app's exception
 handlers, request-body validation errors, and the engine's errors mapped by their fields
-(param, code) into the names the request itself used.
+(param, code) into the names the request itself used (server.sampling.WireNames).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -17,8 +16,11 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from radixkv.engine.async_engine import EngineStepError, EngineStopped
-from radixkv.errors import InvalidRequest, QueueFull
+from radixkv.errors import InvalidRequest, OwnerCapExceeded, QueueFull
 from radixkv.server.request_caps import CapExceeded
+
+if TYPE_CHECKING:
+    from radixkv.server.sampling import WireNames
 
 logger = logging.getLogger("radixkv.server")
 
@@ -195,32 +197,20 @@ def _cap_error(error: Any) -> APIError:
 # -- engine errors ---------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class WireNames:
-    """The request's own names for the engine's parameters, the one place they are mapped: a
-    chat request's prompt is its `messages`, and max_tokens may come as `max_completion_tokens`."""
-
-    prompt: str = "prompt"
-    max_tokens: str = "max_tokens"
-
-    def of(self, param: str | None) -> str | None:
-        if param == "prompt":
-            return self.prompt
-        if param == "max_tokens":
-            return self.max_tokens
-        return param
-
-
-def engine_error(error: BaseException, names: WireNames = WireNames()) -> APIError:
-    """An engine error as the client sees it; anything unexpected is the engine failing (500).
-    A request a step failed alone for its own input (a schema with no way on) is the client's
-    error (400), as if refused up front."""
+def engine_error(error: BaseException, names: WireNames | None = None) -> APIError:
+    """An engine error as the client sees it, its param in the request's own names (`names`,
+    server.sampling's map for the request's wire format); anything unexpected is the engine
+    failing (500). A request a step failed alone for its own input (a schema with no way on)
+    is the client's error (400), as if refused up front; one past its owner's own share of a
+    cap is 429, as the per-key quotas are."""
     if isinstance(error, EngineStepError) and isinstance(error.__cause__, InvalidRequest):
         error = error.__cause__
     if isinstance(error, InvalidRequest):
-        param = names.of(error.param)
+        param = names.of(error.param) if names is not None else error.param
         # The engine's message names its own parameter; say which field of the request that is.
         message = error.message if param == error.param else f"{param}: {error.message}"
+        if isinstance(error, OwnerCapExceeded):
+            return APIError(429, message, type="rate_limit_error", param=param, code=error.code)
         return APIError(400, message, param=param, code=error.code)
     if isinstance(error, QueueFull):
         return APIError(503, str(error), type="server_error", code="queue_full", headers={"Retry-After": "1"})
@@ -228,14 +218,3 @@ def engine_error(error: BaseException, names: WireNames = WireNames()) -> APIErr
         # Its text may carry the internal error that stopped the engine: never sent to clients.
         return APIError(503, "the engine is not running", type="server_error", code="engine_down")
     return APIError(500, "the engine failed while running this request", type="server_error", code="engine_error")
-
-
-def context_error(context_tokens: int, num_prompt_tokens: int, max_tokens: int | None, param: str) -> APIError:
-    """The request does not fit the engine's context; found by the server before submitting."""
-    if max_tokens is None:
-        detail = f"the prompt has {num_prompt_tokens} tokens, which leaves no room for a completion"
-    else:
-        detail = f"the request needs {num_prompt_tokens + max_tokens} ({num_prompt_tokens} prompt + {max_tokens} completion)"
-    return APIError(
-        400, f"this model's maximum context length is {context_tokens} tokens; {detail}", param=param, code="context_length_exceeded"
-    )

@@ -1,5 +1,5 @@
 """ServerLimits: the HTTP server's own protective knobs (body size, connections and read
-deadlines, slow readers, per-key fair share, parsing threads, pins, stored responses,
+deadlines, slow readers, per-key fair share, parsing threads, pin ttl, stored responses,
 cross-site checks, operator endpoints), one validated dataclass with every default and unit.
 What one request body may carry is radixkv.server.request_caps.
 """
@@ -35,11 +35,9 @@ class ServerLimits:
     # 0: no share.
     parse_cpu_share_per_key: float = 0.25
     parse_cpu_burst_s: float = 2.0
-    # KV pages one key's pins may lock together (besides the server-wide cap on all pins);
-    # None: a quarter of the page pool (server.cache.routes.MAX_PINNED_FRACTION_PER_KEY), so the cap
-    # scales with the pool.
-    max_pinned_pages_per_key: int | None = None
-    # A pin is released this long after it was made unless unpinned before; 0: pins never expire.
+    # A pin made over HTTP is released this long after it was made unless unpinned before (a
+    # remote client may vanish without unpinning); 0: never. The pin caps are the engine's
+    # (EngineConfig.max_pinned_pages_per_owner, max_pinned_pages).
     pin_ttl_s: float = 3600.0
     # Responses kept for previous_response_id (store: true), per key: past either cap the key's
     # own oldest go; a conversation larger than the byte cap on its own is refused (400). The
@@ -75,8 +73,6 @@ class ServerLimits:
         _int_in("max_parses_per_key", self.max_parses_per_key, 0, 1 << 20)
         _seconds("parse_cpu_share_per_key", self.parse_cpu_share_per_key, allow_zero=True)
         _seconds("parse_cpu_burst_s", self.parse_cpu_burst_s, allow_zero=True)
-        if self.max_pinned_pages_per_key is not None:
-            _int_in("max_pinned_pages_per_key", self.max_pinned_pages_per_key, 0, 1 << 30)
         _int_in("max_stored_responses_per_key", self.max_stored_responses_per_key, 1, 1 << 30)
         _int_in("max_stored_response_bytes_per_key", self.max_stored_response_bytes_per_key, 1024, 1 << 40)
         _int_in("max_stored_responses", self.max_stored_responses, 1, 1 << 30)

@@ -32,11 +32,11 @@ from radixkv.server.errors import (
     ENGINE_ERRORS,
     APIError,
     ClientGone,
-    WireNames,
     engine_error,
 )
 from radixkv.server.metrics import RequestTracker, ServerMetrics
 from radixkv.server.quotas import KeyQuotas, Lease
+from radixkv.server.sampling import WireNames
 
 T = TypeVar("T")
 logger = logging.getLogger("radixkv.server")

@@ -13,7 +13,6 @@ import pytest
 
 from radixkv import LLM, InvalidRequest, SamplingParams
 from radixkv.errors import QueueFull
-from radixkv.server.limits import ServerLimits
 from tests.helpers.engine import assert_pages_returned, make_engine, run_to_end
 from tests.helpers.live_server import KEY_A, MODEL, LiveServer, make_async_engine, serve
 
@@ -75,7 +74,9 @@ def test_a_request_needing_the_whole_pool_is_served_among_others(tiny_loaded):
 def test_a_request_that_cannot_fit_beside_pins_is_refused_not_left_waiting(tiny_loaded):
     """Pinned pages are never evicted: a request needing more than the rest of the pool used to
     be accepted and then wait forever (LLM.generate spun without end)."""
-    engine = make_engine(tiny_loaded, num_pages=32)
+    # Pin caps lifted (by default pins leave room for a full-context request, which would refuse
+    # this pin): the room check beside pins is what is tested, the backstop behind the caps.
+    engine = make_engine(tiny_loaded, num_pages=32, max_pinned_pages=32, max_pinned_pages_per_owner=32)
     prefix = list(range(1, 101))  # 25 full pages
     engine.add_request(prefix, SamplingParams(max_tokens=1))
     run_to_end(engine)
@@ -194,9 +195,9 @@ def test_a_queue_filled_by_many_clients_gives_retryable_errors(small_server):
 def pin_server(tiny_llama) -> Iterator[LiveServer]:
     """48 pages of 4 tokens and a 128-token context (32 pages): pins may lock at most 16 pages,
     or a request that fills the context could never be admitted."""
-    async_engine = make_async_engine(tiny_llama, num_pages=48, max_model_len=128)
-    # One key may pin the whole pin room here: the server-wide cap is what is tested.
-    with serve(async_engine, keys=(KEY_A,), limits=ServerLimits(max_pinned_pages_per_key=48)) as live:
+    # One key may pin the whole pin room here: the cap over all owners is what is tested.
+    async_engine = make_async_engine(tiny_llama, num_pages=48, max_model_len=128, max_pinned_pages_per_owner=48)
+    with serve(async_engine, keys=(KEY_A,)) as live:
         yield live
 
 

@@ -10,7 +10,8 @@ import pytest
 
 from radixkv import SamplingParams
 from radixkv.prompts import encode
-from radixkv.sdk import InProcessBackend, PromptTemplate, pin, run_batch, warm
+from radixkv.sdk import GenerationError, InProcessBackend, PromptTemplate, pin, run_batch, warm
+
 from tests.helpers.sdk import EXAMPLES, PAGE_SIZE, SYSTEM, five_shot, make_sdk_llm, rows
 
 PARAMS = SamplingParams(max_tokens=6)
@@ -90,7 +91,9 @@ def traffic(llm, count: int, seed: int) -> None:
 def test_a_pinned_prefix_survives_eviction_pressure(tiny_llama):
     # lru: the default slru would keep the unpinned prefix too (it served hits, one-off traffic
     # never did), which hides whether the pin was what kept it.
-    llm = make_sdk_llm(tiny_llama, num_pages=96, eviction_policy="lru")  # the prefix is over a third of the pool
+    # The prefix is over a third of the pool: past the default pin caps (a quarter of the pool per
+    # owner, and room for a full-context request, the whole of this pool), so they are lifted.
+    llm = make_sdk_llm(tiny_llama, num_pages=96, eviction_policy="lru", max_pinned_pages=96, max_pinned_pages_per_owner=96)
     template = PromptTemplate(system=SYSTEM, examples=EXAMPLES[:1], user="Review: {review}")
     shared = template.shared_token_ids(llm.tokenizer, chat=True)
     assert 30 <= len(shared) // PAGE_SIZE <= 45
@@ -128,3 +131,14 @@ def test_pin_accepts_text_token_ids_and_messages(llm):
     assert llm.engine.tree.locked_pages == 0
     with pytest.raises(TypeError):
         pin(llm, 3.5)
+
+
+def test_in_process_pins_get_the_caps_http_pins_get(llm):
+    """One owner in process, as one key over HTTP: its pins lock at most a quarter of the pool
+    (128 of 512 pages here), and a pin past that is refused, locking nothing."""
+    first = pin(llm, [1 + i % 300 for i in range(400)])  # 100 pages
+    assert first.num_pinned_tokens == 400
+    with pytest.raises(GenerationError, match="may pin at most 128"):
+        pin(llm, [1 + (i + 7) % 300 for i in range(400)])
+    assert llm.engine.tree.locked_pages == 100
+    assert first.unpin() and llm.engine.tree.locked_pages == 0

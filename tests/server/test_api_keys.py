@@ -37,7 +37,7 @@ def test_the_http_backend_keeps_openai_api_key_to_itself_unless_asked(monkeypatc
 def test_serve_options_become_server_limits():
     import argparse
 
-    from radixkv.cli import _server_limits
+    from radixkv.cli import _pin_options, _server_limits
 
     args = argparse.Namespace(
         max_body_bytes=4096, stream_send_timeout_s=5.0, max_requests_per_key=3, max_seqs_per_key=6, max_pinned_pages_per_key=0,
@@ -47,7 +47,8 @@ def test_serve_options_become_server_limits():
     )
     limits = _server_limits(args, keyless_remote=True)
     assert (limits.max_body_bytes, limits.stream_send_timeout_s, limits.max_requests_per_key, limits.max_seqs_per_key) == (4096, 5.0, 3, 6)
-    assert limits.max_pinned_pages_per_key == 0 and limits.pin_ttl_s == 0.0 and limits.public_operator_endpoints
+    assert _pin_options(args) == {"max_pinned_pages_per_owner": 0}  # the engine's cap per owner (one per key)
+    assert limits.pin_ttl_s == 0.0 and limits.public_operator_endpoints
     assert (limits.max_stored_responses_per_key, limits.max_stored_response_bytes_per_key) == (7, 1 << 20)
     assert limits.max_parses_per_key == 2 and limits.parse_cpu_share_per_key == 0.5
     assert (limits.max_connections, limits.header_read_timeout_s, limits.body_read_timeout_s) == (7, 2.5, 4.0)
@@ -62,7 +63,7 @@ def test_invalid_server_limits_name_the_field():
 
     for bad in (
         {"max_body_bytes": 10}, {"stream_send_timeout_s": 0}, {"max_requests_per_key": 0}, {"allowed_origins": ("evil",)},
-        {"max_pinned_pages_per_key": -1}, {"max_stored_responses_per_key": 0}, {"max_stored_response_bytes_per_key": 10},
+        {"max_stored_responses_per_key": 0}, {"max_stored_response_bytes_per_key": 10},
         {"max_stored_responses": 0}, {"max_stored_response_bytes": 1.5},
         {"max_connections": 0}, {"header_read_timeout_s": 0}, {"body_read_timeout_s": -1.0},
     ):

@@ -7,8 +7,9 @@ import openai
 import pytest
 
 from radixkv.engine.async_engine import EngineStepError, EngineStopped
-from radixkv.errors import InvalidRequest, QueueFull
-from radixkv.server.errors import WireNames, engine_error
+from radixkv.errors import InvalidRequest, OwnerCapExceeded, QueueFull
+from radixkv.server.errors import engine_error
+from radixkv.server.sampling import WireNames
 
 from tests.helpers.live_server import KEY_A, MAX_QUEUE_LEN, MODEL
 
@@ -169,6 +170,11 @@ def test_engine_errors_map_by_their_fields_into_the_request_s_names():
     error = engine_error(InvalidRequest("top_p must be in (0, 1]", param="top_p"), chat)
     assert (error.param, error.message, error.code) == ("top_p", "top_p must be in (0, 1]", None)
     assert engine_error(InvalidRequest("the prompt is empty", param="prompt")).param == "prompt"
+    responses = WireNames(prompt="input", max_tokens="max_output_tokens", guide="text.format")
+    assert engine_error(InvalidRequest("no way on", param="response_format"), responses).param == "text.format"
+    assert engine_error(InvalidRequest("no way on", param="response_format"), WireNames()).param == "response_format"
+    capped = engine_error(OwnerCapExceeded("this owner's pins would lock 9 KV pages", code="pin_limit_exceeded", limit=8))
+    assert (capped.status, capped.type, capped.code) == (429, "rate_limit_error", "pin_limit_exceeded")
 
 
 def test_engine_failures_map_to_server_errors():

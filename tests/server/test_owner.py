@@ -1,5 +1,5 @@
 """One owner per API key, everywhere: a key that rotates cache_salt keeps one retention cap and
-cannot push another key's retained prefix out; pins are capped per key by a share of the pool,
+one pin cap, and cannot push another key's retained prefix out; pins are capped per key by a share of the pool,
 have unguessable ids and only their key can release them; stored Responses are kept per key, so
 one key's flood never evicts another's, and a conversation over the byte cap is refused."""
 
@@ -99,7 +99,7 @@ def pin(http, seed: int, num_pages: int):
 
 
 def test_pins_are_capped_per_key_by_a_share_of_the_pool(live: LiveServer) -> None:
-    per_key = NUM_PAGES // 4  # cache_routes.MAX_PINNED_FRACTION_PER_KEY of the pool
+    per_key = NUM_PAGES // 4  # engine.pins.MAX_PINNED_FRACTION_PER_OWNER of the pool
     with live.http(KEY_A) as a, live.http(KEY_B) as b:
         first = pin(a, 200, 100)
         assert first.status_code == 200, first.text
@@ -110,6 +110,26 @@ def test_pins_are_capped_per_key_by_a_share_of_the_pool(live: LiveServer) -> Non
         assert other.status_code == 200, other.text
         for http, response in ((a, first), (b, other)):
             assert http.delete(f"/v1/cache/pin/{response.json()['pin_id']}").status_code == 200
+    live.assert_idle_and_consistent()
+
+
+def test_one_key_varying_cache_salt_shares_one_pin_budget(live: LiveServer) -> None:
+    """Each cache_salt is its own partition of the cache, never its own owner: the key's pins
+    under every salt count against one cap, and its own unpin releases each."""
+    per_key = NUM_PAGES // 4
+    with live.http(KEY_A) as a:
+        made = []
+        for i, num_pages in enumerate((100, 100)):
+            response = a.post("/v1/cache/pin", json={"prompt": tokens(500 + i, num_pages), "cache_salt": f"rotated-{i}"})
+            assert response.status_code == 200, response.text
+            made.append(response.json()["pin_id"])
+        over = a.post("/v1/cache/pin", json={"prompt": tokens(502, per_key - 200 + 1), "cache_salt": "rotated-2"})
+        assert over.status_code == 429 and over.json()["error"]["code"] == "pin_limit_exceeded"
+        assert sorted(p["pin_id"] for p in a.get("/v1/cache/pin").json()["data"]) == sorted(made)
+        owner = owner_of(live, KEY_A)
+        assert {p.owner for p in live.engine_call(lambda engine: engine.pins_of(owner))} == {owner}
+        for pin_id in made:
+            assert a.delete(f"/v1/cache/pin/{pin_id}").status_code == 200
     live.assert_idle_and_consistent()
 
 

@@ -19,15 +19,14 @@ from fastapi.responses import JSONResponse, Response
 from radixkv.engine.async_engine import EngineStepError, EngineStopped, RequestStream
 from radixkv.engine.request import RequestOutput, SamplingParams
 from radixkv.errors import InvalidRequest
+from radixkv.server import sampling
 from radixkv.server.anthropic import conversation as conv_mod
 from radixkv.server.anthropic.conversation import Breakpoint, Conversation, tool_layer
 from radixkv.server.anthropic.protocol import MessagesRequest
 from radixkv.server.errors import (
     APIError,
     ClientGone,
-    WireNames,
     anthropic_error_body,
-    context_error,
     engine_error,
     parse_body,
 )
@@ -43,7 +42,7 @@ if TYPE_CHECKING:
     from radixkv.server.state import AppState
 
 logger = logging.getLogger("radixkv.server")
-_NAMES = WireNames(prompt="messages", max_tokens="max_tokens")
+_NAMES = sampling.MESSAGES_NAMES
 
 
 def register(app: FastAPI, server: AppState) -> None:
@@ -91,7 +90,7 @@ def _prepare(server: AppState, raw: bytes) -> tuple[MessagesRequest, Conversatio
         marks = conv_mod.breakpoints(tokenizer, body, conv, prompt)
     except InvalidRequest as error:
         raise engine_error(error, _NAMES) from None
-    return body, conv, prompt, marks, _sampling_params(server, body, conv, prompt)
+    return body, conv, prompt, marks, _sampling_params(conv, body)
 
 
 class _Context:
@@ -102,24 +101,11 @@ class _Context:
         self.message_id = f"msg_{secrets.token_hex(12)}"
 
 
-def _sampling_params(server: AppState, body: MessagesRequest, conv: Conversation, prompt: list[int]) -> SamplingParams:
-    context = server.engine.max_context_tokens
-    if len(prompt) + body.max_tokens > context:
-        raise context_error(context, len(prompt), body.max_tokens, "max_tokens" if len(prompt) < context else "messages")
+def _sampling_params(conv: Conversation, body: MessagesRequest) -> SamplingParams:
     guide = None
     if conv.tools and conv.tool_choice != "auto":
         guide = tool_layer.guide_for(conv.tools, conv.tool_choice, conv.parallel_tool_calls)
-    try:
-        return SamplingParams(
-            max_tokens=body.max_tokens,
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p,
-            top_k=body.top_k or 0,
-            stop=list(body.stop_sequences or []),
-            guide=guide,
-        )
-    except InvalidRequest as error:
-        raise engine_error(error, _NAMES) from None
+    return sampling.messages_params(body, guide)
 
 
 # -- usage and retention ---------------------------------------------------------------------

@@ -15,13 +15,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from radixkv.engine.async_engine import EngineStepError, EngineStopped, RequestStream
-from radixkv.engine.request import JsonGuide, RequestOutput, SamplingParams
+from radixkv.engine.request import RequestOutput, SamplingParams
 from radixkv.errors import InvalidRequest
+from radixkv.server import sampling
 from radixkv.server import tools as tool_layer
 from radixkv.server.errors import (
     APIError,
-    WireNames,
-    context_error,
     engine_error,
     parse_body,
 )
@@ -37,6 +36,7 @@ from radixkv.server.openai.responses_protocol import (
     response_usage,
 )
 from radixkv.server.openai.responses_store import ResponseStore, conversation_bytes
+from radixkv.server.sampling import WireNames
 from radixkv.server.streaming import (
     SSEResponse,
     collect,
@@ -51,19 +51,6 @@ if TYPE_CHECKING:
 Message = dict[str, Any]
 
 
-@dataclass(frozen=True, slots=True)
-class _Names(WireNames):
-    """This API's names for the engine's parameters; `guide` is the field the JSON guide came
-    from (text.format, or tools when a call is forced), which the engine calls response_format."""
-
-    guide: str = "text.format"
-
-    def of(self, param: str | None) -> str | None:
-        if param in ("response_format", "guide"):
-            return self.guide
-        return WireNames.of(self, param)
-
-
 @dataclass(slots=True)
 class _Turn:
     """One request made ready for the engine, and what its reply needs to be read and stored."""
@@ -74,7 +61,7 @@ class _Turn:
     tools: list[tool_layer.Tool]
     choice: str
     params: SamplingParams
-    names: _Names
+    names: WireNames
 
 
 def register(app: FastAPI, server: AppState, store: ResponseStore | None = None) -> None:
@@ -138,33 +125,13 @@ def _prepare(server: AppState, store: ResponseStore, body: ResponsesRequest, own
     tools = convert.tool_list(body)
     choice = body.choice()
     guide, guide_param = convert.guide(body, tools, choice)
-    names = _Names(prompt="input", max_tokens="max_output_tokens", guide=guide_param)
+    names = sampling.responses_names(guide_param)
     try:
         prompt = tool_layer.encode_conversation(server.engine.tokenizer, convert.prompt_messages(body, messages), tools, choice)
     except InvalidRequest as error:
         raise engine_error(error, names) from None
-    params = _sampling_params(server, body, prompt, guide, names)
+    params = sampling.responses_params(body, names, guide)
     return _Turn(body, owner, messages, tools, choice, params, names), prompt
-
-
-def _sampling_params(server: AppState, body: ResponsesRequest, prompt: list[int], guide: JsonGuide | None, names: _Names) -> SamplingParams:
-    # Checked here, not only by the engine: the default max_output_tokens is the room left.
-    context = server.engine.max_context_tokens
-    if len(prompt) >= context:
-        raise context_error(context, len(prompt), None, names.prompt)
-    max_tokens = context - len(prompt) if body.max_output_tokens is None else body.max_output_tokens
-    try:
-        params = SamplingParams(
-            max_tokens=max_tokens,
-            temperature=1.0 if body.temperature is None else body.temperature,  # OpenAI's default
-            top_p=1.0 if body.top_p is None else body.top_p,
-            guide=guide,
-        )
-    except InvalidRequest as error:
-        raise engine_error(error, names) from None
-    if len(prompt) + params.max_tokens > context:
-        raise context_error(context, len(prompt), params.max_tokens, names.max_tokens)
-    return params
 
 
 def _skeleton(server: AppState, body: ResponsesRequest) -> ResponseObject:

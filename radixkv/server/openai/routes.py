@@ -1,7 +1,8 @@
 """OpenAI's API: /v1/models, /v1/chat/completions and /v1/completions, streamed or not. Owns
-turning a request body into SamplingParams within the engine's context limit, and the engine's
-outputs into OpenAI's responses and stream chunks: text, tool calls (radixkv.server.tools) and
-logprobs (radixkv.server.logprobs).
+turning a request body into a prompt, its tools and guide (its SamplingParams come from
+server.sampling; the engine alone checks the context), and the engine's outputs into OpenAI's
+responses and stream chunks: text, tool calls (radixkv.server.tools) and logprobs
+(radixkv.server.logprobs).
 """
 
 from __future__ import annotations
@@ -24,11 +25,10 @@ from radixkv.engine.request import (
     SamplingParams,
 )
 from radixkv.errors import InvalidRequest
+from radixkv.server import sampling
 from radixkv.server.encode import chat_prompt, completion_prompts
 from radixkv.server.errors import (
     APIError,
-    WireNames,
-    context_error,
     engine_error,
     parse_body,
 )
@@ -57,6 +57,7 @@ from radixkv.server.openai.protocol import (
     new_id,
     now_s,
 )
+from radixkv.server.sampling import WireNames
 from radixkv.server.streaming import (
     SSEResponse,
     collect,
@@ -80,13 +81,6 @@ from radixkv.server.tools import (
 if TYPE_CHECKING:
     from radixkv.server.state import AppState
 
-# Below this a temperature is greedy: dividing logits by ~0 would overflow to inf/NaN.
-_MIN_TEMPERATURE = 1e-5
-# Sampler seeds are (seed * 1_000_003 + index) and must fit torch's 64-bit seed range.
-_SEED_MODULUS = 1 << 43
-_INT64 = (-(1 << 63), (1 << 64) - 1)
-_COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completions API
-
 logger = logging.getLogger("radixkv.server")
 
 
@@ -97,17 +91,6 @@ class _ChatTools:
     tools: list[Tool]
     choice: ToolChoice
     parallel: bool
-
-
-@dataclass(frozen=True, slots=True)
-class _ChatNames(WireNames):
-    """The engine names a bad guide's schema `response_format` (or `guide`); when the guide came
-    from the tools, the request's field at fault is `tools`."""
-
-    guide: str = "response_format"
-
-    def of(self, param: str | None) -> str | None:
-        return self.guide if param in ("response_format", "guide") else WireNames.of(self, param)
 
 
 def register(app: FastAPI, server: AppState) -> None:
@@ -129,16 +112,14 @@ def register(app: FastAPI, server: AppState) -> None:
         key = server.tenants.authenticate_headers(request.headers)
         raw = await request.body()
 
-        def prepare() -> tuple[ChatCompletionRequest, _ChatTools, list[int], _ChatNames, SamplingParams]:
+        def prepare() -> tuple[ChatCompletionRequest, _ChatTools, list[int], WireNames, SamplingParams]:
             body = parse_body(ChatCompletionRequest, raw)
             _check_request(server, body)
             tools = _chat_tools(body)
             prompt = chat_prompt(server, [m.as_chat() for m in body.messages], tools.tools, tools.choice)
-            max_tokens, max_tokens_param = body.requested_max_tokens()
             guide, guide_param = _chat_guide(body, tools)
-            names = _ChatNames(prompt="messages", max_tokens=max_tokens_param, guide=guide_param)
-            params = _sampling_params(server, body, [prompt], max_tokens, names, default_max_tokens=None, guide=guide)
-            return body, tools, prompt, names, params
+            names = sampling.chat_names(body, guide_param)
+            return body, tools, prompt, names, sampling.chat_params(body, names, guide)
 
         body, tools, prompt, names, params = await server.parse_slots.run(key, prepare)
         salt, owner = server.tenants.cache_salt(key, body.cache_salt), server.tenants.owner(key)
@@ -157,14 +138,14 @@ def register(app: FastAPI, server: AppState) -> None:
     async def completions(request: Request) -> Response:
         key = server.tenants.authenticate_headers(request.headers)
         raw = await request.body()
-        names = WireNames()
+        names = sampling.COMPLETIONS_NAMES
 
         def prepare() -> tuple[CompletionRequest, list[list[int]], SamplingParams]:
             body = parse_body(CompletionRequest, raw)
             _check_request(server, body)
             prompts = completion_prompts(server, body.prompts())
-            default = _COMPLETIONS_DEFAULT_MAX_TOKENS
-            return body, prompts, _sampling_params(server, body, prompts, body.max_tokens, names, default_max_tokens=default)
+            longest = max(len(p) for p in prompts)
+            return body, prompts, sampling.completion_params(body, server.engine.max_context_tokens, longest)
 
         body, prompts, params = await server.parse_slots.run(key, prepare)
         salt, owner = server.tenants.cache_salt(key, body.cache_salt), server.tenants.owner(key)
@@ -249,51 +230,6 @@ def retain_prompt(server: AppState, prompt: list[int], salt: str | None, ttl_s: 
 def _model_card(server: AppState) -> ModelCard:
     # The limit requests are held to: the model's context, or less when the page pool is smaller.
     return ModelCard(id=server.model_name, created=server.created, max_model_len=server.engine.max_context_tokens)
-
-
-def _sampling_params(
-    server: AppState,
-    body: ChatCompletionRequest | CompletionRequest,
-    prompts: list[list[int]],
-    max_tokens: int | None,
-    names: WireNames,
-    *,
-    default_max_tokens: int | None,
-    guide: JsonGuide | None = None,
-) -> SamplingParams:
-    # The engine would refuse a request past its context too, but only after the default
-    # max_tokens below is derived from the room left, and after earlier prompts were submitted.
-    context = server.engine.max_context_tokens
-    longest = max(len(p) for p in prompts)
-    if longest >= context:
-        raise context_error(context, longest, None, names.prompt)
-    if max_tokens is None:
-        # Chat: as much as the context allows (OpenAI's default); completions: OpenAI's 16.
-        max_tokens = context - longest if default_max_tokens is None else min(default_max_tokens, context - longest)
-    temperature = 1.0 if body.temperature is None else body.temperature
-    if 0.0 <= temperature < _MIN_TEMPERATURE:
-        temperature = 0.0
-    seed = body.seed
-    if seed is not None:
-        if not _INT64[0] <= seed <= _INT64[1]:
-            raise APIError(400, f"seed must be a 64-bit integer, got {seed}", param="seed")
-        seed %= _SEED_MODULUS  # same seed, same stream; fits the sampler's seed arithmetic
-    try:
-        params = SamplingParams(
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=1.0 if body.top_p is None else body.top_p,
-            seed=seed,
-            stop=body.stop_list(),
-            n=body.n,
-            guide=guide,
-            logprobs=body.num_logprobs(),
-        )
-    except InvalidRequest as error:
-        raise engine_error(error, names) from None
-    if longest + params.max_tokens > context:
-        raise context_error(context, longest, params.max_tokens, names.max_tokens)
-    return params
 
 
 # -- responses -------------------------------------------------------------------------------

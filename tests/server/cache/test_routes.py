@@ -91,3 +91,21 @@ def test_lookup_flush_metrics_and_a_warm_restart(tiny_llama: Path, tmp_path: Pat
         assert flushed.status_code == 200 and flushed.json()["freed_disk_blocks"] >= 10
         assert lookup(live, prompt)["cached_tokens"] == 0
         live.assert_idle_and_consistent()
+
+
+def test_a_prompt_past_the_context_is_refused_for_a_pin_by_the_engine_and_answered_for_a_lookup(live_server: LiveServer) -> None:
+    """No cache route checks the context: the engine refuses a pin's prompt (its warming
+    request), in the request's own names; a lookup needs no room for a completion, so it answers."""
+    too_long = [1 + i % (VOCAB - 1) for i in range(600)]  # the tiny Llama's context is 512
+    with live_server.http(KEY_A) as http:
+        looked = http.post("/v1/cache/lookup", json={"prompt": too_long})
+        assert looked.status_code == 200 and looked.json()["prompt_tokens"] == 600
+        refused = http.post("/v1/cache/pin", json={"prompt": too_long})
+        assert refused.status_code == 400, refused.text
+        error = refused.json()["error"]
+        assert (error["code"], error["param"]) == ("context_length_exceeded", "prompt")
+        assert "maximum context length is 512" in error["message"]
+        messages = [{"role": "user", "content": "x " * 600}]
+        refused = http.post("/v1/cache/pin", json={"messages": messages})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "messages"
+    live_server.assert_idle_and_consistent()
