@@ -43,6 +43,33 @@ class Sampler:
             return tokens.tolist(), []
         return _with_logprobs(tokens, logprobs, logprob_rows, seqs)
 
+    def sample_batch(
+        self, logits: torch.Tensor, seqs: Sequence[SequenceState], masks: GuideMasks | None = None
+    ) -> tuple[list[int], list[TokenLogprob | None], dict[int, BaseException]]:
+        """`sample` over the batch at once; if that fails, row by row, so only the rows that
+        fail lose their request: (tokens, logprobs as `sample` gives them, the failed rows with
+        why; a failed row's token is a placeholder 0). Row by row, a guided row's mask is
+        applied to the logits first, so its logprobs are of the masked logits (this fallback only)."""
+        try:
+            tokens, logprobs = self.sample(logits, seqs) if masks is None else self.sample(logits, seqs, masks)
+            return tokens, logprobs, {}
+        except Exception:  # noqa: BLE001 - find the row at fault below
+            if masks is not None:
+                with torch.inference_mode():
+                    masks.apply(logits)  # may have been applied already: masking twice is a no-op
+        tokens = []
+        logprobs: list[TokenLogprob | None] = []
+        failed: dict[int, BaseException] = {}
+        for row, seq in enumerate(seqs):
+            try:
+                row_tokens, row_logprobs = self.sample(logits[row : row + 1].clone(), [seq])
+            except Exception as error:  # noqa: BLE001 - this row's request fails, alone
+                failed[row] = error
+                row_tokens, row_logprobs = [0], []
+            tokens.append(row_tokens[0])
+            logprobs.append(row_logprobs[0] if row_logprobs else None)
+        return tokens, logprobs if any(lp is not None for lp in logprobs) else [], failed
+
     def _draw(self, logits: torch.Tensor, seqs: list[SequenceState]) -> torch.Tensor:
         vocab = logits.shape[-1]
         # Rows with neither top-k nor top-p draw over the vocabulary as it is: sorting 49k
