@@ -261,7 +261,7 @@ class AsyncEngine:
         if self._thread is threading.current_thread() or not self._thread.is_alive():
             return self._final_stats or self.engine.stats()
         try:
-            return self.call(Engine.stats).result()
+            return self.call(lambda engine: engine.stats()).result()
         except EngineStopped:
             return self._stats_after_stop()
 
@@ -270,7 +270,7 @@ class AsyncEngine:
         if not self._thread.is_alive():
             return self._final_stats or self.engine.stats()
         try:
-            return await self.call_async(Engine.stats)
+            return await self.call_async(lambda engine: engine.stats())
         except EngineStopped:
             return await asyncio.to_thread(self._stats_after_stop)
 

@@ -57,12 +57,8 @@ class Engine:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         backend = loaded.model.attention if loaded is not None else make_backend(
-            config.attention_backend,
-            self.device.type,
-            native_kernels=config.native_kernels,
-            decode_amx=config.decode_amx,
-            share_decode_reads=config.share_decode_reads,
-            check_indices=config.check_indices,
+            config.attention_backend, self.device.type, native_kernels=config.native_kernels, decode_amx=config.decode_amx,
+            share_decode_reads=config.share_decode_reads, check_indices=config.check_indices,
         )
         # Before the model loads: a configuration the backend cannot run fails in a blink.
         if config.batch_invariant and not backend.capabilities.batch_invariant:
@@ -72,13 +68,8 @@ class Engine:
             )
         if loaded is None:
             loaded = load_model(
-                config.model,
-                backend,
-                dtype=config.dtype,
-                device=config.device,
-                cache_dir=config.cache_dir,
-                native_kernels=config.native_kernels,
-                linear_kernel=config.linear_kernel,
+                config.model, backend, dtype=config.dtype, device=config.device, cache_dir=config.cache_dir,
+                native_kernels=config.native_kernels, linear_kernel=config.linear_kernel,
             )
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
@@ -94,13 +85,8 @@ class Engine:
             config.page_size, model_config.num_layers, model_config.num_kv_heads, model_config.head_dim, self.dtype,
         )
         self.pool = PagePool(
-            num_pages,
-            config.page_size,
-            model_config.num_layers,
-            model_config.num_kv_heads,
-            model_config.head_dim,
-            loaded.dtype,
-            loaded.device,
+            num_pages, config.page_size, model_config.num_layers, model_config.num_kv_heads, model_config.head_dim,
+            loaded.dtype, loaded.device,
         )
         # The most tokens (prompt + completion) one request may have: the model's context, or
         # less when the page pool is smaller. Every layer that checks a length reads this.
@@ -113,14 +99,8 @@ class Engine:
         self.disk = self._disk_tier(loaded) if config.kv_disk_dir and config.enable_prefix_caching else None
         self.compute_cost = ComputeCost()
         self.kv = KVManager(
-            self.pool,
-            self.tree,
-            self.hasher,
-            config.enable_prefix_caching,
-            self.disk,
-            self.compute_cost.estimate_s,
-            config.kv_disk_prefetch_bytes,
-            config.max_retained_pages_per_owner,
+            self.pool, self.tree, self.hasher, config.enable_prefix_caching, self.disk, self.compute_cost.estimate_s,
+            config.kv_disk_prefetch_bytes, config.max_retained_pages_per_owner,
         )
         self.scheduler = Scheduler(config, self.kv)
         self.sampler = Sampler(config.seed)
@@ -314,7 +294,8 @@ class Engine:
                 self.counters.num_steps += 1  # a step that only loaded from disk still moved on
             return []
         # The grammar masks fill on worker threads while the forward runs.
-        pending_masks = self.guides.start_fills([item.seq for item in batch.items if item.samples]) if self.requests.num_guided else None
+        sampling = [item.seq for item in batch.items if item.samples]
+        pending_masks = self.guides.start_fills(sampling) if self.requests.num_guided else None
         self.step_times.add("schedule", time.perf_counter() - started_s)
         result = self.runner.run(batch, pending_masks)
         self._observe(batch, result)
