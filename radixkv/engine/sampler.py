@@ -5,7 +5,8 @@ over sorted logits) on the logits' device and draw by the inverse CDF with one u
 from each sequence's own generator, so a seeded request is reproducible in any batch. The only
 host sync is the final transfer of the token ids (with the logprobs of the rows that ask for
 them). Guided rows are masked to their grammar's allowed tokens first; logprobs are of the raw
-logits.
+logits. `sample_batch` falls back to row by row when the batch fails, so a row that cannot be
+sampled fails its own request only.
 """
 
 from __future__ import annotations
