@@ -64,6 +64,23 @@ class PagePool:
         """Bytes one page takes in K and V over all layers."""
         return 2 * num_layers * page_size * num_kv_heads * head_dim * dtype.itemsize
 
+    @classmethod
+    def pages_for_memory(
+        cls,
+        free_bytes: int,
+        memory_fraction: float,
+        max_pages: int,
+        page_size: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+    ) -> int:
+        """How many pages `memory_fraction` of `free_bytes` holds, at least 1, at most `max_pages`."""
+        page_bytes = cls.bytes_per_page(page_size, num_layers, num_kv_heads, head_dim, dtype)
+        pages = int(free_bytes * memory_fraction) // page_bytes
+        return max(1, min(pages, max_pages))
+
     def allocate(self, n: int) -> list[int]:
         """Take `n` free pages, each with refcount 1; all or nothing."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
@@ -197,3 +214,18 @@ class PagePool:
 def _check_int(name: str, value: object, *, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    """Memory a KV pool on `device` may take: the GPU's free memory, or the host's available
+    memory (MemAvailable); without /proc, a modest 4 GiB."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 << 30

@@ -185,7 +185,7 @@ class AsyncEngine:
         self._streams: dict[str, RequestStream] = {}  # engine thread only
         self._ids = itertools.count()
         self._id_prefix = uuid.uuid4().hex[:8]
-        self._stats: EngineStats = engine.stats()
+        self._final_stats: EngineStats | None = None  # the engine's as its thread left it
         self.error: BaseException | None = None  # set when the engine thread died
         self._failed_steps_in_a_row = 0  # engine thread writes, anyone reads (an int: atomic)
         self._step_started_s: float | None = None  # time.monotonic() of the running step
@@ -255,8 +255,34 @@ class AsyncEngine:
         return await asyncio.wrap_future(self.call(fn))
 
     def stats(self) -> EngineStats:
-        """Engine statistics as of the last loop iteration (no waiting on a step)."""
-        return self._stats
+        """The engine's statistics now: computed on its thread between steps (so this waits
+        for the step in flight; from an event loop, await stats_async), or read directly while
+        no thread runs it; once the thread has stopped, as it left them."""
+        if self._thread is threading.current_thread() or not self._thread.is_alive():
+            return self._final_stats or self.engine.stats()
+        try:
+            return self.call(lambda engine: engine.stats()).result()
+        except EngineStopped:
+            return self._stats_after_stop()
+
+    async def stats_async(self) -> EngineStats:
+        """stats(), awaited without holding up the event loop."""
+        if not self._thread.is_alive():
+            return self._final_stats or self.engine.stats()
+        try:
+            return await self.call_async(lambda engine: engine.stats())
+        except EngineStopped:
+            return await asyncio.to_thread(self._stats_after_stop)
+
+    def num_unfinished(self) -> int:
+        """Requests the engine holds, from any thread without waiting: one length read (atomic),
+        as of the moment it is read."""
+        return self.engine.num_unfinished
+
+    def _stats_after_stop(self) -> EngineStats:
+        # The thread is ending: it takes the final statistics after failing what was left.
+        self._thread.join()
+        return self._final_stats or self.engine.stats()
 
     @property
     def alive(self) -> bool:
@@ -350,7 +376,6 @@ class AsyncEngine:
                 if self.engine.has_unfinished():
                     progressed = self.engine.counters.num_steps != steps_before
                     idle_wait_s = 0.0 if progressed else _NO_PROGRESS_WAIT_S
-            self._stats = self.engine.stats()
 
     def _apply(self, command: _Add | _Abort | _Call) -> None:
         if isinstance(command, _Add):
@@ -420,7 +445,7 @@ class AsyncEngine:
                 logger.exception("abort of %s failed at shutdown", request_id)
             stream._deliver(_End(error))
         self._streams.clear()
-        self._stats = self.engine.stats()
+        self._final_stats = self.engine.stats()
 
 
 def _step_error(error: BaseException) -> EngineStepError:

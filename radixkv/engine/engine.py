@@ -1,8 +1,9 @@
 """The engine: holds the cache, scheduler, runner and sampler together and runs the step loop.
 
-`add_request` validates and queues, `step` runs one scheduled batch and returns what is new
-for each request that changed, `abort` ends a request at any stage; every ended sequence gives
-back every page it held.
+`add_request` validates and books a request (engine/outputs.py's RequestBook) and queues it;
+`step` is schedule (Scheduler) -> run (ModelRunner: prepare, forward, NaN guard, sample) ->
+postprocess (RequestBook: commit, tokens, finish, deltas); `abort` ends a request at any stage.
+Every ended sequence gives back every page it held.
 """
 
 from __future__ import annotations
@@ -12,30 +13,19 @@ import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from radixkv.attention import make_backend
 from radixkv.cache.hashing import BlockHasher
-from radixkv.cache.pages import PagePool
+from radixkv.cache.pages import PagePool, available_memory_bytes
 from radixkv.cache.radix import RadixTree
 from radixkv.config import EngineConfig
 from radixkv.engine.compute_cost import ComputeCost, attended
-from radixkv.engine.guide import GuideLimits, GuideRejected, Guides
 from radixkv.engine.disk_loader import open_disk_tier
+from radixkv.engine.guide import GuideLimits, Guides
 from radixkv.engine.kv_manager import KVManager
+from radixkv.engine.outputs import RequestBook
 from radixkv.engine.pins import Owner, PinnedPrefix, Pins
-from radixkv.engine.request import (
-    Batch,
-    CompletionDelta,
-    CompletionOutput,
-    RequestDelta,
-    RequestOutput,
-    SamplingParams,
-    SeqStatus,
-    SequenceState,
-    TokenLogprob,
-)
-from radixkv.engine.runner import ModelRunner
+from radixkv.engine.request import Batch, RequestDelta, SamplingParams, SequenceState
+from radixkv.engine.runner import ModelRunner, StepResult
 from radixkv.engine.sampler import Sampler
 from radixkv.engine.scheduler import Scheduler
 from radixkv.engine.stats import EngineCounters, EngineStats, StepTimes
@@ -54,12 +44,8 @@ class Engine:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         backend = loaded.model.attention if loaded is not None else make_backend(
-            config.attention_backend,
-            self.device.type,
-            native_kernels=config.native_kernels,
-            decode_amx=config.decode_amx,
-            share_decode_reads=config.share_decode_reads,
-            check_indices=config.check_indices,
+            config.attention_backend, self.device.type, native_kernels=config.native_kernels, decode_amx=config.decode_amx,
+            share_decode_reads=config.share_decode_reads, check_indices=config.check_indices,
         )
         # Before the model loads: a configuration the backend cannot run fails in a blink.
         if config.batch_invariant and not backend.capabilities.batch_invariant:
@@ -69,13 +55,8 @@ class Engine:
             )
         if loaded is None:
             loaded = load_model(
-                config.model,
-                backend,
-                dtype=config.dtype,
-                device=config.device,
-                cache_dir=config.cache_dir,
-                native_kernels=config.native_kernels,
-                linear_kernel=config.linear_kernel,
+                config.model, backend, dtype=config.dtype, device=config.device, cache_dir=config.cache_dir,
+                native_kernels=config.native_kernels, linear_kernel=config.linear_kernel,
             )
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
@@ -86,15 +67,13 @@ class Engine:
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
 
-        num_pages = config.num_pages or self._pages_from_memory()
+        num_pages = config.num_pages or PagePool.pages_for_memory(
+            available_memory_bytes(self.device), config.kv_memory_fraction, config.max_kv_pages,
+            config.page_size, model_config.num_layers, model_config.num_kv_heads, model_config.head_dim, self.dtype,
+        )
         self.pool = PagePool(
-            num_pages,
-            config.page_size,
-            model_config.num_layers,
-            model_config.num_kv_heads,
-            model_config.head_dim,
-            loaded.dtype,
-            loaded.device,
+            num_pages, config.page_size, model_config.num_layers, model_config.num_kv_heads, model_config.head_dim,
+            loaded.dtype, loaded.device,
         )
         # The most tokens (prompt + completion) one request may have: the model's context, or
         # less when the page pool is smaller. Every layer that checks a length reads this.
@@ -116,25 +95,21 @@ class Engine:
             config.max_retained_pages_per_owner,
         )
         self.scheduler = Scheduler(config, self.kv)
-        self.runner = ModelRunner(loaded.model, self.pool, loaded.device, batch_invariant=config.batch_invariant)
         self.sampler = Sampler(config.seed)
+        self.runner = ModelRunner(loaded.model, self.pool, loaded.device, self.sampler, batch_invariant=config.batch_invariant)
         guide_limits = GuideLimits(
             config.max_guide_schema_bytes, config.max_guide_schema_depth, config.guide_compile_timeout_s, config.guide_mask_timeout_s
         )
         self.guides = Guides(self.tokenizer, model_config.vocab_size, sorted(self.eos_token_ids), guide_limits)
-        self._num_guided = 0  # live guided sequences: a step without any skips the guide work
-        self._requests: dict[str, list[SequenceState]] = {}
-        # Requests a step failed alone (a broken logits row, a sampler error on their row):
-        # aborted, pages back; the AsyncEngine takes them to fail their streams.
-        self.failed_requests: list[tuple[str, BaseException]] = []
+        self.counters = EngineCounters()
+        self.step_times = StepTimes()
+        self.requests = RequestBook(self.scheduler, self.kv, self.tokenizer, self.eos_token_ids, self.max_model_len, self.counters)
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
         # Pins and their caps live here, not in the server, so in-process callers get the same.
         self.pins = Pins(
             self.kv, num_pages, config.page_size, self.max_context_tokens, config.max_pinned_pages, config.max_pinned_pages_per_owner
         )
-        self.counters = EngineCounters()
-        self.step_times = StepTimes()
         # KV events (off by default): the tree tells the recorder of every block it stores or
         # evicts; each step's events go out as one batch. Opened last, so a failed start
         # leaves no socket bound.
@@ -167,7 +142,7 @@ class Engine:
         if params.n > self.queue_room():
             raise QueueFull(f"the waiting queue is full ({self.config.max_queue_len} requests); retry later", limit=self.config.max_queue_len)
         request_id = request_id if request_id is not None else f"req-{next(self._request_ids)}"
-        if request_id in self._requests:
+        if request_id in self.requests:
             raise InvalidRequest(f"request_id {request_id!r} is already in use", param="request_id")
         prompt = list(prompt_token_ids)
         seqs = [
@@ -177,8 +152,7 @@ class Engine:
         if params.guide is not None:
             for seq in seqs:
                 seq.guide_state = self.guides.new_state(params.guide, guide_grammar)
-            self._num_guided += len(seqs)
-        self._requests[request_id] = seqs
+        self.requests.register(request_id, seqs)
         for seq in seqs:
             self.scheduler.add(seq)
         return request_id
@@ -232,17 +206,11 @@ class Engine:
 
     def abort(self, request_id: str) -> RequestDelta | None:
         """End a request wherever it is; its pages go back. None if it is unknown or done."""
-        seqs = self._requests.pop(request_id, None)
-        if seqs is None:
-            return None
-        live = [seq for seq in seqs if not seq.finished]
-        for seq in live:
-            self._finish(seq, "abort")
-        return self._delta(seqs, live)
+        return self.requests.abort(request_id)
 
     def abort_all(self) -> int:
         """End every request, wherever it is; all their pages go back. Returns how many ended."""
-        request_ids = list(self._requests)
+        request_ids = list(self.requests)
         for request_id in request_ids:
             self.abort(request_id)
         return len(request_ids)
@@ -288,15 +256,14 @@ class Engine:
 
     def take_failed(self) -> list[tuple[str, BaseException]]:
         """The requests steps failed alone since the last call (already aborted), with why."""
-        failed, self.failed_requests = self.failed_requests, []
-        return failed
+        return self.requests.take_failed()
 
     def has_unfinished(self) -> bool:
-        return bool(self._requests)
+        return bool(self.requests)
 
     @property
     def num_unfinished(self) -> int:
-        return len(self._requests)
+        return len(self.requests)
 
     # -- the step ----------------------------------------------------------------------------
 
@@ -304,192 +271,40 @@ class Engine:
         """Run one batch; return what is new for every request that changed (the last delta of
         a request that ended carries its whole output)."""
         try:
-            return self._step()
+            deltas = self._step()
         finally:
             if self.kv_events is not None:
                 self.kv_events.flush()  # even after a failed step: what the tree did stands
-
-    def _step(self) -> list[RequestDelta]:
-        clock = _PhaseClock(self.step_times)
-        batch = self.scheduler.schedule()
-        if not batch:
-            if batch.num_loaded_tokens:
-                self.counters.num_steps += 1  # a step that only loaded from disk still moved on
-                if self.config.check_invariants:
-                    self.check_invariants()
-            return []
-        sampling = [item.seq for item in batch.items if item.samples]
-        # The grammar masks fill on worker threads while the forward runs.
-        pending = self.guides.start_fills(sampling) if self._num_guided else None
-        clock.lap("schedule")
-        try:
-            prepared = self.runner.prepare(batch)
-            clock.lap("prepare")
-            forward_start_s = clock.last
-            logits = self.runner.forward(*prepared)
-            clock.lap("forward")
-            self.compute_cost.observe(
-                batch.num_tokens,
-                sum(attended(item.seq.num_computed_tokens, item.num_new_tokens) for item in batch.items),
-                clock.last - forward_start_s,
-            )
-        finally:
-            masks = pending.join() if pending is not None else None
-        broken: dict[int, BaseException] = {}
-        if masks is not None:
-            for row in masks.take_dead_rows():
-                broken[row] = InvalidRequest(
-                    f"the JSON schema allows no token this model can produce after {len(sampling[row].output_token_ids)} "
-                    "generated tokens (e.g. a pattern only raw control characters would continue)",
-                    param="response_format",
-                    code="schema_unsatisfiable",
-                )
-        # Rows with NaN or infinite logits (one bad sequence, e.g. an overflow; a row sum is
-        # finite exactly when its entries are, one cheap pass) are zeroed so the batch still
-        # samples, and their requests then fail alone. On a device the fill runs unconditionally
-        # and the rows are read back after sampling, whose transfer has synced already: no stall.
-        with torch.inference_mode():  # the logits are an inference tensor: update it in place there
-            non_finite = ~torch.isfinite(logits.sum(dim=-1))
-            if logits.device.type != "cpu" or bool(non_finite.any()):
-                logits.masked_fill_(non_finite.unsqueeze(-1), 0.0)
-        tokens, logprobs = self._sample(logits, sampling, masks, broken)
-        for row in non_finite.nonzero().flatten().tolist():
-            broken.setdefault(row, FloatingPointError("non-finite logits"))
-        clock.lap("sample")
-        self._account(batch, prepared[1].backend_state)
-        for item in batch.items:
-            item.seq.num_computed_tokens += item.num_new_tokens
-            self.kv.commit(item.seq)
-        now = time.perf_counter()
-        changed: dict[str, list[SequenceState]] = {}
-        for row, (seq, token) in enumerate(zip(sampling, tokens)):
-            if row in broken:
-                continue
-            try:
-                self._append_token(seq, token, logprobs[row] if logprobs else None, now)
-            except GuideRejected as error:
-                broken[row] = error
-                continue
-            changed.setdefault(seq.request_id, []).append(seq)
-        failed = {sampling[row].request_id: error for row, error in broken.items()}
-        for request_id, error in failed.items():
-            changed.pop(request_id, None)
-            self.abort(request_id)
-            self.failed_requests.append((request_id, error))
-        deltas = [self._delta(self._requests[request_id], seqs) for request_id, seqs in changed.items()]
-        for delta in deltas:
-            if delta.finished:
-                del self._requests[delta.request_id]
-        clock.lap("postprocess")
         if self.config.check_invariants:
             self.check_invariants()
         return deltas
 
-    def _sample(
-        self, logits: torch.Tensor, sampling: list[SequenceState], masks: Any, broken: dict[int, BaseException]
-    ) -> tuple[list[int], list[TokenLogprob | None]]:
-        """The batch sampled at once; if that fails, row by row, so only the rows that fail
-        (added to `broken`) lose their request. Row by row, a guided row's mask is applied to
-        the logits first, so its logprobs are of the masked logits (this fallback only)."""
-        try:
-            return self.sampler.sample(logits, sampling) if masks is None else self.sampler.sample(logits, sampling, masks)
-        except Exception:  # noqa: BLE001 - find the row at fault below
-            if masks is not None:
-                with torch.inference_mode():
-                    masks.apply(logits)  # may have been applied already: masking twice is a no-op
-        tokens: list[int] = []
-        logprobs: list[TokenLogprob | None] = []
-        for row, seq in enumerate(sampling):
-            try:
-                row_tokens, row_logprobs = self.sampler.sample(logits[row : row + 1].clone(), [seq])
-            except Exception as error:  # noqa: BLE001 - this row's request fails, alone
-                broken[row] = error
-                row_tokens, row_logprobs = [0], []
-            tokens.append(row_tokens[0])
-            logprobs.append(row_logprobs[0] if row_logprobs else None)
-        return tokens, logprobs if any(lp is not None for lp in logprobs) else []
+    def _step(self) -> list[RequestDelta]:
+        started_s = time.perf_counter()
+        batch = self.scheduler.schedule()
+        if not batch:
+            if batch.num_loaded_tokens:
+                self.counters.num_steps += 1  # a step that only loaded from disk still moved on
+            return []
+        # The grammar masks fill on worker threads while the forward runs.
+        sampling = [item.seq for item in batch.items if item.samples]
+        pending_masks = self.guides.start_fills(sampling) if self.requests.num_guided else None
+        self.step_times.add("schedule", time.perf_counter() - started_s)
+        result = self.runner.run(batch, pending_masks)
+        self._observe(batch, result)
+        postprocess_start_s = time.perf_counter()
+        deltas = self.requests.postprocess(batch, result)
+        self.step_times.add("postprocess", time.perf_counter() - postprocess_start_s)
+        return deltas
 
-    def _account(self, batch: Batch, backend_state: object) -> None:
-        counters = self.counters
-        counters.num_steps += 1
-        # Backends that count their decode reads (CPU and Triton) leave them on their state.
-        reads = getattr(backend_state, "kv_reads", None)
-        if reads is not None:
-            counters.num_kv_tokens_read += reads.tokens
-            counters.num_kv_tokens_read_shared += reads.shared_tokens
-        for item in batch.items:
-            start = item.seq.num_computed_tokens
-            counters.num_tokens_computed += item.num_new_tokens
-            prompt_end = len(item.seq.prompt_token_ids)
-            counters.num_prompt_tokens_computed += max(0, min(start + item.num_new_tokens, prompt_end) - start)
-
-    def _append_token(self, seq: SequenceState, token: int, logprob: TokenLogprob | None, now: float) -> None:
-        seq.output_token_ids.append(token)
-        if logprob is not None:
-            seq.output_logprobs.append(logprob)
-        self.counters.num_output_tokens += 1
-        if seq.first_token_time is None:
-            seq.first_token_time = now
-        hit_stop = seq.text_state.append(self.tokenizer, seq.output_token_ids)
-        grammar_done = seq.guide_state is not None and seq.guide_state.accept(token)
-        reason = self._finish_reason(seq, token, hit_stop or grammar_done)
-        if reason is not None:
-            self._finish(seq, reason)
-
-    def _finish_reason(self, seq: SequenceState, token: int, stopped: bool) -> str | None:
-        params = seq.params
-        if stopped or token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos):
-            return "stop"
-        if len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-            return "length"
-        return None
-
-    def _finish(self, seq: SequenceState, reason: str) -> None:
-        self.scheduler.remove(seq)
-        if seq.guide_state is not None:
-            self._num_guided -= 1
-        seq.status = SeqStatus.FINISHED
-        seq.finish_reason = reason
-        seq.finish_time = time.perf_counter()
-
-    def _delta(self, seqs: list[SequenceState], changed: list[SequenceState]) -> RequestDelta:
-        """What the changed continuations gained since their last delta; with the whole output
-        once every continuation has ended."""
-        completions = []
-        for seq in changed:
-            new_token_ids = seq.output_token_ids[seq.num_sent_tokens :]
-            new_logprobs = seq.output_logprobs[seq.num_sent_tokens :]
-            seq.num_sent_tokens = len(seq.output_token_ids)
-            completions.append(
-                CompletionDelta(seq.index, seq.text_state.pending(seq.finished), new_token_ids, seq.finish_reason, new_logprobs)
-            )
-        first = seqs[0]
-        first_token_times = [s.first_token_time for s in seqs if s.first_token_time is not None]
-        finished = all(s.finished for s in seqs)
-        return RequestDelta(
-            request_id=first.request_id,
-            completions=completions,
-            num_prompt_tokens=len(first.prompt_token_ids),
-            num_cached_tokens=max(s.num_cached_tokens for s in seqs),
-            time_to_first_token_s=min(first_token_times) - first.arrival_time if first_token_times else None,
-            output=self._output(seqs) if finished else None,
-        )
-
-    def _output(self, seqs: list[SequenceState]) -> RequestOutput:
-        first = seqs[0]
-        first_token_times = [s.first_token_time for s in seqs if s.first_token_time is not None]
-        finish_times = [s.finish_time for s in seqs if s.finish_time is not None]
-        return RequestOutput(
-            request_id=first.request_id,
-            prompt_token_ids=first.prompt_token_ids,
-            outputs=[
-                CompletionOutput(s.index, s.text, list(s.output_token_ids), s.finish_reason, list(s.output_logprobs)) for s in seqs
-            ],
-            num_prompt_tokens=len(first.prompt_token_ids),
-            num_cached_tokens=max(s.num_cached_tokens for s in seqs),
-            time_to_first_token_s=min(first_token_times) - first.arrival_time if first_token_times else None,
-            total_time_s=max(finish_times) - first.arrival_time if finish_times else None,
-        )
+    def _observe(self, batch: Batch, result: StepResult) -> None:
+        """Where the step's time went, and what the forward cost (for the disk tier's
+        read-or-compute choice); before the batch is committed."""
+        self.step_times.add("prepare", result.prepare_s)
+        self.step_times.add("forward", result.forward_s)
+        self.step_times.add("sample", result.sample_s)
+        attended_tokens = sum(attended(item.seq.num_computed_tokens, item.num_new_tokens) for item in batch.items)
+        self.compute_cost.observe(batch.num_tokens, attended_tokens, result.forward_s)
 
     def lookup(self, prompt_token_ids: list[int], salt: str | None = None) -> tuple[int, int]:
         """(prompt tokens cached in RAM, tokens after those cached on disk), in full blocks;
@@ -530,7 +345,7 @@ class Engine:
             num_pages_in_use=pool.num_pages - pool.num_free - tree.evictable_pages,
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
-            num_unfinished=len(self._requests),
+            num_unfinished=len(self.requests),
             num_preemptions=self.scheduler.num_preemptions,
             num_deferrals=self.scheduler.num_deferrals,
             disk=self.kv.disk_stats(),
@@ -558,37 +373,3 @@ class Engine:
             )
         in_use = {p for p in range(self.pool.num_pages) if expected[p] and p not in evictable}
         assert len(free) + len(evictable) + len(in_use) == self.pool.num_pages
-
-    def _pages_from_memory(self) -> int:
-        mc = self.model_config
-        page_bytes = PagePool.bytes_per_page(self.config.page_size, mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype)
-        if self.device.type == "cuda":
-            free_bytes = torch.cuda.mem_get_info(self.device)[0]
-        else:
-            free_bytes = _available_memory_bytes()
-        pages = int(free_bytes * self.config.kv_memory_fraction) // page_bytes
-        return max(1, min(pages, self.config.max_kv_pages))
-
-
-class _PhaseClock:
-    """Adds the time since the previous lap to a named phase: where each step's time goes."""
-
-    def __init__(self, totals: StepTimes) -> None:
-        self.totals = totals
-        self.last = time.perf_counter()
-
-    def lap(self, phase: str) -> None:
-        now = time.perf_counter()
-        setattr(self.totals, phase, getattr(self.totals, phase) + now - self.last)
-        self.last = now
-
-
-def _available_memory_bytes() -> int:
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 4 << 30  # no /proc: assume a modest 4 GiB

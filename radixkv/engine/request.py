@@ -257,10 +257,6 @@ class RequestDelta:
     def finished(self) -> bool:
         return self.output is not None
 
-    def merge(self, later: RequestDelta) -> RequestDelta:
-        """This delta followed by `later`, as one (for a consumer that fell behind)."""
-        return merge_deltas([self, later])
-
 
 def merge_deltas(deltas: Sequence[RequestDelta]) -> RequestDelta:
     """Consecutive deltas of one request as one, in time linear in their total size (a stalled

@@ -1,24 +1,72 @@
-"""Runs one scheduled batch through the model: builds the attention metadata, runs the
-forward over the flat batch of new tokens, and returns the logits of the sampling rows.
+"""Runs one scheduled batch: builds the attention metadata, runs the forward over the flat
+batch of new tokens, guards against non-finite logits and samples the next tokens. `run` never
+touches a request's state: what a step did comes back as one `StepResult`; a row that breaks
+(NaN logits, a sampler error, a dead grammar) is reported there, never raised.
 """
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
-from radixkv.attention.base import AttentionMetadata
+from radixkv.attention.base import AttentionMetadata, KVReads
 from radixkv.cache.pages import PagePool
-from radixkv.engine.request import Batch, SequenceState
+from radixkv.engine.guide import GuideMasks, PendingMasks
+from radixkv.engine.request import Batch, SequenceState, TokenLogprob
+from radixkv.engine.sampler import Sampler
+from radixkv.errors import InvalidRequest
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What one batch's forward and sampling gave, row by row over its sampling sequences."""
+
+    seqs: list[SequenceState]  # the sampling rows, in batch order
+    tokens: list[int]  # one per row (a placeholder on a failed row)
+    logprobs: list[TokenLogprob | None]  # one per row; empty when no row asks for logprobs
+    failed: dict[int, BaseException]  # rows whose request fails alone, with why
+    kv_reads: KVReads | None  # decode reads, from backends that count them
+    prepare_s: float
+    forward_s: float
+    sample_s: float  # the guide masks' wait, the NaN guard and sampling
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, pool: PagePool, device: torch.device, batch_invariant: bool = False) -> None:
+    def __init__(
+        self, model: torch.nn.Module, pool: PagePool, device: torch.device, sampler: Sampler, batch_invariant: bool = False
+    ) -> None:
         self.model = model
         self.pool = pool
         self.device = device
+        self.sampler = sampler
         self.page_size = pool.page_size
         self.batch_invariant = batch_invariant
+
+    def run(self, batch: Batch, pending_masks: PendingMasks | None = None) -> StepResult:
+        """Prepare, forward, guard and sample one non-empty batch. `pending_masks` (the guided
+        rows' grammar masks, filling while the forward runs) is joined even if the forward fails."""
+        seqs = [item.seq for item in batch.items if item.samples]
+        started_s = time.perf_counter()
+        try:
+            input_ids, meta, logits_indices = self.prepare(batch)
+            prepared_s = time.perf_counter()
+            logits = self.forward(input_ids, meta, logits_indices)
+            forwarded_s = time.perf_counter()
+        finally:
+            masks = pending_masks.join() if pending_masks is not None else None
+        failed = _dead_grammar_rows(masks, seqs) if masks is not None else {}
+        non_finite = _zero_non_finite_rows(logits)
+        tokens, logprobs, sample_failed = self.sampler.sample_batch(logits, seqs, masks)
+        failed.update(sample_failed)
+        for row in non_finite.nonzero().flatten().tolist():
+            failed.setdefault(row, FloatingPointError("non-finite logits"))
+        return StepResult(
+            seqs, tokens, logprobs, failed, _kv_reads(meta),
+            prepare_s=prepared_s - started_s, forward_s=forwarded_s - prepared_s, sample_s=time.perf_counter() - forwarded_s,
+        )
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
@@ -66,6 +114,36 @@ class ModelRunner:
             batch_invariant=self.batch_invariant,
         )
         return _to(input_ids, device), meta, _to(np.asarray(logits_indices, dtype=np.int64), device)
+
+
+def _dead_grammar_rows(masks: GuideMasks, seqs: list[SequenceState]) -> dict[int, BaseException]:
+    return {
+        row: InvalidRequest(
+            f"the JSON schema allows no token this model can produce after {len(seqs[row].output_token_ids)} "
+            "generated tokens (e.g. a pattern only raw control characters would continue)",
+            param="response_format",
+            code="schema_unsatisfiable",
+        )
+        for row in masks.take_dead_rows()
+    }
+
+
+def _zero_non_finite_rows(logits: torch.Tensor) -> torch.Tensor:
+    """Zero the rows with NaN or infinite logits (one bad sequence, e.g. an overflow), so the
+    batch still samples and their requests then fail alone; a bool per row, True where zeroed.
+    A row sum is finite exactly when its entries are: one cheap pass. On a device the fill runs
+    unconditionally and the rows are read back after sampling, whose transfer has synced
+    already: no stall."""
+    with torch.inference_mode():  # the logits are an inference tensor: update it in place there
+        non_finite = ~torch.isfinite(logits.sum(dim=-1))
+        if logits.device.type != "cpu" or bool(non_finite.any()):
+            logits.masked_fill_(non_finite.unsqueeze(-1), 0.0)
+    return non_finite
+
+
+def _kv_reads(meta: AttentionMetadata) -> KVReads | None:
+    # Backends that count their decode reads (CPU and Triton) leave them on their step state.
+    return getattr(meta.backend_state, "kv_reads", None)
 
 
 def _token_slice(seq: SequenceState, start: int, end: int) -> list[int]:

@@ -5,7 +5,8 @@ over sorted logits) on the logits' device and draw by the inverse CDF with one u
 from each sequence's own generator, so a seeded request is reproducible in any batch. The only
 host sync is the final transfer of the token ids (with the logprobs of the rows that ask for
 them). Guided rows are masked to their grammar's allowed tokens first; logprobs are of the raw
-logits.
+logits. `sample_batch` falls back to row by row when the batch fails, so a row that cannot be
+sampled fails its own request only.
 """
 
 from __future__ import annotations
@@ -42,6 +43,33 @@ class Sampler:
         if logprobs is None:
             return tokens.tolist(), []
         return _with_logprobs(tokens, logprobs, logprob_rows, seqs)
+
+    def sample_batch(
+        self, logits: torch.Tensor, seqs: Sequence[SequenceState], masks: GuideMasks | None = None
+    ) -> tuple[list[int], list[TokenLogprob | None], dict[int, BaseException]]:
+        """`sample` over the batch at once; if that fails, row by row, so only the rows that
+        fail lose their request: (tokens, logprobs as `sample` gives them, the failed rows with
+        why; a failed row's token is a placeholder 0). Row by row, a guided row's mask is
+        applied to the logits first, so its logprobs are of the masked logits (this fallback only)."""
+        try:
+            tokens, logprobs = self.sample(logits, seqs) if masks is None else self.sample(logits, seqs, masks)
+            return tokens, logprobs, {}
+        except Exception:  # noqa: BLE001 - find the row at fault below
+            if masks is not None:
+                with torch.inference_mode():
+                    masks.apply(logits)  # may have been applied already: masking twice is a no-op
+        tokens = []
+        logprobs: list[TokenLogprob | None] = []
+        failed: dict[int, BaseException] = {}
+        for row, seq in enumerate(seqs):
+            try:
+                row_tokens, row_logprobs = self.sample(logits[row : row + 1].clone(), [seq])
+            except Exception as error:  # noqa: BLE001 - this row's request fails, alone
+                failed[row] = error
+                row_tokens, row_logprobs = [0], []
+            tokens.append(row_tokens[0])
+            logprobs.append(row_logprobs[0] if row_logprobs else None)
+        return tokens, logprobs if any(lp is not None for lp in logprobs) else [], failed
 
     def _draw(self, logits: torch.Tensor, seqs: list[SequenceState]) -> torch.Tensor:
         vocab = logits.shape[-1]

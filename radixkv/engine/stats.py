@@ -5,10 +5,15 @@ step's time goes. Metrics, `LLM.stats()` and the scenarios read these, never str
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
 from radixkv.cache.disk import DiskStats
 from radixkv.cache.radix import CacheStats
 from radixkv.cache.residency import TierResidency
+
+if TYPE_CHECKING:
+    from radixkv.attention.base import KVReads
+    from radixkv.engine.request import Batch
 
 
 @dataclass(slots=True)
@@ -24,6 +29,18 @@ class EngineCounters:
     # (EngineConfig.share_decode_reads; CPU backend).
     num_kv_tokens_read: int = 0
     num_kv_tokens_read_shared: int = 0
+
+    def record_step(self, batch: Batch, kv_reads: KVReads | None) -> None:
+        """Count a step that ran `batch`, before its computed tokens are committed."""
+        self.num_steps += 1
+        if kv_reads is not None:
+            self.num_kv_tokens_read += kv_reads.tokens
+            self.num_kv_tokens_read_shared += kv_reads.shared_tokens
+        for item in batch.items:
+            start = item.seq.num_computed_tokens
+            self.num_tokens_computed += item.num_new_tokens
+            prompt_end = len(item.seq.prompt_token_ids)
+            self.num_prompt_tokens_computed += max(0, min(start + item.num_new_tokens, prompt_end) - start)
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +72,9 @@ class StepTimes:
     forward: float = 0.0
     sample: float = 0.0
     postprocess: float = 0.0
+
+    def add(self, phase: str, seconds: float) -> None:
+        setattr(self, phase, getattr(self, phase) + seconds)
 
     def reset(self) -> None:
         for f in fields(self):

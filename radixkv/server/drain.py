@@ -113,7 +113,7 @@ async def drain_engine(drain: Drain, engine: AsyncEngine, timeout_s: float) -> D
     check the page accounting on the engine thread (free + evictable + in use == total)."""
     drain.draining = True
     start = time.monotonic()
-    idle = await _wait_until(lambda: drain.in_flight == 0 and engine.stats().num_unfinished == 0, timeout_s)
+    idle = await _wait_until(lambda: drain.in_flight == 0 and engine.num_unfinished() == 0, timeout_s)
     aborted = 0
     try:
         if not idle:

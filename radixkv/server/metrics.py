@@ -2,7 +2,8 @@
 engine's cache and page state, all on a private CollectorRegistry so apps never share series;
 and what feeds them: the request-counting middleware and a tracker per engine request.
 
-Engine-side values are read at scrape time from the AsyncEngine's last stats snapshot.
+Engine-side values are computed at scrape time (AsyncEngine.stats, on the engine thread between
+steps), so render() waits for a step in flight: call it off the event loop.
 """
 
 from __future__ import annotations

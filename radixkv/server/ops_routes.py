@@ -6,6 +6,7 @@ ServerLimits.public_operator_endpoints.
 
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
@@ -30,4 +31,5 @@ def register(app: FastAPI, server: AppState) -> None:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(server.metrics.render(), media_type=CONTENT_TYPE)
+        # Off the event loop: the engine's statistics are computed on its thread between steps.
+        return Response(await asyncio.to_thread(server.metrics.render), media_type=CONTENT_TYPE)

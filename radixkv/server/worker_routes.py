@@ -58,7 +58,7 @@ def register(app: FastAPI, server: AppState) -> None:
     @app.get("/get_load")
     async def get_load(request: Request) -> Response:
         authorize(request)
-        return JSONResponse([load_report(server.engine.stats(), page_size, server.drain.draining)])
+        return JSONResponse([load_report(await server.engine.stats_async(), page_size, server.drain.draining)])
 
     server_info = _server_info(server)
     model_info = _model_info(server)

@@ -174,3 +174,18 @@ def test_pages_round_trip_through_bytes_page_by_page_and_gathered(dtype: torch.d
             assert torch.equal(mine[[0, 5, 3]], theirs[[4, 1, 2]]) and not mine[[1, 2, 4]].any()
     with pytest.raises(ValueError):
         target.load_pages([0], [payloads[0][:-1]])
+
+
+def test_pages_for_memory_takes_the_fraction_and_stays_within_one_and_the_cap() -> None:
+    page_bytes = PagePool.bytes_per_page(16, 2, 4, 8, torch.float16)
+    assert page_bytes == 2 * 2 * 16 * 4 * 8 * 2
+    sized = PagePool.pages_for_memory(100 * page_bytes, 0.5, 1000, 16, 2, 4, 8, torch.float16)
+    assert sized == 50
+    assert PagePool.pages_for_memory(100 * page_bytes, 0.5, 7, 16, 2, 4, 8, torch.float16) == 7
+    assert PagePool.pages_for_memory(page_bytes // 2, 0.9, 1000, 16, 2, 4, 8, torch.float16) == 1
+
+
+def test_available_memory_is_positive_on_the_host() -> None:
+    from radixkv.cache.pages import available_memory_bytes
+
+    assert available_memory_bytes(torch.device("cpu")) > 0

@@ -89,7 +89,7 @@ def run_to_end(engine: Engine, max_steps: int = 5000) -> dict[str, RequestOutput
 
 def held_pages(engine: Engine, request_id: str) -> Counter[int]:
     """One count per page-table reference the request's sequences hold."""
-    return Counter(page for seq in engine._requests[request_id] for page in seq.page_table)
+    return Counter(page for seq in engine.requests[request_id] for page in seq.page_table)
 
 
 def refcounts(engine: Engine) -> list[int]:

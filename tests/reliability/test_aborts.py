@@ -25,7 +25,7 @@ PREFIXES = [SYSTEM[:30], SYSTEM[:13], []]  # hypothesis favours the first: the l
 
 def abort_and_check(engine, request_id: str):
     """Abort; every page reference the request held, and only those, is dropped."""
-    held = held_pages(engine, request_id) if request_id in engine._requests else Counter()
+    held = held_pages(engine, request_id) if request_id in engine.requests else Counter()
     before, free_before = refcounts(engine), engine.pool.free_pages()
     cached_before = engine.tree.cached_page_set()
     delta = engine.abort(request_id)
@@ -36,7 +36,7 @@ def abort_and_check(engine, request_id: str):
     assert engine.pool.free_pages() - free_before == {p for p, c in held.items() if before[p] == c}
     assert free_before <= engine.pool.free_pages()
     assert engine.tree.cached_page_set() == cached_before  # computed blocks stay cached
-    assert request_id not in engine._requests
+    assert request_id not in engine.requests
     engine.check_invariants()
     return delta.output if delta is not None else None
 
@@ -54,7 +54,7 @@ def test_abort_while_waiting(tiny_loaded):
     a = engine.add_request(SYSTEM[:30], SamplingParams(max_tokens=8))
     b = engine.add_request(SYSTEM[:20] + [7, 8], SamplingParams(max_tokens=8))
     engine.step()
-    [seq_b] = engine._requests[b]
+    [seq_b] = engine.requests[b]
     assert seq_b.status is SeqStatus.WAITING and not seq_b.page_table
     output = abort_and_check(engine, b)
     assert output.finish_reason == "abort" and output.token_ids == []
@@ -94,7 +94,7 @@ def test_abort_mid_prefill_chunk_keeps_its_computed_blocks_for_others(tiny_loade
     a = engine.add_request(SYSTEM + [1, 2, 3], SamplingParams(max_tokens=6))
     engine.step()
     engine.step()
-    [seq_a] = engine._requests[a]
+    [seq_a] = engine.requests[a]
     assert seq_a.status is SeqStatus.RUNNING and seq_a.num_computed_tokens == 16 < len(seq_a.prompt_token_ids)
     assert engine.tree.cached_pages == 4 and engine.tree.locked_pages == 4
     abort_and_check(engine, a)
@@ -111,7 +111,7 @@ def test_abort_the_owner_of_blocks_another_request_is_reading(tiny_loaded):
     engine = make_engine(tiny_loaded, max_batch_tokens=12, policy="fcfs")
     prompts = [SYSTEM + [5, 6], SYSTEM + list(range(100, 130))]
     a, b = (engine.add_request(p, SamplingParams(max_tokens=8)) for p in prompts)
-    [seq_a], [seq_b] = engine._requests[a], engine._requests[b]
+    [seq_a], [seq_b] = engine.requests[a], engine.requests[b]
     for _ in range(10):
         engine.step()
         if set(seq_a.page_table) & set(seq_b.page_table):
@@ -129,9 +129,9 @@ def test_abort_while_decoding_all_continuations(tiny_loaded):
     prompt = SYSTEM[:23]
     a = engine.add_request(prompt, SamplingParams(max_tokens=16, n=3, ignore_eos=True))
     other = engine.add_request(SYSTEM[:17], SamplingParams(max_tokens=16))
-    while len(engine._requests[a][0].output_token_ids) < 5:
+    while len(engine.requests[a][0].output_token_ids) < 5:
         engine.step()
-    assert all(s.status is SeqStatus.RUNNING and s.output_token_ids for s in engine._requests[a])
+    assert all(s.status is SeqStatus.RUNNING and s.output_token_ids for s in engine.requests[a])
     output = abort_and_check(engine, a)
     assert [o.finish_reason for o in output.outputs] == ["abort"] * 3
     expected = reference_tokens(tiny_loaded, [(prompt, 16), (SYSTEM[:17], 16)])
@@ -167,7 +167,7 @@ ROUND = st.tuples(st.lists(SUBMIT, max_size=4), st.sampled_from([3, 0, 1, 6, 12]
 
 
 def stage_of(engine, request_id: str, finished: dict) -> str:
-    seqs = engine._requests.get(request_id)
+    seqs = engine.requests.get(request_id)
     if seqs is None:
         return "after finishing" if request_id in finished else "unknown or aborted"
     seq = seqs[0]
@@ -207,7 +207,7 @@ def test_random_submit_abort_step_sequences(tiny_loaded, num_pages, max_batch_to
         for kind, pick in aborts:
             running = sorted({seq.request_id for seq in engine.scheduler.running})
             waiting = sorted({seq.request_id for seq in engine.scheduler.waiting} - set(running))
-            ended = [*sorted(set(requests) - set(engine._requests)), "unknown"]
+            ended = [*sorted(set(requests) - set(engine.requests)), "unknown"]
             candidates = {"running": running, "waiting": waiting, "ended": ended}[kind] or ended
             request_id = candidates[pick % len(candidates)]
             event(f"abort {stage_of(engine, request_id, finished)}")

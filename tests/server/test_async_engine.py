@@ -166,3 +166,27 @@ def test_shutdown_ends_running_streams_and_refuses_new_work(tiny_llama):
     assert not async_engine.alive
     assert async_engine.engine.num_unfinished == 0  # the thread is gone: safe to look directly
     async_engine.engine.check_invariants()
+
+
+def test_stats_are_computed_when_read_not_after_every_loop(tiny_llama):
+    async_engine = make_async_engine(tiny_llama, start=False)
+    engine = async_engine.engine
+    real_stats, reads = engine.stats, []
+
+    def counted():
+        reads.append(threading.current_thread().name)
+        return real_stats()
+
+    engine.stats = counted
+    async_engine.start()
+    try:
+        asyncio.run(run(async_engine, PROMPT, SamplingParams(max_tokens=6)))
+        assert reads == []  # steps and commands ran; nobody asked
+        stats = async_engine.stats()
+        assert reads == ["radixkv-engine"]  # on the engine thread, between steps
+        assert stats.counters.num_output_tokens == 6 and stats.num_unfinished == 0
+        assert asyncio.run(async_engine.stats_async()).counters.num_output_tokens == 6
+        assert async_engine.num_unfinished() == 0
+    finally:
+        async_engine.shutdown()
+    assert async_engine.stats().counters.num_output_tokens == 6  # as the stopped thread left them
