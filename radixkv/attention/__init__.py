@@ -63,5 +63,5 @@ def make_backend(
             raise ValueError("attention_backend 'cpu' runs the native kernels; it needs native_kernels=True")
         return backend_class(name)(decode_amx=decode_amx, share_reads=share_decode_reads)
     if name == "triton":
-        return backend_class(name)(check_indices=check_indices, share_reads=share_decode_reads)
+        return backend_class(name)(check_indices=check_indices, share_reads=share_decode_reads, native_planner=native_kernels)
     return backend_class(name)()
