@@ -13,7 +13,7 @@ from radixkv.cpu.linear import PackedLinear, can_prepack, linear_kernels_for, mi
 from radixkv.errors import ConfigError
 
 BF16 = torch.bfloat16
-BF16_KERNELS = linear_kernels_for(BF16)  # the fp32 kernel has its own tests (test_cpu_linear_f32.py)
+BF16_KERNELS = linear_kernels_for(BF16)  # the fp32 kernel has its own tests (test_linear_f32.py)
 
 pytestmark = pytest.mark.skipif(not can_prepack(BF16, torch.device("cpu")), reason="no oneDNN bf16 on this CPU")
 
