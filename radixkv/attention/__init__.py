@@ -1,5 +1,6 @@
 """Attention backends: one interface (prepare a step, store KV, extend, paged decode), with the
-pure-torch reference, the CPU backend over the native kernels, and the Triton backend."""
+pure-torch reference, the CPU backend over the native kernels, and the Triton backend; cascade
+planning (who reads a shared prefix once) in radixkv.attention.cascade."""
 
 from __future__ import annotations
 

@@ -115,8 +115,8 @@ class AttentionBackend(Generic[StateT]):
 
     q: [T, num_q_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] for the step's new tokens;
     k_cache, v_cache: [num_pages, page_size, num_kv_heads, head_dim] for one layer.
-    Returns [T, num_q_heads, head_dim]. store_kv, extend, decode and forward read
-    meta.backend_state, which prepare() made for this step.
+    Returns [T, num_q_heads, head_dim]. store_kv, extend, decode and forward read meta.state,
+    which prepare() made for this step (StateT: this backend's own state class).
     """
 
     name = "base"  # for messages and logs only: callers decide by capabilities
