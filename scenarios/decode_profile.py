@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from radixkv.model.fused_layers import fused_decode
 from radixkv.scenarios.bounds import Costs
 from radixkv.scenarios.machine import copy_bandwidth_bytes_per_s, machine_limits
 from radixkv.scenarios.plots import pyplot, save
@@ -66,7 +67,7 @@ def profile_decode(
     kv_shared = engine.counters.num_kv_tokens_read_shared - reads_before[1]
     phases = {name: seconds / steps for name, seconds in asdict(engine.step_times).items()}
     wanted = not quiet if breakdown is None else breakdown
-    fused_parts = fused_breakdown(engine, steps) if wanted and engine.loaded.model.fused_decode is not None else {}
+    fused_parts = fused_breakdown(engine, steps) if wanted and fused_decode(engine.loaded.model) is not None else {}
     breakdown = kernel_breakdown(engine, steps) if wanted else {}
     engine.abort_all()
 
@@ -110,7 +111,7 @@ def profile_decode(
         bound_by="memory" if read_s >= compute_s else "compute",
         step_over_ideal=step_s / ideal_s,
         native_decode=native_decode_used(engine),
-        fused_decode=engine.loaded.model.fused_decode is not None,
+        fused_decode=fused_decode(engine.loaded.model) is not None,
         fused_breakdown_ms=fused_parts,
         breakdown_ms=breakdown,
     )
@@ -192,7 +193,7 @@ def fused_breakdown(engine, steps: int) -> dict[str, float]:
     (FusedDecode.PHASES, all layers together), and the rest of the step is what lies outside
     the decoder layers (embedding, final norm, lm_head, sampling, the engine). Medians per part,
     so the parts need not add up to the median step."""
-    fused = engine.loaded.model.fused_decode
+    fused = fused_decode(engine.loaded.model)
     seconds = torch.zeros(len(fused.PHASES), dtype=torch.float64)
     per_step = []
     fused.phase_seconds = seconds
@@ -219,7 +220,7 @@ def kernel_breakdown(engine, steps: int) -> dict[str, float]:
 
     model = engine.loaded.model
     totals: dict[str, float] = defaultdict(float)
-    fused, model.fused_decode = model.fused_decode, None
+    fused, model.layers.fused = fused_decode(model), None
     try:
         with ExitStack() as stack:
             stack.enter_context(_timed(decode, "paged_decode", totals, "attention (paged decode)"))
@@ -233,7 +234,7 @@ def kernel_breakdown(engine, steps: int) -> dict[str, float]:
             engine.step()  # the first step after the switch warms the module path
             per_step = [_timed_step(engine, totals) for _ in range(steps)]
     finally:
-        model.fused_decode = fused
+        model.layers.fused = fused
     return _medians_ms(per_step)
 
 

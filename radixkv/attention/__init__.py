@@ -1,5 +1,6 @@
 """Attention backends: one interface (prepare a step, store KV, extend, paged decode), with the
-pure-torch reference, the CPU backend over the native kernels, and the Triton backend."""
+pure-torch reference, the CPU backend over the native kernels, and the Triton backend; cascade
+planning (who reads a shared prefix once) in radixkv.attention.cascade."""
 
 from __future__ import annotations
 
@@ -63,5 +64,5 @@ def make_backend(
             raise ValueError("attention_backend 'cpu' runs the native kernels; it needs native_kernels=True")
         return backend_class(name)(decode_amx=decode_amx, share_reads=share_decode_reads)
     if name == "triton":
-        return backend_class(name)(check_indices=check_indices, share_reads=share_decode_reads)
+        return backend_class(name)(check_indices=check_indices, share_reads=share_decode_reads, native_planner=native_kernels)
     return backend_class(name)()

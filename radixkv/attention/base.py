@@ -2,19 +2,58 @@
 
 A backend prepares its per-step state once per step, writes the step's new K/V into their page
 slots, then runs extend attention (new query tokens over the request's paged prefix plus
-causally over each other) or paged decode.
+causally over each other) or paged decode. Every backend's state meets `StepState`: what the
+engine (KV reads) and the fused CPU decode (checked tables) may ask of it, and nothing else.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Generic, Protocol, TypeVar
 
 import torch
 
 
+@dataclass(frozen=True, slots=True)
+class KVReads:
+    """The KV a decode step's requests attend to through the kernel, in tokens summed over
+    requests, and how many of those a group read once for all its members (cascade decode)
+    instead of each member reading them itself."""
+
+    tokens: int
+    shared_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeTables:
+    """What a decode-only step's native kernels read in place, checked by prepare() against
+    the caches (the C code trusts every index): one new token per request."""
+
+    slot_mapping: torch.Tensor  # [B] int64, contiguous, each < the cache's slots
+    page_table: torch.Tensor  # [B, max_pages] int32, contiguous, each entry < the cache's pages
+    seq_lens: torch.Tensor  # [B] int32, contiguous, each <= max_pages * page_size
+    plan: torch.Tensor | None  # the step's cascade plan (radixkv.attention.cascade), None: no groups
+
+
+class StepState(Protocol):
+    """What may be asked of any backend's per-step state across the seam."""
+
+    @property
+    def kv_reads(self) -> KVReads | None:
+        """The step's decode KV reads, None where this backend does not count them."""
+        ...
+
+    def decode_tables(self) -> DecodeTables | None:
+        """The tables a fused native decode of this step may trust, None where none may run it
+        (not decode-only, another device, shapes the kernels do not take, another backend)."""
+        ...
+
+
+StateT = TypeVar("StateT", bound=StepState)
+
+
 @dataclass(slots=True)
-class AttentionMetadata:
+class AttentionMetadata(Generic[StateT]):
     """Where one step's flat batch of tokens sits in the paged KV cache.
 
     The batch holds B requests; request b contributes q_lens[b] new tokens at flat rows
@@ -40,8 +79,9 @@ class AttentionMetadata:
     # unless its linears are row-independent already.
     batch_invariant: bool = False
     # What the step's backend derived from this metadata in prepare() (gather indices, masks,
-    # checked tables), read by every layer; its type is that backend's own state class.
-    backend_state: Any = None
+    # checked tables), read by every layer; its type is that backend's own state class. Outside
+    # the backend only StepState's members are read (through `state`).
+    backend_state: StateT | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -51,15 +91,11 @@ class AttentionMetadata:
     def is_decode_only(self) -> bool:
         return self.max_q_len == 1
 
-
-@dataclass(frozen=True, slots=True)
-class KVReads:
-    """The KV a decode step's requests attend to through the kernel, in tokens summed over
-    requests, and how many of those a group read once for all its members (cascade decode)
-    instead of each member reading them itself."""
-
-    tokens: int
-    shared_tokens: int
+    @property
+    def state(self) -> StateT:
+        """The backend's state for this step; begin_step() has set it."""
+        assert self.backend_state is not None, "the backend's begin_step() has not run for this step"
+        return self.backend_state
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,30 +105,30 @@ class BackendCapabilities:
     # Runs EngineConfig.batch_invariant steps: every query row attends on its own.
     batch_invariant: bool = False
     # Its decode reads the CPU pages through the native kernel and its prepare() checks the
-    # tables that kernel trusts, so the fused native decode step (radixkv.cpu.fused_decode)
-    # may run a decode-only step in its place.
+    # tables that kernel trusts, so its state may hand them out (StepState.decode_tables) and the
+    # fused native decode step (radixkv.cpu.fused_decode) may run a decode-only step in its place.
     fused_cpu_decode: bool = False
 
 
-class AttentionBackend:
+class AttentionBackend(Generic[StateT]):
     """One attention implementation: prepare a step, store new KV, then extend or decode attention.
 
     q: [T, num_q_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] for the step's new tokens;
     k_cache, v_cache: [num_pages, page_size, num_kv_heads, head_dim] for one layer.
-    Returns [T, num_q_heads, head_dim]. store_kv, extend, decode and forward read
-    meta.backend_state, which prepare() made for this step.
+    Returns [T, num_q_heads, head_dim]. store_kv, extend, decode and forward read meta.state,
+    which prepare() made for this step (StateT: this backend's own state class).
     """
 
     name = "base"  # for messages and logs only: callers decide by capabilities
     capabilities = BackendCapabilities()
 
-    def prepare(self, meta: AttentionMetadata, k_cache: torch.Tensor, num_q_heads: int) -> Any:
+    def prepare(self, meta: AttentionMetadata[StateT], k_cache: torch.Tensor, num_q_heads: int) -> StateT:
         """This backend's state for the step: what every layer would otherwise derive again from
         meta, and the index checks its kernels rely on, run once. k_cache is any layer's cache
         (all layers share its shape); num_q_heads is the model's query head count."""
         raise NotImplementedError
 
-    def begin_step(self, meta: AttentionMetadata, k_cache: torch.Tensor, num_q_heads: int) -> AttentionMetadata:
+    def begin_step(self, meta: AttentionMetadata[StateT], k_cache: torch.Tensor, num_q_heads: int) -> AttentionMetadata[StateT]:
         """meta with this backend's state for the step set on it (called once per step)."""
         meta.backend_state = self.prepare(meta, k_cache, num_q_heads)
         return meta
@@ -103,7 +139,7 @@ class AttentionBackend:
         v: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        meta: AttentionMetadata,
+        meta: AttentionMetadata[StateT],
     ) -> None:
         """Write k, v into their slots meta.slot_mapping (< 0: do not store)."""
         raise NotImplementedError
@@ -115,7 +151,7 @@ class AttentionBackend:
         v: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        meta: AttentionMetadata,
+        meta: AttentionMetadata[StateT],
         scale: float,
     ) -> torch.Tensor:
         raise NotImplementedError
@@ -125,7 +161,7 @@ class AttentionBackend:
         q: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        meta: AttentionMetadata,
+        meta: AttentionMetadata[StateT],
         scale: float,
     ) -> torch.Tensor:
         raise NotImplementedError
@@ -137,7 +173,7 @@ class AttentionBackend:
         v: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        meta: AttentionMetadata,
+        meta: AttentionMetadata[StateT],
         scale: float,
     ) -> torch.Tensor:
         self.store_kv(k, v, k_cache, v_cache, meta)

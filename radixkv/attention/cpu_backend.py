@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from radixkv.attention import torch_backend
-from radixkv.attention.base import AttentionBackend, AttentionMetadata, BackendCapabilities, KVReads
+from radixkv.attention import cascade, torch_backend
+from radixkv.attention.base import AttentionBackend, AttentionMetadata, BackendCapabilities, DecodeTables, KVReads
 from radixkv.attention.torch_backend import RowByRow, TorchStepState
 from radixkv.cpu import decode, extend
 from radixkv.cpu.native import load
@@ -53,9 +53,13 @@ class CPUStepState:
     plan: torch.Tensor | None = None  # cascade decode's groups (share_reads), None: no groups
     kv_reads: KVReads | None = None  # decode-only steps through the kernel
     extend_rows: ExtendRows | None = None  # mixed steps whose multi-token requests the prefill kernel runs
+    decode_only: DecodeTables | None = None  # decode-only steps through the kernel: the tables, checked
+
+    def decode_tables(self) -> DecodeTables | None:
+        return self.decode_only
 
 
-class CPUBackend(AttentionBackend):
+class CPUBackend(AttentionBackend[CPUStepState]):
     name = "cpu"
     capabilities = BackendCapabilities(batch_invariant=True, fused_cpu_decode=True)
 
@@ -70,7 +74,7 @@ class CPUBackend(AttentionBackend):
         self.share_reads = share_reads
         self.reference = torch_backend.TorchBackend()
 
-    def prepare(self, meta: AttentionMetadata, k_cache: torch.Tensor, num_q_heads: int) -> CPUStepState:
+    def prepare(self, meta: AttentionMetadata[CPUStepState], k_cache: torch.Tensor, num_q_heads: int) -> CPUStepState:
         kernel = decode.cache_fits(k_cache) and decode.heads_fit(num_q_heads, k_cache)
         page_table = meta.page_table.to(torch.int32).contiguous()
         seq_lens = meta.seq_lens.to(torch.int32).contiguous()
@@ -89,7 +93,8 @@ class CPUBackend(AttentionBackend):
             decode.check_tables(page_table, seq_lens, None, num_tokens, num_pages, page_size)
             plan = self._plan(meta, page_table, seq_lens, num_q_heads, k_cache)
             reads = KVReads(sum(meta.seq_lens_list), plan.saved_tokens)
-            return CPUStepState(True, page_table, seq_lens, None, None, None, plan.plan, reads)
+            tables = DecodeTables(meta.slot_mapping.to(torch.int64).contiguous(), page_table, seq_lens, plan.plan)
+            return CPUStepState(True, page_table, seq_lens, None, None, None, plan.plan, reads, decode_only=tables)
         else:
             requests = torch.tensor([b for b, q_len in enumerate(meta.q_lens_list) if q_len == 1], dtype=torch.long)
             if len(requests):
@@ -116,13 +121,15 @@ class CPUBackend(AttentionBackend):
         return ExtendRows(tables, lens, q_starts, q_lens)
 
     def _plan(self, meta: AttentionMetadata, page_table: torch.Tensor, seq_lens: torch.Tensor, num_q_heads: int,
-              k_cache: torch.Tensor) -> decode.CascadePlan:  # fmt: skip
-        """The cascade groups of these decoding requests (checked tables). A batch-invariant step
-        keeps every row on its own: a group depends on the batch."""
+              k_cache: torch.Tensor) -> cascade.CascadePlan:  # fmt: skip
+        """The cascade groups of these decoding requests (checked tables), with the CPU kernel's
+        thresholds. A batch-invariant step keeps every row on its own: a group depends on the batch."""
         if not self.share_reads or meta.batch_invariant:
-            return decode.CascadePlan(None, 0)
+            return cascade.CascadePlan(None, 0)
         members = decode.min_members(num_q_heads // k_cache.shape[2])
-        return decode.cascade_plan(page_table, seq_lens, k_cache.shape[1], min_group_members=members)
+        return cascade.plan_cascade(
+            page_table, seq_lens, k_cache.shape[1], min_shared_tokens=decode.MIN_SHARED_TOKENS, min_group_members=members
+        )
 
     def store_kv(
         self,
@@ -130,7 +137,7 @@ class CPUBackend(AttentionBackend):
         v: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        meta: AttentionMetadata,
+        meta: AttentionMetadata[CPUStepState],
     ) -> None:
         # prepare() checked the slots: the native store trusts them.
         if not decode.store_kv(k, v, k_cache, v_cache, meta.slot_mapping):
@@ -143,10 +150,10 @@ class CPUBackend(AttentionBackend):
         v: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        meta: AttentionMetadata,
+        meta: AttentionMetadata[CPUStepState],
         scale: float,
     ) -> torch.Tensor:
-        state: CPUStepState = meta.backend_state
+        state = meta.state
         if not state.kernel:
             return torch_backend.reference_extend(q, k_cache, v_cache, meta, state.reference, scale)
         q = _rows_side_by_side(q)
@@ -173,10 +180,10 @@ class CPUBackend(AttentionBackend):
         q: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        meta: AttentionMetadata,
+        meta: AttentionMetadata[CPUStepState],
         scale: float,
     ) -> torch.Tensor:
-        state: CPUStepState = meta.backend_state
+        state = meta.state
         if not state.kernel:
             return torch_backend.reference_decode(q, k_cache, v_cache, meta, state.reference, scale)
         # Rows are independent in the kernel, so batch-invariant decode steps take it too.

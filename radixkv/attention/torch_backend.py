@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from radixkv.attention.base import AttentionBackend, AttentionMetadata, BackendCapabilities
+from radixkv.attention.base import AttentionBackend, AttentionMetadata, BackendCapabilities, DecodeTables, KVReads
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +29,10 @@ class TorchStepState:
     decode_pages: torch.Tensor | None
     decode_bias: torch.Tensor | None
     row_by_row: RowByRow | None  # batch-invariant steps only
+    kv_reads: KVReads | None = None  # the reference does not count its reads
+
+    def decode_tables(self) -> DecodeTables | None:
+        return None  # its decode is torch's: no native step may take its place
 
 
 def row_by_row_tables(meta: AttentionMetadata) -> RowByRow:
@@ -36,11 +40,11 @@ def row_by_row_tables(meta: AttentionMetadata) -> RowByRow:
     return RowByRow(meta.page_table[request_of_row].to(torch.int32), (meta.positions + 1).to(torch.int32))
 
 
-class TorchBackend(AttentionBackend):
+class TorchBackend(AttentionBackend[TorchStepState]):
     name = "torch"
     capabilities = BackendCapabilities(batch_invariant=True)
 
-    def prepare(self, meta: AttentionMetadata, k_cache: torch.Tensor, num_q_heads: int) -> TorchStepState:
+    def prepare(self, meta: AttentionMetadata[TorchStepState], k_cache: torch.Tensor, num_q_heads: int) -> TorchStepState:
         pages = bias = None
         if meta.is_decode_only and not meta.batch_invariant:
             pages, bias = decode_gather_inputs(meta, k_cache.dtype)
@@ -52,7 +56,7 @@ class TorchBackend(AttentionBackend):
         v: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        meta: AttentionMetadata,
+        meta: AttentionMetadata[TorchStepState],
     ) -> None:
         store_by_index_copy(k, v, k_cache, v_cache, meta.slot_mapping)
 
@@ -63,20 +67,20 @@ class TorchBackend(AttentionBackend):
         v: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        meta: AttentionMetadata,
+        meta: AttentionMetadata[TorchStepState],
         scale: float,
     ) -> torch.Tensor:
-        return reference_extend(q, k_cache, v_cache, meta, meta.backend_state, scale)
+        return reference_extend(q, k_cache, v_cache, meta, meta.state, scale)
 
     def decode(
         self,
         q: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        meta: AttentionMetadata,
+        meta: AttentionMetadata[TorchStepState],
         scale: float,
     ) -> torch.Tensor:
-        return reference_decode(q, k_cache, v_cache, meta, meta.backend_state, scale)
+        return reference_decode(q, k_cache, v_cache, meta, meta.state, scale)
 
 
 def reference_extend(

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from radixkv.attention.base import AttentionBackend, AttentionMetadata, BackendCapabilities, KVReads
+from radixkv.attention import cascade
+from radixkv.attention.base import AttentionBackend, AttentionMetadata, BackendCapabilities, DecodeTables, KVReads
 from radixkv.kernels import CascadeGroups, extend_attention, paged_decode, store_kv
 
 
@@ -29,21 +30,26 @@ class TritonStepState:
     groups: CascadeGroups | None = None  # decode-only steps with requests sharing a cached prefix
     kv_reads: KVReads | None = None  # decode-only steps
 
+    def decode_tables(self) -> DecodeTables | None:
+        return None  # the GPU runs its layers module by module
 
-class TritonBackend(AttentionBackend):
+
+class TritonBackend(AttentionBackend[TritonStepState]):
     name = "triton"
     capabilities = BackendCapabilities()
 
-    def __init__(self, check_indices: bool | None = None, share_reads: bool = True) -> None:
+    def __init__(self, check_indices: bool | None = None, share_reads: bool = True, native_planner: bool = True) -> None:
         """share_reads: cascade decode for requests sharing a cached prefix
-        (EngineConfig.share_decode_reads); the grouping is planned on the host by the native
-        library, so without it every request decodes alone."""
+        (EngineConfig.share_decode_reads), planned on the host from the page tables
+        (radixkv.attention.cascade); native_planner: by the native library's C planner where it
+        builds (EngineConfig.native_kernels), else in Python, to the same groups."""
         # TRITON_INTERPRET stays an environment variable: Triton itself reads it.
         interpreted = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
         self.check_indices = interpreted if check_indices is None else check_indices
         self.share_reads = share_reads
+        self.native_planner = native_planner
 
-    def prepare(self, meta: AttentionMetadata, k_cache: torch.Tensor, num_q_heads: int) -> TritonStepState:
+    def prepare(self, meta: AttentionMetadata[TritonStepState], k_cache: torch.Tensor, num_q_heads: int) -> TritonStepState:
         """The checks that keep loads in range, then the tables on the caches' device."""
         num_pages, page_size = k_cache.shape[:2]
         if meta.page_size != page_size:
@@ -68,7 +74,7 @@ class TritonBackend(AttentionBackend):
             self._check_device_indices(state, meta, num_pages, num_pages * page_size)
         if meta.is_decode_only:
             cascade = self.share_reads and not meta.batch_invariant
-            groups, saved = _cascade_groups(meta, device) if cascade else (None, 0)
+            groups, saved = _cascade_groups(meta, device, self.native_planner) if cascade else (None, 0)
             state = dataclasses.replace(state, groups=groups, kv_reads=KVReads(sum(meta.seq_lens_list), saved))
         return state
 
@@ -78,9 +84,9 @@ class TritonBackend(AttentionBackend):
         v: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        meta: AttentionMetadata,
+        meta: AttentionMetadata[TritonStepState],
     ) -> None:
-        slot_mapping = meta.backend_state.slot_mapping
+        slot_mapping = meta.state.slot_mapping
         if k.shape[0] != slot_mapping.shape[0]:
             raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} slots for {k.shape[0]} tokens")
         store_kv(k, v, k_cache, v_cache, slot_mapping)
@@ -92,10 +98,10 @@ class TritonBackend(AttentionBackend):
         v: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        meta: AttentionMetadata,
+        meta: AttentionMetadata[TritonStepState],
         scale: float,
     ) -> torch.Tensor:
-        state: TritonStepState = meta.backend_state
+        state = meta.state
         _check_rows(q, meta)
         return extend_attention(
             q, k, v, k_cache, v_cache, state.cu_q_lens, state.seq_lens, state.page_table, meta.max_q_len, scale
@@ -106,12 +112,12 @@ class TritonBackend(AttentionBackend):
         q: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        meta: AttentionMetadata,
+        meta: AttentionMetadata[TritonStepState],
         scale: float,
     ) -> torch.Tensor:
         if any(n != 1 for n in meta.q_lens_list):
             raise ValueError("decode needs exactly one new token per request; use extend")
-        state: TritonStepState = meta.backend_state
+        state = meta.state
         _check_rows(q, meta)
         return paged_decode(
             q, k_cache, v_cache, state.seq_lens, state.page_table, meta.max_seq_len, scale, groups=state.groups
@@ -142,21 +148,16 @@ class TritonBackend(AttentionBackend):
             )
 
 
-def _cascade_groups(meta: AttentionMetadata, device: torch.device) -> tuple[CascadeGroups | None, int]:
+def _cascade_groups(meta: AttentionMetadata[TritonStepState], device: torch.device, native_planner: bool) -> tuple[CascadeGroups | None, int]:
     """The step's cascade groups (requests sharing whole cached pages), planned on the host's
-    tables by the native library and moved to the device (None where nobody shares or the
-    library is missing), and the KV tokens they save reading."""
-    from radixkv.cpu import decode, native
-
-    if native.load() is None:
-        return None, 0
-    page_table = meta.page_table.to(device="cpu", dtype=torch.int32).contiguous()
-    seq_lens = meta.seq_lens.to(device="cpu", dtype=torch.int32).contiguous()
+    tables and moved to the device (None where nobody shares), and the KV tokens they save reading."""
     # Any two requests sharing 64 tokens group (a shared tile is one matrix product on tensor
-    # cores). On an H200 (docs/measurements.md, "On a GPU") that read 1.1-2.2x faster for 32/8 heads
-    # of 128 over 4-8k shared tokens, but 0.3-1.2x for SmolLM2's 9/3 heads of 64, whose shared
+    # cores). On an H200 (docs/measurements.md, "On a GPU") that read faster for 32/8 heads of
+    # 128 over 4-8k shared tokens, but not always for SmolLM2's 9/3 heads of 64, whose shared
     # keys the per-request kernel reads from L2 anyway; too few runs to fit a rule on yet.
-    plan = decode.cascade_plan(page_table, seq_lens, meta.page_size, min_shared_tokens=64, min_group_members=2)
+    plan = cascade.plan_cascade(
+        meta.page_table, meta.seq_lens, meta.page_size, min_shared_tokens=64, min_group_members=2, native_planner=native_planner
+    )
     if plan.plan is None:
         return None, 0
     group_start, members, shared_len, own_begin = plan.groups(len(meta.seq_lens_list))

@@ -189,7 +189,8 @@ def cascade_plan(
     """Groups requests by the deepest cached prefix they share (equal page ids: the same radix
     tree blocks), choosing the grouping that saves the most reads (radixkv_cascade_plan); a
     group has at least min_group_members requests sharing min_shared_tokens or more. Tables as
-    paged_decode takes them, already checked."""
+    paged_decode takes them, already checked. The backends plan through radixkv.attention.cascade,
+    whose Python planner gives the same plan where this library is not built."""
     library = load()
     num_seqs = seq_lens.shape[0]
     plan = torch.empty(library.radixkv_cascade_plan_ints(num_seqs), dtype=torch.int32)

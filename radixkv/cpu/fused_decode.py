@@ -5,7 +5,8 @@ kernels as the layer-by-layer forward, minus its Python.
 At 32 rows the Python between a layer's ten kernels and inside their wrappers costs ~0.3 ms,
 which across SmolLM2's 30 layers is ~8 ms of a ~60 ms step (scenarios/decode_profile.py shows
 both paths). Only steps where every request decodes one token take this path; prefill and
-mixed steps run the modules, and so does every other device.
+mixed steps run the modules, and so does every other device. radixkv.model.fused_layers installs
+it over a model's layers and hands it the tables the CPU backend checked (StepState.decode_tables).
 """
 
 from __future__ import annotations
@@ -83,7 +84,8 @@ class FusedDecode:
     ) -> tuple[Tensor, Tensor]:  # fmt: skip
         """(residual stream, last MLP output) after all layers, as the module loop returns them,
         for one new token a row. The C code trusts slots, page_table and seq_lens, so the caller
-        range-checks them first (the CPU attention backend's prepare() does); plan: its cascade plan."""
+        range-checks them first (the CPU attention backend's prepare() does, and hands them out as
+        DecodeTables); plan: its cascade plan."""
         config, rows = self.config, x.shape[0]
         slots = slots.to(torch.int64).contiguous()
         layers = self._bind(k_caches, v_caches)

@@ -15,7 +15,6 @@ import torch
 from torch import Tensor, nn
 
 from radixkv.attention.base import AttentionBackend, AttentionMetadata
-from radixkv.cpu.fused_decode import FusedDecode
 from radixkv.model.row_ops import add_rms_norm, apply_rope, rms_norm, silu_mul
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -323,6 +322,22 @@ class DecoderLayer(nn.Module):
         return x, self.mlp(h, meta)
 
 
+class DecoderLayers(nn.ModuleList):
+    """The decoder layers, run one after the other over a step. The loader may swap this list for
+    a subclass over the same layers (radixkv.model.fused_layers), as it swaps linears for packed
+    ones: the parameters keep their names and the forward its contract."""
+
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata, k_caches: list[Tensor], v_caches: list[Tensor]
+    ) -> tuple[Tensor, Tensor]:
+        """(residual stream, last layer's MLP output) after every layer."""
+        delta = None
+        for layer, k_cache, v_cache in zip(self, k_caches, v_caches, strict=True):
+            x, delta = layer(x, delta, cos, sin, meta, k_cache, v_cache)
+        assert delta is not None, "a model has at least one layer"
+        return x, delta
+
+
 class CausalLM(nn.Module):
     """native_kernels: the layers' row ops may run as native calls (bf16 on CPU); False keeps
     them torch ops (EngineConfig.native_kernels)."""
@@ -333,14 +348,12 @@ class CausalLM(nn.Module):
         # Every layer's attention backend; forward prepares its per-step state once.
         self.attention = attention
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, attention, native_kernels) for _ in range(config.num_layers))
+        self.layers = DecoderLayers(DecoderLayer(config, attention, native_kernels) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, native_kernels)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rope = RotaryEmbedding(config)
-        # Decode-only steps in one native call where the model fits (set by the loader).
-        self.fused_decode: FusedDecode | None = None
 
     def forward(
         self,
@@ -353,28 +366,13 @@ class CausalLM(nn.Module):
     ) -> Tensor:
         """Logits [B, vocab] in fp32 for the rows logits_indices of a flat batch of T tokens."""
         self.attention.begin_step(meta, k_caches[0], self.config.num_q_heads)
-        x, delta = self.embed_tokens(input_ids), None
+        x = self.embed_tokens(input_ids)
         cos, sin = self.rope(positions, x.dtype)
-        if self.fused_decode is not None and self._runs_fused(x, meta):
-            state = meta.backend_state  # the CPU backend's: its prepare() range-checked the tables and slots
-            x, delta = self.fused_decode.run(
-                x, cos, sin, k_caches, v_caches, meta.slot_mapping, state.page_table, state.seq_lens, state.plan
-            )
-        else:
-            for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches, strict=True):
-                x, delta = layer(x, delta, cos, sin, meta, k_cache, v_cache)
+        x, delta = self.layers(x, cos, sin, meta, k_caches, v_caches)
         # The last add, norm and lm_head only for the rows that are sampled: the vocab
         # projection of every prefill token would cost more than the rest of the forward.
         _, last = self.norm.add_and_normalize(x[logits_indices], delta[logits_indices])
         return project(self.lm_head, last, meta).float()
-
-    def _runs_fused(self, x: Tensor, meta: AttentionMetadata) -> bool:
-        """Whether this step runs fused: one new token per request, decoded by a backend whose
-        kernel takes these caches (its prepare() checked the tables the C code reads). Batch
-        invariance holds either way: the fused step calls the kernels the modules call."""
-        if not meta.is_decode_only or not self.attention.capabilities.fused_cpu_decode or meta.num_seqs != x.shape[0]:
-            return False
-        return meta.backend_state.kernel
 
     def load_state_dict_hf(self, tensors: Mapping[str, Tensor]) -> None:
         """Take weights under transformers' names, fusing q/k/v and gate/up, tying embeddings.

@@ -23,9 +23,9 @@ from torch import Tensor
 
 from radixkv.attention.base import AttentionBackend
 from radixkv.config import default_cache_dir
-from radixkv.cpu.fused_decode import FusedDecode
 from radixkv.cpu.linear import can_prepack, prepack_linears, resolve_linear_kernel
 from radixkv.model.device import resolve_device, resolve_dtype
+from radixkv.model.fused_layers import install_fused_decode
 from radixkv.model.llama import CausalLM, ModelConfig
 
 if TYPE_CHECKING:
@@ -88,7 +88,8 @@ def load_model(
     net.eval()
     if kernel is not None:
         prepack_linears(net, kernel)
-        net.fused_decode = FusedDecode.for_model(net) if native_kernels else None
+        if native_kernels:  # decode-only steps in one native call where the model fits
+            install_fused_decode(net)
     return LoadedModel(net, config, tokenizer, str(folder), torch_dtype, torch_device)
 
 

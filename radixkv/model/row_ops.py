@@ -1,14 +1,36 @@
-"""The decoder layer's row-wise glue on the device the model runs on: radixkv's fused kernels
-when native is on (C on CPU: radixkv/cpu/row_ops.py; Triton on CUDA: radixkv/kernels/row_ops.py,
-one launch where torch takes five to ten), torch ops otherwise (EngineConfig.native_kernels)."""
+"""The decoder layer's row-wise glue (residual add + RMSNorm, rotary embedding, SiLU * up) on the
+device the model runs on: radixkv's fused kernels when native is on (C on CPU:
+radixkv/cpu/row_ops.py; Triton on CUDA: radixkv/kernels/row_ops.py, one launch where torch takes
+five to ten), and the torch ops they replace everywhere else (EngineConfig.native_kernels).
+"""
 
 from __future__ import annotations
 
+import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from radixkv.cpu import row_ops as cpu_row_ops
 
-rms_norm = cpu_row_ops.rms_norm  # Qwen3's per-head q/k norms: torch ops on every device
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """transformers' RMSNorm: variance in fp32, the product in the model dtype (Qwen3's per-head
+    q/k norms run these torch ops on every device)."""
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def torch_rope(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
+    """transformers' x * cos + cat(-x2, x1) * sin, the sign folded into signed_sin (exact)."""
+    half = x.shape[-1] // 2
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None] + swapped * signed_sin[:, None]
+
+
+def torch_silu_mul(gate_up: Tensor) -> Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def _on_gpu(native: bool, *tensors: Tensor | None) -> bool:
@@ -21,7 +43,12 @@ def add_rms_norm(x: Tensor, delta: Tensor | None, weight: Tensor, eps: float, na
         from radixkv.kernels import row_ops
 
         return row_ops.add_rms_norm(x, delta, weight, eps)
-    return cpu_row_ops.add_rms_norm(x, delta, weight, eps, native)
+    fused = cpu_row_ops.add_rms_norm(x, delta, weight, eps) if native else None
+    if fused is not None:
+        return fused
+    if delta is not None:
+        x = x + delta
+    return x, rms_norm(x, weight, eps)
 
 
 def apply_rope(x: Tensor, cos: Tensor, signed_sin: Tensor, native: bool = True) -> Tensor:
@@ -31,7 +58,8 @@ def apply_rope(x: Tensor, cos: Tensor, signed_sin: Tensor, native: bool = True) 
         from radixkv.kernels import row_ops
 
         return row_ops.apply_rope(x, cos, signed_sin)
-    return cpu_row_ops.apply_rope(x, cos, signed_sin, native)
+    fused = cpu_row_ops.apply_rope(x, cos, signed_sin) if native else None
+    return fused if fused is not None else torch_rope(x, cos, signed_sin)
 
 
 def silu_mul(gate_up: Tensor, native: bool = True) -> Tensor:
@@ -40,4 +68,5 @@ def silu_mul(gate_up: Tensor, native: bool = True) -> Tensor:
         from radixkv.kernels import row_ops
 
         return row_ops.silu_mul(gate_up)
-    return cpu_row_ops.silu_mul(gate_up, native)
+    fused = cpu_row_ops.silu_mul(gate_up) if native else None
+    return fused if fused is not None else torch_silu_mul(gate_up)

@@ -1,164 +1,112 @@
-"""Cascade decode (radixkv/cpu/csrc/cascade.c): requests that share a cached prefix read its KV
-once per step as a group, and merge it by log-sum-exp with their own suffix. Its output must
-match the float64 reference (and so plain paged decode) within the kernel's tolerances, for
-every grouping; the plan must group exactly the requests that share enough whole pages.
+"""Cascade planning (radixkv/attention/cascade.py): the Python planner groups exactly as the C
+planner (radixkv/cpu/csrc/cascade.c) does, on any page tables, so a backend without the native
+library (the Triton one on a machine without a C compiler) plans the same groups.
 
-Tolerances are test_native_decode's: the same inputs, other summation orders.
+The kernels that run the groups are tested in tests/cpu/test_decode.py (CPU) and
+tests/kernels/test_attention_kernels.py (Triton).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from tests.attention.test_native_decode import Paged, assert_close, gen, make_q, reference  # noqa: F401  (gen is a fixture)
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from radixkv.cpu import decode
-from radixkv.cpu.native import load
+from radixkv.attention import cascade
+from radixkv.cpu import decode, native
 
-pytestmark = pytest.mark.skipif(load() is None, reason="needs the native kernels (no C compiler here)")
-
-PAGE = 16
-
-
-class Tables:
-    """A pool of shuffled pages and requests in groups: each group's members hold the same pages
-    for its prefix's whole pages (as the radix tree hands them out), then pages of their own.
-    A prefix ending mid-page leaves its last page private: the tree shares whole blocks only."""
-
-    def __init__(self, gen, groups: list[tuple[int, int]], own_tokens: list[int], heads: tuple[int, int], head_dim: int, dtype, roots: int = 0):
-        num_q_heads, num_kv_heads = heads
-        total_pages = roots + sum(-(-prefix // PAGE) for prefix, _ in groups) + sum(-(-own // PAGE) + 1 for own in own_tokens) + 4
-        shape = (total_pages, PAGE, num_kv_heads, head_dim)
-        self.k_cache = torch.randn(shape, generator=gen).to(dtype)
-        self.v_cache = torch.randn(shape, generator=gen).to(dtype)
-        free = torch.randperm(total_pages, generator=gen).tolist()
-        root = [free.pop() for _ in range(roots)]  # pages every group starts with
-        rows, lens, self.shared_pages = [], [], []
-        member = 0
-        for prefix, size in groups:
-            full = prefix // PAGE
-            shared = root + [free.pop() for _ in range(full)]
-            for _ in range(size):
-                length = roots * PAGE + prefix + own_tokens[member]
-                pages = shared + [free.pop() for _ in range(-(-length // PAGE) - len(shared))]
-                rows.append(pages)
-                lens.append(length)
-                member += 1
-            self.shared_pages.append(len(shared))
-        width = max(map(len, rows))
-        self.page_table = torch.zeros(len(rows), width, dtype=torch.int32)
-        for b, pages in enumerate(rows):
-            self.page_table[b, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
-        self.seq_lens = torch.tensor(lens, dtype=torch.int32)
-        self.groups = groups
-        self.q = make_q(gen, len(rows), num_q_heads, num_kv_heads, head_dim, dtype)
-
-    def paged(self) -> Paged:
-        return Paged(self.k_cache, self.v_cache, self.page_table, self.seq_lens, PAGE)
-
-    def expected_saved_tokens(self, min_tokens: int, min_members: int) -> int:
-        """Groups of at least min_members sharing at least min_tokens of whole pages save
-        (members - 1) reads of those pages."""
-        return sum(
-            (size - 1) * pages * PAGE
-            for (_, size), pages in zip(self.groups, self.shared_pages)
-            if size >= max(2, min_members) and pages * PAGE >= min_tokens
-        )
+needs_c_planner = pytest.mark.skipif(native.load() is None, reason="the C planner needs the native library (no C compiler here)")
 
 
-# The kernel tests group every pair sharing a page; the engine's thresholds are tested apart.
-ANY_SHARING = dict(min_shared_tokens=PAGE, min_group_members=2)
+def used_ints(plan: torch.Tensor, num_seqs: int) -> torch.Tensor:
+    """The part of a plan buffer the planners write (the rest is scratch): the group count,
+    each request's group and member index, group starts, members, shared lengths."""
+    num_groups = int(plan[0])
+    members = int(plan[1 + 2 * num_seqs + num_groups])
+    return plan[: 1 + 2 * num_seqs + num_groups + 1 + members + num_groups]
 
 
-def check_cascade(t: Tables, dtype, what: str, **thresholds) -> decode.CascadePlan:
-    scale = t.q.shape[-1] ** -0.5
-    plan = decode.cascade_plan(t.page_table, t.seq_lens, PAGE, **(thresholds or ANY_SHARING))
-    cascade = decode.paged_decode(t.q, t.k_cache, t.v_cache, t.page_table, t.seq_lens, scale, plan=plan.plan)
-    plain = decode.paged_decode(t.q, t.k_cache, t.v_cache, t.page_table, t.seq_lens, scale)
-    expected = reference(t.q, t.paged(), scale)
-    assert_close(cascade, expected, dtype, f"{what}: cascade")
-    assert_close(plain, expected, dtype, f"{what}: plain")
-    return plan
+def shared_tables(draw, num_seqs: int, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Page tables as the radix tree hands them out: each request follows a path down a small
+    tree of pages (so requests share prefixes of many depths), then has pages of its own; its
+    length may end anywhere in its last page."""
+    tree: dict[tuple[int, ...], int] = {}
+    next_page = 0
+    rows, lens = [], []
+    for _ in range(num_seqs):
+        depth = draw(st.integers(0, 6))
+        path: tuple[int, ...] = ()
+        for _ in range(depth):
+            branch = draw(st.integers(0, 1))  # two branches a page: deep shared prefixes are common
+            path = (*path, branch)
+            if path not in tree:
+                tree[path] = next_page
+                next_page += 1
+        pages = [tree[path[: i + 1]] for i in range(depth)]
+        own = draw(st.integers(0, 3))
+        pages += list(range(next_page, next_page + own))
+        next_page += own
+        full = len(pages)
+        lens.append(draw(st.integers(max(0, (full - 1) * page_size), full * page_size)) if full else 0)
+        rows.append(pages)
+    width = max([len(r) for r in rows] + [1])
+    table = torch.zeros(num_seqs, width, dtype=torch.int32)
+    for b, pages in enumerate(rows):
+        table[b, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
+        table[b, len(pages) :] = draw(st.integers(0, max(next_page - 1, 0)))  # padding past a request's pages
+    return table, torch.tensor(lens, dtype=torch.int32)
 
 
-CASES = [
-    # (groups of (prefix tokens, members), GQA (q heads, kv heads), head_dim)
-    ([(1024, 2), (1024, 2)], (9, 3), 64),
-    ([(700, 3), (300, 1), (517, 2)], (8, 8), 64),  # prefixes off the page and chunk grid, a group of 1
-    ([(1024, 64)], (8, 1), 64),  # one group of 64, GQA 8
-    ([(300, 3), (280, 5)], (6, 2), 128),  # head_dim 128, GQA 3
-    ([(512, 5), (256, 4)], (6, 2), 40),  # head_dim 40: the member-by-member fallback (bf16 and fp32)
-    ([(260, 2), (600, 2)], (6, 2), 96),  # head_dim 96: the general vector instance
-    ([(0, 3), (40, 2)], (4, 4), 64),  # nothing long enough to share
-]
+@needs_c_planner
+@settings(max_examples=300, deadline=None)
+@given(
+    data=st.data(),
+    num_seqs=st.integers(0, 16),
+    page_size=st.sampled_from([1, 2, 4, 16]),
+    min_pages=st.integers(0, 4),
+    min_group_members=st.integers(0, 4),
+)
+def test_the_python_planner_gives_the_c_planners_groups(data, num_seqs, page_size, min_pages, min_group_members):
+    # Thresholds around whole pages (half a page short of min_pages), so that about half the
+    # examples group, many in several groups.
+    page_table, seq_lens = shared_tables(data.draw, num_seqs, page_size)
+    thresholds = dict(min_shared_tokens=max(0, min_pages * page_size - page_size // 2), min_group_members=min_group_members)
+    c_plan = decode.cascade_plan(page_table, seq_lens, page_size, **thresholds)
+    py_plan = cascade.torch_cascade_plan(page_table, seq_lens, page_size, **thresholds)
+    assert py_plan.saved_tokens == c_plan.saved_tokens
+    assert (py_plan.plan is None) == (c_plan.plan is None)
+    if c_plan.plan is not None:
+        assert torch.equal(used_ints(py_plan.plan, num_seqs), used_ints(c_plan.plan, num_seqs))
+        for ours, theirs in zip(py_plan.groups(num_seqs), c_plan.groups(num_seqs), strict=True):
+            assert torch.equal(ours, theirs)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("groups", "heads", "head_dim"), CASES)
-def test_cascade_matches_the_reference_for_every_grouping(gen, dtype, groups, heads, head_dim):
-    own = torch.randint(1, 90, (sum(size for _, size in groups),), generator=gen).tolist()
-    t = Tables(gen, groups, own, heads=heads, head_dim=head_dim, dtype=dtype)
-    plan = check_cascade(t, dtype, f"{groups} {heads} d{head_dim}")
-    assert plan.saved_tokens == t.expected_saved_tokens(PAGE, 2)
-    assert (plan.plan is None) == (plan.saved_tokens == 0)
+def test_the_python_planner_groups_by_the_deepest_prefix_that_saves_most():
+    # Two prompts over a common 2-page root: requests 0-2 share pages [7, 8, 20, 21], 3-5 share
+    # [7, 8, 30, 31]; one group of 6 over the root saves 5 x 2 pages, two groups of 3 over 4
+    # pages save 2 x 2 x 4, so the plan takes the two. Request 6 shares nothing.
+    rows = [[7, 8, 20, 21, 40 + b] for b in range(3)] + [[7, 8, 30, 31, 50 + b] for b in range(3)] + [[60, 61, 62, 63, 64]]
+    page_table = torch.tensor(rows, dtype=torch.int32)
+    seq_lens = torch.tensor([4 * 4 + 1 + b for b in range(7)], dtype=torch.int32)
+    plan = cascade.torch_cascade_plan(page_table, seq_lens, 4, min_shared_tokens=4, min_group_members=2)
+    assert plan.plan is not None and plan.saved_tokens == 2 * 2 * 16
+    group_start, members, shared_len, own_begin = plan.groups(7)
+    assert group_start.tolist() == [0, 3, 6]
+    assert sorted(members[:3].tolist()) == [0, 1, 2] and sorted(members[3:].tolist()) == [3, 4, 5]
+    assert shared_len.tolist() == [16, 16]
+    assert own_begin.tolist() == [16] * 6 + [0]
 
 
-def test_default_thresholds_group_only_what_pays(gen):
-    # SmolLM2's heads (GQA 3): a group needs 3 members (9 query heads per KV head) and 256 shared
-    # tokens; a pair over 1,024 tokens and trios over 112 and 240 tokens decode on their own.
-    groups = [(1024, 2), (1024, 3), (112, 3), (240, 3), (700, 16)]
-    own = torch.randint(1, 40, (sum(size for _, size in groups),), generator=gen).tolist()
-    t = Tables(gen, groups, own, heads=(9, 3), head_dim=64, dtype=torch.bfloat16)
-    members = decode.min_members(3)
-    assert members == 3 and decode.min_members(1) == 9 and decode.min_members(8) == 2
-    plan = check_cascade(t, torch.bfloat16, "default thresholds", min_shared_tokens=decode.MIN_SHARED_TOKENS, min_group_members=members)
-    assert plan.saved_tokens == t.expected_saved_tokens(decode.MIN_SHARED_TOKENS, members) == 2 * 1024 + 15 * 688
+def test_plan_cascade_plans_in_python_without_the_native_library(monkeypatch):
+    # native_kernels=False (or no compiler) must not build the library, and still group.
+    page_table = torch.tensor([[1, 2, 3], [1, 2, 4], [1, 2, 5]], dtype=torch.int32)
+    seq_lens = torch.tensor([10, 11, 12], dtype=torch.int32)
 
+    def no_library():
+        raise AssertionError("the native library was asked for")
 
-def test_plan_groups_by_the_deepest_prefix_that_saves_most(gen):
-    # Four system prompts of 1,024 tokens after a common 2-page root (the chat template's start):
-    # one group of 64 sharing 2 pages saves 63 x 32 reads; four groups of 16 sharing 66 pages
-    # each save 4 x 15 x 1,056, so the plan takes the four.
-    own = torch.randint(1, 60, (64,), generator=gen).tolist()
-    t = Tables(gen, [(1024, 16)] * 4, own, heads=(9, 3), head_dim=64, dtype=torch.bfloat16, roots=2)
-    plan = check_cascade(t, torch.bfloat16, "four prompts over a common root")
-    assert int(plan.plan[0]) == 4
-    assert plan.saved_tokens == 4 * 15 * (1024 + 2 * PAGE)
-
-
-def test_members_joining_and_leaving_between_steps(gen):
-    # Step by step a group grows and shrinks (requests join, finish, are preempted): the plan is
-    # rebuilt from each step's tables and the output always matches the reference.
-    own = [30, 50, 70, 90, 110]
-    t = Tables(gen, [(768, 5)], own, heads=(9, 3), head_dim=64, dtype=torch.bfloat16)
-    for members in ([0], [0, 1], [0, 1, 2, 3, 4], [1, 3], [4]):
-        index = torch.tensor(members)
-        sub = Tables.__new__(Tables)
-        sub.k_cache, sub.v_cache, sub.q = t.k_cache, t.v_cache, t.q[index]
-        sub.page_table, sub.seq_lens = t.page_table[index].contiguous(), t.seq_lens[index].contiguous()
-        plan = check_cascade(sub, torch.bfloat16, f"members {members}")
-        assert plan.saved_tokens == 768 * (len(members) - 1)
-
-
-def test_a_member_whose_whole_sequence_is_shared(gen):
-    # Two requests over the very same full pages (no own keys left): the merge takes the shared
-    # states alone.
-    t = Tables(gen, [(512, 3)], [0, 0, 16], heads=(4, 2), head_dim=64, dtype=torch.float32)
-    plan = check_cascade(t, torch.float32, "no own keys")
-    assert plan.saved_tokens == 2 * 512
-
-
-def test_cascade_rows_of_a_mixed_step(gen):
-    # In a mixed step the decoding requests' q and out rows sit among prefill rows: each request
-    # (and each group member) reads and writes only its own row.
-    t = Tables(gen, [(400, 4), (300, 3)], [20, 30, 40, 50, 10, 60, 5], heads=(9, 3), head_dim=64, dtype=torch.bfloat16)
-    rows = torch.tensor([9, 2, 5, 0, 11, 7, 3], dtype=torch.int32)
-    q = make_q(gen, 12, 9, 3, 64, torch.bfloat16)
-    q[rows.long()] = t.q
-    plan = decode.cascade_plan(t.page_table, t.seq_lens, PAGE, **ANY_SHARING)
-    assert plan.plan is not None
-    out = torch.full((12, 9, 64), 7.0, dtype=torch.bfloat16)
-    decode.paged_decode(q, t.k_cache, t.v_cache, t.page_table, t.seq_lens, 0.125, rows=rows, out=out, plan=plan.plan)
-    assert_close(out[rows.long()], reference(t.q, t.paged(), 0.125), torch.bfloat16, "mixed-step rows")
-    others = [r for r in range(12) if r not in rows.tolist()]
-    assert (out[others] == 7.0).all()
+    monkeypatch.setattr(native, "load", no_library)
+    plan = cascade.plan_cascade(page_table, seq_lens, 4, min_shared_tokens=8, min_group_members=2, native_planner=False)
+    assert plan.saved_tokens == 2 * 8
+    assert plan.groups(3)[0].tolist() == [0, 3]

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from radixkv.cpu import row_ops as torch_ops
 from radixkv.kernels import row_ops
+from radixkv.model import row_ops as torch_ops
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # bf16 only on a GPU: the interpreter computes bf16 wrongly.

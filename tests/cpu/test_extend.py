@@ -1,5 +1,5 @@
 """Prefill attention on CPU (radixkv/cpu/csrc/paged_extend.c): each request's new tokens over its
-paged KV, causally, held to test_native_decode's float64 reference (each new token is a decode
+paged KV, causally, held to the float64 reference of tests/helpers/paged.py (each new token is a decode
 query over the keys up to its own position) at the same tolerances.
 
 Lengths straddle the kernel's 64-token query blocks and 256-token key chunks, and page size 7
@@ -13,7 +13,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tests.attention.test_native_decode import Paged, assert_close, gen, make_paged, make_q, reference  # noqa: F401  (gen is a fixture)
+from tests.helpers.paged import Paged, assert_close, gen, make_paged, make_q, reference  # noqa: F401  (gen is a fixture)
 
 from radixkv.cpu import decode, extend
 

@@ -1,11 +1,6 @@
-"""The native CPU paged-decode kernel (radixkv/cpu/csrc/paged_decode.c) and the CPU backend over
-it, both held to references that are neither: the backend to the pure-torch TorchBackend.
-
-The kernel is held to a reference written here: each request's KV gathered through its page
-table, softmax attention with GQA computed in float64 on the very same (already rounded)
-inputs. Every test draws fresh random inputs (the seed is in failure messages); cache slots no
-request owns hold a huge value, so a kernel reading past a request's length or through the
-wrong page gives outputs far off; q is a strided slice of a fused qkv tensor, as in the model.
+"""The native CPU paged-decode kernel (radixkv/cpu/decode.py over csrc/paged_decode.c) and its
+cascade groups (csrc/cascade.c), held to the float64 reference of tests/helpers/paged.py, which
+says how inputs are drawn and the tolerances.
 
 Shapes cover the kernel's instances: bf16 head_dim 64/128 with group <= 8 (the AVX-512 BF16
 instances with constant shapes), head_dim 96 or group 12 (the general AVX-512 instance),
@@ -13,35 +8,25 @@ head_dim 48 (not a multiple of 32: the portable bf16 loop), and fp32 (the portab
 Lengths straddle the 256-token chunk edges and the 16-token page blocks; page size 7 makes
 blocks cross pages.
 
-Tolerances (absolute, plus a relative term for the bf16 output rounding):
-- fp32: 1e-5 x max(1, sqrt(head_dim / 64)). Both sides compute in (at least) fp32; the
-  kernel's fp32 loop sums each q.k sequentially, so its score error grows with head_dim
-  (observed max ~6e-6 at head_dim 128 and ~1e-5 at 256, over a few hundred seeds).
-- bf16: 2e-2 abs + 1e-2 rel. Inputs are exactly bf16, the kernel accumulates in fp32 and
-  rounds its output to bf16 (2^-9 relative).
+Cascade decode: requests that share a cached prefix read its KV once per step as a group, and
+merge it by log-sum-exp with their own suffix; its output must match the same reference within
+the same tolerances, for every grouping, and the plan must group exactly the requests that
+share enough whole pages.
 """
 
 from __future__ import annotations
-
-import math
-import zlib
-from dataclasses import dataclass
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tests.helpers.paged import Paged, assert_close, gen, make_paged, make_q, reference  # noqa: F401  (gen is a fixture)
 
-from radixkv.attention import make_backend
-from radixkv.attention.base import AttentionMetadata
 from radixkv.attention.cpu_backend import CPUBackend
-from radixkv.attention.torch_backend import TorchBackend
-from radixkv.config import EngineConfig
 from radixkv.cpu import decode as native
 from radixkv.cpu import extend
 from radixkv.cpu import native as native_library
 from radixkv.cpu.features import cpu_features
-from radixkv.errors import ConfigError
 
 if native_library.load() is None:
     pytest.skip(
@@ -49,15 +34,6 @@ if native_library.load() is None:
         allow_module_level=True,
     )
 
-# (atol, rtol); float16 only for the gather fallback (SDPA in fp16).
-TOLERANCE = {
-    torch.float32: (1e-5, 1e-5),
-    torch.bfloat16: (2e-2, 1e-2),
-    torch.float16: (2e-3, 2e-3),
-}
-# Scales q so that scores q.k * scale have std ~ QUERY_GAIN: softmax is peaked, not uniform.
-QUERY_GAIN = 3.0
-UNWRITTEN = 1000.0
 CHUNK_EDGE_LENS = [1, 15, 16, 17, 255, 256, 257, 600]
 # (num_q_heads, num_kv_heads): GQA groups 1, 3, 4 and 12 (> 8: the general AVX-512 instance).
 # (q heads, kv heads). group3: the default model's group, at a kv head count other than its own
@@ -74,116 +50,6 @@ HEADS = {
     "default_model": (9, 3),
 }
 DTYPES = [torch.float32, torch.bfloat16]
-
-
-@pytest.fixture
-def gen(request) -> torch.Generator:
-    """A generator seeded from the test's id: each case sees its own data, the same every run,
-    so a failure reproduces (the seed is in its message). Hypothesis explores beyond these."""
-    return torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))
-
-
-@dataclass
-class Paged:
-    """Requests' KV laid out in a pool of shuffled pages; slots nobody owns hold UNWRITTEN."""
-
-    k_cache: torch.Tensor  # [num_pages, page_size, num_kv_heads, head_dim]
-    v_cache: torch.Tensor
-    page_table: torch.Tensor  # [B, max_pages] int32, padded with 0
-    seq_lens: torch.Tensor  # [B] int32
-    page_size: int
-
-
-def make_paged(
-    gen: torch.Generator,
-    seq_lens: list[int],
-    num_kv_heads: int,
-    head_dim: int,
-    page_size: int,
-    dtype: torch.dtype,
-    spare_pages: int = 3,
-) -> Paged:
-    pages_per_seq = [math.ceil(s / page_size) for s in seq_lens]
-    num_pages = sum(pages_per_seq) + spare_pages
-    order = torch.randperm(num_pages, generator=gen).to(torch.int32)
-    page_table = torch.zeros(
-        len(seq_lens), max(pages_per_seq, default=0) + 1, dtype=torch.int32
-    )
-    used = 0
-    for b, n in enumerate(pages_per_seq):
-        page_table[b, :n] = order[used : used + n]
-        used += n
-    shape = (num_pages, page_size, num_kv_heads, head_dim)
-    k_cache = torch.randn(shape, generator=gen).to(dtype)
-    v_cache = torch.randn(shape, generator=gen).to(dtype)
-    owned = torch.zeros(num_pages * page_size, dtype=torch.bool)
-    for b, s in enumerate(seq_lens):
-        pos = torch.arange(s)
-        slots = page_table[b, pos // page_size].long() * page_size + pos % page_size
-        owned[slots] = True
-    for cache in (k_cache, v_cache):
-        cache.view(-1, num_kv_heads, head_dim)[~owned] = UNWRITTEN
-    lens = torch.tensor(seq_lens, dtype=torch.int32)
-    return Paged(k_cache, v_cache, page_table, lens, page_size)
-
-
-def make_q(
-    gen: torch.Generator,
-    rows: int,
-    num_q_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    dtype: torch.dtype,
-) -> torch.Tensor:
-    """q [rows, num_q_heads, head_dim] as a strided slice of a fused [rows, q + 2 kv] tensor."""
-    width = (num_q_heads + 2 * num_kv_heads) * head_dim
-    qkv = (torch.randn(rows, width, generator=gen) * QUERY_GAIN).to(dtype)
-    q = qkv[:, : num_q_heads * head_dim].view(rows, num_q_heads, head_dim)
-    assert rows < 2 or not q.is_contiguous()
-    return q
-
-
-def reference(
-    q: torch.Tensor, paged: Paged, scale: float, rows: list[int] | None = None
-) -> torch.Tensor:
-    """[B, num_q_heads, head_dim] float64: request b's query row (rows[b], or b) over its KV."""
-    num_q_heads = q.shape[1]
-    num_kv_heads, head_dim = paged.k_cache.shape[2:]
-    group = num_q_heads // num_kv_heads
-    outs = []
-    for b, seq_len in enumerate(paged.seq_lens.tolist()):
-        pages = paged.page_table[b, : math.ceil(seq_len / paged.page_size)].long()
-        keys = (
-            paged.k_cache[pages].reshape(-1, num_kv_heads, head_dim)[:seq_len].double()
-        )
-        values = (
-            paged.v_cache[pages].reshape(-1, num_kv_heads, head_dim)[:seq_len].double()
-        )
-        # Query heads h*group .. h*group+group-1 share kv head h.
-        keys, values = (
-            keys.repeat_interleave(group, dim=1),
-            values.repeat_interleave(group, dim=1),
-        )
-        query = q[b if rows is None else rows[b]].double()
-        probs = (torch.einsum("hd,thd->ht", query, keys) * scale).softmax(-1)
-        outs.append(torch.einsum("ht,thd->hd", probs, values))
-    return (
-        torch.stack(outs)
-        if outs
-        else torch.empty(0, num_q_heads, head_dim, dtype=torch.float64)
-    )
-
-
-def assert_close(
-    out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what: str
-) -> None:
-    atol, rtol = TOLERANCE[dtype]
-    if dtype == torch.float32:
-        atol *= max(1.0, math.sqrt(out.shape[-1] / 64))
-    assert torch.isfinite(out).all(), f"{what}: non-finite output"
-    torch.testing.assert_close(
-        out.double(), ref.double(), atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}"
-    )
 
 
 def test_inputs_make_softmax_peaked(gen) -> None:
@@ -409,148 +275,6 @@ def test_paged_decode_matches_reference_property(
     assert_close(got, ref, dtype, "property")
 
 
-def make_meta(
-    paged: Paged, prefix_lens: list[int], q_lens: list[int]
-) -> AttentionMetadata:
-    """Metadata for B requests, request b computing q_lens[b] tokens after prefix_lens[b] cached ones."""
-    seq_lens = [p + n for p, n in zip(prefix_lens, q_lens, strict=True)]
-    assert seq_lens == paged.seq_lens.tolist()
-    positions = torch.cat(
-        [torch.arange(p, s) for p, s in zip(prefix_lens, seq_lens, strict=True)]
-    )
-    request = torch.repeat_interleave(torch.arange(len(q_lens)), torch.tensor(q_lens))
-    pages = paged.page_table.long()[request, positions // paged.page_size]
-    cu_q_lens = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
-    cu_q_lens[1:] = torch.tensor(q_lens).cumsum(0)
-    return AttentionMetadata(
-        positions=positions,
-        slot_mapping=pages * paged.page_size + positions % paged.page_size,
-        page_table=paged.page_table,
-        cu_q_lens=cu_q_lens,
-        q_lens=torch.tensor(q_lens, dtype=torch.int32),
-        seq_lens=paged.seq_lens,
-        prefix_lens=torch.tensor(prefix_lens, dtype=torch.int32),
-        max_q_len=max(q_lens),
-        max_seq_len=max(seq_lens),
-        page_size=paged.page_size,
-        q_lens_list=list(q_lens),
-        seq_lens_list=seq_lens,
-    )
-
-
-def prepared(backend, meta: AttentionMetadata, k_cache: torch.Tensor, num_q_heads: int) -> AttentionMetadata:
-    """meta with backend's per-step state, as CausalLM.forward sets it at the start of a step."""
-    return backend.begin_step(meta, k_cache, num_q_heads)
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("head_dim", [64, 48])
-def test_cpu_backend_decode_matches_the_torch_reference(gen, head_dim, dtype) -> None:
-    seq_lens = [1, 40, 600, 256, 17]
-    num_q_heads, num_kv_heads = 8, 2
-    paged = make_paged(gen, seq_lens, num_kv_heads, head_dim, 7, dtype)
-    q = make_q(gen, len(seq_lens), num_q_heads, num_kv_heads, head_dim, dtype)
-    scale = head_dim**-0.5
-    results = {}
-    for backend in (CPUBackend(), TorchBackend()):
-        meta = prepared(backend, make_meta(paged, [s - 1 for s in seq_lens], [1] * len(seq_lens)), paged.k_cache, num_q_heads)
-        results[backend.name] = backend.decode(q, paged.k_cache, paged.v_cache, meta, scale)
-        if backend.name == "cpu":
-            assert meta.backend_state.kernel, "the CPU backend did not take the kernel"
-    what = f"seed {gen.initial_seed()}"
-    out, torch_out = results["cpu"], results["torch"]
-    assert out.shape == torch_out.shape == q.shape
-    assert_close(out, torch_out.double(), dtype, f"cpu vs torch reference, {what}")
-    assert_close(out, reference(q, paged, scale), dtype, f"cpu vs float64 reference, {what}")
-
-
-def mixed_batch(gen, head_dim: int, dtype: torch.dtype):
-    """A mixed step: one-token requests beside prefill chunks, the step's own K/V stored already."""
-    prefix_lens = [40, 0, 300, 23, 255, 0, 600]
-    q_lens = [1, 9, 1, 5, 1, 1, 30]
-    seq_lens = [p + n for p, n in zip(prefix_lens, q_lens)]
-    num_q_heads, num_kv_heads = 6, 2
-    paged = make_paged(gen, seq_lens, num_kv_heads, head_dim, 7, dtype)
-    q = make_q(gen, sum(q_lens), num_q_heads, num_kv_heads, head_dim, dtype)
-    slots = make_meta(paged, prefix_lens, q_lens).slot_mapping
-    # The step's own K/V, as stored in the cache (extend reads everything from the cache).
-    k = paged.k_cache.view(-1, num_kv_heads, head_dim)[slots]
-    v = paged.v_cache.view(-1, num_kv_heads, head_dim)[slots]
-    return paged, q, k, v, prefix_lens, q_lens
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("head_dim", [64, 48])
-def test_cpu_backend_extend_mixed_batch_matches_the_torch_reference(gen, head_dim, dtype) -> None:
-    """One-token requests of a mixed batch go through the decode kernel (rows=); the rest through
-    the prefill kernel where it takes the shapes (test_native_extend tests it), else through the
-    reference's gather + SDPA code."""
-    paged, q, k, v, prefix_lens, q_lens = mixed_batch(gen, head_dim, dtype)
-    scale = head_dim**-0.5
-    results = {}
-    for backend in (CPUBackend(), TorchBackend()):
-        meta = prepared(backend, make_meta(paged, prefix_lens, q_lens), paged.k_cache, q.shape[1])
-        results[backend.name] = backend.extend(q, k, v, paged.k_cache, paged.v_cache, meta, scale)
-        if backend.name == "cpu":
-            assert meta.backend_state.decode_rows is not None, "the one-token requests did not take the kernel"
-    out, torch_out = results["cpu"], results["torch"]
-    what = f"seed {gen.initial_seed()}"
-    starts = meta.cu_q_lens.tolist()
-    decode_requests = [b for b, n in enumerate(q_lens) if n == 1]
-    decode_rows = [starts[b] for b in decode_requests]
-    prefill_rows = [r for b, n in enumerate(q_lens) if n > 1 for r in range(starts[b], starts[b] + n)]
-    if extend.fits(dtype, head_dim, q.shape[1] // paged.k_cache.shape[2]):
-        assert_close(out[prefill_rows], torch_out[prefill_rows].double(), dtype, f"prefill kernel vs torch reference, {what}")
-    else:  # multi-token requests run the reference's own code in the CPU backend
-        assert torch.equal(out[prefill_rows], torch_out[prefill_rows])
-    assert_close(out[decode_rows], torch_out[decode_rows].double(), dtype, f"cpu vs torch reference, {what}")
-    decode_paged = Paged(
-        paged.k_cache, paged.v_cache, paged.page_table[decode_requests], paged.seq_lens[decode_requests], 7
-    )
-    ref = reference(q, decode_paged, scale, rows=decode_rows)
-    assert_close(out[decode_rows], ref, dtype, f"cpu vs float64 reference, {what}")
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_cpu_backend_batch_invariant_rows_match_the_torch_reference(gen, dtype) -> None:
-    """batch_invariant: every row of a mixed step through the kernel as its own request, held
-    to the reference's row-by-row SDPA."""
-    paged, q, k, v, prefix_lens, q_lens = mixed_batch(gen, 64, dtype)
-    results = {}
-    for backend in (CPUBackend(), TorchBackend()):
-        meta = make_meta(paged, prefix_lens, q_lens)
-        meta.batch_invariant = True
-        meta = prepared(backend, meta, paged.k_cache, q.shape[1])
-        results[backend.name] = backend.extend(q, k, v, paged.k_cache, paged.v_cache, meta, 0.125)
-    assert_close(results["cpu"], results["torch"].double(), dtype, f"seed {gen.initial_seed()}")
-
-
-@pytest.mark.parametrize(
-    "dtype, cache_dtype, head_dim, heads",
-    [
-        (torch.float16, torch.float16, 64, (4, 2)),  # no fp16 kernel
-        (torch.float32, torch.float32, 272, (4, 2)),  # head_dim > the kernel's max
-        (torch.bfloat16, torch.bfloat16, 264, (2, 1)),
-        (torch.float32, torch.float32, 32, (17, 1)),  # group > the kernel's max
-    ],
-    ids=["fp16", "fp32_d272", "bf16_d264", "group17"],
-)
-def test_cpu_backend_falls_back_to_the_reference_where_the_kernel_cannot_run(
-    gen, dtype, cache_dtype, head_dim, heads
-) -> None:
-    num_q_heads, num_kv_heads = heads
-    seq_lens = [5, 300]
-    paged = make_paged(gen, seq_lens, num_kv_heads, head_dim, 16, cache_dtype)
-    q = make_q(gen, len(seq_lens), num_q_heads, num_kv_heads, head_dim, dtype)
-    assert not native.supports(q, paged.k_cache)
-    scale = head_dim**-0.5
-    backend = CPUBackend()
-    meta = prepared(backend, make_meta(paged, [s - 1 for s in seq_lens], [1, 1]), paged.k_cache, num_q_heads)
-    assert not meta.backend_state.kernel
-    out = backend.decode(q, paged.k_cache, paged.v_cache, meta, scale)
-    assert_close(out, reference(q, paged, scale), dtype, f"seed {gen.initial_seed()}")
-
-
 def test_kernel_limits_come_from_the_library() -> None:
     limits = native.limits()
     assert (limits.max_head_dim, limits.max_group) == (256, 16)  # MAX_HEAD_DIM, MAX_GROUP in paged_decode.c
@@ -572,13 +296,6 @@ def test_supports_rejects_other_inputs() -> None:
     assert not native.supports(torch.zeros(3, 3, 64), cache)
     assert not native.supports(q, cache.transpose(0, 1))
     assert not native.supports(torch.zeros(3, 64, 4).transpose(1, 2), cache)
-
-
-def test_native_kernels_off_selects_the_torch_reference() -> None:
-    assert make_backend("auto", "cpu").name == "cpu"
-    assert make_backend("auto", "cpu", native_kernels=False).name == "torch"
-    with pytest.raises(ConfigError, match="native_kernels"):
-        EngineConfig(attention_backend="cpu", native_kernels=False)
 
 
 def test_bad_indices_and_buffers_are_rejected_before_the_kernel_runs(gen) -> None:
@@ -648,15 +365,6 @@ def test_store_kv_writes_strided_rows_into_their_slots_and_skips_negative_ones()
         assert torch.equal(v_cache.view_as(expected_v), expected_v)
 
 
-def test_cpu_backend_refuses_a_slot_past_the_cache_before_any_store() -> None:
-    k_cache = torch.zeros(2, 4, 1, 8)
-    paged = Paged(k_cache, torch.zeros_like(k_cache), torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([8], dtype=torch.int32), 4)
-    meta = make_meta(paged, [7], [1])
-    meta.slot_mapping = torch.tensor([8])
-    with pytest.raises(IndexError, match="out of range"):
-        CPUBackend().prepare(meta, k_cache, 1)
-
-
 # The builds a user on another CPU runs, compiled here: no AVX2 at all (the portable loops), AVX2
 # without AVX-512 (Haswell to Alder Lake, AMD Zen 1-3: the 8-lane items), and AVX-512 without
 # BF16 (Skylake to Ice Lake: fp32 items in 16 lanes, bf16 in 8).
@@ -680,6 +388,7 @@ def test_builds_for_other_cpus_give_the_same_answers(gen, monkeypatch, tmp_path,
     # cascade groups) and row ops alike.
     from radixkv.cpu import row_ops
     from radixkv.engine.sampler import greedy_tokens
+    from radixkv.model.row_ops import rms_norm
 
     flags = tuple(f"-march={march}" if f == "-march=native" else f for f in native_library.COMPILE_FLAGS)
     monkeypatch.setattr(native_library, "COMPILE_FLAGS", flags)
@@ -708,12 +417,12 @@ def test_builds_for_other_cpus_give_the_same_answers(gen, monkeypatch, tmp_path,
         # AVX512_BF16; elsewhere the backend keeps the torch reference.
         assert extend.fits(dtype, 64, 3) == (march != "x86-64-v2" and dtype == torch.float32)
         if extend.fits(dtype, 64, 3):
-            from tests.attention.test_native_extend import REQUESTS, run_case
+            from tests.cpu.test_extend import REQUESTS, run_case
 
             out, rows, expected = run_case(gen, REQUESTS, (9, 3), 64, 16, dtype)
             assert_close(out[rows], expected, dtype, f"{march} build, prefill")
     x, delta, weight = (torch.randn(shape, generator=gen).to(torch.bfloat16) for shape in ((5, 64), (5, 64), (64,)))
-    expected = row_ops.rms_norm(x + delta, weight, 1e-5)
+    expected = rms_norm(x + delta, weight, 1e-5)
     assert torch.equal(row_ops.add_rms_norm(x.clone(), delta, weight, 1e-5)[1], expected)
     logits = torch.randn(3, 1000, generator=gen)
     logits[1, 7], logits[2, 900] = float("nan"), logits[2].max() + 1.0
@@ -746,3 +455,152 @@ def test_decode_amx_off_is_off() -> None:
         assert library.radixkv_decode_use_amx(0) == 0
     finally:
         library.radixkv_decode_use_amx(1)
+
+
+# ---- Cascade decode (csrc/cascade.c) ----
+
+PAGE = 16
+
+
+class Tables:
+    """A pool of shuffled pages and requests in groups: each group's members hold the same pages
+    for its prefix's whole pages (as the radix tree hands them out), then pages of their own.
+    A prefix ending mid-page leaves its last page private: the tree shares whole blocks only."""
+
+    def __init__(self, gen, groups: list[tuple[int, int]], own_tokens: list[int], heads: tuple[int, int], head_dim: int, dtype, roots: int = 0):
+        num_q_heads, num_kv_heads = heads
+        total_pages = roots + sum(-(-prefix // PAGE) for prefix, _ in groups) + sum(-(-own // PAGE) + 1 for own in own_tokens) + 4
+        shape = (total_pages, PAGE, num_kv_heads, head_dim)
+        self.k_cache = torch.randn(shape, generator=gen).to(dtype)
+        self.v_cache = torch.randn(shape, generator=gen).to(dtype)
+        free = torch.randperm(total_pages, generator=gen).tolist()
+        root = [free.pop() for _ in range(roots)]  # pages every group starts with
+        rows, lens, self.shared_pages = [], [], []
+        member = 0
+        for prefix, size in groups:
+            full = prefix // PAGE
+            shared = root + [free.pop() for _ in range(full)]
+            for _ in range(size):
+                length = roots * PAGE + prefix + own_tokens[member]
+                pages = shared + [free.pop() for _ in range(-(-length // PAGE) - len(shared))]
+                rows.append(pages)
+                lens.append(length)
+                member += 1
+            self.shared_pages.append(len(shared))
+        width = max(map(len, rows))
+        self.page_table = torch.zeros(len(rows), width, dtype=torch.int32)
+        for b, pages in enumerate(rows):
+            self.page_table[b, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
+        self.seq_lens = torch.tensor(lens, dtype=torch.int32)
+        self.groups = groups
+        self.q = make_q(gen, len(rows), num_q_heads, num_kv_heads, head_dim, dtype)
+
+    def paged(self) -> Paged:
+        return Paged(self.k_cache, self.v_cache, self.page_table, self.seq_lens, PAGE)
+
+    def expected_saved_tokens(self, min_tokens: int, min_members: int) -> int:
+        """Groups of at least min_members sharing at least min_tokens of whole pages save
+        (members - 1) reads of those pages."""
+        return sum(
+            (size - 1) * pages * PAGE
+            for (_, size), pages in zip(self.groups, self.shared_pages)
+            if size >= max(2, min_members) and pages * PAGE >= min_tokens
+        )
+
+
+# The kernel tests group every pair sharing a page; the engine's thresholds are tested apart.
+ANY_SHARING = dict(min_shared_tokens=PAGE, min_group_members=2)
+
+
+def check_cascade(t: Tables, dtype, what: str, **thresholds) -> native.CascadePlan:
+    scale = t.q.shape[-1] ** -0.5
+    plan = native.cascade_plan(t.page_table, t.seq_lens, PAGE, **(thresholds or ANY_SHARING))
+    cascade = native.paged_decode(t.q, t.k_cache, t.v_cache, t.page_table, t.seq_lens, scale, plan=plan.plan)
+    plain = native.paged_decode(t.q, t.k_cache, t.v_cache, t.page_table, t.seq_lens, scale)
+    expected = reference(t.q, t.paged(), scale)
+    assert_close(cascade, expected, dtype, f"{what}: cascade")
+    assert_close(plain, expected, dtype, f"{what}: plain")
+    return plan
+
+
+CASES = [
+    # (groups of (prefix tokens, members), GQA (q heads, kv heads), head_dim)
+    ([(1024, 2), (1024, 2)], (9, 3), 64),
+    ([(700, 3), (300, 1), (517, 2)], (8, 8), 64),  # prefixes off the page and chunk grid, a group of 1
+    ([(1024, 64)], (8, 1), 64),  # one group of 64, GQA 8
+    ([(300, 3), (280, 5)], (6, 2), 128),  # head_dim 128, GQA 3
+    ([(512, 5), (256, 4)], (6, 2), 40),  # head_dim 40: the member-by-member fallback (bf16 and fp32)
+    ([(260, 2), (600, 2)], (6, 2), 96),  # head_dim 96: the general vector instance
+    ([(0, 3), (40, 2)], (4, 4), 64),  # nothing long enough to share
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("groups", "heads", "head_dim"), CASES)
+def test_cascade_matches_the_reference_for_every_grouping(gen, dtype, groups, heads, head_dim):
+    own = torch.randint(1, 90, (sum(size for _, size in groups),), generator=gen).tolist()
+    t = Tables(gen, groups, own, heads=heads, head_dim=head_dim, dtype=dtype)
+    plan = check_cascade(t, dtype, f"{groups} {heads} d{head_dim}")
+    assert plan.saved_tokens == t.expected_saved_tokens(PAGE, 2)
+    assert (plan.plan is None) == (plan.saved_tokens == 0)
+
+
+def test_default_thresholds_group_only_what_pays(gen):
+    # SmolLM2's heads (GQA 3): a group needs 3 members (9 query heads per KV head) and 256 shared
+    # tokens; a pair over 1,024 tokens and trios over 112 and 240 tokens decode on their own.
+    groups = [(1024, 2), (1024, 3), (112, 3), (240, 3), (700, 16)]
+    own = torch.randint(1, 40, (sum(size for _, size in groups),), generator=gen).tolist()
+    t = Tables(gen, groups, own, heads=(9, 3), head_dim=64, dtype=torch.bfloat16)
+    members = native.min_members(3)
+    assert members == 3 and native.min_members(1) == 9 and native.min_members(8) == 2
+    plan = check_cascade(t, torch.bfloat16, "default thresholds", min_shared_tokens=native.MIN_SHARED_TOKENS, min_group_members=members)
+    assert plan.saved_tokens == t.expected_saved_tokens(native.MIN_SHARED_TOKENS, members) == 2 * 1024 + 15 * 688
+
+
+def test_plan_groups_by_the_deepest_prefix_that_saves_most(gen):
+    # Four system prompts of 1,024 tokens after a common 2-page root (the chat template's start):
+    # one group of 64 sharing 2 pages saves 63 x 32 reads; four groups of 16 sharing 66 pages
+    # each save 4 x 15 x 1,056, so the plan takes the four.
+    own = torch.randint(1, 60, (64,), generator=gen).tolist()
+    t = Tables(gen, [(1024, 16)] * 4, own, heads=(9, 3), head_dim=64, dtype=torch.bfloat16, roots=2)
+    plan = check_cascade(t, torch.bfloat16, "four prompts over a common root")
+    assert int(plan.plan[0]) == 4
+    assert plan.saved_tokens == 4 * 15 * (1024 + 2 * PAGE)
+
+
+def test_members_joining_and_leaving_between_steps(gen):
+    # Step by step a group grows and shrinks (requests join, finish, are preempted): the plan is
+    # rebuilt from each step's tables and the output always matches the reference.
+    own = [30, 50, 70, 90, 110]
+    t = Tables(gen, [(768, 5)], own, heads=(9, 3), head_dim=64, dtype=torch.bfloat16)
+    for members in ([0], [0, 1], [0, 1, 2, 3, 4], [1, 3], [4]):
+        index = torch.tensor(members)
+        sub = Tables.__new__(Tables)
+        sub.k_cache, sub.v_cache, sub.q = t.k_cache, t.v_cache, t.q[index]
+        sub.page_table, sub.seq_lens = t.page_table[index].contiguous(), t.seq_lens[index].contiguous()
+        plan = check_cascade(sub, torch.bfloat16, f"members {members}")
+        assert plan.saved_tokens == 768 * (len(members) - 1)
+
+
+def test_a_member_whose_whole_sequence_is_shared(gen):
+    # Two requests over the very same full pages (no own keys left): the merge takes the shared
+    # states alone.
+    t = Tables(gen, [(512, 3)], [0, 0, 16], heads=(4, 2), head_dim=64, dtype=torch.float32)
+    plan = check_cascade(t, torch.float32, "no own keys")
+    assert plan.saved_tokens == 2 * 512
+
+
+def test_cascade_rows_of_a_mixed_step(gen):
+    # In a mixed step the decoding requests' q and out rows sit among prefill rows: each request
+    # (and each group member) reads and writes only its own row.
+    t = Tables(gen, [(400, 4), (300, 3)], [20, 30, 40, 50, 10, 60, 5], heads=(9, 3), head_dim=64, dtype=torch.bfloat16)
+    rows = torch.tensor([9, 2, 5, 0, 11, 7, 3], dtype=torch.int32)
+    q = make_q(gen, 12, 9, 3, 64, torch.bfloat16)
+    q[rows.long()] = t.q
+    plan = native.cascade_plan(t.page_table, t.seq_lens, PAGE, **ANY_SHARING)
+    assert plan.plan is not None
+    out = torch.full((12, 9, 64), 7.0, dtype=torch.bfloat16)
+    native.paged_decode(q, t.k_cache, t.v_cache, t.page_table, t.seq_lens, 0.125, rows=rows, out=out, plan=plan.plan)
+    assert_close(out[rows.long()], reference(t.q, t.paged(), 0.125), torch.bfloat16, "mixed-step rows")
+    others = [r for r in range(12) if r not in rows.tolist()]
+    assert (out[others] == 7.0).all()

@@ -1,5 +1,6 @@
-"""The fused decode step (radixkv/cpu/fused_decode.py): decode-only steps of bf16 and fp32 models
-run all layers in one native call, and must give the very bits the layer-by-layer forward gives."""
+"""The fused decode step (radixkv/cpu/fused_decode.py, installed over a model's layers by
+radixkv/model/fused_layers.py): decode-only steps of bf16 and fp32 models run all layers in one
+native call, and must give the very bits the layer-by-layer forward gives."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from radixkv.attention.torch_backend import TorchBackend
 from radixkv.cpu import native
 from radixkv.cpu.linear import NATIVE_LINEAR_KERNELS, available_linear_kernels, missing_linear_kernel
 from radixkv.model import load_model
+from radixkv.model.fused_layers import fused_decode
 
 # The fused step chains the native linears: it runs with each of them this CPU can run, in the
 # dtype that kernel takes.
@@ -35,8 +37,8 @@ def run_schedule(
     time for all sequences together; returns each decode step's logits. shared_pages: the
     sequences start with the same tokens, whose first pages they all hold, as the radix tree
     hands out a cached prefix (decode then runs cascade groups)."""
-    plan = loaded.model.fused_decode
-    loaded.model.fused_decode = plan if fused else None
+    plan = fused_decode(loaded.model)
+    loaded.model.layers.fused = plan if fused else None
     torch.manual_seed(0)  # the same shuffled pages both times
     stepper = Stepper(loaded, sequences, page_size=16, pages_per_seq=24)
     try:
@@ -52,12 +54,12 @@ def run_schedule(
             step = stepper.step(dict.fromkeys(range(len(sequences)), 1), all_logits=False)
             logits.append(torch.cat([step[r] for r in range(len(sequences))]))
     finally:
-        loaded.model.fused_decode = plan
+        loaded.model.layers.fused = plan
     return logits, stepper
 
 
 def assert_fused_matches_modules(loaded, sequences: list[list[int]], monkeypatch, shared_pages: int = 0) -> None:
-    plan = loaded.model.fused_decode
+    plan = fused_decode(loaded.model)
     assert plan is not None
     calls = []
     run = plan.run
@@ -111,12 +113,12 @@ def test_fused_decode_on_smollm2_is_bit_identical(monkeypatch, kernel, dtype):
 
 def test_models_the_fused_step_cannot_run_keep_the_modules(tmp_path):
     qwen3 = load_model(str(make_random_model(tmp_path / "q3", "qwen3")), CPUBackend(), dtype="bfloat16", device="cpu")
-    assert qwen3.model.fused_decode is None  # q/k norms
+    assert fused_decode(qwen3.model) is None  # q/k norms
     for dtype in ("bfloat16", "float32"):  # oneDNN's (and torch's fp32) rows are not the C loop's to call
         onednn = load_model(str(make_random_model(tmp_path / dtype, "llama")), CPUBackend(), dtype=dtype, device="cpu", linear_kernel="onednn")
-        assert onednn.model.fused_decode is None
+        assert fused_decode(onednn.model) is None
     no_native = load_model(str(make_random_model(tmp_path / "n", "llama")), CPUBackend(), dtype="float32", device="cpu", native_kernels=False)
-    assert no_native.model.fused_decode is None
+    assert fused_decode(no_native.model) is None
 
 
 @needs_native_linears
@@ -134,9 +136,9 @@ def test_a_slot_outside_the_cache_is_refused_before_any_kernel_runs(tmp_path):
 def test_only_a_backend_with_the_capability_runs_the_fused_step(tmp_path, monkeypatch):
     folder = make_random_model(tmp_path / "m", "llama")
     loaded = load_model(str(folder), TorchBackend(), dtype=FUSED_DTYPE, device="cpu")
-    assert loaded.model.fused_decode is not None
+    assert fused_decode(loaded.model) is not None
     calls = []
-    monkeypatch.setattr(loaded.model.fused_decode, "run", lambda *args: calls.append(1))
+    monkeypatch.setattr(fused_decode(loaded.model), "run", lambda *args: calls.append(1))
     run_schedule(loaded, [[5, 6, 7, 8, 9, 10]], fused=True, decode_steps=2)
     assert not calls  # the torch reference decodes module by module
 
@@ -149,7 +151,7 @@ def test_the_fused_step_times_its_phases_without_changing_its_bits(tmp_path, mon
     loaded = load_model(str(folder), CPUBackend(), dtype=FUSED_DTYPE, device="cpu", linear_kernel=FUSED_KERNEL)
     generator = torch.Generator().manual_seed(4)
     sequences = [torch.randint(1, 320, (n,), generator=generator).tolist() for n in (9, 40, 23)]
-    fused = loaded.model.fused_decode
+    fused = fused_decode(loaded.model)
     untimed, _ = run_schedule(loaded, sequences, fused=True)
     fused.phase_seconds = torch.zeros(len(fused.PHASES), dtype=torch.float64)
     try:

@@ -1,0 +1,50 @@
+"""The fused CPU decode step installed over a model's decoder layers: decode-only steps run every
+layer in one native call (radixkv.cpu.fused_decode) where the step's attention state hands out
+tables it checked (StepState.decode_tables); every other step runs the layers module by module.
+
+The loader installs it, as it packs linears; the model and the engine never ask which runs.
+Batch invariance holds either way: the fused step calls the kernels the modules call.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from radixkv.attention.base import AttentionMetadata
+from radixkv.cpu.fused_decode import FusedDecode
+from radixkv.model.llama import CausalLM, DecoderLayers
+
+
+class FusedDecodeLayers(DecoderLayers):
+    """The same layers (same modules, same parameter names) with the fused decode step in front."""
+
+    def __init__(self, layers: DecoderLayers, fused: FusedDecode) -> None:
+        super().__init__(layers)
+        # None runs every step module by module (a profiler or test compares the two paths).
+        self.fused: FusedDecode | None = fused
+
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata, k_caches: list[Tensor], v_caches: list[Tensor]
+    ) -> tuple[Tensor, Tensor]:
+        if self.fused is None:
+            return super().forward(x, cos, sin, meta, k_caches, v_caches)
+        # One new token per request: a request with none this step has no row to decode.
+        tables = meta.state.decode_tables() if meta.is_decode_only and meta.num_seqs == x.shape[0] else None
+        if tables is None:
+            return super().forward(x, cos, sin, meta, k_caches, v_caches)
+        return self.fused.run(x, cos, sin, k_caches, v_caches, tables.slot_mapping, tables.page_table, tables.seq_lens, tables.plan)
+
+
+def install_fused_decode(model: CausalLM) -> bool:
+    """Put the fused decode step in front of the model's layers where every layer can take the
+    native path (FusedDecode.for_model); returns whether it did."""
+    fused = FusedDecode.for_model(model)
+    if fused is None:
+        return False
+    model.layers = FusedDecodeLayers(model.layers, fused)
+    return True
+
+
+def fused_decode(model: CausalLM) -> FusedDecode | None:
+    """The fused step installed over this model's layers and switched on, else None."""
+    return model.layers.fused if isinstance(model.layers, FusedDecodeLayers) else None
