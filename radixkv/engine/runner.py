@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from radixkv.attention.base import AttentionMetadata, KVReads
+from radixkv.attention.base import AttentionMetadata, KVReads, StepState
 from radixkv.cache.pages import PagePool
 from radixkv.engine.guide import GuideMasks, PendingMasks
 from radixkv.engine.request import Batch, SequenceState, TokenLogprob
@@ -141,9 +141,10 @@ def _zero_non_finite_rows(logits: torch.Tensor) -> torch.Tensor:
     return non_finite
 
 
-def _kv_reads(meta: AttentionMetadata) -> KVReads | None:
-    # Backends that count their decode reads (CPU and Triton) leave them on their step state.
-    return getattr(meta.backend_state, "kv_reads", None)
+def _kv_reads(meta: AttentionMetadata[StepState]) -> KVReads | None:
+    # Backends that count their decode reads (CPU and Triton) leave them on their step state;
+    # the forward has run, so the backend's begin_step has set it.
+    return meta.state.kv_reads
 
 
 def _token_slice(seq: SequenceState, start: int, end: int) -> list[int]:
