@@ -19,8 +19,10 @@ from radixkv.cache.pages import PagePool, available_memory_bytes
 from radixkv.cache.radix import RadixTree
 from radixkv.config import EngineConfig
 from radixkv.engine.compute_cost import ComputeCost, attended
+from radixkv.engine.context import ContextLimit
 from radixkv.engine.disk_loader import open_disk_tier
 from radixkv.engine.guide import GuideLimits, Guides
+from radixkv.engine.invariants import check_page_accounting
 from radixkv.engine.kv_manager import KVManager
 from radixkv.engine.outputs import RequestBook
 from radixkv.engine.pins import Owner, PinnedPrefix, Pins
@@ -78,6 +80,7 @@ class Engine:
         # The most tokens (prompt + completion) one request may have: the model's context, or
         # less when the page pool is smaller. Every layer that checks a length reads this.
         self.max_context_tokens = min(self.max_model_len, num_pages * config.page_size)
+        self.context = ContextLimit(self.max_context_tokens, self.max_model_len, num_pages, config.page_size, model_config.vocab_size)
         self.hasher = BlockHasher(config.page_size, seed=config.hash_seed)
         self.tree = RadixTree(
             self.pool, self.hasher, eviction_policy=config.eviction_policy,
@@ -85,14 +88,8 @@ class Engine:
         )
         self.compute_cost = ComputeCost()
         self.kv = KVManager(
-            self.pool,
-            self.tree,
-            self.hasher,
-            config.enable_prefix_caching,
-            open_disk_tier(config, loaded, self.pool.page_nbytes),
-            self.compute_cost.estimate_s,
-            config.kv_disk_prefetch_bytes,
-            config.max_retained_pages_per_owner,
+            self.pool, self.tree, self.hasher, config.enable_prefix_caching, open_disk_tier(config, loaded, self.pool.page_nbytes),
+            self.compute_cost.estimate_s, config.kv_disk_prefetch_bytes, config.max_retained_pages_per_owner,
         )
         self.scheduler = Scheduler(config, self.kv)
         self.sampler = Sampler(config.seed)
@@ -137,8 +134,7 @@ class Engine:
         request only: `params` may be shared)."""
         params = params or SamplingParams()
         self.check_request(prompt_token_ids, params, salt, guide_checked=guide_grammar is not None)
-        if params.max_tokens is None:
-            params = replace(params, max_tokens=self.max_context_tokens - len(prompt_token_ids))
+        params = self.context.filled(prompt_token_ids, params)
         if params.n > self.queue_room():
             raise QueueFull(f"the waiting queue is full ({self.config.max_queue_len} requests); retry later", limit=self.config.max_queue_len)
         request_id = request_id if request_id is not None else f"req-{next(self._request_ids)}"
@@ -163,46 +159,13 @@ class Engine:
 
     def check_request(self, prompt: list[int], params: SamplingParams, salt: str | None = None, *, guide_checked: bool = False) -> None:
         """Raise InvalidRequest (naming the parameter and the limit) unless the engine can run
-        this request: a valid prompt that fits the context (with max_tokens, or leaving room
-        for one token when it is None) and the page pool beside the pins. The one context
-        check: no other layer repeats it."""
-        self._check_prompt(prompt)
-        total = len(prompt) + (params.max_tokens if params.max_tokens is not None else 1)
-        if total > self.max_context_tokens:
-            raise InvalidRequest(
-                f"{self._context_limit_text()}; the request needs {total} ({len(prompt)} prompt + {params.max_tokens} max_tokens)",
-                param="max_tokens",
-                code="context_length_exceeded",
-                limit=self.max_context_tokens,
-            )
+        this request: a valid prompt that fits the context (engine/context.py, with max_tokens,
+        or leaving room for one token when it is None) and the page pool beside the pins."""
+        self.context.check(prompt, params)
         if self.pins:
-            # max_tokens None fills the context: the most pages it may take.
-            total = len(prompt) + params.max_tokens if params.max_tokens is not None else self.max_context_tokens
-            self.pins.check_room(prompt, -(-total // self.pool.page_size), salt)
+            self.pins.check_room(prompt, -(-self.context.most_tokens(prompt, params) // self.pool.page_size), salt)
         if params.guide is not None and not guide_checked:
             self.guides.check(params.guide)  # compiles it once; add_request finds it cached
-
-    def _check_prompt(self, prompt: list[int]) -> None:
-        """InvalidRequest (param "prompt") unless `prompt` is token ids of this model that leave
-        the context room for at least one more token."""
-        if not prompt:
-            raise InvalidRequest("the prompt is empty; it needs at least one token", param="prompt")
-        vocab = self.model_config.vocab_size
-        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in prompt):
-            raise InvalidRequest(f"prompt token ids must be integers in [0, {vocab})", param="prompt", limit=vocab)
-        if len(prompt) >= self.max_context_tokens:
-            raise InvalidRequest(
-                f"{self._context_limit_text()}; the prompt has {len(prompt)} tokens, which leaves no room for a completion",
-                param="prompt",
-                code="context_length_exceeded",
-                limit=self.max_context_tokens,
-            )
-
-    def _context_limit_text(self) -> str:
-        text = f"this model's maximum context length is {self.max_context_tokens} tokens"
-        if self.max_context_tokens < self.max_model_len:
-            text += f" (the KV page pool holds {self.pool.num_pages} pages of {self.pool.page_size} tokens)"
-        return text
 
     def abort(self, request_id: str) -> RequestDelta | None:
         """End a request wherever it is; its pages go back. None if it is unknown or done."""
@@ -225,9 +188,7 @@ class Engine:
         one owner, None) and over all owners (EngineConfig.max_pinned_pages*): InvalidRequest
         past a cap (OwnerCapExceeded past the owner's own), for a prefix too long for the
         context, or one that locks no full page; nothing is locked then."""
-        self._check_prompt(list(prefix_token_ids))
-        if ttl_s is not None and (isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not 0 <= ttl_s < float("inf")):
-            raise InvalidRequest(f"a pin ttl must be a non-negative number of seconds, got {ttl_s!r}", param="ttl")
+        self.context.check_prompt(list(prefix_token_ids))
         return self.pins.pin(list(prefix_token_ids), salt, owner, ttl_s)
 
     def unpin(self, pin_id: int, owner: Owner = None) -> bool:
@@ -354,22 +315,4 @@ class Engine:
 
     def check_invariants(self) -> None:
         """free + evictable + in use == total, no page counted twice, refcounts explained."""
-        self.tree.check_invariants()
-        free = self.pool.free_pages()
-        evictable = self.tree.evictable_page_set()
-        cached = self.tree.cached_page_set()
-        assert not free & evictable, f"pages both free and evictable: {sorted(free & evictable)[:8]}"
-        expected = [0] * self.pool.num_pages
-        for page in cached:
-            expected[page] += 1
-        for seq in self.scheduler.running:
-            for page in seq.page_table:
-                expected[page] += 1
-        for seq in self.scheduler.waiting:
-            assert not seq.page_table and seq.tree_node is None, f"waiting seq {seq.seq_id} holds pages"
-        for page in range(self.pool.num_pages):
-            assert self.pool.refcount(page) == expected[page], (
-                f"page {page}: refcount {self.pool.refcount(page)}, expected {expected[page]}"
-            )
-        in_use = {p for p in range(self.pool.num_pages) if expected[p] and p not in evictable}
-        assert len(free) + len(evictable) + len(in_use) == self.pool.num_pages
+        check_page_accounting(self.pool, self.tree, self.scheduler.running, self.scheduler.waiting)

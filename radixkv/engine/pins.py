@@ -91,6 +91,8 @@ class Pins:
         """Lock the cached full blocks of `prompt` (in partition `salt`) for `owner`, until
         unpinned or, with a ttl, until then; InvalidRequest (OwnerCapExceeded for the owner's
         own cap) if it locks nothing or passes a cap, having locked nothing."""
+        if ttl_s is not None and (isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not 0 <= ttl_s < float("inf")):
+            raise InvalidRequest(f"a pin ttl must be a non-negative number of seconds, got {ttl_s!r}", param="ttl")
         self.expire()
         node, num_pinned_tokens = self._kv.pin(prompt, salt)
         pages = num_pinned_tokens // self._page_size
