@@ -204,7 +204,7 @@ def _attend(
     """Attention of q_len queries at positions prefix_len.. over kv_len keys, causally."""
     q_len, kv_len = q.shape[0], keys.shape[0]
     # [1, heads, len, head_dim]: with a batch dimension PyTorch's CPU flash kernel runs; 3-D
-    # inputs fall back to the math path, about 8x slower at 512 tokens.
+    # inputs fall back to the math path, several times slower on long prompts.
     qt, kt, vt = (x.transpose(0, 1).unsqueeze(0) for x in (q, keys, values))
     if prefix_len == 0:
         out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True)

@@ -89,7 +89,7 @@ class BlockHasher:
         return hashes
 
     def _token_bytes(self, token_ids: Sequence[int]) -> bytes:
-        # numpy arrays convert in C; for Python lists struct.pack is ~3x faster than np.asarray.
+        # numpy arrays convert in C; for Python lists struct.pack is faster than np.asarray.
         if isinstance(token_ids, np.ndarray):
             return np.ascontiguousarray(token_ids, dtype="<i8").tobytes()
         try:

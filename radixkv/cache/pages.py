@@ -101,8 +101,8 @@ class PagePool:
     def _zero_up_to(self, end: int) -> None:
         if end > self._num_zeroed_pages:
             # At least ZERO_CHUNK_PAGES at a time: decode takes a page per sequence every few
-            # steps, and zeroing each alone cost a call per layer tensor each time (~1 ms a
-            # step at 32 sequences over 30 layers while a fresh pool fills).
+            # steps, and zeroing each alone costs a call per layer tensor each time, a visible
+            # share of a decode step while a fresh pool fills.
             end = min(self.num_pages, max(end, self._num_zeroed_pages + ZERO_CHUNK_PAGES))
             for cache in (*self.k_cache, *self.v_cache):
                 cache[self._num_zeroed_pages : end].zero_()

@@ -136,17 +136,10 @@ def work_floats(seq_lens: torch.Tensor, plan: torch.Tensor | None, num_q_heads: 
 
 
 # Who decodes as a cascade group on CPU. A shared item transposes and pairs its keys and values
-# once for all its queries, then runs at the vdpbf16ps rate; that set-up pays over 256 or more
-# shared tokens for 9 or more query heads per KV head (members x GQA group: 3 members of
-# SmolLM2's GQA 3). Measured on Zen 4 (32 requests, 30 layers, cold caches, bf16), plain time /
-# cascade time: `python -m radixkv.scenarios.cpu_kernels`, three runs: over 64 shared tokens
-# 0.76-1.02 whatever the group; over 1,024, 1.11-1.27 for 4 members and 1.36-1.56 for 8 and 16.
-# Pairs (6 query heads) lost in every run: 0.93-0.98 over 256 and 1,024 tokens, and 0.95 and
-# 0.93 alternated in one process, where trios gave 1.00 (256) and 1.06 (1,024) and groups of 4
-# 1.10 and 1.27. Below 256 tokens grouping loses up to 24%. On Zen 3 (AVX2, fp32 tiles), after
-# the plain item's one-pass reads (session 12): 1.37 and 1.50 for groups of 8 and 16 over 1,024
-# tokens, 1.04 for 4, 0.95-1.14 over 256, and pairs 0.77-0.84 (which min_members leaves plain);
-# the same thresholds hold there.
+# once for all its queries, then runs at the matrix-product rate; that set-up pays only over
+# enough shared tokens and enough query heads per KV head (members x GQA group: 3 members of
+# SmolLM2's GQA 3). The runs that set both thresholds, on Zen 4 and Zen 3, are in
+# docs/measurements.md ("Cascade decode: where a group pays on CPU").
 MIN_SHARED_TOKENS = 256
 MIN_GROUP_QUERY_HEADS = 9
 

