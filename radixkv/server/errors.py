@@ -1,13 +1,14 @@
 """Every error the server answers with, in OpenAI's error shape: APIError, the app's exception
 handlers, request-body validation errors, and the engine's errors mapped by their fields
-(param, code) into the names the request itself used (server.sampling.WireNames).
+(param, code) into the names the request itself used (WireNames).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -18,9 +19,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from radixkv.engine.async_engine import EngineStepError, EngineStopped
 from radixkv.errors import InvalidRequest, OwnerCapExceeded, QueueFull
 from radixkv.server.request_caps import CapExceeded
-
-if TYPE_CHECKING:
-    from radixkv.server.sampling import WireNames
 
 logger = logging.getLogger("radixkv.server")
 
@@ -57,6 +55,28 @@ ERROR_TYPES = {
 
 def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
     return {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"), "message": message}}
+
+
+@dataclass(frozen=True, slots=True)
+class WireNames:
+    """One wire format's names for the engine's parameters, the one place they are mapped: a
+    chat request's prompt is its `messages`, its max_tokens may be `max_completion_tokens`, a
+    Responses request's are `input` and `max_output_tokens`. `guide` is the field a JSON guide
+    came from (response_format, text.format, or tools when a call is forced); None keeps the
+    engine's name."""
+
+    prompt: str = "prompt"
+    max_tokens: str = "max_tokens"
+    guide: str | None = None
+
+    def of(self, param: str | None) -> str | None:
+        if param == "prompt":
+            return self.prompt
+        if param == "max_tokens":
+            return self.max_tokens
+        if param in ("response_format", "guide") and self.guide is not None:
+            return self.guide
+        return param
 
 
 class APIError(Exception):

@@ -1,17 +1,15 @@
-"""Every wire format's request as the engine's `SamplingParams`, and each format's names for the
-engine's parameters (`WireNames`), so an engine error names the field the client sent. A
+"""Every wire format's request as the engine's `SamplingParams`, with each format's names for the
+engine's parameters (`errors.WireNames`), so an engine error names the field the client sent. A
 format's own defaults live here; the checks (context, ranges, seeds) are SamplingParams' and
 the engine's alone.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from radixkv.engine.request import JsonGuide, SamplingParams
 from radixkv.errors import InvalidRequest
 from radixkv.server.anthropic.protocol import MessagesRequest
-from radixkv.server.errors import engine_error
+from radixkv.server.errors import WireNames, engine_error
 from radixkv.server.openai.protocol import ChatCompletionRequest, CompletionRequest
 from radixkv.server.openai.responses_protocol import ResponsesRequest
 
@@ -20,28 +18,6 @@ from radixkv.server.openai.responses_protocol import ResponsesRequest
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 # OpenAI's and Anthropic's default temperature when a request leaves it out.
 DEFAULT_TEMPERATURE = 1.0
-
-
-@dataclass(frozen=True, slots=True)
-class WireNames:
-    """One wire format's names for the engine's parameters, the one place they are mapped: a
-    chat request's prompt is its `messages`, its max_tokens may be `max_completion_tokens`, a
-    Responses request's are `input` and `max_output_tokens`. `guide` is the field a JSON guide
-    came from (response_format, text.format, or tools when a call is forced); None keeps the
-    engine's name."""
-
-    prompt: str = "prompt"
-    max_tokens: str = "max_tokens"
-    guide: str | None = None
-
-    def of(self, param: str | None) -> str | None:
-        if param == "prompt":
-            return self.prompt
-        if param == "max_tokens":
-            return self.max_tokens
-        if param in ("response_format", "guide") and self.guide is not None:
-            return self.guide
-        return param
 
 
 COMPLETIONS_NAMES = WireNames()

@@ -29,6 +29,7 @@ from radixkv.engine.request import (
     SamplingParams,
 )
 from radixkv.server.errors import (
+    WireNames,
     ENGINE_ERRORS,
     APIError,
     ClientGone,
@@ -36,7 +37,6 @@ from radixkv.server.errors import (
 )
 from radixkv.server.metrics import RequestTracker, ServerMetrics
 from radixkv.server.quotas import KeyQuotas, Lease
-from radixkv.server.sampling import WireNames
 
 T = TypeVar("T")
 logger = logging.getLogger("radixkv.server")

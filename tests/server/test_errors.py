@@ -8,8 +8,7 @@ import pytest
 
 from radixkv.engine.async_engine import EngineStepError, EngineStopped
 from radixkv.errors import InvalidRequest, OwnerCapExceeded, QueueFull
-from radixkv.server.errors import engine_error
-from radixkv.server.sampling import WireNames
+from radixkv.server.errors import WireNames, engine_error
 
 from tests.helpers.live_server import KEY_A, MAX_QUEUE_LEN, MODEL
 

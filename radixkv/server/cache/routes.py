@@ -30,8 +30,7 @@ from radixkv.server.cache.protocol import (
     UnpinResponse,
 )
 from radixkv.server.encode import chat_prompt
-from radixkv.server.errors import APIError, engine_error, parse_body
-from radixkv.server.sampling import WireNames
+from radixkv.server.errors import APIError, WireNames, engine_error, parse_body
 from radixkv.server.streaming import collect, submit, until_disconnect
 
 if TYPE_CHECKING:

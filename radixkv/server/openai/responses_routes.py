@@ -20,6 +20,7 @@ from radixkv.errors import InvalidRequest
 from radixkv.server import sampling
 from radixkv.server import tools as tool_layer
 from radixkv.server.errors import (
+    WireNames,
     APIError,
     engine_error,
     parse_body,
@@ -36,7 +37,6 @@ from radixkv.server.openai.responses_protocol import (
     response_usage,
 )
 from radixkv.server.openai.responses_store import ResponseStore, conversation_bytes
-from radixkv.server.sampling import WireNames
 from radixkv.server.streaming import (
     SSEResponse,
     collect,

@@ -28,6 +28,7 @@ from radixkv.errors import InvalidRequest
 from radixkv.server import sampling
 from radixkv.server.encode import chat_prompt, completion_prompts
 from radixkv.server.errors import (
+    WireNames,
     APIError,
     engine_error,
     parse_body,
@@ -57,7 +58,6 @@ from radixkv.server.openai.protocol import (
     new_id,
     now_s,
 )
-from radixkv.server.sampling import WireNames
 from radixkv.server.streaming import (
     SSEResponse,
     collect,
