@@ -31,6 +31,8 @@ T = TypeVar("T")
 # When work exists but nothing could be scheduled (an impossible state in a healthy engine, but
 # a loop must never spin on it), wait this long before trying again.
 _NO_PROGRESS_WAIT_S = 0.01
+# How long a stats read waits for the step in flight before it answers with the last snapshot.
+_STATS_WAIT_S = 0.5
 
 
 class EngineStopped(RuntimeError):
@@ -186,6 +188,7 @@ class AsyncEngine:
         self._ids = itertools.count()
         self._id_prefix = uuid.uuid4().hex[:8]
         self._final_stats: EngineStats | None = None  # the engine's as its thread left it
+        self._last_stats: EngineStats | None = None  # the last computed, for a read during a long step
         self.error: BaseException | None = None  # set when the engine thread died
         self._failed_steps_in_a_row = 0  # engine thread writes, anyone reads (an int: atomic)
         self._step_started_s: float | None = None  # time.monotonic() of the running step
@@ -260,8 +263,15 @@ class AsyncEngine:
         no thread runs it; once the thread has stopped, as it left them."""
         if self._thread is threading.current_thread() or not self._thread.is_alive():
             return self._final_stats or self.engine.stats()
+        future = self.call(lambda engine: engine.stats())
         try:
-            return self.call(lambda engine: engine.stats()).result()
+            return self._fresh_stats(future.result(timeout=_STATS_WAIT_S))
+        except concurrent.futures.TimeoutError:
+            # A long step is in flight: monitoring and routers' load polls answer now with the
+            # last snapshot rather than wait for it (a stuck step is when they matter most).
+            if self._last_stats is not None:
+                return self._last_stats
+            return self._fresh_stats(future.result())
         except EngineStopped:
             return self._stats_after_stop()
 
@@ -269,10 +279,19 @@ class AsyncEngine:
         """stats(), awaited without holding up the event loop."""
         if not self._thread.is_alive():
             return self._final_stats or self.engine.stats()
+        pending = asyncio.wrap_future(self.call(lambda engine: engine.stats()))
         try:
-            return await self.call_async(lambda engine: engine.stats())
+            return self._fresh_stats(await asyncio.wait_for(asyncio.shield(pending), _STATS_WAIT_S))
+        except TimeoutError:
+            if self._last_stats is not None:
+                return self._last_stats  # as in stats(): a long step is in flight
+            return self._fresh_stats(await pending)
         except EngineStopped:
             return await asyncio.to_thread(self._stats_after_stop)
+
+    def _fresh_stats(self, stats: EngineStats) -> EngineStats:
+        self._last_stats = stats
+        return stats
 
     def num_unfinished(self) -> int:
         """Requests the engine holds, from any thread without waiting: one length read (atomic),

@@ -190,3 +190,23 @@ def test_stats_are_computed_when_read_not_after_every_loop(tiny_llama):
     finally:
         async_engine.shutdown()
     assert async_engine.stats().counters.num_output_tokens == 6  # as the stopped thread left them
+
+
+def test_a_stats_read_during_a_long_step_answers_with_the_last_snapshot(tiny_llama):
+    # /metrics and a router's load poll must answer while a step runs long (or is stuck);
+    # they get the last snapshot, and a fresh one once the engine thread is free again.
+    async_engine = make_async_engine(tiny_llama)
+    release = threading.Event()
+    try:
+        asyncio.run(run(async_engine, PROMPT, SamplingParams(max_tokens=3)))
+        before = async_engine.stats()
+        busy = async_engine.call(lambda engine: release.wait(60))  # the engine thread is held
+        assert async_engine.stats() is before
+        assert asyncio.run(async_engine.stats_async()) is before
+        release.set()
+        busy.result(timeout=60)
+        assert async_engine.stats() is not before
+        assert async_engine.stats().counters.num_output_tokens == 3
+    finally:
+        release.set()
+        async_engine.shutdown()
