@@ -1,9 +1,11 @@
-"""Test-wide environment, set at import time before anything imports the Triton kernels, and the
-tiny model folder that the engine, server, reliability and SDK tests share."""
+"""Test-wide environment, set at import time before anything imports the Triton kernels; one
+torch thread outside the kernel packages; and the tiny model folder that the engine, server,
+reliability and SDK tests share."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,33 @@ if not torch.cuda.is_available():
     # Triton's jit reads this when a kernel module is imported: run kernels on the CPU interpreter.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+# Tiny models gain nothing from intra-op threads, and the OpenMP threads of torch and of the
+# native kernels spin-wait on each other: on a 2-core machine a tiny model's step spent 20-40x
+# the CPU time at two threads that it spent at one, more when other work shares the cores. So
+# every test runs at one thread (subprocesses too: `radixkv serve` workers, scenario runs),
+# except in the packages that test the kernels' own split of work across threads.
+DEFAULT_THREADS = torch.get_num_threads()
+THREADED_PACKAGES = frozenset({"attention", "cpu", "kernels", "model"})
+torch.set_num_threads(1)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+_TESTS = Path(__file__).parent
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads(request: pytest.FixtureRequest) -> Iterator[None]:
+    """torch's own thread count for tests in THREADED_PACKAGES; one thread everywhere else.
+    Threads an engine starts inherit the count at their start (a live server's engine thread)."""
+    path = Path(request.node.path)
+    parts = path.relative_to(_TESTS).parts if path.is_relative_to(_TESTS) else ()
+    if len(parts) < 2 or parts[0] not in THREADED_PACKAGES:
+        yield
+        return
+    torch.set_num_threads(DEFAULT_THREADS)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

@@ -20,3 +20,13 @@ def test_no_top_level_package_shadows_an_installed_one():
         if (folder / "__init__.py").is_file() and folder.name not in {"radixkv", "tests"} and folder.name in provided
     }
     assert not clashes, f"top-level folders shadow installed packages (move them under radixkv/): {clashes}"
+
+
+
+def test_the_suite_runs_at_one_torch_thread_outside_the_kernel_packages():
+    import torch
+
+    from tests.conftest import DEFAULT_THREADS, THREADED_PACKAGES
+
+    assert torch.get_num_threads() == 1 and DEFAULT_THREADS >= 1
+    assert THREADED_PACKAGES >= {"attention", "cpu", "kernels", "model"}
