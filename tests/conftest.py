@@ -1,9 +1,11 @@
-"""Test-wide environment, set at import time before anything imports the Triton kernels, and the
-tiny model folder that the engine, server, reliability and SDK tests share."""
+"""Test-wide environment, set at import time before anything imports the Triton kernels; one
+torch thread outside the kernel packages; and the tiny model folder that the engine, server,
+reliability and SDK tests share."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,39 @@ if not torch.cuda.is_available():
     # Triton's jit reads this when a kernel module is imported: run kernels on the CPU interpreter.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+# Tiny models gain nothing from intra-op threads, and the OpenMP threads of torch and of the
+# native kernels spin-wait on each other: on a 2-core machine a tiny model's step spent 20-40x
+# the CPU time at two threads that it spent at one, more when other work shares the cores. So
+# every test runs at one thread (subprocesses too: `radixkv serve` workers, scenario runs),
+# except in the packages whose tests reach the native kernels' split of work across threads
+# only through torch's default count. (tests/attention sets its thread counts itself; the
+# Triton interpreter has no split to test.)
+DEFAULT_THREADS = torch.get_num_threads()
+THREADED_PACKAGES = frozenset({"cpu", "model"})
+# test_drain_lets_a_stream_in_flight_finish counts one SSE event per token, which holds only
+# while a step is slower than the reader: at one thread the tokens come merged into fewer
+# events. Threaded until it counts the stream's tokens some other way (its usage).
+THREADED_FILES = frozenset({"server/test_drain.py"})
+torch.set_num_threads(1)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+_TESTS = Path(__file__).parent
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads(request: pytest.FixtureRequest) -> Iterator[None]:
+    """torch's own thread count for tests in THREADED_PACKAGES and THREADED_FILES, one thread
+    elsewhere. An engine thread keeps the count it started with (a session's live server)."""
+    path = Path(request.node.path)
+    parts = path.relative_to(_TESTS).parts if path.is_relative_to(_TESTS) else ()
+    if len(parts) < 2 or (parts[0] not in THREADED_PACKAGES and "/".join(parts) not in THREADED_FILES):
+        yield
+        return
+    torch.set_num_threads(DEFAULT_THREADS)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

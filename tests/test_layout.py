@@ -42,3 +42,12 @@ def test_the_architecture_document_names_only_paths_that_exist():
     assert len(named) > 40, "the document names the modules it describes"
     missing = sorted(p for p in named if not (ROOT / p).exists() and not (ROOT / "radixkv" / p).exists())
     assert not missing, f"docs/architecture.md names paths that do not exist: {missing}"
+
+
+def test_the_suite_runs_at_one_torch_thread_outside_the_kernel_packages():
+    import torch
+
+    from tests.conftest import DEFAULT_THREADS, THREADED_PACKAGES
+
+    assert torch.get_num_threads() == 1 and DEFAULT_THREADS >= 1
+    assert THREADED_PACKAGES >= {"cpu", "model"}

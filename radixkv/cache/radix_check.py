@@ -46,8 +46,10 @@ def _check_order(tree: RadixTree, walk: _Walk) -> None:
     keys = tree._order.keys()
     for tag, value, node_id, node in keys:
         expected = tree._order.key_of(node)
-        _require((tag, value, node_id) == expected[:3], f"stale eviction key for {node!r}")
-        _require(node.evict_key == (tag, value, node_id, node), f"{node!r} forgot its eviction key")
+        if (tag, value, node_id) != expected[:3]:
+            _fail(f"stale eviction key for {node!r}")
+        if node.evict_key != (tag, value, node_id, node):
+            _fail(f"{node!r} forgot its eviction key")
     ids = [key[2] for key in keys]
     _require(len(ids) == len(set(ids)), "a node is in the eviction order twice")
     _require(
@@ -67,38 +69,51 @@ def _check_book(tree: RadixTree, walk: _Walk) -> None:
     for retention in tree._book:
         node: Node | None = retention.node
         while node is not None and node.parent is not None:
-            if not node.removed:
-                _require(retention.retention_id in node.retains, f"retention {retention.retention_id} misses {node!r}")
+            if not node.removed and retention.retention_id not in node.retains:
+                _fail(f"retention {retention.retention_id} misses {node!r}")
             node = node.parent
 
 
 def _check_subtree(tree: RadixTree, root: Node, walk: _Walk) -> None:
+    # Runs after every step under check_invariants, over every node and page: each message is
+    # built only on failure (an eager f-string formats nodes millions of times per test run).
     ps = tree.page_size
+    refcount = tree.pool.refcount
+    pages_seen = walk.pages
     stack = [root]
     while stack:
         node = stack.pop()
         child_locks = 0
         for key, child in node.children.items():
-            _require(child.parent is node, f"{child!r} does not point back to its parent {node!r}")
-            _require(bool(child.hashes) and key == child.hashes[0], f"{child!r} is filed under a wrong key")
-            _require(child.salt == root.salt, f"{child!r} has another salt than its root")
-            _require(child.last_access <= node.last_access, f"{child!r} was used after its parent {node!r}")
-            if node is not root:
-                _require(child.num_hits <= node.num_hits, f"{child!r} has more hits than its parent {node!r}")
+            if child.parent is not node:
+                _fail(f"{child!r} does not point back to its parent {node!r}")
+            if not (child.hashes and key == child.hashes[0]):
+                _fail(f"{child!r} is filed under a wrong key")
+            if child.salt != root.salt:
+                _fail(f"{child!r} has another salt than its root")
+            if child.last_access > node.last_access:
+                _fail(f"{child!r} was used after its parent {node!r}")
+            if node is not root and child.num_hits > node.num_hits:
+                _fail(f"{child!r} has more hits than its parent {node!r}")
             child_locks += child.lock_ref
             stack.append(child)
-        _require(node.lock_ref >= child_locks, f"{node!r} has fewer locks than its children ({child_locks})")
-        _require(not node.removed, f"{node!r} is marked removed but still in the tree")
+        if node.lock_ref < child_locks:
+            _fail(f"{node!r} has fewer locks than its children ({child_locks})")
+        if node.removed:
+            _fail(f"{node!r} is marked removed but still in the tree")
         if node is root:
             continue
         num = len(node.pages)
-        _require(num >= 1, f"{node!r} holds no block")
-        _require(len(node.hashes) == num and len(node.tokens) == num * ps, f"{node!r} run lengths disagree")
+        if num < 1:
+            _fail(f"{node!r} holds no block")
+        if len(node.hashes) != num or len(node.tokens) != num * ps:
+            _fail(f"{node!r} run lengths disagree")
         walk.nodes += 1
         walk.cached += num
-        if node.parent is not root:
-            _require(node.retains.items() <= node.parent.retains.items(), f"{node!r} is retained below an unretained parent")
-        _require(node.retention_expires_at_s == max(node.retains.values(), default=0.0), f"{node!r} has a stale retention_expires_at_s")
+        if node.parent is not root and not node.retains.items() <= node.parent.retains.items():
+            _fail(f"{node!r} is retained below an unretained parent")
+        if node.retention_expires_at_s != max(node.retains.values(), default=0.0):
+            _fail(f"{node!r} has a stale retention_expires_at_s")
         walk.retention_ids.update(node.retains)
         walk.retained += num if node.retains else 0
         walk.protected += num if node.num_hits else 0
@@ -108,11 +123,14 @@ def _check_subtree(tree: RadixTree, root: Node, walk: _Walk) -> None:
             if not node.children:
                 walk.unlocked_leaves.add(node.node_id)
         for page in node.pages:
-            _require(page not in walk.pages, f"page {page} is cached by two nodes")
-            walk.pages.add(page)
-            count = tree.pool.refcount(page)
-            _require(count >= 1, f"cached page {page} has refcount {count}")
-            _require(not unlocked or count == 1, f"evictable page {page} of {node!r} has refcount {count}, not 1")
+            if page in pages_seen:
+                _fail(f"page {page} is cached by two nodes")
+            pages_seen.add(page)
+            count = refcount(page)
+            if count < 1:
+                _fail(f"cached page {page} has refcount {count}")
+            if unlocked and count != 1:
+                _fail(f"evictable page {page} of {node!r} has refcount {count}, not 1")
 
 
 def _check_subtree_hashes(tree: RadixTree, root: Node) -> None:
@@ -120,7 +138,8 @@ def _check_subtree_hashes(tree: RadixTree, root: Node) -> None:
     while stack:
         node, parent_hash = stack.pop()
         expected = tree.hasher.hash_blocks(node.tokens, root.salt, parent=parent_hash)
-        _require(expected == node.hashes, f"{node!r} stores hashes that do not match its tokens")
+        if expected != node.hashes:
+            _fail(f"{node!r} stores hashes that do not match its tokens")
         stack.extend((child, node.hashes[-1]) for child in node.children.values())
 
 
@@ -139,3 +158,7 @@ class _Walk:
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise AssertionError(message)
+
+
+def _fail(message: str) -> None:
+    raise AssertionError(message)

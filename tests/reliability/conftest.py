@@ -7,21 +7,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 from radixkv.attention import make_backend
 from radixkv.model.loader import LoadedModel, load_model
 from tests.helpers.live_server import LiveServer, make_async_engine, serve
-
-
-@pytest.fixture(scope="package", autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    """Tiny models gain nothing from intra-op threads, and on a busy 2-core machine the
-    threads' spin-waiting made each step ~20x slower; restored for the other packages."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")

@@ -6,6 +6,7 @@ import importlib
 import json
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -20,13 +21,34 @@ SCENARIOS = {
 }
 
 
+# The one scenario whose peers run in their own processes, as `radixkv bench` runs them: the
+# rest run each peer's own entry point (peers._main) in this process, since a fresh Python that
+# imports torch and transformers costs more than a tiny peer's whole run.
+PEERS_IN_SUBPROCESSES = "no_sharing"
+
+
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("scenario-model"), "llama", seed=4)
 
 
+def run_peers_in_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """peers.run_in_subprocess as it is (workload file, result file, output count check), with
+    its `python -m radixkv.scenarios.peers PEER SPEC RESULT` run by peers._main in process."""
+    from radixkv.scenarios import peers
+
+    def run(command: list[str], **_options) -> subprocess.CompletedProcess[str]:
+        assert command[1:3] == ["-m", "radixkv.scenarios.peers"], command
+        peers._main(command[3:])
+        return subprocess.CompletedProcess(command, 0, "", "")
+
+    monkeypatch.setattr(peers, "subprocess", SimpleNamespace(run=run))
+
+
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
-def test_scenario_runs_and_reports(name, tiny_model, tmp_path, capsys):
+def test_scenario_runs_and_reports(name, tiny_model, tmp_path, capsys, monkeypatch):
+    if name != PEERS_IN_SUBPROCESSES:
+        run_peers_in_process(monkeypatch)
     peers = "radixkv,radixkv-nocache,hf-generate" if name == "agent_system_prompt" else "radixkv,radixkv-nocache"
     if name == "few_shot_template":  # one round: transformers' batch manager starts once
         peers += ",hf-batch"
