@@ -183,6 +183,10 @@ class PagePool:
     def refcount(self, page: int) -> int:
         return self._refcounts[page]
 
+    def refcounts(self) -> tuple[int, ...]:
+        """Every page's refcount, in page order (a snapshot, for invariant checks)."""
+        return tuple(self._refcounts)
+
     @property
     def num_free(self) -> int:
         return len(self._free)

@@ -27,7 +27,10 @@ def check_page_accounting(
             expected[page] += 1
     for seq in waiting:
         assert not seq.page_table and seq.tree_node is None, f"waiting seq {seq.seq_id} holds pages"
-    for page in range(pool.num_pages):
-        assert pool.refcount(page) == expected[page], f"page {page}: refcount {pool.refcount(page)}, expected {expected[page]}"
-    in_use = {p for p in range(pool.num_pages) if expected[p] and p not in evictable}
-    assert len(free) + len(evictable) + len(in_use) == pool.num_pages
+    actual = pool.refcounts()
+    if list(actual) != expected:  # one comparison; the page at fault is looked for only on failure
+        page = next(p for p in range(pool.num_pages) if actual[p] != expected[p])
+        raise AssertionError(f"page {page}: refcount {actual[page]}, expected {expected[page]}")
+    # Evictable pages are cached ones (expected > 0), so in use is the rest of those referenced.
+    in_use = sum(1 for count in expected if count) - len(evictable)
+    assert len(free) + len(evictable) + in_use == pool.num_pages
