@@ -27,10 +27,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Triton interpreter has no split to test.)
 DEFAULT_THREADS = torch.get_num_threads()
 THREADED_PACKAGES = frozenset({"cpu", "model"})
-# test_drain_lets_a_stream_in_flight_finish counts one SSE event per token, which holds only
-# while a step is slower than the reader: at one thread the tokens come merged into fewer
-# events. Threaded until it counts the stream's tokens some other way (its usage).
-THREADED_FILES = frozenset({"server/test_drain.py"})
 torch.set_num_threads(1)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 _TESTS = Path(__file__).parent
@@ -38,11 +34,11 @@ _TESTS = Path(__file__).parent
 
 @pytest.fixture(autouse=True)
 def _torch_threads(request: pytest.FixtureRequest) -> Iterator[None]:
-    """torch's own thread count for tests in THREADED_PACKAGES and THREADED_FILES, one thread
+    """torch's own thread count for tests in THREADED_PACKAGES, one thread
     elsewhere. An engine thread keeps the count it started with (a session's live server)."""
     path = Path(request.node.path)
     parts = path.relative_to(_TESTS).parts if path.is_relative_to(_TESTS) else ()
-    if len(parts) < 2 or (parts[0] not in THREADED_PACKAGES and "/".join(parts) not in THREADED_FILES):
+    if len(parts) < 2 or parts[0] not in THREADED_PACKAGES:
         yield
         return
     torch.set_num_threads(DEFAULT_THREADS)
