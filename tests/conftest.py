@@ -22,11 +22,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # native kernels spin-wait on each other: on a 2-core machine a tiny model's step spent 20-40x
 # the CPU time at two threads that it spent at one, more when other work shares the cores. So
 # every test runs at one thread (subprocesses too: `radixkv serve` workers, scenario runs),
-# except in the packages whose tests reach the native kernels' split of work across threads
-# only through torch's default count. (tests/attention sets its thread counts itself; the
-# Triton interpreter has no split to test.)
+# except in tests/cpu, whose kernel tests reach the native kernels' split of work across threads
+# through torch's default count. (tests/attention sets its thread counts itself; tests/model
+# runs those kernels only through tests/cpu's; the Triton interpreter has no split to test.)
 DEFAULT_THREADS = torch.get_num_threads()
-THREADED_PACKAGES = frozenset({"cpu", "model"})
+THREADED_PACKAGES = frozenset({"cpu"})
 torch.set_num_threads(1)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 _TESTS = Path(__file__).parent
