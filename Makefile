@@ -19,8 +19,10 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m radixkv.demo
 
+# Two workers, a test file each at a time: every test runs at one torch thread
+# (tests/conftest.py), so two cores run two files side by side.
 test: $(STAMP)
-	HF_HUB_OFFLINE=1 $(PY) -m pytest
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -n 2 --dist loadfile
 
 bench: $(STAMP)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/radixkv bench bench_cache
