@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from radixkv.cache.hashing import BlockHash
     from radixkv.cache.radix import Node, RadixTree
 
 

@@ -26,7 +26,7 @@ from radixkv.engine.invariants import check_page_accounting
 from radixkv.engine.kv_manager import KVManager
 from radixkv.engine.outputs import RequestBook
 from radixkv.engine.pins import Owner, PinnedPrefix, Pins
-from radixkv.engine.request import Batch, RequestDelta, SamplingParams, SequenceState
+from radixkv.engine.request import Batch, CacheLookup, RequestDelta, SamplingParams, SequenceState
 from radixkv.engine.runner import ModelRunner, StepResult
 from radixkv.engine.sampler import Sampler
 from radixkv.engine.scheduler import Scheduler
@@ -267,8 +267,8 @@ class Engine:
         attended_tokens = sum(attended(item.seq.num_computed_tokens, item.num_new_tokens) for item in batch.items)
         self.compute_cost.observe(batch.num_tokens, attended_tokens, result.forward_s)
 
-    def lookup(self, prompt_token_ids: list[int], salt: str | None = None) -> tuple[int, int]:
-        """(prompt tokens cached in RAM, tokens after those cached on disk), in full blocks;
+    def lookup(self, prompt_token_ids: list[int], salt: str | None = None) -> CacheLookup:
+        """The prompt's tokens cached in RAM and, right after those, on disk, in full blocks;
         a pure lookup (POST /v1/cache/lookup)."""
         return self.kv.lookup(prompt_token_ids, salt)
 

@@ -14,7 +14,7 @@ from radixkv.cache.pages import OutOfPages, PagePool
 from radixkv.cache.radix import Node, PeekResult, RadixTree
 from radixkv.cache.residency import PageResidency, TierResidency
 from radixkv.engine.disk_loader import ComputeEstimate, DiskLoader
-from radixkv.engine.request import Admitted, SequenceState
+from radixkv.engine.request import Admitted, CacheLookup, SequenceState
 
 
 class KVManager:
@@ -233,15 +233,15 @@ class KVManager:
         if self._next_on_evict is not None:
             self._next_on_evict(node)
 
-    def lookup(self, token_ids: list[int], salt: str | None) -> tuple[int, int]:
-        """(tokens of the prompt's full blocks cached in RAM, tokens cached on disk right after
-        them), changing nothing: no LRU time, no hit counted, no file read."""
+    def lookup(self, token_ids: list[int], salt: str | None) -> CacheLookup:
+        """The tokens of the prompt's full blocks cached in RAM, and those cached on disk right
+        after them, changing nothing: no LRU time, no hit counted, no file read."""
         if not self.enable_prefix_caching:
-            return 0, 0
+            return CacheLookup(0, 0)
         tokens = list(token_ids)
         # As in pin: one more token lets peek count every full block of the prompt itself.
         ram = self.tree.peek(tokens + [0], salt).num_cached_tokens
-        return ram, self.loader.lookup(tokens, salt, ram) if self.loader is not None else 0
+        return CacheLookup(ram, self.loader.lookup(tokens, salt, ram) if self.loader is not None else 0)
 
     def flush(self, ram: bool, disk: bool) -> tuple[int, int]:
         """Drop what the cache holds: every unlocked RAM page (pages in use by requests or pins

@@ -180,6 +180,19 @@ class Admitted:
     more_to_load: bool
 
 
+@dataclass(frozen=True, slots=True)
+class CacheLookup:
+    """How much of a prompt the cache holds, in full blocks, found without changing anything:
+    the tokens cached in RAM, and the tokens cached on disk right after those."""
+
+    num_ram_tokens: int
+    num_disk_tokens: int
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return self.num_ram_tokens + self.num_disk_tokens
+
+
 @dataclass(slots=True)
 class ScheduledSeq:
     seq: SequenceState

@@ -140,8 +140,10 @@ def register(app: FastAPI, server: AppState) -> None:
 
         body, prompt = await server.parse_slots.run(key, prepare)
         salt = server.tenants.cache_salt(key, body.cache_salt)
-        ram, disk = await server.engine.call_async(lambda engine: engine.lookup(prompt, salt))
-        response = CacheLookupResponse(prompt_tokens=len(prompt), cached_tokens=ram + disk, ram_tokens=ram, disk_tokens=disk)
+        found = await server.engine.call_async(lambda engine: engine.lookup(prompt, salt))
+        response = CacheLookupResponse(
+            prompt_tokens=len(prompt), cached_tokens=found.num_cached_tokens, ram_tokens=found.num_ram_tokens, disk_tokens=found.num_disk_tokens
+        )
         return JSONResponse(response.model_dump())
 
     @app.post("/v1/cache/flush")
