@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -35,6 +35,8 @@ from radixkv.server.streaming import collect, submit, until_disconnect
 
 if TYPE_CHECKING:
     from radixkv.server.state import AppState
+
+P = TypeVar("P", bound=PinRequest)  # a pin or a lookup body: a prefix to encode
 
 
 def check_token_ids(server: AppState, token_ids: list[int], param: str) -> None:
@@ -62,6 +64,22 @@ def pin_prompt(server: AppState, body: PinRequest) -> list[int]:
     # again), and a lookup of a prompt past the context is answered, not refused.
     return prompt
 
+async def _prefix_request(server: AppState, request: Request, model: type[P]) -> tuple[bytes | None, P, list[int], str | None]:
+    """A pin or lookup body, parsed and encoded in the caller's parse slots: (its key, the body,
+    the prefix's token ids, the cache partition to look in)."""
+    key = server.tenants.authenticate_headers(request.headers)
+    raw = await request.body()
+
+    def prepare() -> tuple[P, list[int]]:
+        body = parse_body(model, raw)
+        if body.model is not None:
+            server.check_model(body.model)
+        return body, pin_prompt(server, body)
+
+    body, prompt = await server.parse_slots.run(key, prepare)
+    return key, body, prompt, server.tenants.cache_salt(key, body.cache_salt)
+
+
 def _pin_response(pinned: PinnedPrefix) -> PinResponse:
     expires_in_s = None if pinned.expires_at_s is None else max(0.0, pinned.expires_at_s - time.monotonic())
     return PinResponse(
@@ -83,17 +101,7 @@ def register(app: FastAPI, server: AppState) -> None:
     async def pin_prefix(request: Request) -> Response:
         """Compute a prefix (a one-token request) and lock its full pages in the cache until
         DELETE /v1/cache/pin/{pin_id}; a pin lasts until then or until the server stops."""
-        key = server.tenants.authenticate_headers(request.headers)
-        raw = await request.body()
-
-        def prepare() -> tuple[PinRequest, list[int]]:
-            body = parse_body(PinRequest, raw)
-            if body.model is not None:
-                server.check_model(body.model)
-            return body, pin_prompt(server, body)
-
-        body, prompt = await server.parse_slots.run(key, prepare)
-        salt = server.tenants.cache_salt(key, body.cache_salt)
+        key, body, prompt, salt = await _prefix_request(server, request, PinRequest)
         owner = server.tenants.owner(key)  # not the salt's: one pin cap per key, whatever salts it uses
         names = WireNames(prompt="messages" if body.messages is not None else "prompt")
         params = SamplingParams(max_tokens=1)
@@ -129,17 +137,7 @@ def register(app: FastAPI, server: AppState) -> None:
         """How many tokens of a prompt are cached for the caller, in RAM and on disk. Only the
         caller's own partition (its key and cache_salt) is looked at: another tenant's cache
         is neither visible nor timeable through this."""
-        key = server.tenants.authenticate_headers(request.headers)
-        raw = await request.body()
-
-        def prepare() -> tuple[CacheLookupRequest, list[int]]:
-            body = parse_body(CacheLookupRequest, raw)
-            if body.model is not None:
-                server.check_model(body.model)
-            return body, pin_prompt(server, body)
-
-        body, prompt = await server.parse_slots.run(key, prepare)
-        salt = server.tenants.cache_salt(key, body.cache_salt)
+        _, _, prompt, salt = await _prefix_request(server, request, CacheLookupRequest)
         found = await server.engine.call_async(lambda engine: engine.lookup(prompt, salt))
         response = CacheLookupResponse(
             prompt_tokens=len(prompt), cached_tokens=found.num_cached_tokens, ram_tokens=found.num_ram_tokens, disk_tokens=found.num_disk_tokens
