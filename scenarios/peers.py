@@ -205,6 +205,12 @@ def _run_hf_batch(workload: Workload) -> dict:
     # page_size arrived in a later transformers 5 release; older ones keep their default.
     accepted = inspect.signature(ContinuousBatchingConfig).parameters
     sizing = {"page_size": workload.page_size} if "page_size" in accepted else {}
+    # Enough KV blocks for every prompt and its output unshared, so the cache never limits it;
+    # left unset, transformers sizes its cache from the machine's memory, gigabytes for a
+    # workload that needs megabytes, and spends its run allocating them.
+    needed = sum(-(-(len(p) + workload.output_len) // workload.page_size) + 1 for p in workload.prompts)
+    if "num_blocks" in accepted:
+        sizing["num_blocks"] = needed
     batching = ContinuousBatchingConfig(allow_block_sharing=True, **sizing)
     with torch.inference_mode():
         model.generate_batch([[1, 2, 3, 4]], generation_config=config, continuous_batching_config=batching)
