@@ -181,7 +181,6 @@ class AsyncEngine:
         # Fixed after construction, so any thread may read them.
         self.tokenizer = engine.tokenizer
         self.max_context_tokens = engine.max_context_tokens
-        self.vocab_size = engine.model_config.vocab_size
         self._cond = threading.Condition()
         self._shared = _Shared()
         self._streams: dict[str, RequestStream] = {}  # engine thread only

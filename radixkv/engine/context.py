@@ -23,11 +23,16 @@ class ContextLimit:
         the context room for at least one more token."""
         if not prompt:
             raise InvalidRequest("the prompt is empty; it needs at least one token", param="prompt")
+        self.check_token_ids(prompt)
+        if len(prompt) >= self.max_context_tokens:
+            raise self._exceeded(f"the prompt has {len(prompt)} tokens, which leaves no room for a completion", "prompt")
+
+    def check_token_ids(self, prompt: list[int]) -> None:
+        """InvalidRequest (param "prompt") unless every id is a token of this model: checked
+        before anything hashes or looks them up."""
         vocab = self.vocab_size
         if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in prompt):
             raise InvalidRequest(f"prompt token ids must be integers in [0, {vocab})", param="prompt", limit=vocab)
-        if len(prompt) >= self.max_context_tokens:
-            raise self._exceeded(f"the prompt has {len(prompt)} tokens, which leaves no room for a completion", "prompt")
 
     def check(self, prompt: list[int], params: SamplingParams) -> None:
         """check_prompt, then prompt + max_tokens within the context (None: the room left)."""

@@ -39,12 +39,6 @@ if TYPE_CHECKING:
 P = TypeVar("P", bound=PinRequest)  # a pin or a lookup body: a prefix to encode
 
 
-def check_token_ids(server: AppState, token_ids: list[int], param: str) -> None:
-    vocab = server.engine.vocab_size
-    if any(isinstance(t, bool) or not 0 <= t < vocab for t in token_ids):
-        raise APIError(400, f"{param}: token ids must be integers in [0, {vocab})", param=param)
-
-
 def pin_prompt(server: AppState, body: PinRequest) -> list[int]:
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "give the prefix to pin as exactly one of prompt (text or token ids) or messages")
@@ -54,14 +48,10 @@ def pin_prompt(server: AppState, body: PinRequest) -> list[int]:
     else:
         prompt = encode_prompt(server.engine.tokenizer, body.prompt)  # type: ignore[arg-type]
         param = "prompt"
-        if isinstance(body.prompt, list):
-            # A lookup never reaches the engine's request check: out-of-range ids are refused
-            # here as a request's would be, not looked up (or hashed) as if they were tokens.
-            check_token_ids(server, prompt, param)
     if not prompt:
         raise APIError(400, f"{param} must hold at least one token", param=param)
-    # No context check: a pin's warming request is checked by the engine (and Engine.pin checks
-    # again), and a lookup of a prompt past the context is answered, not refused.
+    # No token or context check: the engine checks a pin's warming request (and Engine.pin
+    # again) and a lookup's ids (Engine.lookup answers a prompt past the context).
     return prompt
 
 async def _prefix_request(server: AppState, request: Request, model: type[P]) -> tuple[bytes | None, P, list[int], str | None]:
@@ -138,7 +128,10 @@ def register(app: FastAPI, server: AppState) -> None:
         caller's own partition (its key and cache_salt) is looked at: another tenant's cache
         is neither visible nor timeable through this."""
         _, _, prompt, salt = await _prefix_request(server, request, CacheLookupRequest)
-        found = await server.engine.call_async(lambda engine: engine.lookup(prompt, salt))
+        try:
+            found = await server.engine.call_async(lambda engine: engine.lookup(prompt, salt))
+        except InvalidRequest as error:
+            raise engine_error(error, WireNames()) from None
         response = CacheLookupResponse(
             prompt_tokens=len(prompt), cached_tokens=found.num_cached_tokens, ram_tokens=found.num_ram_tokens, disk_tokens=found.num_disk_tokens
         )
