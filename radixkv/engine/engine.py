@@ -247,9 +247,11 @@ class Engine:
             if batch.num_loaded_tokens:
                 self.counters.num_steps += 1  # a step that only loaded from disk still moved on
             return []
-        # The grammar masks fill on worker threads while the forward runs.
-        sampling = [item.seq for item in batch.items if item.samples]
-        pending_masks = self.guides.start_fills(sampling) if self.requests.num_guided else None
+        # The grammar masks fill on worker threads while the forward runs (rows in the order
+        # ModelRunner.run samples them: the batch's sampling items).
+        pending_masks = None
+        if self.requests.num_guided:
+            pending_masks = self.guides.start_fills([item.seq for item in batch.items if item.samples])
         self.step_times.add("schedule", time.perf_counter() - started_s)
         result = self.runner.run(batch, pending_masks)
         self._observe(batch, result)
