@@ -134,15 +134,27 @@ def decode_rows(repeats: int, flush: torch.Tensor, layers: int, context: int, dt
     ]
 
 
-def cascade_rows(repeats: int, flush: torch.Tensor, layers: int, dtype: torch.dtype, own: int = 64, num_seqs: int = 32) -> list[dict]:
-    """Plain paged decode vs cascade groups (every group formed, whatever the thresholds say)."""
+def cascade_rows(
+    repeats: int,
+    flush: torch.Tensor,
+    layers: int,
+    dtype: torch.dtype,
+    own: int = 64,
+    num_seqs: int = 32,
+    heads: tuple[int, int, int] = (Q_HEADS, KV_HEADS, HEAD_DIM),
+    shared_lengths: tuple[int, ...] = (64, 128, 256, 1024),
+    group_sizes: tuple[int, ...] = (2, 4, 8, 16),
+) -> list[dict]:
+    """Plain paged decode vs cascade groups (every group formed, whatever the thresholds say),
+    for `heads` = (query heads, KV heads, head dim)."""
+    q_heads, kv_heads, head_dim = heads
     rows = []
-    for members in (2, 4, 8, 16):
-        for shared in (64, 128, 256, 1024):
+    for members in group_sizes:
+        for shared in shared_lengths:
             torch.manual_seed(0)
             groups, shared_pages, own_pages = num_seqs // members, shared // PAGE_SIZE, -(-own // PAGE_SIZE)
             num_pages = groups * shared_pages + num_seqs * own_pages
-            shape = (num_pages, PAGE_SIZE, KV_HEADS, HEAD_DIM)
+            shape = (num_pages, PAGE_SIZE, kv_heads, head_dim)
             k_caches = [torch.randn(shape).to(dtype) for _ in range(layers)]
             v_caches = [torch.randn(shape).to(dtype) for _ in range(layers)]
             pages = torch.randperm(num_pages, dtype=torch.int32)
@@ -150,20 +162,20 @@ def cascade_rows(repeats: int, flush: torch.Tensor, layers: int, dtype: torch.dt
             tails = pages[groups * shared_pages :].view(num_seqs, own_pages)
             page_table = torch.cat([prefixes.repeat_interleave(members, dim=0), tails], dim=1).contiguous()
             seq_lens = torch.full((num_seqs,), shared + own, dtype=torch.int32)
-            q = torch.randn(num_seqs, Q_HEADS, HEAD_DIM).to(dtype)
+            q = torch.randn(num_seqs, q_heads, head_dim).to(dtype)
             plan = cpu_decode.cascade_plan(page_table, seq_lens, PAGE_SIZE, min_shared_tokens=PAGE_SIZE, min_group_members=2).plan
 
             def run(plan=plan, k_caches=k_caches, v_caches=v_caches, page_table=page_table, seq_lens=seq_lens, q=q) -> None:
                 for k, v in zip(k_caches, v_caches, strict=True):
-                    cpu_decode.paged_decode(q, k, v, page_table, seq_lens, HEAD_DIM**-0.5, check=False, plan=plan)
+                    cpu_decode.paged_decode(q, k, v, page_table, seq_lens, head_dim**-0.5, check=False, plan=plan)
 
             times = {
                 "radixkv cascade": coldest(run, repeats, flush),
                 "radixkv plain": coldest(lambda run=run: run(plan=None), repeats, flush),
             }
-            unique_bytes = 2 * layers * num_pages * PAGE_SIZE * KV_HEADS * HEAD_DIM * dtype.itemsize
+            unique_bytes = 2 * layers * num_pages * PAGE_SIZE * kv_heads * head_dim * dtype.itemsize
             rows += [
-                dict(part=f"cascade decode {str(dtype).removeprefix('torch.')}", case=f"{members:>2} x {shared} shared", peer=name, ms=seconds * 1e3,
+                dict(part=f"cascade decode {str(dtype).removeprefix('torch.')}", heads=f"{q_heads}/{kv_heads}x{head_dim}", shared=shared, members=members, case=f"{members:>2} x {shared} shared", peer=name, ms=seconds * 1e3,
                      gb_s=unique_bytes / seconds / 1e9, x_radixkv=seconds / times["radixkv cascade"])  # fmt: skip
                 for name, seconds in times.items()
             ]

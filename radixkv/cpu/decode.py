@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
 
+from radixkv.cpu.features import cpu_caches
 from radixkv.cpu.native import load
 
 _FUNCTIONS = {torch.bfloat16: "radixkv_paged_decode_bf16", torch.float32: "radixkv_paged_decode_f32"}
@@ -136,12 +138,25 @@ def work_floats(seq_lens: torch.Tensor, plan: torch.Tensor | None, num_q_heads: 
 
 
 # Who decodes as a cascade group on CPU. A shared item transposes and pairs its keys and values
-# once for all its queries, then runs at the matrix-product rate; that set-up pays only over
-# enough shared tokens and enough query heads per KV head (members x GQA group: 3 members of
-# SmolLM2's GQA 3). The runs that set both thresholds, on Zen 4 and Zen 3, are in
-# docs/measurements.md ("Cascade decode: where a group pays on CPU").
-MIN_SHARED_TOKENS = 256
-MIN_GROUP_QUERY_HEADS = 9
+# once for all its queries, then runs at the matrix-product rate; that set-up pays only when
+# the members would otherwise fetch the shared KV from beyond a core's own cache, and with
+# enough query heads per KV head (members x GQA group: 3 members of SmolLM2's GQA 3, pairs of
+# a Llama-3's GQA 4). So the
+# threshold is in bytes, one layer's shared K and V against the L2 a core has, not in tokens.
+# The runs that set both thresholds are in docs/measurements.md ("Cascade decode: where a group
+# pays on CPU"; scenarios/cascade_threshold.py).
+MIN_SHARED_L2_FRACTION = 1.0
+L2_BYTES_UNKNOWN = 512 << 10  # the smallest L2 of the CPUs radixkv has met, where sysfs is silent
+MIN_GROUP_QUERY_HEADS = 8
+
+
+def min_shared_tokens(num_kv_heads: int, head_dim: int, kv_itemsize: int, l2_bytes: int | None = None) -> int:
+    """The fewest shared tokens worth a cascade group: those whose K and V, over one layer's KV
+    heads at the pages' element size, fill MIN_SHARED_L2_FRACTION of a core's L2 (this CPU's
+    where l2_bytes is None)."""
+    l2_bytes = l2_bytes or cpu_caches().l2_bytes or L2_BYTES_UNKNOWN
+    bytes_per_token = 2 * num_kv_heads * head_dim * kv_itemsize
+    return max(1, math.ceil(MIN_SHARED_L2_FRACTION * l2_bytes / bytes_per_token))
 
 
 def min_members(query_heads_per_kv_head: int) -> int:
@@ -176,7 +191,7 @@ def cascade_plan(
     page_table: torch.Tensor,
     seq_lens: torch.Tensor,
     page_size: int,
-    min_shared_tokens: int = MIN_SHARED_TOKENS,
+    min_shared_tokens: int,
     min_group_members: int = 2,
 ) -> CascadePlan:
     """Groups requests by the deepest cached prefix they share (equal page ids: the same radix

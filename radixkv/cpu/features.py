@@ -1,4 +1,5 @@
-"""What this CPU offers: its model and feature flags, read from /proc/cpuinfo once.
+"""What this CPU offers: its model and feature flags, read from /proc/cpuinfo once, and its
+cache sizes, read from sysfs once.
 
 The native library's cache key, the `auto` dtype (bf16 where the CPU computes it natively),
 the choice of linear kernel and the tests' skip reasons all read these, so the file is parsed
@@ -10,6 +11,7 @@ from __future__ import annotations
 import functools
 import platform
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,3 +95,42 @@ def cpu_features() -> CPUFeatures:
 def cpu_has_native_bf16() -> bool:
     """True when bf16 arithmetic runs in hardware on this CPU (see CPUFeatures.native_bf16)."""
     return cpu_features().native_bf16
+
+
+@dataclass(frozen=True, slots=True)
+class CPUCaches:
+    """Data cache sizes in bytes (0 where unknown): L2 as one core has it, L3 as the cores share it."""
+
+    l1d_bytes: int
+    l2_bytes: int
+    l3_bytes: int
+
+
+def parse_cache_size(text: str) -> int:
+    """sysfs's "512K" / "32768K" / "1M" as bytes (0 for anything else)."""
+    text = text.strip().upper()
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+    digits = text[:-1] if scale != 1 else text
+    return int(digits) * scale if digits.isdigit() else 0
+
+
+def read_caches(cache_dir: Path) -> CPUCaches:
+    """The data and unified caches listed under one CPU's sysfs cache folder
+    (/sys/devices/system/cpu/cpu0/cache: index*/level, type, size)."""
+    sizes = {1: 0, 2: 0, 3: 0}
+    for index in sorted(cache_dir.glob("index*")):
+        try:
+            level = int((index / "level").read_text())
+            kind = (index / "type").read_text().strip()
+            size = parse_cache_size((index / "size").read_text())
+        except (OSError, ValueError):
+            continue
+        if kind in ("Data", "Unified") and level in sizes:
+            sizes[level] = max(sizes[level], size)
+    return CPUCaches(sizes[1], sizes[2], sizes[3])
+
+
+@functools.cache
+def cpu_caches() -> CPUCaches:
+    """This machine's caches (all 0 where sysfs does not list them: not Linux, some containers)."""
+    return read_caches(Path("/sys/devices/system/cpu/cpu0/cache"))

@@ -546,15 +546,18 @@ def test_cascade_matches_the_reference_for_every_grouping(gen, dtype, groups, he
 
 
 def test_default_thresholds_group_only_what_pays(gen):
-    # SmolLM2's heads (GQA 3): a group needs 3 members (9 query heads per KV head) and 256 shared
-    # tokens; a pair over 1,024 tokens and trios over 112 and 240 tokens decode on their own.
+    # SmolLM2's heads (GQA 3) in bf16 pages, a 512 KiB L2: a group needs 3 members (8 query heads
+    # per KV head) and a layer's shared K and V to fill the L2 (683 tokens of 768 bytes); a pair
+    # over 1,024 tokens and trios over 112 and 240 tokens decode on their own.
+    min_shared = native.min_shared_tokens(3, 64, 2, l2_bytes=512 << 10)
+    assert min_shared == 683 and native.min_shared_tokens(8, 64, 4, l2_bytes=512 << 10) == 128
     groups = [(1024, 2), (1024, 3), (112, 3), (240, 3), (700, 16)]
     own = torch.randint(1, 40, (sum(size for _, size in groups),), generator=gen).tolist()
     t = Tables(gen, groups, own, heads=(9, 3), head_dim=64, dtype=torch.bfloat16)
     members = native.min_members(3)
-    assert members == 3 and native.min_members(1) == 9 and native.min_members(8) == 2
-    plan = check_cascade(t, torch.bfloat16, "default thresholds", min_shared_tokens=native.MIN_SHARED_TOKENS, min_group_members=members)
-    assert plan.saved_tokens == t.expected_saved_tokens(native.MIN_SHARED_TOKENS, members) == 2 * 1024 + 15 * 688
+    assert members == 3 and native.min_members(1) == 8 and native.min_members(4) == 2
+    plan = check_cascade(t, torch.bfloat16, "default thresholds", min_shared_tokens=min_shared, min_group_members=members)
+    assert plan.saved_tokens == t.expected_saved_tokens(min_shared, members) == 2 * 1024 + 15 * 688
 
 
 def test_plan_groups_by_the_deepest_prefix_that_saves_most(gen):

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from radixkv.cpu import features
 from radixkv.cpu.features import parse_cpuinfo
 
 SAMPLES = Path(__file__).parent / "cpuinfo"
@@ -62,3 +63,32 @@ def test_the_cache_key_tells_every_kind_apart():
 def test_empty_cpuinfo_means_no_features():
     features = parse_cpuinfo("", "x86_64")
     assert features.flags == frozenset() and not features.native_bf16 and features.model_name == ""
+
+
+def _cache_index(folder, name, level, kind, size):
+    index = folder / name
+    index.mkdir(parents=True)
+    (index / "level").write_text(f"{level}\n")
+    (index / "type").write_text(f"{kind}\n")
+    (index / "size").write_text(f"{size}\n")
+
+
+def test_cache_sizes_are_read_from_sysfs(tmp_path):
+    # A Zen 3 core as sysfs lists it: split L1, the core's L2, the CCX's L3.
+    _cache_index(tmp_path, "index0", 1, "Data", "32K")
+    _cache_index(tmp_path, "index1", 1, "Instruction", "32K")
+    _cache_index(tmp_path, "index2", 2, "Unified", "512K")
+    _cache_index(tmp_path, "index3", 3, "Unified", "32768K")
+    assert features.read_caches(tmp_path) == features.CPUCaches(32 << 10, 512 << 10, 32 << 20)
+
+
+def test_caches_sysfs_does_not_list_read_as_unknown(tmp_path):
+    _cache_index(tmp_path, "index0", 1, "Data", "48K")
+    (tmp_path / "index9").mkdir()  # an entry without its files is skipped, not an error
+    assert features.read_caches(tmp_path) == features.CPUCaches(48 << 10, 0, 0)
+    assert features.read_caches(tmp_path / "absent") == features.CPUCaches(0, 0, 0)
+
+
+@pytest.mark.parametrize(("text", "size"), [("512K", 512 << 10), ("2M", 2 << 20), ("1G", 1 << 30), ("4096", 4096), ("", 0), ("big", 0)])
+def test_cache_size_text(text, size):
+    assert features.parse_cache_size(text) == size

@@ -103,6 +103,24 @@ def test_step_profile_runs_and_reports(tiny_model, tmp_path, capsys):
     assert (tmp_path / "step_profile.png").exists() and "top operators by host time" in capsys.readouterr().out
 
 
+def test_cascade_threshold_reports_each_case_by_its_shared_bytes(tmp_path, capsys):
+    from radixkv.cpu import native
+
+    if native.load() is None:
+        pytest.skip("the cascade bench needs the native kernels (no C compiler here)")
+    module = importlib.import_module("radixkv.scenarios.cascade_threshold")
+    argv = ["--out", str(tmp_path), "--repeats", "1", "--layers", "1", "--shared", "32", "64", "--members", "2", "--flush-mib", "4"]
+    assert module.main(argv) == 0
+    report = json.loads((tmp_path / "cascade_threshold.json").read_text())
+    rows = report["rows"]
+    assert len(rows) == len(module.HEADS) * 2 and all(row["plain_over_cascade"] > 0 for row in rows)
+    # 32 tokens of the 1B's heads (8 KV heads of 64) in fp32 or bf16 pages.
+    one_b = next(row for row in rows if row["heads"] == "32/8x64" and row["shared"] == 32)
+    assert one_b["shared_kib_per_layer"] in (32 * 2 * 8 * 64 * 4 / 1024, 32 * 2 * 8 * 64 * 2 / 1024)
+    assert "l2_bytes" in report and (tmp_path / "cascade_threshold.png").exists()
+    assert "plain/cascade" in capsys.readouterr().out
+
+
 def test_cpu_kernels_bench_runs_and_reports(tmp_path, capsys):
     import torch
 
