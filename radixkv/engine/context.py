@@ -35,8 +35,13 @@ class ContextLimit:
             raise InvalidRequest(f"prompt token ids must be integers in [0, {vocab})", param="prompt", limit=vocab)
 
     def check(self, prompt: list[int], params: SamplingParams) -> None:
-        """check_prompt, then prompt + max_tokens within the context (None: the room left)."""
+        """check_prompt, the token ids the params name (stop ids, biased tokens), then prompt +
+        max_tokens within the context (None: the room left)."""
         self.check_prompt(prompt)
+        named = params.token_ids_named()
+        if any(t >= self.vocab_size for t in named):
+            param = "stop_token_ids" if any(t >= self.vocab_size for t in params.stop_token_ids) else "logit_bias"
+            raise InvalidRequest(f"{param} names a token id outside this model's vocabulary [0, {self.vocab_size})", param=param, limit=self.vocab_size)
         total = len(prompt) + (params.max_tokens if params.max_tokens is not None else 1)
         if total > self.max_context_tokens:
             raise self._exceeded(f"the request needs {total} ({len(prompt)} prompt + {params.max_tokens} max_tokens)", "max_tokens")

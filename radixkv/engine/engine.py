@@ -92,7 +92,7 @@ class Engine:
             self.compute_cost.estimate_s, config.kv_disk_prefetch_bytes, config.max_retained_pages_per_owner,
         )
         self.scheduler = Scheduler(config, self.kv)
-        self.sampler = Sampler(config.seed)
+        self.sampler = Sampler(config.seed, tuple(sorted(self.eos_token_ids)))
         self.runner = ModelRunner(loaded.model, self.pool, loaded.device, self.sampler, batch_invariant=config.batch_invariant)
         guide_limits = GuideLimits(
             config.max_guide_schema_bytes, config.max_guide_schema_depth, config.guide_compile_timeout_s, config.guide_mask_timeout_s

@@ -29,6 +29,11 @@ MIN_SAMPLING_TEMPERATURE = 1e-5
 MIN_SEED = -(1 << 63)
 MAX_SEED = (1 << 64) - 1
 MAX_TOP_LOGPROBS = 20
+# OpenAI's own caps: at most 300 biased tokens, each bias in [-100, 100].
+MAX_LOGIT_BIAS_TOKENS = 300
+MAX_LOGIT_BIAS = 100.0
+# Stop token ids are checked against every sampled token: a handful is what clients send.
+MAX_STOP_TOKEN_IDS = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +55,11 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
+    ignore_eos: bool = False  # run to max_tokens through end-of-sequence tokens (benchmark clients)
+    # Neither an end-of-sequence token nor a stop token id is drawn before this many tokens
+    # (stop strings still stop), as vLLM's min_tokens.
+    min_tokens: int = 0
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     n: int = 1
     guide: JsonGuide | None = None
     logprobs: int | None = None  # None: off; k: the chosen token's logprob and the k most likely
@@ -60,6 +69,7 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
+        self.logit_bias = dict(self.logit_bias)
         self.validate()
 
     @property
@@ -91,8 +101,43 @@ class SamplingParams:
             _int_in("logprobs", self.logprobs, 0, MAX_TOP_LOGPROBS)
         if self.guide is not None and not isinstance(self.guide, JsonGuide):
             raise InvalidRequest(f"guide must be a JsonGuide, got {type(self.guide).__name__}", param="guide")
-        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+        self._validate_token_controls()
+
+    def _validate_token_controls(self) -> None:
+        """stop_token_ids, min_tokens and logit_bias: counts and ranges (that each id is a token
+        of the model is the engine's check, which knows the vocabulary)."""
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequest(
+                f"stop_token_ids may list at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}",
+                param="stop_token_ids", limit=MAX_STOP_TOKEN_IDS,
+            )  # fmt: skip
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
             raise InvalidRequest(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}", param="stop_token_ids")
+        if not isinstance(self.ignore_eos, bool):
+            raise InvalidRequest(f"ignore_eos must be a boolean, got {self.ignore_eos!r}", param="ignore_eos")
+        _int_in("min_tokens", self.min_tokens, 0, self.max_tokens if self.max_tokens is not None else MAX_TOKENS_LIMIT)
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
+            raise InvalidRequest(
+                f"logit_bias may bias at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(self.logit_bias)}",
+                param="logit_bias", limit=MAX_LOGIT_BIAS_TOKENS,
+            )  # fmt: skip
+        for token, bias in self.logit_bias.items():
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                raise InvalidRequest(f"logit_bias keys must be token ids (non-negative integers), got {token!r}", param="logit_bias")
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise InvalidRequest(
+                    f"logit_bias values must be numbers in [-100, 100], got {bias!r} for token {token}",
+                    param="logit_bias", limit=MAX_LOGIT_BIAS,
+                )  # fmt: skip
+
+    def token_ids_named(self) -> list[int]:
+        """Every token id these params name (stop ids, biased tokens), for the vocabulary check."""
+        return [*self.stop_token_ids, *self.logit_bias]
+
+    @property
+    def steers_logits(self) -> bool:
+        """Whether the sampler changes this request's logits beyond a guide's mask."""
+        return bool(self.logit_bias) or self.min_tokens > 0
 
 
 def _int_in(name: str, value: Any, low: int, high: int) -> None:

@@ -4,8 +4,9 @@ Greedy rows take the argmax; sampled rows apply temperature (and top-k and top-p
 over sorted logits) on the logits' device and draw by the inverse CDF with one uniform number
 from each sequence's own generator, so a seeded request is reproducible in any batch. The only
 host sync is the final transfer of the token ids (with the logprobs of the rows that ask for
-them). Guided rows are masked to their grammar's allowed tokens first; logprobs are of the raw
-logits. `sample_batch` falls back to row by row when the batch fails, so a row that cannot be
+them). Guided rows are masked to their grammar's allowed tokens first, then a request's
+logit_bias is added and, before its min_tokens, its end tokens are barred; logprobs are of the
+raw logits. `sample_batch` falls back to row by row when the batch fails, so a row that cannot be
 sampled fails its own request only.
 """
 
@@ -21,8 +22,9 @@ from radixkv.engine.request import SamplingParams, SequenceState, TokenLogprob
 
 
 class Sampler:
-    def __init__(self, base_seed: int | None = None) -> None:
+    def __init__(self, base_seed: int | None = None, eos_token_ids: tuple[int, ...] = ()) -> None:
         self.base_seed = base_seed
+        self.eos_token_ids = eos_token_ids  # barred with a request's stop ids before its min_tokens
 
     def sample(
         self, logits: torch.Tensor, seqs: Sequence[SequenceState], masks: GuideMasks | None = None
@@ -35,6 +37,9 @@ class Sampler:
         logprobs = torch.log_softmax(logits[logprob_rows].float(), dim=-1) if logprob_rows else None
         if masks is not None:
             masks.apply(logits)
+        for row, seq in enumerate(seqs):
+            if seq.params.steers_logits:
+                self._steer(logits[row], seq)
         tokens = greedy_tokens(logits)
         rows = [row for row, seq in enumerate(seqs) if not seq.params.greedy]
         if rows:
@@ -70,6 +75,21 @@ class Sampler:
             tokens.append(row_tokens[0])
             logprobs.append(row_logprobs[0] if row_logprobs else None)
         return tokens, logprobs if any(lp is not None for lp in logprobs) else [], failed
+
+    def _steer(self, logits: torch.Tensor, seq: SequenceState) -> None:
+        """One row's logit_bias, then its end tokens barred while it is short of min_tokens
+        (in place). A bar that would leave the row no token (a grammar that allows only its
+        end) is lifted: the request ends short rather than drawing a token nothing allowed."""
+        params = seq.params
+        if params.logit_bias:
+            ids = torch.tensor(list(params.logit_bias), device=logits.device)
+            logits.index_add_(0, ids, torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype, device=logits.device))
+        if len(seq.output_token_ids) < params.min_tokens:
+            barred = torch.tensor(sorted({*self.eos_token_ids, *params.stop_token_ids}), dtype=torch.long, device=logits.device)
+            kept = logits[barred].clone()
+            logits[barred] = float("-inf")
+            if not torch.isfinite(logits).any():
+                logits[barred] = kept
 
     def _draw(self, logits: torch.Tensor, seqs: list[SequenceState]) -> torch.Tensor:
         vocab = logits.shape[-1]

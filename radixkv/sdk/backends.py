@@ -284,9 +284,6 @@ class HTTPBackend(Backend):
 
     def _options(self, params: SamplingParams, *, chat: bool) -> dict[str, Any]:
         """The request's options for the chat (messages) or the completions endpoint."""
-        for name, default in (("top_k", 0), ("stop_token_ids", []), ("ignore_eos", False)):
-            if getattr(params, name) != default:
-                raise InvalidRequest(f"{name} is not part of the OpenAI API, so the HTTP backend cannot send it")
         options: dict[str, Any] = {
             "max_tokens": params.max_tokens,
             "temperature": params.temperature,
@@ -314,6 +311,12 @@ class HTTPBackend(Backend):
                 options["top_logprobs"] = params.logprobs
             else:
                 options["logprobs"] = params.logprobs
+        if params.logit_bias:
+            options["logit_bias"] = {str(token): bias for token, bias in params.logit_bias.items()}
+        # vLLM's extensions, which radixkv's OpenAI endpoints take too.
+        for name, default in (("top_k", 0), ("stop_token_ids", []), ("ignore_eos", False), ("min_tokens", 0)):
+            if getattr(params, name) != default:
+                extra_body[name] = getattr(params, name)
         if self.salt is not None:
             extra_body["cache_salt"] = self.salt
         if extra_body:

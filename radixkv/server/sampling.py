@@ -44,6 +44,7 @@ def chat_params(body: ChatCompletionRequest, names: WireNames, guide: JsonGuide 
         n=body.n,
         guide=guide,
         logprobs=body.num_logprobs(),
+        **_token_controls(body, names),
     )
 
 
@@ -63,6 +64,26 @@ def completion_params(body: CompletionRequest, context_tokens: int, longest_prom
         stop=body.stop_list(),
         n=body.n,
         logprobs=body.num_logprobs(),
+        **_token_controls(body, COMPLETIONS_NAMES),
+    )
+
+
+def _token_controls(body: ChatCompletionRequest | CompletionRequest, names: WireNames) -> dict:
+    """The OpenAI endpoints' token-level fields (logit_bias, and vLLM's ignore_eos, min_tokens,
+    stop_token_ids, top_k) as SamplingParams' arguments; logit_bias keys are token ids sent as
+    strings, as OpenAI's API has them."""
+    logit_bias = {}
+    for key, bias in (body.logit_bias or {}).items():
+        if not key.isascii() or not key.isdigit():
+            error = InvalidRequest(f"logit_bias keys must be token ids, got {key[:32]!r}", param="logit_bias")
+            raise engine_error(error, names)
+        logit_bias[int(key)] = bias
+    return dict(
+        ignore_eos=body.ignore_eos,
+        min_tokens=body.min_tokens,
+        stop_token_ids=list(body.stop_token_ids or []),
+        top_k=body.top_k or 0,
+        logit_bias=logit_bias,
     )
 
 
@@ -96,6 +117,10 @@ def _params(
     n: int = 1,
     guide: JsonGuide | None = None,
     logprobs: int | None = None,
+    ignore_eos: bool = False,
+    min_tokens: int = 0,
+    stop_token_ids: list[int] | None = None,
+    logit_bias: dict[int, float] | None = None,
 ) -> SamplingParams:
     try:
         return SamplingParams(
@@ -108,6 +133,10 @@ def _params(
             n=n,
             guide=guide,
             logprobs=logprobs,
+            ignore_eos=ignore_eos,
+            min_tokens=min_tokens,
+            stop_token_ids=stop_token_ids or [],
+            logit_bias=logit_bias or {},
         )
     except InvalidRequest as error:
         raise engine_error(error, names) from None

@@ -171,3 +171,65 @@ def test_greedy_tokens_of_a_full_vocabulary() -> None:
     expected = logits.max(dim=-1).indices
     assert expected[5] == 7 and expected[9] == 30000 and expected[11] == 0
     assert torch.equal(greedy_tokens(logits), expected)
+
+
+def test_logit_bias_steers_greedy_and_sampled_rows(llm):
+    base = llm.generate([PROMPT], SamplingParams(max_tokens=6, ignore_eos=True))[0].token_ids
+    forced = next(t for t in range(5, 300) if t not in base)
+    for params in (SamplingParams(max_tokens=6, ignore_eos=True, logit_bias={forced: 100}),
+                   SamplingParams(max_tokens=6, ignore_eos=True, logit_bias={forced: 100}, temperature=1.0, seed=3)):  # fmt: skip
+        assert llm.generate([PROMPT], params)[0].token_ids == [forced] * 6
+    # A ban (-100) on the greedy first token moves greedy to another one.
+    banned = llm.generate([PROMPT], SamplingParams(max_tokens=1, ignore_eos=True, logit_bias={base[0]: -100}))[0].token_ids
+    assert banned[0] != base[0]
+    assert_pages_returned(llm.engine)
+
+
+def test_a_steered_row_leaves_its_neighbours_tokens_alone(llm):
+    plain = SamplingParams(max_tokens=8, ignore_eos=True)
+    alone = llm.generate(["other text", "more text"], plain)
+    steered = SamplingParams(max_tokens=8, ignore_eos=True, logit_bias={7: 100}, min_tokens=3)
+    crowd = llm.generate(["other text", PROMPT, "more text"], [plain, steered, plain])
+    assert [crowd[0].token_ids, crowd[2].token_ids] == [alone[0].token_ids, alone[1].token_ids]
+
+
+def test_ignore_eos_and_min_tokens_hold_back_the_end(llm):
+    eos = llm.engine.tokenizer.eos_token_id
+    ends = SamplingParams(max_tokens=8, logit_bias={eos: 100})
+    assert llm.generate([PROMPT], ends)[0].token_ids == [eos]  # the end comes first
+    through = llm.generate([PROMPT], SamplingParams(max_tokens=8, logit_bias={eos: 100}, ignore_eos=True))[0]
+    assert len(through.token_ids) == 8 and through.finish_reason == "length"
+    floor = llm.generate([PROMPT], SamplingParams(max_tokens=8, logit_bias={eos: 100}, min_tokens=5))[0]
+    assert len(floor.token_ids) == 6 and eos not in floor.token_ids[:5] and floor.token_ids[5] == eos
+    assert floor.finish_reason == "stop"
+    # A stop token id is held back by min_tokens as the end token is.
+    stop_id = next(t for t in range(5, 300) if t != eos)
+    held = llm.generate([PROMPT], SamplingParams(max_tokens=8, logit_bias={stop_id: 100}, stop_token_ids=[stop_id], min_tokens=3))[0]
+    assert len(held.token_ids) == 4 and held.token_ids[3] == stop_id and stop_id not in held.token_ids[:3]
+    assert_pages_returned(llm.engine)
+
+
+@pytest.mark.parametrize(
+    ("options", "param"),
+    [
+        (dict(logit_bias=dict.fromkeys(range(301), 1.0)), "logit_bias"),
+        (dict(logit_bias={5: 100.5}), "logit_bias"),
+        (dict(logit_bias={-1: 1.0}), "logit_bias"),
+        (dict(stop_token_ids=list(range(65))), "stop_token_ids"),
+        (dict(min_tokens=9, max_tokens=8), "min_tokens"),
+        (dict(min_tokens=-1), "min_tokens"),
+        (dict(ignore_eos="yes"), "ignore_eos"),
+    ],
+)
+def test_token_controls_are_capped_where_they_are_made(options, param):
+    with pytest.raises(InvalidRequest) as error:
+        SamplingParams(**options)
+    assert error.value.param == param
+
+
+@pytest.mark.parametrize(("options", "param"), [(dict(logit_bias={320: 1.0}), "logit_bias"), (dict(stop_token_ids=[5, 320]), "stop_token_ids")])
+def test_token_ids_outside_the_vocabulary_are_refused_before_any_work(llm, options, param):
+    with pytest.raises(InvalidRequest) as error:
+        llm.generate([PROMPT], SamplingParams(max_tokens=2, **options))
+    assert error.value.param == param and error.value.limit == 320
+    assert_pages_returned(llm.engine)

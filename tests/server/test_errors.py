@@ -53,6 +53,13 @@ BAD_JSON_BODIES = [
     ("unknown response_format", CHAT, {"messages": HELLO, "response_format": {"type": "yaml"}}, 400, "response_format.type", None),
     ("unknown cache retention", CHAT, {"messages": HELLO, "prompt_cache_retention": "forever"}, 400, "prompt_cache_retention", None),
     ("unsupported echo", COMPLETIONS, {"prompt": "hi", "echo": True}, 400, "echo", "unsupported_parameter"),
+    ("logit_bias key not a token id", CHAT, {"messages": HELLO, "logit_bias": {"hello": 5}}, 400, "logit_bias", None),
+    ("logit_bias past the vocabulary", CHAT, {"messages": HELLO, "logit_bias": {"1000000": 5}}, 400, "logit_bias", None),
+    ("logit_bias over 100", COMPLETIONS, {"prompt": "hi", "logit_bias": {"5": 101}}, 400, "logit_bias", None),
+    ("logit_bias over 300 tokens", CHAT, {"messages": HELLO, "logit_bias": {str(t): 1 for t in range(301)}}, 400, "logit_bias", None),
+    ("stop_token_ids past the vocabulary", COMPLETIONS, {"prompt": "hi", "stop_token_ids": [10**6]}, 400, "stop_token_ids", None),
+    ("too many stop_token_ids", CHAT, {"messages": HELLO, "stop_token_ids": list(range(65))}, 400, "stop_token_ids", None),
+    ("min_tokens over max_tokens", CHAT, {"messages": HELLO, "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens", None),
     ("unknown model", CHAT, {"model": "gpt-9", "messages": HELLO}, 404, "model", "model_not_found"),
     ("queue overflow", CHAT, {"messages": HELLO, "n": MAX_QUEUE_LEN + 1, "max_tokens": 2}, 503, None, "queue_full"),
 ]

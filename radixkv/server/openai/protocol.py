@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
+from radixkv.engine.request import MAX_LOGIT_BIAS_TOKENS, MAX_STOP_TOKEN_IDS
 from radixkv.server.request_caps import (
     CAPS,
     CapExceeded,
@@ -104,10 +105,18 @@ class _GenerationRequest(BaseModel):
     # the retention asks that the prompt's prefix stay cached (RETENTION_TTL_S).
     prompt_cache_key: str | None = Field(default=None, max_length=1024)
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    # Token id (as a string, as OpenAI sends it) -> a bias in [-100, 100] added to its logit.
+    logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS_TOKENS)
+    # vLLM's and SGLang's extensions, which benchmark clients (vLLM's, SGLang's, AIPerf,
+    # guidellm) send: run through end-of-sequence tokens, a floor on the reply's length,
+    # token ids that stop it, and top-k sampling.
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
+    top_k: int | None = None
     # Features radixkv does not implement; accepted only when they ask for nothing.
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
 
     def unsupported(self) -> str | None:
         """The name of a field that asks for something radixkv cannot do, if any."""
@@ -115,8 +124,6 @@ class _GenerationRequest(BaseModel):
             return "frequency_penalty"
         if self.presence_penalty:
             return "presence_penalty"
-        if self.logit_bias:
-            return "logit_bias"
         return None
 
     def stop_list(self) -> list[str]:

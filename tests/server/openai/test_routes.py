@@ -115,6 +115,23 @@ def test_stop_strings_cut_the_text_streaming_or_not(live_server):
     assert "".join(c.choices[0].delta.content or "" for c in streamed) == chat_free[: chat_free.find(chat_stop)]
 
 
+def test_benchmark_clients_token_controls_are_honoured_on_both_endpoints(live_server):
+    # What vLLM's and SGLang's benchmark clients, AIPerf and guidellm send: ignore_eos must give
+    # every token asked for, or their figures for radixkv are wrong.
+    client = live_server.client()
+    tokenizer_eos = live_server.engine_call(lambda engine: engine.tokenizer.eos_token_id)
+    prompt = "Benchmark clients: the quick brown fox jumps over the lazy dog."
+    ends = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, logit_bias={str(tokenizer_eos): 100})
+    assert ends.usage.completion_tokens == 1 and ends.choices[0].finish_reason == "stop"
+    through = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, logit_bias={str(tokenizer_eos): 100},
+                                        extra_body={"ignore_eos": True})  # fmt: skip
+    assert through.usage.completion_tokens == 12 and through.choices[0].finish_reason == "length"
+    floor = chat(client, prompt, max_tokens=12, logit_bias={str(tokenizer_eos): 100}, extra_body={"min_tokens": 5})
+    assert floor.usage.completion_tokens == 6 and floor.choices[0].finish_reason == "stop"
+    streamed = chat(client, prompt, max_tokens=9, stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    assert [c.usage.completion_tokens for c in streamed if c.usage] == [9]
+
+
 def test_n_choices_and_seeds_are_reproducible(live_server):
     client = live_server.client()
     prompt = "Seeds: the quick brown fox jumps over the lazy dog."
