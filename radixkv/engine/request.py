@@ -34,6 +34,8 @@ MAX_LOGIT_BIAS_TOKENS = 300
 MAX_LOGIT_BIAS = 100.0
 # Stop token ids are checked against every sampled token: a handful is what clients send.
 MAX_STOP_TOKEN_IDS = 64
+# A request's priority (vLLM's field: lower goes first), within 32 bits as vLLM's clients send it.
+MIN_PRIORITY, MAX_PRIORITY = -(1 << 31), (1 << 31) - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +62,9 @@ class SamplingParams:
     # (stop strings still stop), as vLLM's min_tokens.
     min_tokens: int = 0
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    # Lower goes first among one owner's requests, and may preempt that owner's higher ones
+    # when pages run short; another owner's requests are never reordered by it.
+    priority: int = 0
     n: int = 1
     guide: JsonGuide | None = None
     logprobs: int | None = None  # None: off; k: the chosen token's logprob and the k most likely
@@ -116,6 +121,7 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, bool):
             raise InvalidRequest(f"ignore_eos must be a boolean, got {self.ignore_eos!r}", param="ignore_eos")
         _int_in("min_tokens", self.min_tokens, 0, self.max_tokens if self.max_tokens is not None else MAX_TOKENS_LIMIT)
+        _int_in("priority", self.priority, MIN_PRIORITY, MAX_PRIORITY)
         if len(self.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
             raise InvalidRequest(
                 f"logit_bias may bias at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(self.logit_bias)}",

@@ -2,9 +2,11 @@
 
 Running sequences go first (decode tokens and continuing prefill chunks); then waiting ones
 are admitted in policy order (`lpm`: longest cached prefix first, with in-step deferral and
-an aging bound; `fcfs`), taken across owners (API keys) fewest-running first, while the
-token, sequence and page budgets allow. When pages run out the tree is evicted first, then
-the most recently admitted sequence is preempted. The cache is KVManager's seven verbs (peek,
+an aging bound; `fcfs`) after their priority, taken across owners (API keys) fewest-running
+first, while the token, sequence and page budgets allow. When pages run out the tree is evicted
+first, then the most recently admitted owner's lowest-priority sequence is preempted; a waiting
+sequence short of pages may preempt its own owner's lower-priority ones. A priority never
+reorders or preempts another owner's requests. The cache is KVManager's seven verbs (peek,
 can_admit, load_ready, admit, reserve, release, block_hashes); where a hit lies is not seen here.
 """
 
@@ -15,7 +17,7 @@ from collections import Counter, deque
 
 from radixkv.config import EngineConfig
 from radixkv.engine.kv_manager import KVManager
-from radixkv.engine.request import Batch, ScheduledSeq, SequenceState, SeqStatus
+from radixkv.engine.request import MIN_PRIORITY, Batch, ScheduledSeq, SequenceState, SeqStatus
 
 
 class Scheduler:
@@ -81,10 +83,29 @@ class Scheduler:
         return token_budget
 
     def _preemption_victim(self, exclude: set[int]) -> SequenceState:
-        for seq in reversed(self.running):
-            if seq.seq_id not in exclude:
-                return seq
-        raise AssertionError("a running sequence must be left to preempt")
+        """The owner of the latest admitted sequence gives up its lowest-priority one (the
+        latest among equals): a priority weighs only against its own owner's requests."""
+        candidates = [seq for seq in self.running if seq.seq_id not in exclude]
+        assert candidates, "a running sequence must be left to preempt"
+        owner = candidates[-1].owner
+        return max((seq for seq in reversed(candidates) if seq.owner == owner), key=lambda seq: seq.params.priority)
+
+    def _make_room(self, victim: SequenceState, batch: Batch) -> int:
+        """Preempt victim for a higher-priority sequence of its owner. Nothing has run yet this
+        step, so its chunk leaves the batch with its pages; returns the tokens that frees."""
+        freed = sum(item.num_new_tokens for item in batch.items if item.seq is victim)
+        batch.items = [item for item in batch.items if item.seq is not victim]
+        self._preempt(victim, batch)
+        return freed
+
+    def _lower_priority_victim(self, seq: SequenceState, admitted_now: set[int]) -> SequenceState | None:
+        """The owner's running sequence of the lowest priority below seq's (the latest admitted
+        among equals), for seq to take the pages of; None where there is none. A sequence is
+        preempted for priority at most once, and never in the step that admitted it, so a low
+        priority (admitted overdue, see _waiting_in_policy_order) waits, never starves."""
+        mine = [r for r in reversed(self.running) if r.owner == seq.owner and r.num_preemptions == 0 and r.seq_id not in admitted_now]
+        victim = max(mine, key=lambda r: r.params.priority, default=None)
+        return victim if victim is not None and victim.params.priority > seq.params.priority else None
 
     def _preempt(self, seq: SequenceState, batch: Batch) -> None:
         # Recompute later: private pages go back to the pool, the tree keeps what it cached,
@@ -101,8 +122,14 @@ class Scheduler:
         # Blocks that sequences already in the batch are computing: a candidate whose next
         # uncached block is among them waits a step and then hits instead of recomputing.
         computing = self._blocks_in_flight(batch)
+        admitted_now: set[int] = set()
         for seq, cached in self._waiting_in_policy_order():
-            if token_budget == 0 or len(self.running) >= self.config.max_num_seqs:
+            if token_budget == 0:
+                break
+            # At the sequence budget, only a lower-priority sequence of its owner makes room.
+            full = len(self.running) >= self.config.max_num_seqs
+            seat = self._lower_priority_victim(seq, admitted_now) if full else None
+            if full and seat is None:
                 break
             if self._should_defer(seq, cached, computing):
                 self.num_deferrals += 1
@@ -112,9 +139,15 @@ class Scheduler:
                 # is admitted once read (with nothing else to run, it waits now).
                 self.num_load_waits += 1
                 continue
+            if seat is not None:
+                token_budget += self._make_room(seat, batch)
             admitted = self._admit(seq, token_budget)
+            while admitted is None and (victim := self._lower_priority_victim(seq, admitted_now)):
+                token_budget += self._make_room(victim, batch)
+                admitted = self._admit(seq, token_budget)
             if admitted is None:
                 break
+            admitted_now.add(seq.seq_id)
             num_new, loaded = admitted
             token_budget -= num_new + loaded
             if num_new == 0:
@@ -148,10 +181,13 @@ class Scheduler:
         (-1 where the policy did not look), shared fairly among their owners."""
         waiting = list(self.waiting)
         if self.config.policy == "fcfs" or len(waiting) > self.config.lpm_fcfs_queue_threshold:
-            return self._shared_among_owners([(s, -1) for s in waiting])
+            in_priority = sorted(waiting, key=lambda s: s.params.priority if not self._overdue(s) else MIN_PRIORITY - 1)
+            return self._shared_among_owners([(s, -1) for s in in_priority])
         overdue = [(s, -1) for s in waiting if self._overdue(s)]
         rest = [(s, self.kv.peek(s).num_cached_tokens) for s in waiting if not self._overdue(s)]
-        rest.sort(key=lambda pair: -pair[1])  # stable: arrival order among equals
+        # Stable: arrival order among equals. Priority first, then the longest hit; an overdue
+        # request goes ahead of both, so a low priority waits, never starves.
+        rest.sort(key=lambda pair: (pair[0].params.priority, -pair[1]))
         return self._shared_among_owners(overdue + rest)
 
     def _shared_among_owners(self, order: list[tuple[SequenceState, int]]) -> list[tuple[SequenceState, int]]:

@@ -44,7 +44,7 @@ def chat_params(body: ChatCompletionRequest, names: WireNames, guide: JsonGuide 
         n=body.n,
         guide=guide,
         logprobs=body.num_logprobs(),
-        **_token_controls(body, names),
+        **_extension_params(body, names),
     )
 
 
@@ -64,14 +64,14 @@ def completion_params(body: CompletionRequest, context_tokens: int, longest_prom
         stop=body.stop_list(),
         n=body.n,
         logprobs=body.num_logprobs(),
-        **_token_controls(body, COMPLETIONS_NAMES),
+        **_extension_params(body, COMPLETIONS_NAMES),
     )
 
 
-def _token_controls(body: ChatCompletionRequest | CompletionRequest, names: WireNames) -> dict:
+def _extension_params(body: ChatCompletionRequest | CompletionRequest, names: WireNames) -> dict:
     """The OpenAI endpoints' token-level fields (logit_bias, and vLLM's ignore_eos, min_tokens,
-    stop_token_ids, top_k) as SamplingParams' arguments; logit_bias keys are token ids sent as
-    strings, as OpenAI's API has them."""
+    stop_token_ids, top_k) and vLLM's priority as SamplingParams' arguments; logit_bias keys
+    are token ids sent as strings, as OpenAI's API has them."""
     logit_bias = {}
     for key, bias in (body.logit_bias or {}).items():
         if not key.isascii() or not key.isdigit():
@@ -84,6 +84,7 @@ def _token_controls(body: ChatCompletionRequest | CompletionRequest, names: Wire
         stop_token_ids=list(body.stop_token_ids or []),
         top_k=body.top_k or 0,
         logit_bias=logit_bias,
+        priority=body.priority,
     )
 
 
@@ -121,6 +122,7 @@ def _params(
     min_tokens: int = 0,
     stop_token_ids: list[int] | None = None,
     logit_bias: dict[int, float] | None = None,
+    priority: int = 0,
 ) -> SamplingParams:
     try:
         return SamplingParams(
@@ -137,6 +139,7 @@ def _params(
             min_tokens=min_tokens,
             stop_token_ids=stop_token_ids or [],
             logit_bias=logit_bias or {},
+            priority=priority,
         )
     except InvalidRequest as error:
         raise engine_error(error, names) from None

@@ -233,3 +233,24 @@ def test_token_ids_outside_the_vocabulary_are_refused_before_any_work(llm, optio
         llm.generate([PROMPT], SamplingParams(max_tokens=2, **options))
     assert error.value.param == param and error.value.limit == 320
     assert_pages_returned(llm.engine)
+
+
+def test_a_request_preempted_for_priority_gives_the_tokens_it_gives_alone(tiny_llama):
+    # One sequence at a time: the batch job runs, the interactive request (priority -1) takes
+    # its seat; both finish with the tokens each gives alone, and every page comes back.
+    from tests.helpers.engine import run_to_end
+
+    llm = LLM(str(tiny_llama), dtype="float32", device="cpu", page_size=4, num_pages=128, max_num_seqs=1, check_invariants=True)
+    engine = llm.engine
+    long_job = SamplingParams(max_tokens=20, ignore_eos=True, priority=3)
+    urgent = SamplingParams(max_tokens=5, ignore_eos=True, priority=-1)
+    alone = [llm.generate([prompt], params)[0].token_ids for prompt, params in (("batch job text", long_job), (PROMPT, urgent))]
+    job_id = engine.add_request(engine.tokenizer.encode("batch job text"), long_job)
+    for _ in range(4):
+        engine.step()
+    urgent_id = engine.add_request(engine.tokenizer.encode(PROMPT), urgent)
+    finals = run_to_end(engine)
+    assert [finals[job_id].outputs[0].token_ids, finals[urgent_id].outputs[0].token_ids] == alone
+    assert list(finals) == [urgent_id, job_id]  # the interactive request finished first
+    assert engine.scheduler.num_preemptions == 1
+    assert_pages_returned(engine)

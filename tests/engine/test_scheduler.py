@@ -225,3 +225,83 @@ def test_the_scheduler_speaks_to_the_cache_in_seven_verbs_and_never_names_the_di
         and node.value.attr == "kv"
     }
     assert used <= {"peek", "can_admit", "load_ready", "admit", "reserve", "release", "block_hashes"}, used
+
+
+def _prioritized(tokens: list[int], priority: int, owner: str | None = None, max_tokens: int = 4) -> SequenceState:
+    seq = _owned(tokens, owner, max_tokens)
+    seq.params = SamplingParams(max_tokens=max_tokens, priority=priority)
+    return seq
+
+
+def test_a_higher_priority_goes_ahead_of_earlier_arrivals_and_longer_hits():
+    scheduler = make_scheduler(max_num_seqs=1)
+    shared = list(range(100, 132))
+    warm_cache(scheduler, shared + [1])
+    batch_job = _prioritized(shared + [2, 3], priority=5)  # the longest hit, but a batch job
+    interactive = _prioritized(list(range(200, 230)), priority=-1)
+    scheduler.add(batch_job)
+    scheduler.add(interactive)
+    assert [item.seq for item in scheduler.schedule().items] == [interactive]
+
+
+def test_a_higher_priority_preempts_its_owners_lower_one_at_the_sequence_budget():
+    scheduler = make_scheduler(max_num_seqs=1)
+    batch_job = _prioritized(list(range(100, 120)), priority=5, max_tokens=50)
+    scheduler.add(batch_job)
+    run_step(scheduler)
+    interactive = _prioritized(list(range(200, 220)), priority=0)
+    scheduler.add(interactive)
+    batch = run_step(scheduler)
+    assert [item.seq for item in batch.items] == [interactive] and batch.preempted == [batch_job]
+    assert batch_job.status is SeqStatus.WAITING and batch_job.page_table == []  # its pages went back
+    finish(scheduler, interactive)
+    assert [item.seq for item in run_step(scheduler).items] == [batch_job]  # and it resumes
+
+
+def test_a_higher_priority_preempts_its_owners_lower_one_for_pages():
+    # 8 pages of 4 tokens: the batch job's 24 tokens hold 6 (+ its headroom), so the
+    # interactive request's 12 tokens fit only once the batch job gives its pages back.
+    scheduler = make_scheduler(num_pages=8)
+    batch_job = _prioritized(list(range(100, 124)), priority=5, max_tokens=50)
+    scheduler.add(batch_job)
+    run_step(scheduler)
+    interactive = _prioritized(list(range(200, 212)), priority=-3)
+    scheduler.add(interactive)
+    batch = run_step(scheduler)
+    assert [item.seq for item in batch.items] == [interactive] and batch.preempted == [batch_job]
+
+
+def test_a_priority_never_reorders_or_preempts_another_owners_requests():
+    # Key "greedy" marks everything urgent; key "calm" sends at the default priority. Owners
+    # still take turns, and calm's running request is not preempted for greedy's.
+    scheduler = make_scheduler(max_num_seqs=1)
+    calm = _prioritized(list(range(100, 120)), priority=0, owner="calm", max_tokens=50)
+    scheduler.add(calm)
+    run_step(scheduler)
+    urgent = _prioritized(list(range(200, 220)), priority=-(1 << 31), owner="greedy")
+    scheduler.add(urgent)
+    batch = run_step(scheduler)
+    assert [item.seq for item in batch.items] == [calm] and batch.preempted == []
+    waiting = [_prioritized(list(range(300 + 20 * i, 320 + 20 * i)), priority=-100, owner="greedy") for i in range(3)]
+    waiting.append(_prioritized(list(range(400, 420)), priority=0, owner="calm2"))
+    for seq in waiting:
+        scheduler.add(seq)
+    order = [s.owner for s, _ in scheduler._waiting_in_policy_order()]
+    assert order[:2] in (["greedy", "calm2"], ["calm2", "greedy"])
+
+
+def test_an_overdue_low_priority_request_still_goes_first():
+    scheduler = make_scheduler(max_num_seqs=1, max_wait_steps=2)
+    old = _prioritized(list(range(100, 120)), priority=9)
+    scheduler.add(old)
+    scheduler.step_count += 3  # it has waited past max_wait_steps
+    urgent = _prioritized(list(range(200, 220)), priority=-9, max_tokens=3)
+    scheduler.add(urgent)
+    assert [item.seq for item in run_step(scheduler).items] == [old]  # not preempted in the step that admitted it
+    assert [item.seq for item in run_step(scheduler).items] == [urgent]  # preempted once, then
+    while len(urgent.output_token_ids) < 3:
+        run_step(scheduler)
+    finish(scheduler, urgent)
+    assert [item.seq for item in run_step(scheduler).items] == [old]
+    scheduler.add(_prioritized(list(range(300, 320)), priority=-9))
+    assert [item.seq for item in run_step(scheduler).items] == [old]  # never again

@@ -88,7 +88,7 @@ broken_values = st.one_of(
     st.lists(odd_message, max_size=3),
     st.lists(st.text(max_size=3), min_size=15, max_size=20),
 )
-EXTRA_FIELDS = ["tools", "response_format", "logit_bias", "ignore_eos", "min_tokens", "stop_token_ids", "top_k", "presence_penalty", "suffix", "best_of", "unknown_field"]
+EXTRA_FIELDS = ["tools", "response_format", "logit_bias", "ignore_eos", "min_tokens", "stop_token_ids", "top_k", "priority", "presence_penalty", "suffix", "best_of", "unknown_field"]
 
 
 @st.composite

@@ -59,6 +59,7 @@ BAD_JSON_BODIES = [
     ("logit_bias over 300 tokens", CHAT, {"messages": HELLO, "logit_bias": {str(t): 1 for t in range(301)}}, 400, "logit_bias", None),
     ("stop_token_ids past the vocabulary", COMPLETIONS, {"prompt": "hi", "stop_token_ids": [10**6]}, 400, "stop_token_ids", None),
     ("too many stop_token_ids", CHAT, {"messages": HELLO, "stop_token_ids": list(range(65))}, 400, "stop_token_ids", None),
+    ("priority past 32 bits", COMPLETIONS, {"prompt": "hi", "priority": 2**40}, 400, "priority", None),
     ("min_tokens over max_tokens", CHAT, {"messages": HELLO, "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens", None),
     ("unknown model", CHAT, {"model": "gpt-9", "messages": HELLO}, 404, "model", "model_not_found"),
     ("queue overflow", CHAT, {"messages": HELLO, "n": MAX_QUEUE_LEN + 1, "max_tokens": 2}, 503, None, "queue_full"),

@@ -114,6 +114,8 @@ class _GenerationRequest(BaseModel):
     min_tokens: int = 0
     stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     top_k: int | None = None
+    # vLLM's: lower goes first among this key's own requests (never ahead of another key's).
+    priority: int = 0
     # Features radixkv does not implement; accepted only when they ask for nothing.
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
