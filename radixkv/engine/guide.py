@@ -20,6 +20,7 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -245,6 +246,54 @@ def _checked_schema_text(schema: str | None, limits: GuideLimits) -> str:
         )
     if not isinstance(parsed, dict):
         raise InvalidRequest(f"a JSON schema must be a JSON object, got {type(parsed).__name__}", param="response_format")
+    return json.dumps(bounded_numbers(parsed)) if _has_unbounded_number(parsed) else schema
+
+
+# What JSON parsers read back: a 64-bit integer, and for a number a double's exact integers
+# (JavaScript's JSON.parse included). Without a bound the grammar lets a reply run to max_tokens
+# in digits; xgrammar compiles a range into a grammar with a bounded count of digits.
+INTEGER_RANGE = (-(1 << 63), (1 << 63) - 1)
+NUMBER_RANGE = (-(1 << 53), 1 << 53)
+# Keys whose values are data, not schemas: a bound is never added inside them.
+_DATA_KEYS = frozenset({"enum", "const", "default", "examples"})
+
+
+def _schema_nodes(schema: dict) -> Iterator[dict]:
+    """Every object in a schema that may be a (sub)schema, without recursion."""
+    stack: list[object] = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            yield node
+            stack.extend(value for key, value in node.items() if key not in _DATA_KEYS)
+        elif isinstance(node, list):
+            stack.extend(node)
+
+
+def _numeric_types(node: dict) -> set[str]:
+    kind = node.get("type")
+    kinds = {kind} if isinstance(kind, str) else set(kind) if isinstance(kind, list) else set()
+    return kinds & {"integer", "number"}
+
+
+def _unbounded(node: dict) -> bool:
+    return bool(_numeric_types(node)) and not ({"minimum", "exclusiveMinimum"} & node.keys() and {"maximum", "exclusiveMaximum"} & node.keys())
+
+
+def _has_unbounded_number(schema: dict) -> bool:
+    return any(_unbounded(node) for node in _schema_nodes(schema))
+
+
+def bounded_numbers(schema: dict) -> dict:
+    """The schema with every integer or number that lacks a bound given one (INTEGER_RANGE,
+    NUMBER_RANGE; a number-or-integer takes the number's): changes `schema` in place."""
+    for node in _schema_nodes(schema):
+        if _unbounded(node):
+            low, high = NUMBER_RANGE if "number" in _numeric_types(node) else INTEGER_RANGE
+            if not {"minimum", "exclusiveMinimum"} & node.keys():
+                node["minimum"] = low
+            if not {"maximum", "exclusiveMaximum"} & node.keys():
+                node["maximum"] = high
     return schema
 
 

@@ -252,17 +252,25 @@ def _call_schema(tool: Tool) -> dict:
 
 def parse_reply(text: str, tools: list[Tool], tool_choice: ToolChoice) -> tuple[str | None, list[ToolCall]]:
     """(content, tool calls) of a finished reply: a bare JSON call or array of calls (what a
-    guide produces), else `<tool_call>` lines; whatever is not a valid call stays content."""
+    guide produces), else `<tool_call>` lines; whatever is not a valid call stays content. A
+    guided reply (a call forced) is never content: cut off, it gives the calls it completed."""
     if tool_choice == "none" or not tools:
         return text, []
     names = {t.name for t in tools}
     bare = _bare_calls(text, names)
     if bare is not None:
         return None, bare
+    if forces_call(tool_choice):
+        return None, completed_calls(text, names)
     content, calls = _tagged_calls(text, names)
     if not calls:
         return text, []
     return content.strip() or None, calls
+
+
+def forces_call(tool_choice: ToolChoice) -> bool:
+    """Whether a guide makes the whole reply JSON calls ("required", or one named function)."""
+    return tool_choice not in CHOICES or tool_choice == "required"
 
 
 def _bare_calls(text: str, names: set[str]) -> list[ToolCall] | None:
@@ -274,7 +282,50 @@ def _bare_calls(text: str, names: set[str]) -> list[ToolCall] | None:
         return None
     items = value if isinstance(value, list) else [value]
     calls = [_call_of(item, names) for item in items]
-    return calls if calls and all(c is not None for c in calls) else None  # type: ignore[return-value]
+    return _distinct(calls) if calls and all(c is not None for c in calls) else None  # type: ignore[arg-type]
+
+
+def completed_calls(text: str, names: set[str]) -> list[ToolCall]:
+    """The calls a guided reply cut off mid-way (max_tokens) completed: its first object if
+    that closed, or the items of its array that closed before the cut."""
+    stripped = text.strip()
+    decoder = json.JSONDecoder()
+    values: list[Any] = []
+    try:
+        if stripped.startswith("{"):
+            values.append(decoder.raw_decode(stripped)[0])
+        elif stripped.startswith("["):
+            position = 1
+            while True:
+                position = _skip_space(stripped, position)
+                value, position = decoder.raw_decode(stripped, position)
+                values.append(value)
+                position = _skip_space(stripped, position)
+                if not stripped.startswith(",", position):
+                    break
+                position += 1
+    except (json.JSONDecodeError, RecursionError):
+        pass  # the cut: what closed before it is kept
+    return _distinct([call for call in (_call_of(value, names) for value in values) if call is not None])
+
+
+def _skip_space(text: str, position: int) -> int:
+    while position < len(text) and text[position] in " \t\r\n":
+        position += 1
+    return position
+
+
+def _distinct(calls: list[ToolCall]) -> list[ToolCall]:
+    """Calls in order, each (function, arguments) once: a model that repeats a parallel call
+    word for word asks for nothing new, and a client would run it twice."""
+    seen: set[tuple[str, str]] = set()
+    distinct = []
+    for call in calls:
+        key = (call.name, call.arguments)
+        if key not in seen:
+            seen.add(key)
+            distinct.append(call)
+    return distinct
 
 
 def _call_of(value: Any, names: set[str]) -> ToolCall | None:
@@ -345,7 +396,8 @@ class ToolCallStream:
         self._held = ""  # in text: a tail that may begin CALL_OPEN
         self._call: list[str] | None = None  # the body of an open call, in pieces
         self._call_tail = ""  # its last len(CALL_CLOSE) - 1 characters: a close may straddle
-        self._json_reply = tool_choice not in CHOICES or tool_choice == "required"  # guided: all JSON
+        self._guided = forces_call(tool_choice)  # all JSON calls, never content
+        self._json_reply = self._guided
         self._started = False  # seen a non-space character
         self.num_calls = 0
         self.num_scanned_chars = 0
@@ -375,10 +427,12 @@ class ToolCallStream:
             return "", []
         held, self._pieces = "".join(self._pieces), []
         if self._json_reply:
-            bare = _bare_calls(held, self._names)
-            if bare is not None:
-                self.num_calls += len(bare)
-                return "", bare
+            calls = _bare_calls(held, self._names)
+            if calls is None and self._guided:
+                calls = completed_calls(held, self._names)
+            if calls is not None:
+                self.num_calls += len(calls)
+                return "", calls
             self._json_reply = False
         return self._text(held, final=True)
 

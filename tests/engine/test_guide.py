@@ -275,3 +275,39 @@ def test_a_schema_too_slow_to_compile_or_mask_is_refused_and_remembered(tiny_lla
     assert engine.guides.compiler.submit(params.guide).exception() is not None
     assert not engine.has_unfinished()
     assert llm.generate(["still serving"], SamplingParams(max_tokens=4))[0].finish_reason == "length"
+
+
+def test_an_integer_or_number_without_bounds_closes_within_what_parsers_read(llm):
+    # A bias toward "1" makes the model write digits for as long as the grammar lets it: an
+    # integer without bounds ends within 64 bits, a number within a double's exact integers.
+    one = llm.engine.tokenizer.encode("1", add_special_tokens=False)
+    assert len(one) == 1
+    for kind, (low, high) in (("integer", (-(1 << 63), (1 << 63) - 1)), ("number", (-(1 << 53), 1 << 53))):
+        schema = {"type": "object", "properties": {"n": {"type": kind}}, "required": ["n"]}
+        params = SamplingParams(max_tokens=200, guide=JsonGuide(json.dumps(schema)), logit_bias={one[0]: 30})
+        output = llm.generate(["Count:"], params)[0].outputs[0]
+        value = _assert_matches(output, schema)["n"]
+        assert low <= value <= high and len(output.token_ids) < 60, output.text
+    assert_pages_returned(llm.engine)
+
+
+def test_bounds_are_added_only_where_a_schema_left_them_out():
+    from radixkv.engine.guide import INTEGER_RANGE, NUMBER_RANGE, bounded_numbers
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "a": {"type": "integer"},
+            "b": {"type": "number", "minimum": 0},
+            "c": {"type": ["integer", "null"], "maximum": 5, "exclusiveMinimum": -1},
+            "d": {"type": "array", "items": {"anyOf": [{"type": "integer"}, {"type": "string"}]}},
+        },
+        "enum": [{"type": "integer"}],  # data, not a schema: untouched
+    }
+    bounded = bounded_numbers(json.loads(json.dumps(schema)))
+    props = bounded["properties"]
+    assert (props["a"]["minimum"], props["a"]["maximum"]) == INTEGER_RANGE
+    assert props["b"]["minimum"] == 0 and props["b"]["maximum"] == NUMBER_RANGE[1]
+    assert props["c"] == schema["properties"]["c"]
+    assert props["d"]["items"]["anyOf"][0] == {"type": "integer", "minimum": INTEGER_RANGE[0], "maximum": INTEGER_RANGE[1]}
+    assert bounded["enum"] == [{"type": "integer"}]

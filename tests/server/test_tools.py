@@ -140,3 +140,18 @@ def test_bad_tool_input_is_a_400_and_the_server_stays_up(agent_server, kwargs, p
         assert body["param"] == param
     assert create(client, max_tokens=2).choices[0].message.content is not None
     agent_server.assert_idle_and_consistent()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_forced_call_cut_off_by_max_tokens_is_never_content(agent_server, stream):
+    # Eight tokens cannot finish a call: the reply ends "length", with no content and only
+    # the calls that closed before the cut (none here), streamed or not.
+    kwargs = dict(tools=[WEATHER, LIGHTS], tool_choice="required", parallel_tool_calls=True, max_tokens=8)
+    if not stream:
+        [choice] = create(agent_server.client(), **kwargs).choices
+        assert choice.finish_reason == "length" and choice.message.content is None
+        assert not choice.message.tool_calls
+        return
+    chunks = list(create(agent_server.client(), stream=True, **kwargs))
+    assert all(not c.delta.content and not c.delta.tool_calls for chunk in chunks for c in chunk.choices)
+    assert [c.finish_reason for chunk in chunks for c in chunk.choices if c.finish_reason] == ["length"]

@@ -148,6 +148,33 @@ def test_parse_reply_forms():
     assert len(parse_reply(f'{CALL_OPEN}{{"name": "get_time", "arguments": {{}}}}', TOOLS, "auto")[1]) == 1
 
 
+CUT_OFF = '[{"name": "get_time", "arguments": {}}, {"name": "get_weather", "arguments": {"city": "A"}}, {"name": "get_weather", "argu'
+
+
+def test_a_guided_reply_cut_off_gives_the_calls_it_completed_never_grammar_text():
+    # A forced call cut off by max_tokens: the calls that closed come back as calls, and the
+    # cut-off JSON is never content (a client would show or parse it as the model's words).
+    for choice in ("required", "get_weather"):
+        content, calls = parse_reply(CUT_OFF, TOOLS, choice)
+        assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [("get_time", {}), ("get_weather", {"city": "A"})]
+    assert parse_reply('{"name": "get_weather", "arguments": {"ci', TOOLS, "get_weather") == (None, [])
+    assert parse_reply('[{"name": "get_weather", "arguments": {"city": "A"}}, {"name": "nope", "arguments": {}}, {"na', TOOLS, "required")[0] is None
+    # Unforced, the same text is the model's to say: it stays content.
+    assert parse_reply(CUT_OFF, TOOLS, "auto") == (CUT_OFF, [])
+    content, calls = stream_all(ToolCallStream(TOOLS, "required"), [CUT_OFF[:40], CUT_OFF[40:]])
+    assert content == "" and [c.name for c in calls] == ["get_time", "get_weather"]
+
+
+def test_a_parallel_call_repeated_word_for_word_is_given_once():
+    same = '{"name": "get_weather", "arguments": {"city": "A"}}'
+    other = '{"name": "get_weather", "arguments": {"city": "B"}}'
+    reply = f"[{same}, {other}, {same}, {other}, {same}]"
+    _, calls = parse_reply(reply, TOOLS, "required")
+    assert [json.loads(c.arguments)["city"] for c in calls] == ["A", "B"]
+    _, cut = parse_reply(f"[{same}, {other}, {same}, {{", TOOLS, "required")
+    assert [json.loads(c.arguments)["city"] for c in cut] == ["A", "B"]
+
+
 def stream_all(stream: ToolCallStream, pieces: list[str]) -> tuple[str, list]:
     content, calls = "", []
     for piece in pieces:

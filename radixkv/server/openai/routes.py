@@ -239,12 +239,18 @@ def _reply_calls(calls: list[ToolCall]) -> list[ReplyToolCall] | None:
     return [ReplyToolCall(id=c.id, function=ReplyFunction(name=c.name, arguments=c.arguments)) for c in calls] or None
 
 
+def _finish_reason(engine_reason: str, has_calls: bool) -> str:
+    """OpenAI's: "tool_calls" for a reply that ended on its calls; one cut off by max_tokens is
+    "length" whatever calls it completed (a client then knows more were on the way)."""
+    return "tool_calls" if has_calls and engine_reason != "length" else engine_reason
+
+
 def _chat_choice(texts: TokenTexts, body: ChatCompletionRequest, tools: _ChatTools, output: CompletionOutput) -> ChatChoice:
     content, calls = parse_reply(output.text, tools.tools, tools.choice)
     return ChatChoice(
         index=output.index,
         message=AssistantMessage(content=content, tool_calls=_reply_calls(calls)),
-        finish_reason="tool_calls" if calls else output.finish_reason,
+        finish_reason=_finish_reason(output.finish_reason, bool(calls)),
         logprobs=chat_logprobs(texts, output.logprobs, body.top_logprobs or 0) if body.logprobs else None,
     )
 
@@ -297,7 +303,7 @@ class _ChatChoiceStream:
             if content:
                 out.append(self._choice(Delta(content=content)))
             out += self._call_choices(calls, self._calls.num_calls - len(calls))
-            finish = "tool_calls" if self._calls.num_calls else delta.finish_reason
+            finish = _finish_reason(delta.finish_reason, self._calls.num_calls > 0)
             out.append(self._choice(Delta(), finish_reason=finish))
         return out
 
