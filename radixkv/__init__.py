@@ -7,11 +7,12 @@ from __future__ import annotations
 
 from radixkv.config import EngineConfig
 from radixkv.errors import ConfigError, InvalidRequest, QueueFull
-from radixkv.engine.request import CompletionOutput, JsonGuide, RequestOutput, SamplingParams, TokenLogprob
+from radixkv.engine.request import CompletionOutput, GrammarGuide, JsonGuide, RequestOutput, SamplingParams, TokenLogprob
 
 __all__ = [
     "LLM",
     "SamplingParams",
+    "GrammarGuide",
     "JsonGuide",
     "TokenLogprob",
     "RequestOutput",

@@ -1,12 +1,11 @@
-"""JSON-constrained decoding: compiles a `JsonGuide` with xgrammar (one compiler per tokenizer,
-grammars cached by schema), keeps one matcher per guided sequence, and fills their next-token
-bitmasks on worker threads while the model forward runs.
+"""Constrained decoding: compiles a guide (a `JsonGuide`'s JSON schema, a `GrammarGuide`'s regex
+or EBNF grammar) with xgrammar (one compiler per tokenizer, grammars cached by their text), keeps
+one matcher per guided sequence, and fills their next-token bitmasks on worker threads while the
+model forward runs.
 
-Why xgrammar rather than llguidance, measured by `radixkv bench guided_decoding` (AMD EPYC
-Zen 4, 2 shared cores, SmolLM2's 49,152 tokens): a step's mask costs far less, and that is
-paid on every token. Filling 32 rows took 0.6-0.8 ms against llguidance's 15-27 ms, one row
-47 us (idle machine) against 364 us; xgrammar's compile (31-38 ms a schema, cached) is slower
-than llguidance's lazy 1.3 ms, but it is paid once per schema, not per token.
+Why xgrammar rather than llguidance (`radixkv bench guided_decoding`; figures in
+docs/measurements.md): a step's mask costs far less, and that is paid on every token, while
+xgrammar's slower compile is paid once per schema.
 """
 
 from __future__ import annotations
@@ -28,10 +27,11 @@ import torch
 # xgrammar is imported where it is first needed: importing it takes about as long as importing
 # torch, and an engine that never sees a guide should not pay for it.
 from radixkv.cpu.logits import apply_token_bitmask
-from radixkv.engine.request import JsonGuide, SequenceState
+from radixkv.engine.request import GrammarGuide, Guide, JsonGuide, SequenceState
 from radixkv.errors import InvalidRequest
 
-GuideKey = tuple[str | None, bool]
+# (kind: "json", "regex" or "ebnf"; its text, None for any JSON object; strict, for JSON)
+GuideKey = tuple[str, str | None, bool]
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +81,7 @@ class GuideCompiler:
         self._too_slow: OrderedDict[GuideKey, str] = OrderedDict()  # key -> why it was refused
         self._pool: ThreadPoolExecutor | None = None
 
-    def submit(self, guide: JsonGuide) -> Future[Any]:
+    def submit(self, guide: Guide) -> Future[Any]:
         """The guide's compiled grammar as a future (done at once when cached); from any thread.
         The future raises InvalidRequest(param="response_format") for a schema that is not
         JSON Schema xgrammar accepts, is over the limits, or leaves no first token."""
@@ -97,41 +97,47 @@ class GuideCompiler:
             if future is not None:
                 return future
             try:
-                schema = _checked_schema_text(guide.schema, self.limits)
+                text = _checked_schema_text(guide.schema, self.limits) if isinstance(guide, JsonGuide) else _checked_grammar_text(guide, self.limits)
             except InvalidRequest as error:
                 return _failed(error)
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="radixkv-guide-compile")
-            future = self._pool.submit(self._compile, key, schema)
+            future = self._pool.submit(self._compile, key, text)
             self._in_flight[key] = future
         return future
 
-    def compile(self, guide: JsonGuide) -> Any:
+    def compile(self, guide: Guide) -> Any:
         """The guide's compiled grammar, waiting at most the compile timeout for it."""
         return self.wait(guide, self.submit(guide))
 
-    def wait(self, guide: JsonGuide, future: Future[Any]) -> Any:
+    def wait(self, guide: Guide, future: Future[Any]) -> Any:
         try:
             return future.result(timeout=self.limits.compile_timeout_s)
         except FutureTimeout:
             raise self.refuse_slow(guide) from None
 
-    def refuse_slow(self, guide: JsonGuide) -> InvalidRequest:
+    def refuse_slow(self, guide: Guide) -> InvalidRequest:
         """The error for a guide whose compile ran past the timeout; remembered, so the schema
         is refused at once from now on (its compile may still finish on its thread)."""
-        return self._slow(_key(guide), f"the JSON schema took longer than {self.limits.compile_timeout_s:g} s to compile; simplify it")
+        key = _key(guide)
+        return self._slow(key, f"{_what(key)} took longer than {self.limits.compile_timeout_s:g} s to compile; simplify it")
 
-    def _compile(self, key: GuideKey, schema: str) -> Any:
+    def _compile(self, key: GuideKey, text: str) -> Any:
         start_s = time.perf_counter()
         try:
             compiler = self._xgrammar_compiler()
             try:
-                grammar = compiler.compile_json_schema(schema, any_whitespace=False, separators=(",", ":"), strict_mode=key[1])
+                if key[0] == "regex":
+                    grammar = compiler.compile_regex(text)
+                elif key[0] == "ebnf":
+                    grammar = compiler.compile_grammar(text)
+                else:
+                    grammar = compiler.compile_json_schema(text, any_whitespace=False, separators=(",", ":"), strict_mode=key[2])
             except (RuntimeError, ValueError, TypeError) as error:
-                raise InvalidRequest(f"the JSON schema cannot be compiled: {_first_line(error)}", param="response_format") from error
+                raise InvalidRequest(f"{_what(key)} cannot be compiled: {_first_line(error)}", param="response_format") from error
             compile_s = time.perf_counter() - start_s
             if compile_s > self.limits.compile_timeout_s:
-                raise self._slow(key, f"the JSON schema took {compile_s:.1f} s to compile, over the {self.limits.compile_timeout_s:g} s limit; simplify it")
+                raise self._slow(key, f"{_what(key)} took {compile_s:.1f} s to compile, over the {self.limits.compile_timeout_s:g} s limit; simplify it")
             self._check_first_mask(key, grammar)
         except BaseException:
             with self._lock:
@@ -155,10 +161,10 @@ class GuideCompiler:
         matcher.fill_next_token_bitmask(bitmask)
         mask_s = time.perf_counter() - start_s
         if mask_s > self.limits.mask_timeout_s:
-            raise self._slow(key, f"the JSON schema's token mask took {mask_s * 1e3:.0f} ms, over the {self.limits.mask_timeout_s * 1e3:.0f} ms limit; simplify it")
+            raise self._slow(key, f"{_what(key)}'s token mask took {mask_s * 1e3:.0f} ms, over the {self.limits.mask_timeout_s * 1e3:.0f} ms limit; simplify it")
         assert self.no_control_bytes is not None  # built with the compiler
         if not bool(bitmask.bitwise_and_(self.no_control_bytes).any()):
-            raise InvalidRequest("the JSON schema allows no token this model can start with", param="response_format", code="schema_unsatisfiable")
+            raise InvalidRequest(f"{_what(key)} allows no token this model can start with", param="response_format", code="schema_unsatisfiable")
 
     def _slow(self, key: GuideKey, message: str) -> InvalidRequest:
         """The refusal of a schema too slow to compile or mask, remembered for its next time."""
@@ -185,8 +191,25 @@ def _too_complex(message: str) -> InvalidRequest:
     return InvalidRequest(message, param="response_format", code="schema_too_complex")
 
 
-def _key(guide: JsonGuide) -> GuideKey:
-    return (guide.schema, guide.strict if guide.schema is not None else False)
+def _key(guide: Guide) -> GuideKey:
+    if isinstance(guide, GrammarGuide):
+        return (guide.kind, guide.source, False)
+    return ("json", guide.schema, guide.strict if guide.schema is not None else False)
+
+
+def _what(key: GuideKey) -> str:
+    """How a message names the guide: the JSON schema, the regex, the grammar."""
+    return {"regex": "the regex", "ebnf": "the grammar"}.get(key[0], "the JSON schema")
+
+
+def _checked_grammar_text(guide: GrammarGuide, limits: GuideLimits) -> str:
+    """A regex's or grammar's text, refused early past the size limit (a schema's)."""
+    size = len(guide.source.encode())
+    if size > limits.max_schema_bytes:
+        raise InvalidRequest(
+            f"{_what(_key(guide))} has {size} bytes; the limit is {limits.max_schema_bytes}", param="response_format", limit=limits.max_schema_bytes
+        )
+    return guide.source
 
 
 def _done(value: Any) -> Future[Any]:
@@ -383,10 +406,10 @@ class Guides:
         self._fill_thread: ThreadPoolExecutor | None = None
         self._batch_matcher: Any = None
 
-    def check(self, guide: JsonGuide) -> None:
+    def check(self, guide: Guide) -> None:
         self.compiler.compile(guide)
 
-    async def compile_async(self, guide: JsonGuide) -> Any:
+    async def compile_async(self, guide: Guide) -> Any:
         """The guide's grammar, compiled on a compile thread while the caller's event loop goes
         on; InvalidRequest past the compile timeout (the compile may finish on its thread)."""
         future = self.compiler.submit(guide)
@@ -396,7 +419,7 @@ class Guides:
         except TimeoutError:
             raise self.compiler.refuse_slow(guide) from None
 
-    def new_state(self, guide: JsonGuide, grammar: Any = None) -> GuideState:
+    def new_state(self, guide: Guide, grammar: Any = None) -> GuideState:
         """A matcher at the grammar's start; `grammar` is the guide's, compiled beforehand off
         the engine thread (AsyncEngine.submit), else it is compiled (or found cached) now."""
         return GuideState(grammar if grammar is not None else self.compiler.compile(guide))

@@ -47,6 +47,19 @@ class JsonGuide:
     strict: bool = True  # no properties beyond those the schema names
 
 
+@dataclass(frozen=True, slots=True)
+class GrammarGuide:
+    """Constrains a continuation to a regular expression (kind "regex") or to an EBNF grammar
+    (kind "ebnf": llama.cpp's GBNF dialect, as xgrammar reads it, with a `root` rule)."""
+
+    kind: str
+    source: str
+
+
+GRAMMAR_KINDS = ("regex", "ebnf")
+Guide = JsonGuide | GrammarGuide
+
+
 @dataclass(slots=True)
 class SamplingParams:
     # None: the room the context leaves after the prompt, filled in per request by the engine.
@@ -66,7 +79,7 @@ class SamplingParams:
     # when pages run short; another owner's requests are never reordered by it.
     priority: int = 0
     n: int = 1
-    guide: JsonGuide | None = None
+    guide: Guide | None = None
     logprobs: int | None = None  # None: off; k: the chosen token's logprob and the k most likely
 
     def __post_init__(self) -> None:
@@ -104,8 +117,10 @@ class SamplingParams:
             )
         if self.logprobs is not None:
             _int_in("logprobs", self.logprobs, 0, MAX_TOP_LOGPROBS)
-        if self.guide is not None and not isinstance(self.guide, JsonGuide):
-            raise InvalidRequest(f"guide must be a JsonGuide, got {type(self.guide).__name__}", param="guide")
+        if self.guide is not None and not isinstance(self.guide, (JsonGuide, GrammarGuide)):
+            raise InvalidRequest(f"guide must be a JsonGuide or a GrammarGuide, got {type(self.guide).__name__}", param="guide")
+        if isinstance(self.guide, GrammarGuide) and (self.guide.kind not in GRAMMAR_KINDS or not isinstance(self.guide.source, str) or not self.guide.source):
+            raise InvalidRequest(f"a grammar guide is a non-empty regex or ebnf text, got {self.guide.kind!r}", param="guide")
         self._validate_token_controls()
 
     def _validate_token_controls(self) -> None:

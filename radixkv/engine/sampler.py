@@ -37,9 +37,12 @@ class Sampler:
         logprobs = torch.log_softmax(logits[logprob_rows].float(), dim=-1) if logprob_rows else None
         if masks is not None:
             masks.apply(logits)
-        for row, seq in enumerate(seqs):
-            if seq.params.steers_logits:
-                self._steer(logits[row], seq)
+        steered = [row for row, seq in enumerate(seqs) if seq.params.steers_logits]
+        if steered:
+            # The logits are the forward's (inference tensors): only changed in place under it.
+            with torch.inference_mode():
+                for row in steered:
+                    self._steer(logits[row], seqs[row])
         tokens = greedy_tokens(logits)
         rows = [row for row, seq in enumerate(seqs) if not seq.params.greedy]
         if rows:

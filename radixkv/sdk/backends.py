@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixkv.engine.request import RequestOutput, SamplingParams
+from radixkv.engine.request import GrammarGuide, RequestOutput, SamplingParams
 from radixkv.errors import InvalidRequest
 from radixkv.prompts import Prompt, encode, has_chat_template
 
@@ -295,9 +295,11 @@ class HTTPBackend(Backend):
         if params.stop:
             options["stop"] = list(params.stop)
         extra_body: dict[str, Any] = {}
-        if params.guide is not None:
+        if isinstance(params.guide, GrammarGuide):
+            extra_body["guided_regex" if params.guide.kind == "regex" else "guided_grammar"] = params.guide.source
+        elif params.guide is not None:
             # OpenAI's response_format; the completions endpoint has no such field, so there it
-            # travels in the body as radixkv's extension.
+            # travels in the body as vLLM's extension, which radixkv takes too.
             guide = params.guide
             if guide.schema is None:
                 response_format: dict[str, Any] = {"type": "json_object"}

@@ -6,7 +6,7 @@ the engine's alone.
 
 from __future__ import annotations
 
-from radixkv.engine.request import JsonGuide, SamplingParams
+from radixkv.engine.request import Guide, JsonGuide, SamplingParams
 from radixkv.errors import InvalidRequest
 from radixkv.server.anthropic.protocol import MessagesRequest
 from radixkv.server.errors import WireNames, engine_error
@@ -32,7 +32,7 @@ def responses_names(guide_param: str) -> WireNames:
     return WireNames(prompt="input", max_tokens="max_output_tokens", guide=guide_param)
 
 
-def chat_params(body: ChatCompletionRequest, names: WireNames, guide: JsonGuide | None = None) -> SamplingParams:
+def chat_params(body: ChatCompletionRequest, names: WireNames, guide: Guide | None = None) -> SamplingParams:
     """OpenAI chat: max_completion_tokens (or max_tokens), else the room the context leaves."""
     return _params(
         names,
@@ -48,7 +48,13 @@ def chat_params(body: ChatCompletionRequest, names: WireNames, guide: JsonGuide 
     )
 
 
-def completion_params(body: CompletionRequest, context_tokens: int, longest_prompt: int) -> SamplingParams:
+def completion_names(guide_param: str) -> WireNames:
+    return WireNames(guide=guide_param)
+
+
+def completion_params(
+    body: CompletionRequest, context_tokens: int, longest_prompt: int, names: WireNames = COMPLETIONS_NAMES, guide: Guide | None = None
+) -> SamplingParams:
     """OpenAI completions: max_tokens, else 16, or the room the longest prompt leaves when that
     is less (a default, not a check: a prompt that leaves no room is the engine's to refuse)."""
     max_tokens = body.max_tokens
@@ -56,7 +62,7 @@ def completion_params(body: CompletionRequest, context_tokens: int, longest_prom
         room = context_tokens - longest_prompt
         max_tokens = min(COMPLETIONS_DEFAULT_MAX_TOKENS, room) if room > 0 else None
     return _params(
-        COMPLETIONS_NAMES,
+        names,
         max_tokens=max_tokens,
         temperature=body.temperature,
         top_p=body.top_p,
@@ -64,7 +70,8 @@ def completion_params(body: CompletionRequest, context_tokens: int, longest_prom
         stop=body.stop_list(),
         n=body.n,
         logprobs=body.num_logprobs(),
-        **_extension_params(body, COMPLETIONS_NAMES),
+        guide=guide,
+        **_extension_params(body, names),
     )
 
 
@@ -116,7 +123,7 @@ def _params(
     top_k: int = 0,
     stop: list[str] | None = None,
     n: int = 1,
-    guide: JsonGuide | None = None,
+    guide: Guide | None = None,
     logprobs: int | None = None,
     ignore_eos: bool = False,
     min_tokens: int = 0,

@@ -5,11 +5,12 @@ runs, preemption keeps the matcher, and unguided requests beside guided ones do 
 from __future__ import annotations
 
 import json
+import re
 
 import jsonschema
 import pytest
 
-from radixkv import InvalidRequest, JsonGuide, SamplingParams
+from radixkv import GrammarGuide, InvalidRequest, JsonGuide, SamplingParams
 from tests.helpers.engine import assert_pages_returned, make_llm
 
 PROMPTS = ["The quick brown fox", "Question: what is the capital of France?", "def add(a, b):", "Prefix caching"]
@@ -311,3 +312,29 @@ def test_bounds_are_added_only_where_a_schema_left_them_out():
     assert props["c"] == schema["properties"]["c"]
     assert props["d"]["items"]["anyOf"][0] == {"type": "integer", "minimum": INTEGER_RANGE[0], "maximum": INTEGER_RANGE[1]}
     assert bounded["enum"] == [{"type": "integer"}]
+
+
+@pytest.mark.parametrize(
+    ("guide", "pattern"),
+    [
+        (GrammarGuide("regex", r"(yes|no), [0-9]{2}"), r"(yes|no), [0-9]{2}"),
+        (GrammarGuide("ebnf", 'root ::= "Answer: " ("red" | "green" | "blue") "."'), r"Answer: (red|green|blue)\."),
+    ],
+    ids=["regex", "ebnf"],
+)
+def test_a_regex_or_a_grammar_holds_greedy_and_sampled_output(llm, guide, pattern):
+    for params in (SamplingParams(max_tokens=40, guide=guide), SamplingParams(max_tokens=40, guide=guide, temperature=1.3, seed=2, n=3)):
+        for result in llm.generate(PROMPTS, params):
+            for output in result.outputs:
+                assert output.finish_reason == "stop" and re.fullmatch(pattern, output.text), output.text
+    assert_pages_returned(llm.engine)
+
+
+@pytest.mark.parametrize(("guide", "words"), [(GrammarGuide("regex", "(unclosed"), "the regex cannot be compiled"),
+                                              (GrammarGuide("ebnf", "root ::= missing_rule"), "the grammar cannot be compiled"),
+                                              (GrammarGuide("ebnf", "x" * (129 << 10)), "the grammar has")])  # fmt: skip
+def test_a_bad_regex_or_grammar_is_refused_before_anything_runs(llm, guide, words):
+    with pytest.raises(InvalidRequest, match=words) as error:
+        llm.generate(["hi"], SamplingParams(max_tokens=4, guide=guide))
+    assert error.value.param == "response_format"
+    assert_pages_returned(llm.engine)

@@ -254,3 +254,12 @@ def test_a_request_preempted_for_priority_gives_the_tokens_it_gives_alone(tiny_l
     assert list(finals) == [urgent_id, job_id]  # the interactive request finished first
     assert engine.scheduler.num_preemptions == 1
     assert_pages_returned(engine)
+
+
+def test_a_steered_row_gives_the_same_tokens_alone_and_in_a_batch(llm):
+    # The bias is applied once, in the batch pass: alone (one row) it was applied twice when
+    # the in-place add on the forward's inference tensor failed and the row-by-row fallback ran.
+    params = SamplingParams(max_tokens=7, ignore_eos=True, logit_bias={9: 5.0}, min_tokens=3)
+    prompts = ["hello there", "the quick brown", "a b c d e"]
+    batched = [o.token_ids for o in llm.generate(prompts, params)]
+    assert batched == [llm.generate([p], params)[0].token_ids for p in prompts]

@@ -133,3 +133,23 @@ def test_pins_may_lock_at_most_half_the_pool(live_server):
         for handle in handles:
             handle.unpin()
     assert pin(backend, prefixes[2]).unpin()  # room again once the others are gone
+
+
+@pytest.mark.parametrize("chat", [None, False])
+def test_guides_and_token_controls_travel_over_http_as_in_process(live_server, tiny_llama, chat):
+    # Every SamplingParams field the engine takes reaches the server: a JSON schema on both
+    # endpoints (completions took it silently unguided before), a regex, and vLLM's extensions.
+    from radixkv import GrammarGuide, JsonGuide
+
+    tpl = template(f"guides {chat}", chat=chat)
+    data = rows(3, seed=5)
+    local = make_sdk_llm(tiny_llama)
+    backend = HTTPBackend(live_server.client(), max_concurrency=2)
+    schema = '{"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}'
+    for params in (
+        SamplingParams(max_tokens=30, guide=JsonGuide(schema)),
+        SamplingParams(max_tokens=30, guide=GrammarGuide("regex", "(yes|no)!")),
+        SamplingParams(max_tokens=7, ignore_eos=True, min_tokens=7, logit_bias={9: 5.0}, top_k=3),
+    ):
+        expected = run_batch(local, tpl, data, params, progress=False)
+        assert [r.text for r in run_batch(backend, tpl, data, params, progress=False)] == [e.text for e in expected]

@@ -156,3 +156,48 @@ def test_a_schema_with_no_way_on_fails_its_own_request_not_another_keys_stream(a
     with pytest.raises(openai.APIError, match="allows no token"):  # streamed: its error event
         list(create(agent_server.client(), response_format=fmt, stream=True))
     agent_server.assert_idle_and_consistent()
+
+
+@pytest.mark.parametrize("field", ["guided_regex", "regex"])
+def test_a_regex_holds_chat_and_completions_replies(agent_server, field):
+    import re
+
+    client = agent_server.client()
+    pattern = r"(yes|no), [0-9]{2}"
+    choice = create(client, extra_body={field: pattern}).choices[0]
+    assert choice.finish_reason == "stop" and re.fullmatch(pattern, choice.message.content)
+    text = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt="Reply:", max_tokens=40, temperature=0, stream=True, extra_body={field: pattern}))  # fmt: skip
+    assert re.fullmatch(pattern, text)
+
+
+@pytest.mark.parametrize("field", ["guided_grammar", "ebnf"])
+def test_a_gbnf_grammar_holds_the_reply(agent_server, field):
+    grammar = 'root ::= "Color: " ("red" | "green") "."'
+    choice = create(agent_server.client(), extra_body={field: grammar}).choices[0]
+    assert choice.message.content in ("Color: red.", "Color: green.")
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"guided_regex": "(unclosed"}, "guided_regex"),
+        ({"ebnf": "root ::= nowhere"}, "ebnf"),
+        ({"regex": ""}, "regex"),
+        ({"regex": "a", "ebnf": 'root ::= "a"'}, "ebnf"),
+        ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex"),
+        ({"regex": "a" * ((128 << 10) + 1)}, "regex"),
+    ],
+)
+def test_a_bad_or_doubled_grammar_is_a_400_naming_its_field(agent_server, extra, param):
+    with pytest.raises(openai.BadRequestError) as error:
+        create(agent_server.client(), extra_body=extra)
+    assert error.value.body["param"] == param, error.value.body
+
+
+def test_completions_take_response_format_as_vllm_does(agent_server):
+    # The SDK's HTTP backend sends a completions guide this way; it was silently dropped.
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    text = agent_server.client().completions.create(model=MODEL, prompt="A user:", max_tokens=200, temperature=0,
+                                                    extra_body={"response_format": fmt}).choices[0].text  # fmt: skip
+    jsonschema.validate(json.loads(text), PERSON)

@@ -13,7 +13,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
-from radixkv.engine.request import MAX_LOGIT_BIAS_TOKENS, MAX_STOP_TOKEN_IDS
+from radixkv.engine.request import MAX_LOGIT_BIAS_TOKENS, MAX_STOP_TOKEN_IDS, GrammarGuide
+from radixkv.errors import InvalidRequest
 from radixkv.server.request_caps import (
     CAPS,
     CapExceeded,
@@ -25,6 +26,8 @@ from radixkv.server.request_caps import (
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_TOP_LOGPROBS = 20
+# A regex's or grammar's characters, as a schema's bytes (the engine checks the bytes again).
+MAX_GRAMMAR_CHARS = 128 << 10
 # OpenAI's prompt_cache_retention values and how long each keeps a prompt's prefix cached.
 RETENTION_TTL_S = {"in_memory": 3600.0, "24h": 86400.0}
 
@@ -86,6 +89,18 @@ class ChatMessage(BaseModel):
         return message
 
 
+class JsonSchemaFormat(BaseModel):
+    name: str = Field(default="response", max_length=CAPS.max_tool_name_chars)
+    description: str | None = None
+    schema_: Annotated[dict[str, Any] | None, AfterValidator(check_schema_or_none)] = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _GenerationRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -116,6 +131,13 @@ class _GenerationRequest(BaseModel):
     top_k: int | None = None
     # vLLM's: lower goes first among this key's own requests (never ahead of another key's).
     priority: int = 0
+    # Output held to a regular expression or an EBNF (GBNF) grammar: vLLM's names and SGLang's.
+    guided_regex: str | None = Field(default=None, max_length=MAX_GRAMMAR_CHARS)
+    guided_grammar: str | None = Field(default=None, max_length=MAX_GRAMMAR_CHARS)
+    regex: str | None = Field(default=None, max_length=MAX_GRAMMAR_CHARS)
+    ebnf: str | None = Field(default=None, max_length=MAX_GRAMMAR_CHARS)
+    # OpenAI's for chat; on completions it is vLLM's extension (the SDK's HTTP backend sends it).
+    response_format: ResponseFormat | None = None
     # Features radixkv does not implement; accepted only when they ask for nothing.
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
@@ -128,6 +150,22 @@ class _GenerationRequest(BaseModel):
             return "presence_penalty"
         return None
 
+    def grammar_guide(self) -> tuple[GrammarGuide | None, str | None]:
+        """The regex or grammar the body asks its output to match, and the field it came in;
+        InvalidRequest naming the second field when it sends more than one."""
+        given = [(name, kind, text) for name, kind, text in (
+            ("guided_regex", "regex", self.guided_regex), ("regex", "regex", self.regex),
+            ("guided_grammar", "ebnf", self.guided_grammar), ("ebnf", "ebnf", self.ebnf),
+        ) if text is not None]  # fmt: skip
+        if len(given) > 1:
+            raise InvalidRequest(f"send one of {given[0][0]} and {given[1][0]}, not both", param=given[1][0])
+        if not given:
+            return None, None
+        name, kind, text = given[0]
+        if not text:
+            raise InvalidRequest(f"{name} is empty", param=name)
+        return GrammarGuide(kind, text), name
+
     def stop_list(self) -> list[str]:
         if self.stop is None:
             return []
@@ -136,18 +174,6 @@ class _GenerationRequest(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
-
-
-class JsonSchemaFormat(BaseModel):
-    name: str = Field(default="response", max_length=CAPS.max_tool_name_chars)
-    description: str | None = None
-    schema_: Annotated[dict[str, Any] | None, AfterValidator(check_schema_or_none)] = Field(default=None, alias="schema")
-    strict: bool | None = None
-
-
-class ResponseFormat(BaseModel):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
 
 
 def _check_tool(tool: dict[str, Any]) -> dict[str, Any]:
@@ -177,7 +203,6 @@ class ChatCompletionRequest(_GenerationRequest):
     tools: Tools | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    response_format: ResponseFormat | None = None
 
     def num_logprobs(self) -> int | None:
         """The engine's logprobs: off, or how many most likely tokens to give with each."""

@@ -20,7 +20,7 @@ from radixkv.engine.async_engine import EngineStepError, EngineStopped, RequestS
 from radixkv.engine.request import (
     CompletionDelta,
     CompletionOutput,
-    JsonGuide,
+    Guide,
     RequestOutput,
     SamplingParams,
 )
@@ -138,16 +138,17 @@ def register(app: FastAPI, server: AppState) -> None:
     async def completions(request: Request) -> Response:
         key = server.tenants.authenticate_headers(request.headers)
         raw = await request.body()
-        names = sampling.COMPLETIONS_NAMES
 
-        def prepare() -> tuple[CompletionRequest, list[list[int]], SamplingParams]:
+        def prepare() -> tuple[CompletionRequest, list[list[int]], WireNames, SamplingParams]:
             body = parse_body(CompletionRequest, raw)
             _check_request(server, body)
+            guide, guide_param = _body_guide(body)
+            names = sampling.completion_names(guide_param)
             prompts = completion_prompts(server, body.prompts())
             longest = max(len(p) for p in prompts)
-            return body, prompts, sampling.completion_params(body, server.engine.max_context_tokens, longest)
+            return body, prompts, names, sampling.completion_params(body, server.engine.max_context_tokens, longest, names, guide)
 
-        body, prompts, params = await server.parse_slots.run(key, prepare)
+        body, prompts, names, params = await server.parse_slots.run(key, prepare)
         salt, owner = server.tenants.cache_salt(key, body.cache_salt), server.tenants.owner(key)
         streams = await submit(
             server.engine, server.metrics, prompts, params, salt, names, quotas=server.quotas, key=key, owner=owner
@@ -178,14 +179,26 @@ def _chat_tools(body: ChatCompletionRequest) -> _ChatTools:
     return _ChatTools(tools, choice, body.parallel_tool_calls is not False)  # OpenAI's default: parallel
 
 
-def _chat_guide(body: ChatCompletionRequest, tools: _ChatTools) -> tuple[JsonGuide | None, str]:
+def _chat_guide(body: ChatCompletionRequest, tools: _ChatTools) -> tuple[Guide | None, str]:
     """The guide a forced tool call needs, else the response format's; and the field it came
     from. A forced call's reply is the call, so the response format has nothing to shape."""
     try:
         guide = guide_for(tools.tools, tools.choice, tools.parallel)
-        if guide is not None:
-            return guide, "tools"
+    except InvalidRequest as error:
+        raise engine_error(error) from None
+    return (guide, "tools") if guide is not None else _body_guide(body)
+
+
+def _body_guide(body: ChatCompletionRequest | CompletionRequest) -> tuple[Guide | None, str]:
+    """The guide a body asks for in response_format or as a regex or grammar (one of them), and
+    the field it came in."""
+    try:
+        grammar, grammar_param = body.grammar_guide()
         fmt = body.response_format
+        if grammar is not None and grammar_param is not None:
+            if fmt is not None and fmt.type != "text":
+                raise InvalidRequest(f"send one of response_format and {grammar_param}, not both", param=grammar_param)
+            return grammar, grammar_param
         if fmt is None:
             return None, "response_format"
         schema = fmt.json_schema
