@@ -68,13 +68,15 @@ class FusedDecode:
         # One native kernel for every linear: the C loop passes one kernel id to all of them, and
         # that kernel's dtype (the model's: PackedLinear packs for its weights' dtype) is the step's.
         kernels = {linear.kernel if isinstance(linear, PackedLinear) and linear.rows_independent else None for linear in linears}
+        # The linears first: a quantized model (QuantLinear, and a QuantEmbedding with no float
+        # .weight) is not the C loop's to run, and keeps the layer loop.
         fits = (
             library is not None
             and not config.qk_norm
-            and model.embed_tokens.weight.dtype in (torch.bfloat16, torch.float32)
-            and model.embed_tokens.weight.device.type == "cpu"
             and len(kernels) == 1
             and None not in kernels
+            and model.embed_tokens.weight.dtype in (torch.bfloat16, torch.float32)
+            and model.embed_tokens.weight.device.type == "cpu"
         )  # fmt: skip
         return cls(model, library) if fits else None
 

@@ -122,6 +122,21 @@ def test_models_the_fused_step_cannot_run_keep_the_modules(tmp_path):
 
 
 @needs_native_linears
+def test_a_quantized_model_keeps_the_layer_loop(tmp_path):
+    from radixkv.cpu.fused_decode import FusedDecode
+    from radixkv.cpu.quant import quantize_q8_0
+    from radixkv.cpu.quant_linear import QuantEmbedding, QuantLinear
+
+    loaded = load_model(str(make_random_model(tmp_path / "m", "llama")), CPUBackend(), dtype=FUSED_DTYPE, device="cpu", linear_kernel=FUSED_KERNEL)
+    model = loaded.model
+    assert FusedDecode.for_model(model) is not None
+    model.embed_tokens = QuantEmbedding(quantize_q8_0(torch.randn(8, 32)), torch.float32)
+    layer = model.layers[0]
+    layer.mlp.down_proj = QuantLinear(quantize_q8_0(torch.randn(layer.mlp.down_proj.out_features, 32)), kernel="torch")
+    assert FusedDecode.for_model(model) is None  # declines, never reads the embedding's missing .weight
+
+
+@needs_native_linears
 def test_a_slot_outside_the_cache_is_refused_before_any_kernel_runs(tmp_path):
     loaded = load_model(str(make_random_model(tmp_path / "m", "llama")), CPUBackend(), dtype=FUSED_DTYPE, device="cpu")
     torch.manual_seed(0)
