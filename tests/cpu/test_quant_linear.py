@@ -121,3 +121,48 @@ def test_torch_fallback_without_the_library(monkeypatch: pytest.MonkeyPatch) -> 
     layer = QuantLinear(weight_of("Q8_0", 9, 64), kernel="auto")
     assert layer.kernel == "torch" and layer.weight is not None
     assert "did not build" in missing_quant_kernel("avx2")
+
+
+# vpdpbusd for the emulated build below: 8 lanes, each the sum of 4 u8 x s8 products added to src.
+_EMULATED_DPBUSD = """
+static inline __m256i emulated_dpbusd(__m256i src, __m256i a, __m256i b) {
+    uint8_t ua[32]; int8_t sb[32]; int32_t acc[8];
+    memcpy(ua, &a, 32); memcpy(sb, &b, 32); memcpy(acc, &src, 32);
+    for (int l = 0; l < 8; l++) for (int e = 0; e < 4; e++) acc[l] += (int32_t)ua[4 * l + e] * (int32_t)sb[4 * l + e];
+    __m256i r; memcpy(&r, acc, 32); return r;
+}
+"""
+
+
+def test_vnni_kernel_logic_under_emulation(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The VNNI kernel's layout and order, on any AVX2 machine: the library built with vpdpbusd
+    replaced by a plain C loop and the CPU check forced on (the instruction's own semantics are
+    Intel's; what is ours is everything around it)."""
+    from radixkv.cpu import native
+
+    if native.load() is None or missing_quant_kernel("avx2"):
+        pytest.skip("needs the native AVX2 build")
+    for source in native.CSRC.iterdir():
+        (tmp_path / source.name).write_bytes(source.read_bytes())
+    path = tmp_path / "quant_linear.c"
+    text = path.read_text()
+    edits = {
+        '#include "kernels.h"\n': '#include "kernels.h"\n' + _EMULATED_DPBUSD,
+        "_mm256_dpbusd_epi32(": "emulated_dpbusd(",
+        '__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) static void': "static void",
+        'return __builtin_cpu_supports("avx512vnni")': "return 1 || __builtin_cpu_supports(\"avx512vnni\")",
+    }
+    for old, new in edits.items():
+        assert old in text, f"quant_linear.c changed: {old!r} not found"
+        text = text.replace(old, new)
+    path.write_text(text)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    library = native.build_from(tmp_path, native.find_compiler())
+    with native.using(library):
+        for source in ("Q8_0", "Q4_K"):
+            weight, bias = weight_of(source, 45, 512), torch.randn(45)
+            emulated, reference = QuantLinear(weight, bias, kernel="avx512_vnni"), QuantLinear(weight, bias, kernel="torch")
+            assert emulated.kernel == "avx512_vnni"
+            for rows in (1, 5):
+                x = torch.randn(rows, 512)
+                assert torch.equal(emulated(x), reference(x))
