@@ -191,6 +191,8 @@ static inline __attribute__((always_inline)) void group_avx2(const uint8_t *grou
             _mm_prefetch((const char *)record + 8 * bytes + 256, _MM_HINT_T0);
             __m256i dot[ROW_TILE];
             for (int i = 0; i < rows; i++) dot[i] = _mm256_setzero_si256();
+            /* Unrolled further, GCC computes every chunk's products first and spills them. */
+#pragma GCC unroll 2
             for (int c = 0; c < 8; c++) {
                 const __m256i w = _mm256_loadu_si256((const __m256i *)(record + 32 * c));
                 const __m256i magnitude = _mm256_abs_epi8(w); /* -128 -> 0x80: 128 as u8 */
