@@ -68,9 +68,10 @@ class EngineConfig:
     linear_kernel: str = "auto"
     # Linears over quantized weights (a GGUF's Q8_0/Q4 blocks kept as they ship, or an HF
     # folder quantized at load): integer dot products with activations quantized per block of
-    # 32, "amx_int8" (tiles), "avx512_vnni" (vpdpbusd), "avx2" (vpmaddubsw) or "torch" (the
-    # reference, no native library needed). All compute the same bits. "auto": the fastest
-    # that runs here; a named native kernel this CPU cannot run fails at load, naming why.
+    # 32: "avx512_vnni" (vpdpbusd), "avx2" (vpmaddubsw) or "torch" (the reference, no native
+    # library needed); "amx_int8" is reserved (no kernel yet: naming it fails at load). All
+    # compute the same bits. "auto": the fastest that runs here; a named native kernel this CPU
+    # cannot run fails at load, naming why.
     quant_kernel: str = "auto"
     # Check the Triton kernels' device indices (page table, slots, offsets) before each step;
     # each check syncs with the device. None: on under TRITON_INTERPRET=1 only.
