@@ -26,6 +26,7 @@
 #define QBLOCK 32      /* inputs per block: one scale (and min) per block */
 #define ROW_TILE 4     /* x rows that share each weight load */
 #define GROUP_X_BYTES (192 << 10) /* x rows per pass over the weights: as many as stay in L2 */
+#define SERIAL_QUANTIZE_ROWS 32   /* up to this many x rows are quantized before the threads start */
 
 enum { FORMAT_Q8_0 = 0, FORMAT_Q4_1 = 1 };
 
@@ -323,12 +324,20 @@ int radixkv_quant_linear(int kernel, int format, const void *x, int x_bf16, int6
     int pass_rows = (int)(GROUP_X_BYTES / k) / ROW_TILE * ROW_TILE;
     if (pass_rows < ROW_TILE) pass_rows = ROW_TILE;
     const size_t elem = x_bf16 ? 2 : 4;
+    /* A decode step's few rows are quantized here, before the threads start: microseconds,
+     * against a barrier that on a busy machine can wait out another process's time slice. */
+    const int serial_rows = m <= SERIAL_QUANTIZE_ROWS ? m : 0;
+    for (int r = 0; r < serial_rows; r++)
+        quantize_row((const char *)x + r * x_stride * elem, x_bf16, k, (int8_t *)qx.q + (int64_t)r * k, (float *)qx.s + (int64_t)r * nb,
+                     format == FORMAT_Q4_1 ? (float *)qx.u + (int64_t)r * nb : NULL);
 #pragma omp parallel num_threads(num_threads)
     {
+        if (!serial_rows) {
 #pragma omp for schedule(static)
-        for (int r = 0; r < m; r++)
-            quantize_row((const char *)x + r * x_stride * elem, x_bf16, k, (int8_t *)qx.q + (int64_t)r * k, (float *)qx.s + (int64_t)r * nb,
-                         format == FORMAT_Q4_1 ? (float *)qx.u + (int64_t)r * nb : NULL);
+            for (int r = 0; r < m; r++)
+                quantize_row((const char *)x + r * x_stride * elem, x_bf16, k, (int8_t *)qx.q + (int64_t)r * k,
+                             (float *)qx.s + (int64_t)r * nb, format == FORMAT_Q4_1 ? (float *)qx.u + (int64_t)r * nb : NULL);
+        }
         for (int p0 = 0; p0 < m; p0 += pass_rows) {
             const int pass_end = p0 + pass_rows < m ? p0 + pass_rows : m;
 #pragma omp for schedule(static)
