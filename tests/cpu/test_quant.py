@@ -196,3 +196,12 @@ def test_conversion_in_row_chunks_equals_one_pass(type_name: str, monkeypatch: p
 def test_wrong_byte_count_is_refused() -> None:
     with pytest.raises(ValueError, match="expected 340 bytes"):
         from_gguf("Q8_0", np.zeros(339, dtype=np.uint8), (10, 32))
+
+
+def test_requantized_q5_1_within_a_tenth_of_its_own_step_on_gaussian_weights() -> None:
+    values = np.random.default_rng(0).standard_normal((64, 1024)).astype(np.float32) * 0.02
+    raw = gguf_quants.quantize(values, GGMLQuantizationType.Q5_1)
+    expected = reference("Q5_1", raw).reshape(64, 32, 32)
+    d = torch.from_numpy(np.ascontiguousarray(raw.reshape(64, 32, 24)[..., :2]).view(np.float16)[..., 0].astype(np.float32))
+    error = (dequantize(from_gguf("Q5_1", raw, (64, 1024))).reshape(64, 32, 32) - expected).abs().amax(dim=-1)
+    assert bool((error <= 0.1 * d.abs()).all()), float((error / d.abs()).max())
