@@ -228,10 +228,12 @@ def random_q4_1(out_features: int, in_features: int) -> QuantWeight:
     )  # fmt: skip
 
 
-def quant_rows(repeats: int, flush: torch.Tensor, read_gb_s: float) -> list[dict]:
-    """Each quantized kernel that runs here, per format, against the fp32 AVX2 kernel and F.linear."""
+def quant_rows(repeats: int, flush: torch.Tensor, read_gb_s: float, scale: int = 1) -> list[dict]:
+    """Each quantized kernel that runs here, per format, against the fp32 AVX2 kernel and F.linear;
+    scale > 1 divides every shape by it (a smoke test's sizes)."""
     rows = []
     for name, (n, k) in QUANT_SHAPES.items():
+        n, k = max(8, n // scale), max(32, k // scale // 32 * 32)
         torch.manual_seed(0)
         weight = torch.randn(n, k) * 0.02
         layers: dict[str, torch.nn.Module] = {}
@@ -275,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=1032, help="tokens of each decoding request")
     parser.add_argument("--flush-mib", type=int, default=1024, help="buffer read before each timing to empty the caches")
     parser.add_argument("--quant-only", action="store_true", help="only the quantized linears (with the machine's limits)")
+    parser.add_argument("--quant-scale", type=int, default=1, help="divide the quantized linears' shapes by this")
     args = parser.parse_args(argv)
     library = native.load()
     if library is None:
@@ -284,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quant_only:
         limits = machine_limits(torch.float32)
         print(f"{limits['cpu']}, {limits['torch_threads']} threads: read {limits['read_bandwidth_gb_s']:.1f} GB/s (measured in this run)")
-        rows = quant_rows(args.repeats, flush, limits["read_bandwidth_gb_s"])
+        rows = quant_rows(args.repeats, flush, limits["read_bandwidth_gb_s"], args.quant_scale)
         print_quant_rows(rows)
         save_results(args.out, "cpu_kernels_quant", dict(**limits, rows=rows), lambda path: _plot(rows, path))
         return 0
@@ -308,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         rate = f"{r['gflops']:7.1f} GFLOP/s" if "gflops" in r else f"{r['gb_s']:9.1f} GB/s"
         print(f"{r['part']:<26} {r['case']:<19} {r['peer']:<22} {r['ms']:8.2f} {rate:>14} {r['x_radixkv']:9.2f}")
-    quant = quant_rows(args.repeats, flush, limits["read_bandwidth_gb_s"]) if available_quant_kernels() else []
+    quant = quant_rows(args.repeats, flush, limits["read_bandwidth_gb_s"], args.quant_scale) if available_quant_kernels() else []
     print_quant_rows(quant)
     save_results(args.out, "cpu_kernels", dict(**limits, rows=rows + quant), lambda path: _plot(rows, path))
     return 0
