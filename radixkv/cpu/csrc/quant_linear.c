@@ -1,6 +1,8 @@
 /* Linear layers over quantized weights (radixkv/cpu/quant.py's q8_0 and q4_1), multiplied with
  * activations quantized per row and block of 32 to int8 in integer dot products: AVX2's
- * vpmaddubsw + vpmaddwd, or AVX-512 VNNI's vpdpbusd. y = x W^T (+ b), y in x's dtype.
+ * vpmaddubsw + vpmaddwd, or AVX-512 VNNI's vpdpbusd (on the same 256-bit records, with
+ * AVX512VL: one instruction for the AVX2 kernel's three). y = x W^T (+ b), y in x's dtype.
+ * No AMX-INT8 kernel yet: its tiles sum 64 inputs at once, across two of these blocks' scales.
  *
  * A CPU decode step reads every weight once, so its speed is the weight's bytes over memory
  * bandwidth; 8.5 or 6 bits a weight here against fp32's 32. The integer sums are exact, and
