@@ -2,7 +2,8 @@
  * activations quantized per row and block of 32 to int8 in integer dot products: AVX2's
  * vpmaddubsw + vpmaddwd, or AVX-512 VNNI's vpdpbusd (on the same 256-bit records, with
  * AVX512VL: one instruction for the AVX2 kernel's three). y = x W^T (+ b), y in x's dtype.
- * No AMX-INT8 kernel yet: its tiles sum 64 inputs at once, across two of these blocks' scales.
+ * No AMX-INT8 kernel yet: a tile product per block of 32 must add each block under its own scale,
+ * and no machine with AMX was at hand to test one.
  *
  * A CPU decode step reads every weight once, so its speed is the weight's bytes over memory
  * bandwidth; 8.5 or 6 bits a weight here against fp32's 32. The integer sums are exact, and
