@@ -3,8 +3,9 @@ quantized: QuantLinear multiplies them with activations quantized per block of 3
 a native kernel (radixkv/cpu/csrc/quant_linear.c: AVX2, AVX-512 VNNI) or in torch.
 
 A CPU decode step reads every weight once, so its time is the weights' bytes over the memory's
-bandwidth: 9 (q8_0) or 6 (q4_1) bits a weight as packed, instead of fp32's 32. Every kernel computes the same
-numbers bit for bit (the order of operations below), so the choice is one of speed only.
+bandwidth: 9 (q8_0) or 6 (q4_1) bits a weight as packed, instead of fp32's 32. Every kernel
+computes the same numbers bit for bit (the order of operations below), so the choice is one of
+speed only.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@
  * and no machine with AMX was at hand to test one.
  *
  * A CPU decode step reads every weight once, so its speed is the weight's bytes over memory
- * bandwidth; 9 (q8_0) or 6 (q4_1) bits a weight as packed here, scales included, against fp32's 32. The integer sums are exact, and
- * each output's fp32 sum takes its blocks in order with the steps torch_quant_linear documents
+ * bandwidth: 9 (q8_0) or 6 (q4_1) bits a weight as packed here, scales included, against
+ * fp32's 32. The integer sums are exact, and each output's fp32 sum takes its blocks in order with the steps torch_quant_linear documents
  * (quant_linear.py), no fused multiply-adds: every kernel, and the torch path, compute the
  * same bits, and a row's bits never depend on how many rows the call has.
  *
