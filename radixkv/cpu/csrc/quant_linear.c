@@ -7,9 +7,10 @@
  *
  * A CPU decode step reads every weight once, so its speed is the weight's bytes over memory
  * bandwidth: 9 (q8_0) or 6 (q4_1) bits a weight as packed here, scales included, against
- * fp32's 32. The integer sums are exact, and each output's fp32 sum takes its blocks in order with the steps torch_quant_linear documents
- * (quant_linear.py), no fused multiply-adds: every kernel, and the torch path, compute the
- * same bits, and a row's bits never depend on how many rows the call has.
+ * fp32's 32. The integer sums are exact, and each output's fp32 sum takes its blocks in order
+ * with the steps torch_quant_linear documents (quant_linear.py), no fused multiply-adds: every
+ * kernel, and the torch path, compute the same bits, and a row's bits never depend on how many
+ * rows the call has.
  *
  * Packed layout, per group g of 8 output rows (n padded to a multiple of 8 with zero rows), per
  * block b of 32 inputs, one contiguous record (the whole weight is one stream per thread):
