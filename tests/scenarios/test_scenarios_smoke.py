@@ -131,7 +131,7 @@ def test_cpu_kernels_bench_runs_and_reports(tmp_path, capsys):
     if native.load() is None:
         pytest.skip("the CPU kernel bench needs the native kernels (no C compiler here)")
     module = importlib.import_module("radixkv.scenarios.cpu_kernels")
-    argv = ["--out", str(tmp_path), "--repeats", "1", "--layers", "1", "--context", "40", "--flush-mib", "8"]
+    argv = ["--out", str(tmp_path), "--repeats", "1", "--layers", "1", "--context", "40", "--flush-mib", "8", "--quant-scale", "64"]
     assert module.main(argv) == 0
     rows = json.loads((tmp_path / "cpu_kernels.json").read_text())["rows"]
     # What runs depends on the CPU: each dtype's native linears, oneDNN's packing (bf16), the
@@ -146,10 +146,16 @@ def test_cpu_kernels_bench_runs_and_reports(tmp_path, capsys):
     prefill = [dtype for dtype in names if extend.fits(dtype, 64, 3)]
     if prefill:
         peers.add("radixkv prefill kernel")
-    assert {row["peer"] for row in rows} == peers
+    assert {row["peer"] for row in rows if row["part"] != "quant linear"} == peers
     cascade = "bfloat16" if cpu_features().avx512_bf16 else "float32"
     parts = {f"linears {names[dtype]}" for dtype in linear_dtypes} | {"decode attention bfloat16", "decode attention float32"}
     parts |= {f"cascade decode {cascade}"} | {f"prefill attention {names[dtype]}" for dtype in prefill}
+    from radixkv.cpu.quant_linear import available_quant_kernels
+
+    if available_quant_kernels():
+        parts.add("quant linear")
+        quant = [row for row in rows if row["part"] == "quant linear"]
+        assert {row["peer"] for row in quant} >= {f"q8_0 {kernel}" for kernel in available_quant_kernels()} | {"fp32 F.linear"}
     assert {row["part"] for row in rows} == parts
     assert all(row["ms"] > 0 for row in rows)
     assert (tmp_path / "cpu_kernels.png").exists()
