@@ -4,6 +4,8 @@ Launches store_kv, extend_attention and paged_decode. Triton does not bounds-che
 index ranges are checked once per step in prepare(): always where it costs nothing (Python
 lengths and shapes), and on device values (page table, slots, offsets) when check_indices is on
 (EngineConfig.check_indices; by default only under the interpreter, since those checks sync).
+Pages stored in another dtype than the compute dtype (EngineConfig.kv_dtype) take the torch
+reference's store and attention, which widen on load: the kernels read the compute dtype only.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from radixkv.attention import cascade
+from radixkv.attention import torch_backend
 from radixkv.attention.base import AttentionBackend, AttentionMetadata, BackendCapabilities, DecodeTables, KVReads
 from radixkv.kernels import CascadeGroups, extend_attention, paged_decode, store_kv
 
@@ -29,6 +32,9 @@ class TritonStepState:
     slot_mapping: torch.Tensor  # int64
     groups: CascadeGroups | None = None  # decode-only steps with requests sharing a cached prefix
     kv_reads: KVReads | None = None  # decode-only steps
+    # The reference's state, for pages in another dtype than q's (built in prepare for int8 and
+    # fp8 pages, which no compute dtype shares).
+    reference: torch_backend.TorchStepState | None = None
 
     def decode_tables(self) -> DecodeTables | None:
         return None  # the GPU runs its layers module by module
@@ -76,7 +82,14 @@ class TritonBackend(AttentionBackend[TritonStepState]):
             cascade = self.share_reads and not meta.batch_invariant
             groups, saved = _cascade_groups(meta, device, self.native_planner) if cascade else (None, 0)
             state = dataclasses.replace(state, groups=groups, kv_reads=KVReads(sum(meta.seq_lens_list), saved))
+        if not k_cache.dtype.is_floating_point or k_cache.dtype.itemsize == 1:
+            state = dataclasses.replace(state, reference=torch_backend.TorchBackend().prepare(meta, k_cache, num_q_heads))
         return state
+
+    @staticmethod
+    def _reference(meta: AttentionMetadata[TritonStepState], k_cache: torch.Tensor) -> torch_backend.TorchStepState:
+        state = meta.state
+        return state.reference if state.reference is not None else torch_backend.TorchBackend().prepare(meta, k_cache, 0)
 
     def store_kv(
         self,
@@ -85,10 +98,15 @@ class TritonBackend(AttentionBackend[TritonStepState]):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata[TritonStepState],
+        k_scales: torch.Tensor | None = None,
+        v_scales: torch.Tensor | None = None,
     ) -> None:
         slot_mapping = meta.state.slot_mapping
         if k.shape[0] != slot_mapping.shape[0]:
             raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} slots for {k.shape[0]} tokens")
+        if k.dtype != k_cache.dtype:
+            torch_backend.store_by_index_copy(k, v, k_cache, v_cache, slot_mapping, k_scales, v_scales)
+            return
         store_kv(k, v, k_cache, v_cache, slot_mapping)
 
     def extend(
@@ -100,9 +118,14 @@ class TritonBackend(AttentionBackend[TritonStepState]):
         v_cache: torch.Tensor,
         meta: AttentionMetadata[TritonStepState],
         scale: float,
+        k_scales: torch.Tensor | None = None,
+        v_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
         state = meta.state
         _check_rows(q, meta)
+        if q.dtype != k_cache.dtype:
+            reference = self._reference(meta, k_cache)
+            return torch_backend.reference_extend(q, k_cache, v_cache, meta, reference, scale, k_scales, v_scales)
         return extend_attention(
             q, k, v, k_cache, v_cache, state.cu_q_lens, state.seq_lens, state.page_table, meta.max_q_len, scale
         )
@@ -114,11 +137,16 @@ class TritonBackend(AttentionBackend[TritonStepState]):
         v_cache: torch.Tensor,
         meta: AttentionMetadata[TritonStepState],
         scale: float,
+        k_scales: torch.Tensor | None = None,
+        v_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if any(n != 1 for n in meta.q_lens_list):
             raise ValueError("decode needs exactly one new token per request; use extend")
         state = meta.state
         _check_rows(q, meta)
+        if q.dtype != k_cache.dtype:
+            reference = self._reference(meta, k_cache)
+            return torch_backend.reference_decode(q, k_cache, v_cache, meta, reference, scale, k_scales, v_scales)
         return paged_decode(
             q, k_cache, v_cache, state.seq_lens, state.page_table, meta.max_seq_len, scale, groups=state.groups
         )

@@ -24,10 +24,13 @@ class FusedDecodeLayers(DecoderLayers):
         self.fused: FusedDecode | None = fused
 
     def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata, k_caches: list[Tensor], v_caches: list[Tensor]
-    ) -> tuple[Tensor, Tensor]:
-        if self.fused is None:
-            return super().forward(x, cos, sin, meta, k_caches, v_caches)
+        self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata, k_caches: list[Tensor], v_caches: list[Tensor],
+        k_scales: list[Tensor] | None = None, v_scales: list[Tensor] | None = None,
+    ) -> tuple[Tensor, Tensor]:  # fmt: skip
+        # The fused step reads pages in the compute dtype only: bf16 or int8 pages under another
+        # compute dtype take the layer loop, whose backend widens them.
+        if self.fused is None or k_scales or k_caches[0].dtype != x.dtype:
+            return super().forward(x, cos, sin, meta, k_caches, v_caches, k_scales, v_scales)
         # One new token per request: a request with none this step has no row to decode.
         tables = meta.state.decode_tables() if meta.is_decode_only and meta.num_seqs == x.shape[0] else None
         if tables is None:
