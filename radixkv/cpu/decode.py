@@ -54,7 +54,8 @@ def cache_fits(k_cache: torch.Tensor) -> bool:
 
 def pages_fit(q_dtype: torch.dtype, k_cache: torch.Tensor) -> bool:
     """Whether a kernel reads pages of k_cache's dtype under compute dtype q_dtype: the same
-    float dtype, or bf16 or int8 pages under fp32 compute (AVX2, head_dim % 8 == 0)."""
+    float dtype, or bf16 or int8 pages under fp32 compute (AVX2 vectors where head_dim % 8 == 0,
+    else portable loops)."""
     if q_dtype == k_cache.dtype:
         return q_dtype in _FUNCTIONS
     kind = _WIDENED_KINDS.get(k_cache.dtype)
@@ -114,8 +115,7 @@ def paged_decode(
     (the CPU backend, once per step) and built out itself. plan: cascade_plan's groups for these
     same tables (None: every request reads all its keys itself). Pages in another dtype than q
     (pages_fit: bf16 or int8 under fp32) are widened on load, int8 times k_scales, v_scales
-    ([num_pages, page_size, num_kv_heads] fp32); such calls run without cascade groups (the
-    shared items read the compute dtype only), so plan is dropped.
+    ([num_pages, page_size, num_kv_heads] fp32); cascade groups widen each shared chunk once.
     """
     library = load()
     assert library is not None, "call supports() first"
@@ -129,8 +129,6 @@ def paged_decode(
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype)
     widened = k_cache.dtype != q.dtype
-    if widened:
-        plan = None
     if check:
         check_buffers(q, k_cache, v_cache, out)
         check_tables(page_table, seq_lens, rows, q.shape[0], k_cache.shape[0], page_size)

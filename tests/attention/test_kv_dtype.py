@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from radixkv.attention.cpu_backend import CPUBackend
-from radixkv.attention.torch_backend import TorchBackend
+from radixkv.attention.torch_backend import TorchBackend, store_by_index_copy
 from radixkv.cache.kv_dtype import dequantize, quantize_int8
 from radixkv.cache.pages import PagePool
 from radixkv.cpu.native import load
-from tests.helpers.paged import Paged, assert_close, gen, make_meta, prepared  # noqa: F401 (gen: a fixture)
+from tests.helpers.paged import Paged, assert_close, reference, gen, make_meta, prepared  # noqa: F401 (gen: a fixture)
 
 KV_DTYPES = [torch.bfloat16, torch.int8]
 needs_native = pytest.mark.skipif(load() is None, reason="the native library could not be built here")
@@ -117,7 +117,8 @@ def test_int8_quantization_is_symmetric_per_token_and_head(gen):
 @needs_native
 @pytest.mark.parametrize("dtype", KV_DTYPES, ids=str)
 @pytest.mark.parametrize("prefix_lens,q_lens", CASES)
-@pytest.mark.parametrize("heads,group,head_dim", [(2, 3, 32), (3, 3, 64), (1, 5, 16)])  # (3, 3, 64): the default model's own instance
+# (3, 3, 64): the default model's own instance; head_dim 12: the portable item.
+@pytest.mark.parametrize("heads,group,head_dim", [(2, 3, 32), (3, 3, 64), (1, 5, 16), (2, 2, 12)])
 def test_cpu_backend_matches_the_reference_over_the_same_pages(gen, dtype, prefix_lens, q_lens, heads, group, head_dim):
     page_size = 4
     all_tokens, step, k, v, q, num_pages = _case(gen, prefix_lens, q_lens, page_size, heads, group, head_dim)
@@ -141,3 +142,47 @@ def test_native_store_writes_the_references_bytes(gen, dtype):
     backend.store_kv(k, v, k_cache, v_cache, prepared(backend, all_tokens, k_cache, heads), k_scales, v_scales)
     for mine, theirs in zip(got._tensors(), want._tensors()):
         assert torch.equal(mine, theirs)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", KV_DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim", [64, 24, 12])  # vector shared items (64, 24: 8 lanes), member by member (12)
+def test_cascade_groups_over_narrow_pages_match_the_reference(gen, dtype, head_dim):
+    """Requests sharing a long cached prefix decode as a cascade group over bf16 or int8 pages
+    (each shared chunk widened once) and give the reference's output."""
+    from radixkv.attention import cascade
+    from radixkv.cpu import decode
+
+    page_size, heads, group, members = 16, 2, 4, 5
+    shared = 300  # past MIN_SHARED_TOKENS, over two chunks
+    own = [5, 17, 1, 30, 9]
+    num_pages = (shared + page_size - 1) // page_size + sum((n + page_size) // page_size + 1 for n in own) + 2
+    pool = _pool(dtype, num_pages, page_size, heads, head_dim)
+    k_cache, v_cache, k_scales, v_scales = _layer(pool)
+    num_slots = num_pages * page_size
+    keys = torch.randn(num_slots, heads, head_dim, generator=gen) * 2
+    values = torch.randn(num_slots, heads, head_dim, generator=gen)
+    store_by_index_copy(keys, values, k_cache, v_cache, torch.arange(num_slots), k_scales, v_scales)
+    shared_pages = list(range(shared // page_size))
+    next_page = len(shared_pages)
+    tables, lens = [], []
+    for n in own:
+        total = len(shared_pages) * page_size + n
+        count = -(-total // page_size)
+        tables.append(shared_pages + list(range(next_page, next_page + count - len(shared_pages))))
+        next_page += count - len(shared_pages)
+        lens.append(total)
+    width = max(len(t) for t in tables)
+    page_table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    assert int(page_table.max()) < num_pages
+    q = torch.randn(members, heads * group, head_dim, generator=gen)
+    plan = cascade.plan_cascade(page_table, seq_lens, page_size, min_shared_tokens=decode.MIN_SHARED_TOKENS, min_group_members=2)
+    assert plan.plan is not None and plan.saved_tokens > 0
+    scale = head_dim**-0.5
+    grouped = decode.paged_decode(q, k_cache, v_cache, page_table, seq_lens, scale, plan=plan.plan, k_scales=k_scales, v_scales=v_scales)
+    alone = decode.paged_decode(q, k_cache, v_cache, page_table, seq_lens, scale, k_scales=k_scales, v_scales=v_scales)
+    layout = Paged(dequantize(k_cache, k_scales, torch.float32), dequantize(v_cache, v_scales, torch.float32), page_table, seq_lens, page_size)
+    want = reference(q, layout, scale)
+    assert_close(grouped, want, torch.float32, f"cascade over {dtype} pages")
+    assert_close(alone, want, torch.float32, f"plain decode over {dtype} pages")

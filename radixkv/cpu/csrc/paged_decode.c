@@ -628,7 +628,7 @@ static inline int item_thread(const Items *items, int64_t i, int num_threads) {
 
 #define KV_PARAMS_WIDE , const float *k_scales, const float *v_scales, int kv_kind
 #define KV_INIT_WIDE                                                                                              \
-    if (!radixkv_decode_kv_fits(kv_kind, head_dim) || plan_buffer || (kv_kind == 3 && !(k_scales && v_scales)))   \
+    if (!radixkv_decode_kv_fits(kv_kind, head_dim) || (kv_kind == 3 && !(k_scales && v_scales)))                 \
         return 1;                                                                                                 \
     sh.kv_kind = kv_kind, sh.k_scales = k_scales, sh.v_scales = v_scales;
 int radixkv_decode_kv_fits(int kv_kind, int head_dim);
@@ -719,32 +719,66 @@ int radixkv_decode_kv_fits(int kv_kind, int head_dim);
 DEFINE_DECODE(radixkv_paged_decode_bf16, uint16_t, uint16_t, radixkv_item_bf16, radixkv_shared_item_bf16, merge_bf16, 1, , )
 DEFINE_DECODE(radixkv_paged_decode_f32, float, float, radixkv_item_f32, radixkv_shared_item_f32, merge_f32, 0, , )
 
-/* Whether fp32 compute reads pages of kv_kind (2: bf16, 3: int8) of this head_dim here: the
- * AVX2 item widens them; elsewhere callers keep the torch path. */
+/* Whether fp32 compute reads pages of kv_kind (2: bf16, 3: int8) of this head_dim: the AVX2
+ * item widens them in vectors (head_dim % 8 == 0), the portable one element by element. */
 int radixkv_decode_kv_fits(int kv_kind, int head_dim) {
-#ifdef HAVE_AVX2
-    return (kv_kind == 2 || kv_kind == 3) && head_dim % 8 == 0 && head_dim <= MAX_HEAD_DIM;
-#else
-    (void)kv_kind, (void)head_dim;
-    return 0;
-#endif
+    return (kv_kind == 2 || kv_kind == 3) && head_dim > 0 && head_dim <= MAX_HEAD_DIM;
 }
 
-#ifdef HAVE_AVX2
-static void item_f32_kv(const float *q_row, const void *k, const void *v, const int32_t *pages, int begin, int end,
-                        const Shape *sh, float *states, const NextItem *next) {
-    radixkv_item_avx2(q_row, k, v, pages, begin, end, sh, states, next, sh->kv_kind);
+/* Element i of kv head row `row` (element offset) of bf16 (kind 2) or int8 (3) pages, in fp32:
+ * an int8 row is scaled by its (token, kv head) scale, row / head_dim. */
+static inline float wide_load(const void *pages, const float *scales, int64_t row, int i, int kind, int D) {
+    if (kind == 2) return bf16_to_float(((const uint16_t *)pages)[row + i]);
+    return (float)((const int8_t *)pages)[row + i] * scales[row / D];
 }
-#else
-static void item_f32_kv(const float *q_row, const void *k, const void *v, const int32_t *pages, int begin, int end,
-                        const Shape *sh, float *states, const NextItem *next) {
-    (void)q_row, (void)k, (void)v, (void)pages, (void)begin, (void)end, (void)sh, (void)states, (void)next;
-}
-#endif
 
-/* fp32 compute over bf16 (kv_kind 2) or int8 (3, with scales) pages, widened on load; without
- * cascade groups (a plan is refused: the shared items read the compute dtype only). */
-DEFINE_DECODE(radixkv_paged_decode_f32_kv, float, void, item_f32_kv, radixkv_shared_item_f32, merge_f32, 0,
+/* The portable item over pages in another dtype: DEFINE_ITEM's loops, each K and V row widened
+ * into fp32 first. */
+static void item_f32_kv_portable(const float *q_row, const void *k, const void *v, const int32_t *pages, int begin,
+                                 int end, const Shape *sh, float *states) {
+    const int D = sh->head_dim, G = sh->group, kind = sh->kv_kind;
+    float kf[MAX_HEAD_DIM], vf[MAX_HEAD_DIM], s[BLOCK_TOKENS];
+    init_states(states, sh);
+    for (int h = 0; h < sh->num_kv_heads; h++) {
+        for (int t = begin; t < end;) {
+            const Block block = block_at(pages, t, end, sh);
+            const int64_t token_stride = (int64_t)sh->num_kv_heads * D, first = block.first + (int64_t)h * D;
+            for (int g = 0; g < G; g++) {
+                const float *qg = q_row + (int64_t)(h * G + g) * D;
+                float *state = states + (int64_t)(h * G + g) * state_floats(sh);
+                for (int j = 0; j < block.n; j++) {
+                    for (int d = 0; d < D; d++) kf[d] = wide_load(k, sh->k_scales, first + j * token_stride, d, kind, D);
+                    float dot = 0.0f;
+                    for (int d = 0; d < D; d++) dot += qg[d] * kf[d];
+                    s[j] = dot * sh->scale;
+                }
+                const float alpha = fold_scores(state, s, block.n);
+                float *acc = state + 2;
+                for (int d = 0; d < D; d++) acc[d] *= alpha;
+                for (int j = 0; j < block.n; j++) {
+                    for (int d = 0; d < D; d++) vf[d] = wide_load(v, sh->v_scales, first + j * token_stride, d, kind, D);
+                    for (int d = 0; d < D; d++) acc[d] += s[j] * vf[d];
+                }
+            }
+            t += block.n;
+        }
+    }
+}
+
+HIDDEN void radixkv_item_f32_kv(const float *q_row, const void *k, const void *v, const int32_t *pages, int begin,
+                                int end, const Shape *sh, float *states, const NextItem *next) {
+#ifdef HAVE_AVX2
+    if (sh->head_dim % 8 == 0) {
+        radixkv_item_avx2(q_row, k, v, pages, begin, end, sh, states, next, sh->kv_kind);
+        return;
+    }
+#endif
+    (void)next;
+    item_f32_kv_portable(q_row, k, v, pages, begin, end, sh, states);
+}
+
+/* fp32 compute over bf16 (kv_kind 2) or int8 (3, with scales) pages, widened on load. */
+DEFINE_DECODE(radixkv_paged_decode_f32_kv, float, void, radixkv_item_f32_kv, radixkv_shared_item_f32_kv, merge_f32, 0,
               KV_PARAMS_WIDE, KV_INIT_WIDE)
 
 /* Turns the AMX q.k path on (on != 0, where the CPU and the OS allow) or off; returns whether
