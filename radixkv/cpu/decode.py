@@ -52,6 +52,12 @@ def cache_fits(k_cache: torch.Tensor) -> bool:
     )
 
 
+def widened_kind(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> int:
+    """The C kernels' kv_kind for pages of kv_dtype under compute dtype q_dtype: 0 for the
+    same dtype, 2 for bf16 and 3 for int8 pages under fp32."""
+    return 0 if q_dtype == kv_dtype else _WIDENED_KINDS[kv_dtype]
+
+
 def pages_fit(q_dtype: torch.dtype, k_cache: torch.Tensor) -> bool:
     """Whether a kernel reads pages of k_cache's dtype under compute dtype q_dtype: the same
     float dtype, or bf16 or int8 pages under fp32 compute (AVX2 vectors where head_dim % 8 == 0,
