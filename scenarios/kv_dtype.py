@@ -91,7 +91,8 @@ def greedy_divergence(new_tokens: int) -> list[dict]:
     for name in PAGE_DTYPES:
         llm = LLM(dtype="float32", kv_dtype=name, attention_backend="cpu", seed=0)
         tokenizer = llm.engine.tokenizer
-        prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True) for p in PROMPTS]
+        texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False) for p in PROMPTS]
+        prompts = [tokenizer.encode(text, add_special_tokens=False) for text in texts]
         results = llm.generate(prompts, SamplingParams(max_tokens=new_tokens, ignore_eos=True))
         outputs[name] = ([r.token_ids for r in results], prompts)
         llm.close()

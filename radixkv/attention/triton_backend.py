@@ -4,8 +4,10 @@ Launches store_kv, extend_attention and paged_decode. Triton does not bounds-che
 index ranges are checked once per step in prepare(): always where it costs nothing (Python
 lengths and shapes), and on device values (page table, slots, offsets) when check_indices is on
 (EngineConfig.check_indices; by default only under the interpreter, since those checks sync).
-Pages stored in another dtype than the compute dtype (EngineConfig.kv_dtype) take the torch
-reference's store and attention, which widen on load: the kernels read the compute dtype only.
+Pages stored in another dtype than the compute dtype (EngineConfig.kv_dtype) are widened on
+load by the kernels; int8 pages are quantized by store_kv and read with their scales. fp8 pages
+take the torch reference's store and attention (e4m3 kernels are not written: no GPU here to
+test them on).
 """
 
 from __future__ import annotations
@@ -32,8 +34,7 @@ class TritonStepState:
     slot_mapping: torch.Tensor  # int64
     groups: CascadeGroups | None = None  # decode-only steps with requests sharing a cached prefix
     kv_reads: KVReads | None = None  # decode-only steps
-    # The reference's state, for pages in another dtype than q's (built in prepare for int8 and
-    # fp8 pages, which no compute dtype shares).
+    # The reference's state, for pages the kernels do not read (fp8), built in prepare.
     reference: torch_backend.TorchStepState | None = None
 
     def decode_tables(self) -> DecodeTables | None:
@@ -82,14 +83,9 @@ class TritonBackend(AttentionBackend[TritonStepState]):
             cascade = self.share_reads and not meta.batch_invariant
             groups, saved = _cascade_groups(meta, device, self.native_planner) if cascade else (None, 0)
             state = dataclasses.replace(state, groups=groups, kv_reads=KVReads(sum(meta.seq_lens_list), saved))
-        if not k_cache.dtype.is_floating_point or k_cache.dtype.itemsize == 1:
+        if not kernels_read(k_cache):
             state = dataclasses.replace(state, reference=torch_backend.TorchBackend().prepare(meta, k_cache, num_q_heads))
         return state
-
-    @staticmethod
-    def _reference(meta: AttentionMetadata[TritonStepState], k_cache: torch.Tensor) -> torch_backend.TorchStepState:
-        state = meta.state
-        return state.reference if state.reference is not None else torch_backend.TorchBackend().prepare(meta, k_cache, 0)
 
     def store_kv(
         self,
@@ -104,10 +100,10 @@ class TritonBackend(AttentionBackend[TritonStepState]):
         slot_mapping = meta.state.slot_mapping
         if k.shape[0] != slot_mapping.shape[0]:
             raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} slots for {k.shape[0]} tokens")
-        if k.dtype != k_cache.dtype:
+        if not kernels_read(k_cache):
             torch_backend.store_by_index_copy(k, v, k_cache, v_cache, slot_mapping, k_scales, v_scales)
             return
-        store_kv(k, v, k_cache, v_cache, slot_mapping)
+        store_kv(k, v, k_cache, v_cache, slot_mapping, k_scales, v_scales)
 
     def extend(
         self,
@@ -123,12 +119,12 @@ class TritonBackend(AttentionBackend[TritonStepState]):
     ) -> torch.Tensor:
         state = meta.state
         _check_rows(q, meta)
-        if q.dtype != k_cache.dtype:
-            reference = self._reference(meta, k_cache)
-            return torch_backend.reference_extend(q, k_cache, v_cache, meta, reference, scale, k_scales, v_scales)
+        if state.reference is not None:
+            return torch_backend.reference_extend(q, k_cache, v_cache, meta, state.reference, scale, k_scales, v_scales)
         return extend_attention(
-            q, k, v, k_cache, v_cache, state.cu_q_lens, state.seq_lens, state.page_table, meta.max_q_len, scale
-        )
+            q, k, v, k_cache, v_cache, state.cu_q_lens, state.seq_lens, state.page_table, meta.max_q_len, scale,
+            k_scales=k_scales, v_scales=v_scales,
+        )  # fmt: skip
 
     def decode(
         self,
@@ -144,12 +140,12 @@ class TritonBackend(AttentionBackend[TritonStepState]):
             raise ValueError("decode needs exactly one new token per request; use extend")
         state = meta.state
         _check_rows(q, meta)
-        if q.dtype != k_cache.dtype:
-            reference = self._reference(meta, k_cache)
-            return torch_backend.reference_decode(q, k_cache, v_cache, meta, reference, scale, k_scales, v_scales)
+        if state.reference is not None:
+            return torch_backend.reference_decode(q, k_cache, v_cache, meta, state.reference, scale, k_scales, v_scales)
         return paged_decode(
-            q, k_cache, v_cache, state.seq_lens, state.page_table, meta.max_seq_len, scale, groups=state.groups
-        )
+            q, k_cache, v_cache, state.seq_lens, state.page_table, meta.max_seq_len, scale, groups=state.groups,
+            k_scales=k_scales, v_scales=v_scales,
+        )  # fmt: skip
 
     @staticmethod
     def _check_device_indices(state: TritonStepState, meta: AttentionMetadata, num_pages: int, num_slots: int) -> None:
@@ -196,6 +192,12 @@ def _cascade_groups(meta: AttentionMetadata[TritonStepState], device: torch.devi
         max_members=int(sizes.max()),
     )
     return groups, plan.saved_tokens
+
+
+def kernels_read(k_cache: torch.Tensor) -> bool:
+    """Whether the Triton kernels store and read pages of this dtype: fp32, bf16, fp16 (widened
+    or rounded to and from any compute dtype) and int8 (with scales); fp8 pages do not."""
+    return k_cache.dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int8)
 
 
 def _check_rows(q: torch.Tensor, meta: AttentionMetadata) -> None:
