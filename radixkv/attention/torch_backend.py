@@ -130,7 +130,12 @@ def store_by_index_copy(
             scales.view(-1, num_kv_heads).index_copy_(0, slot_mapping, row_scales)
         else:
             data = to_storage(rows, cache.dtype)
-        cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, data)
+        _as_bytes(cache).view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, _as_bytes(data))
+
+
+def _as_bytes(x: torch.Tensor) -> torch.Tensor:
+    """fp8 tensors as their bytes: index_copy_ and index_select lack fp8 kernels on CPU."""
+    return x.view(torch.uint8) if x.dtype == torch.float8_e4m3fn else x
 
 
 def _mask_dtype(storage: torch.dtype) -> torch.dtype:
@@ -219,7 +224,7 @@ def _gather_pages(cache: torch.Tensor, pages: torch.Tensor, scales: torch.Tensor
     """Rows of whole pages, [len(pages), page_size * num_kv_heads * head_dim], widened to dtype
     (int8 times its scales); index_select on a 2-D view copies whole pages and runs about 5x
     faster than advanced indexing on CPU."""
-    rows = torch.index_select(cache.view(cache.shape[0], -1), 0, pages)
+    rows = torch.index_select(_as_bytes(cache).view(cache.shape[0], -1), 0, pages).view(cache.dtype)
     if scales is None:
         return rows.to(dtype)
     row_scales = torch.index_select(scales.view(scales.shape[0], -1), 0, pages)
