@@ -14,8 +14,10 @@
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -82,7 +84,7 @@ def decode_rows(repeats: int, flush: torch.Tensor, layers: int, context: int, nu
     return rows
 
 
-def greedy_divergence(new_tokens: int) -> list[dict]:
+def greedy_divergence(new_tokens: int) -> tuple[list[dict], list[list[int]], list[list[int]]]:
     """Greedy continuations of PROMPTS with each page dtype against fp32 pages: the first output
     position that differs (None: none within new_tokens)."""
     from radixkv import LLM, SamplingParams
@@ -159,9 +161,6 @@ def main(argv: list[str] | None = None) -> int:
     if native.load() is None:
         print("needs the native kernels (no C compiler here)")
         return 1
-    import json
-    from pathlib import Path
-
     flush = torch.ones(args.flush_mib << 20, dtype=torch.int8)
     results: dict[str, list[dict]] = {"decode": decode_rows(args.repeats, flush, args.layers, args.context, args.num_seqs)}
     print(f"\n{'pages':<6} {'case':<32} {'ms':>8} {'MiB read':>9} {'GB/s':>7} {'x fp32':>7}")
