@@ -17,8 +17,13 @@ from radixkv.cpu.native import load
 
 _FUNCTIONS = {torch.bfloat16: "radixkv_paged_decode_bf16", torch.float32: "radixkv_paged_decode_f32"}
 # Pages the fp32 kernel widens on load (radixkv_paged_decode_f32_kv's kv_kind): a bf16 is the
-# top half of an fp32; an int8 element times its (token, kv head) scale.
+# top half of an fp32; an int8 element times its (token, kv head) scale. The bf16 kernel
+# (radixkv_paged_decode_bf16_kv) widens int8 pages.
 _WIDENED_KINDS = {torch.bfloat16: 2, torch.int8: 3}
+_WIDENING = {
+    torch.float32: ("radixkv_paged_decode_f32_kv", (torch.bfloat16, torch.int8)),
+    torch.bfloat16: ("radixkv_paged_decode_bf16_kv", (torch.int8,)),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,14 +65,14 @@ def widened_kind(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> int:
 
 def pages_fit(q_dtype: torch.dtype, k_cache: torch.Tensor) -> bool:
     """Whether a kernel reads pages of k_cache's dtype under compute dtype q_dtype: the same
-    float dtype, or bf16 or int8 pages under fp32 compute (AVX2 vectors where head_dim % 8 == 0,
-    else portable loops)."""
+    float dtype, bf16 or int8 pages under fp32 compute, int8 pages under bf16 (AVX2 vectors
+    where head_dim % 8 == 0, else portable loops)."""
     if q_dtype == k_cache.dtype:
         return q_dtype in _FUNCTIONS
-    kind = _WIDENED_KINDS.get(k_cache.dtype)
     library = load()
-    return q_dtype == torch.float32 and kind is not None and library is not None and bool(
-        library.radixkv_decode_kv_fits(kind, k_cache.shape[-1])
+    widening = _WIDENING.get(q_dtype)
+    return widening is not None and k_cache.dtype in widening[1] and library is not None and bool(
+        library.radixkv_decode_kv_fits(_WIDENED_KINDS[k_cache.dtype], k_cache.shape[-1])
     )
 
 
@@ -120,7 +125,7 @@ def paged_decode(
     check=False skips every check, for a caller that ran check_tables on these same tables
     (the CPU backend, once per step) and built out itself. plan: cascade_plan's groups for these
     same tables (None: every request reads all its keys itself). Pages in another dtype than q
-    (pages_fit: bf16 or int8 under fp32) are widened on load, int8 times k_scales, v_scales
+    (pages_fit: bf16 or int8 under fp32, int8 under bf16) are widened on load, int8 times k_scales, v_scales
     ([num_pages, page_size, num_kv_heads] fp32); cascade groups widen each shared chunk once.
     """
     library = load()
@@ -149,9 +154,9 @@ def paged_decode(
         page_size, scale, out.data_ptr(), work.data_ptr(), plan_pointer, torch.get_num_threads(),
     )  # fmt: skip
     if widened:
-        assert q.dtype == torch.float32, "call pages_fit() first"
+        assert q.dtype in _WIDENING, "call pages_fit() first"
         scales = (k_scales.data_ptr(), v_scales.data_ptr()) if k_scales is not None else (None, None)
-        status = library.radixkv_paged_decode_f32_kv(*args, *scales, _WIDENED_KINDS[k_cache.dtype])
+        status = getattr(library, _WIDENING[q.dtype][0])(*args, *scales, _WIDENED_KINDS[k_cache.dtype])
     else:
         status = getattr(library, _FUNCTIONS[q.dtype])(*args)
     if status == 2:

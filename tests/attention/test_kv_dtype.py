@@ -131,6 +131,26 @@ def test_cpu_backend_matches_the_reference_over_the_same_pages(gen, dtype, prefi
 
 
 @needs_native
+@pytest.mark.parametrize("prefix_lens,q_lens", CASES)
+@pytest.mark.parametrize("heads,group,head_dim", [(2, 3, 32), (1, 5, 12)])  # head_dim 12: the portable item
+def test_bf16_compute_over_int8_pages_matches_the_reference(gen, prefix_lens, q_lens, heads, group, head_dim):
+    """bf16 compute reads int8 pages through radixkv_paged_decode_bf16_kv, within bf16's
+    tolerance of the reference (which widens the pages to bf16 before its SDPA)."""
+    from radixkv.cpu import decode
+
+    page_size = 4
+    all_tokens, step, k, v, q, num_pages = _case(gen, prefix_lens, q_lens, page_size, heads, group, head_dim)
+    pool = _filled(torch.int8, all_tokens, k, v, num_pages, page_size)
+    assert decode.pages_fit(torch.bfloat16, pool.k_cache[0])
+    q = q.to(torch.bfloat16)
+    scale = head_dim**-0.5
+    want = _run(TorchBackend(), pool, step, q, scale)
+    got = _run(CPUBackend(), pool, step, q, scale)
+    assert got.dtype == torch.bfloat16
+    assert_close(got, want, torch.bfloat16, "cpu backend, bf16 compute over int8 pages")
+
+
+@needs_native
 @pytest.mark.parametrize("dtype", KV_DTYPES, ids=str)
 def test_native_store_writes_the_references_bytes(gen, dtype):
     page_size, heads, group, head_dim = 4, 3, 1, 64

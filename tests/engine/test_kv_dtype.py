@@ -37,6 +37,18 @@ def test_cache_on_and_off_agree_bit_for_bit_within_a_kv_dtype(tiny_llama, backen
     assert_pages_returned(cached.engine)
 
 
+@cpu_only
+def test_bf16_compute_over_int8_pages_agrees_with_and_without_the_cache(tiny_llama):
+    prompts = shared_prefix_prompts(4)
+    params = SamplingParams(max_tokens=MAX_NEW)
+    options = dict(kv_dtype="int8", attention_backend="cpu", dtype="bfloat16")
+    cached = make_llm(tiny_llama, **options)
+    cold, warm = cached.generate(prompts, params), cached.generate(prompts, params)
+    assert all(o.num_cached_tokens >= 20 for o in warm)
+    uncached = make_llm(tiny_llama, enable_prefix_caching=False, **options).generate(prompts, params)
+    assert [o.token_ids for o in cold] == [o.token_ids for o in warm] == [o.token_ids for o in uncached]
+
+
 def _result(output, logprobs: bool) -> tuple[list[int], list[float]]:
     return output.token_ids, [lp.logprob for lp in output.outputs[0].logprobs] if logprobs else []
 

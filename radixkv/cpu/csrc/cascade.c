@@ -387,3 +387,10 @@ HIDDEN void radixkv_shared_item_f32_kv(const SharedItem *item, const void *k, co
 #endif
     MEMBER_BY_MEMBER(radixkv_item_f32_kv, float)
 }
+
+/* bf16 compute over int8 pages: member by member (the shared tiles gather fp32 queries). */
+HIDDEN void radixkv_shared_item_bf16_kv(const SharedItem *item, const void *k, const void *v, const Shape *sh,
+                                        void *scratch) {
+    (void)scratch;
+    MEMBER_BY_MEMBER(radixkv_item_bf16_kv, uint16_t)
+}

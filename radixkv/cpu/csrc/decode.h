@@ -257,10 +257,12 @@ HIDDEN void radixkv_item_avx2(const void *q_row, const void *k, const void *v, c
                               int end, const Shape *sh, float *states, const NextItem *next, int kind);
 #endif
 
-/* fp32 compute over bf16 or int8 pages (sh->kv_kind, sh->k_scales): the AVX2 item where
- * head_dim % 8 == 0, else a portable one. */
+/* fp32 compute over bf16 or int8 pages (sh->kv_kind, sh->k_scales), and bf16 compute over int8
+ * pages (kv_kind 4): the AVX2 item where head_dim % 8 == 0, else a portable one. */
 HIDDEN void radixkv_item_f32_kv(const float *q_row, const void *k, const void *v, const int32_t *pages, int begin,
                                 int end, const Shape *sh, float *states, const NextItem *next);
+HIDDEN void radixkv_item_bf16_kv(const uint16_t *q_row, const void *k, const void *v, const int32_t *pages, int begin,
+                                 int end, const Shape *sh, float *states, const NextItem *next);
 
 /* A shared prefix's keys [begin, end) (pages: any member's page list) for all members of a
  * group at once: member m reads q row q_rows[m] and its states go to states + m * item_floats.
@@ -283,5 +285,7 @@ HIDDEN void radixkv_shared_item_f32(const SharedItem *item, const float *k, cons
                                     void *scratch);
 HIDDEN void radixkv_shared_item_f32_kv(const SharedItem *item, const void *k, const void *v, const Shape *sh,
                                        void *scratch);
+HIDDEN void radixkv_shared_item_bf16_kv(const SharedItem *item, const void *k, const void *v, const Shape *sh,
+                                        void *scratch);
 
 #endif

@@ -632,6 +632,9 @@ static inline int item_thread(const Items *items, int64_t i, int num_threads) {
         return 1;                                                                                                 \
     sh.kv_kind = kv_kind, sh.k_scales = k_scales, sh.v_scales = v_scales;
 int radixkv_decode_kv_fits(int kv_kind, int head_dim);
+#define KV_INIT_BF16_INT8                                                                                         \
+    if (kv_kind != 3 || !(k_scales && v_scales) || !radixkv_decode_kv_fits(kv_kind, head_dim)) return 1;           \
+    sh.kv_kind = 4, sh.k_scales = k_scales, sh.v_scales = v_scales;
 
 /* Returns 0, 1 for shapes this kernel does not take (callers check them first), or 2 when out
  * of memory. work: radixkv_decode_work_floats floats; plan: radixkv_cascade_plan's buffer or
@@ -725,26 +728,28 @@ int radixkv_decode_kv_fits(int kv_kind, int head_dim) {
     return (kv_kind == 2 || kv_kind == 3) && head_dim > 0 && head_dim <= MAX_HEAD_DIM;
 }
 
-/* Element i of kv head row `row` (element offset) of bf16 (kind 2) or int8 (3) pages, in fp32:
- * an int8 row is scaled by its (token, kv head) scale, row / head_dim. */
+/* Element i of kv head row `row` (element offset) of bf16 (kind 2) or int8 (3, 4) pages, in
+ * fp32: an int8 row is scaled by its (token, kv head) scale, row / head_dim. */
 static inline float wide_load(const void *pages, const float *scales, int64_t row, int i, int kind, int D) {
     if (kind == 2) return bf16_to_float(((const uint16_t *)pages)[row + i]);
     return (float)((const int8_t *)pages)[row + i] * scales[row / D];
 }
 
 /* The portable item over pages in another dtype: DEFINE_ITEM's loops, each K and V row widened
- * into fp32 first. */
-static void item_f32_kv_portable(const float *q_row, const void *k, const void *v, const int32_t *pages, int begin,
-                                 int end, const Shape *sh, float *states) {
+ * into fp32 first; q fp32, or bf16 where q_bf16. */
+static void item_kv_portable(const void *q_row, int q_bf16, const void *k, const void *v, const int32_t *pages,
+                             int begin, int end, const Shape *sh, float *states) {
     const int D = sh->head_dim, G = sh->group, kind = sh->kv_kind;
-    float kf[MAX_HEAD_DIM], vf[MAX_HEAD_DIM], s[BLOCK_TOKENS];
+    float kf[MAX_HEAD_DIM], vf[MAX_HEAD_DIM], qg[MAX_HEAD_DIM], s[BLOCK_TOKENS];
     init_states(states, sh);
     for (int h = 0; h < sh->num_kv_heads; h++) {
         for (int t = begin; t < end;) {
             const Block block = block_at(pages, t, end, sh);
             const int64_t token_stride = (int64_t)sh->num_kv_heads * D, first = block.first + (int64_t)h * D;
             for (int g = 0; g < G; g++) {
-                const float *qg = q_row + (int64_t)(h * G + g) * D;
+                const int64_t q_at = (int64_t)(h * G + g) * D;
+                for (int d = 0; d < D; d++)
+                    qg[d] = q_bf16 ? bf16_to_float(((const uint16_t *)q_row)[q_at + d]) : ((const float *)q_row)[q_at + d];
                 float *state = states + (int64_t)(h * G + g) * state_floats(sh);
                 for (int j = 0; j < block.n; j++) {
                     for (int d = 0; d < D; d++) kf[d] = wide_load(k, sh->k_scales, first + j * token_stride, d, kind, D);
@@ -774,12 +779,29 @@ HIDDEN void radixkv_item_f32_kv(const float *q_row, const void *k, const void *v
     }
 #endif
     (void)next;
-    item_f32_kv_portable(q_row, k, v, pages, begin, end, sh, states);
+    item_kv_portable(q_row, 0, k, v, pages, begin, end, sh, states);
+}
+
+HIDDEN void radixkv_item_bf16_kv(const uint16_t *q_row, const void *k, const void *v, const int32_t *pages, int begin,
+                                 int end, const Shape *sh, float *states, const NextItem *next) {
+#ifdef HAVE_AVX2
+    if (sh->head_dim % 8 == 0) {
+        radixkv_item_avx2(q_row, k, v, pages, begin, end, sh, states, next, sh->kv_kind);
+        return;
+    }
+#endif
+    (void)next;
+    item_kv_portable(q_row, 1, k, v, pages, begin, end, sh, states);
 }
 
 /* fp32 compute over bf16 (kv_kind 2) or int8 (3, with scales) pages, widened on load. */
 DEFINE_DECODE(radixkv_paged_decode_f32_kv, float, void, radixkv_item_f32_kv, radixkv_shared_item_f32_kv, merge_f32, 0,
               KV_PARAMS_WIDE, KV_INIT_WIDE)
+
+/* bf16 compute over int8 pages (kv_kind 3, with scales): q widened from bf16 in the item, the
+ * output rounded to bf16 in the merge, as the bf16 kernel's. */
+DEFINE_DECODE(radixkv_paged_decode_bf16_kv, uint16_t, void, radixkv_item_bf16_kv, radixkv_shared_item_bf16_kv, merge_bf16,
+              0, KV_PARAMS_WIDE, KV_INIT_BF16_INT8)
 
 /* Turns the AMX q.k path on (on != 0, where the CPU and the OS allow) or off; returns whether
  * it is on. One setting per process: every later decode call reads it. */

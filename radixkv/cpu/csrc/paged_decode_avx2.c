@@ -23,8 +23,10 @@
 #define KIND_BF16 1
 #define KIND_BF16_WIDE 2
 #define KIND_INT8 3
+#define KIND_INT8_BF16 4 /* int8 pages under bf16 compute: q widened from bf16 in dim order */
 
-static inline int kind_bytes(const int kind) { return kind == KIND_F32 ? 4 : kind == KIND_INT8 ? 1 : 2; }
+static inline int is_int8(const int kind) { return kind == KIND_INT8 || kind == KIND_INT8_BF16; }
+static inline int kind_bytes(const int kind) { return kind == KIND_F32 ? 4 : is_int8(kind) ? 1 : 2; }
 
 /* One load at `at`: 8 floats into low (fp32, or bf16 / int8 widened in dim order), or for
  * KIND_BF16 16 bf16 values as (even dims, odd dims) into low and high, by a shift and a mask. */
@@ -37,7 +39,7 @@ static inline __attribute__((always_inline)) void load_dims(const char *at, cons
     } else if (kind == KIND_BF16_WIDE) {
         const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)at));
         *low = _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-    } else if (kind == KIND_INT8) {
+    } else if (is_int8(kind)) {
         *low = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)at)));
     } else {
         *low = _mm256_loadu_ps((const float *)at);
@@ -85,7 +87,7 @@ static inline __attribute__((always_inline)) void block_scores(__m256 (*qv)[MAX_
         }
         if (j0 < n) {
             __m256 factor = _mm256_set1_ps(scale);
-            if (kind == KIND_INT8) {
+            if (is_int8(kind)) {
                 float key_scales[LANES];
                 for (int j = 0; j < LANES; j++) key_scales[j] = j0 + j < n ? ks[(int64_t)(j0 + j) * H] * scale : 0.0f;
                 factor = _mm256_loadu_ps(key_scales);
@@ -103,14 +105,14 @@ static inline __attribute__((always_inline)) void keys_values(__m256 (*acc)[MAX_
                                                               const int kind, const float *w, const float *vs, int H) {
     const int pairs = kind == KIND_BF16;
     float value_scales[PREFETCH_KEYS];
-    for (int i = 0; i < keys; i++) value_scales[i] = kind == KIND_INT8 ? vs[(int64_t)i * H] : 1.0f;
+    for (int i = 0; i < keys; i++) value_scales[i] = is_int8(kind) ? vs[(int64_t)i * H] : 1.0f;
     for (int c = 0; c < D / 8; c += 1 + pairs) {
         __m256 low[PREFETCH_KEYS], high[PREFETCH_KEYS];
         for (int i = 0; i < keys; i++) load_dims(v_row + i * row_bytes + 8 * kind_bytes(kind) * c, kind, &low[i], &high[i]);
         for (int g = 0; g < G; g++) {
             __m256 a0 = acc[g][c], a1 = pairs ? acc[g][c + 1] : a0;
             for (int i = 0; i < keys; i++) {
-                const float weight_of = kind == KIND_INT8 ? w[g * SCORE_STRIDE + i] * value_scales[i] : w[g * SCORE_STRIDE + i];
+                const float weight_of = is_int8(kind) ? w[g * SCORE_STRIDE + i] * value_scales[i] : w[g * SCORE_STRIDE + i];
                 const __m256 weight = _mm256_set1_ps(weight_of);
                 a0 = _mm256_fmadd_ps(weight, low[i], a0);
                 if (pairs) a1 = _mm256_fmadd_ps(weight, high[i], a1);
@@ -162,7 +164,8 @@ static inline __attribute__((always_inline)) void item_avx2_impl(const void *q_r
                                                                  const int D, const int G, const int kind,
                                                                  const int fixed_heads) {
     const int H = fixed_heads ? fixed_heads : sh->num_kv_heads, n = end - begin, bytes = kind_bytes(kind);
-    const int q_kind = kind == KIND_BF16 ? KIND_BF16 : KIND_F32, q_bytes = kind_bytes(q_kind);
+    const int q_kind = kind == KIND_BF16 ? KIND_BF16 : kind == KIND_INT8_BF16 ? KIND_BF16_WIDE : KIND_F32;
+    const int q_bytes = kind_bytes(q_kind);
     const int64_t row_bytes = (int64_t)H * D * bytes;
     const int heads_per_pass = H * G <= MAX_GROUP ? H : 1, rows = heads_per_pass * G;
     Block blocks[CHUNK_TOKENS];
@@ -180,7 +183,7 @@ static inline __attribute__((always_inline)) void item_avx2_impl(const void *q_r
             for (int h = 0; h < heads_per_pass; h++) {
                 /* The block's first key's scale for kv head h0 + h: block.first / D is its slot's
                  * first (token, kv head) pair. */
-                const float *ks = kind == KIND_INT8 ? sh->k_scales + blocks[bi].first / D + h0 + h : NULL;
+                const float *ks = is_int8(kind) ? sh->k_scales + blocks[bi].first / D + h0 + h : NULL;
                 block_scores(qv + h * G, (const char *)k + (blocks[bi].first + (int64_t)(h0 + h) * D) * bytes, row_bytes,
                              blocks[bi].n, D, G, kind, sh->scale, ks, H, s + h * G * SCORE_STRIDE + offset, &prefetcher);
             }
@@ -190,7 +193,7 @@ static inline __attribute__((always_inline)) void item_avx2_impl(const void *q_r
         }
         for (int bi = 0, offset = 0; bi < num_blocks; offset += blocks[bi++].n)
             for (int h = 0; h < heads_per_pass; h++) {
-                const float *vs = kind == KIND_INT8 ? sh->v_scales + blocks[bi].first / D + h0 + h : NULL;
+                const float *vs = is_int8(kind) ? sh->v_scales + blocks[bi].first / D + h0 + h : NULL;
                 block_values(acc + h * G, (const char *)v + (blocks[bi].first + (int64_t)(h0 + h) * D) * bytes, row_bytes,
                              blocks[bi].n, D, G, kind, s + h * G * SCORE_STRIDE + offset, vs, H, &prefetcher);
             }
@@ -216,6 +219,9 @@ HIDDEN void radixkv_item_avx2(const void *q_row, const void *k, const void *v, c
     case KIND_INT8:
         if (fixed) item_avx2_impl(ITEM_ARGS, 64, 3, KIND_INT8, 3);
         else item_avx2_impl(ITEM_ARGS, sh->head_dim, sh->group, KIND_INT8, 0);
+        break;
+    case KIND_INT8_BF16:
+        item_avx2_impl(ITEM_ARGS, sh->head_dim, sh->group, KIND_INT8_BF16, 0);
         break;
     default:
         if (fixed) item_avx2_impl(ITEM_ARGS, 64, 3, KIND_F32, 3);
