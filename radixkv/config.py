@@ -17,6 +17,8 @@ POLICIES = ("lpm", "fcfs")
 # (importing radixkv.cache loads it), and a test checks the two agree.
 EVICTION_POLICIES = ("slru", "lru")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# radixkv.cache.kv_dtype's storage dtypes of KV pages; "auto": the compute dtype (dtype).
+KV_DTYPES = ("auto", "bf16", "fp16", "fp32", "int8", "fp8")
 BACKENDS = ("auto", "torch", "cpu", "triton")
 LINEAR_KERNELS = ("auto", "amx", "avx512_bf16", "avx2", "onednn")
 QUANT_KERNELS = ("auto", "amx_int8", "avx512_vnni", "avx2", "torch")
@@ -39,6 +41,12 @@ class EngineConfig:
     # "auto": bf16 on CUDA, and on CPUs with native bf16 arithmetic (AMX, AVX512_BF16, aarch64
     # bf16); elsewhere fp32, since there bf16 is emulated and slower than fp32.
     dtype: str = "auto"
+    # The dtype KV pages are stored in, apart from the compute dtype: "auto" stores the compute
+    # dtype (exact against the float model); "bf16"/"fp16"/"fp32" round the stored K/V (the
+    # kernels widen on load); "int8" stores symmetric int8 with an fp32 scale per (token, KV
+    # head), about half a bf16 page; "fp8" (e4m3) only on CUDA GPUs that have it. Greedy
+    # output with and without the cache agrees bit for bit within one kv_dtype.
+    kv_dtype: str = "auto"
     device: str = "auto"  # "auto": cuda when available, else cpu
     # "auto": triton on CUDA; on CPU "cpu" (the native kernels) when native_kernels is on and
     # the library builds, else "torch" (the pure-torch reference).
@@ -195,6 +203,7 @@ class EngineConfig:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value <= 3600.0:
                 raise ConfigError(f"{name} must be a number of seconds in (0, 3600], got {value!r}", param=name)
         _choice(self, "dtype", DTYPES)
+        _choice(self, "kv_dtype", KV_DTYPES)
         _choice(self, "attention_backend", BACKENDS)
         _choice(self, "linear_kernel", LINEAR_KERNELS)
         _choice(self, "quant_kernel", QUANT_KERNELS)

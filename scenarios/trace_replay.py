@@ -7,6 +7,13 @@ cache's own time per request.
 
     radixkv bench trace_replay [--trace PATH] [--ram-fraction 0.05,0.1,0.25] [--policy lru,slru]
                                [--disk-fraction 0,0.25] [--out out/trace_replay]
+                               [--ram-bytes 256M,1G --kv-dtype bf16,int8]
+
+With --ram-bytes, RAM is also sized as a budget in bytes for each page storage dtype
+(EngineConfig.kv_dtype) side by side: a trace block stands for --block-tokens tokens of a model
+of --kv-shape (layers, KV heads, head dim; default SmolLM2-135M's), priced at
+PagePool.bytes_per_page (int8: with its scales), so the same bytes hold more int8 blocks; the
+table shows the tokens per GiB and the prefix-hit ratio each dtype gets.
 
 Model of the replay: requests run one at a time in trace order; each trace block is one KV
 page (its tokens are a fixed run derived from its hash id, so two blocks are the same exactly
@@ -39,6 +46,7 @@ from pathlib import Path
 from sortedcontainers import SortedList
 
 from radixkv.cache import BlockHasher, PagePool, RadixTree
+from radixkv.cache.kv_dtype import KV_STORAGE_DTYPES
 from radixkv.cache.disk_index import DiskIndex
 from radixkv.cache.eviction import EVICTION_POLICIES
 from radixkv.cache.radix import Node
@@ -83,6 +91,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     parser.add_argument("--oracles", action="store_true", help="add the frequency oracles (lfu+oracle, future+oracle) beside lru+oracle")
     parser.add_argument("--out", default="out/trace_replay", help="folder for trace_replay.json and .png")
+    parser.add_argument("--ram-bytes", default=None, help="RAM budgets in bytes (suffix K, M, G: binary), comma separated; adds the kv-dtype table")
+    parser.add_argument("--kv-dtype", default="bf16,int8", help=f"page storage dtypes for --ram-bytes, comma separated ({', '.join(KV_STORAGE_DTYPES)})")
+    parser.add_argument("--kv-shape", default="30,3,64", help="layers,kv_heads,head_dim of the model whose KV a block holds (default: SmolLM2-135M)")
+    parser.add_argument("--block-tokens", type=int, default=512, help="tokens one trace block stands for when pricing it in bytes (Mooncake: 512)")
     args = parser.parse_args(argv)
     ram_fractions = _fractions(args.ram_fraction, "--ram-fraction", allow_zero=False)
     disk_fractions = _fractions(args.disk_fraction, "--disk-fraction", allow_zero=True)
@@ -111,6 +123,16 @@ def main(argv: list[str] | None = None) -> int:
             for policy in policies:
                 rows.append(replay(trace, policy, ram_fraction, disk_fraction, ram_blocks, disk_blocks, args.page_size))
     print_table(rows)
+    budget_rows = []
+    if args.ram_bytes:
+        shape = _kv_shape(args.kv_shape, parser)
+        kv_dtypes = [d.strip() for d in args.kv_dtype.split(",") if d.strip()]
+        if set(kv_dtypes) - set(KV_STORAGE_DTYPES):
+            parser.error(f"unknown --kv-dtype {sorted(set(kv_dtypes) - set(KV_STORAGE_DTYPES))}; known: {list(KV_STORAGE_DTYPES)}")
+        budgets = [_bytes(text, parser) for text in args.ram_bytes.split(",") if text.strip()]
+        budget_rows = byte_budget_rows(trace, budgets, kv_dtypes, policies, shape, args.block_tokens, args.page_size)
+        print()
+        print_budget_table(budget_rows)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report = {
@@ -122,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         "python": platform.python_version(),
         "machine": platform.machine(),
         "rows": [asdict(row) for row in rows],
+        "byte_budget": [asdict(row) for row in budget_rows],
     }
     (out / "trace_replay.json").write_text(json.dumps(report, indent=2) + "\n")
     plot(rows, out / "trace_replay.png")
@@ -347,6 +370,75 @@ def serve_request(kv: KVManager, disk: DiskIndex | None, seq: SequenceState) -> 
     kv.commit(seq)
     kv.release(seq)
     return ram_blocks, disk_blocks
+
+
+# --------------------------------------------------------------------------- RAM in bytes, per kv dtype
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetRow:
+    """One policy's replay at a RAM budget in bytes with pages stored in one kv dtype."""
+
+    kv_dtype: str
+    policy: str
+    ram_bytes: int
+    bytes_per_token: float  # K and V over all layers, scales included
+    tokens_per_gib: int
+    ram_blocks: int
+    hit_ratio: float
+
+
+def byte_budget_rows(
+    trace: Trace, budgets: list[int], kv_dtypes: list[str], policies: list[str], shape: tuple[int, int, int],
+    block_tokens: int, page_size: int,
+) -> list[BudgetRow]:  # fmt: skip
+    """Each budget, kv dtype and policy: the blocks the bytes hold, replayed (RAM only)."""
+    layers, kv_heads, head_dim = shape
+    rows = []
+    for budget in budgets:
+        for name in kv_dtypes:
+            block_bytes = PagePool.bytes_per_page(block_tokens, layers, kv_heads, head_dim, KV_STORAGE_DTYPES[name])
+            ram_blocks = max(1, budget // block_bytes)
+            for policy in policies:
+                row = replay(trace, policy, ram_blocks / trace.num_distinct_blocks, 0.0, ram_blocks, 0, page_size)
+                rows.append(BudgetRow(
+                    name, policy, budget, block_bytes / block_tokens, int((1 << 30) / block_bytes * block_tokens), ram_blocks,
+                    row.hit_ratio,
+                ))  # fmt: skip
+    return rows
+
+
+def print_budget_table(rows: list[BudgetRow]) -> None:
+    header = f"{'kv_dtype':<9} {'policy':<7} {'RAM bytes':>13} {'B/token':>8} {'tokens/GiB':>11} {'RAM blocks':>10} {'hit all':>8}"
+    print(header)
+    print("-" * len(header))
+    for row in rows:
+        print(
+            f"{row.kv_dtype:<9} {row.policy:<7} {row.ram_bytes:>13,} {row.bytes_per_token:>8.0f} {row.tokens_per_gib:>11,} "
+            f"{row.ram_blocks:>10,} {row.hit_ratio:>8.3f}"
+        )
+
+
+def _bytes(text: str, parser: argparse.ArgumentParser) -> int:
+    text = text.strip().upper()
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+    try:
+        value = int(float(text[:-1] if scale > 1 else text) * scale)
+    except ValueError:
+        parser.error(f"--ram-bytes takes sizes like 512M or 2G, got {text!r}")
+    if value <= 0:
+        parser.error(f"--ram-bytes must be positive, got {text!r}")
+    return value
+
+
+def _kv_shape(text: str, parser: argparse.ArgumentParser) -> tuple[int, int, int]:
+    try:
+        layers, kv_heads, head_dim = (int(part) for part in text.split(","))
+    except ValueError:
+        parser.error(f"--kv-shape takes layers,kv_heads,head_dim, got {text!r}")
+    if min(layers, kv_heads, head_dim) < 1:
+        parser.error(f"--kv-shape values must be >= 1, got {text!r}")
+    return layers, kv_heads, head_dim
 
 
 # --------------------------------------------------------------------------- report

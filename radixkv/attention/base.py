@@ -114,7 +114,9 @@ class AttentionBackend(Generic[StateT]):
     """One attention implementation: prepare a step, store new KV, then extend or decode attention.
 
     q: [T, num_q_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] for the step's new tokens;
-    k_cache, v_cache: [num_pages, page_size, num_kv_heads, head_dim] for one layer.
+    k_cache, v_cache: [num_pages, page_size, num_kv_heads, head_dim] for one layer, in the
+    storage dtype (EngineConfig.kv_dtype), which may differ from q's compute dtype: reads widen
+    to q's dtype; int8 caches come with k_scales, v_scales [num_pages, page_size, num_kv_heads].
     Returns [T, num_q_heads, head_dim]. store_kv, extend, decode and forward read meta.state,
     which prepare() made for this step (StateT: this backend's own state class).
     """
@@ -140,8 +142,12 @@ class AttentionBackend(Generic[StateT]):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata[StateT],
+        k_scales: torch.Tensor | None = None,
+        v_scales: torch.Tensor | None = None,
     ) -> None:
-        """Write k, v into their slots meta.slot_mapping (< 0: do not store)."""
+        """Write k, v into their slots meta.slot_mapping (< 0: do not store), rounded to the
+        caches' storage dtype; int8 caches quantize each (token, head) row into k_scales and
+        v_scales ([num_pages, page_size, num_kv_heads] fp32, radixkv.cache.kv_dtype)."""
         raise NotImplementedError
 
     def extend(
@@ -153,6 +159,8 @@ class AttentionBackend(Generic[StateT]):
         v_cache: torch.Tensor,
         meta: AttentionMetadata[StateT],
         scale: float,
+        k_scales: torch.Tensor | None = None,
+        v_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
         raise NotImplementedError
 
@@ -163,6 +171,8 @@ class AttentionBackend(Generic[StateT]):
         v_cache: torch.Tensor,
         meta: AttentionMetadata[StateT],
         scale: float,
+        k_scales: torch.Tensor | None = None,
+        v_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
         raise NotImplementedError
 
@@ -175,8 +185,10 @@ class AttentionBackend(Generic[StateT]):
         v_cache: torch.Tensor,
         meta: AttentionMetadata[StateT],
         scale: float,
+        k_scales: torch.Tensor | None = None,
+        v_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        self.store_kv(k, v, k_cache, v_cache, meta)
+        self.store_kv(k, v, k_cache, v_cache, meta, k_scales, v_scales)
         if meta.is_decode_only:
-            return self.decode(q, k_cache, v_cache, meta, scale)
-        return self.extend(q, k, v, k_cache, v_cache, meta, scale)
+            return self.decode(q, k_cache, v_cache, meta, scale, k_scales, v_scales)
+        return self.extend(q, k, v, k_cache, v_cache, meta, scale, k_scales, v_scales)

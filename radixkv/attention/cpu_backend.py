@@ -4,6 +4,7 @@ attention interface.
 Stores KV with one native call, runs decode rows (decode steps, the one-token requests of mixed
 steps, and every row of a batch-invariant step) through the paged decode kernel and multi-token
 requests through the prefill kernel, both reading KV in place; tensors the kernels cannot take
+(shapes, or a (compute dtype, page dtype) pair without a kernel: radixkv.cpu.decode.pages_fit)
 run the reference's torch code.
 """
 
@@ -138,10 +139,12 @@ class CPUBackend(AttentionBackend[CPUStepState]):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata[CPUStepState],
+        k_scales: torch.Tensor | None = None,
+        v_scales: torch.Tensor | None = None,
     ) -> None:
         # prepare() checked the slots: the native store trusts them.
-        if not decode.store_kv(k, v, k_cache, v_cache, meta.slot_mapping):
-            torch_backend.store_by_index_copy(k, v, k_cache, v_cache, meta.slot_mapping)
+        if not decode.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scales, v_scales):
+            torch_backend.store_by_index_copy(k, v, k_cache, v_cache, meta.slot_mapping, k_scales, v_scales)
 
     def extend(
         self,
@@ -152,23 +155,31 @@ class CPUBackend(AttentionBackend[CPUStepState]):
         v_cache: torch.Tensor,
         meta: AttentionMetadata[CPUStepState],
         scale: float,
+        k_scales: torch.Tensor | None = None,
+        v_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
         state = meta.state
-        if not state.kernel:
-            return torch_backend.reference_extend(q, k_cache, v_cache, meta, state.reference, scale)
+        if not state.kernel or not decode.pages_fit(q.dtype, k_cache):
+            reference = self._reference(meta, k_cache, q.shape[1])
+            return torch_backend.reference_extend(q, k_cache, v_cache, meta, reference, scale, k_scales, v_scales)
         q = _rows_side_by_side(q)
         if meta.batch_invariant:  # each row as its own request: the kernel's rows are independent
             tables = state.row_by_row
-            return decode.paged_decode(q, k_cache, v_cache, tables.page_table, tables.seq_lens, scale, check=False)
+            return decode.paged_decode(
+                q, k_cache, v_cache, tables.page_table, tables.seq_lens, scale, check=False, k_scales=k_scales, v_scales=v_scales
+            )
         out = torch.empty(q.shape, dtype=q.dtype)
         rows = state.decode_rows
         if rows is not None:  # requests decoding beside a prefill: one kernel call for all
             decode.paged_decode(
-                q, k_cache, v_cache, rows.page_table, rows.seq_lens, scale, rows=rows.rows, out=out, check=False, plan=rows.plan
-            )
+                q, k_cache, v_cache, rows.page_table, rows.seq_lens, scale, rows=rows.rows, out=out, check=False, plan=rows.plan,
+                k_scales=k_scales, v_scales=v_scales,
+            )  # fmt: skip
         requests = state.extend_rows
         if requests is None or q.dtype != k_cache.dtype:
-            torch_backend.extend_requests(q, k_cache, v_cache, meta, scale, out, skip_one_token=rows is not None)
+            torch_backend.extend_requests(
+                q, k_cache, v_cache, meta, scale, out, skip_one_token=rows is not None, k_scales=k_scales, v_scales=v_scales
+            )
         elif len(requests.q_lens):
             extend.paged_extend(
                 q, k_cache, v_cache, requests.page_table, requests.seq_lens, requests.q_starts, requests.q_lens, scale, out
@@ -182,14 +193,24 @@ class CPUBackend(AttentionBackend[CPUStepState]):
         v_cache: torch.Tensor,
         meta: AttentionMetadata[CPUStepState],
         scale: float,
+        k_scales: torch.Tensor | None = None,
+        v_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
         state = meta.state
-        if not state.kernel:
-            return torch_backend.reference_decode(q, k_cache, v_cache, meta, state.reference, scale)
+        if not state.kernel or not decode.pages_fit(q.dtype, k_cache):
+            reference = self._reference(meta, k_cache, q.shape[1])
+            return torch_backend.reference_decode(q, k_cache, v_cache, meta, reference, scale, k_scales, v_scales)
         # Rows are independent in the kernel, so batch-invariant decode steps take it too.
         return decode.paged_decode(
-            _rows_side_by_side(q), k_cache, v_cache, state.page_table, state.seq_lens, scale, check=False, plan=state.plan
-        )
+            _rows_side_by_side(q), k_cache, v_cache, state.page_table, state.seq_lens, scale, check=False, plan=state.plan,
+            k_scales=k_scales, v_scales=v_scales,
+        )  # fmt: skip
+
+    def _reference(self, meta: AttentionMetadata[CPUStepState], k_cache: torch.Tensor, num_q_heads: int) -> TorchStepState:
+        """The reference's state for this step: prepare's where the kernel was ruled out there,
+        else built here (a compute dtype whose pages no kernel reads, known only once q is)."""
+        state = meta.state
+        return state.reference if state.reference is not None else self.reference.prepare(meta, k_cache, num_q_heads)
 
 
 def _rows_side_by_side(q: torch.Tensor) -> torch.Tensor:

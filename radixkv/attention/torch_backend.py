@@ -1,6 +1,7 @@
 """The pure-torch reference backend: the yardstick the CPU and Triton backends are tested against.
 
-Stores by index_copy_; extend gathers each request's KV through its page table into PyTorch's
+Stores by index_copy_ (rounding to the pages' storage dtype; int8 quantized per (token, KV head)
+with radixkv.cache.kv_dtype), widens what it reads to q's dtype; extend gathers each request's KV through its page table into PyTorch's
 scaled_dot_product_attention (bottom-right causal mask over a cached prefix); decode gathers the
 whole batch's pages once into one masked SDPA call. No native code runs here.
 """
@@ -13,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from radixkv.attention.base import AttentionBackend, AttentionMetadata, BackendCapabilities, DecodeTables, KVReads
+from radixkv.cache.kv_dtype import dequantize, quantize_int8, to_storage
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +49,7 @@ class TorchBackend(AttentionBackend[TorchStepState]):
     def prepare(self, meta: AttentionMetadata[TorchStepState], k_cache: torch.Tensor, num_q_heads: int) -> TorchStepState:
         pages = bias = None
         if meta.is_decode_only and not meta.batch_invariant:
-            pages, bias = decode_gather_inputs(meta, k_cache.dtype)
+            pages, bias = decode_gather_inputs(meta, _mask_dtype(k_cache.dtype))
         return TorchStepState(pages, bias, row_by_row_tables(meta) if meta.batch_invariant else None)
 
     def store_kv(
@@ -57,8 +59,10 @@ class TorchBackend(AttentionBackend[TorchStepState]):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata[TorchStepState],
+        k_scales: torch.Tensor | None = None,
+        v_scales: torch.Tensor | None = None,
     ) -> None:
-        store_by_index_copy(k, v, k_cache, v_cache, meta.slot_mapping)
+        store_by_index_copy(k, v, k_cache, v_cache, meta.slot_mapping, k_scales, v_scales)
 
     def extend(
         self,
@@ -69,8 +73,10 @@ class TorchBackend(AttentionBackend[TorchStepState]):
         v_cache: torch.Tensor,
         meta: AttentionMetadata[TorchStepState],
         scale: float,
+        k_scales: torch.Tensor | None = None,
+        v_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return reference_extend(q, k_cache, v_cache, meta, meta.state, scale)
+        return reference_extend(q, k_cache, v_cache, meta, meta.state, scale, k_scales, v_scales)
 
     def decode(
         self,
@@ -79,40 +85,63 @@ class TorchBackend(AttentionBackend[TorchStepState]):
         v_cache: torch.Tensor,
         meta: AttentionMetadata[TorchStepState],
         scale: float,
+        k_scales: torch.Tensor | None = None,
+        v_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return reference_decode(q, k_cache, v_cache, meta, meta.state, scale)
+        return reference_decode(q, k_cache, v_cache, meta, meta.state, scale, k_scales, v_scales)
 
 
 def reference_extend(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, state: TorchStepState, scale: float
-) -> torch.Tensor:
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, state: TorchStepState, scale: float,
+    k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
     """Extend attention over the pages (the step's own KV is stored already)."""
     if meta.batch_invariant:
-        return attend_row_by_row(q, k_cache, v_cache, state.row_by_row, scale)
+        return attend_row_by_row(q, k_cache, v_cache, state.row_by_row, scale, k_scales, v_scales)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    extend_requests(q, k_cache, v_cache, meta, scale, out)
+    extend_requests(q, k_cache, v_cache, meta, scale, out, k_scales=k_scales, v_scales=v_scales)
     return out
 
 
 def reference_decode(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, state: TorchStepState, scale: float
-) -> torch.Tensor:
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, state: TorchStepState, scale: float,
+    k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
     """Decode attention, one query row per request."""
     if meta.batch_invariant:  # padding to the longest request would change the reduction
-        return attend_row_by_row(q, k_cache, v_cache, state.row_by_row, scale)
-    return decode_gathered(q, k_cache, v_cache, meta.num_seqs, state.decode_pages, state.decode_bias, scale)
+        return attend_row_by_row(q, k_cache, v_cache, state.row_by_row, scale, k_scales, v_scales)
+    return decode_gathered(q, k_cache, v_cache, meta.num_seqs, state.decode_pages, state.decode_bias, scale, k_scales, v_scales)
 
 
 def store_by_index_copy(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    """k, v rows into their slots; index_copy_ checks the slots' range itself."""
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
+) -> None:  # fmt: skip
+    """k, v rows into their slots, rounded to the caches' dtype (int8: quantized, the scales
+    into k_scales, v_scales); index_copy_ checks the slots' range itself."""
     num_kv_heads, head_dim = k_cache.shape[-2:]
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    for rows, cache, scales in ((k, k_cache, k_scales), (v, v_cache, v_scales)):
+        if cache.dtype == torch.int8:
+            assert scales is not None, "int8 pages need their scale tensor"
+            data, row_scales = quantize_int8(rows)
+            scales.view(-1, num_kv_heads).index_copy_(0, slot_mapping, row_scales)
+        else:
+            data = to_storage(rows, cache.dtype)
+        _as_bytes(cache).view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, _as_bytes(data))
+
+
+def _as_bytes(x: torch.Tensor) -> torch.Tensor:
+    """fp8 tensors as their bytes: index_copy_ and index_select lack fp8 kernels on CPU."""
+    return x.view(torch.uint8) if x.dtype == torch.float8_e4m3fn else x
+
+
+def _mask_dtype(storage: torch.dtype) -> torch.dtype:
+    """A float dtype for decode's additive mask (cast to q's dtype when used): int8 and fp8
+    pages have no -inf."""
+    return storage if storage in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
 
 
 def extend_requests(
@@ -123,6 +152,8 @@ def extend_requests(
     scale: float,
     out: torch.Tensor,
     skip_one_token: bool = False,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> None:
     """Each request's rows of out: its KV gathered through its page table, one SDPA call per
     request. skip_one_token leaves the rows of one-token requests to a caller that has them."""
@@ -130,22 +161,24 @@ def extend_requests(
     for b, (q_len, seq_len) in enumerate(zip(meta.q_lens_list, meta.seq_lens_list)):
         end = start + q_len
         if q_len > 1 or not skip_one_token:
-            keys = _gather(k_cache, meta.page_table[b], seq_len)
-            values = _gather(v_cache, meta.page_table[b], seq_len)
+            keys = _gather(k_cache, meta.page_table[b], seq_len, k_scales, q.dtype)
+            values = _gather(v_cache, meta.page_table[b], seq_len, v_scales, q.dtype)
             out[start:end] = _attend(q[start:end], keys, values, seq_len - q_len, scale)
         start = end
 
 
 def attend_row_by_row(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: RowByRow, scale: float
-) -> torch.Tensor:
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: RowByRow, scale: float,
+    k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
     """Each query row attends to the keys up to its own position as if it were decoding, so its
     result cannot depend on the other rows or on how its prefix was computed (the KV of this
     step's tokens is already in the pages). One SDPA call per row."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     for row, seq_len in enumerate(tables.seq_lens.tolist()):
         page_row = tables.page_table[row]
-        keys, values = _gather(k_cache, page_row, seq_len), _gather(v_cache, page_row, seq_len)
+        keys = _gather(k_cache, page_row, seq_len, k_scales, q.dtype)
+        values = _gather(v_cache, page_row, seq_len, v_scales, q.dtype)
         out[row : row + 1] = _attend(q[row : row + 1], keys, values, seq_len - 1, scale)
     return out
 
@@ -168,12 +201,14 @@ def decode_gathered(
     pages: torch.Tensor,
     bias: torch.Tensor,
     scale: float,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One padded gather and one SDPA call for the whole batch: a per-request loop costs a
     kernel launch per request per layer, which dominates short decode steps."""
     num_kv_heads, head_dim = k_cache.shape[-2], k_cache.shape[-1]
-    keys = _gather_pages(k_cache, pages).view(batch, -1, num_kv_heads, head_dim)
-    values = _gather_pages(v_cache, pages).view(batch, -1, num_kv_heads, head_dim)
+    keys = _gather_pages(k_cache, pages, k_scales, q.dtype).view(batch, -1, num_kv_heads, head_dim)
+    values = _gather_pages(v_cache, pages, v_scales, q.dtype).view(batch, -1, num_kv_heads, head_dim)
     out = F.scaled_dot_product_attention(
         q.unsqueeze(2),  # [B, Hq, 1, D]
         keys.transpose(1, 2),
@@ -185,17 +220,23 @@ def decode_gathered(
     return out.squeeze(2)
 
 
-def _gather_pages(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
-    """Rows of whole pages, [len(pages), page_size * num_kv_heads * head_dim]; index_select on
-    a 2-D view copies whole pages and runs about 5x faster than advanced indexing on CPU."""
-    return torch.index_select(cache.view(cache.shape[0], -1), 0, pages)
+def _gather_pages(cache: torch.Tensor, pages: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """Rows of whole pages, [len(pages), page_size * num_kv_heads * head_dim], widened to dtype
+    (int8 times its scales); index_select on a 2-D view copies whole pages and runs about 5x
+    faster than advanced indexing on CPU."""
+    rows = torch.index_select(_as_bytes(cache).view(cache.shape[0], -1), 0, pages).view(cache.dtype)
+    if scales is None:
+        return rows.to(dtype)
+    row_scales = torch.index_select(scales.view(scales.shape[0], -1), 0, pages)
+    head_dim = cache.shape[-1]
+    return dequantize(rows.view(*row_scales.shape, head_dim), row_scales, dtype).view(rows.shape)
 
 
-def _gather(cache: torch.Tensor, pages: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """The first seq_len tokens of one request's KV, [seq_len, num_kv_heads, head_dim]."""
+def _gather(cache: torch.Tensor, pages: torch.Tensor, seq_len: int, scales: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """The first seq_len tokens of one request's KV, [seq_len, num_kv_heads, head_dim], in dtype."""
     page_size, num_kv_heads, head_dim = cache.shape[1:]
     num_pages = -(-seq_len // page_size)
-    return _gather_pages(cache, pages[:num_pages].long()).view(-1, num_kv_heads, head_dim)[:seq_len]
+    return _gather_pages(cache, pages[:num_pages].long(), scales, dtype).view(-1, num_kv_heads, head_dim)[:seq_len]
 
 
 def _attend(

@@ -4,6 +4,10 @@ Launches store_kv, extend_attention and paged_decode. Triton does not bounds-che
 index ranges are checked once per step in prepare(): always where it costs nothing (Python
 lengths and shapes), and on device values (page table, slots, offsets) when check_indices is on
 (EngineConfig.check_indices; by default only under the interpreter, since those checks sync).
+Pages stored in another dtype than the compute dtype (EngineConfig.kv_dtype) are widened on
+load by the kernels; int8 pages are quantized by store_kv and read with their scales. fp8 pages
+take the torch reference's store and attention (e4m3 kernels are not written: no GPU here to
+test them on).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from radixkv.attention import cascade
+from radixkv.attention import torch_backend
 from radixkv.attention.base import AttentionBackend, AttentionMetadata, BackendCapabilities, DecodeTables, KVReads
 from radixkv.kernels import CascadeGroups, extend_attention, paged_decode, store_kv
 
@@ -29,6 +34,8 @@ class TritonStepState:
     slot_mapping: torch.Tensor  # int64
     groups: CascadeGroups | None = None  # decode-only steps with requests sharing a cached prefix
     kv_reads: KVReads | None = None  # decode-only steps
+    # The reference's state, for pages the kernels do not read (fp8), built in prepare.
+    reference: torch_backend.TorchStepState | None = None
 
     def decode_tables(self) -> DecodeTables | None:
         return None  # the GPU runs its layers module by module
@@ -76,6 +83,8 @@ class TritonBackend(AttentionBackend[TritonStepState]):
             cascade = self.share_reads and not meta.batch_invariant
             groups, saved = _cascade_groups(meta, device, self.native_planner) if cascade else (None, 0)
             state = dataclasses.replace(state, groups=groups, kv_reads=KVReads(sum(meta.seq_lens_list), saved))
+        if not kernels_read(k_cache):
+            state = dataclasses.replace(state, reference=torch_backend.TorchBackend().prepare(meta, k_cache, num_q_heads))
         return state
 
     def store_kv(
@@ -85,11 +94,16 @@ class TritonBackend(AttentionBackend[TritonStepState]):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata[TritonStepState],
+        k_scales: torch.Tensor | None = None,
+        v_scales: torch.Tensor | None = None,
     ) -> None:
         slot_mapping = meta.state.slot_mapping
         if k.shape[0] != slot_mapping.shape[0]:
             raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} slots for {k.shape[0]} tokens")
-        store_kv(k, v, k_cache, v_cache, slot_mapping)
+        if not kernels_read(k_cache):
+            torch_backend.store_by_index_copy(k, v, k_cache, v_cache, slot_mapping, k_scales, v_scales)
+            return
+        store_kv(k, v, k_cache, v_cache, slot_mapping, k_scales, v_scales)
 
     def extend(
         self,
@@ -100,12 +114,17 @@ class TritonBackend(AttentionBackend[TritonStepState]):
         v_cache: torch.Tensor,
         meta: AttentionMetadata[TritonStepState],
         scale: float,
+        k_scales: torch.Tensor | None = None,
+        v_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
         state = meta.state
         _check_rows(q, meta)
+        if state.reference is not None:
+            return torch_backend.reference_extend(q, k_cache, v_cache, meta, state.reference, scale, k_scales, v_scales)
         return extend_attention(
-            q, k, v, k_cache, v_cache, state.cu_q_lens, state.seq_lens, state.page_table, meta.max_q_len, scale
-        )
+            q, k, v, k_cache, v_cache, state.cu_q_lens, state.seq_lens, state.page_table, meta.max_q_len, scale,
+            k_scales=k_scales, v_scales=v_scales,
+        )  # fmt: skip
 
     def decode(
         self,
@@ -114,14 +133,19 @@ class TritonBackend(AttentionBackend[TritonStepState]):
         v_cache: torch.Tensor,
         meta: AttentionMetadata[TritonStepState],
         scale: float,
+        k_scales: torch.Tensor | None = None,
+        v_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if any(n != 1 for n in meta.q_lens_list):
             raise ValueError("decode needs exactly one new token per request; use extend")
         state = meta.state
         _check_rows(q, meta)
+        if state.reference is not None:
+            return torch_backend.reference_decode(q, k_cache, v_cache, meta, state.reference, scale, k_scales, v_scales)
         return paged_decode(
-            q, k_cache, v_cache, state.seq_lens, state.page_table, meta.max_seq_len, scale, groups=state.groups
-        )
+            q, k_cache, v_cache, state.seq_lens, state.page_table, meta.max_seq_len, scale, groups=state.groups,
+            k_scales=k_scales, v_scales=v_scales,
+        )  # fmt: skip
 
     @staticmethod
     def _check_device_indices(state: TritonStepState, meta: AttentionMetadata, num_pages: int, num_slots: int) -> None:
@@ -168,6 +192,12 @@ def _cascade_groups(meta: AttentionMetadata[TritonStepState], device: torch.devi
         max_members=int(sizes.max()),
     )
     return groups, plan.saved_tokens
+
+
+def kernels_read(k_cache: torch.Tensor) -> bool:
+    """Whether the Triton kernels store and read pages of this dtype: fp32, bf16, fp16 (widened
+    or rounded to and from any compute dtype) and int8 (with scales); fp8 pages do not."""
+    return k_cache.dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int8)
 
 
 def _check_rows(q: torch.Tensor, meta: AttentionMetadata) -> None:

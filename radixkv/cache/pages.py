@@ -1,6 +1,7 @@
-"""PagePool: the physical KV pages (K and V tensors per layer) and a reference count per page.
-A page is on the free list exactly when its refcount is 0; allocate and release are O(1) per
-page. Who holds the references (the radix tree, running requests) is the callers' business.
+"""PagePool: the physical KV pages (K and V tensors per layer, in the storage dtype, with a scale
+per (token, KV head) for int8) and a reference count per page. A page is on the free list exactly
+when its refcount is 0; allocate and release are O(1) per page. Who holds the references (the
+radix tree, running requests) is the callers' business.
 """
 
 from __future__ import annotations
@@ -8,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+
+from radixkv.cache.kv_dtype import SCALE_DTYPE, has_scales
 
 
 # Pages zeroed together the first time allocation reaches past the zeroed ones (see
@@ -38,6 +41,8 @@ class PagePool:
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
     ):
+        """dtype: the storage dtype (radixkv.cache.kv_dtype); int8 pages get k_scales and
+        v_scales, fp32 [num_pages, page_size, num_kv_heads] per layer (empty lists otherwise)."""
         _check_int("num_pages", num_pages, minimum=1)
         _check_int("page_size", page_size, minimum=1)
         _check_int("num_layers", num_layers, minimum=0)
@@ -51,6 +56,9 @@ class PagePool:
         # pool sized from free memory from costing that memory until it is used.
         self.k_cache: list[torch.Tensor] = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_cache: list[torch.Tensor] = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        scale_layers = num_layers if has_scales(dtype) else 0
+        self.k_scales: list[torch.Tensor] = [torch.empty(shape[:3], dtype=SCALE_DTYPE, device=device) for _ in range(scale_layers)]
+        self.v_scales: list[torch.Tensor] = [torch.empty(shape[:3], dtype=SCALE_DTYPE, device=device) for _ in range(scale_layers)]
         self._num_zeroed_pages = 0
         # A plain list beats a numpy array for scalar reads and writes from Python.
         self._refcounts: list[int] = [0] * num_pages
@@ -61,8 +69,10 @@ class PagePool:
     def bytes_per_page(
         cls, page_size: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
     ) -> int:
-        """Bytes one page takes in K and V over all layers."""
-        return 2 * num_layers * page_size * num_kv_heads * head_dim * dtype.itemsize
+        """Bytes one page takes in K and V over all layers, in the storage dtype, with the
+        scales of int8 pages."""
+        scale_bytes = num_kv_heads * SCALE_DTYPE.itemsize if has_scales(dtype) else 0
+        return 2 * num_layers * page_size * (num_kv_heads * head_dim * dtype.itemsize + scale_bytes)
 
     @classmethod
     def pages_for_memory(
@@ -104,7 +114,7 @@ class PagePool:
             # steps, and zeroing each alone costs a call per layer tensor each time, a visible
             # share of a decode step while a fresh pool fills.
             end = min(self.num_pages, max(end, self._num_zeroed_pages + ZERO_CHUNK_PAGES))
-            for cache in (*self.k_cache, *self.v_cache):
+            for cache in self._tensors():
                 cache[self._num_zeroed_pages : end].zero_()
             self._num_zeroed_pages = end
 
@@ -130,13 +140,22 @@ class PagePool:
         return freed
 
     @property
+    def dtype(self) -> torch.dtype | None:
+        """The storage dtype of the pages (None for a pool without layers)."""
+        return self.k_cache[0].dtype if self.k_cache else None
+
+    def _tensors(self) -> tuple[torch.Tensor, ...]:
+        """Every tensor a page has a slice of, in page_bytes' order: K, V, then K and V scales."""
+        return (*self.k_cache, *self.v_cache, *self.k_scales, *self.v_scales)
+
+    @property
     def page_nbytes(self) -> int:
-        """Bytes of one page's K and V over all layers: what page_bytes returns."""
-        return 2 * len(self.k_cache) * self.k_cache[0][0].numel() * self.k_cache[0].element_size() if self.k_cache else 0
+        """Bytes of one page's K and V (and scales) over all layers: what page_bytes returns."""
+        return sum(cache[0].numel() * cache.element_size() for cache in self._tensors())
 
     def page_bytes(self, page: int) -> bytes:
-        """One page's K then V of every layer, raw (for the disk tier)."""
-        parts = [cache[page].detach().to("cpu").contiguous().view(torch.uint8).reshape(-1) for cache in (*self.k_cache, *self.v_cache)]
+        """One page's K then V of every layer, then their scales for int8, raw (for the disk tier)."""
+        parts = [cache[page].detach().to("cpu").contiguous().view(torch.uint8).reshape(-1) for cache in self._tensors()]
         return torch.cat(parts).numpy().tobytes() if parts else b""
 
     def load_page(self, page: int, data: bytes) -> None:
@@ -159,7 +178,7 @@ class PagePool:
             for page, data in zip(pages, payloads):
                 raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
                 offset = 0
-                for cache in (*self.k_cache, *self.v_cache):
+                for cache in self._tensors():
                     target = cache[page]
                     size = target.numel() * target.element_size()
                     target.copy_(raw[offset : offset + size].view(target.dtype).view(target.shape))
@@ -174,7 +193,7 @@ class PagePool:
         raw = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8).view(len(pages), -1).to(device)
         index = torch.tensor(pages, dtype=torch.long, device=device)
         offset = 0
-        for cache in (*self.k_cache, *self.v_cache):
+        for cache in self._tensors():
             size = cache[0].numel() * cache.element_size()
             run = raw[:, offset : offset + size].contiguous().view(cache.dtype).view(len(pages), *cache.shape[1:])
             cache.index_copy_(0, index, run)

@@ -18,6 +18,14 @@ from radixkv.cpu.features import cpu_caches
 from radixkv.cpu.native import load
 
 _FUNCTIONS = {torch.bfloat16: "radixkv_paged_decode_bf16", torch.float32: "radixkv_paged_decode_f32"}
+# Pages the fp32 kernel widens on load (radixkv_paged_decode_f32_kv's kv_kind): a bf16 is the
+# top half of an fp32; an int8 element times its (token, kv head) scale. The bf16 kernel
+# (radixkv_paged_decode_bf16_kv) widens int8 pages.
+_WIDENED_KINDS = {torch.bfloat16: 2, torch.int8: 3}
+_WIDENING = {
+    torch.float32: ("radixkv_paged_decode_f32_kv", (torch.bfloat16, torch.int8)),
+    torch.bfloat16: ("radixkv_paged_decode_bf16_kv", (torch.int8,)),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,14 +47,34 @@ def limits() -> DecodeLimits:
 
 
 def cache_fits(k_cache: torch.Tensor) -> bool:
-    """Whether the kernel reads this page pool: CPU, bf16 or fp32, contiguous [pages, page_size, kv_heads, head_dim]."""
+    """Whether the kernel reads this page pool: CPU, bf16, fp32 or int8, contiguous [pages,
+    page_size, kv_heads, head_dim] (which compute dtype reads it: pages_fit)."""
     return (
         k_cache.device.type == "cpu"
-        and k_cache.dtype in _FUNCTIONS
+        and (k_cache.dtype in _FUNCTIONS or k_cache.dtype in _WIDENED_KINDS)
         and k_cache.dim() == 4
         and k_cache.is_contiguous()
         and k_cache.shape[2] > 0
         and k_cache.shape[3] <= limits().max_head_dim
+    )
+
+
+def widened_kind(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> int:
+    """The C kernels' kv_kind for pages of kv_dtype under compute dtype q_dtype: 0 for the
+    same dtype, 2 for bf16 and 3 for int8 pages under fp32."""
+    return 0 if q_dtype == kv_dtype else _WIDENED_KINDS[kv_dtype]
+
+
+def pages_fit(q_dtype: torch.dtype, k_cache: torch.Tensor) -> bool:
+    """Whether a kernel reads pages of k_cache's dtype under compute dtype q_dtype: the same
+    float dtype, bf16 or int8 pages under fp32 compute, int8 pages under bf16 (AVX2 vectors
+    where head_dim % 8 == 0, else portable loops)."""
+    if q_dtype == k_cache.dtype:
+        return q_dtype in _FUNCTIONS
+    library = load()
+    widening = _WIDENING.get(q_dtype)
+    return widening is not None and k_cache.dtype in widening[1] and library is not None and bool(
+        library.radixkv_decode_kv_fits(_WIDENED_KINDS[k_cache.dtype], k_cache.shape[-1])
     )
 
 
@@ -88,6 +116,8 @@ def paged_decode(
     out: torch.Tensor | None = None,
     check: bool = True,
     plan: torch.Tensor | None = None,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query per request over its paged KV, without copying the KV.
 
@@ -96,7 +126,9 @@ def paged_decode(
     [R, num_q_heads, head_dim], contiguous; rows no request names are left as they were.
     check=False skips every check, for a caller that ran check_tables on these same tables
     (the CPU backend, once per step) and built out itself. plan: cascade_plan's groups for these
-    same tables (None: every request reads all its keys itself).
+    same tables (None: every request reads all its keys itself). Pages in another dtype than q
+    (pages_fit: bf16 or int8 under fp32, int8 under bf16) are widened on load, int8 times k_scales, v_scales
+    ([num_pages, page_size, num_kv_heads] fp32); cascade groups widen each shared chunk once.
     """
     library = load()
     assert library is not None, "call supports() first"
@@ -109,17 +141,26 @@ def paged_decode(
         rows = rows.to(torch.int32).contiguous()
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype)
+    widened = k_cache.dtype != q.dtype
     if check:
         check_buffers(q, k_cache, v_cache, out)
         check_tables(page_table, seq_lens, rows, q.shape[0], k_cache.shape[0], page_size)
+        if widened:
+            check_scales(k_cache, k_scales, v_scales)
     plan_pointer = plan.data_ptr() if plan is not None else None
     work = torch.empty(max(work_floats(seq_lens, plan, num_q_heads, head_dim), 1), dtype=torch.float32)
-    status = getattr(library, _FUNCTIONS[q.dtype])(
+    args = (
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
         page_table.data_ptr(), page_table.stride(0), seq_lens.data_ptr(),
         rows.data_ptr() if rows is not None else None, num_seqs, num_q_heads, num_kv_heads, head_dim,
         page_size, scale, out.data_ptr(), work.data_ptr(), plan_pointer, torch.get_num_threads(),
     )  # fmt: skip
+    if widened:
+        assert q.dtype in _WIDENING, "call pages_fit() first"
+        scales = (k_scales.data_ptr(), v_scales.data_ptr()) if k_scales is not None else (None, None)
+        status = getattr(library, _WIDENING[q.dtype][0])(*args, *scales, _WIDENED_KINDS[k_cache.dtype])
+    else:
+        status = getattr(library, _FUNCTIONS[q.dtype])(*args)
     if status == 2:
         raise MemoryError("paged decode could not allocate its work item tables")
     if status != 0:
@@ -219,6 +260,15 @@ def check_buffers(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         raise ValueError(f"out must be a contiguous {q.dtype} tensor of shape {tuple(q.shape)}")
 
 
+def check_scales(k_cache: torch.Tensor, k_scales: torch.Tensor | None, v_scales: torch.Tensor | None) -> None:
+    """int8 pages come with fp32 scales [num_pages, page_size, num_kv_heads], contiguous."""
+    if k_cache.dtype != torch.int8:
+        return
+    for scales in (k_scales, v_scales):
+        if scales is None or scales.shape != k_cache.shape[:3] or scales.dtype != torch.float32 or not scales.is_contiguous():
+            raise ValueError(f"int8 pages need contiguous fp32 scales of shape {tuple(k_cache.shape[:3])}")
+
+
 def check_tables(
     page_table: torch.Tensor,
     seq_lens: torch.Tensor,
@@ -251,15 +301,24 @@ def check_slots(slots: torch.Tensor, k_cache: torch.Tensor) -> None:
         raise IndexError(f"slot {int(slots.max())} is out of range: the cache has {num_slots} slots")
 
 
-def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> bool:
+def store_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+    k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
+) -> bool:  # fmt: skip
     """Copy the rows of k and v ([T, heads, head_dim], rows may be strided) into their slots of
-    the caches in one call; slots < 0 are skipped. The caller has checked slots < the number of
-    slots (check_slots). Returns False, having done nothing, where the tensors do not fit the kernel."""
+    the caches in one call; slots < 0 are skipped. fp32 rows into bf16 pages round to nearest
+    even, into int8 pages quantize per (token, head) as radixkv.cache.kv_dtype.quantize_int8
+    does (the same bytes), the scales into k_scales, v_scales. The caller has checked slots <
+    the number of slots (check_slots). Returns False, having done nothing, where the tensors do
+    not fit the kernel."""
     library = load()
+    kind = _WIDENED_KINDS.get(k_cache.dtype) if k.dtype == torch.float32 != k_cache.dtype else None
     fits = (
         library is not None
         and k.device.type == "cpu"
-        and k.dtype == v.dtype == k_cache.dtype == v_cache.dtype
+        and k.dtype == v.dtype
+        and k_cache.dtype == v_cache.dtype
+        and (k.dtype == k_cache.dtype or kind is not None)
         and k_cache.is_contiguous()
         and v_cache.is_contiguous()
         and slots.dtype == torch.int64
@@ -269,6 +328,14 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     )
     if not fits:
         return False
+    if kind is not None:
+        check_scales(k_cache, k_scales, v_scales)
+        scales = (k_scales.data_ptr(), v_scales.data_ptr()) if k_scales is not None else (None, None)
+        library.radixkv_store_kv_narrow(
+            k_cache.data_ptr(), v_cache.data_ptr(), *scales, k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0),
+            slots.data_ptr(), k.shape[0], k.shape[1], k.shape[2], kind,
+        )  # fmt: skip
+        return True
     row_bytes = k.shape[1] * k.shape[2] * k.element_size()
     library.radixkv_store_kv(
         k_cache.data_ptr(), v_cache.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0) * k.element_size(),

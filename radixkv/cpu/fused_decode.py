@@ -26,7 +26,10 @@ _p = ctypes.c_void_p
 
 class _Layer(ctypes.Structure):
     _fields_ = [
-        *((name, _p) for name in ("input_norm", "post_norm", "qkv", "o", "gate_up", "down", "qkv_bias", "o_bias", "k_cache", "v_cache")),
+        *(
+            (name, _p)
+            for name in ("input_norm", "post_norm", "qkv", "o", "gate_up", "down", "qkv_bias", "o_bias", "k_cache", "v_cache", "k_scales", "v_scales")
+        ),
         ("formats", ctypes.c_int * 4),
     ]
 
@@ -38,6 +41,7 @@ class _Shape(ctypes.Structure):
         ("eps", ctypes.c_float),
         ("scale", ctypes.c_float),
         ("quant_kernel", ctypes.c_int),
+        ("kv_kind", ctypes.c_int),
     ]
 
 
@@ -107,17 +111,26 @@ class FusedDecode:
         )  # fmt: skip
         return cls(model, library) if fits else None
 
+    @staticmethod
+    def takes_pages(compute_dtype: torch.dtype, k_cache: Tensor) -> bool:
+        """Whether the step reads pages of k_cache's dtype under compute_dtype: the same dtype,
+        or bf16 or int8 pages under fp32 (decode.pages_fit's kernels)."""
+        return k_cache.dtype == compute_dtype or (compute_dtype == torch.float32 and decode.pages_fit(compute_dtype, k_cache))
+
     def run(
         self, x: Tensor, cos: Tensor, sin: Tensor, k_caches: list[Tensor], v_caches: list[Tensor],
         slots: Tensor, page_table: Tensor, seq_lens: Tensor, plan: Tensor | None,
+        k_scales: list[Tensor] | None = None, v_scales: list[Tensor] | None = None,
     ) -> tuple[Tensor, Tensor]:  # fmt: skip
         """(residual stream, last MLP output) after all layers, as the module loop returns them,
         for one new token a row. The C code trusts slots, page_table and seq_lens, so the caller
         range-checks them first (the CPU attention backend's prepare() does, and hands them out as
-        DecodeTables); plan: its cascade plan."""
+        DecodeTables); plan: its cascade plan. Pages in another dtype than x's (takes_pages) come
+        with their scales where int8 (PagePool.k_scales)."""
         config, rows = self.config, x.shape[0]
         slots = slots.to(torch.int64).contiguous()
-        layers = self._bind(k_caches, v_caches)
+        assert self.takes_pages(x.dtype, k_caches[0]), "call takes_pages() first"
+        layers = self._bind(k_caches, v_caches, k_scales, v_scales)
         q_size, kv_size = config.num_q_heads * config.head_dim, config.num_kv_heads * config.head_dim
         widths = dict(h=config.hidden_size, qkv=q_size + 2 * kv_size, attention=q_size, projected=config.hidden_size,
                       gate_up=2 * config.intermediate_size, activated=config.intermediate_size)  # fmt: skip
@@ -131,7 +144,7 @@ class FusedDecode:
             rows=rows, hidden=config.hidden_size, intermediate=config.intermediate_size, num_q_heads=config.num_q_heads,
             num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, page_size=k_caches[0].shape[1],
             num_threads=torch.get_num_threads(), eps=config.rms_norm_eps, scale=self.layers[0].self_attn.scale,
-            **self._kernel_ids(x.dtype),
+            kv_kind=decode.widened_kind(x.dtype, k_caches[0].dtype), **self._kernel_ids(x.dtype),
         )  # fmt: skip
         delta = torch.empty_like(x)
         x = x.contiguous()
@@ -154,12 +167,19 @@ class FusedDecode:
             return dict(linear_kernel=dtype_id, quant_kernel=down.kernel_bit)
         return dict(linear_kernel=down.kernel_bit, quant_kernel=0)
 
-    def _bind(self, k_caches: list[Tensor], v_caches: list[Tensor]) -> ctypes.Array:
+    def _bind(
+        self, k_caches: list[Tensor], v_caches: list[Tensor], k_scales: list[Tensor] | None, v_scales: list[Tensor] | None
+    ) -> ctypes.Array:
         """The layer records, built once per set of caches (the pool's tensors never move)."""
         key = (k_caches[0].data_ptr(), v_caches[0].data_ptr())
         if self._layers is None or self._caches != key:
             records = []
-            for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches, strict=True):
+            no_scales = [None] * len(k_caches)
+            for layer, k_cache, v_cache, k_scale, v_scale in zip(
+                self.layers, k_caches, v_caches, k_scales or no_scales, v_scales or no_scales, strict=True
+            ):
+                if k_cache.dtype == torch.int8:
+                    decode.check_scales(k_cache, k_scale, v_scale)
                 attn, mlp = layer.self_attn, layer.mlp
                 records.append(_Layer(
                     input_norm=layer.input_layernorm.weight.data_ptr(), post_norm=layer.post_attention_layernorm.weight.data_ptr(),
@@ -167,6 +187,7 @@ class FusedDecode:
                     gate_up=_packed(mlp.gate_up_proj).data_ptr(), down=_packed(mlp.down_proj).data_ptr(),
                     qkv_bias=_pointer(_bias(attn.qkv_proj)), o_bias=_pointer(_bias(attn.o_proj)),
                     k_cache=k_cache.data_ptr(), v_cache=v_cache.data_ptr(),
+                    k_scales=_pointer(k_scale), v_scales=_pointer(v_scale),
                     formats=(ctypes.c_int * 4)(*(FORMAT_IDS.get(getattr(linear, "format", ""), 0) for linear in _linears(layer))),
                 ))  # fmt: skip
             self._layers, self._caches = (_Layer * len(records))(*records), key

@@ -130,6 +130,10 @@ def _declare(library: ctypes.CDLL) -> None:
     signatures = {
         "radixkv_paged_decode_bf16": [p, i64, p, p, p, i64, p, p, i32, i32, i32, i32, i32, f32, p, p, p, i32],
         "radixkv_paged_decode_f32": [p, i64, p, p, p, i64, p, p, i32, i32, i32, i32, i32, f32, p, p, p, i32],
+        "radixkv_paged_decode_f32_kv": [p, i64, p, p, p, i64, p, p, i32, i32, i32, i32, i32, f32, p, p, p, i32, p, p, i32],
+        "radixkv_paged_decode_bf16_kv": [p, i64, p, p, p, i64, p, p, i32, i32, i32, i32, i32, f32, p, p, p, i32, p, p, i32],
+        "radixkv_decode_kv_fits": [i32, i32],
+        "radixkv_store_kv_narrow": [p, p, p, p, p, p, i64, i64, p, i32, i32, i32, i32],
         "radixkv_paged_extend_bf16": [p, i64, p, p, p, i64, p, p, p, i32, i32, i32, i32, i32, f32, p, i64, i32],
         "radixkv_paged_extend_f32": [p, i64, p, p, p, i64, p, p, p, i32, i32, i32, i32, i32, f32, p, i64, i32],
         "radixkv_paged_extend_fits": [i32, i32, i32],
@@ -164,6 +168,9 @@ def _declare(library: ctypes.CDLL) -> None:
     returns = {
         "radixkv_paged_decode_bf16": i32,
         "radixkv_paged_decode_f32": i32,
+        "radixkv_paged_decode_f32_kv": i32,
+        "radixkv_paged_decode_bf16_kv": i32,
+        "radixkv_decode_kv_fits": i32,
         "radixkv_decode_work_floats": i64,
         "radixkv_paged_extend_bf16": i32,
         "radixkv_paged_extend_f32": i32,

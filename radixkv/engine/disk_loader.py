@@ -9,6 +9,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import torch
+
 from radixkv.cache.disk import DiskStats, DiskTier
 from radixkv.cache.disk_prefetch import DiskPrefetcher
 from radixkv.cache.pages import PagePool
@@ -24,8 +26,12 @@ if TYPE_CHECKING:
 ComputeEstimate = Callable[[int, int], "float | None"]
 
 
-def open_disk_tier(config: EngineConfig, loaded: LoadedModel, payload_bytes: int) -> DiskTier | None:
-    """The disk tier `config` asks for (kv_disk_dir, with prefix caching on), None without one."""
+def open_disk_tier(
+    config: EngineConfig, loaded: LoadedModel, payload_bytes: int, kv_dtype: torch.dtype | None = None
+) -> DiskTier | None:
+    """The disk tier `config` asks for (kv_disk_dir, with prefix caching on), None without one.
+    Blocks hold the pages' bytes as RAM stores them (kv_dtype, scales included: payload_bytes),
+    and the fingerprint names kv_dtype, so a block of another kv_dtype is a miss."""
     if not config.kv_disk_dir or not config.enable_prefix_caching:
         return None
     from radixkv.model.fingerprint import model_fingerprint
@@ -33,7 +39,7 @@ def open_disk_tier(config: EngineConfig, loaded: LoadedModel, payload_bytes: int
     return DiskTier(
         config.kv_disk_dir,
         config.kv_disk_bytes,
-        fingerprint=model_fingerprint(loaded),
+        fingerprint=model_fingerprint(loaded, kv_dtype),
         page_size=config.page_size,
         payload_bytes=payload_bytes,
         max_owner_retained_bytes=config.kv_disk_retained_bytes_per_owner,

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from radixkv.attention import make_backend
 from radixkv.cache.hashing import BlockHasher
+from radixkv.cache.kv_dtype import resolve_kv_dtype
 from radixkv.cache.pages import PagePool, available_memory_bytes
 from radixkv.cache.radix import RadixTree
 from radixkv.config import EngineConfig
@@ -69,13 +70,15 @@ class Engine:
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
 
+        # The pages' storage dtype (EngineConfig.kv_dtype); pages are sized in its bytes.
+        self.kv_dtype = resolve_kv_dtype(config.kv_dtype, loaded.dtype, loaded.device)
         num_pages = config.num_pages or PagePool.pages_for_memory(
             available_memory_bytes(self.device), config.kv_memory_fraction, config.max_kv_pages,
-            config.page_size, model_config.num_layers, model_config.num_kv_heads, model_config.head_dim, self.dtype,
+            config.page_size, model_config.num_layers, model_config.num_kv_heads, model_config.head_dim, self.kv_dtype,
         )
         self.pool = PagePool(
             num_pages, config.page_size, model_config.num_layers, model_config.num_kv_heads, model_config.head_dim,
-            loaded.dtype, loaded.device,
+            self.kv_dtype, loaded.device,
         )
         # The most tokens (prompt + completion) one request may have: the model's context, or
         # less when the page pool is smaller. Every layer that checks a length reads this.
@@ -88,7 +91,7 @@ class Engine:
         )
         self.compute_cost = ComputeCost()
         self.kv = KVManager(
-            self.pool, self.tree, self.hasher, config.enable_prefix_caching, open_disk_tier(config, loaded, self.pool.page_nbytes),
+            self.pool, self.tree, self.hasher, config.enable_prefix_caching, open_disk_tier(config, loaded, self.pool.page_nbytes, self.kv_dtype),
             self.compute_cost.estimate_s, config.kv_disk_prefetch_bytes, config.max_retained_pages_per_owner,
         )
         self.scheduler = Scheduler(config, self.kv)

@@ -71,7 +71,10 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
         """Logits [number of sampling items, vocab] in fp32, in batch order."""
-        return self.model(input_ids, meta.positions, meta, self.pool.k_cache, self.pool.v_cache, logits_indices)
+        pool = self.pool
+        return self.model(
+            input_ids, meta.positions, meta, pool.k_cache, pool.v_cache, logits_indices, pool.k_scales or None, pool.v_scales or None
+        )
 
     def prepare(self, batch: Batch) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
         page_size = self.page_size

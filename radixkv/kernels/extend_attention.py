@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from radixkv.kernels.store_kv import quantize_rows
+
 LOG2E = 1.4426950408889634
 
 
@@ -54,11 +56,15 @@ def _extend_kernel(
     page_size,
     head_dim,
     group_size,
+    k_scale_ptr,
+    v_scale_ptr,
+    num_kv_heads,
     BLOCK_Q: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     tile = tl.program_id(0)
@@ -103,7 +109,11 @@ def _extend_kernel(
             slot = page * page_size + (pos % page_size)
             kv_offsets = slot[:, None] * stride_cache_slot + head_offset + dims[None, :]
             kv_mask = key_valid[:, None] & dim_valid[None, :]
-            k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(q.dtype)
+            k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0)
+            scale_at = slot * num_kv_heads + kv_head  # int8 pages' scale of each key (QUANT)
+            if QUANT:  # int8 pages: times each (token, kv head) scale
+                k = k.to(tl.float32) * tl.load(k_scale_ptr + scale_at, mask=key_valid, other=0.0)[:, None]
+            k = k.to(q.dtype)
             scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2
             scores = tl.where(key_valid[None, :], scores, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, 1))
@@ -112,7 +122,10 @@ def _extend_kernel(
             p = tl.exp2(scores - m_safe[:, None])
             alpha = tl.exp2(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(q.dtype)
+            v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0)
+            if QUANT:
+                v = v.to(tl.float32) * tl.load(v_scale_ptr + scale_at, mask=key_valid, other=0.0)[:, None]
+            v = v.to(q.dtype)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
 
@@ -129,7 +142,10 @@ def _extend_kernel(
                 mask=kv_mask,
                 other=0.0,
             )
-            k = k.to(k_cache_ptr.dtype.element_ty).to(q.dtype)
+            if QUANT:  # what store_kv wrote: quantized, times its scale
+                k, k_scale = quantize_rows(tl.where(kv_mask, k.to(tl.float32), 0.0))
+                k = k * k_scale[:, None]
+            k = k.to(k_cache_ptr.dtype.element_ty).to(q.dtype) if not QUANT else k.to(q.dtype)
             scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2
             visible = key_valid[None, :] & (key_idx[None, :] <= q_idx[:, None])
             scores = tl.where(visible, scores, float("-inf"))
@@ -143,7 +159,10 @@ def _extend_kernel(
                 mask=kv_mask,
                 other=0.0,
             )
-            v = v.to(v_cache_ptr.dtype.element_ty).to(q.dtype)
+            if QUANT:
+                v, v_scale = quantize_rows(tl.where(kv_mask, v.to(tl.float32), 0.0))
+                v = v * v_scale[:, None]
+            v = v.to(v_cache_ptr.dtype.element_ty).to(q.dtype) if not QUANT else v.to(q.dtype)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
 
@@ -195,8 +214,12 @@ def extend_attention(
     scale: float,
     out: torch.Tensor | None = None,
     config: ExtendConfig | None = None,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention of q ([T, Hq, D]) over each request's paged prefix plus, causally, its new k/v.
+    """Attention of q ([T, Hq, D]) over each request's paged prefix plus, causally, its new k/v
+    (rounded as store_kv stores them: through the pages' dtype, int8 quantized per row). int8
+    pages come with k_scales, v_scales ([P, page_size, Hkv] fp32).
 
     Request b owns rows cu_q_lens[b]:cu_q_lens[b+1] of q, k, v; its prefix is the first
     seq_lens[b] - q_len_b tokens of the pages page_table[b]. The caller guarantees every index is
@@ -228,6 +251,8 @@ def extend_attention(
     block_q = block_m // group_pad
     k_slots = k_cache.view(-1, num_kv_heads, head_dim)
     v_slots = v_cache.view(-1, num_kv_heads, head_dim)
+    quant = k_cache.dtype == torch.int8
+    assert not quant or (k_scales is not None and v_scales is not None and k_scales.is_contiguous() and v_scales.is_contiguous())
     grid = (triton.cdiv(max_q_len, block_q), num_kv_heads, num_seqs)
     _extend_kernel[grid](
         q,
@@ -254,11 +279,15 @@ def extend_attention(
         page_size,
         head_dim,
         group_size,
+        k_scales if quant else k_slots,  # unread unless QUANT
+        v_scales if quant else v_slots,
+        num_kv_heads,
         BLOCK_Q=block_q,
         GROUP_PAD=group_pad,
         BLOCK_N=max(cfg.block_n, 16),
         BLOCK_D=max(triton.next_power_of_2(head_dim), 16),
         DOT_PRECISION=dot_precision(q.dtype),
+        QUANT=quant,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

@@ -43,9 +43,10 @@ def _split_bounds(begin, seq_len, split, num_splits, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _attend_keys(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, head_offset, start, end, page_size,
-                 stride_cache_slot, dims, dim_valid, qk_scale_log2,
-                 BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Online softmax of the query rows q over keys [start, end) of one page list."""
+                 stride_cache_slot, dims, dim_valid, qk_scale_log2, k_scale_ptr, v_scale_ptr, kv_head, num_kv_heads,
+                 BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, QUANT: tl.constexpr):
+    """Online softmax of the query rows q over keys [start, end) of one page list. Pages are
+    widened to q's dtype on load; int8 pages (QUANT) times their (token, kv head) scale."""
     offs_n = tl.arange(0, BLOCK_N)
     for tile_start in range(start, end, BLOCK_N):
         pos = tile_start + offs_n
@@ -54,7 +55,11 @@ def _attend_keys(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, head_off
         slot = page * page_size + (pos % page_size)
         kv_offsets = slot[:, None] * stride_cache_slot + head_offset + dims[None, :]
         kv_mask = key_valid[:, None] & dim_valid[None, :]
-        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(q.dtype)
+        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0)
+        scale_at = slot * num_kv_heads + kv_head  # int8 pages' scale of each key (QUANT)
+        if QUANT:
+            k = k.to(tl.float32) * tl.load(k_scale_ptr + scale_at, mask=key_valid, other=0.0)[:, None]
+        k = k.to(q.dtype)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2
         scores = tl.where(key_valid[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
@@ -62,7 +67,10 @@ def _attend_keys(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, head_off
         p = tl.exp2(scores - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(q.dtype)
+        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0)
+        if QUANT:
+            v = v.to(tl.float32) * tl.load(v_scale_ptr + scale_at, mask=key_valid, other=0.0)[:, None]
+        v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     return m_i, l_i, acc
@@ -99,10 +107,14 @@ def _decode_split_kernel(
     head_dim,
     group_size,
     num_splits,
+    k_scale_ptr,
+    v_scale_ptr,
+    num_kv_heads,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -128,7 +140,7 @@ def _decode_split_kernel(
         m_i, l_i, acc = _attend_keys(
             q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, page_table_ptr + req64 * stride_table,
             kv_head.to(tl.int64) * stride_cache_head, start, end, page_size, stride_cache_slot, dims, dim_valid,
-            qk_scale_log2, BLOCK_N, DOT_PRECISION,
+            qk_scale_log2, k_scale_ptr, v_scale_ptr, kv_head, num_kv_heads, BLOCK_N, DOT_PRECISION, QUANT,
         )  # fmt: skip
         # A non-empty split has at least one visible key per row, so l > 0 for the real heads.
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -169,10 +181,14 @@ def _cascade_shared_kernel(
     group_size,
     first_slot,
     num_shared_splits,
+    k_scale_ptr,
+    v_scale_ptr,
+    num_kv_heads,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     # One program: a group's shared keys of one split, one KV head, BLOCK_M of the query rows
     # (member x query head of that KV head) -- every member's heads against keys read once.
@@ -202,7 +218,7 @@ def _cascade_shared_kernel(
         m_i, l_i, acc = _attend_keys(
             q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, page_table_ptr + leader * stride_table,
             kv_head.to(tl.int64) * stride_cache_head, start, end, page_size, stride_cache_slot, dims, dim_valid,
-            qk_scale_log2, BLOCK_N, DOT_PRECISION,
+            qk_scale_log2, k_scale_ptr, v_scale_ptr, kv_head, num_kv_heads, BLOCK_N, DOT_PRECISION, QUANT,
         )  # fmt: skip
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         lse = m_i + tl.log2(l_safe)
@@ -343,8 +359,12 @@ def paged_decode(
     num_splits: int | None = None,
     config: DecodeConfig | None = None,
     groups: CascadeGroups | None = None,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query per request (q: [B, Hq, D]) over its first seq_lens[b] cached tokens.
+    Pages may be stored in another dtype (widened to q's on load); int8 pages come with
+    k_scales, v_scales ([P, page_size, Hkv] fp32).
 
     Request b's KV lives in pages page_table[b, :ceil(seq_lens[b] / page_size)]. The caller
     guarantees every index is in range (the kernel does not check bounds) and seq_lens >= 1.
@@ -389,12 +409,15 @@ def paged_decode(
         own_begin = torch.zeros(num_seqs, dtype=torch.int32, device=q.device)
     k_slots = k_cache.view(-1, num_kv_heads, head_dim)
     v_slots = v_cache.view(-1, num_kv_heads, head_dim)
+    quant = k_cache.dtype == torch.int8
+    assert not quant or (k_scales is not None and v_scales is not None and k_scales.is_contiguous() and v_scales.is_contiguous())
+    scales = (k_scales, v_scales) if quant else (k_slots, v_slots)  # unread unless QUANT
     part_strides = (part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1))
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_slots, v_slots, part_out, part_lse, seq_lens, own_begin, page_table,
         q.stride(0), q.stride(1), k_slots.stride(0), k_slots.stride(1), page_table.stride(0), *part_strides,
-        scale * LOG2E, page_size, head_dim, group_size, num_splits,
-        BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, DOT_PRECISION=dot_precision(q.dtype),
+        scale * LOG2E, page_size, head_dim, group_size, num_splits, *scales, num_kv_heads,
+        BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, DOT_PRECISION=dot_precision(q.dtype), QUANT=quant,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if shared_splits:
@@ -404,8 +427,8 @@ def paged_decode(
         _cascade_shared_kernel[(groups.num_groups, num_kv_heads, row_blocks * shared_splits)](
             q, k_slots, v_slots, part_out, part_lse, page_table, groups.group_start, groups.members, groups.shared_len,
             q.stride(0), q.stride(1), k_slots.stride(0), k_slots.stride(1), page_table.stride(0), *part_strides,
-            scale * LOG2E, page_size, head_dim, group_size, num_splits, shared_splits,
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, DOT_PRECISION=dot_precision(q.dtype),
+            scale * LOG2E, page_size, head_dim, group_size, num_splits, shared_splits, *scales, num_kv_heads,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, DOT_PRECISION=dot_precision(q.dtype), QUANT=quant,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
     _decode_merge_kernel[(num_seqs, num_q_heads)](

@@ -1,5 +1,5 @@
 """What makes a model's KV what it is, as one string: a digest of its weight files, the dtype,
-the attention shape and the rope settings. The disk KV tier stores it with every block and
+the pages' storage dtype (kv_dtype), the attention shape and the rope settings. The disk KV tier stores it with every block and
 treats any other fingerprint as a miss.
 """
 
@@ -9,6 +9,9 @@ import hashlib
 import json
 from pathlib import Path
 
+import torch
+
+from radixkv.cache.kv_dtype import kv_dtype_name
 from radixkv.model.loader import LoadedModel, _weight_files
 
 # Files up to this size are hashed whole; larger ones by their size, their first and last
@@ -19,11 +22,14 @@ _SAMPLE_BYTES = 1 << 20
 _NUM_SAMPLES = 8
 
 
-def model_fingerprint(loaded: LoadedModel) -> str:
+def model_fingerprint(loaded: LoadedModel, kv_dtype: torch.dtype | None = None) -> str:
+    """kv_dtype: the pages' storage dtype (None: the compute dtype): a block stored under
+    another is another block's bytes, so a miss."""
     config = loaded.config
     fields = {
         "weights": weights_digest(Path(loaded.path)),
         "dtype": str(loaded.dtype).removeprefix("torch."),
+        "kv_dtype": kv_dtype_name(kv_dtype if kv_dtype is not None else loaded.dtype),
         "architecture": config.architecture,
         "layers": config.num_layers,
         "kv_heads": config.num_kv_heads,

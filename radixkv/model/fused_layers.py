@@ -24,15 +24,20 @@ class FusedDecodeLayers(DecoderLayers):
         self.fused: FusedDecode | None = fused
 
     def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata, k_caches: list[Tensor], v_caches: list[Tensor]
-    ) -> tuple[Tensor, Tensor]:
-        if self.fused is None:
-            return super().forward(x, cos, sin, meta, k_caches, v_caches)
+        self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata, k_caches: list[Tensor], v_caches: list[Tensor],
+        k_scales: list[Tensor] | None = None, v_scales: list[Tensor] | None = None,
+    ) -> tuple[Tensor, Tensor]:  # fmt: skip
+        # Pages in another dtype than the compute dtype that the fused step does not read (it
+        # reads bf16 and int8 pages under fp32) take the layer loop, whose backend widens them.
+        if self.fused is None or not self.fused.takes_pages(x.dtype, k_caches[0]):
+            return super().forward(x, cos, sin, meta, k_caches, v_caches, k_scales, v_scales)
         # One new token per request: a request with none this step has no row to decode.
         tables = meta.state.decode_tables() if meta.is_decode_only and meta.num_seqs == x.shape[0] else None
         if tables is None:
-            return super().forward(x, cos, sin, meta, k_caches, v_caches)
-        return self.fused.run(x, cos, sin, k_caches, v_caches, tables.slot_mapping, tables.page_table, tables.seq_lens, tables.plan)
+            return super().forward(x, cos, sin, meta, k_caches, v_caches, k_scales, v_scales)
+        return self.fused.run(
+            x, cos, sin, k_caches, v_caches, tables.slot_mapping, tables.page_table, tables.seq_lens, tables.plan, k_scales, v_scales
+        )
 
 
 def install_fused_decode(model: CausalLM) -> bool:

@@ -267,8 +267,9 @@ class Attention(nn.Module):
         self.scale = self.head_dim**-0.5
 
     def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata, k_cache: Tensor, v_cache: Tensor
-    ) -> Tensor:
+        self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata, k_cache: Tensor, v_cache: Tensor,
+        k_scales: Tensor | None = None, v_scales: Tensor | None = None,
+    ) -> Tensor:  # fmt: skip
         num_tokens = x.shape[0]
         qkv = project(self.qkv_proj, x, meta)
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -280,7 +281,7 @@ class Attention(nn.Module):
         else:  # q and k heads side by side: one rotation for both
             qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_q_heads + self.num_kv_heads, self.head_dim)
             q, k = apply_rope(qk, cos, sin, self.native).split([self.num_q_heads, self.num_kv_heads], dim=1)
-        out = self.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
+        out = self.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale, k_scales, v_scales)
         return project(self.o_proj, out.reshape(num_tokens, self.q_size), meta)
 
 
@@ -313,12 +314,14 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
         k_cache: Tensor,
         v_cache: Tensor,
+        k_scales: Tensor | None = None,
+        v_scales: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Takes the residual stream x and the previous layer's MLP output delta (None for the
         first layer), returns the stream and this layer's MLP output: each residual add is
         fused with the norm after it."""
         x, h = self.input_layernorm.add_and_normalize(x, delta)
-        x, h = self.post_attention_layernorm.add_and_normalize(x, self.self_attn(h, cos, sin, meta, k_cache, v_cache))
+        x, h = self.post_attention_layernorm.add_and_normalize(x, self.self_attn(h, cos, sin, meta, k_cache, v_cache, k_scales, v_scales))
         return x, self.mlp(h, meta)
 
 
@@ -328,12 +331,16 @@ class DecoderLayers(nn.ModuleList):
     ones: the parameters keep their names and the forward its contract."""
 
     def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata, k_caches: list[Tensor], v_caches: list[Tensor]
-    ) -> tuple[Tensor, Tensor]:
-        """(residual stream, last layer's MLP output) after every layer."""
+        self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata, k_caches: list[Tensor], v_caches: list[Tensor],
+        k_scales: list[Tensor] | None = None, v_scales: list[Tensor] | None = None,
+    ) -> tuple[Tensor, Tensor]:  # fmt: skip
+        """(residual stream, last layer's MLP output) after every layer. k_scales, v_scales:
+        each layer's scales of int8 pages (PagePool.k_scales), None for float pages."""
         delta = None
-        for layer, k_cache, v_cache in zip(self, k_caches, v_caches, strict=True):
-            x, delta = layer(x, delta, cos, sin, meta, k_cache, v_cache)
+        no_scales = [None] * len(k_caches)
+        layers = zip(self, k_caches, v_caches, k_scales or no_scales, v_scales or no_scales, strict=True)
+        for layer, k_cache, v_cache, k_scale, v_scale in layers:
+            x, delta = layer(x, delta, cos, sin, meta, k_cache, v_cache, k_scale, v_scale)
         assert delta is not None, "a model has at least one layer"
         return x, delta
 
@@ -363,12 +370,15 @@ class CausalLM(nn.Module):
         k_caches: list[Tensor],
         v_caches: list[Tensor],
         logits_indices: Tensor,
+        k_scales: list[Tensor] | None = None,
+        v_scales: list[Tensor] | None = None,
     ) -> Tensor:
-        """Logits [B, vocab] in fp32 for the rows logits_indices of a flat batch of T tokens."""
+        """Logits [B, vocab] in fp32 for the rows logits_indices of a flat batch of T tokens.
+        k_scales, v_scales: the pages' scales where they are int8 (PagePool.k_scales)."""
         self.attention.begin_step(meta, k_caches[0], self.config.num_q_heads)
         x = self.embed_tokens(input_ids)
         cos, sin = self.rope(positions, x.dtype)
-        x, delta = self.layers(x, cos, sin, meta, k_caches, v_caches)
+        x, delta = self.layers(x, cos, sin, meta, k_caches, v_caches, k_scales, v_scales)
         # The last add, norm and lm_head only for the rows that are sampled: the vocab
         # projection of every prefill token would cost more than the rest of the forward.
         _, last = self.norm.add_and_normalize(x[logits_indices], delta[logits_indices])

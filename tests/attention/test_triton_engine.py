@@ -73,3 +73,24 @@ def test_triton_row_ops_keep_the_greedy_tokens_of_the_torch_ops(tmp_path):
         llm = LLM(str(model_dir), dtype="float32", device=DEVICE, page_size=4, num_pages=96, native_kernels=native)
         outputs[native] = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=8))]
     assert outputs[True] == outputs[False]
+
+
+def test_triton_backend_over_int8_pages_matches_torch_backend(tmp_path):
+    """kv_dtype="int8" on the Triton backend: its store quantizes to the reference's bytes and
+    its kernels read them with their scales, so the greedy tokens are the torch backend's over
+    int8 pages, cold and warm (cached prefixes read from int8 pages)."""
+    model_dir = make_tiny_model(tmp_path / "tiny", "llama", seed=5)
+    shared = [(17 * i) % 300 + 1 for i in range(21)]
+    prompts = [shared + [7, 8, 9], shared + [40], [5, 6, 7, 8, 9, 10]]
+    params = SamplingParams(max_tokens=6)
+    outputs = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(str(model_dir), dtype="float32", device=DEVICE, attention_backend=backend, kv_dtype="int8", page_size=4,
+                  num_pages=64, max_batch_tokens=16, check_invariants=True)  # fmt: skip
+        assert llm.engine.pool.k_cache[0].dtype == torch.int8
+        first = llm.generate(prompts, params)
+        second = llm.generate(prompts, params)
+        assert [o.token_ids for o in first] == [o.token_ids for o in second]
+        assert sum(o.num_cached_tokens for o in second) > 0
+        outputs[backend] = [o.token_ids for o in first]
+    assert outputs["triton"] == outputs["torch"]

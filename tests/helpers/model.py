@@ -73,15 +73,21 @@ class Stepper:
         page_size: int = 4,
         pages_per_seq: int = 16,
         shuffle: bool = True,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
+        """kv_dtype: the pages' storage dtype (None: the model's); int8 pages get their scales."""
         config = loaded.config
         self.model, self.sequences, self.page_size = loaded.model, sequences, page_size
         num_pages = len(sequences) * pages_per_seq
         order = torch.randperm(num_pages) if shuffle else torch.arange(num_pages)
         self.page_table = order.view(len(sequences), pages_per_seq)
         shape = (num_pages, page_size, config.num_kv_heads, config.head_dim)
-        self.k_caches = [torch.zeros(shape, dtype=loaded.dtype) for _ in range(config.num_layers)]
-        self.v_caches = [torch.zeros(shape, dtype=loaded.dtype) for _ in range(config.num_layers)]
+        kv_dtype = kv_dtype or loaded.dtype
+        self.k_caches = [torch.zeros(shape, dtype=kv_dtype) for _ in range(config.num_layers)]
+        self.v_caches = [torch.zeros(shape, dtype=kv_dtype) for _ in range(config.num_layers)]
+        scales = kv_dtype == torch.int8
+        self.k_scales = [torch.zeros(shape[:3]) for _ in range(config.num_layers)] if scales else None
+        self.v_scales = [torch.zeros(shape[:3]) for _ in range(config.num_layers)] if scales else None
         self.num_computed = [0] * len(sequences)
 
     @torch.inference_mode()
@@ -103,7 +109,7 @@ class Stepper:
             rows = torch.arange(len(input_ids))
         else:
             rows = ends - 1
-        logits = self.model(input_ids, meta.positions, meta, self.k_caches, self.v_caches, rows)
+        logits = self.model(input_ids, meta.positions, meta, self.k_caches, self.v_caches, rows, self.k_scales, self.v_scales)
         out, start = {}, 0
         for r, q, end in zip(requests, q_lens, ends.tolist()):
             out[r] = logits[end - q : end] if all_logits else logits[start : start + 1]

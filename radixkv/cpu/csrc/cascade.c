@@ -23,7 +23,10 @@ HIDDEN int64_t radixkv_shared_scratch_bytes(const Shape *sh, int max_members) {
     const int64_t keys = key_bytes(sh->head_dim);
     const int64_t values = (int64_t)CHUNK_TOKENS * sh->head_dim * 4;
     const int64_t pointers = (int64_t)max_members * sh->group * 2 * (int64_t)sizeof(void *);
-    return (keys + values + pointers + 63) / 64 * 64;
+    /* Pages in another dtype (sh->kv_kind): a chunk's keys widened to fp32 before transposing
+     * (its values widen into the values' room). */
+    const int64_t widened = sh->kv_kind ? (int64_t)CHUNK_TOKENS * sh->head_dim * 4 + 64 : 0;
+    return (keys + values + pointers + widened + 63) / 64 * 64;
 }
 
 #ifdef HAVE_AVX2 /* the vector items below use the scratch; portable builds run members alone */
@@ -124,6 +127,69 @@ static inline __attribute__((always_inline)) void shared_f32_impl(const SharedIt
         prefetch_step(&prefetcher);
         transpose_chunk_keys(blocks, num_blocks, k, h, D, 4, token_stride, (uint32_t *)keys, npad);
         chunk_value_rows(blocks, num_blocks, v, h, D, 4, token_stride, value_rows);
+        const int count = gather_queries(item, sh, h, 4, &s);
+        for (int first = 0; first < count; first += QK_TILE) {
+            const int live = count - first < QK_TILE ? count - first : QK_TILE;
+            const float *q[QK_TILE];
+            for (int i = 0; i < QK_TILE; i++) q[i] = s.queries[first + (i < live ? i : live - 1)];
+            qk_scores((const void *const *)q, live, (const uint32_t *)keys, npad, ncols, sh->scale, scores, &prefetcher, D, 0);
+            finish_tile(scores, live, n, (const float *const *)value_rows, s.states + first, D);
+        }
+    }
+}
+#endif
+
+#ifdef HAVE_AVX2
+/* Kv head h's rows of a chunk (blocks) as contiguous fp32 [n][D] in out: bf16 pages (kind 2)
+ * shifted into the top half, int8 pages (3) times their (token, kv head) scale. */
+static void widen_chunk_rows(const Block *blocks, int num_blocks, const void *pages, const float *scales, int h,
+                             const Shape *sh, float *out) {
+    const int D = sh->head_dim, H = sh->num_kv_heads;
+    const int64_t token_stride = (int64_t)H * D;
+    for (int bi = 0, at = 0; bi < num_blocks; at += blocks[bi++].n)
+        for (int j = 0; j < blocks[bi].n; j++) {
+            const int64_t first = blocks[bi].first + (int64_t)h * D + j * token_stride;
+            float *dst = out + (int64_t)(at + j) * D;
+            if (sh->kv_kind == 2) {
+                const uint16_t *src = (const uint16_t *)pages + first;
+                for (int d = 0; d < D; d++) dst[d] = bf16_to_float(src[d]);
+            } else {
+                const int8_t *src = (const int8_t *)pages + first;
+                const float scale = scales[first / D];
+                for (int d = 0; d < D; d++) dst[d] = (float)src[d] * scale;
+            }
+        }
+}
+
+/* The fp32 shared item over pages in another dtype: each kv head's chunk widened to fp32 rows
+ * in the scratch, then the fp32 item's matrix products over them (as one contiguous "page"). */
+static inline __attribute__((always_inline)) void shared_f32_kv_impl(const SharedItem *item, const void *k,
+                                                                     const void *v, const Shape *sh, void *buffer,
+                                                                     const int D) {
+    const int H = sh->num_kv_heads, n = item->end - item->begin, ncols = (n + 15) / 16 * 16;
+    const int64_t npad = ncols + BLOCK_TOKENS;
+    const int element_bytes = sh->kv_kind == 2 ? 2 : 1;
+    Block blocks[CHUNK_TOKENS], rows[CHUNK_TOKENS];
+    const int num_blocks = chunk_blocks(item->pages, item->begin, item->end, sh, blocks);
+    Scratch s = scratch_view(buffer, sh);
+    float *keys = s.keys, *wide_values = s.values;
+    /* After this item's query and state pointers (radixkv_shared_scratch_bytes left room). */
+    const int64_t pointers = (int64_t)item->num_members * sh->group * 2 * (int64_t)sizeof(void *);
+    float *wide_keys = (float *)(((uintptr_t)((char *)wide_values + (int64_t)CHUNK_TOKENS * D * 4 + pointers) + 63) / 64 * 64);
+    /* The widened rows as blocks of one contiguous page: kv head 0, token stride D. */
+    for (int bi = 0, at = 0; bi < num_blocks; at += blocks[bi++].n) rows[bi] = (Block){blocks[bi].n, (int64_t)at * D};
+    const void *value_rows[CHUNK_TOKENS];
+    float scores[QK_TILE * SCORE_STRIDE] __attribute__((aligned(64)));
+    Prefetcher prefetcher;
+    const int quads = (item->num_members * sh->group + 3) / 4;
+    const int passes = (ncols / 16 + QK_BLOCKS_PER_PASS - 1) / QK_BLOCKS_PER_PASS;
+    prefetcher_init(&prefetcher, item->next, sh, (const char *)k, (const char *)v, element_bytes, H * (1 + quads * passes));
+    for (int h = 0; h < H; h++) {
+        prefetch_step(&prefetcher);
+        widen_chunk_rows(blocks, num_blocks, k, sh->k_scales, h, sh, wide_keys);
+        widen_chunk_rows(blocks, num_blocks, v, sh->v_scales, h, sh, wide_values);
+        transpose_chunk_keys(rows, num_blocks, wide_keys, 0, D, 4, D, (uint32_t *)keys, npad);
+        chunk_value_rows(rows, num_blocks, wide_values, 0, D, 4, D, value_rows);
         const int count = gather_queries(item, sh, h, 4, &s);
         for (int first = 0; first < count; first += QK_TILE) {
             const int live = count - first < QK_TILE ? count - first : QK_TILE;
@@ -302,4 +368,29 @@ int64_t radixkv_cascade_plan(const int32_t *page_table, int64_t page_table_strid
     }
     free(sorted), free(lcp), free(members), free(shared), free(merged);
     return saved;
+}
+
+/* fp32 compute over bf16 or int8 pages (sh->kv_kind): widened chunk by chunk into the scratch. */
+HIDDEN void radixkv_shared_item_f32_kv(const SharedItem *item, const void *k, const void *v, const Shape *sh,
+                                       void *scratch) {
+#ifdef HAVE_AVX2
+#ifdef HAVE_AVX512
+    const int lanes = 16;
+#else
+    const int lanes = 8;
+#endif
+    if (sh->head_dim == 64) shared_f32_kv_impl(item, k, v, sh, scratch, 64);
+    else if (sh->head_dim % lanes == 0) shared_f32_kv_impl(item, k, v, sh, scratch, sh->head_dim);
+    else
+#else
+    (void)scratch;
+#endif
+    MEMBER_BY_MEMBER(radixkv_item_f32_kv, float)
+}
+
+/* bf16 compute over int8 pages: member by member (the shared tiles gather fp32 queries). */
+HIDDEN void radixkv_shared_item_bf16_kv(const SharedItem *item, const void *k, const void *v, const Shape *sh,
+                                        void *scratch) {
+    (void)scratch;
+    MEMBER_BY_MEMBER(radixkv_item_bf16_kv, uint16_t)
 }

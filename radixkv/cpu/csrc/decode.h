@@ -18,6 +18,10 @@ typedef struct {
     int num_kv_heads, head_dim, group, page_size;
     float scale;
     int use_amx; /* q.k of full 16-key blocks on AMX tiles (bf16, where the OS allows it) */
+    /* Pages under fp32 compute in another dtype (paged_decode_avx2.c's KIND_*; 0: as q), and
+     * int8 pages' scales, [num_pages][page_size][num_kv_heads] like the pages' rows. */
+    int kv_kind;
+    const float *k_scales, *v_scales;
 } Shape;
 
 /* The keys [t, t + n) that share a page (at most BLOCK_TOKENS of them) and where they start. */
@@ -247,10 +251,18 @@ HIDDEN void radixkv_item_f32(const float *q_row, const float *k, const float *v,
 
 #ifdef HAVE_AVX2
 /* The same items in 8-lane vectors (paged_decode_avx2.c), for CPUs without AVX-512:
- * head_dim % 8 == 0 (fp32) or % 16 == 0 (bf16). */
+ * head_dim % 8 == 0 (fp32) or % 16 == 0 (bf16); kind 0 fp32, 1 bf16, and under fp32 compute
+ * 2 bf16 pages, 3 int8 pages (scales in sh), head_dim % 8 == 0. */
 HIDDEN void radixkv_item_avx2(const void *q_row, const void *k, const void *v, const int32_t *pages, int begin,
-                              int end, const Shape *sh, float *states, const NextItem *next, int bf16);
+                              int end, const Shape *sh, float *states, const NextItem *next, int kind);
 #endif
+
+/* fp32 compute over bf16 or int8 pages (sh->kv_kind, sh->k_scales), and bf16 compute over int8
+ * pages (kv_kind 4): the AVX2 item where head_dim % 8 == 0, else a portable one. */
+HIDDEN void radixkv_item_f32_kv(const float *q_row, const void *k, const void *v, const int32_t *pages, int begin,
+                                int end, const Shape *sh, float *states, const NextItem *next);
+HIDDEN void radixkv_item_bf16_kv(const uint16_t *q_row, const void *k, const void *v, const int32_t *pages, int begin,
+                                 int end, const Shape *sh, float *states, const NextItem *next);
 
 /* A shared prefix's keys [begin, end) (pages: any member's page list) for all members of a
  * group at once: member m reads q row q_rows[m] and its states go to states + m * item_floats.
@@ -271,5 +283,9 @@ HIDDEN void radixkv_shared_item_bf16(const SharedItem *item, const uint16_t *k, 
                                      void *scratch);
 HIDDEN void radixkv_shared_item_f32(const SharedItem *item, const float *k, const float *v, const Shape *sh,
                                     void *scratch);
+HIDDEN void radixkv_shared_item_f32_kv(const SharedItem *item, const void *k, const void *v, const Shape *sh,
+                                       void *scratch);
+HIDDEN void radixkv_shared_item_bf16_kv(const SharedItem *item, const void *k, const void *v, const Shape *sh,
+                                        void *scratch);
 
 #endif

@@ -5,20 +5,24 @@
  * For bf16 or fp32 Llama-family layers without q/k norms whose linears are packed for one of
  * the native kernels (AMX or AVX512_BF16 for bf16, AVX2 for fp32: shape.linear_kernel), or
  * quantized (quant_linear.c: shape.quant_kernel, each linear's format in its layer record); one
- * query row per request. The caller checks page tables, lengths and slots once per step.
+ * query row per request. fp32 layers also read and write bf16 or int8 pages (shape.kv_kind),
+ * through the same store and decode kernels the layer-by-layer forward calls for them. The
+ * caller checks page tables, lengths and slots once per step.
  */
 #include "kernels.h"
 
 #include <omp.h>
 #include <stddef.h>
 
-/* One layer's weights and KV pages, in the model's dtype. Linear weights are packed
- * (packed_linear.c, linear_f32.c, or quant_linear.c's records); biases fp32 or NULL. */
+/* One layer's weights and KV pages, in the model's dtype or (fp32 layers) the shape's kv_kind.
+ * Linear weights are packed (packed_linear.c, linear_f32.c, or quant_linear.c's records);
+ * biases fp32 or NULL; scales: int8 pages' (NULL otherwise). */
 typedef struct {
     const void *input_norm, *post_norm;
     const void *qkv, *o, *gate_up, *down;
     const float *qkv_bias, *o_bias;
     void *k_cache, *v_cache;
+    float *k_scales, *v_scales;
     int formats[4]; /* quantized layers: qkv, o, gate_up and down's formats (quant_linear.c's FORMAT_*) */
 } DecodeLayer;
 
@@ -27,6 +31,7 @@ typedef struct {
     int linear_kernel; /* RADIXKV_LINEAR_*: RADIXKV_LINEAR_AVX2 runs fp32 layers, the others bf16 */
     float eps, scale;
     int quant_kernel; /* 0, or RADIXKV_QUANT_*: the linears are quantized (linear_kernel then names the dtype only) */
+    int kv_kind; /* 0: pages in the model's dtype; fp32 layers: 2 bf16 pages, 3 int8 pages */
 } DecodeShape;
 
 /* A step's phases, in the order fused_decode.py's PHASES names them. */
@@ -77,6 +82,11 @@ static void rope(const DecodeShape *sh, void *qkv, int64_t row_stride, const voi
 static int attend(const DecodeShape *sh, const DecodeLayer *layer, const void *qkv, int64_t qkv_size, void *out,
                   float *work, const int32_t *page_table, int64_t page_table_stride, const int32_t *seq_lens,
                   const int32_t *plan) {
+    if (fp32(sh) && sh->kv_kind)
+        return radixkv_paged_decode_f32_kv(qkv, qkv_size, layer->k_cache, layer->v_cache, page_table, page_table_stride,
+                                           seq_lens, NULL, sh->rows, sh->num_q_heads, sh->num_kv_heads, sh->head_dim,
+                                           sh->page_size, sh->scale, out, work, plan, sh->num_threads, layer->k_scales,
+                                           layer->v_scales, sh->kv_kind);
     if (fp32(sh))
         return radixkv_paged_decode_f32(qkv, qkv_size, layer->k_cache, layer->v_cache, page_table, page_table_stride,
                                         seq_lens, NULL, sh->rows, sh->num_q_heads, sh->num_kv_heads, sh->head_dim,
@@ -112,8 +122,13 @@ int radixkv_decode_layers(const DecodeLayer *layers, int num_layers, int first_l
         t = lap(timed, PHASE_QKV, t);
         rope(sh, scratch->qkv, qkv_size, cos, signed_sin);
         const char *k = (const char *)scratch->qkv + (int64_t)q_size * bytes, *v = k + (int64_t)kv_size * bytes;
-        radixkv_store_kv(layer->k_cache, layer->v_cache, k, v, (int64_t)qkv_size * bytes, (int64_t)qkv_size * bytes,
-                         slots, sh->rows, (int64_t)kv_size * bytes);
+        if (sh->kv_kind)
+            radixkv_store_kv_narrow(layer->k_cache, layer->v_cache, layer->k_scales, layer->v_scales, (const float *)k,
+                                    (const float *)v, qkv_size, qkv_size, slots, sh->rows, sh->num_kv_heads,
+                                    sh->head_dim, sh->kv_kind);
+        else
+            radixkv_store_kv(layer->k_cache, layer->v_cache, k, v, (int64_t)qkv_size * bytes, (int64_t)qkv_size * bytes,
+                             slots, sh->rows, (int64_t)kv_size * bytes);
         t = lap(timed, PHASE_ROPE_STORE, t);
         if (attend(sh, layer, scratch->qkv, qkv_size, scratch->attention, scratch->work, page_table, page_table_stride,
                    seq_lens, plan))

@@ -605,7 +605,7 @@ static void build_items(const int32_t *seq_lens, int num_seqs, const Plan *plan,
 int64_t radixkv_decode_work_floats(const int32_t *seq_lens, int num_seqs, const int32_t *plan_buffer, int num_q_heads,
                                    int head_dim) {
     const Plan plan = plan_view(plan_buffer, num_seqs);
-    const Shape sh = {1, head_dim, num_q_heads, 16, 1.0f, 0};
+    const Shape sh = {1, head_dim, num_q_heads, 16, 1.0f, 0, 0, NULL, NULL};
     Items items = {NULL, 0, 0, NULL, NULL};
     build_items(seq_lens, num_seqs, &plan, &sh, &items);
     return items.work_floats;
@@ -626,17 +626,30 @@ static inline int item_thread(const Items *items, int64_t i, int num_threads) {
     return t < num_threads ? t : num_threads - 1;
 }
 
+#define KV_PARAMS_WIDE , const float *k_scales, const float *v_scales, int kv_kind
+#define KV_INIT_WIDE                                                                                              \
+    if (!radixkv_decode_kv_fits(kv_kind, head_dim) || (kv_kind == 3 && !(k_scales && v_scales)))                 \
+        return 1;                                                                                                 \
+    sh.kv_kind = kv_kind, sh.k_scales = k_scales, sh.v_scales = v_scales;
+int radixkv_decode_kv_fits(int kv_kind, int head_dim);
+#define KV_INIT_BF16_INT8                                                                                         \
+    if (kv_kind != 3 || !(k_scales && v_scales) || !radixkv_decode_kv_fits(kv_kind, head_dim)) return 1;           \
+    sh.kv_kind = 4, sh.k_scales = k_scales, sh.v_scales = v_scales;
+
 /* Returns 0, 1 for shapes this kernel does not take (callers check them first), or 2 when out
  * of memory. work: radixkv_decode_work_floats floats; plan: radixkv_cascade_plan's buffer or
- * NULL (every request reads all its keys itself). */
-#define DEFINE_DECODE(NAME, T, ITEM, SHARED_ITEM, MERGE, AMX_CAPABLE)                                            \
-    int NAME(const T *q, int64_t q_row_stride, const T *k, const T *v, const int32_t *page_table,                 \
+ * NULL (every request reads all its keys itself). KV_PARAMS, KV_INIT: the page dtype's own
+ * parameters after num_threads, and what they set in the shape (or a return for what it
+ * cannot run). */
+#define DEFINE_DECODE(NAME, T, KT, ITEM, SHARED_ITEM, MERGE, AMX_CAPABLE, KV_PARAMS, KV_INIT)                    \
+    int NAME(const T *q, int64_t q_row_stride, const KT *k, const KT *v, const int32_t *page_table,               \
              int64_t page_table_stride, const int32_t *seq_lens, const int32_t *rows, int num_seqs,               \
              int num_q_heads, int num_kv_heads, int head_dim, int page_size, float scale, T *out, float *work,   \
-             const int32_t *plan_buffer, int num_threads) {                                                      \
+             const int32_t *plan_buffer, int num_threads KV_PARAMS) {                                            \
         if (num_kv_heads <= 0 || num_q_heads % num_kv_heads != 0) return 1;                                      \
-        Shape sh = {num_kv_heads, head_dim, num_q_heads / num_kv_heads, page_size, scale, 0};                    \
+        Shape sh = {num_kv_heads, head_dim, num_q_heads / num_kv_heads, page_size, scale, 0, 0, NULL, NULL};     \
         if (sh.group > MAX_GROUP || head_dim > MAX_HEAD_DIM || page_size <= 0) return 1;                         \
+        KV_INIT                                                                                                  \
         sh.use_amx = AMX_CAPABLE && amx_fits(&sh);                                                               \
         const Plan plan = plan_view(plan_buffer, num_seqs);                                                      \
         Items items = {NULL, 0, 0, NULL, NULL};                                                                  \
@@ -706,8 +719,89 @@ static inline int item_thread(const Items *items, int64_t i, int num_threads) {
         return status;                                                                                           \
     }
 
-DEFINE_DECODE(radixkv_paged_decode_bf16, uint16_t, radixkv_item_bf16, radixkv_shared_item_bf16, merge_bf16, 1)
-DEFINE_DECODE(radixkv_paged_decode_f32, float, radixkv_item_f32, radixkv_shared_item_f32, merge_f32, 0)
+DEFINE_DECODE(radixkv_paged_decode_bf16, uint16_t, uint16_t, radixkv_item_bf16, radixkv_shared_item_bf16, merge_bf16, 1, , )
+DEFINE_DECODE(radixkv_paged_decode_f32, float, float, radixkv_item_f32, radixkv_shared_item_f32, merge_f32, 0, , )
+
+/* Whether fp32 compute reads pages of kv_kind (2: bf16, 3: int8) of this head_dim: the AVX2
+ * item widens them in vectors (head_dim % 8 == 0), the portable one element by element. */
+int radixkv_decode_kv_fits(int kv_kind, int head_dim) {
+    return (kv_kind == 2 || kv_kind == 3) && head_dim > 0 && head_dim <= MAX_HEAD_DIM;
+}
+
+/* Element i of kv head row `row` (element offset) of bf16 (kind 2) or int8 (3, 4) pages, in
+ * fp32: an int8 row is scaled by its (token, kv head) scale, row / head_dim. */
+static inline float wide_load(const void *pages, const float *scales, int64_t row, int i, int kind, int D) {
+    if (kind == 2) return bf16_to_float(((const uint16_t *)pages)[row + i]);
+    return (float)((const int8_t *)pages)[row + i] * scales[row / D];
+}
+
+/* The portable item over pages in another dtype: DEFINE_ITEM's loops, each K and V row widened
+ * into fp32 first; q fp32, or bf16 where q_bf16. */
+static void item_kv_portable(const void *q_row, int q_bf16, const void *k, const void *v, const int32_t *pages,
+                             int begin, int end, const Shape *sh, float *states) {
+    const int D = sh->head_dim, G = sh->group, kind = sh->kv_kind;
+    float kf[MAX_HEAD_DIM], vf[MAX_HEAD_DIM], qg[MAX_HEAD_DIM], s[BLOCK_TOKENS];
+    init_states(states, sh);
+    for (int h = 0; h < sh->num_kv_heads; h++) {
+        for (int t = begin; t < end;) {
+            const Block block = block_at(pages, t, end, sh);
+            const int64_t token_stride = (int64_t)sh->num_kv_heads * D, first = block.first + (int64_t)h * D;
+            for (int g = 0; g < G; g++) {
+                const int64_t q_at = (int64_t)(h * G + g) * D;
+                for (int d = 0; d < D; d++)
+                    qg[d] = q_bf16 ? bf16_to_float(((const uint16_t *)q_row)[q_at + d]) : ((const float *)q_row)[q_at + d];
+                float *state = states + (int64_t)(h * G + g) * state_floats(sh);
+                for (int j = 0; j < block.n; j++) {
+                    for (int d = 0; d < D; d++) kf[d] = wide_load(k, sh->k_scales, first + j * token_stride, d, kind, D);
+                    float dot = 0.0f;
+                    for (int d = 0; d < D; d++) dot += qg[d] * kf[d];
+                    s[j] = dot * sh->scale;
+                }
+                const float alpha = fold_scores(state, s, block.n);
+                float *acc = state + 2;
+                for (int d = 0; d < D; d++) acc[d] *= alpha;
+                for (int j = 0; j < block.n; j++) {
+                    for (int d = 0; d < D; d++) vf[d] = wide_load(v, sh->v_scales, first + j * token_stride, d, kind, D);
+                    for (int d = 0; d < D; d++) acc[d] += s[j] * vf[d];
+                }
+            }
+            t += block.n;
+        }
+    }
+}
+
+HIDDEN void radixkv_item_f32_kv(const float *q_row, const void *k, const void *v, const int32_t *pages, int begin,
+                                int end, const Shape *sh, float *states, const NextItem *next) {
+#ifdef HAVE_AVX2
+    if (sh->head_dim % 8 == 0) {
+        radixkv_item_avx2(q_row, k, v, pages, begin, end, sh, states, next, sh->kv_kind);
+        return;
+    }
+#endif
+    (void)next;
+    item_kv_portable(q_row, 0, k, v, pages, begin, end, sh, states);
+}
+
+HIDDEN void radixkv_item_bf16_kv(const uint16_t *q_row, const void *k, const void *v, const int32_t *pages, int begin,
+                                 int end, const Shape *sh, float *states, const NextItem *next) {
+#ifdef HAVE_AVX2
+    if (sh->head_dim % 8 == 0) {
+        radixkv_item_avx2(q_row, k, v, pages, begin, end, sh, states, next, sh->kv_kind);
+        return;
+    }
+#endif
+    (void)next;
+    item_kv_portable(q_row, 1, k, v, pages, begin, end, sh, states);
+}
+
+/* fp32 compute over bf16 (kv_kind 2) or int8 (3, with scales) pages, widened on load. */
+DEFINE_DECODE(radixkv_paged_decode_f32_kv, float, void, radixkv_item_f32_kv, radixkv_shared_item_f32_kv, merge_f32, 0,
+              KV_PARAMS_WIDE, KV_INIT_WIDE)
+
+/* bf16 compute over int8 pages (kv_kind 3, with scales): q widened from bf16 in the item, the
+ * output rounded to bf16 in the merge, as the bf16 kernel's. */
+DEFINE_DECODE(radixkv_paged_decode_bf16_kv, uint16_t, void, radixkv_item_bf16_kv, radixkv_shared_item_bf16_kv, merge_bf16,
+              0, KV_PARAMS_WIDE, KV_INIT_BF16_INT8)
 
 /* Turns the AMX q.k path on (on != 0, where the CPU and the OS allow) or off; returns whether
  * it is on. One setting per process: every later decode call reads it. */
@@ -737,5 +831,45 @@ void radixkv_store_kv(char *k_cache, char *v_cache, const char *k, const char *v
         if (slots[r] < 0) continue;
         memcpy(k_cache + slots[r] * row_bytes, k + r * k_row_stride, (size_t)row_bytes);
         memcpy(v_cache + slots[r] * row_bytes, v + r * v_row_stride, (size_t)row_bytes);
+    }
+}
+
+/* Round fp32 to the nearest int8 step, ties to even, as torch's round() does. */
+static inline int8_t quantize_one(float x, float scale) {
+    if (scale == 0.0f) return 0;
+    float q = nearbyintf(x / scale);
+    q = q > 127.0f ? 127.0f : q < -127.0f ? -127.0f : q;
+    return (int8_t)q;
+}
+
+/* Write fp32 rows of K and V into narrower pages (kind 2: bf16, rounded to nearest even; 3:
+ * int8, each (token, kv head) row quantized symmetrically with scale absmax / 127 into the
+ * scales, as radixkv.cache.kv_dtype.quantize_int8 computes it, to the same bytes). Row
+ * strides in floats; a negative slot means "do not store". */
+void radixkv_store_kv_narrow(void *k_cache, void *v_cache, float *k_scales, float *v_scales, const float *k,
+                             const float *v, int64_t k_row_stride, int64_t v_row_stride, const int64_t *slots, int rows,
+                             int num_kv_heads, int head_dim, int kind) {
+    const int64_t row = (int64_t)num_kv_heads * head_dim;
+    for (int r = 0; r < rows; r++) {
+        if (slots[r] < 0) continue;
+        for (int which = 0; which < 2; which++) {
+            const float *src = which ? v + r * v_row_stride : k + r * k_row_stride;
+            void *cache = which ? v_cache : k_cache;
+            if (kind == 2) {
+                uint16_t *dst = (uint16_t *)cache + slots[r] * row;
+                for (int64_t i = 0; i < row; i++) dst[i] = float_to_bf16(src[i]);
+                continue;
+            }
+            int8_t *dst = (int8_t *)cache + slots[r] * row;
+            float *scales = (which ? v_scales : k_scales) + slots[r] * num_kv_heads;
+            for (int h = 0; h < num_kv_heads; h++) {
+                const float *x = src + (int64_t)h * head_dim;
+                float absmax = 0.0f;
+                for (int d = 0; d < head_dim; d++) absmax = fabsf(x[d]) > absmax ? fabsf(x[d]) : absmax;
+                const float scale = absmax / 127.0f;
+                scales[h] = scale;
+                for (int d = 0; d < head_dim; d++) dst[(int64_t)h * head_dim + d] = quantize_one(x[d], scale);
+            }
+        }
     }
 }
