@@ -175,7 +175,7 @@ def test_cascade_groups_over_narrow_pages_match_the_reference(gen, dtype, head_d
     from radixkv.cpu import decode
 
     page_size, heads, group, members = 16, 2, 4, 5
-    shared = 300  # past MIN_SHARED_TOKENS, over two chunks
+    shared = 300  # over two of the kernel's chunks
     own = [5, 17, 1, 30, 9]
     num_pages = (shared + page_size - 1) // page_size + sum((n + page_size) // page_size + 1 for n in own) + 2
     pool = _pool(dtype, num_pages, page_size, heads, head_dim)
@@ -198,7 +198,7 @@ def test_cascade_groups_over_narrow_pages_match_the_reference(gen, dtype, head_d
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     assert int(page_table.max()) < num_pages
     q = torch.randn(members, heads * group, head_dim, generator=gen)
-    plan = cascade.plan_cascade(page_table, seq_lens, page_size, min_shared_tokens=decode.MIN_SHARED_TOKENS, min_group_members=2)
+    plan = cascade.plan_cascade(page_table, seq_lens, page_size, min_shared_tokens=page_size, min_group_members=2)
     assert plan.plan is not None and plan.saved_tokens > 0
     scale = head_dim**-0.5
     grouped = decode.paged_decode(q, k_cache, v_cache, page_table, seq_lens, scale, plan=plan.plan, k_scales=k_scales, v_scales=v_scales)

@@ -32,6 +32,13 @@ FUSED_DTYPE = str(NATIVE_LINEAR_KERNELS[FUSED_KERNEL][2]).removeprefix("torch.")
 needs_native_linears = pytest.mark.skipif(FUSED_KERNEL is None, reason=f"no native linear kernel: avx2: {missing_linear_kernel('avx2')}")
 
 
+@pytest.fixture(autouse=True)
+def groups_over_any_shared_page(monkeypatch):
+    """The tiny models' shared prefixes are far smaller than any L2, so none would reach the
+    cascade's byte threshold (decode.min_shared_tokens): tests that share pages want groups."""
+    monkeypatch.setattr(cpu_decode, "MIN_SHARED_L2_FRACTION", 0.0)
+
+
 def run_schedule(
     loaded, sequences: list[list[int]], fused: bool, decode_steps: int = 4, shared_pages: int = 0, kv_dtype: torch.dtype | None = None
 ) -> tuple[list[torch.Tensor], Stepper]:
@@ -102,8 +109,7 @@ def test_fused_decode_is_bit_identical_to_the_layer_by_layer_forward(tmp_path, m
 def test_fused_decode_with_cascade_groups_is_bit_identical(tmp_path, monkeypatch, kernel, dtype):
     # Three sequences over one 272-token prefix (17 shared pages): each decode step runs them as
     # a cascade group, fused or layer by layer, with the same kernels and so the same bits. The
-    # tiny model's prefix is far smaller than an L2, so the byte threshold is lifted.
-    monkeypatch.setattr(cpu_decode, "MIN_SHARED_L2_FRACTION", 0.0)
+    # tiny model's prefix is far smaller than an L2: the byte threshold is lifted (see below).
     folder = make_random_model(tmp_path / "llama", "llama", hidden_size=256, num_attention_heads=4, num_key_value_heads=1)
     loaded = load_model(str(folder), CPUBackend(), dtype=dtype, device="cpu", linear_kernel=kernel)
     generator = torch.Generator().manual_seed(3)
