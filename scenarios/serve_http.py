@@ -227,3 +227,9 @@ def metric_total(server: ServerProcess, name: str) -> float | None:
         return None
     values = [s.value for family in text_string_to_metric_families(text) for s in family.samples if s.name == name]
     return sum(values) if values else None
+
+
+def served_model(server: ServerProcess) -> str:
+    """The model id the server lists first (/v1/models), to name in requests."""
+    reply = httpx.get(f"{server.base_url}/v1/models", headers=server.headers, timeout=30)
+    return reply.json()["data"][0]["id"]
