@@ -2,7 +2,7 @@
 (and a tiny one for tests) as HF folders and as GGUFs (F16, Q8_0, Q4_K_M), cached by shape and
 format under the radixkv cache folder. Speed does not depend on the weights' values.
 
-    python -m scenarios.real_shape --shape llama-8b --format Q4_K_M [--out DIR]
+    python -m radixkv.scenarios.real_shape --shape llama-8b --format Q4_K_M [--out DIR]
 
 F16 comes from llama.cpp's converter, Q8_0 and Q4_K_M from its quantizer (paths from
 RADIXKV_LLAMA_CPP_DIR, RADIXKV_LLAMA_QUANTIZE, RADIXKV_CONVERT_PYTHON). An 8B-shaped Q4_K_M would
@@ -268,9 +268,12 @@ def ensure_gguf(shape: Shape, fmt: str, root: Path | None = None, direct: bool |
     path = gguf_path(shape, fmt, root)
     if path.exists():
         return path
-    path.parent.mkdir(parents=True, exist_ok=True)
     if direct is None:
         direct = shape.name == "llama-8b" and fmt == "Q4_K_M"
+    if shape.name == "llama-8b" and not direct:
+        # Random init of an 8B model takes 32 GB and its F16 file 16 GB: not on a 24 GB machine.
+        raise ConfigError(f"the llama-8b shape is made as a direct Q4_K_M only, not {fmt} through an F16 file", param="format")
+    path.parent.mkdir(parents=True, exist_ok=True)
     if direct:
         if fmt != "Q4_K_M":
             raise ConfigError(f"direct writing makes Q4_K_M only, not {fmt}", param="format")
@@ -306,6 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(args.out) if args.out else None
     start = time.perf_counter()
     if args.format == "hf":
+        if shape.name == "llama-8b":
+            raise ConfigError("an HF folder of the llama-8b shape would take 32 GB to initialise: make its Q4_K_M directly", param="format")
         path = make_hf_folder(shape, hf_path(shape, root), args.seed)
     else:
         direct = None if args.direct is None else bool(args.direct)

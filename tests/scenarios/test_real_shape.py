@@ -103,3 +103,11 @@ def test_quantized_and_direct_files_agree_and_load(tmp_path):
 
     with start_llama_server(direct, tmp_path / "server.log", LlamaServerOptions(ctx_per_slot=256)) as server:
         assert asyncio.run(generate(server)) == 4
+
+
+def test_the_8b_shape_is_made_directly_only(tmp_path):
+    with pytest.raises(ConfigError) as raised:
+        real_shape.ensure_gguf(SHAPES["llama-8b"], "F16", tmp_path)
+    assert raised.value.param == "format" and not list(tmp_path.iterdir())
+    with pytest.raises(ConfigError):
+        real_shape.ensure_gguf(SHAPES["tiny"], "Q9_9", tmp_path)
