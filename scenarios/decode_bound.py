@@ -33,6 +33,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--num-seqs", type=int, default=32)
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=8, help="decode steps timed (the median is reported)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--weight-dtype", default=None)
     parser.add_argument("--kv-dtype", default=None)
     parser.add_argument("--quant-kernel", default=None)
@@ -67,6 +68,8 @@ def _tensors(module: torch.nn.Module, recurse: bool = True) -> list[torch.Tensor
 
 
 def measure(args: argparse.Namespace) -> dict:
+    if args.threads:
+        torch.set_num_threads(args.threads)
     from radixkv.model.loader import default_model_gguf
     from radixkv.scenarios.decode_profile import median_step_s
     from radixkv.scenarios.machine import machine_limits
