@@ -7,6 +7,9 @@ without -kvu: the better one is compared) on the same GGUF.
     python -m radixkv.scenarios.agent_sessions [--model FILE.gguf] [--sessions 16 --prompts 4
         --prompt-tokens 8192 --turns 4 --reply-tokens 128] [--servers radixkv,llama-server,llama-server-kvu]
 
+Replies are asked for with ignore_eos (llama-server honours it; radixkv's server takes no such
+field, so a model that ends its replies early makes fewer tokens there: the table shows how
+many each made, and the random-weight real_shape models practically never end early).
 Reports per turn time to first token p50/p90, output tokens/s over the run, the server's RSS,
 its cached share of prompt tokens (the usage's prompt_tokens_details.cached_tokens, else
 radixkv's /metrics), wall time, the ratios radixkv / llama-server, and an estimate of the full
@@ -224,7 +227,7 @@ def print_table(rows: list[dict], args, limits: dict | None) -> dict:
     )
     if limits:
         print(f"{limits['cpu']}: read {limits['read_bandwidth_gb_s']:.1f} GB/s, {limits['matmul_dtype']} matmul {limits['matmul_gflops']:.0f} GFLOP/s (this run)")
-    header = f"{'server':<18}{'wall s':>8}{'out tok/s':>10}{'ttft p50':>9}{'ttft p90':>9}{'cached':>8}{'RSS GB':>8}{'peak GB':>8}{'failed':>7}{'full est s':>11}"
+    header = f"{'server':<18}{'wall s':>8}{'out tok':>8}{'out tok/s':>10}{'ttft p50':>9}{'ttft p90':>9}{'cached':>8}{'RSS GB':>8}{'peak GB':>8}{'failed':>7}{'full est s':>11}"
     print(header)
     print("-" * len(header))
     for row in rows:
@@ -234,7 +237,7 @@ def print_table(rows: list[dict], args, limits: dict | None) -> dict:
         share = "-" if row["cached_share"] is None else f"{row['cached_share']:.0%}"
         est = "-" if row["full_size_estimate_s"] is None else f"{row['full_size_estimate_s']:.0f}"
         print(
-            f"{row['server']:<18}{row['wall_s']:>8.1f}{row['output_tokens_per_s']:>10.2f}{_s(row['ttft_p50_s'])}{_s(row['ttft_p90_s'])}"
+            f"{row['server']:<18}{row['wall_s']:>8.1f}{row['output_tokens']:>8}{row['output_tokens_per_s']:>10.2f}{_s(row['ttft_p50_s'])}{_s(row['ttft_p90_s'])}"
             f"{share:>8}{row['rss_bytes'] / 1e9:>8.2f}{row['peak_rss_bytes'] / 1e9:>8.2f}{row['failed']:>7}{est:>11}"
         )
     print("\nper turn, ttft p50 / p90 (s):")
