@@ -161,7 +161,7 @@ class Reply:
 
     ttft_s: float | None = None
     wall_s: float = 0.0
-    token_times_s: list[float] = field(default_factory=list)  # each content chunk's arrival
+    token_times_s: list[float] = field(default_factory=list)  # each token event's arrival
     text: str = ""
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -170,9 +170,13 @@ class Reply:
 
     @property
     def decode_s_per_token(self) -> float | None:
-        """Seconds per output token after the first (chunks arrive one token each)."""
-        times = self.token_times_s
-        return (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
+        """Seconds per output token after the first: from the first token's event to the end of
+        the stream over the tokens the usage counts. Not from the events' count: a server may
+        send no event for a token with no text of its own (a partial UTF-8 byte, a padding
+        token of a random model)."""
+        if self.ttft_s is None or self.completion_tokens < 2:
+            return None
+        return (self.wall_s - self.ttft_s) / (self.completion_tokens - 1)
 
 
 async def stream(client: httpx.AsyncClient, server: ServerProcess, path: str, body: dict) -> Reply:
@@ -209,8 +213,10 @@ def _take_event(event: dict, reply: Reply, now: float) -> None:
         if "cached_tokens" in details:
             reply.cached_tokens = details["cached_tokens"]
     for choice in event.get("choices") or []:
-        text = choice.get("text") or (choice.get("delta") or {}).get("content")
-        if text:
+        # A token's event carries its text, empty for a token with none of its own; a chat
+        # stream's opening event carries only the role and is no token.
+        text = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
+        if text is not None:
             if reply.ttft_s is None:
                 reply.ttft_s = now
             reply.token_times_s.append(now)

@@ -42,13 +42,16 @@ def test_not_a_gguf_is_refused(monkeypatch, tmp_path):
 
 def test_events_are_read_into_a_reply():
     reply = Reply()
+    _take_event({"choices": [{"delta": {"role": "assistant"}}]}, reply, 0.1)  # the role alone: no token
     _take_event({"choices": [{"delta": {"content": "Hel"}}]}, reply, 0.5)
-    _take_event({"choices": [{"delta": {"content": ""}}]}, reply, 0.6)  # no token: not timed
+    _take_event({"choices": [{"delta": {"content": ""}}]}, reply, 0.6)  # a token with no text of its own
     _take_event({"choices": [{"text": "lo"}]}, reply, 0.9)
-    _take_event({"choices": [], "usage": {"prompt_tokens": 10, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 8}}}, reply, 1.0)
-    assert reply.text == "Hello" and reply.ttft_s == 0.5 and reply.token_times_s == [0.5, 0.9]
-    assert (reply.prompt_tokens, reply.completion_tokens, reply.cached_tokens) == (10, 2, 8)
-    assert reply.decode_s_per_token == pytest.approx(0.4)
+    _take_event({"choices": [], "usage": {"prompt_tokens": 10, "completion_tokens": 5, "prompt_tokens_details": {"cached_tokens": 8}}}, reply, 1.0)
+    reply.wall_s = 1.3
+    assert reply.text == "Hello" and reply.ttft_s == 0.5 and reply.token_times_s == [0.5, 0.6, 0.9]
+    assert (reply.prompt_tokens, reply.completion_tokens, reply.cached_tokens) == (10, 5, 8)
+    # Over the 5 tokens the usage counts, not the 3 events: one server sends no event for some.
+    assert reply.decode_s_per_token == pytest.approx((1.3 - 0.5) / 4)
     other = Reply()
     _take_event({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 1}}, other, 1.0)
     assert other.cached_tokens is None  # the server did not say, which is not 0
