@@ -214,9 +214,10 @@ def _take_event(event: dict, reply: Reply, now: float) -> None:
             reply.cached_tokens = details["cached_tokens"]
     for choice in event.get("choices") or []:
         # A token's event carries its text, empty for a token with none of its own; a chat
-        # stream's opening event carries only the role and is no token.
-        text = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
-        if text is not None:
+        # stream's opening event carries the role and no text (both servers send one), no token.
+        delta = choice.get("delta") or {}
+        text = choice.get("text") if "text" in choice else delta.get("content")
+        if text is not None and (text or "role" not in delta):
             if reply.ttft_s is None:
                 reply.ttft_s = now
             reply.token_times_s.append(now)

@@ -42,7 +42,7 @@ def test_not_a_gguf_is_refused(monkeypatch, tmp_path):
 
 def test_events_are_read_into_a_reply():
     reply = Reply()
-    _take_event({"choices": [{"delta": {"role": "assistant"}}]}, reply, 0.1)  # the role alone: no token
+    _take_event({"choices": [{"delta": {"role": "assistant", "content": ""}}]}, reply, 0.1)  # the opening: no token
     _take_event({"choices": [{"delta": {"content": "Hel"}}]}, reply, 0.5)
     _take_event({"choices": [{"delta": {"content": ""}}]}, reply, 0.6)  # a token with no text of its own
     _take_event({"choices": [{"text": "lo"}]}, reply, 0.9)
