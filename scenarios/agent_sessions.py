@@ -316,6 +316,7 @@ def main(argv: list[str] | None = None) -> int:
 
         from radixkv.scenarios.machine import machine_limits
 
+        torch.set_num_threads(args.threads)  # the limits at the threads the peers ran with
         limits = machine_limits(torch.float32)
     compared = print_table(rows, args, limits)
     results = dict(

@@ -235,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
 
         from radixkv.scenarios.machine import machine_limits
 
+        torch.set_num_threads(args.threads)  # the limits at the threads the peers ran with
         dtype = next((getattr(torch, r["dtype"]) for r in rows if r.get("dtype")), torch.float32)
         limits = machine_limits(dtype)  # after the peers: nothing else of ours is running
     print_table(rows, args, limits)
