@@ -2,8 +2,10 @@
 
 Peers: radixkv, radixkv-nocache, radixkv-noshare (the cache on, cascade decode off),
 hf-generate (transformers `generate`, one request at a time),
-hf-batch (transformers `generate_batch`, continuous batching with block sharing), llama.cpp
-(llama-cpp-python with its RAM prompt cache, when installed). Every request arrives at t0;
+hf-batch (transformers `generate_batch`, continuous batching with block sharing),
+llama-cpp-python (llama.cpp's Python binding with its RAM prompt cache, one request at a time,
+when installed; "llama.cpp" is its older name). llama.cpp's own server, the CPU peer over HTTP,
+is scenarios/llama_server.py's. Every request arrives at t0;
 time to first token is measured from t0. A subprocess per peer keeps threads, memory peaks
 and warm caches from leaking between peers.
 """
@@ -21,7 +23,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-PEERS = ("radixkv", "radixkv-nocache", "radixkv-noshare", "hf-generate", "hf-batch", "llama.cpp")
+PEERS = ("radixkv", "radixkv-nocache", "radixkv-noshare", "hf-generate", "hf-batch", "llama-cpp-python", "llama.cpp")
 
 
 @dataclass(slots=True)
@@ -289,7 +291,8 @@ def _main(argv: list[str]) -> None:
         "radixkv-noshare": lambda w: _run_radixkv(w, cache=True, share_reads=False),
         "hf-generate": _run_hf_generate,
         "hf-batch": _run_hf_batch,
-        "llama.cpp": _run_llama_cpp,
+        "llama-cpp-python": _run_llama_cpp,
+        "llama.cpp": _run_llama_cpp,  # the binding's older name here, kept for old commands
     }
     if peer not in runners:
         raise SystemExit(f"unknown peer {peer!r}; known: {', '.join(PEERS)}")

@@ -1,0 +1,333 @@
+"""The agent workload at real length over HTTP: --sessions concurrent sessions over --prompts
+agent prompts of --prompt-tokens tokens (system prompt and tool schemas), --turns turns each (a
+user message, a --reply-tokens greedy reply, the reply appended to the history for the next
+turn), streamed from `radixkv serve` and from llama.cpp's llama-server (-np sessions, with and
+without -kvu: the better one is compared) on the same GGUF.
+
+    python -m radixkv.scenarios.agent_sessions [--model FILE.gguf] [--sessions 16 --prompts 4
+        --prompt-tokens 8192 --turns 4 --reply-tokens 128] [--servers radixkv,llama-server,llama-server-kvu]
+
+Replies are asked for with ignore_eos (llama-server honours it; radixkv's server takes no such
+field, so a model that ends its replies early makes fewer tokens there: the table shows how
+many each made, and the random-weight real_shape models practically never end early).
+Reports per turn time to first token p50/p90, output tokens/s over the run, the server's RSS,
+its cached share of prompt tokens (the usage's prompt_tokens_details.cached_tokens, else
+radixkv's /metrics), wall time, the ratios radixkv / llama-server, and an estimate of the full
+size's wall time from this run's prefill and decode shares.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from radixkv.scenarios.agent_tools import QUESTIONS
+from radixkv.scenarios.report import percentile
+
+SERVERS = ("radixkv", "llama-server", "llama-server-kvu")
+FULL = dict(sessions=16, prompts=4, prompt_tokens=8192, turns=4, reply_tokens=128)
+TOOL_NAMES = ("lookup_order", "search_docs", "calculator", "calendar", "convert_currency", "weather")
+
+
+@dataclass(slots=True)
+class Turn:
+    """One turn of one session, as the server streamed it."""
+
+    session: int
+    turn: int
+    start_s: float  # from the run's start
+    ttft_s: float | None
+    wall_s: float
+    prompt_tokens: int
+    cached_tokens: int | None
+    completion_tokens: int
+    error: str | None
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="a .gguf (llama-server needs one); default SmolLM2's GGUF")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--servers", default="radixkv,llama-server,llama-server-kvu")
+    for name, value in FULL.items():
+        parser.add_argument("--" + name.replace("_", "-"), type=int, default=value)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--num-pages", type=int, default=None, help="radixkv's KV pages; default: sized from memory")
+    parser.add_argument("--cache-ram-mib", type=int, default=8192, help="llama-server's --cache-ram")
+    parser.add_argument("--weight-dtype", default=None)
+    parser.add_argument("--kv-dtype", default=None)
+    parser.add_argument("--quant-kernel", default=None)
+    parser.add_argument("--request-timeout-s", type=float, default=7200.0)
+    parser.add_argument("--limits", type=int, default=1, help="0: skip measuring the machine's limits (tests)")
+    parser.add_argument("--out", default="out/agent_sessions")
+    args = parser.parse_args(argv)
+    unknown = [s for s in args.servers.split(",") if s not in SERVERS]
+    if unknown:
+        parser.error(f"unknown server(s) {unknown}; known: {', '.join(SERVERS)}")
+    for name in FULL:
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    return args
+
+
+# -- the workload ----------------------------------------------------------------------------
+
+
+def tool_schemas(prompt: int) -> str:
+    """The tools' JSON schemas as an agent framework puts them in its system prompt."""
+    tools = [
+        {"type": "function", "function": {"name": f"{name}_{prompt}", "description": f"Tool {name} of agent {prompt}.",
+         "parameters": {"type": "object", "properties": {"query": {"type": "string"}, "limit": {"type": "integer"}}, "required": ["query"]}}}
+        for name in TOOL_NAMES
+    ]  # fmt: skip
+    return json.dumps(tools)
+
+
+def system_prompts(tokenizer, count: int, tokens: int) -> list[str]:
+    """`count` distinct agent system prompts of about `tokens` tokens each: a header, the tool
+    schemas, then instructions (the harness's text) filling the rest."""
+    from radixkv.scenarios.harness import text_tokens
+
+    prompts = []
+    for p in range(count):
+        head = f"You are agent {p} of the support team. Tools:\n{tool_schemas(p)}\nInstructions:\n"
+        room = max(0, tokens - len(tokenizer(head, add_special_tokens=False).input_ids))
+        prompts.append(head + tokenizer.decode(text_tokens(tokenizer, room, offset=97 * p)))
+    return prompts
+
+
+def user_message(session: int, turn: int) -> str:
+    return f"[session {session}, turn {turn}] {QUESTIONS[(session + turn) % len(QUESTIONS)]}"
+
+
+# -- one server ------------------------------------------------------------------------------
+
+
+async def run_sessions(server, systems: list[str], args: argparse.Namespace, model_name: str) -> tuple[list[Turn], float]:
+    import httpx
+
+    from radixkv.scenarios.serve_http import stream
+
+    limits = httpx.Limits(max_connections=args.sessions + 4, max_keepalive_connections=args.sessions + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(args.request_timeout_s), limits=limits) as client:
+        # Off the clock: one short request, so first-call costs are not the first turn's.
+        await stream(client, server, "/v1/chat/completions", dict(model=model_name, messages=[{"role": "user", "content": "hi"}], max_tokens=2, temperature=0))
+        start = time.perf_counter()
+
+        async def session(s: int) -> list[Turn]:
+            messages = [{"role": "system", "content": systems[s % len(systems)]}]
+            turns = []
+            for t in range(args.turns):
+                messages.append({"role": "user", "content": user_message(s, t)})
+                sent = time.perf_counter() - start
+                body = dict(model=model_name, messages=messages, max_tokens=args.reply_tokens, temperature=0, ignore_eos=True)
+                reply = await stream(client, server, "/v1/chat/completions", body)
+                turns.append(Turn(s, t, sent, reply.ttft_s, reply.wall_s, reply.prompt_tokens, reply.cached_tokens, reply.completion_tokens, reply.error))
+                if reply.error:
+                    break
+                messages.append({"role": "assistant", "content": reply.text})
+            return turns
+
+        done = await asyncio.gather(*(session(s) for s in range(args.sessions)))
+        wall = time.perf_counter() - start
+    return [turn for turns in done for turn in turns], wall
+
+
+def run_server(name: str, args: argparse.Namespace, systems: list[str], out: Path) -> dict:
+    from radixkv.scenarios.llama_server import LlamaServerOptions, start_llama_server
+    from radixkv.scenarios.serve_http import engine_knobs, metric_total, served_model, start_radixkv_serve
+
+    model = model_path(args)
+    started = time.perf_counter()
+    try:
+        if name == "radixkv":
+            knobs = engine_knobs(dict(weight_dtype=args.weight_dtype, kv_dtype=args.kv_dtype, quant_kernel=args.quant_kernel))
+            server = start_radixkv_serve(model, out / "radixkv-serve.log", dtype=args.dtype, num_pages=args.num_pages, threads=args.threads, knobs=knobs)
+        else:
+            ctx = args.prompt_tokens + args.turns * (args.reply_tokens + 64) + 512  # a session's whole history, and room
+            options = LlamaServerOptions(slots=args.sessions, ctx_per_slot=ctx, threads=args.threads, cache_ram_mib=args.cache_ram_mib, unified_kv=name.endswith("kvu"))
+            server = start_llama_server(Path(model), out / f"{name}.log", options)
+    except Exception as error:  # reported; the other servers still run
+        return dict(server=name, error=f"{type(error).__name__}: {error}")
+    load_s = time.perf_counter() - started
+    with server:
+        hits_before = metric_total(server, "radixkv_cached_prompt_tokens_total") if name == "radixkv" else None
+        turns, wall = asyncio.run(run_sessions(server, systems, args, served_model(server)))
+        memory = server.memory()
+        hits_after = metric_total(server, "radixkv_cached_prompt_tokens_total") if name == "radixkv" else None
+    return summarize(name, turns, wall, memory, load_s, args, None if hits_after is None else hits_after - (hits_before or 0))
+
+
+def model_path(args: argparse.Namespace) -> str:
+    from radixkv.model.loader import default_model_gguf
+
+    return args.model or str(default_model_gguf())
+
+
+# -- report ----------------------------------------------------------------------------------
+
+
+def busy_share(turns: list[Turn], wall: float) -> float:
+    """Share of the wall time with some request before its first token (prefill or queued for it)."""
+    spans = sorted((t.start_s, t.start_s + (t.ttft_s if t.ttft_s is not None else t.wall_s)) for t in turns)
+    covered, end = 0.0, 0.0
+    for a, b in spans:
+        if b > end:
+            covered += b - max(a, end)
+            end = b
+    return min(1.0, covered / wall) if wall else 0.0
+
+
+def summarize(name: str, turns: list[Turn], wall: float, memory: dict, load_s: float, args, metric_hits: float | None) -> dict:
+    ok = [t for t in turns if not t.error]
+    prompt = sum(t.prompt_tokens for t in ok)
+    reported = [t.cached_tokens for t in ok if t.cached_tokens is not None]
+    cached = sum(reported) if len(reported) == len(ok) and ok else metric_hits
+    output = sum(t.completion_tokens for t in ok)
+    per_turn = []
+    for index in range(args.turns):
+        ttfts = [t.ttft_s for t in ok if t.turn == index and t.ttft_s is not None]
+        per_turn.append(dict(turn=index, ttft_p50_s=percentile(ttfts, 0.5) if ttfts else None, ttft_p90_s=percentile(ttfts, 0.9) if ttfts else None))
+    all_ttft = [t.ttft_s for t in ok if t.ttft_s is not None]
+    prefill_share = busy_share(ok, wall)
+    full = estimate_full(args, wall, prompt, cached or 0, output, prefill_share)
+    return dict(
+        server=name, error=next((t.error for t in turns if t.error), None), load_s=load_s, wall_s=wall,
+        requests=len(turns), failed=len(turns) - len(ok), output_tokens=output, output_tokens_per_s=output / wall if wall else 0.0,
+        prompt_tokens=prompt, cached_tokens=cached, cached_share=(cached / prompt) if cached is not None and prompt else None,
+        ttft_p50_s=percentile(all_ttft, 0.5) if all_ttft else None, ttft_p90_s=percentile(all_ttft, 0.9) if all_ttft else None,
+        per_turn=per_turn, rss_bytes=memory["rss_bytes"], peak_rss_bytes=memory["peak_rss_bytes"],
+        prefill_share=prefill_share, full_size_estimate_s=full, turns=[asdict(t) for t in turns],
+    )  # fmt: skip
+
+
+def estimate_full(args, wall: float, prompt: int, cached: int, output: int, prefill_share: float) -> float | None:
+    """The full size's (FULL) wall time, scaling this run's prefill share by the prompt tokens
+    computed (this run's cached share applied to the full size's prompt tokens) and the rest by
+    the output tokens. Rough: prefill grows faster than linearly with length, decode batches."""
+    if not prompt or not output or not wall:
+        return None
+    history = lambda a: a["sessions"] * sum(a["prompt_tokens"] + t * (a["reply_tokens"] + 24) + 24 for t in range(a["turns"]))  # noqa: E731
+    computed_share = 1 - cached / prompt
+    full_computed = history(FULL) * computed_share
+    run_computed = max(1.0, prompt * computed_share)
+    full_output = FULL["sessions"] * FULL["turns"] * FULL["reply_tokens"]
+    return wall * prefill_share * full_computed / run_computed + wall * (1 - prefill_share) * full_output / output
+
+
+def print_table(rows: list[dict], args, limits: dict | None) -> dict:
+    print(
+        f"\nagent_sessions: {model_path(args)}; {args.sessions} sessions over {args.prompts} prompts of {args.prompt_tokens} tokens, "
+        f"{args.turns} turns of {args.reply_tokens}-token replies, greedy, {args.threads} threads"
+    )
+    if limits:
+        print(f"{limits['cpu']}: read {limits['read_bandwidth_gb_s']:.1f} GB/s, {limits['matmul_dtype']} matmul {limits['matmul_gflops']:.0f} GFLOP/s (this run)")
+    header = f"{'server':<18}{'wall s':>8}{'out tok':>8}{'out tok/s':>10}{'ttft p50':>9}{'ttft p90':>9}{'cached':>8}{'RSS GB':>8}{'peak GB':>8}{'failed':>7}{'full est s':>11}"
+    print(header)
+    print("-" * len(header))
+    for row in rows:
+        if row.get("error") and not row.get("requests"):
+            print(f"{row['server']:<18} failed: {row['error'].splitlines()[-1][:100]}")
+            continue
+        share = "-" if row["cached_share"] is None else f"{row['cached_share']:.0%}"
+        est = "-" if row["full_size_estimate_s"] is None else f"{row['full_size_estimate_s']:.0f}"
+        print(
+            f"{row['server']:<18}{row['wall_s']:>8.1f}{row['output_tokens']:>8}{row['output_tokens_per_s']:>10.2f}{_s(row['ttft_p50_s'])}{_s(row['ttft_p90_s'])}"
+            f"{share:>8}{row['rss_bytes'] / 1e9:>8.2f}{row['peak_rss_bytes'] / 1e9:>8.2f}{row['failed']:>7}{est:>11}"
+        )
+    print("\nper turn, ttft p50 / p90 (s):")
+    for row in rows:
+        if row.get("per_turn"):
+            print(f"  {row['server']:<18}" + "  ".join(f"t{p['turn']}: {_s(p['ttft_p50_s'], 0)} / {_s(p['ttft_p90_s'], 0)}" for p in row["per_turn"]))
+    return ratios(rows)
+
+
+def ratios(rows: list[dict]) -> dict:
+    """radixkv over the better llama-server (higher output tokens/s): throughput and p90 TTFT."""
+    base = next((r for r in rows if r["server"] == "radixkv" and r.get("requests") and not r["failed"]), None)
+    llamas = [r for r in rows if r["server"].startswith("llama-server") and r.get("requests") and not r["failed"]]
+    if not base or not llamas:
+        return {}
+    best = max(llamas, key=lambda r: r["output_tokens_per_s"])
+    result = dict(
+        llama_server=best["server"],
+        throughput_ratio=base["output_tokens_per_s"] / best["output_tokens_per_s"] if best["output_tokens_per_s"] else None,
+        ttft_p90_ratio=base["ttft_p90_s"] / best["ttft_p90_s"] if base["ttft_p90_s"] and best["ttft_p90_s"] else None,
+        wall_ratio=base["wall_s"] / best["wall_s"] if best["wall_s"] else None,
+    )
+    print(
+        f"\nradixkv / {best['server']} (the better llama-server): throughput x{_f(result['throughput_ratio'])}, "
+        f"p90 ttft x{_f(result['ttft_p90_ratio'])}, wall x{_f(result['wall_ratio'])}"
+    )
+    return result
+
+
+def _s(value: float | None, width: int = 9) -> str:
+    text = "-" if value is None else f"{value:.2f}"
+    return f"{text:>{width}}" if width else text
+
+
+def _f(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    from radixkv.scenarios.plots import pyplot, save
+
+    plt = pyplot()
+    ok = [r for r in rows if r.get("per_turn")]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    for row in ok:
+        turns = [p["turn"] for p in row["per_turn"]]
+        axes[0].plot(turns, [p["ttft_p90_s"] or 0 for p in row["per_turn"]], marker="o", label=f"{row['server']} p90")
+        axes[0].plot(turns, [p["ttft_p50_s"] or 0 for p in row["per_turn"]], marker=".", linestyle="--", label=f"{row['server']} p50")
+    axes[0].set_title("time to first token by turn (s)")
+    axes[0].set_xlabel("turn")
+    axes[0].legend(fontsize=7)
+    axes[1].bar([r["server"] for r in ok], [r["output_tokens_per_s"] for r in ok])
+    axes[1].set_title("output tokens / s over the run")
+    save(fig, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from radixkv.scenarios.harness import load_tokenizer
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model = model_path(args)
+    servers = args.servers.split(",")
+    if not model.endswith(".gguf"):
+        print("note: llama-server needs a .gguf; left out", flush=True)
+        servers = [s for s in servers if not s.startswith("llama-server")]
+    systems = system_prompts(load_tokenizer(None), args.prompts, args.prompt_tokens)
+    rows = []
+    for name in servers:
+        print(f"running {name} ...", flush=True)
+        rows.append(run_server(name, args, systems, out))
+    limits = None
+    if args.limits:
+        import torch
+
+        from radixkv.scenarios.machine import machine_limits
+
+        torch.set_num_threads(args.threads)  # the limits at the threads the peers ran with
+        limits = machine_limits(torch.float32)
+    compared = print_table(rows, args, limits)
+    results = dict(
+        scenario="agent_sessions", model=model, args=vars(args), full_size=FULL, machine_limits=limits, ratios=compared,
+        command=" ".join(["python -m radixkv.scenarios.agent_sessions", *(argv if argv is not None else sys.argv[1:])]), rows=rows,
+    )  # fmt: skip
+    from radixkv.scenarios.plots import save_results
+
+    save_results(out, "agent_sessions", results, lambda path: plot(rows, path))
+    return 0 if all(r.get("requests") and not r["failed"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,324 @@
+"""Models of real shape with random weights: a Llama-3.2-1B-shaped and a Llama-3.1-8B-shaped one
+(and a tiny one for tests) as HF folders and as GGUFs (F16, Q8_0, Q4_K_M), cached by shape and
+format under the radixkv cache folder. Speed does not depend on the weights' values.
+
+    python -m radixkv.scenarios.real_shape --shape llama-8b --format Q4_K_M [--out DIR]
+
+F16 comes from llama.cpp's converter, Q8_0 and Q4_K_M from its quantizer (paths from
+RADIXKV_LLAMA_CPP_DIR, RADIXKV_LLAMA_QUANTIZE, RADIXKV_CONVERT_PYTHON). An 8B-shaped Q4_K_M would
+need a 16 GB F16 file first, so `--direct` (the default for llama-8b) writes it block by block:
+random valid Q4_K and Q6_K blocks in the tensor types llama-quantize picks, and the metadata the
+converter writes for that shape (its `--vocab-only` output).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from radixkv.errors import ConfigError
+
+FORMATS = ("F16", "Q8_0", "Q4_K_M")
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    """A Llama model's shape, as transformers' LlamaConfig takes it."""
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    tied: bool
+
+    def hf_config(self) -> dict:
+        return dict(
+            architectures=["LlamaForCausalLM"], model_type="llama",
+            vocab_size=self.vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_layers, num_attention_heads=self.num_q_heads,
+            num_key_value_heads=self.num_kv_heads, head_dim=self.head_dim, max_position_embeddings=32768,
+            rope_theta=500000.0, tie_word_embeddings=self.tied, rms_norm_eps=1e-5, hidden_act="silu",
+            bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16", attention_bias=False, mlp_bias=False,
+        )  # fmt: skip
+
+    def tensor_shapes(self) -> list[tuple[str, tuple[int, int] | tuple[int]]]:
+        """Every GGUF tensor, (rows, row length) as numpy holds it, in the converter's order."""
+        q, kv, h, m = self.num_q_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.hidden_size, self.intermediate_size
+        tensors: list[tuple[str, tuple[int, int] | tuple[int]]] = [("token_embd.weight", (self.vocab_size, h))]
+        for i in range(self.num_layers):
+            tensors += [
+                (f"blk.{i}.attn_norm.weight", (h,)), (f"blk.{i}.attn_q.weight", (q, h)),
+                (f"blk.{i}.attn_k.weight", (kv, h)), (f"blk.{i}.attn_v.weight", (kv, h)),
+                (f"blk.{i}.attn_output.weight", (h, q)), (f"blk.{i}.ffn_norm.weight", (h,)),
+                (f"blk.{i}.ffn_gate.weight", (m, h)), (f"blk.{i}.ffn_up.weight", (m, h)),
+                (f"blk.{i}.ffn_down.weight", (h, m)),
+            ]  # fmt: skip
+        tensors.append(("output_norm.weight", (h,)))
+        if not self.tied:
+            tensors.append(("output.weight", (self.vocab_size, h)))
+        return tensors
+
+
+SHAPES = {
+    "llama-1b": Shape("llama-1b", 16, 2048, 32, 8, 64, 8192, 128256, tied=True),
+    "llama-8b": Shape("llama-8b", 32, 4096, 32, 8, 128, 14336, 128256, tied=False),
+    # Rows of 256 so every K-quant block fits; SmolLM2's own vocabulary, so no padding tokens.
+    "tiny": Shape("tiny", 2, 256, 4, 2, 64, 512, 49152, tied=True),
+}
+
+
+# -- where things are ------------------------------------------------------------------------
+
+
+def shape_of(name: str) -> Shape:
+    if name not in SHAPES:
+        raise ConfigError(f"unknown shape {name!r}; known: {', '.join(SHAPES)}", param="shape")
+    return SHAPES[name]
+
+
+def default_root() -> Path:
+    from radixkv.config import default_cache_dir
+
+    return default_cache_dir() / "real_shape"
+
+
+def gguf_path(shape: Shape, fmt: str, root: Path | None = None) -> Path:
+    return (root or default_root()) / shape.name / f"{shape.name}-{fmt}.gguf"
+
+
+def hf_path(shape: Shape, root: Path | None = None) -> Path:
+    return (root or default_root()) / shape.name / "hf"
+
+
+def tool_path(variable: str, what: str) -> Path:
+    """A llama.cpp tool's path from an environment variable; never a path of this machine's."""
+    value = os.environ.get(variable)
+    if not value:
+        raise ConfigError(f"set {variable} to {what}", param=variable)
+    path = Path(value)
+    if not path.exists():
+        raise ConfigError(f"{variable}={value} does not exist ({what})", param=variable)
+    return path
+
+
+def llama_cpp_dir() -> Path:
+    return tool_path("RADIXKV_LLAMA_CPP_DIR", "llama.cpp's source folder (convert_hf_to_gguf.py and gguf-py/ in it)")
+
+
+def convert_python() -> str:
+    """The Python that runs llama.cpp's converter (it needs torch, transformers and numpy)."""
+    return os.environ.get("RADIXKV_CONVERT_PYTHON") or sys.executable
+
+
+# -- the HF folder ---------------------------------------------------------------------------
+
+
+def make_hf_folder(shape: Shape, out: Path, seed: int = 0, weights: bool = True) -> Path:
+    """An HF folder: config, SmolLM2's tokenizer files and (weights=True) random bf16 weights,
+    normal with std 0.02 from `seed` (norms too: the values only have to stay finite)."""
+    from radixkv.model.loader import resolve_model_folder
+
+    out.mkdir(parents=True, exist_ok=True)
+    source = resolve_model_folder(None)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        if (source / name).exists():
+            shutil.copy(source / name, out / name)
+    (out / "config.json").write_text(json.dumps(shape.hf_config(), indent=2))
+    if weights and not (out / "model.safetensors").exists():
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(LlamaConfig(**shape.hf_config())).to(torch.bfloat16)
+        with torch.no_grad():
+            for param in model.parameters():
+                param.normal_(std=0.02)
+        model.save_pretrained(out, safe_serialization=True)
+        (out / "config.json").write_text(json.dumps(shape.hf_config(), indent=2))
+    return out
+
+
+# -- GGUFs through llama.cpp's tools ---------------------------------------------------------
+
+
+def convert(folder: Path, out: Path, vocab_only: bool = False) -> Path:
+    """llama.cpp's convert_hf_to_gguf.py: an F16 GGUF (or its metadata alone, vocab_only)."""
+    source = llama_cpp_dir()
+    command = [convert_python(), str(source / "convert_hf_to_gguf.py"), str(folder), "--outtype", "f16", "--outfile", str(out)]
+    if vocab_only:
+        command.append("--vocab-only")
+    env = {**os.environ, "PYTHONPATH": str(source / "gguf-py"), "HF_HUB_OFFLINE": "1"}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _run(command, env)
+    return out
+
+
+def quantize(f16: Path, out: Path, fmt: str) -> Path:
+    tool = tool_path("RADIXKV_LLAMA_QUANTIZE", "llama.cpp's llama-quantize binary")
+    _run([str(tool), str(f16), str(out), fmt, "2"], dict(os.environ))
+    return out
+
+
+def _run(command: list[str], env: dict[str, str]) -> None:
+    proc = subprocess.run(command, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(command[:3])} ... failed ({proc.returncode}):\n{(proc.stderr or proc.stdout)[-2000:]}")
+
+
+# -- Q4_K_M written directly -----------------------------------------------------------------
+
+Q4_K_BLOCK = (256, 144)  # values, bytes: f16 d, f16 dmin, 12 bytes of 6-bit scales/mins, 128 of nibbles
+Q6_K_BLOCK = (256, 210)  # 128 bytes low nibbles, 64 high bits, 16 int8 scales, f16 d last
+
+
+def _more_bits(layer: int, num_layers: int) -> bool:
+    """llama.cpp's use_more_bits: the layers whose attn_v and ffn_down Q4_K_M keeps in Q6_K."""
+    return layer < num_layers // 8 or layer >= 7 * num_layers // 8 or (layer - num_layers // 8) % 3 == 2
+
+
+def q4_k_m_type(name: str, shape: Shape) -> str:
+    """The tensor type llama-quantize gives `name` in a Q4_K_M file of `shape`."""
+    if name.endswith("_norm.weight"):
+        return "F32"
+    if name == "output.weight" or (name == "token_embd.weight" and shape.tied):
+        return "Q6_K"  # the output projection (the tied embedding is it)
+    if name.endswith(("attn_v.weight", "ffn_down.weight")) and _more_bits(int(name.split(".")[1]), shape.num_layers):
+        return "Q6_K"
+    return "Q4_K"
+
+
+def random_blocks(kind: str, rows: int, row_len: int, rng: np.random.Generator) -> np.ndarray:
+    """rows x row_len values as random valid blocks of `kind`: random bits, the f16 block scales
+    set to small finite values, so dequantized weights are of the order of 0.02."""
+    values, size = Q4_K_BLOCK if kind == "Q4_K" else Q6_K_BLOCK
+    assert row_len % values == 0, (kind, row_len)
+    blocks = rng.integers(0, 256, size=(rows, row_len // values, size), dtype=np.uint8)
+    if kind == "Q4_K":
+        # value = d * scale(6 bits) * q(4 bits) - dmin * min(6 bits)
+        blocks[..., 0:2] = np.frombuffer(np.float16(0.02 / (63 * 15)).tobytes(), dtype=np.uint8)
+        blocks[..., 2:4] = np.frombuffer(np.float16(0.01 / 63).tobytes(), dtype=np.uint8)
+    else:
+        # value = d * scale(int8) * (q(6 bits) - 32)
+        blocks[..., 208:210] = np.frombuffer(np.float16(0.02 / (127 * 32)).tobytes(), dtype=np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def write_q4_k_m(shape: Shape, out: Path, metadata: Path, seed: int = 0) -> Path:
+    """A Q4_K_M GGUF of `shape` written directly: the KV metadata of `metadata` (a GGUF of this
+    shape, e.g. the converter's --vocab-only output) and random blocks, one tensor at a time."""
+    import gguf
+
+    reader = gguf.GGUFReader(metadata)
+    tmp = out.with_suffix(".partial")
+    writer = gguf.GGUFWriter(tmp, arch=str(reader.fields["general.architecture"].contents()))
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name in ("general.architecture", "general.file_type", "general.quantization_version"):
+            continue
+        value_type = field.types[0]
+        sub_type = field.types[-1] if value_type == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), value_type, sub_type=sub_type)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    plan = [(name, dims, q4_k_m_type(name, shape)) for name, dims in shape.tensor_shapes()]
+    for name, dims, kind in plan:
+        if kind == "F32":
+            writer.add_tensor_info(name, dims, np.dtype(np.float32), 4 * dims[0])
+        else:
+            rows, row_len = dims
+            values, size = Q4_K_BLOCK if kind == "Q4_K" else Q6_K_BLOCK
+            nbytes = rows * row_len // values * size
+            writer.add_tensor_info(name, (rows, row_len * size // values), np.dtype(np.uint8), nbytes, gguf.GGMLQuantizationType[kind])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    rng = np.random.default_rng(seed)
+    for name, dims, kind in plan:
+        if kind == "F32":
+            writer.write_tensor_data(np.ones(dims, dtype=np.float32))
+        else:
+            # A few thousand rows at a time would need the writer to take partial tensors; one
+            # tensor of the 8B shape is at most 128256 x 4096 values, ~430 MB as Q6_K: fine.
+            writer.write_tensor_data(random_blocks(kind, dims[0], dims[1], rng))
+    writer.close()
+    tmp.rename(out)
+    return out
+
+
+# -- the cache -------------------------------------------------------------------------------
+
+
+def ensure_gguf(shape: Shape, fmt: str, root: Path | None = None, direct: bool | None = None, seed: int = 0) -> Path:
+    """The GGUF of `shape` in `fmt`, made when not cached yet. direct (default: for the 8B
+    shape's Q4_K_M only) writes Q4_K_M blocks directly instead of converting and quantizing."""
+    if fmt not in FORMATS:
+        raise ConfigError(f"unknown format {fmt!r}; known: {', '.join(FORMATS)}", param="format")
+    path = gguf_path(shape, fmt, root)
+    if path.exists():
+        return path
+    if direct is None:
+        direct = shape.name == "llama-8b" and fmt == "Q4_K_M"
+    if shape.name == "llama-8b" and not direct:
+        # Random init of an 8B model takes 32 GB and its F16 file 16 GB: not on a 24 GB machine.
+        raise ConfigError(f"the llama-8b shape is made as a direct Q4_K_M only, not {fmt} through an F16 file", param="format")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if direct:
+        if fmt != "Q4_K_M":
+            raise ConfigError(f"direct writing makes Q4_K_M only, not {fmt}", param="format")
+        folder = make_hf_folder(shape, hf_path(shape, root).with_name("hf-config"), weights=False)
+        metadata = convert(folder, path.with_name(f"{shape.name}-vocab.gguf"), vocab_only=True)
+        return write_q4_k_m(shape, path, metadata, seed)
+    f16 = gguf_path(shape, "F16", root)
+    if not f16.exists():
+        convert(make_hf_folder(shape, hf_path(shape, root), seed), f16.with_suffix(".partial"))
+        f16.with_suffix(".partial").rename(f16)
+    if fmt == "F16":
+        return f16
+    quantize(f16, path.with_suffix(".partial"), fmt)
+    return path.with_suffix(".partial").rename(path)
+
+
+def tensor_types(path: Path) -> dict[str, str]:
+    """Each tensor's type in a GGUF file."""
+    import gguf
+
+    return {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="llama-1b", choices=sorted(SHAPES))
+    parser.add_argument("--format", default="Q4_K_M", choices=[*FORMATS, "hf"])
+    parser.add_argument("--out", default=None, help="root folder; default: the radixkv cache folder's real_shape/")
+    parser.add_argument("--direct", type=int, default=None, help="1: write Q4_K_M blocks directly (default for llama-8b)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    shape = shape_of(args.shape)
+    root = Path(args.out) if args.out else None
+    start = time.perf_counter()
+    if args.format == "hf":
+        if shape.name == "llama-8b":
+            raise ConfigError("an HF folder of the llama-8b shape would take 32 GB to initialise: make its Q4_K_M directly", param="format")
+        path = make_hf_folder(shape, hf_path(shape, root), args.seed)
+    else:
+        direct = None if args.direct is None else bool(args.direct)
+        path = ensure_gguf(shape, args.format, root, direct, args.seed)
+    size = sum(f.stat().st_size for f in path.rglob("*")) if path.is_dir() else path.stat().st_size
+    print(f"{shape.name} {args.format}: {path} ({size / 1e9:.2f} GB, {time.perf_counter() - start:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

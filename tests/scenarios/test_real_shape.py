@@ -1,0 +1,113 @@
+"""The real-shape models: shapes, the Q4_K_M tensor types, the directly written Q4_K_M file
+(read back with gguf's reader and dequantized), and, where llama.cpp's tools are given, the
+converter/quantizer path and llama-server loading the direct file."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from radixkv.errors import ConfigError
+from radixkv.scenarios import real_shape
+from radixkv.scenarios.real_shape import SHAPES, q4_k_m_type, tensor_types, write_q4_k_m
+
+gguf = pytest.importorskip("gguf")
+TOOLS = ("RADIXKV_LLAMA_CPP_DIR", "RADIXKV_LLAMA_QUANTIZE")
+
+
+def test_shapes_are_the_llama_shapes():
+    one, eight = SHAPES["llama-1b"], SHAPES["llama-8b"]
+    assert (one.num_layers, one.hidden_size, one.num_q_heads, one.num_kv_heads, one.head_dim, one.intermediate_size) == (16, 2048, 32, 8, 64, 8192)
+    assert (eight.num_layers, eight.hidden_size, eight.num_q_heads, eight.num_kv_heads, eight.head_dim, eight.intermediate_size) == (32, 4096, 32, 8, 128, 14336)
+    assert one.tied and not eight.tied and one.vocab_size == eight.vocab_size == 128256
+    names = [name for name, _ in eight.tensor_shapes()]
+    assert names.count("output.weight") == 1 and len(names) == 2 + 9 * 32 + 1
+    assert "output.weight" not in [name for name, _ in one.tensor_shapes()]
+
+
+def test_q4_k_m_types_follow_llama_quantize():
+    # llama-quantize's Q4_K_M of the 1B shape keeps attn_v and ffn_down in Q6_K in these layers.
+    one = SHAPES["llama-1b"]
+    more = [i for i in range(16) if q4_k_m_type(f"blk.{i}.attn_v.weight", one) == "Q6_K"]
+    assert more == [0, 1, 4, 7, 10, 13, 14, 15]
+    assert q4_k_m_type("blk.4.ffn_down.weight", one) == "Q6_K" and q4_k_m_type("blk.5.ffn_down.weight", one) == "Q4_K"
+    assert q4_k_m_type("blk.0.attn_q.weight", one) == "Q4_K" and q4_k_m_type("blk.0.ffn_norm.weight", one) == "F32"
+    assert q4_k_m_type("token_embd.weight", one) == "Q6_K"  # tied: it is the output projection
+    eight = SHAPES["llama-8b"]
+    assert q4_k_m_type("token_embd.weight", eight) == "Q4_K" and q4_k_m_type("output.weight", eight) == "Q6_K"
+
+
+def _metadata(path: Path, shape) -> Path:
+    writer = gguf.GGUFWriter(path, arch="llama")
+    writer.add_block_count(shape.num_layers)
+    writer.add_embedding_length(shape.hidden_size)
+    writer.add_string("tokenizer.ggml.model", "gpt2")
+    writer.add_array("tokenizer.ggml.tokens", ["a", "b", "c"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    writer.close()
+    return path
+
+
+def test_direct_q4_k_m_reads_back_as_valid_blocks(tmp_path):
+    shape = SHAPES["tiny"]
+    out = write_q4_k_m(shape, tmp_path / "tiny-Q4_K_M.gguf", _metadata(tmp_path / "meta.gguf", shape), seed=1)
+    reader = gguf.GGUFReader(out)
+    fields = {f.name: f for f in reader.fields.values()}
+    assert fields["general.file_type"].contents() == int(gguf.LlamaFileType.MOSTLY_Q4_K_M)
+    assert fields["tokenizer.ggml.tokens"].contents() == ["a", "b", "c"]  # the metadata is copied
+    types = tensor_types(out)
+    assert types == {name: q4_k_m_type(name, shape) for name, _ in shape.tensor_shapes()}
+    for tensor in reader.tensors:
+        expected = dict(shape.tensor_shapes())[tensor.name]
+        assert tuple(reversed(tensor.shape.tolist())) == expected  # GGUF lists dims innermost first
+        if tensor.tensor_type.name == "F32":
+            continue
+        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        assert np.isfinite(values).all() and 0 < np.abs(values).max() < 0.1, tensor.name
+
+
+def test_missing_tool_names_its_variable(monkeypatch):
+    monkeypatch.delenv("RADIXKV_LLAMA_QUANTIZE", raising=False)
+    with pytest.raises(ConfigError) as raised:
+        real_shape.quantize(Path("a.gguf"), Path("b.gguf"), "Q8_0")
+    assert raised.value.param == "RADIXKV_LLAMA_QUANTIZE" and "RADIXKV_LLAMA_QUANTIZE" in str(raised.value)
+
+
+@pytest.mark.skipif(any(not os.environ.get(v) for v in TOOLS), reason=f"llama.cpp's converter and quantizer not given ({', '.join(TOOLS)})")
+def test_quantized_and_direct_files_agree_and_load(tmp_path):
+    shape = SHAPES["tiny"]
+    quantized = real_shape.ensure_gguf(shape, "Q4_K_M", tmp_path / "q")
+    direct = real_shape.ensure_gguf(shape, "Q4_K_M", tmp_path / "d", direct=True)
+    assert tensor_types(direct) == tensor_types(quantized)
+    assert real_shape.ensure_gguf(shape, "Q4_K_M", tmp_path / "q") == quantized  # cached
+    q8 = real_shape.ensure_gguf(shape, "Q8_0", tmp_path / "q")
+    assert set(tensor_types(q8).values()) <= {"Q8_0", "F32"}
+    if not os.environ.get("RADIXKV_LLAMA_SERVER"):
+        return
+    import httpx
+
+    from radixkv.scenarios.llama_server import LlamaServerOptions, start_llama_server
+    from radixkv.scenarios.serve_http import stream
+
+    async def generate(server) -> int:
+        async with httpx.AsyncClient(timeout=300) as client:
+            reply = await stream(client, server, "/v1/completions", dict(prompt=[100, 200, 300], max_tokens=4, temperature=0, ignore_eos=True))
+        assert reply.error is None, reply.error
+        return reply.completion_tokens
+
+    with start_llama_server(direct, tmp_path / "server.log", LlamaServerOptions(ctx_per_slot=256)) as server:
+        assert asyncio.run(generate(server)) == 4
+
+
+def test_the_8b_shape_is_made_directly_only(tmp_path):
+    with pytest.raises(ConfigError) as raised:
+        real_shape.ensure_gguf(SHAPES["llama-8b"], "F16", tmp_path)
+    assert raised.value.param == "format" and not list(tmp_path.iterdir())
+    with pytest.raises(ConfigError):
+        real_shape.ensure_gguf(SHAPES["tiny"], "Q9_9", tmp_path)
