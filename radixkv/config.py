@@ -19,6 +19,7 @@ EVICTION_POLICIES = ("slru", "lru")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 BACKENDS = ("auto", "torch", "cpu", "triton")
 LINEAR_KERNELS = ("auto", "amx", "avx512_bf16", "avx2", "onednn")
+QUANT_KERNELS = ("auto", "amx_int8", "avx512_vnni", "avx2", "torch")
 
 
 @dataclass(slots=True)
@@ -65,6 +66,12 @@ class EngineConfig:
     # "auto": the fastest native kernel for the model's dtype that runs here. A named native
     # kernel this CPU cannot run, or that runs the other dtype, fails at load, naming why.
     linear_kernel: str = "auto"
+    # Linears over quantized weights (a GGUF's Q8_0/Q4 blocks kept as they ship, or an HF
+    # folder quantized at load): integer dot products with activations quantized per block of
+    # 32, "amx_int8" (tiles), "avx512_vnni" (vpdpbusd), "avx2" (vpmaddubsw) or "torch" (the
+    # reference, no native library needed). All compute the same bits. "auto": the fastest
+    # that runs here; a named native kernel this CPU cannot run fails at load, naming why.
+    quant_kernel: str = "auto"
     # Check the Triton kernels' device indices (page table, slots, offsets) before each step;
     # each check syncs with the device. None: on under TRITON_INTERPRET=1 only.
     check_indices: bool | None = None
@@ -189,6 +196,7 @@ class EngineConfig:
         _choice(self, "dtype", DTYPES)
         _choice(self, "attention_backend", BACKENDS)
         _choice(self, "linear_kernel", LINEAR_KERNELS)
+        _choice(self, "quant_kernel", QUANT_KERNELS)
         for name in ("native_kernels", "decode_amx", "share_decode_reads"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}", param=name)

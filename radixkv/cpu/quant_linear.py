@@ -1,0 +1,212 @@
+"""Linear and embedding layers over quantized weights (radixkv.cpu.quant.QuantWeight) that stay
+quantized: QuantLinear multiplies them with activations quantized per block of 32 to int8, in
+a native kernel (radixkv/cpu/csrc/quant_linear.c: AVX2, AVX-512 VNNI) or in torch.
+
+A CPU decode step reads every weight once, so its time is the weights' bytes over the memory's
+bandwidth: 8 or 4.5-6 bits a weight instead of fp32's 32. Every kernel computes the same
+numbers bit for bit (the order of operations below), so the choice is one of speed only.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from radixkv.config import QUANT_KERNELS
+from radixkv.cpu import native
+from radixkv.cpu.features import cpu_features
+from radixkv.cpu.quant import BLOCK, QuantWeight, dequantize, unpack_q4
+from radixkv.errors import ConfigError
+
+# The native kernels of EngineConfig.quant_kernel, fastest first, each with its bit in
+# radixkv_quant_linear_kernels() and the CPU features it needs (for messages and test skips).
+NATIVE_QUANT_KERNELS = {
+    "amx_int8": (1, ("amx_int8", "amx_tile")),
+    "avx512_vnni": (2, ("avx512_vnni", "avx512vl", "avx512bw")),
+    "avx2": (4, ("avx2",)),
+}
+FORMAT_IDS = {"q8_0": 0, "q4_1": 1}
+# Rows of x per torch-path chunk: bounds the [rows, out] temporaries of a long prefill.
+_TORCH_ROWS = 256
+
+
+def available_quant_kernels() -> tuple[str, ...]:
+    """The native quantized kernels that run here (library built, CPU feature present), fastest first."""
+    library = native.load()
+    if library is None or not hasattr(library, "radixkv_quant_linear_kernels"):
+        return ()
+    bits = library.radixkv_quant_linear_kernels()
+    return tuple(name for name, (bit, _) in NATIVE_QUANT_KERNELS.items() if bits & bit)
+
+
+def missing_quant_kernel(name: str) -> str:
+    """Why quantized kernel `name` does not run here ("" where it does), naming the missing piece."""
+    if name == "torch" or name in available_quant_kernels():
+        return ""
+    if native.load() is None:
+        return "the native kernels did not build (no C compiler, or not Linux)"
+    flags = cpu_features().flags
+    missing = [feature for feature in NATIVE_QUANT_KERNELS[name][1] if feature not in flags]
+    if missing:
+        return f"this CPU lacks {', '.join(missing)}"
+    return f"this build of the native library has no {name} kernel, or the OS refused its state to this process"
+
+
+def resolve_quant_kernel(requested: str, native_kernels: bool = True) -> str:
+    """The kernel EngineConfig.quant_kernel stands for: 'auto' -> the fastest native kernel that
+    runs here, else 'torch'; a named native kernel that cannot run here is a ConfigError."""
+    if requested not in QUANT_KERNELS:
+        raise ConfigError(f"quant_kernel must be one of {QUANT_KERNELS}, got {requested!r}", param="quant_kernel")
+    if requested == "torch" or (requested == "auto" and not native_kernels):
+        return "torch"
+    if requested == "auto":
+        return next(iter(available_quant_kernels()), "torch")
+    if not native_kernels:
+        raise ConfigError(f"quant_kernel={requested!r} is a native kernel, and native_kernels is False", param="quant_kernel")
+    reason = missing_quant_kernel(requested)
+    if reason:
+        raise ConfigError(f"quant_kernel={requested!r} cannot run here: {reason}", param="quant_kernel")
+    return requested
+
+
+def quantize_activations(x: Tensor) -> tuple[Tensor, Tensor]:
+    """fp32 x [m, k] -> (int8-valued fp32 quants [m, k], fp32 scales [m, k // 32]): per row and
+    block of 32, scale = absmax / 127, inverse = 1 / scale (0 for an all-zero block),
+    q = round_half_even(x * inverse) (a product, then the rounding), as the C kernels do."""
+    blocks = x.reshape(x.shape[0], -1, BLOCK)
+    scales = blocks.abs().amax(dim=-1) / torch.tensor(127.0)
+    inverse = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))
+    q = torch.round(blocks * inverse.unsqueeze(-1)).clamp_(-127.0, 127.0)
+    return q.reshape(x.shape), scales
+
+
+def torch_quant_linear(x: Tensor, weight: QuantWeight, bias: Tensor | None) -> Tensor:
+    """y = x W^T (+ b) in fp32 for fp32 x [m, k], the reference every kernel matches bit for bit.
+
+    With x's quants xq and scales sx (quantize_activations), W's quants q, scales s and mins
+    (q4_1), for each output (r, o) an fp32 sum starts at 0 and takes the blocks b in order:
+        i = sum_j q[o, 32b + j] * xq[r, 32b + j]   (an integer, exact)
+        acc = acc + (s[o, b] * sx[r, b]) * float(i)        (two rounded products, then the sum)
+        q4_1: acc = acc + mins[o, b] * (sx[r, b] * float(sum_j xq[r, 32b + j]))
+    then y = acc + bias[o] (fp32), rounded once to the output dtype by the caller. No fused
+    multiply-adds anywhere: each step rounds as written, so any kernel that keeps this order per
+    output gets the same bits whatever rows it is called with."""
+    m, out_features = x.shape[0], weight.out_features
+    scales = weight.scales.float()
+    mins = None if weight.mins is None else weight.mins.float()
+    quants = weight.quants if weight.format == "q8_0" else unpack_q4(weight.quants)
+    y = torch.empty(m, out_features, dtype=torch.float32)
+    for r0 in range(0, m, _TORCH_ROWS):
+        xq, sx = quantize_activations(x[r0 : r0 + _TORCH_ROWS])
+        xq_blocks = xq.reshape(xq.shape[0], -1, BLOCK)
+        acc = torch.zeros(xq.shape[0], out_features, dtype=torch.float32)
+        for b in range(weight.in_features // BLOCK):
+            # Products of integers below 2^8 summed 32 at a time stay below 2^24: fp32 is exact.
+            dots = xq_blocks[:, b] @ quants[:, b * BLOCK : (b + 1) * BLOCK].float().T
+            acc = acc + (sx[:, b : b + 1] * scales[:, b]) * dots
+            if mins is not None:
+                acc = acc + mins[:, b] * (sx[:, b : b + 1] * xq_blocks[:, b].sum(dim=-1, keepdim=True))
+        y[r0 : r0 + _TORCH_ROWS] = acc
+    return y if bias is None else y + bias.float()
+
+
+class QuantLinear(nn.Module):
+    """y = x W^T (+ b) for 2-D fp32 or bf16 x (y in x's dtype), W a QuantWeight held once: in
+    the native kernel's packed layout where one runs, else as given.
+
+    kernel: a name of QUANT_KERNELS ("auto" resolves; see resolve_quant_kernel). Every kernel
+    computes torch_quant_linear's bits, so rows_independent holds for all of them.
+    """
+
+    rows_independent = True
+
+    def __init__(self, weight: QuantWeight, bias: Tensor | None = None, kernel: str = "auto") -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.format = weight.in_features, weight.out_features, weight.format
+        self.kernel = resolve_quant_kernel(kernel)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float().contiguous(), requires_grad=False)
+        weight = weight.with_float_scales()
+        self._library = native.load() if self.kernel != "torch" else None
+        if self._library is None:
+            self.weight: QuantWeight | None = weight
+            self.packed = None
+        else:
+            self.weight = None  # held once: the packed form alone
+            self.kernel_bit = NATIVE_QUANT_KERNELS[self.kernel][0]
+            self.packed = self._pack(weight)
+
+    @property
+    def weight_nbytes(self) -> int:
+        return self.weight.nbytes if self.packed is None else self.packed.nbytes
+
+    def _pack(self, weight: QuantWeight) -> Tensor:
+        library, fmt = self._library, FORMAT_IDS[weight.format]
+        packed = torch.empty(library.radixkv_quant_packed_bytes(fmt, self.out_features, self.in_features), dtype=torch.uint8)
+        mins = 0 if weight.mins is None else weight.mins.data_ptr()
+        library.radixkv_quant_pack(
+            fmt, weight.quants.data_ptr(), weight.scales.data_ptr(), mins, self.out_features, self.in_features, packed.data_ptr()
+        )
+        return packed
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.dim() != 2 or x.shape[1] != self.in_features or x.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"expected fp32 or bf16 input [rows, {self.in_features}], got {x.dtype} {tuple(x.shape)}")
+        if self.packed is None:
+            return torch_quant_linear(x.float(), self.weight, self.bias).to(x.dtype)
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        y = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
+        bias = None if self.bias is None else self.bias.data_ptr()
+        status = self._library.radixkv_quant_linear(
+            self.kernel_bit, FORMAT_IDS[self.format], x.data_ptr(), int(x.dtype == torch.bfloat16), x.stride(0), x.shape[0],
+            self.in_features, self.packed.data_ptr(), self.out_features, bias, y.data_ptr(), y.stride(0), torch.get_num_threads(),
+        )  # fmt: skip
+        if status != 0:
+            raise RuntimeError(f"the {self.kernel} quantized linear kernel does not run on this CPU")
+        return y
+
+    def weight_rows(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
+        """Rows `ids` of the dequantized weight (fp32 as dequantize() computes it, then `dtype`):
+        a tied embedding's lookup, from this layer's own bytes."""
+        ids = ids.reshape(-1).to(torch.long)
+        if self.packed is None:
+            return dequantize(self.weight, ids).to(dtype)
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.out_features):
+            raise IndexError(f"row ids must be in [0, {self.out_features}), got {ids.min()}..{ids.max()}")
+        rows = torch.empty(ids.numel(), self.in_features, dtype=torch.float32)
+        self._library.radixkv_quant_dequant_rows(
+            FORMAT_IDS[self.format], self.packed.data_ptr(), self.out_features, self.in_features, ids.data_ptr(), ids.numel(), rows.data_ptr()
+        )
+        return rows.to(dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, format={self.format}, bias={self.bias is not None}, kernel={self.kernel}"
+
+
+class QuantEmbedding(nn.Module):
+    """Token embedding over a QuantWeight, or over a QuantLinear's weight when the model ties its
+    lm_head to the embedding (then read from the linear's bytes: no second copy)."""
+
+    def __init__(self, source: QuantLinear | QuantWeight, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype = dtype
+        if isinstance(source, QuantLinear):
+            self.linear: QuantLinear | None = source
+            self.quant_weight: QuantWeight | None = None
+            self.num_embeddings, self.embedding_dim = source.out_features, source.in_features
+        else:
+            self.linear, self.quant_weight = None, source
+            self.num_embeddings, self.embedding_dim = source.out_features, source.in_features
+
+    @property
+    def weight_nbytes(self) -> int:
+        """Bytes this module holds itself (0 when tied: the linear holds them)."""
+        return 0 if self.quant_weight is None else self.quant_weight.nbytes
+
+    def forward(self, ids: Tensor) -> Tensor:
+        if self.linear is not None:
+            rows = self.linear.weight_rows(ids, self.dtype)
+        else:
+            flat = ids.reshape(-1).to(torch.long)
+            rows = dequantize(self.quant_weight, flat).to(self.dtype)
+        return rows.reshape(*ids.shape, self.embedding_dim)
