@@ -35,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     generate.add_argument("--seed", type=int, default=None)
     generate.add_argument("--chat", action="store_true", help="apply the model's chat template")
     generate.add_argument("--dtype", default="auto")
+    generate.add_argument("--weight-dtype", default="auto", help="how weights are held: auto (a GGUF's quantized blocks kept), float, int8 (EngineConfig.weight_dtype)")
 
     serving = commands.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     serving.add_argument("--model", default=None)
@@ -73,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     serving.add_argument("--pin-ttl-s", type=float, default=None, help="seconds a pin lasts unless unpinned; 0: forever (default 3600)")
     serving.add_argument("--dtype", default="auto")
+    serving.add_argument("--weight-dtype", default="auto", help="how weights are held: auto (a GGUF's quantized blocks kept), float, int8 (EngineConfig.weight_dtype)")
     serving.add_argument("--num-pages", type=int, default=None)
     serving.add_argument("--no-prefix-caching", action="store_true", help="compute every prompt in full (for comparisons)")
     serving.add_argument("--kv-disk-dir", default=None, help="keep evicted KV blocks (and all of them at exit) in this directory; a restart finds them")
@@ -133,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
 def _generate(args: argparse.Namespace) -> int:
     from radixkv import LLM, SamplingParams
 
-    llm = LLM(args.model, dtype=args.dtype)
+    llm = LLM(args.model, dtype=args.dtype, weight_dtype=args.weight_dtype)
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
         if args.chat:
@@ -211,6 +213,7 @@ def serve(args: argparse.Namespace) -> int:
         config = EngineConfig(
             model=args.model,
             dtype=args.dtype,
+            weight_dtype=args.weight_dtype,
             num_pages=args.num_pages,
             enable_prefix_caching=not args.no_prefix_caching,
             kv_disk_dir=args.kv_disk_dir,

@@ -5,10 +5,12 @@ transformers' GGUF loader undoes it. Config and tokenizer come from transformers
 
 from __future__ import annotations
 
+import math
 import re
-from dataclasses import dataclass
+import struct
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, BinaryIO
 
 import numpy as np
 import torch
@@ -69,48 +71,41 @@ class GGUFTensor:
 
 class GGUFFile:
     """One GGUF file's tensor table; tensors are read one at a time, with file reads rather than
-    through the reader's memory map, so file pages never count as this process's memory."""
+    through a memory map, so file pages never count as this process's memory."""
 
     def __init__(self, path: str | Path, num_heads: int, num_kv_heads: int) -> None:
-        from gguf import GGUFReader
-
         self.path = Path(path)
         try:
-            reader = GGUFReader(self.path, "r")
-        except Exception as exc:  # the reader raises anything from ValueError to IndexError on bad bytes
+            header = _read_header(self.path)
+        except GGUFError:
+            raise
+        except Exception as exc:  # struct.error, UnicodeDecodeError, ... on bad bytes
             raise GGUFError(f"{str(self.path)!r} is not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
-        self.architecture = _architecture(reader, self.path)
+        self.architecture = header.architecture
+        if self.architecture not in _SUPPORTED_ARCHITECTURES:
+            raise GGUFError(
+                f"{str(self.path)!r} is a {self.architecture!r} model; radixkv reads GGUF files of {list(_SUPPORTED_ARCHITECTURES)}"
+            )
         size = self.path.stat().st_size
         permute = self.architecture in _PERMUTED_ARCHITECTURES
         self.tensors: dict[str, GGUFTensor] = {}
-        for tensor in reader.tensors:
-            if tensor.name in _SKIPPED:
+        for raw in header.tensors:
+            if raw.name in _SKIPPED:
                 continue
-            name = hf_name(tensor.name)
+            name = hf_name(raw.name)
             if name is None:
-                raise GGUFError(f"{str(self.path)!r} holds tensor {tensor.name!r}, which radixkv does not know")
-            offset, nbytes = int(tensor.data_offset), int(tensor.n_bytes)
-            if offset + nbytes > size:
+                raise GGUFError(f"{str(self.path)!r} holds tensor {raw.name!r}, which radixkv does not know")
+            if raw.offset + raw.nbytes > size:
                 raise GGUFError(
-                    f"{str(self.path)!r} is truncated: tensor {tensor.name!r} ends at byte {offset + nbytes}, "
+                    f"{str(self.path)!r} is truncated: tensor {raw.name!r} ends at byte {raw.offset + raw.nbytes}, "
                     f"the file has {size}"
                 )
             heads = None
-            if permute and ".attn_q." in tensor.name:
+            if permute and ".attn_q." in raw.name:
                 heads = num_heads
-            elif permute and ".attn_k." in tensor.name:
+            elif permute and ".attn_k." in raw.name:
                 heads = num_kv_heads
-            self.tensors[name] = GGUFTensor(
-                name=name,
-                gguf_name=tensor.name,
-                type_name=tensor.tensor_type.name,
-                shape=tuple(int(d) for d in reversed(tensor.shape.tolist())),
-                byte_shape=tuple(int(d) for d in tensor.data.shape),
-                offset=offset,
-                nbytes=nbytes,
-                permute_heads=heads,
-            )
-        del reader  # its memory map: nothing more is read through it
+            self.tensors[name] = replace(raw, name=name, permute_heads=heads)
 
     @property
     def tensor_bytes(self) -> int:
@@ -189,11 +184,105 @@ def row_permutation(rows: int, heads: int) -> np.ndarray:
     return np.arange(rows).reshape(heads, dim, 2).swapaxes(1, 2).reshape(-1)
 
 
-def _architecture(reader: object, path: Path) -> str:
-    field = reader.fields.get("general.architecture")  # type: ignore[attr-defined]
-    if field is None:
-        raise GGUFError(f"{str(path)!r} has no general.architecture")
-    name = bytes(field.parts[field.data[0]]).decode("utf-8")
-    if name not in _SUPPORTED_ARCHITECTURES:
-        raise GGUFError(f"{str(path)!r} is a {name!r} model; radixkv reads GGUF files of {list(_SUPPORTED_ARCHITECTURES)}")
-    return name
+@dataclass(slots=True)
+class _Header:
+    architecture: str
+    tensors: list[GGUFTensor]  # under the file's names
+
+
+# GGUF metadata value types: struct formats of the fixed-size ones; 8 is a string, 9 an array.
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+_DEFAULT_ALIGNMENT = 32
+
+
+class _Cursor:
+    """Little-endian reads from a buffered file, for the GGUF header."""
+
+    def __init__(self, file: BinaryIO, path: Path) -> None:
+        self.file, self.path = file, path
+
+    def take(self, count: int) -> bytes:
+        data = self.file.read(count)
+        if len(data) != count:
+            raise GGUFError(f"{str(self.path)!r} ends inside its header (truncated?)")
+        return data
+
+    def unpack(self, fmt: str) -> int | float | bool:
+        return struct.unpack(fmt, self.take(struct.calcsize(fmt)))[0]
+
+    def string(self) -> str:
+        return self.take(int(self.unpack("<Q"))).decode("utf-8")
+
+    def value(self, kind: int) -> object:
+        if kind in _SCALARS:
+            return self.unpack(_SCALARS[kind])
+        if kind == _STRING:
+            return self.string()
+        raise GGUFError(f"{str(self.path)!r} has a metadata value of unknown type {kind}")
+
+    def skip(self, kind: int) -> None:
+        """Skip a value without building it: a tokenizer's arrays hold 10^5 strings."""
+        if kind in _SCALARS:
+            self.file.seek(struct.calcsize(_SCALARS[kind]), 1)
+        elif kind == _STRING:
+            self.file.seek(int(self.unpack("<Q")), 1)
+        elif kind == _ARRAY:
+            item, count = int(self.unpack("<I")), int(self.unpack("<Q"))
+            if item in _SCALARS:
+                self.file.seek(count * struct.calcsize(_SCALARS[item]), 1)
+            else:
+                for _ in range(count):
+                    self.skip(item)
+        else:
+            raise GGUFError(f"{str(self.path)!r} has a metadata value of unknown type {kind}")
+
+
+def _read_header(path: Path) -> _Header:
+    """The architecture and tensor table of a GGUF (v2/v3), read without gguf.GGUFReader, which
+    builds an object for every token of the vocabulary."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    with open(path, "rb") as file:
+        cursor = _Cursor(file, path)
+        if cursor.take(4) != b"GGUF":
+            raise GGUFError(f"{str(path)!r} is not a GGUF file (no GGUF magic)")
+        version = cursor.unpack("<I")
+        if version not in (2, 3):
+            raise GGUFError(f"{str(path)!r} is GGUF version {version}; radixkv reads versions 2 and 3")
+        num_tensors, num_fields = int(cursor.unpack("<Q")), int(cursor.unpack("<Q"))
+        architecture, alignment = None, _DEFAULT_ALIGNMENT
+        for _ in range(num_fields):
+            key, kind = cursor.string(), int(cursor.unpack("<I"))
+            if key in ("general.architecture", "general.alignment"):
+                value = cursor.value(kind)
+                if key == "general.architecture":
+                    architecture = str(value)
+                else:
+                    alignment = int(value)  # type: ignore[arg-type]
+            else:
+                cursor.skip(kind)
+        if architecture is None:
+            raise GGUFError(f"{str(path)!r} has no general.architecture")
+        infos = []
+        for _ in range(num_tensors):
+            name = cursor.string()
+            dims = [int(cursor.unpack("<Q")) for _ in range(int(cursor.unpack("<I")))]
+            type_id, offset = int(cursor.unpack("<I")), int(cursor.unpack("<Q"))
+            infos.append((name, dims, type_id, offset))
+        start = -(-file.tell() // alignment) * alignment
+    tensors = []
+    for name, dims, type_id, offset in infos:
+        try:
+            qtype = GGMLQuantizationType(type_id)
+        except ValueError:
+            raise GGUFError(f"tensor {name!r} of {str(path)!r} has unknown ggml type id {type_id}") from None
+        block, type_size = GGML_QUANT_SIZES[qtype]
+        shape = tuple(reversed(dims))  # GGUF lists the fastest-moving dimension first
+        if shape[-1] % block:
+            raise GGUFError(f"tensor {name!r} of {str(path)!r}: {shape[-1]} values a row is no whole number of {qtype.name} blocks")
+        row_bytes = shape[-1] // block * type_size
+        byte_shape = shape if qtype.name in ("F32", "F16") else (*shape[:-1], row_bytes)
+        nbytes = row_bytes * math.prod(shape[:-1])
+        tensors.append(GGUFTensor(name, name, qtype.name, shape, byte_shape, start + offset, nbytes, None))
+    return _Header(architecture, tensors)

@@ -23,12 +23,15 @@ import xxhash
 from torch import Tensor
 
 from radixkv.attention.base import AttentionBackend
-from radixkv.config import default_cache_dir
+from radixkv.config import WEIGHT_DTYPES, default_cache_dir
 from radixkv.cpu.linear import can_prepack, prepack_linears, resolve_linear_kernel
+from radixkv.cpu.quant_linear import resolve_quant_kernel
+from radixkv.errors import ConfigError
 from radixkv.model.device import resolve_device, resolve_dtype
 from radixkv.model.fused_layers import install_fused_decode
 from radixkv.model.gguf import GGUFError, GGUFFile
 from radixkv.model.llama import CausalLM, ModelConfig
+from radixkv.model.quantized import QuantSource, quantized_modules
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -79,18 +82,22 @@ def load_model(
     cache_dir: str | None = None,
     native_kernels: bool = True,
     linear_kernel: str = "auto",
-    weight_dtype: str = "float",
+    weight_dtype: str = "auto",
+    quant_kernel: str = "auto",
 ) -> LoadedModel:
     """Load weights (cast to dtype, on device) and tokenizer. None means the default SmolLM2.
 
     native_kernels=False keeps every layer on torch ops (EngineConfig.native_kernels): no native
     linears, no native row ops, no fused decode step. linear_kernel: EngineConfig.linear_kernel,
-    for bf16 and fp32 on CPU. weight_dtype: EngineConfig.weight_dtype.
+    for bf16 and fp32 on CPU. weight_dtype, quant_kernel: EngineConfig's (quantized weights are
+    CPU-only: elsewhere "auto" loads floats and "int8" is refused).
     """
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     # Before any weight is read: a named kernel this CPU cannot run fails at once.
     kernel = _linear_kernel(linear_kernel, native_kernels, torch_dtype, torch_device)
+    weight_dtype = _weight_dtype(weight_dtype, torch_device)
+    quant = None if weight_dtype == "float" else resolve_quant_kernel(quant_kernel, native_kernels)
     source = resolve_model_source(model, cache_dir)
     folder = source.folder
 
@@ -100,18 +107,40 @@ def load_model(
     # Built on the meta device: no random init of weights about to be replaced.
     with torch.device("meta"):
         net = CausalLM(config, attention, native_kernels)
+    quantized: QuantSource | None = None
     if source.gguf is not None:
-        weights: Mapping[str, Tensor] = _gguf_weights(GGUFFile(source.gguf, config.num_q_heads, config.num_kv_heads), torch_dtype, torch_device)
+        file = GGUFFile(source.gguf, config.num_q_heads, config.num_kv_heads)
+        weights = _gguf_weights(file, torch_dtype, torch_device)
+        quantized = None if quant is None else QuantSource(weight_dtype, gguf=file)
     else:
         weights = _weights_for(folder, torch_dtype, torch_device)
-    net.load_state_dict_hf(weights)
+        quantized = QuantSource("int8", stored=weights.stored) if weight_dtype == "int8" else None
+    modules = {}
+    if quantized is not None:
+        assert quant is not None
+        modules = quantized_modules(
+            net._hf_sources(), set(weights.keys()), quantized, config.tie_word_embeddings, torch_dtype, quant
+        )
+    net.load_state_dict_hf(weights, modules)
     net.eval()
     if kernel is not None:
         prepack_linears(net, kernel)
         if native_kernels:  # decode-only steps in one native call where the model fits
             install_fused_decode(net)
     gguf = None if source.gguf is None else str(source.gguf)
-    return LoadedModel(net, config, tokenizer, str(folder), torch_dtype, torch_device, gguf)
+    weight_format = weight_dtype if modules else "float"
+    return LoadedModel(net, config, tokenizer, str(folder), torch_dtype, torch_device, gguf, weight_format)
+
+
+def _weight_dtype(requested: str, device: torch.device) -> str:
+    """EngineConfig.weight_dtype as it applies on device: quantized weights run on CPU only."""
+    if requested not in WEIGHT_DTYPES:
+        raise ConfigError(f"weight_dtype must be one of {WEIGHT_DTYPES}, got {requested!r}", param="weight_dtype")
+    if device.type == "cpu" or requested == "float":
+        return requested
+    if requested == "auto":  # the quantized kernels are CPU code: on a GPU, the float model
+        return "float"
+    raise ConfigError(f"weight_dtype={requested!r} runs on CPU only, not on {device.type}", param="weight_dtype")
 
 
 def _linear_kernel(requested: str, native_kernels: bool, dtype: torch.dtype, device: torch.device) -> str | None:
@@ -343,6 +372,10 @@ class _Weights(Mapping[str, Tensor]):
     def __init__(self, getters: dict[str, Any], dtype: torch.dtype, device: torch.device) -> None:
         self._getters = getters  # name -> zero-argument function returning the stored tensor
         self._dtype, self._device = dtype, device
+
+    def stored(self, name: str) -> Tensor:
+        """The tensor as the checkpoint stores it (no cast, on CPU)."""
+        return self._getters[name]()
 
     def __getitem__(self, name: str) -> Tensor:
         tensor = self._getters[name]()
