@@ -10,6 +10,7 @@ import re
 import struct
 from dataclasses import dataclass, replace
 from pathlib import Path
+from collections.abc import Callable
 from typing import TYPE_CHECKING, BinaryIO
 
 import numpy as np
@@ -46,6 +47,8 @@ _BLOCK_NAMES = {
 }
 # Tensors llama.cpp stores that transformers' models compute themselves (llama3 rope factors).
 _SKIPPED = ("rope_freqs.weight",)
+# Values converted at once by GGUFFile.quantized: bounds its temporaries (fp32 copies and the like).
+_CONVERT_VALUES = 1 << 22
 _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
@@ -112,23 +115,28 @@ class GGUFFile:
         """Bytes of the tensors radixkv reads from the file."""
         return sum(t.nbytes for t in self.tensors.values())
 
-    def raw(self, name: str) -> np.ndarray:
-        """The tensor's bytes as GGUFReader would give them (dtype and shape alike), in the file's row order."""
+    def raw(self, name: str, rows: tuple[int, int] | None = None) -> np.ndarray:
+        """The tensor's bytes as GGUFReader would give them (dtype and shape alike), in the file's
+        row order; rows=(start, stop): only those rows of a matrix."""
         info = self.tensors[name]
-        data = np.empty(info.nbytes, dtype=np.uint8)
+        shape, offset, nbytes = info.byte_shape, info.offset, info.nbytes
+        if rows is not None:
+            row_bytes = nbytes // info.shape[0]
+            shape, offset, nbytes = (rows[1] - rows[0], *shape[1:]), offset + rows[0] * row_bytes, (rows[1] - rows[0]) * row_bytes
+        data = np.empty(nbytes, dtype=np.uint8)
         view = memoryview(data)
         with open(self.path, "rb", buffering=0) as file:
-            file.seek(info.offset)
+            file.seek(offset)
             done = 0
-            while done < info.nbytes:
+            while done < nbytes:
                 count = file.readinto(view[done:])
                 if not count:
                     raise GGUFError(f"{str(self.path)!r} ended inside tensor {info.gguf_name!r}")
                 done += count
         item = {"F32": np.float32, "F16": np.float16}.get(info.type_name)
         if item is not None:
-            return data.view(item).reshape(info.byte_shape)
-        return data.reshape(info.byte_shape)
+            return data.view(item).reshape(shape)
+        return data.reshape(shape)
 
     def dequantized(self, name: str) -> Tensor:
         """The tensor in fp32, the values transformers' GGUF loader produces."""
@@ -145,17 +153,29 @@ class GGUFFile:
             values = values[row_permutation(info.shape[0], info.permute_heads)]
         return torch.from_numpy(np.ascontiguousarray(values))
 
-    def quantized(self, name: str) -> QuantWeight:
+    def quantized(self, name: str, requantize: bool = False) -> QuantWeight:
         """The tensor's blocks as a QuantWeight (radixkv.cpu.quant.from_gguf: Q8_0 and 4-bit
-        formats as they are, other k-quants requantized), rows in transformers' order."""
-        from radixkv.cpu.quant import from_gguf
+        formats as they are, other k-quants requantized), rows in transformers' order.
+        requantize: q8_0 from the dequantized values (quantize_q8_0), whatever the type."""
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        from radixkv.cpu.quant import from_gguf, quantize_q8_0
 
         info = self.tensors[name]
         if len(info.shape) != 2:
             raise GGUFError(f"tensor {info.gguf_name!r} of {str(self.path)!r} is not a matrix: {info.shape}")
+        qtype = GGMLQuantizationType[info.type_name]
+
+        def convert(raw: np.ndarray, rows: int) -> QuantWeight:
+            if not requantize:
+                return from_gguf(info.type_name, raw, shape=(rows, info.shape[1]))
+            values = np.asarray(dequantize(raw, qtype), dtype=np.float32).reshape(rows, info.shape[1])
+            return quantize_q8_0(torch.from_numpy(values))
+
         try:
-            weight = from_gguf(info.type_name, self.raw(name), shape=(info.shape[0], info.shape[1]))
-        except ValueError as exc:
+            weight = self._by_rows(info, convert)
+        except (ValueError, NotImplementedError) as exc:
             raise GGUFError(
                 f"tensor {info.gguf_name!r} of {str(self.path)!r} is {info.type_name}, which radixkv cannot keep "
                 f"quantized ({exc}); load it with weight_dtype='float'"
@@ -163,6 +183,34 @@ class GGUFFile:
         if info.permute_heads is not None:
             weight = weight.rows(torch.from_numpy(row_permutation(info.shape[0], info.permute_heads)))
         return weight
+
+    def _by_rows(self, info: GGUFTensor, convert: Callable[[np.ndarray, int], QuantWeight]) -> QuantWeight:
+        """convert over slices of rows, written into one result: a requantized 128k-row
+        embedding would otherwise hold fp32 temporaries several times its own size."""
+        from radixkv.cpu.quant import QuantWeight
+
+        out_features, in_features = info.shape
+        step = max(1, _CONVERT_VALUES // in_features)
+        result: QuantWeight | None = None
+        for start in range(0, out_features, step):
+            stop = min(start + step, out_features)
+            part = convert(self.raw(info.name, (start, stop)), stop - start)
+            if stop - start == out_features:
+                return part
+            if result is None:  # the whole weight, in the first slice's format and dtypes
+                mins = None if part.mins is None else torch.empty((out_features, *part.mins.shape[1:]), dtype=part.mins.dtype)
+                result = QuantWeight(
+                    part.format, out_features, in_features,
+                    torch.empty((out_features, *part.quants.shape[1:]), dtype=part.quants.dtype),
+                    torch.empty((out_features, *part.scales.shape[1:]), dtype=part.scales.dtype), mins,
+                )  # fmt: skip
+            assert part.format == result.format and part.scales.dtype == result.scales.dtype
+            result.quants[start:stop] = part.quants
+            result.scales[start:stop] = part.scales
+            if result.mins is not None:
+                result.mins[start:stop] = part.mins
+        assert result is not None
+        return result
 
 
 def hf_name(gguf_name: str) -> str | None:

@@ -12,6 +12,8 @@ import json
 import logging
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
@@ -304,7 +306,7 @@ def _prepare_gguf_folder(gguf: Path, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
-        _save_gguf_metadata(gguf, tmp)
+        _in_subprocess(gguf, tmp)
         stat = gguf.stat()
         source = {"gguf": str(gguf.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
         (tmp / GGUF_MARKER).write_text(json.dumps(source, indent=2) + "\n")
@@ -319,6 +321,25 @@ def _prepare_gguf_folder(gguf: Path, target: Path) -> None:
                 os.rename(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _in_subprocess(gguf: Path, folder: Path) -> None:
+    """_save_gguf_metadata(gguf, folder) in a fresh Python process, waited for.
+
+    transformers' GGUF reader and tokenizer converter build Python objects for every token and
+    merge of the vocabulary: gigabytes for a 128k vocabulary, which a process keeps as its peak
+    (the allocator does not return them). Done once per GGUF, apart from the serving process. A
+    plain interpreter (not multiprocessing's spawn) so a caller's script is not imported again."""
+    import radixkv
+
+    code = "import sys; from pathlib import Path; from radixkv.model.loader import _save_gguf_metadata as save; save(Path(sys.argv[1]), Path(sys.argv[2]))"
+    env = dict(os.environ)
+    root = str(Path(radixkv.__file__).resolve().parent.parent)  # the child imports this radixkv
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    done = subprocess.run([sys.executable, "-c", code, str(gguf), str(folder)], env=env, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        lines = done.stderr.strip().splitlines()
+        raise GGUFError(f"reading the config and tokenizer of {str(gguf)!r} failed: {lines[-1] if lines else done.returncode}")
 
 
 def _save_gguf_metadata(gguf: Path, folder: Path) -> None:

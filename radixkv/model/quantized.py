@@ -59,14 +59,14 @@ class QuantSource:
         return self.weight_dtype == "int8"
 
     def weight(self, name: str, linear: bool = True) -> QuantWeight:
+        """The checkpoint tensor `name` held quantized (linear=False: an untied embedding, kept
+        in the file's blocks under int8 too). Converted in slices of rows where it is read."""
         gguf = self.gguf
-        if gguf is not None and gguf.tensors[name].quantized:
-            info = gguf.tensors[name]
-            if self.weight_dtype == "auto" or info.type_name == "Q8_0" or not linear:
-                return gguf.quantized(name)
-            return quantize_q8_0(gguf.dequantized(name))
-        assert self.weight_dtype == "int8"
-        return quantize_q8_0(gguf.dequantized(name) if gguf is not None else self.stored(name).float())
+        if gguf is None:
+            return quantize_q8_0(self.stored(name).float())  # one float tensor at a time
+        if self.weight_dtype == "auto" or not linear:
+            return gguf.quantized(name)
+        return gguf.quantized(name, requantize=gguf.tensors[name].type_name != "Q8_0")
 
     def bias(self, name: str) -> Tensor:
         return self.gguf.dequantized(name) if self.gguf is not None else self.stored(name).float()
