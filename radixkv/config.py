@@ -69,9 +69,10 @@ class EngineConfig:
     linear_kernel: str = "auto"
     # Linears over quantized weights (a GGUF's Q8_0/Q4 blocks kept as they ship, or an HF
     # folder quantized at load): integer dot products with activations quantized per block of
-    # 32, "amx_int8" (tiles), "avx512_vnni" (vpdpbusd), "avx2" (vpmaddubsw) or "torch" (the
-    # reference, no native library needed). All compute the same bits. "auto": the fastest
-    # that runs here; a named native kernel this CPU cannot run fails at load, naming why.
+    # 32: "avx512_vnni" (vpdpbusd), "avx2" (vpmaddubsw) or "torch" (the reference, no native
+    # library needed); "amx_int8" is reserved (no kernel yet: naming it fails at load). All
+    # compute the same bits. "auto": the fastest that runs here; a named native kernel this CPU
+    # cannot run fails at load, naming why.
     quant_kernel: str = "auto"
     # How weights are held. "auto": a GGUF's quantized tensors (Q8_0, Q4_0/Q4_1, Q4_K; other
     # k-quants requantized to 8 bits) stay quantized in their blocks, run by quant_kernel, a tied

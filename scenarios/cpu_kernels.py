@@ -14,9 +14,13 @@ SmolLM2-135M's shapes with caches cold (every weight and KV byte comes from memo
 - prefill attention: a 1,024-token prompt, and 32 requests' 64 new tokens over 1,024 cached
   ones (an agent's questions after its system prompt), over 30 layers' paged KV, in bf16 and
   fp32 where the kernel takes them, the native kernel (radixkv/cpu/csrc/paged_extend.c) vs the
-  torch reference's gather + SDPA.
+  torch reference's gather + SDPA;
+- quantized linears (radixkv/cpu/csrc/quant_linear.c) on a Llama-3.2-1B's shapes (q, k/v,
+  fused gate/up, down, lm_head) at 1, 8, 32 and 512 rows, q8_0 and q4_1 weights against the
+  fp32 AVX2 kernel and F.linear: time, the weight's GB/s and its share of the read bandwidth
+  measured in the same run (decode reads every weight once: that share is what it can gain).
 
-    python -m radixkv.scenarios.cpu_kernels [--out out/cpu_kernels] [--repeats 5] [--layers 30] [--context 1032]
+    python -m radixkv.scenarios.cpu_kernels [--out out/cpu_kernels] [--repeats 5] [--layers 30] [--context 1032] [--quant-only]
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ from radixkv.cpu import extend as cpu_extend
 from radixkv.cpu import native
 from radixkv.cpu.features import cpu_features
 from radixkv.cpu.linear import PACK_FOR_ROWS, PackedLinear, available_linear_kernels, can_prepack
+from radixkv.cpu.quant import QuantWeight, quantize_q8_0
+from radixkv.cpu.quant_linear import QuantLinear, available_quant_kernels
 from radixkv.scenarios.machine import machine_limits
 from radixkv.scenarios.plots import pyplot, save, save_results
 
@@ -43,6 +49,8 @@ LINEAR_SHAPES = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "do
 LM_HEAD = (576, 49152)
 KV_HEADS, Q_HEADS, HEAD_DIM, PAGE_SIZE = 3, 9, 64, 16
 BF16 = torch.bfloat16
+# Llama-3.2-1B's linears as (out, in): q/o, k/v, the fused gate/up, down, the lm_head.
+QUANT_SHAPES = {"q, o": (2048, 2048), "k, v": (512, 2048), "gate_up": (16384, 2048), "down": (2048, 8192), "lm_head": (128256, 2048)}
 
 
 def coldest(run: Callable[[], object], repeats: int, flush: torch.Tensor) -> float:
@@ -211,6 +219,54 @@ def extend_rows(repeats: int, flush: torch.Tensor, layers: int, dtype: torch.dty
     return rows
 
 
+def random_q4_1(out_features: int, in_features: int) -> QuantWeight:
+    """A q4_1 weight of random bytes (a kernel's speed does not depend on the values)."""
+    blocks = (out_features, in_features // 32)
+    return QuantWeight(
+        "q4_1", out_features, in_features, torch.randint(0, 256, (out_features, in_features // 2), dtype=torch.uint8),
+        (torch.rand(blocks) * 0.01).half(), (torch.rand(blocks) * -0.05).half(),
+    )  # fmt: skip
+
+
+def quant_rows(repeats: int, flush: torch.Tensor, read_gb_s: float) -> list[dict]:
+    """Each quantized kernel that runs here, per format, against the fp32 AVX2 kernel and F.linear."""
+    rows = []
+    for name, (n, k) in QUANT_SHAPES.items():
+        torch.manual_seed(0)
+        weight = torch.randn(n, k) * 0.02
+        layers: dict[str, torch.nn.Module] = {}
+        for kernel in available_quant_kernels():
+            layers[f"q8_0 {kernel}"] = QuantLinear(quantize_q8_0(weight), kernel=kernel)
+            layers[f"q4_1 {kernel}"] = QuantLinear(random_q4_1(n, k), kernel=kernel)
+        if "avx2" in available_linear_kernels(torch.float32):
+            layers["fp32 avx2"] = PackedLinear(linear_module(weight), "avx2")
+        baseline = next(iter(layers))
+        for m in (1, 8, 32, 512):
+            if name == "lm_head" and m > 32:
+                continue  # prefill computes logits for its last token only
+            x = torch.randn(m, k)
+            peers: dict[str, tuple[Callable[[], object], int]] = {
+                label: (lambda layer=layer: layer(x), getattr(layer, "weight_nbytes", n * k * 4)) for label, layer in layers.items()
+            }
+            peers["fp32 F.linear"] = (lambda: F.linear(x, weight), n * k * 4)
+            for run, _ in peers.values():
+                run()
+            times = {label: coldest(run, repeats, flush) for label, (run, _) in peers.items()}
+            for label, seconds in times.items():
+                gb_s = peers[label][1] / seconds / 1e9
+                rows.append(dict(part="quant linear", case=f"{name}, {m} rows", shape=f"{name} {n}x{k}", rows=m, peer=label, ms=seconds * 1e3, gb_s=gb_s,
+                                 of_read_bw=gb_s / read_gb_s, x_radixkv=seconds / times[baseline]))  # fmt: skip
+        del layers, weight
+    return rows
+
+
+def print_quant_rows(rows: list[dict]) -> None:
+    print(f"\n{'quantized linear':<24} {'rows':>4} {'peer':<18} {'ms':>9} {'weight GB/s':>11} {'of read bw':>10} {'x first':>8}")
+    print("-" * 90)
+    for r in rows:
+        print(f"{r['shape']:<24} {r['rows']:>4} {r['peer']:<18} {r['ms']:9.3f} {r['gb_s']:11.1f} {r['of_read_bw']:10.2f} {r['x_radixkv']:8.2f}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="out/cpu_kernels")
@@ -218,12 +274,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=30, help="decoder layers (SmolLM2-135M has 30)")
     parser.add_argument("--context", type=int, default=1032, help="tokens of each decoding request")
     parser.add_argument("--flush-mib", type=int, default=1024, help="buffer read before each timing to empty the caches")
+    parser.add_argument("--quant-only", action="store_true", help="only the quantized linears (with the machine's limits)")
     args = parser.parse_args(argv)
     library = native.load()
     if library is None:
         print("needs the native kernels (no C compiler here)")
         return 1
     flush = torch.ones(args.flush_mib << 20, dtype=torch.int8)
+    if args.quant_only:
+        limits = machine_limits(torch.float32)
+        print(f"{limits['cpu']}, {limits['torch_threads']} threads: read {limits['read_bandwidth_gb_s']:.1f} GB/s (measured in this run)")
+        rows = quant_rows(args.repeats, flush, limits["read_bandwidth_gb_s"])
+        print_quant_rows(rows)
+        save_results(args.out, "cpu_kernels_quant", dict(**limits, rows=rows), lambda path: _plot(rows, path))
+        return 0
     rows = []
     for dtype in (BF16, torch.float32):
         if available_linear_kernels(dtype):
@@ -244,7 +308,9 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         rate = f"{r['gflops']:7.1f} GFLOP/s" if "gflops" in r else f"{r['gb_s']:9.1f} GB/s"
         print(f"{r['part']:<26} {r['case']:<19} {r['peer']:<22} {r['ms']:8.2f} {rate:>14} {r['x_radixkv']:9.2f}")
-    save_results(args.out, "cpu_kernels", dict(**limits, rows=rows), lambda path: _plot(rows, path))
+    quant = quant_rows(args.repeats, flush, limits["read_bandwidth_gb_s"]) if available_quant_kernels() else []
+    print_quant_rows(quant)
+    save_results(args.out, "cpu_kernels", dict(**limits, rows=rows + quant), lambda path: _plot(rows, path))
     return 0
 
 

@@ -1,6 +1,7 @@
 """A decode step's decoder layers as one native call (radixkv/cpu/csrc/decode_layers.c), for
-models whose linears run a native kernel (AMX or AVX512_BF16 in bf16, AVX2 in fp32): the same
-kernels as the layer-by-layer forward, minus its Python.
+models whose linears run a native kernel (AMX or AVX512_BF16 in bf16, AVX2 in fp32, or a
+quantized kernel over q8_0/q4_1 weights in either): the same kernels as the layer-by-layer
+forward, minus its Python.
 
 At 32 rows the Python between a layer's ten kernels and inside their wrappers costs ~0.3 ms,
 which across SmolLM2's 30 layers is ~8 ms of a ~60 ms step (scenarios/decode_profile.py shows
@@ -17,13 +18,17 @@ import torch
 from torch import Tensor
 
 from radixkv.cpu import decode, native
-from radixkv.cpu.linear import PackedLinear
+from radixkv.cpu.linear import NATIVE_LINEAR_KERNELS, PackedLinear, available_linear_kernels
+from radixkv.cpu.quant_linear import FORMAT_IDS, QuantLinear
 
 _p = ctypes.c_void_p
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [(name, _p) for name in ("input_norm", "post_norm", "qkv", "o", "gate_up", "down", "qkv_bias", "o_bias", "k_cache", "v_cache")]
+    _fields_ = [
+        *((name, _p) for name in ("input_norm", "post_norm", "qkv", "o", "gate_up", "down", "qkv_bias", "o_bias", "k_cache", "v_cache")),
+        ("formats", ctypes.c_int * 4),
+    ]
 
 
 class _Shape(ctypes.Structure):
@@ -32,6 +37,7 @@ class _Shape(ctypes.Structure):
         ("linear_kernel", ctypes.c_int),
         ("eps", ctypes.c_float),
         ("scale", ctypes.c_float),
+        ("quant_kernel", ctypes.c_int),
     ]
 
 
@@ -41,6 +47,23 @@ class _Scratch(ctypes.Structure):
 
 def _linears(layer: torch.nn.Module) -> tuple[object, ...]:
     return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
+
+
+def _kernel(linear: object) -> tuple[str, str] | None:
+    """Which native kernel runs this linear, as (kind, name); None: not one the C loop can call."""
+    if isinstance(linear, PackedLinear) and linear.rows_independent:
+        return "packed", linear.kernel
+    if isinstance(linear, QuantLinear) and linear.packed is not None:
+        return "quant", linear.kernel
+    return None
+
+
+def _packed(linear: PackedLinear | QuantLinear) -> Tensor:
+    return linear.packed if isinstance(linear, QuantLinear) else linear.packed_weight
+
+
+def _bias(linear: PackedLinear | QuantLinear) -> Tensor | None:
+    return linear.bias if isinstance(linear, QuantLinear) else linear.bias_f32
 
 
 class FusedDecode:
@@ -67,14 +90,20 @@ class FusedDecode:
         linears = [linear for layer in model.layers for linear in _linears(layer)]
         # One native kernel for every linear: the C loop passes one kernel id to all of them, and
         # that kernel's dtype (the model's: PackedLinear packs for its weights' dtype) is the step's.
-        kernels = {linear.kernel if isinstance(linear, PackedLinear) and linear.rows_independent else None for linear in linears}
+        # Quantized linears (any mix of formats) name the dtype by the norms' weights instead.
+        kernels = {_kernel(linear) for linear in linears}
+        kind = next(iter(kernels))[0] if len(kernels) == 1 and None not in kernels else None
+        # The linears first: a quantized model's embedding (QuantEmbedding) has no float .weight.
+        dtype_source = model.embed_tokens.weight if kind == "packed" else model.layers[0].input_layernorm.weight if kind else None
+        # bf16 layers run the bf16 row ops and attention, which a packed bf16 kernel vouches for;
+        # a quantized model in bf16 needs a CPU where one of them runs too.
+        dtypes = (torch.bfloat16, torch.float32) if kind == "packed" or available_linear_kernels(torch.bfloat16) else (torch.float32,)
         fits = (
             library is not None
             and not config.qk_norm
-            and model.embed_tokens.weight.dtype in (torch.bfloat16, torch.float32)
-            and model.embed_tokens.weight.device.type == "cpu"
-            and len(kernels) == 1
-            and None not in kernels
+            and dtype_source is not None
+            and dtype_source.dtype in dtypes
+            and dtype_source.device.type == "cpu"
         )  # fmt: skip
         return cls(model, library) if fits else None
 
@@ -101,8 +130,8 @@ class FusedDecode:
         shape = _Shape(
             rows=rows, hidden=config.hidden_size, intermediate=config.intermediate_size, num_q_heads=config.num_q_heads,
             num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, page_size=k_caches[0].shape[1],
-            num_threads=torch.get_num_threads(), linear_kernel=self.layers[0].mlp.down_proj.kernel_bit,
-            eps=config.rms_norm_eps, scale=self.layers[0].self_attn.scale,
+            num_threads=torch.get_num_threads(), eps=config.rms_norm_eps, scale=self.layers[0].self_attn.scale,
+            **self._kernel_ids(x.dtype),
         )  # fmt: skip
         delta = torch.empty_like(x)
         x = x.contiguous()
@@ -116,6 +145,15 @@ class FusedDecode:
             raise RuntimeError("the fused decode kernels refused this model's shapes")
         return x, delta
 
+    def _kernel_ids(self, dtype: torch.dtype) -> dict[str, int]:
+        """_Shape's linear_kernel and quant_kernel: a quantized model's linear_kernel names only
+        its dtype (AVX2's id runs the fp32 row ops and attention, a bf16 kernel's the bf16 ones)."""
+        down = self.layers[0].mlp.down_proj
+        if isinstance(down, QuantLinear):
+            dtype_id = NATIVE_LINEAR_KERNELS["avx2" if dtype == torch.float32 else "avx512_bf16"][0]
+            return dict(linear_kernel=dtype_id, quant_kernel=down.kernel_bit)
+        return dict(linear_kernel=down.kernel_bit, quant_kernel=0)
+
     def _bind(self, k_caches: list[Tensor], v_caches: list[Tensor]) -> ctypes.Array:
         """The layer records, built once per set of caches (the pool's tensors never move)."""
         key = (k_caches[0].data_ptr(), v_caches[0].data_ptr())
@@ -125,10 +163,11 @@ class FusedDecode:
                 attn, mlp = layer.self_attn, layer.mlp
                 records.append(_Layer(
                     input_norm=layer.input_layernorm.weight.data_ptr(), post_norm=layer.post_attention_layernorm.weight.data_ptr(),
-                    qkv=attn.qkv_proj.packed_weight.data_ptr(), o=attn.o_proj.packed_weight.data_ptr(),
-                    gate_up=mlp.gate_up_proj.packed_weight.data_ptr(), down=mlp.down_proj.packed_weight.data_ptr(),
-                    qkv_bias=_pointer(attn.qkv_proj.bias_f32), o_bias=_pointer(attn.o_proj.bias_f32),
+                    qkv=_packed(attn.qkv_proj).data_ptr(), o=_packed(attn.o_proj).data_ptr(),
+                    gate_up=_packed(mlp.gate_up_proj).data_ptr(), down=_packed(mlp.down_proj).data_ptr(),
+                    qkv_bias=_pointer(_bias(attn.qkv_proj)), o_bias=_pointer(_bias(attn.o_proj)),
                     k_cache=k_cache.data_ptr(), v_cache=v_cache.data_ptr(),
+                    formats=(ctypes.c_int * 4)(*(FORMAT_IDS.get(getattr(linear, "format", ""), 0) for linear in _linears(layer))),
                 ))  # fmt: skip
             self._layers, self._caches = (_Layer * len(records))(*records), key
         return self._layers

@@ -49,7 +49,9 @@ def missing_quant_kernel(name: str) -> str:
     missing = [feature for feature in NATIVE_QUANT_KERNELS[name][1] if feature not in flags]
     if missing:
         return f"this CPU lacks {', '.join(missing)}"
-    return f"this build of the native library has no {name} kernel, or the OS refused its state to this process"
+    if name == "amx_int8":
+        return "radixkv has no AMX-INT8 quantized kernel yet"
+    return f"the native library reports no {name} kernel on this CPU"
 
 
 def resolve_quant_kernel(requested: str, native_kernels: bool = True) -> str:
@@ -133,7 +135,8 @@ class QuantLinear(nn.Module):
         else:
             self.weight = None  # held once: the packed form alone
             self.kernel_bit = NATIVE_QUANT_KERNELS[self.kernel][0]
-            self.packed = self._pack(weight)
+            # A buffer, so the module's buffers() count the bytes; not persistent: the layout is this build's.
+            self.register_buffer("packed", self._pack(weight), persistent=False)
 
     @property
     def weight_nbytes(self) -> int:

@@ -14,6 +14,7 @@ from radixkv.attention.cpu_backend import CPUBackend
 from radixkv.attention.torch_backend import TorchBackend
 from radixkv.cpu import native
 from radixkv.cpu.linear import NATIVE_LINEAR_KERNELS, available_linear_kernels, missing_linear_kernel
+from radixkv.cpu.quant_linear import missing_quant_kernel
 from radixkv.model import load_model
 from radixkv.model.fused_layers import fused_decode
 
@@ -119,6 +120,55 @@ def test_models_the_fused_step_cannot_run_keep_the_modules(tmp_path):
         assert fused_decode(onednn.model) is None
     no_native = load_model(str(make_random_model(tmp_path / "n", "llama")), CPUBackend(), dtype="float32", device="cpu", native_kernels=False)
     assert fused_decode(no_native.model) is None
+
+
+@needs_native_linears
+def test_a_quantized_model_keeps_the_layer_loop(tmp_path):
+    from radixkv.cpu.fused_decode import FusedDecode
+    from radixkv.cpu.quant import quantize_q8_0
+    from radixkv.cpu.quant_linear import QuantEmbedding, QuantLinear
+
+    loaded = load_model(str(make_random_model(tmp_path / "m", "llama")), CPUBackend(), dtype=FUSED_DTYPE, device="cpu", linear_kernel=FUSED_KERNEL)
+    model = loaded.model
+    assert FusedDecode.for_model(model) is not None
+    model.embed_tokens = QuantEmbedding(quantize_q8_0(torch.randn(8, 32)), torch.float32)
+    layer = model.layers[0]
+    layer.mlp.down_proj = QuantLinear(quantize_q8_0(torch.randn(layer.mlp.down_proj.out_features, 32)), kernel="torch")
+    assert FusedDecode.for_model(model) is None  # declines, never reads the embedding's missing .weight
+
+
+def quantize_layers(model, kernel: str) -> None:
+    """Every layer's linears replaced by QuantLinears over random weights of their shapes: q8_0
+    for attention, q4_1 for the MLP (a Q4_K_M file mixes formats so), a bias on qkv."""
+    from radixkv.cpu.quant import QuantWeight, quantize_q8_0
+    from radixkv.cpu.quant_linear import QuantLinear
+
+    generator = torch.Generator().manual_seed(1)
+    for layer in model.layers:
+        for parent, name in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"), (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")):
+            old = getattr(parent, name)
+            n, k = old.out_features, old.in_features
+            if name in ("qkv_proj", "o_proj"):
+                weight = quantize_q8_0(torch.randn(n, k, generator=generator) * 0.15)
+            else:
+                blocks = (n, k // 32)
+                quants = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=generator)
+                weight = QuantWeight("q4_1", n, k, quants, torch.rand(blocks, generator=generator) * 0.03, torch.rand(blocks, generator=generator) * -0.2)
+            bias = torch.randn(n, generator=generator) * 0.2 if name == "qkv_proj" else None
+            setattr(parent, name, QuantLinear(weight, bias, kernel=kernel))
+
+
+@pytest.mark.skipif(bool(missing_quant_kernel("avx2")), reason=f"avx2: {missing_quant_kernel('avx2')}")
+def test_fused_decode_over_quantized_linears_is_bit_identical(tmp_path, monkeypatch):
+    from radixkv.cpu.fused_decode import FusedDecode
+
+    loaded = load_model(str(make_random_model(tmp_path / "m", "llama")), CPUBackend(), dtype="float32", device="cpu", linear_kernel="avx2")
+    quantize_layers(loaded.model, "avx2")
+    loaded.model.layers.fused = FusedDecode.for_model(loaded.model)
+    assert loaded.model.layers.fused is not None
+    generator = torch.Generator().manual_seed(0)
+    sequences = [torch.randint(5, 300, (n,), generator=generator).tolist() for n in (40, 23, 33)]
+    assert_fused_matches_modules(loaded, sequences, monkeypatch)
 
 
 @needs_native_linears

@@ -176,3 +176,32 @@ def test_quant_kernel_is_a_validated_config_knob() -> None:
     with pytest.raises(ConfigError) as error:
         EngineConfig(quant_kernel="avx3")
     assert error.value.param == "quant_kernel"
+
+
+@pytest.mark.parametrize("type_name", ["Q6_K", "Q4_K", "Q4_0", "Q8_0"])
+def test_conversion_in_row_chunks_equals_one_pass(type_name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import radixkv.cpu.quant as quant
+
+    raw = random_blocks(type_name, 10, 256, 4)
+    whole = from_gguf(type_name, raw, (10, 256))
+    monkeypatch.setattr(quant, "_CHUNK_WEIGHTS", 3 * 256)  # chunks of 3 rows: 3, 3, 3, 1
+    chunked = from_gguf(type_name, raw, (10, 256))
+    assert chunked.format == whole.format and chunked.scales.dtype == whole.scales.dtype
+    assert torch.equal(chunked.quants, whole.quants) and torch.equal(chunked.scales, whole.scales)
+    assert torch.equal(dequantize(chunked), dequantize(whole))
+    if type_name == "Q6_K":
+        assert torch.equal(whole.quants, quantize_q8_0(reference("Q6_K", raw).reshape(10, 256)).quants)
+
+
+def test_wrong_byte_count_is_refused() -> None:
+    with pytest.raises(ValueError, match="expected 340 bytes"):
+        from_gguf("Q8_0", np.zeros(339, dtype=np.uint8), (10, 32))
+
+
+def test_requantized_q5_1_within_a_tenth_of_its_own_step_on_gaussian_weights() -> None:
+    values = np.random.default_rng(0).standard_normal((64, 1024)).astype(np.float32) * 0.02
+    raw = gguf_quants.quantize(values, GGMLQuantizationType.Q5_1)
+    expected = reference("Q5_1", raw).reshape(64, 32, 32)
+    d = torch.from_numpy(np.ascontiguousarray(raw.reshape(64, 32, 24)[..., :2]).view(np.float16)[..., 0].astype(np.float32))
+    error = (dequantize(from_gguf("Q5_1", raw, (64, 1024))).reshape(64, 32, 32) - expected).abs().amax(dim=-1)
+    assert bool((error <= 0.1 * d.abs()).all()), float((error / d.abs()).max())

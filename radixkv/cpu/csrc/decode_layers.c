@@ -3,7 +3,8 @@
  * results are bit-identical; only the ~100 us of Python between them per layer is gone.
  *
  * For bf16 or fp32 Llama-family layers without q/k norms whose linears are packed for one of
- * the native kernels (AMX or AVX512_BF16 for bf16, AVX2 for fp32: shape.linear_kernel); one
+ * the native kernels (AMX or AVX512_BF16 for bf16, AVX2 for fp32: shape.linear_kernel), or
+ * quantized (quant_linear.c: shape.quant_kernel, each linear's format in its layer record); one
  * query row per request. The caller checks page tables, lengths and slots once per step.
  */
 #include "kernels.h"
@@ -12,18 +13,20 @@
 #include <stddef.h>
 
 /* One layer's weights and KV pages, in the model's dtype. Linear weights are packed
- * (packed_linear.c, linear_f32.c); biases fp32 or NULL. */
+ * (packed_linear.c, linear_f32.c, or quant_linear.c's records); biases fp32 or NULL. */
 typedef struct {
     const void *input_norm, *post_norm;
     const void *qkv, *o, *gate_up, *down;
     const float *qkv_bias, *o_bias;
     void *k_cache, *v_cache;
+    int formats[4]; /* quantized layers: qkv, o, gate_up and down's formats (quant_linear.c's FORMAT_*) */
 } DecodeLayer;
 
 typedef struct {
     int rows, hidden, intermediate, num_q_heads, num_kv_heads, head_dim, page_size, num_threads;
     int linear_kernel; /* RADIXKV_LINEAR_*: RADIXKV_LINEAR_AVX2 runs fp32 layers, the others bf16 */
     float eps, scale;
+    int quant_kernel; /* 0, or RADIXKV_QUANT_*: the linears are quantized (linear_kernel then names the dtype only) */
 } DecodeShape;
 
 /* A step's phases, in the order fused_decode.py's PHASES names them. */
@@ -56,7 +59,11 @@ static void add_rms_norm(const DecodeShape *sh, void *x, const void *delta, cons
 }
 
 /* y [rows][n] = x [rows][k] W^T (+ bias), rows packed side by side. */
-static int linear(const DecodeShape *sh, const void *x, int k, const void *packed, int n, const float *bias, void *y) {
+static int linear(const DecodeShape *sh, const void *x, int k, const void *packed, int format, int n, const float *bias,
+                  void *y) {
+    if (sh->quant_kernel)
+        return radixkv_quant_linear(sh->quant_kernel, format, x, !fp32(sh), k, sh->rows, k, packed, n, bias, y, n,
+                                    sh->num_threads);
     if (fp32(sh)) return radixkv_packed_linear_f32(x, k, sh->rows, k, packed, n, bias, y, n, sh->num_threads);
     return radixkv_packed_linear(sh->linear_kernel, x, k, sh->rows, k, packed, n, bias, y, n, sh->num_threads);
 }
@@ -101,7 +108,7 @@ int radixkv_decode_layers(const DecodeLayer *layers, int num_layers, int first_l
         const DecodeLayer *layer = layers + i;
         add_rms_norm(sh, x, (first_layer && i == 0) ? NULL : delta, layer->input_norm, scratch->h);
         t = lap(timed, PHASE_NORMS, t);
-        if (linear(sh, scratch->h, hidden, layer->qkv, qkv_size, layer->qkv_bias, scratch->qkv)) return 1;
+        if (linear(sh, scratch->h, hidden, layer->qkv, layer->formats[0], qkv_size, layer->qkv_bias, scratch->qkv)) return 1;
         t = lap(timed, PHASE_QKV, t);
         rope(sh, scratch->qkv, qkv_size, cos, signed_sin);
         const char *k = (const char *)scratch->qkv + (int64_t)q_size * bytes, *v = k + (int64_t)kv_size * bytes;
@@ -112,15 +119,15 @@ int radixkv_decode_layers(const DecodeLayer *layers, int num_layers, int first_l
                    seq_lens, plan))
             return 1;
         t = lap(timed, PHASE_ATTENTION, t);
-        if (linear(sh, scratch->attention, q_size, layer->o, hidden, layer->o_bias, scratch->projected)) return 1;
+        if (linear(sh, scratch->attention, q_size, layer->o, layer->formats[1], hidden, layer->o_bias, scratch->projected)) return 1;
         t = lap(timed, PHASE_O, t);
         add_rms_norm(sh, x, scratch->projected, layer->post_norm, scratch->h);
         t = lap(timed, PHASE_NORMS, t);
-        if (linear(sh, scratch->h, hidden, layer->gate_up, 2 * inter, NULL, scratch->gate_up)) return 1;
+        if (linear(sh, scratch->h, hidden, layer->gate_up, layer->formats[2], 2 * inter, NULL, scratch->gate_up)) return 1;
         t = lap(timed, PHASE_GATE_UP, t);
         silu_mul(sh, scratch->gate_up, scratch->activated);
         t = lap(timed, PHASE_NORMS, t);
-        if (linear(sh, scratch->activated, inter, layer->down, hidden, NULL, delta)) return 1;
+        if (linear(sh, scratch->activated, inter, layer->down, layer->formats[3], hidden, NULL, delta)) return 1;
         t = lap(timed, PHASE_DOWN, t);
     }
     return 0;

@@ -36,5 +36,13 @@ int radixkv_paged_decode_f32(const float *q, int64_t q_row_stride, const float *
                              int page_size, float scale, float *out, float *work, const int32_t *plan, int num_threads);
 int radixkv_packed_linear_f32(const float *x, int64_t x_stride, int m, int k, const float *packed, int n,
                               const float *bias, float *y, int64_t y_stride, int num_threads);
+/* The quantized linears' kernels (quant_linear.c), as bits of radixkv_quant_linear_kernels()
+ * (radixkv/cpu/quant_linear.py names them). */
+#define RADIXKV_QUANT_AMX_INT8 1 /* reserved: no AMX-INT8 kernel yet */
+#define RADIXKV_QUANT_AVX512_VNNI 2
+#define RADIXKV_QUANT_AVX2 4
+int radixkv_quant_linear_kernels(void);
+int radixkv_quant_linear(int kernel, int format, const void *x, int x_bf16, int64_t x_stride, int m, int k,
+                         const uint8_t *packed, int n, const float *bias, void *y, int64_t y_stride, int num_threads);
 
 #endif
