@@ -13,7 +13,6 @@ from torch import Tensor
 from radixkv.attention.base import AttentionMetadata
 from radixkv.cpu.fused_decode import FusedDecode
 from radixkv.model.llama import CausalLM, DecoderLayers
-from radixkv.model.quantized import has_quantized
 
 
 class FusedDecodeLayers(DecoderLayers):
@@ -38,10 +37,7 @@ class FusedDecodeLayers(DecoderLayers):
 
 def install_fused_decode(model: CausalLM) -> bool:
     """Put the fused decode step in front of the model's layers where every layer can take the
-    native path (FusedDecode.for_model); returns whether it did. Not over quantized weights: the
-    fused step's C loop multiplies packed float linears only."""
-    if has_quantized(model):
-        return False
+    native path (FusedDecode.for_model); returns whether it did."""
     fused = FusedDecode.for_model(model)
     if fused is None:
         return False

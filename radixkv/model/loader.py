@@ -127,8 +127,8 @@ def load_model(
     net.eval()
     if kernel is not None:
         prepack_linears(net, kernel)
-        if native_kernels:  # decode-only steps in one native call where the model fits
-            install_fused_decode(net)
+    if native_kernels and (kernel is not None or modules):  # decode-only steps in one native call where the model fits
+        install_fused_decode(net)
     gguf = None if source.gguf is None else str(source.gguf)
     weight_format = weight_dtype if modules else "float"
     return LoadedModel(net, config, tokenizer, str(folder), torch_dtype, torch_device, gguf, weight_format)

@@ -86,7 +86,17 @@ def quantized_modules(
     sources: CausalLM._hf_sources() (our parameter -> checkpoint names, concatenated on dim 0).
     A tied lm_head is the embedding's tensor; its QuantEmbedding reads the linear's bytes."""
     modules: dict[str, nn.Module] = {}
-    for ours, names in sources.items():
+    # The embedding first: the largest tensor, while nothing else is held, so the peak is the
+    # model plus one of the small tensors being converted, not plus the embedding's conversion.
+    embedding = "model.embed_tokens.weight"
+    if tied and source.is_quantized(embedding):
+        head = QuantLinear(source.weight(embedding), None, kernel)
+        modules[LM_HEAD] = head
+        modules[EMBEDDING] = QuantEmbedding(head, dtype)
+    elif source.gguf is not None and source.gguf.tensors[embedding].quantized:
+        # An embedding is no linear: int8 leaves its blocks as the file has them.
+        modules[EMBEDDING] = QuantEmbedding(source.weight(embedding, linear=False), dtype)
+    for ours, names in sorted(sources.items(), key=lambda item: item[0] != "lm_head.weight"):  # an untied lm_head first
         module, _, kind = ours.rpartition(".")
         if kind != "weight" or module.rpartition(".")[2] not in _LINEARS:
             continue
@@ -97,14 +107,6 @@ def quantized_modules(
         biases = [source.bias(name) for name in bias_names if name in available]
         assert not biases or len(biases) == len(names), "every part has a bias or none"
         modules[module] = _linear(weights, torch.cat(biases) if biases else None, kernel)
-    embedding = "model.embed_tokens.weight"
-    if tied and source.is_quantized(embedding):
-        head = QuantLinear(source.weight(embedding), None, kernel)
-        modules[LM_HEAD] = head
-        modules[EMBEDDING] = QuantEmbedding(head, dtype)
-    elif source.gguf is not None and source.gguf.tensors[embedding].quantized:
-        # An embedding is no linear: int8 leaves its blocks as the file has them.
-        modules[EMBEDDING] = QuantEmbedding(source.weight(embedding, linear=False), dtype)
     return modules
 
 
@@ -138,8 +140,8 @@ def _stack_rows(weights: list[QuantWeight]) -> QuantWeight:
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes the model's weights hold: parameters and buffers (each storage once, so tied
-    weights count once) plus the quantized modules' own bytes."""
+    """Bytes the model's weights hold: each storage of a parameter or buffer once (tied weights
+    count once), and the quantized modules' QuantWeights held outside buffers."""
     seen: set[int] = set()
     total = 0
     for tensor in [*model.parameters(), *model.buffers()]:
@@ -148,10 +150,9 @@ def weight_bytes(model: nn.Module) -> int:
             seen.add(key)
             total += tensor.untyped_storage().nbytes()
     for module in model.modules():
-        if isinstance(module, (QuantLinear, QuantEmbedding)):
+        # A packed QuantLinear's bytes are its buffer (counted above); an unpacked one's a QuantWeight.
+        if isinstance(module, QuantLinear) and module.packed is None:
+            total += module.weight_nbytes
+        elif isinstance(module, QuantEmbedding):
             total += module.weight_nbytes
     return total
-
-
-def has_quantized(model: nn.Module) -> bool:
-    return any(isinstance(module, (QuantLinear, QuantEmbedding)) for module in model.modules())

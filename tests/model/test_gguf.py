@@ -22,7 +22,7 @@ from tests.helpers.model import Stepper, reference_logits
 SEQUENCE = [(37 * i) % 1000 + 20 for i in range(33)]
 # max |auto - float| over the logits, as a share of max |float logits|, on the tiny random
 # model: int8 activations (every quantized format) and, for Q6_K, its requantization to 8 bits.
-# Measured on these files: Q8_0 0.062, Q4_0 0.079, Q4_1 0.064, Q4_K 0.0006, Q6_K 0.026 (the random
+# Measured on these files: Q8_0 0.062, Q4_0 0.079, Q4_1 0.064, Q4_K 0.0006, Q6_K 0.026, Q4_K_M 0.040 (the random
 # K-quant blocks hold small weights, so activations' rounding weighs less there).
 AUTO_BOUND = {"Q8_0": 0.1, "Q4_0": 0.12, "Q4_1": 0.1, "Q4_K": 0.005, "Q6_K": 0.05, "Q4_K_M": 0.05}
 # Bytes the weights hold against the GGUF's tensor bytes: the repack to blocks of 32 with an fp32
