@@ -5,6 +5,8 @@ bytes its weights hold and the GGUF's own tensor bytes. "cold" loads into an emp
 reported apart), "warm" loads again from it.
 
     radixkv bench load_rss [--model FILE_OR_FOLDER ...] [--weight-dtype auto ...] [--num-pages 64] [--out out/load_rss]
+
+Linux only (ru_maxrss in KiB, /proc/self/statm).
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--weight-dtype", action="append", default=None, help="EngineConfig.weight_dtype (repeatable); default auto")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--num-pages", type=int, default=64, help="KV pages of the engine's pool (small: the weights are measured)")
-    parser.add_argument("--no-cold", action="store_true", help="skip the cold load (transformers' tokenizer build)")
     parser.add_argument("--out", default="out/load_rss")
     args = parser.parse_args(argv)
 
@@ -37,8 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     for model in args.model or [None]:
         for weight_dtype in args.weight_dtype or ["auto"]:
             with tempfile.TemporaryDirectory(prefix="radixkv-load-rss-") as cache:
-                phases = ["warm"] if args.no_cold else ["cold", "warm"]
-                for phase in phases:
+                for phase in ("cold", "warm"):
                     row = measure(model, weight_dtype, args.dtype, args.num_pages, cache)
                     rows.append({"phase": phase, **row})
                     print(_line(rows[-1]), flush=True)
