@@ -35,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     generate.add_argument("--seed", type=int, default=None)
     generate.add_argument("--chat", action="store_true", help="apply the model's chat template")
     generate.add_argument("--dtype", default="auto")
+    generate.add_argument("--weight-dtype", default="auto", help="how weights are held: auto (a GGUF's quantized blocks kept), float, int8 (EngineConfig.weight_dtype)")
     generate.add_argument("--kv-dtype", default="auto", help="KV pages' storage dtype: auto (the compute dtype), bf16, fp16, fp32, int8, fp8")
 
     serving = commands.add_parser("serve", help="run the OpenAI-compatible HTTP server")
@@ -74,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     serving.add_argument("--pin-ttl-s", type=float, default=None, help="seconds a pin lasts unless unpinned; 0: forever (default 3600)")
     serving.add_argument("--dtype", default="auto")
+    serving.add_argument("--weight-dtype", default="auto", help="how weights are held: auto (a GGUF's quantized blocks kept), float, int8 (EngineConfig.weight_dtype)")
     serving.add_argument("--kv-dtype", default="auto", help="KV pages' storage dtype: auto (the compute dtype), bf16, fp16, fp32, int8, fp8")
     serving.add_argument("--num-pages", type=int, default=None)
     serving.add_argument("--no-prefix-caching", action="store_true", help="compute every prompt in full (for comparisons)")
@@ -135,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
 def _generate(args: argparse.Namespace) -> int:
     from radixkv import LLM, SamplingParams
 
-    llm = LLM(args.model, dtype=args.dtype, kv_dtype=args.kv_dtype)
+    llm = LLM(args.model, dtype=args.dtype, weight_dtype=args.weight_dtype, kv_dtype=args.kv_dtype)
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
         if args.chat:
@@ -213,6 +215,7 @@ def serve(args: argparse.Namespace) -> int:
         config = EngineConfig(
             model=args.model,
             dtype=args.dtype,
+            weight_dtype=args.weight_dtype,
             kv_dtype=args.kv_dtype,
             num_pages=args.num_pages,
             enable_prefix_caching=not args.no_prefix_caching,

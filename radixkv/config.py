@@ -22,6 +22,7 @@ KV_DTYPES = ("auto", "bf16", "fp16", "fp32", "int8", "fp8")
 BACKENDS = ("auto", "torch", "cpu", "triton")
 LINEAR_KERNELS = ("auto", "amx", "avx512_bf16", "avx2", "onednn")
 QUANT_KERNELS = ("auto", "amx_int8", "avx512_vnni", "avx2", "torch")
+WEIGHT_DTYPES = ("auto", "float", "int8")
 
 
 @dataclass(slots=True)
@@ -81,6 +82,14 @@ class EngineConfig:
     # compute the same bits. "auto": the fastest that runs here; a named native kernel this CPU
     # cannot run fails at load, naming why.
     quant_kernel: str = "auto"
+    # How weights are held. "auto": a GGUF's quantized tensors (Q8_0, Q4_0/Q4_1, Q4_K; other
+    # k-quants requantized to 8 bits) stay quantized in their blocks, run by quant_kernel, a tied
+    # lm_head and embedding sharing one copy; float tensors, and every HF folder weight, in dtype.
+    # "float": every weight dequantized to dtype (the model transformers computes). "int8":
+    # every linear, from any source, quantized at load to 8 bits per block of 32 (a GGUF's Q8_0
+    # blocks as they are). Greedy output is exact cache on/off within one weight_dtype; against
+    # the float model a quantized one diverges by what scenarios/perplexity.py measures.
+    weight_dtype: str = "auto"
     # Check the Triton kernels' device indices (page table, slots, offsets) before each step;
     # each check syncs with the device. None: on under TRITON_INTERPRET=1 only.
     check_indices: bool | None = None
@@ -207,6 +216,7 @@ class EngineConfig:
         _choice(self, "attention_backend", BACKENDS)
         _choice(self, "linear_kernel", LINEAR_KERNELS)
         _choice(self, "quant_kernel", QUANT_KERNELS)
+        _choice(self, "weight_dtype", WEIGHT_DTYPES)
         for name in ("native_kernels", "decode_amx", "share_decode_reads"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}", param=name)

@@ -78,11 +78,12 @@ def main() -> None:
     print(f"speed-up: {uncached_time / cached_time:.2f}x; identical outputs: {same}/{len(outputs)} ({cached_llm.engine.dtype} on {cached_llm.engine.device})")
     if same < len(outputs):
         print(
-            "  (bf16 is not batch-invariant by default: prefill attention splits a prompt's keys where\n"
+            "  (steps are not batch-invariant by default: prefill attention splits a prompt's keys where\n"
             "   the step's new tokens start (and matmul libraries pick kernels by row count), rounding\n"
             "   differently, so a suffix computed over a cached prefix can differ in the last bit and flip\n"
-            "   a near-tie; `python -m radixkv.demo --batch-invariant` (LLM(batch_invariant=True)) makes\n"
-            "   them bit-identical on CPU, and dtype='float32' is token-exact)"
+            "   a near-tie; weights kept quantized (weight_dtype='auto', a GGUF's blocks) round activations\n"
+            "   to int8, which turns such a bit into a different token more often. `python -m radixkv.demo\n"
+            "   --batch-invariant` (LLM(batch_invariant=True)) makes them bit-identical on CPU)"
         )
 
 

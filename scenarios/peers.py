@@ -140,14 +140,12 @@ def _warm_up(llm) -> None:
 
 def _hf_model(workload: Workload):
     import torch
-    from transformers import AutoModelForCausalLM
-
     from radixkv.model.device import resolve_device, resolve_dtype
-    from radixkv.model.loader import resolve_model_folder
+    from radixkv.model.loader import hf_reference_model
 
     device = resolve_device(workload.device)
     dtype = resolve_dtype(workload.dtype, device)
-    model = AutoModelForCausalLM.from_pretrained(resolve_model_folder(workload.model), dtype=dtype)
+    model = hf_reference_model(workload.model, dtype)
     return model.to(device).eval()
 
 

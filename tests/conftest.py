@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers.gguf_files import TinyGGUFs
 from tests.helpers.tiny_models import make_tiny_model
 
 if not torch.cuda.is_available():
@@ -46,6 +47,12 @@ def _torch_threads(request: pytest.FixtureRequest) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def tiny_ggufs(tmp_path_factory: pytest.TempPathFactory) -> TinyGGUFs:
+    """Tiny random Llama GGUF files by weight type (tests.helpers.gguf_files), written on first use; read-only."""
+    return TinyGGUFs(tmp_path_factory.mktemp("tiny-ggufs"))
 
 
 @pytest.fixture(scope="session")

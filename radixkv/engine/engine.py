@@ -60,6 +60,7 @@ class Engine:
             loaded = load_model(
                 config.model, backend, dtype=config.dtype, device=config.device, cache_dir=config.cache_dir,
                 native_kernels=config.native_kernels, linear_kernel=config.linear_kernel,
+                weight_dtype=config.weight_dtype, quant_kernel=config.quant_kernel,
             )
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer

@@ -1,5 +1,6 @@
-"""What makes a model's KV what it is, as one string: a digest of its weight files, the dtype,
-the pages' storage dtype (kv_dtype), the attention shape and the rope settings. The disk KV tier stores it with every block and
+"""What makes a model's KV what it is, as one string: a digest of its weight files (a GGUF's
+file itself), the weight format, the dtype, the pages' storage dtype (kv_dtype), the attention
+shape and the rope settings. The disk KV tier stores it with every block and
 treats any other fingerprint as a miss.
 """
 
@@ -27,7 +28,9 @@ def model_fingerprint(loaded: LoadedModel, kv_dtype: torch.dtype | None = None) 
     another is another block's bytes, so a miss."""
     config = loaded.config
     fields = {
-        "weights": weights_digest(Path(loaded.path)),
+        "weights": weights_digest(weight_files(loaded)),
+        # KV computed with weights kept quantized differs from the float model's.
+        "weight_format": loaded.weight_format,
         "dtype": str(loaded.dtype).removeprefix("torch."),
         "kv_dtype": kv_dtype_name(kv_dtype if kv_dtype is not None else loaded.dtype),
         "architecture": config.architecture,
@@ -41,11 +44,17 @@ def model_fingerprint(loaded: LoadedModel, kv_dtype: torch.dtype | None = None) 
     return json.dumps(fields, sort_keys=True, default=str)
 
 
-def weights_digest(folder: Path) -> str:
-    """sha256 over the checkpoint's weight files (names, sizes, and contents or samples of
-    them): the files the loader reads, not the per-dtype cast copies it may add later."""
+def weight_files(loaded: LoadedModel) -> list[Path]:
+    """The files the loader read the weights from, not the per-dtype cast copies it may add later."""
+    if loaded.gguf is not None:
+        return [Path(loaded.gguf)]
+    folder = Path(loaded.path)
+    return _weight_files(folder, "model.safetensors") or _weight_files(folder, "pytorch_model.bin")
+
+
+def weights_digest(files: list[Path]) -> str:
+    """sha256 over weight files (names, sizes, and contents or samples of them)."""
     hasher = hashlib.sha256()
-    files = _weight_files(folder, "model.safetensors") or _weight_files(folder, "pytorch_model.bin")
     for path in files:
         size = path.stat().st_size
         hasher.update(f"{path.name}|{size}|".encode())

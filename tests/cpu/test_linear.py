@@ -237,7 +237,7 @@ def test_a_float32_model_loads_its_linears_for_the_setting(setting, native_kerne
     from radixkv.attention.torch_backend import TorchBackend
     from radixkv.model import load_model
 
-    loaded = load_model(None, TorchBackend(), dtype="float32", device="cpu", native_kernels=native_kernels, linear_kernel=setting)
+    loaded = load_model(None, TorchBackend(), dtype="float32", device="cpu", native_kernels=native_kernels, linear_kernel=setting, weight_dtype="float")
     linears = [module for module in loaded.model.modules() if isinstance(module, (torch.nn.Linear, PackedLinear))]
     kernels = {module.kernel if isinstance(module, PackedLinear) else None for module in linears}
     assert kernels == {expected}

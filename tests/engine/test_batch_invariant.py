@@ -59,10 +59,10 @@ def test_default_model_bf16_answers_identical_with_and_without_cache():
 
     conversations = [[{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": q}] for q in QUESTIONS]
     params = SamplingParams(max_tokens=24)
-    cached = LLM(dtype="bfloat16", device="cpu", batch_invariant=True, num_pages=1024)
+    cached = LLM(dtype="bfloat16", device="cpu", batch_invariant=True, num_pages=1024, weight_dtype="float")
     cached.chat(conversations[:1], SamplingParams(max_tokens=1))  # the system prompt is now cached
     with_cache = cached.chat(conversations, params)
     assert all(o.num_cached_tokens >= 400 for o in with_cache)
-    uncached = LLM(dtype="bfloat16", device="cpu", batch_invariant=True, num_pages=1024, enable_prefix_caching=False)
+    uncached = LLM(dtype="bfloat16", device="cpu", batch_invariant=True, num_pages=1024, enable_prefix_caching=False, weight_dtype="float")
     without_cache = uncached.chat(conversations, params)
     assert [o.token_ids for o in with_cache] == [o.token_ids for o in without_cache]

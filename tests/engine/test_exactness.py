@@ -95,7 +95,7 @@ def test_real_smollm2_matches_transformers_cold_and_warm():
     except ModelNotFound as missing:
         pytest.skip(str(missing))
 
-    llm = LLM(None, dtype="float32", device="cpu", num_pages=256, check_invariants=True, seed=0)
+    llm = LLM(None, dtype="float32", device="cpu", num_pages=256, check_invariants=True, seed=0, weight_dtype="float")
     system = {"role": "system", "content": "You are a concise assistant for a bicycle shop. " * 6}
     conversations = [[system, {"role": "user", "content": q}] for q in ("Do you sell helmets?", "When do you open?")]
     prompts = [llm.encode_chat(c) for c in conversations]

@@ -11,13 +11,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM
 
 from radixkv import LLM
 from radixkv.config import EngineConfig
 from radixkv.engine.engine import Engine
 from radixkv.engine.request import RequestOutput
-from radixkv.model.loader import LoadedModel
+from radixkv.model.loader import LoadedModel, hf_reference_model
 from tests.helpers.tiny_models import CHAT_TEMPLATE
 
 VOCAB = 320  # the tiny models' vocabulary
@@ -29,7 +28,7 @@ TEST_DEVICE = os.environ.get("RADIXKV_TEST_DEVICE", "cpu")
 
 def hf_greedy(model_dir: Path | str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """transformers' own greedy generate, one prompt at a time (no padding effects)."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = hf_reference_model(model_dir, torch.float32)  # a GGUF's folder: transformers reads the GGUF
     model.eval()
     results = []
     with torch.inference_mode():

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from radixkv.attention.base import AttentionMetadata
-from radixkv.model.loader import LoadedModel
+from radixkv.model.loader import LoadedModel, hf_reference_model
 from tests.helpers.tiny_models import tiny_config, tiny_tokenizer
 
 
@@ -123,6 +123,6 @@ def reference_logits(
     folder: Path | str, sequences: list[list[int]], dtype: torch.dtype = torch.float32
 ) -> list[torch.Tensor]:
     """transformers' logits [len, vocab] (fp32) for each whole sequence, one at a time."""
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    hf = hf_reference_model(folder, dtype)  # a GGUF's folder: transformers reads the GGUF
     hf.eval()
     return [hf(torch.tensor([seq])).logits[0].float() for seq in sequences]

@@ -92,5 +92,5 @@ def test_a_failed_conversion_leaves_no_temporary_folder(tmp_path):
     gguf.write_bytes(b"GGUF" + b"\0" * 64)  # a header and nothing usable after it
     cache = tmp_path / "cache"
     with pytest.raises(Exception):  # noqa: B017, PT011 - whatever transformers raises for it
-        loader.converted_gguf_folder(gguf, str(cache))
+        loader.gguf_folder(gguf, str(cache))
     assert [p.name for p in cache.iterdir()] == []

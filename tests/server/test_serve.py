@@ -100,7 +100,7 @@ def test_default_model_with_its_own_chat_template():
     from radixkv.engine.async_engine import AsyncEngine
     from radixkv.engine.engine import Engine
 
-    async_engine = AsyncEngine(Engine(EngineConfig(num_pages=64, device="cpu")))
+    async_engine = AsyncEngine(Engine(EngineConfig(num_pages=64, device="cpu", weight_dtype="float")))
     name = served_model_name(None)
     try:
         with ServerThread(create_app(async_engine, model_name=name)) as server:

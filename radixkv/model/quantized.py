@@ -1,0 +1,158 @@
+"""Which of a model's linears and embedding keep quantized weights (EngineConfig.weight_dtype), and
+the QuantLinear/QuantEmbedding modules built for them, one tensor at a time, from a GGUF's blocks
+or a float checkpoint's tensors. The loader hands them to CausalLM.load_state_dict_hf.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import torch
+from torch import Tensor, nn
+
+from radixkv.cpu.quant import QuantWeight, quantize_q8_0
+from radixkv.cpu.quant_linear import QuantEmbedding, QuantLinear
+from radixkv.model.gguf import GGUFFile
+
+# Our linears (module names end with these), whose weights a weight_dtype may keep quantized.
+_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
+EMBEDDING = "embed_tokens"
+LM_HEAD = "lm_head"
+
+
+class RowConcatLinear(nn.Module):
+    """One linear made of quantized parts stacked along out_features (q, k and v, or gate and up,
+    stored in different formats, e.g. Q4_K beside Q6_K): each part multiplies x, outputs side by side."""
+
+    rows_independent = True  # each part's are (QuantLinear)
+
+    def __init__(self, parts: list[QuantLinear]) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(part.out_features for part in parts)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.cat([part(x) for part in self.parts], dim=1)
+
+    @property
+    def weight_nbytes(self) -> int:
+        return sum(part.weight_nbytes for part in self.parts)
+
+
+class QuantSource:
+    """Where quantized weights come from: a GGUF file (its blocks) or float tensors (quantized here).
+
+    weight_dtype "auto": a GGUF's quantized tensors stay in their blocks, every float tensor stays
+    float; "int8": every linear becomes q8_0 (a GGUF's Q8_0 blocks as they are)."""
+
+    def __init__(
+        self, weight_dtype: str, gguf: GGUFFile | None = None, stored: Callable[[str], Tensor] | None = None
+    ) -> None:
+        assert weight_dtype in ("auto", "int8") and (gguf is None) != (stored is None)
+        self.weight_dtype, self.gguf, self.stored = weight_dtype, gguf, stored
+
+    def is_quantized(self, name: str) -> bool:
+        """Whether the checkpoint tensor `name` is to be held quantized."""
+        if self.gguf is not None and self.gguf.tensors[name].quantized:
+            return True
+        return self.weight_dtype == "int8"
+
+    def weight(self, name: str, linear: bool = True) -> QuantWeight:
+        """The checkpoint tensor `name` held quantized (linear=False: an untied embedding, kept
+        in the file's blocks under int8 too). Converted in slices of rows where it is read."""
+        gguf = self.gguf
+        if gguf is None:
+            return quantize_q8_0(self.stored(name).float())  # one float tensor at a time
+        if self.weight_dtype == "auto" or not linear:
+            return gguf.quantized(name)
+        return gguf.quantized(name, requantize=gguf.tensors[name].type_name != "Q8_0")
+
+    def bias(self, name: str) -> Tensor:
+        return self.gguf.dequantized(name) if self.gguf is not None else self.stored(name).float()
+
+
+def quantized_modules(
+    sources: Mapping[str, list[str]],
+    available: set[str],
+    source: QuantSource,
+    tied: bool,
+    dtype: torch.dtype,
+    kernel: str,
+) -> dict[str, nn.Module]:
+    """Modules by our module name (e.g. layers.0.self_attn.qkv_proj) for every linear whose
+    checkpoint tensors are all to be held quantized, and the embedding where its weight is.
+
+    sources: CausalLM._hf_sources() (our parameter -> checkpoint names, concatenated on dim 0).
+    A tied lm_head is the embedding's tensor; its QuantEmbedding reads the linear's bytes."""
+    modules: dict[str, nn.Module] = {}
+    # The embedding first: the largest tensor, while nothing else is held, so the peak is the
+    # model plus one of the small tensors being converted, not plus the embedding's conversion.
+    embedding = "model.embed_tokens.weight"
+    if tied and source.is_quantized(embedding):
+        head = QuantLinear(source.weight(embedding), None, kernel)
+        modules[LM_HEAD] = head
+        modules[EMBEDDING] = QuantEmbedding(head, dtype)
+    elif source.gguf is not None and source.gguf.tensors[embedding].quantized:
+        # An embedding is no linear: int8 leaves its blocks as the file has them.
+        modules[EMBEDDING] = QuantEmbedding(source.weight(embedding, linear=False), dtype)
+    for ours, names in sorted(sources.items(), key=lambda item: item[0] != "lm_head.weight"):  # an untied lm_head first
+        module, _, kind = ours.rpartition(".")
+        if kind != "weight" or module.rpartition(".")[2] not in _LINEARS:
+            continue
+        if not all(source.is_quantized(name) for name in names):
+            continue
+        weights = [source.weight(name) for name in names]
+        bias_names = [name.removesuffix(".weight") + ".bias" for name in names]
+        biases = [source.bias(name) for name in bias_names if name in available]
+        assert not biases or len(biases) == len(names), "every part has a bias or none"
+        modules[module] = _linear(weights, torch.cat(biases) if biases else None, kernel)
+    return modules
+
+
+def _linear(weights: list[QuantWeight], bias: Tensor | None, kernel: str) -> nn.Module:
+    """One QuantLinear over the parts' rows stacked where they share a format, else a RowConcatLinear."""
+    if len(weights) == 1 or len({w.format for w in weights}) == 1:
+        return QuantLinear(_stack_rows(weights), bias, kernel)
+    parts, start = [], 0
+    for weight in weights:
+        part_bias = None if bias is None else bias[start : start + weight.out_features]
+        parts.append(QuantLinear(weight, part_bias, kernel))
+        start += weight.out_features
+    return RowConcatLinear(parts)
+
+
+def _stack_rows(weights: list[QuantWeight]) -> QuantWeight:
+    if len(weights) == 1:
+        return weights[0]
+    first = weights[0]
+    # Scales stay fp16 only where every part's are; fp16 -> fp32 is exact.
+    scale_dtype = first.scales.dtype if all(w.scales.dtype == first.scales.dtype for w in weights) else torch.float32
+    mins = None if first.mins is None else torch.cat([w.mins.to(scale_dtype) for w in weights])
+    return QuantWeight(
+        first.format,
+        sum(w.out_features for w in weights),
+        first.in_features,
+        torch.cat([w.quants for w in weights]),
+        torch.cat([w.scales.to(scale_dtype) for w in weights]),
+        mins,
+    )
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes the model's weights hold: each storage of a parameter or buffer once (tied weights
+    count once), and the quantized modules' QuantWeights held outside buffers."""
+    seen: set[int] = set()
+    total = 0
+    for tensor in [*model.parameters(), *model.buffers()]:
+        key = tensor.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            total += tensor.untyped_storage().nbytes()
+    for module in model.modules():
+        # A packed QuantLinear's bytes are its buffer (counted above); an unpacked one's a QuantWeight.
+        if isinstance(module, QuantLinear) and module.packed is None:
+            total += module.weight_nbytes
+        elif isinstance(module, QuantEmbedding):
+            total += module.weight_nbytes
+    return total

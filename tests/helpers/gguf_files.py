@@ -1,0 +1,175 @@
+"""Tiny GGUF files for tests: a random Llama (tests.helpers.tiny_models' config and init, widened to
+K-quant rows of 256) written with gguf.GGUFWriter in one weight type, with the default SmolLM2
+GGUF's tokenizer metadata copied over so transformers builds its tokenizer and reads the file too:
+its first VOCAB tokens and the merges that make them (a whole 49k vocabulary takes transformers
+a minute to convert, for each file).
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM
+
+from tests.helpers.tiny_models import tiny_config
+
+# Quantized with gguf.quants.quantize; the K-quants are written as random valid blocks.
+QUANTIZED_TYPES = ("Q8_0", "Q4_0", "Q4_1")
+RANDOM_BLOCK_TYPES = ("Q4_K", "Q6_K")
+FLOAT_TYPES = ("F32", "F16")
+ALL_TYPES = (*FLOAT_TYPES, *QUANTIZED_TYPES, *RANDOM_BLOCK_TYPES)
+# llama.cpp's Q4_K_M mix: attn_v and ffn_down in Q6_K, the other matrices in Q4_K, so q/k/v (and
+# a fused linear) hold two formats.
+MIXES = {"Q4_K_M": {"attn_v": "Q6_K", "ffn_down": "Q6_K"}}
+# Tokens kept of the copied tokenizer: its 17 special tokens, 256 bytes, then one per merge.
+VOCAB = 1024
+_FIRST_MERGED = 273
+SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2)
+
+
+@functools.cache
+def _tokenizer_fields() -> tuple[tuple[str, object, object, object], ...]:
+    """(key, value, type, item type) of every tokenizer.* field of the default SmolLM2 GGUF,
+    its vocabulary cut to VOCAB tokens: merge i makes token 273 + i, so the first merges are kept."""
+    from gguf import GGUFReader, GGUFValueType
+
+    from radixkv.model.loader import default_model_gguf
+
+    reader = GGUFReader(default_model_gguf())
+    fields = []
+    for key, field in reader.fields.items():
+        if key.startswith("tokenizer."):
+            kind = field.types[0]
+            sub = field.types[-1] if kind == GGUFValueType.ARRAY else None
+            value = field.contents()
+            if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type"):
+                value = value[:VOCAB]
+            elif key == "tokenizer.ggml.merges":
+                value = value[: VOCAB - _FIRST_MERGED]
+            fields.append((key, value, kind, sub))
+    return tuple(fields)
+
+
+def _llama_state(seed: int, tied: bool) -> tuple[object, dict[str, np.ndarray]]:
+    """A tiny random Llama's config and fp32 weights under transformers' names."""
+    torch.manual_seed(seed)
+    config = tiny_config("llama", vocab_size=VOCAB, tie_word_embeddings=tied, max_position_embeddings=512, **SHAPE)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # make_tiny_model's scales: decisive greedy choices
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(1.0 + 0.2 * torch.randn_like(param))
+            elif param.dim() > 1:
+                param.normal_(0.0, 0.3 if "embed" in name or "lm_head" in name else 0.15)
+    state = {name: t.detach().numpy().copy() for name, t in model.state_dict().items()}
+    if tied:
+        state.pop("lm_head.weight", None)
+    return config, state
+
+
+def _permute(weights: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf permutation of q/k rows (radixkv.model.gguf undoes it)."""
+    return weights.reshape(heads, 2, weights.shape[0] // heads // 2, *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape)
+
+
+def _random_blocks(type_name: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Valid random K-quant blocks [rows, bytes per row]: random quants and sub-block scales,
+    super-block scales small positive fp16 (weights around +-0.1)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    qtype = GGMLQuantizationType[type_name]
+    block, size = GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
+    if type_name == "Q4_K":  # d, dmin (fp16), 12 bytes of 6-bit scales and mins, 128 of nibbles
+        blocks[..., 0:2] = _f16_bytes(rng.uniform(0.002, 0.004, blocks.shape[:2]))
+        blocks[..., 2:4] = _f16_bytes(rng.uniform(0.004, 0.008, blocks.shape[:2]))
+    elif type_name == "Q6_K":  # 128 bytes low bits, 64 high bits, 16 int8 scales, d (fp16) last
+        blocks[..., 192:208] = rng.integers(-32, 32, size=(rows, cols // block, 16)).astype(np.int8).view(np.uint8)
+        blocks[..., 208:210] = _f16_bytes(rng.uniform(0.0001, 0.0002, blocks.shape[:2]))
+    return blocks.reshape(rows, -1)
+
+
+def _f16_bytes(values: np.ndarray) -> np.ndarray:
+    return values.astype(np.float16)[..., None].view(np.uint8)
+
+
+def write_tiny_gguf(
+    path: Path, type_name: str, seed: int = 0, tied: bool = True, overrides: dict[str, str] | None = None
+) -> Path:
+    """A tiny random Llama GGUF with its matrices in type_name (a type, or a mix of MIXES; norms
+    F32), at path. overrides: GGUF tensor name -> type written as random bytes (an unsupported
+    type, for the error it must give)."""
+    mix = MIXES.get(type_name, {})
+    base = "Q4_K" if mix else type_name
+    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf.quants import quantize
+
+    config, state = _llama_state(seed, tied)
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_name(f"tiny-llama-{type_name}")
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"] if getattr(config, "rope_parameters", None) else config.rope_theta)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
+    writer.add_vocab_size(VOCAB)
+    for key, value, kind, sub in _tokenizer_fields():
+        writer.add_key_value(key, value, kind, sub)
+    rng = np.random.default_rng(seed)
+    names = {
+        "model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight",
+    }  # fmt: skip
+    block = {
+        "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+        "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    }  # fmt: skip
+    for name, weights in state.items():
+        if name in names:
+            gguf_name = names[name]
+        else:
+            _, _, layer, rest = name.split(".", 3)
+            gguf_name = f"blk.{layer}.{block[rest.removesuffix('.weight')]}.weight"
+        if ".attn_q." in gguf_name:
+            weights = _permute(weights, config.num_attention_heads)
+        elif ".attn_k." in gguf_name:
+            weights = _permute(weights, config.num_key_value_heads)
+        kind = (overrides or {}).get(gguf_name) or mix.get(gguf_name.split(".")[-2], base)
+        if weights.ndim == 1 or kind == "F32":
+            writer.add_tensor(gguf_name, weights.astype(np.float32))
+        elif kind == "F16":
+            writer.add_tensor(gguf_name, weights.astype(np.float16))
+        elif kind in QUANTIZED_TYPES:
+            qtype = GGMLQuantizationType[kind]
+            writer.add_tensor(gguf_name, quantize(weights, qtype), raw_dtype=qtype)
+        else:
+            qtype = GGMLQuantizationType[kind]
+            writer.add_tensor(gguf_name, _random_blocks(kind, *weights.shape, rng), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+class TinyGGUFs:
+    """Tiny GGUF files by weight type, each written on first use (a session fixture holds one)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self._files: dict[tuple[str, bool], Path] = {}
+
+    def __call__(self, type_name: str, tied: bool = True) -> Path:
+        key = (type_name, tied)
+        if key not in self._files:
+            folder = self.folder / f"{type_name}-{'tied' if tied else 'untied'}"
+            folder.mkdir(parents=True, exist_ok=True)
+            self._files[key] = write_tiny_gguf(folder / f"tiny-{type_name}.gguf", type_name, tied=tied)
+        return self._files[key]
