@@ -119,8 +119,10 @@ class EngineConfig:
     # query row at a time; GEMMs in fixed 32-row blocks where the linears are not AMX's, whose
     # rows are independent already), so bf16 outputs are bit-identical with
     # the cache on or off and in any batch. Slower prefill; the torch and cpu backends only.
-    # fp32 is exact without it (token for token), bf16 is not: see README, "Use it".
-    batch_invariant: bool = False
+    # fp32 is exact without it (token for token), bf16 is not: see README, "Use it". None: on
+    # where weights are kept quantized (weight_dtype), whose kernels round activations to int8,
+    # turning a last-bit difference into another token often; off otherwise.
+    batch_invariant: bool | None = None
     cache_dir: str | None = None  # converted-weights cache; None: ~/.cache/radixkv
     # Which unlocked cached blocks go first when pages run out: "slru" evicts blocks that never
     # served a hit (one request's private tail) before those that did, each least recently

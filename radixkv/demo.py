@@ -47,7 +47,8 @@ def run(llm: LLM, params: SamplingParams) -> tuple[float, list]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument(
-        "--batch-invariant", action="store_true", help="bit-identical bf16 outputs with and without the cache (slower)"
+        "--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
+        help="bit-identical outputs with and without the cache (slower); default: on for quantized weights",
     )
     parser.add_argument("--model", default=None, help="a model folder or .gguf file (default: SmolLM2-135M-Instruct)")
     args = parser.parse_args()
@@ -81,9 +82,8 @@ def main() -> None:
             "  (steps are not batch-invariant by default: prefill attention splits a prompt's keys where\n"
             "   the step's new tokens start (and matmul libraries pick kernels by row count), rounding\n"
             "   differently, so a suffix computed over a cached prefix can differ in the last bit and flip\n"
-            "   a near-tie; weights kept quantized (weight_dtype='auto', a GGUF's blocks) round activations\n"
-            "   to int8, which turns such a bit into a different token more often. `python -m radixkv.demo\n"
-            "   --batch-invariant` (LLM(batch_invariant=True)) makes them bit-identical on CPU)"
+            "   a near-tie. Quantized weights run batch-invariant by default for that reason; `python -m\n"
+            "   radixkv.demo --batch-invariant` (LLM(batch_invariant=True)) makes any model bit-identical on CPU)"
         )
 
 

@@ -97,7 +97,12 @@ class Engine:
         )
         self.scheduler = Scheduler(config, self.kv)
         self.sampler = Sampler(config.seed, tuple(sorted(self.eos_token_ids)))
-        self.runner = ModelRunner(loaded.model, self.pool, loaded.device, self.sampler, batch_invariant=config.batch_invariant)
+        # Quantized weights (int8 activations) are cache-exact only batch-invariant; see config.
+        invariant = config.batch_invariant
+        if invariant is None:
+            invariant = loaded.weight_format != "float" and backend.capabilities.batch_invariant
+        self.batch_invariant = invariant
+        self.runner = ModelRunner(loaded.model, self.pool, loaded.device, self.sampler, batch_invariant=invariant)
         guide_limits = GuideLimits(
             config.max_guide_schema_bytes, config.max_guide_schema_depth, config.guide_compile_timeout_s, config.guide_mask_timeout_s
         )
