@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import Tensor, nn
 
-from radixkv.cpu.quant import QuantWeight, quantize_q8_0
+from radixkv.cpu.quant import QuantWeight, dequantize, quantize_q8_0
 from radixkv.cpu.quant_linear import QuantEmbedding, QuantLinear
 from radixkv.model.gguf import GGUFFile
 
@@ -18,26 +18,6 @@ from radixkv.model.gguf import GGUFFile
 _LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
 EMBEDDING = "embed_tokens"
 LM_HEAD = "lm_head"
-
-
-class RowConcatLinear(nn.Module):
-    """One linear made of quantized parts stacked along out_features (q, k and v, or gate and up,
-    stored in different formats, e.g. Q4_K beside Q6_K): each part multiplies x, outputs side by side."""
-
-    rows_independent = True  # each part's are (QuantLinear)
-
-    def __init__(self, parts: list[QuantLinear]) -> None:
-        super().__init__()
-        self.parts = nn.ModuleList(parts)
-        self.in_features = parts[0].in_features
-        self.out_features = sum(part.out_features for part in parts)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return torch.cat([part(x) for part in self.parts], dim=1)
-
-    @property
-    def weight_nbytes(self) -> int:
-        return sum(part.weight_nbytes for part in self.parts)
 
 
 class QuantSource:
@@ -111,15 +91,13 @@ def quantized_modules(
 
 
 def _linear(weights: list[QuantWeight], bias: Tensor | None, kernel: str) -> nn.Module:
-    """One QuantLinear over the parts' rows stacked where they share a format, else a RowConcatLinear."""
-    if len(weights) == 1 or len({w.format for w in weights}) == 1:
-        return QuantLinear(_stack_rows(weights), bias, kernel)
-    parts, start = [], 0
-    for weight in weights:
-        part_bias = None if bias is None else bias[start : start + weight.out_features]
-        parts.append(QuantLinear(weight, part_bias, kernel))
-        start += weight.out_features
-    return RowConcatLinear(parts)
+    """One QuantLinear over the parts' rows stacked. Parts in different formats (a Q4_K_M file's
+    Q4_K q and k beside a Q6_K v) are all made q8_0 first: one linear keeps the fused decode
+    step (one format per linear), and int8 holds a 4-bit part's values to within half an int8
+    step of its block's largest, far inside the 4-bit grid's own error."""
+    if len({w.format for w in weights}) > 1:
+        weights = [w if w.format == "q8_0" else quantize_q8_0(dequantize(w)) for w in weights]
+    return QuantLinear(_stack_rows(weights), bias, kernel)
 
 
 def _stack_rows(weights: list[QuantWeight]) -> QuantWeight:

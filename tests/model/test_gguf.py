@@ -15,7 +15,7 @@ from radixkv.errors import ConfigError
 from radixkv.model import load_model
 from radixkv.model.gguf import GGUFError, GGUFFile, row_permutation
 from radixkv.model.loader import GGUF_MARKER
-from radixkv.model.quantized import RowConcatLinear, weight_bytes
+from radixkv.model.quantized import weight_bytes
 from tests.helpers.gguf_files import ALL_TYPES, FLOAT_TYPES, write_tiny_gguf
 from tests.helpers.model import Stepper, reference_logits
 
@@ -73,19 +73,18 @@ def test_quantized_weights_are_held_once_in_about_the_files_bytes(tiny_ggufs, ca
     assert model.embed_tokens.linear is model.lm_head and model.embed_tokens.weight_nbytes == 0
     held, stored = weight_bytes(model), GGUFFile(path, 4, 2).tensor_bytes
     print(f"{type_name}: weights hold {held} bytes, the file's tensors {stored} ({held / stored:.3f}x)")
-    assert held <= stored * BYTES_FACTOR
+    # Q4_K_M's q and k are held as q8_0 beside its Q6_K v (one linear for the fused step): at
+    # this tiny model's widths that is a larger share of the bytes than at any real model's.
+    assert held <= stored * (1.5 if type_name == "Q4_K_M" else BYTES_FACTOR)
     qkv = model.layers[0].self_attn.qkv_proj
-    if type_name == "Q4_K_M":  # Q4_K q and k beside a Q6_K v (requantized to q8_0)
-        assert isinstance(qkv, RowConcatLinear) and [p.format for p in qkv.parts] == ["q4_1", "q4_1", "q8_0"]
-    else:
-        assert isinstance(qkv, QuantLinear)
+    # Q4_K_M: Q4_K q and k beside a Q6_K v all become one q8_0 linear (the fused step's).
+    assert isinstance(qkv, QuantLinear) and (qkv.format == "q8_0" or type_name != "Q4_K_M")
 
 
 def test_int8_makes_every_linear_q8_0_and_keeps_q8_0_blocks_as_they_are(tiny_ggufs, cache):
     q4k = _load(tiny_ggufs("Q4_K_M"), "int8", cache)
     linears = [m for m in q4k.model.modules() if isinstance(m, QuantLinear)]
     assert linears and {m.format for m in linears} == {"q8_0"} and q4k.weight_format == "int8"
-    assert not any(isinstance(m, RowConcatLinear) for m in q4k.model.modules())
     q8 = tiny_ggufs("Q8_0")
     torch.testing.assert_close(_logits(_load(q8, "int8", cache)), _logits(_load(q8, "auto", cache)), atol=0, rtol=0)
 
