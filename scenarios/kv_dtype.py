@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -28,6 +26,7 @@ from radixkv.cache.kv_dtype import KV_STORAGE_DTYPES
 from radixkv.cache.pages import PagePool
 from radixkv.cpu import decode as cpu_decode
 from radixkv.cpu import native
+from radixkv.scenarios.cpu_kernels import coldest
 
 KV_HEADS, GROUP, HEAD_DIM, PAGE_SIZE = 8, 4, 64, 16
 PAGE_DTYPES = ("fp32", "bf16", "int8")
@@ -37,17 +36,6 @@ PROMPTS = (
     "List three prime numbers greater than 100 and say why each is prime.",
     "Translate to French: The cat sleeps on the warm windowsill.",
 )
-
-
-def coldest(run: Callable[[], object], repeats: int, flush: torch.Tensor) -> float:
-    """Best of `repeats` seconds for run(), each after reading a buffer larger than the caches."""
-    best = float("inf")
-    for _ in range(repeats):
-        flush.max()
-        start = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def decode_rows(repeats: int, flush: torch.Tensor, layers: int, context: int, num_seqs: int) -> list[dict]:
