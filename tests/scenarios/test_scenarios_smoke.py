@@ -203,3 +203,17 @@ def test_native_ab_names_a_bad_revision(tmp_path, capsys):
     module = importlib.import_module("radixkv.scenarios.native_ab")
     assert module.main(["--base", "no-such-revision", "--out", str(tmp_path)]) == 2
     assert "no-such-revision" in capsys.readouterr().out
+
+
+def test_kv_dtype_times_each_page_dtype_and_measures_divergence(tmp_path, capsys):
+    from radixkv.cpu import native
+
+    if native.load() is None:
+        pytest.skip("the KV dtype bench needs the native kernels (no C compiler here)")
+    module = importlib.import_module("radixkv.scenarios.kv_dtype")
+    argv = ["--out", str(tmp_path), "--repeats", "1", "--layers", "1", "--context", "48", "--num-seqs", "2",
+            "--new-tokens", "3", "--flush-mib", "4"]  # fmt: skip
+    assert module.main(argv) == 0
+    out = capsys.readouterr().out
+    written = list(tmp_path.glob("*.json"))
+    assert written and all(name in out for name in ("bf16", "int8"))
