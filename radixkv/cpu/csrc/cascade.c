@@ -105,6 +105,21 @@ static inline __attribute__((always_inline)) void shared_bf16_impl(const SharedI
 #endif
 
 #ifdef HAVE_AVX2 /* AVX-512 builds too */
+/* One kv head's gathered fp32 queries (count of them) against its chunk's transposed keys and
+ * value rows, QK_TILE queries at a time, into their softmax states. */
+static inline __attribute__((always_inline)) void f32_tiles(const Scratch *s, int count, const float *keys, int64_t npad,
+                                                            int ncols, int n, const void *const *value_rows,
+                                                            const Shape *sh, Prefetcher *prefetcher, const int D) {
+    float scores[QK_TILE * SCORE_STRIDE] __attribute__((aligned(64)));
+    for (int first = 0; first < count; first += QK_TILE) {
+        const int live = count - first < QK_TILE ? count - first : QK_TILE;
+        const float *q[QK_TILE];
+        for (int i = 0; i < QK_TILE; i++) q[i] = s->queries[first + (i < live ? i : live - 1)];
+        qk_scores((const void *const *)q, live, (const uint32_t *)keys, npad, ncols, sh->scale, scores, prefetcher, D, 0);
+        finish_tile(scores, live, n, (const float *const *)value_rows, s->states + first, D);
+    }
+}
+
 /* The fp32 shared item: keys transposed to [head_dim][padded keys]; values read in place. */
 static inline __attribute__((always_inline)) void shared_f32_impl(const SharedItem *item, const float *k,
                                                                   const float *v, const Shape *sh, void *buffer,
@@ -118,7 +133,6 @@ static inline __attribute__((always_inline)) void shared_f32_impl(const SharedIt
     Scratch s = scratch_view(buffer, sh);
     float *keys = s.keys;
     const void *value_rows[CHUNK_TOKENS];
-    float scores[QK_TILE * SCORE_STRIDE] __attribute__((aligned(64)));
     Prefetcher prefetcher;
     const int quads = (item->num_members * sh->group + 3) / 4;
     const int passes = (ncols / 16 + QK_BLOCKS_PER_PASS - 1) / QK_BLOCKS_PER_PASS;
@@ -127,14 +141,7 @@ static inline __attribute__((always_inline)) void shared_f32_impl(const SharedIt
         prefetch_step(&prefetcher);
         transpose_chunk_keys(blocks, num_blocks, k, h, D, 4, token_stride, (uint32_t *)keys, npad);
         chunk_value_rows(blocks, num_blocks, v, h, D, 4, token_stride, value_rows);
-        const int count = gather_queries(item, sh, h, 4, &s);
-        for (int first = 0; first < count; first += QK_TILE) {
-            const int live = count - first < QK_TILE ? count - first : QK_TILE;
-            const float *q[QK_TILE];
-            for (int i = 0; i < QK_TILE; i++) q[i] = s.queries[first + (i < live ? i : live - 1)];
-            qk_scores((const void *const *)q, live, (const uint32_t *)keys, npad, ncols, sh->scale, scores, &prefetcher, D, 0);
-            finish_tile(scores, live, n, (const float *const *)value_rows, s.states + first, D);
-        }
+        f32_tiles(&s, gather_queries(item, sh, h, 4, &s), keys, npad, ncols, n, value_rows, sh, &prefetcher, D);
     }
 }
 #endif
@@ -179,7 +186,6 @@ static inline __attribute__((always_inline)) void shared_f32_kv_impl(const Share
     /* The widened rows as blocks of one contiguous page: kv head 0, token stride D. */
     for (int bi = 0, at = 0; bi < num_blocks; at += blocks[bi++].n) rows[bi] = (Block){blocks[bi].n, (int64_t)at * D};
     const void *value_rows[CHUNK_TOKENS];
-    float scores[QK_TILE * SCORE_STRIDE] __attribute__((aligned(64)));
     Prefetcher prefetcher;
     const int quads = (item->num_members * sh->group + 3) / 4;
     const int passes = (ncols / 16 + QK_BLOCKS_PER_PASS - 1) / QK_BLOCKS_PER_PASS;
@@ -190,14 +196,7 @@ static inline __attribute__((always_inline)) void shared_f32_kv_impl(const Share
         widen_chunk_rows(blocks, num_blocks, v, sh->v_scales, h, sh, wide_values);
         transpose_chunk_keys(rows, num_blocks, wide_keys, 0, D, 4, D, (uint32_t *)keys, npad);
         chunk_value_rows(rows, num_blocks, wide_values, 0, D, 4, D, value_rows);
-        const int count = gather_queries(item, sh, h, 4, &s);
-        for (int first = 0; first < count; first += QK_TILE) {
-            const int live = count - first < QK_TILE ? count - first : QK_TILE;
-            const float *q[QK_TILE];
-            for (int i = 0; i < QK_TILE; i++) q[i] = s.queries[first + (i < live ? i : live - 1)];
-            qk_scores((const void *const *)q, live, (const uint32_t *)keys, npad, ncols, sh->scale, scores, &prefetcher, D, 0);
-            finish_tile(scores, live, n, (const float *const *)value_rows, s.states + first, D);
-        }
+        f32_tiles(&s, gather_queries(item, sh, h, 4, &s), keys, npad, ncols, n, value_rows, sh, &prefetcher, D);
     }
 }
 #endif
