@@ -770,8 +770,9 @@ static void item_kv_portable(const void *q_row, int q_bf16, const void *k, const
     }
 }
 
-HIDDEN void radixkv_item_f32_kv(const float *q_row, const void *k, const void *v, const int32_t *pages, int begin,
-                                int end, const Shape *sh, float *states, const NextItem *next) {
+/* One request's keys over bf16 or int8 pages (sh->kv_kind), q in fp32 or (q_bf16) bf16. */
+static void item_kv(const void *q_row, int q_bf16, const void *k, const void *v, const int32_t *pages, int begin,
+                    int end, const Shape *sh, float *states, const NextItem *next) {
 #ifdef HAVE_AVX2
     if (sh->head_dim % 8 == 0) {
         radixkv_item_avx2(q_row, k, v, pages, begin, end, sh, states, next, sh->kv_kind);
@@ -779,19 +780,17 @@ HIDDEN void radixkv_item_f32_kv(const float *q_row, const void *k, const void *v
     }
 #endif
     (void)next;
-    item_kv_portable(q_row, 0, k, v, pages, begin, end, sh, states);
+    item_kv_portable(q_row, q_bf16, k, v, pages, begin, end, sh, states);
+}
+
+HIDDEN void radixkv_item_f32_kv(const float *q_row, const void *k, const void *v, const int32_t *pages, int begin,
+                                int end, const Shape *sh, float *states, const NextItem *next) {
+    item_kv(q_row, 0, k, v, pages, begin, end, sh, states, next);
 }
 
 HIDDEN void radixkv_item_bf16_kv(const uint16_t *q_row, const void *k, const void *v, const int32_t *pages, int begin,
                                  int end, const Shape *sh, float *states, const NextItem *next) {
-#ifdef HAVE_AVX2
-    if (sh->head_dim % 8 == 0) {
-        radixkv_item_avx2(q_row, k, v, pages, begin, end, sh, states, next, sh->kv_kind);
-        return;
-    }
-#endif
-    (void)next;
-    item_kv_portable(q_row, 1, k, v, pages, begin, end, sh, states);
+    item_kv(q_row, 1, k, v, pages, begin, end, sh, states, next);
 }
 
 /* fp32 compute over bf16 (kv_kind 2) or int8 (3, with scales) pages, widened on load. */
