@@ -75,6 +75,7 @@ def _child(spec: dict) -> dict:
     from radixkv.engine.engine import Engine
     from radixkv.model.gguf import GGUFFile
     from radixkv.model.quantized import weight_bytes
+    from radixkv.scenarios.machine import process_memory
 
     engine = Engine(EngineConfig(
         model=spec["model"], dtype=spec["dtype"], device="cpu", weight_dtype=spec["weight_dtype"],
@@ -96,7 +97,7 @@ def _child(spec: dict) -> dict:
         "load_s": round(seconds, 2),
         # Linux reports ru_maxrss in KiB.
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-        "rss_after_mb": round(_current_rss_bytes() / 2**20, 1),
+        "rss_after_mb": round(process_memory()["rss_bytes"] / 2**20, 1),
         # A cold load reads a GGUF's config and tokenizer in a subprocess of its own (the loader's
         # _in_subprocess): its peak, apart from the serving process's.
         "prepare_peak_rss_mb": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024, 1),
@@ -104,11 +105,6 @@ def _child(spec: dict) -> dict:
         "file_tensor_mb": None if file_bytes is None else round(file_bytes / 2**20, 1),
         "kv_pool_mb": round(engine.pool.page_nbytes * engine.pool.num_pages / 2**20, 1),
     }
-
-
-def _current_rss_bytes() -> int:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def _line(row: dict) -> str:

@@ -8,6 +8,7 @@ read on another (shared VMs move from run to run: compare ratios from one run on
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
 
@@ -74,3 +75,17 @@ def machine_limits(dtype: torch.dtype) -> dict:
         matmul_gflops=matmul_flops_per_s(dtype) / 1e9,
         matmul_dtype=str(dtype).removeprefix("torch."),
     )
+
+
+def process_memory(pid: int | str = "self") -> dict[str, int]:
+    """A process's resident bytes now and at its peak (Linux /proc: VmRSS, VmHWM; 0 where
+    unreadable)."""
+    found = {}
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                found[key] = int(value.split()[0]) * 1024
+    except OSError:
+        pass
+    return dict(rss_bytes=found.get("VmRSS", 0), peak_rss_bytes=found.get("VmHWM", 0))

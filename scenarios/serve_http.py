@@ -61,15 +61,9 @@ class ServerProcess:
 
     def memory(self) -> dict[str, int]:
         """The process's resident bytes now and at its peak (Linux /proc)."""
-        found = {}
-        try:
-            for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
-                key, _, value = line.partition(":")
-                if key in ("VmRSS", "VmHWM"):
-                    found[key] = int(value.split()[0]) * 1024
-        except OSError:
-            pass
-        return dict(rss_bytes=found.get("VmRSS", 0), peak_rss_bytes=found.get("VmHWM", 0))
+        from radixkv.scenarios.machine import process_memory
+
+        return process_memory(self.process.pid)
 
     def log_tail(self, chars: int = 2000) -> str:
         try:

@@ -100,6 +100,7 @@ def child(args: argparse.Namespace) -> int:
     import torch
 
     from radixkv import LLM, SamplingParams
+    from radixkv.scenarios.machine import process_memory
 
     spec = json.loads(Path(args.child).read_text())
     torch.set_num_threads(args.threads)
@@ -116,17 +117,10 @@ def child(args: argparse.Namespace) -> int:
     row = dict(
         peer="radixkv", error=None, load_s=load_s, prefill_s=ttft, decode_s_per_token=(wall - ttft) / (n - 1) if n > 1 else None,
         output_tokens=n, wall_s=wall, load_peak_rss_bytes=load_peak,
-        peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, rss_bytes=_rss_now(),
+        peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, rss_bytes=process_memory()["rss_bytes"],
         kv_pages=llm.engine.pool.num_pages, dtype=str(llm.engine.dtype).removeprefix("torch."), token_ids=list(output.token_ids),
     )  # fmt: skip
     Path(spec["result"]).write_text(json.dumps(row))
-    return 0
-
-
-def _rss_now() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
     return 0
 
 
