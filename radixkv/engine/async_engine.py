@@ -195,6 +195,33 @@ class AsyncEngine:
         if start:
             self.start()
 
+    @classmethod
+    def build(cls, make_engine: Callable[[], Engine]) -> AsyncEngine:
+        """Build the Engine on the thread that will step it, start stepping, return once built;
+        make_engine's error is raised here.
+
+        Why its own thread: libgomp keeps one pool of workers per thread that opens parallel
+        regions, and once the pools' threads outnumber the cores it cuts spin-waiting at a
+        barrier to about a thousand spins, so every barrier of a decode step sleeps on a futex.
+        An engine loaded on the main thread and stepped on this one makes two pools; built here,
+        the process has one (docs/measurements.md, "The server's per-token gap").
+        """
+        built: concurrent.futures.Future[AsyncEngine] = concurrent.futures.Future()
+
+        def build_then_run() -> None:
+            try:
+                async_engine = cls(make_engine(), start=False)
+            except BaseException as error:  # noqa: BLE001 - the caller's to see
+                built.set_exception(error)
+                return
+            async_engine._thread = thread
+            built.set_result(async_engine)
+            async_engine._run()
+
+        thread = threading.Thread(target=build_then_run, name="radixkv-engine", daemon=True)
+        thread.start()
+        return built.result()
+
     def start(self) -> None:
         self._thread.start()
 
