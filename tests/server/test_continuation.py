@@ -154,7 +154,7 @@ def test_streamed_reply_continues_through_messages(servers):
     usage = chunks[-1].usage
     client = anthropic.Anthropic(base_url=servers.on.base_url, api_key=KEY_A, max_retries=0, timeout=300)
     message = client.messages.create(
-        model=MODEL, max_tokens=2, temperature=0,
+        model=MODEL, max_tokens=2,
         messages=[QUESTION[0], {"role": "assistant", "content": reply}, NEXT],
     )  # fmt: skip
     assert message.usage.cache_read_input_tokens >= reusable_pages(usage.prompt_tokens, usage.completion_tokens)
