@@ -177,6 +177,8 @@ def retokenized(arms: list[Arm]) -> str:
     chat map holds them: chat with continuation on)."""
     lines = []
     for arm in arms:
+        if arm.api != "chat":
+            continue
         known = [t.reply_retokenizes_otherwise for t in arm.turns if t.reply_retokenizes_otherwise is not None]
         if known:
             lines.append(f"{arm.template} {arm.api}: {sum(known)} of {len(known)} replies were generated as ids their text does not encode to")

@@ -14,8 +14,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixkv.engine.request import RequestOutput
 from radixkv.continuation import decode_exact, reply_ids, splice_replies
+from radixkv.engine.request import RequestOutput
 from radixkv.server import tools as tool_layer
 
 
