@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from radixkv.errors import InvalidRequest
 from radixkv.prompts import tokenize_rendered
 
 Message = Mapping[str, Any]
@@ -66,7 +67,9 @@ def splice_replies(
 
 def _splice(tokenizer: Any, render: Render, messages: Sequence[Message], plain: str, replies: dict[int, list[int]]) -> list[int] | None:
     markers = {i: _MARKER.format(i) for i in replies}
-    marked = render([{**m, "content": markers[i]} if i in markers else dict(m) for i, m in enumerate(messages)])
+    marked = _render_or_none(render, [{**m, "content": markers[i]} if i in markers else dict(m) for i, m in enumerate(messages)])
+    if marked is None:
+        return None
     if any(marked.count(marker) != 1 for marker in markers.values()):
         return None
     restored = marked
@@ -101,10 +104,19 @@ def continue_after(
         return None
     if decode_exact(tokenizer, prefix_ids[len(prefix_ids) - num_reply_tokens :]) != content:
         return None
-    marked = render([{**m, "content": content + marker} if i == reply_index else dict(m) for i, m in enumerate(messages)])
-    if marked.count(marker) != 1 or marked.replace(marker, "") != render(list(messages)):
+    marked = _render_or_none(render, [{**m, "content": content + marker} if i == reply_index else dict(m) for i, m in enumerate(messages)])
+    if marked is None or marked.count(marker) != 1 or marked.replace(marker, "") != render(list(messages)):
         return None
     return list(prefix_ids) + _tokens(tokenizer, marked.split(marker, 1)[1])
+
+
+def _render_or_none(render: Render, messages: list[dict[str, Any]]) -> str | None:
+    """A rendering with a marker in a reply; None if the template refuses it (it took the real
+    reply, which the caller renders too, so the plain path reports any real refusal)."""
+    try:
+        return render(messages)
+    except InvalidRequest:
+        return None
 
 
 def _tokens(tokenizer: Any, text: str) -> list[int]:
