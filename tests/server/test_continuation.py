@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import anthropic
+import httpx
 import openai
 import pytest
 
@@ -125,6 +126,21 @@ def test_another_tenant_sending_the_reply_gets_the_plain_prompt(servers):
     theirs = servers.client(servers.on, KEY_B).chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=1)
     assert theirs.usage.prompt_tokens == len(plain)
     assert servers.state.replies.get(servers.owner(KEY_B), reply) is None
+
+
+def test_cache_lookup_of_the_conversation_sees_the_reply_cached(servers):
+    """/v1/cache/lookup (and pins) encode messages as that owner's next turn will: with the
+    reply's generated ids, so it reports what the next turn will hit."""
+    first = sampled_turn(servers.client(servers.on), "lookup")
+    reply = first.choices[0].message.content
+    body = {"messages": QUESTION + [{"role": "assistant", "content": reply}], "cache_salt": "lookup"}
+    headers = {"Authorization": f"Bearer {KEY_A}"}
+    found = httpx.post(f"{servers.on.base_url}/v1/cache/lookup", json=body, headers=headers, timeout=60).json()
+    assert found["cached_tokens"] >= reusable_pages(first.usage.prompt_tokens, first.usage.completion_tokens)
+    # The plain rendering, in the same partition, leaves the cached ids where they differ.
+    plain = chat_prompt(servers.state, body["messages"], add_generation_prompt=False)
+    off = httpx.post(f"{servers.on.base_url}/v1/cache/lookup", json={"prompt": plain, "cache_salt": "lookup"}, headers=headers, timeout=60).json()
+    assert off["cached_tokens"] < found["cached_tokens"]
 
 
 def test_greedy_answer_is_the_spliced_prompts_own(servers):
