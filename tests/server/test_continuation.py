@@ -1,8 +1,9 @@
 """Exact continuation through the real app over the default model: a sampled reply whose
 generated ids are not what its text re-tokenizes to is hit in full by the next turn with
 continuation on (chat, Messages, previous_response_id) and missed from that reply on with it off;
-another tenant sending the same text gets the plain prompt; greedy answers are those of the
-spliced prompt; the reply map's caps per owner and over all owners."""
+another tenant sending the same text gets the plain prompt; /v1/cache/lookup sees what the
+next turn will hit; greedy answers are those of the spliced prompt; changed instructions
+re-render; the reply map's caps per owner and over all owners."""
 
 from __future__ import annotations
 
