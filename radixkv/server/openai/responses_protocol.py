@@ -119,6 +119,10 @@ class ResponsesRequest(_Lenient):
     truncation: Literal["auto", "disabled"] | None = None
     # radixkv's own: partitions the prefix cache within the caller's tenant, as on chat.
     cache_salt: str | None = Field(default=None, max_length=1024)
+    # vLLM's name, as on chat: the reply held to a regular expression (a plain answer's shape,
+    # like text.format; a forced tool call's schema wins). As many characters as chat takes.
+    guided_regex: str | None = Field(default=None, min_length=1, max_length=128 << 10)
+    seed: int | None = None  # as on chat (radixkv's, like vLLM's): a sampled reply made repeatable
 
     def choice(self) -> str:
         """tool_choice in tools.py's terms: none, auto, required or a function's name."""

@@ -1,7 +1,8 @@
 """OpenAI's Responses API: POST /v1/responses, streamed or not. Owns turning a request (input
 items, a stored conversation, tools, text.format) into one engine request, and its output into a
-Response or its events; conversations are kept for previous_response_id in a ResponseStore, per
-API key (Tenants.owner), within ServerLimits' caps.
+Response or its events; conversations (and their turns' ids, which the next turn continues from:
+responses_continuation) are kept for previous_response_id in a ResponseStore, per API key
+(Tenants.owner), within ServerLimits' caps.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from radixkv.server.errors import (
     engine_error,
     parse_body,
 )
+from radixkv.server.openai import responses_continuation as continuation
 from radixkv.server.openai import responses_convert as convert
 from radixkv.server.openai.responses_events import ResponseEvents
 from radixkv.server.openai.responses_protocol import (
@@ -62,6 +64,7 @@ class _Turn:
     choice: str
     params: SamplingParams
     names: WireNames
+    prompt: list[int]  # stored with the reply's ids, for the next turn to continue from
 
 
 def register(app: FastAPI, server: AppState, store: ResponseStore | None = None) -> None:
@@ -95,7 +98,8 @@ def register(app: FastAPI, server: AppState, store: ResponseStore | None = None)
         finals = await until_disconnect(request, collect(server.metrics, streams, 1), streams)
         response = _finished(server, turn, finals[0])
         if body.store:
-            store.put(response.id, turn.owner, turn.messages + convert.reply_messages(response.output))
+            ids = continuation.turn_ids(server, body, prompt, finals[0])
+            store.put(response.id, turn.owner, turn.messages + convert.reply_messages(response.output), ids)
         return JSONResponse(response.model_dump())
 
 
@@ -127,11 +131,14 @@ def _prepare(server: AppState, store: ResponseStore, body: ResponsesRequest, own
     guide, guide_param = convert.guide(body, tools, choice)
     names = sampling.responses_names(guide_param)
     try:
-        prompt = tool_layer.encode_conversation(server.engine.tokenizer, convert.prompt_messages(body, messages), tools, choice)
+        tool_layer.check_tool_choice(choice, tools)
+        prompt = continuation.continued_prompt(server, store, body, owner, history, messages, tools)
+        if prompt is None:
+            prompt = tool_layer.encode_conversation(server.engine.tokenizer, convert.prompt_messages(body, messages), tools, choice)
     except InvalidRequest as error:
         raise engine_error(error, names) from None
     params = sampling.responses_params(body, names, guide)
-    return _Turn(body, owner, messages, tools, choice, params, names), prompt
+    return _Turn(body, owner, messages, tools, choice, params, names, prompt), prompt
 
 
 def _skeleton(server: AppState, body: ResponsesRequest) -> ResponseObject:
@@ -204,7 +211,8 @@ async def _events(server: AppState, store: ResponseStore, turn: _Turn, streams: 
         closing = events.finish(_usage(server, final), final.outputs[0].finish_reason != "length")
         # Stored before the last event goes out: a client may hang up the moment it has it.
         if turn.body.store:
-            store.put(events.response.id, turn.owner, turn.messages + convert.reply_messages(events.response.output))
+            ids = continuation.turn_ids(server, turn.body, turn.prompt, final)
+            store.put(events.response.id, turn.owner, turn.messages + convert.reply_messages(events.response.output), ids)
         for event in closing:
             yield event
     except (APIError, EngineStepError, EngineStopped) as error:

@@ -26,6 +26,7 @@ from radixkv.engine.request import (
 )
 from radixkv.errors import InvalidRequest
 from radixkv.server import sampling
+from radixkv.server.continuation import ReplyCollector
 from radixkv.server.encode import chat_prompt, completion_prompts
 from radixkv.server.errors import (
     WireNames,
@@ -111,27 +112,30 @@ def register(app: FastAPI, server: AppState) -> None:
     async def chat_completions(request: Request) -> Response:
         key = server.tenants.authenticate_headers(request.headers)
         raw = await request.body()
+        owner = server.tenants.owner(key)
 
         def prepare() -> tuple[ChatCompletionRequest, _ChatTools, list[int], WireNames, SamplingParams]:
             body = parse_body(ChatCompletionRequest, raw)
             _check_request(server, body)
             tools = _chat_tools(body)
-            prompt = chat_prompt(server, [m.as_chat() for m in body.messages], tools.tools, tools.choice)
+            prompt = chat_prompt(server, [m.as_chat() for m in body.messages], tools.tools, tools.choice, owner=owner)
             guide, guide_param = _chat_guide(body, tools)
             names = sampling.chat_names(body, guide_param)
             return body, tools, prompt, names, sampling.chat_params(body, names, guide)
 
         body, tools, prompt, names, params = await server.parse_slots.run(key, prepare)
-        salt, owner = server.tenants.cache_salt(key, body.cache_salt), server.tenants.owner(key)
+        salt = server.tenants.cache_salt(key, body.cache_salt)
         streams = await submit(
             server.engine, server.metrics, [prompt], params, salt, names, quotas=server.quotas, key=key, owner=owner
         )
         hints = _CacheHints(server, body, [prompt], salt, owner)
+        replies = ReplyCollector(server.replies, owner)
         if body.stream:
-            events = hints.after(_chat_events(server, texts, body, tools, streams, params.n))
+            events = hints.after(_chat_events(server, texts, body, tools, streams, params.n, replies))
             return SSEResponse(events, streams, server.limits.stream_send_timeout_s)
         finals = await until_disconnect(request, collect(server.metrics, streams, params.n), streams)
         hints.finished(finals)
+        replies.finished(finals[0])
         return JSONResponse(_chat_response(server, texts, body, tools, finals[0]).model_dump())
 
     @app.post("/v1/completions")
@@ -333,7 +337,8 @@ class _ChatChoiceStream:
 
 
 async def _chat_events(
-    server: AppState, texts: TokenTexts, body: ChatCompletionRequest, tools: _ChatTools, streams: list[RequestStream], n: int
+    server: AppState, texts: TokenTexts, body: ChatCompletionRequest, tools: _ChatTools, streams: list[RequestStream], n: int,
+    replies: ReplyCollector,
 ) -> AsyncIterator[str]:
     chunk_id, created, model = new_id("chatcmpl"), now_s(), server.model_name
     per_choice = [_ChatChoiceStream(texts, body, tools, j) for j in range(n)]
@@ -345,7 +350,7 @@ async def _chat_events(
         return per_choice[c.index].choices(c)
 
     opening = chunk([ChatChunkChoice(index=j, delta=Delta(role="assistant", content="")) for j in range(n)])
-    async for event in text_events(server.metrics, streams, n, body, chunk, choice, opening):
+    async for event in text_events(server.metrics, streams, n, body, chunk, choice, opening, replies.finished):
         yield event
 
 
@@ -392,6 +397,7 @@ async def text_events(
     chunk: Callable[..., str],
     choice: Callable[[int, CompletionDelta], Sequence[ChatChunkChoice | CompletionChoice]],
     opening: str | None = None,
+    on_final: Callable[[RequestOutput], None] | None = None,
 ) -> AsyncIterator[str]:
     """The SSE events of a streamed chat or completion: each choice's new text as the engine
     hands it out (already safe from stop strings), the usage chunk when asked for, and [DONE];
@@ -413,6 +419,8 @@ async def text_events(
                     yield chunk([choices[k] for choices in per_completion if k < len(choices)])
                 if delta.output is not None:
                     finals.append(delta.output)
+                    if on_final is not None:
+                        on_final(delta.output)
         if body.include_usage:
             yield chunk([], usage(finals))
         yield "data: [DONE]\n\n"
