@@ -151,6 +151,9 @@ class DiskTier:
         self.read_s_per_block: float | None = None
         self._mac_key = b""
         self._lock_handle = None  # the locked lock file, while the tier is open
+        # Told the keys of blocks evicted to stay within the budget, on the caller's thread
+        # (the engine's ghost index: a later miss on them reads as evicted, not never seen).
+        self.on_drop: Callable[[list[int]], None] | None = None
         # The index is the loop's; the writer reads it (the manifest) under this lock.
         self._index_lock = threading.RLock()
         # Blocks queued and not yet written (read from here meanwhile), and what the writer could
@@ -540,6 +543,8 @@ class DiskTier:
                     self._forget(victim, reason)
                     self._delete(victim)
                 self.counters["evicted_blocks"] += len(evicted)
+                if evicted and self.on_drop is not None:
+                    self.on_drop(evicted)
                 parent_key = keys[block - 1] if block else 0
                 self._queue_block(_Block(key, parent_key, salt, tokens, num_prefix_tokens, payload, run))
                 self._times[key] = [now_s, now_s]
