@@ -18,7 +18,7 @@ from typing import Any
 
 from radixkv.engine.request import JsonGuide
 from radixkv.errors import InvalidRequest
-from radixkv.prompts import encode_chat, template_takes_tools
+from radixkv.prompts import render_chat, template_takes_tools
 
 # "none" | "auto" | "required" | the name of the one function the reply must call.
 ToolChoice = str
@@ -118,14 +118,27 @@ def encode_conversation(
 ) -> list[int]:
     """Prompt token ids of a conversation with tools. Tools are offered even with "none" so that
     the prompt prefix (system + tools) stays the same, and cached, whatever the choice."""
+    text = render_conversation(tokenizer, messages, tools, tool_choice, add_generation_prompt=add_generation_prompt)
+    return list(tokenizer(text, add_special_tokens=False).input_ids)
+
+
+def render_conversation(
+    tokenizer: Any,
+    messages: list[dict],
+    tools: list[Tool],
+    tool_choice: ToolChoice,
+    *,
+    add_generation_prompt: bool = True,
+) -> str:
+    """The text encode_conversation tokenizes (prompts.render_chat's, tools included)."""
     check_tool_choice(tool_choice, tools)
     if not messages:
         raise InvalidRequest("messages must hold at least one message", param="messages")
     normalized = [_normalize(m, i) for i, m in enumerate(messages)]
     if template_takes_tools(tokenizer):
         wire_tools = [_wire_tool(t) for t in tools] or None
-        return encode_chat(tokenizer, normalized, tools=wire_tools, add_generation_prompt=add_generation_prompt)
-    return encode_chat(tokenizer, fallback_messages(normalized, tools), add_generation_prompt=add_generation_prompt)
+        return render_chat(tokenizer, normalized, tools=wire_tools, add_generation_prompt=add_generation_prompt)
+    return render_chat(tokenizer, fallback_messages(normalized, tools), add_generation_prompt=add_generation_prompt)
 
 
 def _normalize(message: Mapping[str, Any], index: int) -> dict:

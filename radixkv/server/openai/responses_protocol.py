@@ -10,7 +10,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
 from radixkv.server.request_caps import (
     CAPS,
@@ -119,6 +119,8 @@ class ResponsesRequest(_Lenient):
     truncation: Literal["auto", "disabled"] | None = None
     # radixkv's own: partitions the prefix cache within the caller's tenant, as on chat.
     cache_salt: str | None = Field(default=None, max_length=1024)
+    # radixkv's own, as on chat: the response carries its cache report (server/cache_report.py).
+    cache_report: bool = False
 
     def choice(self) -> str:
         """tool_choice in tools.py's terms: none, auto, required or a function's name."""
@@ -220,6 +222,14 @@ class ResponseObject(BaseModel):
     background: bool = False
     user: str | None = None
     prompt_cache_key: str | None = None
+    cache_report: dict[str, Any] | None = None  # radixkv's, when asked for; absent otherwise
+
+    @model_serializer(mode="wrap")
+    def _report_only_when_asked(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("cache_report") is None:
+            data.pop("cache_report", None)
+        return data
 
 
 def new_item_id(prefix: str) -> str:
