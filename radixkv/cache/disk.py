@@ -154,6 +154,7 @@ class DiskTier:
         # Told the keys of blocks evicted to stay within the budget, on the caller's thread
         # (the engine's ghost index: a later miss on them reads as evicted, not never seen).
         self.on_drop: Callable[[list[int]], None] | None = None
+        self.on_store: Callable[[Sequence[int]], None] | None = None  # and of blocks stored again
         # The index is the loop's; the writer reads it (the manifest) under this lock.
         self._index_lock = threading.RLock()
         # Blocks queued and not yet written (read from here meanwhile), and what the writer could
@@ -552,6 +553,8 @@ class DiskTier:
             self.counters["written_blocks"] += stored
             if retention_expires_at_s:
                 self._queue_manifest()
+        if self.on_store is not None:
+            self.on_store(keys[start_block : start_block + num_blocks])
         if wait:
             self.drain()
             stored -= run.unwritten

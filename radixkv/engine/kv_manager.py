@@ -58,6 +58,7 @@ class KVManager:
         self.misses = MissExplainer(self.ghost, tree, hasher)
         if self.loader is not None:
             self.loader.tier.on_drop = self.ghost.add
+            self.loader.tier.on_store = self.ghost.discard
 
     # -- the scheduler's verbs ---------------------------------------------------------------
 

@@ -66,14 +66,8 @@ def test_an_evicted_prefix_reads_as_evicted(tiny_llama: Path) -> None:
     assert got.reason == "evicted" and got.first_uncached_token < 44
     # Computed again, its blocks are cached again and leave the ghost index.
     assert report(llm, prompt).reason == "hit"
-    assert not any(h in llm.engine.kv.ghost for h in llm.engine.kv.block_hashes(_seq_of(prompt, llm))[:11])
+    assert not any(h in llm.engine.kv.ghost for h in llm.engine.hasher.hash_blocks(prompt[:44], None))
     assert_pages_returned(llm.engine)
-
-
-def _seq_of(prompt: list[int], llm):
-    from radixkv.engine.request import SequenceState
-
-    return SequenceState(0, "probe", 0, prompt, ONE, None, 0)
 
 
 def test_a_prompt_continuing_a_partial_page_reads_as_partial_page(llm) -> None:
@@ -141,16 +135,47 @@ def test_a_disk_hit_is_reported_per_tier_and_a_skipped_read_says_so(tiny_llama: 
 
 
 def test_a_block_the_disk_dropped_reads_as_evicted(tiny_llama: Path, tmp_path: Path) -> None:
-    from radixkv.engine.cache_report import AdmissionMatch
+    """After a restart RAM never held the prompt; its blocks were on disk until the disk's
+    budget dropped them for newer ones: evicted, told by the dropped disk keys."""
+    from radixkv.cache.disk_format import block_file_bytes
 
-    llm = make_llm(tiny_llama, kv_disk_dir=str(tmp_path / "kv"))
-    tier = llm.engine.kv.loader.tier
-    prompt = tokens(23, 45)
+    prompt = tokens(25, 45)
+    first = make_llm(tiny_llama, kv_disk_dir=str(tmp_path / "kv"))
+    report(first, prompt)
+    first.close()
+    payload = first.engine.pool.page_nbytes
+    budget = sum(block_file_bytes((b + 1) * PS, payload) for b in range(40))  # about three prompts' blocks
+    second = make_llm(tiny_llama, kv_disk_dir=str(tmp_path / "kv"), kv_disk_bytes=budget, num_pages=16)
+    tier = second.engine.kv.loader.tier
     keys = tier.keys(prompt[:44], None)
-    tier.on_drop(keys[:1])  # as the tier's budget drops a block's file
-    got = llm.engine.kv.misses.explain(prompt, None, llm.engine.hasher.hash_blocks(prompt, None), AdmissionMatch(0, 0, False), keys.__getitem__)
-    assert got.reason == "evicted"
-    llm.close()
+    assert tier.count_cached(keys, 0, 11, touch=False) == 11
+    for seed in range(26, 31):  # a small RAM writes each back; the disk's budget drops the oldest
+        report(second, tokens(seed, 45))
+    tier.drain()
+    assert tier.count_cached(keys, 0, 11, touch=False) < 11
+    assert not any(h in second.engine.kv.ghost for h in second.engine.hasher.hash_blocks(prompt[:44], None))
+    got = report(second, prompt)
+    assert got.reason == "evicted" and got.num_ram_tokens == 0
+    second.close()
+    assert_pages_returned(second.engine)
+
+
+def test_the_ghost_is_bounded_over_all_tenants(tiny_llama: Path) -> None:
+    llm = make_llm(tiny_llama, num_pages=24, max_ghost_blocks=10)
+    for seed in range(40, 46):
+        report(llm, tokens(seed, 45), salt=f"tenant-{seed}")
+    assert len(llm.engine.kv.ghost) == 10 and llm.engine.kv.ghost.num_tails <= 10
+    assert_pages_returned(llm.engine)
+
+
+def test_the_ghost_size_is_validated() -> None:
+    from radixkv.config import EngineConfig
+    from radixkv.errors import ConfigError
+
+    with pytest.raises(ConfigError) as error:
+        EngineConfig(max_ghost_blocks=0)
+    assert error.value.param == "max_ghost_blocks"
+    assert EngineConfig(max_ghost_blocks=None).max_ghost_blocks is None
 
 
 def test_the_report_is_the_admission_state_not_a_later_peek(llm) -> None:

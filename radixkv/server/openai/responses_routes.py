@@ -92,7 +92,10 @@ def register(app: FastAPI, server: AppState, store: ResponseStore | None = None)
             server.engine, server.metrics, [prompt], turn.params, salt, turn.names, quotas=server.quotas, key=key, owner=owner,
             sibling_salts=server.tenants.sibling_salts(key, body.cache_salt),
         )
-        source = ChatSource(convert.prompt_messages(body, turn.messages), turn.tools, turn.choice)
+        # message[k] counts the conversation (stored history, then input) as chat messages; the
+        # instructions are the system part, no message of their own.
+        offset = 1 if body.instructions else 0
+        source = ChatSource(convert.prompt_messages(body, turn.messages), turn.tools, turn.choice, message_offset=offset)
         reporter = CacheReporter(server, key, wanted(body.cache_report, request.headers), [prompt], source)
         if body.stream:
             return SSEResponse(_events(server, store, turn, streams, reporter), streams, server.limits.stream_send_timeout_s)
