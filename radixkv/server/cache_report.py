@@ -96,8 +96,9 @@ class CacheReporter:
     ) -> None:
         self.server, self.key, self.asked, self.prompts, self.source = server, key, asked, prompts, source
 
-    async def reports(self, finals: Sequence[RequestOutput]) -> list[dict[str, Any]] | None:
-        """The wire reports of `finals` (in prompt order), or None when none was asked for."""
+    async def reports(self, finals: Sequence[RequestOutput]) -> list[dict[str, Any] | None] | None:
+        """The wire reports of `finals` (in prompt order; None for one the engine never admitted),
+        or None when none was asked for."""
         if not self.asked or not finals:
             return None
         tokenizer = self.server.engine.tokenizer
@@ -113,14 +114,14 @@ class CacheReporter:
             found = await self.server.parse_slots.run(self.key, parts)
         except (APIError, InvalidRequest):
             found = [None] * len(made)
-        return [wire(report, part) for report, part in zip(made, found) if report is not None]
+        return [wire(report, part) if report is not None else None for report, part in zip(made, found)]
 
-    async def for_prompts(self, finals: Sequence[RequestOutput]) -> dict[str, Any] | list[dict[str, Any]] | None:
+    async def for_prompts(self, finals: Sequence[RequestOutput]) -> dict[str, Any] | list[dict[str, Any] | None] | None:
         """A completion's: the report of its prompt, or a list in prompt order for a batch."""
         reports = await self.reports(finals)
-        if reports is None:
-            return None
-        return reports[0] if len(self.prompts) == 1 and reports else reports
+        if reports is None or len(self.prompts) > 1:
+            return reports
+        return reports[0]
 
     async def one(self, finals: Sequence[RequestOutput]) -> dict[str, Any] | None:
         """The report of a single-prompt request (chat, Responses, Messages)."""

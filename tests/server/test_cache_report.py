@@ -230,3 +230,38 @@ def test_parts_are_exact_for_the_default_template_with_tools(live: LiveServer) -
         token = max(t for t, start in enumerate(starts) if start <= char)
         assert parts[token] == f"message[{k}]", (k, needle)
     assert parts[starts.index(max(s for s in starts if s <= full.index("# Tools")))] == "tools"
+
+
+def test_a_batch_of_completion_prompts_gets_one_report_each_in_order(live: LiveServer) -> None:
+    rng = random.Random(23)
+    cached = [rng.randrange(100, 40000) for _ in range(40)]
+    fresh = [rng.randrange(100, 40000) for _ in range(40)]
+    with live.http() as http:
+        http.post("/v1/completions", json={"prompt": cached, "max_tokens": 1})
+        body = {"prompt": [cached, fresh], "max_tokens": 1, "cache_report": True}
+        reports = http.post("/v1/completions", json=body).json()["cache_report"]
+    assert [r["reason"] for r in reports] == ["hit", "never_seen"]
+    assert [r["cached_tokens"]["ram"] for r in reports] == [32, 0]
+
+
+def test_locating_a_part_renders_the_conversation_a_logarithmic_number_of_times(live: LiveServer, monkeypatch) -> None:
+    """The report's only work per request beyond the engine's: a few renderings of the caller's
+    own conversation (in its own parse slots), never one per message."""
+    from radixkv.server import cache_report as module
+    from radixkv.server.tools import encode_conversation
+
+    tokenizer = live.async_engine.tokenizer
+    messages = [{"role": "user" if k % 2 == 0 else "assistant", "content": text(100 + k, 8)} for k in range(64)]
+    prompt = encode_conversation(tokenizer, messages, [], "none")
+    renders = []
+    real = module.render_conversation
+    monkeypatch.setattr(module, "render_conversation", lambda *a, **k: renders.append(1) or real(*a, **k))
+    part = module.locate(tokenizer, module.ChatSource(messages, [], "none"), prompt, len(prompt) // 2)
+    assert part.part.startswith("message[") and len(renders) <= 2 + 7  # whole twice, log2(64) + 1 prefixes
+
+
+def test_a_malformed_flag_fails_only_its_own_request(live: LiveServer) -> None:
+    with live.http(KEY_A) as a, live.http(KEY_B) as b:
+        bad = a.post(CHAT, json={"messages": chat(24), "max_tokens": 1, "cache_report": {"deep": [1, 2]}})
+        assert bad.status_code == 400 and "cache_report" in bad.text
+        assert report_of(b, chat(24))["reason"] == "never_seen"

@@ -84,7 +84,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("radixkv.server")
 # A cache report on the wire (server/cache_report.py): one prompt's, or a batch's in order.
-Report = dict[str, Any] | list[dict[str, Any]] | None
+Report = dict[str, Any] | list[dict[str, Any] | None] | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,7 +172,7 @@ def register(app: FastAPI, server: AppState) -> None:
         return JSONResponse(_with_report(data, await reporter.for_prompts(finals)))
 
 
-def _with_report(data: dict[str, Any], report: dict[str, Any] | list[dict[str, Any]] | None) -> dict[str, Any]:
+def _with_report(data: dict[str, Any], report: Report) -> dict[str, Any]:
     """A response body with its cache report beside usage, when one was asked for."""
     if report is not None:
         data["cache_report"] = report
