@@ -103,15 +103,14 @@ class KVManager:
             seq.page_table = list(match.pages)
             seq.num_tree_blocks = len(match.pages)
             seq.num_computed_tokens = num_ram_tokens = match.num_cached_tokens
-            reporting = seq.index == 0 and _first_run(seq)
-            disk_blocks = self.loader.held_blocks(seq, num_ram_tokens // self.page_size) if reporting and self.loader else 0
+            reporting = _reports(seq)
+            held = self.loader.held_blocks(seq, num_ram_tokens // self.page_size) if reporting and self.loader is not None else 0
             if self.loader is not None:
                 self.loader.load(seq, num_new_tokens // self.page_size)
             if reporting:
-                skipped = self.loader is not None and self.loader.read_skipped(seq)
-                self._report(seq, AdmissionMatch(num_ram_tokens, disk_blocks, skipped))
-        elif seq.index == 0 and _first_run(seq):
-            self._report(seq, AdmissionMatch(0, 0, False))
+                self._report(seq, num_ram_tokens, held)
+        elif _reports(seq):
+            self._report(seq, 0, 0)
         admitted = self._admitted(seq, seq.num_computed_tokens - num_ram_tokens)
         rest = 0 if admitted.more_to_load else num_new_tokens - admitted.num_loaded_tokens
         reserved = self._allocate(seq, rest)
@@ -147,12 +146,15 @@ class KVManager:
         seq.num_tree_blocks = 0
         seq.num_computed_tokens = 0
 
-    def _report(self, seq: SequenceState, match: AdmissionMatch) -> None:
-        """seq's cache report, from the match admission just gave it (counted by reason)."""
+    def _report(self, seq: SequenceState, num_ram_tokens: int, num_disk_blocks: int) -> None:
+        """seq's cache report, from what admission just gave it: its RAM match, the disk's
+        blocks after it (read, or skipped as slower); counted by reason."""
+        loader = self.loader
+        skipped = loader is not None and loader.read_skipped(seq)
         hashes = self._hashes(seq) if self.enable_prefix_caching else []
-        disk_key = self.loader.disk_key if self.loader is not None else (lambda seq, block: None)
         seq.cache_report = self.misses.explain(
-            seq.prompt_token_ids, seq.salt, hashes, match, lambda block: disk_key(seq, block), seq.sibling_salts
+            seq.prompt_token_ids, seq.salt, hashes, AdmissionMatch(num_ram_tokens, num_disk_blocks, skipped),
+            (lambda block: loader.disk_key(seq, block)) if loader is not None else (lambda block: None), seq.sibling_salts,
         )
 
     def _admitted(self, seq: SequenceState, num_loaded_tokens: int) -> Admitted:
@@ -310,6 +312,12 @@ class KVManager:
         """The directory of the disk tier while it is in use; None without one (or once off)."""
         loader = self.loader
         return loader.tier.directory if loader is not None and loader.tier.enabled else None
+
+
+def _reports(seq: SequenceState) -> bool:
+    """Whether admitting seq makes its request's cache report: once per request, at its first
+    sequence's first admission (what the cache served the request, as _first_run says)."""
+    return seq.index == 0 and _first_run(seq)
 
 
 def _first_run(seq: SequenceState) -> bool:

@@ -157,7 +157,7 @@ def _message_at(tokenizer: Any, source: ChatSource, full: str, char: int) -> int
         try:
             start = _common_prefix(_render(tokenizer, source, source.messages[:mid], generation=False), full)
         except InvalidRequest:
-            start = 0  # a template that will not render this prefix alone: look earlier
+            start = 0  # a template that will not render this prefix alone: taken as before `char`
         if start <= char:
             low = mid
         else:

@@ -131,8 +131,9 @@ def register(app: FastAPI, server: AppState) -> None:
             sibling_salts=server.tenants.sibling_salts(key, body.cache_salt),
         )
         hints = _CacheHints(server, body, [prompt], salt, owner)
-        source = ChatSource([m.as_chat() for m in body.messages], tools.tools, tools.choice)
-        reporter = CacheReporter(server, key, wanted(body.cache_report, request.headers), [prompt], source)
+        asked = wanted(body.cache_report, request.headers)
+        source = ChatSource([m.as_chat() for m in body.messages], tools.tools, tools.choice) if asked else None
+        reporter = CacheReporter(server, key, asked, [prompt], source)
         if body.stream:
             events = hints.after(_chat_events(server, texts, body, tools, streams, params.n, reporter))
             return SSEResponse(events, streams, server.limits.stream_send_timeout_s)
