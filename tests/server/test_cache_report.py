@@ -265,3 +265,45 @@ def test_a_malformed_flag_fails_only_its_own_request(live: LiveServer) -> None:
         bad = a.post(CHAT, json={"messages": chat(24), "max_tokens": 1, "cache_report": {"deep": [1, 2]}})
         assert bad.status_code == 400 and "cache_report" in bad.text
         assert report_of(b, chat(24))["reason"] == "never_seen"
+
+
+def test_a_slow_report_stalls_only_its_own_key(live: LiveServer, monkeypatch) -> None:
+    """The part lookup runs in the asking key's own parse slots: while tenant A's lookups are
+    held, tenant B's reported requests are answered."""
+    import threading
+
+    from radixkv.server import cache_report as module
+
+    held, entered = threading.Event(), threading.Semaphore(0)
+    real = module.locate
+
+    def slow_locate(tokenizer, source, prompt, token):
+        if source is not None and "hold-me" in source.messages[-1]["content"]:
+            entered.release()
+            held.wait(60)
+        return real(tokenizer, source, prompt, token)
+
+    monkeypatch.setattr(module, "locate", slow_locate)
+    slots = live.app.state.radixkv.parse_slots
+    # ParseSlots.limit() reads anyio's default pool, on the event loop only: its 40 threads.
+    limit = slots.per_key or max(1, int(slots.limiter.total_tokens if slots.limiter else 40) // 4)
+    results: list[int] = []
+
+    def tenant_a() -> None:
+        with live.http(KEY_A) as a:
+            body = {"messages": chat(30, 10)[:1] + [{"role": "user", "content": "hold-me"}], "max_tokens": 1, "cache_report": True}
+            results.append(a.post(CHAT, json=body).status_code)
+
+    threads = [threading.Thread(target=tenant_a) for _ in range(limit)]
+    for thread in threads:
+        thread.start()
+    try:
+        for _ in range(limit):
+            assert entered.acquire(timeout=60)  # every one of A's slots is held in a lookup
+        with live.http(KEY_B) as b:
+            assert report_of(b, chat(31, 10))["part"] is not None
+    finally:
+        held.set()
+        for thread in threads:
+            thread.join(60)
+    assert results == [200] * limit
