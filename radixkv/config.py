@@ -108,6 +108,10 @@ class EngineConfig:
     # past it an owner's own oldest retentions go first, then its new retention is trimmed to
     # the pages that fit (it retains fewer tokens, and says so), never another owner's.
     max_retained_pages_fraction: float = 0.5
+    # Block hashes evicted from RAM (or dropped by the disk tier) remembered, least recently
+    # evicted out first, so a cache report tells "evicted" from "never seen"
+    # (radixkv/cache/ghost.py). None: four per page of the pool. A block costs about 100 bytes.
+    max_ghost_blocks: int | None = None
     # Pins (Engine.pin: a prefix locked against eviction until unpinned or its ttl): KV pages
     # one owner's pins may lock together; None: a quarter of the page pool, so the cap scales
     # with the pool. The server's --max-pinned-pages-per-key.
@@ -193,6 +197,8 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be None or an integer in [0, {1 << 26}], got {value!r}", param=name)
         if self.max_model_len is not None:
             _positive(self, "max_model_len", limit=1 << 24)
+        if self.max_ghost_blocks is not None:
+            _positive(self, "max_ghost_blocks", limit=1 << 28)
         _positive(self, "max_consecutive_failed_steps", limit=1 << 20)
         watchdog = self.step_watchdog_s
         if isinstance(watchdog, bool) or not isinstance(watchdog, (int, float)) or not 0.0 < watchdog <= 86400.0:

@@ -90,7 +90,8 @@ def render_chat(
     param: str = "messages",
     tools: list[dict] | None = None,
 ) -> str:
-    """The chat template's text for these messages (what encode_chat tokenizes)."""
+    """The chat template's text for these messages (what encode_chat tokenizes): where each
+    message lies in a prompt is found in it (radixkv/server/cache_report.py)."""
     if not messages:
         raise InvalidRequest(f"{param} must hold at least one message", param=param)
     if not has_chat_template(tokenizer):

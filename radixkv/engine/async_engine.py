@@ -53,6 +53,7 @@ class _Add:
     future: concurrent.futures.Future[str]
     guide_grammar: Any = None  # params.guide, compiled before queuing (never on the engine thread)
     owner: str | None = None  # whose fair share of the batch it takes
+    sibling_salts: tuple[str | None, ...] = ()  # the owner's other partitions (cache reports)
 
 
 @dataclass(slots=True)
@@ -235,6 +236,7 @@ class AsyncEngine:
         salt: str | None = None,
         request_id: str | None = None,
         owner: str | None = None,
+        sibling_salts: tuple[str | None, ...] = (),
     ) -> RequestStream:
         """Queue a request; return its stream once the engine has accepted it.
 
@@ -247,7 +249,7 @@ class AsyncEngine:
         request_id = request_id or f"{self._id_prefix}-{next(self._ids)}"
         stream = RequestStream(self, request_id, loop)
         future: concurrent.futures.Future[str] = concurrent.futures.Future()
-        self._post(_Add(list(prompt_token_ids), params, salt, request_id, stream, future, grammar, owner))
+        self._post(_Add(list(prompt_token_ids), params, salt, request_id, stream, future, grammar, owner, sibling_salts))
         try:
             await asyncio.wrap_future(future)
         except asyncio.CancelledError:
@@ -434,6 +436,7 @@ class AsyncEngine:
                     request_id=command.request_id,
                     guide_grammar=command.guide_grammar,
                     owner=command.owner,
+                    sibling_salts=command.sibling_salts,
                 )
             except Exception as error:  # noqa: BLE001 - InvalidRequest, QueueFull: the caller's to handle
                 command.future.set_exception(error)

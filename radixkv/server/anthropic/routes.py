@@ -23,6 +23,7 @@ from radixkv.server import sampling
 from radixkv.server.anthropic import conversation as conv_mod
 from radixkv.server.anthropic.conversation import Breakpoint, Conversation, tool_layer
 from radixkv.server.anthropic.protocol import MessagesRequest
+from radixkv.server.cache_report import CacheReporter, ChatSource, wanted
 from radixkv.server.continuation import ReplyCollector, encode_conversation_exact
 from radixkv.server.errors import (
     APIError,
@@ -74,6 +75,11 @@ async def _messages(server: AppState, request: Request) -> Response:
         server.engine, server.metrics, [prompt], params, salt, _NAMES, quotas=server.quotas, key=key, owner=owner
     )
     ctx = _Context(server, body, conv, prompt, salt, owner, marks)
+    # The system field is rendered as the conversation's first message; message[k] counts the
+    # request's own messages.
+    offset = 1 if body.system and conv.messages and conv.messages[0].get("role") == "system" else 0
+    source = ChatSource(conv.messages, conv.tools, conv.tool_choice, message_offset=offset)
+    ctx.reporter = CacheReporter(server, key, wanted(body.cache_report, request.headers), [prompt], source)
     if body.stream:
         return SSEResponse(_events(ctx, streams), streams, server.limits.stream_send_timeout_s)
     finals = await until_disconnect(request, collect(server.metrics, streams, 1), streams)
@@ -100,6 +106,7 @@ class _Context:
         self.server, self.body, self.conv, self.prompt = server, body, conv, prompt
         self.salt, self.owner, self.marks = salt, owner, marks
         self.message_id = f"msg_{secrets.token_hex(12)}"
+        self.reporter: CacheReporter | None = None  # set once the request is submitted
 
 
 def _sampling_params(conv: Conversation, body: MessagesRequest) -> SamplingParams:
@@ -185,7 +192,14 @@ async def _message(ctx: _Context, final: RequestOutput) -> dict[str, Any]:
         "stop_reason": stop_reason,
         "stop_sequence": stop_sequence,
         "usage": await _usage(ctx, final),
+        **await _report(ctx, final),
     }
+
+
+async def _report(ctx: _Context, final: RequestOutput) -> dict[str, Any]:
+    """{"cache_report": ...} beside usage when the request asked for it, else nothing."""
+    report = await ctx.reporter.one([final]) if ctx.reporter is not None else None
+    return {"cache_report": report} if report is not None else {}
 
 
 # -- streaming -------------------------------------------------------------------------------
@@ -265,7 +279,8 @@ async def _events(ctx: _Context, streams: list[RequestStream]) -> AsyncIterator[
         ReplyCollector(ctx.server.replies, ctx.owner).finished(final)
         stop_reason, stop_sequence = _stop_reason(ctx, final, num_calls > 0)
         usage = await _usage(ctx, final)
-        yield _event("message_delta", {"delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence}, "usage": usage})
+        closing = {"delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence}, "usage": usage, **await _report(ctx, final)}
+        yield _event("message_delta", closing)
         yield _event("message_stop", {})
     except (APIError, EngineStepError, EngineStopped) as error:
         api_error = error if isinstance(error, APIError) else engine_error(error)

@@ -20,6 +20,7 @@ from radixkv.engine.request import RequestOutput, SamplingParams
 from radixkv.errors import InvalidRequest
 from radixkv.server import sampling
 from radixkv.server import tools as tool_layer
+from radixkv.server.cache_report import CacheReporter, ChatSource, wanted
 from radixkv.server.errors import (
     WireNames,
     APIError,
@@ -91,12 +92,19 @@ def register(app: FastAPI, server: AppState, store: ResponseStore | None = None)
         body, turn, prompt = await server.parse_slots.run(key, prepare)
         salt = server.tenants.cache_salt(key, body.cache_salt)
         streams = await submit(
-            server.engine, server.metrics, [prompt], turn.params, salt, turn.names, quotas=server.quotas, key=key, owner=owner
+            server.engine, server.metrics, [prompt], turn.params, salt, turn.names, quotas=server.quotas, key=key, owner=owner,
+            sibling_salts=server.tenants.sibling_salts(key, body.cache_salt),
         )
+        # message[k] counts the conversation (stored history, then input) as chat messages; the
+        # instructions are the system part, no message of their own.
+        offset = 1 if body.instructions else 0
+        source = ChatSource(convert.prompt_messages(body, turn.messages), turn.tools, turn.choice, message_offset=offset)
+        reporter = CacheReporter(server, key, wanted(body.cache_report, request.headers), [prompt], source)
         if body.stream:
-            return SSEResponse(_events(server, store, turn, streams), streams, server.limits.stream_send_timeout_s)
+            return SSEResponse(_events(server, store, turn, streams, reporter), streams, server.limits.stream_send_timeout_s)
         finals = await until_disconnect(request, collect(server.metrics, streams, 1), streams)
         response = _finished(server, turn, finals[0])
+        response.cache_report = await reporter.one(finals)
         if body.store:
             ids = continuation.turn_ids(server, body, prompt, finals[0])
             store.put(response.id, turn.owner, turn.messages + convert.reply_messages(response.output), ids)
@@ -185,7 +193,9 @@ def _finished(server: AppState, turn: _Turn, final: RequestOutput) -> ResponseOb
     return response
 
 
-async def _events(server: AppState, store: ResponseStore, turn: _Turn, streams: list[RequestStream]) -> AsyncIterator[str]:
+async def _events(
+    server: AppState, store: ResponseStore, turn: _Turn, streams: list[RequestStream], reporter: CacheReporter
+) -> AsyncIterator[str]:
     """The streamed response: text passes through as the engine decodes it, except what may
     still become a tool call (ToolCallStream holds that back until it parses)."""
     events = ResponseEvents(_skeleton(server, turn.body))
@@ -208,6 +218,7 @@ async def _events(server: AppState, store: ResponseStore, turn: _Turn, streams: 
                 yield event
         if final is None:
             raise APIError(503, "the request was aborted", type="server_error", code="aborted")
+        events.response.cache_report = await reporter.one([final])  # in the closing event, beside usage
         closing = events.finish(_usage(server, final), final.outputs[0].finish_reason != "length")
         # Stored before the last event goes out: a client may hang up the moment it has it.
         if turn.body.store:
