@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from radixkv.cache.disk import DiskStats, DiskTier
+from radixkv.cache.eviction import Liveness
 from radixkv.cache.hashing import BlockHasher
 from radixkv.cache.pages import OutOfPages, PagePool
 from radixkv.cache.radix import Node, PeekResult, RadixTree
@@ -221,6 +222,30 @@ class KVManager:
         if num_pages and self.loader is not None:
             self.loader.write_through(match.node)
         return num_pages * self.page_size
+
+    # -- liveness (a session book's marks; the `session` eviction policy orders by them) -----
+
+    def set_liveness(self, node: Node, liveness: Liveness) -> int:
+        """Mark `node`'s private path (RadixTree.set_liveness); returns the nodes marked."""
+        return self.tree.set_liveness(node, liveness) if self.enable_prefix_caching else 0
+
+    def set_prefix_liveness(self, token_ids: list[int], salt: str | None, liveness: Liveness) -> int:
+        """Mark the private path of the deepest cached node a prefix's full blocks cover (a
+        session's last prompt and reply, known by tokens); 0 when none is cached. Pure but for
+        the marks: no split, no LRU time."""
+        if not self.enable_prefix_caching:
+            return 0
+        node = self.tree.deepest_node(token_ids, salt)
+        return 0 if node is None else self.tree.set_liveness(node, liveness)
+
+    def mark_dead(self, node: Node) -> int:
+        return self.set_liveness(node, Liveness.DEAD)
+
+    def mark_cold(self, node: Node) -> int:
+        return self.set_liveness(node, Liveness.COLD)
+
+    def mark_hot(self, node: Node) -> int:
+        return self.set_liveness(node, Liveness.HOT)
 
     # -- the whole cache ---------------------------------------------------------------------
 
