@@ -341,16 +341,22 @@ class RadixTree:
         self._evicted_pages += freed
         return freed
 
-    def set_liveness(self, node: Node, liveness: Liveness) -> int:
+    def set_liveness(self, node: Node, liveness: Liveness, *, below_blocks: int = 0) -> int:
         """Mark `node` and the ancestors private to its path (each with one child, up to the
         first branch point or the root) with `liveness`, refiling the leaf among them; only the
-        `session` policy orders by it. Changes the eviction order; returns the nodes marked
-        (0 for a root, an evicted node or a branch point, whose mark would mean nothing)."""
+        `session` policy orders by it. With `below_blocks`, only nodes that lie wholly past the
+        path's first `below_blocks` blocks (what the caller knows is shared, e.g. the system
+        prompt a session's first turn found cached). Changes the eviction order; returns the
+        nodes marked (0 for a root, an evicted node or a branch point: no mark means anything)."""
         if node.removed or node.parent is None or len(node.children) > 1:
             return 0
         marked = 0
         current: Node = node
+        end_block = _path_pages(node)
         while True:
+            start_block = end_block - len(current.pages)
+            if start_block < below_blocks:
+                return marked
             if current.liveness != liveness:
                 filed = current.evict_key is not None
                 if filed:
@@ -363,19 +369,19 @@ class RadixTree:
             assert parent is not None
             if parent.parent is None or len(parent.children) != 1:
                 return marked
-            current = parent
+            current, end_block = parent, start_block
 
-    def mark_dead(self, node: Node) -> int:
+    def mark_dead(self, node: Node, *, below_blocks: int = 0) -> int:
         """A released or idle-expired session's private tail: evicted first (set_liveness)."""
-        return self.set_liveness(node, Liveness.DEAD)
+        return self.set_liveness(node, Liveness.DEAD, below_blocks=below_blocks)
 
-    def mark_cold(self, node: Node) -> int:
+    def mark_cold(self, node: Node, *, below_blocks: int = 0) -> int:
         """A turn superseded by its successor: evicted after dead, before unknown (set_liveness)."""
-        return self.set_liveness(node, Liveness.COLD)
+        return self.set_liveness(node, Liveness.COLD, below_blocks=below_blocks)
 
-    def mark_hot(self, node: Node) -> int:
+    def mark_hot(self, node: Node, *, below_blocks: int = 0) -> int:
         """The newest turn of a live session: evicted after unknown (set_liveness)."""
-        return self.set_liveness(node, Liveness.HOT)
+        return self.set_liveness(node, Liveness.HOT, below_blocks=below_blocks)
 
     def retain(self, node: Node, ttl_s: float, owner: str | None = None, max_owner_pages: int | None = None) -> int:
         """Keep `node`'s path cached for `ttl_s` seconds: evicted only after every unretained

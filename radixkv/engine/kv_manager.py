@@ -225,27 +225,33 @@ class KVManager:
 
     # -- liveness (a session book's marks; the `session` eviction policy orders by them) -----
 
-    def set_liveness(self, node: Node, liveness: Liveness) -> int:
-        """Mark `node`'s private path (RadixTree.set_liveness); returns the nodes marked."""
-        return self.tree.set_liveness(node, liveness) if self.enable_prefix_caching else 0
+    def set_liveness(self, node: Node, liveness: Liveness, *, below_blocks: int = 0) -> int:
+        """Mark `node`'s private path past its first `below_blocks` blocks
+        (RadixTree.set_liveness); returns the nodes marked."""
+        if not self.enable_prefix_caching:
+            return 0
+        return self.tree.set_liveness(node, liveness, below_blocks=below_blocks)
 
-    def set_prefix_liveness(self, token_ids: list[int], salt: str | None, liveness: Liveness) -> int:
+    def set_prefix_liveness(self, token_ids: list[int], salt: str | None, liveness: Liveness, *, shared_tokens: int = 0) -> int:
         """Mark the private path of the deepest cached node a prefix's full blocks cover (a
-        session's last prompt and reply, known by tokens); 0 when none is cached. Pure but for
-        the marks: no split, no LRU time."""
+        session's last prompt and reply, known by tokens), past its first `shared_tokens`
+        (the session's shared prefix); 0 when none is cached. Pure but for the marks: no
+        split, no LRU time."""
         if not self.enable_prefix_caching:
             return 0
         node = self.tree.deepest_node(token_ids, salt)
-        return 0 if node is None else self.tree.set_liveness(node, liveness)
+        if node is None:
+            return 0
+        return self.tree.set_liveness(node, liveness, below_blocks=-(-shared_tokens // self.page_size))
 
-    def mark_dead(self, node: Node) -> int:
-        return self.set_liveness(node, Liveness.DEAD)
+    def mark_dead(self, node: Node, *, below_blocks: int = 0) -> int:
+        return self.set_liveness(node, Liveness.DEAD, below_blocks=below_blocks)
 
-    def mark_cold(self, node: Node) -> int:
-        return self.set_liveness(node, Liveness.COLD)
+    def mark_cold(self, node: Node, *, below_blocks: int = 0) -> int:
+        return self.set_liveness(node, Liveness.COLD, below_blocks=below_blocks)
 
-    def mark_hot(self, node: Node) -> int:
-        return self.set_liveness(node, Liveness.HOT)
+    def mark_hot(self, node: Node, *, below_blocks: int = 0) -> int:
+        return self.set_liveness(node, Liveness.HOT, below_blocks=below_blocks)
 
     # -- the whole cache ---------------------------------------------------------------------
 
