@@ -94,7 +94,12 @@ def generate(seed: int = DEFAULT_SEED, shape: TraceShape = TraceShape()) -> list
             events.append((at_ms, order, hash_ids, output_tokens))
             order += 1
             num_session_requests += 1
-    end_ms = max(event[0] for event in events)
+    # The trace is a window of time, as a recorded one is: it ends with the last session's
+    # start, and the turns of sessions still going then are not in it. Without the cut a long
+    # tail of a few long sessions would follow, a different workload from the window's.
+    end_ms = start_ms
+    events = [event for event in events if event[0] <= end_ms]
+    num_session_requests = len(events)
     num_one_shots = round(num_session_requests * shape.one_shot_share / (1.0 - shape.one_shot_share))
     for _ in range(num_one_shots):
         prefix = rng.choices(systems, weights)[0] if rng.random() < shape.one_shot_system_share else []

@@ -284,3 +284,17 @@ def _path(node: Node) -> list[Node]:
 
 TestSessionOrder = SessionOrderMachine.TestCase
 TestSessionOrder.settings = settings(max_examples=150, stateful_step_count=50, deadline=None)
+
+
+def test_marks_reach_down_to_the_reply_below_the_known_prefix() -> None:
+    tree = make_tree()
+    prompt = seq(0, 2 * PAGE_SIZE)
+    run_request(tree, prompt + [1])
+    run_request(tree, prompt + seq(50, 2 * PAGE_SIZE) + [1])  # the turn's reply, cached below it
+    node = tree.deepest_node(prompt)
+    (reply,) = node.children.values()
+    assert tree.mark_dead(node) == 2 and reply.liveness == Liveness.DEAD
+    run_request(tree, prompt + seq(80, PAGE_SIZE) + [1])  # a second continuation: node branches
+    assert node.liveness == Liveness.UNKNOWN
+    assert tree.mark_hot(reply) == 1 and node.liveness == Liveness.UNKNOWN
+    tree.check_invariants()
