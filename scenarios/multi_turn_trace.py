@@ -29,22 +29,22 @@ CALIBRATION_SEED = 1
 class TraceShape:
     """What a trace is made of; the defaults are the calibrated shape."""
 
-    num_sessions: int = 900
-    num_system_prompts: int = 4
-    system_prompt_blocks: tuple[int, int] = (2, 8)  # uniform range, inclusive
-    first_user_blocks: tuple[int, int] = (1, 6)
+    num_sessions: int = 2000
+    num_system_prompts: int = 6
+    system_prompt_blocks: tuple[int, int] = (2, 6)  # uniform range, inclusive
+    first_user_blocks: tuple[int, int] = (2, 12)  # the first message (often a document)
     user_blocks: tuple[int, int] = (1, 3)  # a later turn's user message (or tool result)
     reply_blocks: tuple[int, int] = (1, 3)  # the previous reply, as the next turn re-sends it
     # Turns per session: this share ends after one turn, this after two, the rest run on
     # geometrically with the mean below (capped), so a few go long.
-    one_turn_share: float = 0.35
-    two_turn_share: float = 0.2
+    one_turn_share: float = 0.25
+    two_turn_share: float = 0.1
     long_mean_turns: float = 8.0
     max_turns: int = 40
-    session_gap_ms: float = 4_000.0  # mean time between new sessions (Poisson)
-    think_ms: float = 45_000.0  # mean time between a reply and the next turn (exponential)
-    one_shot_share: float = 0.25  # of all requests: single requests outside any session
-    one_shot_blocks: tuple[int, int] = (2, 24)
+    session_gap_ms: float = 700.0  # mean time between new sessions (Poisson)
+    think_ms: float = 180_000.0  # mean time between a reply and the next turn (exponential)
+    one_shot_share: float = 0.5  # of all requests: single requests outside any session
+    one_shot_blocks: tuple[int, int] = (4, 32)
     one_shot_system_share: float = 0.5  # one-shots that start with a shared system prompt
 
 
