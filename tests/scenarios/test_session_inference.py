@@ -148,7 +148,7 @@ def test_a_trace_without_timestamps_replays_session_n_only(tmp_path: Path) -> No
 
 
 def test_the_multi_turn_trace_is_deterministic_and_shaped_as_documented(tmp_path: Path) -> None:
-    shape = multi_turn_trace.TraceShape(num_sessions=60)
+    shape = multi_turn_trace.TraceShape(num_sessions=80, session_gap_ms=20_000.0)  # a window of many think times
     records = multi_turn_trace.generate(7, shape)
     assert records == multi_turn_trace.generate(7, shape)
     assert records != multi_turn_trace.generate(8, shape)
