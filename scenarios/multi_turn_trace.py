@@ -58,9 +58,15 @@ class TraceRecord:
     input_length: int
     output_length: int
     hash_ids: list[int]
+    # Not Mooncake's: what a client that names its sessions tells the server (written only on
+    # request, --session-ids). A one-shot has no session; session_end marks a session's last
+    # turn (the client releases it after), never a turn the window cut short.
+    session_id: int | None = None
+    session_end: bool = False
 
-    def to_json(self) -> str:
-        return json.dumps({f.name: getattr(self, f.name) for f in fields(self)})
+    def to_json(self, with_sessions: bool = False) -> str:
+        names = [f.name for f in fields(self) if with_sessions or f.name not in ("session_id", "session_end")]
+        return json.dumps({name: getattr(self, name) for name in names})
 
 
 class _Ids:
@@ -80,22 +86,24 @@ def generate(seed: int = DEFAULT_SEED, shape: TraceShape = TraceShape()) -> list
     systems = [ids.take(rng.randint(*shape.system_prompt_blocks)) for _ in range(shape.num_system_prompts)]
     # Zipf-like popularity of the system prompts: a few agents get most sessions.
     weights = [1.0 / (rank + 1) for rank in range(len(systems))]
-    events: list[tuple[float, int, list[int], int]] = []  # (time ms, order, hash_ids, output tokens)
+    # (time ms, order, hash_ids, output tokens, session id or None, the session's last turn)
+    events: list[tuple[float, int, list[int], int, int | None, bool]] = []
     order = 0
     start_ms = 0.0
     num_session_requests = 0
-    for _ in range(shape.num_sessions):
+    for session_id in range(shape.num_sessions):
         start_ms += rng.expovariate(1.0 / shape.session_gap_ms)
         system = rng.choices(systems, weights)[0]
         hash_ids = system + ids.take(rng.randint(*shape.first_user_blocks))
         at_ms = start_ms
-        for turn in range(_num_turns(rng, shape)):
+        num_turns = _num_turns(rng, shape)
+        for turn in range(num_turns):
             if turn:
                 reply, user = rng.randint(*shape.reply_blocks), rng.randint(*shape.user_blocks)
                 hash_ids = hash_ids + ids.take(reply + user)
                 at_ms += rng.expovariate(1.0 / shape.think_ms)
             output_tokens = rng.randint(1, BLOCK_TOKENS * shape.reply_blocks[1])
-            events.append((at_ms, order, hash_ids, output_tokens))
+            events.append((at_ms, order, hash_ids, output_tokens, session_id, turn == num_turns - 1))
             order += 1
             num_session_requests += 1
     # The trace is a window of time, as a recorded one is: it ends with the last session's
@@ -107,12 +115,14 @@ def generate(seed: int = DEFAULT_SEED, shape: TraceShape = TraceShape()) -> list
     num_one_shots = round(num_session_requests * shape.one_shot_share / (1.0 - shape.one_shot_share))
     for _ in range(num_one_shots):
         prefix = rng.choices(systems, weights)[0] if rng.random() < shape.one_shot_system_share else []
-        events.append((rng.uniform(0.0, end_ms), order, prefix + ids.take(rng.randint(*shape.one_shot_blocks)), rng.randint(1, 512)))
+        at_ms = rng.uniform(0.0, end_ms)
+        hash_ids = prefix + ids.take(rng.randint(*shape.one_shot_blocks))
+        events.append((at_ms, order, hash_ids, rng.randint(1, 512), None, False))
         order += 1
     events.sort(key=lambda event: (event[0], event[1]))
     return [
-        TraceRecord(int(at_ms), len(hash_ids) * BLOCK_TOKENS - rng.randint(0, BLOCK_TOKENS - 1), output_tokens, hash_ids)
-        for at_ms, _, hash_ids, output_tokens in events
+        TraceRecord(int(at_ms), len(hash_ids) * BLOCK_TOKENS - rng.randint(0, BLOCK_TOKENS - 1), output_tokens, hash_ids, session, end)
+        for at_ms, _, hash_ids, output_tokens, session, end in events
     ]
 
 
@@ -130,18 +140,19 @@ def _num_turns(rng: random.Random, shape: TraceShape) -> int:
     return turns
 
 
-def write(records: list[TraceRecord], path: Path) -> None:
+def write(records: list[TraceRecord], path: Path, with_sessions: bool = False) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(record.to_json() + "\n" for record in records))
+    path.write_text("".join(record.to_json(with_sessions) + "\n" for record in records))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED, help=f"generation seed (default {DEFAULT_SEED}, held out; the shape was tuned on {CALIBRATION_SEED})")
     parser.add_argument("--out", default="out/multi_turn_trace.jsonl", help="the JSONL file to write")
+    parser.add_argument("--session-ids", action="store_true", help="add session_id and session_end to each record (what a client naming its sessions sends)")
     args = parser.parse_args(argv)
     records = generate(args.seed)
-    write(records, Path(args.out))
+    write(records, Path(args.out), args.session_ids)
     print(f"wrote {Path(args.out)}: {len(records):,} requests over {records[-1].timestamp / 1000:,.0f} s, seed {args.seed}")
     return 0
 

@@ -173,3 +173,55 @@ def test_the_multi_turn_trace_is_deterministic_and_shaped_as_documented(tmp_path
     assert max(turns_of.values()) >= 5
     systems = {tuple(r.hash_ids[:2]) for r in records}
     assert len(systems) < len(records) / 2  # shared system prompts
+
+
+def test_named_sessions_are_hot_from_the_first_turn_and_dead_once_released() -> None:
+    r = Replayer(IdleRule(idle_s=100.0))
+    r.sessions = SessionInference(r.tree, IdleRule(idle_s=100.0), named=True)
+
+    def serve(hash_ids: list[int], at_s: float, name: int | None, released: bool = False) -> None:
+        prompt = [t for h in hash_ids for t in trace_replay.block_tokens(h, PAGE_SIZE)] + [0]
+        seq = SequenceState(r.number, f"r{r.number}", 0, prompt, SamplingParams(max_tokens=1), None, 0)
+        number = r.number
+        trace_replay.serve_request(r.kv, None, seq, lambda s, hit: r.sessions.served(
+            r.kv.block_hashes(s), s.tree_node, hit, at_s, number, name=name, released=released,
+        ))  # fmt: skip
+        r.number += 1
+        r.tree.check_invariants()
+
+    serve(S + [1], 0.0, name=7)
+    assert r.liveness(S + [1]) == Liveness.HOT  # named: a session from its first turn
+    serve(S + [2], 1.0, name=None)
+    serve(S + [1, 10], 2.0, name=None)  # extends session 7's prompt but names none: a lone request
+    assert r.liveness(S + [1, 10]) == Liveness.UNKNOWN and r.sessions.num_continued == 0
+    serve(S + [1, 11], 3.0, name=7, released=True)  # its last turn: the client releases it
+    assert r.liveness(S + [1, 11]) == Liveness.DEAD
+    assert r.liveness(S + [2]) == Liveness.UNKNOWN and r.liveness(S) == Liveness.UNKNOWN
+    assert r.sessions.num_released == 1
+    serve(S + [1, 11, 12], 4.0, name=7)  # the name again: a new session
+    assert r.liveness(S + [1, 11, 12]) == Liveness.HOT and r.sessions.num_sessions == 4
+
+
+def test_session_ids_replay_reads_the_names_the_generator_writes(tmp_path: Path) -> None:
+    shape = multi_turn_trace.TraceShape(num_sessions=40, session_gap_ms=20_000.0)
+    records = multi_turn_trace.generate(3, shape)
+    by_session: dict[int, list[multi_turn_trace.TraceRecord]] = {}
+    for record in records:
+        if record.session_id is not None:
+            by_session.setdefault(record.session_id, []).append(record)
+    for turns in by_session.values():
+        assert not any(t.session_end for t in turns[:-1])  # only a last turn ends a session
+        assert all(later.hash_ids[: len(t.hash_ids)] == t.hash_ids for t, later in zip(turns, turns[1:]))
+    assert any(turns[-1].session_end for turns in by_session.values())
+    plain, named = tmp_path / "plain.jsonl", tmp_path / "named.jsonl"
+    multi_turn_trace.write(records, plain)
+    multi_turn_trace.write(records, named, with_sessions=True)
+    assert trace_replay.load_trace(plain).session_names is None
+    trace = trace_replay.load_trace(named)
+    assert trace.session_names == [r.session_id for r in records]
+    assert trace.session_ends == [r.session_end for r in records]
+    ram = trace_replay.capacity(trace, 0.05)
+    row = trace_replay.replay(trace, "session-ids", 0.05, 0.0, ram, 0, 4)
+    assert 0 < row.hit_ratio <= trace_replay.infinite_row(trace).hit_ratio
+    with pytest.raises(SystemExit, match="names no sessions"):
+        trace_replay.replay(trace_replay.load_trace(plain), "session-ids", 0.05, 0.0, ram, 0, 4)
