@@ -28,7 +28,7 @@ class IdleRule:
 @dataclass(slots=True, eq=False)
 class InferredSession:
     session_id: int
-    node: Node  # the newest turn's deepest cached node
+    node: Node  # the newest turn's deepest cached node (evicted since, it stands for what is left)
     shared_blocks: int  # blocks the first turn found cached: shared with others, never marked
     last_at_s: float
     last_request: int
@@ -112,7 +112,7 @@ class SessionInference:
     def _continue(self, session: InferredSession, node: Node, at_s: float, request_number: int) -> None:
         self.num_continued += 1
         if session.node is not node:
-            self.tree.mark_cold(_live_node(session.node), below_blocks=session.shared_blocks)
+            self.tree.mark_cold(session.node, below_blocks=session.shared_blocks)
         session.node, session.last_at_s, session.last_request = node, at_s, request_number
         session.num_turns += 1
         self.tree.mark_hot(node, below_blocks=session.shared_blocks)
@@ -143,12 +143,4 @@ class SessionInference:
                 del self._by_end[end]
         if session.name is not None and self._by_name.get(session.name) is session:
             del self._by_name[session.name]
-        self.tree.mark_dead(_live_node(session.node), below_blocks=session.shared_blocks)
-
-
-def _live_node(node: Node) -> Node:
-    """`node`, or its deepest ancestor still cached when eviction took it (a removed node keeps
-    its parent): what is left of the session's path."""
-    while node.removed and node.parent is not None:
-        node = node.parent
-    return node
+        self.tree.mark_dead(session.node, below_blocks=session.shared_blocks)

@@ -35,10 +35,12 @@ from radixkv.cache.retention import Retention, RetentionBook
 # Hits (slru): match() adds one to `num_hits` of every node on the matched path, so hits never
 # grow toward the leaves either, and a hit node's ancestors are protected too.
 #
-# Liveness (session): set_liveness marks a node and the ancestors only its path runs through
-# (one child each), never a branch point: a branch is shared, so no one session's end says
-# anything of its future. For the same reason a node that gains a second child, and the upper
-# half of a split (another request matched part of the run), go back to UNKNOWN.
+# Liveness (session): set_liveness marks a node, the ancestors only its path runs through and
+# the descendants that continue only it (one child each), never a branch point: a branch is
+# shared, so no one session's end says anything of its future. For the same reason a node
+# that gains a second child, and the upper half of a split (another request matched part of
+# the run), go back to UNKNOWN. A mark walks O(depth) nodes but refiles at most one leaf
+# (O(log n)): only leaves are in the eviction order, and a marked path ends in one.
 
 
 @dataclass(slots=True, eq=False, repr=False)
@@ -347,10 +349,14 @@ class RadixTree:
         the leaf (what was cached after the prefix the caller knows: a turn's reply), refiling
         the leaf among them; only the `session` policy orders by it. With `below_blocks`, only
         nodes that lie wholly past the path's first `below_blocks` blocks (what the caller
-        knows is shared, e.g. the system prompt a session's first turn found cached). Changes
-        the eviction order; returns the nodes marked (0 for a root, an evicted node or a branch
-        point: no mark on them means anything)."""
-        if node.removed or node.parent is None or len(node.children) > 1:
+        knows is shared, e.g. the system prompt a session's first turn found cached). An
+        evicted node stands for what is left of its path: its deepest ancestor still cached (a
+        removed node keeps its parent), so a session book may hold on to a stale node. Changes
+        the eviction order; returns the nodes marked (0 for a root or a branch point: no mark
+        on them means anything)."""
+        while node.removed and node.parent is not None:
+            node = node.parent
+        if node.parent is None or len(node.children) > 1:
             return 0
         marked = 0
         end_block = _path_pages(node)
