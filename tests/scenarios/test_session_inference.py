@@ -225,3 +225,14 @@ def test_session_ids_replay_reads_the_names_the_generator_writes(tmp_path: Path)
     assert 0 < row.hit_ratio <= trace_replay.infinite_row(trace).hit_ratio
     with pytest.raises(SystemExit, match="names no sessions"):
         trace_replay.replay(trace_replay.load_trace(plain), "session-ids", 0.05, 0.0, ram, 0, 4)
+
+
+def test_multi_turn_trace_main_writes_mooncake_records_and_names_on_request(tmp_path: Path) -> None:
+    plain, named = tmp_path / "plain.jsonl", tmp_path / "named.jsonl"
+    assert multi_turn_trace.main(["--seed", "5", "--out", str(plain)]) == 0
+    assert multi_turn_trace.main(["--seed", "5", "--session-ids", "--out", str(named)]) == 0
+    plain_records = [json.loads(line) for line in plain.read_text().splitlines()]
+    named_records = [json.loads(line) for line in named.read_text().splitlines()]
+    assert set(plain_records[0]) == {"timestamp", "input_length", "output_length", "hash_ids"}
+    assert [{k: r[k] for k in plain_records[0]} for r in named_records] == plain_records
+    assert {"session_id", "session_end"} <= set(named_records[0])
