@@ -1,6 +1,7 @@
 """Sessions inferred from shared prefixes where a trace names none, from what an online server
 sees (no future): a request whose prompt extends an earlier request's whole prompt continues
-that request's session. It marks the tree for the `session` eviction policy (set_liveness).
+that request's session; or named by the client where it names them. It marks the tree for the
+`session` eviction policy (RadixTree.set_liveness).
 """
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from radixkv.cache import BlockHash, Liveness, Node, RadixTree
+from radixkv.cache import BlockHash, Node, RadixTree
 
 
 @dataclass(frozen=True, slots=True)
