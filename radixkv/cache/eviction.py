@@ -1,8 +1,9 @@
 """The order in which the prefix cache gives up its unlocked leaves, under a policy: `lru`
 (least recently used first), `slru` (leaves that never served a hit first, then those that
 did, each by LRU) or `session` (by the liveness a session book marks: dead, cold, unknown, hot,
-each by LRU); retained leaves always last, earliest expiry first. Sorted sets, so adding,
-removing and taking the next victim each cost O(log n).
+each by LRU). `slru` honours the marks too: a marked leaf is filed as dead, cold or hot, an
+unmarked one as slru files it; `lru` ignores them. Retained leaves always last, earliest expiry
+first. Sorted sets, so adding, removing and taking the next victim each cost O(log n).
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ EVICTION_POLICIES = ("slru", "lru", "session")
 
 
 class Liveness(IntEnum):
-    """What a session book knows of a cached node's future (policy `session` orders by it; the
-    others ignore it). UNKNOWN: nobody said (shared prefixes, requests without a session).
+    """What a session book knows of a cached node's future (policies `session` and `slru` order
+    by it; `lru` ignores it). UNKNOWN: nobody said (shared prefixes, requests without a session).
     DEAD: a released or idle-expired session's private tail. COLD: a turn its successor
     superseded without extending it (the previous reply's tail). HOT: the newest turn of a
     live session."""
@@ -56,15 +57,17 @@ class EvictionOrder:
         if policy not in EVICTION_POLICIES:
             raise ValueError(f"eviction policy must be one of {EVICTION_POLICIES}, got {policy!r}")
         self.policy = policy
-        # Indexed by tag; the dead, cold and hot sets stay empty unless the policy is `session`.
+        # Indexed by tag; the dead, cold and hot sets stay empty under `lru` and without marks.
         self._sets: tuple[SortedList, ...] = tuple(SortedList() for _ in range(6))
 
     def key_of(self, node: Node) -> EvictKey:
         """The key `node` belongs under now (check_tree compares it with the filed one)."""
         if node.retains:
             return (_RETAINED, node.retention_expires_at_s, node.node_id, node)
-        if self.policy == "session":
+        if self.policy != "lru" and node.liveness is not Liveness.UNKNOWN:
             return (_LIVENESS_SET[node.liveness], float(node.last_access), node.node_id, node)
+        if self.policy == "session":
+            return (_PROBATION, float(node.last_access), node.node_id, node)
         tag = _PROTECTED if self.policy == "slru" and node.num_hits > 0 else _PROBATION
         return (tag, float(node.last_access), node.node_id, node)
 
@@ -82,14 +85,13 @@ class EvictionOrder:
 
     def pop(self, protected_over_cap: bool = False) -> Node | None:
         """The next victim: a dead leaf, then a cold one, then a probation (unknown) one, then
-        a protected one, then a hot one (each LRU; only `session` files dead, cold and hot, only
+        a protected one, then a hot one (each LRU; `lru` files none as dead, cold or hot, only
         `slru` protected), then the retained leaf whose retention ends first; None when nothing
-        is evictable. With `protected_over_cap` a protected leaf goes before probation ones."""
+        is evictable. With `protected_over_cap` a protected leaf goes before probation ones (never
+        before a dead or cold one: what a session says is over goes first)."""
         probation, protected, retained, dead, cold, hot = self._sets
-        if protected_over_cap and protected:
-            ordered = protected
-        else:
-            ordered = dead or cold or probation or protected or hot or retained
+        over_cap = protected if protected_over_cap else None
+        ordered = dead or cold or over_cap or probation or protected or hot or retained
         if not ordered:
             return None
         node = ordered.pop(0)[3]

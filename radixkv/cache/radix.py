@@ -347,7 +347,7 @@ class RadixTree:
         """Mark the path private to `node` with `liveness`: the node, its ancestors up to the
         first branch point or the root, and its descendants down to the first branch point or
         the leaf (what was cached after the prefix the caller knows: a turn's reply), refiling
-        the leaf among them; only the `session` policy orders by it. With `below_blocks`, only
+        the leaf among them; the `session` and `slru` policies order by it. With `below_blocks`, only
         nodes that lie wholly past the path's first `below_blocks` blocks (what the caller
         knows is shared, e.g. the system prompt a session's first turn found cached). An
         evicted node stands for what is left of its path: its deepest ancestor still cached (a

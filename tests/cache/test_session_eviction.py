@@ -1,6 +1,6 @@
 """The `session` eviction policy: dead leaves go before cold, cold before unknown, unknown before
 hot, each least recently used first, retained last; set_liveness marks a node's private path
-only; a locked node is never evicted; the other policies ignore the marks. A hypothesis state
+only; a locked node is never evicted; slru honours the marks, lru ignores them. A hypothesis state
 machine checks every eviction against the order computed from the tree's leaves."""
 
 from __future__ import annotations
@@ -68,14 +68,40 @@ def test_unmarked_session_policy_is_lru() -> None:
     assert orders["session"] == orders["lru"]
 
 
-def test_other_policies_ignore_the_marks() -> None:
-    for policy in ("slru", "lru"):
-        plain, marked = make_tree(policy), make_tree(policy)
-        four_prompts(plain)
-        nodes = four_prompts(marked)
-        for node, mark in zip(nodes, (marked.mark_hot, marked.mark_dead, marked.mark_cold, marked.mark_hot)):
-            assert mark(node) == 1  # marked all the same, for a later switch of policy
-        assert evicted_order(plain) == evicted_order(marked)
+def test_lru_ignores_the_marks() -> None:
+    plain, marked = make_tree("lru"), make_tree("lru")
+    four_prompts(plain)
+    nodes = four_prompts(marked)
+    for node, mark in zip(nodes, (marked.mark_hot, marked.mark_dead, marked.mark_cold, marked.mark_hot)):
+        assert mark(node) == 1  # marked all the same, for a later switch of policy
+    assert evicted_order(plain) == evicted_order(marked)
+
+
+def test_slru_honours_the_marks_around_its_own_two_classes() -> None:
+    tree = make_tree("slru")
+    oldest, older, newer, newest = four_prompts(tree)
+    run_request(tree, seq(3000, 2 * PAGE_SIZE + 1))  # `newer` served a hit: protected
+    tree.mark_hot(oldest)
+    tree.mark_dead(newest)
+    tree.check_invariants()
+    # dead, then probation (unknown, never hit), then protected (hit), then hot.
+    assert evicted_order(tree) == [newest.node_id, older.node_id, newer.node_id, oldest.node_id]
+
+
+def test_protected_over_its_cap_never_goes_before_a_dead_leaf() -> None:
+    from radixkv.cache.eviction import EvictionOrder
+
+    tree = make_tree("slru")
+    oldest, older, newer, newest = four_prompts(tree)
+    for tokens in (seq(1000, 2 * PAGE_SIZE + 1), seq(2000, 2 * PAGE_SIZE + 1)):
+        run_request(tree, tokens)  # oldest and older served hits: protected
+    tree.mark_dead(newest)
+    order = EvictionOrder("slru")
+    for node in (oldest, older, newer, newest):
+        tree._order.remove(node)
+        order.add(node)
+    assert order.pop(protected_over_cap=True) is newest
+    assert order.pop(protected_over_cap=True) is oldest  # then the protected set, over its cap
 
 
 def test_retained_goes_after_hot() -> None:
