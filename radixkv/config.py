@@ -113,8 +113,8 @@ class EngineConfig:
     # turn ends; a request may ask for less or more, up to max_session_idle_s.
     session_idle_s: float = 600.0
     max_session_idle_s: float = 3600.0
-    # Live sessions one owner (an API key) may hold at once; a new one past it is refused (429)
-    # until the owner releases one or one idles out.
+    # Live sessions one owner (an API key) may hold at once; a new one past it ends the owner's
+    # least recently active idle session, and is refused (429) only while all of them run.
     max_sessions_per_owner: int = 64
     # KV pages one owner's sessions retain together (also within max_retained_pages_per_owner,
     # which they share with the owner's other retentions); past it the owner's least recently

@@ -147,10 +147,11 @@ class SessionBook:
             )
         self.expire()
         mine = self._by_owner.get(ref.owner, {})
-        if ref.key not in mine and len(mine) >= self.limits.max_sessions_per_owner:
+        full = ref.key not in mine and len(mine) >= self.limits.max_sessions_per_owner
+        if full and self._idlest(ref.owner) is None:
             raise OwnerCapExceeded(
-                f"this owner has {len(mine)} live sessions; each owner (API key) may hold at most "
-                f"{self.limits.max_sessions_per_owner}; DELETE /v1/cache/sessions/{{key}} one or let it idle out",
+                f"this owner has {len(mine)} live sessions, each with a turn running; each owner (API key) may hold at "
+                f"most {self.limits.max_sessions_per_owner}; retry once a turn ends",
                 param="session",
                 code="session_limit_exceeded",
                 limit=self.limits.max_sessions_per_owner,
@@ -163,6 +164,14 @@ class SessionBook:
         now_s = self._clock()
         session = self._sessions.get((ref.owner, ref.key))
         if session is None:
+            mine = self._by_owner.get(ref.owner, {})
+            if len(mine) >= self.limits.max_sessions_per_owner:
+                # A session key is a hint clients send unasked (one per conversation): past the
+                # count, the owner's least recently active idle session makes room, as a full
+                # cache would evict it; only an owner whose sessions all run is refused (check).
+                idlest = self._idlest(ref.owner)
+                assert idlest is not None, "check() found one a moment ago"
+                self._end(idlest)
             session = Session(next(self._ids), ref.owner, ref.key, salt, idle_s, now_s, now_s)
             self._sessions[(ref.owner, ref.key)] = session
             self._by_id[session.session_id] = session
@@ -265,6 +274,10 @@ class SessionBook:
         return ended
 
     # -- internals -----------------------------------------------------------------------------
+
+    def _idlest(self, owner: Owner) -> Session | None:
+        """The owner's least recently active session with no turn running; None if none."""
+        return next((s for s in self._by_owner.get(owner, {}).values() if not s.in_flight), None)
 
     def _live_tokens(self, session: Session) -> int:
         if session.retention_id is None or self._kv.tree.retention(session.retention_id) is None:

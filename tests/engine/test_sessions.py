@@ -134,18 +134,32 @@ def test_release_ends_only_the_owners_own_session(tiny_llama: Path, monkeypatch:
     assert len(signals.dead) == 1
 
 
-def test_the_session_count_is_capped_per_owner_before_any_work(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    engine, _, _ = make(tiny_llama, monkeypatch, max_sessions_per_owner=2)
+def test_a_new_session_past_the_count_ends_the_owners_idlest_one(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine, _, signals = make(tiny_llama, monkeypatch, max_sessions_per_owner=2)
+    turn(engine, prompt(5, 2), SessionRef("bob", "b"))
     for key in ("a", "b"):
         turn(engine, prompt(len(key), 2), SessionRef("alice", key))
+    turn(engine, prompt(4, 2), SessionRef("alice", "a"))  # "a" is now the more recently active
+    turn(engine, prompt(6, 2), SessionRef("alice", "c"))
+    assert [s.key for s in engine.sessions.of_owner("alice")] == ["a", "c"]
+    assert [s.key for s in engine.sessions.of_owner("bob")] == ["b"]  # another owner's count is its own
+    assert len(signals.dead) == 1
+
+
+def test_the_session_count_refuses_only_when_every_session_runs(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine, _, _ = make(tiny_llama, monkeypatch, max_sessions_per_owner=2)
+    for key in ("a", "b"):
+        engine.add_request(prompt(len(key), 2), SamplingParams(max_tokens=2), session=SessionRef("alice", key))
     with pytest.raises(OwnerCapExceeded) as info:
         engine.add_request(prompt(3, 2), SamplingParams(max_tokens=1), session=SessionRef("alice", "c"))
     assert (info.value.param, info.value.limit, info.value.code) == ("session", 2, "session_limit_exceeded")
-    assert not engine.has_unfinished()
-    turn(engine, prompt(4, 2), SessionRef("alice", "a"))  # a live one goes on
-    turn(engine, prompt(5, 2), SessionRef("bob", "c"))  # another owner has its own count
-    engine.sessions.release("alice", "b")
-    turn(engine, prompt(6, 2), SessionRef("alice", "c"))
+    assert engine.num_unfinished == 2  # refused before it was queued
+    engine.add_request(prompt(4, 2), SamplingParams(max_tokens=1), session=SessionRef("alice", "a"))  # a live one goes on
+    engine.add_request(prompt(5, 2), SamplingParams(max_tokens=1), session=SessionRef("bob", "c"))
+    run_to_end(engine)
+    engine.add_request(prompt(6, 2), SamplingParams(max_tokens=1), session=SessionRef("alice", "c"))
+    run_to_end(engine)
+    assert [s.key for s in engine.sessions.of_owner("alice")] == ["a", "c"]
 
 
 def test_one_owners_sessions_give_up_their_own_pages_never_anothers(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -37,6 +37,7 @@ from radixkv.server.openai.responses_protocol import (
     response_usage,
 )
 from radixkv.server.openai.responses_store import ResponseStore, conversation_bytes
+from radixkv.server.sessions import session_ref
 from radixkv.server.streaming import (
     SSEResponse,
     collect,
@@ -87,8 +88,10 @@ def register(app: FastAPI, server: AppState, store: ResponseStore | None = None)
 
         body, turn, prompt = await server.parse_slots.run(key, prepare)
         salt = server.tenants.cache_salt(key, body.cache_salt)
+        session = session_ref(request.headers, owner, body.prompt_cache_key)
         streams = await submit(
-            server.engine, server.metrics, [prompt], turn.params, salt, turn.names, quotas=server.quotas, key=key, owner=owner
+            server.engine, server.metrics, [prompt], turn.params, salt, turn.names, quotas=server.quotas, key=key, owner=owner,
+            session=session,
         )
         if body.stream:
             return SSEResponse(_events(server, store, turn, streams), streams, server.limits.stream_send_timeout_s)

@@ -58,6 +58,7 @@ from radixkv.server.openai.protocol import (
     new_id,
     now_s,
 )
+from radixkv.server.sessions import session_ref
 from radixkv.server.streaming import (
     SSEResponse,
     collect,
@@ -123,8 +124,9 @@ def register(app: FastAPI, server: AppState) -> None:
 
         body, tools, prompt, names, params = await server.parse_slots.run(key, prepare)
         salt, owner = server.tenants.cache_salt(key, body.cache_salt), server.tenants.owner(key)
+        session = session_ref(request.headers, owner, body.prompt_cache_key)
         streams = await submit(
-            server.engine, server.metrics, [prompt], params, salt, names, quotas=server.quotas, key=key, owner=owner
+            server.engine, server.metrics, [prompt], params, salt, names, quotas=server.quotas, key=key, owner=owner, session=session
         )
         hints = _CacheHints(server, body, [prompt], salt, owner)
         if body.stream:
@@ -150,8 +152,9 @@ def register(app: FastAPI, server: AppState) -> None:
 
         body, prompts, names, params = await server.parse_slots.run(key, prepare)
         salt, owner = server.tenants.cache_salt(key, body.cache_salt), server.tenants.owner(key)
+        session = session_ref(request.headers, owner, body.prompt_cache_key)
         streams = await submit(
-            server.engine, server.metrics, prompts, params, salt, names, quotas=server.quotas, key=key, owner=owner
+            server.engine, server.metrics, prompts, params, salt, names, quotas=server.quotas, key=key, owner=owner, session=session
         )
         hints = _CacheHints(server, body, prompts, salt, owner)
         if body.stream:
@@ -208,8 +211,9 @@ def _body_guide(body: ChatCompletionRequest | CompletionRequest) -> tuple[Guide 
 
 
 class _CacheHints:
-    """prompt_cache_key (recorded: logged with the cache hits it saw; it partitions nothing, as
-    with OpenAI) and prompt_cache_retention, asked of the engine once the prompt is cached."""
+    """prompt_cache_key (it names a session, server/sessions.py, and is logged with the cache
+    hits it saw; it partitions nothing, as with OpenAI) and prompt_cache_retention, asked of
+    the engine once the prompt is cached."""
 
     def __init__(
         self, server: AppState, body: ChatCompletionRequest | CompletionRequest, prompts: list[list[int]], salt: str | None, owner: str
