@@ -15,7 +15,7 @@ from radixkv.errors import ConfigError
 POLICIES = ("lpm", "fcfs")
 # radixkv.cache.eviction.EVICTION_POLICIES; spelled out so the config stays free of torch
 # (importing radixkv.cache loads it), and a test checks the two agree.
-EVICTION_POLICIES = ("slru", "lru")
+EVICTION_POLICIES = ("slru", "lru", "session")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # radixkv.cache.kv_dtype's storage dtypes of KV pages; "auto": the compute dtype (dtype).
 KV_DTYPES = ("auto", "bf16", "fp16", "fp32", "int8", "fp8")
@@ -139,7 +139,10 @@ class EngineConfig:
     # Which unlocked cached blocks go first when pages run out: "slru" evicts blocks that never
     # served a hit (one request's private tail) before those that did, each least recently
     # used first, so a burst of one-off prompts cannot flush a hot system prompt; "lru" is
-    # plain least recently used. Retained prefixes go last under both.
+    # plain least recently used; "session" orders by what a session book marks (dead tails of
+    # ended sessions first, then superseded turns, then unmarked blocks, then live sessions'
+    # newest turns, each least recently used first; unmarked it is lru). Retained prefixes go
+    # last under all three.
     eviction_policy: str = "slru"
     # The disk tier of the prefix cache: blocks evicted from RAM (and all of RAM's at close)
     # are kept as files under this directory, owner-only, and a match that runs out in RAM

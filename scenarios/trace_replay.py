@@ -5,7 +5,7 @@ without a model, at a RAM capacity and optionally a disk tier under it, and repo
 ratios per tier against the infinite cache and Belady's optimal at the same capacity, plus the
 cache's own time per request.
 
-    radixkv bench trace_replay [--trace PATH] [--ram-fraction 0.05,0.1,0.25] [--policy lru,slru]
+    radixkv bench trace_replay [--trace PATH] [--ram-fraction 0.05,0.1,0.25] [--policy lru,slru,session]
                                [--disk-fraction 0,0.25] [--out out/trace_replay]
                                [--ram-bytes 256M,1G --kv-dtype bf16,int8]
 
@@ -23,6 +23,11 @@ pool of C pages plus the tail's page: the running request's blocks count against
 the Belady model. A block evicted from RAM is written to the disk tier (write-back, an index
 in blocks); a match that runs out in RAM continues there and the hit blocks come back into RAM.
 
+Sessions: the `session` rows replay the tree's `session` eviction order with sessions inferred
+from shared prefixes as an online server would (scenarios/session_inference.py; a Mooncake
+trace names no sessions): `session` ends a session idle longer than --session-idle-s of trace
+time, `session-n` one not extended within --session-idle-requests later requests.
+
 Rows: each policy replayed; `belady` (the optimal at the same capacity, RAM + disk where a
 disk tier is set); `lru+oracle` (LRU told which blocks are never used again, evicting those
 first: the ceiling of any "evict private tails first" guess); `infinite`. With --oracles, two
@@ -39,7 +44,7 @@ import platform
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -53,8 +58,17 @@ from radixkv.cache.radix import Node
 from radixkv.engine.kv_manager import KVManager
 from radixkv.engine.request import SamplingParams, SequenceState
 from radixkv.scenarios.plots import pyplot, save
+from radixkv.scenarios.session_inference import IdleRule, SessionInference
 
 TRACE_NAME = "synthetic_trace.jsonl"
+# Replayed under the tree's `session` order with inferred sessions: by the idle rule's name.
+SESSION_POLICIES = ("session", "session-n")
+REPLAY_POLICIES = tuple(p for p in EVICTION_POLICIES if p != "session") + SESSION_POLICIES
+# Chosen on multi_turn_trace's calibration seed only (never on the held-out trace): a session
+# idle this long is over. The time rule is about four mean think times of that trace's shape,
+# the request rule what the same span holds in requests.
+DEFAULT_SESSION_IDLE_S = 240.0
+DEFAULT_SESSION_IDLE_REQUESTS = 1000
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +77,7 @@ class Trace:
     requests: list[list[int]]  # hash_ids of each request, in trace order
     num_blocks: int  # block accesses over the trace
     num_distinct_blocks: int  # distinct blocks, each identified by its whole prefix
+    arrivals_s: list[float] | None = None  # each request's timestamp in seconds; None: the trace has none
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trace", default=None, help=f"a Mooncake-format JSONL trace (default: shared/data/{TRACE_NAME})")
     parser.add_argument("--ram-fraction", default="0.05,0.1,0.25", help="RAM capacity as fractions of the distinct blocks, comma separated")
     parser.add_argument("--disk-fraction", default="0", help="disk tier capacity as fractions of the distinct blocks (0: none), comma separated")
-    parser.add_argument("--policy", default=",".join(EVICTION_POLICIES), help=f"eviction policies, comma separated ({', '.join(EVICTION_POLICIES)})")
+    parser.add_argument("--policy", default=",".join(REPLAY_POLICIES), help=f"eviction policies, comma separated ({', '.join(REPLAY_POLICIES)})")
+    parser.add_argument("--session-idle-s", type=float, default=DEFAULT_SESSION_IDLE_S, help="policy session: a session idle this long in trace time is over (its tail dead)")
+    parser.add_argument("--session-idle-requests", type=int, default=DEFAULT_SESSION_IDLE_REQUESTS, help="policy session-n: a session not extended within this many later requests is over")
     parser.add_argument("--page-size", type=int, default=16, help="tokens per page (each trace block is one page)")
     parser.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     parser.add_argument("--oracles", action="store_true", help="add the frequency oracles (lfu+oracle, future+oracle) beside lru+oracle")
@@ -99,9 +116,12 @@ def main(argv: list[str] | None = None) -> int:
     ram_fractions = _fractions(args.ram_fraction, "--ram-fraction", allow_zero=False)
     disk_fractions = _fractions(args.disk_fraction, "--disk-fraction", allow_zero=True)
     policies = [p.strip() for p in args.policy.split(",") if p.strip()]
-    unknown = sorted(set(policies) - set(EVICTION_POLICIES))
+    unknown = sorted(set(policies) - set(REPLAY_POLICIES))
     if unknown:
-        parser.error(f"unknown --policy {unknown}; known: {list(EVICTION_POLICIES)}")
+        parser.error(f"unknown --policy {unknown}; known: {list(REPLAY_POLICIES)}")
+    if args.session_idle_s <= 0 or args.session_idle_requests < 1:
+        parser.error("--session-idle-s must be positive and --session-idle-requests at least 1")
+    rules = {"session": IdleRule(idle_s=args.session_idle_s), "session-n": IdleRule(idle_requests=args.session_idle_requests)}
 
     path = resolve_trace(args.trace)
     trace = load_trace(path, args.limit)
@@ -121,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
                     rows.append(oracle_row(trace, ram_fraction, ram_blocks, "popularity"))
                     rows.append(oracle_row(trace, ram_fraction, ram_blocks, "remaining"))
             for policy in policies:
-                rows.append(replay(trace, policy, ram_fraction, disk_fraction, ram_blocks, disk_blocks, args.page_size))
+                rows.append(replay(trace, policy, ram_fraction, disk_fraction, ram_blocks, disk_blocks, args.page_size, rules.get(policy)))
     print_table(rows)
     budget_rows = []
     if args.ram_bytes:
@@ -174,19 +194,26 @@ def resolve_trace(given: str | None) -> Path:
 
 def load_trace(path: Path, limit: int | None = None) -> Trace:
     requests: list[list[int]] = []
+    arrivals_s: list[float] = []
+    timed = True  # every record has a timestamp
     with path.open() as lines:
         for number, line in enumerate(lines, 1):
             if not line.strip():
                 continue
             try:
-                hash_ids = json.loads(line)["hash_ids"]
-            except (json.JSONDecodeError, KeyError, TypeError) as error:
+                record = json.loads(line)
+                hash_ids = record["hash_ids"]
+                timestamp_ms = record.get("timestamp")
+            except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as error:
                 raise SystemExit(f"{path}:{number}: not a Mooncake trace record ({error})") from None
             requests.append([int(h) for h in hash_ids])
+            timed = timed and timestamp_ms is not None
+            if timed:
+                arrivals_s.append(float(timestamp_ms) / 1000.0)
             if limit is not None and len(requests) >= limit:
                 break
     ids = prefix_ids(requests)
-    return Trace(path.name, requests, sum(map(len, requests)), len({b for r in ids for b in r}))
+    return Trace(path.name, requests, sum(map(len, requests)), len({b for r in ids for b in r}), arrivals_s if timed else None)
 
 
 def prefix_ids(requests: list[list[int]]) -> list[list[int]]:
@@ -304,7 +331,10 @@ def replay(
     ram_blocks: int,
     disk_blocks: int,
     page_size: int,
+    idle_rule: IdleRule | None = None,
 ) -> Row:
+    """One policy's replay. A policy of SESSION_POLICIES runs the tree's `session` order with
+    sessions inferred under `idle_rule` (its default for the policy when None)."""
     pool = PagePool(ram_blocks + 1, page_size)  # + the one-token tail's page
     hasher = BlockHasher(page_size, seed=0)
     disk = DiskIndex(disk_blocks) if disk_blocks else None
@@ -318,8 +348,10 @@ def replay(
             disk.add(key, 1)
             written[0] += 1
 
-    tree = RadixTree(pool, hasher, eviction_policy=policy, on_evict=write_back if disk is not None else None)
+    tree_policy = "session" if policy in SESSION_POLICIES else policy
+    tree = RadixTree(pool, hasher, eviction_policy=tree_policy, on_evict=write_back if disk is not None else None)
     kv = KVManager(pool, tree, hasher, enable_prefix_caching=True)
+    sessions = session_inference(trace, policy, tree, idle_rule)
     params = SamplingParams(max_tokens=1)
     ram_hits = disk_hits = 0
     spent_s = 0.0
@@ -327,7 +359,12 @@ def replay(
         prompt = [token for h in hash_ids for token in block_tokens(h, page_size)] + [0]
         seq = SequenceState(number, f"r{number}", 0, prompt, params, None, 0)
         start = time.perf_counter()
-        ram, from_disk = serve_request(kv, disk, seq)
+        if sessions is None:
+            ram, from_disk = serve_request(kv, disk, seq)
+        else:
+            ram, from_disk = serve_request(kv, disk, seq, lambda seq, hit: sessions.served(
+                kv.block_hashes(seq), seq.tree_node, hit, trace.arrivals_s[number] if trace.arrivals_s else 0.0, number,
+            ))  # fmt: skip
         spent_s += time.perf_counter() - start
         ram_hits += ram
         disk_hits += from_disk
@@ -352,9 +389,24 @@ def replay(
     )
 
 
-def serve_request(kv: KVManager, disk: DiskIndex | None, seq: SequenceState) -> tuple[int, int]:
+def session_inference(trace: Trace, policy: str, tree: RadixTree, idle_rule: IdleRule | None) -> SessionInference | None:
+    """The session book a policy of SESSION_POLICIES replays with; None for the others."""
+    if policy not in SESSION_POLICIES:
+        return None
+    if idle_rule is None:
+        idle_rule = IdleRule(idle_s=DEFAULT_SESSION_IDLE_S) if policy == "session" else IdleRule(idle_requests=DEFAULT_SESSION_IDLE_REQUESTS)
+    if idle_rule.idle_s is not None and trace.arrivals_s is None:
+        raise SystemExit(f"policy {policy}: {trace.name} has no timestamps for an idle time; use session-n")
+    return SessionInference(tree, idle_rule)
+
+
+Committed = Callable[[SequenceState, int], None]  # (the committed sequence, its cached blocks)
+
+
+def serve_request(kv: KVManager, disk: DiskIndex | None, seq: SequenceState, committed: Committed | None = None) -> tuple[int, int]:
     """One request through admission as the scheduler runs it (peek, check, then match, lock
-    and allocate), computed at once, committed and finished; returns (RAM hit, disk hit) blocks."""
+    and allocate), computed at once, committed and finished; returns (RAM hit, disk hit) blocks.
+    `committed` is told of the sequence while it still holds its node (a session book)."""
     ps = kv.page_size
     peek = kv.peek(seq)
     if not kv.can_admit(peek, seq.num_tokens - peek.num_cached_tokens):
@@ -368,6 +420,8 @@ def serve_request(kv: KVManager, disk: DiskIndex | None, seq: SequenceState) -> 
             disk_blocks += 1
     seq.num_computed_tokens = seq.num_tokens  # disk hits are loaded into their pages, the rest computed
     kv.commit(seq)
+    if committed is not None:
+        committed(seq, ram_blocks + disk_blocks)
     kv.release(seq)
     return ram_blocks, disk_blocks
 

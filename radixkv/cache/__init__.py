@@ -4,6 +4,7 @@ maps cached full-block prefixes onto pages. Knows nothing of models or the sched
 
 from __future__ import annotations
 
+from radixkv.cache.eviction import Liveness
 from radixkv.cache.hashing import BlockHash, BlockHasher, HashFn
 from radixkv.cache.pages import OutOfPages, PagePool
 from radixkv.cache.radix import CacheListener, CacheStats, InsertResult, MatchResult, Node, RadixTree
@@ -15,6 +16,7 @@ __all__ = [
     "CacheStats",
     "HashFn",
     "InsertResult",
+    "Liveness",
     "MatchResult",
     "Node",
     "OutOfPages",

@@ -1,11 +1,13 @@
 """The order in which the prefix cache gives up its unlocked leaves, under a policy: `lru`
-(least recently used first) or `slru` (leaves that never served a hit first, then those that
-did, each by LRU); retained leaves always last, earliest expiry first. Sorted sets, so adding,
+(least recently used first), `slru` (leaves that never served a hit first, then those that
+did, each by LRU) or `session` (by the liveness a session book marks: dead, cold, unknown, hot,
+each by LRU); retained leaves always last, earliest expiry first. Sorted sets, so adding,
 removing and taking the next victim each cost O(log n).
 """
 
 from __future__ import annotations
 
+from enum import IntEnum
 from typing import TYPE_CHECKING
 
 from sortedcontainers import SortedList
@@ -17,9 +19,25 @@ if TYPE_CHECKING:
 # node_id, node) in the retained set: node_id breaks ties, so nodes are never compared; the tag
 # says which set.
 EvictKey = tuple[int, float, int, "Node"]
-_PROBATION, _PROTECTED, _RETAINED = 0, 1, 2
+_PROBATION, _PROTECTED, _RETAINED, _DEAD, _COLD, _HOT = 0, 1, 2, 3, 4, 5
 
-EVICTION_POLICIES = ("slru", "lru")
+EVICTION_POLICIES = ("slru", "lru", "session")
+
+
+class Liveness(IntEnum):
+    """What a session book knows of a cached node's future (policy `session` orders by it; the
+    others ignore it). UNKNOWN: nobody said (shared prefixes, requests without a session).
+    DEAD: a released or idle-expired session's private tail. COLD: a turn its successor
+    superseded without extending it (the previous reply's tail). HOT: the newest turn of a
+    live session."""
+
+    UNKNOWN = 0
+    DEAD = 1
+    COLD = 2
+    HOT = 3
+
+
+_LIVENESS_SET = {Liveness.UNKNOWN: _PROBATION, Liveness.DEAD: _DEAD, Liveness.COLD: _COLD, Liveness.HOT: _HOT}
 # Under slru, protected (hit) pages beyond this share of the page pool are evicted before
 # probation ones, so an old hot set cannot freeze the cache against every newer prefix.
 DEFAULT_PROTECTED_FRACTION = 0.5
@@ -38,12 +56,15 @@ class EvictionOrder:
         if policy not in EVICTION_POLICIES:
             raise ValueError(f"eviction policy must be one of {EVICTION_POLICIES}, got {policy!r}")
         self.policy = policy
-        self._sets: tuple[SortedList, SortedList, SortedList] = (SortedList(), SortedList(), SortedList())
+        # Indexed by tag; the dead, cold and hot sets stay empty unless the policy is `session`.
+        self._sets: tuple[SortedList, ...] = tuple(SortedList() for _ in range(6))
 
     def key_of(self, node: Node) -> EvictKey:
         """The key `node` belongs under now (check_tree compares it with the filed one)."""
         if node.retains:
             return (_RETAINED, node.retention_expires_at_s, node.node_id, node)
+        if self.policy == "session":
+            return (_LIVENESS_SET[node.liveness], float(node.last_access), node.node_id, node)
         tag = _PROTECTED if self.policy == "slru" and node.num_hits > 0 else _PROBATION
         return (tag, float(node.last_access), node.node_id, node)
 
@@ -60,14 +81,15 @@ class EvictionOrder:
         node.evict_key = None
 
     def pop(self, protected_over_cap: bool = False) -> Node | None:
-        """The next victim: a probation leaf (LRU), then a protected one (LRU), then the
-        retained leaf whose retention ends first; None when nothing is evictable. With
-        `protected_over_cap` a protected leaf goes before probation ones."""
-        probation, protected, retained = self._sets
+        """The next victim: a dead leaf, then a cold one, then a probation (unknown) one, then
+        a protected one, then a hot one (each LRU; only `session` files dead, cold and hot, only
+        `slru` protected), then the retained leaf whose retention ends first; None when nothing
+        is evictable. With `protected_over_cap` a protected leaf goes before probation ones."""
+        probation, protected, retained, dead, cold, hot = self._sets
         if protected_over_cap and protected:
             ordered = protected
         else:
-            ordered = probation or protected or retained
+            ordered = dead or cold or probation or protected or hot or retained
         if not ordered:
             return None
         node = ordered.pop(0)[3]

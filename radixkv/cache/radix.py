@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from radixkv.cache.eviction import DEFAULT_PROTECTED_FRACTION, EvictionOrder, EvictKey
+from radixkv.cache.eviction import DEFAULT_PROTECTED_FRACTION, EvictionOrder, EvictKey, Liveness
 from radixkv.cache.hashing import BlockHash, BlockHasher
 from radixkv.cache.pages import PagePool
 from radixkv.cache.radix_check import check_tree
@@ -34,6 +34,11 @@ from radixkv.cache.retention import Retention, RetentionBook
 #
 # Hits (slru): match() adds one to `num_hits` of every node on the matched path, so hits never
 # grow toward the leaves either, and a hit node's ancestors are protected too.
+#
+# Liveness (session): set_liveness marks a node and the ancestors only its path runs through
+# (one child each), never a branch point: a branch is shared, so no one session's end says
+# anything of its future. For the same reason a node that gains a second child, and the upper
+# half of a split (another request matched part of the run), go back to UNKNOWN.
 
 
 @dataclass(slots=True, eq=False, repr=False)
@@ -54,6 +59,7 @@ class Node:
     retention_expires_at_s: float = 0.0  # max(retains.values()); the node's key in the retained set
     evict_key: EvictKey | None = None  # its key in the eviction order; None when not in it
     num_hits: int = 0  # matches that used this node's blocks (this node or below)
+    liveness: Liveness = Liveness.UNKNOWN  # what a session book said of it (policy `session`)
 
     def __repr__(self) -> str:
         kind = "root" if self.parent is None else f"{len(self.pages)} blocks"
@@ -219,6 +225,32 @@ class RadixTree:
             node = child if common == len(child.pages) else None
         return PeekResult(block * ps, pages, unlocked)
 
+    def deepest_node(
+        self,
+        token_ids: Sequence[int],
+        salt: str | None = None,
+        *,
+        block_hashes: Sequence[BlockHash] | None = None,
+    ) -> Node | None:
+        """The deepest node whose whole run is a prefix of the full blocks of `token_ids`
+        (every block, none left to compute), or None when not even one node is; pure like peek.
+        What a session book marks (set_liveness) when it knows a prefix, not a node."""
+        tokens = _token_list(token_ids)
+        num_blocks = len(tokens) // self.page_size
+        _check_hashes_len(block_hashes, num_blocks)
+        node, block, found = self._roots.get(salt), 0, None
+        while node is not None and block < num_blocks:
+            key = self._block_hash(node, tokens, block, salt, block_hashes)
+            child = node.children.get(key)
+            if child is None:
+                break
+            common = _common_blocks(child.tokens, tokens, block * self.page_size, num_blocks - block, self.page_size)
+            if common < len(child.pages):
+                break
+            block += common
+            node = found = child
+        return found
+
     def record_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
         """Count one lookup that was used (a match made with record=False, then locked)."""
         self._queries += 1
@@ -308,6 +340,48 @@ class RadixTree:
             freed += self._remove_leaf(node)
         self._evicted_pages += freed
         return freed
+
+    def set_liveness(self, node: Node, liveness: Liveness, *, below_blocks: int = 0) -> int:
+        """Mark `node` and the ancestors private to its path (each with one child, up to the
+        first branch point or the root) with `liveness`, refiling the leaf among them; only the
+        `session` policy orders by it. With `below_blocks`, only nodes that lie wholly past the
+        path's first `below_blocks` blocks (what the caller knows is shared, e.g. the system
+        prompt a session's first turn found cached). Changes the eviction order; returns the
+        nodes marked (0 for a root, an evicted node or a branch point: no mark means anything)."""
+        if node.removed or node.parent is None or len(node.children) > 1:
+            return 0
+        marked = 0
+        current: Node = node
+        end_block = _path_pages(node)
+        while True:
+            start_block = end_block - len(current.pages)
+            if start_block < below_blocks:
+                return marked
+            if current.liveness != liveness:
+                filed = current.evict_key is not None
+                if filed:
+                    self._order.remove(current)
+                current.liveness = liveness
+                if filed:
+                    self._order.add(current)
+            marked += 1
+            parent = current.parent
+            assert parent is not None
+            if parent.parent is None or len(parent.children) != 1:
+                return marked
+            current, end_block = parent, start_block
+
+    def mark_dead(self, node: Node, *, below_blocks: int = 0) -> int:
+        """A released or idle-expired session's private tail: evicted first (set_liveness)."""
+        return self.set_liveness(node, Liveness.DEAD, below_blocks=below_blocks)
+
+    def mark_cold(self, node: Node, *, below_blocks: int = 0) -> int:
+        """A turn superseded by its successor: evicted after dead, before unknown (set_liveness)."""
+        return self.set_liveness(node, Liveness.COLD, below_blocks=below_blocks)
+
+    def mark_hot(self, node: Node, *, below_blocks: int = 0) -> int:
+        """The newest turn of a live session: evicted after unknown (set_liveness)."""
+        return self.set_liveness(node, Liveness.HOT, below_blocks=below_blocks)
 
     def retain(self, node: Node, ttl_s: float, owner: str | None = None, max_owner_pages: int | None = None) -> int:
         """Keep `node`'s path cached for `ttl_s` seconds: evicted only after every unretained
@@ -604,6 +678,7 @@ class RadixTree:
         top.retains = dict(node.retains)
         top.retention_expires_at_s = node.retention_expires_at_s
         top.num_hits = node.num_hits  # both halves served the same matches
+        # top.liveness stays UNKNOWN: a split means a path that shares part of the run.
         del node.tokens[: num_blocks * ps]
         del node.pages[:num_blocks]
         del node.hashes[:num_blocks]
@@ -636,6 +711,8 @@ class RadixTree:
         self.pool.incref(new_pages)
         if parent.evict_key is not None:
             self._order.remove(parent)  # no longer a leaf
+        if parent.children:
+            parent.liveness = Liveness.UNKNOWN  # a branch point now: shared, no session's own
         child = self._new_node(parent, parent.salt, tokens[first_block * ps : end_block * ps], new_pages, hashes)
         child.last_access = now
         parent.children[first_hash] = child

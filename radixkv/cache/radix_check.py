@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from radixkv.cache.eviction import Liveness
+
 if TYPE_CHECKING:
     from radixkv.cache.hashing import BlockHash
     from radixkv.cache.radix import Node, RadixTree
@@ -98,6 +100,8 @@ def _check_subtree(tree: RadixTree, root: Node, walk: _Walk) -> None:
                 _fail(f"{child!r} has more hits than its parent {node!r}")
             child_locks += child.lock_ref
             stack.append(child)
+        if len(node.children) > 1 and node.liveness != Liveness.UNKNOWN:
+            _fail(f"{node!r} is a branch point marked {node.liveness.name}")
         if node.lock_ref < child_locks:
             _fail(f"{node!r} has fewer locks than its children ({child_locks})")
         if node.removed:

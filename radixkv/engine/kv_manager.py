@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from radixkv.cache.disk import DiskStats, DiskTier
+from radixkv.cache.eviction import Liveness
 from radixkv.cache.hashing import BlockHasher
 from radixkv.cache.pages import OutOfPages, PagePool
 from radixkv.cache.radix import Node, PeekResult, RadixTree
@@ -221,6 +222,36 @@ class KVManager:
         if num_pages and self.loader is not None:
             self.loader.write_through(match.node)
         return num_pages * self.page_size
+
+    # -- liveness (a session book's marks; the `session` eviction policy orders by them) -----
+
+    def set_liveness(self, node: Node, liveness: Liveness, *, below_blocks: int = 0) -> int:
+        """Mark `node`'s private path past its first `below_blocks` blocks
+        (RadixTree.set_liveness); returns the nodes marked."""
+        if not self.enable_prefix_caching:
+            return 0
+        return self.tree.set_liveness(node, liveness, below_blocks=below_blocks)
+
+    def set_prefix_liveness(self, token_ids: list[int], salt: str | None, liveness: Liveness, *, shared_tokens: int = 0) -> int:
+        """Mark the private path of the deepest cached node a prefix's full blocks cover (a
+        session's last prompt and reply, known by tokens), past its first `shared_tokens`
+        (the session's shared prefix); 0 when none is cached. Pure but for the marks: no
+        split, no LRU time."""
+        if not self.enable_prefix_caching:
+            return 0
+        node = self.tree.deepest_node(token_ids, salt)
+        if node is None:
+            return 0
+        return self.tree.set_liveness(node, liveness, below_blocks=-(-shared_tokens // self.page_size))
+
+    def mark_dead(self, node: Node, *, below_blocks: int = 0) -> int:
+        return self.set_liveness(node, Liveness.DEAD, below_blocks=below_blocks)
+
+    def mark_cold(self, node: Node, *, below_blocks: int = 0) -> int:
+        return self.set_liveness(node, Liveness.COLD, below_blocks=below_blocks)
+
+    def mark_hot(self, node: Node, *, below_blocks: int = 0) -> int:
+        return self.set_liveness(node, Liveness.HOT, below_blocks=below_blocks)
 
     # -- the whole cache ---------------------------------------------------------------------
 
