@@ -124,7 +124,7 @@ class Engine:
                 config.session_idle_s, config.max_session_idle_s, config.max_sessions_per_owner,
                 min(config.max_session_pages_per_owner, config.max_retained_pages_per_owner),
             ),
-            chunk_tokens=config.max_batch_tokens, clock=self.tree.now_s,
+            chunk_tokens=config.max_batch_tokens, clock=self.tree.now_s, signals=self.kv,
         )  # fmt: skip
         # KV events (off by default): the tree tells the recorder of every block it stores or
         # evicts; each step's events go out as one batch. Opened last, so a failed start

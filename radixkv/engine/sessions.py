@@ -26,23 +26,30 @@ MAX_SESSION_KEY_CHARS = 1024
 
 
 class TailSignals(Protocol):
-    """What sessions tell the eviction order about the tails they held: a released or
-    idle-expired session's private tail will not be used again (dead); a turn its successor
-    superseded is unlikely to be (cold). Neither call changes what is cached."""
+    """What sessions tell the eviction order about the paths they held (KVManager's marks, which
+    the `session` eviction policy orders by): a released or idle-expired session's private tail
+    will not be used again (dead); a turn its successor superseded is unlikely to be (cold); a
+    live session's newest turn is about to be (hot). `below_blocks`: the path's first blocks
+    are shared (the session found them cached) and keep their mark. Nothing is evicted here."""
 
-    def mark_dead(self, node: Node) -> None: ...
+    def mark_dead(self, node: Node, *, below_blocks: int = 0) -> int: ...
 
-    def mark_cold(self, node: Node) -> None: ...
+    def mark_cold(self, node: Node, *, below_blocks: int = 0) -> int: ...
+
+    def mark_hot(self, node: Node, *, below_blocks: int = 0) -> int: ...
 
 
 class NoSignals:
-    """The eviction order without session signals: both calls do nothing."""
+    """An eviction order that takes no session signals: every call does nothing."""
 
-    def mark_dead(self, node: Node) -> None:
-        pass
+    def mark_dead(self, node: Node, *, below_blocks: int = 0) -> int:
+        return 0
 
-    def mark_cold(self, node: Node) -> None:
-        pass
+    def mark_cold(self, node: Node, *, below_blocks: int = 0) -> int:
+        return 0
+
+    def mark_hot(self, node: Node, *, below_blocks: int = 0) -> int:
+        return 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +77,7 @@ class Session:
     node: Node | None = None  # the deepest node that retention holds
     num_retained_tokens: int = 0
     num_turns: int = 0
+    num_shared_tokens: int | None = None  # what its first turn found cached: shared, never its own
     in_flight: set[str] = field(default_factory=set)  # request ids of turns not finished yet
 
     @property
@@ -196,6 +204,8 @@ class SessionBook:
         session.in_flight.discard(output.request_id)
         if self._sessions.get((session.owner, session.key)) is not session:
             return  # released while the turn ran: the release stands
+        if session.num_shared_tokens is None:
+            session.num_shared_tokens = output.num_cached_tokens
         reply = output.outputs[0].token_ids if output.outputs else []
         self._retain_turn(session, list(output.prompt_token_ids) + list(reply))
         session.num_turns += 1
@@ -234,7 +244,9 @@ class SessionBook:
         if old_id is not None and old_id != session.retention_id:
             tree.release(old_id)  # already gone where the new turn's retention covers it
             if old_node is not None and not _on_path(old_node, session.node):
-                self.signals.mark_cold(old_node)  # what the new turn does not continue
+                self.signals.mark_cold(old_node, below_blocks=self._shared_blocks(session))  # what the new turn does not continue
+        if session.node is not None:
+            self.signals.mark_hot(session.node, below_blocks=self._shared_blocks(session))
 
     # -- the owner's calls ---------------------------------------------------------------------
 
@@ -275,6 +287,9 @@ class SessionBook:
 
     # -- internals -----------------------------------------------------------------------------
 
+    def _shared_blocks(self, session: Session) -> int:
+        return (session.num_shared_tokens or 0) // self._kv.page_size
+
     def _idlest(self, owner: Owner) -> Session | None:
         """The owner's least recently active session with no turn running; None if none."""
         return next((s for s in self._by_owner.get(owner, {}).values() if not s.in_flight), None)
@@ -298,7 +313,7 @@ class SessionBook:
         if session.retention_id is not None:
             self._kv.tree.release(session.retention_id)
         if session.node is not None and dead:
-            self.signals.mark_dead(session.node)
+            self.signals.mark_dead(session.node, below_blocks=self._shared_blocks(session))
         session.retention_id, session.node, session.num_retained_tokens = None, None, 0
 
     def _file(self, session: Session) -> None:

@@ -33,12 +33,19 @@ class Signals:
     def __init__(self) -> None:
         self.dead: list[Node] = []
         self.cold: list[Node] = []
+        self.hot: list[Node] = []
 
-    def mark_dead(self, node: Node) -> None:
+    def mark_dead(self, node: Node, *, below_blocks: int = 0) -> int:
         self.dead.append(node)
+        return 1
 
-    def mark_cold(self, node: Node) -> None:
+    def mark_cold(self, node: Node, *, below_blocks: int = 0) -> int:
         self.cold.append(node)
+        return 1
+
+    def mark_hot(self, node: Node, *, below_blocks: int = 0) -> int:
+        self.hot.append(node)
+        return 1
 
 
 def make(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch, **options: object) -> tuple[Engine, Clock, Signals]:
@@ -241,3 +248,25 @@ def test_the_default_idle_time_may_not_pass_the_cap(tiny_llama: Path) -> None:
     with pytest.raises(ConfigError) as info:
         EngineConfig(model=str(tiny_llama), session_idle_s=100.0, max_session_idle_s=50.0)
     assert info.value.param == "session_idle_s"
+
+
+def test_the_eviction_order_hears_hot_dead_and_cold_past_the_shared_prefix(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from radixkv.cache.eviction import Liveness
+
+    config = dict(model=str(tiny_llama), dtype="float32", device="cpu", page_size=PAGE_SIZE, num_pages=64, seed=0, eviction_policy="session")
+    engine = Engine(EngineConfig(**config))  # type: ignore[arg-type]  # the KVManager's own marks
+    system = prompt(1, 4)
+    turn(engine, system + [9], None, max_tokens=1)  # another request cached the system prompt first
+    ref = SessionRef("alice", "s1")
+    history = turn(engine, system + prompt(2, 3), ref)
+    [retention] = engine.tree.retentions("alice")
+    shared = engine.tree.deepest_node(system, None)
+    assert shared is not None and retention.node.liveness is Liveness.HOT
+    assert shared.liveness is Liveness.UNKNOWN  # the part the session found cached is not its own
+    turn(engine, system + prompt(3, 3), ref)  # an edited history: the old turn goes cold
+    assert retention.node.liveness is Liveness.COLD
+    [newer] = engine.tree.retentions("alice")
+    assert engine.sessions.release("alice", "s1")
+    assert newer.node.liveness is Liveness.DEAD and shared.liveness is Liveness.UNKNOWN
+    assert len(history) > len(system)
+    assert_pages_returned(engine)
