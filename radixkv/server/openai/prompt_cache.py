@@ -17,6 +17,7 @@ from radixkv.engine.sessions import SessionRef
 from radixkv.errors import InvalidRequest
 from radixkv.server.errors import APIError, WireNames, engine_error
 from radixkv.server.openai.protocol import PROMPT_CACHE_TTL_S, ChatCompletionRequest, CompletionRequest, PromptCacheOptions
+from radixkv.server.openai.responses_protocol import ResponsesRequest
 from radixkv.server.streaming import collect, submit, until_disconnect
 from radixkv.server.tools import Tool, ToolChoice, encode_conversation
 
@@ -35,16 +36,24 @@ class CacheWrite:
     ttl_s: float
 
 
-def check_options(body: ChatCompletionRequest | CompletionRequest) -> None:
+def check_options(body: ChatCompletionRequest | CompletionRequest | ResponsesRequest) -> None:
     """Refuse what OpenAI refuses, before any work: both lifetimes at once, and prewarm with
-    n > 1 or a stream (a prewarm answers once, with no choices)."""
+    n > 1 or a stream (a prewarm answers once, with no output)."""
     options = body.prompt_cache_options
     if options is None:
         return
-    if body.prompt_cache_retention is not None and "ttl" in options.model_fields_set:
+    if getattr(body, "prompt_cache_retention", None) is not None and "ttl" in options.model_fields_set:
         raise APIError(400, "send prompt_cache_options.ttl or prompt_cache_retention, not both", param="prompt_cache_options.ttl")
-    if options.prewarm and (body.stream or body.n != 1):
+    if options.prewarm and (body.stream or getattr(body, "n", 1) != 1):
         raise APIError(400, "a prewarm request generates nothing: it takes neither stream nor n > 1", param="prompt_cache_options.prewarm")
+
+
+def implicit_writes(options: PromptCacheOptions | None, prompts: Sequence[list[int]]) -> list[list[CacheWrite]]:
+    """Prompts without parts to mark (completions; Responses, whose input parts radixkv does not
+    read markers from): in implicit mode the whole prompt is written, in explicit mode nothing."""
+    if options is None or options.mode == "explicit":
+        return [[] for _ in prompts]
+    return [[CacheWrite(len(prompt), PROMPT_CACHE_TTL_S[options.ttl])] for prompt in prompts]
 
 
 def chat_writes(
@@ -79,14 +88,6 @@ def chat_writes(
     if implicit:
         writes.append(CacheWrite(len(prompt), default_ttl_s))
     return writes
-
-
-def completion_writes(body: CompletionRequest, prompts: Sequence[list[int]]) -> list[list[CacheWrite]]:
-    """A completion prompt has no parts to mark: in implicit mode its whole prompt is written."""
-    options = body.prompt_cache_options
-    if options is None or options.mode == "explicit":
-        return [[] for _ in prompts]
-    return [[CacheWrite(len(prompt), PROMPT_CACHE_TTL_S[options.ttl])] for prompt in prompts]
 
 
 async def write(server: AppState, prompt: list[int], writes: list[CacheWrite], salt: str | None, owner: str) -> int:

@@ -37,6 +37,7 @@ from radixkv.server.openai.responses_protocol import (
     response_usage,
 )
 from radixkv.server.openai.responses_store import ResponseStore, conversation_bytes
+from radixkv.server.openai import prompt_cache
 from radixkv.server.sessions import session_ref
 from radixkv.server.streaming import (
     SSEResponse,
@@ -84,18 +85,25 @@ def register(app: FastAPI, server: AppState, store: ResponseStore | None = None)
             body = parse_body(ResponsesRequest, raw)
             if body.model is not None:
                 server.check_model(body.model)
+            prompt_cache.check_options(body)
             return body, *_prepare(server, store, body, owner)
 
         body, turn, prompt = await server.parse_slots.run(key, prepare)
         salt = server.tenants.cache_salt(key, body.cache_salt)
         session = session_ref(request.headers, owner, body.prompt_cache_key)
+        [writes] = prompt_cache.implicit_writes(body.prompt_cache_options, [prompt])
+        if body.prompt_cache_options is not None and body.prompt_cache_options.prewarm:
+            done = await prompt_cache.prewarm(server, request, key, [prompt], [writes], salt, owner, turn.names, session)
+            return JSONResponse(_prewarmed(server, body, done).model_dump())
         streams = await submit(
             server.engine, server.metrics, [prompt], turn.params, salt, turn.names, quotas=server.quotas, key=key, owner=owner,
             session=session,
         )
         if body.stream:
-            return SSEResponse(_events(server, store, turn, streams), streams, server.limits.stream_send_timeout_s)
+            events = _then_write(_events(server, store, turn, streams), server, prompt, writes, salt, owner)
+            return SSEResponse(events, streams, server.limits.stream_send_timeout_s)
         finals = await until_disconnect(request, collect(server.metrics, streams, 1), streams)
+        await prompt_cache.write(server, prompt, writes, salt, owner)
         response = _finished(server, turn, finals[0])
         if body.store:
             store.put(response.id, turn.owner, turn.messages + convert.reply_messages(response.output))
@@ -158,6 +166,23 @@ def _skeleton(server: AppState, body: ResponsesRequest) -> ResponseObject:
         user=body.user,
         prompt_cache_key=body.prompt_cache_key,
     )
+
+
+def _prewarmed(server: AppState, body: ResponsesRequest, done: prompt_cache.Prewarmed) -> ResponseObject:
+    """A prewarm's Response: completed with no output; usage says the input's tokens, those the
+    cache served, and (cache_write_tokens) those it holds now beyond them."""
+    response = _skeleton(server, body)
+    response.status = "completed"
+    response.usage = response_usage(done.num_prompt_tokens, 0, done.num_cached_tokens, done.num_written_tokens)
+    return response
+
+
+async def _then_write(
+    events: AsyncIterator[str], server: AppState, prompt: list[int], writes: list[prompt_cache.CacheWrite], salt: str | None, owner: str
+) -> AsyncIterator[str]:
+    async for event in events:
+        yield event
+    await prompt_cache.write(server, prompt, writes, salt, owner)
 
 
 def _usage(server: AppState, final: RequestOutput) -> ResponseUsage:

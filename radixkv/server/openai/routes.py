@@ -161,7 +161,7 @@ def register(app: FastAPI, server: AppState) -> None:
             return body, prompts, names, sampling.completion_params(body, server.engine.max_context_tokens, longest, names, guide)
 
         body, prompts, names, params = await server.parse_slots.run(key, prepare)
-        writes = prompt_cache.completion_writes(body, prompts)
+        writes = prompt_cache.implicit_writes(body.prompt_cache_options, prompts)
         salt, owner = server.tenants.cache_salt(key, body.cache_salt), server.tenants.owner(key)
         session = session_ref(request.headers, owner, body.prompt_cache_key)
         if body.prompt_cache_options is not None and body.prompt_cache_options.prewarm:

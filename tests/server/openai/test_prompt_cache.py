@@ -139,3 +139,18 @@ def test_prompt_cache_options_openai_refuses_are_refused_before_any_work(live_se
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
     assert live_server.engine_call(lambda engine: engine.counters.num_steps) == before
+
+
+def test_prewarm_on_the_responses_api_with_the_clients_own_field(live_server: LiveServer) -> None:
+    client = live_server.client()
+    text = "Responses prewarm. " + SYSTEM
+    warmed = client.responses.create(model=MODEL, input=text, prompt_cache_options={"prewarm": True, "ttl": "12h"})
+    assert warmed.status == "completed" and warmed.output == []
+    details = warmed.usage.input_tokens_details
+    assert details.cached_tokens == 0 and details.cache_write_tokens >= warmed.usage.input_tokens - 4
+    assert [p for p, left_s in retentions(live_server, KEY_A) if 43000 < left_s <= 43200]
+    reply = client.responses.create(model=MODEL, input=text, max_output_tokens=2)
+    assert reply.usage.input_tokens_details.cached_tokens >= details.cache_write_tokens - 4
+    with live_server.http() as http:
+        refused = http.post("/v1/responses", json={"model": MODEL, "input": "hi", "stream": True, "prompt_cache_options": {"prewarm": True}})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt_cache_options.prewarm"
