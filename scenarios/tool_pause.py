@@ -4,7 +4,10 @@ OpenAI's prompt_cache_key). The agent's turns (a long system prompt with tools, 
 question, reply and tool result) run on one engine with a pool a few contexts large; between
 turns, other tenants' one-off prompts turn the pool over several times.
 
-    radixkv bench tool_pause [--system-len 1024] [--turns 4] [--others 8] [--other-len 768] [--model PATH] [--out out/tool_pause]
+Retention never locks: it makes a turn go last, so the pool must hold the in-flight traffic
+beside it (--concurrency requests of --other-len at once); past that the turn is evicted too.
+
+    radixkv bench tool_pause [--system-len 1024] [--turns 3] [--others 6] [--other-len 512] [--model PATH] [--out out/tool_pause]
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -31,11 +35,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=None, help="HF folder or .gguf; default SmolLM2-135M-Instruct")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--system-len", type=int, default=1024, help="tokens of the system prompt and tools")
-    parser.add_argument("--turns", type=int, default=4, help="the agent's turns (a tool pause before each but the first)")
+    parser.add_argument("--turns", type=int, default=3, help="the agent's turns (a tool pause before each but the first)")
     parser.add_argument("--turn-len", type=int, default=48, help="tokens of each turn's question or tool result")
     parser.add_argument("--reply-len", type=int, default=32, help="tokens of each reply (generated, end of sequence ignored)")
-    parser.add_argument("--others", type=int, default=8, help="other tenants' requests during each pause")
-    parser.add_argument("--other-len", type=int, default=768, help="tokens of each of those")
+    parser.add_argument("--others", type=int, default=6, help="other tenants' requests during each pause")
+    parser.add_argument("--other-len", type=int, default=512, help="tokens of each of those")
+    parser.add_argument("--concurrency", type=int, default=2, help="of those, how many run at once")
     parser.add_argument("--pool-contexts", type=float, default=2.0, help="the page pool, in the agent's final contexts")
     parser.add_argument("--out", default="out/tool_pause")
     args = parser.parse_args(argv)
@@ -59,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         del engine
 
     print(f"{cpu_model()}; model {loaded.path} {loaded.dtype}; pool {num_pages} pages of {base.page_size} tokens "
-          f"({num_pages * base.page_size:,} tokens); each pause: {args.others} other prompts of {args.other_len} tokens\n")
+          f"({num_pages * base.page_size:,} tokens); each pause: {args.others} other prompts of {args.other_len} tokens, "
+          f"{args.concurrency} at a time\n")
     print(f"{'turn':>4} {'prompt':>7} | {'cached share':>12} {'TTFT s':>8} (no session) | {'cached share':>12} {'TTFT s':>8} (session)")
     without, with_session = runs["without a session"], runs["with a session"]
     for a, b in zip(without, with_session):
@@ -109,12 +115,13 @@ def _agent(engine: Engine, tokenizer, args: argparse.Namespace, session: Session
 
 
 def _other_traffic(engine: Engine, tokenizer, args: argparse.Namespace, pause: int) -> None:
-    """Other tenants' one-off prompts, all at once, each in its own partition."""
-    ids = []
-    for i in range(args.others):
-        prompt = text_tokens(tokenizer, args.other_len, offset=104729 * pause + 613 * i)
-        ids.append(engine.add_request(prompt, SamplingParams(max_tokens=1), salt=f"tenant-{i}", owner=f"tenant-{i}"))
-    while engine.has_unfinished():
+    """Other tenants' one-off prompts, --concurrency at a time, each in its own partition."""
+    pending = list(range(args.others))
+    while pending or engine.has_unfinished():
+        while pending and engine.num_unfinished < args.concurrency:
+            i = pending.pop(0)
+            prompt = text_tokens(tokenizer, args.other_len, offset=104729 * pause + 613 * i)
+            engine.add_request(prompt, SamplingParams(max_tokens=1), salt=f"tenant-{i}", owner=f"tenant-{i}")
         engine.step()
 
 
@@ -129,3 +136,7 @@ def _run(engine: Engine, prompt: list[int], params: SamplingParams, session: Ses
                 if output.time_to_first_token_s is None:  # never sampled: count the whole request
                     output.time_to_first_token_s = time.perf_counter() - start
                 return output
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -122,7 +122,7 @@ class Engine:
             self.kv,
             SessionLimits(
                 config.session_idle_s, config.max_session_idle_s, config.max_sessions_per_owner,
-                min(config.max_session_pages_per_owner, config.max_retained_pages_per_owner),
+                min(config.max_session_pages_per_owner, config.max_retained_pages_per_owner), config.max_retained_pages_per_owner,
             ),
             chunk_tokens=config.max_batch_tokens, clock=self.tree.now_s, signals=self.kv,
         )  # fmt: skip

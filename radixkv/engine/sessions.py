@@ -102,7 +102,8 @@ class SessionLimits:
     default_idle_s: float
     max_idle_s: float
     max_sessions_per_owner: int
-    max_pages_per_owner: int
+    max_pages_per_owner: int  # over the owner's sessions
+    max_retained_pages_per_owner: int  # over all the owner's retentions (EngineConfig's, shared)
 
 
 class SessionBook:
@@ -233,9 +234,12 @@ class SessionBook:
                 break
             room += other.num_retained_tokens // self._kv.page_size
             self._drop_retention(other, dead=True)
-        cap = room
+        # Trimmed to the sessions' room here; the retention cap passed on is the owner's own over
+        # all its retentions, so the owner's other retentions are not released to fit the room.
+        tokens = tokens[: max(0, room) * self._kv.page_size]
         previous = (session.retention_id, session.node)
-        num_tokens = self._kv.retain(tokens, session.salt, session.idle_s, session.owner, cap) if cap > 0 else 0
+        cap = self.limits.max_retained_pages_per_owner
+        num_tokens = self._kv.retain(tokens, session.salt, session.idle_s, session.owner, cap) if tokens else 0
         retention = tree.retentions(session.owner)[-1] if num_tokens else None
         session.retention_id = retention.retention_id if retention is not None else None
         session.node = retention.node if retention is not None else None

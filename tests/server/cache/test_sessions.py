@@ -159,3 +159,16 @@ def test_an_idle_session_expires(small_server: LiveServer) -> None:
         assert small_server.engine_call(lambda engine: engine.tree.retentions(small_server.app.state.radixkv.tenants.owner(KEY_A.encode()))) == []
     finally:
         small_server.engine_call(lambda engine: setattr(engine.tree, "_now_s", __import__("time").monotonic))
+
+
+def test_a_streamed_turn_is_retained_too(live_server: LiveServer) -> None:
+    stream = live_server.client().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "A streamed turn of a session."}], max_tokens=4, stream=True,
+        prompt_cache_key="streamed-1",
+    )
+    finishes = [chunk.choices[0].finish_reason for chunk in stream if chunk.choices and chunk.choices[0].finish_reason]
+    assert finishes in (["length"], ["stop"])
+    listed = sessions(live_server)["streamed-1"]
+    assert listed["turns"] == 1 and listed["retained_tokens"] > 0
+    assert delete(live_server, "streamed-1") == 200
+
