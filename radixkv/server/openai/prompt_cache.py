@@ -6,17 +6,27 @@ cached; prewarm computes and retains a prompt, generates nothing, and says how m
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
+from pydantic import ValidationError
 
 from radixkv.engine.request import SamplingParams
 from radixkv.engine.sessions import SessionRef
 from radixkv.errors import InvalidRequest
-from radixkv.server.errors import APIError, WireNames, engine_error
-from radixkv.server.openai.protocol import PROMPT_CACHE_TTL_S, ChatCompletionRequest, CompletionRequest, PromptCacheOptions
+from radixkv.server.errors import APIError, WireNames, engine_error, validation_error_at
+from radixkv.server.openai import responses_convert as convert
+from radixkv.server.openai.protocol import (
+    MAX_MARKED_PARTS,
+    PROMPT_CACHE_TTL_S,
+    ChatCompletionRequest,
+    CompletionRequest,
+    PromptCacheBreakpoint,
+    PromptCacheOptions,
+)
 from radixkv.server.openai.responses_protocol import ResponsesRequest
 from radixkv.server.streaming import collect, submit, until_disconnect
 from radixkv.server.tools import Tool, ToolChoice, encode_conversation
@@ -49,27 +59,75 @@ def check_options(body: ChatCompletionRequest | CompletionRequest | ResponsesReq
 
 
 def implicit_writes(options: PromptCacheOptions | None, prompts: Sequence[list[int]]) -> list[list[CacheWrite]]:
-    """Prompts without parts to mark (completions; Responses, whose input parts radixkv does not
-    read markers from): in implicit mode the whole prompt is written, in explicit mode nothing."""
+    """Completion prompts have no parts to mark: in implicit mode the whole prompt is written,
+    in explicit mode nothing."""
     if options is None or options.mode == "explicit":
         return [[] for _ in prompts]
     return [[CacheWrite(len(prompt), PROMPT_CACHE_TTL_S[options.ttl])] for prompt in prompts]
 
 
+# A marked part: the prompt rendered up to it (or InvalidRequest where the template will not
+# render that prefix alone), and its ttl (None: the request's).
+Mark = tuple[Callable[[], list[int]], str | None]
+
+
 def chat_writes(
     server: AppState, body: ChatCompletionRequest, tools: list[Tool], choice: ToolChoice, prompt: list[int]
 ) -> list[CacheWrite]:
-    """The breakpoints a chat request writes: the latest marked parts (three beside the implicit
-    one, four in explicit mode), each as the length of the conversation rendered up to its
-    part that agrees with the prompt (a template closes a turn differently when it is last)."""
-    options = body.prompt_cache_options
-    marks = [
-        (i, j, part.prompt_cache_breakpoint.ttl)
+    """The breakpoints a chat request writes (_writes), its marked text parts rendered as the
+    conversation up to the part."""
+    tokenizer = server.engine.tokenizer
+
+    def render(i: int, j: int) -> list[int]:
+        cut = body.messages[i].model_copy(update={"content": body.messages[i].content[: j + 1]})  # type: ignore[index]
+        messages = [*(m.as_chat() for m in body.messages[:i]), cut.as_chat()]
+        return encode_conversation(tokenizer, messages, tools, choice, add_generation_prompt=False)
+
+    marks: list[Mark] = [
+        (partial(render, i, j), part.prompt_cache_breakpoint.ttl)
         for i, message in enumerate(body.messages)
         if isinstance(message.content, list)
         for j, part in enumerate(message.content)
         if part.prompt_cache_breakpoint is not None
     ]
+    return _writes(body.prompt_cache_options, marks, prompt)
+
+
+def responses_writes(
+    server: AppState, body: ResponsesRequest, history: list[dict[str, Any]], tools: list[Tool], choice: ToolChoice, prompt: list[int]
+) -> list[CacheWrite]:
+    """The breakpoints a Responses request writes (_writes): its input items' marked parts,
+    each rendered as the request cut after that part (on the same stored history)."""
+    tokenizer = server.engine.tokenizer
+    items = body.input if isinstance(body.input, list) else []
+
+    def render(k: int, j: int) -> list[int]:
+        cut = body.model_copy(update={"input": [*items[:k], {**items[k], "content": items[k]["content"][: j + 1]}]})
+        messages = convert.prompt_messages(cut, convert.conversation(cut, history))
+        return encode_conversation(tokenizer, messages, tools, choice, add_generation_prompt=False)
+
+    marks: list[Mark] = []
+    for k, item in enumerate(items):
+        content = item.get("content")
+        for j, part in enumerate(content if isinstance(content, list) else ()):
+            if isinstance(part, dict) and part.get("prompt_cache_breakpoint") is not None:
+                try:
+                    mark = PromptCacheBreakpoint.model_validate(part["prompt_cache_breakpoint"])
+                except ValidationError as error:
+                    raise validation_error_at(("input", k, "content", j, "prompt_cache_breakpoint"), error.errors()) from None
+                marks.append((partial(render, k, j), mark.ttl))
+    if len(marks) > MAX_MARKED_PARTS:
+        raise APIError(
+            400, f"at most {MAX_MARKED_PARTS} content parts may carry prompt_cache_breakpoint, got {len(marks)}",
+            param="prompt_cache_breakpoint",
+        )  # fmt: skip
+    return _writes(body.prompt_cache_options, marks, prompt)
+
+
+def _writes(options: PromptCacheOptions | None, marks: list[Mark], prompt: list[int]) -> list[CacheWrite]:
+    """The latest marks (three beside the implicit one at the prompt's end, four in explicit
+    mode), each as the length of its rendering that agrees with the prompt (a template closes a
+    turn differently when it is the last); nothing without options or marks."""
     if options is None and not marks:
         return []
     options = options or PromptCacheOptions()
@@ -77,12 +135,10 @@ def chat_writes(
     kept = marks[len(marks) - (MAX_WRITTEN_BREAKPOINTS - int(implicit)) :] if marks else []
     default_ttl_s = PROMPT_CACHE_TTL_S[options.ttl]
     writes = []
-    for i, j, ttl in kept:
-        messages = [m.as_chat() for m in body.messages[:i]]
-        cut = body.messages[i].model_copy(update={"content": body.messages[i].content[: j + 1]})  # type: ignore[index]
+    for render, ttl in kept:
         try:
-            rendered = encode_conversation(server.engine.tokenizer, [*messages, cut.as_chat()], tools, choice, add_generation_prompt=False)
-        except InvalidRequest:
+            rendered = render()
+        except (InvalidRequest, APIError):
             continue  # a prefix the template will not render alone marks nothing
         writes.append(CacheWrite(_common_prefix(rendered, prompt), PROMPT_CACHE_TTL_S[ttl] if ttl else default_ttl_s))
     if implicit:

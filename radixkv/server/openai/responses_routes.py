@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
@@ -64,6 +64,7 @@ class _Turn:
     choice: str
     params: SamplingParams
     names: WireNames
+    writes: list[prompt_cache.CacheWrite] = field(default_factory=list)  # its prompt_cache breakpoints
 
 
 def register(app: FastAPI, server: AppState, store: ResponseStore | None = None) -> None:
@@ -91,7 +92,7 @@ def register(app: FastAPI, server: AppState, store: ResponseStore | None = None)
         body, turn, prompt = await server.parse_slots.run(key, prepare)
         salt = server.tenants.cache_salt(key, body.cache_salt)
         session = session_ref(request.headers, owner, body.prompt_cache_key)
-        [writes] = prompt_cache.implicit_writes(body.prompt_cache_options, [prompt])
+        writes = turn.writes
         if body.prompt_cache_options is not None and body.prompt_cache_options.prewarm:
             done = await prompt_cache.prewarm(server, request, key, [prompt], [writes], salt, owner, turn.names, session)
             return JSONResponse(_prewarmed(server, body, done).model_dump())
@@ -142,7 +143,8 @@ def _prepare(server: AppState, store: ResponseStore, body: ResponsesRequest, own
     except InvalidRequest as error:
         raise engine_error(error, names) from None
     params = sampling.responses_params(body, names, guide)
-    return _Turn(body, owner, messages, tools, choice, params, names), prompt
+    writes = prompt_cache.responses_writes(server, body, history, tools, choice, prompt)
+    return _Turn(body, owner, messages, tools, choice, params, names, writes), prompt
 
 
 def _skeleton(server: AppState, body: ResponsesRequest) -> ResponseObject:

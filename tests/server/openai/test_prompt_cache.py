@@ -25,16 +25,21 @@ def owner(live: LiveServer, key: str) -> str:
     return live.app.state.radixkv.tenants.owner(key.encode())
 
 
-def retentions(live: LiveServer, key: str) -> list[tuple[int, float]]:
-    """(pages, seconds left) of each of the key's live retentions."""
+def retentions(live: LiveServer, key: str, since: int = 0) -> list[tuple[int, float]]:
+    """(pages, seconds left) of each of the key's live retentions made after retention `since`."""
     who = owner(live, key)
 
     def read(engine) -> list[tuple[int, float]]:
         engine.tree.expire()
         now = engine.tree.now_s()
-        return [(r.num_pages, r.expires_at_s - now) for r in engine.tree.retentions(who)]
+        return [(r.num_pages, r.expires_at_s - now) for r in engine.tree.retentions(who) if r.retention_id > since]
 
     return live.engine_call(read)
+
+
+def newest_retention(live: LiveServer) -> int:
+    """The id of the newest retention of any owner (ids only grow)."""
+    return live.engine_call(lambda engine: max((r.retention_id for r in engine.tree._book), default=0))
 
 
 def lookup(live: LiveServer, messages: list[dict], key: str = KEY_A) -> int:
@@ -45,7 +50,7 @@ def lookup(live: LiveServer, messages: list[dict], key: str = KEY_A) -> int:
 
 
 def test_a_breakpoint_retains_its_prefix_for_its_ttl(live_server: LiveServer) -> None:
-    before = retentions(live_server, KEY_B)
+    before = newest_retention(live_server)
     messages = [
         {"role": "system", "content": [marked(SYSTEM + "Breakpoint test.", ttl="12h")]},
         {"role": "user", "content": "What is the first step?"},
@@ -54,8 +59,7 @@ def test_a_breakpoint_retains_its_prefix_for_its_ttl(live_server: LiveServer) ->
         model=MODEL, messages=messages, max_tokens=2, extra_body={"prompt_cache_options": {"mode": "explicit"}}
     )
     written = reply.usage.prompt_tokens_details.cache_write_tokens
-    new = [r for r in retentions(live_server, KEY_B) if r not in before]
-    [(pages, left_s)] = [r for r in new if r[1] > 3600]  # the 12h breakpoint, not the whole prompt (explicit mode)
+    [(pages, left_s)] = retentions(live_server, KEY_B, since=before)  # the 12h breakpoint, not the whole prompt (explicit mode)
     assert 43000 < left_s <= 43200
     assert written == pages * 4 - reply.usage.prompt_tokens_details.cached_tokens
     assert pages * 4 < reply.usage.prompt_tokens  # the system part only
@@ -154,3 +158,17 @@ def test_prewarm_on_the_responses_api_with_the_clients_own_field(live_server: Li
     with live_server.http() as http:
         refused = http.post("/v1/responses", json={"model": MODEL, "input": "hi", "stream": True, "prompt_cache_options": {"prewarm": True}})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt_cache_options.prewarm"
+
+
+def test_a_breakpoint_in_a_responses_input_part(live_server: LiveServer) -> None:
+    before = newest_retention(live_server)
+    mark = {"mode": "explicit", "ttl": "12h"}
+    parts = [{"type": "input_text", "text": "Responses marker. " + SYSTEM, "prompt_cache_breakpoint": mark}, {"type": "input_text", "text": "Go on."}]
+    reply = live_server.client(KEY_B).responses.create(
+        model=MODEL, input=[{"role": "user", "content": parts}], max_output_tokens=2, prompt_cache_options={"mode": "explicit"}
+    )
+    [(pages, left_s)] = retentions(live_server, KEY_B, since=before)
+    assert 43000 < left_s <= 43200 and 0 < pages * 4 < reply.usage.input_tokens - 4  # the marked part only
+    with live_server.http(KEY_B) as http:
+        bad = http.post("/v1/responses", json={"model": MODEL, "input": [{"role": "user", "content": [{**parts[0], "prompt_cache_breakpoint": {"mode": "sometimes"}}]}]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"].startswith("input.0.content.0.prompt_cache_breakpoint")
