@@ -11,7 +11,15 @@ import anthropic
 import pytest
 
 from radixkv.engine.engine import Engine
-from tests.helpers.live_server import KEY_A, KEY_B, MODEL, LiveServer, make_async_engine, serve
+from tests.helpers.live_server import KEY_A, KEY_B, MAX_QUEUE_LEN, MODEL, LiveServer, make_async_engine, serve
+
+
+@pytest.fixture(scope="module")
+def live_server(tiny_llama) -> Iterator[LiveServer]:
+    """This module's own server: its tenant B sends prompts the shared server's tests expect
+    B never to have sent."""
+    with serve(make_async_engine(tiny_llama, max_queue_len=MAX_QUEUE_LEN)) as live:
+        yield live
 
 
 @pytest.fixture(scope="module")

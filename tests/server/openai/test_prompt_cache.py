@@ -5,13 +5,25 @@ answers with what is cached now, in the caller's partition only."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import httpx
 import pytest
 
 from radixkv.server.encode import chat_prompt
 from radixkv.server.openai import prompt_cache
 from radixkv.server.openai.protocol import ChatCompletionRequest
-from tests.helpers.live_server import KEY_A, KEY_B, MODEL, LiveServer
+from tests.helpers.live_server import KEY_A, KEY_B, MAX_QUEUE_LEN, MODEL, LiveServer, make_async_engine, serve
+
+
+
+@pytest.fixture(scope="module")
+def live_server(tiny_llama) -> Iterator[LiveServer]:
+    """This module's own server: its tenant B caches prompts that the shared server's tests
+    expect B never to have sent."""
+    with serve(make_async_engine(tiny_llama, max_queue_len=MAX_QUEUE_LEN)) as live:
+        yield live
+
 
 SYSTEM = "You are the agent of a long, stable system prompt that every turn shares. " * 2
 
