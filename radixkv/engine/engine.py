@@ -270,6 +270,8 @@ class Engine:
 
     def _step(self) -> list[RequestDelta]:
         started_s = time.perf_counter()
+        if self.sessions:
+            self.sessions.expire()  # before scheduling evicts: an idled-out tail goes first (mark_dead)
         batch = self.scheduler.schedule()
         if not batch:
             if batch.num_loaded_tokens:
@@ -289,7 +291,6 @@ class Engine:
             for delta in deltas:
                 if delta.output is not None:
                     self.sessions.finished(delta.output)
-            self.sessions.expire()
         self.step_times.add("postprocess", time.perf_counter() - postprocess_start_s)
         return deltas
 
