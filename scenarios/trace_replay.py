@@ -27,6 +27,10 @@ Sessions: the `session` rows replay the tree's `session` eviction order with ses
 from shared prefixes as an online server would (scenarios/session_inference.py; a Mooncake
 trace names no sessions): `session` ends a session idle longer than --session-idle-s of trace
 time, `session-n` one not extended within --session-idle-requests later requests.
+`session-ids` (only for a trace whose records carry session_id and session_end, as
+multi_turn_trace --session-ids writes) takes the sessions the client names instead, each hot
+from its first turn and dead as soon as the client releases it, as a server's named sessions
+(prompt_cache_key, DELETE) would tell it; sessions never released end by the time rule.
 
 Rows: each policy replayed; `belady` (the optimal at the same capacity, RAM + disk where a
 disk tier is set); `lru+oracle` (LRU told which blocks are never used again, evicting those
@@ -62,13 +66,13 @@ from radixkv.scenarios.session_inference import IdleRule, SessionInference
 
 TRACE_NAME = "synthetic_trace.jsonl"
 # Replayed under the tree's `session` order with inferred sessions: by the idle rule's name.
-SESSION_POLICIES = ("session", "session-n")
+SESSION_POLICIES = ("session", "session-n", "session-ids")
 REPLAY_POLICIES = tuple(p for p in EVICTION_POLICIES if p != "session") + SESSION_POLICIES
 # Chosen on multi_turn_trace's calibration seed only (never on the held-out trace): a session
-# idle this long is over. The time rule is about four mean think times of that trace's shape,
-# the request rule what the same span holds in requests.
-DEFAULT_SESSION_IDLE_S = 240.0
-DEFAULT_SESSION_IDLE_REQUESTS = 1000
+# idle this long is over. On that trace the hit ratio is flat from 450 s to 1200 s (a few mean
+# think times) and from 3000 requests up; shorter rules end live sessions.
+DEFAULT_SESSION_IDLE_S = 600.0
+DEFAULT_SESSION_IDLE_REQUESTS = 3000
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +82,10 @@ class Trace:
     num_blocks: int  # block accesses over the trace
     num_distinct_blocks: int  # distinct blocks, each identified by its whole prefix
     arrivals_s: list[float] | None = None  # each request's timestamp in seconds; None: the trace has none
+    # Where the records name sessions (session_id, session_end; not Mooncake's): each request's
+    # session (None: none) and whether the client released it after that request.
+    session_names: list[int | None] | None = None
+    session_ends: list[bool] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trace", default=None, help=f"a Mooncake-format JSONL trace (default: shared/data/{TRACE_NAME})")
     parser.add_argument("--ram-fraction", default="0.05,0.1,0.25", help="RAM capacity as fractions of the distinct blocks, comma separated")
     parser.add_argument("--disk-fraction", default="0", help="disk tier capacity as fractions of the distinct blocks (0: none), comma separated")
-    parser.add_argument("--policy", default=",".join(REPLAY_POLICIES), help=f"eviction policies, comma separated ({', '.join(REPLAY_POLICIES)})")
+    parser.add_argument("--policy", default=None, help=f"eviction policies, comma separated ({', '.join(REPLAY_POLICIES)}; default: all, session-ids where the trace names sessions)")
     parser.add_argument("--session-idle-s", type=float, default=DEFAULT_SESSION_IDLE_S, help="policy session: a session idle this long in trace time is over (its tail dead)")
     parser.add_argument("--session-idle-requests", type=int, default=DEFAULT_SESSION_IDLE_REQUESTS, help="policy session-n: a session not extended within this many later requests is over")
     parser.add_argument("--page-size", type=int, default=16, help="tokens per page (each trace block is one page)")
@@ -115,16 +123,24 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     ram_fractions = _fractions(args.ram_fraction, "--ram-fraction", allow_zero=False)
     disk_fractions = _fractions(args.disk_fraction, "--disk-fraction", allow_zero=True)
-    policies = [p.strip() for p in args.policy.split(",") if p.strip()]
+    policies = [p.strip() for p in (args.policy or ",".join(REPLAY_POLICIES)).split(",") if p.strip()]
     unknown = sorted(set(policies) - set(REPLAY_POLICIES))
     if unknown:
         parser.error(f"unknown --policy {unknown}; known: {list(REPLAY_POLICIES)}")
     if args.session_idle_s <= 0 or args.session_idle_requests < 1:
         parser.error("--session-idle-s must be positive and --session-idle-requests at least 1")
-    rules = {"session": IdleRule(idle_s=args.session_idle_s), "session-n": IdleRule(idle_requests=args.session_idle_requests)}
+    rules = {
+        "session": IdleRule(idle_s=args.session_idle_s),
+        "session-n": IdleRule(idle_requests=args.session_idle_requests),
+        "session-ids": IdleRule(idle_s=args.session_idle_s),
+    }
 
     path = resolve_trace(args.trace)
     trace = load_trace(path, args.limit)
+    if trace.session_names is None and "session-ids" in policies:
+        if args.policy is not None:
+            parser.error(f"--policy session-ids: {trace.name} names no sessions (no session_id in its records)")
+        policies.remove("session-ids")
     print(
         f"{trace.name}: {len(trace.requests):,} requests, {trace.num_blocks:,} block accesses, "
         f"{trace.num_distinct_blocks:,} distinct blocks\n"
@@ -196,6 +212,8 @@ def load_trace(path: Path, limit: int | None = None) -> Trace:
     requests: list[list[int]] = []
     arrivals_s: list[float] = []
     timed = True  # every record has a timestamp
+    names: list[int | None] = []
+    ends: list[bool] = []
     with path.open() as lines:
         for number, line in enumerate(lines, 1):
             if not line.strip():
@@ -204,6 +222,9 @@ def load_trace(path: Path, limit: int | None = None) -> Trace:
                 record = json.loads(line)
                 hash_ids = record["hash_ids"]
                 timestamp_ms = record.get("timestamp")
+                name = record.get("session_id")
+                names.append(None if name is None else int(name))
+                ends.append(bool(record.get("session_end", False)))
             except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as error:
                 raise SystemExit(f"{path}:{number}: not a Mooncake trace record ({error})") from None
             requests.append([int(h) for h in hash_ids])
@@ -213,7 +234,10 @@ def load_trace(path: Path, limit: int | None = None) -> Trace:
             if limit is not None and len(requests) >= limit:
                 break
     ids = prefix_ids(requests)
-    return Trace(path.name, requests, sum(map(len, requests)), len({b for r in ids for b in r}), arrivals_s if timed else None)
+    named = any(name is not None for name in names)
+    return Trace(path.name, requests, sum(map(len, requests)), len({b for r in ids for b in r}), arrivals_s if timed else None,
+        names if named else None, ends if named else None,
+    )  # fmt: skip
 
 
 def prefix_ids(requests: list[list[int]]) -> list[list[int]]:
@@ -364,6 +388,8 @@ def replay(
         else:
             ram, from_disk = serve_request(kv, disk, seq, lambda seq, hit: sessions.served(
                 kv.block_hashes(seq), seq.tree_node, hit, trace.arrivals_s[number] if trace.arrivals_s else 0.0, number,
+                name=trace.session_names[number] if sessions.named else None,
+                released=trace.session_ends[number] if sessions.named else False,
             ))  # fmt: skip
         spent_s += time.perf_counter() - start
         ram_hits += ram
@@ -394,10 +420,13 @@ def session_inference(trace: Trace, policy: str, tree: RadixTree, idle_rule: Idl
     if policy not in SESSION_POLICIES:
         return None
     if idle_rule is None:
-        idle_rule = IdleRule(idle_s=DEFAULT_SESSION_IDLE_S) if policy == "session" else IdleRule(idle_requests=DEFAULT_SESSION_IDLE_REQUESTS)
+        idle_rule = IdleRule(idle_requests=DEFAULT_SESSION_IDLE_REQUESTS) if policy == "session-n" else IdleRule(idle_s=DEFAULT_SESSION_IDLE_S)
     if idle_rule.idle_s is not None and trace.arrivals_s is None:
         raise SystemExit(f"policy {policy}: {trace.name} has no timestamps for an idle time; use session-n")
-    return SessionInference(tree, idle_rule)
+    named = policy == "session-ids"
+    if named and (trace.session_names is None or trace.session_ends is None):
+        raise SystemExit(f"policy session-ids: {trace.name} names no sessions (no session_id in its records)")
+    return SessionInference(tree, idle_rule, named=named)
 
 
 Committed = Callable[[SequenceState, int], None]  # (the committed sequence, its cached blocks)

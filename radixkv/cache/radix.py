@@ -35,10 +35,12 @@ from radixkv.cache.retention import Retention, RetentionBook
 # Hits (slru): match() adds one to `num_hits` of every node on the matched path, so hits never
 # grow toward the leaves either, and a hit node's ancestors are protected too.
 #
-# Liveness (session): set_liveness marks a node and the ancestors only its path runs through
-# (one child each), never a branch point: a branch is shared, so no one session's end says
-# anything of its future. For the same reason a node that gains a second child, and the upper
-# half of a split (another request matched part of the run), go back to UNKNOWN.
+# Liveness (session): set_liveness marks a node, the ancestors only its path runs through and
+# the descendants that continue only it (one child each), never a branch point: a branch is
+# shared, so no one session's end says anything of its future. For the same reason a node
+# that gains a second child, and the upper half of a split (another request matched part of
+# the run), go back to UNKNOWN. A mark walks O(depth) nodes but refiles at most one leaf
+# (O(log n)): only leaves are in the eviction order, and a marked path ends in one.
 
 
 @dataclass(slots=True, eq=False, repr=False)
@@ -342,34 +344,53 @@ class RadixTree:
         return freed
 
     def set_liveness(self, node: Node, liveness: Liveness, *, below_blocks: int = 0) -> int:
-        """Mark `node` and the ancestors private to its path (each with one child, up to the
-        first branch point or the root) with `liveness`, refiling the leaf among them; only the
-        `session` policy orders by it. With `below_blocks`, only nodes that lie wholly past the
-        path's first `below_blocks` blocks (what the caller knows is shared, e.g. the system
-        prompt a session's first turn found cached). Changes the eviction order; returns the
-        nodes marked (0 for a root, an evicted node or a branch point: no mark means anything)."""
-        if node.removed or node.parent is None or len(node.children) > 1:
+        """Mark the path private to `node` with `liveness`: the node, its ancestors up to the
+        first branch point or the root, and its descendants down to the first branch point or
+        the leaf (what was cached after the prefix the caller knows: a turn's reply), refiling
+        the leaf among them; only the `session` policy orders by it. With `below_blocks`, only
+        nodes that lie wholly past the path's first `below_blocks` blocks (what the caller
+        knows is shared, e.g. the system prompt a session's first turn found cached). An
+        evicted node stands for what is left of its path: its deepest ancestor still cached (a
+        removed node keeps its parent), so a session book may hold on to a stale node. Changes
+        the eviction order; returns the nodes marked (0 for a root or a branch point: no mark
+        on them means anything)."""
+        while node.removed and node.parent is not None:
+            node = node.parent
+        if node.parent is None or len(node.children) > 1:
             return 0
         marked = 0
-        current: Node = node
         end_block = _path_pages(node)
+        below, below_start = node, end_block
+        while len(below.children) == 1:
+            below = next(iter(below.children.values()))
+            if len(below.children) > 1:
+                break
+            if below_start >= below_blocks:
+                self._relabel(below, liveness)
+                marked += 1
+            below_start += len(below.pages)
+        current: Node = node
         while True:
             start_block = end_block - len(current.pages)
             if start_block < below_blocks:
                 return marked
-            if current.liveness != liveness:
-                filed = current.evict_key is not None
-                if filed:
-                    self._order.remove(current)
-                current.liveness = liveness
-                if filed:
-                    self._order.add(current)
+            self._relabel(current, liveness)
             marked += 1
             parent = current.parent
             assert parent is not None
             if parent.parent is None or len(parent.children) != 1:
                 return marked
             current, end_block = parent, start_block
+
+    def _relabel(self, node: Node, liveness: Liveness) -> None:
+        if node.liveness == liveness:
+            return
+        filed = node.evict_key is not None
+        if filed:
+            self._order.remove(node)
+        node.liveness = liveness
+        if filed:
+            self._order.add(node)
 
     def mark_dead(self, node: Node, *, below_blocks: int = 0) -> int:
         """A released or idle-expired session's private tail: evicted first (set_liveness)."""

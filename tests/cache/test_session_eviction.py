@@ -284,3 +284,32 @@ def _path(node: Node) -> list[Node]:
 
 TestSessionOrder = SessionOrderMachine.TestCase
 TestSessionOrder.settings = settings(max_examples=150, stateful_step_count=50, deadline=None)
+
+
+def test_marks_reach_down_to_the_reply_below_the_known_prefix() -> None:
+    tree = make_tree()
+    prompt = seq(0, 2 * PAGE_SIZE)
+    run_request(tree, prompt + [1])
+    run_request(tree, prompt + seq(50, 2 * PAGE_SIZE) + [1])  # the turn's reply, cached below it
+    node = tree.deepest_node(prompt)
+    (reply,) = node.children.values()
+    assert tree.mark_dead(node) == 2 and reply.liveness == Liveness.DEAD
+    run_request(tree, prompt + seq(80, PAGE_SIZE) + [1])  # a second continuation: node branches
+    assert node.liveness == Liveness.UNKNOWN
+    assert tree.mark_hot(reply) == 1 and node.liveness == Liveness.UNKNOWN
+    tree.check_invariants()
+
+
+def test_an_evicted_node_marks_what_is_left_of_its_path() -> None:
+    tree = make_tree()
+    turn1 = seq(0, 2 * PAGE_SIZE)
+    run_request(tree, turn1 + [1])
+    run_request(tree, turn1 + seq(70, 2 * PAGE_SIZE) + [1])
+    leaf = tree.deepest_node(turn1 + seq(70, 2 * PAGE_SIZE))
+    parent = leaf.parent
+    tree.evict(2)  # the leaf goes
+    assert leaf.removed and not parent.removed and not parent.children
+    assert tree.mark_dead(leaf) == 1 and parent.liveness == Liveness.DEAD
+    tree.evict(2)
+    assert tree.mark_hot(leaf) == 0  # nothing of the path is left
+    tree.check_invariants()
