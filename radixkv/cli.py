@@ -236,14 +236,18 @@ def serve(args: argparse.Namespace) -> int:
             kv_events_topic=args.kv_events_topic,
             kv_events_token_ids=args.kv_events_token_ids,
         )
-        engine = Engine(config)
-        tenant_secret = tenant_secret_for(args, engine)
+        async_engine = AsyncEngine.build(lambda: Engine(config))
     except (ConfigError, InvalidRequest, OSError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    try:
+        tenant_secret = tenant_secret_for(args, async_engine.engine)
+    except (ConfigError, OSError) as error:
+        async_engine.shutdown()
         print(f"error: {error}", file=sys.stderr)
         return 2
     if keyless and not _is_loopback(args.host):
         logger.warning("serving on %s without an API key: anyone who can reach it can use it", args.host)
-    async_engine = AsyncEngine(engine)
     name = served_model_name(args.model)
     try:
         app = create_app(
@@ -257,7 +261,7 @@ def serve(args: argparse.Namespace) -> int:
         )
         logger.info(
             "serving %s on http://%s:%d (%d KV pages of %d tokens, context %d)",
-            name, args.host, args.port, engine.pool.num_pages, engine.pool.page_size, engine.max_context_tokens,
+            name, args.host, args.port, async_engine.engine.pool.num_pages, async_engine.engine.pool.page_size, async_engine.max_context_tokens,
         )
         config = uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=10, log_level="info",
                                 access_log=not args.no_access_log, **uvicorn_options(limits))

@@ -120,6 +120,10 @@ class EngineConfig:
     # which they share with the owner's other retentions); past it the owner's least recently
     # active sessions give up theirs first.
     max_session_pages_per_owner: int = 1024
+    # Block hashes evicted from RAM (or dropped by the disk tier) remembered, least recently
+    # evicted out first, so a cache report tells "evicted" from "never seen"
+    # (radixkv/cache/ghost.py). None: four per page of the pool. A block costs about 100 bytes.
+    max_ghost_blocks: int | None = None
     # Pins (Engine.pin: a prefix locked against eviction until unpinned or its ttl): KV pages
     # one owner's pins may lock together; None: a quarter of the page pool, so the cap scales
     # with the pool. The server's --max-pinned-pages-per-key.
@@ -219,6 +223,8 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be None or an integer in [0, {1 << 26}], got {value!r}", param=name)
         if self.max_model_len is not None:
             _positive(self, "max_model_len", limit=1 << 24)
+        if self.max_ghost_blocks is not None:
+            _positive(self, "max_ghost_blocks", limit=1 << 28)
         _positive(self, "max_consecutive_failed_steps", limit=1 << 20)
         watchdog = self.step_watchdog_s
         if isinstance(watchdog, bool) or not isinstance(watchdog, (int, float)) or not 0.0 < watchdog <= 86400.0:

@@ -73,6 +73,25 @@ def encode_chat(
     """Messages rendered by the chat template; add_generation_prompt=False renders them as the
     beginning of a longer conversation (for warming and pinning a prefix). `tools` (OpenAI's
     function definitions) go to templates that take them (see template_takes_tools)."""
+    text = render_chat(tokenizer, messages, add_generation_prompt=add_generation_prompt, param=param, tools=tools)
+    return tokenize_rendered(tokenizer, text)
+
+
+def tokenize_rendered(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of rendered template text: its special tokens are already written out."""
+    return list(tokenizer(text, add_special_tokens=False).input_ids)
+
+
+def render_chat(
+    tokenizer: Any,
+    messages: Sequence[Message],
+    *,
+    add_generation_prompt: bool = True,
+    param: str = "messages",
+    tools: list[dict] | None = None,
+) -> str:
+    """The chat template's text for these messages (what encode_chat tokenizes): where each
+    message lies in a prompt is found in it (radixkv/server/cache_report.py)."""
     if not messages:
         raise InvalidRequest(f"{param} must hold at least one message", param=param)
     if not has_chat_template(tokenizer):
@@ -84,4 +103,4 @@ def encode_chat(
         text = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=False, **extra)
     except Exception as error:  # jinja's TemplateError, or raise_exception() inside a template
         raise InvalidRequest(f"the chat template refused these messages: {error}", param=param) from None
-    return list(tokenizer(text, add_special_tokens=False).input_ids)
+    return text

@@ -112,7 +112,7 @@ class RadixkvReplica:
         from radixkv.engine.engine import Engine
         from radixkv.server.app import create_app
 
-        self.async_engine = AsyncEngine(Engine(EngineConfig(**engine_options)))
+        self.async_engine = AsyncEngine.build(lambda: Engine(EngineConfig(**engine_options)))
         model = engine_options.get("model")
         self.app = create_app(
             self.async_engine,

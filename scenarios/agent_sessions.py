@@ -7,9 +7,11 @@ without -kvu: the better one is compared) on the same GGUF.
     python -m radixkv.scenarios.agent_sessions [--model FILE.gguf] [--sessions 16 --prompts 4
         --prompt-tokens 8192 --turns 4 --reply-tokens 128] [--servers radixkv,llama-server,llama-server-kvu]
 
-Replies are asked for with ignore_eos (llama-server honours it; radixkv's server takes no such
-field, so a model that ends its replies early makes fewer tokens there: the table shows how
-many each made, and the random-weight real_shape models practically never end early).
+Replies are asked for with ignore_eos (both servers honour it), so both make the same tokens.
+With --peer-time-factor F, radixkv runs first and each llama-server stops at F times radixkv's
+wall time: a peer that has not finished by then is slower than F times in throughput over the
+same work (a bound, printed as "> F"), and its p90 time to first token is bounded from below by
+counting a turn still waiting for its first token as waiting until the stop (never sent: 0 s).
 Reports per turn time to first token p50/p90, output tokens/s over the run, the server's RSS,
 its cached share of prompt tokens (the usage's prompt_tokens_details.cached_tokens, else
 radixkv's /metrics), wall time, the ratios radixkv / llama-server, and an estimate of the full
@@ -45,8 +47,9 @@ class Turn:
     wall_s: float
     prompt_tokens: int
     cached_tokens: int | None
-    completion_tokens: int
+    completion_tokens: int  # a turn cut off at the deadline: the token events it streamed
     error: str | None
+    finished: bool = True  # False: cut off at the run's deadline (--peer-time-factor)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -63,6 +66,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--kv-dtype", default=None)
     parser.add_argument("--quant-kernel", default=None)
     parser.add_argument("--request-timeout-s", type=float, default=7200.0)
+    parser.add_argument("--peer-time-factor", type=float, default=0.0, help="stop each llama-server at this many times radixkv's wall (0: run to the end)")
     parser.add_argument("--limits", type=int, default=1, help="0: skip measuring the machine's limits (tests)")
     parser.add_argument("--out", default="out/agent_sessions")
     args = parser.parse_args(argv)
@@ -108,10 +112,14 @@ def user_message(session: int, turn: int) -> str:
 # -- one server ------------------------------------------------------------------------------
 
 
-async def run_sessions(server, systems: list[str], args: argparse.Namespace, model_name: str) -> tuple[list[Turn], float]:
+async def run_sessions(
+    server, systems: list[str], args: argparse.Namespace, model_name: str, deadline_s: float | None = None
+) -> tuple[list[Turn], float]:
+    """Every session's turns; with deadline_s (from the start), no turn starts after it and the
+    ones streaming then are cut off (finished=False), and the wall is the deadline."""
     import httpx
 
-    from radixkv.scenarios.serve_http import stream
+    from radixkv.scenarios.serve_http import Reply, stream
 
     limits = httpx.Limits(max_connections=args.sessions + 4, max_keepalive_connections=args.sessions + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(args.request_timeout_s), limits=limits) as client:
@@ -125,8 +133,16 @@ async def run_sessions(server, systems: list[str], args: argparse.Namespace, mod
             for t in range(args.turns):
                 messages.append({"role": "user", "content": user_message(s, t)})
                 sent = time.perf_counter() - start
+                if deadline_s is not None and sent >= deadline_s:
+                    break
                 body = dict(model=model_name, messages=messages, max_tokens=args.reply_tokens, temperature=0, ignore_eos=True)
-                reply = await stream(client, server, "/v1/chat/completions", body)
+                reply = Reply()
+                try:
+                    read = stream(client, server, "/v1/chat/completions", body, reply)
+                    await (read if deadline_s is None else asyncio.wait_for(read, deadline_s - sent))
+                except asyncio.TimeoutError:
+                    turns.append(Turn(s, t, sent, reply.ttft_s, deadline_s - sent, 0, None, len(reply.token_times_s), None, finished=False))
+                    break
                 turns.append(Turn(s, t, sent, reply.ttft_s, reply.wall_s, reply.prompt_tokens, reply.cached_tokens, reply.completion_tokens, reply.error))
                 if reply.error:
                     break
@@ -135,10 +151,13 @@ async def run_sessions(server, systems: list[str], args: argparse.Namespace, mod
 
         done = await asyncio.gather(*(session(s) for s in range(args.sessions)))
         wall = time.perf_counter() - start
+        finished = sum(turn.finished and not turn.error for turns in done for turn in turns)
+        if deadline_s is not None and finished < args.sessions * args.turns:
+            wall = deadline_s
     return [turn for turns in done for turn in turns], wall
 
 
-def run_server(name: str, args: argparse.Namespace, systems: list[str], out: Path) -> dict:
+def run_server(name: str, args: argparse.Namespace, systems: list[str], out: Path, deadline_s: float | None = None) -> dict:
     from radixkv.scenarios.llama_server import LlamaServerOptions, start_llama_server
     from radixkv.scenarios.serve_http import engine_knobs, metric_total, served_model, start_radixkv_serve
 
@@ -157,10 +176,17 @@ def run_server(name: str, args: argparse.Namespace, systems: list[str], out: Pat
     load_s = time.perf_counter() - started
     with server:
         hits_before = metric_total(server, "radixkv_cached_prompt_tokens_total") if name == "radixkv" else None
-        turns, wall = asyncio.run(run_sessions(server, systems, args, served_model(server)))
+        turns, wall = asyncio.run(run_sessions(server, systems, args, served_model(server), deadline_s))
         memory = server.memory()
         hits_after = metric_total(server, "radixkv_cached_prompt_tokens_total") if name == "radixkv" else None
-    return summarize(name, turns, wall, memory, load_s, args, None if hits_after is None else hits_after - (hits_before or 0))
+    row = summarize(name, turns, wall, memory, load_s, args, None if hits_after is None else hits_after - (hits_before or 0))
+    return dict(row, deadline_s=deadline_s)
+
+
+def peer_deadline(args: argparse.Namespace, rows: list[dict]) -> float | None:
+    """--peer-time-factor times radixkv's wall, once radixkv has run to the end; else None."""
+    base = next((r for r in rows if r["server"] == "radixkv" and r.get("complete")), None)
+    return args.peer_time_factor * base["wall_s"] if args.peer_time_factor > 0 and base else None
 
 
 def model_path(args: argparse.Namespace) -> str:
@@ -183,12 +209,22 @@ def busy_share(turns: list[Turn], wall: float) -> float:
     return min(1.0, covered / wall) if wall else 0.0
 
 
+def ttft_p90_lower_bound(turns: list[Turn], args) -> float:
+    """p90 time to first token over the whole workload, each turn that had none by the deadline
+    counted as waiting until then and each turn never sent as 0 s: below the true p90."""
+    values = [t.ttft_s if t.ttft_s is not None else t.wall_s for t in turns if not t.error]
+    values += [0.0] * (args.sessions * args.turns - len(values))
+    return percentile(values, 0.9)
+
+
 def summarize(name: str, turns: list[Turn], wall: float, memory: dict, load_s: float, args, metric_hits: float | None) -> dict:
-    ok = [t for t in turns if not t.error]
+    cut = [t for t in turns if not t.finished]
+    ok = [t for t in turns if not t.error and t.finished]
+    complete = len(ok) == args.sessions * args.turns
     prompt = sum(t.prompt_tokens for t in ok)
     reported = [t.cached_tokens for t in ok if t.cached_tokens is not None]
     cached = sum(reported) if len(reported) == len(ok) and ok else metric_hits
-    output = sum(t.completion_tokens for t in ok)
+    output = sum(t.completion_tokens for t in ok) + sum(t.completion_tokens for t in cut)
     per_turn = []
     for index in range(args.turns):
         ttfts = [t.ttft_s for t in ok if t.turn == index and t.ttft_s is not None]
@@ -198,7 +234,8 @@ def summarize(name: str, turns: list[Turn], wall: float, memory: dict, load_s: f
     full = estimate_full(args, wall, prompt, cached or 0, output, prefill_share)
     return dict(
         server=name, error=next((t.error for t in turns if t.error), None), load_s=load_s, wall_s=wall,
-        requests=len(turns), failed=len(turns) - len(ok), output_tokens=output, output_tokens_per_s=output / wall if wall else 0.0,
+        requests=len(turns), failed=len(turns) - len(ok) - len(cut), complete=complete, cut_off=len(cut),
+        ttft_p90_lower_bound_s=None if complete else ttft_p90_lower_bound(turns, args), output_tokens=output, output_tokens_per_s=output / wall if wall else 0.0,
         prompt_tokens=prompt, cached_tokens=cached, cached_share=(cached / prompt) if cached is not None and prompt else None,
         ttft_p50_s=percentile(all_ttft, 0.5) if all_ttft else None, ttft_p90_s=percentile(all_ttft, 0.9) if all_ttft else None,
         per_turn=per_turn, rss_bytes=memory["rss_bytes"], peak_rss_bytes=memory["peak_rss_bytes"],
@@ -254,6 +291,8 @@ def ratios(rows: list[dict]) -> dict:
     if not base or not llamas:
         return {}
     best = max(llamas, key=lambda r: r["output_tokens_per_s"])
+    if not best.get("complete", True):
+        return _bounded_ratios(base, best)
     result = dict(
         llama_server=best["server"],
         throughput_ratio=base["output_tokens_per_s"] / best["output_tokens_per_s"] if best["output_tokens_per_s"] else None,
@@ -263,6 +302,25 @@ def ratios(rows: list[dict]) -> dict:
     print(
         f"\nradixkv / {best['server']} (the better llama-server): throughput x{_f(result['throughput_ratio'])}, "
         f"p90 ttft x{_f(result['ttft_p90_ratio'])}, wall x{_f(result['wall_ratio'])}"
+    )
+    return result
+
+
+def _bounded_ratios(base: dict, best: dict) -> dict:
+    """The better llama-server was stopped at its deadline before the end: on the same work its
+    wall is past the deadline, so radixkv's throughput is more than deadline / radixkv's wall
+    times its, and the p90 ratio is at most radixkv's p90 over the peer's lower bound."""
+    bound = best["ttft_p90_lower_bound_s"]
+    result = dict(
+        llama_server=best["server"], bounded=True,
+        throughput_ratio_above=best["deadline_s"] / base["wall_s"] if base["wall_s"] else None,
+        ttft_p90_ratio_below=base["ttft_p90_s"] / bound if base["ttft_p90_s"] and bound else None,
+        wall_ratio_below=base["wall_s"] / best["deadline_s"] if best["deadline_s"] else None,
+    )
+    print(
+        f"\nradixkv / {best['server']} (the better llama-server, stopped at {best['deadline_s']:.0f} s before the end): "
+        f"throughput > x{_f(result['throughput_ratio_above'])}, p90 ttft < x{_f(result['ttft_p90_ratio_below'])}, "
+        f"wall < x{_f(result['wall_ratio_below'])}"
     )
     return result
 
@@ -309,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for name in servers:
         print(f"running {name} ...", flush=True)
-        rows.append(run_server(name, args, systems, out))
+        rows.append(run_server(name, args, systems, out, peer_deadline(args, rows) if name.startswith("llama-server") else None))
     limits = None
     if args.limits:
         import torch

@@ -772,14 +772,19 @@ def main(argv: list[str] | None = None) -> int:
         max_queue_len=max(4096, args.requests), max_retained_pages_per_owner=args.retain_cap,
     )
     print(f"loading {args.model or 'the default model'} ...", flush=True)
-    engine = Engine(config)
-    if not getattr(engine.tokenizer, "chat_template", None):
-        engine.tokenizer.chat_template = PLAIN_CHAT_TEMPLATE
+
+    def make_engine() -> Engine:
+        engine = Engine(config)
+        if not getattr(engine.tokenizer, "chat_template", None):
+            engine.tokenizer.chat_template = PLAIN_CHAT_TEMPLATE
+        return engine
+
+    async_engine = AsyncEngine.build(make_engine)  # built where it steps (AsyncEngine.build says why)
+    engine = async_engine.engine
     model_name = served_model_name(args.model)
     api_keys = [f"sk-load-{k}-" + secrets.token_hex(8) for k in range(args.well_keys)]
     abuser_keys = ("sk-abuse-flood-" + secrets.token_hex(8), "sk-abuse-probe-" + secrets.token_hex(8))
     jobs = build_jobs(args, engine.tokenizer, model_name)
-    async_engine = AsyncEngine(engine)
     # A well-behaved key's cap must not bind on well-behaved traffic: clients take jobs from one
     # queue, so every client may be on one key at once, and a client that left may already be
     # on its next request while the server is still aborting the last. The flooding key gets

@@ -211,10 +211,10 @@ def main(argv: list[str] | None = None) -> int:
     from radixkv.server.limits import ServerLimits
     from radixkv.server.thread import ServerThread
 
-    engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, num_pages=args.num_pages, max_model_len=args.max_model_len))
+    config = EngineConfig(model=args.model, dtype=args.dtype, num_pages=args.num_pages, max_model_len=args.max_model_len)
+    async_engine = AsyncEngine.build(lambda: Engine(config))
     model_name = served_model_name(args.model)
     key = "sk-fuzz-" + secrets.token_hex(8)
-    async_engine = AsyncEngine(engine)
     limits = ServerLimits(max_body_bytes=1 << 20, max_requests_per_key=8, max_seqs_per_key=16, stream_send_timeout_s=10.0)
     try:
         with ServerThread(create_app(async_engine, api_keys=[key], model_name=model_name, limits=limits), HOST) as server:

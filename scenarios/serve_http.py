@@ -173,10 +173,11 @@ class Reply:
         return (self.wall_s - self.ttft_s) / (self.completion_tokens - 1)
 
 
-async def stream(client: httpx.AsyncClient, server: ServerProcess, path: str, body: dict) -> Reply:
-    """POST body (stream on, usage asked for) and read the events to the end."""
+async def stream(client: httpx.AsyncClient, server: ServerProcess, path: str, body: dict, reply: Reply | None = None) -> Reply:
+    """POST body (stream on, usage asked for) and read the events to the end, into `reply` (a
+    caller that may cancel the read passes its own, to see what arrived before)."""
     body = {**body, "stream": True, "stream_options": {"include_usage": True}}
-    reply = Reply()
+    reply = reply if reply is not None else Reply()
     start = time.perf_counter()
     try:
         async with client.stream("POST", server.base_url + path, json=body, headers=server.headers) as response:

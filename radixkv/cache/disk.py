@@ -151,6 +151,10 @@ class DiskTier:
         self.read_s_per_block: float | None = None
         self._mac_key = b""
         self._lock_handle = None  # the locked lock file, while the tier is open
+        # Told the keys of blocks evicted to stay within the budget, on the caller's thread
+        # (the engine's ghost index: a later miss on them reads as evicted, not never seen).
+        self.on_drop: Callable[[list[int]], None] | None = None
+        self.on_store: Callable[[Sequence[int]], None] | None = None  # and of blocks stored again
         # The index is the loop's; the writer reads it (the manifest) under this lock.
         self._index_lock = threading.RLock()
         # Blocks queued and not yet written (read from here meanwhile), and what the writer could
@@ -540,6 +544,8 @@ class DiskTier:
                     self._forget(victim, reason)
                     self._delete(victim)
                 self.counters["evicted_blocks"] += len(evicted)
+                if evicted and self.on_drop is not None:
+                    self.on_drop(evicted)
                 parent_key = keys[block - 1] if block else 0
                 self._queue_block(_Block(key, parent_key, salt, tokens, num_prefix_tokens, payload, run))
                 self._times[key] = [now_s, now_s]
@@ -547,6 +553,8 @@ class DiskTier:
             self.counters["written_blocks"] += stored
             if retention_expires_at_s:
                 self._queue_manifest()
+        if self.on_store is not None:
+            self.on_store(keys[start_block : start_block + num_blocks])
         if wait:
             self.drain()
             stored -= run.unwritten

@@ -55,6 +55,7 @@ class _Add:
     guide_grammar: Any = None  # params.guide, compiled before queuing (never on the engine thread)
     owner: str | None = None  # whose fair share of the batch it takes
     session: SessionRef | None = None  # the owner's session this turn continues
+    sibling_salts: tuple[str | None, ...] = ()  # the owner's other partitions (cache reports)
 
 
 @dataclass(slots=True)
@@ -197,6 +198,33 @@ class AsyncEngine:
         if start:
             self.start()
 
+    @classmethod
+    def build(cls, make_engine: Callable[[], Engine]) -> AsyncEngine:
+        """Build the Engine on the thread that will step it, start stepping, return once built;
+        make_engine's error is raised here.
+
+        Why its own thread: libgomp keeps one pool of workers per thread that opens parallel
+        regions, and once the pools' threads outnumber the cores it cuts spin-waiting at a
+        barrier to about a thousand spins, so every barrier of a decode step sleeps on a futex.
+        An engine loaded on the main thread and stepped on this one makes two pools; built here,
+        the process has one (docs/measurements.md, "The server's per-token gap").
+        """
+        built: concurrent.futures.Future[AsyncEngine] = concurrent.futures.Future()
+
+        def build_then_run() -> None:
+            try:
+                async_engine = cls(make_engine(), start=False)
+            except BaseException as error:  # noqa: BLE001 - the caller's to see
+                built.set_exception(error)
+                return
+            async_engine._thread = thread
+            built.set_result(async_engine)
+            async_engine._run()
+
+        thread = threading.Thread(target=build_then_run, name="radixkv-engine", daemon=True)
+        thread.start()
+        return built.result()
+
     def start(self) -> None:
         self._thread.start()
 
@@ -211,6 +239,7 @@ class AsyncEngine:
         request_id: str | None = None,
         owner: str | None = None,
         session: SessionRef | None = None,
+        sibling_salts: tuple[str | None, ...] = (),
     ) -> RequestStream:
         """Queue a request; return its stream once the engine has accepted it.
 
@@ -223,7 +252,7 @@ class AsyncEngine:
         request_id = request_id or f"{self._id_prefix}-{next(self._ids)}"
         stream = RequestStream(self, request_id, loop)
         future: concurrent.futures.Future[str] = concurrent.futures.Future()
-        self._post(_Add(list(prompt_token_ids), params, salt, request_id, stream, future, grammar, owner, session))
+        self._post(_Add(list(prompt_token_ids), params, salt, request_id, stream, future, grammar, owner, session=session, sibling_salts=sibling_salts))
         try:
             await asyncio.wrap_future(future)
         except asyncio.CancelledError:
@@ -411,6 +440,7 @@ class AsyncEngine:
                     guide_grammar=command.guide_grammar,
                     owner=command.owner,
                     session=command.session,
+                    sibling_salts=command.sibling_salts,
                 )
             except Exception as error:  # noqa: BLE001 - InvalidRequest, QueueFull: the caller's to handle
                 command.future.set_exception(error)

@@ -94,6 +94,25 @@ class DiskLoader:
                 return True
         return self.prefetcher.ready(seq.seq_id, chunk_blocks)
 
+    def held_blocks(self, seq: SequenceState, start_block: int) -> int:
+        """Full blocks of seq the tier holds from `start_block` on (before its last token),
+        changing nothing: what its cache report says the disk had at admission."""
+        if not self.tier.enabled:
+            return 0
+        keys, end = self._keys_of(seq)
+        return self.tier.count_cached(keys, start_block, end - start_block, touch=False)
+
+    def read_skipped(self, seq: SequenceState) -> bool:
+        """Whether seq's disk hit is computed instead, reading being judged the slower."""
+        return seq.seq_id in self._recompute
+
+    def disk_key(self, seq: SequenceState, block: int) -> int | None:
+        """The tier's key of seq's block `block` (one before its last token); None when off."""
+        if not self.tier.enabled:
+            return None
+        keys, end = self._keys_of(seq)
+        return keys[block] if block < end else None
+
     def loading(self, seq: SequenceState) -> bool:
         """Whether seq's disk hit goes on past what it has loaded (its next chunk loads on)."""
         return self.prefetcher.get(seq.seq_id) is not None

@@ -95,6 +95,7 @@ class Engine:
         self.kv = KVManager(
             self.pool, self.tree, self.hasher, config.enable_prefix_caching, open_disk_tier(config, loaded, self.pool.page_nbytes, self.kv_dtype),
             self.compute_cost.estimate_s, config.kv_disk_prefetch_bytes, config.max_retained_pages_per_owner,
+            config.max_ghost_blocks,
         )
         self.scheduler = Scheduler(config, self.kv)
         self.sampler = Sampler(config.seed, tuple(sorted(self.eos_token_ids)))
@@ -146,10 +147,13 @@ class Engine:
         guide_grammar: Any = None,
         owner: Owner = None,
         session: SessionRef | None = None,
+        sibling_salts: tuple[str | None, ...] = (),
     ) -> str:
         """Queue a request; its id. `guide_grammar` is params.guide compiled beforehand off
         this thread (AsyncEngine.submit); without it a guide compiles (or is found cached) here.
         `owner` (the server's Tenants.owner) is whose fair share of the batch it takes.
+        `sibling_salts`: the owner's other partitions, which its cache report may name as
+        holding what it missed (another_partition); never another owner's.
         max_tokens None becomes the room the context leaves after this prompt (for this
         request only: `params` may be shared). `session` names the owner's session this turn
         continues (engine/sessions.py): checked against its caps here, before any work."""
@@ -164,7 +168,10 @@ class Engine:
             raise InvalidRequest(f"request_id {request_id!r} is already in use", param="request_id")
         prompt = list(prompt_token_ids)
         seqs = [
-            SequenceState(next(self._seq_ids), request_id, i, prompt, params, salt, self.scheduler.step_count, owner=owner)
+            SequenceState(
+                next(self._seq_ids), request_id, i, prompt, params, salt, self.scheduler.step_count, owner=owner,
+                sibling_salts=tuple(sibling_salts),
+            )
             for i in range(params.n)
         ]
         if params.guide is not None:
@@ -349,6 +356,7 @@ class Engine:
             num_deferrals=self.scheduler.num_deferrals,
             disk=self.kv.disk_stats(),
             residency=self.kv.residency(),
+            cache_misses=self.kv.misses.snapshot(),
         )
 
     def check_invariants(self) -> None:

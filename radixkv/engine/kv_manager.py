@@ -10,10 +10,12 @@ from pathlib import Path
 
 from radixkv.cache.disk import DiskStats, DiskTier
 from radixkv.cache.eviction import Liveness
+from radixkv.cache.ghost import GhostIndex
 from radixkv.cache.hashing import BlockHasher
 from radixkv.cache.pages import OutOfPages, PagePool
 from radixkv.cache.radix import Node, PeekResult, RadixTree
 from radixkv.cache.residency import PageResidency, TierResidency
+from radixkv.engine.cache_report import AdmissionMatch, MissExplainer
 from radixkv.engine.disk_loader import ComputeEstimate, DiskLoader
 from radixkv.engine.request import Admitted, CacheLookup, SequenceState
 
@@ -33,6 +35,7 @@ class KVManager:
         compute_s: ComputeEstimate = lambda start, num: None,
         prefetch_bytes: int = 256 << 20,
         max_retained_pages_per_owner: int | None = None,
+        max_ghost_blocks: int | None = None,
     ) -> None:
         self.pool = pool
         self.tree = tree
@@ -51,6 +54,12 @@ class KVManager:
         self._write_back = True  # off while a flush drops RAM and disk both
         self._next_on_evict = tree.on_evict
         tree.on_evict = self._on_evict
+        # Evicted hashes, so a request's cache report tells evicted from never seen.
+        self.ghost = GhostIndex(max_ghost_blocks or 4 * pool.num_pages)
+        self.misses = MissExplainer(self.ghost, tree, hasher)
+        if self.loader is not None:
+            self.loader.tier.on_drop = self.ghost.add
+            self.loader.tier.on_store = self.ghost.discard
 
     # -- the scheduler's verbs ---------------------------------------------------------------
 
@@ -95,8 +104,14 @@ class KVManager:
             seq.page_table = list(match.pages)
             seq.num_tree_blocks = len(match.pages)
             seq.num_computed_tokens = num_ram_tokens = match.num_cached_tokens
+            reporting = _reports(seq)
+            held = self.loader.held_blocks(seq, num_ram_tokens // self.page_size) if reporting and self.loader is not None else 0
             if self.loader is not None:
                 self.loader.load(seq, num_new_tokens // self.page_size)
+            if reporting:
+                self._report(seq, num_ram_tokens, held)
+        elif _reports(seq):
+            self._report(seq, 0, 0)
         admitted = self._admitted(seq, seq.num_computed_tokens - num_ram_tokens)
         rest = 0 if admitted.more_to_load else num_new_tokens - admitted.num_loaded_tokens
         reserved = self._allocate(seq, rest)
@@ -125,10 +140,23 @@ class KVManager:
             seq.tree_node = None
         if self.loader is not None:
             self.loader.forget(seq)
+        if self.enable_prefix_caching and seq.num_computed_tokens:
+            self.misses.remember_tail(seq.all_token_ids, seq.salt, self._hashes(seq), seq.num_computed_tokens)
         self.pool.release(seq.page_table)
         seq.page_table = []
         seq.num_tree_blocks = 0
         seq.num_computed_tokens = 0
+
+    def _report(self, seq: SequenceState, num_ram_tokens: int, num_disk_blocks: int) -> None:
+        """seq's cache report, from what admission just gave it: its RAM match, the disk's
+        blocks after it (read, or skipped as slower); counted by reason."""
+        loader = self.loader
+        skipped = loader is not None and loader.read_skipped(seq)
+        hashes = self._hashes(seq) if self.enable_prefix_caching else []
+        seq.cache_report = self.misses.explain(
+            seq.prompt_token_ids, seq.salt, hashes, AdmissionMatch(num_ram_tokens, num_disk_blocks, skipped),
+            (lambda block: loader.disk_key(seq, block)) if loader is not None else (lambda block: None), seq.sibling_salts,
+        )
 
     def _admitted(self, seq: SequenceState, num_loaded_tokens: int) -> Admitted:
         more = bool(num_loaded_tokens) and self.loader is not None and self.loader.loading(seq)
@@ -172,6 +200,8 @@ class KVManager:
         tokens = seq.all_token_ids[: num_full * self.page_size]
         result = self.tree.insert(tokens, seq.page_table[:num_full], seq.salt, block_hashes=hashes[:num_full])
         if result.num_inserted_blocks:
+            first = result.num_existing_blocks
+            self.ghost.discard(hashes[first : first + result.num_inserted_blocks])
             self.ram_residency.cached(result.pages[result.num_existing_blocks :], time.monotonic())
         # Blocks another sequence cached first: drop our copy and point at the tree's page,
         # so no page table keeps a page the pool may hand out again.
@@ -259,6 +289,7 @@ class KVManager:
         """The tree is evicting `node` (its pages still hold the KV): count why and how long
         its blocks stayed, and keep them on disk (write-back)."""
         self.ram_residency.evicted_pages(node.pages, time.monotonic(), flushing=self._flushing, retained_now=bool(node.retains))
+        self.ghost.add(node.hashes)
         if self.loader is not None and self._write_back:
             self.loader.evicted(node)
         if self._next_on_evict is not None:
@@ -312,6 +343,12 @@ class KVManager:
         """The directory of the disk tier while it is in use; None without one (or once off)."""
         loader = self.loader
         return loader.tier.directory if loader is not None and loader.tier.enabled else None
+
+
+def _reports(seq: SequenceState) -> bool:
+    """Whether admitting seq makes its request's cache report: once per request, at its first
+    sequence's first admission (what the cache served the request, as _first_run says)."""
+    return seq.index == 0 and _first_run(seq)
 
 
 def _first_run(seq: SequenceState) -> bool:

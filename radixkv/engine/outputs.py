@@ -195,4 +195,5 @@ def _output(seqs: list[SequenceState]) -> RequestOutput:
         num_cached_tokens=max(s.num_cached_tokens for s in seqs),
         time_to_first_token_s=min(first_token_times) - first.arrival_time if first_token_times else None,
         total_time_s=max(finish_times) - first.arrival_time if finish_times else None,
+        cache_report=next((s.cache_report for s in seqs if s.cache_report is not None), None),
     )

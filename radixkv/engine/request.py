@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixkv.engine.cache_report import CacheReport
 from radixkv.engine.detokenizer import TextState
 from radixkv.errors import InvalidRequest
 
@@ -209,6 +210,10 @@ class SequenceState:
     # preemption with the output tokens it has accepted.
     guide_state: Any = None
     output_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token when asked for
+    # Why the cache served what it did, made at first admission (the request's first sequence
+    # only); and the owner's other partitions that report may name (engine/cache_report.py).
+    cache_report: CacheReport | None = None
+    sibling_salts: tuple[str | None, ...] = ()
 
     def __post_init__(self) -> None:
         self.text_state = TextState(tuple(self.params.stop))
@@ -378,6 +383,7 @@ class RequestOutput:
     num_cached_tokens: int
     time_to_first_token_s: float | None
     total_time_s: float | None
+    cache_report: CacheReport | None = None  # what the cache served the prompt, and why no more
 
     @property
     def text(self) -> str:

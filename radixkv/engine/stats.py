@@ -61,6 +61,9 @@ class EngineStats:
     # Per tier ("ram", and "disk" with a disk tier): hits, blocks, bytes, evictions by reason,
     # block lifetime and reuse gap histograms.
     residency: dict[str, TierResidency] | None = None
+    # Requests by the reason of their cache report (engine/cache_report.py MISS_REASONS; "hit"
+    # included), made for every request at its first admission.
+    cache_misses: dict[str, int] | None = None
 
 
 @dataclass(slots=True)

@@ -1,6 +1,7 @@
 """Prompts to token ids through radixkv.prompts (the encoder LLM and the SDK use), for every
 API family: a conversation of chat messages (with its tools, through radixkv.server.tools) and
-completion prompts (text or token ids, one or a batch).
+completion prompts (text or token ids, one or a batch); a caller's earlier replies spliced back
+in as their generated ids (server.continuation).
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from typing import TYPE_CHECKING, Any
 from radixkv.errors import InvalidRequest
 from radixkv.prompts import encode_prompt
 from radixkv.server.errors import APIError, engine_error
-from radixkv.server.tools import Tool, ToolChoice, encode_conversation
+from radixkv.server.continuation import encode_conversation_exact
+from radixkv.server.tools import Tool, ToolChoice
 
 if TYPE_CHECKING:
     from radixkv.server.state import AppState
@@ -24,11 +26,15 @@ def chat_prompt(
     tool_choice: ToolChoice = "none",
     *,
     add_generation_prompt: bool = True,
+    owner: str | None = None,
 ) -> list[int]:
-    """One encoder for chat and pins alike, so a pinned conversation is the prefix of its next turn."""
+    """One encoder for chat and pins alike, so a pinned conversation is the prefix of its next
+    turn. With an owner, that owner's earlier replies go back in as the ids they were generated
+    as (exact continuation, server.continuation), when the server has it on."""
+    replies = server.replies if owner is not None else None
     try:
-        return encode_conversation(
-            server.engine.tokenizer, list(conversation), tools or [], tool_choice, add_generation_prompt=add_generation_prompt
+        return encode_conversation_exact(
+            replies, owner, server.engine.tokenizer, list(conversation), tools or [], tool_choice, add_generation_prompt=add_generation_prompt
         )
     except InvalidRequest as error:
         raise engine_error(error) from None

@@ -1,6 +1,6 @@
 """ServerLimits: the HTTP server's own protective knobs (body size, connections and read
 deadlines, slow readers, per-key fair share, parsing threads, pin ttl, stored responses,
-cross-site checks, operator endpoints), one validated dataclass with every default and unit.
+exact continuation, cross-site checks, operator endpoints), one validated dataclass with every default and unit.
 What one request body may carry is radixkv.server.request_caps.
 """
 
@@ -48,6 +48,18 @@ class ServerLimits:
     # so a key within its own caps never loses a response to a key storing more.
     max_stored_responses: int = 65536
     max_stored_response_bytes: int = 1024 * MIB
+    # Exact continuation: a turn continues from the ids its previous reply was generated as
+    # (previous_response_id: the stored turn's ids; chat and Messages: a reply sent back as an
+    # assistant message gets its generated ids spliced in), so it hits all the previous turn
+    # computed even where the reply's text re-tokenizes differently. Off: every turn is
+    # re-rendered and tokenized from text.
+    exact_continuation: bool = True
+    # The replies kept for chat and Messages per key (their ids, 4 bytes a token): past either
+    # cap the key's least recently used go; over all keys past max_reply_tokens, the key
+    # holding the most tokens loses its least recently used.
+    max_replies_per_key: int = 4096
+    max_reply_tokens_per_key: int = 1 << 20
+    max_reply_tokens: int = 16 << 20
     # Browser origins allowed to call the server (exact "scheme://host[:port]"); with no API key
     # configured, any other Origin is refused so a web page cannot drive a local server.
     allowed_origins: tuple[str, ...] = ()
@@ -77,6 +89,11 @@ class ServerLimits:
         _int_in("max_stored_response_bytes_per_key", self.max_stored_response_bytes_per_key, 1024, 1 << 40)
         _int_in("max_stored_responses", self.max_stored_responses, 1, 1 << 30)
         _int_in("max_stored_response_bytes", self.max_stored_response_bytes, 1024, 1 << 40)
+        _int_in("max_replies_per_key", self.max_replies_per_key, 1, 1 << 30)
+        _int_in("max_reply_tokens_per_key", self.max_reply_tokens_per_key, 1, 1 << 34)
+        _int_in("max_reply_tokens", self.max_reply_tokens, 1, 1 << 36)
+        if not isinstance(self.exact_continuation, bool):
+            raise ConfigError(f"exact_continuation must be true or false, got {self.exact_continuation!r}", param="exact_continuation")
         _seconds("stream_send_timeout_s", self.stream_send_timeout_s, allow_zero=False)
         _seconds("pin_ttl_s", self.pin_ttl_s, allow_zero=True)
         _int_in("max_connections", self.max_connections, 1, 1 << 20)

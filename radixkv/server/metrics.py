@@ -207,8 +207,21 @@ class _EngineCollector(Collector):
         )
         if s.disk is not None:
             yield from _disk_metrics(s.disk)
+        if s.cache_misses is not None:
+            yield _by_reason(s.cache_misses)
         if s.residency:
             yield from _residency_metrics(s.residency)
+
+
+def _by_reason(counts: dict[str, int]) -> CounterMetricFamily:
+    """Every request's cache report by reason (engine/cache_report.py; "hit" included), reported
+    to the client or not."""
+    family = CounterMetricFamily(
+        "radixkv_cache_misses", "Requests by why their first uncached prompt token missed the cache", labels=["reason"]
+    )
+    for reason, count in counts.items():
+        family.add_metric([reason], count)
+    return family
 
 
 def _residency_metrics(tiers: dict[str, TierResidency]) -> Iterator[Metric]:

@@ -95,9 +95,9 @@ def _extension_params(body: ChatCompletionRequest | CompletionRequest, names: Wi
     )
 
 
-def responses_params(body: ResponsesRequest, names: WireNames, guide: JsonGuide | None = None) -> SamplingParams:
+def responses_params(body: ResponsesRequest, names: WireNames, guide: Guide | None = None) -> SamplingParams:
     """OpenAI Responses: max_output_tokens, else the room the context leaves."""
-    return _params(names, max_tokens=body.max_output_tokens, temperature=body.temperature, top_p=body.top_p, guide=guide)
+    return _params(names, max_tokens=body.max_output_tokens, temperature=body.temperature, top_p=body.top_p, seed=body.seed, guide=guide)
 
 
 def messages_params(body: MessagesRequest, guide: JsonGuide | None = None) -> SamplingParams:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from radixkv.engine.async_engine import AsyncEngine
+from radixkv.server.continuation import ReplyMap
 from radixkv.server.drain import Drain
 from radixkv.server.errors import APIError
 from radixkv.server.limits import ServerLimits
@@ -32,6 +33,7 @@ class AppState:
     parse_slots: ParseSlots = field(init=False)  # bodies parsed off the loop, a few per key
     created: int = field(default_factory=lambda: int(time.time()))
     drain: Drain = field(default_factory=Drain)  # set draining by SIGTERM (radixkv serve)
+    replies: ReplyMap | None = field(init=False)  # chat replies' ids per owner; None: continuation off
 
     def __post_init__(self) -> None:
         self.quotas = KeyQuotas(self.limits.max_requests_per_key, self.limits.max_seqs_per_key)
@@ -40,6 +42,9 @@ class AppState:
             limits.max_parses_per_key, limits.max_requests_per_key,
             cpu_share=limits.parse_cpu_share_per_key, cpu_burst_s=limits.parse_cpu_burst_s,
         )  # fmt: skip
+        self.replies = None
+        if limits.exact_continuation:
+            self.replies = ReplyMap(self.engine.tokenizer, limits.max_replies_per_key, limits.max_reply_tokens_per_key, limits.max_reply_tokens)
 
     def check_model(self, model: str) -> None:
         """APIError 404 unless `model` names the model this server serves."""

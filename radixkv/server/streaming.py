@@ -55,6 +55,7 @@ async def submit(
     key: bytes | None = None,
     owner: str | None = None,
     session: SessionRef | None = None,
+    sibling_salts: tuple[str | None, ...] = (),
 ) -> list[RequestStream]:
     """One stream per prompt, or none: if any submission fails, those made are aborted. With
     `quotas`, each request holds a share of `key`'s quota until its stream is done (429 past it);
@@ -68,7 +69,7 @@ async def submit(
         for prompt in prompts:
             if quotas is not None:
                 leases.append(quotas.acquire(key, 1, params.n))
-            stream = await engine.submit(prompt, params, salt=salt, owner=owner, session=session)
+            stream = await engine.submit(prompt, params, salt=salt, owner=owner, session=session, sibling_salts=sibling_salts)
             streams.append(stream)
             if quotas is not None:
                 stream.add_done_callback(leases[-1].release)

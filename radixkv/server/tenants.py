@@ -113,6 +113,13 @@ class Tenants:
             return ANONYMOUS_OWNER
         return hmac.new(self._secret, _OWNER_LABEL + key, hashlib.sha256).hexdigest()[:32]
 
+    def sibling_salts(self, key: bytes | None, request_salt: str | None) -> tuple[str | None, ...]:
+        """The partitions of the same owner a cache report may name as holding what a request
+        missed (another_partition): the key's own default partition, for a request that names
+        a cache_salt. The key's other cache_salts are not remembered (nothing is stored per
+        tenant for reports), and another key's partition is never named."""
+        return (self.cache_salt(key, None),) if request_salt is not None else ()
+
     def cache_salt(self, key: bytes | None, request_salt: str | None) -> str | None:
         if key is None and request_salt is None:
             return None

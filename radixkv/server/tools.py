@@ -18,7 +18,7 @@ from typing import Any
 
 from radixkv.engine.request import JsonGuide
 from radixkv.errors import InvalidRequest
-from radixkv.prompts import encode_chat, template_takes_tools
+from radixkv.prompts import render_chat, template_takes_tools, tokenize_rendered
 
 # "none" | "auto" | "required" | the name of the one function the reply must call.
 ToolChoice = str
@@ -119,13 +119,23 @@ def encode_conversation(
     """Prompt token ids of a conversation with tools. Tools are offered even with "none" so that
     the prompt prefix (system + tools) stays the same, and cached, whatever the choice."""
     check_tool_choice(tool_choice, tools)
+    return tokenize_rendered(tokenizer, render_conversation(tokenizer, messages, tools, add_generation_prompt=add_generation_prompt))
+
+
+def render_conversation(tokenizer: Any, messages: list[dict], tools: list[Tool], *, add_generation_prompt: bool = True) -> str:
+    """The template's text of a conversation with tools: what encode_conversation tokenizes."""
     if not messages:
         raise InvalidRequest("messages must hold at least one message", param="messages")
-    normalized = [_normalize(m, i) for i, m in enumerate(messages)]
+    normalized = normalize_messages(messages)
     if template_takes_tools(tokenizer):
         wire_tools = [_wire_tool(t) for t in tools] or None
-        return encode_chat(tokenizer, normalized, tools=wire_tools, add_generation_prompt=add_generation_prompt)
-    return encode_chat(tokenizer, fallback_messages(normalized, tools), add_generation_prompt=add_generation_prompt)
+        return render_chat(tokenizer, normalized, tools=wire_tools, add_generation_prompt=add_generation_prompt)
+    return render_chat(tokenizer, fallback_messages(normalized, tools), add_generation_prompt=add_generation_prompt)
+
+
+def normalize_messages(messages: list[dict]) -> list[dict]:
+    """Messages as templates print them: content as text, tool calls as plain dicts."""
+    return [_normalize(m, i) for i, m in enumerate(messages)]
 
 
 def _normalize(message: Mapping[str, Any], index: int) -> dict:

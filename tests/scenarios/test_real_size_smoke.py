@@ -10,7 +10,7 @@ import os
 import pytest
 
 from radixkv.scenarios import agent_sessions, decode_bound, single_stream
-from radixkv.scenarios.agent_sessions import Turn, busy_share, estimate_full, ratios
+from radixkv.scenarios.agent_sessions import Turn, busy_share, estimate_full, ratios, ttft_p90_lower_bound
 from radixkv.scenarios.real_shape import SHAPES, make_hf_folder
 
 LLAMA_TOOLS = ("RADIXKV_LLAMA_SERVER", "RADIXKV_LLAMA_CPP_DIR")
@@ -90,6 +90,33 @@ def test_ratios_take_the_better_llama_server():
     result = ratios([base, slow, fast])
     assert result["llama_server"] == "llama-server-kvu"
     assert result["throughput_ratio"] == pytest.approx(3.0) and result["ttft_p90_ratio"] == pytest.approx(0.25)
+
+
+def test_a_run_past_its_deadline_is_cut_off_and_counted_as_such(tiny_folder, tmp_path):
+    from radixkv.scenarios.harness import load_tokenizer
+
+    args = agent_sessions.parse_args(["--model", str(tiny_folder), "--sessions", "2", "--prompts", "1", "--prompt-tokens", "64",
+                                      "--turns", "2", "--reply-tokens", "4000", "--limits", "0"])  # fmt: skip
+    systems = agent_sessions.system_prompts(load_tokenizer(None), 1, 64)
+    row = agent_sessions.run_server("radixkv", args, systems, tmp_path, deadline_s=1.0)
+    # 4,000 tokens each cannot stream in a second: both first turns are cut off, none failed.
+    assert row["deadline_s"] == 1.0 and row["wall_s"] == 1.0 and not row["complete"]
+    assert row["cut_off"] == 2 and row["failed"] == 0 and row["requests"] == 2
+    assert row["ttft_p90_lower_bound_s"] is not None and 0 < row["output_tokens"] < 2 * 4000
+
+
+def test_ttft_lower_bound_and_bounded_ratios():
+    args = agent_sessions.parse_args(["--sessions", "2", "--turns", "2"])
+    turns = [Turn(0, 0, 0.0, 3.0, 9.0, 100, 0, 4, None), Turn(0, 1, 9.0, None, 1.0, 0, None, 0, None, finished=False),
+             Turn(1, 0, 0.0, None, 10.0, 0, None, 0, None, finished=False)]  # fmt: skip
+    # 3 s, 1 s and 10 s waited, and one turn never sent (0 s): the p90 of [0, 1, 3, 10].
+    assert ttft_p90_lower_bound(turns, args) == pytest.approx(agent_sessions.percentile([0.0, 1.0, 3.0, 10.0], 0.9))
+    base = dict(server="radixkv", requests=4, failed=0, complete=True, output_tokens_per_s=30.0, ttft_p90_s=2.0, wall_s=10.0)
+    cut = dict(server="llama-server", requests=3, failed=0, complete=False, output_tokens_per_s=4.0, ttft_p90_s=3.0,
+               wall_s=30.0, deadline_s=30.0, ttft_p90_lower_bound_s=8.0)  # fmt: skip
+    result = ratios([base, cut])
+    assert result["bounded"] and result["throughput_ratio_above"] == pytest.approx(3.0)
+    assert result["ttft_p90_ratio_below"] == pytest.approx(0.25) and result["wall_ratio_below"] == pytest.approx(1 / 3)
 
 
 def test_decode_bound_counts_the_bytes_held(tiny_folder, tmp_path, capsys):

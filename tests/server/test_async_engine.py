@@ -120,6 +120,33 @@ def test_engine_calls_run_on_the_engine_thread(async_engine):
     assert async_engine.call(lambda engine: threading.current_thread().name).result(10) == "radixkv-engine"
 
 
+def test_build_makes_the_engine_on_the_thread_that_steps_it(tiny_llama):
+    built_on: list[str] = []
+
+    def make_engine():
+        built_on.append(threading.current_thread().name)
+        return make_async_engine(tiny_llama, start=False).engine
+
+    async_engine = AsyncEngine.build(make_engine)
+    try:
+        assert built_on == ["radixkv-engine"]
+        assert async_engine.call(lambda engine: threading.current_thread().name).result(10) == "radixkv-engine"
+        deltas = asyncio.run(run(async_engine, PROMPT, SamplingParams(max_tokens=4)))
+        assert deltas[-1].finished and len(deltas[-1].output.token_ids) == 4
+        assert_idle(async_engine)
+    finally:
+        async_engine.shutdown()
+    assert not async_engine.alive
+
+
+def test_build_raises_the_engines_error_to_the_caller():
+    def make_engine():
+        raise ValueError("no such model")
+
+    with pytest.raises(ValueError, match="no such model"):
+        AsyncEngine.build(make_engine)
+
+
 def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(tiny_llama):
     async_engine = make_async_engine(tiny_llama)
     runner = async_engine.engine.runner

@@ -91,6 +91,8 @@ class MessagesRequest(_Wire):
     top_k: int | None = Field(default=None, ge=0)
     metadata: dict[str, Any] | None = None
     stream: bool = False
+    # radixkv's own: the message carries its cache report (server/cache_report.py).
+    cache_report: bool = False
 
     @model_validator(mode="after")
     def _breakpoints_within_cap(self) -> MessagesRequest:

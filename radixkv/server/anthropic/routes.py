@@ -23,6 +23,8 @@ from radixkv.server import sampling
 from radixkv.server.anthropic import conversation as conv_mod
 from radixkv.server.anthropic.conversation import Breakpoint, Conversation, tool_layer
 from radixkv.server.anthropic.protocol import MessagesRequest
+from radixkv.server.cache_report import CacheReporter, ChatSource, wanted
+from radixkv.server.continuation import ReplyCollector, encode_conversation_exact
 from radixkv.server.errors import (
     APIError,
     ClientGone,
@@ -67,28 +69,33 @@ def _error_response(error: APIError) -> JSONResponse:
 async def _messages(server: AppState, request: Request) -> Response:
     key = server.tenants.authenticate_headers(request.headers)
     raw = await request.body()
-    body, conv, prompt, marks, params = await server.parse_slots.run(key, lambda: _prepare(server, raw))
+    owner = server.tenants.owner(key)  # whose retention cap the breakpoints count against, whose replies splice
+    body, conv, prompt, marks, params = await server.parse_slots.run(key, lambda: _prepare(server, raw, owner))
     salt = server.tenants.cache_salt(key, None)  # the same partition as the key's OpenAI calls
-    owner = server.tenants.owner(key)  # whose retention cap the breakpoints count against
     session = session_ref(request.headers, owner)  # the X-Radixkv-Session header: Anthropic has no field
     streams = await submit(
         server.engine, server.metrics, [prompt], params, salt, _NAMES, quotas=server.quotas, key=key, owner=owner, session=session
     )
     ctx = _Context(server, body, conv, prompt, salt, owner, marks)
+    # The system field is rendered as the conversation's first message; message[k] counts the
+    # request's own messages.
+    offset = 1 if body.system and conv.messages and conv.messages[0].get("role") == "system" else 0
+    source = ChatSource(conv.messages, conv.tools, conv.tool_choice, message_offset=offset)
+    ctx.reporter = CacheReporter(server, key, wanted(body.cache_report, request.headers), [prompt], source)
     if body.stream:
         return SSEResponse(_events(ctx, streams), streams, server.limits.stream_send_timeout_s)
     finals = await until_disconnect(request, collect(server.metrics, streams, 1), streams)
     return JSONResponse(await _message(ctx, finals[0]))
 
 
-def _prepare(server: AppState, raw: bytes) -> tuple[MessagesRequest, Conversation, list[int], list[Breakpoint], SamplingParams]:
+def _prepare(server: AppState, raw: bytes, owner: str) -> tuple[MessagesRequest, Conversation, list[int], list[Breakpoint], SamplingParams]:
     """The body parsed, templated, tokenized and checked (off the event loop: it may be large)."""
     body = parse_body(MessagesRequest, raw)
     server.check_model(body.model)
     tokenizer = server.engine.tokenizer
     try:
         conv = conv_mod.conversation(body)
-        prompt = conv_mod.encode(tokenizer, conv)
+        prompt = encode_conversation_exact(server.replies, owner, tokenizer, conv.messages, conv.tools, conv.tool_choice)
         marks = conv_mod.breakpoints(tokenizer, body, conv, prompt)
     except InvalidRequest as error:
         raise engine_error(error, _NAMES) from None
@@ -101,6 +108,7 @@ class _Context:
         self.server, self.body, self.conv, self.prompt = server, body, conv, prompt
         self.salt, self.owner, self.marks = salt, owner, marks
         self.message_id = f"msg_{secrets.token_hex(12)}"
+        self.reporter: CacheReporter | None = None  # set once the request is submitted
 
 
 def _sampling_params(conv: Conversation, body: MessagesRequest) -> SamplingParams:
@@ -172,6 +180,7 @@ def _parse(ctx: _Context, text: str) -> tuple[str | None, list[Any]]:
 
 
 async def _message(ctx: _Context, final: RequestOutput) -> dict[str, Any]:
+    ReplyCollector(ctx.server.replies, ctx.owner).finished(final)
     text, calls = _parse(ctx, final.outputs[0].text)
     content: list[dict[str, Any]] = [{"type": "text", "text": text}] if text else []
     content += [_tool_use(call) for call in calls]
@@ -185,7 +194,14 @@ async def _message(ctx: _Context, final: RequestOutput) -> dict[str, Any]:
         "stop_reason": stop_reason,
         "stop_sequence": stop_sequence,
         "usage": await _usage(ctx, final),
+        **await _report(ctx, final),
     }
+
+
+async def _report(ctx: _Context, final: RequestOutput) -> dict[str, Any]:
+    """{"cache_report": ...} beside usage when the request asked for it, else nothing."""
+    report = await ctx.reporter.one([final]) if ctx.reporter is not None else None
+    return {"cache_report": report} if report is not None else {}
 
 
 # -- streaming -------------------------------------------------------------------------------
@@ -262,9 +278,11 @@ async def _events(ctx: _Context, streams: list[RequestStream]) -> AsyncIterator[
             yield event
         if final is None:  # every stream ends with its output or an error; never a silent end
             raise APIError(500, "the request ended without an output", type="server_error")
+        ReplyCollector(ctx.server.replies, ctx.owner).finished(final)
         stop_reason, stop_sequence = _stop_reason(ctx, final, num_calls > 0)
         usage = await _usage(ctx, final)
-        yield _event("message_delta", {"delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence}, "usage": usage})
+        closing = {"delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence}, "usage": usage, **await _report(ctx, final)}
+        yield _event("message_delta", closing)
         yield _event("message_stop", {})
     except (APIError, EngineStepError, EngineStopped) as error:
         api_error = error if isinstance(error, APIError) else engine_error(error)

@@ -39,11 +39,13 @@ if TYPE_CHECKING:
 P = TypeVar("P", bound=PinRequest)  # a pin or a lookup body: a prefix to encode
 
 
-def pin_prompt(server: AppState, body: PinRequest) -> list[int]:
+def pin_prompt(server: AppState, body: PinRequest, owner: str | None = None) -> list[int]:
+    """The prefix's token ids; messages with the owner's earlier replies spliced back in as
+    their generated ids, as that owner's next chat turn will be (server.continuation)."""
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "give the prefix to pin as exactly one of prompt (text or token ids) or messages")
     if body.messages is not None:
-        prompt = chat_prompt(server, [m.as_chat() for m in body.messages], add_generation_prompt=False)
+        prompt = chat_prompt(server, [m.as_chat() for m in body.messages], add_generation_prompt=False, owner=owner)
         param = "messages"
     else:
         prompt = encode_prompt(server.engine.tokenizer, body.prompt)  # type: ignore[arg-type]
@@ -64,7 +66,7 @@ async def _prefix_request(server: AppState, request: Request, model: type[P]) ->
         body = parse_body(model, raw)
         if body.model is not None:
             server.check_model(body.model)
-        return body, pin_prompt(server, body)
+        return body, pin_prompt(server, body, server.tenants.owner(key))
 
     body, prompt = await server.parse_slots.run(key, prepare)
     return key, body, prompt, server.tenants.cache_salt(key, body.cache_salt)

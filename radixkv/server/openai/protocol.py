@@ -141,6 +141,9 @@ class _GenerationRequest(BaseModel):
     user: str | None = None
     # Partitions the prefix cache within the caller's tenant (vLLM's field of the same name).
     cache_salt: str | None = Field(default=None, max_length=1024)
+    # radixkv's own: the response carries what the cache served and why no more
+    # (server/cache_report.py); also asked by the header X-Radixkv-Cache-Report: 1.
+    cache_report: bool = False
     # OpenAI's cache hints: the key is only recorded (it partitions nothing, as with OpenAI);
     # the retention asks that the prompt's prefix stay cached (RETENTION_TTL_S).
     prompt_cache_key: str | None = Field(default=None, max_length=1024)

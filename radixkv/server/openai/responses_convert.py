@@ -10,7 +10,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from radixkv.engine.request import JsonGuide
+from radixkv.engine.request import GrammarGuide, Guide, JsonGuide
 from radixkv.server import tools as tool_layer
 from radixkv.server.errors import APIError, validation_error_at
 from radixkv.server.openai.responses_protocol import (
@@ -128,7 +128,7 @@ def calls_possible(tools: list[tool_layer.Tool], choice: str) -> bool:
     return bool(tools) and choice != "none"
 
 
-def guide(body: ResponsesRequest, tools: list[tool_layer.Tool], choice: str) -> tuple[JsonGuide | None, str]:
+def guide(body: ResponsesRequest, tools: list[tool_layer.Tool], choice: str) -> tuple[Guide | None, str]:
     """The JSON constraint on the reply, and the request field it comes from (for errors): a
     forced tool call's own schema wins over text.format, which only shapes plain answers."""
     if calls_possible(tools, choice):
@@ -136,6 +136,10 @@ def guide(body: ResponsesRequest, tools: list[tool_layer.Tool], choice: str) -> 
         if forced is not None:
             return forced, "tools"
     fmt = body.text.format
+    if body.guided_regex is not None:
+        if fmt.type != "text":
+            raise APIError(400, "send one of text.format and guided_regex, not both", param="guided_regex")
+        return GrammarGuide("regex", body.guided_regex), "guided_regex"
     if fmt.type == "json_object":
         return JsonGuide(schema=None), "text.format"
     if fmt.type == "json_schema":

@@ -10,7 +10,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
 from radixkv.server.openai.protocol import PromptCacheOptions
 from radixkv.server.request_caps import (
@@ -121,6 +121,12 @@ class ResponsesRequest(_Lenient):
     truncation: Literal["auto", "disabled"] | None = None
     # radixkv's own: partitions the prefix cache within the caller's tenant, as on chat.
     cache_salt: str | None = Field(default=None, max_length=1024)
+    # vLLM's name, as on chat: the reply held to a regular expression (a plain answer's shape,
+    # like text.format; a forced tool call's schema wins). As many characters as chat takes.
+    guided_regex: str | None = Field(default=None, min_length=1, max_length=128 << 10)
+    seed: int | None = None  # as on chat (radixkv's, like vLLM's): a sampled reply made repeatable
+    # radixkv's own, as on chat: the response carries its cache report (server/cache_report.py).
+    cache_report: bool = False
 
     def choice(self) -> str:
         """tool_choice in tools.py's terms: none, auto, required or a function's name."""
@@ -222,6 +228,14 @@ class ResponseObject(BaseModel):
     background: bool = False
     user: str | None = None
     prompt_cache_key: str | None = None
+    cache_report: dict[str, Any] | None = None  # radixkv's, when asked for; absent otherwise
+
+    @model_serializer(mode="wrap")
+    def _report_only_when_asked(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("cache_report") is None:
+            data.pop("cache_report", None)
+        return data
 
 
 def new_item_id(prefix: str) -> str:

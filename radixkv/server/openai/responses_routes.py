@@ -1,7 +1,8 @@
 """OpenAI's Responses API: POST /v1/responses, streamed or not. Owns turning a request (input
 items, a stored conversation, tools, text.format) into one engine request, and its output into a
-Response or its events; conversations are kept for previous_response_id in a ResponseStore, per
-API key (Tenants.owner), within ServerLimits' caps.
+Response or its events; conversations (and their turns' ids, which the next turn continues from:
+responses_continuation) are kept for previous_response_id in a ResponseStore, per API key
+(Tenants.owner), within ServerLimits' caps.
 """
 
 from __future__ import annotations
@@ -19,12 +20,14 @@ from radixkv.engine.request import RequestOutput, SamplingParams
 from radixkv.errors import InvalidRequest
 from radixkv.server import sampling
 from radixkv.server import tools as tool_layer
+from radixkv.server.cache_report import CacheReporter, ChatSource, wanted
 from radixkv.server.errors import (
     WireNames,
     APIError,
     engine_error,
     parse_body,
 )
+from radixkv.server.openai import responses_continuation as continuation
 from radixkv.server.openai import responses_convert as convert
 from radixkv.server.openai.responses_events import ResponseEvents
 from radixkv.server.openai.responses_protocol import (
@@ -64,6 +67,7 @@ class _Turn:
     choice: str
     params: SamplingParams
     names: WireNames
+    prompt: list[int]  # stored with the reply's ids, for the next turn to continue from
     writes: list[prompt_cache.CacheWrite] = field(default_factory=list)  # its prompt_cache breakpoints
 
 
@@ -99,15 +103,23 @@ def register(app: FastAPI, server: AppState, store: ResponseStore | None = None)
         streams = await submit(
             server.engine, server.metrics, [prompt], turn.params, salt, turn.names, quotas=server.quotas, key=key, owner=owner,
             session=session,
+            sibling_salts=server.tenants.sibling_salts(key, body.cache_salt),
         )
+        # message[k] counts the conversation (stored history, then input) as chat messages; the
+        # instructions are the system part, no message of their own.
+        offset = 1 if body.instructions else 0
+        source = ChatSource(convert.prompt_messages(body, turn.messages), turn.tools, turn.choice, message_offset=offset)
+        reporter = CacheReporter(server, key, wanted(body.cache_report, request.headers), [prompt], source)
         if body.stream:
-            events = _then_write(_events(server, store, turn, streams), server, prompt, writes, salt, owner)
+            events = _then_write(_events(server, store, turn, streams, reporter), server, prompt, writes, salt, owner)
             return SSEResponse(events, streams, server.limits.stream_send_timeout_s)
         finals = await until_disconnect(request, collect(server.metrics, streams, 1), streams)
         await prompt_cache.write(server, prompt, writes, salt, owner)
         response = _finished(server, turn, finals[0])
+        response.cache_report = await reporter.one(finals)
         if body.store:
-            store.put(response.id, turn.owner, turn.messages + convert.reply_messages(response.output))
+            ids = continuation.turn_ids(server, body, prompt, finals[0])
+            store.put(response.id, turn.owner, turn.messages + convert.reply_messages(response.output), ids)
         return JSONResponse(response.model_dump())
 
 
@@ -139,12 +151,15 @@ def _prepare(server: AppState, store: ResponseStore, body: ResponsesRequest, own
     guide, guide_param = convert.guide(body, tools, choice)
     names = sampling.responses_names(guide_param)
     try:
-        prompt = tool_layer.encode_conversation(server.engine.tokenizer, convert.prompt_messages(body, messages), tools, choice)
+        tool_layer.check_tool_choice(choice, tools)
+        prompt = continuation.continued_prompt(server, store, body, owner, history, messages, tools)
+        if prompt is None:
+            prompt = tool_layer.encode_conversation(server.engine.tokenizer, convert.prompt_messages(body, messages), tools, choice)
     except InvalidRequest as error:
         raise engine_error(error, names) from None
     params = sampling.responses_params(body, names, guide)
     writes = prompt_cache.responses_writes(server, body, history, tools, choice, prompt)
-    return _Turn(body, owner, messages, tools, choice, params, names, writes), prompt
+    return _Turn(body, owner, messages, tools, choice, params, names, prompt, writes), prompt
 
 
 def _skeleton(server: AppState, body: ResponsesRequest) -> ResponseObject:
@@ -208,7 +223,9 @@ def _finished(server: AppState, turn: _Turn, final: RequestOutput) -> ResponseOb
     return response
 
 
-async def _events(server: AppState, store: ResponseStore, turn: _Turn, streams: list[RequestStream]) -> AsyncIterator[str]:
+async def _events(
+    server: AppState, store: ResponseStore, turn: _Turn, streams: list[RequestStream], reporter: CacheReporter
+) -> AsyncIterator[str]:
     """The streamed response: text passes through as the engine decodes it, except what may
     still become a tool call (ToolCallStream holds that back until it parses)."""
     events = ResponseEvents(_skeleton(server, turn.body))
@@ -231,10 +248,12 @@ async def _events(server: AppState, store: ResponseStore, turn: _Turn, streams: 
                 yield event
         if final is None:
             raise APIError(503, "the request was aborted", type="server_error", code="aborted")
+        events.response.cache_report = await reporter.one([final])  # in the closing event, beside usage
         closing = events.finish(_usage(server, final), final.outputs[0].finish_reason != "length")
         # Stored before the last event goes out: a client may hang up the moment it has it.
         if turn.body.store:
-            store.put(events.response.id, turn.owner, turn.messages + convert.reply_messages(events.response.output))
+            ids = continuation.turn_ids(server, turn.body, turn.prompt, final)
+            store.put(events.response.id, turn.owner, turn.messages + convert.reply_messages(events.response.output), ids)
         for event in closing:
             yield event
     except (APIError, EngineStepError, EngineStopped) as error:

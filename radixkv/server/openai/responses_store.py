@@ -1,5 +1,6 @@
 """Stored responses for `previous_response_id`: each one's whole conversation as chat messages
-(instructions left out, as OpenAI does not carry them over), kept in memory per owner (an API
+(instructions left out, as OpenAI does not carry them over) and, for exact continuation, the
+turn's token ids (its prompt, then its reply as generated), kept in memory per owner (an API
 key's Tenants.owner), each for at most `ttl_s` after it was made, within a count and a byte cap
 per owner and over all owners; one owner's stores never push out another's within its caps.
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,12 +19,29 @@ from typing import Any
 STORED_RESPONSE_TTL_S = 3600.0
 
 
+TOKEN_BYTES = 4  # a stored token id's size (int32), what the byte caps count for it
+
+
+@dataclass(frozen=True, slots=True)
+class TurnIds:
+    """A turn's ids as the engine saw and made them, for the next turn to continue from."""
+
+    token_ids: array  # int32: the turn's prompt, then its reply's ids as generated
+    num_reply_tokens: int  # the reply's ids at the end (they decode to its text exactly)
+    context_key: str  # the instructions and tools its prompt was rendered with (a change re-renders)
+
+    @property
+    def num_bytes(self) -> int:
+        return len(self.token_ids) * TOKEN_BYTES
+
+
 @dataclass(frozen=True, slots=True)
 class StoredResponse:
     owner: str | None  # the tenant (Tenants.owner of its key): a response is invisible to the others
     messages: tuple[dict[str, Any], ...]  # the conversation up to and including this response
     expires_at_s: float
-    num_bytes: int  # the conversation's JSON size, what the byte caps count
+    num_bytes: int  # the conversation's JSON size plus its ids', what the byte caps count
+    ids: TurnIds | None = None  # None: the next turn re-renders the conversation from text
 
 
 @dataclass(slots=True)
@@ -71,13 +90,19 @@ class ResponseStore:
         # Routes run on one event loop, but a store may be shared by apps in other threads.
         self._lock = threading.Lock()
 
-    def put(self, response_id: str, owner: str | None, messages: list[dict[str, Any]]) -> bool:
-        """Store a conversation; False (nothing stored) when it alone is over the per-owner
-        byte cap, which the route refuses up front (conversation_bytes) for what it can."""
+    def put(self, response_id: str, owner: str | None, messages: list[dict[str, Any]], ids: TurnIds | None = None) -> bool:
+        """Store a conversation (and its turn's ids, left out when they would put it over a
+        byte cap: the next turn then re-renders); False (nothing stored) when the conversation
+        alone is over the per-owner byte cap, which the route refuses up front
+        (conversation_bytes) for what it can."""
         num_bytes = conversation_bytes(messages)
         if num_bytes > self.max_bytes_per_owner or num_bytes > self.max_bytes:
             return False
-        entry = StoredResponse(owner, tuple(messages), self._clock() + self.ttl_s, num_bytes)
+        if ids is not None and num_bytes + ids.num_bytes <= min(self.max_bytes_per_owner, self.max_bytes):
+            num_bytes += ids.num_bytes
+        else:
+            ids = None
+        entry = StoredResponse(owner, tuple(messages), self._clock() + self.ttl_s, num_bytes, ids)
         with self._lock:
             self._drop_expired()
             if response_id in self._entries:
@@ -104,6 +129,13 @@ class ResponseStore:
         if entry is None or entry.owner != owner:
             return None
         return [dict(m) for m in entry.messages]
+
+    def ids_of(self, response_id: str, owner: str | None) -> TurnIds | None:
+        """The turn ids stored with that response, or None: none kept, unknown, expired or another's."""
+        with self._lock:
+            self._drop_expired()
+            entry = self._entries.get(response_id)
+        return None if entry is None or entry.owner != owner else entry.ids
 
     def held_by(self, owner: str | None) -> tuple[int, int]:
         """(responses, bytes) the owner has stored now."""

@@ -8,10 +8,10 @@ responses and stream chunks: text, tool calls (radixkv.server.tools) and logprob
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -26,6 +26,8 @@ from radixkv.engine.request import (
 )
 from radixkv.errors import InvalidRequest
 from radixkv.server import sampling
+from radixkv.server.cache_report import CacheReporter, ChatSource, wanted
+from radixkv.server.continuation import ReplyCollector
 from radixkv.server.encode import chat_prompt, completion_prompts
 from radixkv.server.errors import (
     WireNames,
@@ -85,6 +87,8 @@ if TYPE_CHECKING:
     from radixkv.server.state import AppState
 
 logger = logging.getLogger("radixkv.server")
+# A cache report on the wire (server/cache_report.py): one prompt's, or a batch's in order.
+Report = dict[str, Any] | list[dict[str, Any] | None] | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,36 +118,43 @@ def register(app: FastAPI, server: AppState) -> None:
     async def chat_completions(request: Request) -> Response:
         key = server.tenants.authenticate_headers(request.headers)
         raw = await request.body()
+        owner = server.tenants.owner(key)
 
         def prepare() -> tuple[ChatCompletionRequest, _ChatTools, list[int], WireNames, SamplingParams, list[CacheWrite]]:
             body = parse_body(ChatCompletionRequest, raw)
             _check_request(server, body)
             prompt_cache.check_options(body)
             tools = _chat_tools(body)
-            prompt = chat_prompt(server, [m.as_chat() for m in body.messages], tools.tools, tools.choice)
+            prompt = chat_prompt(server, [m.as_chat() for m in body.messages], tools.tools, tools.choice, owner=owner)
             guide, guide_param = _chat_guide(body, tools)
             names = sampling.chat_names(body, guide_param)
             writes = prompt_cache.chat_writes(server, body, tools.tools, tools.choice, prompt)
             return body, tools, prompt, names, sampling.chat_params(body, names, guide), writes
 
         body, tools, prompt, names, params, writes = await server.parse_slots.run(key, prepare)
-        salt, owner = server.tenants.cache_salt(key, body.cache_salt), server.tenants.owner(key)
+        salt = server.tenants.cache_salt(key, body.cache_salt)
         session = session_ref(request.headers, owner, body.prompt_cache_key)
         if body.prompt_cache_options is not None and body.prompt_cache_options.prewarm:
             done = await prompt_cache.prewarm(server, request, key, [prompt], [writes], salt, owner, names, session)
             return JSONResponse(_prewarm_response(server, "chat.completion", "chatcmpl", done))
         streams = await submit(
-            server.engine, server.metrics, [prompt], params, salt, names, quotas=server.quotas, key=key, owner=owner, session=session
+            server.engine, server.metrics, [prompt], params, salt, names, quotas=server.quotas, key=key, owner=owner,
+            session=session, sibling_salts=server.tenants.sibling_salts(key, body.cache_salt),
         )
         hints = _CacheHints(server, body, [prompt], salt, owner, [writes])
+        replies = ReplyCollector(server.replies, owner)
+        asked = wanted(body.cache_report, request.headers)
+        source = ChatSource([m.as_chat() for m in body.messages], tools.tools, tools.choice) if asked else None
+        reporter = CacheReporter(server, key, asked, [prompt], source)
         if body.stream:
-            events = hints.after(_chat_events(server, texts, body, tools, streams, params.n))
+            events = hints.after(_chat_events(server, texts, body, tools, streams, params.n, reporter, replies))
             return SSEResponse(events, streams, server.limits.stream_send_timeout_s)
         finals = await until_disconnect(request, collect(server.metrics, streams, params.n), streams)
         hints.finished(finals)
+        replies.finished(finals[0])
         response = _chat_response(server, texts, body, tools, finals[0])
         response.usage.prompt_tokens_details.cache_write_tokens = await hints.written(finals)
-        return JSONResponse(response.model_dump())
+        return JSONResponse(_with_report(response.model_dump(), await reporter.one(finals)))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -168,17 +179,26 @@ def register(app: FastAPI, server: AppState) -> None:
             done = await prompt_cache.prewarm(server, request, key, prompts, writes, salt, owner, names, session)
             return JSONResponse(_prewarm_response(server, "text_completion", "cmpl", done))
         streams = await submit(
-            server.engine, server.metrics, prompts, params, salt, names, quotas=server.quotas, key=key, owner=owner, session=session
+            server.engine, server.metrics, prompts, params, salt, names, quotas=server.quotas, key=key, owner=owner,
+            session=session, sibling_salts=server.tenants.sibling_salts(key, body.cache_salt),
         )
         hints = _CacheHints(server, body, prompts, salt, owner, writes)
+        reporter = CacheReporter(server, key, wanted(body.cache_report, request.headers), prompts)
         if body.stream:
-            events = hints.after(_completion_events(server, texts, body, streams, params.n))
+            events = hints.after(_completion_events(server, texts, body, streams, params.n, reporter))
             return SSEResponse(events, streams, server.limits.stream_send_timeout_s)
         finals = await until_disconnect(request, collect(server.metrics, streams, params.n), streams)
         hints.finished(finals)
         response = _completion_response(server, texts, body, finals, params.n)
         response.usage.prompt_tokens_details.cache_write_tokens = await hints.written(finals)
-        return JSONResponse(response.model_dump())
+        return JSONResponse(_with_report(response.model_dump(), await reporter.for_prompts(finals)))
+
+
+def _with_report(data: dict[str, Any], report: Report) -> dict[str, Any]:
+    """A response body with its cache report beside usage, when one was asked for."""
+    if report is not None:
+        data["cache_report"] = report
+    return data
 
 
 def _check_request(server: AppState, body: ChatCompletionRequest | CompletionRequest) -> None:
@@ -380,30 +400,34 @@ class _ChatChoiceStream:
 
 
 async def _chat_events(
-    server: AppState, texts: TokenTexts, body: ChatCompletionRequest, tools: _ChatTools, streams: list[RequestStream], n: int
+    server: AppState, texts: TokenTexts, body: ChatCompletionRequest, tools: _ChatTools, streams: list[RequestStream], n: int,
+    reporter: CacheReporter,
+    replies: ReplyCollector,
 ) -> AsyncIterator[str]:
     chunk_id, created, model = new_id("chatcmpl"), now_s(), server.model_name
     per_choice = [_ChatChoiceStream(texts, body, tools, j) for j in range(n)]
 
-    def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
-        return _sse_data(ChatCompletionChunk(id=chunk_id, created=created, model=model, choices=choices, usage=usage), body.include_usage)
+    def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None, report: Report = None) -> str:
+        payload = ChatCompletionChunk(id=chunk_id, created=created, model=model, choices=choices, usage=usage)
+        return _sse_data(payload, body.include_usage, report)
 
     def choice(_: int, c: CompletionDelta) -> list[ChatChunkChoice]:
         return per_choice[c.index].choices(c)
 
     opening = chunk([ChatChunkChoice(index=j, delta=Delta(role="assistant", content="")) for j in range(n)])
-    async for event in text_events(server.metrics, streams, n, body, chunk, choice, opening):
+    async for event in text_events(server.metrics, streams, n, body, chunk, choice, opening, reporter.one, replies.finished):
         yield event
 
 
 async def _completion_events(
-    server: AppState, texts: TokenTexts, body: CompletionRequest, streams: list[RequestStream], n: int
+    server: AppState, texts: TokenTexts, body: CompletionRequest, streams: list[RequestStream], n: int, reporter: CacheReporter
 ) -> AsyncIterator[str]:
     chunk_id, created, model = new_id("cmpl"), now_s(), server.model_name
     text_offsets: dict[int, int] = {}  # characters each choice has sent, for logprobs' text_offset
 
-    def chunk(choices: list[CompletionChoice], usage: Usage | None = None) -> str:
-        return _sse_data(Completion(id=chunk_id, created=created, model=model, choices=choices, usage=usage), body.include_usage)
+    def chunk(choices: list[CompletionChoice], usage: Usage | None = None, report: Report = None) -> str:
+        payload = Completion(id=chunk_id, created=created, model=model, choices=choices, usage=usage)
+        return _sse_data(payload, body.include_usage, report)
 
     def choice(i: int, c: CompletionDelta) -> list[CompletionChoice]:
         index = i * n + c.index
@@ -413,11 +437,11 @@ async def _completion_events(
         text_offsets[index] = text_offsets.get(index, 0) + len(c.text)
         return [CompletionChoice(index=index, text=c.text, finish_reason=c.finish_reason, logprobs=logprobs)]
 
-    async for event in text_events(server.metrics, streams, n, body, chunk, choice):
+    async for event in text_events(server.metrics, streams, n, body, chunk, choice, reports=reporter.for_prompts):
         yield event
 
 
-def _sse_data(payload: ChatCompletionChunk | Completion, include_usage: bool) -> str:
+def _sse_data(payload: ChatCompletionChunk | Completion, include_usage: bool, report: Report = None) -> str:
     data = payload.model_dump()
     for choice in data["choices"]:
         # OpenAI's call deltas leave out what they do not carry; clients merge present keys, so
@@ -428,6 +452,8 @@ def _sse_data(payload: ChatCompletionChunk | Completion, include_usage: bool) ->
                     del holder[key]
     if not include_usage:
         data.pop("usage")
+    if report is not None:
+        data["cache_report"] = report
     return sse(data)
 
 
@@ -439,12 +465,15 @@ async def text_events(
     chunk: Callable[..., str],
     choice: Callable[[int, CompletionDelta], Sequence[ChatChunkChoice | CompletionChoice]],
     opening: str | None = None,
+    reports: Callable[[list[RequestOutput]], Awaitable[Report]] | None = None,
+    on_final: Callable[[RequestOutput], None] | None = None,
 ) -> AsyncIterator[str]:
     """The SSE events of a streamed chat or completion: each choice's new text as the engine
     hands it out (already safe from stop strings), the usage chunk when asked for, and [DONE];
     an error mid-stream ends it with an error event. chunk(choices, usage) formats one event;
     choice(prompt index, completion delta) gives that completion's choices in order (a tool
-    call takes several), and event k holds the k-th of each, so no event names an index twice."""
+    call takes several), and event k holds the k-th of each, so no event names an index twice.
+    A cache report (`reports`, when asked for) rides the last chunk, beside usage."""
     finals: list[RequestOutput] = []
     try:
         if opening is not None:
@@ -460,8 +489,11 @@ async def text_events(
                     yield chunk([choices[k] for choices in per_completion if k < len(choices)])
                 if delta.output is not None:
                     finals.append(delta.output)
-        if body.include_usage:
-            yield chunk([], usage(finals))
+                    if on_final is not None:
+                        on_final(delta.output)
+        report = await reports(finals) if reports is not None else None
+        if body.include_usage or report is not None:
+            yield chunk([], usage(finals), report)
         yield "data: [DONE]\n\n"
     except (APIError, EngineStepError, EngineStopped) as error:
         api_error = error if isinstance(error, APIError) else engine_error(error)

@@ -1,0 +1,145 @@
+"""Stateless exact continuation for chat and Messages: per API key's owner (Tenants.owner), a
+bounded LRU map from a reply's exact text to the ids it was generated as, filled when a reply
+finishes and read when the same text comes back as an assistant message (radixkv.continuation
+splices the ids in). One owner's replies are invisible to, and never pushed out by, another's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from array import array
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixkv.continuation import decode_exact, reply_ids, splice_replies
+from radixkv.engine.request import RequestOutput
+from radixkv.server import tools as tool_layer
+
+
+def _key(text: str) -> bytes:
+    # A digest keeps the map small; a hit is still checked by decoding its ids (ReplyMap.get),
+    # so a collision costs a miss, never a wrong prompt.
+    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+
+
+@dataclass(slots=True)
+class _Held:
+    """One owner's replies, least recently used first, and their tokens."""
+
+    entries: OrderedDict[bytes, array] = field(default_factory=OrderedDict)
+    num_tokens: int = 0
+
+
+class ReplyMap:
+    """Reply text -> generated ids, per owner at most `max_entries_per_owner` replies and
+    `max_tokens_per_owner` tokens (past either, the owner's least recently used go), over all
+    owners at most `max_tokens` (past it, the owner holding the most tokens loses its least
+    recently used, so an owner within its share keeps its replies whoever else chats)."""
+
+    def __init__(self, tokenizer: Any, max_entries_per_owner: int, max_tokens_per_owner: int, max_tokens: int) -> None:
+        if min(max_entries_per_owner, max_tokens_per_owner, max_tokens) < 1:
+            raise ValueError(f"a reply map needs room for one reply, got {max_entries_per_owner}, {max_tokens_per_owner}, {max_tokens}")
+        self.tokenizer = tokenizer
+        self.max_entries_per_owner = max_entries_per_owner
+        self.max_tokens_per_owner = max_tokens_per_owner
+        self.max_tokens = max_tokens
+        self._owners: dict[str | None, _Held] = {}
+        self._num_tokens = 0
+        self._lock = threading.Lock()  # read on parse threads, written on the event loop
+
+    def remember(self, owner: str | None, text: str, token_ids: Sequence[int]) -> bool:
+        """Keep a finished reply's ids under its text; False (nothing kept) when no prefix of
+        the ids decodes to exactly the text, or it alone is over a cap."""
+        ids = reply_ids(self.tokenizer, text, token_ids)
+        if ids is None or len(ids) > min(self.max_tokens_per_owner, self.max_tokens):
+            return False
+        key, packed = _key(text), array("i", ids)
+        with self._lock:
+            held = self._owners.setdefault(owner, _Held())
+            if key in held.entries:
+                self._drop(owner, held, key)
+                held = self._owners.setdefault(owner, _Held())
+            while held.entries and (len(held.entries) >= self.max_entries_per_owner or held.num_tokens + len(ids) > self.max_tokens_per_owner):
+                self._drop(owner, held, next(iter(held.entries)))
+                held = self._owners.setdefault(owner, _Held())
+            while self._num_tokens + len(ids) > self.max_tokens:
+                fattest = max(self._owners, key=lambda o: self._owners[o].num_tokens)
+                self._drop(fattest, self._owners[fattest], next(iter(self._owners[fattest].entries)))
+            held = self._owners.setdefault(owner, _Held())
+            held.entries[key] = packed
+            held.num_tokens += len(ids)
+            self._num_tokens += len(ids)
+        return True
+
+    def get(self, owner: str | None, text: str) -> list[int] | None:
+        """The ids `owner`'s reply with exactly this text was generated as (marked recently
+        used), or None: never seen, pushed out, or another owner's."""
+        key = _key(text)
+        with self._lock:
+            held = self._owners.get(owner)
+            packed = None if held is None else held.entries.get(key)
+            if packed is None:
+                return None
+            held.entries.move_to_end(key)  # type: ignore[union-attr]
+        ids = packed.tolist()
+        return ids if decode_exact(self.tokenizer, ids) == text else None
+
+    def lookup_for(self, owner: str | None) -> Callable[[str], list[int] | None]:
+        return lambda text: self.get(owner, text)
+
+    def held_by(self, owner: str | None) -> tuple[int, int]:
+        """(replies, tokens) the owner has kept now."""
+        with self._lock:
+            held = self._owners.get(owner)
+            return (0, 0) if held is None else (len(held.entries), held.num_tokens)
+
+    def _drop(self, owner: str | None, held: _Held, key: bytes) -> None:
+        size = len(held.entries.pop(key))
+        held.num_tokens -= size
+        self._num_tokens -= size
+        if not held.entries:
+            del self._owners[owner]
+
+
+class ReplyCollector:
+    """Where a route hands its finished outputs: each complete reply remembered in the map
+    under its owner (nothing with continuation off)."""
+
+    def __init__(self, replies: ReplyMap | None, owner: str | None) -> None:
+        self._replies, self._owner = replies, owner
+
+    def finished(self, final: RequestOutput) -> None:
+        if self._replies is None:
+            return
+        for output in final.outputs:
+            if output.finish_reason is not None and output.finish_reason != "abort":
+                self._replies.remember(self._owner, output.text, output.token_ids)
+
+
+def encode_conversation_exact(
+    replies: ReplyMap | None,
+    owner: str | None,
+    tokenizer: Any,
+    messages: list[dict],
+    tools: list[tool_layer.Tool],
+    tool_choice: tool_layer.ToolChoice,
+    *,
+    add_generation_prompt: bool = True,
+) -> list[int]:
+    """tools.encode_conversation, with the owner's known replies spliced back in as their
+    generated ids where that is safe (radixkv.continuation.splice_replies); the plain
+    encoding otherwise, and always without a map (continuation off)."""
+    if replies is not None and messages:
+        tool_layer.check_tool_choice(tool_choice, tools)
+        normalized = tool_layer.normalize_messages(messages)
+
+        def render(ms: list[dict[str, Any]]) -> str:
+            return tool_layer.render_conversation(tokenizer, ms, tools, add_generation_prompt=add_generation_prompt)
+
+        spliced = splice_replies(tokenizer, render, normalized, replies.lookup_for(owner))
+        if spliced is not None:
+            return spliced
+    return tool_layer.encode_conversation(tokenizer, messages, tools, tool_choice, add_generation_prompt=add_generation_prompt)
