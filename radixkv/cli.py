@@ -74,6 +74,13 @@ def main(argv: list[str] | None = None) -> int:
         "--max-stored-response-bytes-per-key", type=int, default=None, help="bytes of stored Responses one key may keep (default 64 MiB)"
     )
     serving.add_argument("--pin-ttl-s", type=float, default=None, help="seconds a pin lasts unless unpinned; 0: forever (default 3600)")
+    serving.add_argument(
+        "--session-idle-s", type=float, default=None,
+        help="seconds a session (prompt_cache_key, X-Radixkv-Session) keeps its newest turn retained after it ends (default 600)",
+    )
+    serving.add_argument("--max-session-idle-s", type=float, default=None, help="the most a request may ask for (default 3600)")
+    serving.add_argument("--max-sessions-per-key", type=int, default=None, help="live sessions one key may hold (default 64)")
+    serving.add_argument("--max-session-pages-per-key", type=int, default=None, help="KV pages one key's sessions may retain (default 1024)")
     serving.add_argument("--dtype", default="auto")
     serving.add_argument("--weight-dtype", default="auto", help="how weights are held: auto (a GGUF's quantized blocks kept), float, int8 (EngineConfig.weight_dtype)")
     serving.add_argument("--kv-dtype", default="auto", help="KV pages' storage dtype: auto (the compute dtype), bf16, fp16, fp32, int8, fp8")
@@ -222,6 +229,7 @@ def serve(args: argparse.Namespace) -> int:
             kv_disk_dir=args.kv_disk_dir,
             kv_disk_bytes=args.kv_disk_bytes,
             **_given(args, "kv_disk_prefetch_bytes", "kv_disk_retained_bytes_per_owner"),
+            **_session_options(args),
             **_pin_options(args),
             kv_events_endpoint=args.kv_events,
             kv_events_replay_endpoint=args.kv_events_replay,
@@ -303,6 +311,15 @@ def _pin_options(args: argparse.Namespace) -> dict:
     in-process pins get too: EngineConfig.max_pinned_pages_per_owner."""
     value = getattr(args, "max_pinned_pages_per_key", None)
     return {} if value is None else {"max_pinned_pages_per_owner": value}
+
+
+def _session_options(args: argparse.Namespace) -> dict:
+    """The session knobs the command line set, in EngineConfig's names (per key: per owner)."""
+    names = {
+        "session_idle_s": "session_idle_s", "max_session_idle_s": "max_session_idle_s",
+        "max_sessions_per_key": "max_sessions_per_owner", "max_session_pages_per_key": "max_session_pages_per_owner",
+    }  # fmt: skip
+    return {config: getattr(args, flag) for flag, config in names.items() if getattr(args, flag, None) is not None}
 
 
 def _given(args: argparse.Namespace, *names: str) -> dict:

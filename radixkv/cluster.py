@@ -1,6 +1,8 @@
 """`radixkv cluster`: N `radixkv serve` workers behind one sglang-router on this machine, to try
 prefix-aware routing out; `LocalCluster` starts and stops them (the CLI, tests and
-scenarios/router_bench.py share it). Stopping stops the router, then drains every worker.
+scenarios/router_bench.py share it). With sticky sessions a front door (cluster_sessions.py)
+sends a session's requests to the worker that served it last. Stopping stops the front door and
+the router, then drains every worker.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from pathlib import Path
 from typing import IO
 
 import httpx
+
+from radixkv.cluster_sessions import ProxyThread, SessionProxy
 
 ROUTER_PACKAGE = "sglang_router"
 ROUTER_INSTALL = "pip install 'radixkv[router]'  (or: pip install sglang-router)"
@@ -69,6 +73,8 @@ class LocalCluster:
         router_args: list[str] | None = None,
         log_dir: Path | None = None,
         startup_timeout_s: float = 300.0,
+        sticky_sessions: bool = False,
+        max_sticky_sessions: int = 65536,
     ) -> None:
         if num_workers < 1:
             raise ValueError(f"a cluster needs at least one worker, got {num_workers}")
@@ -83,8 +89,14 @@ class LocalCluster:
         self.log_dir = log_dir or Path(tempfile.mkdtemp(prefix="radixkv-cluster-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.startup_timeout_s = startup_timeout_s
-        ports = [port + i for i in range(num_workers + 1)] if port is not None else _free_ports(host, num_workers + 1)
-        self.router_port, self.worker_ports = ports[0], ports[1:]
+        # With sticky sessions the front door takes `port` and the router the port after the workers'.
+        count = num_workers + 1 + int(sticky_sessions)
+        ports = [port + i for i in range(count)] if port is not None else _free_ports(host, count)
+        self.front_port = ports[0] if sticky_sessions else None
+        self.router_port = ports[-1] if sticky_sessions else ports[0]
+        self.worker_ports = ports[1 : num_workers + 1]
+        self.max_sticky_sessions = max_sticky_sessions
+        self.front: ProxyThread | None = None
         # The router also serves its own Prometheus metrics, on a port of its own (29000 unless
         # told): a free one, so two clusters on one machine do not collide.
         self.router_metrics_port = _free_ports(host, 1)[0]
@@ -96,6 +108,11 @@ class LocalCluster:
         return f"http://{self.host}:{self.router_port}"
 
     @property
+    def front_url(self) -> str:
+        """Where clients go: the sticky-session front door, or the router without one."""
+        return self.front.url if self.front is not None else self.router_url
+
+    @property
     def worker_urls(self) -> list[str]:
         return [f"http://{self.host}:{port}" for port in self.worker_ports]
 
@@ -103,6 +120,9 @@ class LocalCluster:
         try:
             self.start_workers()
             self.start_router()
+            if self.front_port is not None:
+                proxy = SessionProxy(self.router_url, self.worker_urls, max_sessions=self.max_sticky_sessions)
+                self.front = ProxyThread(proxy, self.host, self.front_port).start()
         except BaseException:
             self.stop()
             raise
@@ -160,6 +180,9 @@ class LocalCluster:
     def stop(self, timeout_s: float = 120.0) -> list[int | None]:
         """Stop the router first (no new traffic), then drain every worker still running; the
         workers' exit statuses."""
+        if self.front is not None:
+            self.front.stop()
+            self.front = None
         if self.router is not None:
             _terminate(self.router.process, 10.0)
         for worker in self.workers:
@@ -255,6 +278,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--policy", choices=POLICIES, default="cache_aware", help="the router's policy (default cache_aware)")
     parser.add_argument("--threads-per-worker", type=int, default=None, help="CPU threads each worker computes with")
     parser.add_argument("--log-dir", default=None, help="where the processes' logs go (default: a new temporary folder)")
+    parser.add_argument(
+        "--no-sticky-sessions", dest="sticky_sessions", action="store_false",
+        help="send every request through the router (default: a request naming a session, X-Radixkv-Session or "
+        "prompt_cache_key, goes to the worker that served that session last)",
+    )
     parser.add_argument("serve_args", nargs=argparse.REMAINDER, help="-- then `radixkv serve` options for every worker")
 
 
@@ -269,7 +297,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         cluster = LocalCluster(
             args.workers, model=args.model, host=args.host, port=args.port, policy=args.policy,
-            worker_args=worker_args, log_dir=Path(args.log_dir) if args.log_dir else None,
+            worker_args=worker_args, log_dir=Path(args.log_dir) if args.log_dir else None, sticky_sessions=args.sticky_sessions,
         )
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
@@ -277,6 +305,8 @@ def run(args: argparse.Namespace) -> int:
     stop = _StopOnSignal()
     try:
         with cluster:
+            if cluster.front is not None:
+                print(f"front door (sticky sessions): {cluster.front_url}/v1  (OpenAI-compatible)")
             print(f"router ({args.policy}): {cluster.router_url}/v1  (OpenAI-compatible)")
             for url in cluster.worker_urls:
                 print(f"worker: {url}")

@@ -108,6 +108,18 @@ class EngineConfig:
     # past it an owner's own oldest retentions go first, then its new retention is trimmed to
     # the pages that fit (it retains fewer tokens, and says so), never another owner's.
     max_retained_pages_fraction: float = 0.5
+    # Sessions (OpenAI's prompt_cache_key, the X-Radixkv-Session header; engine/sessions.py):
+    # a session's newest turn (prompt and reply) stays retained this many seconds after the
+    # turn ends; a request may ask for less or more, up to max_session_idle_s.
+    session_idle_s: float = 600.0
+    max_session_idle_s: float = 3600.0
+    # Live sessions one owner (an API key) may hold at once; a new one past it ends the owner's
+    # least recently active idle session, and is refused (429) only while all of them run.
+    max_sessions_per_owner: int = 64
+    # KV pages one owner's sessions retain together (also within max_retained_pages_per_owner,
+    # which they share with the owner's other retentions); past it the owner's least recently
+    # active sessions give up theirs first.
+    max_session_pages_per_owner: int = 1024
     # Block hashes evicted from RAM (or dropped by the disk tier) remembered, least recently
     # evicted out first, so a cache report tells "evicted" from "never seen"
     # (radixkv/cache/ghost.py). None: four per page of the pool. A block costs about 100 bytes.
@@ -194,6 +206,17 @@ class EngineConfig:
         fraction = self.max_retained_pages_fraction
         if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 < fraction <= 1.0:
             raise ConfigError(f"max_retained_pages_fraction must be in (0, 1], got {fraction!r}", param="max_retained_pages_fraction")
+        for name in ("session_idle_s", "max_session_idle_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value <= 7 * 86400.0:
+                raise ConfigError(f"{name} must be a number of seconds in (0, {7 * 86400}], got {value!r}", param=name)
+        if self.session_idle_s > self.max_session_idle_s:
+            raise ConfigError(
+                f"session_idle_s ({self.session_idle_s!r}) must not pass max_session_idle_s ({self.max_session_idle_s!r})",
+                param="session_idle_s",
+            )
+        _positive(self, "max_sessions_per_owner", limit=1 << 20)
+        _positive(self, "max_session_pages_per_owner", limit=1 << 26)
         for name in ("max_pinned_pages_per_owner", "max_pinned_pages"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 1 << 26):

@@ -13,6 +13,7 @@ from radixkv.config import EngineConfig
 from radixkv.engine.engine import Engine
 from radixkv.engine.request import RequestOutput, SamplingParams
 from radixkv.engine.run import run_to_completion
+from radixkv.engine.sessions import SessionRef
 from radixkv.engine.stats import EngineStats
 from radixkv.errors import InvalidRequest, QueueFull
 from radixkv.prompts import Message, Prompt, encode, encode_chat
@@ -33,10 +34,12 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         salt: str | None = None,
+        session: str | None = None,
     ) -> list[RequestOutput]:
-        """One output per prompt, in order. A prompt is text, a list of token ids, or a Prompt."""
+        """One output per prompt, in order. A prompt is text, a list of token ids, or a Prompt.
+        `session` names a session (engine/sessions.py): its newest turn stays retained."""
         token_lists = [encode(self.tokenizer, p) for p in _as_prompt_list(prompts)]
-        return self._run(token_lists, _as_params_list(params, len(token_lists)), salt)
+        return self._run(token_lists, _as_params_list(params, len(token_lists)), salt, session)
 
     def chat(
         self,
@@ -44,12 +47,13 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         salt: str | None = None,
+        session: str | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation and generate the reply."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # type: ignore[list-item]
         token_lists = [encode_chat(self.tokenizer, c) for c in conversations]  # type: ignore[arg-type]
-        return self._run(token_lists, _as_params_list(params, len(token_lists)), salt)
+        return self._run(token_lists, _as_params_list(params, len(token_lists)), salt, session)
 
     def encode(self, prompt: PromptLike) -> list[int]:
         return encode(self.tokenizer, prompt)
@@ -65,7 +69,9 @@ class LLM:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
-    def _run(self, token_lists: list[list[int]], params: list[SamplingParams], salt: str | None) -> list[RequestOutput]:
+    def _run(
+        self, token_lists: list[list[int]], params: list[SamplingParams], salt: str | None, session: str | None = None
+    ) -> list[RequestOutput]:
         # Check everything before queueing anything, so a bad prompt leaves nothing behind.
         for tokens, p in zip(token_lists, params):
             self.engine.check_request(tokens, p, salt)
@@ -76,7 +82,8 @@ class LLM:
         def finished(i: int, output: RequestOutput) -> None:
             results[i] = output
 
-        run_to_completion(self.engine, token_lists, params, salt=salt, on_finished=finished)
+        ref = SessionRef(None, session) if session is not None else None  # in-process callers are one owner
+        run_to_completion(self.engine, token_lists, params, salt=salt, on_finished=finished, session=ref)
         return results  # type: ignore[return-value]
 
 

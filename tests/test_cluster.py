@@ -121,3 +121,23 @@ def test_keyed_workers_open_their_operator_endpoints_to_the_router(monkeypatch, 
     assert LocalCluster(1, worker_args=["--api-key", "k", "--public-metrics"], log_dir=tmp_path).worker_args.count("--public-metrics") == 1
     monkeypatch.setenv("RADIXKV_API_KEYS", "k")
     assert LocalCluster(1, log_dir=tmp_path).worker_args == ["--public-operator-endpoints"]
+
+
+def test_sticky_sessions_reach_the_worker_that_holds_them(tiny_llama: Path, tmp_path: Path):
+    worker_args = ["--num-pages", "256", "--dtype", "float32", "--threads", "1"]
+    with LocalCluster(2, model=str(tiny_llama), worker_args=worker_args, log_dir=tmp_path, sticky_sessions=True) as cluster:
+        assert cluster.front_url != cluster.router_url
+        conversation = SYSTEM_A
+        for turn in range(3):
+            conversation += f" Turn {turn}?"
+            body = {"model": tiny_llama.name, "prompt": conversation, "max_tokens": 4, "temperature": 0, "prompt_cache_key": "agent-1"}
+            response = httpx.post(f"{cluster.front_url}/v1/completions", json=body, timeout=120)
+            assert response.status_code == 200, response.text
+            conversation += response.json()["choices"][0]["text"]
+        turns = {}
+        for url in cluster.worker_urls:
+            listed = httpx.get(f"{url}/v1/cache/sessions", timeout=10).json()["data"]
+            turns[url] = [s["turns"] for s in listed if s["key"] == "agent-1"]
+        assert sorted(turns.values()) == [[], [3]], turns  # every turn on one worker, which retains it
+        response = httpx.post(f"{cluster.front_url}/v1/completions", json={**body, "prompt_cache_key": None}, timeout=120)
+        assert response.status_code == 200, response.text  # no session: through the router

@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 from radixkv.engine.engine import Engine
 from radixkv.engine.request import RequestDelta, SamplingParams, merge_deltas
+from radixkv.engine.sessions import SessionRef
 from radixkv.engine.stats import EngineStats
 from radixkv.errors import InvalidRequest
 
@@ -53,6 +54,7 @@ class _Add:
     future: concurrent.futures.Future[str]
     guide_grammar: Any = None  # params.guide, compiled before queuing (never on the engine thread)
     owner: str | None = None  # whose fair share of the batch it takes
+    session: SessionRef | None = None  # the owner's session this turn continues
     sibling_salts: tuple[str | None, ...] = ()  # the owner's other partitions (cache reports)
 
 
@@ -236,6 +238,7 @@ class AsyncEngine:
         salt: str | None = None,
         request_id: str | None = None,
         owner: str | None = None,
+        session: SessionRef | None = None,
         sibling_salts: tuple[str | None, ...] = (),
     ) -> RequestStream:
         """Queue a request; return its stream once the engine has accepted it.
@@ -249,7 +252,7 @@ class AsyncEngine:
         request_id = request_id or f"{self._id_prefix}-{next(self._ids)}"
         stream = RequestStream(self, request_id, loop)
         future: concurrent.futures.Future[str] = concurrent.futures.Future()
-        self._post(_Add(list(prompt_token_ids), params, salt, request_id, stream, future, grammar, owner, sibling_salts))
+        self._post(_Add(list(prompt_token_ids), params, salt, request_id, stream, future, grammar, owner, session=session, sibling_salts=sibling_salts))
         try:
             await asyncio.wrap_future(future)
         except asyncio.CancelledError:
@@ -436,6 +439,7 @@ class AsyncEngine:
                     request_id=command.request_id,
                     guide_grammar=command.guide_grammar,
                     owner=command.owner,
+                    session=command.session,
                     sibling_salts=command.sibling_salts,
                 )
             except Exception as error:  # noqa: BLE001 - InvalidRequest, QueueFull: the caller's to handle

@@ -31,6 +31,7 @@ from radixkv.engine.request import Batch, CacheLookup, RequestDelta, SamplingPar
 from radixkv.engine.runner import ModelRunner, StepResult
 from radixkv.engine.sampler import Sampler
 from radixkv.engine.scheduler import Scheduler
+from radixkv.engine.sessions import SessionBook, SessionLimits, SessionRef
 from radixkv.engine.stats import EngineCounters, EngineStats, StepTimes
 from radixkv.errors import ConfigError, InvalidRequest, QueueFull
 from radixkv.kv_events import start_kv_events
@@ -117,6 +118,15 @@ class Engine:
         self.pins = Pins(
             self.kv, num_pages, config.page_size, self.max_context_tokens, config.max_pinned_pages, config.max_pinned_pages_per_owner
         )
+        # Sessions retain each conversation's newest turn through the retention above (no lock).
+        self.sessions = SessionBook(
+            self.kv,
+            SessionLimits(
+                config.session_idle_s, config.max_session_idle_s, config.max_sessions_per_owner,
+                min(config.max_session_pages_per_owner, config.max_retained_pages_per_owner), config.max_retained_pages_per_owner,
+            ),
+            chunk_tokens=config.max_batch_tokens, clock=self.tree.now_s, signals=self.kv,
+        )  # fmt: skip
         # KV events (off by default): the tree tells the recorder of every block it stores or
         # evicts; each step's events go out as one batch. Opened last, so a failed start
         # leaves no socket bound.
@@ -136,6 +146,7 @@ class Engine:
         request_id: str | None = None,
         guide_grammar: Any = None,
         owner: Owner = None,
+        session: SessionRef | None = None,
         sibling_salts: tuple[str | None, ...] = (),
     ) -> str:
         """Queue a request; its id. `guide_grammar` is params.guide compiled beforehand off
@@ -144,9 +155,11 @@ class Engine:
         `sibling_salts`: the owner's other partitions, which its cache report may name as
         holding what it missed (another_partition); never another owner's.
         max_tokens None becomes the room the context leaves after this prompt (for this
-        request only: `params` may be shared)."""
+        request only: `params` may be shared). `session` names the owner's session this turn
+        continues (engine/sessions.py): checked against its caps here, before any work."""
         params = params or SamplingParams()
         self.check_request(prompt_token_ids, params, salt, guide_checked=guide_grammar is not None)
+        session_idle_s = self.sessions.check(session) if session is not None else 0.0
         params = self.context.filled(prompt_token_ids, params)
         if params.n > self.queue_room():
             raise QueueFull(f"the waiting queue is full ({self.config.max_queue_len} requests); retry later", limit=self.config.max_queue_len)
@@ -167,6 +180,8 @@ class Engine:
         self.requests.register(request_id, seqs)
         for seq in seqs:
             self.scheduler.add(seq)
+        if session is not None:
+            self.sessions.begin(request_id, session, session_idle_s, salt, seqs)
         return request_id
 
     def queue_room(self) -> int:
@@ -185,6 +200,7 @@ class Engine:
 
     def abort(self, request_id: str) -> RequestDelta | None:
         """End a request wherever it is; its pages go back. None if it is unknown or done."""
+        self.sessions.dropped(request_id)
         return self.requests.abort(request_id)
 
     def abort_all(self) -> int:
@@ -233,7 +249,10 @@ class Engine:
 
     def take_failed(self) -> list[tuple[str, BaseException]]:
         """The requests steps failed alone since the last call (already aborted), with why."""
-        return self.requests.take_failed()
+        failed = self.requests.take_failed()
+        for request_id, _ in failed:
+            self.sessions.dropped(request_id)
+        return failed
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -258,6 +277,8 @@ class Engine:
 
     def _step(self) -> list[RequestDelta]:
         started_s = time.perf_counter()
+        if self.sessions:
+            self.sessions.expire()  # before scheduling evicts: an idled-out tail goes first (mark_dead)
         batch = self.scheduler.schedule()
         if not batch:
             if batch.num_loaded_tokens:
@@ -273,6 +294,10 @@ class Engine:
         self._observe(batch, result)
         postprocess_start_s = time.perf_counter()
         deltas = self.requests.postprocess(batch, result)
+        if self.sessions:
+            for delta in deltas:
+                if delta.output is not None:
+                    self.sessions.finished(delta.output)
         self.step_times.add("postprocess", time.perf_counter() - postprocess_start_s)
         return deltas
 

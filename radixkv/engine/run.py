@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 
 from radixkv.engine.engine import Engine
 from radixkv.engine.request import RequestOutput, SamplingParams
+from radixkv.engine.sessions import SessionRef
 from radixkv.errors import InvalidRequest, QueueFull
 
 OnFinished = Callable[[int, RequestOutput], None]
@@ -25,10 +26,12 @@ def run_to_completion(
     on_finished: OnFinished,
     on_rejected: OnRejected | None = None,
     on_step: Callable[[Engine], None] | None = None,
+    session: SessionRef | None = None,
 ) -> None:
     """Run prompts[i] with params[i]; on_finished(i, output) as each ends. A prompt the engine
     refuses goes to on_rejected(i, error), or raises where there is none (nothing of it runs).
-    on_step(engine) runs after every step (introspection, tests)."""
+    on_step(engine) runs after every step (introspection, tests). With `session`, every
+    prompt is a turn of that session (engine/sessions.py)."""
     pending = deque(range(len(prompts)))
     running: dict[str, int] = {}
     try:
@@ -36,7 +39,7 @@ def run_to_completion(
             while pending and engine.queue_room() >= params[pending[0]].n:
                 i = pending.popleft()
                 try:
-                    running[engine.add_request(prompts[i], params[i], salt=salt)] = i
+                    running[engine.add_request(prompts[i], params[i], salt=salt, session=session)] = i
                 except InvalidRequest as error:
                     _reject(on_rejected, i, error)
             if pending and params[pending[0]].n > engine.config.max_queue_len:

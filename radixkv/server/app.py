@@ -18,6 +18,7 @@ from radixkv.server.anthropic import routes as anthropic_routes
 from radixkv.server.anthropic.protocol import MessagesRequest
 from radixkv.server.body_limit import LimitBody
 from radixkv.server.cache import routes as cache_routes
+from radixkv.server.cache import session_routes
 from radixkv.server.cache.protocol import (
     CacheFlushRequest,
     CacheLookupRequest,
@@ -71,6 +72,7 @@ def create_app(
     openai_routes.register(app, server)
     responses_routes.register(app, server)
     cache_routes.register(app, server)
+    session_routes.register(app, server)
     anthropic_routes.register(app, server)
     worker_routes.register(app, server)
     document_request_bodies(

@@ -28,6 +28,7 @@ from radixkv.engine.request import (
     RequestOutput,
     SamplingParams,
 )
+from radixkv.engine.sessions import SessionRef
 from radixkv.server.errors import (
     WireNames,
     ENGINE_ERRORS,
@@ -53,11 +54,13 @@ async def submit(
     quotas: KeyQuotas | None = None,
     key: bytes | None = None,
     owner: str | None = None,
+    session: SessionRef | None = None,
     sibling_salts: tuple[str | None, ...] = (),
 ) -> list[RequestStream]:
     """One stream per prompt, or none: if any submission fails, those made are aborted. With
     `quotas`, each request holds a share of `key`'s quota until its stream is done (429 past it);
-    `owner` (Tenants.owner of the key) is whose fair share of the engine's batch each takes."""
+    `owner` (Tenants.owner of the key) is whose fair share of the engine's batch each takes;
+    `session` (server/sessions.py) the owner's session each prompt is a turn of."""
     streams: list[RequestStream] = []
     leases: list[Lease] = []
     if quotas is not None:
@@ -66,7 +69,7 @@ async def submit(
         for prompt in prompts:
             if quotas is not None:
                 leases.append(quotas.acquire(key, 1, params.n))
-            stream = await engine.submit(prompt, params, salt=salt, owner=owner, sibling_salts=sibling_salts)
+            stream = await engine.submit(prompt, params, salt=salt, owner=owner, session=session, sibling_salts=sibling_salts)
             streams.append(stream)
             if quotas is not None:
                 stream.add_done_callback(leases[-1].release)

@@ -128,6 +128,18 @@ def test_serve_passes_the_disk_tier_options_to_the_engine(capsys):
         assert field in capsys.readouterr().err
 
 
+def test_serve_passes_the_session_options_to_the_engine(capsys):
+    from radixkv.cli import main
+
+    # As for the disk tier's: each flag reaches EngineConfig (per key there is per owner).
+    for flag, field in (
+        ("--session-idle-s", "session_idle_s"), ("--max-session-idle-s", "max_session_idle_s"),
+        ("--max-sessions-per-key", "max_sessions_per_owner"), ("--max-session-pages-per-key", "max_session_pages_per_owner"),
+    ):  # fmt: skip
+        assert main(["serve", "--model", "/nonexistent", flag, "0", "--port", "1"]) == 2
+        assert field in capsys.readouterr().err
+
+
 def test_serve_keeps_the_tenant_secret_outside_the_kv_directory(tiny_llama: Path, tmp_path: Path, monkeypatch) -> None:
     """Whoever may read the KV directory's files must not learn the secret every key's cache
     salt is made with: serve keeps it in the radixkv cache folder (or --tenant-secret-file),

@@ -32,6 +32,7 @@ from radixkv.server.errors import (
     engine_error,
     parse_body,
 )
+from radixkv.server.sessions import session_ref
 from radixkv.server.streaming import (
     SSEResponse,
     collect,
@@ -71,8 +72,9 @@ async def _messages(server: AppState, request: Request) -> Response:
     owner = server.tenants.owner(key)  # whose retention cap the breakpoints count against, whose replies splice
     body, conv, prompt, marks, params = await server.parse_slots.run(key, lambda: _prepare(server, raw, owner))
     salt = server.tenants.cache_salt(key, None)  # the same partition as the key's OpenAI calls
+    session = session_ref(request.headers, owner)  # the X-Radixkv-Session header: Anthropic has no field
     streams = await submit(
-        server.engine, server.metrics, [prompt], params, salt, _NAMES, quotas=server.quotas, key=key, owner=owner
+        server.engine, server.metrics, [prompt], params, salt, _NAMES, quotas=server.quotas, key=key, owner=owner, session=session
     )
     ctx = _Context(server, body, conv, prompt, salt, owner, marks)
     # The system field is rendered as the conversation's first message; message[k] counts the

@@ -68,3 +68,26 @@ class UnpinResponse(BaseModel):
     object: Literal["cache.pin"] = "cache.pin"
     pin_id: int
     deleted: bool = True
+
+
+class SessionResponse(BaseModel):
+    """One of the caller's sessions (GET /v1/cache/sessions)."""
+
+    object: Literal["cache.session"] = "cache.session"
+    key: str
+    retained_tokens: int  # the newest turn's full pages' worth of tokens retained now
+    turns: int
+    idle_s: float
+    expires_in_s: float  # from its last activity; a turn running keeps it alive past 0
+    turns_in_flight: int
+
+
+class SessionList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[SessionResponse]
+
+
+class SessionDeleted(BaseModel):
+    object: Literal["cache.session"] = "cache.session"
+    key: str
+    deleted: bool = True

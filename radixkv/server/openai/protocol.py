@@ -30,6 +30,30 @@ MAX_TOP_LOGPROBS = 20
 MAX_GRAMMAR_CHARS = 128 << 10
 # OpenAI's prompt_cache_retention values and how long each keeps a prompt's prefix cached.
 RETENTION_TTL_S = {"in_memory": 3600.0, "24h": 86400.0}
+# prompt_cache_options.ttl and a breakpoint's ttl: the least time a written breakpoint stays.
+PROMPT_CACHE_TTL_S = {"30m": 1800.0, "12h": 43200.0}
+# OpenAI matches up to the latest 80 breakpoints of a conversation (a multi-turn client sends
+# its earlier turns' markers again) and writes up to 4; past 80 a request is refused.
+MAX_MARKED_PARTS = 80
+
+
+class PromptCacheBreakpoint(BaseModel):
+    """OpenAI's prompt_cache_breakpoint on a content part: the prefix up to the part's end."""
+
+    mode: Literal["explicit"]
+    ttl: Literal["30m", "12h"] | None = None  # None: the request's prompt_cache_options.ttl
+
+
+class PromptCacheOptions(BaseModel):
+    """OpenAI's prompt_cache_options: an implicit breakpoint at the prompt's end or only the
+    explicit ones, the least lifetime of what is written, and prewarm (compute and retain the
+    prompt, generate nothing)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    mode: Literal["implicit", "explicit"] = "implicit"
+    ttl: Literal["30m", "12h"] = "30m"
+    prewarm: bool = False
 
 
 class StreamOptions(BaseModel):
@@ -39,6 +63,7 @@ class StreamOptions(BaseModel):
 class TextPart(BaseModel):
     type: Literal["text"]
     text: str
+    prompt_cache_breakpoint: PromptCacheBreakpoint | None = None
 
 
 class FunctionCall(BaseModel):
@@ -123,6 +148,7 @@ class _GenerationRequest(BaseModel):
     # the retention asks that the prompt's prefix stay cached (RETENTION_TTL_S).
     prompt_cache_key: str | None = Field(default=None, max_length=1024)
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    prompt_cache_options: PromptCacheOptions | None = None  # server/openai/prompt_cache.py
     # Token id (as a string, as OpenAI sends it) -> a bias in [-100, 100] added to its logit.
     logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS_TOKENS)
     # vLLM's and SGLang's extensions, which benchmark clients (vLLM's, SGLang's, AIPerf,
@@ -207,6 +233,16 @@ class ChatCompletionRequest(_GenerationRequest):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
 
+    @model_validator(mode="after")
+    def _marked_parts_within_cap(self) -> ChatCompletionRequest:
+        count = sum(1 for m in self.messages if isinstance(m.content, list) for p in m.content if p.prompt_cache_breakpoint)
+        if count > MAX_MARKED_PARTS:
+            raise CapExceeded(
+                f"at most {MAX_MARKED_PARTS} content parts may carry prompt_cache_breakpoint, got {count}",
+                limit=MAX_MARKED_PARTS, param="prompt_cache_breakpoint",
+            )  # fmt: skip
+        return self
+
     def num_logprobs(self) -> int | None:
         """The engine's logprobs: off, or how many most likely tokens to give with each."""
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -252,6 +288,7 @@ class CompletionRequest(_GenerationRequest):
 
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
+    cache_write_tokens: int | None = None  # prompt tokens a breakpoint or prewarm retained anew
 
 
 class Usage(BaseModel):

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
+from radixkv.server.openai.protocol import PromptCacheOptions
 from radixkv.server.request_caps import (
     CAPS,
     check_arguments,
@@ -115,7 +116,8 @@ class ResponsesRequest(_Lenient):
     # OpenAI's caps: 16 pairs, keys of 64 characters, values of 512 (stored and echoed back).
     metadata: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | None = Field(default=None, max_length=16)
     user: str | None = None
-    prompt_cache_key: str | None = None  # recorded by OpenAI, partitions nothing; likewise here
+    prompt_cache_key: str | None = None  # names a session (server/sessions.py); partitions nothing
+    prompt_cache_options: PromptCacheOptions | None = None  # server/openai/prompt_cache.py
     truncation: Literal["auto", "disabled"] | None = None
     # radixkv's own: partitions the prefix cache within the caller's tenant, as on chat.
     cache_salt: str | None = Field(default=None, max_length=1024)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
@@ -40,6 +40,8 @@ from radixkv.server.openai.responses_protocol import (
     response_usage,
 )
 from radixkv.server.openai.responses_store import ResponseStore, conversation_bytes
+from radixkv.server.openai import prompt_cache
+from radixkv.server.sessions import session_ref
 from radixkv.server.streaming import (
     SSEResponse,
     collect,
@@ -66,6 +68,7 @@ class _Turn:
     params: SamplingParams
     names: WireNames
     prompt: list[int]  # stored with the reply's ids, for the next turn to continue from
+    writes: list[prompt_cache.CacheWrite] = field(default_factory=list)  # its prompt_cache breakpoints
 
 
 def register(app: FastAPI, server: AppState, store: ResponseStore | None = None) -> None:
@@ -87,12 +90,19 @@ def register(app: FastAPI, server: AppState, store: ResponseStore | None = None)
             body = parse_body(ResponsesRequest, raw)
             if body.model is not None:
                 server.check_model(body.model)
+            prompt_cache.check_options(body)
             return body, *_prepare(server, store, body, owner)
 
         body, turn, prompt = await server.parse_slots.run(key, prepare)
         salt = server.tenants.cache_salt(key, body.cache_salt)
+        session = session_ref(request.headers, owner, body.prompt_cache_key)
+        writes = turn.writes
+        if body.prompt_cache_options is not None and body.prompt_cache_options.prewarm:
+            done = await prompt_cache.prewarm(server, request, key, [prompt], [writes], salt, owner, turn.names, session)
+            return JSONResponse(_prewarmed(server, body, done).model_dump())
         streams = await submit(
             server.engine, server.metrics, [prompt], turn.params, salt, turn.names, quotas=server.quotas, key=key, owner=owner,
+            session=session,
             sibling_salts=server.tenants.sibling_salts(key, body.cache_salt),
         )
         # message[k] counts the conversation (stored history, then input) as chat messages; the
@@ -101,8 +111,10 @@ def register(app: FastAPI, server: AppState, store: ResponseStore | None = None)
         source = ChatSource(convert.prompt_messages(body, turn.messages), turn.tools, turn.choice, message_offset=offset)
         reporter = CacheReporter(server, key, wanted(body.cache_report, request.headers), [prompt], source)
         if body.stream:
-            return SSEResponse(_events(server, store, turn, streams, reporter), streams, server.limits.stream_send_timeout_s)
+            events = _then_write(_events(server, store, turn, streams, reporter), server, prompt, writes, salt, owner)
+            return SSEResponse(events, streams, server.limits.stream_send_timeout_s)
         finals = await until_disconnect(request, collect(server.metrics, streams, 1), streams)
+        await prompt_cache.write(server, prompt, writes, salt, owner)
         response = _finished(server, turn, finals[0])
         response.cache_report = await reporter.one(finals)
         if body.store:
@@ -146,7 +158,8 @@ def _prepare(server: AppState, store: ResponseStore, body: ResponsesRequest, own
     except InvalidRequest as error:
         raise engine_error(error, names) from None
     params = sampling.responses_params(body, names, guide)
-    return _Turn(body, owner, messages, tools, choice, params, names, prompt), prompt
+    writes = prompt_cache.responses_writes(server, body, history, tools, choice, prompt)
+    return _Turn(body, owner, messages, tools, choice, params, names, prompt, writes), prompt
 
 
 def _skeleton(server: AppState, body: ResponsesRequest) -> ResponseObject:
@@ -170,6 +183,23 @@ def _skeleton(server: AppState, body: ResponsesRequest) -> ResponseObject:
         user=body.user,
         prompt_cache_key=body.prompt_cache_key,
     )
+
+
+def _prewarmed(server: AppState, body: ResponsesRequest, done: prompt_cache.Prewarmed) -> ResponseObject:
+    """A prewarm's Response: completed with no output; usage says the input's tokens, those the
+    cache served, and (cache_write_tokens) those it holds now beyond them."""
+    response = _skeleton(server, body)
+    response.status = "completed"
+    response.usage = response_usage(done.num_prompt_tokens, 0, done.num_cached_tokens, done.num_written_tokens)
+    return response
+
+
+async def _then_write(
+    events: AsyncIterator[str], server: AppState, prompt: list[int], writes: list[prompt_cache.CacheWrite], salt: str | None, owner: str
+) -> AsyncIterator[str]:
+    async for event in events:
+        yield event
+    await prompt_cache.write(server, prompt, writes, salt, owner)
 
 
 def _usage(server: AppState, final: RequestOutput) -> ResponseUsage:

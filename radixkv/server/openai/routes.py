@@ -60,6 +60,9 @@ from radixkv.server.openai.protocol import (
     new_id,
     now_s,
 )
+from radixkv.server.openai import prompt_cache
+from radixkv.server.openai.prompt_cache import CacheWrite
+from radixkv.server.sessions import session_ref
 from radixkv.server.streaming import (
     SSEResponse,
     collect,
@@ -117,22 +120,28 @@ def register(app: FastAPI, server: AppState) -> None:
         raw = await request.body()
         owner = server.tenants.owner(key)
 
-        def prepare() -> tuple[ChatCompletionRequest, _ChatTools, list[int], WireNames, SamplingParams]:
+        def prepare() -> tuple[ChatCompletionRequest, _ChatTools, list[int], WireNames, SamplingParams, list[CacheWrite]]:
             body = parse_body(ChatCompletionRequest, raw)
             _check_request(server, body)
+            prompt_cache.check_options(body)
             tools = _chat_tools(body)
             prompt = chat_prompt(server, [m.as_chat() for m in body.messages], tools.tools, tools.choice, owner=owner)
             guide, guide_param = _chat_guide(body, tools)
             names = sampling.chat_names(body, guide_param)
-            return body, tools, prompt, names, sampling.chat_params(body, names, guide)
+            writes = prompt_cache.chat_writes(server, body, tools.tools, tools.choice, prompt)
+            return body, tools, prompt, names, sampling.chat_params(body, names, guide), writes
 
-        body, tools, prompt, names, params = await server.parse_slots.run(key, prepare)
+        body, tools, prompt, names, params, writes = await server.parse_slots.run(key, prepare)
         salt = server.tenants.cache_salt(key, body.cache_salt)
+        session = session_ref(request.headers, owner, body.prompt_cache_key)
+        if body.prompt_cache_options is not None and body.prompt_cache_options.prewarm:
+            done = await prompt_cache.prewarm(server, request, key, [prompt], [writes], salt, owner, names, session)
+            return JSONResponse(_prewarm_response(server, "chat.completion", "chatcmpl", done))
         streams = await submit(
             server.engine, server.metrics, [prompt], params, salt, names, quotas=server.quotas, key=key, owner=owner,
-            sibling_salts=server.tenants.sibling_salts(key, body.cache_salt),
+            session=session, sibling_salts=server.tenants.sibling_salts(key, body.cache_salt),
         )
-        hints = _CacheHints(server, body, [prompt], salt, owner)
+        hints = _CacheHints(server, body, [prompt], salt, owner, [writes])
         replies = ReplyCollector(server.replies, owner)
         asked = wanted(body.cache_report, request.headers)
         source = ChatSource([m.as_chat() for m in body.messages], tools.tools, tools.choice) if asked else None
@@ -143,8 +152,9 @@ def register(app: FastAPI, server: AppState) -> None:
         finals = await until_disconnect(request, collect(server.metrics, streams, params.n), streams)
         hints.finished(finals)
         replies.finished(finals[0])
-        data = _chat_response(server, texts, body, tools, finals[0]).model_dump()
-        return JSONResponse(_with_report(data, await reporter.one(finals)))
+        response = _chat_response(server, texts, body, tools, finals[0])
+        response.usage.prompt_tokens_details.cache_write_tokens = await hints.written(finals)
+        return JSONResponse(_with_report(response.model_dump(), await reporter.one(finals)))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -156,25 +166,32 @@ def register(app: FastAPI, server: AppState) -> None:
             _check_request(server, body)
             guide, guide_param = _body_guide(body)
             names = sampling.completion_names(guide_param)
+            prompt_cache.check_options(body)
             prompts = completion_prompts(server, body.prompts())
             longest = max(len(p) for p in prompts)
             return body, prompts, names, sampling.completion_params(body, server.engine.max_context_tokens, longest, names, guide)
 
         body, prompts, names, params = await server.parse_slots.run(key, prepare)
+        writes = prompt_cache.implicit_writes(body.prompt_cache_options, prompts)
         salt, owner = server.tenants.cache_salt(key, body.cache_salt), server.tenants.owner(key)
+        session = session_ref(request.headers, owner, body.prompt_cache_key)
+        if body.prompt_cache_options is not None and body.prompt_cache_options.prewarm:
+            done = await prompt_cache.prewarm(server, request, key, prompts, writes, salt, owner, names, session)
+            return JSONResponse(_prewarm_response(server, "text_completion", "cmpl", done))
         streams = await submit(
             server.engine, server.metrics, prompts, params, salt, names, quotas=server.quotas, key=key, owner=owner,
-            sibling_salts=server.tenants.sibling_salts(key, body.cache_salt),
+            session=session, sibling_salts=server.tenants.sibling_salts(key, body.cache_salt),
         )
-        hints = _CacheHints(server, body, prompts, salt, owner)
+        hints = _CacheHints(server, body, prompts, salt, owner, writes)
         reporter = CacheReporter(server, key, wanted(body.cache_report, request.headers), prompts)
         if body.stream:
             events = hints.after(_completion_events(server, texts, body, streams, params.n, reporter))
             return SSEResponse(events, streams, server.limits.stream_send_timeout_s)
         finals = await until_disconnect(request, collect(server.metrics, streams, params.n), streams)
         hints.finished(finals)
-        data = _completion_response(server, texts, body, finals, params.n).model_dump()
-        return JSONResponse(_with_report(data, await reporter.for_prompts(finals)))
+        response = _completion_response(server, texts, body, finals, params.n)
+        response.usage.prompt_tokens_details.cache_write_tokens = await hints.written(finals)
+        return JSONResponse(_with_report(response.model_dump(), await reporter.for_prompts(finals)))
 
 
 def _with_report(data: dict[str, Any], report: Report) -> dict[str, Any]:
@@ -230,18 +247,38 @@ def _body_guide(body: ChatCompletionRequest | CompletionRequest) -> tuple[Guide 
 
 
 class _CacheHints:
-    """prompt_cache_key (recorded: logged with the cache hits it saw; it partitions nothing, as
-    with OpenAI) and prompt_cache_retention, asked of the engine once the prompt is cached."""
+    """prompt_cache_key (it names a session, server/sessions.py, and is logged with the cache
+    hits it saw; it partitions nothing, as with OpenAI) and prompt_cache_retention, asked of
+    the engine once the prompt is cached."""
 
     def __init__(
-        self, server: AppState, body: ChatCompletionRequest | CompletionRequest, prompts: list[list[int]], salt: str | None, owner: str
+        self,
+        server: AppState,
+        body: ChatCompletionRequest | CompletionRequest,
+        prompts: list[list[int]],
+        salt: str | None,
+        owner: str,
+        writes: list[list[CacheWrite]],
     ) -> None:
         self._server, self._body, self._prompts, self._salt, self._owner = server, body, prompts, salt, owner
+        self._writes = writes  # per prompt, the prompt_cache breakpoints it writes
 
     async def after(self, events: AsyncIterator[str]) -> AsyncIterator[str]:
         async for event in events:
             yield event
         self.finished([])
+        await self.written([])  # a streamed usage chunk went out already: retained all the same
+
+    async def written(self, finals: list[RequestOutput]) -> int | None:
+        """Retain every prompt's prompt_cache breakpoints; the prompt tokens they retained
+        beyond what the cache served (OpenAI's cache_write_tokens), None if none were asked."""
+        if not any(self._writes):
+            return None
+        total = 0
+        for i, (prompt, writes) in enumerate(zip(self._prompts, self._writes)):
+            retained = await prompt_cache.write(self._server, prompt, writes, self._salt, self._owner)
+            total += max(0, retained - (finals[i].num_cached_tokens if i < len(finals) else 0))
+        return total
 
     def finished(self, finals: list[RequestOutput]) -> None:
         body = self._body
@@ -260,6 +297,14 @@ def retain_prompt(server: AppState, prompt: list[int], salt: str | None, ttl_s: 
     owner: the API key's Tenants.owner, never its salt, or rotating cache_salt would buy a
     fresh cap per salt."""
     server.engine.call(lambda engine: engine.retain(prompt, salt, ttl_s, owner))
+
+
+def _prewarm_response(server: AppState, object_name: str, id_prefix: str, done: prompt_cache.Prewarmed) -> dict:
+    """A prewarm's answer: no choices; usage says the prompt's tokens, those the cache served,
+    and (cache_write_tokens) those it holds now beyond them."""
+    usage = make_usage(done.num_prompt_tokens, 0, done.num_cached_tokens)
+    usage.prompt_tokens_details.cache_write_tokens = done.num_written_tokens
+    return {"id": new_id(id_prefix), "object": object_name, "created": now_s(), "model": server.model_name, "choices": [], "usage": usage.model_dump()}
 
 
 def _model_card(server: AppState) -> ModelCard:

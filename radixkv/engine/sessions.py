@@ -1,0 +1,338 @@
+"""Sessions: a name an owner gives a conversation (OpenAI's prompt_cache_key, the
+X-Radixkv-Session header) so its newest turn (prompt and reply) stays retained between turns for
+an idle time, is released on request, and is read back from disk as soon as the next turn comes.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+from sortedcontainers import SortedList
+
+from radixkv.errors import InvalidRequest, OwnerCapExceeded
+
+if TYPE_CHECKING:
+    from radixkv.cache.radix import Node
+    from radixkv.engine.kv_manager import KVManager
+    from radixkv.engine.pins import Owner
+    from radixkv.engine.request import RequestOutput, SequenceState
+
+# A session key is the client's own string; bounded so a book entry costs little (OpenAI's
+# prompt_cache_key takes up to this many characters on radixkv's wire too).
+MAX_SESSION_KEY_CHARS = 1024
+
+
+class TailSignals(Protocol):
+    """What sessions tell the eviction order about the paths they held (KVManager's marks, which
+    the `session` eviction policy orders by): a released or idle-expired session's private tail
+    will not be used again (dead); a turn its successor superseded is unlikely to be (cold); a
+    live session's newest turn is about to be (hot). `below_blocks`: the path's first blocks
+    are shared (the session found them cached) and keep their mark. Nothing is evicted here."""
+
+    def mark_dead(self, node: Node, *, below_blocks: int = 0) -> int: ...
+
+    def mark_cold(self, node: Node, *, below_blocks: int = 0) -> int: ...
+
+    def mark_hot(self, node: Node, *, below_blocks: int = 0) -> int: ...
+
+
+class NoSignals:
+    """An eviction order that takes no session signals: every call does nothing."""
+
+    def mark_dead(self, node: Node, *, below_blocks: int = 0) -> int:
+        return 0
+
+    def mark_cold(self, node: Node, *, below_blocks: int = 0) -> int:
+        return 0
+
+    def mark_hot(self, node: Node, *, below_blocks: int = 0) -> int:
+        return 0
+
+
+@dataclass(frozen=True, slots=True)
+class SessionRef:
+    """A request's claim to a session: whose (the API key's owner, never a salt) and which key;
+    `idle_s` overrides EngineConfig.session_idle_s for this turn (at most max_session_idle_s)."""
+
+    owner: Owner
+    key: str
+    idle_s: float | None = None
+
+
+@dataclass(slots=True, eq=False)
+class Session:
+    """One live session: what it retains now and until when."""
+
+    session_id: int
+    owner: Owner
+    key: str
+    salt: str | None
+    idle_s: float
+    created_at_s: float  # on the tree's clock, as every moment here
+    last_active_at_s: float
+    retention_id: int | None = None  # the newest turn's retention; None before a turn finished
+    node: Node | None = None  # the deepest node that retention holds
+    num_retained_tokens: int = 0
+    num_turns: int = 0
+    num_shared_tokens: int | None = None  # what its first turn found cached: shared, never its own
+    in_flight: set[str] = field(default_factory=set)  # request ids of turns not finished yet
+
+    @property
+    def expires_at_s(self) -> float:
+        return self.last_active_at_s + self.idle_s
+
+
+@dataclass(frozen=True, slots=True)
+class SessionInfo:
+    """A session as its owner sees it (GET /v1/cache/sessions)."""
+
+    key: str
+    num_retained_tokens: int
+    num_turns: int
+    idle_s: float
+    expires_in_s: float
+    in_flight: int
+
+
+@dataclass(frozen=True, slots=True)
+class SessionLimits:
+    default_idle_s: float
+    max_idle_s: float
+    max_sessions_per_owner: int
+    max_pages_per_owner: int  # over the owner's sessions
+    max_retained_pages_per_owner: int  # over all the owner's retentions (EngineConfig's, shared)
+
+
+class SessionBook:
+    """Every live session by (owner, key): another owner's key is a different session, and
+    every answer about one (list, release) reads as if it did not exist. A turn's retention
+    goes through KVManager.retain (no lock; retained leaves go last and are written to disk),
+    counted against the owner's retention cap too. Touched only on the engine's thread."""
+
+    def __init__(
+        self,
+        kv: KVManager,
+        limits: SessionLimits,
+        *,
+        chunk_tokens: int,
+        clock: Callable[[], float],
+        signals: TailSignals | None = None,
+    ) -> None:
+        self._kv = kv
+        self.limits = limits
+        self._chunk_tokens = chunk_tokens
+        self._clock = clock
+        self.signals: TailSignals = signals if signals is not None else NoSignals()
+        self._sessions: dict[tuple[Owner, str], Session] = {}
+        self._by_id: dict[int, Session] = {}
+        self._by_owner: dict[Owner, dict[str, Session]] = {}  # insertion order = least recently active first
+        self._by_expiry: SortedList = SortedList()  # (expires_at_s, session_id) of idle sessions
+        self._turns: dict[str, Session] = {}  # request id -> the session its turn belongs to
+        self._ids = itertools.count(1)
+        self.num_resumed = 0  # requests that named a live session
+        self.num_expired = 0
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    # -- a request's turn ----------------------------------------------------------------------
+
+    def check(self, ref: SessionRef) -> float:
+        """InvalidRequest (OwnerCapExceeded past the owner's session count) unless `ref` may
+        start or continue a turn; its idle time. Changes nothing but expiring idle sessions."""
+        if not isinstance(ref.key, str) or not 0 < len(ref.key) <= MAX_SESSION_KEY_CHARS:
+            raise InvalidRequest(
+                f"a session key must be 1 to {MAX_SESSION_KEY_CHARS} characters", param="session", limit=MAX_SESSION_KEY_CHARS
+            )
+        idle_s = self.limits.default_idle_s if ref.idle_s is None else ref.idle_s
+        if isinstance(idle_s, bool) or not isinstance(idle_s, (int, float)) or not 0 < idle_s <= self.limits.max_idle_s:
+            raise InvalidRequest(
+                f"a session's idle time must be a number of seconds in (0, {self.limits.max_idle_s:g}], got {idle_s!r}",
+                param="session_idle_s",
+                limit=int(self.limits.max_idle_s),
+            )
+        self.expire()
+        mine = self._by_owner.get(ref.owner, {})
+        full = ref.key not in mine and len(mine) >= self.limits.max_sessions_per_owner
+        if full and self._idlest(ref.owner) is None:
+            raise OwnerCapExceeded(
+                f"this owner has {len(mine)} live sessions, each with a turn running; each owner (API key) may hold at "
+                f"most {self.limits.max_sessions_per_owner}; retry once a turn ends",
+                param="session",
+                code="session_limit_exceeded",
+                limit=self.limits.max_sessions_per_owner,
+            )
+        return float(idle_s)
+
+    def begin(self, request_id: str, ref: SessionRef, idle_s: float, salt: str | None, seqs: list[SequenceState]) -> None:
+        """Bind a queued request to its session (made now if new). Resuming a session starts
+        reading its disk blocks ahead at once, before the request reaches admission."""
+        now_s = self._clock()
+        session = self._sessions.get((ref.owner, ref.key))
+        if session is None:
+            mine = self._by_owner.get(ref.owner, {})
+            if len(mine) >= self.limits.max_sessions_per_owner:
+                # A session key is a hint clients send unasked (one per conversation): past the
+                # count, the owner's least recently active idle session makes room, as a full
+                # cache would evict it; only an owner whose sessions all run is refused (check).
+                idlest = self._idlest(ref.owner)
+                assert idlest is not None, "check() found one a moment ago"
+                self._end(idlest)
+            session = Session(next(self._ids), ref.owner, ref.key, salt, idle_s, now_s, now_s)
+            self._sessions[(ref.owner, ref.key)] = session
+            self._by_id[session.session_id] = session
+        else:
+            self._unfile(session)
+            self._by_owner[ref.owner].pop(ref.key)
+            self.num_resumed += 1
+            session.salt, session.idle_s, session.last_active_at_s = salt, idle_s, now_s
+            if self._kv.loader is not None:
+                for seq in seqs:
+                    self._kv.load_ready(seq, self._chunk_tokens)  # starts the read-ahead
+        self._by_owner.setdefault(ref.owner, {})[ref.key] = session  # now the most recently active
+        session.in_flight.add(request_id)
+        self._turns[request_id] = session
+
+    def finished(self, output: RequestOutput) -> None:
+        """A request ended with its whole output: its session retains the prompt and the first
+        continuation's reply in place of the previous turn, for the session's idle time."""
+        session = self._turns.pop(output.request_id, None)
+        if session is None:
+            return
+        session.in_flight.discard(output.request_id)
+        if self._sessions.get((session.owner, session.key)) is not session:
+            return  # released while the turn ran: the release stands
+        if session.num_shared_tokens is None:
+            session.num_shared_tokens = output.num_cached_tokens
+        reply = output.outputs[0].token_ids if output.outputs else []
+        self._retain_turn(session, list(output.prompt_token_ids) + list(reply))
+        session.num_turns += 1
+        session.last_active_at_s = self._clock()
+        self._file(session)
+
+    def dropped(self, request_id: str) -> None:
+        """A request left without output to retain (aborted, failed): its session only idles."""
+        session = self._turns.pop(request_id, None)
+        if session is not None:
+            session.in_flight.discard(request_id)
+            if self._sessions.get((session.owner, session.key)) is session:
+                self._unfile(session)
+                self._file(session)
+
+    def _retain_turn(self, session: Session, tokens: list[int]) -> None:
+        tree = self._kv.tree
+        room = self.limits.max_pages_per_owner - sum(
+            s.num_retained_tokens // self._kv.page_size for s in self._by_owner.get(session.owner, {}).values() if s is not session
+        )
+        # Past the owner's session pages, its least recently active sessions give theirs up
+        # first (never another owner's): the newest turn is the one about to be used.
+        for other in list(self._by_owner.get(session.owner, {}).values()):
+            if room * self._kv.page_size >= len(tokens) or other is session:
+                break
+            room += other.num_retained_tokens // self._kv.page_size
+            self._drop_retention(other, dead=True)
+        # Trimmed to the sessions' room here; the retention cap passed on is the owner's own over
+        # all its retentions, so the owner's other retentions are not released to fit the room.
+        tokens = tokens[: max(0, room) * self._kv.page_size]
+        previous = (session.retention_id, session.node)
+        cap = self.limits.max_retained_pages_per_owner
+        num_tokens = self._kv.retain(tokens, session.salt, session.idle_s, session.owner, cap) if tokens else 0
+        retention = tree.retentions(session.owner)[-1] if num_tokens else None
+        session.retention_id = retention.retention_id if retention is not None else None
+        session.node = retention.node if retention is not None else None
+        session.num_retained_tokens = num_tokens
+        old_id, old_node = previous
+        if old_id is not None and old_id != session.retention_id:
+            tree.release(old_id)  # already gone where the new turn's retention covers it
+            if old_node is not None and not _on_path(old_node, session.node):
+                self.signals.mark_cold(old_node, below_blocks=self._shared_blocks(session))  # what the new turn does not continue
+        if session.node is not None:
+            self.signals.mark_hot(session.node, below_blocks=self._shared_blocks(session))
+
+    # -- the owner's calls ---------------------------------------------------------------------
+
+    def release(self, owner: Owner, key: str) -> bool:
+        """End `owner`'s session `key` now; False if there is none (another owner's included)."""
+        self.expire()
+        session = self._sessions.get((owner, key))
+        if session is None:
+            return False
+        self._end(session)
+        return True
+
+    def of_owner(self, owner: Owner) -> list[SessionInfo]:
+        """`owner`'s live sessions, least recently active first."""
+        self.expire()
+        now_s = self._clock()
+        return [
+            SessionInfo(s.key, self._live_tokens(s), s.num_turns, s.idle_s, max(0.0, s.expires_at_s - now_s), len(s.in_flight))
+            for s in self._by_owner.get(owner, {}).values()
+        ]
+
+    def get(self, owner: Owner, key: str) -> Session | None:
+        self.expire()
+        return self._sessions.get((owner, key))
+
+    def expire(self) -> int:
+        """End every session idle past its time (none with a turn in flight); how many did."""
+        now_s = self._clock()
+        ended = 0
+        while self._by_expiry and self._by_expiry[0][0] <= now_s:
+            _, session_id = self._by_expiry.pop(0)
+            session = self._by_id.get(session_id)
+            if session is not None:
+                self._end(session)
+                self.num_expired += 1
+                ended += 1
+        return ended
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _shared_blocks(self, session: Session) -> int:
+        return (session.num_shared_tokens or 0) // self._kv.page_size
+
+    def _idlest(self, owner: Owner) -> Session | None:
+        """The owner's least recently active session with no turn running; None if none."""
+        return next((s for s in self._by_owner.get(owner, {}).values() if not s.in_flight), None)
+
+    def _live_tokens(self, session: Session) -> int:
+        if session.retention_id is None or self._kv.tree.retention(session.retention_id) is None:
+            return 0  # the owner's other retentions or the caps took it
+        return session.num_retained_tokens
+
+    def _end(self, session: Session) -> None:
+        self._unfile(session)
+        self._drop_retention(session, dead=True)
+        del self._sessions[(session.owner, session.key)]
+        del self._by_id[session.session_id]
+        mine = self._by_owner[session.owner]
+        del mine[session.key]
+        if not mine:
+            del self._by_owner[session.owner]
+
+    def _drop_retention(self, session: Session, *, dead: bool) -> None:
+        if session.retention_id is not None:
+            self._kv.tree.release(session.retention_id)
+        if session.node is not None and dead:
+            self.signals.mark_dead(session.node, below_blocks=self._shared_blocks(session))
+        session.retention_id, session.node, session.num_retained_tokens = None, None, 0
+
+    def _file(self, session: Session) -> None:
+        if not session.in_flight:
+            self._by_expiry.add((session.expires_at_s, session.session_id))
+
+    def _unfile(self, session: Session) -> None:
+        self._by_expiry.discard((session.expires_at_s, session.session_id))
+
+
+def _on_path(node: Node, deepest: Node | None) -> bool:
+    """Whether `node` is `deepest` or one of its ancestors (the new turn continues it)."""
+    current = deepest
+    while current is not None:
+        if current is node:
+            return True
+        current = current.parent
+    return False
