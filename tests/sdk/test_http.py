@@ -10,8 +10,9 @@ import pytest
 from radixkv import SamplingParams
 from radixkv.sdk import GenerationError, HTTPBackend, PromptTemplate, Session, as_backend, generate_all, pin, run_batch
 
-from tests.helpers.live_server import KEY_A, KEY_B
-from tests.helpers.sdk import EXAMPLES, PAGE_SIZE, five_shot, make_sdk_llm, rows
+from radixkv.server.limits import ServerLimits
+from tests.helpers.live_server import KEY_A, KEY_B, make_async_engine, serve
+from tests.helpers.sdk import EXAMPLES, NUM_PAGES, PAGE_SIZE, five_shot, make_sdk_llm, rows
 
 PARAMS = SamplingParams(max_tokens=6)
 
@@ -58,20 +59,25 @@ def test_a_bad_row_fails_alone_over_http(live_server):
     assert results[1].error.startswith("HTTP 400") and "maximum context length" in results[1].error
 
 
-def test_sessions_and_forks_over_http_match_in_process(live_server, tiny_llama):
+def _converse(backend, system: str, branches: list[str]):
+    session = Session(backend, system=system)
+    first = session.user("Question: what is the capital of France?").generate(PARAMS)
+    forks = session.fork(len(branches))
+    for fork, branch in zip(forks, branches):
+        fork.user(branch)
+    return first, generate_all(forks, PARAMS), forks
+
+
+def test_sessions_and_forks_over_http_match_in_process(tiny_llama):
+    """In process a session re-renders its earlier replies from their text, as a server with
+    exact continuation off does (on, the server puts back the ids a reply was generated as, which
+    the tiny model's byte-token replies do not re-tokenize to: tests/server/test_continuation.py)."""
     system = "You are a helpful assistant (http session). " * 3
     branches = ["What is the capital of France?", "The quick brown fox?", "Prefix caching?"]
-
-    def converse(backend):
-        session = Session(backend, system=system)
-        first = session.user("Question: what is the capital of France?").generate(PARAMS)
-        forks = session.fork(len(branches))
-        for fork, branch in zip(forks, branches):
-            fork.user(branch)
-        return first, generate_all(forks, PARAMS), forks
-
-    first_local, replies_local, _ = converse(make_sdk_llm(tiny_llama))
-    first_http, replies_http, forks = converse(live_server.client())
+    first_local, replies_local, _ = _converse(make_sdk_llm(tiny_llama), system, branches)
+    engine = make_async_engine(tiny_llama, page_size=PAGE_SIZE, num_pages=NUM_PAGES, seed=0)
+    with serve(engine, limits=ServerLimits(exact_continuation=False)) as server:
+        first_http, replies_http, forks = _converse(server.client(), system, branches)
     assert first_http.text == first_local.text
     assert [r.text for r in replies_http] == [r.text for r in replies_local]
     assert all(r.num_cached_tokens >= first_http.num_prompt_tokens // PAGE_SIZE * PAGE_SIZE for r in replies_http)
