@@ -73,6 +73,15 @@ def main(argv: list[str] | None = None) -> int:
     serving.add_argument(
         "--max-stored-response-bytes-per-key", type=int, default=None, help="bytes of stored Responses one key may keep (default 64 MiB)"
     )
+    serving.add_argument(
+        "--no-exact-continuation", dest="exact_continuation", action="store_false", default=None,
+        help="re-render earlier replies from their text instead of putting back the ids they were generated as",
+    )
+    serving.add_argument("--max-replies-per-key", type=int, default=None, help="replies one key's exact-continuation map keeps (default 4096)")
+    serving.add_argument("--max-reply-tokens-per-key", type=int, default=None, help="token ids of those replies one key keeps (default 1 Mi)")
+    serving.add_argument(
+        "--eviction-policy", default=None, help="slru (default: session marks honoured), lru, or session (EngineConfig.eviction_policy)"
+    )
     serving.add_argument("--pin-ttl-s", type=float, default=None, help="seconds a pin lasts unless unpinned; 0: forever (default 3600)")
     serving.add_argument(
         "--session-idle-s", type=float, default=None,
@@ -230,6 +239,7 @@ def serve(args: argparse.Namespace) -> int:
             kv_disk_bytes=args.kv_disk_bytes,
             **_given(args, "kv_disk_prefetch_bytes", "kv_disk_retained_bytes_per_owner"),
             **_session_options(args),
+            **({"eviction_policy": args.eviction_policy} if args.eviction_policy is not None else {}),
             **_pin_options(args),
             kv_events_endpoint=args.kv_events,
             kv_events_replay_endpoint=args.kv_events_replay,
@@ -297,6 +307,9 @@ def _server_limits(args: argparse.Namespace, *, keyless_remote: bool) -> ServerL
         "max_connections": args.max_connections,
         "header_read_timeout_s": args.header_read_timeout_s,
         "body_read_timeout_s": args.body_read_timeout_s,
+        "exact_continuation": args.exact_continuation,
+        "max_replies_per_key": args.max_replies_per_key,
+        "max_reply_tokens_per_key": args.max_reply_tokens_per_key,
     }
     options: dict = {name: value for name, value in given.items() if value is not None}
     # Served beyond loopback without a key, the operator chose an open server: any Host name.

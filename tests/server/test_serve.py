@@ -128,6 +128,29 @@ def test_serve_passes_the_disk_tier_options_to_the_engine(capsys):
         assert field in capsys.readouterr().err
 
 
+def test_serve_passes_the_continuation_and_eviction_options(capsys, monkeypatch):
+    from radixkv import cli
+    from radixkv.cli import main
+    from radixkv.errors import ConfigError
+
+    for flag, value, field in (
+        ("--max-replies-per-key", "0", "max_replies_per_key"), ("--max-reply-tokens-per-key", "0", "max_reply_tokens_per_key"),
+        ("--eviction-policy", "mru", "eviction_policy"),
+    ):  # fmt: skip
+        assert main(["serve", "--model", "/nonexistent", flag, value, "--port", "1"]) == 2
+        assert field in capsys.readouterr().err
+    limits, server_limits = [], cli._server_limits
+
+    def spy(args, **options):  # the limits serve would run with, then stop before loading
+        limits.append(server_limits(args, **options))
+        raise ConfigError("stop here", param="test")
+
+    monkeypatch.setattr(cli, "_server_limits", spy)
+    for extra in (["--no-exact-continuation"], []):
+        assert main(["serve", "--model", "/nonexistent", "--port", "1", *extra]) == 2
+    assert [limit.exact_continuation for limit in limits] == [False, True]
+
+
 def test_serve_passes_the_session_options_to_the_engine(capsys):
     from radixkv.cli import main
 
