@@ -27,7 +27,7 @@ MAX_SESSION_KEY_CHARS = 1024
 
 class TailSignals(Protocol):
     """What sessions tell the eviction order about the paths they held (KVManager's marks, which
-    the `session` eviction policy orders by): a released or idle-expired session's private tail
+    the `slru` and `session` eviction policies order by): a released or idle-expired session's private tail
     will not be used again (dead); a turn its successor superseded is unlikely to be (cold); a
     live session's newest turn is about to be (hot). `below_blocks`: the path's first blocks
     are shared (the session found them cached) and keep their mark. Nothing is evicted here."""
