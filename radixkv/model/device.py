@@ -2,9 +2,12 @@
 
 `auto` picks CUDA when present, and bf16 where the hardware computes it natively (CUDA with bf16
 support; CPUs with AMX, AVX512_BF16 or aarch64 bf16); elsewhere fp32, since there bf16 is emulated.
+RADIXKV_AUTO_DTYPE, when set, is what `auto` means instead, so one machine can run every path.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -50,9 +53,26 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
             raise ConfigError(f"dtype must be one of {DTYPES}, got {dtype!r}")
         return dtype
     if dtype == "auto":
+        if forced := auto_dtype_override():
+            return _DTYPES[forced]
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
     if dtype not in _DTYPES:
         raise ConfigError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     return _DTYPES[dtype]
+
+
+# Why an environment variable: "auto" is the default in every config, server worker and scenario
+# subprocess, and the suite must run both dtypes on whichever CPU CI draws (tests/README.md).
+AUTO_DTYPE_ENV = "RADIXKV_AUTO_DTYPE"
+
+
+def auto_dtype_override() -> str | None:
+    """The dtype RADIXKV_AUTO_DTYPE makes `auto` mean (one of DTYPES but auto), or None when unset."""
+    value = os.environ.get(AUTO_DTYPE_ENV, "").strip()
+    if not value:
+        return None
+    if value not in _DTYPES:
+        raise ConfigError(f"{AUTO_DTYPE_ENV} must be one of {tuple(_DTYPES)}, got {value!r}")
+    return value

@@ -15,15 +15,33 @@ CPU = torch.device("cpu")
 
 @pytest.mark.parametrize(("native_bf16", "expected"), [(True, torch.bfloat16), (False, torch.float32)])
 def test_auto_dtype_on_cpu_follows_native_bf16(monkeypatch, native_bf16, expected):
+    monkeypatch.delenv(device_module.AUTO_DTYPE_ENV, raising=False)
     monkeypatch.setattr(device_module, "cpu_has_native_bf16", lambda: native_bf16)
     assert resolve_dtype("auto", CPU) == expected
 
 
 def test_auto_dtype_on_cuda_is_bf16_where_supported(monkeypatch):
+    monkeypatch.delenv(device_module.AUTO_DTYPE_ENV, raising=False)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
     assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
     assert resolve_dtype("auto", torch.device("cuda")) == torch.float16
+
+
+@pytest.mark.parametrize("forced", ["float32", "bfloat16"])
+@pytest.mark.parametrize("native_bf16", [True, False])
+def test_auto_dtype_env_overrides_the_cpus_choice(monkeypatch, forced, native_bf16):
+    """The suite runs both dtypes on any CPU through RADIXKV_AUTO_DTYPE; explicit names ignore it."""
+    monkeypatch.setattr(device_module, "cpu_has_native_bf16", lambda: native_bf16)
+    monkeypatch.setenv(device_module.AUTO_DTYPE_ENV, forced)
+    assert resolve_dtype("auto", CPU) == getattr(torch, forced)
+    assert resolve_dtype("float16", CPU) == torch.float16
+
+
+def test_auto_dtype_env_rejects_unknown_names(monkeypatch):
+    monkeypatch.setenv(device_module.AUTO_DTYPE_ENV, "int8")
+    with pytest.raises(ConfigError, match="RADIXKV_AUTO_DTYPE"):
+        resolve_dtype("auto", CPU)
 
 
 @pytest.mark.parametrize(
