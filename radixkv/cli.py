@@ -80,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     serving.add_argument("--max-replies-per-key", type=int, default=None, help="replies one key's exact-continuation map keeps (default 4096)")
     serving.add_argument("--max-reply-tokens-per-key", type=int, default=None, help="token ids of those replies one key keeps (default 1 Mi)")
     serving.add_argument(
+        "--max-spliced-replies", type=int, default=None, help="earlier replies one prompt gets back as their generated ids (default 64; 0: none)"
+    )
+    serving.add_argument(
         "--eviction-policy", default=None, help="slru (default: session marks honoured), lru, or session (EngineConfig.eviction_policy)"
     )
     serving.add_argument("--pin-ttl-s", type=float, default=None, help="seconds a pin lasts unless unpinned; 0: forever (default 3600)")
@@ -310,6 +313,7 @@ def _server_limits(args: argparse.Namespace, *, keyless_remote: bool) -> ServerL
         "exact_continuation": args.exact_continuation,
         "max_replies_per_key": args.max_replies_per_key,
         "max_reply_tokens_per_key": args.max_reply_tokens_per_key,
+        "max_spliced_replies": args.max_spliced_replies,
     }
     options: dict = {name: value for name, value in given.items() if value is not None}
     # Served beyond loopback without a key, the operator chose an open server: any Host name.

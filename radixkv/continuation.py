@@ -5,7 +5,10 @@ around them. Owns the checks that make a splice safe; knows nothing of owners or
 
 from __future__ import annotations
 
+import re
+import secrets
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from radixkv.errors import InvalidRequest
@@ -14,8 +17,30 @@ from radixkv.prompts import tokenize_rendered
 Message = Mapping[str, Any]
 Render = Callable[[list[dict[str, Any]]], str]  # messages -> the chat template's text
 
-# Private-use characters around a counter: no template treats them, no reply holds them.
-_MARKER = "\ue000radixkv-reply-{}\ue001"
+# Replies spliced into one prompt when the caller names no cap (the server's is ServerLimits').
+DEFAULT_MAX_SPLICED_REPLIES = 64
+# A marker stands in for a reply in one rendering. The nonce is per process and never leaves
+# it, so no message a client writes can hold a marker: a forged one can neither break a splice
+# (a marker seen twice) nor place ids where the client chose.
+_NONCE = secrets.token_hex(16)
+_MARKER_RE = re.compile(f"\ue000radixkv-{_NONCE}-(\\d+)\ue001")
+
+
+def _marker(tag: object) -> str:
+    return f"\ue000radixkv-{_NONCE}-{tag}\ue001"
+
+
+@dataclass(frozen=True, slots=True)
+class Rendered:
+    """A conversation's plain prompt: the template's text and its token ids."""
+
+    text: str
+    token_ids: list[int]
+
+
+def render_plain(tokenizer: Any, render: Render, messages: Sequence[Message]) -> Rendered:
+    text = render(list(messages))
+    return Rendered(text, tokenize_rendered(tokenizer, text))
 
 
 def decode_exact(tokenizer: Any, token_ids: Sequence[int]) -> str:
@@ -23,66 +48,114 @@ def decode_exact(tokenizer: Any, token_ids: Sequence[int]) -> str:
     return tokenizer.decode(list(token_ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
 
+def decodes_to(tokenizer: Any, token_ids: Sequence[int], text: str) -> bool:
+    """Whether `token_ids` are exactly `text`'s bytes. Decoding replaces bytes that are not
+    UTF-8 with U+FFFD, so a text holding one cannot vouch for the bytes behind it: refused."""
+    return "\ufffd" not in text and decode_exact(tokenizer, token_ids) == text
+
+
 def reply_ids(tokenizer: Any, text: str, token_ids: Sequence[int]) -> list[int] | None:
     """The generated ids that decode to exactly `text` (the reply as a client sees it): all of
     them, or all but an end token the text leaves out; None when neither does (a stop string
-    cut the text, or the text was parsed into tool calls)."""
+    cut the text, the text was parsed into tool calls, or it holds U+FFFD: decodes_to)."""
     if not text:
         return None
     for end in (len(token_ids), len(token_ids) - 1):
-        if end > 0 and decode_exact(tokenizer, token_ids[:end]) == text:
+        if end > 0 and decodes_to(tokenizer, token_ids[:end], text):
             return list(token_ids[:end])
     return None
 
 
 def splice_replies(
-    tokenizer: Any, render: Render, messages: Sequence[Message], lookup: Callable[[str], list[int] | None]
+    tokenizer: Any,
+    render: Render,
+    messages: Sequence[Message],
+    lookup: Callable[[str], list[int] | None],
+    *,
+    plain: Rendered | None = None,
+    max_replies: int = DEFAULT_MAX_SPLICED_REPLIES,
 ) -> list[int] | None:
-    """Prompt ids of `messages` with each assistant reply that `lookup` knows (text -> ids that
-    decode to it) put back as its generated ids, and every other character tokenized as the
-    template renders it; None when no reply can be put back safely. A reply goes back only where
-    the template prints it verbatim and the text around it does not depend on it (a template
-    that drops earlier reasoning fails that), and the whole result must decode to what the
-    plain prompt decodes to."""
-    found = {
-        i: ids
-        for i, m in enumerate(messages)
-        if m.get("role") == "assistant" and not m.get("tool_calls") and isinstance(m.get("content"), str)
-        and m["content"] and (ids := lookup(m["content"])) is not None
-    }  # fmt: skip
+    """Prompt ids of `messages` with the first `max_replies` assistant replies that `lookup`
+    knows (text -> ids that decode to it) put back as their generated ids, and every other
+    character tokenized as the template renders it; None when no reply can be put back safely.
+    A reply goes back only where the template prints it verbatim, with the same text around it
+    as around a marker in its place (a template that drops an earlier turn's reasoning keeps the
+    other replies), and the whole result must decode to what the plain prompt decodes to.
+    Renders twice at most (the plain prompt, unless given, and once with markers), however many
+    replies there are, so a long conversation costs linear time."""
+    found = _known_replies(messages, lookup, max_replies)
     if not found:
         return None
-    plain = render(list(messages))
-    spliced = _splice(tokenizer, render, messages, plain, found)
-    if spliced is None and len(found) > 1:
-        # Some replies are rewritten (an earlier turn's reasoning dropped): keep the others.
-        kept = {i: ids for i, ids in found.items() if _splice(tokenizer, render, messages, plain, {i: ids}) is not None}
-        spliced = _splice(tokenizer, render, messages, plain, kept) if kept else None
-    if spliced is None:
-        return None
-    if decode_exact(tokenizer, spliced) != decode_exact(tokenizer, tokenize_rendered(tokenizer, plain)):
+    plain = plain or render_plain(tokenizer, render, messages)
+    spliced = _splice(tokenizer, render, messages, plain.text, found)
+    if spliced is None or decode_exact(tokenizer, spliced) != decode_exact(tokenizer, plain.token_ids):
         return None
     return spliced
 
 
-def _splice(tokenizer: Any, render: Render, messages: Sequence[Message], plain: str, replies: dict[int, list[int]]) -> list[int] | None:
-    markers = {i: _MARKER.format(i) for i in replies}
-    marked = _render_or_none(render, [{**m, "content": markers[i]} if i in markers else dict(m) for i, m in enumerate(messages)])
-    if marked is None:
-        return None
-    if any(marked.count(marker) != 1 for marker in markers.values()):
-        return None
-    restored = marked
-    for i, marker in markers.items():
-        restored = restored.replace(marker, messages[i]["content"])
-    if restored != plain:
+def _known_replies(messages: Sequence[Message], lookup: Callable[[str], list[int] | None], max_replies: int) -> dict[int, list[int]]:
+    """Message index -> generated ids of the first `max_replies` plain-text assistant replies
+    `lookup` knows. The earliest: each turn then splices the same ones as the turn before, so
+    what that turn computed stays the prefix."""
+    found: dict[int, list[int]] = {}
+    for i, m in enumerate(messages):
+        if len(found) >= max_replies:
+            break
+        content = m.get("content")
+        if m.get("role") == "assistant" and not m.get("tool_calls") and isinstance(content, str) and content:
+            if (ids := lookup(content)) is not None:
+                found[i] = ids
+    return found
+
+
+def _splice(tokenizer: Any, render: Render, messages: Sequence[Message], plain: str, found: dict[int, list[int]]) -> list[int] | None:
+    """`plain` tokenized, with each reply in `found` that the template printed verbatim as its
+    ids; None when none was, or the text around the markers is not the plain rendering's (the
+    template changed it for a reply's text)."""
+    marked = _render_or_none(render, [{**m, "content": _marker(i)} if i in found else dict(m) for i, m in enumerate(messages)])
+    pieces = None if marked is None else _pieces(marked, found)
+    if pieces is None or not plain.startswith(pieces[0]):
         return None
     out: list[int] = []
-    rest = marked
-    for i in sorted(markers, key=lambda k: marked.index(markers[k])):
-        before, rest = rest.split(markers[i], 1)
-        out += _tokens(tokenizer, before) + replies[i]
-    return out + _tokens(tokenizer, rest)
+    start = 0  # plain text not yet tokenized starts here
+    pos = len(pieces[0])  # where the next reply is in plain
+    for n, (i, after) in enumerate(pieces[1]):
+        last = n == len(pieces[1]) - 1
+        content = messages[i]["content"]
+        if _fits(plain, pos, content + after, last):
+            out += _tokens(tokenizer, plain[start:pos]) + found[i]
+            start = pos + len(content)
+            pos = start + len(after)
+        elif (at := _find(plain, pos, after, last)) is not None:
+            pos = at + len(after)  # the template rewrote this reply: its text stays plain
+        else:
+            return None
+    if start == 0 or pos != len(plain):
+        return None
+    return out + _tokens(tokenizer, plain[start:])
+
+
+def _pieces(marked: str, indices: Mapping[int, object]) -> tuple[str, list[tuple[int, str]]] | None:
+    """The marked rendering cut at its markers, in one pass: the text before the first, then
+    each marker's message index with the text after it up to the next marker; None unless
+    every marker shows exactly once."""
+    cuts = list(_MARKER_RE.finditer(marked))
+    order = [int(cut.group(1)) for cut in cuts]
+    if len(order) != len(indices) or set(order) != set(indices):
+        return None
+    ends = [cut.start() for cut in cuts[1:]] + [len(marked)]
+    return marked[: cuts[0].start()], [(i, marked[cut.end() : end]) for i, cut, end in zip(order, cuts, ends)]
+
+
+def _fits(plain: str, pos: int, text: str, last: bool) -> bool:
+    # The last reply's text runs to the prompt's end; any other's up to the next reply.
+    return plain.startswith(text, pos) and (not last or pos + len(text) == len(plain))
+
+
+def _find(plain: str, pos: int, after: str, last: bool) -> int | None:
+    """Where the text after a rewritten reply starts in `plain`, at or past `pos`."""
+    at = len(plain) - len(after) if last else plain.find(after, pos)
+    return at if at >= pos and plain.startswith(after, at) else None
 
 
 def continue_after(
@@ -95,14 +168,14 @@ def continue_after(
     re-rendered, so a template that rewrites them (drops reasoning) still continues exactly.
     None when the reply is not plain text that those ids decode to, or the template's text
     after it cannot be told apart from the reply itself."""
-    marker = _MARKER.format("end")
+    marker = _marker("end")
     if not 0 <= reply_index < len(messages) or not 0 < num_reply_tokens <= len(prefix_ids):
         return None
     reply = messages[reply_index]
     content = reply.get("content")
     if reply.get("role") != "assistant" or reply.get("tool_calls") or not isinstance(content, str):
         return None
-    if decode_exact(tokenizer, prefix_ids[len(prefix_ids) - num_reply_tokens :]) != content:
+    if not decodes_to(tokenizer, prefix_ids[len(prefix_ids) - num_reply_tokens :], content):
         return None
     marked = _render_or_none(render, [{**m, "content": content + marker} if i == reply_index else dict(m) for i, m in enumerate(messages)])
     if marked is None or marked.count(marker) != 1 or marked.replace(marker, "") != render(list(messages)):

@@ -136,10 +136,11 @@ def run_arm(server: Any, state: Any, arm: Arm, args: argparse.Namespace) -> None
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=3600)
     salt = f"{arm.template}-{arm.api}-{'on' if arm.continuation else 'off'}"
     tokenizer, owner = state.engine.tokenizer, state.tenants.owner(None)
+    partition = state.tenants.cache_salt(None, salt)  # where the server keeps the arm's replies
 
     def generated(text: str) -> list[int] | None:
         # The chat map knows the ids a reply was generated as (continuation on, chat only).
-        return None if state.replies is None else state.replies.get(owner, text)
+        return None if state.replies is None else state.replies.get(owner, text, salt=partition)
 
     threads = [
         threading.Thread(target=run_conversation, args=(client, tokenizer, generated, arm, c, args, salt)) for c in range(args.conversations)

@@ -146,3 +146,90 @@ def test_continue_after_refuses_ids_that_are_not_the_reply(tokenizer):
 
 def _contains(ids: list[int], part: list[int]) -> bool:
     return any(ids[i : i + len(part)] == part for i in range(len(ids) - len(part) + 1))
+
+
+# -- cost and forgery ---------------------------------------------------------------------------
+
+
+class CountingTokenizer:
+    """The tokenizer, counting the characters it is asked to tokenize."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer, self.characters = tokenizer, 0
+
+    def __call__(self, text: str, **kwargs: Any) -> Any:
+        self.characters += len(text)
+        return self.tokenizer(text, **kwargs)
+
+    def decode(self, *args: Any, **kwargs: Any) -> str:
+        return self.tokenizer.decode(*args, **kwargs)
+
+
+def long_conversation(tokenizer: Any, num_replies: int, forged: str) -> tuple[list[dict[str, Any]], dict[str, list[int]]]:
+    """`num_replies` turns whose replies are all known as ids their text does not re-tokenize
+    to, then a user message carrying `forged` (text that imitates a splice marker)."""
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "You are terse."}]
+    known = {}
+    for k in range(num_replies):
+        reply = f"Answer {k}: seven times {k} is {7 * k}."
+        messages += [{"role": "user", "content": f"What is seven times {k}?"}, {"role": "assistant", "content": reply}]
+        known[reply] = by_characters(tokenizer, reply)
+    return messages + [{"role": "user", "content": forged}], known
+
+
+# Today's marker format and the shape of a nonce one, for every reply's index: text a client can send.
+FORGED = "".join(f"\ue000radixkv-reply-{2 * k + 2}\ue001 \ue000radixkv-{'0' * 32}-{2 * k + 2}\ue001" for k in range(120))
+
+
+def test_many_replies_and_a_forged_marker_cost_two_renders_and_linear_tokenizing(tokenizer):
+    messages, known = long_conversation(tokenizer, 100, FORGED)
+    render = render_with(tokenizer)
+    renders = []
+
+    def counting_render(ms: list[dict[str, Any]]) -> str:
+        renders.append(len(ms))
+        return render(ms)
+
+    counting = CountingTokenizer(tokenizer)
+    spliced = splice_replies(counting, counting_render, messages, known.get)
+    plain_text = render(messages)
+    # Two renderings (plain, marked) and each character tokenized at most twice, however many
+    # replies: a retry per reply re-rendered and re-tokenized the conversation each time.
+    assert len(renders) == 2
+    assert counting.characters <= 2 * len(plain_text)
+    # The forged markers neither broke the splice nor moved it: the first 64 replies (the
+    # default cap) went back as their ids, the rest as text, and the prompt is the same text.
+    assert spliced is not None
+    assert decode_exact(tokenizer, spliced) == decode_exact(tokenizer, tokenize_rendered(tokenizer, plain_text))
+    replies = [m["content"] for m in messages if m["role"] == "assistant"]
+    assert all(_contains(spliced, known[r]) for r in replies[:64]) and not any(_contains(spliced, known[r]) for r in replies[64:])
+
+
+def test_a_splice_looks_up_at_most_max_replies(tokenizer):
+    messages, known = long_conversation(tokenizer, 10, "Thanks.")
+    looked_up = []
+
+    def lookup(text: str) -> list[int] | None:
+        looked_up.append(text)
+        return known.get(text)
+
+    spliced = splice_replies(tokenizer, render_with(tokenizer), messages, lookup, max_replies=3)
+    replies = [m["content"] for m in messages if m["role"] == "assistant"]
+    assert looked_up == replies[:3]
+    assert spliced is not None and _contains(spliced, known[replies[2]]) and not _contains(spliced, known[replies[3]])
+    assert splice_replies(tokenizer, render_with(tokenizer), messages, lookup, max_replies=0) is None
+
+
+def test_text_with_a_replacement_character_vouches_for_no_ids(tokenizer):
+    # Two lone lead bytes, no UTF-8 (0xC3, 0xC4 as byte-level pieces): both decode to U+FFFD,
+    # so the text a client sees cannot say which bytes were generated.
+    lone = [tokenizer.convert_tokens_to_ids(piece) for piece in ("Ã", "Ä")]
+    assert len(set(lone)) == 2 and all(decode_exact(tokenizer, [i]) == "\ufffd" for i in lone)
+    prefix = tokenizer("Sure: ", add_special_tokens=False).input_ids
+    for byte_id in lone:
+        assert reply_ids(tokenizer, "Sure: \ufffd", prefix + [byte_id]) is None
+    # Not even the ids of a real U+FFFD: the decoded text cannot tell them from a lone byte's.
+    assert reply_ids(tokenizer, "\ufffd", tokenizer("\ufffd", add_special_tokens=False).input_ids) is None
+    render = render_with(tokenizer)
+    stored = tokenize_rendered(tokenizer, render(conversation()[:2])) + prefix + lone[:1]
+    assert continue_after(tokenizer, render, conversation("Sure: \ufffd"), 2, stored, len(prefix) + 1) is None

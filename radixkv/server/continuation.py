@@ -1,7 +1,8 @@
-"""Stateless exact continuation for chat and Messages: per API key's owner (Tenants.owner), a
-bounded LRU map from a reply's exact text to the ids it was generated as, filled when a reply
-finishes and read when the same text comes back as an assistant message (radixkv.continuation
-splices the ids in). One owner's replies are invisible to, and never pushed out by, another's.
+"""Stateless exact continuation for chat and Messages: per API key's owner (Tenants.owner) and
+cache partition (salt), a bounded LRU map from a reply's exact text to the ids it was generated
+as, filled when a reply finishes and read when the same text comes back as an assistant message
+(radixkv.continuation splices the ids in). One owner's replies are invisible to, and never
+pushed out by, another's; one partition's are never spliced in another.
 """
 
 from __future__ import annotations
@@ -14,15 +15,20 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixkv.continuation import decode_exact, reply_ids, splice_replies
+from radixkv.continuation import DEFAULT_MAX_SPLICED_REPLIES, decodes_to, render_plain, reply_ids, splice_replies
 from radixkv.engine.request import RequestOutput
 from radixkv.server import tools as tool_layer
 
 
-def _key(text: str) -> bytes:
+def _key(salt: str | None, text: str) -> bytes:
     # A digest keeps the map small; a hit is still checked by decoding its ids (ReplyMap.get),
-    # so a collision costs a miss, never a wrong prompt.
-    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+    # so a collision costs a miss, never a wrong prompt. The salt goes in length-prefixed, with
+    # None apart from "" (as the cache's partitions are), so no text reads as another salt's.
+    digest = hashlib.blake2b(digest_size=16)
+    salt_bytes = b"" if salt is None else salt.encode("utf-8", "surrogatepass")
+    digest.update((b"\x00" if salt is None else b"\x01") + len(salt_bytes).to_bytes(8, "little") + salt_bytes)
+    digest.update(text.encode("utf-8", "surrogatepass"))
+    return digest.digest()
 
 
 @dataclass(slots=True)
@@ -34,15 +40,21 @@ class _Held:
 
 
 class ReplyMap:
-    """Reply text -> generated ids, per owner at most `max_entries_per_owner` replies and
-    `max_tokens_per_owner` tokens (past either, the owner's least recently used go), over all
-    owners at most `max_tokens` (past it, the owner holding the most tokens loses its least
-    recently used, so an owner within its share keeps its replies whoever else chats)."""
+    """(Salt, reply text) -> generated ids, per owner at most `max_entries_per_owner` replies
+    and `max_tokens_per_owner` tokens over all its salts (past either, the owner's least
+    recently used go: a new salt buys no new room), over all owners at most `max_tokens` (past
+    it, the owner holding the most tokens loses its least recently used, so an owner within its
+    share keeps its replies whoever else chats). A prompt splices at most
+    `max_spliced_replies` of them."""
 
-    def __init__(self, tokenizer: Any, max_entries_per_owner: int, max_tokens_per_owner: int, max_tokens: int) -> None:
+    def __init__(
+        self, tokenizer: Any, max_entries_per_owner: int, max_tokens_per_owner: int, max_tokens: int,
+        max_spliced_replies: int = DEFAULT_MAX_SPLICED_REPLIES,
+    ) -> None:  # fmt: skip
         if min(max_entries_per_owner, max_tokens_per_owner, max_tokens) < 1:
             raise ValueError(f"a reply map needs room for one reply, got {max_entries_per_owner}, {max_tokens_per_owner}, {max_tokens}")
         self.tokenizer = tokenizer
+        self.max_spliced_replies = max_spliced_replies
         self.max_entries_per_owner = max_entries_per_owner
         self.max_tokens_per_owner = max_tokens_per_owner
         self.max_tokens = max_tokens
@@ -50,13 +62,13 @@ class ReplyMap:
         self._num_tokens = 0
         self._lock = threading.Lock()  # read on parse threads, written on the event loop
 
-    def remember(self, owner: str | None, text: str, token_ids: Sequence[int]) -> bool:
-        """Keep a finished reply's ids under its text; False (nothing kept) when no prefix of
-        the ids decodes to exactly the text, or it alone is over a cap."""
+    def remember(self, owner: str | None, text: str, token_ids: Sequence[int], *, salt: str | None = None) -> bool:
+        """Keep a finished reply's ids under its partition and text; False (nothing kept) when
+        no prefix of the ids decodes to exactly the text, or it alone is over a cap."""
         ids = reply_ids(self.tokenizer, text, token_ids)
         if ids is None or len(ids) > min(self.max_tokens_per_owner, self.max_tokens):
             return False
-        key, packed = _key(text), array("i", ids)
+        key, packed = _key(salt, text), array("i", ids)
         with self._lock:
             held = self._owners.setdefault(owner, _Held())
             if key in held.entries:
@@ -74,10 +86,11 @@ class ReplyMap:
             self._num_tokens += len(ids)
         return True
 
-    def get(self, owner: str | None, text: str) -> list[int] | None:
-        """The ids `owner`'s reply with exactly this text was generated as (marked recently
-        used), or None: never seen, pushed out, or another owner's."""
-        key = _key(text)
+    def get(self, owner: str | None, text: str, *, salt: str | None = None) -> list[int] | None:
+        """The ids `owner`'s reply with exactly this text was generated as in partition `salt`
+        (marked recently used), or None: never seen, pushed out, another owner's or another
+        partition's."""
+        key = _key(salt, text)
         with self._lock:
             held = self._owners.get(owner)
             packed = None if held is None else held.entries.get(key)
@@ -85,10 +98,10 @@ class ReplyMap:
                 return None
             held.entries.move_to_end(key)  # type: ignore[union-attr]
         ids = packed.tolist()
-        return ids if decode_exact(self.tokenizer, ids) == text else None
+        return ids if decodes_to(self.tokenizer, ids, text) else None
 
-    def lookup_for(self, owner: str | None) -> Callable[[str], list[int] | None]:
-        return lambda text: self.get(owner, text)
+    def lookup_for(self, owner: str | None, salt: str | None) -> Callable[[str], list[int] | None]:
+        return lambda text: self.get(owner, text, salt=salt)
 
     def held_by(self, owner: str | None) -> tuple[int, int]:
         """(replies, tokens) the owner has kept now."""
@@ -106,17 +119,17 @@ class ReplyMap:
 
 class ReplyCollector:
     """Where a route hands its finished outputs: each complete reply remembered in the map
-    under its owner (nothing with continuation off)."""
+    under its owner and the request's partition (nothing with continuation off)."""
 
-    def __init__(self, replies: ReplyMap | None, owner: str | None) -> None:
-        self._replies, self._owner = replies, owner
+    def __init__(self, replies: ReplyMap | None, owner: str | None, salt: str | None) -> None:
+        self._replies, self._owner, self._salt = replies, owner, salt
 
     def finished(self, final: RequestOutput) -> None:
         if self._replies is None:
             return
         for output in final.outputs:
             if output.finish_reason is not None and output.finish_reason != "abort":
-                self._replies.remember(self._owner, output.text, output.token_ids)
+                self._replies.remember(self._owner, output.text, output.token_ids, salt=self._salt)
 
 
 def encode_conversation_exact(
@@ -127,19 +140,26 @@ def encode_conversation_exact(
     tools: list[tool_layer.Tool],
     tool_choice: tool_layer.ToolChoice,
     *,
+    salt: str | None,
+    max_context_tokens: int,
     add_generation_prompt: bool = True,
 ) -> list[int]:
-    """tools.encode_conversation, with the owner's known replies spliced back in as their
-    generated ids where that is safe (radixkv.continuation.splice_replies); the plain
-    encoding otherwise, and always without a map (continuation off)."""
-    if replies is not None and messages:
-        tool_layer.check_tool_choice(tool_choice, tools)
-        normalized = tool_layer.normalize_messages(messages)
+    """tools.encode_conversation, with the owner's known replies in partition `salt` spliced
+    back in as their generated ids where that is safe (radixkv.continuation.splice_replies);
+    the plain encoding otherwise, and always without a map (continuation off). The plain
+    prompt is encoded first: one that leaves the context no room goes back as it is, with no
+    reply looked up, for the engine to refuse (where every length is checked)."""
+    if replies is None or not messages:
+        return tool_layer.encode_conversation(tokenizer, messages, tools, tool_choice, add_generation_prompt=add_generation_prompt)
+    tool_layer.check_tool_choice(tool_choice, tools)
+    normalized = tool_layer.normalize_messages(messages)
 
-        def render(ms: list[dict[str, Any]]) -> str:
-            return tool_layer.render_conversation(tokenizer, ms, tools, add_generation_prompt=add_generation_prompt)
+    def render(ms: list[dict[str, Any]]) -> str:
+        return tool_layer.render_conversation(tokenizer, ms, tools, add_generation_prompt=add_generation_prompt)
 
-        spliced = splice_replies(tokenizer, render, normalized, replies.lookup_for(owner))
-        if spliced is not None:
-            return spliced
-    return tool_layer.encode_conversation(tokenizer, messages, tools, tool_choice, add_generation_prompt=add_generation_prompt)
+    plain = render_plain(tokenizer, render, normalized)
+    if len(plain.token_ids) >= max_context_tokens:
+        return plain.token_ids
+    lookup = replies.lookup_for(owner, salt)
+    spliced = splice_replies(tokenizer, render, normalized, lookup, plain=plain, max_replies=replies.max_spliced_replies)
+    return plain.token_ids if spliced is None else spliced

@@ -27,15 +27,19 @@ def chat_prompt(
     *,
     add_generation_prompt: bool = True,
     owner: str | None = None,
+    salt: str | None = None,
 ) -> list[int]:
     """One encoder for chat and pins alike, so a pinned conversation is the prefix of its next
-    turn. With an owner, that owner's earlier replies go back in as the ids they were generated
-    as (exact continuation, server.continuation), when the server has it on."""
+    turn. With an owner, that owner's earlier replies in the cache partition `salt` (the
+    request's Tenants.cache_salt) go back in as the ids they were generated as (exact
+    continuation, server.continuation), when the server has it on."""
     replies = server.replies if owner is not None else None
+    engine = server.engine
     try:
         return encode_conversation_exact(
-            replies, owner, server.engine.tokenizer, list(conversation), tools or [], tool_choice, add_generation_prompt=add_generation_prompt
-        )
+            replies, owner, engine.tokenizer, list(conversation), tools or [], tool_choice,
+            salt=salt, max_context_tokens=engine.max_context_tokens, add_generation_prompt=add_generation_prompt,
+        )  # fmt: skip
     except InvalidRequest as error:
         raise engine_error(error) from None
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from radixkv.continuation import DEFAULT_MAX_SPLICED_REPLIES
 from radixkv.errors import ConfigError
 
 MIB = 1 << 20
@@ -60,6 +61,10 @@ class ServerLimits:
     max_replies_per_key: int = 4096
     max_reply_tokens_per_key: int = 1 << 20
     max_reply_tokens: int = 16 << 20
+    # Replies one prompt gets back as their ids, the earliest (the rest re-tokenized from their
+    # text): splicing is linear in the conversation, and this bounds the lookups and checks one
+    # request makes. 0: none.
+    max_spliced_replies: int = DEFAULT_MAX_SPLICED_REPLIES
     # Browser origins allowed to call the server (exact "scheme://host[:port]"); with no API key
     # configured, any other Origin is refused so a web page cannot drive a local server.
     allowed_origins: tuple[str, ...] = ()
@@ -92,6 +97,7 @@ class ServerLimits:
         _int_in("max_replies_per_key", self.max_replies_per_key, 1, 1 << 30)
         _int_in("max_reply_tokens_per_key", self.max_reply_tokens_per_key, 1, 1 << 34)
         _int_in("max_reply_tokens", self.max_reply_tokens, 1, 1 << 36)
+        _int_in("max_spliced_replies", self.max_spliced_replies, 0, 1 << 20)
         if not isinstance(self.exact_continuation, bool):
             raise ConfigError(f"exact_continuation must be true or false, got {self.exact_continuation!r}", param="exact_continuation")
         _seconds("stream_send_timeout_s", self.stream_send_timeout_s, allow_zero=False)

@@ -44,7 +44,10 @@ class AppState:
         )  # fmt: skip
         self.replies = None
         if limits.exact_continuation:
-            self.replies = ReplyMap(self.engine.tokenizer, limits.max_replies_per_key, limits.max_reply_tokens_per_key, limits.max_reply_tokens)
+            self.replies = ReplyMap(
+                self.engine.tokenizer, limits.max_replies_per_key, limits.max_reply_tokens_per_key, limits.max_reply_tokens,
+                max_spliced_replies=limits.max_spliced_replies,
+            )  # fmt: skip
 
     def check_model(self, model: str) -> None:
         """APIError 404 unless `model` names the model this server serves."""

@@ -44,7 +44,7 @@ def test_serve_options_become_server_limits():
         pin_ttl_s=0.0, max_parses_per_key=2, parse_cpu_share_per_key=0.5, allowed_origin=["https://app.example"], public_operator_endpoints=True,
         max_stored_responses_per_key=7, max_stored_response_bytes_per_key=1 << 20,
         max_connections=7, header_read_timeout_s=2.5, body_read_timeout_s=4.0,
-        exact_continuation=False, max_replies_per_key=9, max_reply_tokens_per_key=99,
+        exact_continuation=False, max_replies_per_key=9, max_reply_tokens_per_key=99, max_spliced_replies=5,
     )
     limits = _server_limits(args, keyless_remote=True)
     assert (limits.max_body_bytes, limits.stream_send_timeout_s, limits.max_requests_per_key, limits.max_seqs_per_key) == (4096, 5.0, 3, 6)
@@ -55,6 +55,7 @@ def test_serve_options_become_server_limits():
     assert (limits.max_connections, limits.header_read_timeout_s, limits.body_read_timeout_s) == (7, 2.5, 4.0)
     assert limits.allowed_origins == ("https://app.example",) and limits.allowed_hosts == ("*",)
     assert (limits.exact_continuation, limits.max_replies_per_key, limits.max_reply_tokens_per_key) == (False, 9, 99)
+    assert limits.max_spliced_replies == 5
 
 
 def test_invalid_server_limits_name_the_field():

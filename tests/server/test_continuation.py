@@ -118,7 +118,7 @@ def test_chat_reply_that_retokenizes_otherwise_hits_only_with_continuation(serve
     first_off = sampled_turn(servers.client(servers.off), "chat-off", seed)
     reply = first_on.choices[0].message.content
     assert first_off.choices[0].message.content == reply  # the same seeded sample on both
-    generated = servers.state.replies.get(servers.owner(KEY_A), reply)
+    generated = servers.state.replies.get(servers.owner(KEY_A), reply, salt=servers.state.tenants.cache_salt(KEY_A.encode(), "chat"))
     retokenized = servers.state.engine.tokenizer(reply, add_special_tokens=False).input_ids
     assert generated is not None and len(generated) == first_on.usage.completion_tokens
     assert generated != retokenized  # the case this test is about
@@ -136,7 +136,7 @@ def test_another_tenant_sending_the_reply_gets_the_plain_prompt(servers, seed):
     reply = first.choices[0].message.content
     messages = QUESTION + [{"role": "assistant", "content": reply}, NEXT]
     plain = chat_prompt(servers.state, messages)
-    spliced = chat_prompt(servers.state, messages, owner=servers.owner(KEY_A))
+    spliced = chat_prompt(servers.state, messages, owner=servers.owner(KEY_A), salt=servers.state.tenants.cache_salt(KEY_A.encode(), "isolation"))
     assert spliced != plain
     assert chat_prompt(servers.state, messages, owner=servers.owner(KEY_B)) == plain
     theirs = servers.client(servers.on, KEY_B).chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=1)
@@ -167,7 +167,7 @@ def test_greedy_answer_is_the_spliced_prompts_own(servers, seed):
     messages = QUESTION + [{"role": "assistant", "content": reply}, NEXT]
     warm = next_turn(servers.client(servers.on), reply, "greedy", max_tokens=8)
     assert cached(warm) > 0
-    spliced = chat_prompt(servers.state, messages, owner=servers.owner(KEY_A))
+    spliced = chat_prompt(servers.state, messages, owner=servers.owner(KEY_A), salt=servers.state.tenants.cache_salt(KEY_A.encode(), "greedy"))
     cold = servers.client(servers.on).completions.create(
         model=MODEL, prompt=spliced, temperature=0, max_tokens=8, extra_body={"cache_salt": "greedy-cold"}
     )

@@ -135,6 +135,7 @@ def test_serve_passes_the_continuation_and_eviction_options(capsys, monkeypatch)
 
     for flag, value, field in (
         ("--max-replies-per-key", "0", "max_replies_per_key"), ("--max-reply-tokens-per-key", "0", "max_reply_tokens_per_key"),
+        ("--max-spliced-replies", "-1", "max_spliced_replies"),
         ("--eviction-policy", "mru", "eviction_policy"),
     ):  # fmt: skip
         assert main(["serve", "--model", "/nonexistent", flag, value, "--port", "1"]) == 2

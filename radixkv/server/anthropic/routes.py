@@ -70,8 +70,8 @@ async def _messages(server: AppState, request: Request) -> Response:
     key = server.tenants.authenticate_headers(request.headers)
     raw = await request.body()
     owner = server.tenants.owner(key)  # whose retention cap the breakpoints count against, whose replies splice
-    body, conv, prompt, marks, params = await server.parse_slots.run(key, lambda: _prepare(server, raw, owner))
     salt = server.tenants.cache_salt(key, None)  # the same partition as the key's OpenAI calls
+    body, conv, prompt, marks, params = await server.parse_slots.run(key, lambda: _prepare(server, raw, owner, salt))
     session = session_ref(request.headers, owner)  # the X-Radixkv-Session header: Anthropic has no field
     streams = await submit(
         server.engine, server.metrics, [prompt], params, salt, _NAMES, quotas=server.quotas, key=key, owner=owner, session=session
@@ -88,14 +88,19 @@ async def _messages(server: AppState, request: Request) -> Response:
     return JSONResponse(await _message(ctx, finals[0]))
 
 
-def _prepare(server: AppState, raw: bytes, owner: str) -> tuple[MessagesRequest, Conversation, list[int], list[Breakpoint], SamplingParams]:
+def _prepare(
+    server: AppState, raw: bytes, owner: str, salt: str | None
+) -> tuple[MessagesRequest, Conversation, list[int], list[Breakpoint], SamplingParams]:
     """The body parsed, templated, tokenized and checked (off the event loop: it may be large)."""
     body = parse_body(MessagesRequest, raw)
     server.check_model(body.model)
     tokenizer = server.engine.tokenizer
     try:
         conv = conv_mod.conversation(body)
-        prompt = encode_conversation_exact(server.replies, owner, tokenizer, conv.messages, conv.tools, conv.tool_choice)
+        prompt = encode_conversation_exact(
+            server.replies, owner, tokenizer, conv.messages, conv.tools, conv.tool_choice,
+            salt=salt, max_context_tokens=server.engine.max_context_tokens,
+        )  # fmt: skip
         marks = conv_mod.breakpoints(tokenizer, body, conv, prompt)
     except InvalidRequest as error:
         raise engine_error(error, _NAMES) from None
@@ -180,7 +185,7 @@ def _parse(ctx: _Context, text: str) -> tuple[str | None, list[Any]]:
 
 
 async def _message(ctx: _Context, final: RequestOutput) -> dict[str, Any]:
-    ReplyCollector(ctx.server.replies, ctx.owner).finished(final)
+    ReplyCollector(ctx.server.replies, ctx.owner, ctx.salt).finished(final)
     text, calls = _parse(ctx, final.outputs[0].text)
     content: list[dict[str, Any]] = [{"type": "text", "text": text}] if text else []
     content += [_tool_use(call) for call in calls]
@@ -278,7 +283,7 @@ async def _events(ctx: _Context, streams: list[RequestStream]) -> AsyncIterator[
             yield event
         if final is None:  # every stream ends with its output or an error; never a silent end
             raise APIError(500, "the request ended without an output", type="server_error")
-        ReplyCollector(ctx.server.replies, ctx.owner).finished(final)
+        ReplyCollector(ctx.server.replies, ctx.owner, ctx.salt).finished(final)
         stop_reason, stop_sequence = _stop_reason(ctx, final, num_calls > 0)
         usage = await _usage(ctx, final)
         closing = {"delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence}, "usage": usage, **await _report(ctx, final)}

@@ -39,13 +39,14 @@ if TYPE_CHECKING:
 P = TypeVar("P", bound=PinRequest)  # a pin or a lookup body: a prefix to encode
 
 
-def pin_prompt(server: AppState, body: PinRequest, owner: str | None = None) -> list[int]:
-    """The prefix's token ids; messages with the owner's earlier replies spliced back in as
-    their generated ids, as that owner's next chat turn will be (server.continuation)."""
+def pin_prompt(server: AppState, body: PinRequest, owner: str | None = None, salt: str | None = None) -> list[int]:
+    """The prefix's token ids; messages with the owner's earlier replies in partition `salt`
+    spliced back in as their generated ids, as that owner's next chat turn will be
+    (server.continuation)."""
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "give the prefix to pin as exactly one of prompt (text or token ids) or messages")
     if body.messages is not None:
-        prompt = chat_prompt(server, [m.as_chat() for m in body.messages], add_generation_prompt=False, owner=owner)
+        prompt = chat_prompt(server, [m.as_chat() for m in body.messages], add_generation_prompt=False, owner=owner, salt=salt)
         param = "messages"
     else:
         prompt = encode_prompt(server.engine.tokenizer, body.prompt)  # type: ignore[arg-type]
@@ -53,7 +54,8 @@ def pin_prompt(server: AppState, body: PinRequest, owner: str | None = None) -> 
     if not prompt:
         raise APIError(400, f"{param} must hold at least one token", param=param)
     # No token or context check: the engine checks a pin's warming request (and Engine.pin
-    # again) and a lookup's ids (Engine.lookup answers a prompt past the context).
+    # again) and a lookup's ids (Engine.lookup answers a prompt past the context). A prompt past
+    # the context splices nothing (encode_conversation_exact).
     return prompt
 
 async def _prefix_request(server: AppState, request: Request, model: type[P]) -> tuple[bytes | None, P, list[int], str | None]:
@@ -62,14 +64,15 @@ async def _prefix_request(server: AppState, request: Request, model: type[P]) ->
     key = server.tenants.authenticate_headers(request.headers)
     raw = await request.body()
 
-    def prepare() -> tuple[P, list[int]]:
+    def prepare() -> tuple[P, list[int], str | None]:
         body = parse_body(model, raw)
         if body.model is not None:
             server.check_model(body.model)
-        return body, pin_prompt(server, body, server.tenants.owner(key))
+        salt = server.tenants.cache_salt(key, body.cache_salt)
+        return body, pin_prompt(server, body, server.tenants.owner(key), salt), salt
 
-    body, prompt = await server.parse_slots.run(key, prepare)
-    return key, body, prompt, server.tenants.cache_salt(key, body.cache_salt)
+    body, prompt, salt = await server.parse_slots.run(key, prepare)
+    return key, body, prompt, salt
 
 
 def _pin_response(pinned: PinnedPrefix) -> PinResponse:

@@ -120,19 +120,19 @@ def register(app: FastAPI, server: AppState) -> None:
         raw = await request.body()
         owner = server.tenants.owner(key)
 
-        def prepare() -> tuple[ChatCompletionRequest, _ChatTools, list[int], WireNames, SamplingParams, list[CacheWrite]]:
+        def prepare() -> tuple[ChatCompletionRequest, _ChatTools, list[int], WireNames, SamplingParams, list[CacheWrite], str | None]:
             body = parse_body(ChatCompletionRequest, raw)
             _check_request(server, body)
             prompt_cache.check_options(body)
             tools = _chat_tools(body)
-            prompt = chat_prompt(server, [m.as_chat() for m in body.messages], tools.tools, tools.choice, owner=owner)
+            salt = server.tenants.cache_salt(key, body.cache_salt)
+            prompt = chat_prompt(server, [m.as_chat() for m in body.messages], tools.tools, tools.choice, owner=owner, salt=salt)
             guide, guide_param = _chat_guide(body, tools)
             names = sampling.chat_names(body, guide_param)
             writes = prompt_cache.chat_writes(server, body, tools.tools, tools.choice, prompt)
-            return body, tools, prompt, names, sampling.chat_params(body, names, guide), writes
+            return body, tools, prompt, names, sampling.chat_params(body, names, guide), writes, salt
 
-        body, tools, prompt, names, params, writes = await server.parse_slots.run(key, prepare)
-        salt = server.tenants.cache_salt(key, body.cache_salt)
+        body, tools, prompt, names, params, writes, salt = await server.parse_slots.run(key, prepare)
         session = session_ref(request.headers, owner, body.prompt_cache_key)
         if body.prompt_cache_options is not None and body.prompt_cache_options.prewarm:
             done = await prompt_cache.prewarm(server, request, key, [prompt], [writes], salt, owner, names, session)
@@ -142,7 +142,7 @@ def register(app: FastAPI, server: AppState) -> None:
             session=session, sibling_salts=server.tenants.sibling_salts(key, body.cache_salt),
         )
         hints = _CacheHints(server, body, [prompt], salt, owner, [writes])
-        replies = ReplyCollector(server.replies, owner)
+        replies = ReplyCollector(server.replies, owner, salt)
         asked = wanted(body.cache_report, request.headers)
         source = ChatSource([m.as_chat() for m in body.messages], tools.tools, tools.choice) if asked else None
         reporter = CacheReporter(server, key, asked, [prompt], source)
