@@ -148,7 +148,7 @@ class GuideCompiler:
             worker.stop()
 
     def _queue_full(self) -> OwnerCapExceeded:
-        limit = self.limits.max_queued_compiles_per_owner
+        limit = self.queues.max_queued
         return OwnerCapExceeded(
             f"this caller already has {limit} grammar compiles waiting; one compiles at a time per caller and "
             f"{limit} may wait; retry later",
