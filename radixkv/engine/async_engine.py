@@ -245,10 +245,11 @@ class AsyncEngine:
 
         The Engine's own errors (InvalidRequest, QueueFull) are raised here, to the caller,
         before any output exists. Cancelling this await aborts the request. A JSON schema
-        compiles on a compile thread first, bounded in time, so the engine thread never does.
+        compiles for `owner` in a compile worker first, stopped at its deadline, so the engine
+        thread never does (its CPU time waits in take_compile_cpu_s).
         """
         loop = asyncio.get_running_loop()
-        grammar = await self.engine.guides.compile_async(params.guide) if params.guide is not None else None
+        grammar = await self.engine.guides.compile_async(params.guide, owner) if params.guide is not None else None
         request_id = request_id or f"{self._id_prefix}-{next(self._ids)}"
         stream = RequestStream(self, request_id, loop)
         future: concurrent.futures.Future[str] = concurrent.futures.Future()
@@ -259,6 +260,11 @@ class AsyncEngine:
             self.abort(request_id)  # ordered after the add, so it finds the request
             raise
         return stream
+
+    def take_compile_cpu_s(self, owner: str | None) -> float:
+        """CPU seconds `owner`'s guide compiles spent since the last call, for the caller to
+        charge to the owner's share (reset by the call); from any thread."""
+        return self.engine.guides.compiler.take_cpu_s(owner)
 
     def abort(self, request_id: str) -> None:
         """Abort a request between steps; its pages go back. Unknown or finished ids are ignored."""

@@ -335,7 +335,8 @@ class Engine:
     def close(self) -> int:
         """Write what RAM caches to the disk tier, so the next start finds it warm, and release
         its directory; returns the blocks written (0 without a disk tier). The engine stays
-        usable, without the disk tier."""
+        usable, without the disk tier; its guide compile workers stop (a later guide starts them)."""
+        self.guides.compiler.close()
         return self.kv.close()
 
     # -- introspection -----------------------------------------------------------------------

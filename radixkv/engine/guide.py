@@ -1,6 +1,6 @@
 """Constrained decoding: compiles a guide (a `JsonGuide`'s JSON schema, a `GrammarGuide`'s regex
-or EBNF grammar) with xgrammar (one compiler per tokenizer, grammars cached by their text), keeps
-one matcher per guided sequence, and fills their next-token bitmasks on worker threads while the
+or EBNF grammar) with xgrammar (in worker processes, engine/guide_compile.py; grammars cached per
+owner by their text), keeps one matcher per guided sequence, and fills their next-token bitmasks on worker threads while the
 model forward runs.
 
 Why xgrammar rather than llguidance (`radixkv bench guided_decoding`; figures in
@@ -14,12 +14,10 @@ import asyncio
 import json
 import os
 import threading
-import time
 from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -27,22 +25,30 @@ import torch
 # xgrammar is imported where it is first needed: importing it takes about as long as importing
 # torch, and an engine that never sees a guide should not pay for it.
 from radixkv.cpu.logits import apply_token_bitmask
+from radixkv.engine.guide_compile import TRANSFER_GRACE_S, CompileJob, CompileQueues, CompileWorker, Killed, NotCompiled, Outcome, worker_main
+from radixkv.engine.pins import Owner
 from radixkv.engine.request import GrammarGuide, Guide, JsonGuide, SequenceState
-from radixkv.errors import InvalidRequest
+from radixkv.errors import InvalidRequest, OwnerCapExceeded
 
 # (kind: "json", "regex" or "ebnf"; its text, None for any JSON object; strict, for JSON)
 GuideKey = tuple[str, str | None, bool]
+# A compiled grammar is cached, and a too-slow verdict remembered, per owner: another owner's
+# entry is never hit, so no caller can time whether another sent a schema.
+CacheKey = tuple[Owner, GuideKey]
 
 
 @dataclass(frozen=True, slots=True)
 class GuideLimits:
     """What one schema may cost before it is refused (InvalidRequest, param response_format):
-    its text, its nesting, its compile and its first token mask (a proxy for every later one)."""
+    its text, its nesting, a grammar's rules, its compile and its first token mask (a proxy for
+    every later one); and how many compiles one owner may have waiting (OwnerCapExceeded)."""
 
     max_schema_bytes: int = 128 << 10
     max_schema_depth: int = 64
     compile_timeout_s: float = 10.0
     mask_timeout_s: float = 0.25
+    max_grammar_rules: int = 512
+    max_queued_compiles_per_owner: int = 4
 
 
 class GuideRejected(RuntimeError):
@@ -51,9 +57,9 @@ class GuideRejected(RuntimeError):
 MAX_CACHED_GRAMMARS = 256
 # Schemas refused for being too slow, remembered so a resent one costs nothing.
 MAX_REMEMBERED_SLOW = 1024
-# Compiles run on their own threads, never the engine's; two keep one slow schema from holding
-# every compile while leaving the forward its cores.
-COMPILE_THREADS = 2
+# Compile worker processes: two keep one slow schema from holding every compile while leaving
+# the forward its cores; an owner runs one compile at a time, so one owner holds one at most.
+COMPILE_WORKERS = 2
 # Threads xgrammar fills a step's rows with: enough to spread a large batch, few enough to
 # leave the forward its cores.
 MAX_FILL_THREADS = 4
@@ -61,31 +67,49 @@ MAX_FILL_THREADS = 4
 ANY_OBJECT_SCHEMA = '{"type": "object"}'
 
 
+@dataclass(frozen=True, slots=True)
+class _Pending:
+    key: CacheKey
+    job: CompileJob
+    future: Future[Any]
+
+
 class GuideCompiler:
     """Compiles guides for one tokenizer; the vocabulary is the model's logits width (it may
     exceed the tokenizer's), and the engine's EOS ids are the tokens that end a grammar.
 
-    Thread-safe: the server compiles a request's schema on a compile thread before queuing it
-    (`submit`), so the engine thread only finds it cached; in-process callers `compile`."""
+    Compiles run in worker processes (engine/guide_compile.py), each owner's one at a time and
+    owners in turn, killed at the compile deadline; the clock runs from the job's start in a
+    ready worker, never while it waits. Thread-safe: the server compiles a request's schema
+    before queuing it (`submit`), so the engine thread only finds it cached; in-process callers
+    `compile`. The compile CPU time each owner spent waits in `take_cpu_s` for its charging."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int], limits: GuideLimits | None = None) -> None:
+    def __init__(
+        self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int], limits: GuideLimits | None = None,
+        worker_target: Callable[..., None] = worker_main,
+    ) -> None:  # fmt: skip
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(stop_token_ids)
         self.limits = limits or GuideLimits()
-        self._compiler: Any = None  # built on first use: an unguided engine never pays for it
-        self.no_control_bytes: torch.Tensor | None = None  # with the compiler; see _control_free_bitmask
-        self._lock = threading.Lock()  # guards the maps below and the compiler's creation
-        self._grammars: OrderedDict[GuideKey, Any] = OrderedDict()
-        self._in_flight: dict[GuideKey, Future[Any]] = {}
-        self._too_slow: OrderedDict[GuideKey, str] = OrderedDict()  # key -> why it was refused
-        self._pool: ThreadPoolExecutor | None = None
+        self.info: Any = None  # xgrammar's TokenizerInfo, built on first use: an unguided engine never pays for it
+        self.no_control_bytes: torch.Tensor | None = None  # with the info; see _control_free_bitmask
+        self.compiles = 0  # compiles a worker ran to an outcome (tests count them)
+        self._lock = threading.Lock()  # guards the maps below and the info's creation
+        self._grammars: OrderedDict[CacheKey, Any] = OrderedDict()
+        self._in_flight: dict[CacheKey, Future[Any]] = {}
+        self._too_slow: OrderedDict[CacheKey, str] = OrderedDict()  # key -> why it was refused
+        self._cpu_s: dict[Owner, float] = {}
+        self.queues: CompileQueues[_Pending] = CompileQueues(self.limits.max_queued_compiles_per_owner)
+        self.workers: list[CompileWorker] = []
+        self._worker_target = worker_target
 
-    def submit(self, guide: Guide) -> Future[Any]:
-        """The guide's compiled grammar as a future (done at once when cached); from any thread.
-        The future raises InvalidRequest(param="response_format") for a schema that is not
-        JSON Schema xgrammar accepts, is over the limits, or leaves no first token."""
-        key = _key(guide)
+    def submit(self, guide: Guide, owner: Owner = None) -> Future[Any]:
+        """The guide's compiled grammar as a future (done at once when `owner` has it cached);
+        from any thread. The future raises InvalidRequest(param="response_format") for a schema
+        that is not JSON Schema xgrammar accepts, is over the limits, or leaves no first token,
+        and OwnerCapExceeded when `owner` already has its limit of compiles waiting."""
+        key = (owner, _key(guide))
         with self._lock:
             grammar = self._grammars.get(key)
             if grammar is not None:
@@ -100,91 +124,131 @@ class GuideCompiler:
                 text = _checked_schema_text(guide.schema, self.limits) if isinstance(guide, JsonGuide) else _checked_grammar_text(guide, self.limits)
             except InvalidRequest as error:
                 return _failed(error)
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="radixkv-guide-compile")
-            future = self._pool.submit(self._compile, key, text)
+            future = Future()
+            if not self.queues.put(owner, _Pending(key, CompileJob(key[1][0], text, key[1][2]), future)):
+                return _failed(self._queue_full())
             self._in_flight[key] = future
+            self._start_worker()
         return future
 
-    def compile(self, guide: Guide) -> Any:
-        """The guide's compiled grammar, waiting at most the compile timeout for it."""
-        return self.wait(guide, self.submit(guide))
+    def compile(self, guide: Guide, owner: Owner = None) -> Any:
+        """The guide's compiled grammar: waits for its turn and its compile, which is stopped
+        at the compile deadline."""
+        return self.submit(guide, owner).result()
 
-    def wait(self, guide: Guide, future: Future[Any]) -> Any:
-        try:
-            return future.result(timeout=self.limits.compile_timeout_s)
-        except FutureTimeout:
-            raise self.refuse_slow(guide) from None
+    def take_cpu_s(self, owner: Owner) -> float:
+        """The CPU seconds `owner`'s compiles spent since the last call (killed ones count their
+        time to the kill): for the caller to charge to the owner's share; resets them."""
+        with self._lock:
+            return self._cpu_s.pop(owner, 0.0)
 
-    def refuse_slow(self, guide: Guide) -> InvalidRequest:
-        """The error for a guide whose compile ran past the timeout; remembered, so the schema
-        is refused at once from now on (its compile may still finish on its thread)."""
-        key = _key(guide)
-        return self._slow(key, f"{_what(key)} took longer than {self.limits.compile_timeout_s:g} s to compile; simplify it")
+    def close(self) -> None:
+        """Stop the worker processes; a later compile starts them again."""
+        for worker in self.workers:
+            worker.stop()
 
-    def _compile(self, key: GuideKey, text: str) -> Any:
-        start_s = time.perf_counter()
-        try:
-            compiler = self._xgrammar_compiler()
+    def _queue_full(self) -> OwnerCapExceeded:
+        limit = self.queues.max_queued
+        return OwnerCapExceeded(
+            f"this caller already has {limit} grammar compiles waiting; one compiles at a time per caller and "
+            f"{limit} may wait; retry later",
+            param="response_format", code="compile_queue_full", limit=limit,
+        )  # fmt: skip
+
+    def _start_worker(self) -> None:
+        """One more worker and its thread while every thread is busy (under the lock)."""
+        if len(self.workers) >= COMPILE_WORKERS or self.queues.idle_takers:
+            return
+        worker = CompileWorker(self._worker_target, self._worker_args)
+        self.workers.append(worker)
+        threading.Thread(target=self._serve, args=(worker,), name="radixkv-guide-compile", daemon=True).start()
+
+    def _serve(self, worker: CompileWorker) -> None:
+        while True:
+            owner, pending = self.queues.take()
             try:
-                if key[0] == "regex":
-                    grammar = compiler.compile_regex(text)
-                elif key[0] == "ebnf":
-                    grammar = compiler.compile_grammar(text)
-                else:
-                    grammar = compiler.compile_json_schema(text, any_whitespace=False, separators=(",", ":"), strict_mode=key[2])
-            except (RuntimeError, ValueError, TypeError) as error:
-                raise InvalidRequest(f"{_what(key)} cannot be compiled: {_first_line(error)}", param="response_format") from error
-            compile_s = time.perf_counter() - start_s
-            if compile_s > self.limits.compile_timeout_s:
-                raise self._slow(key, f"{_what(key)} took {compile_s:.1f} s to compile, over the {self.limits.compile_timeout_s:g} s limit; simplify it")
-            self._check_first_mask(key, grammar)
-        except BaseException:
-            with self._lock:
-                self._in_flight.pop(key, None)
-            raise
-        with self._lock:  # cached and out of flight at once: no second compile slips between
-            self._in_flight.pop(key, None)
-            self._grammars[key] = grammar
-            if len(self._grammars) > MAX_CACHED_GRAMMARS:
-                self._grammars.popitem(last=False)
-        return grammar
+                outcome = worker.run(pending.job, self._deadline_s())
+            except BaseException as error:  # noqa: BLE001 - the worker would not start: the waiter's to see
+                self._settle(pending, error)
+            else:
+                self._charge(owner, outcome.cpu_s)
+                try:
+                    self._settle(pending, self._grammar_of(pending.key, outcome))
+                except InvalidRequest as error:
+                    self._settle(pending, error)
+            finally:
+                self.queues.done(owner)
 
-    def _check_first_mask(self, key: GuideKey, grammar: Any) -> None:
-        """Fill the grammar's first mask once: a schema whose masks are slow costs every token
-        of every batch it joins, and one whose first mask is empty can never start."""
+    def _deadline_s(self) -> float:
+        return self.limits.compile_timeout_s + self.limits.mask_timeout_s + TRANSFER_GRACE_S
+
+    def _worker_args(self) -> tuple[str, int]:
+        return self._tokenizer_info().serialize_json(), self.vocab_size
+
+    def _charge(self, owner: Owner, cpu_s: float) -> None:
+        with self._lock:
+            self.compiles += 1
+            self._cpu_s[owner] = self._cpu_s.get(owner, 0.0) + cpu_s
+
+    def _settle(self, pending: _Pending, result: Any) -> None:
+        """Out of flight, cached when compiled, and the waiters told; at once, under the lock, so
+        no second compile slips between."""
+        with self._lock:
+            self._in_flight.pop(pending.key, None)
+            if not isinstance(result, BaseException):
+                self._grammars[pending.key] = result
+                if len(self._grammars) > MAX_CACHED_GRAMMARS:
+                    self._grammars.popitem(last=False)
+        if isinstance(result, BaseException):
+            pending.future.set_exception(result)
+        else:
+            pending.future.set_result(result)
+
+    def _grammar_of(self, key: CacheKey, outcome: Outcome) -> Any:
+        """The compiled grammar of a worker's outcome, or the InvalidRequest it earns. Only a
+        guide's own compile or mask past its budget is remembered as too slow."""
+        what, limits = _what(key[1]), self.limits
+        if isinstance(outcome, Killed):
+            if outcome.died:
+                raise InvalidRequest(f"{what} could not be compiled: the compile worker stopped", param="response_format")
+            raise self._slow(key, f"{what} took longer than {limits.compile_timeout_s:g} s to compile; simplify it")
+        if isinstance(outcome, NotCompiled):
+            raise InvalidRequest(f"{what} cannot be compiled: {outcome.message}", param="response_format")
+        if outcome.compile_s > limits.compile_timeout_s:
+            raise self._slow(key, f"{what} took {outcome.compile_s:.1f} s to compile, over the {limits.compile_timeout_s:g} s limit; simplify it")
+        if outcome.mask_s > limits.mask_timeout_s:
+            raise self._slow(key, f"{what}'s token mask took {outcome.mask_s * 1e3:.0f} ms, over the {limits.mask_timeout_s * 1e3:.0f} ms limit; simplify it")
         import xgrammar
 
-        matcher = xgrammar.GrammarMatcher(grammar)
-        bitmask = xgrammar.allocate_token_bitmask(1, self.vocab_size)
-        start_s = time.perf_counter()
-        matcher.fill_next_token_bitmask(bitmask)
-        mask_s = time.perf_counter() - start_s
-        if mask_s > self.limits.mask_timeout_s:
-            raise self._slow(key, f"{_what(key)}'s token mask took {mask_s * 1e3:.0f} ms, over the {self.limits.mask_timeout_s * 1e3:.0f} ms limit; simplify it")
-        assert self.no_control_bytes is not None  # built with the compiler
+        grammar = xgrammar.CompiledGrammar.deserialize_json(outcome.grammar_json, self._tokenizer_info())
+        self._check_first_mask(key[1], outcome.first_mask)
+        return grammar
+
+    def _check_first_mask(self, key: GuideKey, first_mask: bytes) -> None:
+        """A guide whose first mask (filled in the worker) allows no token can never start."""
+        assert self.no_control_bytes is not None  # built with the info
+        bitmask = torch.frombuffer(bytearray(first_mask), dtype=torch.int32).view(1, -1)
         if not bool(bitmask.bitwise_and_(self.no_control_bytes).any()):
             raise InvalidRequest(f"{_what(key)} allows no token this model can start with", param="response_format", code="schema_unsatisfiable")
 
-    def _slow(self, key: GuideKey, message: str) -> InvalidRequest:
-        """The refusal of a schema too slow to compile or mask, remembered for its next time."""
+    def _slow(self, key: CacheKey, message: str) -> InvalidRequest:
+        """The refusal of a schema too slow to compile or mask, remembered for its owner's next time."""
         with self._lock:
             self._too_slow[key] = message
             if len(self._too_slow) > MAX_REMEMBERED_SLOW:
                 self._too_slow.popitem(last=False)
         return _too_complex(message)
 
-    def _xgrammar_compiler(self) -> Any:
+    def _tokenizer_info(self) -> Any:
         with self._lock:
-            if self._compiler is None:
+            if self.info is None:
                 import xgrammar
 
-                info = xgrammar.TokenizerInfo.from_huggingface(
+                self.info = xgrammar.TokenizerInfo.from_huggingface(
                     self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
                 )
-                self.no_control_bytes = _control_free_bitmask(info, self.vocab_size)
-                self._compiler = xgrammar.GrammarCompiler(info, max_threads=min(MAX_FILL_THREADS, os.cpu_count() or 1))
-            return self._compiler
+                self.no_control_bytes = _control_free_bitmask(self.info, self.vocab_size)
+            return self.info
 
 
 def _too_complex(message: str) -> InvalidRequest:
@@ -203,13 +267,32 @@ def _what(key: GuideKey) -> str:
 
 
 def _checked_grammar_text(guide: GrammarGuide, limits: GuideLimits) -> str:
-    """A regex's or grammar's text, refused early past the size limit (a schema's)."""
-    size = len(guide.source.encode())
+    """A regex's or grammar's text, refused early past the size limit (a schema's), the nesting
+    limit (its parentheses, as a schema's depth) and, for a grammar, the rule limit: a
+    compile's work grows with each."""
+    what, text = _what(_key(guide)), guide.source
+    size = len(text.encode())
     if size > limits.max_schema_bytes:
-        raise InvalidRequest(
-            f"{_what(_key(guide))} has {size} bytes; the limit is {limits.max_schema_bytes}", param="response_format", limit=limits.max_schema_bytes
-        )
-    return guide.source
+        raise InvalidRequest(f"{what} has {size} bytes; the limit is {limits.max_schema_bytes}", param="response_format", limit=limits.max_schema_bytes)
+    if _paren_depth(text) > limits.max_schema_depth:
+        raise InvalidRequest(f"{what} nests deeper than {limits.max_schema_depth} levels", param="response_format", limit=limits.max_schema_depth)
+    rules = text.count("::=") if guide.kind == "ebnf" else 0
+    if rules > limits.max_grammar_rules:
+        raise InvalidRequest(f"{what} has {rules} rules; the limit is {limits.max_grammar_rules}", param="response_format", limit=limits.max_grammar_rules)
+    return text
+
+
+def _paren_depth(text: str) -> int:
+    """How deep parentheses nest in a regex or grammar (quoted or escaped ones count too: an
+    over-count refuses only texts already near the limit)."""
+    depth = deepest = 0
+    for char in text:
+        if char == "(":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char == ")":
+            depth = max(0, depth - 1)
+    return deepest
 
 
 def _done(value: Any) -> Future[Any]:
@@ -333,11 +416,6 @@ def _json_depth(value: object) -> int:
     return deepest
 
 
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip() or type(error).__name__
-    return text.splitlines()[0]
-
-
 class GuideState:
     """One sequence's position in its grammar."""
 
@@ -406,18 +484,15 @@ class Guides:
         self._fill_thread: ThreadPoolExecutor | None = None
         self._batch_matcher: Any = None
 
-    def check(self, guide: Guide) -> None:
-        self.compiler.compile(guide)
+    def check(self, guide: Guide, owner: Owner = None) -> None:
+        self.compiler.compile(guide, owner)
 
-    async def compile_async(self, guide: Guide) -> Any:
-        """The guide's grammar, compiled on a compile thread while the caller's event loop goes
-        on; InvalidRequest past the compile timeout (the compile may finish on its thread)."""
-        future = self.compiler.submit(guide)
-        try:
-            # Shielded: the compile is shared by every request sending this schema.
-            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), self.compiler.limits.compile_timeout_s)
-        except TimeoutError:
-            raise self.compiler.refuse_slow(guide) from None
+    async def compile_async(self, guide: Guide, owner: Owner = None) -> Any:
+        """The guide's grammar, compiled for `owner` in a worker while the caller's event loop
+        goes on. No timeout here: the worker is stopped at the compile deadline, and the time
+        a compile waits for its turn must never count as its own."""
+        # Shielded: the compile is shared by every request of the owner sending this schema.
+        return await asyncio.shield(asyncio.wrap_future(self.compiler.submit(guide, owner)))
 
     def new_state(self, guide: Guide, grammar: Any = None) -> GuideState:
         """A matcher at the grammar's start; `grammar` is the guide's, compiled beforehand off

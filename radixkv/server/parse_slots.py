@@ -111,6 +111,14 @@ class ParseSlots:
                 return
             await asyncio.sleep((owed - self.cpu_burst_s) / self.cpu_share)
 
+    def charge(self, key: bytes | None, cpu_s: float) -> None:
+        """Add CPU seconds `key` spent elsewhere on the server (its grammar compiles, in worker
+        processes) to its debt, so its next parses wait for them as for its own parses'."""
+        if self.cpu_share <= 0 or cpu_s <= 0:
+            return
+        debt = self._debts.setdefault(key, _CpuDebt(at_s=time.monotonic()))
+        debt.seconds += cpu_s
+
     def _charged(self, key: bytes | None, fn: Callable[[], T]) -> Callable[[], T]:
         """fn, adding the CPU time its thread spends to `key`'s debt (failed parses count too)."""
         if self.cpu_share <= 0:

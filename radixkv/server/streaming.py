@@ -37,6 +37,7 @@ from radixkv.server.errors import (
     engine_error,
 )
 from radixkv.server.metrics import RequestTracker, ServerMetrics
+from radixkv.server.parse_slots import ParseSlots
 from radixkv.server.quotas import KeyQuotas, Lease
 
 T = TypeVar("T")
@@ -52,6 +53,7 @@ async def submit(
     names: WireNames,
     *,
     quotas: KeyQuotas | None = None,
+    parse_slots: ParseSlots | None = None,
     key: bytes | None = None,
     owner: str | None = None,
     session: SessionRef | None = None,
@@ -60,7 +62,8 @@ async def submit(
     """One stream per prompt, or none: if any submission fails, those made are aborted. With
     `quotas`, each request holds a share of `key`'s quota until its stream is done (429 past it);
     `owner` (Tenants.owner of the key) is whose fair share of the engine's batch each takes;
-    `session` (server/sessions.py) the owner's session each prompt is a turn of."""
+    `session` (server/sessions.py) the owner's session each prompt is a turn of. With
+    `parse_slots`, the CPU time the owner's guide compiles spent is charged to `key`'s share."""
     streams: list[RequestStream] = []
     leases: list[Lease] = []
     if quotas is not None:
@@ -81,6 +84,9 @@ async def submit(
         if isinstance(error, ENGINE_ERRORS):
             raise engine_error(error, names) from None
         raise
+    finally:
+        if parse_slots is not None and params.guide is not None:
+            parse_slots.charge(key, engine.take_compile_cpu_s(owner))
     metrics.prompt_tokens.inc(sum(len(prompt) for prompt in prompts))
     return streams
 

@@ -12,7 +12,8 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-from tests.helpers.live_server import MODEL
+from radixkv.server.parse_slots import ParseSlots
+from tests.helpers.live_server import KEY_A, KEY_B, MODEL
 
 PERSON = {
     "type": "object",
@@ -201,3 +202,37 @@ def test_completions_take_response_format_as_vllm_does(agent_server):
     text = agent_server.client().completions.create(model=MODEL, prompt="A user:", max_tokens=200, temperature=0,
                                                     extra_body={"response_format": fmt}).choices[0].text  # fmt: skip
     jsonschema.validate(json.loads(text), PERSON)
+
+
+def _schema_format(marker: str) -> dict:
+    """A response format whose schema no other test sends (a fresh compile)."""
+    schema = {"type": "object", "properties": {marker: {"type": "boolean"}}, "required": [marker], "additionalProperties": False}
+    return {"type": "json_schema", "json_schema": {"name": "fresh", "schema": schema, "strict": True}}
+
+
+def test_one_keys_compiled_schema_is_never_another_keys_hit(agent_server):
+    compiler = agent_server.async_engine.engine.guides.compiler
+    fmt = _schema_format("owned")
+    before = compiler.compiles
+    create(agent_server.client(KEY_A), response_format=fmt, max_tokens=20)
+    create(agent_server.client(KEY_A), response_format=fmt, max_tokens=20)
+    assert compiler.compiles == before + 1  # the key's own resend: its cached grammar
+    create(agent_server.client(KEY_B), response_format=fmt, max_tokens=20)
+    assert compiler.compiles == before + 2  # another key compiles its own: nothing to time
+
+
+def test_a_keys_schema_compile_cpu_is_charged_to_that_key(agent_server, monkeypatch):
+    charged: list[tuple[bytes | None, float]] = []
+    monkeypatch.setattr(ParseSlots, "charge", lambda self, key, cpu_s: charged.append((key, cpu_s)))
+    create(agent_server.client(KEY_A), response_format=_schema_format("charged"), max_tokens=20)
+    assert sum(cpu_s for key, cpu_s in charged if key == KEY_A.encode()) > 0
+    assert all(key == KEY_A.encode() for key, _ in charged)
+
+
+def test_a_key_past_its_waiting_compiles_gets_a_429_naming_the_limit(agent_server, monkeypatch):
+    monkeypatch.setattr(agent_server.async_engine.engine.guides.compiler.queues, "max_queued", 0)
+    with pytest.raises(openai.RateLimitError) as refused:
+        create(agent_server.client(KEY_A), response_format=_schema_format("queued"), max_tokens=20)
+    error = refused.value.body
+    assert (error["code"], error["param"]) == ("compile_queue_full", "response_format")
+    assert "0 grammar compiles waiting" in error["message"]

@@ -74,7 +74,7 @@ async def _messages(server: AppState, request: Request) -> Response:
     body, conv, prompt, marks, params = await server.parse_slots.run(key, lambda: _prepare(server, raw, owner, salt))
     session = session_ref(request.headers, owner)  # the X-Radixkv-Session header: Anthropic has no field
     streams = await submit(
-        server.engine, server.metrics, [prompt], params, salt, _NAMES, quotas=server.quotas, key=key, owner=owner, session=session
+        server.engine, server.metrics, [prompt], params, salt, _NAMES, quotas=server.quotas, parse_slots=server.parse_slots, key=key, owner=owner, session=session
     )
     ctx = _Context(server, body, conv, prompt, salt, owner, marks)
     # The system field is rendered as the conversation's first message; message[k] counts the

@@ -100,7 +100,7 @@ def register(app: FastAPI, server: AppState) -> None:
         owner = server.tenants.owner(key)  # not the salt's: one pin cap per key, whatever salts it uses
         names = WireNames(prompt="messages" if body.messages is not None else "prompt")
         params = SamplingParams(max_tokens=1)
-        streams = await submit(server.engine, server.metrics, [prompt], params, salt, names, quotas=server.quotas, key=key, owner=owner)
+        streams = await submit(server.engine, server.metrics, [prompt], params, salt, names, quotas=server.quotas, parse_slots=server.parse_slots, key=key, owner=owner)
         await until_disconnect(request, collect(server.metrics, streams, 1), streams)
         # Eviction between the request's end and the pin can only shorten what is pinned;
         # pinned_tokens says how much was.

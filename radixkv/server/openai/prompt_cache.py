@@ -202,7 +202,7 @@ async def prewarm(
     """Compute each prompt (a one-token request whose token is dropped, under the key's quotas
     as any request), retain its breakpoints, and count what is cached now."""
     params = SamplingParams(max_tokens=1)
-    streams = await submit(server.engine, server.metrics, prompts, params, salt, names, quotas=server.quotas, key=key, owner=owner, session=session)
+    streams = await submit(server.engine, server.metrics, prompts, params, salt, names, quotas=server.quotas, parse_slots=server.parse_slots, key=key, owner=owner, session=session)
     finals = await until_disconnect(request, collect(server.metrics, streams, 1), streams)
     now_cached = 0
     for prompt, prompt_writes in zip(prompts, writes):

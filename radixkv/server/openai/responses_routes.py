@@ -101,7 +101,7 @@ def register(app: FastAPI, server: AppState, store: ResponseStore | None = None)
             done = await prompt_cache.prewarm(server, request, key, [prompt], [writes], salt, owner, turn.names, session)
             return JSONResponse(_prewarmed(server, body, done).model_dump())
         streams = await submit(
-            server.engine, server.metrics, [prompt], turn.params, salt, turn.names, quotas=server.quotas, key=key, owner=owner,
+            server.engine, server.metrics, [prompt], turn.params, salt, turn.names, quotas=server.quotas, parse_slots=server.parse_slots, key=key, owner=owner,
             session=session,
             sibling_salts=server.tenants.sibling_salts(key, body.cache_salt),
         )

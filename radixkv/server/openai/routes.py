@@ -138,7 +138,7 @@ def register(app: FastAPI, server: AppState) -> None:
             done = await prompt_cache.prewarm(server, request, key, [prompt], [writes], salt, owner, names, session)
             return JSONResponse(_prewarm_response(server, "chat.completion", "chatcmpl", done))
         streams = await submit(
-            server.engine, server.metrics, [prompt], params, salt, names, quotas=server.quotas, key=key, owner=owner,
+            server.engine, server.metrics, [prompt], params, salt, names, quotas=server.quotas, parse_slots=server.parse_slots, key=key, owner=owner,
             session=session, sibling_salts=server.tenants.sibling_salts(key, body.cache_salt),
         )
         hints = _CacheHints(server, body, [prompt], salt, owner, [writes])
@@ -179,7 +179,7 @@ def register(app: FastAPI, server: AppState) -> None:
             done = await prompt_cache.prewarm(server, request, key, prompts, writes, salt, owner, names, session)
             return JSONResponse(_prewarm_response(server, "text_completion", "cmpl", done))
         streams = await submit(
-            server.engine, server.metrics, prompts, params, salt, names, quotas=server.quotas, key=key, owner=owner,
+            server.engine, server.metrics, prompts, params, salt, names, quotas=server.quotas, parse_slots=server.parse_slots, key=key, owner=owner,
             session=session, sibling_salts=server.tenants.sibling_salts(key, body.cache_salt),
         )
         hints = _CacheHints(server, body, prompts, salt, owner, writes)
