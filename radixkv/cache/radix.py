@@ -441,13 +441,30 @@ class RadixTree:
             node, num_pages = trimmed, _path_pages(trimmed)
         expires_at_s = self._supersede(node, now_s + ttl_s, owner)
         if max_owner_pages is not None:
-            for old in self._book.of_owner(owner):
-                if self._book.owner_pages(owner) + num_pages <= max_owner_pages:
-                    break
-                self.release(old.retention_id)
+            self._fit_owner_cap(owner, max_owner_pages - num_pages)
         retention = self._book.add(node, expires_at_s, owner, num_pages)
         self._mark_path(retention)
         return num_pages
+
+    def rehome(self, alias: str | None, owner: str | None, max_owner_pages: int | None = None) -> int:
+        """Count `alias`'s retentions as `owner`'s from now on (one owner the disk tier named
+        otherwise), then release the owner's oldest past `max_owner_pages`, so the two names
+        share one cap; returns the retentions moved. Changes the retention book, no node."""
+        moved = self._book.rehome(alias, owner)
+        if moved and max_owner_pages is not None:
+            self._fit_owner_cap(owner, max_owner_pages)
+        return moved
+
+    def retention_owners(self) -> list[str | None]:
+        """Every owner with a live retention (as of the last expire); pure."""
+        return self._book.owners()
+
+    def _fit_owner_cap(self, owner: str | None, max_pages: int) -> None:
+        """Release the owner's oldest retentions until its retained pages are within max_pages."""
+        for old in self._book.of_owner(owner):
+            if self._book.owner_pages(owner) <= max_pages:
+                break
+            self.release(old.retention_id)
 
     def release(self, retention_id: int) -> bool:
         """End a retention now; False if it was unknown (expired or released already)."""

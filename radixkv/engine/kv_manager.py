@@ -244,6 +244,8 @@ class KVManager:
         all owners may trim it further."""
         if not self.enable_prefix_caching or max_owner_pages <= 0:
             return 0
+        if self.loader is not None:
+            self.loader.claim(owner)  # what came back from disk under its name counts here too
         prefix = list(prefix_token_ids[: max_owner_pages * self.page_size])
         # As in pin: one more token lets match return every full block of the prefix itself.
         # Retaining serves no request: counted as a hit, it would make the path protected under
