@@ -35,6 +35,7 @@ from radixkv.cache.disk_format import (
     check_header,
     digest,
     encode_block,
+    owner_id,
     salt_digest,
 )
 from radixkv.cache.disk_index import DiskIndex, DiskRetention
@@ -518,7 +519,7 @@ class DiskTier:
             return 0
         tokens = list(token_ids)  # a snapshot, the writer's own
         ps = self.page_size
-        owner_id = digest("" if owner is None else owner).hex() if retention_expires_at_s else None
+        owner_name = owner_id(owner) if retention_expires_at_s else None
         run = _Run()
         stored = 0
         now_s = time.time()
@@ -530,12 +531,12 @@ class DiskTier:
                 if key in self.index:
                     self.index.touch(key)
                     if retention_expires_at_s:
-                        self.index.retain(key, retention_expires_at_s, owner_id)
+                        self.index.retain(key, retention_expires_at_s, owner_name)
                     continue
                 payload = payload_of(offset)
                 num_prefix_tokens = (block + 1) * ps
                 evicted = self.index.add(
-                    key, block_file_bytes(num_prefix_tokens, len(payload)), retention_expires_at_s=retention_expires_at_s, owner=owner_id
+                    key, block_file_bytes(num_prefix_tokens, len(payload)), retention_expires_at_s=retention_expires_at_s, owner=owner_name
                 )
                 if evicted is None:
                     self.counters["too_large"] += 1

@@ -63,6 +63,25 @@ def digest(text: str) -> bytes:
     return xxhash.xxh3_128_digest(text.encode("utf-8"))
 
 
+# A retention owner the disk named that is not live in this process yet (a previous process's
+# key, read back by another): RAM counts it under this alias of the disk's name until the owner
+# itself retains (RetentionBook.rehome), and the disk keeps the name it had.
+DISK_OWNER_PREFIX = "disk:"
+
+
+def owner_id(owner: str | None) -> str:
+    """How the disk names a retention's owner: a digest, so no owner id is ever stored; the
+    alias of a disk name (disk_owner) is that name again, never a name of its own."""
+    if owner is not None and owner.startswith(DISK_OWNER_PREFIX):
+        return owner[len(DISK_OWNER_PREFIX) :]
+    return digest("" if owner is None else owner).hex()
+
+
+def disk_owner(owner_id: str) -> str:
+    """The RAM alias of an owner the disk names `owner_id` and this process has not seen."""
+    return DISK_OWNER_PREFIX + owner_id
+
+
 def salt_digest(salt: str | None) -> bytes:
     # Tagged, so the tenant "" and the tenant-less prompts stay apart.
     return digest("\x00none" if salt is None else "\x01" + salt)

@@ -37,7 +37,9 @@ from radixkv.cache.retention import Retention, RetentionBook
 #
 # Liveness (session): set_liveness marks a node, the ancestors only its path runs through and
 # the descendants that continue only it (one child each), never a branch point: a branch is
-# shared, so no one session's end says anything of its future. For the same reason a node
+# shared, so no one session's end says anything of its future. HOT holds only while retained:
+# mark_hot leaves what continues past the retained node unknown, and a node whose last
+# retention goes (released by a cap, superseded, expired) is unknown again. For the same reason a node
 # that gains a second child, and the upper half of a split (another request matched part of
 # the run), go back to UNKNOWN. A mark walks O(depth) nodes but refiles at most one leaf
 # (O(log n)): only leaves are in the eviction order, and a marked path ends in one.
@@ -181,11 +183,13 @@ class RadixTree:
         *,
         block_hashes: Sequence[BlockHash] | None = None,
         record: bool = True,
+        serves: bool = True,
     ) -> MatchResult:
         """Longest cached full-block prefix of `token_ids`, leaving at least one token to
         compute (its logits are needed). Splits a node where the match ends inside its run,
         so that locking the result pins exactly the matched pages. A MatchResult stays valid
-        until the next evict()/reset(): lock it before then."""
+        until the next evict()/reset(): lock it before then. `serves=False`: no request is
+        served from it (a retention finding its path), so it counts no hit (num_hits)."""
         tokens = _token_list(token_ids)
         max_blocks = (len(tokens) - 1) // self.page_size if tokens else 0
         _check_hashes_len(block_hashes, max_blocks)
@@ -195,7 +199,8 @@ class RadixTree:
             # Not registered: a miss for an unseen salt must not grow the root table.
             root = self._new_node(None, salt, [], [], [])
         node, num_blocks, pages, _, _ = self._descend(root, tokens, salt, max_blocks, block_hashes)
-        self._count_hit(node)
+        if serves:
+            self._count_hit(node)
         self._touch_path(node, now)
         if record:
             self.record_lookup(len(tokens), num_blocks * self.page_size)
@@ -343,7 +348,7 @@ class RadixTree:
         self._evicted_pages += freed
         return freed
 
-    def set_liveness(self, node: Node, liveness: Liveness, *, below_blocks: int = 0) -> int:
+    def set_liveness(self, node: Node, liveness: Liveness, *, below_blocks: int = 0, tail: Liveness | None = None) -> int:
         """Mark the path private to `node` with `liveness`: the node, its ancestors up to the
         first branch point or the root, and its descendants down to the first branch point or
         the leaf (what was cached after the prefix the caller knows: a turn's reply), refiling
@@ -353,7 +358,8 @@ class RadixTree:
         evicted node stands for what is left of its path: its deepest ancestor still cached (a
         removed node keeps its parent), so a session book may hold on to a stale node. Changes
         the eviction order; returns the nodes marked (0 for a root or a branch point: no mark
-        on them means anything)."""
+        on them means anything). `tail`: the descendants' mark, where it differs from the
+        node's own (a hot turn is hot only as far as it is retained)."""
         while node.removed and node.parent is not None:
             node = node.parent
         if node.parent is None or len(node.children) > 1:
@@ -366,7 +372,7 @@ class RadixTree:
             if len(below.children) > 1:
                 break
             if below_start >= below_blocks:
-                self._relabel(below, liveness)
+                self._relabel(below, liveness if tail is None else tail)
                 marked += 1
             below_start += len(below.pages)
         current: Node = node
@@ -401,8 +407,10 @@ class RadixTree:
         return self.set_liveness(node, Liveness.COLD, below_blocks=below_blocks)
 
     def mark_hot(self, node: Node, *, below_blocks: int = 0) -> int:
-        """The newest turn of a live session: evicted after unknown (set_liveness)."""
-        return self.set_liveness(node, Liveness.HOT, below_blocks=below_blocks)
+        """The newest turn of a live session, `node` the deepest its retention holds: evicted
+        after unknown (set_liveness). What continues below it is unknown: a turn the owner's
+        caps trimmed is ordinary past them, never hot outside every cap."""
+        return self.set_liveness(node, Liveness.HOT, below_blocks=below_blocks, tail=Liveness.UNKNOWN)
 
     def retain(self, node: Node, ttl_s: float, owner: str | None = None, max_owner_pages: int | None = None) -> int:
         """Keep `node`'s path cached for `ttl_s` seconds: evicted only after every unretained
@@ -433,13 +441,30 @@ class RadixTree:
             node, num_pages = trimmed, _path_pages(trimmed)
         expires_at_s = self._supersede(node, now_s + ttl_s, owner)
         if max_owner_pages is not None:
-            for old in self._book.of_owner(owner):
-                if self._book.owner_pages(owner) + num_pages <= max_owner_pages:
-                    break
-                self.release(old.retention_id)
+            self._fit_owner_cap(owner, max_owner_pages - num_pages)
         retention = self._book.add(node, expires_at_s, owner, num_pages)
         self._mark_path(retention)
         return num_pages
+
+    def rehome(self, alias: str | None, owner: str | None, max_owner_pages: int | None = None) -> int:
+        """Count `alias`'s retentions as `owner`'s from now on (one owner the disk tier named
+        otherwise), then release the owner's oldest past `max_owner_pages`, so the two names
+        share one cap; returns the retentions moved. Changes the retention book, no node."""
+        moved = self._book.rehome(alias, owner)
+        if moved and max_owner_pages is not None:
+            self._fit_owner_cap(owner, max_owner_pages)
+        return moved
+
+    def retention_owners(self) -> list[str | None]:
+        """Every owner with a live retention (as of the last expire); pure."""
+        return self._book.owners()
+
+    def _fit_owner_cap(self, owner: str | None, max_pages: int) -> None:
+        """Release the owner's oldest retentions until its retained pages are within max_pages."""
+        for old in self._book.of_owner(owner):
+            if self._book.owner_pages(owner) <= max_pages:
+                break
+            self.release(old.retention_id)
 
     def release(self, retention_id: int) -> bool:
         """End a retention now; False if it was unknown (expired or released already)."""
@@ -621,6 +646,10 @@ class RadixTree:
                 self._set_retains(current, lambda retains: retains.__delitem__(rid))
                 if not current.retains and not current.removed:
                     self._retained_pages -= len(current.pages)
+                if not current.retains and current.liveness is Liveness.HOT:
+                    # Hot only while retained: a session's turn its owner's caps (or the
+                    # owner's other retentions) released is an ordinary node again.
+                    self._relabel(current, Liveness.UNKNOWN)
             current = current.parent
 
     def _set_retains(self, node: Node, change: Callable[[dict[int, float]], None]) -> None:

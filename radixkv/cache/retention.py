@@ -66,6 +66,21 @@ class RetentionBook:
         """The owner's live retentions, oldest first."""
         return list(self._by_owner.get(owner, {}).values())
 
+    def owners(self) -> list[str | None]:
+        """Every owner with a live retention."""
+        return list(self._by_owner)
+
+    def rehome(self, alias: str | None, owner: str | None) -> int:
+        """File `alias`'s retentions under `owner` (one owner known by two names); returns how
+        many moved. Ids grow with age, so the merged entry stays oldest first."""
+        moved = self._by_owner.pop(alias, {})
+        for retention in moved.values():
+            retention.owner = owner
+        if moved:
+            merged = {**self._by_owner.get(owner, {}), **moved}
+            self._by_owner[owner] = dict(sorted(merged.items()))
+        return len(moved)
+
     def owner_pages(self, owner: str | None) -> int:
         return sum(r.num_pages for r in self._by_owner.get(owner, {}).values())
 

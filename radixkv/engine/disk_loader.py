@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from radixkv.cache.disk import DiskStats, DiskTier
+from radixkv.cache.disk_format import disk_owner, owner_id
 from radixkv.cache.disk_prefetch import DiskPrefetcher
 from radixkv.cache.pages import PagePool
 from radixkv.cache.radix import Node, RadixTree, path_tokens
@@ -214,8 +215,8 @@ class DiskLoader:
 
     def _retain_as_on_disk(self, seq: SequenceState, keys: list[int], num_blocks: int) -> None:
         """Blocks that came back from disk under a live retention (one a previous process made,
-        say) are retained in RAM again, until the same time: retention holds in both tiers. The
-        owner is known there only by a digest, so it counts as its own owner in RAM's cap."""
+        say) are retained in RAM again, until the same time: retention holds in both tiers, and
+        counts in its owner's one cap (ram_owner)."""
         for block in range(num_blocks - 1, -1, -1):  # a retention covers a prefix: the deepest says it all
             retention = self.tier.retention(keys[block])
             if retention is None:
@@ -224,9 +225,27 @@ class DiskLoader:
             cap = self.max_retained_pages_per_owner
             if ttl_s > 0 and (cap is None or cap > 0):
                 prefix = seq.all_token_ids[: (block + 1) * self.page_size]
-                match = self.tree.match(prefix + [0], seq.salt, record=False)
-                self._mark_retained(match.pages[: self.tree.retain(match.node, ttl_s, f"disk:{retention.owner}", cap)])
+                match = self.tree.match(prefix + [0], seq.salt, record=False, serves=False)
+                owner = self.ram_owner(str(retention.owner), seq.owner)
+                self._mark_retained(match.pages[: self.tree.retain(match.node, ttl_s, owner, cap)])
             return
+
+    def ram_owner(self, disk_name: str, reader: str | None) -> str | None:
+        """Whose cap in RAM a retention the disk names `disk_name` (a digest) counts in: the
+        live owner of that name, the reading sequence's or one retaining in RAM now, so no key
+        gains a second cap by a round trip through disk; an owner not live in this process
+        counts under an alias until it retains (claim). Changes only the retention book."""
+        for owner in (reader, *self.tree.retention_owners()):
+            if owner_id(owner) == disk_name:
+                self.claim(owner)
+                return owner
+        return disk_owner(disk_name)
+
+    def claim(self, owner: str | None) -> None:
+        """`owner` is live: what RAM retained under its disk alias counts in its cap from now on."""
+        alias = disk_owner(owner_id(owner))
+        if alias != owner:
+            self.tree.rehome(alias, owner, self.max_retained_pages_per_owner)
 
     def pays(self, start_block: int, num_blocks: int) -> bool:
         """Whether reading blocks [start_block, start_block + num_blocks) beats computing them.

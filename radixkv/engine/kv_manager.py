@@ -244,9 +244,13 @@ class KVManager:
         all owners may trim it further."""
         if not self.enable_prefix_caching or max_owner_pages <= 0:
             return 0
+        if self.loader is not None:
+            self.loader.claim(owner)  # what came back from disk under its name counts here too
         prefix = list(prefix_token_ids[: max_owner_pages * self.page_size])
         # As in pin: one more token lets match return every full block of the prefix itself.
-        match = self.tree.match(prefix + [0], salt, record=False)
+        # Retaining serves no request: counted as a hit, it would make the path protected under
+        # slru, outranking other keys' real hits once the retention ends.
+        match = self.tree.match(prefix + [0], salt, record=False, serves=False)
         num_pages = self.tree.retain(match.node, ttl_s, owner, max_owner_pages)
         self.ram_residency.retained(match.pages[:num_pages])
         if num_pages and self.loader is not None:
@@ -281,7 +285,10 @@ class KVManager:
         return self.set_liveness(node, Liveness.COLD, below_blocks=below_blocks)
 
     def mark_hot(self, node: Node, *, below_blocks: int = 0) -> int:
-        return self.set_liveness(node, Liveness.HOT, below_blocks=below_blocks)
+        """Hot as far as `node`, what its retention holds; unknown below (RadixTree.mark_hot)."""
+        if not self.enable_prefix_caching:
+            return 0
+        return self.tree.mark_hot(node, below_blocks=below_blocks)
 
     # -- the whole cache ---------------------------------------------------------------------
 

@@ -55,11 +55,15 @@ class NoSignals:
 @dataclass(frozen=True, slots=True)
 class SessionRef:
     """A request's claim to a session: whose (the API key's owner, never a salt) and which key;
-    `idle_s` overrides EngineConfig.session_idle_s for this turn (at most max_session_idle_s)."""
+    `idle_s` overrides EngineConfig.session_idle_s for this turn (at most max_session_idle_s).
+    `namespace` sets one caller's keys apart from another's within one owner (a keyless
+    server's callers are one owner: their cache partition, server/sessions.py); the owner's
+    caps count every namespace together."""
 
     owner: Owner
     key: str
     idle_s: float | None = None
+    namespace: str | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -79,6 +83,12 @@ class Session:
     num_turns: int = 0
     num_shared_tokens: int | None = None  # what its first turn found cached: shared, never its own
     in_flight: set[str] = field(default_factory=set)  # request ids of turns not finished yet
+    namespace: str | None = None  # SessionRef.namespace
+
+    @property
+    def name(self) -> tuple[str | None, str]:
+        """Its name within its owner: (namespace, key)."""
+        return self.namespace, self.key
 
     @property
     def expires_at_s(self) -> float:
@@ -126,9 +136,9 @@ class SessionBook:
         self._chunk_tokens = chunk_tokens
         self._clock = clock
         self.signals: TailSignals = signals if signals is not None else NoSignals()
-        self._sessions: dict[tuple[Owner, str], Session] = {}
+        self._sessions: dict[tuple[Owner, str | None, str], Session] = {}  # (owner, namespace, key)
         self._by_id: dict[int, Session] = {}
-        self._by_owner: dict[Owner, dict[str, Session]] = {}  # insertion order = least recently active first
+        self._by_owner: dict[Owner, dict[tuple[str | None, str], Session]] = {}  # by name; least recently active first
         self._by_expiry: SortedList = SortedList()  # (expires_at_s, session_id) of idle sessions
         self._turns: dict[str, Session] = {}  # request id -> the session its turn belongs to
         self._ids = itertools.count(1)
@@ -156,7 +166,7 @@ class SessionBook:
             )
         self.expire()
         mine = self._by_owner.get(ref.owner, {})
-        full = ref.key not in mine and len(mine) >= self.limits.max_sessions_per_owner
+        full = (ref.namespace, ref.key) not in mine and len(mine) >= self.limits.max_sessions_per_owner
         if full and self._idlest(ref.owner) is None:
             raise OwnerCapExceeded(
                 f"this owner has {len(mine)} live sessions, each with a turn running; each owner (API key) may hold at "
@@ -171,7 +181,7 @@ class SessionBook:
         """Bind a queued request to its session (made now if new). Resuming a session starts
         reading its disk blocks ahead at once, before the request reaches admission."""
         now_s = self._clock()
-        session = self._sessions.get((ref.owner, ref.key))
+        session = self._sessions.get((ref.owner, ref.namespace, ref.key))
         if session is None:
             mine = self._by_owner.get(ref.owner, {})
             if len(mine) >= self.limits.max_sessions_per_owner:
@@ -181,18 +191,18 @@ class SessionBook:
                 idlest = self._idlest(ref.owner)
                 assert idlest is not None, "check() found one a moment ago"
                 self._end(idlest)
-            session = Session(next(self._ids), ref.owner, ref.key, salt, idle_s, now_s, now_s)
-            self._sessions[(ref.owner, ref.key)] = session
+            session = Session(next(self._ids), ref.owner, ref.key, salt, idle_s, now_s, now_s, namespace=ref.namespace)
+            self._sessions[(ref.owner, ref.namespace, ref.key)] = session
             self._by_id[session.session_id] = session
         else:
             self._unfile(session)
-            self._by_owner[ref.owner].pop(ref.key)
+            self._by_owner[ref.owner].pop(session.name)
             self.num_resumed += 1
             session.salt, session.idle_s, session.last_active_at_s = salt, idle_s, now_s
             if self._kv.loader is not None:
                 for seq in seqs:
                     self._kv.load_ready(seq, self._chunk_tokens)  # starts the read-ahead
-        self._by_owner.setdefault(ref.owner, {})[ref.key] = session  # now the most recently active
+        self._by_owner.setdefault(ref.owner, {})[session.name] = session  # now the most recently active
         session.in_flight.add(request_id)
         self._turns[request_id] = session
 
@@ -203,7 +213,7 @@ class SessionBook:
         if session is None:
             return
         session.in_flight.discard(output.request_id)
-        if self._sessions.get((session.owner, session.key)) is not session:
+        if self._sessions.get((session.owner, *session.name)) is not session:
             return  # released while the turn ran: the release stands
         if session.num_shared_tokens is None:
             session.num_shared_tokens = output.num_cached_tokens
@@ -218,7 +228,7 @@ class SessionBook:
         session = self._turns.pop(request_id, None)
         if session is not None:
             session.in_flight.discard(request_id)
-            if self._sessions.get((session.owner, session.key)) is session:
+            if self._sessions.get((session.owner, *session.name)) is session:
                 self._unfile(session)
                 self._file(session)
 
@@ -254,27 +264,29 @@ class SessionBook:
 
     # -- the owner's calls ---------------------------------------------------------------------
 
-    def release(self, owner: Owner, key: str) -> bool:
-        """End `owner`'s session `key` now; False if there is none (another owner's included)."""
+    def release(self, owner: Owner, key: str, namespace: str | None = None) -> bool:
+        """End `owner`'s session `key` now; False if there is none (another owner's or another
+        namespace's included)."""
         self.expire()
-        session = self._sessions.get((owner, key))
+        session = self._sessions.get((owner, namespace, key))
         if session is None:
             return False
         self._end(session)
         return True
 
-    def of_owner(self, owner: Owner) -> list[SessionInfo]:
-        """`owner`'s live sessions, least recently active first."""
+    def of_owner(self, owner: Owner, namespace: str | None = None) -> list[SessionInfo]:
+        """`owner`'s live sessions in `namespace`, least recently active first."""
         self.expire()
         now_s = self._clock()
         return [
             SessionInfo(s.key, self._live_tokens(s), s.num_turns, s.idle_s, max(0.0, s.expires_at_s - now_s), len(s.in_flight))
             for s in self._by_owner.get(owner, {}).values()
+            if s.namespace == namespace
         ]
 
-    def get(self, owner: Owner, key: str) -> Session | None:
+    def get(self, owner: Owner, key: str, namespace: str | None = None) -> Session | None:
         self.expire()
-        return self._sessions.get((owner, key))
+        return self._sessions.get((owner, namespace, key))
 
     def expire(self) -> int:
         """End every session idle past its time (none with a turn in flight); how many did."""
@@ -306,10 +318,10 @@ class SessionBook:
     def _end(self, session: Session) -> None:
         self._unfile(session)
         self._drop_retention(session, dead=True)
-        del self._sessions[(session.owner, session.key)]
+        del self._sessions[(session.owner, *session.name)]
         del self._by_id[session.session_id]
         mine = self._by_owner[session.owner]
-        del mine[session.key]
+        del mine[session.name]
         if not mine:
             del self._by_owner[session.owner]
 

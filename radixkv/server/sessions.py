@@ -15,10 +15,13 @@ SESSION_HEADER = "x-radixkv-session"
 SESSION_IDLE_HEADER = "x-radixkv-session-idle-s"
 
 
-def session_ref(headers: Mapping[str, str], owner: str, prompt_cache_key: str | None = None) -> SessionRef | None:
+def session_ref(
+    headers: Mapping[str, str], owner: str, prompt_cache_key: str | None = None, namespace: str | None = None
+) -> SessionRef | None:
     """The session a request names (None: none), checked before any work: a key of 1 to
     MAX_SESSION_KEY_CHARS characters, the header and prompt_cache_key naming the same one, an
-    idle time that is a positive number (the engine holds it to max_session_idle_s)."""
+    idle time that is a positive number (the engine holds it to max_session_idle_s). `namespace`:
+    Tenants.session_namespace of the request's partition."""
     header = headers.get(SESSION_HEADER)
     if header is not None and prompt_cache_key is not None and header != prompt_cache_key:
         raise APIError(400, f"the {SESSION_HEADER} header and prompt_cache_key name different sessions", param="prompt_cache_key")
@@ -31,7 +34,7 @@ def session_ref(headers: Mapping[str, str], owner: str, prompt_cache_key: str | 
     if not 0 < len(key) <= MAX_SESSION_KEY_CHARS:
         param = SESSION_HEADER if header is not None else "prompt_cache_key"
         raise APIError(400, f"a session key must be 1 to {MAX_SESSION_KEY_CHARS} characters", param=param)
-    return SessionRef(owner, key, _idle_s(idle))
+    return SessionRef(owner, key, _idle_s(idle), namespace)
 
 
 def _idle_s(value: str | None) -> float | None:

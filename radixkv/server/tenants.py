@@ -113,6 +113,14 @@ class Tenants:
             return ANONYMOUS_OWNER
         return hmac.new(self._secret, _OWNER_LABEL + key, hashlib.sha256).hexdigest()[:32]
 
+    def session_namespace(self, salt: str | None) -> str | None:
+        """The namespace of a request's session keys within its owner (SessionRef.namespace).
+        With keys, none: a key is its own owner, whatever cache_salt it sends. Without keys
+        every caller is one owner (one set of caps), and a session key alone would let one
+        caller resume, supersede or end another's turn by naming the same key; the cache
+        partition (cache_salt) a keyless caller chooses sets its session keys apart too."""
+        return None if self.auth_required else salt
+
     def sibling_salts(self, key: bytes | None, request_salt: str | None) -> tuple[str | None, ...]:
         """The partitions of the same owner a cache report may name as holding what a request
         missed (another_partition): the key's own default partition, for a request that names

@@ -227,3 +227,21 @@ def test_retention_never_passes_the_global_cap_nor_takes_another_owners(cap: int
             assert num <= cached(tree, tokens) // tree.page_size
         assert tree.retained_pages <= cap
         tree.check_invariants()
+
+
+def test_rehome_counts_an_owners_second_name_in_its_one_cap() -> None:
+    """Issue 43: retentions filed under a disk tier's name for an owner move to the owner, oldest
+    first among its own, and the owner's oldest go past its cap."""
+    tree, _ = make_tree()
+    a, b, c = seq(0, 8), seq(100, 8), seq(200, 12)
+    for tokens in (a, b, c):
+        run_request(tree, tokens)
+    assert retain(tree, a, 300, "disk:k", cap=5) == 2
+    assert retain(tree, b, 300, "k", cap=5) == 2
+    assert retain(tree, c, 300, "disk:k", cap=5) == 3
+    assert tree.rehome("disk:k", "k", max_owner_pages=5) == 2
+    assert tree.retentions("disk:k") == [] and "disk:k" not in tree.retention_owners()
+    assert [r.num_pages for r in tree.retentions("k")] == [2, 3]  # a, the oldest, went: 7 > 5
+    assert all(r.owner == "k" for r in tree.retentions("k"))
+    assert tree.retained_pages == 5
+    tree.check_invariants()

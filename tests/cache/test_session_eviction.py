@@ -339,3 +339,23 @@ def test_an_evicted_node_marks_what_is_left_of_its_path() -> None:
     tree.evict(2)
     assert tree.mark_hot(leaf) == 0  # nothing of the path is left
     tree.check_invariants()
+
+
+def test_hot_only_as_far_and_as_long_as_retained() -> None:
+    """Issue 43: mark_hot leaves what continues past the retained node unknown (a turn the caps
+    trimmed), and a hot node whose last retention goes is unknown again; a retention's own
+    match serves no request, so it makes nothing protected."""
+    clock = [0.0]
+    tree = RadixTree(PagePool(64, PAGE_SIZE), BlockHasher(PAGE_SIZE, seed=3), eviction_policy="slru", clock=lambda: clock[0])
+    tokens = seq(0, 6 * PAGE_SIZE)
+    run_request(tree, tokens + [1])
+    retained = tree.match(tokens[: 2 * PAGE_SIZE] + [0], serves=False).node  # the caps kept 2 of 6 blocks
+    (tail,) = retained.children.values()
+    tree.retain(retained, ttl_s=60.0)
+    assert tree.mark_hot(retained) == 2
+    assert (retained.liveness, tail.liveness) == (Liveness.HOT, Liveness.UNKNOWN)
+    assert retained.num_hits == 0 and tree.protected_pages == 0
+    [retention] = tree.retentions(None)
+    tree.release(retention.retention_id)
+    assert retained.liveness == Liveness.UNKNOWN
+    tree.check_invariants()

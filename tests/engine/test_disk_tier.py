@@ -15,6 +15,7 @@ import pytest
 from radixkv import SamplingParams
 from radixkv.config import EngineConfig
 from radixkv.errors import ConfigError
+from radixkv.cache.disk_format import digest
 from tests.cache.test_disk import file_size_limit
 from tests.helpers.engine import VOCAB, assert_pages_returned, hf_greedy, make_llm, run_to_end
 from tests.helpers.tiny_models import make_tiny_model
@@ -388,3 +389,32 @@ def test_another_kv_dtypes_blocks_are_misses(tiny_llama: Path, workload, tmp_pat
     stats = other.stats().disk
     assert stats.hit_blocks == 0 and stats.rejected == {"fingerprint": len(batch)}
     assert_pages_returned(other.engine)
+
+
+def test_a_key_cannot_pass_its_retention_cap_by_way_of_disk(tiny_llama: Path, workload, tmp_path: Path) -> None:
+    """Issue 43: a retained block read back from disk was re-retained under a `disk:` owner, a
+    second cap beside the key's own. Read back by the key, by another key, in this process or
+    after a restart, it counts in the key's one cap (11 pages here: one prompt)."""
+    batch, _ = workload
+    options = dict(kv_disk_dir=str(tmp_path / "kv"), max_retained_pages_per_owner=11)
+    llm = make_llm(tiny_llama, **options)
+    generate(llm, batch[:2])
+    assert llm.engine.retain(batch[0], ttl_s=3600, owner="tenant") == 44  # written through
+    llm.engine.flush_cache(ram=True, disk=False)  # RAM gives it up: on disk, retained
+    generate(llm, batch[:2])  # another owner reads both back: batch[0] re-retained in RAM
+    assert llm.engine.retain(batch[1], ttl_s=3600, owner="tenant") == 44
+    assert llm.stats().cache.retained_pages == 11  # only "tenant" retains here
+    assert [r.num_pages for r in llm.engine.tree.retentions("tenant")] == [11]
+    llm.close()
+
+    restarted = make_llm(tiny_llama, **options)  # "tenant" has no retention in this process yet
+    assert restarted.stats().disk.retained_blocks == 22
+    generate(restarted, batch[:2])  # both back from disk, retained again under the name the disk knows
+    restarted.engine.flush_cache(ram=True, disk=False)  # and written back under that same name
+    owners = {retention.owner for _, retention in restarted.engine.kv.loader.tier.index.retentions()}
+    assert owners == {digest("tenant").hex()}  # one owner on disk too: one disk cap
+    generate(restarted, batch)
+    assert restarted.engine.retain(batch[2], ttl_s=3600, owner="tenant") == 44
+    assert restarted.stats().cache.retained_pages == 11
+    assert [r.num_pages for r in restarted.engine.tree.retentions("tenant")] == [11]
+    assert_pages_returned(restarted.engine)

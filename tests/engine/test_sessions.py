@@ -270,3 +270,54 @@ def test_the_eviction_order_hears_hot_dead_and_cold_past_the_shared_prefix(tiny_
     assert newer.node.liveness is Liveness.DEAD and shared.liveness is Liveness.UNKNOWN
     assert len(history) > len(system)
     assert_pages_returned(engine)
+
+
+def _hit_prefix(engine: Engine, prefix: list[int], owner: str) -> None:
+    """Two of `owner`'s requests share `prefix`: the second's hit makes it protected under slru."""
+    for seed in (60, 61):
+        engine.add_request(prefix + prompt(seed, 2), SamplingParams(max_tokens=1), owner=owner)
+        run_to_end(engine)
+
+
+def _evict_all_unretained_but(engine: Engine, num_pages: int) -> None:
+    """Pressure: evict every unretained cached page but `num_pages` of them (what should be left)."""
+    tree = engine.tree
+    assert tree.locked_pages == 0
+    tree.evict(tree.evictable_pages - tree.retained_pages - num_pages)
+
+
+def test_a_session_turn_past_its_owners_page_cap_does_not_outrank_another_keys_hit_prefix(
+    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 43: the caps retained only the turn's first pages; the rest was still marked hot, so
+    it outlived another key's hit prefix under pressure. Hot reaches only as far as retained."""
+    engine, _, _ = make(tiny_llama, monkeypatch, max_session_pages_per_owner=4)
+    engine.sessions.signals = engine.kv  # the eviction order's own marks
+    bobs = prompt(40, 6)
+    _hit_prefix(engine, bobs, "bob")
+    alices = turn(engine, prompt(1, 10), SessionRef("alice", "s1"), max_tokens=1)
+    [retention] = engine.tree.retentions("alice")
+    assert retention.num_pages == 4  # 10 pages computed, the first 4 retained
+    _evict_all_unretained_but(engine, 6)
+    assert engine.lookup(bobs, None).num_ram_tokens == 6 * PAGE_SIZE  # bob's hit prefix stayed whole
+    assert engine.lookup(alices, None).num_ram_tokens == 4 * PAGE_SIZE  # alice's past her cap went
+    assert_pages_returned(engine)
+
+
+def test_a_session_turn_its_owners_retention_cap_released_is_ordinary(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The owner's own later retention pushed the session's turn out of its retention cap: the
+    turn is no longer retained, so it is no longer hot either."""
+    engine, _, _ = make(tiny_llama, monkeypatch, max_retained_pages_per_owner=8)
+    engine.sessions.signals = engine.kv
+    bobs = prompt(40, 6)
+    _hit_prefix(engine, bobs, "bob")
+    alices = turn(engine, prompt(1, 6), SessionRef("alice", "s1"), max_tokens=1)
+    document = prompt(2, 6)
+    turn(engine, document, None, max_tokens=1)
+    assert engine.retain(document, None, 300.0, owner="alice") == 6 * PAGE_SIZE  # 6 + 6 > 8: the session's goes
+    assert [r.num_pages for r in engine.tree.retentions("alice")] == [6]
+    assert [s.num_retained_tokens for s in engine.sessions.of_owner("alice")] == [0]
+    _evict_all_unretained_but(engine, 6)
+    assert engine.lookup(bobs, None).num_ram_tokens == 6 * PAGE_SIZE
+    assert engine.lookup(alices, None).num_ram_tokens == 0
+    assert_pages_returned(engine)

@@ -72,7 +72,8 @@ async def _messages(server: AppState, request: Request) -> Response:
     owner = server.tenants.owner(key)  # whose retention cap the breakpoints count against, whose replies splice
     salt = server.tenants.cache_salt(key, None)  # the same partition as the key's OpenAI calls
     body, conv, prompt, marks, params = await server.parse_slots.run(key, lambda: _prepare(server, raw, owner, salt))
-    session = session_ref(request.headers, owner)  # the X-Radixkv-Session header: Anthropic has no field
+    # The X-Radixkv-Session header: Anthropic has no field.
+    session = session_ref(request.headers, owner, namespace=server.tenants.session_namespace(salt))
     streams = await submit(
         server.engine, server.metrics, [prompt], params, salt, _NAMES, quotas=server.quotas, parse_slots=server.parse_slots, key=key, owner=owner, session=session
     )

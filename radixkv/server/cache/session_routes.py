@@ -1,6 +1,7 @@
 """radixkv's session endpoints: GET /v1/cache/sessions lists the caller's sessions, DELETE
 /v1/cache/sessions/{key} releases one. Sessions are the engine's (engine/sessions.py), keyed by
-the API key's owner: another owner's session answers as one that does not exist.
+the API key's owner (keyless: by the `cache_salt` query parameter's namespace too): another
+owner's session answers as one that does not exist.
 """
 
 from __future__ import annotations
@@ -18,11 +19,17 @@ if TYPE_CHECKING:
 
 
 def register(app: FastAPI, server: AppState) -> None:
+    def caller(request: Request, cache_salt: str | None) -> tuple[str, str | None]:
+        """(owner, session namespace) of the caller: keyless, its cache_salt's partition."""
+        key = server.tenants.authenticate_headers(request.headers)
+        salt = server.tenants.cache_salt(key, cache_salt)
+        return server.tenants.owner(key), server.tenants.session_namespace(salt)
+
     @app.get("/v1/cache/sessions")
-    async def list_sessions(request: Request) -> Response:
+    async def list_sessions(request: Request, cache_salt: str | None = None) -> Response:
         """The caller's own live sessions (no other key's), least recently active first."""
-        owner = server.tenants.owner(server.tenants.authenticate_headers(request.headers))
-        infos = await server.engine.call_async(lambda engine: engine.sessions.of_owner(owner))
+        owner, namespace = caller(request, cache_salt)
+        infos = await server.engine.call_async(lambda engine: engine.sessions.of_owner(owner, namespace))
         data = [
             SessionResponse(
                 key=i.key, retained_tokens=i.num_retained_tokens, turns=i.num_turns, idle_s=i.idle_s,
@@ -33,10 +40,10 @@ def register(app: FastAPI, server: AppState) -> None:
         return JSONResponse(SessionList(data=data).model_dump())
 
     @app.delete("/v1/cache/sessions/{key:path}")
-    async def delete_session(key: str, request: Request) -> Response:
+    async def delete_session(key: str, request: Request, cache_salt: str | None = None) -> Response:
         """Release the caller's session now: its retention ends and its tail is marked dead."""
-        owner = server.tenants.owner(server.tenants.authenticate_headers(request.headers))
-        if not await server.engine.call_async(lambda engine: engine.sessions.release(owner, key)):
+        owner, namespace = caller(request, cache_salt)
+        if not await server.engine.call_async(lambda engine: engine.sessions.release(owner, key, namespace)):
             # The same answer for another owner's key: a key's existence is not revealed.
             raise APIError(404, "no such session (unknown, expired, released, or another key's)", code="not_found")
         return JSONResponse(SessionDeleted(key=key).model_dump())

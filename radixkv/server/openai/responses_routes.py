@@ -95,7 +95,7 @@ def register(app: FastAPI, server: AppState, store: ResponseStore | None = None)
 
         body, turn, prompt = await server.parse_slots.run(key, prepare)
         salt = server.tenants.cache_salt(key, body.cache_salt)
-        session = session_ref(request.headers, owner, body.prompt_cache_key)
+        session = session_ref(request.headers, owner, body.prompt_cache_key, server.tenants.session_namespace(salt))
         writes = turn.writes
         if body.prompt_cache_options is not None and body.prompt_cache_options.prewarm:
             done = await prompt_cache.prewarm(server, request, key, [prompt], [writes], salt, owner, turn.names, session)

@@ -133,7 +133,7 @@ def register(app: FastAPI, server: AppState) -> None:
             return body, tools, prompt, names, sampling.chat_params(body, names, guide), writes, salt
 
         body, tools, prompt, names, params, writes, salt = await server.parse_slots.run(key, prepare)
-        session = session_ref(request.headers, owner, body.prompt_cache_key)
+        session = session_ref(request.headers, owner, body.prompt_cache_key, server.tenants.session_namespace(salt))
         if body.prompt_cache_options is not None and body.prompt_cache_options.prewarm:
             done = await prompt_cache.prewarm(server, request, key, [prompt], [writes], salt, owner, names, session)
             return JSONResponse(_prewarm_response(server, "chat.completion", "chatcmpl", done))
@@ -174,7 +174,7 @@ def register(app: FastAPI, server: AppState) -> None:
         body, prompts, names, params = await server.parse_slots.run(key, prepare)
         writes = prompt_cache.implicit_writes(body.prompt_cache_options, prompts)
         salt, owner = server.tenants.cache_salt(key, body.cache_salt), server.tenants.owner(key)
-        session = session_ref(request.headers, owner, body.prompt_cache_key)
+        session = session_ref(request.headers, owner, body.prompt_cache_key, server.tenants.session_namespace(salt))
         if body.prompt_cache_options is not None and body.prompt_cache_options.prewarm:
             done = await prompt_cache.prewarm(server, request, key, prompts, writes, salt, owner, names, session)
             return JSONResponse(_prewarm_response(server, "text_completion", "cmpl", done))

@@ -180,3 +180,39 @@ def test_a_streamed_turn_is_retained_too(live_server: LiveServer) -> None:
     assert listed["turns"] == 1 and listed["retained_tokens"] > 0
     assert delete(live_server, "streamed-1") == 200
 
+
+
+def test_keyless_callers_are_one_owner_with_a_session_namespace_per_cache_partition(tiny_llama) -> None:
+    """Issue 43: without keys every caller is one owner (one set of caps), so a session key alone
+    let one caller resume, supersede or end another's. A keyless caller's cache partition
+    (cache_salt) is its session namespace: the same key in two partitions is two sessions, each
+    listed and deleted only with its own cache_salt; the owner's caps count both."""
+    with serve(make_async_engine(tiny_llama, max_sessions_per_owner=2), keys=()) as live:
+
+        def chat_in(cache_salt: str | None, text: str) -> None:
+            body = {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 4, "prompt_cache_key": "main"}
+            if cache_salt is not None:
+                body["cache_salt"] = cache_salt
+            with live.http(None) as http:
+                assert http.post("/v1/chat/completions", json=body).status_code == 200
+
+        def listed(cache_salt: str | None) -> list[str]:
+            with live.http(None) as http:
+                response = http.get("/v1/cache/sessions", params={"cache_salt": cache_salt} if cache_salt else None)
+            assert response.status_code == 200, response.text
+            return [s["key"] for s in response.json()["data"]]
+
+        chat_in("app-a", "App A's agent: a long system prompt and its first question.")
+        chat_in("app-b", "App B's agent, another conversation under the same session key.")
+        assert live.engine_call(lambda engine: engine.sessions.num_resumed) == 0  # B resumed nothing of A's
+        assert live.engine_call(lambda engine: len(engine.tree.retentions("anonymous"))) == 2  # one owner, both kept
+        assert listed("app-a") == ["main"] and listed("app-b") == ["main"] and listed(None) == []
+        with live.http(None) as http:
+            assert http.delete("/v1/cache/sessions/main").status_code == 404  # the default namespace has none
+            assert http.delete("/v1/cache/sessions/main", params={"cache_salt": "app-b"}).status_code == 200
+        assert listed("app-a") == ["main"] and listed("app-b") == []
+        chat_in(None, "A third keyless caller, no partition.")
+        chat_in("app-c", "A fourth: past the owner's two sessions its idlest gives way.")
+        assert live.engine_call(lambda engine: len(engine.sessions)) == 2  # one owner's cap over every namespace
+        assert listed("app-a") == []
+        live.assert_idle_and_consistent()
