@@ -25,6 +25,7 @@ from typing import IO
 import httpx
 
 from radixkv.cluster_sessions import ProxyThread, SessionProxy
+from radixkv.errors import ConfigError
 from radixkv.server.limits import ServerLimits
 from radixkv.server.tenants import ADMIN_KEYS_ENV, Tenants, load_api_keys
 
@@ -255,7 +256,7 @@ def _free_ports(host: str, count: int) -> list[int]:
 def front_door_guards(worker_args: list[str], host: str) -> tuple[Tenants, ServerLimits]:
     """The keys and limits the workers get from `worker_args` (and the environment, as they
     do), for the front door: it refuses what they would, before reading or parsing a body."""
-    parser = argparse.ArgumentParser(add_help=False)
+    parser = argparse.ArgumentParser(add_help=False, exit_on_error=False)
     for option in ("--api-key", "--admin-key", "--allowed-origin"):
         parser.add_argument(option, action="append", default=None)
     for option in ("--api-key-file", "--admin-key-file"):
@@ -265,7 +266,10 @@ def front_door_guards(worker_args: list[str], host: str) -> tuple[Tenants, Serve
     for option in ("--header-read-timeout-s", "--body-read-timeout-s", "--parse-cpu-share-per-key"):
         parser.add_argument(option, type=float, default=None)
     parser.add_argument("--public-operator-endpoints", "--public-metrics", action="store_true", dest="public_operator_endpoints")
-    args, _ = parser.parse_known_args(worker_args)
+    try:
+        args, _ = parser.parse_known_args(worker_args)
+    except argparse.ArgumentError as error:
+        raise ConfigError(f"worker option {error}", param=error.argument_name) from None
     api_keys = load_api_keys(args.api_key, args.api_key_file)
     admin_keys = load_api_keys(args.admin_key, args.admin_key_file, env_name=ADMIN_KEYS_ENV)
     given = {name: value for name, value in vars(args).items() if value is not None and name.startswith(("max_", "header_", "body_", "parse_"))}

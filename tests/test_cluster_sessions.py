@@ -255,3 +255,5 @@ def test_the_front_door_takes_the_workers_keys_and_limits() -> None:
     assert not limits.public_operator_endpoints  # the workers' are opened for the router, not the front door's
     tenants, limits = front_door_guards([], "0.0.0.0")
     assert not tenants.auth_required and limits.allowed_hosts == ("*",)  # as a keyless worker on that host
+    with pytest.raises(ValueError, match="max-body-bytes"):  # a ConfigError, as `radixkv cluster` reports one
+        front_door_guards(["--max-body-bytes", "lots"], "127.0.0.1")
