@@ -1,14 +1,16 @@
 """`radixkv cluster`: N `radixkv serve` workers behind one sglang-router on this machine, to try
 prefix-aware routing out; `LocalCluster` starts and stops them (the CLI, tests and
 scenarios/router_bench.py share it). With sticky sessions a front door (cluster_sessions.py)
-sends a session's requests to the worker that served it last. Stopping stops the front door and
-the router, then drains every worker.
+sends a session's requests to the worker that served it last, under the workers' keys and
+limits (`front_door_guards`). Stopping stops the front door and the router, then drains every
+worker.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import ipaddress
 import os
 import signal
 import socket
@@ -23,6 +25,9 @@ from typing import IO
 import httpx
 
 from radixkv.cluster_sessions import ProxyThread, SessionProxy
+from radixkv.errors import ConfigError
+from radixkv.server.limits import ServerLimits
+from radixkv.server.tenants import ADMIN_KEYS_ENV, Tenants, load_api_keys
 
 ROUTER_PACKAGE = "sglang_router"
 ROUTER_INSTALL = "pip install 'radixkv[router]'  (or: pip install sglang-router)"
@@ -84,6 +89,8 @@ class LocalCluster:
         self.model = model
         self.host = host
         self.policy = policy
+        # The front door asks what the workers ask: read before operator endpoints are opened.
+        self.front_guards = front_door_guards(list(worker_args or []), host) if sticky_sessions else None
         self.worker_args = _open_operator_endpoints_if_keyed(list(worker_args or []))
         self.router_args = list(router_args or [])
         self.log_dir = log_dir or Path(tempfile.mkdtemp(prefix="radixkv-cluster-"))
@@ -120,8 +127,9 @@ class LocalCluster:
         try:
             self.start_workers()
             self.start_router()
-            if self.front_port is not None:
-                proxy = SessionProxy(self.router_url, self.worker_urls, max_sessions=self.max_sticky_sessions)
+            if self.front_port is not None and self.front_guards is not None:  # both with sticky sessions
+                tenants, limits = self.front_guards
+                proxy = SessionProxy(self.router_url, self.worker_urls, max_sessions=self.max_sticky_sessions, tenants=tenants, limits=limits)
                 self.front = ProxyThread(proxy, self.host, self.front_port).start()
         except BaseException:
             self.stop()
@@ -245,6 +253,42 @@ def _free_ports(host: str, count: int) -> list[int]:
             sock.close()
 
 
+def front_door_guards(worker_args: list[str], host: str) -> tuple[Tenants, ServerLimits]:
+    """The keys and limits the workers get from `worker_args` (and the environment, as they
+    do), for the front door: it refuses what they would, before reading or parsing a body."""
+    parser = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+    for option in ("--api-key", "--admin-key", "--allowed-origin"):
+        parser.add_argument(option, action="append", default=None)
+    for option in ("--api-key-file", "--admin-key-file"):
+        parser.add_argument(option, default=None)
+    for option in ("--max-body-bytes", "--max-connections", "--max-requests-per-key", "--max-parses-per-key"):
+        parser.add_argument(option, type=int, default=None)
+    for option in ("--header-read-timeout-s", "--body-read-timeout-s", "--parse-cpu-share-per-key"):
+        parser.add_argument(option, type=float, default=None)
+    parser.add_argument("--public-operator-endpoints", "--public-metrics", action="store_true", dest="public_operator_endpoints")
+    try:
+        args, _ = parser.parse_known_args(worker_args)
+    except argparse.ArgumentError as error:
+        raise ConfigError(f"worker option {error}", param=error.argument_name) from None
+    api_keys = load_api_keys(args.api_key, args.api_key_file)
+    admin_keys = load_api_keys(args.admin_key, args.admin_key_file, env_name=ADMIN_KEYS_ENV)
+    given = {name: value for name, value in vars(args).items() if value is not None and name.startswith(("max_", "header_", "body_", "parse_"))}
+    keyless_remote = not api_keys and not admin_keys and not _is_loopback(host)
+    limits = ServerLimits(
+        allowed_origins=tuple(args.allowed_origin or ()), allowed_hosts=("*",) if keyless_remote else (),
+        public_operator_endpoints=args.public_operator_endpoints, **given,
+    )  # fmt: skip
+    return Tenants(api_keys, admin_keys=admin_keys), limits
+
+
+def _is_loopback(host: str) -> bool:
+    """As `radixkv serve` judges its own --host: served beyond loopback without a key, any Host name."""
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 _KEY_OPTIONS = ("--api-key", "--api-key-file", "--admin-key", "--admin-key-file")
 _KEY_ENVS = ("RADIXKV_API_KEYS", "RADIXKV_ADMIN_KEYS")
 _OPEN_OPTIONS = ("--public-operator-endpoints", "--public-metrics")
@@ -299,7 +343,7 @@ def run(args: argparse.Namespace) -> int:
             args.workers, model=args.model, host=args.host, port=args.port, policy=args.policy,
             worker_args=worker_args, log_dir=Path(args.log_dir) if args.log_dir else None, sticky_sessions=args.sticky_sessions,
         )
-    except ValueError as error:
+    except (ValueError, OSError) as error:  # a bad option, an unreadable key file
         print(f"error: {error}", file=sys.stderr)
         return 2
     stop = _StopOnSignal()

@@ -184,6 +184,7 @@ class AsyncEngine:
         # Fixed after construction, so any thread may read them.
         self.tokenizer = engine.tokenizer
         self.max_context_tokens = engine.max_context_tokens
+        self.context = engine.context  # frozen: a server checks lengths with it off this thread
         self._cond = threading.Condition()
         self._shared = _Shared()
         self._streams: dict[str, RequestStream] = {}  # engine thread only

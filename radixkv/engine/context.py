@@ -23,9 +23,18 @@ class ContextLimit:
         the context room for at least one more token."""
         if not prompt:
             raise InvalidRequest("the prompt is empty; it needs at least one token", param="prompt")
-        self.check_token_ids(prompt)
+        # The length first: a prompt of millions of ids is refused without a scan of them.
         if len(prompt) >= self.max_context_tokens:
             raise self._exceeded(f"the prompt has {len(prompt)} tokens, which leaves no room for a completion", "prompt")
+        self.check_token_ids(prompt)
+
+    def check_lookup(self, prompt: list[int]) -> None:
+        """InvalidRequest (param "prompt") unless `prompt` is at most the context's length of
+        token ids of this model: no cached prefix is longer, and a lookup's work is bounded by
+        it. Length first, so a longer one costs no scan."""
+        if len(prompt) > self.max_context_tokens:
+            raise self._exceeded(f"the prompt has {len(prompt)} tokens; a lookup takes at most that many", "prompt")
+        self.check_token_ids(prompt)
 
     def check_token_ids(self, prompt: list[int]) -> None:
         """InvalidRequest (param "prompt") unless every id is a token of this model: checked

@@ -313,8 +313,9 @@ class Engine:
     def lookup(self, prompt_token_ids: list[int], salt: str | None = None) -> CacheLookup:
         """The prompt's tokens cached in RAM and, right after those, on disk, in full blocks;
         a pure lookup (POST /v1/cache/lookup). InvalidRequest for ids that are no token of
-        this model; a prompt past the context is answered, not refused."""
-        self.context.check_token_ids(prompt_token_ids)
+        this model, and for a prompt past the context (nothing longer is cached; refused
+        before any id is read, so a lookup costs this thread at most a context's work)."""
+        self.context.check_lookup(prompt_token_ids)
         return self.kv.lookup(prompt_token_ids, salt)
 
     def flush_cache(self, *, ram: bool = True, disk: bool = True) -> tuple[int, int]:

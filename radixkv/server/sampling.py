@@ -18,6 +18,10 @@ from radixkv.server.openai.responses_protocol import ResponsesRequest
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 # OpenAI's and Anthropic's default temperature when a request leaves it out.
 DEFAULT_TEMPERATURE = 1.0
+# A logit_bias key (a token id as a string) has at most this many digits: vocabularies are far
+# below 10**9. A longer key is refused before int(), which raises past its own digit limit and
+# whose work grows with the digits; a shorter one past the vocabulary is the engine's to refuse.
+MAX_TOKEN_ID_DIGITS = 9
 
 
 COMPLETIONS_NAMES = WireNames()
@@ -81,9 +85,9 @@ def _extension_params(body: ChatCompletionRequest | CompletionRequest, names: Wi
     are token ids sent as strings, as OpenAI's API has them."""
     logit_bias = {}
     for key, bias in (body.logit_bias or {}).items():
-        if not key.isascii() or not key.isdigit():
-            error = InvalidRequest(f"logit_bias keys must be token ids, got {key[:32]!r}", param="logit_bias")
-            raise engine_error(error, names)
+        if not key.isascii() or not key.isdigit() or len(key) > MAX_TOKEN_ID_DIGITS:
+            message = f"logit_bias keys must be token ids of at most {MAX_TOKEN_ID_DIGITS} digits, got {key[:32]!r}"
+            raise engine_error(InvalidRequest(message, param="logit_bias", limit=MAX_TOKEN_ID_DIGITS), names)
         logit_bias[int(key)] = bias
     return dict(
         ignore_eos=body.ignore_eos,

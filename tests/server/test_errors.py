@@ -55,6 +55,8 @@ BAD_JSON_BODIES = [
     ("unsupported echo", COMPLETIONS, {"prompt": "hi", "echo": True}, 400, "echo", "unsupported_parameter"),
     ("logit_bias key not a token id", CHAT, {"messages": HELLO, "logit_bias": {"hello": 5}}, 400, "logit_bias", None),
     ("logit_bias past the vocabulary", CHAT, {"messages": HELLO, "logit_bias": {"1000000": 5}}, 400, "logit_bias", None),
+    ("logit_bias key of 5,000 digits", CHAT, {"messages": HELLO, "logit_bias": {"7" * 5000: 5}}, 400, "logit_bias", None),
+    ("logit_bias key of 10 digits", COMPLETIONS, {"prompt": "hi", "logit_bias": {"1" * 10: 5}}, 400, "logit_bias", None),
     ("logit_bias over 100", COMPLETIONS, {"prompt": "hi", "logit_bias": {"5": 101}}, 400, "logit_bias", None),
     ("logit_bias over 300 tokens", CHAT, {"messages": HELLO, "logit_bias": {str(t): 1 for t in range(301)}}, 400, "logit_bias", None),
     ("stop_token_ids past the vocabulary", COMPLETIONS, {"prompt": "hi", "stop_token_ids": [10**6]}, 400, "stop_token_ids", None),
@@ -191,3 +193,13 @@ def test_engine_failures_map_to_server_errors():
     assert (stopped.status, stopped.code, stopped.message) == (503, "engine_down", "the engine is not running")
     failed = engine_error(EngineStepError("boom"))
     assert (failed.status, failed.code) == (500, "engine_error") and "boom" not in failed.message
+
+
+def test_a_logit_bias_key_past_any_token_id_names_the_parameter_and_its_limit(live_server):
+    """int() refuses past 4,300 digits (a ValueError, once a 500) and its work grows with them:
+    a key longer than any token id is a 400 before int() runs."""
+    with pytest.raises(openai.BadRequestError) as refused:
+        live_server.client().completions.create(model=MODEL, prompt="hi", max_tokens=2, logit_bias={"9" * 5000: 5})
+    error = refused.value.body
+    assert error["param"] == "logit_bias" and "at most 9 digits" in error["message"], error
+    assert_still_serving(live_server)

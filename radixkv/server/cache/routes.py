@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
 from fastapi import FastAPI, Request
@@ -53,14 +54,22 @@ def pin_prompt(server: AppState, body: PinRequest, owner: str | None = None, sal
         param = "prompt"
     if not prompt:
         raise APIError(400, f"{param} must hold at least one token", param=param)
-    # No token or context check: the engine checks a pin's warming request (and Engine.pin
-    # again) and a lookup's ids (Engine.lookup answers a prompt past the context). A prompt past
-    # the context splices nothing (encode_conversation_exact).
+    # No token or context check here: the engine checks a pin's warming request (and
+    # Engine.pin again); a lookup is checked in its parse slot (_prefix_request's `check`). A
+    # prompt past the context splices nothing (encode_conversation_exact).
     return prompt
 
-async def _prefix_request(server: AppState, request: Request, model: type[P]) -> tuple[bytes | None, P, list[int], str | None]:
-    """A pin or lookup body, parsed and encoded in the caller's parse slots: (its key, the body,
-    the prefix's token ids, the cache partition to look in)."""
+
+def _names(body: PinRequest) -> WireNames:
+    return WireNames(prompt="messages" if body.messages is not None else "prompt")
+
+
+async def _prefix_request(
+    server: AppState, request: Request, model: type[P], check: Callable[[list[int]], None] | None = None
+) -> tuple[bytes | None, P, list[int], str | None]:
+    """A pin or lookup body, parsed, encoded and `check`ed (InvalidRequest: a 400 in the body's
+    names) in the caller's parse slots: (its key, the body, the prefix's token ids, the cache
+    partition to look in)."""
     key = server.tenants.authenticate_headers(request.headers)
     raw = await request.body()
 
@@ -69,7 +78,13 @@ async def _prefix_request(server: AppState, request: Request, model: type[P]) ->
         if body.model is not None:
             server.check_model(body.model)
         salt = server.tenants.cache_salt(key, body.cache_salt)
-        return body, pin_prompt(server, body, server.tenants.owner(key), salt), salt
+        prompt = pin_prompt(server, body, server.tenants.owner(key), salt)
+        if check is not None:
+            try:
+                check(prompt)
+            except InvalidRequest as error:
+                raise engine_error(error, _names(body)) from None
+        return body, prompt, salt
 
     body, prompt, salt = await server.parse_slots.run(key, prepare)
     return key, body, prompt, salt
@@ -98,7 +113,7 @@ def register(app: FastAPI, server: AppState) -> None:
         DELETE /v1/cache/pin/{pin_id}; a pin lasts until then or until the server stops."""
         key, body, prompt, salt = await _prefix_request(server, request, PinRequest)
         owner = server.tenants.owner(key)  # not the salt's: one pin cap per key, whatever salts it uses
-        names = WireNames(prompt="messages" if body.messages is not None else "prompt")
+        names = _names(body)
         params = SamplingParams(max_tokens=1)
         streams = await submit(server.engine, server.metrics, [prompt], params, salt, names, quotas=server.quotas, parse_slots=server.parse_slots, key=key, owner=owner)
         await until_disconnect(request, collect(server.metrics, streams, 1), streams)
@@ -131,8 +146,9 @@ def register(app: FastAPI, server: AppState) -> None:
     async def lookup_prefix(request: Request) -> Response:
         """How many tokens of a prompt are cached for the caller, in RAM and on disk. Only the
         caller's own partition (its key and cache_salt) is looked at: another tenant's cache
-        is neither visible nor timeable through this."""
-        _, _, prompt, salt = await _prefix_request(server, request, CacheLookupRequest)
+        is neither visible nor timeable through this. A prompt past the context is refused in
+        the caller's parse slot, so the engine thread's part is bounded by the context."""
+        _, _, prompt, salt = await _prefix_request(server, request, CacheLookupRequest, server.engine.context.check_lookup)
         try:
             found = await server.engine.call_async(lambda engine: engine.lookup(prompt, salt))
         except InvalidRequest as error:

@@ -93,13 +93,11 @@ def test_lookup_flush_metrics_and_a_warm_restart(tiny_llama: Path, tmp_path: Pat
         live.assert_idle_and_consistent()
 
 
-def test_a_prompt_past_the_context_is_refused_for_a_pin_by_the_engine_and_answered_for_a_lookup(live_server: LiveServer) -> None:
-    """No cache route checks the context: the engine refuses a pin's prompt (its warming
-    request), in the request's own names; a lookup needs no room for a completion, so it answers."""
+def test_a_prompt_past_the_context_is_refused_for_a_pin_by_the_engine(live_server: LiveServer) -> None:
+    """The pin route does not check the context: the engine refuses a pin's prompt (its warming
+    request), in the request's own names. (A lookup's is refused in its parse slot: below.)"""
     too_long = [1 + i % (VOCAB - 1) for i in range(600)]  # the tiny Llama's context is 512
     with live_server.http(KEY_A) as http:
-        looked = http.post("/v1/cache/lookup", json={"prompt": too_long})
-        assert looked.status_code == 200 and looked.json()["prompt_tokens"] == 600
         refused = http.post("/v1/cache/pin", json={"prompt": too_long})
         assert refused.status_code == 400, refused.text
         error = refused.json()["error"]
@@ -108,4 +106,30 @@ def test_a_prompt_past_the_context_is_refused_for_a_pin_by_the_engine_and_answer
         messages = [{"role": "user", "content": "x " * 600}]
         refused = http.post("/v1/cache/pin", json={"messages": messages})
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "messages"
+    live_server.assert_idle_and_consistent()
+
+
+def test_a_lookup_past_the_context_is_refused_in_its_parse_slot_without_engine_work(live_server: LiveServer, monkeypatch) -> None:
+    """Nothing longer than the context is cached, so a lookup is refused past it (a 400 naming
+    the limit, in the request's names) before anything reaches the engine thread: a key sending
+    millions of ids spends its own parse slots, not the thread every stream waits on."""
+    engine = live_server.async_engine
+    context = engine.max_context_tokens
+    engine_calls = []
+    call_async = engine.call_async
+    monkeypatch.setattr(engine, "call_async", lambda fn: engine_calls.append(fn) or call_async(fn))
+    with live_server.http(KEY_A) as http:
+        for num_ids in (context + 1, 200_000):
+            refused = http.post("/v1/cache/lookup", json={"prompt": [1 + i % (VOCAB - 1) for i in range(num_ids)]})
+            assert refused.status_code == 400, refused.text
+            error = refused.json()["error"]
+            assert (error["code"], error["param"]) == ("context_length_exceeded", "prompt")
+            assert f"maximum context length is {context}" in error["message"] and str(num_ids) in error["message"]
+        messages = [{"role": "user", "content": "x " * context}]
+        refused = http.post("/v1/cache/lookup", json={"messages": messages})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "messages"
+        assert engine_calls == []  # refused without the engine thread
+        answered = http.post("/v1/cache/lookup", json={"prompt": [1] * context})  # the context's length is looked up
+        assert answered.status_code == 200 and answered.json()["prompt_tokens"] == context
+        assert len(engine_calls) == 1
     live_server.assert_idle_and_consistent()
