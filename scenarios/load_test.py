@@ -10,7 +10,9 @@ With --abuse the workload runs twice, spread over --well-keys API keys: alone, t
 abusive clients (slow readers that stop reading, oversized bodies, one key flooding the
 server, and one key sending what a request may not carry: 30,000 tools, dozens of
 cache_control breakpoints, a JSON schema with no way on, retention under a new cache_salt
-each time, and a flood of stored Responses); the table reports, per well-behaved key,
+each time, and a flood of stored Responses; and the doors of scenarios/abuse_doors.py: echoed
+replies around forged splice markers, grammar pairs beside another key's schema, lookups past
+the context, a logit_bias key of 5,000 digits); the table reports, per well-behaved key,
 completed / failed and p99 latency in both runs (the verdict wants the second at most
 --max-p99-ratio times the first), what the abusers got (429s, 413s, 400s, aborts), that a
 well-behaved key's retained prefix and stored response outlived the abuse, that the abuser
@@ -40,6 +42,7 @@ from typing import Any
 
 import httpx
 
+from radixkv.scenarios.abuse_doors import DoorTally, door_attacks
 from radixkv.scenarios.harness import TEXT
 from radixkv.server.thread import ServerThread
 
@@ -125,6 +128,7 @@ class AbuseTally:
     well_retained_tokens: tuple[int, int] = (0, 0)  # its retained prefix's cached tokens, before and after
     well_retained_kept: bool = False  # the well-behaved key's retained prefix still cached
     well_stored_kept: bool = False  # its stored response still continues
+    doors: DoorTally = field(default_factory=DoorTally)
 
     @property
     def request_attacks_ok(self) -> bool:
@@ -137,6 +141,7 @@ class AbuseTally:
             and self.retained_pages_end <= self.retained_pages_cap
             and self.well_retained_kept
             and self.well_stored_kept
+            and self.doors.ok
         )
 
 
@@ -224,6 +229,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--oversized", type=int, default=8, help="requests with a body past the server's limit")
     parser.add_argument("--many-tools", type=int, default=30_000, help="tools in each of the abuser's tool-flood requests")
     parser.add_argument("--breakpoints", type=int, default=64, help="cache_control breakpoints in each of the abuser's messages")
+    parser.add_argument("--echoes", type=int, default=150, help="echoed replies in each of the abuser's splice requests")
     parser.add_argument("--store-flood", type=int, default=1100, help="stored Responses the abuser creates (past the old global 1,024)")
     parser.add_argument("--retain-cap", type=int, default=64, help="the engine's max_retained_pages_per_owner in this run")
     parser.add_argument("--max-body-bytes", type=int, default=2 << 20, help="the server's body limit in this run (30,000 tools fit under 2 MiB)")
@@ -540,13 +546,16 @@ async def run_with_abuse(
     sockets = open_slow_readers(base_url, abuser_keys[0], slow_body, args.slow_readers, slow_tally)
     spawn = multiprocessing.get_context("spawn")
     stop, results = spawn.Event(), spawn.Queue()
-    abusers = spawn.Process(target=abuse_in_own_process, args=(base_url, abuser_keys, model_name, vars(args), stop, results), daemon=True)
+    # The victim of the grammar pairs: a well-behaved key asking for a small schema meanwhile.
+    options = {**vars(args), "victim_key": api_keys[-1]}
+    abusers = spawn.Process(target=abuse_in_own_process, args=(base_url, abuser_keys, model_name, options, stop, results), daemon=True)
     abusers.start()
     try:
         outcomes, wall_s = await run_clients(base_url, api_keys, jobs, args)
         stop.set()
         # The whole store flood lands before the well-behaved key looks for its response.
-        tally = AbuseTally(**await asyncio.to_thread(results.get, True, args.request_timeout_s + args.time_limit_s))
+        fields = await asyncio.to_thread(results.get, True, args.request_timeout_s + args.time_limit_s)
+        tally = AbuseTally(**{**fields, "doors": DoorTally(**fields["doors"])})
     finally:
         for sock in sockets:
             sock.close()
@@ -577,10 +586,11 @@ async def _abuse(base_url: str, abuser_keys: tuple[str, str], model_name: str, a
     too_big = asyncio.create_task(oversized(base_url, flooder, args.oversized, args.max_body_bytes, tally))
     attacks = asyncio.create_task(request_attacks(base_url, prober, model_name, args, stop, tally))
     storing = asyncio.create_task(store_flood(base_url, prober, model_name, args.store_flood, stop, tally))
+    doors = asyncio.create_task(door_attacks(base_url, prober, args.victim_key, model_name, args.echoes, stop, tally.doors))
     await asyncio.to_thread(outer_stop.wait)
     await storing
     stop.set()
-    await asyncio.gather(flooding, too_big, attacks)
+    await asyncio.gather(flooding, too_big, attacks, doors)
     return asdict(tally)
 
 
@@ -749,6 +759,12 @@ def format_abuse(report: Report) -> str:
         f"stored Responses flood: {tally.store_flood_sent} sent, {tally.store_flood_other} unexpected answers",
         f"the well-behaved key's retained prefix kept: {tally.well_retained_kept} (cached tokens before / after: "
         f"{tally.well_retained_tokens[0]} / {tally.well_retained_tokens[1]}); its stored response kept: {tally.well_stored_kept}",
+        f"echoed replies around forged splice markers: {tally.doors.echo_splice_sent} sent, "
+        f"slowest answer {tally.doors.echo_splice_slowest_s:.2f} s",
+        f"grammar pairs: {tally.doors.grammar_pairs_sent}; lookups past the context: {tally.doors.lookups_past_context_sent}; "
+        f"logit_bias keys of 5,000 digits: {tally.doors.logit_bias_digits_sent}; unexpected answers: {tally.doors.unexpected}",
+        f"the victim key's 3-property schema beside the grammar pairs: {tally.doors.victim_schema_served} of "
+        f"{tally.doors.victim_schema_sent} served",
         f"abuse verdict: {'PASS' if report.abuse_ok else 'FAIL'} (p99 ratio at most {report.max_p99_ratio:g})",
     ]
     return "\n".join(lines)

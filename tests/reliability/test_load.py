@@ -44,7 +44,7 @@ def test_small_load_beside_abusive_clients(tiny_llama, tmp_path, capsys):
         "--question-len", "10", "--disconnect-fraction", "0", "--abuse", "--well-keys", "2",
         "--flood-concurrency", "12", "--slow-readers", "2", "--slow-reader-tokens", "200", "--oversized", "3",
         "--max-body-bytes", str(2 << 20), "--stream-send-timeout-s", "1", "--max-p99-ratio", "1000",
-        "--store-flood", "40", "--retain-cap", "16",
+        "--store-flood", "40", "--retain-cap", "16", "--echoes", "150",
         "--time-limit-s", "120", "--request-timeout-s", "60", "--out", str(tmp_path),
     ]  # fmt: skip
     assert load_test.main(argv) == 0, capsys.readouterr().out
@@ -60,5 +60,10 @@ def test_small_load_beside_abusive_clients(tiny_llama, tmp_path, capsys):
     assert abuse["dead_schema_sent"] > 0 and abuse["dead_schema_refused"] == abuse["dead_schema_sent"]
     assert abuse["salt_rotations_sent"] > 0 and abuse["retained_pages_end"] <= abuse["retained_pages_cap"]
     assert abuse["store_flood_sent"] == 40 and abuse["well_retained_kept"] and abuse["well_stored_kept"]
+    # The doors: echoed replies around forged markers, grammar pairs, lookups past the context and
+    # 5,000-digit logit_bias keys each answered without a 5xx; the victim's schema always served.
+    doors = abuse["doors"]
+    assert min(doors["echo_splice_sent"], doors["grammar_pairs_sent"], doors["lookups_past_context_sent"], doors["logit_bias_digits_sent"]) > 0
+    assert doors["unexpected"] == 0 and doors["victim_schema_served"] == doors["victim_schema_sent"] > 0
     assert report["final_running"] == report["final_waiting"] == report["final_unfinished"] == 0 and report["invariant_ok"]
     assert "| well-behaved key" in capsys.readouterr().out
