@@ -180,3 +180,12 @@ def test_keeps_are_checked_before_anything_is_queued(engine: Engine, keeps: tupl
     if len(keeps) > MAX_KEEPS:
         assert refused.value.limit == MAX_KEEPS
     assert not engine.has_unfinished()
+
+
+def test_llm_generate_carries_keeps_per_prompt(tiny_llama: Path) -> None:
+    llm = make_llm(tiny_llama, page_size=PAGE_SIZE, num_pages=256)
+    first, plain = llm.generate([prompt(0, 17), prompt(100, 17)], SamplingParams(max_tokens=1), keeps=[(Keep(17, 60.0),), ()])
+    assert first.kept is not None and first.kept.num_kept_tokens == (16,) and plain.kept is None
+    with pytest.raises(InvalidRequest) as refused:
+        llm.generate([prompt(0, 17)], keeps=[(Keep(18, 60.0),)])
+    assert refused.value.param == "keeps" and not llm.engine.has_unfinished()
