@@ -11,7 +11,8 @@ from typing import Any
 
 from radixkv.config import EngineConfig
 from radixkv.engine.engine import Engine
-from radixkv.engine.request import RequestOutput, SamplingParams
+from radixkv.engine.keeps import check_keeps
+from radixkv.engine.request import Keep, RequestOutput, SamplingParams
 from radixkv.engine.run import run_to_completion
 from radixkv.engine.sessions import SessionRef
 from radixkv.engine.stats import EngineStats
@@ -35,11 +36,16 @@ class LLM:
         *,
         salt: str | None = None,
         session: str | None = None,
+        keeps: Sequence[tuple[Keep, ...]] | None = None,
     ) -> list[RequestOutput]:
         """One output per prompt, in order. A prompt is text, a list of token ids, or a Prompt.
-        `session` names a session (engine/sessions.py): its newest turn stays retained."""
+        `session` names a session (engine/sessions.py): its newest turn stays retained.
+        `keeps`: one tuple per prompt of what stays cached once it is computed (engine/keeps.py,
+        under the pin and retention caps of in-process callers); `RequestOutput.kept` says what did."""
         token_lists = [encode(self.tokenizer, p) for p in _as_prompt_list(prompts)]
-        return self._run(token_lists, _as_params_list(params, len(token_lists)), salt, session)
+        if keeps is not None and len(keeps) != len(token_lists):
+            raise InvalidRequest(f"got {len(keeps)} keeps tuples for {len(token_lists)} prompts", param="keeps")
+        return self._run(token_lists, _as_params_list(params, len(token_lists)), salt, session, keeps)
 
     def chat(
         self,
@@ -70,11 +76,17 @@ class LLM:
         return self.engine.stats()
 
     def _run(
-        self, token_lists: list[list[int]], params: list[SamplingParams], salt: str | None, session: str | None = None
+        self,
+        token_lists: list[list[int]],
+        params: list[SamplingParams],
+        salt: str | None,
+        session: str | None = None,
+        keeps: Sequence[tuple[Keep, ...]] | None = None,
     ) -> list[RequestOutput]:
         # Check everything before queueing anything, so a bad prompt leaves nothing behind.
-        for tokens, p in zip(token_lists, params):
+        for i, (tokens, p) in enumerate(zip(token_lists, params)):
             self.engine.check_request(tokens, p, salt)
+            check_keeps(keeps[i] if keeps else (), len(tokens))
             if p.n > self.config.max_queue_len:
                 raise QueueFull(f"n={p.n} is more than the waiting queue holds ({self.config.max_queue_len})", limit=self.config.max_queue_len)
         results: list[RequestOutput | None] = [None] * len(token_lists)
@@ -83,7 +95,7 @@ class LLM:
             results[i] = output
 
         ref = SessionRef(None, session) if session is not None else None  # in-process callers are one owner
-        run_to_completion(self.engine, token_lists, params, salt=salt, on_finished=finished, session=ref)
+        run_to_completion(self.engine, token_lists, params, salt=salt, on_finished=finished, session=ref, keeps=keeps)
         return results  # type: ignore[return-value]
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from radixkv.engine.engine import Engine
-from radixkv.engine.request import RequestDelta, SamplingParams, merge_deltas
+from radixkv.engine.request import Keep, RequestDelta, SamplingParams, merge_deltas
 from radixkv.engine.sessions import SessionRef
 from radixkv.engine.stats import EngineStats
 from radixkv.errors import InvalidRequest
@@ -56,6 +56,7 @@ class _Add:
     owner: str | None = None  # whose fair share of the batch it takes
     session: SessionRef | None = None  # the owner's session this turn continues
     sibling_salts: tuple[str | None, ...] = ()  # the owner's other partitions (cache reports)
+    keeps: tuple[Keep, ...] = ()  # what stays cached once the prompt is computed
 
 
 @dataclass(slots=True)
@@ -241,8 +242,10 @@ class AsyncEngine:
         owner: str | None = None,
         session: SessionRef | None = None,
         sibling_salts: tuple[str | None, ...] = (),
+        keeps: tuple[Keep, ...] = (),
     ) -> RequestStream:
-        """Queue a request; return its stream once the engine has accepted it.
+        """Queue a request; return its stream once the engine has accepted it (`keeps`:
+        Engine.add_request's, reported on the stream's output).
 
         The Engine's own errors (InvalidRequest, QueueFull) are raised here, to the caller,
         before any output exists. Cancelling this await aborts the request. A JSON schema
@@ -254,7 +257,7 @@ class AsyncEngine:
         request_id = request_id or f"{self._id_prefix}-{next(self._ids)}"
         stream = RequestStream(self, request_id, loop)
         future: concurrent.futures.Future[str] = concurrent.futures.Future()
-        self._post(_Add(list(prompt_token_ids), params, salt, request_id, stream, future, grammar, owner, session=session, sibling_salts=sibling_salts))
+        self._post(_Add(list(prompt_token_ids), params, salt, request_id, stream, future, grammar, owner, session=session, sibling_salts=sibling_salts, keeps=tuple(keeps)))
         try:
             await asyncio.wrap_future(future)
         except asyncio.CancelledError:
@@ -448,6 +451,7 @@ class AsyncEngine:
                     owner=command.owner,
                     session=command.session,
                     sibling_salts=command.sibling_salts,
+                    keeps=command.keeps,
                 )
             except Exception as error:  # noqa: BLE001 - InvalidRequest, QueueFull: the caller's to handle
                 command.future.set_exception(error)

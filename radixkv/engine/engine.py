@@ -1,9 +1,10 @@
 """The engine: holds the cache, scheduler, runner and sampler together and runs the step loop.
 
 `add_request` validates and books a request (engine/outputs.py's RequestBook) and queues it;
-`step` is schedule (Scheduler) -> run (ModelRunner: prepare, forward, NaN guard, sample) ->
-postprocess (RequestBook: commit, tokens, finish, deltas); `abort` ends a request at any stage.
-Every ended sequence gives back every page it held.
+`step` is one expiry pass (pins, sessions, retentions) -> schedule (Scheduler) -> run
+(ModelRunner: prepare, forward, NaN guard, sample) -> postprocess (RequestBook: commit, keeps,
+tokens, finish, deltas); `abort` ends a request at any stage. Every ended sequence gives back
+every page it held.
 """
 
 from __future__ import annotations
@@ -24,10 +25,11 @@ from radixkv.engine.context import ContextLimit
 from radixkv.engine.disk_loader import open_disk_tier
 from radixkv.engine.guide import GuideLimits, Guides
 from radixkv.engine.invariants import check_page_accounting
+from radixkv.engine.keeps import Keeper, check_keeps
 from radixkv.engine.kv_manager import KVManager
 from radixkv.engine.outputs import RequestBook
 from radixkv.engine.pins import Owner, PinnedPrefix, Pins
-from radixkv.engine.request import Batch, CacheLookup, RequestDelta, SamplingParams, SequenceState
+from radixkv.engine.request import Batch, CacheLookup, Keep, RequestDelta, SamplingParams, SequenceState
 from radixkv.engine.runner import ModelRunner, StepResult
 from radixkv.engine.sampler import Sampler
 from radixkv.engine.scheduler import Scheduler
@@ -111,12 +113,16 @@ class Engine:
         self.guides = Guides(self.tokenizer, model_config.vocab_size, sorted(self.eos_token_ids), guide_limits)
         self.counters = EngineCounters()
         self.step_times = StepTimes()
-        self.requests = RequestBook(self.scheduler, self.kv, self.tokenizer, self.eos_token_ids, self.max_model_len, self.counters)
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
         # Pins and their caps live here, not in the server, so in-process callers get the same.
         self.pins = Pins(
             self.kv, num_pages, config.page_size, self.max_context_tokens, config.max_pinned_pages, config.max_pinned_pages_per_owner
+        )
+        # A request's keeps go through the same retention and pins (and caps) as the verbs below.
+        self.keeper = Keeper(self.kv, self.pins, config.max_retained_pages_per_owner, self.tree.now_s)
+        self.requests = RequestBook(
+            self.scheduler, self.kv, self.tokenizer, self.eos_token_ids, self.max_model_len, self.counters, self.keeper
         )
         # Sessions retain each conversation's newest turn through the retention above (no lock).
         self.sessions = SessionBook(
@@ -148,6 +154,7 @@ class Engine:
         owner: Owner = None,
         session: SessionRef | None = None,
         sibling_salts: tuple[str | None, ...] = (),
+        keeps: tuple[Keep, ...] = (),
     ) -> str:
         """Queue a request; its id. `guide_grammar` is params.guide compiled beforehand off
         this thread (AsyncEngine.submit); without it a guide compiles (or is found cached) here.
@@ -156,9 +163,12 @@ class Engine:
         holding what it missed (another_partition); never another owner's.
         max_tokens None becomes the room the context leaves after this prompt (for this
         request only: `params` may be shared). `session` names the owner's session this turn
-        continues (engine/sessions.py): checked against its caps here, before any work."""
+        continues (engine/sessions.py): checked against its caps here, before any work.
+        `keeps` (engine/keeps.py): prefixes of the prompt kept cached once the prompt is computed,
+        under `owner`'s caps; what they did is on the output (`RequestOutput.kept`)."""
         params = params or SamplingParams()
         self.check_request(prompt_token_ids, params, salt, guide_checked=guide_grammar is not None)
+        keeps = check_keeps(keeps, len(prompt_token_ids))
         session_idle_s = self.sessions.check(session) if session is not None else 0.0
         params = self.context.filled(prompt_token_ids, params)
         if params.n > self.queue_room():
@@ -170,7 +180,7 @@ class Engine:
         seqs = [
             SequenceState(
                 next(self._seq_ids), request_id, i, prompt, params, salt, self.scheduler.step_count, owner=owner,
-                sibling_salts=tuple(sibling_salts),
+                sibling_salts=tuple(sibling_salts), keeps=keeps,
             )
             for i in range(params.n)
         ]
@@ -232,9 +242,14 @@ class Engine:
         """`owner`'s live pins, oldest first (expired ones are released first)."""
         return self.pins.owned_by(owner)
 
-    def expire_pins(self) -> int:
-        """Release every pin past its ttl now; how many were. Pins also expire at any pin call."""
-        return self.pins.expire()
+    def expire(self) -> int:
+        """The one expiry pass, run before every step schedules (and by a server's timer, as
+        an idle engine does not step): sessions idle past their time (first, so their tails
+        are marked dead before scheduling evicts), pins and retentions past their ttl. Returns
+        how many ended. Pins and retentions also expire at their own verbs' calls."""
+        ended = self.sessions.expire() if self.sessions else 0
+        ended += self.pins.expire() if self.pins else 0
+        return ended + self.tree.expire()
 
     def retain(self, prefix_token_ids: list[int], salt: str | None = None, ttl_s: float = 300.0, owner: Owner = None) -> int:
         """Keep the cached full blocks of a prefix cached for ttl_s seconds: eviction takes them
@@ -277,8 +292,7 @@ class Engine:
 
     def _step(self) -> list[RequestDelta]:
         started_s = time.perf_counter()
-        if self.sessions:
-            self.sessions.expire()  # before scheduling evicts: an idled-out tail goes first (mark_dead)
+        self.expire()
         batch = self.scheduler.schedule()
         if not batch:
             if batch.num_loaded_tokens:

@@ -1,7 +1,8 @@
 """The request book: every request the engine holds, by id, and what a step's tokens do to them.
 
-`postprocess` commits a step (computed tokens, KV blocks), appends each sampled token, decides
-finish reasons and turns the changes into deltas; a request leaves the book exactly when its
+`postprocess` commits a step (computed tokens, KV blocks), applies the keeps of each request
+whose prompt it computed, appends each sampled token, decides finish reasons and turns the
+changes into deltas; a request leaves the book exactly when its
 last delta (with its whole output) is made, it is aborted, or a step fails it alone.
 """
 
@@ -12,6 +13,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from radixkv.engine.guide import GuideRejected
+from radixkv.engine.keeps import Keeper
 from radixkv.engine.kv_manager import KVManager
 from radixkv.engine.request import (
     Batch,
@@ -43,8 +45,10 @@ class RequestBook:
         eos_token_ids: set[int],
         max_model_len: int,
         counters: EngineCounters,
+        keeper: Keeper,
     ) -> None:
         self.scheduler = scheduler
+        self.keeper = keeper
         self.kv = kv
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
@@ -105,6 +109,8 @@ class RequestBook:
         for item in batch.items:
             item.seq.num_computed_tokens += item.num_new_tokens
             self.kv.commit(item.seq)
+            if self.keeper.due(item.seq):
+                self._keep(self._requests[item.seq.request_id])
         broken = dict(result.failed)
         now = time.perf_counter()
         changed: dict[str, list[SequenceState]] = {}
@@ -127,6 +133,14 @@ class RequestBook:
             if delta.finished:
                 del self._requests[delta.request_id]
         return deltas
+
+    def _keep(self, seqs: list[SequenceState]) -> None:
+        """Apply the request's keeps once (its prompt is now in the tree, before any token is
+        appended or the request can finish), the report shared by its every sequence."""
+        first = next(seq for seq in seqs if self.keeper.due(seq))
+        report = self.keeper.apply(first, max(seq.num_cached_tokens for seq in seqs))
+        for seq in seqs:
+            seq.kept = report
 
     def _append_token(self, seq: SequenceState, token: int, logprob: TokenLogprob | None, now: float) -> None:
         seq.output_token_ids.append(token)
@@ -196,4 +210,5 @@ def _output(seqs: list[SequenceState]) -> RequestOutput:
         time_to_first_token_s=min(first_token_times) - first.arrival_time if first_token_times else None,
         total_time_s=max(finish_times) - first.arrival_time if finish_times else None,
         cache_report=next((s.cache_report for s in seqs if s.cache_report is not None), None),
+        kept=first.kept,
     )

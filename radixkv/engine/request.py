@@ -1,9 +1,10 @@
 """A request's life in the engine: its sampling parameters, tokens, pages and outputs.
 
-`SamplingParams` is validated where it is made; `SequenceState` is one generated continuation
-(a request with n > 1 has n of them); a step runs a `Batch` of their chunks, whose pages KVManager
-gave as `Admitted`; each step emits a `RequestDelta` (what is new) per request that changed, and
-the last one carries the whole `RequestOutput`.
+`SamplingParams` is validated where it is made; a `Keep` says what of the prompt stays cached
+once it is computed; `SequenceState` is one generated continuation (a request with n > 1 has n
+of them); a step runs a `Batch` of their chunks, whose pages KVManager gave as `Admitted`; each
+step emits a `RequestDelta` (what is new) per request that changed, and the last one carries the
+whole `RequestOutput`, with what its keeps did (`KeepReport`).
 """
 
 from __future__ import annotations
@@ -12,11 +13,14 @@ import enum
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from radixkv.engine.cache_report import CacheReport
 from radixkv.engine.detokenizer import TextState
 from radixkv.errors import InvalidRequest
+
+if TYPE_CHECKING:
+    from radixkv.engine.pins import PinnedPrefix
 
 MAX_TOKENS_LIMIT = 1 << 20
 MAX_N = 64
@@ -37,6 +41,10 @@ MAX_LOGIT_BIAS = 100.0
 MAX_STOP_TOKEN_IDS = 64
 # A request's priority (vLLM's field: lower goes first), within 32 bits as vLLM's clients send it.
 MIN_PRIORITY, MAX_PRIORITY = -(1 << 31), (1 << 31) - 1
+# Keeps per request: the wire formats ask for at most four breakpoints each (OpenAI's writes,
+# Anthropic's cache_control), beside a retention of the whole prompt; room to spare, but bounded,
+# since each keep is a tree match on the engine's thread.
+MAX_KEEPS = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,6 +175,50 @@ def _int_in(name: str, value: Any, low: int, high: int) -> None:
         raise InvalidRequest(f"{name} must be an integer in [{low}, {high}], got {value!r}", param=name, limit=high)
 
 
+@dataclass(frozen=True, slots=True)
+class Keep:
+    """What of a request's prompt stays cached once the engine has computed it: the prompt's
+    first `num_tokens` (their full pages), for `ttl_s` seconds. Unlocked, it is a retention:
+    evicted last, earliest expiry first, capped per owner. Locked, it is a pin: never evicted
+    until it expires (`ttl_s` None: until unpinned), under the pin caps. Every wire spelling
+    (retention, breakpoints, cache_control, pins) is one of these (server/keeps.py)."""
+
+    num_tokens: int
+    ttl_s: float | None = 300.0
+    lock: bool = False
+
+    def check(self, num_prompt_tokens: int) -> None:
+        """InvalidRequest (param "keeps") unless this keep names a prefix of a prompt of
+        `num_prompt_tokens` tokens and a lifetime it may have; changes nothing."""
+        _int_in("keeps", self.num_tokens, 0, num_prompt_tokens)
+        if not isinstance(self.lock, bool):
+            raise InvalidRequest(f"a keep's lock must be a boolean, got {self.lock!r}", param="keeps")
+        ttl_s = self.ttl_s
+        if ttl_s is None and self.lock:
+            return
+        if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not 0 < ttl_s < float("inf"):
+            raise InvalidRequest(f"a keep's ttl must be a positive number of seconds, got {ttl_s!r}", param="ttl")
+
+
+@dataclass(frozen=True, slots=True)
+class KeepReport:
+    """What a request's keeps did, applied once right after the step that computed its prompt:
+    per keep (in the request's order) the tokens it kept (0: none, trimmed by a cap or not
+    cached); of the most kept, the tokens this request computed rather than found cached
+    (written); the latest expiry among them on the tree's clock (None: nothing kept, or only
+    locked until unpinned); the pin a locked keep made, or why the pin caps refused it."""
+
+    num_kept_tokens: tuple[int, ...]
+    num_written_tokens: int
+    expires_at_s: float | None
+    pin: PinnedPrefix | None = None
+    error: InvalidRequest | None = None
+
+    @property
+    def most_kept_tokens(self) -> int:
+        return max(self.num_kept_tokens, default=0)
+
+
 class SeqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -214,6 +266,11 @@ class SequenceState:
     # only); and the owner's other partitions that report may name (engine/cache_report.py).
     cache_report: CacheReport | None = None
     sibling_salts: tuple[str | None, ...] = ()
+    # What the request keeps once its prompt is computed, and what that did (set on every
+    # sequence of the request by the first to compute the prompt: applied once, even across
+    # preemption).
+    keeps: tuple[Keep, ...] = ()
+    kept: KeepReport | None = None
 
     def __post_init__(self) -> None:
         self.text_state = TextState(tuple(self.params.stop))
@@ -384,6 +441,7 @@ class RequestOutput:
     time_to_first_token_s: float | None
     total_time_s: float | None
     cache_report: CacheReport | None = None  # what the cache served the prompt, and why no more
+    kept: KeepReport | None = None  # what its keeps did; None without keeps or before its prompt was computed
 
     @property
     def text(self) -> str:

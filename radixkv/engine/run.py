@@ -9,7 +9,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 from radixkv.engine.engine import Engine
-from radixkv.engine.request import RequestOutput, SamplingParams
+from radixkv.engine.request import Keep, RequestOutput, SamplingParams
 from radixkv.engine.sessions import SessionRef
 from radixkv.errors import InvalidRequest, QueueFull
 
@@ -27,8 +27,9 @@ def run_to_completion(
     on_rejected: OnRejected | None = None,
     on_step: Callable[[Engine], None] | None = None,
     session: SessionRef | None = None,
+    keeps: Sequence[tuple[Keep, ...]] | None = None,
 ) -> None:
-    """Run prompts[i] with params[i]; on_finished(i, output) as each ends. A prompt the engine
+    """Run prompts[i] with params[i] (and keeps[i], engine/keeps.py); on_finished(i, output) as each ends. A prompt the engine
     refuses goes to on_rejected(i, error), or raises where there is none (nothing of it runs).
     on_step(engine) runs after every step (introspection, tests). With `session`, every
     prompt is a turn of that session (engine/sessions.py)."""
@@ -39,7 +40,7 @@ def run_to_completion(
             while pending and engine.queue_room() >= params[pending[0]].n:
                 i = pending.popleft()
                 try:
-                    running[engine.add_request(prompts[i], params[i], salt=salt, session=session)] = i
+                    running[engine.add_request(prompts[i], params[i], salt=salt, session=session, keeps=keeps[i] if keeps else ())] = i
                 except InvalidRequest as error:
                     _reject(on_rejected, i, error)
             if pending and params[pending[0]].n > engine.config.max_queue_len:

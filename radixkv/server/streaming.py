@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from contextlib import aclosing
 from typing import Any, TypeVar
 
@@ -24,6 +24,7 @@ from radixkv.engine.async_engine import (
     RequestStream,
 )
 from radixkv.engine.request import (
+    Keep,
     RequestDelta,
     RequestOutput,
     SamplingParams,
@@ -58,21 +59,25 @@ async def submit(
     owner: str | None = None,
     session: SessionRef | None = None,
     sibling_salts: tuple[str | None, ...] = (),
+    keeps: Sequence[tuple[Keep, ...]] | None = None,
 ) -> list[RequestStream]:
     """One stream per prompt, or none: if any submission fails, those made are aborted. With
     `quotas`, each request holds a share of `key`'s quota until its stream is done (429 past it);
     `owner` (Tenants.owner of the key) is whose fair share of the engine's batch each takes;
-    `session` (server/sessions.py) the owner's session each prompt is a turn of. With
+    `session` (server/sessions.py) the owner's session each prompt is a turn of; `keeps`
+(server/keeps.py), one tuple per prompt, what each keeps cached once computed. With
     `parse_slots`, the CPU time the owner's guide compiles spent is charged to `key`'s share."""
     streams: list[RequestStream] = []
     leases: list[Lease] = []
     if quotas is not None:
         quotas.check_fits(len(prompts), len(prompts) * params.n, names.prompt if len(prompts) > 1 else "n")
     try:
-        for prompt in prompts:
+        for i, prompt in enumerate(prompts):
             if quotas is not None:
                 leases.append(quotas.acquire(key, 1, params.n))
-            stream = await engine.submit(prompt, params, salt=salt, owner=owner, session=session, sibling_salts=sibling_salts)
+            stream = await engine.submit(
+                prompt, params, salt=salt, owner=owner, session=session, sibling_salts=sibling_salts, keeps=keeps[i] if keeps is not None else (),
+            )
             streams.append(stream)
             if quotas is not None:
                 stream.add_done_callback(leases[-1].release)

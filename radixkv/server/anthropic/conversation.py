@@ -9,22 +9,18 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from radixkv.engine.request import Keep
 from radixkv.errors import InvalidRequest
 from radixkv.server import tools as tool_layer
+from radixkv.server import keeps
+from radixkv.server.keeps import common_prefix
 from radixkv.server.anthropic.protocol import (
-    TTL_S,
     CacheControl,
     MessagesRequest,
     TextBlock,
     ToolResultBlock,
     ToolUseBlock,
 )
-
-
-@dataclass(frozen=True, slots=True)
-class Breakpoint:
-    num_tokens: int  # prompt tokens up to and including the marked block
-    ttl_s: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,11 +43,12 @@ def encode(tokenizer: Any, conv: Conversation, *, add_generation_prompt: bool = 
     )
 
 
-def breakpoints(tokenizer: Any, body: MessagesRequest, conv: Conversation, prompt: list[int]) -> list[Breakpoint]:
-    """Each cache_control breakpoint as a prompt length: the conversation rendered up to the
-    marked block, counted only as far as it agrees with the whole prompt (a template closes a
-    turn differently when it is the last one), so the length names a real prefix."""
-    found: list[Breakpoint] = []
+def breakpoints(tokenizer: Any, body: MessagesRequest, conv: Conversation, prompt: list[int]) -> list[Keep]:
+    """Each cache_control breakpoint as a keep (server/keeps.py) of a prompt length: the
+    conversation rendered up to the marked block, counted only as far as it agrees with the
+    whole prompt (a template closes a turn differently when it is the last one), so the length
+    names a real prefix."""
+    found: list[Keep] = []
     for cut, control in _marks(body):
         messages = _chat_messages(body, cut)
         if not messages:
@@ -61,7 +58,7 @@ def breakpoints(tokenizer: Any, body: MessagesRequest, conv: Conversation, promp
             rendered = encode(tokenizer, partial, add_generation_prompt=False)
         except InvalidRequest:
             continue  # a prefix the template will not render alone marks nothing
-        found.append(Breakpoint(_common_prefix(rendered, prompt), TTL_S[control.ttl]))
+        found.append(keeps.cache_control(common_prefix(rendered, prompt), control.ttl))
     return found
 
 
@@ -146,12 +143,3 @@ def _tool_choice(body: MessagesRequest, tools: list[Any]) -> tuple[str, bool]:
             raise InvalidRequest(f"tool_choice.name {choice.name!r} is not one of the tools", param="tool_choice.name")
         return choice.name, parallel
     return {"auto": "auto", "any": "required", "none": "none"}[choice.type], parallel
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n

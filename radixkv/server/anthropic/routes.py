@@ -1,7 +1,7 @@
 """Anthropic's Messages API: POST /v1/messages, streamed or not. Owns turning a Messages body
 into an engine request, its output into content blocks with a stop_reason, the usage split
-(cache read / cache creation / input), the retention of cache_control breakpoints, and
-Anthropic-shaped errors on this path.
+(cache read / cache creation / input: the creation read from what the engine reports its
+cache_control keeps did, server/keeps.py), and Anthropic-shaped errors on this path.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from radixkv.engine.async_engine import EngineStepError, EngineStopped, RequestStream
-from radixkv.engine.request import RequestOutput, SamplingParams
+from radixkv.engine.request import Keep, RequestOutput, SamplingParams
 from radixkv.errors import InvalidRequest
-from radixkv.server import sampling
+from radixkv.server import keeps, sampling
 from radixkv.server.anthropic import conversation as conv_mod
-from radixkv.server.anthropic.conversation import Breakpoint, Conversation, tool_layer
+from radixkv.server.anthropic.conversation import Conversation, tool_layer
 from radixkv.server.anthropic.protocol import MessagesRequest
 from radixkv.server.cache_report import CacheReporter, ChatSource, wanted
 from radixkv.server.continuation import ReplyCollector, encode_conversation_exact
@@ -74,10 +74,12 @@ async def _messages(server: AppState, request: Request) -> Response:
     body, conv, prompt, marks, params = await server.parse_slots.run(key, lambda: _prepare(server, raw, owner, salt))
     # The X-Radixkv-Session header: Anthropic has no field.
     session = session_ref(request.headers, owner, namespace=server.tenants.session_namespace(salt))
+    # The breakpoints are kept by the engine once the prompt is computed, under the owner's cap.
     streams = await submit(
-        server.engine, server.metrics, [prompt], params, salt, _NAMES, quotas=server.quotas, parse_slots=server.parse_slots, key=key, owner=owner, session=session
-    )
-    ctx = _Context(server, body, conv, prompt, salt, owner, marks)
+        server.engine, server.metrics, [prompt], params, salt, _NAMES, quotas=server.quotas, parse_slots=server.parse_slots, key=key, owner=owner,
+        session=session, keeps=[tuple(marks)],
+    )  # fmt: skip
+    ctx = _Context(server, body, conv, prompt, salt, owner)
     # The system field is rendered as the conversation's first message; message[k] counts the
     # request's own messages.
     offset = 1 if body.system and conv.messages and conv.messages[0].get("role") == "system" else 0
@@ -91,7 +93,7 @@ async def _messages(server: AppState, request: Request) -> Response:
 
 def _prepare(
     server: AppState, raw: bytes, owner: str, salt: str | None
-) -> tuple[MessagesRequest, Conversation, list[int], list[Breakpoint], SamplingParams]:
+) -> tuple[MessagesRequest, Conversation, list[int], list[Keep], SamplingParams]:
     """The body parsed, templated, tokenized and checked (off the event loop: it may be large)."""
     body = parse_body(MessagesRequest, raw)
     server.check_model(body.model)
@@ -110,9 +112,9 @@ def _prepare(
 
 class _Context:
     def __init__(self, server: AppState, body: MessagesRequest, conv: Conversation, prompt: list[int],
-                 salt: str | None, owner: str, marks: list[Breakpoint]) -> None:
+                 salt: str | None, owner: str) -> None:
         self.server, self.body, self.conv, self.prompt = server, body, conv, prompt
-        self.salt, self.owner, self.marks = salt, owner, marks
+        self.salt, self.owner = salt, owner
         self.message_id = f"msg_{secrets.token_hex(12)}"
         self.reporter: CacheReporter | None = None  # set once the request is submitted
 
@@ -124,24 +126,15 @@ def _sampling_params(conv: Conversation, body: MessagesRequest) -> SamplingParam
     return sampling.messages_params(body, guide)
 
 
-# -- usage and retention ---------------------------------------------------------------------
+# -- usage ---------------------------------------------------------------------------------
 
 
-async def _usage(ctx: _Context, final: RequestOutput) -> dict[str, int]:
-    """Retain each breakpoint's prefix for its ttl, then split the prompt honestly: tokens the
-    cache served; tokens up to the last breakpoint that were computed now and are now
-    retained; the rest. The three add up to the prompt's tokens."""
+def _usage(ctx: _Context, final: RequestOutput) -> dict[str, int]:
+    """The prompt split honestly: tokens the cache served; tokens up to the last breakpoint
+    that were computed now and are now kept (the engine's KeepReport); the rest. The three add
+    up to the prompt's tokens."""
     cached = final.num_cached_tokens
-    retained = 0
-    if ctx.marks:
-        marks, salt, owner = ctx.marks, ctx.salt, ctx.owner
-        prompt = ctx.prompt
-
-        def retain_all(engine: Any) -> int:
-            return [engine.retain(prompt[: m.num_tokens], salt, m.ttl_s, owner) for m in marks][-1]
-
-        retained = await ctx.server.engine.call_async(retain_all)
-    creation = max(0, retained - cached)
+    creation = keeps.creation_tokens(final)
     return {
         "input_tokens": len(ctx.prompt) - cached - creation,
         "cache_read_input_tokens": cached,
@@ -199,7 +192,7 @@ async def _message(ctx: _Context, final: RequestOutput) -> dict[str, Any]:
         "content": content,
         "stop_reason": stop_reason,
         "stop_sequence": stop_sequence,
-        "usage": await _usage(ctx, final),
+        "usage": _usage(ctx, final),
         **await _report(ctx, final),
     }
 
@@ -286,7 +279,7 @@ async def _events(ctx: _Context, streams: list[RequestStream]) -> AsyncIterator[
             raise APIError(500, "the request ended without an output", type="server_error")
         ReplyCollector(ctx.server.replies, ctx.owner, ctx.salt).finished(final)
         stop_reason, stop_sequence = _stop_reason(ctx, final, num_calls > 0)
-        usage = await _usage(ctx, final)
+        usage = _usage(ctx, final)
         closing = {"delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence}, "usage": usage, **await _report(ctx, final)}
         yield _event("message_delta", closing)
         yield _event("message_stop", {})

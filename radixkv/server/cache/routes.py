@@ -30,6 +30,7 @@ from radixkv.server.cache.protocol import (
     PinResponse,
     UnpinResponse,
 )
+from radixkv.server import keeps
 from radixkv.server.encode import chat_prompt
 from radixkv.server.errors import APIError, WireNames, engine_error, parse_body
 from radixkv.server.streaming import collect, submit, until_disconnect
@@ -99,7 +100,7 @@ def _pin_response(pinned: PinnedPrefix) -> PinResponse:
 
 def _expire_soon(server: AppState) -> None:
     try:
-        server.engine.call(lambda engine: engine.expire_pins())
+        server.engine.call(lambda engine: engine.expire())
     except EngineStopped:
         pass  # shutting down: the engine goes with its pins
 
@@ -115,14 +116,18 @@ def register(app: FastAPI, server: AppState) -> None:
         owner = server.tenants.owner(key)  # not the salt's: one pin cap per key, whatever salts it uses
         names = _names(body)
         params = SamplingParams(max_tokens=1)
-        streams = await submit(server.engine, server.metrics, [prompt], params, salt, names, quotas=server.quotas, parse_slots=server.parse_slots, key=key, owner=owner)
-        await until_disconnect(request, collect(server.metrics, streams, 1), streams)
-        # Eviction between the request's end and the pin can only shorten what is pinned;
-        # pinned_tokens says how much was.
-        try:
-            pinned = await server.engine.call_async(lambda engine: engine.pin(prompt, salt, owner=owner, ttl_s=ttl_s))
-        except InvalidRequest as error:
+        streams = await submit(
+            server.engine, server.metrics, [prompt], params, salt, names, quotas=server.quotas, parse_slots=server.parse_slots, key=key, owner=owner,
+            keeps=[keeps.pin(prompt, ttl_s)],
+        )  # fmt: skip
+        finals = await until_disconnect(request, collect(server.metrics, streams, 1), streams)
+        # The pin was made right after the step that computed the prefix (nothing could evict
+        # it in between); the caps' refusal comes back on the output.
+        kept = finals[0].kept
+        if kept is None or kept.pin is None:
+            error = kept.error if kept is not None and kept.error is not None else InvalidRequest("the prefix was not pinned", param="prompt")
             raise engine_error(error, names) from None
+        pinned = kept.pin
         if ttl_s is not None:
             # Released on time even if no other pin call comes to expire it lazily.
             asyncio.get_running_loop().call_later(ttl_s, _expire_soon, server)

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from radixkv.engine.async_engine import EngineStepError, EngineStopped, RequestStream
-from radixkv.engine.request import RequestOutput, SamplingParams
+from radixkv.engine.request import Keep, RequestOutput, SamplingParams
 from radixkv.errors import InvalidRequest
 from radixkv.server import sampling
 from radixkv.server import tools as tool_layer
@@ -68,7 +68,7 @@ class _Turn:
     params: SamplingParams
     names: WireNames
     prompt: list[int]  # stored with the reply's ids, for the next turn to continue from
-    writes: list[prompt_cache.CacheWrite] = field(default_factory=list)  # its prompt_cache breakpoints
+    writes: tuple[Keep, ...] = ()  # its prompt_cache breakpoints, kept once the prompt is computed
 
 
 def register(app: FastAPI, server: AppState, store: ResponseStore | None = None) -> None:
@@ -103,7 +103,7 @@ def register(app: FastAPI, server: AppState, store: ResponseStore | None = None)
         streams = await submit(
             server.engine, server.metrics, [prompt], turn.params, salt, turn.names, quotas=server.quotas, parse_slots=server.parse_slots, key=key, owner=owner,
             session=session,
-            sibling_salts=server.tenants.sibling_salts(key, body.cache_salt),
+            sibling_salts=server.tenants.sibling_salts(key, body.cache_salt), keeps=[writes],
         )
         # message[k] counts the conversation (stored history, then input) as chat messages; the
         # instructions are the system part, no message of their own.
@@ -111,10 +111,9 @@ def register(app: FastAPI, server: AppState, store: ResponseStore | None = None)
         source = ChatSource(convert.prompt_messages(body, turn.messages), turn.tools, turn.choice, message_offset=offset)
         reporter = CacheReporter(server, key, wanted(body.cache_report, request.headers), [prompt], source)
         if body.stream:
-            events = _then_write(_events(server, store, turn, streams, reporter), server, prompt, writes, salt, owner)
+            events = _events(server, store, turn, streams, reporter)
             return SSEResponse(events, streams, server.limits.stream_send_timeout_s)
         finals = await until_disconnect(request, collect(server.metrics, streams, 1), streams)
-        await prompt_cache.write(server, prompt, writes, salt, owner)
         response = _finished(server, turn, finals[0])
         response.cache_report = await reporter.one(finals)
         if body.store:
@@ -192,14 +191,6 @@ def _prewarmed(server: AppState, body: ResponsesRequest, done: prompt_cache.Prew
     response.status = "completed"
     response.usage = response_usage(done.num_prompt_tokens, 0, done.num_cached_tokens, done.num_written_tokens)
     return response
-
-
-async def _then_write(
-    events: AsyncIterator[str], server: AppState, prompt: list[int], writes: list[prompt_cache.CacheWrite], salt: str | None, owner: str
-) -> AsyncIterator[str]:
-    async for event in events:
-        yield event
-    await prompt_cache.write(server, prompt, writes, salt, owner)
 
 
 def _usage(server: AppState, final: RequestOutput) -> ResponseUsage:

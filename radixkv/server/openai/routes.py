@@ -21,11 +21,12 @@ from radixkv.engine.request import (
     CompletionDelta,
     CompletionOutput,
     Guide,
+    Keep,
     RequestOutput,
     SamplingParams,
 )
 from radixkv.errors import InvalidRequest
-from radixkv.server import sampling
+from radixkv.server import keeps, sampling
 from radixkv.server.cache_report import CacheReporter, ChatSource, wanted
 from radixkv.server.continuation import ReplyCollector
 from radixkv.server.encode import chat_prompt, completion_prompts
@@ -38,7 +39,6 @@ from radixkv.server.errors import (
 from radixkv.server.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from radixkv.server.metrics import ServerMetrics
 from radixkv.server.openai.protocol import (
-    RETENTION_TTL_S,
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -61,7 +61,6 @@ from radixkv.server.openai.protocol import (
     now_s,
 )
 from radixkv.server.openai import prompt_cache
-from radixkv.server.openai.prompt_cache import CacheWrite
 from radixkv.server.sessions import session_ref
 from radixkv.server.streaming import (
     SSEResponse,
@@ -120,7 +119,7 @@ def register(app: FastAPI, server: AppState) -> None:
         raw = await request.body()
         owner = server.tenants.owner(key)
 
-        def prepare() -> tuple[ChatCompletionRequest, _ChatTools, list[int], WireNames, SamplingParams, list[CacheWrite], str | None]:
+        def prepare() -> tuple[ChatCompletionRequest, _ChatTools, list[int], WireNames, SamplingParams, tuple[Keep, ...], str | None]:
             body = parse_body(ChatCompletionRequest, raw)
             _check_request(server, body)
             prompt_cache.check_options(body)
@@ -137,23 +136,23 @@ def register(app: FastAPI, server: AppState) -> None:
         if body.prompt_cache_options is not None and body.prompt_cache_options.prewarm:
             done = await prompt_cache.prewarm(server, request, key, [prompt], [writes], salt, owner, names, session)
             return JSONResponse(_prewarm_response(server, "chat.completion", "chatcmpl", done))
+        hints = _CacheHints(body, [prompt], [writes])
         streams = await submit(
             server.engine, server.metrics, [prompt], params, salt, names, quotas=server.quotas, parse_slots=server.parse_slots, key=key, owner=owner,
-            session=session, sibling_salts=server.tenants.sibling_salts(key, body.cache_salt),
+            session=session, sibling_salts=server.tenants.sibling_salts(key, body.cache_salt), keeps=hints.keeps,
         )
-        hints = _CacheHints(server, body, [prompt], salt, owner, [writes])
         replies = ReplyCollector(server.replies, owner, salt)
         asked = wanted(body.cache_report, request.headers)
         source = ChatSource([m.as_chat() for m in body.messages], tools.tools, tools.choice) if asked else None
         reporter = CacheReporter(server, key, asked, [prompt], source)
         if body.stream:
-            events = hints.after(_chat_events(server, texts, body, tools, streams, params.n, reporter, replies))
+            events = _chat_events(server, texts, body, tools, streams, params.n, reporter, replies)
             return SSEResponse(events, streams, server.limits.stream_send_timeout_s)
         finals = await until_disconnect(request, collect(server.metrics, streams, params.n), streams)
-        hints.finished(finals)
+        hints.log(finals)
         replies.finished(finals[0])
         response = _chat_response(server, texts, body, tools, finals[0])
-        response.usage.prompt_tokens_details.cache_write_tokens = await hints.written(finals)
+        response.usage.prompt_tokens_details.cache_write_tokens = hints.written(finals)
         return JSONResponse(_with_report(response.model_dump(), await reporter.one(finals)))
 
     @app.post("/v1/completions")
@@ -172,25 +171,25 @@ def register(app: FastAPI, server: AppState) -> None:
             return body, prompts, names, sampling.completion_params(body, server.engine.max_context_tokens, longest, names, guide)
 
         body, prompts, names, params = await server.parse_slots.run(key, prepare)
-        writes = prompt_cache.implicit_writes(body.prompt_cache_options, prompts)
+        writes = [keeps.implicit_writes(body.prompt_cache_options, prompt) for prompt in prompts]
         salt, owner = server.tenants.cache_salt(key, body.cache_salt), server.tenants.owner(key)
         session = session_ref(request.headers, owner, body.prompt_cache_key, server.tenants.session_namespace(salt))
         if body.prompt_cache_options is not None and body.prompt_cache_options.prewarm:
             done = await prompt_cache.prewarm(server, request, key, prompts, writes, salt, owner, names, session)
             return JSONResponse(_prewarm_response(server, "text_completion", "cmpl", done))
+        hints = _CacheHints(body, prompts, writes)
         streams = await submit(
             server.engine, server.metrics, prompts, params, salt, names, quotas=server.quotas, parse_slots=server.parse_slots, key=key, owner=owner,
-            session=session, sibling_salts=server.tenants.sibling_salts(key, body.cache_salt),
+            session=session, sibling_salts=server.tenants.sibling_salts(key, body.cache_salt), keeps=hints.keeps,
         )
-        hints = _CacheHints(server, body, prompts, salt, owner, writes)
         reporter = CacheReporter(server, key, wanted(body.cache_report, request.headers), prompts)
         if body.stream:
-            events = hints.after(_completion_events(server, texts, body, streams, params.n, reporter))
+            events = _completion_events(server, texts, body, streams, params.n, reporter)
             return SSEResponse(events, streams, server.limits.stream_send_timeout_s)
         finals = await until_disconnect(request, collect(server.metrics, streams, params.n), streams)
-        hints.finished(finals)
+        hints.log(finals)
         response = _completion_response(server, texts, body, finals, params.n)
-        response.usage.prompt_tokens_details.cache_write_tokens = await hints.written(finals)
+        response.usage.prompt_tokens_details.cache_write_tokens = hints.written(finals)
         return JSONResponse(_with_report(response.model_dump(), await reporter.for_prompts(finals)))
 
 
@@ -247,56 +246,29 @@ def _body_guide(body: ChatCompletionRequest | CompletionRequest) -> tuple[Guide 
 
 
 class _CacheHints:
-    """prompt_cache_key (it names a session, server/sessions.py, and is logged with the cache
-    hits it saw; it partitions nothing, as with OpenAI) and prompt_cache_retention, asked of
-    the engine once the prompt is cached."""
+    """What a request's prompt_cache fields ask: prompt_cache_retention and the breakpoints as
+    each prompt's keeps (server/keeps.py, applied by the engine once the prompt is computed),
+    cache_write_tokens read back from the outputs; prompt_cache_key (it names a session,
+    server/sessions.py, and is logged with the cache hits it saw; it partitions nothing, as
+    with OpenAI)."""
 
-    def __init__(
-        self,
-        server: AppState,
-        body: ChatCompletionRequest | CompletionRequest,
-        prompts: list[list[int]],
-        salt: str | None,
-        owner: str,
-        writes: list[list[CacheWrite]],
-    ) -> None:
-        self._server, self._body, self._prompts, self._salt, self._owner = server, body, prompts, salt, owner
-        self._writes = writes  # per prompt, the prompt_cache breakpoints it writes
+    def __init__(self, body: ChatCompletionRequest | CompletionRequest, prompts: list[list[int]], writes: list[tuple[Keep, ...]]) -> None:
+        self._body, self._prompts, self._writes = body, prompts, writes
+        # The retention first, as it was retained before the breakpoints: a later keep of the
+        # same path supersedes an earlier one that ends no later (RadixTree.retain).
+        self.keeps = [keeps.retention(body.prompt_cache_retention, prompt) + w for prompt, w in zip(prompts, writes)]
 
-    async def after(self, events: AsyncIterator[str]) -> AsyncIterator[str]:
-        async for event in events:
-            yield event
-        self.finished([])
-        await self.written([])  # a streamed usage chunk went out already: retained all the same
-
-    async def written(self, finals: list[RequestOutput]) -> int | None:
-        """Retain every prompt's prompt_cache breakpoints; the prompt tokens they retained
-        beyond what the cache served (OpenAI's cache_write_tokens), None if none were asked."""
+    def written(self, finals: list[RequestOutput]) -> int | None:
+        """OpenAI's cache_write_tokens: each prompt's breakpoints kept beyond what the cache
+        served, from its output's KeepReport; None if no breakpoints were asked."""
         if not any(self._writes):
             return None
-        total = 0
-        for i, (prompt, writes) in enumerate(zip(self._prompts, self._writes)):
-            retained = await prompt_cache.write(self._server, prompt, writes, self._salt, self._owner)
-            total += max(0, retained - (finals[i].num_cached_tokens if i < len(finals) else 0))
-        return total
+        return sum(keeps.written_tokens(final, len(w)) for final, w in zip(finals, self._writes))
 
-    def finished(self, finals: list[RequestOutput]) -> None:
-        body = self._body
-        if body.prompt_cache_key is not None:
-            cached = sum(f.num_cached_tokens for f in finals) if finals else None  # unknown once streamed
-            logger.info("prompt_cache_key=%r prompts=%d cached_tokens=%s", body.prompt_cache_key, len(self._prompts), cached)
-        if body.prompt_cache_retention is not None:
-            ttl_s = RETENTION_TTL_S[body.prompt_cache_retention]
-            for prompt in self._prompts:
-                retain_prompt(self._server, prompt, self._salt, ttl_s, owner=self._owner)
-
-
-def retain_prompt(server: AppState, prompt: list[int], salt: str | None, ttl_s: float, owner: str) -> None:
-    """The one place a prompt_cache_retention becomes retention: Engine.retain keeps the
-    prompt's cached full pages (in the request's partition, `salt`) for ttl_s, capped per
-    owner: the API key's Tenants.owner, never its salt, or rotating cache_salt would buy a
-    fresh cap per salt."""
-    server.engine.call(lambda engine: engine.retain(prompt, salt, ttl_s, owner))
+    def log(self, finals: list[RequestOutput]) -> None:
+        if self._body.prompt_cache_key is not None:
+            cached = sum(f.num_cached_tokens for f in finals)
+            logger.info("prompt_cache_key=%r prompts=%d cached_tokens=%s", self._body.prompt_cache_key, len(self._prompts), cached)
 
 
 def _prewarm_response(server: AppState, object_name: str, id_prefix: str, done: prompt_cache.Prewarmed) -> dict:
