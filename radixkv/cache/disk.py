@@ -39,6 +39,7 @@ from radixkv.cache.disk_format import (
     salt_digest,
 )
 from radixkv.cache.disk_index import DiskIndex, DiskRetention
+from radixkv.cache.events import BlocksDropped, BlocksStored, CacheEvents
 from radixkv.cache.hashing import BlockHasher
 from radixkv.cache.residency import Residency, TierResidency
 from radixkv.errors import ConfigError
@@ -134,6 +135,7 @@ class DiskTier:
         payload_bytes: int,
         max_owner_retained_bytes: int | None = None,
         max_queued_bytes: int = 256 << 20,
+        events: CacheEvents | None = None,
     ):
         self.directory = Path(directory).expanduser()
         self.page_size = page_size
@@ -152,10 +154,10 @@ class DiskTier:
         self.read_s_per_block: float | None = None
         self._mac_key = b""
         self._lock_handle = None  # the locked lock file, while the tier is open
-        # Told the keys of blocks evicted to stay within the budget, on the caller's thread
-        # (the engine's ghost index: a later miss on them reads as evicted, not never seen).
-        self.on_drop: Callable[[list[int]], None] | None = None
-        self.on_store: Callable[[Sequence[int]], None] | None = None  # and of blocks stored again
+        # Where the tier says, on the caller's thread, which keys it dropped to stay within the
+        # budget and which it stored (the engine's ghost index: a later miss on a dropped block
+        # reads as evicted, not never seen); the engine's bus, shared with the tree.
+        self.events = events if events is not None else CacheEvents()
         # The index is the loop's; the writer reads it (the manifest) under this lock.
         self._index_lock = threading.RLock()
         # Blocks queued and not yet written (read from here meanwhile), and what the writer could
@@ -545,8 +547,8 @@ class DiskTier:
                     self._forget(victim, reason)
                     self._delete(victim)
                 self.counters["evicted_blocks"] += len(evicted)
-                if evicted and self.on_drop is not None:
-                    self.on_drop(evicted)
+                if evicted and self.events:
+                    self.events.publish(BlocksDropped(evicted))
                 parent_key = keys[block - 1] if block else 0
                 self._queue_block(_Block(key, parent_key, salt, tokens, num_prefix_tokens, payload, run))
                 self._times[key] = [now_s, now_s]
@@ -554,8 +556,8 @@ class DiskTier:
             self.counters["written_blocks"] += stored
             if retention_expires_at_s:
                 self._queue_manifest()
-        if self.on_store is not None:
-            self.on_store(keys[start_block : start_block + num_blocks])
+        if self.events:
+            self.events.publish(BlocksStored("disk", keys[start_block : start_block + num_blocks]))
         if wait:
             self.drain()
             stored -= run.unwritten
