@@ -7,9 +7,8 @@ residency, the ghost index and the write-back follow the cache through its bus (
 from __future__ import annotations
 
 import time
-from pathlib import Path
-
 from collections.abc import Sequence
+from pathlib import Path
 
 from radixkv.cache.disk import DiskStats, DiskTier
 from radixkv.cache.eviction import Liveness
@@ -173,14 +172,8 @@ class KVManager:
         return Admitted(seq.num_computed_tokens, num_loaded_tokens, more)
 
     def _hashes(self, seq: SequenceState) -> list[int]:
-        """Extend seq.block_hashes to every full block of its tokens (chained, incremental)."""
-        num_full = seq.num_tokens // self._page_size
-        if len(seq.block_hashes) < num_full:
-            start = len(seq.block_hashes) * self._page_size
-            parent = seq.block_hashes[-1] if seq.block_hashes else None
-            tokens = seq.all_token_ids[start : num_full * self._page_size]
-            seq.block_hashes.extend(self._hasher.hash_blocks(tokens, seq.salt, parent=parent))
-        return seq.block_hashes
+        """seq.block_hashes, extended to every full block of its tokens (chained, incremental)."""
+        return self._hasher.extend(seq.block_hashes, seq.all_token_ids, seq.salt)
 
     def _allocate(self, seq: SequenceState, num_new_tokens: int) -> bool:
         """Pages for num_new_tokens more tokens of seq, evicting if needed; False if short."""
