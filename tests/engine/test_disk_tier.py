@@ -305,7 +305,7 @@ def test_retention_is_written_off_the_engine_thread_and_close_persists_it(tiny_l
     disk = llm.engine.kv._loader.tier
     writer_may_go = threading.Event()
     writes_by_thread: list[str] = []
-    real_write = disk._write
+    real_write = disk.files.write_block
 
     def held_write(key: int, data: bytes) -> bool:
         writes_by_thread.append(threading.current_thread().name)
@@ -313,7 +313,7 @@ def test_retention_is_written_off_the_engine_thread_and_close_persists_it(tiny_l
             writer_may_go.wait()
         return real_write(key, data)
 
-    disk._write = held_write
+    disk.files.write_block = held_write
     assert generate(llm, batch[:1]) == expected[:1]
     try:
         assert llm.engine.retain(batch[0], ttl_s=3600, owner="tenant") == 44
