@@ -56,11 +56,9 @@ class KVManager:
             )
         # Evicted hashes, so a request's cache report tells evicted from never seen.
         self._misses = MissExplainer(GhostIndex(max_ghost_blocks or 4 * pool.num_pages), tree, hasher)
-        listeners = [self._residency.listen, self._misses.ghost.listen]
-        if self._loader is not None:
-            listeners.append(self._loader.listen)
         # One bus in an engine (the tree's, handed to its disk tier); a tier built apart has its own.
-        buses = [tree.events] + ([disk.events] if disk is not None and disk.events is not tree.events else [])
+        listeners = [self._residency.listen, self._misses.ghost.listen] + ([self._loader.listen] if self._loader else [])
+        buses = [tree.events] if disk is None or disk.events is tree.events else [tree.events, disk.events]
         for bus in buses:
             for listener in listeners:
                 bus.subscribe(listener)
@@ -262,12 +260,11 @@ class KVManager:
         return self._tree.retentions(owner)
 
     def retention(self, retention_id: int) -> Retention | None:
-        """A retention while it is live, None once released, superseded or expired; pure."""
+        """A live retention; None once released, superseded or expired; pure."""
         return self._tree.retention(retention_id)
 
     def release_retention(self, retention_id: int) -> bool:
-        """End a retention now (its blocks stay cached, evicted in the policy's order); False if
-        it was no longer live."""
+        """End a retention now (its blocks stay cached); False if it was not live."""
         return self._tree.release(retention_id)
 
     # -- liveness (a session book's marks; the `session` eviction policy orders by them) -----
@@ -276,11 +273,10 @@ class KVManager:
         self, target: Node | Sequence[int], liveness: Liveness, *, salt: str | None = None, below_blocks: int = 0
     ) -> int:
         """The one place liveness is marked: `target`'s private path past its first
-        `below_blocks` blocks (RadixTree.set_liveness). `target` is a node, or a prefix's token
-        ids under `salt` (a session's last prompt and reply, known by tokens): the deepest
-        cached node its full blocks cover, 0 when none is. HOT holds as far as `target` only,
-        what its retention holds; below it is unknown (RadixTree.mark_hot). Returns the nodes
-        marked; changes only the marks (no split, no LRU time)."""
+        `below_blocks` blocks (RadixTree.set_liveness); `target` a node, or a prefix's tokens
+        under `salt` (the deepest cached node its full blocks cover; 0 when none). HOT holds as
+        far as `target`, what its retention holds (RadixTree.mark_hot). Returns the nodes
+        marked; changes only the marks."""
         if not self._caching:
             return 0
         node = target if isinstance(target, Node) else self._tree.deepest_node(target, salt)
