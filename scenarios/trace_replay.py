@@ -54,11 +54,10 @@ from pathlib import Path
 
 from sortedcontainers import SortedList
 
-from radixkv.cache import BlockHasher, PagePool, RadixTree
+from radixkv.cache import BlockHasher, BlocksEvicted, CacheEvent, PagePool, RadixTree
 from radixkv.cache.kv_dtype import KV_STORAGE_DTYPES
 from radixkv.cache.disk_index import DiskIndex
 from radixkv.cache.eviction import EVICTION_POLICIES
-from radixkv.cache.radix import Node
 from radixkv.engine.kv_manager import KVManager
 from radixkv.engine.request import SamplingParams, SequenceState
 from radixkv.scenarios.plots import pyplot, save
@@ -364,16 +363,20 @@ def replay(
     disk = DiskIndex(disk_blocks) if disk_blocks else None
     written = [0]
 
-    def write_back(node: Node) -> None:
+    def write_back(event: CacheEvent) -> None:
+        if not isinstance(event, BlocksEvicted):
+            return
         # Block hashes name whole prefixes within this process: good keys for a simulated tier.
-        for key in node.hashes:
+        for key in event.node.hashes:
             if disk.touch(key):
                 continue  # inclusive tiers: a block read back from disk is still there
             disk.add(key, 1)
             written[0] += 1
 
     tree_policy = "session" if policy in SESSION_POLICIES else policy
-    tree = RadixTree(pool, hasher, eviction_policy=tree_policy, on_evict=write_back if disk is not None else None)
+    tree = RadixTree(pool, hasher, eviction_policy=tree_policy)
+    if disk is not None:
+        tree.events.subscribe(write_back)
     kv = KVManager(pool, tree, hasher, enable_prefix_caching=True)
     sessions = session_inference(trace, policy, tree, idle_rule)
     params = SamplingParams(max_tokens=1)

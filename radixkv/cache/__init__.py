@@ -4,15 +4,21 @@ maps cached full-block prefixes onto pages. Knows nothing of models or the sched
 
 from __future__ import annotations
 
+from radixkv.cache.events import AllCleared, BlocksDropped, BlocksEvicted, BlocksStored, CacheEvent, CacheEvents
 from radixkv.cache.eviction import Liveness
 from radixkv.cache.hashing import BlockHash, BlockHasher, HashFn
 from radixkv.cache.pages import OutOfPages, PagePool
-from radixkv.cache.radix import CacheListener, CacheStats, InsertResult, MatchResult, Node, RadixTree
+from radixkv.cache.radix import CacheStats, InsertResult, MatchResult, Node, RadixTree
 
 __all__ = [
     "BlockHash",
     "BlockHasher",
-    "CacheListener",
+    "AllCleared",
+    "BlocksDropped",
+    "BlocksEvicted",
+    "BlocksStored",
+    "CacheEvent",
+    "CacheEvents",
     "CacheStats",
     "HashFn",
     "InsertResult",

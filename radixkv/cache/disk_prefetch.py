@@ -10,7 +10,8 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from radixkv.cache.disk import DiskRead, DiskTier
+from radixkv.cache.disk import DiskTier
+from radixkv.cache.disk_reads import DiskRead
 
 
 @dataclass(slots=True, eq=False)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
+from radixkv.cache.events import BlocksDropped, BlocksEvicted, BlocksStored, CacheEvent
 from radixkv.cache.hashing import BlockHash
 
 
@@ -27,6 +28,16 @@ class GhostIndex:
         self._tails: OrderedDict[BlockHash, tuple[int, int]] = OrderedDict()
 
     # -- evicted blocks ------------------------------------------------------------------------
+
+    def listen(self, event: CacheEvent) -> None:
+        """A CacheEvents listener: blocks leaving RAM (evicted) or the disk tier (dropped) are
+        ghosts from now on; blocks stored again in either are not."""
+        if isinstance(event, BlocksStored):
+            self.discard(event.hashes)
+        elif isinstance(event, BlocksEvicted):
+            self.add(event.node.hashes)
+        elif isinstance(event, BlocksDropped):
+            self.add(event.hashes)
 
     def add(self, hashes: Iterable[BlockHash]) -> None:
         """Remember blocks that just left a tier (most recent last); the oldest go past capacity."""

@@ -88,6 +88,14 @@ class BlockHasher:
             header = self._chained_header(parent)
         return hashes
 
+    def extend(self, hashes: list[BlockHash], token_ids: Sequence[int], salt: str | None) -> list[BlockHash]:
+        """Extend `hashes` (those of the first blocks of `token_ids`) in place to every full
+        block of `token_ids`, hashing only the new ones; returns it."""
+        start = len(hashes) * self.page_size
+        if start + self.page_size <= len(token_ids):
+            hashes.extend(self.hash_blocks(token_ids[start:], salt, parent=hashes[-1] if hashes else None))
+        return hashes
+
     def _token_bytes(self, token_ids: Sequence[int]) -> bytes:
         # numpy arrays convert in C; for Python lists struct.pack is faster than np.asarray.
         if isinstance(token_ids, np.ndarray):

@@ -9,8 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
-
+from radixkv.cache.events import AllCleared, BlocksEvicted, BlocksStored, CacheEvents
 from radixkv.cache.eviction import DEFAULT_PROTECTED_FRACTION, EvictionOrder, EvictKey, Liveness
 from radixkv.cache.hashing import BlockHash, BlockHasher
 from radixkv.cache.pages import PagePool
@@ -109,24 +108,6 @@ class CacheStats:
 
 
 Clock = Callable[[], float]  # seconds; time.monotonic, or a test's own
-# Called with each leaf eviction is about to drop, while its pages still hold its KV (the disk
-# tier writes them back from here). It must not change the tree.
-EvictHook = Callable[["Node"], None]
-
-
-class CacheListener(Protocol):
-    """Told of every change to the set of cached blocks, as it happens (the KV-event recorder,
-    radixkv/kv_events, publishes them). It must copy what it keeps: a later split shortens a
-    node's runs in place. It must not change the tree."""
-
-    def blocks_stored(self, node: Node) -> None:
-        """`node`, a new leaf under node.parent, now caches its blocks (node.hashes)."""
-
-    def blocks_removed(self, node: Node) -> None:
-        """`node`, a leaf, was just evicted: its blocks are no longer cached."""
-
-    def all_cleared(self) -> None:
-        """Every cached block was dropped (reset)."""
 
 
 class RadixTree:
@@ -140,8 +121,7 @@ class RadixTree:
         clock: Clock = time.monotonic,
         eviction_policy: str = "slru",
         protected_fraction: float = DEFAULT_PROTECTED_FRACTION,
-        on_evict: EvictHook | None = None,
-        listener: CacheListener | None = None,
+        events: CacheEvents | None = None,
         max_retained_pages: int | None = None,
     ):
         if hasher.page_size != pool.page_size:
@@ -155,8 +135,9 @@ class RadixTree:
         self._order = EvictionOrder(eviction_policy)  # every unlocked non-root leaf
         self._protected_fraction = protected_fraction
         self._protected_pages = 0  # pages of nodes with num_hits > 0
-        self.on_evict = on_evict
-        self.listener = listener
+        # Where the tree says what it stores, evicts and clears (cache/events.py): its own bus
+        # unless the engine's, which the disk tier shares, is handed in.
+        self.events = events if events is not None else CacheEvents()
         self._book = RetentionBook()
         self._now_s = clock
         self._retained_pages = 0
@@ -333,17 +314,19 @@ class RadixTree:
             self._order.add(node)
         self._maybe_drop_root(root)
 
-    def evict(self, num_pages: int) -> int:
+    def evict(self, num_pages: int, *, flushing: bool = False, write_back: bool = True) -> int:
         """Evict unlocked leaves (whole nodes) until at least `num_pages` pages were freed or
         nothing is evictable; returns the pages freed. Unretained leaves go first, least
-        recently used first; retained ones only then, earliest expiry first. O(log n) per node."""
+        recently used first; retained ones only then, earliest expiry first. O(log n) per node.
+        Each leaf is published (BlocksEvicted, with `flushing` and `write_back`) before its
+        pages are freed."""
         if num_pages <= 0:
             return 0
         self.expire()
         freed = 0
         while freed < num_pages and (node := self._order.pop(self._protected_over_cap())) is not None:
-            if self.on_evict is not None:
-                self.on_evict(node)
+            if self.events:
+                self.events.publish(BlocksEvicted(node, flushing, write_back))
             freed += self._remove_leaf(node)
         self._evicted_pages += freed
         return freed
@@ -555,8 +538,8 @@ class RadixTree:
         self._book.clear()
         self._cached_pages = self._evictable_pages = self._num_nodes = self._retained_pages = 0
         self._protected_pages = 0
-        if self.listener is not None:
-            self.listener.all_cleared()
+        if self.events:
+            self.events.publish(AllCleared())
 
     def cached_page_set(self) -> set[int]:
         return {page for node in self._iter_nodes() for page in node.pages}
@@ -770,8 +753,8 @@ class RadixTree:
         self._cached_pages += len(new_pages)
         self._evictable_pages += len(new_pages)
         self._num_nodes += 1
-        if self.listener is not None:
-            self.listener.blocks_stored(child)
+        if self.events:
+            self.events.publish(BlocksStored("ram", child.hashes, child.pages, child))
         return child
 
     def _touch_path(self, node: Node, now: int) -> None:
@@ -805,8 +788,6 @@ class RadixTree:
         self._num_nodes -= 1
         node.removed = True
         freed = self.pool.release(node.pages)
-        if self.listener is not None:
-            self.listener.blocks_removed(node)
         if self._is_evictable_leaf(parent):
             self._order.add(parent)  # it just became an unlocked leaf
         elif parent.parent is None:

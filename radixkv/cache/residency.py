@@ -5,10 +5,13 @@ stats() and /metrics read its snapshots.
 
 from __future__ import annotations
 
+import time
 from bisect import bisect_left
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+
+from radixkv.cache.events import BlocksEvicted, BlocksStored, CacheEvent
 
 # Seconds: from a request's own burst to a week (the longest retention anyone asks for is a day).
 RESIDENCY_BUCKETS_S = (0.1, 1.0, 10.0, 60.0, 300.0, 1800.0, 3600.0, 6 * 3600.0, 86400.0, 7 * 86400.0)
@@ -105,6 +108,17 @@ class PageResidency(Residency):
         self._born_s = [0.0] * num_pages
         self._used_s = [0.0] * num_pages
         self._retained = [False] * num_pages
+
+    def listen(self, event: CacheEvent) -> None:
+        """A CacheEvents listener: RAM's stored blocks enter the tier, its evicted ones leave
+        it (the reason from the event and the node's retentions); the disk's are not RAM's."""
+        if event.tier != "ram":
+            return
+        if isinstance(event, BlocksStored):
+            self.cached(event.pages, time.monotonic())
+        elif isinstance(event, BlocksEvicted):
+            node = event.node
+            self.evicted_pages(node.pages, time.monotonic(), flushing=event.flushing, retained_now=bool(node.retains))
 
     def cached(self, pages: Iterable[int], now_s: float) -> None:
         """`pages` entered the tier (their blocks were inserted) at now_s."""

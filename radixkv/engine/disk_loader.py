@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -14,6 +15,7 @@ import torch
 from radixkv.cache.disk import DiskStats, DiskTier
 from radixkv.cache.disk_format import disk_owner, owner_id
 from radixkv.cache.disk_prefetch import DiskPrefetcher
+from radixkv.cache.events import BlocksEvicted, CacheEvent, CacheEvents
 from radixkv.cache.pages import PagePool
 from radixkv.cache.radix import Node, RadixTree, path_tokens
 from radixkv.cache.residency import TierResidency
@@ -28,11 +30,16 @@ ComputeEstimate = Callable[[int, int], "float | None"]
 
 
 def open_disk_tier(
-    config: EngineConfig, loaded: LoadedModel, payload_bytes: int, kv_dtype: torch.dtype | None = None
+    config: EngineConfig,
+    loaded: LoadedModel,
+    payload_bytes: int,
+    kv_dtype: torch.dtype | None = None,
+    events: CacheEvents | None = None,
 ) -> DiskTier | None:
     """The disk tier `config` asks for (kv_disk_dir, with prefix caching on), None without one.
     Blocks hold the pages' bytes as RAM stores them (kv_dtype, scales included: payload_bytes),
-    and the fingerprint names kv_dtype, so a block of another kv_dtype is a miss."""
+    and the fingerprint names kv_dtype, so a block of another kv_dtype is a miss. It publishes
+    on `events` (the tree's bus, so the cache has one)."""
     if not config.kv_disk_dir or not config.enable_prefix_caching:
         return None
     from radixkv.model.fingerprint import model_fingerprint
@@ -44,6 +51,7 @@ def open_disk_tier(
         page_size=config.page_size,
         payload_bytes=payload_bytes,
         max_owner_retained_bytes=config.kv_disk_retained_bytes_per_owner,
+        events=events,
     )
 
 
@@ -263,13 +271,15 @@ class DiskLoader:
 
     # -- writing RAM's blocks ------------------------------------------------------------------
 
-    def evicted(self, node: Node) -> None:
-        """The tree is evicting `node` (its pages still hold the KV): keep it on disk."""
+    def listen(self, event: CacheEvent) -> None:
+        """A CacheEvents listener: a leaf RAM evicts (its pages still hold the KV) is kept on
+        disk, unless the flush that evicts it drops the disk too."""
         # Write-back: a block reaches the disk when RAM gives it up (or at close), not when it is
         # computed; most computed blocks are private tails never asked for again, and writing
         # each of them through would spend the disk's bandwidth and budget on them. Retained
         # prefixes are written through at retain time (write_through).
-        self.save(node)
+        if isinstance(event, BlocksEvicted) and event.write_back:
+            self.save(event.node)
 
     def write_through(self, node: Node | None) -> None:
         """Write a retained prefix (node and its ancestors) now: what a client asked to keep
@@ -333,6 +343,10 @@ class DiskLoader:
         written = self.persist()
         self.tier.close()
         return written
+
+    def directory(self) -> Path | None:
+        """The tier's directory while it is in use; None once it is off."""
+        return self.tier.directory if self.tier.enabled else None
 
     def residency(self) -> TierResidency:
         return self.tier.residency_stats()

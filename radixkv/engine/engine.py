@@ -95,7 +95,7 @@ class Engine:
         )
         self.compute_cost = ComputeCost()
         self.kv = KVManager(
-            self.pool, self.tree, self.hasher, config.enable_prefix_caching, open_disk_tier(config, loaded, self.pool.page_nbytes, self.kv_dtype),
+            self.pool, self.tree, self.hasher, config.enable_prefix_caching, open_disk_tier(config, loaded, self.pool.page_nbytes, self.kv_dtype, self.tree.events),
             self.compute_cost.estimate_s, config.kv_disk_prefetch_bytes, config.max_retained_pages_per_owner,
             config.max_ghost_blocks,
         )
@@ -133,13 +133,13 @@ class Engine:
             ),
             chunk_tokens=config.max_batch_tokens, clock=self.tree.now_s, signals=self.kv,
         )  # fmt: skip
-        # KV events (off by default): the tree tells the recorder of every block it stores or
-        # evicts; each step's events go out as one batch. Opened last, so a failed start
+        # KV events (off by default): the cache's bus tells the recorder of every block the tree
+        # stores or evicts; each step's events go out as one batch. Opened last, so a failed start
         # leaves no socket bound.
         self.kv_events: KVEventRecorder | None = None
         if config.kv_events_endpoint is not None:
             self.kv_events = start_kv_events(config, "GPU" if self.device.type == "cuda" else "CPU")
-            self.tree.listener = self.kv_events
+            self.tree.events.subscribe(self.kv_events.listen)
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -344,7 +344,7 @@ class Engine:
         """Publish the last KV events and close their sockets (at shutdown); a no-op when off."""
         if self.kv_events is not None:
             self.kv_events.close()
-            self.tree.listener = None
+            self.tree.events.unsubscribe(self.kv_events.listen)
             self.kv_events = None
 
     def close(self) -> int:
@@ -372,7 +372,7 @@ class Engine:
             num_deferrals=self.scheduler.num_deferrals,
             disk=self.kv.disk_stats(),
             residency=self.kv.residency(),
-            cache_misses=self.kv.misses.snapshot(),
+            cache_misses=self.kv.miss_counts(),
         )
 
     def check_invariants(self) -> None:

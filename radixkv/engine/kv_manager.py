@@ -1,11 +1,13 @@
 """The bridge between sequences and the prefix cache: pages in, pages out, blocks shared. A
 running sequence holds a pool reference on each page of its table and locks its deepest cached
-node; only this module moves them. Admit and reserve extend a match from disk (its DiskLoader).
+node; only this module moves them. Admit and reserve extend a match from disk (its DiskLoader);
+residency, the ghost index and the write-back follow the cache through its bus (cache/events.py).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from radixkv.cache.disk import DiskStats, DiskTier
@@ -15,6 +17,7 @@ from radixkv.cache.hashing import BlockHasher
 from radixkv.cache.pages import OutOfPages, PagePool
 from radixkv.cache.radix import Node, PeekResult, RadixTree
 from radixkv.cache.residency import PageResidency, TierResidency
+from radixkv.cache.retention import Retention
 from radixkv.engine.cache_report import AdmissionMatch, MissExplainer
 from radixkv.engine.disk_loader import ComputeEstimate, DiskLoader
 from radixkv.engine.request import Admitted, CacheLookup, SequenceState
@@ -37,55 +40,59 @@ class KVManager:
         max_retained_pages_per_owner: int | None = None,
         max_ghost_blocks: int | None = None,
     ) -> None:
-        self.pool = pool
-        self.tree = tree
-        self.hasher = hasher
-        self.page_size = pool.page_size
-        self.enable_prefix_caching = enable_prefix_caching
-        self.ram_residency = PageResidency(pool.num_pages)
-        self.loader: DiskLoader | None = None
+        # Nothing here is read from outside: callers use the verbs below.
+        self._pool = pool
+        self._tree = tree
+        self._hasher = hasher
+        self._page_size = pool.page_size
+        self._caching = enable_prefix_caching
+        self._residency = PageResidency(pool.num_pages)
+        self._loader: DiskLoader | None = None
         if disk is not None and enable_prefix_caching:
-            self.loader = DiskLoader(
+            self._loader = DiskLoader(
                 disk, pool, tree, commit=self.commit, peek_tokens=lambda seq: self.peek(seq).num_cached_tokens,
-                mark_retained=self.ram_residency.retained, compute_s=compute_s, prefetch_bytes=prefetch_bytes,
+                mark_retained=self._residency.retained, compute_s=compute_s, prefetch_bytes=prefetch_bytes,
                 max_retained_pages_per_owner=max_retained_pages_per_owner,
             )
-        self._flushing = False
-        self._write_back = True  # off while a flush drops RAM and disk both
-        self._next_on_evict = tree.on_evict
-        tree.on_evict = self._on_evict
         # Evicted hashes, so a request's cache report tells evicted from never seen.
-        self.ghost = GhostIndex(max_ghost_blocks or 4 * pool.num_pages)
-        self.misses = MissExplainer(self.ghost, tree, hasher)
-        if self.loader is not None:
-            self.loader.tier.on_drop = self.ghost.add
-            self.loader.tier.on_store = self.ghost.discard
+        self._misses = MissExplainer(GhostIndex(max_ghost_blocks or 4 * pool.num_pages), tree, hasher)
+        # One bus in an engine (the tree's, handed to its disk tier); a tier built apart has its own.
+        listeners = [self._residency.listen, self._misses.ghost.listen] + ([self._loader.listen] if self._loader else [])
+        buses = [tree.events] if disk is None or disk.events is tree.events else [tree.events, disk.events]
+        for bus in buses:
+            for listener in listeners:
+                bus.subscribe(listener)
+
+    @property
+    def page_size(self) -> int:
+        """Tokens per page (and per cached block)."""
+        return self._page_size
 
     # -- the scheduler's verbs ---------------------------------------------------------------
 
     def block_hashes(self, seq: SequenceState, start_token: int = 0) -> list[int]:
         """The hashes of seq's full blocks from the one holding `start_token` on (none without
         prefix caching): what the scheduler compares to put off a request a step."""
-        return self._hashes(seq)[start_token // self.page_size :] if self.enable_prefix_caching else []
+        return self._hashes(seq)[start_token // self._page_size :] if self._caching else []
 
     def peek(self, seq: SequenceState) -> PeekResult:
         """What RAM would serve seq now; pure (no split, no LRU time, no stats)."""
-        if not self.enable_prefix_caching or seq.num_tokens <= self.page_size:
+        if not self._caching or seq.num_tokens <= self._page_size:
             return PeekResult(0, [], 0)
-        return self.tree.peek(seq.all_token_ids, seq.salt, block_hashes=self._hashes(seq))
+        return self._tree.peek(seq.all_token_ids, seq.salt, block_hashes=self._hashes(seq))
 
     def can_admit(self, peek: PeekResult, num_new_tokens: int, headroom_pages: int = 0) -> bool:
         """Whether the pages for the first num_new_tokens past peek's match, plus
         `headroom_pages`, can be had once the match is locked (free pages and what eviction
         could free outside it); pure."""
         num_cached = peek.num_cached_tokens
-        needed = -(-(num_cached + num_new_tokens) // self.page_size) - num_cached // self.page_size
+        needed = -(-(num_cached + num_new_tokens) // self._page_size) - num_cached // self._page_size
         return needed + headroom_pages <= self.available_pages() - peek.num_unlocked_pages
 
     def load_ready(self, seq: SequenceState, chunk_tokens: int) -> bool:
         """For a waiting sequence: whether its first chunk can be admitted without waiting on a
         read (True without a disk tier); starts reading its disk hit in the background if not."""
-        return self.loader is None or self.loader.ready(seq, chunk_tokens)
+        return self._loader is None or self._loader.ready(seq, chunk_tokens)
 
     def admit(self, seq: SequenceState, num_new_tokens: int) -> Admitted:
         """Match seq, lock the match, take a reference on its pages; load the blocks that follow
@@ -93,25 +100,14 @@ class KVManager:
         block of the last token, whose logits are needed); then allocate pages for the rest of
         the chunk unless the hit goes on past it. Call it after can_admit: nothing is undone."""
         assert not seq.page_table and seq.tree_node is None
-        num_ram_tokens = 0
-        if self.enable_prefix_caching:
-            match = self.tree.match(seq.all_token_ids, seq.salt, block_hashes=self._hashes(seq), record=False)
-            self.tree.lock(match.node)
-            self.tree.record_lookup(seq.num_tokens, match.num_cached_tokens)
-            self.pool.incref(match.pages)
-            self.ram_residency.hit_pages(match.pages, time.monotonic())
-            seq.tree_node = match.node
-            seq.page_table = list(match.pages)
-            seq.num_tree_blocks = len(match.pages)
-            seq.num_computed_tokens = num_ram_tokens = match.num_cached_tokens
-            reporting = _reports(seq)
-            held = self.loader.held_blocks(seq, num_ram_tokens // self.page_size) if reporting and self.loader is not None else 0
-            if self.loader is not None:
-                self.loader.load(seq, num_new_tokens // self.page_size)
-            if reporting:
-                self._report(seq, num_ram_tokens, held)
-        elif _reports(seq):
-            self._report(seq, 0, 0)
+        num_ram_tokens = self._lock_match(seq) if self._caching else 0
+        loader, reporting = self._loader, _reports(seq)
+        # What the disk held past the RAM match, counted before loading takes it.
+        held = loader.held_blocks(seq, num_ram_tokens // self._page_size) if reporting and loader is not None else 0
+        if loader is not None:
+            loader.load(seq, num_new_tokens // self._page_size)
+        if reporting:
+            self._report(seq, AdmissionMatch(num_ram_tokens, held, loader is not None and loader.read_skipped(seq)))
         admitted = self._admitted(seq, seq.num_computed_tokens - num_ram_tokens)
         rest = 0 if admitted.more_to_load else num_new_tokens - admitted.num_loaded_tokens
         reserved = self._allocate(seq, rest)
@@ -124,7 +120,7 @@ class KVManager:
         """Give running seq what its next num_new_tokens need: the blocks its disk hit covers
         are loaded, pages allocated for the rest (evicting if needed) unless the hit goes on
         past them. None when short of pages (what was loaded stays: num_computed_tokens says)."""
-        loaded = self.loader.continue_load(seq, num_new_tokens) if self.loader is not None else 0
+        loaded = self._loader.continue_load(seq, num_new_tokens) if self._loader is not None else 0
         if _first_run(seq):
             seq.num_cached_tokens += loaded  # served by the cache, as at admission
         admitted = self._admitted(seq, loaded)
@@ -136,84 +132,86 @@ class KVManager:
         """Give back everything seq holds: its lock, its disk read and one reference on each of
         its pages."""
         if seq.tree_node is not None:
-            self.tree.unlock(seq.tree_node)
+            self._tree.unlock(seq.tree_node)
             seq.tree_node = None
-        if self.loader is not None:
-            self.loader.forget(seq)
-        if self.enable_prefix_caching and seq.num_computed_tokens:
-            self.misses.remember_tail(seq.all_token_ids, seq.salt, self._hashes(seq), seq.num_computed_tokens)
-        self.pool.release(seq.page_table)
+        if self._loader is not None:
+            self._loader.forget(seq)
+        if self._caching and seq.num_computed_tokens:
+            self._misses.remember_tail(seq.all_token_ids, seq.salt, self._hashes(seq), seq.num_computed_tokens)
+        self._pool.release(seq.page_table)
         seq.page_table = []
         seq.num_tree_blocks = 0
         seq.num_computed_tokens = 0
 
-    def _report(self, seq: SequenceState, num_ram_tokens: int, num_disk_blocks: int) -> None:
-        """seq's cache report, from what admission just gave it: its RAM match, the disk's
-        blocks after it (read, or skipped as slower); counted by reason."""
-        loader = self.loader
-        skipped = loader is not None and loader.read_skipped(seq)
-        hashes = self._hashes(seq) if self.enable_prefix_caching else []
-        seq.cache_report = self.misses.explain(
-            seq.prompt_token_ids, seq.salt, hashes, AdmissionMatch(num_ram_tokens, num_disk_blocks, skipped),
+    def _lock_match(self, seq: SequenceState) -> int:
+        """Match seq in RAM, lock the match and take a reference on its pages; its tokens."""
+        match = self._tree.match(seq.all_token_ids, seq.salt, block_hashes=self._hashes(seq), record=False)
+        self._tree.lock(match.node)
+        self._tree.record_lookup(seq.num_tokens, match.num_cached_tokens)
+        self._pool.incref(match.pages)
+        self._residency.hit_pages(match.pages, time.monotonic())
+        seq.tree_node = match.node
+        seq.page_table = list(match.pages)
+        seq.num_tree_blocks = len(match.pages)
+        seq.num_computed_tokens = match.num_cached_tokens
+        return match.num_cached_tokens
+
+    def _report(self, seq: SequenceState, match: AdmissionMatch) -> None:
+        """seq's cache report, from what admission gave it (its RAM match, the disk's blocks
+        after it, read or skipped as slower); counted by reason."""
+        loader = self._loader
+        seq.cache_report = self._misses.explain(
+            seq.prompt_token_ids, seq.salt, self._hashes(seq) if self._caching else [], match,
             (lambda block: loader.disk_key(seq, block)) if loader is not None else (lambda block: None), seq.sibling_salts,
         )
 
     def _admitted(self, seq: SequenceState, num_loaded_tokens: int) -> Admitted:
-        more = bool(num_loaded_tokens) and self.loader is not None and self.loader.loading(seq)
+        more = bool(num_loaded_tokens) and self._loader is not None and self._loader.loading(seq)
         return Admitted(seq.num_computed_tokens, num_loaded_tokens, more)
 
     def _hashes(self, seq: SequenceState) -> list[int]:
-        """Extend seq.block_hashes to every full block of its tokens (chained, incremental)."""
-        num_full = seq.num_tokens // self.page_size
-        if len(seq.block_hashes) < num_full:
-            start = len(seq.block_hashes) * self.page_size
-            parent = seq.block_hashes[-1] if seq.block_hashes else None
-            tokens = seq.all_token_ids[start : num_full * self.page_size]
-            seq.block_hashes.extend(self.hasher.hash_blocks(tokens, seq.salt, parent=parent))
-        return seq.block_hashes
+        """seq.block_hashes, extended to every full block of its tokens (chained, incremental)."""
+        return self._hasher.extend(seq.block_hashes, seq.all_token_ids, seq.salt)
 
     def _allocate(self, seq: SequenceState, num_new_tokens: int) -> bool:
         """Pages for num_new_tokens more tokens of seq, evicting if needed; False if short."""
-        needed = max(0, -(-(seq.num_computed_tokens + num_new_tokens) // self.page_size) - len(seq.page_table))
+        needed = max(0, -(-(seq.num_computed_tokens + num_new_tokens) // self._page_size) - len(seq.page_table))
         if needed == 0:
             return True
-        if self.pool.num_free < needed:
-            self.tree.evict(needed - self.pool.num_free)
+        if self._pool.num_free < needed:
+            self._tree.evict(needed - self._pool.num_free)
         try:
-            seq.page_table.extend(self.pool.allocate(needed))
+            seq.page_table.extend(self._pool.allocate(needed))
         except OutOfPages:
             return False
         return True
 
     def available_pages(self) -> int:
         """Pages that can be had now: free ones plus those eviction would free."""
-        return self.pool.num_free + self.tree.evictable_pages
+        return self._pool.num_free + self._tree.evictable_pages
 
     # -- after a step ------------------------------------------------------------------------
 
     def commit(self, seq: SequenceState) -> None:
         """Offer seq's newly computed full blocks to the tree; adopt the tree's duplicates."""
-        num_full = seq.num_computed_tokens // self.page_size
-        if not self.enable_prefix_caching or num_full <= seq.num_tree_blocks:
+        num_full = seq.num_computed_tokens // self._page_size
+        if not self._caching or num_full <= seq.num_tree_blocks:
             return
         hashes = self._hashes(seq)
-        tokens = seq.all_token_ids[: num_full * self.page_size]
-        result = self.tree.insert(tokens, seq.page_table[:num_full], seq.salt, block_hashes=hashes[:num_full])
-        if result.num_inserted_blocks:
-            first = result.num_existing_blocks
-            self.ghost.discard(hashes[first : first + result.num_inserted_blocks])
-            self.ram_residency.cached(result.pages[result.num_existing_blocks :], time.monotonic())
+        tokens = seq.all_token_ids[: num_full * self._page_size]
+        # The blocks it inserts reach residency and the ghost index through the bus (BlocksStored).
+        result = self._tree.insert(tokens, seq.page_table[:num_full], seq.salt, block_hashes=hashes[:num_full])
         # Blocks another sequence cached first: drop our copy and point at the tree's page,
         # so no page table keeps a page the pool may hand out again.
         for i in range(result.num_existing_blocks):
             canonical = result.pages[i]
             if seq.page_table[i] != canonical:
-                self.pool.incref([canonical])
-                self.pool.release([seq.page_table[i]])
+                self._pool.incref([canonical])
+                self._pool.release([seq.page_table[i]])
                 seq.page_table[i] = canonical
-        self.tree.lock(result.node)
+        self._tree.lock(result.node)
         if seq.tree_node is not None:
-            self.tree.unlock(seq.tree_node)
+            self._tree.unlock(seq.tree_node)
         seq.tree_node = result.node
         # Blocks a hash collision kept out of the tree stay private; they are not offered again.
         seq.num_tree_blocks = num_full
@@ -222,95 +220,83 @@ class KVManager:
 
     def peek_prefix(self, token_ids: list[int], salt: str | None) -> PeekResult:
         """What a match of these tokens would serve now; pure."""
-        if not self.enable_prefix_caching:
+        if not self._caching:
             return PeekResult(0, [], 0)
-        return self.tree.peek(token_ids, salt)
+        return self._tree.peek(token_ids, salt)
 
     def pin(self, prefix_token_ids: list[int], salt: str | None) -> tuple[Node, int]:
         """Lock the cached full blocks of a prefix; (the node to unpin, tokens pinned)."""
         # match() leaves the last token to compute; one more token lets it return every full
         # block of the prefix itself (a partial block never matches).
-        match = self.tree.match(list(prefix_token_ids) + [0], salt, record=False)
-        self.tree.lock(match.node)
+        match = self._tree.match(list(prefix_token_ids) + [0], salt, record=False)
+        self._tree.lock(match.node)
         return match.node, match.num_cached_tokens
 
     def unpin(self, node: Node) -> None:
-        self.tree.unlock(node)
+        self._tree.unlock(node)
 
     def retain(self, prefix_token_ids: list[int], salt: str | None, ttl_s: float, owner: str | None, max_owner_pages: int) -> int:
         """Retain the cached full blocks of a prefix for ttl_s seconds (no lock: they go last,
         not never), written through to the disk tier; returns tokens retained. A prefix longer
         than the owner's cap retains its first max_owner_pages pages, and the tree's cap over
         all owners may trim it further."""
-        if not self.enable_prefix_caching or max_owner_pages <= 0:
+        if not self._caching or max_owner_pages <= 0:
             return 0
-        if self.loader is not None:
-            self.loader.claim(owner)  # what came back from disk under its name counts here too
-        prefix = list(prefix_token_ids[: max_owner_pages * self.page_size])
+        if self._loader is not None:
+            self._loader.claim(owner)  # what came back from disk under its name counts here too
+        prefix = list(prefix_token_ids[: max_owner_pages * self._page_size])
         # As in pin: one more token lets match return every full block of the prefix itself.
         # Retaining serves no request: counted as a hit, it would make the path protected under
         # slru, outranking other keys' real hits once the retention ends.
-        match = self.tree.match(prefix + [0], salt, record=False, serves=False)
-        num_pages = self.tree.retain(match.node, ttl_s, owner, max_owner_pages)
-        self.ram_residency.retained(match.pages[:num_pages])
-        if num_pages and self.loader is not None:
-            self.loader.write_through(match.node)
-        return num_pages * self.page_size
+        match = self._tree.match(prefix + [0], salt, record=False, serves=False)
+        num_pages = self._tree.retain(match.node, ttl_s, owner, max_owner_pages)
+        self._residency.retained(match.pages[:num_pages])
+        if num_pages and self._loader is not None:
+            self._loader.write_through(match.node)
+        return num_pages * self._page_size
+
+    def retentions(self, owner: str | None) -> list[Retention]:
+        """`owner`'s live retentions, the newest last; pure."""
+        return self._tree.retentions(owner)
+
+    def retention(self, retention_id: int) -> Retention | None:
+        """A live retention; None once released, superseded or expired; pure."""
+        return self._tree.retention(retention_id)
+
+    def release_retention(self, retention_id: int) -> bool:
+        """End a retention now (its blocks stay cached); False if it was not live."""
+        return self._tree.release(retention_id)
 
     # -- liveness (a session book's marks; the `session` eviction policy orders by them) -----
 
-    def set_liveness(self, node: Node, liveness: Liveness, *, below_blocks: int = 0) -> int:
-        """Mark `node`'s private path past its first `below_blocks` blocks
-        (RadixTree.set_liveness); returns the nodes marked."""
-        if not self.enable_prefix_caching:
+    def mark(
+        self, target: Node | Sequence[int], liveness: Liveness, *, salt: str | None = None, below_blocks: int = 0
+    ) -> int:
+        """The one place liveness is marked: `target`'s private path past its first
+        `below_blocks` blocks (RadixTree.set_liveness); `target` a node, or a prefix's tokens
+        under `salt` (the deepest cached node its full blocks cover; 0 when none). HOT holds as
+        far as `target`, what its retention holds (RadixTree.mark_hot). Returns the nodes
+        marked; changes only the marks."""
+        if not self._caching:
             return 0
-        return self.tree.set_liveness(node, liveness, below_blocks=below_blocks)
-
-    def set_prefix_liveness(self, token_ids: list[int], salt: str | None, liveness: Liveness, *, shared_tokens: int = 0) -> int:
-        """Mark the private path of the deepest cached node a prefix's full blocks cover (a
-        session's last prompt and reply, known by tokens), past its first `shared_tokens`
-        (the session's shared prefix); 0 when none is cached. Pure but for the marks: no
-        split, no LRU time."""
-        if not self.enable_prefix_caching:
-            return 0
-        node = self.tree.deepest_node(token_ids, salt)
+        node = target if isinstance(target, Node) else self._tree.deepest_node(target, salt)
         if node is None:
             return 0
-        return self.tree.set_liveness(node, liveness, below_blocks=-(-shared_tokens // self.page_size))
-
-    def mark_dead(self, node: Node, *, below_blocks: int = 0) -> int:
-        return self.set_liveness(node, Liveness.DEAD, below_blocks=below_blocks)
-
-    def mark_cold(self, node: Node, *, below_blocks: int = 0) -> int:
-        return self.set_liveness(node, Liveness.COLD, below_blocks=below_blocks)
-
-    def mark_hot(self, node: Node, *, below_blocks: int = 0) -> int:
-        """Hot as far as `node`, what its retention holds; unknown below (RadixTree.mark_hot)."""
-        if not self.enable_prefix_caching:
-            return 0
-        return self.tree.mark_hot(node, below_blocks=below_blocks)
+        if liveness is Liveness.HOT:
+            return self._tree.mark_hot(node, below_blocks=below_blocks)
+        return self._tree.set_liveness(node, liveness, below_blocks=below_blocks)
 
     # -- the whole cache ---------------------------------------------------------------------
-
-    def _on_evict(self, node: Node) -> None:
-        """The tree is evicting `node` (its pages still hold the KV): count why and how long
-        its blocks stayed, and keep them on disk (write-back)."""
-        self.ram_residency.evicted_pages(node.pages, time.monotonic(), flushing=self._flushing, retained_now=bool(node.retains))
-        self.ghost.add(node.hashes)
-        if self.loader is not None and self._write_back:
-            self.loader.evicted(node)
-        if self._next_on_evict is not None:
-            self._next_on_evict(node)
 
     def lookup(self, token_ids: list[int], salt: str | None) -> CacheLookup:
         """The tokens of the prompt's full blocks cached in RAM, and those cached on disk right
         after them, changing nothing: no LRU time, no hit counted, no file read."""
-        if not self.enable_prefix_caching:
+        if not self._caching:
             return CacheLookup(0, 0)
         tokens = list(token_ids)
         # As in pin: one more token lets peek count every full block of the prompt itself.
-        ram = self.tree.peek(tokens + [0], salt).num_cached_tokens
-        return CacheLookup(ram, self.loader.lookup(tokens, salt, ram) if self.loader is not None else 0)
+        ram = self._tree.peek(tokens + [0], salt).num_cached_tokens
+        return CacheLookup(ram, self._loader.lookup(tokens, salt, ram) if self._loader is not None else 0)
 
     def flush(self, ram: bool, disk: bool) -> tuple[int, int]:
         """Drop what the cache holds: every unlocked RAM page (pages in use by requests or pins
@@ -318,38 +304,37 @@ class KVManager:
         first without writing it back; RAM alone is written back as by any eviction."""
         pages = blocks = 0
         if ram:
-            self._flushing, self._write_back = True, not disk
-            try:
-                pages = self.tree.evict(self.tree.evictable_pages)
-            finally:
-                self._flushing, self._write_back = False, True
-        if disk and self.loader is not None:
-            blocks = self.loader.flush()
+            pages = self._tree.evict(self._tree.evictable_pages, flushing=True, write_back=not disk)
+        if disk and self._loader is not None:
+            blocks = self._loader.flush()
         return pages, blocks
 
     def close(self) -> int:
         """Stop the background reads, write every block cached in RAM to the disk tier and close
         it (its directory is the next process's); returns blocks written (0 without a tier).
         The cache stays usable, without the disk tier."""
-        return self.loader.close() if self.loader is not None else 0
+        return self._loader.close() if self._loader is not None else 0
 
     def residency(self) -> dict[str, TierResidency]:
         """Per tier ("ram", "disk" with a disk tier): hits, what it holds, evictions by reason,
         block lifetime and reuse gap histograms."""
-        cached = self.tree.cached_pages
-        tiers = {"ram": self.ram_residency.snapshot(cached, cached * self.pool.page_nbytes)}
-        if self.loader is not None:
-            tiers["disk"] = self.loader.residency()
+        cached = self._tree.cached_pages
+        tiers = {"ram": self._residency.snapshot(cached, cached * self._pool.page_nbytes)}
+        if self._loader is not None:
+            tiers["disk"] = self._loader.residency()
         return tiers
 
     def disk_stats(self) -> DiskStats | None:
         """The disk tier's counters; None without one."""
-        return self.loader.stats() if self.loader is not None else None
+        return self._loader.stats() if self._loader is not None else None
 
     def disk_directory(self) -> Path | None:
         """The directory of the disk tier while it is in use; None without one (or once off)."""
-        loader = self.loader
-        return loader.tier.directory if loader is not None and loader.tier.enabled else None
+        return self._loader.directory() if self._loader is not None else None
+
+    def miss_counts(self) -> dict[str, int]:
+        """Cache reports so far by reason (MISS_REASONS)."""
+        return self._misses.snapshot()
 
 
 def _reports(seq: SequenceState) -> bool:

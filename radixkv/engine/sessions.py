@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from sortedcontainers import SortedList
 
+from radixkv.cache.eviction import Liveness
 from radixkv.errors import InvalidRequest, OwnerCapExceeded
 
 if TYPE_CHECKING:
@@ -26,29 +27,20 @@ MAX_SESSION_KEY_CHARS = 1024
 
 
 class TailSignals(Protocol):
-    """What sessions tell the eviction order about the paths they held (KVManager's marks, which
-    the `slru` and `session` eviction policies order by): a released or idle-expired session's private tail
-    will not be used again (dead); a turn its successor superseded is unlikely to be (cold); a
-    live session's newest turn is about to be (hot). `below_blocks`: the path's first blocks
-    are shared (the session found them cached) and keep their mark. Nothing is evicted here."""
+    """What sessions tell the eviction order about the paths they held (KVManager.mark, which
+    the `slru` and `session` eviction policies order by): a released or idle-expired session's
+    private tail will not be used again (DEAD); a turn its successor superseded is unlikely to
+    be (COLD); a live session's newest turn is about to be (HOT). `below_blocks`: the path's
+    first blocks are shared (the session found them cached) and keep their mark. Nothing is
+    evicted here."""
 
-    def mark_dead(self, node: Node, *, below_blocks: int = 0) -> int: ...
-
-    def mark_cold(self, node: Node, *, below_blocks: int = 0) -> int: ...
-
-    def mark_hot(self, node: Node, *, below_blocks: int = 0) -> int: ...
+    def mark(self, target: Node, liveness: Liveness, *, below_blocks: int = 0) -> int: ...
 
 
 class NoSignals:
     """An eviction order that takes no session signals: every call does nothing."""
 
-    def mark_dead(self, node: Node, *, below_blocks: int = 0) -> int:
-        return 0
-
-    def mark_cold(self, node: Node, *, below_blocks: int = 0) -> int:
-        return 0
-
-    def mark_hot(self, node: Node, *, below_blocks: int = 0) -> int:
+    def mark(self, target: Node, liveness: Liveness, *, below_blocks: int = 0) -> int:
         return 0
 
 
@@ -199,9 +191,8 @@ class SessionBook:
             self._by_owner[ref.owner].pop(session.name)
             self.num_resumed += 1
             session.salt, session.idle_s, session.last_active_at_s = salt, idle_s, now_s
-            if self._kv.loader is not None:
-                for seq in seqs:
-                    self._kv.load_ready(seq, self._chunk_tokens)  # starts the read-ahead
+            for seq in seqs:
+                self._kv.load_ready(seq, self._chunk_tokens)  # starts the read-ahead (if on disk)
         self._by_owner.setdefault(ref.owner, {})[session.name] = session  # now the most recently active
         session.in_flight.add(request_id)
         self._turns[request_id] = session
@@ -233,7 +224,6 @@ class SessionBook:
                 self._file(session)
 
     def _retain_turn(self, session: Session, tokens: list[int]) -> None:
-        tree = self._kv.tree
         room = self.limits.max_pages_per_owner - sum(
             s.num_retained_tokens // self._kv.page_size for s in self._by_owner.get(session.owner, {}).values() if s is not session
         )
@@ -250,17 +240,17 @@ class SessionBook:
         previous = (session.retention_id, session.node)
         cap = self.limits.max_retained_pages_per_owner
         num_tokens = self._kv.retain(tokens, session.salt, session.idle_s, session.owner, cap) if tokens else 0
-        retention = tree.retentions(session.owner)[-1] if num_tokens else None
+        retention = self._kv.retentions(session.owner)[-1] if num_tokens else None
         session.retention_id = retention.retention_id if retention is not None else None
         session.node = retention.node if retention is not None else None
         session.num_retained_tokens = num_tokens
         old_id, old_node = previous
         if old_id is not None and old_id != session.retention_id:
-            tree.release(old_id)  # already gone where the new turn's retention covers it
+            self._kv.release_retention(old_id)  # already gone where the new turn's retention covers it
             if old_node is not None and not _on_path(old_node, session.node):
-                self.signals.mark_cold(old_node, below_blocks=self._shared_blocks(session))  # what the new turn does not continue
+                self.signals.mark(old_node, Liveness.COLD, below_blocks=self._shared_blocks(session))  # what the new turn does not continue
         if session.node is not None:
-            self.signals.mark_hot(session.node, below_blocks=self._shared_blocks(session))
+            self.signals.mark(session.node, Liveness.HOT, below_blocks=self._shared_blocks(session))
 
     # -- the owner's calls ---------------------------------------------------------------------
 
@@ -311,7 +301,7 @@ class SessionBook:
         return next((s for s in self._by_owner.get(owner, {}).values() if not s.in_flight), None)
 
     def _live_tokens(self, session: Session) -> int:
-        if session.retention_id is None or self._kv.tree.retention(session.retention_id) is None:
+        if session.retention_id is None or self._kv.retention(session.retention_id) is None:
             return 0  # the owner's other retentions or the caps took it
         return session.num_retained_tokens
 
@@ -327,9 +317,9 @@ class SessionBook:
 
     def _drop_retention(self, session: Session, *, dead: bool) -> None:
         if session.retention_id is not None:
-            self._kv.tree.release(session.retention_id)
+            self._kv.release_retention(session.retention_id)
         if session.node is not None and dead:
-            self.signals.mark_dead(session.node, below_blocks=self._shared_blocks(session))
+            self.signals.mark(session.node, Liveness.DEAD, below_blocks=self._shared_blocks(session))
         session.retention_id, session.node, session.num_retained_tokens = None, None, 0
 
     def _file(self, session: Session) -> None:

@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 
 def start_kv_events(config: EngineConfig, medium: str) -> KVEventRecorder:
     """Open the publisher's sockets for `config` and return the recorder to hang on the tree
-    (tree.listener); the engine flushes it after each step and closes it on shutdown."""
+    (tree.events.subscribe(recorder.listen)); the engine flushes it after each step and closes it on shutdown."""
     assert config.kv_events_endpoint is not None
     for endpoint in (config.kv_events_endpoint, config.kv_events_replay_endpoint):
         if endpoint is not None and not _local_only(endpoint):

@@ -1,4 +1,4 @@
-"""KVEventRecorder: the radix tree's listener that turns each change to its set of cached blocks
+"""KVEventRecorder: the cache bus's listener that turns each change to its set of cached blocks
 into a vLLM-schema event, kept until the engine flushes them as one batch (once per step, as
 vLLM publishes once per scheduler step).
 """
@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from typing import Protocol
 
+from radixkv.cache.events import AllCleared, BlocksEvicted, BlocksStored, CacheEvent
 from radixkv.cache.radix import Node
 from radixkv.kv_events.schema import (
     GROUP_IDX,
@@ -28,7 +29,7 @@ class BatchSink(Protocol):
 
 
 class KVEventRecorder:
-    """A CacheListener (radixkv.cache.radix) for one tree. Runs on the engine's thread, like the
+    """A CacheEvents listener (radixkv.cache.events, `listen`) for one tree's RAM tier. Runs on the engine's thread, like the
     tree; `sink.publish` must not block (the ZMQ publisher only queues).
 
     The events go to whoever can reach the socket, so by default a BlockStored carries hashes
@@ -45,6 +46,18 @@ class KVEventRecorder:
         self.medium = medium
         self.data_parallel_rank = data_parallel_rank
         self._pending: list[KVCacheEvent] = []
+
+    def listen(self, event: CacheEvent) -> None:
+        """Subscribe this to the tree's bus: RAM's stored, evicted and cleared blocks become
+        events; the disk tier's are not published (vLLM's schema has one medium per producer)."""
+        if event.tier != "ram":
+            return
+        if isinstance(event, BlocksStored) and event.node is not None:
+            self.blocks_stored(event.node)
+        elif isinstance(event, BlocksEvicted):
+            self.blocks_removed(event.node)
+        elif isinstance(event, AllCleared):
+            self.all_cleared()
 
     def blocks_stored(self, node: Node) -> None:
         # Copied now: a later split cuts node.hashes and node.tokens in place.

@@ -120,12 +120,12 @@ def test_a_damaged_block_is_a_miss_and_is_deleted(tmp_path: Path, damage, reason
     pool = make_pool()
     tier = make_tier(tmp_path / "kv", pool=pool)
     keys = save_prompt(tier, pool, PROMPT)
-    damage(tier._path(keys[1]))
+    damage(tier.files.block_path(keys[1]))
     restarted = make_tier(tmp_path / "kv", pool=pool)
     payloads = load_prompt(restarted, PROMPT)
     assert payloads == [pool.page_bytes(0)]  # the blocks before it still serve
     assert restarted.stats().rejected == {reason: 1}
-    assert not restarted._path(keys[1]).exists() and keys[1] not in restarted.index
+    assert not restarted.files.block_path(keys[1]).exists() and keys[1] not in restarted.index
 
 
 def test_another_models_block_is_a_miss(tmp_path: Path) -> None:
@@ -152,8 +152,8 @@ def test_tenants_do_not_share_blocks_and_a_misfiled_one_is_refused(tmp_path: Pat
     assert load_prompt(tier, PROMPT, salt=None) == []
     # A file under tenant b's key that holds tenant a's block (a collision, or a copy):
     keys_b = tier.keys(PROMPT, "tenant-b")
-    tier._path(keys_b[0]).parent.mkdir(exist_ok=True)
-    os.replace(tier._path(keys_a[0]), tier._path(keys_b[0]))
+    tier.files.block_path(keys_b[0]).parent.mkdir(exist_ok=True)
+    os.replace(tier.files.block_path(keys_a[0]), tier.files.block_path(keys_b[0]))
     restarted = make_tier(tmp_path / "kv", pool=pool)
     assert load_prompt(restarted, PROMPT, salt="tenant-b") == []
     assert restarted.stats().rejected == {"salt": 1}

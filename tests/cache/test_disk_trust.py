@@ -76,7 +76,7 @@ def test_a_second_tier_on_a_directory_in_use_is_refused_until_the_first_closes(t
 
 def test_a_planted_symlink_is_a_miss_and_its_target_untouched(tmp_path: Path) -> None:
     pool, keys, tier = stored(tmp_path)
-    block = tier._path(keys[0])
+    block = tier.files.block_path(keys[0])
     target = tmp_path / "elsewhere.kvb"
     target.write_bytes(block.read_bytes())  # a valid block: only following the link would serve it
     block.unlink()
@@ -88,7 +88,7 @@ def test_a_planted_symlink_is_a_miss_and_its_target_untouched(tmp_path: Path) ->
 
 def test_a_planted_folder_symlink_is_a_miss(tmp_path: Path) -> None:
     pool, keys, tier = stored(tmp_path)
-    folder = tier._path(keys[0]).parent
+    folder = tier.files.block_path(keys[0]).parent
     copy = tmp_path / "copy"
     folder.rename(copy)
     folder.symlink_to(copy)  # every block under it would be read (and written) there
@@ -98,7 +98,7 @@ def test_a_planted_folder_symlink_is_a_miss(tmp_path: Path) -> None:
 
 def test_an_oversized_block_is_a_miss_read_no_further_than_its_header(tmp_path: Path) -> None:
     pool, keys, tier = stored(tmp_path)
-    block = tier._path(keys[0])
+    block = tier.files.block_path(keys[0])
     with open(block, "r+b") as out:
         out.truncate(256 << 20)  # sparse: huge, but costs no disk
     assert load_prompt(tier, PROMPT) == []
@@ -107,7 +107,7 @@ def test_an_oversized_block_is_a_miss_read_no_further_than_its_header(tmp_path: 
 
 def test_a_planted_pipe_is_a_miss_not_a_hang(tmp_path: Path) -> None:
     pool, keys, tier = stored(tmp_path)
-    block = tier._path(keys[0])
+    block = tier.files.block_path(keys[0])
     block.unlink()
     os.mkfifo(block, 0o600)
     result: list[list[bytes]] = []
@@ -137,15 +137,15 @@ def forge(path: Path) -> None:
 
 def test_a_block_forged_without_the_key_is_a_miss(tmp_path: Path) -> None:
     pool, keys, tier = stored(tmp_path)
-    forge(tier._path(keys[1]))
+    forge(tier.files.block_path(keys[1]))
     payloads = load_prompt(tier, PROMPT)
     assert payloads == [pool.page_bytes(0)]  # never the forged KV
-    assert rejected(tier) == {"mac": 1} and not tier._path(keys[1]).exists()
+    assert rejected(tier) == {"mac": 1} and not tier.files.block_path(keys[1]).exists()
 
 
 def test_a_block_of_an_older_format_is_a_miss(tmp_path: Path) -> None:
     pool, keys, tier = stored(tmp_path)
-    path = tier._path(keys[0])
+    path = tier.files.block_path(keys[0])
     data = bytearray(path.read_bytes())
     data[4:6] = (disk_format.VERSION - 1).to_bytes(2, "little")
     path.write_bytes(bytes(data))
@@ -188,17 +188,17 @@ def test_blocks_queued_for_the_writer_are_bounded_in_bytes(tmp_path: Path) -> No
     more than max_queued_bytes wait unwritten: past it the caller waits for the writer."""
     pool = make_pool()
     tier = open_tier(tmp_path / "kv", pool)
-    tier.max_queued_bytes = pool.page_nbytes  # one block
+    tier.writer.max_queued_bytes = pool.page_nbytes  # one block
     writer_may_go = threading.Event()
-    real_write = tier._write
-    tier._write = lambda key, data: writer_may_go.wait() and real_write(key, data)
+    real_write = tier.files.write_block
+    tier.files.write_block = lambda key, data: writer_may_go.wait() and real_write(key, data)
     keys = tier.keys(PROMPT, None)
     assert tier.save(PROMPT, None, keys, 0, 1, pool.page_bytes, wait=False) == 1  # within the bound
     assert tier.read(PROMPT, None, keys, 0, 1).payloads == [pool.page_bytes(0)]  # from the queue
     second = threading.Thread(target=lambda: tier.save(PROMPT, None, keys, 1, 2, lambda i: pool.page_bytes(1 + i), wait=False))
     second.start()
     second.join(0.5)
-    assert second.is_alive() and tier._pending_bytes <= 3 * pool.page_nbytes  # held: two over the bound
+    assert second.is_alive() and tier.writer.pending_bytes <= 3 * pool.page_nbytes  # held: two over the bound
     writer_may_go.set()
     second.join(30)
     assert not second.is_alive() and tier.counters["write_waits"] == 1

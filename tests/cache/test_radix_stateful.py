@@ -16,7 +16,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from radixkv.cache import BlockHasher, HashFn, Node, OutOfPages, PagePool, RadixTree
+from radixkv.cache import BlockHasher, BlocksEvicted, HashFn, Node, OutOfPages, PagePool, RadixTree
 
 # Shared prefixes plus a tail from a 3-letter alphabet, so prompts overlap at every depth.
 PREFIXES = ((), (0,) * 8, (0, 1, 2, 0, 1, 2, 0, 1), (0, 1, 2, 0, 1, 2, 2, 2, 1, 0, 0, 1), (1, 1, 0, 0), (2,) * 4)
@@ -70,8 +70,8 @@ class CacheMachine(RuleBasedStateMachine):
             clock=lambda: self.now_s,
             eviction_policy=self.eviction_policy,
             protected_fraction=protected_fraction,
-            on_evict=self.evicting,
         )
+        self.tree.events.subscribe(lambda event: isinstance(event, BlocksEvicted) and self.evicting(event.node))
         self.hook_pages: list[int] = []  # pages the eviction hook saw, still cached when it ran
         self.ref_hit: set[Key] = set()  # blocks that served a match since they were cached
         self.ref_retentions: dict[str, list[RefRetention]] = {}  # by owner

@@ -9,7 +9,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from radixkv.cache import BlockHasher, Liveness, Node, PagePool, RadixTree
+from radixkv.cache import BlockHasher, BlocksEvicted, Liveness, Node, PagePool, RadixTree
 from radixkv.engine.kv_manager import KVManager
 from tests.cache.test_radix import run_request, seq
 
@@ -23,7 +23,7 @@ def make_tree(policy: str = "session", num_pages: int = 64) -> RadixTree:
 def evicted_order(tree: RadixTree) -> list[int]:
     """Evict everything; the node ids in the order they went."""
     order: list[int] = []
-    tree.on_evict = lambda node: order.append(node.node_id)
+    tree.events.subscribe(lambda event: isinstance(event, BlocksEvicted) and order.append(event.node.node_id))
     tree.evict(tree.evictable_pages)
     tree.check_invariants()
     return order
@@ -182,10 +182,10 @@ def test_deepest_node_is_pure_and_kv_manager_marks_by_prefix() -> None:
     assert tree.deepest_node(tokens + seq(50, PAGE_SIZE)) is node  # uncached blocks after it
     assert tree.deepest_node(tokens[: 2 * PAGE_SIZE]) is None  # would need a split
     assert (node.last_access, tree.num_nodes, tree.stats().queries) == before
-    assert kv.set_prefix_liveness(tokens + [7], None, Liveness.DEAD, shared_tokens=PAGE_SIZE) == 0  # the node starts at 0
-    assert kv.set_prefix_liveness(tokens + [7], None, Liveness.DEAD) == 1 and node.liveness == Liveness.DEAD
-    assert kv.mark_hot(node) == 1 and node.liveness == Liveness.HOT
-    assert kv.set_prefix_liveness(seq(9000, 8), None, Liveness.DEAD) == 0
+    assert kv.mark(tokens + [7], Liveness.DEAD, below_blocks=1) == 0  # the node starts at 0
+    assert kv.mark(tokens + [7], Liveness.DEAD) == 1 and node.liveness == Liveness.DEAD
+    assert kv.mark(node, Liveness.HOT) == 1 and node.liveness == Liveness.HOT
+    assert kv.mark(seq(9000, 8), Liveness.DEAD) == 0
     tree.check_invariants()
 
 
@@ -206,8 +206,9 @@ class SessionOrderMachine(RuleBasedStateMachine):
         self.clock_s = 0.0
         self.tree = RadixTree(
             PagePool(num_pages, PAGE_SIZE), BlockHasher(PAGE_SIZE, seed=5), eviction_policy="session",
-            clock=lambda: self.clock_s, on_evict=self.evicting,
+            clock=lambda: self.clock_s,
         )
+        self.tree.events.subscribe(lambda event: isinstance(event, BlocksEvicted) and self.evicting(event.node))
         self.prompts: list[list[int]] = []
         self.locked: list[tuple[Node, list[int]]] = []  # (locked node, pages held)
         self.victims: list[Node] = []

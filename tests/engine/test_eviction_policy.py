@@ -42,7 +42,7 @@ def test_a_prefix_marked_dead_goes_first_under_session(tiny_llama: Path, policy:
     llm.generate([older], PARAMS)
     llm.generate([newer], PARAMS)
     kv = llm.engine.kv
-    assert kv.set_prefix_liveness(newer, None, Liveness.DEAD) >= 1
+    assert kv.mark(newer, Liveness.DEAD) >= 1
     llm.generate([burst], PARAMS)  # needs pages only an eviction frees
     kept = {name: kv.peek_prefix(tokens, None).num_cached_tokens for name, tokens in (("older", older), ("newer", newer))}
     if policy == "session":

@@ -58,9 +58,9 @@ def test_a_hit_that_goes_on_on_disk_loads_chunk_by_chunk(tmp_path: Path) -> None
     assert kv.reserve(seq, 13) == Admitted(44, 12, False)
     assert seq.num_cached_tokens == 44 and len(seq.page_table) == 12
     assert kv.disk_stats().hit_blocks == 11
-    kv.tree.check_invariants()
+    kv._tree.check_invariants()
     kv.release(seq)
-    assert kv.pool.num_free + kv.tree.evictable_pages == kv.pool.num_pages
+    assert kv._pool.num_free + kv._tree.evictable_pages == kv._pool.num_pages
     kv.close()
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from radixkv.cache.eviction import Liveness
 from radixkv.cache.radix import Node
 from radixkv.config import EngineConfig
 from radixkv.engine.engine import Engine
@@ -35,16 +36,8 @@ class Signals:
         self.cold: list[Node] = []
         self.hot: list[Node] = []
 
-    def mark_dead(self, node: Node, *, below_blocks: int = 0) -> int:
-        self.dead.append(node)
-        return 1
-
-    def mark_cold(self, node: Node, *, below_blocks: int = 0) -> int:
-        self.cold.append(node)
-        return 1
-
-    def mark_hot(self, node: Node, *, below_blocks: int = 0) -> int:
-        self.hot.append(node)
+    def mark(self, node: Node, liveness: Liveness, *, below_blocks: int = 0) -> int:
+        {Liveness.DEAD: self.dead, Liveness.COLD: self.cold, Liveness.HOT: self.hot}[liveness].append(node)
         return 1
 
 
@@ -222,7 +215,7 @@ def test_resuming_reads_the_disk_blocks_ahead_before_admission(tiny_llama: Path,
     history = turn(engine, prompt(1, 8), ref, max_tokens=1)
     other = turn(engine, prompt(2, 8), None, max_tokens=1)
     engine.flush_cache(ram=True, disk=False)  # both written back to disk, RAM empty
-    loader = engine.kv.loader
+    loader = engine.kv._loader
     assert loader is not None
     resumed = engine.add_request(history + [7, 8, 9], SamplingParams(max_tokens=1), session=ref)
     unnamed = engine.add_request(other + [7, 8, 9], SamplingParams(max_tokens=1))

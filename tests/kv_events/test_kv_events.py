@@ -127,7 +127,8 @@ def test_subscriber_rebuilds_the_tree_and_repairs_injected_gaps(tmp_path):
     subscriber = SchemaSubscriber(endpoint, replay, topic=b"kv@pod-0@tiny", drop_live={3, 10, 11, 40})
     pool = PagePool(24, PAGE)
     recorder = KVEventRecorder(publisher, PAGE, "CPU", token_ids=True)
-    tree = RadixTree(pool, BlockHasher(PAGE, seed=99), listener=recorder)
+    tree = RadixTree(pool, BlockHasher(PAGE, seed=99))
+    tree.events.subscribe(recorder.listen)
     workload = Workload(tree, pool, seed=5)
     try:
         subscribe(publisher, subscriber)
@@ -164,7 +165,8 @@ def first_stored_event(tmp_path: Path, *, token_ids: bool) -> dict:
     sub.connect(endpoint)
     pool = PagePool(8, PAGE)
     recorder = KVEventRecorder(publisher, PAGE, "CPU", token_ids=token_ids)
-    tree = RadixTree(pool, BlockHasher(PAGE, seed=1), listener=recorder)
+    tree = RadixTree(pool, BlockHasher(PAGE, seed=1))
+    tree.events.subscribe(recorder.listen)
     try:
         tokens = list(range(10, 19))  # two full blocks and a partial one
         # Resend until the slow-joining SUB socket gets one (each send is a new seq).
@@ -338,6 +340,7 @@ def test_engine_publishes_what_its_tree_holds(loaded_tiny, tmp_path):
         kv_events_token_ids=True,
     )
     subscriber = SchemaSubscriber(endpoint, replay, topic=b"t")
+    recorder = engine.kv_events
     try:
         subscribe(engine.kv_events.sink, subscriber)
         prompts = shared_prefix_prompts(3, count=12)
@@ -359,7 +362,7 @@ def test_engine_publishes_what_its_tree_holds(loaded_tiny, tmp_path):
     finally:
         subscriber.close()
         engine.stop_kv_events()
-    assert engine.kv_events is None and engine.tree.listener is None
+    assert engine.kv_events is None and recorder.listen not in engine.tree.events
 
 
 def test_kv_event_options_are_checked(loaded_tiny, tmp_path):
