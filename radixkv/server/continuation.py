@@ -1,7 +1,7 @@
 """Stateless exact continuation for chat and Messages: per API key's owner (Tenants.owner) and
 cache partition (salt), a bounded LRU map from a reply's exact text to the ids it was generated
 as, filled when a reply finishes and read when the same text comes back as an assistant message
-(radixkv.continuation splices the ids in). One owner's replies are invisible to, and never
+(radixkv.prompts.continuation splices the ids in). One owner's replies are invisible to, and never
 pushed out by, another's; one partition's are never spliced in another.
 """
 
@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixkv.continuation import DEFAULT_MAX_SPLICED_REPLIES, decodes_to, render_plain, reply_ids, splice_replies
+from radixkv.prompts.continuation import DEFAULT_MAX_SPLICED_REPLIES, decodes_to, render_plain, reply_ids, splice_replies
 from radixkv.engine.request import RequestOutput
 from radixkv.server import tools as tool_layer
 
@@ -145,7 +145,7 @@ def encode_conversation_exact(
     add_generation_prompt: bool = True,
 ) -> list[int]:
     """tools.encode_conversation, with the owner's known replies in partition `salt` spliced
-    back in as their generated ids where that is safe (radixkv.continuation.splice_replies);
+    back in as their generated ids where that is safe (radixkv.prompts.continuation.splice_replies);
     the plain encoding otherwise, and always without a map (continuation off). The plain
     prompt is encoded first: one that leaves the context no room goes back as it is, with no
     reply looked up, for the engine to refuse (where every length is checked)."""
