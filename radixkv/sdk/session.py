@@ -1,6 +1,8 @@
-"""Conversations that branch: a `Session` holds chat messages; `fork(k)` copies it k ways.
+"""Conversations that branch: a `Conversation` holds chat messages; `fork(k)` copies it k ways.
+(`Session` is its deprecated name: "session" means the engine's named, retained conversation
+of a key, engine/sessions.py.)
 
-How forks share memory. A session is only its messages; the KV cache does the sharing. When
+How forks share memory. A conversation is only its messages; the KV cache does the sharing. When
 k forks of a conversation generate together (`generate_all`), their prompts begin with the
 same tokens, so every *full* page of that common prefix is one physical page in the radix
 tree, referenced by each fork's page table (computed once, by the previous turn or by the
@@ -22,7 +24,7 @@ from radixkv.sdk.backends import Backend, GenerationError, Result, as_backend
 from radixkv.sdk.template import Message
 
 
-class Session:
+class Conversation:
     """A conversation on a backend: `user(text)`, then `generate(params)` for the reply.
 
     The reply (a Result: `.text`, token counts, `.num_cached_tokens`) is appended to the
@@ -34,7 +36,7 @@ class Session:
         self.backend: Backend = as_backend(backend)
         if not self.backend.chat:
             raise ValueError(
-                "a Session needs a chat model, and this model has no chat template; "
+                "a Conversation needs a chat model, and this model has no chat template; "
                 "use run_batch with a PromptTemplate (which renders plain text) for base models"
             )
         self._messages: list[Message] = [{"role": "system", "content": system}] if system is not None else []
@@ -44,11 +46,11 @@ class Session:
     def messages(self) -> list[Message]:
         return [dict(m) for m in self._messages]
 
-    def user(self, text: str) -> Session:
+    def user(self, text: str) -> Conversation:
         self._messages.append({"role": "user", "content": text})
         return self
 
-    def assistant(self, text: str) -> Session:
+    def assistant(self, text: str) -> Conversation:
         """Add an assistant turn by hand (replaying a conversation)."""
         self._messages.append({"role": "assistant", "content": text})
         return self
@@ -60,18 +62,18 @@ class Session:
             raise GenerationError(result.error)
         return result
 
-    def fork(self, k: int = 2) -> list[Session]:
-        """k independent sessions with copies of the conversation so far (see the module
+    def fork(self, k: int = 2) -> list[Conversation]:
+        """k independent conversations with copies of the conversation so far (see the module
         docstring for how they share its pages)."""
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"fork needs a positive number of sessions, got {k!r}")
-        return [Session(self.backend, messages=self._messages) for _ in range(k)]
+        return [Conversation(self.backend, messages=self._messages) for _ in range(k)]
 
     def __repr__(self) -> str:
-        return f"Session({len(self._messages)} messages on {type(self.backend).__name__})"
+        return f"Conversation({len(self._messages)} messages on {type(self.backend).__name__})"
 
 
-def generate_all(sessions: Sequence[Session], params: SamplingParams | None = None) -> list[Result]:
+def generate_all(sessions: Sequence[Conversation], params: SamplingParams | None = None) -> list[Result]:
     """Generate the next reply of every session together: one batch in process (so forks share
     their common pages while they run), concurrent requests over HTTP. Each successful reply
     is appended to its session; a failed one is reported on its Result and appends nothing."""
@@ -89,3 +91,8 @@ def generate_all(sessions: Sequence[Session], params: SamplingParams | None = No
         if result.ok:
             session.assistant(result.text)
     return results
+
+
+# The SDK's old name for a Conversation, kept for callers written against it (deprecated): a
+# "session" is the engine's named conversation of a key (engine/sessions.py, SessionRef).
+Session = Conversation

@@ -14,7 +14,8 @@ from radixkv.engine.cache_report import CacheReport
 from radixkv.engine.request import RequestOutput
 from radixkv.errors import InvalidRequest
 from radixkv.server.errors import APIError
-from radixkv.server.tools import Tool, ToolChoice, render_conversation
+from radixkv.prompts.conversation import EncodedConversation, common_prefix, encode_conversation
+from radixkv.server.tools import Tool, ToolChoice, render_conversation, template_input
 
 if TYPE_CHECKING:
     from radixkv.server.state import AppState
@@ -47,31 +48,33 @@ class ChatSource:
     tools: list[Tool]
     tool_choice: ToolChoice
     message_offset: int = 0  # subtracted from an index: a family's own system field is no message of its own
+    encoded: EncodedConversation | None = None  # the encoder's one rendering, where the route kept it
 
 
 def locate(tokenizer: Any, source: ChatSource | None, prompt: Sequence[int], token: int) -> PromptPart:
-    """The part of `prompt` that token index `token` lies in. A chat prompt is rendered again:
-    whole, without its generation prompt, without its tools, and its message prefixes by
-    binary search (a message starts where the rendering of the messages before it stops
-    agreeing with the whole), so O(log messages) renderings of the request's own text."""
+    """The part of `prompt` that token index `token` lies in, read off the conversation as the
+    encoder rendered it once (EncodedConversation: its messages aligned in that text; rendered
+    here when the route kept none). Only a conversation whose messages cannot be aligned is
+    rendered again, its message prefixes by binary search: O(log messages) renderings."""
     if source is None:
         return PromptPart("prompt")
-    full = _render(tokenizer, source, source.messages, generation=True)
-    char = _char_of_token(tokenizer, full, prompt, token)
-    if char >= _common_prefix(_render(tokenizer, source, source.messages, generation=False), full) and token < len(prompt):
-        return PromptPart("generation_prompt")
-    if source.tools:
-        bare = ChatSource(source.messages, [], "none")
-        without = _render(tokenizer, bare, source.messages, generation=True)
-        start = _common_prefix(without, full)
-        end = len(full) - _common_suffix(without, full, start)
-        if start <= char < end:
-            return PromptPart("tools")
-    k = _message_at(tokenizer, source, full, char)
+    encoded = source.encoded if source.encoded is not None else _encode(tokenizer, source)
+    char = encoded.char_of_token(tokenizer, prompt, token)
+    part = encoded.part_at_char(char, at_end=token >= len(prompt))
+    if part is not None and part.kind != "message":
+        return PromptPart(part.kind)
+    k = part.index if part is not None and part.index is not None else _message_at(tokenizer, source, encoded.text, char)
     role = source.messages[k].get("role")
     if role in ("system", "developer"):
         return PromptPart("system", role)
     return PromptPart(f"message[{k - source.message_offset}]", role)
+
+
+def _encode(tokenizer: Any, source: ChatSource) -> EncodedConversation:
+    def render(generation: bool, with_tools: bool) -> str:
+        return render_conversation(tokenizer, source.messages, source.tools if with_tools else [], add_generation_prompt=generation)
+
+    return encode_conversation(tokenizer, template_input(tokenizer, source.messages, source.tools), render=render)
 
 
 def wire(report: CacheReport, part: PromptPart | None) -> dict[str, Any]:
@@ -136,56 +139,16 @@ def _render(tokenizer: Any, source: ChatSource, messages: list[dict[str, Any]], 
     return render_conversation(tokenizer, messages, source.tools, add_generation_prompt=generation)
 
 
-def _char_of_token(tokenizer: Any, text: str, prompt: Sequence[int], token: int) -> int:
-    """Where token `token` of `prompt` (the tokens of `text`) starts in `text`."""
-    if token >= len(prompt):
-        return len(text)
-    try:
-        encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        if list(encoded.input_ids) == list(prompt):
-            return int(encoded["offset_mapping"][token][0])
-    except (NotImplementedError, KeyError, TypeError):
-        pass  # a slow tokenizer has no offsets: decode the tokens before it instead
-    return len(tokenizer.decode(list(prompt[:token])))
-
-
 def _message_at(tokenizer: Any, source: ChatSource, full: str, char: int) -> int:
     """The last message whose rendering starts at or before `char`."""
     low, high = 0, len(source.messages) - 1
     while low < high:
         mid = (low + high + 1) // 2
         try:
-            start = _common_prefix(_render(tokenizer, source, source.messages[:mid], generation=False), full)
+            start = common_prefix(_render(tokenizer, source, source.messages[:mid], generation=False), full)
         except InvalidRequest:
             start = 0  # a template that will not render this prefix alone: taken as before `char`
         if start <= char:
-            low = mid
-        else:
-            high = mid - 1
-    return low
-
-
-def _common_prefix(a: str, b: str) -> int:
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    low, high = 0, n  # the longest equal prefix, by halving (string compares run in C)
-    while low < high:
-        mid = (low + high + 1) // 2
-        if a[:mid] == b[:mid]:
-            low = mid
-        else:
-            high = mid - 1
-    return low
-
-
-def _common_suffix(a: str, b: str, floor: int) -> int:
-    """The longest common suffix, leaving at least `floor` characters of each before it."""
-    n = min(len(a), len(b)) - floor
-    low, high = 0, max(0, n)
-    while low < high:
-        mid = (low + high + 1) // 2
-        if a[len(a) - mid :] == b[len(b) - mid :]:
             low = mid
         else:
             high = mid - 1

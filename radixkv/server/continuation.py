@@ -1,7 +1,7 @@
 """Stateless exact continuation for chat and Messages: per API key's owner (Tenants.owner) and
 cache partition (salt), a bounded LRU map from a reply's exact text to the ids it was generated
 as, filled when a reply finishes and read when the same text comes back as an assistant message
-(radixkv.continuation splices the ids in). One owner's replies are invisible to, and never
+(radixkv.prompts.continuation splices the ids in). One owner's replies are invisible to, and never
 pushed out by, another's; one partition's are never spliced in another.
 """
 
@@ -15,7 +15,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixkv.continuation import DEFAULT_MAX_SPLICED_REPLIES, decodes_to, render_plain, reply_ids, splice_replies
+from radixkv.prompts.continuation import DEFAULT_MAX_SPLICED_REPLIES, Rendered, decodes_to, reply_ids, splice_replies
+from radixkv.prompts.conversation import EncodedConversation, encode_conversation
 from radixkv.engine.request import RequestOutput
 from radixkv.server import tools as tool_layer
 
@@ -143,23 +144,30 @@ def encode_conversation_exact(
     salt: str | None,
     max_context_tokens: int,
     add_generation_prompt: bool = True,
-) -> list[int]:
-    """tools.encode_conversation, with the owner's known replies in partition `salt` spliced
-    back in as their generated ids where that is safe (radixkv.continuation.splice_replies);
-    the plain encoding otherwise, and always without a map (continuation off). The plain
-    prompt is encoded first: one that leaves the context no room goes back as it is, with no
-    reply looked up, for the engine to refuse (where every length is checked)."""
-    if replies is None or not messages:
-        return tool_layer.encode_conversation(tokenizer, messages, tools, tool_choice, add_generation_prompt=add_generation_prompt)
+) -> EncodedConversation:
+    """The conversation rendered once (tools.render_conversation) as an EncodedConversation,
+    with the owner's known replies in partition `salt` spliced back in as their generated ids
+    where that is safe (radixkv.prompts.continuation.splice_replies); the plain encoding
+    otherwise, and always without a map (continuation off). A plain prompt that leaves the
+    context no room goes back as it is, with no reply looked up, for the engine to refuse
+    (where every length is checked)."""
     tool_layer.check_tool_choice(tool_choice, tools)
+    view = tool_layer.template_input(tokenizer, messages, tools)
     normalized = tool_layer.normalize_messages(messages)
+
+    def rerender(generation: bool, with_tools: bool) -> str:
+        return tool_layer.render_conversation(tokenizer, normalized, tools if with_tools else [], add_generation_prompt=generation)
+
+    encoded = encode_conversation(tokenizer, view, add_generation_prompt=add_generation_prompt, render=rerender)
+    if replies is None or len(encoded.plain_ids) >= max_context_tokens:
+        return encoded
 
     def render(ms: list[dict[str, Any]]) -> str:
         return tool_layer.render_conversation(tokenizer, ms, tools, add_generation_prompt=add_generation_prompt)
 
-    plain = render_plain(tokenizer, render, normalized)
-    if len(plain.token_ids) >= max_context_tokens:
-        return plain.token_ids
     lookup = replies.lookup_for(owner, salt)
+    plain = Rendered(encoded.text, encoded.plain_ids)
     spliced = splice_replies(tokenizer, render, normalized, lookup, plain=plain, max_replies=replies.max_spliced_replies)
-    return plain.token_ids if spliced is None else spliced
+    if spliced is not None:
+        encoded.token_ids = spliced
+    return encoded

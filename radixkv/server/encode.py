@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from radixkv.errors import InvalidRequest
 from radixkv.prompts import encode_prompt
+from radixkv.prompts.conversation import EncodedConversation
 from radixkv.server.errors import APIError, engine_error
 from radixkv.server.continuation import encode_conversation_exact
 from radixkv.server.tools import Tool, ToolChoice
@@ -30,7 +31,22 @@ def chat_prompt(
     salt: str | None = None,
 ) -> list[int]:
     """One encoder for chat and pins alike, so a pinned conversation is the prefix of its next
-    turn. With an owner, that owner's earlier replies in the cache partition `salt` (the
+    turn: chat_conversation's token ids."""
+    return chat_conversation(server, conversation, tools, tool_choice, add_generation_prompt=add_generation_prompt, owner=owner, salt=salt).token_ids
+
+
+def chat_conversation(
+    server: AppState,
+    conversation: Sequence[Mapping[str, Any]],
+    tools: list[Tool] | None = None,
+    tool_choice: ToolChoice = "none",
+    *,
+    add_generation_prompt: bool = True,
+    owner: str | None = None,
+    salt: str | None = None,
+) -> EncodedConversation:
+    """The conversation rendered once, knowing where its parts start (for the cache report and
+    breakpoints). With an owner, that owner's earlier replies in the cache partition `salt` (the
     request's Tenants.cache_salt) go back in as the ids they were generated as (exact
     continuation, server.continuation), when the server has it on."""
     replies = server.replies if owner is not None else None

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from radixkv.continuation import DEFAULT_MAX_SPLICED_REPLIES
+from radixkv.prompts.continuation import DEFAULT_MAX_SPLICED_REPLIES
 from radixkv.errors import ConfigError
 
 MIB = 1 << 20

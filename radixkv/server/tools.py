@@ -19,6 +19,7 @@ from typing import Any
 from radixkv.engine.request import JsonGuide
 from radixkv.errors import InvalidRequest
 from radixkv.prompts import render_chat, template_takes_tools, tokenize_rendered
+from radixkv.prompts.conversation import TemplateInput
 
 # "none" | "auto" | "required" | the name of the one function the reply must call.
 ToolChoice = str
@@ -124,13 +125,22 @@ def encode_conversation(
 
 def render_conversation(tokenizer: Any, messages: list[dict], tools: list[Tool], *, add_generation_prompt: bool = True) -> str:
     """The template's text of a conversation with tools: what encode_conversation tokenizes."""
+    view = template_input(tokenizer, messages, tools)
+    return render_chat(tokenizer, view.messages, tools=view.tools, add_generation_prompt=add_generation_prompt)
+
+
+def template_input(tokenizer: Any, messages: list[dict], tools: list[Tool]) -> TemplateInput:
+    """The conversation as the template is given it (normalized; the fallback prompt's for a
+    template that takes no tools), with where each request message begins in it."""
     if not messages:
         raise InvalidRequest("messages must hold at least one message", param="messages")
     normalized = normalize_messages(messages)
+    roles = [m["role"] for m in normalized]
     if template_takes_tools(tokenizer):
         wire_tools = [_wire_tool(t) for t in tools] or None
-        return render_chat(tokenizer, normalized, tools=wire_tools, add_generation_prompt=add_generation_prompt)
-    return render_chat(tokenizer, fallback_messages(normalized, tools), add_generation_prompt=add_generation_prompt)
+        return TemplateInput(normalized, roles, [[(i, 0)] for i in range(len(normalized))], wire_tools)
+    out, origins, tools_at = _fallback(normalized, tools)
+    return TemplateInput(out, roles, origins, None, tools_at)
 
 
 def normalize_messages(messages: list[dict]) -> list[dict]:
@@ -189,27 +199,40 @@ def _wire_tool(tool: Tool) -> dict:
 def fallback_messages(messages: list[dict], tools: Sequence[Tool]) -> list[dict]:
     """The conversation for a template that takes no tools: the tools section joins the system
     prompt (or becomes one), calls and results become text in the documented format."""
+    return _fallback(messages, tools)[0]
+
+
+def _fallback(messages: list[dict], tools: Sequence[Tool]) -> tuple[list[dict], list[list[tuple[int, int]]], tuple[int, int] | None]:
+    """fallback_messages, with TemplateInput's origins (where each request message begins) and
+    where the tools section begins."""
     out: list[dict] = []
-    for message in messages:
+    origins: list[list[tuple[int, int]]] = []
+    for k, message in enumerate(messages):
         if message["role"] == "tool":
             line = f"<tool_response>{_dumps({'tool_call_id': message['tool_call_id'], 'content': message['content']})}</tool_response>"
             if out and out[-1].get("_tool_results"):  # consecutive results: one user turn
+                origins[-1].append((k, len(out[-1]["content"])))
                 out[-1]["content"] += "\n" + line
-            else:
-                out.append({"role": "user", "content": line, "_tool_results": True})
+                continue
+            out.append({"role": "user", "content": line, "_tool_results": True})
         elif message["role"] == "assistant" and message.get("tool_calls"):
             calls = [_call_line(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]]
             out.append({"role": "assistant", "content": "\n".join(([message["content"]] if message["content"] else []) + calls)})
         else:
             out.append({"role": message["role"], "content": message["content"]})
+        origins.append([(k, 0)])
     out = [{"role": m["role"], "content": m["content"]} for m in out]
+    tools_at = None
     if tools:
         section = tools_section(tools)
         if out and out[0]["role"] in ("system", "developer"):
+            tools_at = (0, len(out[0]["content"]))
             out[0] = {"role": out[0]["role"], "content": f"{out[0]['content']}\n\n{section}" if out[0]["content"] else section}
         else:
             out.insert(0, {"role": "system", "content": section})
-    return out
+            origins.insert(0, [])
+            tools_at = (0, 0)
+    return out, origins, tools_at
 
 
 def tools_section(tools: Sequence[Tool]) -> str:

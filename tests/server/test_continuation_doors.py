@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from radixkv.continuation import decode_exact
+from radixkv.prompts.continuation import decode_exact
 from radixkv.engine.request import CompletionOutput, RequestOutput
 from radixkv.server import tools as tool_layer
 from radixkv.server.continuation import ReplyCollector, ReplyMap

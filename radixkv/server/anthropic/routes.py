@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from radixkv.engine.async_engine import EngineStepError, EngineStopped, RequestStream
 from radixkv.engine.request import Keep, RequestOutput, SamplingParams
 from radixkv.errors import InvalidRequest
+from radixkv.prompts.conversation import EncodedConversation
 from radixkv.server import keeps, sampling
 from radixkv.server.anthropic import conversation as conv_mod
 from radixkv.server.anthropic.conversation import Conversation, tool_layer
@@ -71,7 +72,8 @@ async def _messages(server: AppState, request: Request) -> Response:
     raw = await request.body()
     owner = server.tenants.owner(key)  # whose retention cap the breakpoints count against, whose replies splice
     salt = server.tenants.cache_salt(key, None)  # the same partition as the key's OpenAI calls
-    body, conv, prompt, marks, params = await server.parse_slots.run(key, lambda: _prepare(server, raw, owner, salt))
+    body, conv, encoded, marks, params = await server.parse_slots.run(key, lambda: _prepare(server, raw, owner, salt))
+    prompt = encoded.token_ids
     # The X-Radixkv-Session header: Anthropic has no field.
     session = session_ref(request.headers, owner, namespace=server.tenants.session_namespace(salt))
     # The breakpoints are kept by the engine once the prompt is computed, under the owner's cap.
@@ -83,7 +85,7 @@ async def _messages(server: AppState, request: Request) -> Response:
     # The system field is rendered as the conversation's first message; message[k] counts the
     # request's own messages.
     offset = 1 if body.system and conv.messages and conv.messages[0].get("role") == "system" else 0
-    source = ChatSource(conv.messages, conv.tools, conv.tool_choice, message_offset=offset)
+    source = ChatSource(conv.messages, conv.tools, conv.tool_choice, message_offset=offset, encoded=encoded)
     ctx.reporter = CacheReporter(server, key, wanted(body.cache_report, request.headers), [prompt], source)
     if body.stream:
         return SSEResponse(_events(ctx, streams), streams, server.limits.stream_send_timeout_s)
@@ -93,21 +95,21 @@ async def _messages(server: AppState, request: Request) -> Response:
 
 def _prepare(
     server: AppState, raw: bytes, owner: str, salt: str | None
-) -> tuple[MessagesRequest, Conversation, list[int], list[Keep], SamplingParams]:
+) -> tuple[MessagesRequest, Conversation, EncodedConversation, list[Keep], SamplingParams]:
     """The body parsed, templated, tokenized and checked (off the event loop: it may be large)."""
     body = parse_body(MessagesRequest, raw)
     server.check_model(body.model)
     tokenizer = server.engine.tokenizer
     try:
         conv = conv_mod.conversation(body)
-        prompt = encode_conversation_exact(
+        encoded = encode_conversation_exact(
             server.replies, owner, tokenizer, conv.messages, conv.tools, conv.tool_choice,
             salt=salt, max_context_tokens=server.engine.max_context_tokens,
         )  # fmt: skip
-        marks = conv_mod.breakpoints(tokenizer, body, conv, prompt)
+        marks = conv_mod.breakpoints(tokenizer, body, conv, encoded.token_ids)
     except InvalidRequest as error:
         raise engine_error(error, _NAMES) from None
-    return body, conv, prompt, marks, _sampling_params(conv, body)
+    return body, conv, encoded, marks, _sampling_params(conv, body)
 
 
 class _Context:

@@ -10,7 +10,7 @@ import json
 from array import array
 from typing import TYPE_CHECKING, Any
 
-from radixkv.continuation import continue_after, reply_ids
+from radixkv.prompts.continuation import continue_after, reply_ids
 from radixkv.engine.request import RequestOutput
 from radixkv.server import tools as tool_layer
 from radixkv.server.openai import responses_convert as convert

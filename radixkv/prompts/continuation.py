@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from radixkv.errors import InvalidRequest
-from radixkv.prompts import tokenize_rendered
+from radixkv.prompts.encode import tokenize_rendered
 
 Message = Mapping[str, Any]
 Render = Callable[[list[dict[str, Any]]], str]  # messages -> the chat template's text
