@@ -190,7 +190,7 @@ def tenant_secret_for(args: argparse.Namespace, engine: Engine) -> bytes | None:
     restart, or their blocks on disk would be unreachable, so it is kept in an owner-only file
     (--tenant-secret-file, else the radixkv cache folder), never inside the KV directory, whose
     files are not to tell how to compute any key's salt. None (a fresh one per process) without."""
-    from radixkv.server.tenants import default_tenant_secret_path, persistent_secret
+    from radixkv.server.guards.tenants import default_tenant_secret_path, persistent_secret
 
     kv_directory = engine.kv.disk_directory()
     if kv_directory is None:
@@ -203,16 +203,16 @@ def tenant_secret_for(args: argparse.Namespace, engine: Engine) -> bytes | None:
 
 def serve(args: argparse.Namespace) -> int:
     """`radixkv serve`: load the model, start the engine thread, run uvicorn until stopped; on
-    SIGTERM drain first (radixkv.server.drain). 0 when stopped cleanly."""
+    SIGTERM drain first (radixkv.server.guards.drain). 0 when stopped cleanly."""
     import uvicorn
 
     from radixkv.config import EngineConfig
     from radixkv.engine.async_engine import AsyncEngine
     from radixkv.engine.engine import Engine
     from radixkv.server.app import create_app
-    from radixkv.server.drain import DrainingServer
-    from radixkv.server.connections import uvicorn_options
-    from radixkv.server.tenants import ADMIN_KEYS_ENV, load_api_keys
+    from radixkv.server.guards.drain import DrainingServer
+    from radixkv.server.guards.connections import uvicorn_options
+    from radixkv.server.guards.tenants import ADMIN_KEYS_ENV, load_api_keys
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.drain_timeout_s < 0 or (args.threads is not None and args.threads < 1):

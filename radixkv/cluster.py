@@ -26,8 +26,8 @@ import httpx
 
 from radixkv.cluster_sessions import ProxyThread, SessionProxy
 from radixkv.errors import ConfigError
+from radixkv.server.guards.tenants import ADMIN_KEYS_ENV, Tenants, load_api_keys
 from radixkv.server.limits import ServerLimits
-from radixkv.server.tenants import ADMIN_KEYS_ENV, Tenants, load_api_keys
 
 ROUTER_PACKAGE = "sglang_router"
 ROUTER_INSTALL = "pip install 'radixkv[router]'  (or: pip install sglang-router)"
@@ -180,7 +180,7 @@ class LocalCluster:
         return {w["url"] for w in listing.get("workers", []) if w.get("is_healthy")}
 
     def drain_worker(self, index: int, timeout_s: float = 120.0) -> int:
-        """SIGTERM one worker (it drains, radixkv.server.drain) and wait for it to exit; its status."""
+        """SIGTERM one worker (it drains, radixkv.server.guards.drain) and wait for it to exit; its status."""
         worker = self.workers[index]
         worker.process.send_signal(signal.SIGTERM)
         return worker.process.wait(timeout_s)

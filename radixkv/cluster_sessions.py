@@ -1,7 +1,7 @@
 """Sticky sessions for `radixkv cluster`: a request naming a session (the X-Radixkv-Session
 header, or prompt_cache_key in an OpenAI body) goes to the worker that served that session last,
 where its turn is retained; every other request goes through the router. Behind the workers' own
-guards (server/access.py, body_limit.py, connections.py, parse_slots.py), with their limits.
+guards (server/guards/: access.py, body_limit.py, connections.py, parse_slots.py), with their limits.
 """
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ import httpx
 import uvicorn
 
 from radixkv.engine.sessions import MAX_SESSION_KEY_CHARS
-from radixkv.server.access import AccessGuard
-from radixkv.server.body_limit import LimitBody
-from radixkv.server.connections import uvicorn_options
 from radixkv.server.errors import APIError
+from radixkv.server.guards.access import AccessGuard
+from radixkv.server.guards.body_limit import LimitBody
+from radixkv.server.guards.connections import uvicorn_options
+from radixkv.server.guards.parse_slots import ParseSlots
+from radixkv.server.guards.tenants import Tenants
 from radixkv.server.limits import ServerLimits
-from radixkv.server.parse_slots import ParseSlots
 from radixkv.server.sessions import SESSION_HEADER, session_ref
-from radixkv.server.tenants import Tenants
 
 # Bodies that may carry prompt_cache_key (OpenAI's chat, completions and Responses).
 SESSION_BODY_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
@@ -266,7 +266,7 @@ async def _plain(send, status: int, text: bytes) -> None:  # noqa: ANN001 - ASGI
 
 class ProxyThread:
     """A SessionProxy under uvicorn on a thread, on `host:port` (0: a free port), with the
-    workers' connection guards (server/connections.py) under the proxy's limits."""
+    workers' connection guards (server/guards/connections.py) under the proxy's limits."""
 
     def __init__(self, proxy: SessionProxy, host: str = "127.0.0.1", port: int = 0) -> None:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

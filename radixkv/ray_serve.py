@@ -216,7 +216,7 @@ def ingress_app(replicas: Any, api_keys: Sequence[str] | None, limits: ServerLim
     """The ingress's HTTP app: every path forwarded to `replicas`, behind the same guards as
     radixkv's own app (a keyed server refuses a caller without a key before reading its body)."""
     from radixkv.server.app import install_guards
-    from radixkv.server.tenants import Tenants
+    from radixkv.server.guards.tenants import Tenants
 
     app = FastAPI(title="radixkv on Ray Serve", openapi_url=None, docs_url=None, redoc_url=None)
     app.state.replicas = replicas

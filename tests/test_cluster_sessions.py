@@ -16,8 +16,8 @@ import pytest
 
 from radixkv.cluster_sessions import ProxyThread, SessionProxy, StickyMap, owner_of, rendezvous, session_key
 from radixkv.engine.sessions import MAX_SESSION_KEY_CHARS
+from radixkv.server.guards.tenants import Tenants
 from radixkv.server.limits import ServerLimits
-from radixkv.server.tenants import Tenants
 
 
 def stand_in(name: str):

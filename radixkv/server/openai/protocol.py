@@ -15,7 +15,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validat
 
 from radixkv.engine.request import MAX_LOGIT_BIAS_TOKENS, MAX_STOP_TOKEN_IDS, GrammarGuide
 from radixkv.errors import InvalidRequest
-from radixkv.server.request_caps import (
+from radixkv.server.guards.request_caps import (
     CAPS,
     CapExceeded,
     check_arguments,
