@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from radixkv import cluster
+from radixkv.cluster import command as cluster_command
 from radixkv.errors import ConfigError, InvalidRequest
 from radixkv.scenarios import scenario_names
 
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     serving.add_argument("--kv-events-topic", default="", help="topic frame of every KV-event message (default empty)")
 
-    cluster.add_parser(commands)
+    cluster_command.add_parser(commands)
 
     bench = commands.add_parser(
         "bench", help="run a scenario side by side with peers", epilog="scenarios: " + ", ".join(scenario_names())
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         return serve(args)
     if args.command == "cluster":
-        return cluster.run(args)
+        return cluster_command.run(args)
     return _bench(args)
 
 

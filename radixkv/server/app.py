@@ -93,7 +93,7 @@ def create_app(
 def install_guards(app: FastAPI, tenants: Tenants, limits: ServerLimits, quotas: KeyQuotas | None = None) -> None:
     """AccessGuard, then LimitBody: a caller without a valid key is refused before a byte of
     its body is read, and a body is read only up to the size limit and the read deadline.
-    Shared with the Ray Serve ingress (radixkv.ray_serve), which must refuse the same requests."""
+    Shared with the Ray Serve ingress (radixkv.cluster.ray_serve), which must refuse the same requests."""
     # Starlette runs the middleware added last first.
     app.add_middleware(LimitBody, max_body_bytes=limits.max_body_bytes, body_read_timeout_s=limits.body_read_timeout_s)
     app.add_middleware(AccessGuard, tenants=tenants, limits=limits, quotas=quotas)
