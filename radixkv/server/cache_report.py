@@ -14,7 +14,8 @@ from radixkv.engine.cache_report import CacheReport
 from radixkv.engine.request import RequestOutput
 from radixkv.errors import InvalidRequest
 from radixkv.server.errors import APIError
-from radixkv.server.tools import Tool, ToolChoice, render_conversation
+from radixkv.server.tool_prompts import render_conversation
+from radixkv.server.tools import Tool, ToolChoice
 
 if TYPE_CHECKING:
     from radixkv.server.state import AppState
@@ -40,7 +41,7 @@ class PromptPart:
 
 @dataclass(frozen=True, slots=True)
 class ChatSource:
-    """A chat prompt as the encoder rendered it (server/tools.render_conversation), so parts are
+    """A chat prompt as the encoder rendered it (server/tool_prompts.render_conversation), so parts are
     found in the very text its token ids came from."""
 
     messages: list[dict[str, Any]]

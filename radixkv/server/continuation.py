@@ -17,7 +17,8 @@ from typing import Any
 
 from radixkv.continuation import DEFAULT_MAX_SPLICED_REPLIES, decodes_to, render_plain, reply_ids, splice_replies
 from radixkv.engine.request import RequestOutput
-from radixkv.server import tools as tool_layer
+from radixkv.server import tool_prompts
+from radixkv.server.tools import Tool, ToolChoice, check_tool_choice
 
 
 def _key(salt: str | None, text: str) -> bytes:
@@ -137,8 +138,8 @@ def encode_conversation_exact(
     owner: str | None,
     tokenizer: Any,
     messages: list[dict],
-    tools: list[tool_layer.Tool],
-    tool_choice: tool_layer.ToolChoice,
+    tools: list[Tool],
+    tool_choice: ToolChoice,
     *,
     salt: str | None,
     max_context_tokens: int,
@@ -150,12 +151,12 @@ def encode_conversation_exact(
     prompt is encoded first: one that leaves the context no room goes back as it is, with no
     reply looked up, for the engine to refuse (where every length is checked)."""
     if replies is None or not messages:
-        return tool_layer.encode_conversation(tokenizer, messages, tools, tool_choice, add_generation_prompt=add_generation_prompt)
-    tool_layer.check_tool_choice(tool_choice, tools)
-    normalized = tool_layer.normalize_messages(messages)
+        return tool_prompts.encode_conversation(tokenizer, messages, tools, tool_choice, add_generation_prompt=add_generation_prompt)
+    check_tool_choice(tool_choice, tools)
+    normalized = tool_prompts.normalize_messages(messages)
 
     def render(ms: list[dict[str, Any]]) -> str:
-        return tool_layer.render_conversation(tokenizer, ms, tools, add_generation_prompt=add_generation_prompt)
+        return tool_prompts.render_conversation(tokenizer, ms, tools, add_generation_prompt=add_generation_prompt)
 
     plain = render_plain(tokenizer, render, normalized)
     if len(plain.token_ids) >= max_context_tokens:

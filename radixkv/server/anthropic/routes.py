@@ -20,8 +20,9 @@ from radixkv.engine.async_engine import EngineStepError, EngineStopped, RequestS
 from radixkv.engine.request import RequestOutput, SamplingParams
 from radixkv.errors import InvalidRequest
 from radixkv.server import sampling
+from radixkv.server import tools as tool_layer
 from radixkv.server.anthropic import conversation as conv_mod
-from radixkv.server.anthropic.conversation import Breakpoint, Conversation, tool_layer
+from radixkv.server.anthropic.conversation import Breakpoint, Conversation
 from radixkv.server.anthropic.protocol import MessagesRequest
 from radixkv.server.cache_report import CacheReporter, ChatSource, wanted
 from radixkv.server.continuation import ReplyCollector, encode_conversation_exact
