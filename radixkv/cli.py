@@ -64,8 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     serving.add_argument("--max-requests-per-key", type=int, default=None, help="requests one key may have in flight (default 256)")
     serving.add_argument("--max-seqs-per-key", type=int, default=None, help="sequences (n summed) one key may have in flight (default 1024)")
     serving.add_argument("--max-parses-per-key", type=int, default=None, help="request bodies one key may have parsed at once (default 0: a quarter of the threads)")
-    serving.add_argument(
-        "--parse-cpu-share-per-key", type=float, default=None,
+    _per_key_option(
+        serving, "--max-parse-cpu-share-per-key", "--parse-cpu-share-per-key", type=float,
         help="CPU seconds a second one key's request parsing may spend past a 2 s burst (default 0.25; 0: no share)",
     )
     serving.add_argument("--max-pinned-pages-per-key", type=int, default=None, help="KV pages one key's pins may lock (default: a quarter of the page pool)")
@@ -101,8 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     serving.add_argument("--kv-disk-dir", default=None, help="keep evicted KV blocks (and all of them at exit) in this directory; a restart finds them")
     serving.add_argument("--kv-disk-bytes", type=int, default=16 << 30, help="byte budget of --kv-disk-dir (default 16 GiB)")
     serving.add_argument("--kv-disk-prefetch-bytes", type=int, default=None, help="disk-hit bytes read ahead and not yet used, at most (default 256 MiB)")
-    serving.add_argument(
-        "--kv-disk-retained-bytes-per-owner", type=int, default=None, help="retained bytes one key may keep on disk (default 4 GiB)"
+    _per_key_option(
+        serving, "--max-kv-disk-retained-bytes-per-key", "--kv-disk-retained-bytes-per-owner", type=int,
+        dest="kv_disk_retained_bytes_per_owner", help="retained bytes one key may keep on disk (default 4 GiB)",
     )
     serving.add_argument(
         "--tenant-secret-file", default=None,
@@ -151,6 +152,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "cluster":
         return cluster_command.run(args)
     return _bench(args)
+
+
+def _per_key_option(parser: argparse.ArgumentParser, name: str, *old_names: str, dest: str | None = None, **options: object) -> None:
+    """A cap per API key, spelled `--max-<what>-per-key` as every other one; its earlier
+    spellings stay accepted, hidden from --help, so scripts written for them keep working."""
+    dest = dest or name.removeprefix("--max-").replace("-", "_")
+    parser.add_argument(name, dest=dest, default=None, metavar=name.removeprefix("--").replace("-", "_").upper(), **options)
+    if old_names:
+        hidden = {key: value for key, value in options.items() if key != "help"}
+        parser.add_argument(*old_names, dest=dest, default=None, help=argparse.SUPPRESS, **hidden)
 
 
 def _generate(args: argparse.Namespace) -> int:

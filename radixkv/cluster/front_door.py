@@ -309,8 +309,9 @@ def front_door_guards(worker_args: list[str], host: str) -> tuple[Tenants, Serve
         parser.add_argument(option, default=None)
     for option in ("--max-body-bytes", "--max-connections", "--max-requests-per-key", "--max-parses-per-key"):
         parser.add_argument(option, type=int, default=None)
-    for option in ("--header-read-timeout-s", "--body-read-timeout-s", "--parse-cpu-share-per-key"):
+    for option in ("--header-read-timeout-s", "--body-read-timeout-s"):
         parser.add_argument(option, type=float, default=None)
+    parser.add_argument("--max-parse-cpu-share-per-key", "--parse-cpu-share-per-key", type=float, default=None, dest="parse_cpu_share_per_key")
     parser.add_argument("--public-operator-endpoints", "--public-metrics", action="store_true", dest="public_operator_endpoints")
     try:
         args, _ = parser.parse_known_args(worker_args)

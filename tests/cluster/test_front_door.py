@@ -263,3 +263,9 @@ def test_the_front_door_takes_the_workers_keys_and_limits() -> None:
     assert not tenants.auth_required and limits.allowed_hosts == ("*",)  # as a keyless worker on that host
     with pytest.raises(ValueError, match="max-body-bytes"):  # a ConfigError, as `radixkv cluster` reports one
         front_door_guards(["--max-body-bytes", "lots"], "127.0.0.1")
+
+
+def test_the_front_door_reads_both_spellings_of_the_parse_share() -> None:
+    for flag in ("--max-parse-cpu-share-per-key", "--parse-cpu-share-per-key"):
+        _, limits = front_door_guards([flag, "0.5"], "127.0.0.1")
+        assert limits.parse_cpu_share_per_key == 0.5
