@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from radixkv import cluster
+from radixkv.cluster import command as cluster_command
 from radixkv.errors import ConfigError, InvalidRequest
 from radixkv.scenarios import scenario_names
 
@@ -64,8 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     serving.add_argument("--max-requests-per-key", type=int, default=None, help="requests one key may have in flight (default 256)")
     serving.add_argument("--max-seqs-per-key", type=int, default=None, help="sequences (n summed) one key may have in flight (default 1024)")
     serving.add_argument("--max-parses-per-key", type=int, default=None, help="request bodies one key may have parsed at once (default 0: a quarter of the threads)")
-    serving.add_argument(
-        "--parse-cpu-share-per-key", type=float, default=None,
+    _per_key_option(
+        serving, "--max-parse-cpu-share-per-key", "--parse-cpu-share-per-key", type=float,
         help="CPU seconds a second one key's request parsing may spend past a 2 s burst (default 0.25; 0: no share)",
     )
     serving.add_argument("--max-pinned-pages-per-key", type=int, default=None, help="KV pages one key's pins may lock (default: a quarter of the page pool)")
@@ -101,8 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     serving.add_argument("--kv-disk-dir", default=None, help="keep evicted KV blocks (and all of them at exit) in this directory; a restart finds them")
     serving.add_argument("--kv-disk-bytes", type=int, default=16 << 30, help="byte budget of --kv-disk-dir (default 16 GiB)")
     serving.add_argument("--kv-disk-prefetch-bytes", type=int, default=None, help="disk-hit bytes read ahead and not yet used, at most (default 256 MiB)")
-    serving.add_argument(
-        "--kv-disk-retained-bytes-per-owner", type=int, default=None, help="retained bytes one key may keep on disk (default 4 GiB)"
+    _per_key_option(
+        serving, "--max-kv-disk-retained-bytes-per-key", "--kv-disk-retained-bytes-per-owner", type=int,
+        dest="kv_disk_retained_bytes_per_owner", help="retained bytes one key may keep on disk (default 4 GiB)",
     )
     serving.add_argument(
         "--tenant-secret-file", default=None,
@@ -135,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     serving.add_argument("--kv-events-topic", default="", help="topic frame of every KV-event message (default empty)")
 
-    cluster.add_parser(commands)
+    cluster_command.add_parser(commands)
 
     bench = commands.add_parser(
         "bench", help="run a scenario side by side with peers", epilog="scenarios: " + ", ".join(scenario_names())
@@ -149,8 +150,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         return serve(args)
     if args.command == "cluster":
-        return cluster.run(args)
+        return cluster_command.run(args)
     return _bench(args)
+
+
+def _per_key_option(parser: argparse.ArgumentParser, name: str, *old_names: str, dest: str | None = None, **options: object) -> None:
+    """A cap per API key, spelled `--max-<what>-per-key` as every other one; its earlier
+    spellings stay accepted, hidden from --help, so scripts written for them keep working."""
+    dest = dest or name.removeprefix("--max-").replace("-", "_")
+    parser.add_argument(name, dest=dest, default=None, metavar=name.removeprefix("--").replace("-", "_").upper(), **options)
+    if old_names:
+        hidden = {key: value for key, value in options.items() if key != "help"}
+        parser.add_argument(*old_names, dest=dest, default=None, help=argparse.SUPPRESS, **hidden)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -190,7 +201,7 @@ def tenant_secret_for(args: argparse.Namespace, engine: Engine) -> bytes | None:
     restart, or their blocks on disk would be unreachable, so it is kept in an owner-only file
     (--tenant-secret-file, else the radixkv cache folder), never inside the KV directory, whose
     files are not to tell how to compute any key's salt. None (a fresh one per process) without."""
-    from radixkv.server.tenants import default_tenant_secret_path, persistent_secret
+    from radixkv.server.guards.tenants import default_tenant_secret_path, persistent_secret
 
     kv_directory = engine.kv.disk_directory()
     if kv_directory is None:
@@ -203,16 +214,16 @@ def tenant_secret_for(args: argparse.Namespace, engine: Engine) -> bytes | None:
 
 def serve(args: argparse.Namespace) -> int:
     """`radixkv serve`: load the model, start the engine thread, run uvicorn until stopped; on
-    SIGTERM drain first (radixkv.server.drain). 0 when stopped cleanly."""
+    SIGTERM drain first (radixkv.server.guards.drain). 0 when stopped cleanly."""
     import uvicorn
 
     from radixkv.config import EngineConfig
     from radixkv.engine.async_engine import AsyncEngine
     from radixkv.engine.engine import Engine
     from radixkv.server.app import create_app
-    from radixkv.server.drain import DrainingServer
-    from radixkv.server.connections import uvicorn_options
-    from radixkv.server.tenants import ADMIN_KEYS_ENV, load_api_keys
+    from radixkv.server.guards.drain import DrainingServer
+    from radixkv.server.guards.connections import uvicorn_options
+    from radixkv.server.guards.tenants import ADMIN_KEYS_ENV, load_api_keys
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.drain_timeout_s < 0 or (args.threads is not None and args.threads < 1):

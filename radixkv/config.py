@@ -183,7 +183,7 @@ class EngineConfig:
     # refused (InvalidRequest, param response_format): its text in bytes, its JSON nesting, its
     # compile (on a compile thread, never the engine's) and its first token mask, the proxy
     # for the mask every later step of the request pays. A schema refused as slow is remembered.
-    max_guide_schema_bytes: int = 128 << 10  # as the server's request cap (server/request_caps.py)
+    max_guide_schema_bytes: int = 128 << 10  # as the server's request cap (server/guards/request_caps.py)
     max_guide_schema_depth: int = 64
     guide_compile_timeout_s: float = 10.0
     guide_mask_timeout_s: float = 0.25

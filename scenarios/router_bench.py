@@ -30,7 +30,7 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from radixkv.cluster import ROUTER_INSTALL, LocalCluster, router_installed
+from radixkv.cluster.workers import ROUTER_INSTALL, LocalCluster, router_installed
 from radixkv.scenarios.harness import load_tokenizer, text_tokens
 from radixkv.scenarios.plots import pyplot, save
 

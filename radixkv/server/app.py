@@ -13,10 +13,8 @@ from fastapi import FastAPI
 
 from radixkv.engine.async_engine import AsyncEngine
 from radixkv.server import ops_routes, worker_routes
-from radixkv.server.access import AccessGuard
 from radixkv.server.anthropic import routes as anthropic_routes
 from radixkv.server.anthropic.protocol import MessagesRequest
-from radixkv.server.body_limit import LimitBody
 from radixkv.server.cache import routes as cache_routes
 from radixkv.server.cache import session_routes
 from radixkv.server.cache.protocol import (
@@ -24,8 +22,12 @@ from radixkv.server.cache.protocol import (
     CacheLookupRequest,
     PinRequest,
 )
-from radixkv.server.drain import DrainCollector, DrainGuard
 from radixkv.server.errors import install_error_handlers
+from radixkv.server.guards.access import AccessGuard
+from radixkv.server.guards.body_limit import LimitBody
+from radixkv.server.guards.drain import DrainCollector, DrainGuard
+from radixkv.server.guards.quotas import KeyQuotas
+from radixkv.server.guards.tenants import Tenants
 from radixkv.server.limits import ServerLimits
 from radixkv.server.metrics import CountRequests, KVEventsCollector, ServerMetrics
 from radixkv.server.openai import responses_routes
@@ -33,9 +35,7 @@ from radixkv.server.openai import routes as openai_routes
 from radixkv.server.openai.protocol import ChatCompletionRequest, CompletionRequest
 from radixkv.server.openai.responses_protocol import ResponsesRequest
 from radixkv.server.openapi import document_request_bodies
-from radixkv.server.quotas import KeyQuotas
 from radixkv.server.state import AppState
-from radixkv.server.tenants import Tenants
 
 
 def create_app(
@@ -93,7 +93,7 @@ def create_app(
 def install_guards(app: FastAPI, tenants: Tenants, limits: ServerLimits, quotas: KeyQuotas | None = None) -> None:
     """AccessGuard, then LimitBody: a caller without a valid key is refused before a byte of
     its body is read, and a body is read only up to the size limit and the read deadline.
-    Shared with the Ray Serve ingress (radixkv.ray_serve), which must refuse the same requests."""
+    Shared with the Ray Serve ingress (radixkv.cluster.ray_serve), which must refuse the same requests."""
     # Starlette runs the middleware added last first.
     app.add_middleware(LimitBody, max_body_bytes=limits.max_body_bytes, body_read_timeout_s=limits.body_read_timeout_s)
     app.add_middleware(AccessGuard, tenants=tenants, limits=limits, quotas=quotas)

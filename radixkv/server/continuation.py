@@ -18,7 +18,8 @@ from typing import Any
 from radixkv.prompts.continuation import DEFAULT_MAX_SPLICED_REPLIES, Rendered, decodes_to, reply_ids, splice_replies
 from radixkv.prompts.conversation import EncodedConversation, encode_conversation
 from radixkv.engine.request import RequestOutput
-from radixkv.server import tools as tool_layer
+from radixkv.server import tool_prompts
+from radixkv.server.tools import Tool, ToolChoice, check_tool_choice
 
 
 def _key(salt: str | None, text: str) -> bytes:
@@ -138,32 +139,32 @@ def encode_conversation_exact(
     owner: str | None,
     tokenizer: Any,
     messages: list[dict],
-    tools: list[tool_layer.Tool],
-    tool_choice: tool_layer.ToolChoice,
+    tools: list[Tool],
+    tool_choice: ToolChoice,
     *,
     salt: str | None,
     max_context_tokens: int,
     add_generation_prompt: bool = True,
 ) -> EncodedConversation:
-    """The conversation rendered once (tools.render_conversation) as an EncodedConversation,
-    with the owner's known replies in partition `salt` spliced back in as their generated ids
-    where that is safe (radixkv.prompts.continuation.splice_replies); the plain encoding
-    otherwise, and always without a map (continuation off). A plain prompt that leaves the
-    context no room goes back as it is, with no reply looked up, for the engine to refuse
-    (where every length is checked)."""
-    tool_layer.check_tool_choice(tool_choice, tools)
-    view = tool_layer.template_input(tokenizer, messages, tools)
-    normalized = tool_layer.normalize_messages(messages)
+    """The conversation rendered once (tool_prompts.render_conversation) as an
+    EncodedConversation, with the owner's known replies in partition `salt` spliced back in as
+    their generated ids where that is safe (radixkv.prompts.continuation.splice_replies); the
+    plain encoding otherwise, and always without a map (continuation off). A plain prompt that
+    leaves the context no room goes back as it is, with no reply looked up, for the engine to
+    refuse (where every length is checked)."""
+    check_tool_choice(tool_choice, tools)
+    view = tool_prompts.template_input(tokenizer, messages, tools)
+    normalized = tool_prompts.normalize_messages(messages)
 
     def rerender(generation: bool, with_tools: bool) -> str:
-        return tool_layer.render_conversation(tokenizer, normalized, tools if with_tools else [], add_generation_prompt=generation)
+        return tool_prompts.render_conversation(tokenizer, normalized, tools if with_tools else [], add_generation_prompt=generation)
 
     encoded = encode_conversation(tokenizer, view, add_generation_prompt=add_generation_prompt, render=rerender)
     if replies is None or len(encoded.plain_ids) >= max_context_tokens:
         return encoded
 
     def render(ms: list[dict[str, Any]]) -> str:
-        return tool_layer.render_conversation(tokenizer, ms, tools, add_generation_prompt=add_generation_prompt)
+        return tool_prompts.render_conversation(tokenizer, ms, tools, add_generation_prompt=add_generation_prompt)
 
     lookup = replies.lookup_for(owner, salt)
     plain = Rendered(encoded.text, encoded.plain_ids)

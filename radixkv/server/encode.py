@@ -1,7 +1,7 @@
 """Prompts to token ids through radixkv.prompts (the encoder LLM and the SDK use), for every
-API family: a conversation of chat messages (with its tools, through radixkv.server.tools) and
-completion prompts (text or token ids, one or a batch); a caller's earlier replies spliced back
-in as their generated ids (server.continuation).
+API family: a conversation of chat messages (with its tools, through
+radixkv.server.tool_prompts) and completion prompts (text or token ids, one or a batch); a
+caller's earlier replies spliced back in as their generated ids (server.continuation).
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any
 from radixkv.errors import InvalidRequest
 from radixkv.prompts import encode_prompt
 from radixkv.prompts.conversation import EncodedConversation
-from radixkv.server.errors import APIError, engine_error
 from radixkv.server.continuation import encode_conversation_exact
+from radixkv.server.errors import APIError, engine_error
 from radixkv.server.tools import Tool, ToolChoice
 
 if TYPE_CHECKING:

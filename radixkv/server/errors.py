@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from radixkv.engine.async_engine import EngineStepError, EngineStopped
 from radixkv.errors import InvalidRequest, OwnerCapExceeded, QueueFull
-from radixkv.server.request_caps import CapExceeded
+from radixkv.server.guards.request_caps import CapExceeded
 
 logger = logging.getLogger("radixkv.server")
 

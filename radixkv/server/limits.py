@@ -1,7 +1,7 @@
 """ServerLimits: the HTTP server's own protective knobs (body size, connections and read
 deadlines, slow readers, per-key fair share, parsing threads, pin ttl, stored responses,
 exact continuation, cross-site checks, operator endpoints), one validated dataclass with every default and unit.
-What one request body may carry is radixkv.server.request_caps.
+What one request body may carry is radixkv.server.guards.request_caps.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ class ServerLimits:
     # refuses other Host headers so a DNS-rebound name cannot reach it from a browser.
     allowed_hosts: tuple[str, ...] = ()
     # Connections open at once (idle keep-alive ones included); past it a new connection is
-    # answered 503 and closed (radixkv.server.connections).
+    # answered 503 and closed (radixkv.server.guards.connections).
     max_connections: int = 1024
     # A request's headers must arrive within this long of its connection opening (or of the
     # previous response's end), its body within body_read_timeout_s of the headers; else 408

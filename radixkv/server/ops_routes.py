@@ -1,6 +1,6 @@
 """The operator's endpoints: /health (is the engine serving: its thread alive, its steps
 succeeding, none stuck, the server not draining) and /metrics (Prometheus). /health never asks
-for an API key; /metrics does when keys are set (radixkv.server.access), unless
+for an API key; /metrics does when keys are set (radixkv.server.guards.access), unless
 ServerLimits.public_operator_endpoints.
 """
 

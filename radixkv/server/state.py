@@ -9,14 +9,14 @@ from dataclasses import dataclass, field
 
 from radixkv.engine.async_engine import AsyncEngine
 from radixkv.server.continuation import ReplyMap
-from radixkv.server.drain import Drain
 from radixkv.server.errors import APIError
+from radixkv.server.guards.drain import Drain
 from radixkv.server.limits import ServerLimits
 from radixkv.server.metrics import ServerMetrics
 import time
-from radixkv.server.parse_slots import ParseSlots
-from radixkv.server.quotas import KeyQuotas
-from radixkv.server.tenants import Tenants
+from radixkv.server.guards.parse_slots import ParseSlots
+from radixkv.server.guards.quotas import KeyQuotas
+from radixkv.server.guards.tenants import Tenants
 
 
 @dataclass(slots=True)

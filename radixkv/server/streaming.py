@@ -37,9 +37,9 @@ from radixkv.server.errors import (
     ClientGone,
     engine_error,
 )
+from radixkv.server.guards.parse_slots import ParseSlots
+from radixkv.server.guards.quotas import KeyQuotas, Lease
 from radixkv.server.metrics import RequestTracker, ServerMetrics
-from radixkv.server.parse_slots import ParseSlots
-from radixkv.server.quotas import KeyQuotas, Lease
 
 T = TypeVar("T")
 logger = logging.getLogger("radixkv.server")

@@ -1,6 +1,6 @@
 """ServerThread: an app under uvicorn in a background thread, on a loopback socket bound before
 it starts (so there is no port race), with the connection guards of the app's ServerLimits
-(radixkv.server.connections); used by the tests, the load test and anyone embedding.
+(radixkv.server.guards.connections); used by the tests, the load test and anyone embedding.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import time
 
 import uvicorn
 
-from radixkv.server.connections import uvicorn_options
+from radixkv.server.guards.connections import uvicorn_options
 from radixkv.server.limits import ServerLimits
 
 

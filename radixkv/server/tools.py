@@ -1,11 +1,7 @@
-"""Function tools for every API the server speaks: their definitions, how a conversation with
-tools becomes prompt tokens (the model's chat template, or the fallback prompt below), the JSON
-guide that makes forced calls parse, and how a reply (whole or streamed) splits into text and calls.
-
-The fallback, for chat templates that take no `tools`: a system-prompt section lists each
-function as one JSON line {"name", "description", "parameters"} and asks for one line
-`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` per call. Earlier assistant calls are
-rendered in that same form, and tool results as a user turn of `<tool_response>` lines.
+"""Function tools for every API the server speaks: their definitions and the choice, the JSON
+guide that makes forced calls parse, and how a reply (whole or streamed) splits into text and
+calls, in the one call format the fallback prompt asks for (`<tool_call>` lines, or bare JSON).
+How a conversation with tools becomes a prompt is server/tool_prompts.py.
 """
 
 from __future__ import annotations
@@ -18,8 +14,6 @@ from typing import Any
 
 from radixkv.engine.request import JsonGuide
 from radixkv.errors import InvalidRequest
-from radixkv.prompts import render_chat, template_takes_tools, tokenize_rendered
-from radixkv.prompts.conversation import TemplateInput
 
 # "none" | "auto" | "required" | the name of the one function the reply must call.
 ToolChoice = str
@@ -106,152 +100,6 @@ def check_tool_choice(choice: ToolChoice, tools: Sequence[Tool], param: str = "t
         raise InvalidRequest(f"{param} names the function {choice!r}, which is not among the tools", param=param)
 
 
-# -- prompts --------------------------------------------------------------------------------
-
-
-def encode_conversation(
-    tokenizer: Any,
-    messages: list[dict],
-    tools: list[Tool],
-    tool_choice: ToolChoice,
-    *,
-    add_generation_prompt: bool = True,
-) -> list[int]:
-    """Prompt token ids of a conversation with tools. Tools are offered even with "none" so that
-    the prompt prefix (system + tools) stays the same, and cached, whatever the choice."""
-    check_tool_choice(tool_choice, tools)
-    return tokenize_rendered(tokenizer, render_conversation(tokenizer, messages, tools, add_generation_prompt=add_generation_prompt))
-
-
-def render_conversation(tokenizer: Any, messages: list[dict], tools: list[Tool], *, add_generation_prompt: bool = True) -> str:
-    """The template's text of a conversation with tools: what encode_conversation tokenizes."""
-    view = template_input(tokenizer, messages, tools)
-    return render_chat(tokenizer, view.messages, tools=view.tools, add_generation_prompt=add_generation_prompt)
-
-
-def template_input(tokenizer: Any, messages: list[dict], tools: list[Tool]) -> TemplateInput:
-    """The conversation as the template is given it (normalized; the fallback prompt's for a
-    template that takes no tools), with where each request message begins in it."""
-    if not messages:
-        raise InvalidRequest("messages must hold at least one message", param="messages")
-    normalized = normalize_messages(messages)
-    roles = [m["role"] for m in normalized]
-    if template_takes_tools(tokenizer):
-        wire_tools = [_wire_tool(t) for t in tools] or None
-        return TemplateInput(normalized, roles, [[(i, 0)] for i in range(len(normalized))], wire_tools)
-    out, origins, tools_at = _fallback(normalized, tools)
-    return TemplateInput(out, roles, origins, None, tools_at)
-
-
-def normalize_messages(messages: list[dict]) -> list[dict]:
-    """Messages as templates print them: content as text, tool calls as plain dicts."""
-    return [_normalize(m, i) for i, m in enumerate(messages)]
-
-
-def _normalize(message: Mapping[str, Any], index: int) -> dict:
-    """Content as text (templates print it as a string); tool calls as plain dicts."""
-    if not isinstance(message, Mapping):
-        raise InvalidRequest(f"messages[{index}] must be an object", param="messages")
-    role = message.get("role")
-    if role not in ("system", "developer", "user", "assistant", "tool"):
-        raise InvalidRequest(f"messages[{index}].role {role!r} is not a known role", param="messages")
-    out: dict[str, Any] = {"role": role, "content": _text(message.get("content"), index)}
-    if role == "assistant" and message.get("tool_calls"):
-        out["tool_calls"] = [_history_call(c, index) for c in message["tool_calls"]]
-    if role == "tool":
-        out["tool_call_id"] = str(message.get("tool_call_id") or "")
-        if message.get("name"):
-            out["name"] = str(message["name"])
-    return out
-
-
-def _text(content: Any, index: int) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(str(p.get("text", "")) if isinstance(p, Mapping) else str(p) for p in content)
-    raise InvalidRequest(f"messages[{index}].content must be a string or a list of text parts", param="messages")
-
-
-def _history_call(raw: Any, index: int) -> dict:
-    spec = raw.get("function", raw) if isinstance(raw, Mapping) else None
-    if not isinstance(spec, Mapping) or not isinstance(spec.get("name"), str):
-        raise InvalidRequest(f"messages[{index}].tool_calls: every call needs a function name", param="messages")
-    return {"id": str(raw.get("id") or ""), "type": "function", "function": {"name": spec["name"], "arguments": _args_object(spec.get("arguments"))}}
-
-
-def _args_object(arguments: Any) -> Any:
-    """Arguments as a JSON value: templates (and the fallback) print them with tojson."""
-    if isinstance(arguments, str):
-        if not arguments.strip():
-            return {}
-        value = _loads(arguments)
-        return arguments if value is _MALFORMED else value  # a model's malformed call, replayed as it was
-    return {} if arguments is None else arguments
-
-
-def _wire_tool(tool: Tool) -> dict:
-    return {"type": "function", "function": {"name": tool.name, "description": tool.description, "parameters": tool.parameters}}
-
-
-def fallback_messages(messages: list[dict], tools: Sequence[Tool]) -> list[dict]:
-    """The conversation for a template that takes no tools: the tools section joins the system
-    prompt (or becomes one), calls and results become text in the documented format."""
-    return _fallback(messages, tools)[0]
-
-
-def _fallback(messages: list[dict], tools: Sequence[Tool]) -> tuple[list[dict], list[list[tuple[int, int]]], tuple[int, int] | None]:
-    """fallback_messages, with TemplateInput's origins (where each request message begins) and
-    where the tools section begins."""
-    out: list[dict] = []
-    origins: list[list[tuple[int, int]]] = []
-    for k, message in enumerate(messages):
-        if message["role"] == "tool":
-            line = f"<tool_response>{_dumps({'tool_call_id': message['tool_call_id'], 'content': message['content']})}</tool_response>"
-            if out and out[-1].get("_tool_results"):  # consecutive results: one user turn
-                origins[-1].append((k, len(out[-1]["content"])))
-                out[-1]["content"] += "\n" + line
-                continue
-            out.append({"role": "user", "content": line, "_tool_results": True})
-        elif message["role"] == "assistant" and message.get("tool_calls"):
-            calls = [_call_line(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]]
-            out.append({"role": "assistant", "content": "\n".join(([message["content"]] if message["content"] else []) + calls)})
-        else:
-            out.append({"role": message["role"], "content": message["content"]})
-        origins.append([(k, 0)])
-    out = [{"role": m["role"], "content": m["content"]} for m in out]
-    tools_at = None
-    if tools:
-        section = tools_section(tools)
-        if out and out[0]["role"] in ("system", "developer"):
-            tools_at = (0, len(out[0]["content"]))
-            out[0] = {"role": out[0]["role"], "content": f"{out[0]['content']}\n\n{section}" if out[0]["content"] else section}
-        else:
-            out.insert(0, {"role": "system", "content": section})
-            origins.insert(0, [])
-            tools_at = (0, 0)
-    return out, origins, tools_at
-
-
-def tools_section(tools: Sequence[Tool]) -> str:
-    lines = [_dumps({"name": t.name, "description": t.description, "parameters": t.parameters}) for t in tools]
-    return (
-        "# Tools\nYou may call these functions:\n"
-        + "\n".join(lines)
-        + f'\nTo call one, reply with one line per call:\n{CALL_OPEN}{{"name": <name>, "arguments": <JSON object>}}{CALL_CLOSE}'
-    )
-
-
-def _call_line(name: str, arguments: Any) -> str:
-    return f"{CALL_OPEN}{_dumps({'name': name, 'arguments': arguments})}{CALL_CLOSE}"
-
-
-def _dumps(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False)
-
-
 # -- guides ---------------------------------------------------------------------------------
 
 
@@ -310,8 +158,8 @@ def _bare_calls(text: str, names: set[str]) -> list[ToolCall] | None:
     stripped = text.strip()
     if not stripped or stripped[0] not in "{[":
         return None
-    value = _loads(stripped)
-    if value is _MALFORMED:
+    value = loads_json(stripped)
+    if value is MALFORMED:
         return None
     items = value if isinstance(value, list) else [value]
     calls = [_call_of(item, names) for item in items]
@@ -367,7 +215,7 @@ def _call_of(value: Any, names: set[str]) -> ToolCall | None:
         return None
     arguments = value.get("arguments", value.get("parameters", {}))
     if isinstance(arguments, str):
-        arguments = _loads(arguments)
+        arguments = loads_json(arguments)
     if not isinstance(arguments, dict):
         return None
     try:
@@ -378,20 +226,20 @@ def _call_of(value: Any, names: set[str]) -> ToolCall | None:
 
 
 def _parse_call(body: str, names: set[str]) -> ToolCall | None:
-    value = _loads(body)
-    return None if value is _MALFORMED else _call_of(value, names)
+    value = loads_json(body)
+    return None if value is MALFORMED else _call_of(value, names)
 
 
-_MALFORMED = object()
+MALFORMED = object()
 
 
-def _loads(text: str) -> Any:
-    """JSON text as a value, or _MALFORMED: a model may write anything, nesting deeper than
+def loads_json(text: str) -> Any:
+    """JSON text as a value, or MALFORMED: a model may write anything, nesting deeper than
     json's recursion takes included (RecursionError), and that is content, not a server error."""
     try:
         return json.loads(text)
     except (json.JSONDecodeError, RecursionError):
-        return _MALFORMED
+        return MALFORMED
 
 
 def _tagged_calls(text: str, names: set[str]) -> tuple[str, list[ToolCall]]:

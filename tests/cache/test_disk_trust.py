@@ -15,7 +15,7 @@ import xxhash
 from radixkv.cache import disk_format
 from radixkv.cache.disk import REJECTED_REASONS, DiskTier
 from radixkv.errors import ConfigError
-from radixkv.server.tenants import persistent_secret
+from radixkv.server.guards.tenants import persistent_secret
 from tests.cache.test_disk import FINGERPRINT, PROMPT, PS, file_size_limit, load_prompt, make_pool, save_prompt
 
 

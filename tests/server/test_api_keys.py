@@ -4,7 +4,7 @@ shows), and the SDK's HTTP backend not sending OPENAI_API_KEY to arbitrary URLs 
 from __future__ import annotations
 
 from radixkv.sdk import HTTPBackend
-from radixkv.server.tenants import ADMIN_KEYS_ENV, API_KEYS_ENV, load_api_keys
+from radixkv.server.guards.tenants import ADMIN_KEYS_ENV, API_KEYS_ENV, load_api_keys
 
 
 def test_keys_come_from_the_command_line_a_file_and_the_environment(tmp_path):

@@ -14,8 +14,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from radixkv.server.app import install_guards
+from radixkv.server.guards.tenants import Tenants
 from radixkv.server.limits import ServerLimits
-from radixkv.server.tenants import Tenants
 from radixkv.server.thread import ServerThread
 from tests.helpers.live_server import KEY_A, make_async_engine, serve
 

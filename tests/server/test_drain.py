@@ -1,4 +1,4 @@
-"""Graceful drain (radixkv.server.drain): while draining, new work gets 503 and /health says so;
+"""Graceful drain (radixkv.server.guards.drain): while draining, new work gets 503 and /health says so;
 in-flight requests finish, or are aborted at the deadline; every page comes back; and a real
 `radixkv serve` drains on SIGTERM with a stream in flight and exits 0."""
 
@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from radixkv.server.drain import DrainReport, drain_engine
+from radixkv.server.guards.drain import DrainReport, drain_engine
 from tests.helpers.engine import wait_until
 from tests.helpers.live_server import KEY_A, MODEL, LiveServer, make_async_engine, metric_values, serve
 from tests.server.test_serve import REPO, free_port

@@ -1,4 +1,4 @@
-"""Parsing runs on worker threads a few per key (radixkv.server.parse_slots): a key holding
+"""Parsing runs on worker threads a few per key (radixkv.server.guards.parse_slots): a key holding
 every parse it may have in flight leaves the other threads to the other keys, its further
 parses wait without a thread, and past the waiting bound it gets 429 with Retry-After."""
 
@@ -12,8 +12,8 @@ import anyio
 import pytest
 
 from radixkv.server.errors import APIError
+from radixkv.server.guards.parse_slots import ParseSlots
 from radixkv.server.limits import ServerLimits
-from radixkv.server.parse_slots import ParseSlots
 
 
 class Blocker:

@@ -1,4 +1,4 @@
-"""What one request may carry (radixkv.server.request_caps): every part past its cap is a 400
+"""What one request may carry (radixkv.server.guards.request_caps): every part past its cap is a 400
 naming the part and the cap, in the shape of the API called, before the body is rendered or
 tokenized; deeply nested arguments and out-of-range token ids are 400s too, never a 500."""
 
@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from radixkv.server.anthropic import conversation as conv_mod
 from radixkv.server import tools as tool_layer
+from radixkv.server.anthropic import conversation as conv_mod
 from radixkv.server.anthropic.protocol import MessagesRequest
-from radixkv.server.request_caps import CAPS, json_depth_exceeds
+from radixkv.server.guards.request_caps import CAPS, json_depth_exceeds
 from tests.helpers.live_server import MODEL, LiveServer
 from tests.helpers.tiny_models import CHAT_TEMPLATE, tiny_tokenizer
 

@@ -152,6 +152,35 @@ def test_serve_passes_the_continuation_and_eviction_options(capsys, monkeypatch)
     assert [limit.exact_continuation for limit in limits] == [False, True]
 
 
+def test_every_cap_per_key_is_spelled_max_what_per_key_and_the_old_spellings_still_work(capsys, monkeypatch):
+    import re
+
+    from radixkv import cli
+    from radixkv.cli import main
+    from radixkv.errors import ConfigError
+
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    shown = set(re.findall(r"--[a-z0-9-]+", capsys.readouterr().out))
+    per_key = {flag for flag in shown if "per-key" in flag or "per-owner" in flag}
+    assert per_key and all(re.fullmatch(r"--max-[a-z0-9-]+-per-key", flag) for flag in per_key), per_key
+    assert not shown & {"--parse-cpu-share-per-key", "--kv-disk-retained-bytes-per-owner"}  # hidden aliases
+    limits, server_limits = [], cli._server_limits
+
+    def spy(args, **options):
+        limits.append(server_limits(args, **options))
+        raise ConfigError("stop here", param="test")
+
+    monkeypatch.setattr(cli, "_server_limits", spy)
+    for flag in ("--max-parse-cpu-share-per-key", "--parse-cpu-share-per-key"):
+        assert main(["serve", "--model", "/nonexistent", "--port", "1", flag, "0.5"]) == 2
+    assert [limit.parse_cpu_share_per_key for limit in limits] == [0.5, 0.5]
+    monkeypatch.undo()
+    for flag in ("--max-kv-disk-retained-bytes-per-key", "--kv-disk-retained-bytes-per-owner"):
+        assert main(["serve", "--model", "/nonexistent", flag, "0", "--port", "1"]) == 2
+        assert "kv_disk_retained_bytes_per_owner" in capsys.readouterr().err
+
+
 def test_serve_passes_the_session_options_to_the_engine(capsys):
     from radixkv.cli import main
 

@@ -12,7 +12,7 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-from radixkv.server.parse_slots import ParseSlots
+from radixkv.server.guards.parse_slots import ParseSlots
 from tests.helpers.live_server import KEY_A, KEY_B, MODEL
 
 PERSON = {

@@ -1,5 +1,6 @@
-"""radixkv.server.tools without a server: tool definitions and choices, the prompt through a
-template that takes tools and through the fallback, guides, and replies whole and streamed."""
+"""radixkv.server.tools and radixkv.server.tool_prompts without a server: tool definitions and
+choices, the prompt through a template that takes tools and through the fallback, guides, and
+replies whole and streamed."""
 
 from __future__ import annotations
 
@@ -12,18 +13,16 @@ from hypothesis import strategies as st
 
 from radixkv.errors import InvalidRequest
 from radixkv.prompts import template_takes_tools
+from radixkv.server.tool_prompts import encode_conversation, fallback_messages, tools_section
 from radixkv.server.tools import (
     CALL_CLOSE,
     CALL_OPEN,
     Tool,
     ToolCallStream,
-    encode_conversation,
-    fallback_messages,
     guide_for,
     parse_reply,
     tool_choice_from_openai,
     tools_from_openai,
-    tools_section,
 )
 from tests.helpers.tiny_models import CHAT_TEMPLATE, tiny_tokenizer
 

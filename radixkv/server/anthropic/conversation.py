@@ -11,8 +11,7 @@ from typing import Any
 
 from radixkv.engine.request import Keep
 from radixkv.errors import InvalidRequest
-from radixkv.server import tools as tool_layer
-from radixkv.server import keeps
+from radixkv.server import keeps, tool_prompts
 from radixkv.server.keeps import common_prefix
 from radixkv.server.anthropic.protocol import (
     CacheControl,
@@ -21,12 +20,13 @@ from radixkv.server.anthropic.protocol import (
     ToolResultBlock,
     ToolUseBlock,
 )
+from radixkv.server.tools import Tool
 
 
 @dataclass(frozen=True, slots=True)
 class Conversation:
     messages: list[dict[str, Any]]  # transformers' chat format
-    tools: list[tool_layer.Tool]
+    tools: list[Tool]
     tool_choice: str  # tools' ToolChoice: "none" | "auto" | "required" | a tool name
     parallel_tool_calls: bool
 
@@ -38,7 +38,7 @@ def conversation(body: MessagesRequest) -> Conversation:
 
 
 def encode(tokenizer: Any, conv: Conversation, *, add_generation_prompt: bool = True) -> list[int]:
-    return tool_layer.encode_conversation(
+    return tool_prompts.encode_conversation(
         tokenizer, conv.messages, conv.tools, conv.tool_choice, add_generation_prompt=add_generation_prompt
     )
 
@@ -128,7 +128,7 @@ def _tools(body: MessagesRequest) -> list[Any]:
     names = [t.name for t in body.tools]
     if len(set(names)) != len(names):
         raise InvalidRequest("tools: tool names must be unique", param="tools")
-    return [tool_layer.Tool(name=t.name, description=t.description, parameters=t.input_schema) for t in body.tools]
+    return [Tool(name=t.name, description=t.description, parameters=t.input_schema) for t in body.tools]
 
 
 def _tool_choice(body: MessagesRequest, tools: list[Any]) -> tuple[str, bool]:

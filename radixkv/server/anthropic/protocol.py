@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
-from radixkv.server.request_caps import (
+from radixkv.server.guards.request_caps import (
     CAPS,
     CapExceeded,
     check_arguments,

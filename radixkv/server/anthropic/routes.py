@@ -21,8 +21,9 @@ from radixkv.engine.request import Keep, RequestOutput, SamplingParams
 from radixkv.errors import InvalidRequest
 from radixkv.prompts.conversation import EncodedConversation
 from radixkv.server import keeps, sampling
+from radixkv.server import tools as tool_layer
 from radixkv.server.anthropic import conversation as conv_mod
-from radixkv.server.anthropic.conversation import Conversation, tool_layer
+from radixkv.server.anthropic.conversation import Conversation
 from radixkv.server.anthropic.protocol import MessagesRequest
 from radixkv.server.cache_report import CacheReporter, ChatSource, wanted
 from radixkv.server.continuation import ReplyCollector, encode_conversation_exact

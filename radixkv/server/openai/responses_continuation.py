@@ -12,10 +12,11 @@ from typing import TYPE_CHECKING, Any
 
 from radixkv.prompts.continuation import continue_after, reply_ids
 from radixkv.engine.request import RequestOutput
-from radixkv.server import tools as tool_layer
+from radixkv.server import tool_prompts
 from radixkv.server.openai import responses_convert as convert
 from radixkv.server.openai.responses_protocol import ResponsesRequest
 from radixkv.server.openai.responses_store import ResponseStore, TurnIds
+from radixkv.server.tools import Tool
 
 if TYPE_CHECKING:
     from radixkv.server.state import AppState
@@ -32,7 +33,7 @@ def context_key(body: ResponsesRequest) -> str:
 
 def continued_prompt(
     server: AppState, store: ResponseStore, body: ResponsesRequest, owner: str, history: list[Message],
-    messages: list[Message], tools: list[tool_layer.Tool],
+    messages: list[Message], tools: list[Tool],
 ) -> list[int] | None:  # fmt: skip
     """The prompt continuing from the previous turn's stored ids, or None (continuation off, no
     ids stored, other instructions or tools, a reply that was not plain text): re-render then."""
@@ -42,11 +43,11 @@ def continued_prompt(
     if ids is None or ids.context_key != context_key(body):
         return None
     tokenizer = server.engine.tokenizer
-    prompt_messages = tool_layer.normalize_messages(convert.prompt_messages(body, messages))
+    prompt_messages = tool_prompts.normalize_messages(convert.prompt_messages(body, messages))
     reply_index = len(convert.prompt_messages(body, history)) - 1
 
     def render(ms: list[Message]) -> str:
-        return tool_layer.render_conversation(tokenizer, ms, tools)
+        return tool_prompts.render_conversation(tokenizer, ms, tools)
 
     return continue_after(tokenizer, render, prompt_messages, reply_index, ids.token_ids, ids.num_reply_tokens)
 

@@ -1,6 +1,6 @@
 """Between the Responses API and chat messages: input items (and a stored conversation) into
-the chat messages tools.encode_conversation takes, function tools and text.format into tools.py's
-terms and a JsonGuide, and a finished reply into output items and back into messages.
+the chat messages tool_prompts.encode_conversation takes, function tools and text.format into
+tools.py's terms and a JsonGuide, and a finished reply into output items and back into messages.
 """
 
 from __future__ import annotations

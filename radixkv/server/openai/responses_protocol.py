@@ -12,13 +12,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
-from radixkv.server.openai.protocol import PromptCacheOptions
-from radixkv.server.request_caps import (
+from radixkv.server.guards.request_caps import (
     CAPS,
     check_arguments,
     check_schema_or_none,
     max_items,
 )
+from radixkv.server.openai.protocol import PromptCacheOptions
 
 
 class _Lenient(BaseModel):

@@ -19,7 +19,7 @@ from radixkv.engine.async_engine import EngineStepError, EngineStopped, RequestS
 from radixkv.engine.request import Keep, RequestOutput, SamplingParams
 from radixkv.errors import InvalidRequest
 from radixkv.server import sampling
-from radixkv.server import tools as tool_layer
+from radixkv.server import tool_prompts
 from radixkv.server.cache_report import CacheReporter, ChatSource, wanted
 from radixkv.server.errors import (
     WireNames,
@@ -29,6 +29,7 @@ from radixkv.server.errors import (
 )
 from radixkv.server.openai import responses_continuation as continuation
 from radixkv.server.openai import responses_convert as convert
+from radixkv.server.openai import prompt_cache
 from radixkv.server.openai.responses_events import ResponseEvents
 from radixkv.server.openai.responses_protocol import (
     IncompleteDetails,
@@ -40,7 +41,6 @@ from radixkv.server.openai.responses_protocol import (
     response_usage,
 )
 from radixkv.server.openai.responses_store import ResponseStore, conversation_bytes
-from radixkv.server.openai import prompt_cache
 from radixkv.server.sessions import session_ref
 from radixkv.server.streaming import (
     SSEResponse,
@@ -49,6 +49,7 @@ from radixkv.server.streaming import (
     submit,
     until_disconnect,
 )
+from radixkv.server.tools import Tool, ToolCall, ToolCallStream, check_tool_choice
 
 if TYPE_CHECKING:
     from radixkv.server.state import AppState
@@ -63,7 +64,7 @@ class _Turn:
     body: ResponsesRequest
     owner: str  # Tenants.owner: whose store it reads and is kept in
     messages: list[Message]  # the conversation so far, without instructions
-    tools: list[tool_layer.Tool]
+    tools: list[Tool]
     choice: str
     params: SamplingParams
     names: WireNames
@@ -150,10 +151,10 @@ def _prepare(server: AppState, store: ResponseStore, body: ResponsesRequest, own
     guide, guide_param = convert.guide(body, tools, choice)
     names = sampling.responses_names(guide_param)
     try:
-        tool_layer.check_tool_choice(choice, tools)
+        check_tool_choice(choice, tools)
         prompt = continuation.continued_prompt(server, store, body, owner, history, messages, tools)
         if prompt is None:
-            prompt = tool_layer.encode_conversation(server.engine.tokenizer, convert.prompt_messages(body, messages), tools, choice)
+            prompt = tool_prompts.encode_conversation(server.engine.tokenizer, convert.prompt_messages(body, messages), tools, choice)
     except InvalidRequest as error:
         raise engine_error(error, names) from None
     params = sampling.responses_params(body, names, guide)
@@ -220,7 +221,7 @@ async def _events(
     """The streamed response: text passes through as the engine decodes it, except what may
     still become a tool call (ToolCallStream holds that back until it parses)."""
     events = ResponseEvents(_skeleton(server, turn.body))
-    splitter = tool_layer.ToolCallStream(turn.tools, turn.choice) if convert.calls_possible(turn.tools, turn.choice) else None
+    splitter = ToolCallStream(turn.tools, turn.choice) if convert.calls_possible(turn.tools, turn.choice) else None
     final: RequestOutput | None = None
     try:
         for event in events.start():
@@ -251,7 +252,7 @@ async def _events(
         yield events.error(error if isinstance(error, APIError) else engine_error(error))
 
 
-def _pieces(events: ResponseEvents, splitter: tool_layer.ToolCallStream | None, text: str) -> list[str]:
+def _pieces(events: ResponseEvents, splitter: ToolCallStream | None, text: str) -> list[str]:
     if not text:
         return []
     if splitter is None:
@@ -259,7 +260,7 @@ def _pieces(events: ResponseEvents, splitter: tool_layer.ToolCallStream | None, 
     return _emit(events, *splitter.feed(text))
 
 
-def _emit(events: ResponseEvents, content: str, calls: list[tool_layer.ToolCall]) -> list[str]:
+def _emit(events: ResponseEvents, content: str, calls: list[ToolCall]) -> list[str]:
     out = events.text(content)
     for call in calls:
         out += events.call(call)

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from radixkv.server.app import create_app
-from radixkv.server.tenants import persistent_secret
+from radixkv.server.guards.tenants import persistent_secret
 from radixkv.server.thread import ServerThread
 from tests.helpers.engine import VOCAB
 from tests.helpers.live_server import KEY_A, KEY_B, MODEL, LiveServer, make_async_engine, metric_values

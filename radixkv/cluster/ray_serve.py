@@ -13,7 +13,7 @@ read, then the body's size and read deadline), so it buffers nothing for a calle
 would refuse.
 
     from ray import serve
-    from radixkv.ray_serve import build_app
+    from radixkv.cluster.ray_serve import build_app
     serve.run(build_app({"model": "/models/llama"}, num_replicas=2), route_prefix="/")
 """
 
@@ -35,7 +35,7 @@ try:
     from ray.serve.config import RequestRouterConfig
     from ray.serve.handle import DeploymentHandle
 except ImportError as error:  # pragma: no cover - the extra is not installed
-    raise ImportError("radixkv.ray_serve needs Ray Serve: pip install 'radixkv[ray]'") from error
+    raise ImportError("radixkv.cluster.ray_serve needs Ray Serve: pip install 'radixkv[ray]'") from error
 
 from radixkv.server.limits import ServerLimits
 
@@ -216,7 +216,7 @@ def ingress_app(replicas: Any, api_keys: Sequence[str] | None, limits: ServerLim
     """The ingress's HTTP app: every path forwarded to `replicas`, behind the same guards as
     radixkv's own app (a keyed server refuses a caller without a key before reading its body)."""
     from radixkv.server.app import install_guards
-    from radixkv.server.tenants import Tenants
+    from radixkv.server.guards.tenants import Tenants
 
     app = FastAPI(title="radixkv on Ray Serve", openapi_url=None, docs_url=None, redoc_url=None)
     app.state.replicas = replicas

@@ -20,9 +20,9 @@ import openai  # noqa: E402
 import ray  # noqa: E402
 from ray import serve  # noqa: E402
 
-from radixkv.ray_serve import ForwardedRequest, build_app, routing_text  # noqa: E402
+from radixkv.cluster.ray_serve import ForwardedRequest, build_app, routing_text  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MODEL = "tiny"
 
 

@@ -1,4 +1,4 @@
-"""The cluster's sticky-session front door (radixkv/cluster_sessions.py) over stand-in workers
+"""The cluster's sticky-session front door (radixkv/cluster/front_door.py) over stand-in workers
 and router that say who answered: a session goes to the worker that served it last, keyed by
 (owner, key), the map is bounded, a worker that is gone hands its sessions on, and everything
 else goes through the router. The front door refuses what a worker would, as early (counted in
@@ -14,10 +14,18 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from radixkv.cluster_sessions import ProxyThread, SessionProxy, StickyMap, owner_of, rendezvous, session_key
+from radixkv.cluster.front_door import (
+    ProxyThread,
+    SessionProxy,
+    StickyMap,
+    front_door_guards,
+    owner_of,
+    rendezvous,
+    session_key,
+)
 from radixkv.engine.sessions import MAX_SESSION_KEY_CHARS
+from radixkv.server.guards.tenants import Tenants
 from radixkv.server.limits import ServerLimits
-from radixkv.server.tenants import Tenants
 
 
 def stand_in(name: str):
@@ -248,8 +256,6 @@ def test_the_sticky_map_is_bounded_per_owner_and_keeps_digests() -> None:
 
 
 def test_the_front_door_takes_the_workers_keys_and_limits() -> None:
-    from radixkv.cluster import front_door_guards  # radixkv.cluster is the CLI's: the router's options with it
-
     tenants, limits = front_door_guards(["--api-key", "sk-x", "--max-body-bytes=4096", "--body-read-timeout-s", "3", "--threads", "2"], "127.0.0.1")
     assert tenants.auth_required and (limits.max_body_bytes, limits.body_read_timeout_s) == (4096, 3.0)
     assert not limits.public_operator_endpoints  # the workers' are opened for the router, not the front door's
@@ -257,3 +263,9 @@ def test_the_front_door_takes_the_workers_keys_and_limits() -> None:
     assert not tenants.auth_required and limits.allowed_hosts == ("*",)  # as a keyless worker on that host
     with pytest.raises(ValueError, match="max-body-bytes"):  # a ConfigError, as `radixkv cluster` reports one
         front_door_guards(["--max-body-bytes", "lots"], "127.0.0.1")
+
+
+def test_the_front_door_reads_both_spellings_of_the_parse_share() -> None:
+    for flag in ("--max-parse-cpu-share-per-key", "--parse-cpu-share-per-key"):
+        _, limits = front_door_guards([flag, "0.5"], "127.0.0.1")
+        assert limits.parse_cpu_share_per_key == 0.5

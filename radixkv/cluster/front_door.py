@@ -1,12 +1,16 @@
-"""Sticky sessions for `radixkv cluster`: a request naming a session (the X-Radixkv-Session
-header, or prompt_cache_key in an OpenAI body) goes to the worker that served that session last,
-where its turn is retained; every other request goes through the router. Behind the workers' own
-guards (server/access.py, body_limit.py, connections.py, parse_slots.py), with their limits.
+"""The cluster's front door, sticky sessions for `radixkv cluster`: a request naming a session
+(the X-Radixkv-Session header, or prompt_cache_key in an OpenAI body) goes to the worker that
+served that session last, where its turn is retained; every other request goes through the
+router. Behind the workers' own guards (server/guards/: access.py, body_limit.py,
+connections.py, parse_slots.py), with their limits (`front_door_guards`, read from the workers'
+options).
 """
 
 from __future__ import annotations
 
+import argparse
 import hashlib
+import ipaddress
 import json
 import socket
 import threading
@@ -18,14 +22,15 @@ import httpx
 import uvicorn
 
 from radixkv.engine.sessions import MAX_SESSION_KEY_CHARS
-from radixkv.server.access import AccessGuard
-from radixkv.server.body_limit import LimitBody
-from radixkv.server.connections import uvicorn_options
+from radixkv.errors import ConfigError
 from radixkv.server.errors import APIError
+from radixkv.server.guards.access import AccessGuard
+from radixkv.server.guards.body_limit import LimitBody
+from radixkv.server.guards.connections import uvicorn_options
+from radixkv.server.guards.parse_slots import ParseSlots
+from radixkv.server.guards.tenants import ADMIN_KEYS_ENV, Tenants, load_api_keys
 from radixkv.server.limits import ServerLimits
-from radixkv.server.parse_slots import ParseSlots
 from radixkv.server.sessions import SESSION_HEADER, session_ref
-from radixkv.server.tenants import Tenants
 
 # Bodies that may carry prompt_cache_key (OpenAI's chat, completions and Responses).
 SESSION_BODY_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
@@ -266,7 +271,7 @@ async def _plain(send, status: int, text: bytes) -> None:  # noqa: ANN001 - ASGI
 
 class ProxyThread:
     """A SessionProxy under uvicorn on a thread, on `host:port` (0: a free port), with the
-    workers' connection guards (server/connections.py) under the proxy's limits."""
+    workers' connection guards (server/guards/connections.py) under the proxy's limits."""
 
     def __init__(self, proxy: SessionProxy, host: str = "127.0.0.1", port: int = 0) -> None:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -293,3 +298,39 @@ class ProxyThread:
         self.thread.join(15)
         self.sock.close()
 
+
+def front_door_guards(worker_args: list[str], host: str) -> tuple[Tenants, ServerLimits]:
+    """The keys and limits the workers get from `worker_args` (and the environment, as they
+    do), for the front door: it refuses what they would, before reading or parsing a body."""
+    parser = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+    for option in ("--api-key", "--admin-key", "--allowed-origin"):
+        parser.add_argument(option, action="append", default=None)
+    for option in ("--api-key-file", "--admin-key-file"):
+        parser.add_argument(option, default=None)
+    for option in ("--max-body-bytes", "--max-connections", "--max-requests-per-key", "--max-parses-per-key"):
+        parser.add_argument(option, type=int, default=None)
+    for option in ("--header-read-timeout-s", "--body-read-timeout-s"):
+        parser.add_argument(option, type=float, default=None)
+    parser.add_argument("--max-parse-cpu-share-per-key", "--parse-cpu-share-per-key", type=float, default=None, dest="parse_cpu_share_per_key")
+    parser.add_argument("--public-operator-endpoints", "--public-metrics", action="store_true", dest="public_operator_endpoints")
+    try:
+        args, _ = parser.parse_known_args(worker_args)
+    except argparse.ArgumentError as error:
+        raise ConfigError(f"worker option {error}", param=error.argument_name) from None
+    api_keys = load_api_keys(args.api_key, args.api_key_file)
+    admin_keys = load_api_keys(args.admin_key, args.admin_key_file, env_name=ADMIN_KEYS_ENV)
+    given = {name: value for name, value in vars(args).items() if value is not None and name.startswith(("max_", "header_", "body_", "parse_"))}
+    keyless_remote = not api_keys and not admin_keys and not _is_loopback(host)
+    limits = ServerLimits(
+        allowed_origins=tuple(args.allowed_origin or ()), allowed_hosts=("*",) if keyless_remote else (),
+        public_operator_endpoints=args.public_operator_endpoints, **given,
+    )  # fmt: skip
+    return Tenants(api_keys, admin_keys=admin_keys), limits
+
+
+def _is_loopback(host: str) -> bool:
+    """As `radixkv serve` judges its own --host: served beyond loopback without a key, any Host name."""
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

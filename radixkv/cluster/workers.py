@@ -1,16 +1,13 @@
-"""`radixkv cluster`: N `radixkv serve` workers behind one sglang-router on this machine, to try
-prefix-aware routing out; `LocalCluster` starts and stops them (the CLI, tests and
-scenarios/router_bench.py share it). With sticky sessions a front door (cluster_sessions.py)
-sends a session's requests to the worker that served it last, under the workers' keys and
-limits (`front_door_guards`). Stopping stops the front door and the router, then drains every
-worker.
+"""N `radixkv serve` workers behind one sglang-router on this machine, to try prefix-aware
+routing out: `LocalCluster` starts and stops them (`radixkv cluster` in command.py, the tests and
+scenarios/router_bench.py share it). With sticky sessions a front door (front_door.py) sends a
+session's requests to the worker that served it last, under the workers' keys and limits
+(`front_door_guards`). Stopping stops the front door and the router, then drains every worker.
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
-import ipaddress
 import os
 import signal
 import socket
@@ -24,10 +21,7 @@ from typing import IO
 
 import httpx
 
-from radixkv.cluster_sessions import ProxyThread, SessionProxy
-from radixkv.errors import ConfigError
-from radixkv.server.limits import ServerLimits
-from radixkv.server.tenants import ADMIN_KEYS_ENV, Tenants, load_api_keys
+from radixkv.cluster.front_door import ProxyThread, SessionProxy, front_door_guards
 
 ROUTER_PACKAGE = "sglang_router"
 ROUTER_INSTALL = "pip install 'radixkv[router]'  (or: pip install sglang-router)"
@@ -180,7 +174,7 @@ class LocalCluster:
         return {w["url"] for w in listing.get("workers", []) if w.get("is_healthy")}
 
     def drain_worker(self, index: int, timeout_s: float = 120.0) -> int:
-        """SIGTERM one worker (it drains, radixkv.server.drain) and wait for it to exit; its status."""
+        """SIGTERM one worker (it drains, radixkv.server.guards.drain) and wait for it to exit; its status."""
         worker = self.workers[index]
         worker.process.send_signal(signal.SIGTERM)
         return worker.process.wait(timeout_s)
@@ -253,42 +247,6 @@ def _free_ports(host: str, count: int) -> list[int]:
             sock.close()
 
 
-def front_door_guards(worker_args: list[str], host: str) -> tuple[Tenants, ServerLimits]:
-    """The keys and limits the workers get from `worker_args` (and the environment, as they
-    do), for the front door: it refuses what they would, before reading or parsing a body."""
-    parser = argparse.ArgumentParser(add_help=False, exit_on_error=False)
-    for option in ("--api-key", "--admin-key", "--allowed-origin"):
-        parser.add_argument(option, action="append", default=None)
-    for option in ("--api-key-file", "--admin-key-file"):
-        parser.add_argument(option, default=None)
-    for option in ("--max-body-bytes", "--max-connections", "--max-requests-per-key", "--max-parses-per-key"):
-        parser.add_argument(option, type=int, default=None)
-    for option in ("--header-read-timeout-s", "--body-read-timeout-s", "--parse-cpu-share-per-key"):
-        parser.add_argument(option, type=float, default=None)
-    parser.add_argument("--public-operator-endpoints", "--public-metrics", action="store_true", dest="public_operator_endpoints")
-    try:
-        args, _ = parser.parse_known_args(worker_args)
-    except argparse.ArgumentError as error:
-        raise ConfigError(f"worker option {error}", param=error.argument_name) from None
-    api_keys = load_api_keys(args.api_key, args.api_key_file)
-    admin_keys = load_api_keys(args.admin_key, args.admin_key_file, env_name=ADMIN_KEYS_ENV)
-    given = {name: value for name, value in vars(args).items() if value is not None and name.startswith(("max_", "header_", "body_", "parse_"))}
-    keyless_remote = not api_keys and not admin_keys and not _is_loopback(host)
-    limits = ServerLimits(
-        allowed_origins=tuple(args.allowed_origin or ()), allowed_hosts=("*",) if keyless_remote else (),
-        public_operator_endpoints=args.public_operator_endpoints, **given,
-    )  # fmt: skip
-    return Tenants(api_keys, admin_keys=admin_keys), limits
-
-
-def _is_loopback(host: str) -> bool:
-    """As `radixkv serve` judges its own --host: served beyond loopback without a key, any Host name."""
-    try:
-        return host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 _KEY_OPTIONS = ("--api-key", "--api-key-file", "--admin-key", "--admin-key-file")
 _KEY_ENVS = ("RADIXKV_API_KEYS", "RADIXKV_ADMIN_KEYS")
 _OPEN_OPTIONS = ("--public-operator-endpoints", "--public-metrics")
@@ -303,82 +261,3 @@ def _open_operator_endpoints_if_keyed(worker_args: list[str]) -> list[str]:
     if keyed and not any(arg in _OPEN_OPTIONS for arg in worker_args):
         return [*worker_args, "--public-operator-endpoints"]
     return worker_args
-
-
-# -- the command ---------------------------------------------------------------------------------
-
-
-def add_parser(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser(
-        "cluster", help="start N workers behind sglang-router on this machine (to try routing out)",
-        description="Start N `radixkv serve` workers and sglang-router (the `router` extra) in front of them, on "
-        "this machine. Ctrl-C or SIGTERM stops the router, then drains the workers.",
-        epilog="Options after -- go to every worker's `radixkv serve`.",
-    )
-    parser.add_argument("--workers", type=int, default=2, help="how many `radixkv serve` workers (default 2)")
-    parser.add_argument("--model", default=None, help="HF folder or .gguf file; default SmolLM2-135M-Instruct")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000, help="the router's port; workers take the next ones (default 8000)")
-    parser.add_argument("--policy", choices=POLICIES, default="cache_aware", help="the router's policy (default cache_aware)")
-    parser.add_argument("--threads-per-worker", type=int, default=None, help="CPU threads each worker computes with")
-    parser.add_argument("--log-dir", default=None, help="where the processes' logs go (default: a new temporary folder)")
-    parser.add_argument(
-        "--no-sticky-sessions", dest="sticky_sessions", action="store_false",
-        help="send every request through the router (default: a request naming a session, X-Radixkv-Session or "
-        "prompt_cache_key, goes to the worker that served that session last)",
-    )
-    parser.add_argument("serve_args", nargs=argparse.REMAINDER, help="-- then `radixkv serve` options for every worker")
-
-
-def run(args: argparse.Namespace) -> int:
-    """`radixkv cluster`: start everything, print the URLs, wait for Ctrl-C or SIGTERM, stop."""
-    if not router_installed():
-        print(f"error: the router is not installed: {ROUTER_INSTALL}", file=sys.stderr)
-        return 2
-    worker_args = [a for a in args.serve_args if a != "--"]
-    if args.threads_per_worker is not None:
-        worker_args += ["--threads", str(args.threads_per_worker)]
-    try:
-        cluster = LocalCluster(
-            args.workers, model=args.model, host=args.host, port=args.port, policy=args.policy,
-            worker_args=worker_args, log_dir=Path(args.log_dir) if args.log_dir else None, sticky_sessions=args.sticky_sessions,
-        )
-    except (ValueError, OSError) as error:  # a bad option, an unreadable key file
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    stop = _StopOnSignal()
-    try:
-        with cluster:
-            if cluster.front is not None:
-                print(f"front door (sticky sessions): {cluster.front_url}/v1  (OpenAI-compatible)")
-            print(f"router ({args.policy}): {cluster.router_url}/v1  (OpenAI-compatible)")
-            for url in cluster.worker_urls:
-                print(f"worker: {url}")
-            print(f"logs: {cluster.log_dir}; Ctrl-C stops the router, then drains the workers", flush=True)
-            while not stop.requested:
-                for member in [*cluster.workers, cluster.router]:
-                    if member is not None and member.process.poll() is not None:
-                        print(f"error: {member.name} exited ({member.process.returncode}); see {member.log_path}", file=sys.stderr)
-                        return 1
-                time.sleep(0.5)
-    except RuntimeError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
-    finally:
-        stop.restore()
-    return 0
-
-
-class _StopOnSignal:
-    """SIGINT and SIGTERM set `requested` instead of raising, so the cluster stops in order."""
-
-    def __init__(self) -> None:
-        self.requested = False
-        self._previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
-
-    def _handle(self, sig: int, frame: object) -> None:
-        self.requested = True
-
-    def restore(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)

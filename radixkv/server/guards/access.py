@@ -14,9 +14,9 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from radixkv.server.errors import APIError
+from radixkv.server.guards.quotas import KeyQuotas
+from radixkv.server.guards.tenants import Tenants
 from radixkv.server.limits import ServerLimits
-from radixkv.server.quotas import KeyQuotas
-from radixkv.server.tenants import Tenants
 
 # Routers and supervisors probe these without credentials; they tell only whether it serves.
 OPEN_PATHS = frozenset(["/health", "/health_generate"])

@@ -1,4 +1,4 @@
-"""Two real `radixkv serve` workers behind a real sglang-router (radixkv.cluster.LocalCluster),
+"""Two real `radixkv serve` workers behind a real sglang-router (radixkv.cluster.workers.LocalCluster),
 policy cache_aware: requests that share a system prompt land on one worker, whose cached tokens
 grow; a worker drained with SIGTERM leaves the rotation and no request is lost."""
 
@@ -11,7 +11,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from radixkv.cluster import LocalCluster, router_installed
+from radixkv.cluster.workers import LocalCluster, router_installed
 from tests.helpers.engine import wait_until
 
 pytestmark = pytest.mark.skipif(

@@ -1,0 +1,163 @@
+"""How a conversation with tools becomes prompt tokens: the model's chat template when it takes
+`tools`, else the fallback prompt below; messages normalized as templates print them.
+
+The fallback, for chat templates that take no `tools`: a system-prompt section lists each
+function as one JSON line {"name", "description", "parameters"} and asks for one line
+`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` per call (read back by
+server/tools.py). Earlier assistant calls are rendered in that same form, and tool results as a
+user turn of `<tool_response>` lines.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from radixkv.errors import InvalidRequest
+from radixkv.prompts import render_chat, template_takes_tools, tokenize_rendered
+from radixkv.prompts.conversation import TemplateInput
+from radixkv.server.tools import CALL_CLOSE, CALL_OPEN, MALFORMED, Tool, ToolChoice, check_tool_choice, loads_json
+
+
+def encode_conversation(
+    tokenizer: Any,
+    messages: list[dict],
+    tools: list[Tool],
+    tool_choice: ToolChoice,
+    *,
+    add_generation_prompt: bool = True,
+) -> list[int]:
+    """Prompt token ids of a conversation with tools. Tools are offered even with "none" so that
+    the prompt prefix (system + tools) stays the same, and cached, whatever the choice."""
+    check_tool_choice(tool_choice, tools)
+    return tokenize_rendered(tokenizer, render_conversation(tokenizer, messages, tools, add_generation_prompt=add_generation_prompt))
+
+
+def render_conversation(tokenizer: Any, messages: list[dict], tools: list[Tool], *, add_generation_prompt: bool = True) -> str:
+    """The template's text of a conversation with tools: what encode_conversation tokenizes."""
+    view = template_input(tokenizer, messages, tools)
+    return render_chat(tokenizer, view.messages, tools=view.tools, add_generation_prompt=add_generation_prompt)
+
+
+def template_input(tokenizer: Any, messages: list[dict], tools: list[Tool]) -> TemplateInput:
+    """The conversation as the template is given it (normalized; the fallback prompt's for a
+    template that takes no tools), with where each request message begins in it."""
+    if not messages:
+        raise InvalidRequest("messages must hold at least one message", param="messages")
+    normalized = normalize_messages(messages)
+    roles = [m["role"] for m in normalized]
+    if template_takes_tools(tokenizer):
+        wire_tools = [_wire_tool(t) for t in tools] or None
+        return TemplateInput(normalized, roles, [[(i, 0)] for i in range(len(normalized))], wire_tools)
+    out, origins, tools_at = _fallback(normalized, tools)
+    return TemplateInput(out, roles, origins, None, tools_at)
+
+
+def normalize_messages(messages: list[dict]) -> list[dict]:
+    """Messages as templates print them: content as text, tool calls as plain dicts."""
+    return [_normalize(m, i) for i, m in enumerate(messages)]
+
+
+def _normalize(message: Mapping[str, Any], index: int) -> dict:
+    """Content as text (templates print it as a string); tool calls as plain dicts."""
+    if not isinstance(message, Mapping):
+        raise InvalidRequest(f"messages[{index}] must be an object", param="messages")
+    role = message.get("role")
+    if role not in ("system", "developer", "user", "assistant", "tool"):
+        raise InvalidRequest(f"messages[{index}].role {role!r} is not a known role", param="messages")
+    out: dict[str, Any] = {"role": role, "content": _text(message.get("content"), index)}
+    if role == "assistant" and message.get("tool_calls"):
+        out["tool_calls"] = [_history_call(c, index) for c in message["tool_calls"]]
+    if role == "tool":
+        out["tool_call_id"] = str(message.get("tool_call_id") or "")
+        if message.get("name"):
+            out["name"] = str(message["name"])
+    return out
+
+
+def _text(content: Any, index: int) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(str(p.get("text", "")) if isinstance(p, Mapping) else str(p) for p in content)
+    raise InvalidRequest(f"messages[{index}].content must be a string or a list of text parts", param="messages")
+
+
+def _history_call(raw: Any, index: int) -> dict:
+    spec = raw.get("function", raw) if isinstance(raw, Mapping) else None
+    if not isinstance(spec, Mapping) or not isinstance(spec.get("name"), str):
+        raise InvalidRequest(f"messages[{index}].tool_calls: every call needs a function name", param="messages")
+    return {"id": str(raw.get("id") or ""), "type": "function", "function": {"name": spec["name"], "arguments": _args_object(spec.get("arguments"))}}
+
+
+def _args_object(arguments: Any) -> Any:
+    """Arguments as a JSON value: templates (and the fallback) print them with tojson."""
+    if isinstance(arguments, str):
+        if not arguments.strip():
+            return {}
+        value = loads_json(arguments)
+        return arguments if value is MALFORMED else value  # a model's malformed call, replayed as it was
+    return {} if arguments is None else arguments
+
+
+def _wire_tool(tool: Tool) -> dict:
+    return {"type": "function", "function": {"name": tool.name, "description": tool.description, "parameters": tool.parameters}}
+
+
+def fallback_messages(messages: list[dict], tools: Sequence[Tool]) -> list[dict]:
+    """The conversation for a template that takes no tools: the tools section joins the system
+    prompt (or becomes one), calls and results become text in the documented format."""
+    return _fallback(messages, tools)[0]
+
+
+def _fallback(messages: list[dict], tools: Sequence[Tool]) -> tuple[list[dict], list[list[tuple[int, int]]], tuple[int, int] | None]:
+    """fallback_messages, with TemplateInput's origins (where each request message begins) and
+    where the tools section begins."""
+    out: list[dict] = []
+    origins: list[list[tuple[int, int]]] = []
+    for k, message in enumerate(messages):
+        if message["role"] == "tool":
+            line = f"<tool_response>{_dumps({'tool_call_id': message['tool_call_id'], 'content': message['content']})}</tool_response>"
+            if out and out[-1].get("_tool_results"):  # consecutive results: one user turn
+                origins[-1].append((k, len(out[-1]["content"])))
+                out[-1]["content"] += "\n" + line
+                continue
+            out.append({"role": "user", "content": line, "_tool_results": True})
+        elif message["role"] == "assistant" and message.get("tool_calls"):
+            calls = [_call_line(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]]
+            out.append({"role": "assistant", "content": "\n".join(([message["content"]] if message["content"] else []) + calls)})
+        else:
+            out.append({"role": message["role"], "content": message["content"]})
+        origins.append([(k, 0)])
+    out = [{"role": m["role"], "content": m["content"]} for m in out]
+    tools_at = None
+    if tools:
+        section = tools_section(tools)
+        if out and out[0]["role"] in ("system", "developer"):
+            tools_at = (0, len(out[0]["content"]))
+            out[0] = {"role": out[0]["role"], "content": f"{out[0]['content']}\n\n{section}" if out[0]["content"] else section}
+        else:
+            out.insert(0, {"role": "system", "content": section})
+            origins.insert(0, [])
+            tools_at = (0, 0)
+    return out, origins, tools_at
+
+
+def tools_section(tools: Sequence[Tool]) -> str:
+    lines = [_dumps({"name": t.name, "description": t.description, "parameters": t.parameters}) for t in tools]
+    return (
+        "# Tools\nYou may call these functions:\n"
+        + "\n".join(lines)
+        + f'\nTo call one, reply with one line per call:\n{CALL_OPEN}{{"name": <name>, "arguments": <JSON object>}}{CALL_CLOSE}'
+    )
+
+
+def _call_line(name: str, arguments: Any) -> str:
+    return f"{CALL_OPEN}{_dumps({'name': name, 'arguments': arguments})}{CALL_CLOSE}"
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False)
