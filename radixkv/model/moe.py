@@ -95,33 +95,38 @@ class FloatExperts(nn.Module):
     """num_experts SwiGLU MLPs in float, stacked: gate_up [E * 2I, H] (expert e's gate rows then
     its up rows), down [E * H, I]; expert e's weights are one contiguous slice of each."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, native: bool = True) -> None:
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
-        self.native = native
         self.gate_up = nn.Parameter(torch.empty(num_experts * 2 * intermediate_size, hidden_size))
         self.down = nn.Parameter(torch.empty(num_experts * hidden_size, intermediate_size))
 
-    def forward(self, expert: int, x: Tensor) -> Tensor:
-        """Expert `expert`'s MLP over rows x [n, H]: down(silu(gate x) * up x)."""
+    def project_gate_up(self, expert: int, x: Tensor) -> Tensor:
+        """[gate x, up x] of expert `expert` for rows x [n, H]: [n, 2I]."""
         rows = 2 * self.intermediate_size
-        gate_up = F.linear(x, self.gate_up[expert * rows : (expert + 1) * rows])
-        return F.linear(silu_mul(gate_up, self.native), self.down[expert * self.hidden_size : (expert + 1) * self.hidden_size])
+        return F.linear(x, self.gate_up[expert * rows : (expert + 1) * rows])
+
+    def project_down(self, expert: int, h: Tensor) -> Tensor:
+        return F.linear(h, self.down[expert * self.hidden_size : (expert + 1) * self.hidden_size])
 
 
 class QuantExperts(nn.Module):
     """num_experts SwiGLU MLPs over quantized weights: a QuantLinear for each expert's gate and up
-    (stacked rows) and one for its down, each kept in its own blocks."""
+    (stacked rows) and one for its down, each in its own blocks (radixkv.model.quantized builds them)."""
 
-    def __init__(self, gate_up: Sequence[QuantLinear], down: Sequence[QuantLinear], native: bool = True) -> None:
+    rows_independent = True  # QuantLinear's rows never depend on the batch
+
+    def __init__(self, gate_up: Sequence[QuantLinear], down: Sequence[QuantLinear]) -> None:
         super().__init__()
         assert len(gate_up) == len(down) and gate_up
         self.num_experts = len(gate_up)
-        self.native = native
         self.gate_up, self.down = nn.ModuleList(gate_up), nn.ModuleList(down)
 
-    def forward(self, expert: int, x: Tensor) -> Tensor:
-        return self.down[expert](silu_mul(self.gate_up[expert](x), self.native))
+    def project_gate_up(self, expert: int, x: Tensor) -> Tensor:
+        return self.gate_up[expert](x)
+
+    def project_down(self, expert: int, h: Tensor) -> Tensor:
+        return self.down[expert](h)
 
 
 class SparseMoE(nn.Module):
@@ -129,14 +134,15 @@ class SparseMoE(nn.Module):
 
     forward groups the step's tokens by expert: for each routed expert (ascending), gather its
     tokens, run its MLP on that block, and scatter-add the weighted rows into the output, the
-    order transformers sums them in. experts(e, block) is the one place an expert's weights are read.
+    order transformers sums them in. run_expert is the one place an expert's weights are read.
     """
 
     def __init__(self, hidden_size: int, moe: MoEConfig, native: bool = True) -> None:
         super().__init__()
         self.top_k, self.norm_topk_prob = moe.num_experts_per_tok, moe.norm_topk_prob
+        self.native = native  # SiLU * up may run as one native call (bf16 on CPU)
         self.gate = nn.Linear(hidden_size, moe.num_experts, bias=False)
-        self.experts: FloatExperts | QuantExperts = FloatExperts(moe.num_experts, hidden_size, moe.moe_intermediate_size, native)
+        self.experts: FloatExperts | QuantExperts = FloatExperts(moe.num_experts, hidden_size, moe.moe_intermediate_size)
 
     def forward(self, x: Tensor, meta: AttentionMetadata) -> Tensor:
         logits = self._rows(self.gate, x, meta)
@@ -150,12 +156,17 @@ class SparseMoE(nn.Module):
             start, stop = groups.offsets[g], groups.offsets[g + 1]
             tokens = groups.tokens[start:stop]
             block = x[tokens]
-            if batch_invariant and block.shape[0] > INVARIANT_GEMM_ROWS and not isinstance(self.experts, QuantExperts):
-                y = torch.cat([self.experts(expert, part) for part in block.split(INVARIANT_GEMM_ROWS)])
+            if batch_invariant and block.shape[0] > INVARIANT_GEMM_ROWS and not getattr(self.experts, "rows_independent", False):
+                y = torch.cat([self.run_expert(expert, part) for part in block.split(INVARIANT_GEMM_ROWS)])
             else:
-                y = self.experts(expert, block)
+                y = self.run_expert(expert, block)
             out.index_add_(0, tokens, y * groups.weights[start:stop, None])
         return out
+
+    def run_expert(self, expert: int, x: Tensor) -> Tensor:
+        """Expert `expert`'s MLP over rows x [n, H]: down(silu(gate x) * up x)."""
+        experts = self.experts
+        return experts.project_down(expert, silu_mul(experts.project_gate_up(expert, x), self.native))
 
     @staticmethod
     def _rows(layer: nn.Module, x: Tensor, meta: AttentionMetadata) -> Tensor:
