@@ -43,6 +43,8 @@ class FusedDecodeLayers(DecoderLayers):
 def install_fused_decode(model: CausalLM) -> bool:
     """Put the fused decode step in front of the model's layers where every layer can take the
     native path (FusedDecode.for_model); returns whether it did."""
+    if model.config.moe is not None:  # the native layer loop runs dense MLPs only
+        return False
     fused = FusedDecode.for_model(model)
     if fused is None:
         return False

@@ -25,7 +25,7 @@ FLOAT_TYPES = ("F32", "F16", "BF16")
 # llama.cpp permutes q/k rows of these architectures for its rope layout (transformers'
 # LlamaTensorProcessor undoes it for "llama" only).
 _PERMUTED_ARCHITECTURES = ("llama",)
-_SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+_SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3moe")
 
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -44,7 +44,11 @@ _BLOCK_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # the experts' router (llama.cpp never quantizes it)
 }
+# Experts stacked in one 3-D tensor [experts, rows, inputs] (torch order): each expert's matrix is
+# one contiguous run of the file's blocks, listed as its own tensor under transformers' names.
+_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 # Tensors llama.cpp stores that transformers' models compute themselves (llama3 rope factors).
 _SKIPPED = ("rope_freqs.weight",)
 # Values converted at once by GGUFFile.quantized: bounds its temporaries (fp32 copies and the like).
@@ -95,20 +99,28 @@ class GGUFFile:
         for raw in header.tensors:
             if raw.name in _SKIPPED:
                 continue
+            block = _BLOCK.match(raw.name)
+            if block is not None and block.group(2) in _EXPERT_NAMES:
+                self._check_within(raw, size)
+                self.tensors.update((t.name, t) for t in expert_tensors(raw))
+                continue
             name = hf_name(raw.name)
             if name is None:
                 raise GGUFError(f"{str(self.path)!r} holds tensor {raw.name!r}, which radixkv does not know")
-            if raw.offset + raw.nbytes > size:
-                raise GGUFError(
-                    f"{str(self.path)!r} is truncated: tensor {raw.name!r} ends at byte {raw.offset + raw.nbytes}, "
-                    f"the file has {size}"
-                )
+            self._check_within(raw, size)
             heads = None
             if permute and ".attn_q." in raw.name:
                 heads = num_heads
             elif permute and ".attn_k." in raw.name:
                 heads = num_kv_heads
             self.tensors[name] = replace(raw, name=name, permute_heads=heads)
+
+    def _check_within(self, raw: GGUFTensor, size: int) -> None:
+        if raw.offset + raw.nbytes > size:
+            raise GGUFError(
+                f"{str(self.path)!r} is truncated: tensor {raw.name!r} ends at byte {raw.offset + raw.nbytes}, "
+                f"the file has {size}"
+            )
 
     @property
     def tensor_bytes(self) -> int:
@@ -224,6 +236,31 @@ def hf_name(gguf_name: str) -> str | None:
     return f"model.layers.{match.group(1)}.{_BLOCK_NAMES[match.group(2)]}.{match.group(3)}"
 
 
+def read_scalars(path: str | Path) -> dict[str, int | float | bool]:
+    """A GGUF's numeric metadata by key (e.g. qwen3moe.expert_feed_forward_length), header only."""
+    return _read_header(Path(path)).scalars
+
+
+def expert_tensors(raw: GGUFTensor) -> list[GGUFTensor]:
+    """A stacked experts tensor (blk.N.ffn_{gate,up,down}_exps.weight, [experts, rows, inputs])
+    as one 2-D tensor per expert, model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight, each
+    over its own bytes of the file (expert E's blocks start E * its size in): read, dequantized or
+    kept quantized one expert at a time."""
+    match = _BLOCK.match(raw.gguf_name)
+    if match is None or match.group(2) not in _EXPERT_NAMES or match.group(3) != "weight" or len(raw.shape) != 3:
+        raise GGUFError(f"tensor {raw.gguf_name!r} is no stacked experts tensor [experts, rows, inputs]: {raw.shape}")
+    num_experts, shape = raw.shape[0], raw.shape[1:]
+    expert_bytes = raw.nbytes // num_experts
+    prefix = f"model.layers.{match.group(1)}.mlp.experts"
+    return [
+        replace(
+            raw, name=f"{prefix}.{e}.{_EXPERT_NAMES[match.group(2)]}.weight", shape=shape, byte_shape=raw.byte_shape[1:],
+            offset=raw.offset + e * expert_bytes, nbytes=expert_bytes, permute_heads=None,
+        )  # fmt: skip
+        for e in range(num_experts)
+    ]
+
+
 def row_permutation(rows: int, heads: int) -> np.ndarray:
     """Row indices undoing llama.cpp's q/k permutation: out[i] = w[index[i]], the rows
     transformers' _reverse_permute_weights produces (per head, interleaved halves to split halves)."""
@@ -236,6 +273,7 @@ def row_permutation(rows: int, heads: int) -> np.ndarray:
 class _Header:
     architecture: str
     tensors: list[GGUFTensor]  # under the file's names
+    scalars: dict[str, int | float | bool]  # the metadata's numbers and flags (no strings, no arrays)
 
 
 # GGUF metadata value types: struct formats of the fixed-size ones; 8 is a string, 9 an array.
@@ -300,9 +338,12 @@ def _read_header(path: Path) -> _Header:
             raise GGUFError(f"{str(path)!r} is GGUF version {version}; radixkv reads versions 2 and 3")
         num_tensors, num_fields = int(cursor.unpack("<Q")), int(cursor.unpack("<Q"))
         architecture, alignment = None, _DEFAULT_ALIGNMENT
+        scalars: dict[str, int | float | bool] = {}
         for _ in range(num_fields):
             key, kind = cursor.string(), int(cursor.unpack("<I"))
-            if key in ("general.architecture", "general.alignment"):
+            if kind in _SCALARS and key != "general.alignment":
+                scalars[key] = cursor.unpack(_SCALARS[kind])
+            elif key in ("general.architecture", "general.alignment"):
                 value = cursor.value(kind)
                 if key == "general.architecture":
                     architecture = str(value)
@@ -333,4 +374,4 @@ def _read_header(path: Path) -> _Header:
         byte_shape = shape if qtype.name in ("F32", "F16") else (*shape[:-1], row_bytes)
         nbytes = row_bytes * math.prod(shape[:-1])
         tensors.append(GGUFTensor(name, name, qtype.name, shape, byte_shape, start + offset, nbytes, None))
-    return _Header(architecture, tensors)
+    return _Header(architecture, tensors, scalars)

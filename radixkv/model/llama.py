@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -17,7 +17,12 @@ from torch import Tensor, nn
 from radixkv.attention.base import AttentionBackend, AttentionMetadata
 from radixkv.model.row_ops import add_rms_norm, apply_rope, rms_norm, silu_mul
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+if TYPE_CHECKING:
+    from radixkv.model.moe import MoEConfig
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+# Architectures whose MLPs are (partly) routed experts (radixkv.model.moe).
+_MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
 # Configs converted from GGUF (and some old ones) carry no `architectures`; model_type names it.
@@ -26,6 +31,7 @@ _ARCH_BY_MODEL_TYPE = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 # Weights some checkpoints carry that the forward recomputes.
 _IGNORED_WEIGHT_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -54,6 +60,7 @@ class ModelConfig:
     qk_norm: bool  # per-head RMSNorm of q and k before rope (Qwen3)
     eos_token_ids: tuple[int, ...]
     attention_out_bias: bool = False  # bias on o_proj (Llama/Qwen3 with attention_bias; not Qwen2)
+    moe: MoEConfig | None = None  # routed experts (Qwen3-MoE): their shape and which layers have them
 
     @property
     def rope_type(self) -> str:
@@ -79,6 +86,11 @@ class ModelConfig:
         rope_theta, rope_scaling = _rope_parameters(hf_config)
         bias_flag = bool(getattr(hf_config, "attention_bias", False))
         is_qwen2 = architecture == "Qwen2ForCausalLM"
+        moe = None
+        if architecture in _MOE_ARCHITECTURES:
+            from radixkv.model.moe import MoEConfig
+
+            moe = MoEConfig.from_hf(hf_config, hf_config.num_hidden_layers)
         return cls(
             architecture=architecture,
             vocab_size=hf_config.vocab_size,
@@ -94,9 +106,10 @@ class ModelConfig:
             max_position_embeddings=_max_exact_positions(hf_config),
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
             attention_bias=is_qwen2 or bias_flag,
-            qk_norm=architecture == "Qwen3ForCausalLM",
+            qk_norm=architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             eos_token_ids=_as_ids(getattr(hf_config, "eos_token_id", None)),
             attention_out_bias=bias_flag and not is_qwen2,
+            moe=moe,
         )
 
 
@@ -298,12 +311,17 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, native: bool = True) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, native: bool = True, index: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, native)
         self.self_attn = Attention(config, backend, native)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, native)
-        self.mlp = MLP(config, native)
+        if config.moe is not None and index in config.moe.moe_layers:
+            from radixkv.model.moe import SparseMoE
+
+            self.mlp: MLP | SparseMoE = SparseMoE(config.hidden_size, config.moe, native)
+        else:
+            self.mlp = MLP(config, native)
 
     def forward(
         self,
@@ -355,7 +373,7 @@ class CausalLM(nn.Module):
         # Every layer's attention backend; forward prepares its per-step state once.
         self.attention = attention
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = DecoderLayers(DecoderLayer(config, attention, native_kernels) for _ in range(config.num_layers))
+        self.layers = DecoderLayers(DecoderLayer(config, attention, native_kernels, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, native_kernels)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
@@ -449,6 +467,13 @@ class CausalLM(nn.Module):
             if config.qk_norm:
                 sources[ours + "self_attn.q_norm.weight"] = [attn + "q_norm.weight"]
                 sources[ours + "self_attn.k_norm.weight"] = [attn + "k_norm.weight"]
+            if config.moe is not None and i in config.moe.moe_layers:
+                from radixkv.model.moe import hf_expert_sources
+
+                sources[ours + "mlp.gate.weight"] = [mlp + "gate.weight"]
+                for name, parts in hf_expert_sources(mlp, config.moe.num_experts).items():
+                    sources[ours + "mlp." + name] = parts
+                continue
             sources[ours + "mlp.gate_up_proj.weight"] = [mlp + "gate_proj.weight", mlp + "up_proj.weight"]
             sources[ours + "mlp.down_proj.weight"] = [mlp + "down_proj.weight"]
         return sources

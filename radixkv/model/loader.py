@@ -354,6 +354,13 @@ def _save_gguf_metadata(gguf: Path, folder: Path) -> None:
     # The weights are read by radixkv; a gguf quantization_config would make transformers
     # look for the GGUF file when it reads this folder.
     config.pop("quantization_config", None)
+    if config.get("model_type") == "qwen3_moe":
+        # transformers' GGUF reader leaves the experts' width at Qwen3MoeConfig's default (768).
+        from radixkv.model.gguf import read_scalars
+
+        width = read_scalars(gguf).get("qwen3moe.expert_feed_forward_length")
+        if width is not None:
+            config["moe_intermediate_size"] = int(width)
     config["architectures"] = [f"{type(hf_config).__name__.removesuffix('Config')}ForCausalLM"]
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     GenerationConfig.from_model_config(hf_config).save_pretrained(folder)

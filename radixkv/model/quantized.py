@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from radixkv.cpu.quant import QuantWeight, dequantize, quantize_q8_0
 from radixkv.cpu.quant_linear import QuantEmbedding, QuantLinear
 from radixkv.model.gguf import GGUFFile
+from radixkv.model.moe import QuantExperts
 
 # Our linears (module names end with these), whose weights a weight_dtype may keep quantized.
 _LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
@@ -76,6 +77,7 @@ def quantized_modules(
     elif source.gguf is not None and source.gguf.tensors[embedding].quantized:
         # An embedding is no linear: int8 leaves its blocks as the file has them.
         modules[EMBEDDING] = QuantEmbedding(source.weight(embedding, linear=False), dtype)
+    modules.update(_expert_modules(sources, source, kernel))
     for ours, names in sorted(sources.items(), key=lambda item: item[0] != "lm_head.weight"):  # an untied lm_head first
         module, _, kind = ours.rpartition(".")
         if kind != "weight" or module.rpartition(".")[2] not in _LINEARS:
@@ -87,6 +89,26 @@ def quantized_modules(
         biases = [source.bias(name) for name in bias_names if name in available]
         assert not biases or len(biases) == len(names), "every part has a bias or none"
         modules[module] = _linear(weights, torch.cat(biases) if biases else None, kernel)
+    return modules
+
+
+def _expert_modules(sources: Mapping[str, list[str]], source: QuantSource, kernel: str) -> dict[str, nn.Module]:
+    """A QuantExperts (radixkv.model.moe) for each expert block whose tensors are all to be held
+    quantized: per expert, one QuantLinear over its gate and up rows and one over its down, each
+    built from that expert's own tensor (a GGUF's stacked experts are read one expert at a time)."""
+    modules: dict[str, nn.Module] = {}
+    for ours, gate_up in sources.items():
+        module, _, kind = ours.rpartition(".")
+        if kind != "gate_up" or module.rpartition(".")[2] != "experts":
+            continue
+        down = sources[f"{module}.down"]
+        if not all(source.is_quantized(name) for name in (*gate_up, *down)):
+            continue
+        pairs = zip(gate_up[0::2], gate_up[1::2], strict=True)
+        modules[module] = QuantExperts(
+            [_linear([source.weight(gate), source.weight(up)], None, kernel) for gate, up in pairs],
+            [_linear([source.weight(name)], None, kernel) for name in down],
+        )
     return modules
 
 

@@ -173,3 +173,105 @@ class TinyGGUFs:
             folder.mkdir(parents=True, exist_ok=True)
             self._files[key] = write_tiny_gguf(folder / f"tiny-{type_name}.gguf", type_name, tied=tied)
         return self._files[key]
+
+
+# A tiny random Qwen3-MoE in GGUF (llama.cpp's qwen3moe layout): experts stacked in 3-D tensors.
+# The experts are 768 wide, Qwen3MoeConfig's default, because transformers' GGUF reader (the
+# reference) does not read expert_feed_forward_length; radixkv does (MOE_NARROW checks it).
+MOE_SHAPE = dict(
+    hidden_size=256, intermediate_size=512, moe_intermediate_size=768, num_experts=8, num_experts_per_tok=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_hidden_layers=2, norm_topk_prob=True,
+)  # fmt: skip
+MOE_NARROW = 256
+# Q4_K_M's mix as llama.cpp applies it to an MoE: the stacked down experts in Q6_K too.
+MOE_MIXES = {"Q4_K_M": {"attn_v": "Q6_K", "ffn_down_exps": "Q6_K"}}
+
+
+def _qwen3_moe_state(seed: int, moe_intermediate_size: int) -> tuple[object, dict[str, np.ndarray]]:
+    """A tiny random Qwen3-MoE's config and fp32 weights under GGUF's names (experts stacked)."""
+    from transformers import Qwen3MoeConfig
+
+    torch.manual_seed(seed)
+    shape = dict(MOE_SHAPE, moe_intermediate_size=moe_intermediate_size)
+    config = Qwen3MoeConfig(
+        vocab_size=VOCAB, max_position_embeddings=512, tie_word_embeddings=True, eos_token_id=0, bos_token_id=0, **shape
+    )
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(1.0 + 0.2 * torch.randn_like(param))
+            elif param.dim() > 1:
+                param.normal_(0.0, 0.3 if "embed" in name else 0.15)
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+    block = {
+        "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+        "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate": "ffn_gate_inp",
+        "mlp.experts.down_proj": "ffn_down_exps",
+    }  # fmt: skip
+    state = {}
+    for name, tensor in model.state_dict().items():
+        values = tensor.detach().numpy().copy()
+        if name in names:
+            state[names[name]] = values
+            continue
+        if name == "lm_head.weight":
+            continue
+        _, _, layer, rest = name.split(".", 3)
+        rest = rest.removesuffix(".weight")
+        if rest == "mlp.experts.gate_up_proj":  # [E, 2I, H]: gate rows first
+            state[f"blk.{layer}.ffn_gate_exps.weight"] = values[:, :moe_intermediate_size].copy()
+            state[f"blk.{layer}.ffn_up_exps.weight"] = values[:, moe_intermediate_size:].copy()
+        else:
+            state[f"blk.{layer}.{block[rest]}.weight"] = values
+    return config, state
+
+
+def write_tiny_moe_gguf(path: Path, type_name: str, seed: int = 0, moe_intermediate_size: int = 768) -> Path:
+    """A tiny random Qwen3-MoE GGUF at path: its matrices in type_name (a type, or a mix of
+    MOE_MIXES; norms and the router F32), experts stacked [experts, rows, inputs] as llama.cpp
+    stores them; the K-quants written as random valid blocks, the others quantized from weights."""
+    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf.quants import quantize
+
+    mix = MOE_MIXES.get(type_name, {})
+    base = "Q4_K" if mix else type_name
+    config, state = _qwen3_moe_state(seed, moe_intermediate_size)
+    writer = GGUFWriter(str(path), "qwen3moe")
+    writer.add_name(f"tiny-qwen3moe-{type_name}")
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_expert_count(config.num_experts)
+    writer.add_expert_used_count(config.num_experts_per_tok)
+    writer.add_expert_feed_forward_length(moe_intermediate_size)
+    writer.add_vocab_size(VOCAB)
+    for key, value, kind, sub in _tokenizer_fields():
+        writer.add_key_value(key, value, kind, sub)
+    rng = np.random.default_rng(seed)
+    for gguf_name, weights in state.items():
+        kind = mix.get(gguf_name.split(".")[-2], base)
+        if weights.ndim == 1 or kind == "F32" or ".ffn_gate_inp." in gguf_name:
+            writer.add_tensor(gguf_name, weights.astype(np.float32))
+        elif kind == "F16":
+            writer.add_tensor(gguf_name, weights.astype(np.float16))
+        elif kind in QUANTIZED_TYPES:
+            qtype = GGMLQuantizationType[kind]
+            writer.add_tensor(gguf_name, quantize(weights, qtype), raw_dtype=qtype)
+        else:
+            rows = int(np.prod(weights.shape[:-1]))
+            blocks = _random_blocks(kind, rows, weights.shape[-1], rng).reshape(*weights.shape[:-1], -1)
+            writer.add_tensor(gguf_name, blocks, raw_dtype=GGMLQuantizationType[kind])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -41,7 +41,7 @@ def tiny_tokenizer(vocab_size: int = 320) -> PreTrainedTokenizerFast:
 
 
 def tiny_config(arch: str = "llama", **overrides):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     common = dict(
         vocab_size=320,
@@ -56,9 +56,14 @@ def tiny_config(arch: str = "llama", **overrides):
         bos_token_id=0,
     )
     common.update(overrides)
-    config_class = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig}[arch]
-    if arch == "qwen3":
+    config_class = {
+        "llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig, "qwen3_moe": Qwen3MoeConfig,
+    }[arch]  # fmt: skip
+    if arch in ("qwen3", "qwen3_moe"):
         common.setdefault("head_dim", 16)
+    if arch == "qwen3_moe":  # 8 experts of 32, 2 routed a token, renormalized (Qwen3-30B-A3B's routing)
+        for key, value in dict(moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True).items():
+            common.setdefault(key, value)
     return config_class(**common)
 
 

@@ -1,0 +1,175 @@
+"""Experts as a layer: the mixture-of-experts block (Qwen3-MoE) that takes a decoder layer's MLP
+place: a router, top-k routing, and experts run grouped, so each routed expert's weights are read
+once a step however many of the step's tokens picked it, and an expert no token picked is never read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from radixkv.attention.base import AttentionMetadata
+from radixkv.cpu.quant_linear import QuantLinear
+from radixkv.model.row_ops import silu_mul
+
+# Rows per expert GEMM under batch invariance: radixkv.model.llama.INVARIANT_GEMM_ROWS's reason
+# (oneDNN and MKL round differently by row count; blocks of at most this many rows do not).
+# Kept equal to it by tests/model/test_moe.py; not imported, as llama.py imports this module.
+INVARIANT_GEMM_ROWS = 32
+
+
+@dataclass(slots=True, frozen=True)
+class MoEConfig:
+    """The routed experts of a model: which layers have them and their shape."""
+
+    num_experts: int
+    num_experts_per_tok: int  # top-k
+    moe_intermediate_size: int  # each expert's SwiGLU width
+    norm_topk_prob: bool  # renormalize the top-k probabilities to sum to 1
+    moe_layers: tuple[int, ...]  # layer indices whose MLP is the expert block
+
+    @classmethod
+    def from_hf(cls, hf_config: Any, num_layers: int) -> MoEConfig:
+        """Qwen3-MoE's fields: layer i is sparse unless listed in mlp_only_layers, and only every
+        decoder_sparse_step-th layer ((i + 1) % step == 0), as transformers decides."""
+        num_experts = int(hf_config.num_experts)
+        step = int(getattr(hf_config, "decoder_sparse_step", 1) or 1)
+        dense = set(getattr(hf_config, "mlp_only_layers", None) or ())
+        layers = tuple(i for i in range(num_layers) if num_experts > 0 and i not in dense and (i + 1) % step == 0)
+        return cls(
+            num_experts=num_experts,
+            num_experts_per_tok=int(hf_config.num_experts_per_tok),
+            moe_intermediate_size=int(hf_config.moe_intermediate_size),
+            norm_topk_prob=bool(getattr(hf_config, "norm_topk_prob", False)),
+            moe_layers=layers,
+        )
+
+
+def hf_expert_sources(prefix: str, num_experts: int) -> dict[str, list[str]]:
+    """Our expert parameters -> the transformers names concatenated (dim 0) to make them, for a
+    layer's `mlp.` prefix: gate_up is [gate_0; up_0; gate_1; up_1; ...], down [down_0; down_1; ...]."""
+    experts = [f"{prefix}experts.{e}." for e in range(num_experts)]
+    return {
+        "experts.gate_up": [name for e in experts for name in (e + "gate_proj.weight", e + "up_proj.weight")],
+        "experts.down": [e + "down_proj.weight" for e in experts],
+    }
+
+
+def route(logits: Tensor, top_k: int, norm_topk_prob: bool, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """(weights [T, k] in dtype, expert ids [T, k]) as transformers' Qwen3-MoE router: softmax in
+    fp32 over all experts, top-k, divided by their sum when norm_topk_prob, then cast."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(dtype), ids
+
+
+@dataclass(slots=True, frozen=True)
+class ExpertGroups:
+    """A step's (token, slot) pairs bucketed by expert: the pairs of expert experts[g] are
+    tokens[offsets[g]:offsets[g + 1]] (ascending) with their routing weights."""
+
+    experts: list[int]  # the routed experts, ascending; the others are not listed
+    offsets: list[int]
+    tokens: Tensor  # [T * k] token rows, grouped by expert
+    weights: Tensor  # [T * k] each pair's routing weight
+
+
+def group_by_expert(ids: Tensor, weights: Tensor) -> ExpertGroups:
+    """Bucket each token's top-k (ids, weights [T, k]) by expert, one stable sort."""
+    top_k = ids.shape[1]
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # pairs in token order within each expert
+    experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
+    offsets = [0, *torch.cumsum(counts, 0).tolist()]
+    return ExpertGroups(experts.tolist(), offsets, order // top_k, weights.reshape(-1)[order])
+
+
+class FloatExperts(nn.Module):
+    """num_experts SwiGLU MLPs in float, stacked: gate_up [E * 2I, H] (expert e's gate rows then
+    its up rows), down [E * H, I]; expert e's weights are one contiguous slice of each."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
+        self.gate_up = nn.Parameter(torch.empty(num_experts * 2 * intermediate_size, hidden_size))
+        self.down = nn.Parameter(torch.empty(num_experts * hidden_size, intermediate_size))
+
+    def project_gate_up(self, expert: int, x: Tensor) -> Tensor:
+        """[gate x, up x] of expert `expert` for rows x [n, H]: [n, 2I]."""
+        rows = 2 * self.intermediate_size
+        return F.linear(x, self.gate_up[expert * rows : (expert + 1) * rows])
+
+    def project_down(self, expert: int, h: Tensor) -> Tensor:
+        return F.linear(h, self.down[expert * self.hidden_size : (expert + 1) * self.hidden_size])
+
+
+class QuantExperts(nn.Module):
+    """num_experts SwiGLU MLPs over quantized weights: a QuantLinear for each expert's gate and up
+    (stacked rows) and one for its down, each in its own blocks (radixkv.model.quantized builds them)."""
+
+    rows_independent = True  # QuantLinear's rows never depend on the batch
+
+    def __init__(self, gate_up: Sequence[QuantLinear], down: Sequence[QuantLinear]) -> None:
+        super().__init__()
+        assert len(gate_up) == len(down) and gate_up
+        self.num_experts = len(gate_up)
+        self.gate_up, self.down = nn.ModuleList(gate_up), nn.ModuleList(down)
+
+    def project_gate_up(self, expert: int, x: Tensor) -> Tensor:
+        return self.gate_up[expert](x)
+
+    def project_down(self, expert: int, h: Tensor) -> Tensor:
+        return self.down[expert](h)
+
+
+class SparseMoE(nn.Module):
+    """Router (linear to num_experts), top-k, experts; a decoder layer's MLP.
+
+    forward groups the step's tokens by expert: for each routed expert (ascending), gather its
+    tokens, run its MLP on that block, and scatter-add the weighted rows into the output, the
+    order transformers sums them in. run_expert is the one place an expert's weights are read.
+    """
+
+    def __init__(self, hidden_size: int, moe: MoEConfig, native: bool = True) -> None:
+        super().__init__()
+        self.top_k, self.norm_topk_prob = moe.num_experts_per_tok, moe.norm_topk_prob
+        self.native = native  # SiLU * up may run as one native call (bf16 on CPU)
+        self.gate = nn.Linear(hidden_size, moe.num_experts, bias=False)
+        self.experts: FloatExperts | QuantExperts = FloatExperts(moe.num_experts, hidden_size, moe.moe_intermediate_size)
+
+    def forward(self, x: Tensor, meta: AttentionMetadata) -> Tensor:
+        logits = self._rows(self.gate, x, meta)
+        weights, ids = route(logits, self.top_k, self.norm_topk_prob, x.dtype)
+        return self.combine(x, group_by_expert(ids, weights), meta.batch_invariant)
+
+    def combine(self, x: Tensor, groups: ExpertGroups, batch_invariant: bool = False) -> Tensor:
+        """sum over each token's routed experts of weight * expert(token), each expert run once."""
+        out = torch.zeros_like(x)
+        for g, expert in enumerate(groups.experts):
+            start, stop = groups.offsets[g], groups.offsets[g + 1]
+            tokens = groups.tokens[start:stop]
+            block = x[tokens]
+            if batch_invariant and block.shape[0] > INVARIANT_GEMM_ROWS and not getattr(self.experts, "rows_independent", False):
+                y = torch.cat([self.run_expert(expert, part) for part in block.split(INVARIANT_GEMM_ROWS)])
+            else:
+                y = self.run_expert(expert, block)
+            out.index_add_(0, tokens, y * groups.weights[start:stop, None])
+        return out
+
+    def run_expert(self, expert: int, x: Tensor) -> Tensor:
+        """Expert `expert`'s MLP over rows x [n, H]: down(silu(gate x) * up x)."""
+        experts = self.experts
+        return experts.project_down(expert, silu_mul(experts.project_gate_up(expert, x), self.native))
+
+    @staticmethod
+    def _rows(layer: nn.Module, x: Tensor, meta: AttentionMetadata) -> Tensor:
+        if not meta.batch_invariant or x.shape[0] <= INVARIANT_GEMM_ROWS or getattr(layer, "rows_independent", False):
+            return layer(x)
+        return torch.cat([layer(block) for block in x.split(INVARIANT_GEMM_ROWS)])

@@ -1,0 +1,229 @@
+"""Qwen3-MoE (radixkv.model.moe): routing as transformers routes, a step's tokens grouped by
+expert so each routed expert runs once and an unrouted one never, greedy tokens equal to
+transformers' generate with the prefix cache on and off, and experts kept quantized: int8 from an
+HF folder, a GGUF's stacked blocks one expert at a time."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch.nn import functional as F
+from transformers import AutoModelForCausalLM
+
+from radixkv.attention.torch_backend import TorchBackend
+from radixkv.cpu.quant_linear import QuantLinear
+from radixkv.engine.request import SamplingParams
+from radixkv.model import load_model, load_model_config
+from radixkv.model import llama
+from radixkv.model.gguf import GGUFFile
+from radixkv.model.moe import INVARIANT_GEMM_ROWS, FloatExperts, MoEConfig, QuantExperts, SparseMoE, group_by_expert, route
+from tests.helpers.engine import hf_greedy, make_llm, shared_prefix_prompts
+from tests.helpers.gguf_files import MOE_NARROW, VOCAB, write_tiny_moe_gguf
+from tests.helpers.model import Stepper, make_random_model, reference_logits
+from tests.helpers.tiny_models import tiny_config
+
+SEQUENCE = [(37 * i) % 1000 + 20 for i in range(33)]
+# max |quantized - float| of a layer's expert block, over max |float|, with the routing held
+# fixed (int8 activations; Q6_K down experts requantized to q8_0). Measured on these files
+# (layers 0, 1): Q8_0 0.015, 0.013; Q4_K_M 0.015, 0.011. Over the whole model, routing is
+# discrete: where int8 activations move a router's top-2 the logits move by a whole expert. On
+# SEQUENCE, auto against float: Q8_0 argmax equal at 29 of 33 positions, max |diff| / max |logit|
+# median 0.031, worst 0.75 (a flipped expert); Q4_K_M 33 of 33, median 0.008, worst 0.14.
+EXPERT_BOUND = {"Q8_0": 0.03, "Q4_K_M": 0.03}
+# Bytes the quantized experts hold against the file's expert bytes (blocks of 32 with fp32 scales:
+# Q4_K 18 -> 24 bytes a block, Q6_K -> q8_0 26.25 -> 36; Q8_0 34 -> 36). Measured: Q8_0 1.06, Q4_K_M 1.35.
+BYTES_FACTOR = 1.4
+
+
+def test_invariant_rows_match_the_dense_forwards():
+    assert INVARIANT_GEMM_ROWS == llama.INVARIANT_GEMM_ROWS
+
+
+def test_sparse_layers_as_transformers_builds_them():
+    config = tiny_config("qwen3_moe", num_hidden_layers=6, decoder_sparse_step=2, mlp_only_layers=[3])
+    hf = AutoModelForCausalLM.from_config(config)
+    sparse = tuple(i for i, layer in enumerate(hf.model.layers) if type(layer.mlp).__name__ == "Qwen3MoeSparseMoeBlock")
+    assert MoEConfig.from_hf(config, 6).moe_layers == sparse == (1, 5)
+    ours = llama.ModelConfig.from_hf(config)
+    assert ours.qk_norm and ours.moe is not None and ours.moe.num_experts_per_tok == 2
+
+
+def _block(seed: int = 0, hidden: int = 64, experts: int = 8, width: int = 32) -> SparseMoE:
+    torch.manual_seed(seed)
+    moe = SparseMoE(hidden, MoEConfig(experts, 2, width, True, (0,)), native=False)
+    with torch.no_grad():
+        moe.gate.weight.normal_(0.0, 0.3)
+        moe.experts.gate_up.normal_(0.0, 0.15)
+        moe.experts.down.normal_(0.0, 0.15)
+    return moe
+
+
+def _naive(moe: SparseMoE, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Token by token, slot by slot: sum_j w[t, j] * down(silu(gate x_t) * up x_t) of expert ids[t, j]."""
+    experts: FloatExperts = moe.experts
+    size, hidden = experts.intermediate_size, experts.hidden_size
+    gate_up = experts.gate_up.view(experts.num_experts, 2 * size, hidden)
+    down = experts.down.view(experts.num_experts, hidden, size)
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            gate, up = F.linear(x[t], gate_up[e]).chunk(2)
+            out[t] += weights[t, j] * F.linear(F.silu(gate) * up, down[e])
+    return out
+
+
+def test_route_is_transformers_router():
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    moe, x = _block(), torch.randn(11, 64)
+    hf = Qwen3MoeTopKRouter(tiny_config("qwen3_moe", hidden_size=64))
+    hf.weight.data.copy_(moe.gate.weight)
+    _, hf_weights, hf_ids = hf(x)
+    weights, ids = route(moe.gate(x), 2, True, x.dtype)
+    assert torch.equal(ids, hf_ids) and torch.equal(weights, hf_weights)
+    unnormalized, _ = route(moe.gate(x), 2, False, x.dtype)
+    assert (unnormalized.sum(-1) < 1).all() and torch.allclose(weights.sum(-1), torch.ones(11))
+
+
+@pytest.mark.parametrize("num_tokens", [1, 5, 40])
+def test_grouped_experts_equal_a_per_token_loop_and_read_each_routed_expert_once(num_tokens):
+    moe = _block(seed=num_tokens)
+    x = torch.randn(num_tokens, 64)
+    logits = moe.gate(x)
+    logits[:, 6] = float("-inf")  # expert 6 routed by no token: never to be touched
+    weights, ids = route(logits, 2, True, x.dtype)
+    calls: list[tuple[int, int]] = []
+    run = moe.run_expert
+    moe.run_expert = lambda e, block: calls.append((e, block.shape[0])) or run(e, block)
+    out = moe.combine(x, group_by_expert(ids, weights))
+    torch.testing.assert_close(out, _naive(moe, x, weights, ids), atol=1e-5, rtol=1e-5)
+    routed = torch.bincount(ids.reshape(-1), minlength=8)
+    assert calls == [(e, int(routed[e])) for e in range(8) if routed[e]]  # ascending, once each, all its tokens
+    assert 6 not in [e for e, _ in calls]
+    # Batch invariance splits an expert's block into GEMMs of at most 32 rows: still each expert once.
+    calls.clear()
+    split = moe.combine(x, group_by_expert(ids, weights), batch_invariant=True)
+    torch.testing.assert_close(split, out, atol=1e-6, rtol=1e-6)
+    assert sorted({e for e, _ in calls}) == [e for e in range(8) if routed[e]]
+
+
+def test_block_equals_transformers_sparse_block():
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    moe, x = _block(), torch.randn(17, 64)
+    hf = Qwen3MoeSparseMoeBlock(tiny_config("qwen3_moe", hidden_size=64))
+    hf.gate.weight.data.copy_(moe.gate.weight)
+    hf.experts.gate_up_proj.data.copy_(moe.experts.gate_up.view(8, 64, 64))
+    hf.experts.down_proj.data.copy_(moe.experts.down.view(8, 64, 32))
+    with torch.no_grad():
+        torch.testing.assert_close(moe(x, SimpleNamespace(batch_invariant=False)), hf(x[None])[0], atol=1e-6, rtol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def moe_folder(tmp_path_factory) -> Path:
+    """3 layers, the middle one dense (mlp_only_layers), every weight random."""
+    return make_random_model(tmp_path_factory.mktemp("tiny-qwen3-moe"), "qwen3_moe", num_hidden_layers=3, mlp_only_layers=[1])
+
+
+def _greedy(folder: Path | str, prompts: list[list[int]], **options) -> list[list[int]]:
+    llm = make_llm(folder, **options)
+    return [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=8))]
+
+
+def test_greedy_tokens_equal_transformers_cache_on_and_off(moe_folder):
+    prompts = shared_prefix_prompts(3)
+    reference = hf_greedy(moe_folder, prompts, 8)
+    assert _greedy(moe_folder, prompts) == reference
+    assert _greedy(moe_folder, prompts, enable_prefix_caching=False) == reference
+
+
+def test_int8_experts_cache_on_and_off_bit_identical(moe_folder):
+    prompts = shared_prefix_prompts(4)
+    llm = make_llm(moe_folder, weight_dtype="int8")
+    model = llm.engine.loaded.model
+    assert isinstance(model.layers[0].mlp.experts, QuantExperts) and not isinstance(model.layers[1].mlp, SparseMoE)
+    cached = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=8))]
+    assert _greedy(moe_folder, prompts, weight_dtype="int8", enable_prefix_caching=False) == cached
+
+
+@pytest.fixture(scope="module")
+def moe_ggufs(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-moe-ggufs")
+    files: dict[str, Path] = {}
+
+    def get(type_name: str) -> Path:
+        if type_name not in files:
+            files[type_name] = write_tiny_moe_gguf(folder / f"tiny-moe-{type_name}.gguf", type_name)
+        return files[type_name]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("moe-gguf-cache")
+
+
+def _load(path: Path, weight_dtype: str, cache: Path):
+    return load_model(str(path), TorchBackend(), dtype="float32", device="cpu", weight_dtype=weight_dtype, cache_dir=str(cache))
+
+
+def test_gguf_experts_are_one_tensor_each_over_the_files_blocks(moe_ggufs):
+    file = GGUFFile(moe_ggufs("Q4_K_M"), 4, 2)
+    gate = [file.tensors[f"model.layers.0.mlp.experts.{e}.gate_proj.weight"] for e in range(8)]
+    assert all(t.shape == (768, 256) and t.type_name == "Q4_K" for t in gate)
+    assert [t.offset - gate[0].offset for t in gate] == [e * gate[0].nbytes for e in range(8)]
+    assert file.tensors["model.layers.1.mlp.experts.7.down_proj.weight"].type_name == "Q6_K"
+    assert file.tensors["model.layers.0.mlp.gate.weight"].type_name == "F32"
+
+
+@pytest.mark.parametrize("type_name", ["F32", "Q8_0", "Q4_K_M"])
+def test_gguf_float_equals_transformers(moe_ggufs, cache, type_name):
+    path = moe_ggufs(type_name)
+    logits = Stepper(_load(path, "float", cache), [SEQUENCE]).step({0: len(SEQUENCE)})[0]
+    (reference,) = reference_logits(path, [SEQUENCE])
+    torch.testing.assert_close(logits, reference, atol=1e-3, rtol=0)
+
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_K_M"])
+def test_gguf_experts_kept_in_their_blocks_within_the_formats_bound(moe_ggufs, cache, type_name):
+    path = moe_ggufs(type_name)
+    as_float, auto = _load(path, "float", cache), _load(path, "auto", cache)
+    assert auto.weight_format == "auto"
+    file = GGUFFile(path, 4, 2)
+    expert_bytes = sum(t.nbytes for name, t in file.tensors.items() if ".experts." in name)
+    held = 0
+    torch.manual_seed(1)
+    x = torch.randn(24, 256)
+    for layer in range(2):
+        dense, quantized = as_float.model.layers[layer].mlp, auto.model.layers[layer].mlp
+        experts = quantized.experts
+        assert isinstance(experts, QuantExperts) and all(isinstance(m, QuantLinear) for m in [*experts.gate_up, *experts.down])
+        formats = {experts.gate_up[0].format, experts.down[0].format}
+        assert formats == ({"q8_0"} if type_name == "Q8_0" else {"q4_1", "q8_0"})  # Q4_K as it is; Q6_K down -> q8_0
+        held += sum(m.weight_nbytes for m in [*experts.gate_up, *experts.down])
+        weights, ids = route(dense.gate(x), 2, True, x.dtype)  # one routing for both
+        groups = group_by_expert(ids, weights)
+        want, got = dense.combine(x, groups), quantized.combine(x, groups)
+        assert (got - want).abs().max() / want.abs().max() <= EXPERT_BOUND[type_name]
+    assert held <= BYTES_FACTOR * expert_bytes
+
+
+def test_gguf_quantized_experts_cache_on_and_off_bit_identical(moe_ggufs, cache):
+    path = moe_ggufs("Q4_K_M")
+    prompts = shared_prefix_prompts(5, vocab=VOCAB, count=4)
+    on = _greedy(path, prompts, cache_dir=str(cache))
+    assert _greedy(path, prompts, cache_dir=str(cache), enable_prefix_caching=False) == on
+
+
+def test_gguf_expert_width_is_read_from_the_file(tmp_path, cache):
+    path = write_tiny_moe_gguf(tmp_path / "narrow.gguf", "Q8_0", moe_intermediate_size=MOE_NARROW)
+    assert load_model_config(str(path), str(cache)).moe.moe_intermediate_size == MOE_NARROW
+    loaded = _load(path, "auto", cache)
+    assert loaded.model.layers[0].mlp.experts.gate_up[0].out_features == 2 * MOE_NARROW
+    logits = Stepper(loaded, [SEQUENCE]).step({0: len(SEQUENCE)})[0]
+    assert torch.isfinite(logits).all()
