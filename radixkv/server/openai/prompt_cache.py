@@ -23,6 +23,7 @@ from radixkv.server.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     PromptCacheBreakpoint,
+    PromptCacheOptions,
 )
 from radixkv.server.openai.responses_protocol import ResponsesRequest
 from radixkv.server.streaming import collect, submit, until_disconnect
