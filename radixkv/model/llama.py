@@ -171,10 +171,14 @@ def _gemma3_config(hf_config: Any) -> ModelConfig:
     )
 
 
+# Other names configs give the same forward (a converted GGUF's Gemma 3 names its text model).
+_ARCH_ALIASES = {"Gemma3TextForCausalLM": "Gemma3ForCausalLM"}
+
+
 def _architecture(hf_config: Any) -> str:
     architectures = getattr(hf_config, "architectures", None) or []
     if architectures:
-        return architectures[0]
+        return _ARCH_ALIASES.get(architectures[0], architectures[0])
     model_type = getattr(hf_config, "model_type", "?")
     return _ARCH_BY_MODEL_TYPE.get(model_type, f"model_type={model_type!r}")
 
