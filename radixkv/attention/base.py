@@ -119,6 +119,11 @@ class AttentionBackend(Generic[StateT]):
     to q's dtype; int8 caches come with k_scales, v_scales [num_pages, page_size, num_kv_heads].
     Returns [T, num_q_heads, head_dim]. store_kv, extend, decode and forward read meta.state,
     which prepare() made for this step (StateT: this backend's own state class).
+
+    window: the layer's sliding window, W keys a query sees counting itself (a query at position
+    p attends to keys p - W + 1 .. p); None attends to every key. A per-call argument, so one
+    step's layers (later: their layer groups) may each pass their own. Every token's KV is still
+    in the pages; a window only masks.
     """
 
     name = "base"  # for messages and logs only: callers decide by capabilities
@@ -161,6 +166,7 @@ class AttentionBackend(Generic[StateT]):
         scale: float,
         k_scales: torch.Tensor | None = None,
         v_scales: torch.Tensor | None = None,
+        window: int | None = None,
     ) -> torch.Tensor:
         raise NotImplementedError
 
@@ -173,6 +179,7 @@ class AttentionBackend(Generic[StateT]):
         scale: float,
         k_scales: torch.Tensor | None = None,
         v_scales: torch.Tensor | None = None,
+        window: int | None = None,
     ) -> torch.Tensor:
         raise NotImplementedError
 
@@ -187,8 +194,9 @@ class AttentionBackend(Generic[StateT]):
         scale: float,
         k_scales: torch.Tensor | None = None,
         v_scales: torch.Tensor | None = None,
+        window: int | None = None,
     ) -> torch.Tensor:
         self.store_kv(k, v, k_cache, v_cache, meta, k_scales, v_scales)
         if meta.is_decode_only:
-            return self.decode(q, k_cache, v_cache, meta, scale, k_scales, v_scales)
-        return self.extend(q, k, v, k_cache, v_cache, meta, scale, k_scales, v_scales)
+            return self.decode(q, k_cache, v_cache, meta, scale, k_scales, v_scales, window)
+        return self.extend(q, k, v, k_cache, v_cache, meta, scale, k_scales, v_scales, window)

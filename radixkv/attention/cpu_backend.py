@@ -157,33 +157,37 @@ class CPUBackend(AttentionBackend[CPUStepState]):
         scale: float,
         k_scales: torch.Tensor | None = None,
         v_scales: torch.Tensor | None = None,
+        window: int | None = None,
     ) -> torch.Tensor:
         state = meta.state
         if not state.kernel or not decode.pages_fit(q.dtype, k_cache):
             reference = self._reference(meta, k_cache, q.shape[1])
-            return torch_backend.reference_extend(q, k_cache, v_cache, meta, reference, scale, k_scales, v_scales)
+            return torch_backend.reference_extend(q, k_cache, v_cache, meta, reference, scale, k_scales, v_scales, window)
         q = _rows_side_by_side(q)
         if meta.batch_invariant:  # each row as its own request: the kernel's rows are independent
             tables = state.row_by_row
             return decode.paged_decode(
-                q, k_cache, v_cache, tables.page_table, tables.seq_lens, scale, check=False, k_scales=k_scales, v_scales=v_scales
-            )
+                q, k_cache, v_cache, tables.page_table, tables.seq_lens, scale, check=False, k_scales=k_scales, v_scales=v_scales,
+                window=window,
+            )  # fmt: skip
         out = torch.empty(q.shape, dtype=q.dtype)
         rows = state.decode_rows
         if rows is not None:  # requests decoding beside a prefill: one kernel call for all
             decode.paged_decode(
-                q, k_cache, v_cache, rows.page_table, rows.seq_lens, scale, rows=rows.rows, out=out, check=False, plan=rows.plan,
-                k_scales=k_scales, v_scales=v_scales,
+                q, k_cache, v_cache, rows.page_table, rows.seq_lens, scale, rows=rows.rows, out=out, check=False,
+                plan=_plan_for(rows.plan, window), k_scales=k_scales, v_scales=v_scales, window=window,
             )  # fmt: skip
         requests = state.extend_rows
         if requests is None or q.dtype != k_cache.dtype:
             torch_backend.extend_requests(
-                q, k_cache, v_cache, meta, scale, out, skip_one_token=rows is not None, k_scales=k_scales, v_scales=v_scales
-            )
+                q, k_cache, v_cache, meta, scale, out, skip_one_token=rows is not None, k_scales=k_scales, v_scales=v_scales,
+                window=window,
+            )  # fmt: skip
         elif len(requests.q_lens):
             extend.paged_extend(
-                q, k_cache, v_cache, requests.page_table, requests.seq_lens, requests.q_starts, requests.q_lens, scale, out
-            )
+                q, k_cache, v_cache, requests.page_table, requests.seq_lens, requests.q_starts, requests.q_lens, scale, out,
+                window,
+            )  # fmt: skip
         return out
 
     def decode(
@@ -195,15 +199,16 @@ class CPUBackend(AttentionBackend[CPUStepState]):
         scale: float,
         k_scales: torch.Tensor | None = None,
         v_scales: torch.Tensor | None = None,
+        window: int | None = None,
     ) -> torch.Tensor:
         state = meta.state
         if not state.kernel or not decode.pages_fit(q.dtype, k_cache):
             reference = self._reference(meta, k_cache, q.shape[1])
-            return torch_backend.reference_decode(q, k_cache, v_cache, meta, reference, scale, k_scales, v_scales)
+            return torch_backend.reference_decode(q, k_cache, v_cache, meta, reference, scale, k_scales, v_scales, window)
         # Rows are independent in the kernel, so batch-invariant decode steps take it too.
         return decode.paged_decode(
-            _rows_side_by_side(q), k_cache, v_cache, state.page_table, state.seq_lens, scale, check=False, plan=state.plan,
-            k_scales=k_scales, v_scales=v_scales,
+            _rows_side_by_side(q), k_cache, v_cache, state.page_table, state.seq_lens, scale, check=False,
+            plan=_plan_for(state.plan, window), k_scales=k_scales, v_scales=v_scales, window=window,
         )  # fmt: skip
 
     def _reference(self, meta: AttentionMetadata[CPUStepState], k_cache: torch.Tensor, num_q_heads: int) -> TorchStepState:
@@ -211,6 +216,13 @@ class CPUBackend(AttentionBackend[CPUStepState]):
         else built here (a compute dtype whose pages no kernel reads, known only once q is)."""
         state = meta.state
         return state.reference if state.reference is not None else self.reference.prepare(meta, k_cache, num_q_heads)
+
+
+def _plan_for(plan: torch.Tensor | None, window: int | None) -> torch.Tensor | None:
+    """The step's cascade plan for a layer: none for a window layer, whose requests read only
+    their last W keys (a group's shared prefix may lie outside a member's window). The step's
+    KVReads still count the full layers' reads."""
+    return plan if window is None else None
 
 
 def _rows_side_by_side(q: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ whole batch's pages once into one masked SDPA call. No native code runs here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +32,17 @@ class TorchStepState:
     decode_bias: torch.Tensor | None
     row_by_row: RowByRow | None  # batch-invariant steps only
     kv_reads: KVReads | None = None  # the reference does not count its reads
+    # Decode-only steps: the additive mask of each sliding window the step's layers use, made
+    # on the first layer that asks (decode_bias is every key's).
+    window_biases: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def decode_bias_for(self, meta: AttentionMetadata, window: int | None) -> torch.Tensor:
+        if window is None:
+            assert self.decode_bias is not None
+            return self.decode_bias
+        if window not in self.window_biases:
+            self.window_biases[window] = decode_gather_inputs(meta, self.decode_bias.dtype, window)[1]
+        return self.window_biases[window]
 
     def decode_tables(self) -> DecodeTables | None:
         return None  # its decode is torch's: no native step may take its place
@@ -75,8 +86,9 @@ class TorchBackend(AttentionBackend[TorchStepState]):
         scale: float,
         k_scales: torch.Tensor | None = None,
         v_scales: torch.Tensor | None = None,
+        window: int | None = None,
     ) -> torch.Tensor:
-        return reference_extend(q, k_cache, v_cache, meta, meta.state, scale, k_scales, v_scales)
+        return reference_extend(q, k_cache, v_cache, meta, meta.state, scale, k_scales, v_scales, window)
 
     def decode(
         self,
@@ -87,30 +99,32 @@ class TorchBackend(AttentionBackend[TorchStepState]):
         scale: float,
         k_scales: torch.Tensor | None = None,
         v_scales: torch.Tensor | None = None,
+        window: int | None = None,
     ) -> torch.Tensor:
-        return reference_decode(q, k_cache, v_cache, meta, meta.state, scale, k_scales, v_scales)
+        return reference_decode(q, k_cache, v_cache, meta, meta.state, scale, k_scales, v_scales, window)
 
 
 def reference_extend(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, state: TorchStepState, scale: float,
-    k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
+    k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None, window: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Extend attention over the pages (the step's own KV is stored already)."""
     if meta.batch_invariant:
-        return attend_row_by_row(q, k_cache, v_cache, state.row_by_row, scale, k_scales, v_scales)
+        return attend_row_by_row(q, k_cache, v_cache, state.row_by_row, scale, k_scales, v_scales, window)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    extend_requests(q, k_cache, v_cache, meta, scale, out, k_scales=k_scales, v_scales=v_scales)
+    extend_requests(q, k_cache, v_cache, meta, scale, out, k_scales=k_scales, v_scales=v_scales, window=window)
     return out
 
 
 def reference_decode(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, state: TorchStepState, scale: float,
-    k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
+    k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None, window: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Decode attention, one query row per request."""
     if meta.batch_invariant:  # padding to the longest request would change the reduction
-        return attend_row_by_row(q, k_cache, v_cache, state.row_by_row, scale, k_scales, v_scales)
-    return decode_gathered(q, k_cache, v_cache, meta.num_seqs, state.decode_pages, state.decode_bias, scale, k_scales, v_scales)
+        return attend_row_by_row(q, k_cache, v_cache, state.row_by_row, scale, k_scales, v_scales, window)
+    bias = state.decode_bias_for(meta, window)
+    return decode_gathered(q, k_cache, v_cache, meta.num_seqs, state.decode_pages, bias, scale, k_scales, v_scales)
 
 
 def store_by_index_copy(
@@ -154,6 +168,7 @@ def extend_requests(
     skip_one_token: bool = False,
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> None:
     """Each request's rows of out: its KV gathered through its page table, one SDPA call per
     request. skip_one_token leaves the rows of one-token requests to a caller that has them."""
@@ -163,13 +178,13 @@ def extend_requests(
         if q_len > 1 or not skip_one_token:
             keys = _gather(k_cache, meta.page_table[b], seq_len, k_scales, q.dtype)
             values = _gather(v_cache, meta.page_table[b], seq_len, v_scales, q.dtype)
-            out[start:end] = _attend(q[start:end], keys, values, seq_len - q_len, scale)
+            out[start:end] = _attend(q[start:end], keys, values, seq_len - q_len, scale, window)
         start = end
 
 
 def attend_row_by_row(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: RowByRow, scale: float,
-    k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
+    k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None, window: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Each query row attends to the keys up to its own position as if it were decoding, so its
     result cannot depend on the other rows or on how its prefix was computed (the KV of this
@@ -179,16 +194,22 @@ def attend_row_by_row(
         page_row = tables.page_table[row]
         keys = _gather(k_cache, page_row, seq_len, k_scales, q.dtype)
         values = _gather(v_cache, page_row, seq_len, v_scales, q.dtype)
-        out[row : row + 1] = _attend(q[row : row + 1], keys, values, seq_len - 1, scale)
+        out[row : row + 1] = _attend(q[row : row + 1], keys, values, seq_len - 1, scale, window)
     return out
 
 
-def decode_gather_inputs(meta: AttentionMetadata, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flat page indices [B * P] and an additive mask [B, 1, 1, P * page_size] for decode_gathered."""
+def decode_gather_inputs(
+    meta: AttentionMetadata, dtype: torch.dtype, window: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat page indices [B * P] and an additive mask [B, 1, 1, P * page_size] for decode_gathered
+    (with a window, keys before each request's last `window` masked too)."""
     num_pages = -(-meta.max_seq_len // meta.page_size)
     pages = meta.page_table[:, :num_pages].reshape(-1).long()
     key_pos = torch.arange(num_pages * meta.page_size, device=pages.device)
-    visible = key_pos[None, :] < meta.seq_lens.to(pages.device)[:, None]
+    seq_lens = meta.seq_lens.to(pages.device)[:, None]
+    visible = key_pos[None, :] < seq_lens
+    if window is not None:
+        visible &= key_pos[None, :] >= seq_lens - window
     bias = torch.zeros(visible.shape, dtype=dtype, device=pages.device).masked_fill_(~visible, float("-inf"))
     return pages, bias[:, None, None, :]
 
@@ -240,18 +261,21 @@ def _gather(cache: torch.Tensor, pages: torch.Tensor, seq_len: int, scales: torc
 
 
 def _attend(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, prefix_len: int, scale: float
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, prefix_len: int, scale: float, window: int | None = None
 ) -> torch.Tensor:
-    """Attention of q_len queries at positions prefix_len.. over kv_len keys, causally."""
+    """Attention of q_len queries at positions prefix_len.. over kv_len keys, causally (and each
+    over its last `window` keys only, where given)."""
     q_len, kv_len = q.shape[0], keys.shape[0]
     # [1, heads, len, head_dim]: with a batch dimension PyTorch's CPU flash kernel runs; 3-D
     # inputs fall back to the math path, several times slower on long prompts.
     qt, kt, vt = (x.transpose(0, 1).unsqueeze(0) for x in (q, keys, values))
-    if prefix_len == 0:
+    if prefix_len == 0 and (window is None or window >= kv_len):
         out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True)
     else:
         query_pos = torch.arange(prefix_len, prefix_len + q_len, device=q.device)
         key_pos = torch.arange(kv_len, device=q.device)
         mask = key_pos[None, :] <= query_pos[:, None]
+        if window is not None:
+            mask &= key_pos[None, :] > query_pos[:, None] - window
         out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=True)
     return out.squeeze(0).transpose(0, 1)

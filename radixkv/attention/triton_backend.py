@@ -116,14 +116,15 @@ class TritonBackend(AttentionBackend[TritonStepState]):
         scale: float,
         k_scales: torch.Tensor | None = None,
         v_scales: torch.Tensor | None = None,
+        window: int | None = None,
     ) -> torch.Tensor:
         state = meta.state
         _check_rows(q, meta)
         if state.reference is not None:
-            return torch_backend.reference_extend(q, k_cache, v_cache, meta, state.reference, scale, k_scales, v_scales)
+            return torch_backend.reference_extend(q, k_cache, v_cache, meta, state.reference, scale, k_scales, v_scales, window)
         return extend_attention(
             q, k, v, k_cache, v_cache, state.cu_q_lens, state.seq_lens, state.page_table, meta.max_q_len, scale,
-            k_scales=k_scales, v_scales=v_scales,
+            k_scales=k_scales, v_scales=v_scales, window=window,
         )  # fmt: skip
 
     def decode(
@@ -135,16 +136,19 @@ class TritonBackend(AttentionBackend[TritonStepState]):
         scale: float,
         k_scales: torch.Tensor | None = None,
         v_scales: torch.Tensor | None = None,
+        window: int | None = None,
     ) -> torch.Tensor:
         if any(n != 1 for n in meta.q_lens_list):
             raise ValueError("decode needs exactly one new token per request; use extend")
         state = meta.state
         _check_rows(q, meta)
         if state.reference is not None:
-            return torch_backend.reference_decode(q, k_cache, v_cache, meta, state.reference, scale, k_scales, v_scales)
+            return torch_backend.reference_decode(q, k_cache, v_cache, meta, state.reference, scale, k_scales, v_scales, window)
+        # A window layer decodes without the step's cascade groups: a group's shared prefix may
+        # lie outside a member's window (the step's KVReads count the full layers' reads).
         return paged_decode(
-            q, k_cache, v_cache, state.seq_lens, state.page_table, meta.max_seq_len, scale, groups=state.groups,
-            k_scales=k_scales, v_scales=v_scales,
+            q, k_cache, v_cache, state.seq_lens, state.page_table, meta.max_seq_len, scale,
+            groups=state.groups if window is None else None, k_scales=k_scales, v_scales=v_scales, window=window,
         )  # fmt: skip
 
     @staticmethod

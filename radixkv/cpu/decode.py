@@ -118,6 +118,7 @@ def paged_decode(
     plan: torch.Tensor | None = None,
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attention of one query per request over its paged KV, without copying the KV.
 
@@ -129,7 +130,11 @@ def paged_decode(
     same tables (None: every request reads all its keys itself). Pages in another dtype than q
     (pages_fit: bf16 or int8 under fp32, int8 under bf16) are widened on load, int8 times k_scales, v_scales
     ([num_pages, page_size, num_kv_heads] fp32); cascade groups widen each shared chunk once.
+    window: a sliding window, each request attending to its last `window` keys only (never with
+    a plan: a group's shared keys may fall out of a member's window).
     """
+    if window is not None and plan is not None:
+        raise ValueError("a sliding window decodes without cascade groups (plan=None)")
     library = load()
     assert library is not None, "call supports() first"
     num_seqs = seq_lens.shape[0]
@@ -148,12 +153,12 @@ def paged_decode(
         if widened:
             check_scales(k_cache, k_scales, v_scales)
     plan_pointer = plan.data_ptr() if plan is not None else None
-    work = torch.empty(max(work_floats(seq_lens, plan, num_q_heads, head_dim), 1), dtype=torch.float32)
+    work = torch.empty(max(work_floats(seq_lens, plan, num_q_heads, head_dim, window), 1), dtype=torch.float32)
     args = (
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
         page_table.data_ptr(), page_table.stride(0), seq_lens.data_ptr(),
         rows.data_ptr() if rows is not None else None, num_seqs, num_q_heads, num_kv_heads, head_dim,
-        page_size, scale, out.data_ptr(), work.data_ptr(), plan_pointer, torch.get_num_threads(),
+        page_size, scale, out.data_ptr(), work.data_ptr(), plan_pointer, torch.get_num_threads(), window or 0,
     )  # fmt: skip
     if widened:
         assert q.dtype in _WIDENING, "call pages_fit() first"
@@ -172,10 +177,14 @@ def paged_decode(
     return out
 
 
-def work_floats(seq_lens: torch.Tensor, plan: torch.Tensor | None, num_q_heads: int, head_dim: int) -> int:
-    """Floats of softmax state the kernel needs for these lengths and plan."""
+def work_floats(
+    seq_lens: torch.Tensor, plan: torch.Tensor | None, num_q_heads: int, head_dim: int, window: int | None = None
+) -> int:
+    """Floats of softmax state the kernel needs for these lengths, plan and window."""
     plan_pointer = plan.data_ptr() if plan is not None else None
-    return load().radixkv_decode_work_floats(seq_lens.data_ptr(), seq_lens.shape[0], plan_pointer, num_q_heads, head_dim)
+    return load().radixkv_decode_work_floats(
+        seq_lens.data_ptr(), seq_lens.shape[0], plan_pointer, num_q_heads, head_dim, window or 0
+    )
 
 
 # Who decodes as a cascade group on CPU. A shared item transposes and pairs its keys and values

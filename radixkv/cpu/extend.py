@@ -45,11 +45,13 @@ def paged_extend(
     q_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor,
+    window: int | None = None,
 ) -> None:
     """Rows q_starts[b] .. q_starts[b] + q_lens[b] of out: request b's new tokens (the last
     q_lens[b] of its seq_lens[b]) over its KV, causally. q and out: [T, num_q_heads, head_dim],
     heads side by side in each row, rows may be strided; int32 contiguous tables, checked by the
-    caller (decode.check_tables and check_rows); fits() said yes for these shapes."""
+    caller (decode.check_tables and check_rows); fits() said yes for these shapes. window: a
+    sliding window, the token at position p attending to keys p - window + 1 .. p only."""
     library = load()
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -57,6 +59,7 @@ def paged_extend(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), page_table.data_ptr(),
         page_table.stride(0), seq_lens.data_ptr(), q_starts.data_ptr(), q_lens.data_ptr(), seq_lens.shape[0],
         num_q_heads, num_kv_heads, head_dim, page_size, scale, out.data_ptr(), out.stride(0), torch.get_num_threads(),
+        window or 0,
     )  # fmt: skip
     if status == 2:
         raise MemoryError("prefill attention could not allocate its work buffers")

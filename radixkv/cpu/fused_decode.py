@@ -105,6 +105,8 @@ class FusedDecode:
         fits = (
             library is not None
             and not config.qk_norm
+            and not config.gemma_norms
+            and not any(window is not None for window in config.layer_windows)  # the C loop passes no window
             and dtype_source is not None
             and dtype_source.dtype in dtypes
             and dtype_source.device.type == "cpu"

@@ -1,7 +1,8 @@
 """Triton extend attention: a ragged batch of new query tokens over each request's paged prefix.
 
 Request b's new tokens attend to its prefix (read through its page table, no causal mask) and
-causally to each other (read from the step's contiguous k/v). All query heads of one KV head are
+causally to each other (read from the step's contiguous k/v); with a sliding window of W keys a
+query also sees none before its last W. All query heads of one KV head are
 packed into the rows of one program, so each KV tile is loaded once per group, not once per head.
 """
 
@@ -17,6 +18,7 @@ import triton.language as tl
 from radixkv.kernels.store_kv import quantize_rows
 
 LOG2E = 1.4426950408889634
+NO_WINDOW = 2**30  # the kernels' window for "every key": past any sequence, far from int32's end
 
 
 def on_interpreter() -> bool:
@@ -59,6 +61,7 @@ def _extend_kernel(
     k_scale_ptr,
     v_scale_ptr,
     num_kv_heads,
+    window,  # keys a query sees counting itself; 2**30 stands for no window
     BLOCK_Q: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -101,10 +104,12 @@ def _extend_kernel(
         table_row = page_table_ptr + req.to(tl.int64) * stride_table
         head_offset = kv_head.to(tl.int64) * stride_cache_head
 
-        # The cached prefix: every query sees all of it, so only the length bound masks.
-        for start in range(0, prefix_len, BLOCK_N):
+        # The cached prefix: without a window every query sees all of it; with one, from the
+        # tile's first query's first key on, each query masked to its own window.
+        for start in range(tl.maximum(prefix_len + tile_start - window + 1, 0), prefix_len, BLOCK_N):
             pos = start + offs_n
             key_valid = pos < prefix_len
+            in_window = key_valid[None, :] & (prefix_len + q_idx[:, None] - pos[None, :] < window)
             page = tl.load(table_row + pos // page_size, mask=key_valid, other=0).to(tl.int64)
             slot = page * page_size + (pos % page_size)
             kv_offsets = slot[:, None] * stride_cache_slot + head_offset + dims[None, :]
@@ -115,7 +120,7 @@ def _extend_kernel(
                 k = k.to(tl.float32) * tl.load(k_scale_ptr + scale_at, mask=key_valid, other=0.0)[:, None]
             k = k.to(q.dtype)
             scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2
-            scores = tl.where(key_valid[None, :], scores, float("-inf"))
+            scores = tl.where(in_window, scores, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, 1))
             # A row with no visible key yet keeps max -inf; subtracting 0 instead avoids inf - inf.
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -147,7 +152,7 @@ def _extend_kernel(
                 k = k * k_scale[:, None]
             k = k.to(k_cache_ptr.dtype.element_ty).to(q.dtype) if not QUANT else k.to(q.dtype)
             scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2
-            visible = key_valid[None, :] & (key_idx[None, :] <= q_idx[:, None])
+            visible = key_valid[None, :] & (key_idx[None, :] <= q_idx[:, None]) & (q_idx[:, None] - key_idx[None, :] < window)
             scores = tl.where(visible, scores, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -216,8 +221,10 @@ def extend_attention(
     config: ExtendConfig | None = None,
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attention of q ([T, Hq, D]) over each request's paged prefix plus, causally, its new k/v
+    (window: each query over its last `window` keys only)
     (rounded as store_kv stores them: through the pages' dtype, int8 quantized per row). int8
     pages come with k_scales, v_scales ([P, page_size, Hkv] fp32).
 
@@ -282,6 +289,7 @@ def extend_attention(
         k_scales if quant else k_slots,  # unread unless QUANT
         v_scales if quant else v_slots,
         num_kv_heads,
+        window or NO_WINDOW,
         BLOCK_Q=block_q,
         GROUP_PAD=group_pad,
         BLOCK_N=max(cfg.block_n, 16),

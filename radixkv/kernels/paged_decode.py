@@ -361,8 +361,10 @@ def paged_decode(
     groups: CascadeGroups | None = None,
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Attention of one query per request (q: [B, Hq, D]) over its first seq_lens[b] cached tokens.
+    """Attention of one query per request (q: [B, Hq, D]) over its first seq_lens[b] cached tokens
+    (window: its last `window` of them only, never with groups).
     Pages may be stored in another dtype (widened to q's on load); int8 pages come with
     k_scales, v_scales ([P, page_size, Hkv] fp32).
 
@@ -402,9 +404,12 @@ def paged_decode(
     slots = num_splits + shared_splits
     part_out = torch.empty(num_seqs, num_q_heads, slots, head_dim, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(num_seqs, num_q_heads, slots, dtype=torch.float32, device=q.device)
+    assert window is None or not shared_splits, "a window layer decodes without cascade groups"
     if shared_splits:
         part_lse[:, :, num_splits:] = float("-inf")  # the merge skips slots no group writes
         own_begin = groups.own_begin
+    elif window is not None:  # where each request's own keys start is where its window starts
+        own_begin = (seq_lens - window).clamp(min=0).to(torch.int32)
     else:
         own_begin = torch.zeros(num_seqs, dtype=torch.int32, device=q.device)
     k_slots = k_cache.view(-1, num_kv_heads, head_dim)

@@ -26,11 +26,13 @@ class FusedDecodeLayers(DecoderLayers):
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata, k_caches: list[Tensor], v_caches: list[Tensor],
         k_scales: list[Tensor] | None = None, v_scales: list[Tensor] | None = None,
+        local_rope: tuple[Tensor, Tensor] | None = None,
     ) -> tuple[Tensor, Tensor]:  # fmt: skip
         # Pages in another dtype than the compute dtype that the fused step does not read (it
         # reads bf16 and int8 pages under fp32) take the layer loop, whose backend widens them.
-        if self.fused is None or not self.fused.takes_pages(x.dtype, k_caches[0]):
-            return super().forward(x, cos, sin, meta, k_caches, v_caches, k_scales, v_scales)
+        # A second RoPE (window layers' own base) is one the native loop does not take.
+        if self.fused is None or local_rope is not None or not self.fused.takes_pages(x.dtype, k_caches[0]):
+            return super().forward(x, cos, sin, meta, k_caches, v_caches, k_scales, v_scales, local_rope)
         # One new token per request: a request with none this step has no row to decode.
         tables = meta.state.decode_tables() if meta.is_decode_only and meta.num_seqs == x.shape[0] else None
         if tables is None:

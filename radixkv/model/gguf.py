@@ -25,7 +25,10 @@ FLOAT_TYPES = ("F32", "F16", "BF16")
 # llama.cpp permutes q/k rows of these architectures for its rope layout (transformers'
 # LlamaTensorProcessor undoes it for "llama" only).
 _PERMUTED_ARCHITECTURES = ("llama",)
-_SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3moe")
+_SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3moe", "gemma3")
+# llama.cpp stores Gemma's norm weights as 1 + w (its norm multiplies by the stored weight);
+# transformers' Gemma3RMSNorm takes w, so w = stored - 1 in fp32 as transformers' loader computes.
+_UNIT_OFFSET_NORM_ARCHITECTURES = ("gemma3",)
 
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -49,6 +52,13 @@ _BLOCK_NAMES = {
 # Experts stacked in one 3-D tensor [experts, rows, inputs] (torch order): each expert's matrix is
 # one contiguous run of the file's blocks, listed as its own tensor under transformers' names.
 _EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+# Gemma's four norms a layer: ffn_norm is the MLP's input norm there too, the others its own.
+_GEMMA_BLOCK_NAMES = {
+    **_BLOCK_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 # Tensors llama.cpp stores that transformers' models compute themselves (llama3 rope factors).
 _SKIPPED = ("rope_freqs.weight",)
 # Values converted at once by GGUFFile.quantized: bounds its temporaries (fp32 copies and the like).
@@ -104,7 +114,7 @@ class GGUFFile:
                 self._check_within(raw, size)
                 self.tensors.update((t.name, t) for t in expert_tensors(raw))
                 continue
-            name = hf_name(raw.name)
+            name = hf_name(raw.name, self.architecture)
             if name is None:
                 raise GGUFError(f"{str(self.path)!r} holds tensor {raw.name!r}, which radixkv does not know")
             self._check_within(raw, size)
@@ -161,6 +171,8 @@ class GGUFFile:
         except NotImplementedError as exc:
             raise GGUFError(f"tensor {info.gguf_name!r} of {str(self.path)!r} is {info.type_name}, which cannot be dequantized here") from exc
         values = np.asarray(values, dtype=np.float32).reshape(info.shape)
+        if self.architecture in _UNIT_OFFSET_NORM_ARCHITECTURES and info.name.endswith("norm.weight"):
+            values = values - np.float32(1.0)
         if info.permute_heads is not None:
             values = values[row_permutation(info.shape[0], info.permute_heads)]
         return torch.from_numpy(np.ascontiguousarray(values))
@@ -225,15 +237,16 @@ class GGUFFile:
         return result
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """transformers' name for a Llama-family GGUF tensor name, None if unknown."""
+def hf_name(gguf_name: str, architecture: str = "llama") -> str | None:
+    """transformers' name for a Llama-family (or Gemma 3) GGUF tensor name, None if unknown."""
     base, _, suffix = gguf_name.rpartition(".")
     if base in _GLOBAL_NAMES and suffix in ("weight", "bias"):
         return f"{_GLOBAL_NAMES[base]}.{suffix}"
+    names = _GEMMA_BLOCK_NAMES if architecture == "gemma3" else _BLOCK_NAMES
     match = _BLOCK.match(gguf_name)
-    if match is None or match.group(2) not in _BLOCK_NAMES:
+    if match is None or match.group(2) not in names:
         return None
-    return f"model.layers.{match.group(1)}.{_BLOCK_NAMES[match.group(2)]}.{match.group(3)}"
+    return f"model.layers.{match.group(1)}.{names[match.group(2)]}.{match.group(3)}"
 
 
 def read_scalars(path: str | Path) -> dict[str, int | float | bool]:

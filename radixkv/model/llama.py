@@ -1,17 +1,21 @@
-"""The Llama-family forward (Llama, Mistral, Qwen2, Qwen3) over one flat batch of tokens.
+"""The Llama-family forward (Llama, Mistral, Qwen2, Qwen3, Gemma 3) over one flat batch of tokens.
 
 gpt-fast style: a config record, RMSNorm, RoPE, attention, MLP, decoder layer, model. Attention
 itself is the backend's; this file only projects q/k/v and hands them over with the page caches.
+Gemma 3 is the same forward with options: a scaled embedding, (1 + w) norms around each block,
+GeGLU, a sliding window and its own RoPE base on local layers, a softcap on the logits.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from radixkv.attention.base import AttentionBackend, AttentionMetadata
@@ -20,7 +24,9 @@ from radixkv.model.row_ops import add_rms_norm, apply_rope, rms_norm, silu_mul
 if TYPE_CHECKING:
     from radixkv.model.moe import MoEConfig
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM",
+)  # fmt: skip
 # Architectures whose MLPs are (partly) routed experts (radixkv.model.moe).
 _MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
@@ -32,6 +38,8 @@ _ARCH_BY_MODEL_TYPE = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
 # Weights some checkpoints carry that the forward recomputes.
 _IGNORED_WEIGHT_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -61,6 +69,17 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     attention_out_bias: bool = False  # bias on o_proj (Llama/Qwen3 with attention_bias; not Qwen2)
     moe: MoEConfig | None = None  # routed experts (Qwen3-MoE): their shape and which layers have them
+    # Gemma 3's options (the defaults are Llama's).
+    hidden_act: str = "silu"  # or "gelu_tanh": GeGLU with the tanh approximation
+    gemma_norms: bool = False  # RMSNorm times (1 + w) in fp32; norms after attention and MLP too
+    embed_scale: float | None = None  # embeddings times this (sqrt(hidden_size)) in the model dtype
+    attention_scale: float | None = None  # q.k scale when not head_dim ** -0.5 (query_pre_attn_scalar)
+    layer_windows: tuple[int | None, ...] = ()  # per layer: its sliding window W, None: every key
+    local_rope_theta: float | None = None  # RoPE base of the window layers (default rope) when set
+    final_logit_softcap: float | None = None  # logits = cap * tanh(logits / cap)
+
+    def window(self, layer: int) -> int | None:
+        return self.layer_windows[layer] if self.layer_windows else None
 
     @property
     def rope_type(self) -> str:
@@ -74,6 +93,8 @@ class ModelConfig:
             raise UnsupportedModel(
                 f"architecture {architecture!r} is not supported; radixkv runs {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        if architecture == "Gemma3ForCausalLM":
+            return _gemma3_config(hf_config)
         if getattr(hf_config, "hidden_act", "silu") != "silu":
             raise UnsupportedModel(f"{architecture} with hidden_act={hf_config.hidden_act!r}: only 'silu' is supported")
         if getattr(hf_config, "mlp_bias", False):
@@ -113,10 +134,64 @@ class ModelConfig:
         )
 
 
+def _gemma3_config(hf_config: Any) -> ModelConfig:
+    """Gemma 3's text model: Llama's fields from the same config, then its own options."""
+    if getattr(hf_config, "hidden_activation", "gelu_pytorch_tanh") not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise UnsupportedModel(f"Gemma3 with hidden_activation={hf_config.hidden_activation!r} is not supported")
+    if getattr(hf_config, "attn_logit_softcapping", None) is not None:
+        raise UnsupportedModel("Gemma3 with attn_logit_softcapping is not supported (no Gemma 3 checkpoint sets it)")
+    if getattr(hf_config, "use_bidirectional_attention", False):
+        raise UnsupportedModel("Gemma3 with use_bidirectional_attention is not supported")
+    layer_types = list(hf_config.layer_types)
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    global_rope, local_rope = params.get("full_attention") or {}, params.get("sliding_attention") or {}
+    if local_rope.get("rope_type", "default") != "default":
+        raise UnsupportedModel(f"Gemma3 local layers with rope type {local_rope['rope_type']!r} are not supported")
+
+    class GlobalLayers:  # the config as _rope_parameters reads it: the global layers' rope
+        rope_parameters = global_rope
+        max_position_embeddings = hf_config.max_position_embeddings
+        rope_theta = getattr(hf_config, "rope_theta", 1_000_000.0)
+
+    rope_theta, rope_scaling = _rope_parameters(GlobalLayers)
+    window = hf_config.sliding_window
+    head_dim = hf_config.head_dim
+    return ModelConfig(
+        architecture="Gemma3ForCausalLM",
+        vocab_size=hf_config.vocab_size,
+        hidden_size=hf_config.hidden_size,
+        intermediate_size=hf_config.intermediate_size,
+        num_layers=hf_config.num_hidden_layers,
+        num_q_heads=hf_config.num_attention_heads,
+        num_kv_heads=hf_config.num_key_value_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(hf_config.rms_norm_eps),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        max_position_embeddings=hf_config.max_position_embeddings,
+        tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", True)),
+        attention_bias=bool(getattr(hf_config, "attention_bias", False)),
+        qk_norm=True,
+        eos_token_ids=_as_ids(getattr(hf_config, "eos_token_id", None)),
+        attention_out_bias=bool(getattr(hf_config, "attention_bias", False)),
+        hidden_act="gelu_tanh",
+        gemma_norms=True,
+        embed_scale=hf_config.hidden_size**0.5,
+        attention_scale=float(hf_config.query_pre_attn_scalar) ** -0.5,
+        layer_windows=tuple(window if kind == "sliding_attention" else None for kind in layer_types),
+        local_rope_theta=float(local_rope.get("rope_theta", getattr(hf_config, "rope_local_base_freq", 10_000.0))),
+        final_logit_softcap=getattr(hf_config, "final_logit_softcapping", None),
+    )
+
+
+# Other names configs give the same forward (a converted GGUF's Gemma 3 names its text model).
+_ARCH_ALIASES = {"Gemma3TextForCausalLM": "Gemma3ForCausalLM"}
+
+
 def _architecture(hf_config: Any) -> str:
     architectures = getattr(hf_config, "architectures", None) or []
     if architectures:
-        return architectures[0]
+        return _ARCH_ALIASES.get(architectures[0], architectures[0])
     model_type = getattr(hf_config, "model_type", "?")
     return _ARCH_BY_MODEL_TYPE.get(model_type, f"model_type={model_type!r}")
 
@@ -249,22 +324,32 @@ def project(layer: nn.Module, x: Tensor, meta: AttentionMetadata) -> Tensor:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, native: bool = True) -> None:
+    """gemma: Gemma's norm, the normalized fp32 rows times (1 + w) in fp32 and only then cast
+    (Llama casts first and multiplies by w in the model dtype); torch ops on every device."""
+
+    def __init__(self, dim: int, eps: float, native: bool = True, gemma: bool = False) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.zeros(dim) if gemma else torch.ones(dim))
         self.eps = eps
-        self.native = native  # the fused add + norm may run as one native call (bf16 on CPU)
+        self.native = native and not gemma  # the fused add + norm may run as one native call (bf16 on CPU)
+        self.gemma = gemma
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.gemma:
+            x32 = x.float()
+            return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight.float())).to(x.dtype)
         return rms_norm(x, self.weight, self.eps)
 
     def add_and_normalize(self, x: Tensor, delta: Tensor | None) -> tuple[Tensor, Tensor]:
         """(x + delta, norm(x + delta)): a layer's residual add fused with the next norm."""
+        if self.gemma:
+            x = x if delta is None else x + delta
+            return x, self(x)
         return add_rms_norm(x, delta, self.weight, self.eps, native=self.native)
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, native: bool = True) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, native: bool = True, layer: int = 0) -> None:
         super().__init__()
         self.num_q_heads, self.num_kv_heads, self.head_dim = config.num_q_heads, config.num_kv_heads, config.head_dim
         self.q_size, self.kv_size = self.num_q_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -272,12 +357,13 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_out_bias)
         if config.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, gemma=config.gemma_norms)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, gemma=config.gemma_norms)
         self.qk_norm = config.qk_norm
         self.backend = backend
         self.native = native  # rope may run as one native call (bf16 on CPU)
-        self.scale = self.head_dim**-0.5
+        self.scale = config.attention_scale or self.head_dim**-0.5
+        self.window = config.window(layer)  # the backend masks keys older than the window
 
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata, k_cache: Tensor, v_cache: Tensor,
@@ -294,7 +380,7 @@ class Attention(nn.Module):
         else:  # q and k heads side by side: one rotation for both
             qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_q_heads + self.num_kv_heads, self.head_dim)
             q, k = apply_rope(qk, cos, sin, self.native).split([self.num_q_heads, self.num_kv_heads], dim=1)
-        out = self.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale, k_scales, v_scales)
+        out = self.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale, k_scales, v_scales, self.window)
         return project(self.o_proj, out.reshape(num_tokens, self.q_size), meta)
 
 
@@ -302,26 +388,42 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig, native: bool = True) -> None:
         super().__init__()
         self.native = native  # SiLU * up may run as one native call (bf16 on CPU)
+        self.gelu = config.hidden_act == "gelu_tanh"  # GeGLU (Gemma) in place of SwiGLU
         # gate and up fused into one matmul, split after.
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: Tensor, meta: AttentionMetadata) -> Tensor:
-        return project(self.down_proj, silu_mul(project(self.gate_up_proj, x, meta), self.native), meta)
+        gate_up = project(self.gate_up_proj, x, meta)
+        if self.gelu:
+            gate, up = gate_up.chunk(2, dim=-1)
+            return project(self.down_proj, F.gelu(gate, approximate="tanh") * up, meta)
+        return project(self.down_proj, silu_mul(gate_up, self.native), meta)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, native: bool = True, index: int = 0) -> None:
+    """Llama's layer: input norm, attention, post_attention_layernorm (the MLP's input norm), MLP.
+    Gemma's (config.gemma_norms) norms each block's output too, by transformers' names:
+    post_attention_layernorm on attention's, pre_ and post_feedforward_layernorm around the MLP."""
+
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, native: bool = True, layer: int = 0) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, native)
-        self.self_attn = Attention(config, backend, native)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, native)
-        if config.moe is not None and index in config.moe.moe_layers:
+        hidden, eps, gemma = config.hidden_size, config.rms_norm_eps, config.gemma_norms
+        self.input_layernorm = RMSNorm(hidden, eps, native, gemma)
+        self.self_attn = Attention(config, backend, native, layer)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, native, gemma)
+        if config.moe is not None and layer in config.moe.moe_layers:
             from radixkv.model.moe import SparseMoE
 
-            self.mlp: MLP | SparseMoE = SparseMoE(config.hidden_size, config.moe, native)
+            self.mlp: MLP | SparseMoE = SparseMoE(hidden, config.moe, native)
         else:
             self.mlp = MLP(config, native)
+        self.gemma = gemma
+        if gemma:
+            self.pre_feedforward_layernorm = RMSNorm(hidden, eps, native, gemma)
+            self.post_feedforward_layernorm = RMSNorm(hidden, eps, native, gemma)
+        # Window layers rotate by their own RoPE base where the model has one (Gemma's local layers).
+        self.local_rope = config.local_rope_theta is not None and self.self_attn.window is not None
 
     def forward(
         self,
@@ -339,8 +441,12 @@ class DecoderLayer(nn.Module):
         first layer), returns the stream and this layer's MLP output: each residual add is
         fused with the norm after it."""
         x, h = self.input_layernorm.add_and_normalize(x, delta)
-        x, h = self.post_attention_layernorm.add_and_normalize(x, self.self_attn(h, cos, sin, meta, k_cache, v_cache, k_scales, v_scales))
-        return x, self.mlp(h, meta)
+        attended = self.self_attn(h, cos, sin, meta, k_cache, v_cache, k_scales, v_scales)
+        if not self.gemma:
+            x, h = self.post_attention_layernorm.add_and_normalize(x, attended)
+            return x, self.mlp(h, meta)
+        x, h = self.pre_feedforward_layernorm.add_and_normalize(x, self.post_attention_layernorm(attended))
+        return x, self.post_feedforward_layernorm(self.mlp(h, meta))
 
 
 class DecoderLayers(nn.ModuleList):
@@ -351,14 +457,17 @@ class DecoderLayers(nn.ModuleList):
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata, k_caches: list[Tensor], v_caches: list[Tensor],
         k_scales: list[Tensor] | None = None, v_scales: list[Tensor] | None = None,
+        local_rope: tuple[Tensor, Tensor] | None = None,
     ) -> tuple[Tensor, Tensor]:  # fmt: skip
         """(residual stream, last layer's MLP output) after every layer. k_scales, v_scales:
-        each layer's scales of int8 pages (PagePool.k_scales), None for float pages."""
+        each layer's scales of int8 pages (PagePool.k_scales), None for float pages; local_rope:
+        the (cos, sin) of layers with local_rope (Gemma's window layers)."""
         delta = None
         no_scales = [None] * len(k_caches)
         layers = zip(self, k_caches, v_caches, k_scales or no_scales, v_scales or no_scales, strict=True)
         for layer, k_cache, v_cache, k_scale, v_scale in layers:
-            x, delta = layer(x, delta, cos, sin, meta, k_cache, v_cache, k_scale, v_scale)
+            layer_cos, layer_sin = local_rope if layer.local_rope and local_rope is not None else (cos, sin)
+            x, delta = layer(x, delta, layer_cos, layer_sin, meta, k_cache, v_cache, k_scale, v_scale)
         assert delta is not None, "a model has at least one layer"
         return x, delta
 
@@ -374,11 +483,13 @@ class CausalLM(nn.Module):
         self.attention = attention
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = DecoderLayers(DecoderLayer(config, attention, native_kernels, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, native_kernels)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, native_kernels, config.gemma_norms)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rope = RotaryEmbedding(config)
+        local = config.local_rope_theta
+        self.local_rope = None if local is None else RotaryEmbedding(dataclasses.replace(config, rope_theta=local, rope_scaling=None))
 
     def forward(
         self,
@@ -395,12 +506,19 @@ class CausalLM(nn.Module):
         k_scales, v_scales: the pages' scales where they are int8 (PagePool.k_scales)."""
         self.attention.begin_step(meta, k_caches[0], self.config.num_q_heads)
         x = self.embed_tokens(input_ids)
+        if self.config.embed_scale is not None:  # rounded to the model dtype first, as transformers does
+            x = x * torch.tensor(self.config.embed_scale).to(x.dtype)
         cos, sin = self.rope(positions, x.dtype)
-        x, delta = self.layers(x, cos, sin, meta, k_caches, v_caches, k_scales, v_scales)
+        local_rope = None if self.local_rope is None else self.local_rope(positions, x.dtype)
+        x, delta = self.layers(x, cos, sin, meta, k_caches, v_caches, k_scales, v_scales, local_rope)
         # The last add, norm and lm_head only for the rows that are sampled: the vocab
         # projection of every prefill token would cost more than the rest of the forward.
         _, last = self.norm.add_and_normalize(x[logits_indices], delta[logits_indices])
-        return project(self.lm_head, last, meta).float()
+        logits = project(self.lm_head, last, meta)
+        cap = self.config.final_logit_softcap
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
 
     def load_state_dict_hf(self, tensors: Mapping[str, Tensor], modules: Mapping[str, nn.Module] | None = None) -> None:
         """Take weights under transformers' names, fusing q/k/v and gate/up, tying embeddings.
@@ -456,8 +574,9 @@ class CausalLM(nn.Module):
         for i in range(config.num_layers):
             ours, hf = f"layers.{i}.", f"model.layers.{i}."
             attn, mlp = hf + "self_attn.", hf + "mlp."
-            sources[ours + "input_layernorm.weight"] = [hf + "input_layernorm.weight"]
-            sources[ours + "post_attention_layernorm.weight"] = [hf + "post_attention_layernorm.weight"]
+            norms = ("input", "post_attention", "pre_feedforward", "post_feedforward") if config.gemma_norms else ("input", "post_attention")
+            for norm in norms:
+                sources[ours + f"{norm}_layernorm.weight"] = [hf + f"{norm}_layernorm.weight"]
             sources[ours + "self_attn.qkv_proj.weight"] = [attn + f"{p}_proj.weight" for p in "qkv"]
             if config.attention_bias:
                 sources[ours + "self_attn.qkv_proj.bias"] = [attn + f"{p}_proj.bias" for p in "qkv"]

@@ -56,6 +56,8 @@ def tiny_config(arch: str = "llama", **overrides):
         bos_token_id=0,
     )
     common.update(overrides)
+    if arch == "gemma3":
+        return gemma3_config(**overrides)
     config_class = {
         "llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig, "qwen3_moe": Qwen3MoeConfig,
     }[arch]  # fmt: skip
@@ -67,17 +69,49 @@ def tiny_config(arch: str = "llama", **overrides):
     return config_class(**common)
 
 
+def gemma3_config(**overrides):
+    """A Gemma 3 text model at test size: an 8-token window on 3 of every 4 layers (the real
+    model: 512 or 1024 tokens, 5 of every 6), its two RoPE bases, and a final logit softcap so
+    that option runs too (Gemma 3's own checkpoints set none)."""
+    from transformers import Gemma3TextConfig
+
+    options = dict(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        query_pre_attn_scalar=24,  # not head_dim, so the scale is the config's
+        sliding_window=8,
+        sliding_window_pattern=4,
+        max_position_embeddings=512,
+        final_logit_softcapping=30.0,
+        eos_token_id=0,
+        pad_token_id=0,
+        bos_token_id=0,
+    )
+    options.update(overrides)
+    config = Gemma3TextConfig(**options)
+    config.architectures = ["Gemma3ForCausalLM"]
+    return config
+
+
 def make_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
     """Save a random tiny model of `arch` plus tokenizer into `path`; returns the folder."""
     torch.manual_seed(seed)
     config = tiny_config(arch, **overrides)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
     # Random init at 0.02 std gives near-uniform logits and frequent argmax ties; a larger
     # scale makes greedy decoding decisive, so exactness tests compare real choices.
     with torch.no_grad():
         for name, param in model.named_parameters():
             if param.dim() > 1:
                 param.normal_(0.0, 0.3 if "embed" in name or "lm_head" in name else 0.15)
+            if arch == "gemma3":  # tied and scaled by sqrt(hidden): a wide embedding repeats one token
+                param.normal_(0.0, 0.02 if "embed" in name else 0.2)  # norms too: (1 + w) starts at w = 0
     model.save_pretrained(path)
     tiny_tokenizer(config.vocab_size).save_pretrained(path)
     return path

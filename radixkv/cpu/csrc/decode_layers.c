@@ -85,15 +85,15 @@ static int attend(const DecodeShape *sh, const DecodeLayer *layer, const void *q
     if (fp32(sh) && sh->kv_kind)
         return radixkv_paged_decode_f32_kv(qkv, qkv_size, layer->k_cache, layer->v_cache, page_table, page_table_stride,
                                            seq_lens, NULL, sh->rows, sh->num_q_heads, sh->num_kv_heads, sh->head_dim,
-                                           sh->page_size, sh->scale, out, work, plan, sh->num_threads, layer->k_scales,
+                                           sh->page_size, sh->scale, out, work, plan, sh->num_threads, 0, layer->k_scales,
                                            layer->v_scales, sh->kv_kind);
     if (fp32(sh))
         return radixkv_paged_decode_f32(qkv, qkv_size, layer->k_cache, layer->v_cache, page_table, page_table_stride,
                                         seq_lens, NULL, sh->rows, sh->num_q_heads, sh->num_kv_heads, sh->head_dim,
-                                        sh->page_size, sh->scale, out, work, plan, sh->num_threads);
+                                        sh->page_size, sh->scale, out, work, plan, sh->num_threads, 0);
     return radixkv_paged_decode_bf16(qkv, qkv_size, layer->k_cache, layer->v_cache, page_table, page_table_stride,
                                      seq_lens, NULL, sh->rows, sh->num_q_heads, sh->num_kv_heads, sh->head_dim,
-                                     sh->page_size, sh->scale, out, work, plan, sh->num_threads);
+                                     sh->page_size, sh->scale, out, work, plan, sh->num_threads, 0);
 }
 
 static void silu_mul(const DecodeShape *sh, const void *gate_up, void *out) {

@@ -9,7 +9,7 @@ int radixkv_paged_decode_bf16(const uint16_t *q, int64_t q_row_stride, const uin
                               const int32_t *page_table, int64_t page_table_stride, const int32_t *seq_lens,
                               const int32_t *rows, int num_seqs, int num_q_heads, int num_kv_heads, int head_dim,
                               int page_size, float scale, uint16_t *out, float *work, const int32_t *plan,
-                              int num_threads);
+                              int num_threads, int window);
 void radixkv_store_kv(char *k_cache, char *v_cache, const char *k, const char *v, int64_t k_row_stride,
                       int64_t v_row_stride, const int64_t *slots, int rows, int64_t row_bytes);
 /* The packed linears' kernels, as bits of radixkv_linear_kernels() (radixkv/cpu/linear.py names them). */
@@ -33,13 +33,15 @@ void radixkv_silu_mul_f32(const float *gate_up, int64_t row_stride, float *out, 
 int radixkv_paged_decode_f32(const float *q, int64_t q_row_stride, const float *k, const float *v,
                              const int32_t *page_table, int64_t page_table_stride, const int32_t *seq_lens,
                              const int32_t *rows, int num_seqs, int num_q_heads, int num_kv_heads, int head_dim,
-                             int page_size, float scale, float *out, float *work, const int32_t *plan, int num_threads);
+                             int page_size, float scale, float *out, float *work, const int32_t *plan, int num_threads,
+                             int window);
 /* fp32 compute over bf16 (kv_kind 2) or int8 (3) pages, and stores into them (paged_decode.c). */
 int radixkv_paged_decode_f32_kv(const float *q, int64_t q_row_stride, const void *k, const void *v,
                                 const int32_t *page_table, int64_t page_table_stride, const int32_t *seq_lens,
                                 const int32_t *rows, int num_seqs, int num_q_heads, int num_kv_heads, int head_dim,
                                 int page_size, float scale, float *out, float *work, const int32_t *plan,
-                                int num_threads, const float *k_scales, const float *v_scales, int kv_kind);
+                                int num_threads, int window, const float *k_scales, const float *v_scales,
+                                int kv_kind);
 void radixkv_store_kv_narrow(void *k_cache, void *v_cache, float *k_scales, float *v_scales, const float *k,
                              const float *v, int64_t k_row_stride, int64_t v_row_stride, const int64_t *slots, int rows,
                              int num_kv_heads, int head_dim, int kind);

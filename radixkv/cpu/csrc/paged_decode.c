@@ -541,9 +541,11 @@ static Plan plan_view(const int32_t *buffer, int num_seqs) {
     return plan;
 }
 
-/* The first key of request b's own part: past its group's shared prefix. */
-static inline int32_t own_begin(const Plan *plan, int b) {
-    return plan->num_groups && plan->group_of[b] >= 0 ? plan->shared_len[plan->group_of[b]] : 0;
+/* The first key of request b's own part: past its group's shared prefix, or with a sliding
+ * window of W keys (window > 0; never with groups) the first of its last W keys. */
+static inline int32_t own_begin(const Plan *plan, int b, const int32_t *seq_lens, int window) {
+    if (plan->num_groups && plan->group_of[b] >= 0) return plan->shared_len[plan->group_of[b]];
+    return window > 0 && seq_lens[b] > window ? seq_lens[b] - window : 0;
 }
 
 static inline int group_size(const Plan *plan, int group) {
@@ -574,7 +576,8 @@ typedef struct {
     int64_t *group_first, *own_first; /* item indices */
 } Items;
 
-static void build_items(const int32_t *seq_lens, int num_seqs, const Plan *plan, const Shape *sh, Items *out) {
+static void build_items(const int32_t *seq_lens, int num_seqs, const Plan *plan, const Shape *sh, int window,
+                        Items *out) {
     int64_t count = 0, floats = 0;
     double cost = 0.0;
     for (int g = 0; g < plan->num_groups; g++) {
@@ -589,7 +592,7 @@ static void build_items(const int32_t *seq_lens, int num_seqs, const Plan *plan,
     }
     for (int b = 0; b < num_seqs; b++) {
         if (out->own_first) out->own_first[b] = count;
-        for (int32_t begin = own_begin(plan, b); begin < seq_lens[b]; begin += CHUNK_TOKENS, count++) {
+        for (int32_t begin = own_begin(plan, b, seq_lens, window); begin < seq_lens[b]; begin += CHUNK_TOKENS, count++) {
             const int32_t end = begin + CHUNK_TOKENS < seq_lens[b] ? begin + CHUNK_TOKENS : seq_lens[b];
             cost += (end - begin) * OWN_COST;
             if (out->items) out->items[count] = (Item){b, 0, begin, end, floats, cost};
@@ -600,14 +603,14 @@ static void build_items(const int32_t *seq_lens, int num_seqs, const Plan *plan,
     out->work_floats = floats;
 }
 
-/* Floats of work buffer the kernel needs for these lengths and plan (NULL: none); the caller
- * allocates it. */
+/* Floats of work buffer the kernel needs for these lengths, plan (NULL: none) and window (0:
+ * none); the caller allocates it. */
 int64_t radixkv_decode_work_floats(const int32_t *seq_lens, int num_seqs, const int32_t *plan_buffer, int num_q_heads,
-                                   int head_dim) {
+                                   int head_dim, int window) {
     const Plan plan = plan_view(plan_buffer, num_seqs);
     const Shape sh = {1, head_dim, num_q_heads, 16, 1.0f, 0, 0, NULL, NULL};
     Items items = {NULL, 0, 0, NULL, NULL};
-    build_items(seq_lens, num_seqs, &plan, &sh, &items);
+    build_items(seq_lens, num_seqs, &plan, &sh, window, &items);
     return items.work_floats;
 }
 
@@ -638,27 +641,28 @@ int radixkv_decode_kv_fits(int kv_kind, int head_dim);
 
 /* Returns 0, 1 for shapes this kernel does not take (callers check them first), or 2 when out
  * of memory. work: radixkv_decode_work_floats floats; plan: radixkv_cascade_plan's buffer or
- * NULL (every request reads all its keys itself). KV_PARAMS, KV_INIT: the page dtype's own
+ * NULL (every request reads all its keys itself); window: a sliding window of that many keys
+ * (each request reads its last `window` keys; 0: all; a window with a plan returns 1). KV_PARAMS, KV_INIT: the page dtype's own
  * parameters after num_threads, and what they set in the shape (or a return for what it
  * cannot run). */
 #define DEFINE_DECODE(NAME, T, KT, ITEM, SHARED_ITEM, MERGE, AMX_CAPABLE, KV_PARAMS, KV_INIT)                    \
     int NAME(const T *q, int64_t q_row_stride, const KT *k, const KT *v, const int32_t *page_table,               \
              int64_t page_table_stride, const int32_t *seq_lens, const int32_t *rows, int num_seqs,               \
              int num_q_heads, int num_kv_heads, int head_dim, int page_size, float scale, T *out, float *work,   \
-             const int32_t *plan_buffer, int num_threads KV_PARAMS) {                                            \
-        if (num_kv_heads <= 0 || num_q_heads % num_kv_heads != 0) return 1;                                      \
+             const int32_t *plan_buffer, int num_threads, int window KV_PARAMS) {                                \
+        if (num_kv_heads <= 0 || num_q_heads % num_kv_heads != 0 || (window > 0 && plan_buffer)) return 1;       \
         Shape sh = {num_kv_heads, head_dim, num_q_heads / num_kv_heads, page_size, scale, 0, 0, NULL, NULL};     \
         if (sh.group > MAX_GROUP || head_dim > MAX_HEAD_DIM || page_size <= 0) return 1;                         \
         KV_INIT                                                                                                  \
         sh.use_amx = AMX_CAPABLE && amx_fits(&sh);                                                               \
         const Plan plan = plan_view(plan_buffer, num_seqs);                                                      \
         Items items = {NULL, 0, 0, NULL, NULL};                                                                  \
-        build_items(seq_lens, num_seqs, &plan, &sh, &items);                                                     \
+        build_items(seq_lens, num_seqs, &plan, &sh, window, &items);                                             \
         items.items = malloc(sizeof(Item) * (size_t)(items.num_items + 1));                                      \
         items.group_first = malloc(sizeof(int64_t) * (size_t)(plan.num_groups + 1));                             \
         items.own_first = malloc(sizeof(int64_t) * (size_t)(num_seqs + 1));                                      \
         int status = items.items && items.group_first && items.own_first ? 0 : 2;                                \
-        if (status == 0) build_items(seq_lens, num_seqs, &plan, &sh, &items);                                    \
+        if (status == 0) build_items(seq_lens, num_seqs, &plan, &sh, window, &items);                            \
         /* Shared items' per-thread scratch (transposed keys, widened values), 64-byte aligned. */             \
         const int64_t scratch_bytes = plan.num_groups ? radixkv_shared_scratch_bytes(&sh, num_seqs) : 0;         \
         char *scratches = scratch_bytes ? aligned_alloc(64, (size_t)(scratch_bytes * num_threads)) : NULL;       \
@@ -705,7 +709,7 @@ int radixkv_decode_kv_fits(int kv_kind, int head_dim);
                     runs.stride[0] = first->members * item_floats(&sh);                                          \
                     runs.count[0] = num_chunks(plan.shared_len[group]);                                          \
                 }                                                                                                \
-                runs.count[1] = num_chunks(seq_lens[b] - own_begin(&plan, b));                                   \
+                runs.count[1] = num_chunks(seq_lens[b] - own_begin(&plan, b, seq_lens, window));                 \
                 if (runs.count[1]) runs.base[1] = work + items.items[items.own_first[b]].offset;                 \
                 const int64_t row = rows ? rows[b] : b;                                                          \
                 MERGE(&runs, head, &sh, out + row * out_row_stride);                                             \

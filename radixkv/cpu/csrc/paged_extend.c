@@ -6,7 +6,10 @@
  * products of tiles.h (a chunk's keys transposed once for all of them), and each chunk's partial
  * softmax is folded into their running states by log-sum-exp. The chunks are the keys before the
  * block in CHUNK_TOKENS pieces, then the block's own keys, the only chunk the causal mask cuts:
- * every query sees at least one key of every chunk, so no partial state is empty. Items run
+ * without a window every query sees at least one key of every chunk. A sliding window starts the
+ * chunks at the block's first query's first key and masks each query's keys before its own
+ * first; a chunk wholly before a query's window leaves its partial state empty, which the fold
+ * skips (the block's own chunk is never empty). Items run
  * longest first over the threads. A row's result depends on its request alone, never on the
  * batch or the thread count.
  */
@@ -22,6 +25,7 @@ typedef struct {
     int64_t q_row_stride, out_row_stride, page_table_stride;
     const int32_t *page_table, *seq_lens, *q_starts, *q_lens;
     Shape sh;
+    int window; /* a sliding window: position p sees keys p - window + 1 .. p; 0: every key */
 } Extend;
 
 typedef struct {
@@ -55,8 +59,10 @@ static int64_t scratch_bytes(const Shape *sh) {
 }
 
 /* run += part, two online-softmax states merged by their log-sum-exp. A run that is still
- * empty (max -inf) takes part whole: e^-inf = 0. */
+ * empty (max -inf) takes part whole: e^-inf = 0. An empty part (a chunk wholly before a query's
+ * window) changes nothing. */
 static inline __attribute__((always_inline)) void fold_state(float *run, const float *part, const int D) {
+    if (part[0] == -INFINITY) return;
     const float top = run[0] > part[0] ? run[0] : part[0];
     const float keep = expf(run[0] - top), add = expf(part[0] - top);
     run[0] = top;
@@ -108,8 +114,9 @@ static inline __attribute__((always_inline)) void extend_item(const Extend *e, c
     Block blocks[CHUNK_TOKENS];
     const void *value_rows[CHUNK_TOKENS];
     float scores[QK_TILE * SCORE_STRIDE] __attribute__((aligned(64)));
-    const int block_start = prefix + t0, end = prefix + t1;
-    for (int begin = 0; begin < end;) {
+    const int block_start = prefix + t0, end = prefix + t1, window = e->window;
+    /* With a window, keys before the block's first query's window are no query's. */
+    for (int begin = window > 0 && block_start - window + 1 > 0 ? block_start - window + 1 : 0; begin < end;) {
         const int diagonal = begin >= block_start;
         const int stop = diagonal ? end : block_start - begin > CHUNK_TOKENS ? begin + CHUNK_TOKENS : block_start;
         const int n = stop - begin, ncols = (n + 15) / 16 * 16;
@@ -126,10 +133,19 @@ static inline __attribute__((always_inline)) void extend_item(const Extend *e, c
             for (int i = 0; i < QK_TILE; i++) q[i] = queries[first + (i < live ? i : live - 1)];
             qk_scores(q, live, keys, npad, ncols, sh->scale, scores, NULL, D, bf16);
             for (int i = 0; i < live; i++) {
-                /* In the block's own chunk, new token t sees keys up to its own position. */
+                /* In the block's own chunk, new token t sees keys up to its own position; with a
+                 * window, none before its first key (chunk-relative `skip`). */
                 const int visible = diagonal ? (first + i) / G + 1 : n;
-                float *row = scores + i * SCORE_STRIDE;
-                softmax_row(row, visible, partial[first + i]);
+                const int lowest = window > 0 ? block_start + (first + i) / G - window + 1 - begin : 0;
+                const int skip = lowest > 0 ? lowest : 0;
+                float *row = scores + i * SCORE_STRIDE, *state = partial[first + i];
+                if (skip >= visible) { /* the whole chunk is before this query's window */
+                    state[0] = -INFINITY, state[1] = 0.0f;
+                    for (int j = 0; j < n; j++) row[j] = 0.0f;
+                    continue;
+                }
+                softmax_row(row + skip, visible - skip, state);
+                for (int j = 0; j < skip; j++) row[j] = 0.0f;
                 for (int j = visible; j < n; j++) row[j] = 0.0f;
             }
 #ifdef HAVE_AVX512_BF16
@@ -215,7 +231,7 @@ static int extend(const Extend *e, int num_seqs, int num_threads, int bf16) {
     int NAME(const T *q, int64_t q_row_stride, const T *k, const T *v, const int32_t *page_table,                    \
              int64_t page_table_stride, const int32_t *seq_lens, const int32_t *q_starts, const int32_t *q_lens,      \
              int num_seqs, int num_q_heads, int num_kv_heads, int head_dim, int page_size, float scale, T *out,        \
-             int64_t out_row_stride, int num_threads) {                                                               \
+             int64_t out_row_stride, int num_threads, int window) {                                                   \
         if (num_kv_heads < 1 || num_q_heads % num_kv_heads ||                                                         \
             !radixkv_paged_extend_fits(BF16, head_dim, num_q_heads / num_kv_heads))                                    \
             return 1;                                                                                                 \
@@ -224,13 +240,14 @@ static int extend(const Extend *e, int num_seqs, int num_threads, int bf16) {
 #ifdef HAVE_AVX2
 #define EXTEND_BODY(BF16)                                                                                            \
     const Extend e = {q, k, v, out, q_row_stride, out_row_stride, page_table_stride, page_table, seq_lens, q_starts, \
-                      q_lens, {num_kv_heads, head_dim, num_q_heads / num_kv_heads, page_size, scale, 0, 0, NULL, NULL}}; \
+                      q_lens, {num_kv_heads, head_dim, num_q_heads / num_kv_heads, page_size, scale, 0, 0, NULL, NULL}, \
+                      window};                                                                                     \
     return extend(&e, num_seqs, num_threads, BF16);
 #else
 #define EXTEND_BODY(BF16)                                                                                            \
     (void)q, (void)q_row_stride, (void)k, (void)v, (void)page_table, (void)page_table_stride, (void)seq_lens,        \
         (void)q_starts, (void)q_lens, (void)num_seqs, (void)page_size, (void)scale, (void)out, (void)out_row_stride, \
-        (void)num_threads;                                                                                           \
+        (void)num_threads, (void)window;                                                                             \
     return 1;
 #endif
 DEFINE_EXTEND(radixkv_paged_extend_bf16, uint16_t, 1)

@@ -1,0 +1,76 @@
+"""Gemma 3 end to end: greedy tokens equal transformers' generate for a tiny random Gemma 3 (fp32)
+whose prompts are several times its 8-token window, on every attention backend, with the prefix
+cache on and off, cold and warm, chunked, evicted and preempted."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from radixkv import SamplingParams
+from radixkv.cpu import native
+from tests.helpers.engine import assert_pages_returned, hf_greedy, make_llm, shared_prefix_prompts
+
+MAX_NEW = 12
+
+
+def _backends() -> list:
+    found = ["torch"]
+    found.append(pytest.param("cpu", marks=pytest.mark.skipif(native.load() is None, reason="no native library here")))
+    # Triton on the CPU runs under TRITON_INTERPRET=1, which tests/conftest.py sets.
+    triton = importlib.util.find_spec("triton") is not None
+    found.append(pytest.param("triton", marks=pytest.mark.skipif(not triton, reason="triton is not installed")))
+    return found
+
+
+@pytest.fixture(scope="module")
+def gemma_reference(tiny_gemma3):
+    prompts = shared_prefix_prompts(5)
+    assert min(len(p) for p in prompts) > 2 * 8, "every prompt outgrows the window twice"
+    return prompts, hf_greedy(tiny_gemma3, prompts, MAX_NEW)
+
+
+def test_windows_matter_for_these_prompts(tiny_gemma3, gemma_reference, tmp_path):
+    """The same weights with a window past every prompt answer otherwise: the tests below
+    would catch a backend that ignored the window."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    prompts, expected = gemma_reference
+    config = AutoConfig.from_pretrained(tiny_gemma3)
+    config.sliding_window = 512
+    model = AutoModelForCausalLM.from_pretrained(tiny_gemma3, config=config)
+    model.save_pretrained(tmp_path)
+    assert hf_greedy(tmp_path, prompts, MAX_NEW) != expected
+
+
+@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("cache", [True, False], ids=["cache", "no-cache"])
+def test_gemma3_matches_transformers(tiny_gemma3, gemma_reference, backend, cache):
+    prompts, expected = gemma_reference
+    llm = make_llm(tiny_gemma3, attention_backend=backend, enable_prefix_caching=cache)
+    params = SamplingParams(max_tokens=MAX_NEW)
+    cold = llm.generate(prompts, params)
+    assert [o.token_ids for o in cold] == expected
+    warm = llm.generate(prompts, params)
+    assert [o.token_ids for o in warm] == expected
+    if cache:
+        assert all(o.num_cached_tokens > 8 for o in warm), "warm prompts hit more than a window"
+    assert_pages_returned(llm.engine)
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("cpu", marks=pytest.mark.skipif(native.load() is None, reason="no native library"))])
+def test_gemma3_chunked_evicted_and_preempted(tiny_gemma3, gemma_reference, backend):
+    prompts, expected = gemma_reference
+    chunked = make_llm(tiny_gemma3, attention_backend=backend, max_batch_tokens=7)
+    assert [o.token_ids for o in chunked.generate(prompts, SamplingParams(max_tokens=MAX_NEW))] == expected
+    llm = make_llm(tiny_gemma3, attention_backend=backend, num_pages=22)
+    assert [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW))] == expected
+    assert llm.stats().num_preemptions > 0
+    assert_pages_returned(llm.engine)
+
+
+def test_gemma3_batch_invariant_matches_transformers(tiny_gemma3, gemma_reference):
+    prompts, expected = gemma_reference
+    llm = make_llm(tiny_gemma3, attention_backend="cpu" if native.load() else "torch", batch_invariant=True)
+    assert [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW))] == expected

