@@ -8,6 +8,15 @@ from __future__ import annotations
 from radixkv.cache.eviction import EvictionOrder, Liveness
 from radixkv.cache.radix_node import Node, path_pages
 
+# Liveness (session): set_liveness marks a node, the ancestors only its path runs through and
+# the descendants that continue only it (one child each), never a branch point: a branch is
+# shared, so no one session's end says anything of its future. HOT holds only while retained:
+# mark_hot leaves what continues past the retained node unknown, and a node whose last
+# retention goes (released by a cap, superseded, expired) is unknown again. For the same reason a node
+# that gains a second child, and the upper half of a split (another request matched part of
+# the run), go back to UNKNOWN. A mark walks O(depth) nodes but refiles at most one leaf
+# (O(log n)): only leaves are in the eviction order, and a marked path ends in one.
+
 
 def relabel(order: EvictionOrder, node: Node, liveness: Liveness) -> None:
     """Mark `node` alone, refiling it if it is a leaf in the eviction order."""

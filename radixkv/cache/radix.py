@@ -23,6 +23,8 @@ from radixkv.cache.radix_node import (
     PeekResult,
     check_hashes_len,
     common_blocks,
+    iter_preorder,
+    iter_subtrees,
     path_tokens,
     token_list,
 )
@@ -38,28 +40,9 @@ __all__ = ["CacheStats", "InsertResult", "MatchResult", "Node", "PeekResult", "R
 # node covering its cached pages. So a page of an unlocked node has refcount 1 and evicting
 # the node frees it, while a locked node's pages are never evicted.
 #
-# Retention (the engine relies on it too): a retention of node N puts its id in the `retains`
-# of N and of every ancestor, so `retains` never grows toward the leaves. It locks nothing:
-# retained pages stay evictable and are counted as such; they only go last. The unlocked
-# leaves are kept in sorted sets (cache/eviction.py): unretained by last access (under slru,
-# split by whether they ever served a hit), retained by `retention_expires_at_s`, the latest expiry
-# among their retentions. Eviction empties the unretained sets before it touches the retained
-# one; since a retained node's ancestors are retained too, an empty unretained set means no
-# unretained evictable page is left. Expired retentions are dropped lazily (at evict, retain
-# and expire), which files their leaves back under the policy's order (cache/retained_paths.py).
-#
 # Hits (slru): match() adds one to `num_hits` of every node on the matched path, so hits never
-# grow toward the leaves either, and a hit node's ancestors are protected too.
-#
-# Liveness (session): set_liveness marks a node, the ancestors only its path runs through and
-# the descendants that continue only it (one child each), never a branch point: a branch is
-# shared, so no one session's end says anything of its future. HOT holds only while retained:
-# mark_hot leaves what continues past the retained node unknown, and a node whose last
-# retention goes (released by a cap, superseded, expired) is unknown again. For the same reason a node
-# that gains a second child, and the upper half of a split (another request matched part of
-# the run), go back to UNKNOWN. A mark walks O(depth) nodes but refiles at most one leaf
-# (O(log n)): only leaves are in the eviction order, and a marked path ends in one
-# (cache/liveness.py).
+# grow toward the leaves (as retains do not: cache/retained_paths.py says why), and a hit
+# node's ancestors are protected too. Liveness marks: cache/liveness.py.
 
 
 Clock = Callable[[], float]  # seconds; time.monotonic, or a test's own
@@ -151,19 +134,11 @@ class RadixTree:
         tokens = token_list(token_ids)
         max_blocks = (len(tokens) - 1) // self.page_size if tokens else 0
         check_hashes_len(block_hashes, max_blocks)
-        node = self._roots.get(salt)
-        ps, block, pages, unlocked = self.page_size, 0, [], 0
-        while node is not None and block < max_blocks:
-            key = self._block_hash(node, tokens, block, salt, block_hashes)
-            child = node.children.get(key)
-            if child is None:
-                break
-            common = common_blocks(child.tokens, tokens, block * ps, max_blocks - block, ps)
+        pages, unlocked = [], 0
+        for child, common in self._cached_runs(tokens, salt, max_blocks, block_hashes):
             pages.extend(child.pages[:common])
             unlocked += common if child.lock_ref == 0 else 0
-            block += common
-            node = child if common == len(child.pages) else None
-        return PeekResult(block * ps, pages, unlocked)
+        return PeekResult(len(pages) * self.page_size, pages, unlocked)
 
     def deepest_node(
         self,
@@ -178,17 +153,11 @@ class RadixTree:
         tokens = token_list(token_ids)
         num_blocks = len(tokens) // self.page_size
         check_hashes_len(block_hashes, num_blocks)
-        node, block, found = self._roots.get(salt), 0, None
-        while node is not None and block < num_blocks:
-            key = self._block_hash(node, tokens, block, salt, block_hashes)
-            child = node.children.get(key)
-            if child is None:
-                break
-            common = common_blocks(child.tokens, tokens, block * self.page_size, num_blocks - block, self.page_size)
+        found = None
+        for child, common in self._cached_runs(tokens, salt, num_blocks, block_hashes):
             if common < len(child.pages):
                 break
-            block += common
-            node = found = child
+            found = child
         return found
 
     def record_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
@@ -383,20 +352,8 @@ class RadixTree:
         return self._order.policy
 
     def stats(self) -> CacheStats:
-        return CacheStats(
-            queries=self._counts.queries,
-            query_tokens=self._counts.query_tokens,
-            hit_tokens=self._counts.hit_tokens,
-            hit_rate=self._counts.hit_rate,
-            cached_pages=self._cached_pages,
-            evictable_pages=self._evictable_pages,
-            locked_pages=self.locked_pages,
-            evicted_pages=self._counts.evicted_pages,
-            num_nodes=self._num_nodes,
-            retained_pages=self._retained.num_pages,
-            num_retentions=len(self._book),
-            protected_pages=self._protected_pages,
-        )
+        """A snapshot of the counters; pure."""
+        return self._counts.snapshot(self, len(self._book))
 
     def reset_stats(self) -> None:
         self._counts.reset()
@@ -460,6 +417,22 @@ class RadixTree:
         parent = node.hashes[-1] if node.parent is not None else None
         ps = self.page_size
         return self.hasher.hash_block(parent, tokens[block * ps : (block + 1) * ps], salt)
+
+    def _cached_runs(
+        self, tokens: list[int], salt: str | None, max_blocks: int, block_hashes: Sequence[BlockHash] | None
+    ) -> Iterator[tuple[Node, int]]:
+        """Each node on the cached path of the first `max_blocks` blocks of `tokens`, with how
+        many of its leading blocks they match; the walk ends after a node matched in part
+        (none, on a collision). Pure: no split, no time, no statistics."""
+        node, block, ps = self._roots.get(salt), 0, self.page_size
+        while node is not None and block < max_blocks:
+            child = node.children.get(self._block_hash(node, tokens, block, salt, block_hashes))
+            if child is None:
+                return
+            common = common_blocks(child.tokens, tokens, block * ps, max_blocks - block, ps)
+            yield child, common
+            block += common
+            node = child if common == len(child.pages) else None
 
     def _descend(
         self,
@@ -614,16 +587,8 @@ class RadixTree:
 
     def iter_nodes(self) -> Iterator[Node]:
         """Every cached node, each before its children (what a disk tier persists in order)."""
-        stack = [child for root in self._roots.values() for child in reversed(list(root.children.values()))]
-        while stack:
-            node = stack.pop()
-            yield node
-            stack.extend(reversed(list(node.children.values())))
+        return iter_preorder(self._roots.values())
 
     def _iter_nodes(self) -> Iterator[Node]:
         """Every non-root node of every registered root."""
-        stack = [child for root in self._roots.values() for child in root.children.values()]
-        while stack:
-            node = stack.pop()
-            yield node
-            stack.extend(node.children.values())
+        return iter_subtrees(self._roots.values())

@@ -4,7 +4,7 @@ a path's pages and tokens, a run compared with a prompt block by block. Nothing 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from radixkv.cache.eviction import EvictKey, Liveness
@@ -87,6 +87,24 @@ def unretained_path_pages(node: Node) -> int:
         num += len(current.pages)
         current = current.parent
     return num
+
+
+def iter_preorder(roots: Iterable[Node]) -> Iterator[Node]:
+    """Every non-root node below `roots`, each before its children, children in insertion order."""
+    stack = [child for root in roots for child in reversed(list(root.children.values()))]
+    while stack:
+        node = stack.pop()
+        yield node
+        stack.extend(reversed(list(node.children.values())))
+
+
+def iter_subtrees(roots: Iterable[Node]) -> Iterator[Node]:
+    """Every non-root node below `roots`, in no promised order (the cheaper walk)."""
+    stack = [child for root in roots for child in root.children.values()]
+    while stack:
+        node = stack.pop()
+        yield node
+        stack.extend(node.children.values())
 
 
 def token_list(token_ids: Sequence[int]) -> list[int]:

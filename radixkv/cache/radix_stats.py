@@ -5,6 +5,10 @@ from its structure (reset_stats clears them, reset keeps them), and the `CacheSt
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from radixkv.cache.radix import RadixTree
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,3 +47,20 @@ class LookupCounts:
     @property
     def hit_rate(self) -> float:
         return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+    def snapshot(self, tree: RadixTree, num_retentions: int) -> CacheStats:
+        """These counters beside what `tree` holds now; pure."""
+        return CacheStats(
+            queries=self.queries,
+            query_tokens=self.query_tokens,
+            hit_tokens=self.hit_tokens,
+            hit_rate=self.hit_rate,
+            cached_pages=tree.cached_pages,
+            evictable_pages=tree.evictable_pages,
+            locked_pages=tree.locked_pages,
+            evicted_pages=self.evicted_pages,
+            num_nodes=tree.num_nodes,
+            retained_pages=tree.retained_pages,
+            num_retentions=num_retentions,
+            protected_pages=tree.protected_pages,
+        )

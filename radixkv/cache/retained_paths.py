@@ -12,6 +12,16 @@ from radixkv.cache.liveness import relabel
 from radixkv.cache.radix_node import Node, path_pages, unretained_path_pages
 from radixkv.cache.retention import Retention, RetentionBook
 
+# Retention (the engine relies on it too): a retention of node N puts its id in the `retains`
+# of N and of every ancestor, so `retains` never grows toward the leaves. It locks nothing:
+# retained pages stay evictable and are counted as such; they only go last. The unlocked
+# leaves are kept in sorted sets (cache/eviction.py): unretained by last access (under slru,
+# split by whether they ever served a hit), retained by `retention_expires_at_s`, the latest expiry
+# among their retentions. Eviction empties the unretained sets before it touches the retained
+# one; since a retained node's ancestors are retained too, an empty unretained set means no
+# unretained evictable page is left. Expired retentions are dropped lazily (at evict, retain
+# and expire), which files their leaves back under the policy's order.
+
 
 class RetainedPaths:
     """What retaining does to a tree's nodes. It never locks: a retained leaf only moves to the
