@@ -27,14 +27,13 @@ class CacheStats:
     num_retentions: int = 0  # live retentions
 
 
-@dataclass(slots=True)
 class LookupCounts:
     """Lookups used (a match, or a match counted later by record_lookup) and pages evicted."""
 
-    queries: int = 0
-    query_tokens: int = 0
-    hit_tokens: int = 0
-    evicted_pages: int = 0
+    __slots__ = ("queries", "query_tokens", "hit_tokens", "evicted_pages")
+
+    def __init__(self) -> None:
+        self.reset()
 
     def record(self, num_query_tokens: int, num_hit_tokens: int) -> None:
         self.queries += 1
@@ -51,16 +50,8 @@ class LookupCounts:
     def snapshot(self, tree: RadixTree, num_retentions: int) -> CacheStats:
         """These counters beside what `tree` holds now; pure."""
         return CacheStats(
-            queries=self.queries,
-            query_tokens=self.query_tokens,
-            hit_tokens=self.hit_tokens,
-            hit_rate=self.hit_rate,
-            cached_pages=tree.cached_pages,
-            evictable_pages=tree.evictable_pages,
-            locked_pages=tree.locked_pages,
-            evicted_pages=self.evicted_pages,
-            num_nodes=tree.num_nodes,
-            retained_pages=tree.retained_pages,
-            num_retentions=num_retentions,
-            protected_pages=tree.protected_pages,
+            queries=self.queries, query_tokens=self.query_tokens, hit_tokens=self.hit_tokens, hit_rate=self.hit_rate,
+            cached_pages=tree.cached_pages, evictable_pages=tree.evictable_pages, locked_pages=tree.locked_pages,
+            evicted_pages=self.evicted_pages, num_nodes=tree.num_nodes, retained_pages=tree.retained_pages,
+            num_retentions=num_retentions, protected_pages=tree.protected_pages,
         )
