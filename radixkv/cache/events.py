@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Literal
 from radixkv.cache.hashing import BlockHash
 
 if TYPE_CHECKING:
-    from radixkv.cache.radix import Node
+    from radixkv.cache.radix_node import Node
 
 Tier = Literal["ram", "disk"]
 

@@ -8,13 +8,14 @@ first. Sorted sets, so adding, removing and taking the next victim each cost O(l
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from enum import IntEnum
 from typing import TYPE_CHECKING
 
 from sortedcontainers import SortedList
 
 if TYPE_CHECKING:
-    from radixkv.cache.radix import Node
+    from radixkv.cache.radix_node import Node
 
 # (tag, last_access, node_id, node) in the probation and protected sets, (tag, retention_expires_at_s,
 # node_id, node) in the retained set: node_id breaks ties, so nodes are never compared; the tag
@@ -82,6 +83,16 @@ class EvictionOrder:
         assert key is not None, f"{node!r} is not in the eviction order"
         self._sets[key[0]].remove(key)
         node.evict_key = None
+
+    def refile(self, node: Node, change: Callable[[Node], None]) -> None:
+        """Apply `change` to what `node`'s key is made of (its retention, its liveness), moving
+        it to its new key if it is filed (only a leaf can be)."""
+        filed = node.evict_key is not None
+        if filed:
+            self.remove(node)
+        change(node)
+        if filed:
+            self.add(node)
 
     def pop(self, protected_over_cap: bool = False) -> Node | None:
         """The next victim: a dead leaf, then a cold one, then a probation (unknown) one, then

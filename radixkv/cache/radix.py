@@ -1,110 +1,48 @@
 """RadixTree: the prefix cache. Maps (salt, full-block token prefix) to the KV pages holding it,
 as one compressed radix tree per salt, with lock counts on paths in use, retentions (paths kept
 until a time) and eviction of unlocked leaves in O(log n) under a policy (cache/eviction.py),
-retained last. The tree holds one pool reference on every page it caches.
+retained last. The tree holds one pool reference on every page it caches. Its node record and
+pure walks are in radix_node.py, retained paths in retained_paths.py, marks in liveness.py.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+
 from radixkv.cache.events import AllCleared, BlocksEvicted, BlocksStored, CacheEvents
-from radixkv.cache.eviction import DEFAULT_PROTECTED_FRACTION, EvictionOrder, EvictKey, Liveness
+from radixkv.cache.eviction import DEFAULT_PROTECTED_FRACTION, EvictionOrder, Liveness
 from radixkv.cache.hashing import BlockHash, BlockHasher
+from radixkv.cache.liveness import mark_private_path
 from radixkv.cache.pages import PagePool
 from radixkv.cache.radix_check import check_tree
+from radixkv.cache.radix_node import (
+    InsertResult,
+    MatchResult,
+    Node,
+    PeekResult,
+    check_hashes_len,
+    common_blocks,
+    iter_preorder,
+    iter_subtrees,
+    path_tokens,
+    token_list,
+)
+from radixkv.cache.radix_stats import CacheStats, LookupCounts
+from radixkv.cache.retained_paths import RetainedPaths
 from radixkv.cache.retention import Retention, RetentionBook
+
+# Where callers have always found them; their home is radix_node.py and radix_stats.py.
+__all__ = ["CacheStats", "InsertResult", "MatchResult", "Node", "PeekResult", "RadixTree", "path_tokens"]
 
 # Ownership (the engine relies on it): the tree holds exactly one reference on each page it
 # caches; a running request holds one on each page of its page table and locks the deepest
 # node covering its cached pages. So a page of an unlocked node has refcount 1 and evicting
 # the node frees it, while a locked node's pages are never evicted.
 #
-# Retention (the engine relies on it too): a retention of node N puts its id in the `retains`
-# of N and of every ancestor, so `retains` never grows toward the leaves. It locks nothing:
-# retained pages stay evictable and are counted as such; they only go last. The unlocked
-# leaves are kept in sorted sets (cache/eviction.py): unretained by last access (under slru,
-# split by whether they ever served a hit), retained by `retention_expires_at_s`, the latest expiry
-# among their retentions. Eviction empties the unretained sets before it touches the retained
-# one; since a retained node's ancestors are retained too, an empty unretained set means no
-# unretained evictable page is left. Expired retentions are dropped lazily (at evict, retain
-# and expire), which files their leaves back under the policy's order.
-#
 # Hits (slru): match() adds one to `num_hits` of every node on the matched path, so hits never
-# grow toward the leaves either, and a hit node's ancestors are protected too.
-#
-# Liveness (session): set_liveness marks a node, the ancestors only its path runs through and
-# the descendants that continue only it (one child each), never a branch point: a branch is
-# shared, so no one session's end says anything of its future. HOT holds only while retained:
-# mark_hot leaves what continues past the retained node unknown, and a node whose last
-# retention goes (released by a cap, superseded, expired) is unknown again. For the same reason a node
-# that gains a second child, and the upper half of a split (another request matched part of
-# the run), go back to UNKNOWN. A mark walks O(depth) nodes but refiles at most one leaf
-# (O(log n)): only leaves are in the eviction order, and a marked path ends in one.
-
-
-@dataclass(slots=True, eq=False, repr=False)
-class Node:
-    """A run of one or more cached blocks (a root holds none). Identity is the object."""
-
-    node_id: int
-    parent: Node | None
-    salt: str | None
-    tokens: list[int]  # the run's tokens, len(pages) * page_size of them
-    pages: list[int]  # one page per block
-    hashes: list[BlockHash]  # chained hash per block; hashes[0] is this node's key in parent
-    children: dict[BlockHash, Node] = field(default_factory=dict)
-    lock_ref: int = 0  # locks taken on this node or any descendant
-    last_access: int = 0  # logical clock; never older than a descendant's
-    removed: bool = False  # evicted or reset: a stale handle must not be locked
-    retains: dict[int, float] = field(default_factory=dict)  # retention id -> expires_at_s, this node or below
-    retention_expires_at_s: float = 0.0  # max(retains.values()); the node's key in the retained set
-    evict_key: EvictKey | None = None  # its key in the eviction order; None when not in it
-    num_hits: int = 0  # matches that used this node's blocks (this node or below)
-    liveness: Liveness = Liveness.UNKNOWN  # what a session book said of it (policy `session`)
-
-    def __repr__(self) -> str:
-        kind = "root" if self.parent is None else f"{len(self.pages)} blocks"
-        return f"Node(id={self.node_id}, {kind}, lock_ref={self.lock_ref}, last_access={self.last_access})"
-
-
-@dataclass(frozen=True, slots=True)
-class MatchResult:
-    num_cached_tokens: int  # multiple of page_size
-    pages: list[int]  # pages of the matched blocks, in order
-    node: Node  # deepest node of the match (a root when nothing matched); for lock()/unlock()
-
-
-@dataclass(frozen=True, slots=True)
-class PeekResult:
-    num_cached_tokens: int  # what match() would return now, multiple of page_size
-    pages: list[int]  # pages of those blocks, in order
-    num_unlocked_pages: int  # of those, the evictable ones: what locking the match takes from eviction
-
-
-@dataclass(frozen=True, slots=True)
-class InsertResult:
-    num_existing_blocks: int  # leading blocks already cached: the caller frees its duplicates
-    num_inserted_blocks: int  # blocks newly adopted (tree increfs their pages)
-    pages: list[int]  # canonical pages of the first existing + inserted blocks
-    node: Node  # deepest node now covering those blocks (a root if none)
-
-
-@dataclass(frozen=True, slots=True)
-class CacheStats:
-    queries: int
-    query_tokens: int
-    hit_tokens: int
-    hit_rate: float  # hit_tokens / query_tokens, 0 when there were none
-    cached_pages: int
-    evictable_pages: int
-    locked_pages: int
-    evicted_pages: int
-    num_nodes: int  # non-root nodes
-    protected_pages: int = 0  # cached pages that served a hit (slru keeps them longer)
-    retained_pages: int = 0  # cached pages under a live retention (evictable or locked)
-    num_retentions: int = 0  # live retentions
+# grow toward the leaves (as retains do not: cache/retained_paths.py says why), and a hit
+# node's ancestors are protected too. Liveness marks: cache/liveness.py.
 
 
 Clock = Callable[[], float]  # seconds; time.monotonic, or a test's own
@@ -139,8 +77,8 @@ class RadixTree:
         # unless the engine's, which the disk tier shares, is handed in.
         self.events = events if events is not None else CacheEvents()
         self._book = RetentionBook()
+        self._retained = RetainedPaths(self._book, self._order, self._split)
         self._now_s = clock
-        self._retained_pages = 0
         # Over all owners, at most this many pages retained at once (None: no bound but the
         # pool): each owner's cap bounds one tenant, this bounds how many tenants together may
         # turn the pool into pages that go last.
@@ -150,10 +88,7 @@ class RadixTree:
         self._cached_pages = 0
         self._evictable_pages = 0
         self._num_nodes = 0
-        self._queries = 0
-        self._query_tokens = 0
-        self._hit_tokens = 0
-        self._evicted_pages = 0
+        self._counts = LookupCounts()
 
     # ----------------------------------------------------------------- public operations
 
@@ -171,9 +106,9 @@ class RadixTree:
         so that locking the result pins exactly the matched pages. A MatchResult stays valid
         until the next evict()/reset(): lock it before then. `serves=False`: no request is
         served from it (a retention finding its path), so it counts no hit (num_hits)."""
-        tokens = _token_list(token_ids)
+        tokens = token_list(token_ids)
         max_blocks = (len(tokens) - 1) // self.page_size if tokens else 0
-        _check_hashes_len(block_hashes, max_blocks)
+        check_hashes_len(block_hashes, max_blocks)
         now = self._tick()
         root = self._roots.get(salt)
         if root is None:
@@ -196,22 +131,14 @@ class RadixTree:
     ) -> PeekResult:
         """What match() would return now, without changing anything: no split, no LRU time,
         no statistics. For lookups that may not lead to a use (scheduling order, checks)."""
-        tokens = _token_list(token_ids)
+        tokens = token_list(token_ids)
         max_blocks = (len(tokens) - 1) // self.page_size if tokens else 0
-        _check_hashes_len(block_hashes, max_blocks)
-        node = self._roots.get(salt)
-        ps, block, pages, unlocked = self.page_size, 0, [], 0
-        while node is not None and block < max_blocks:
-            key = self._block_hash(node, tokens, block, salt, block_hashes)
-            child = node.children.get(key)
-            if child is None:
-                break
-            common = _common_blocks(child.tokens, tokens, block * ps, max_blocks - block, ps)
+        check_hashes_len(block_hashes, max_blocks)
+        pages, unlocked = [], 0
+        for child, common in self._cached_runs(tokens, salt, max_blocks, block_hashes):
             pages.extend(child.pages[:common])
             unlocked += common if child.lock_ref == 0 else 0
-            block += common
-            node = child if common == len(child.pages) else None
-        return PeekResult(block * ps, pages, unlocked)
+        return PeekResult(len(pages) * self.page_size, pages, unlocked)
 
     def deepest_node(
         self,
@@ -223,27 +150,19 @@ class RadixTree:
         """The deepest node whose whole run is a prefix of the full blocks of `token_ids`
         (every block, none left to compute), or None when not even one node is; pure like peek.
         What a session book marks (set_liveness) when it knows a prefix, not a node."""
-        tokens = _token_list(token_ids)
+        tokens = token_list(token_ids)
         num_blocks = len(tokens) // self.page_size
-        _check_hashes_len(block_hashes, num_blocks)
-        node, block, found = self._roots.get(salt), 0, None
-        while node is not None and block < num_blocks:
-            key = self._block_hash(node, tokens, block, salt, block_hashes)
-            child = node.children.get(key)
-            if child is None:
-                break
-            common = _common_blocks(child.tokens, tokens, block * self.page_size, num_blocks - block, self.page_size)
+        check_hashes_len(block_hashes, num_blocks)
+        found = None
+        for child, common in self._cached_runs(tokens, salt, num_blocks, block_hashes):
             if common < len(child.pages):
                 break
-            block += common
-            node = found = child
+            found = child
         return found
 
     def record_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
         """Count one lookup that was used (a match made with record=False, then locked)."""
-        self._queries += 1
-        self._query_tokens += num_query_tokens
-        self._hit_tokens += num_hit_tokens
+        self._counts.record(num_query_tokens, num_hit_tokens)
 
     def insert(
         self,
@@ -256,11 +175,11 @@ class RadixTree:
         """Cache the full blocks of `token_ids`, whose KV is in `pages` (one per block; extra
         pages are ignored). Blocks already cached keep the tree's pages; the caller compares
         and frees its duplicates. A hash collision with different tokens stops the insert."""
-        tokens = _token_list(token_ids)
+        tokens = token_list(token_ids)
         num_full = len(tokens) // self.page_size
         if len(pages) < num_full:
             raise ValueError(f"insert of {num_full} full blocks needs at least {num_full} pages, got {len(pages)}")
-        _check_hashes_len(block_hashes, num_full)
+        check_hashes_len(block_hashes, num_full)
         now = self._tick()
         root = self._roots.get(salt)
         if num_full == 0:
@@ -328,58 +247,14 @@ class RadixTree:
             if self.events:
                 self.events.publish(BlocksEvicted(node, flushing, write_back))
             freed += self._remove_leaf(node)
-        self._evicted_pages += freed
+        self._counts.evicted_pages += freed
         return freed
 
     def set_liveness(self, node: Node, liveness: Liveness, *, below_blocks: int = 0, tail: Liveness | None = None) -> int:
-        """Mark the path private to `node` with `liveness`: the node, its ancestors up to the
-        first branch point or the root, and its descendants down to the first branch point or
-        the leaf (what was cached after the prefix the caller knows: a turn's reply), refiling
-        the leaf among them; the `session` and `slru` policies order by it. With `below_blocks`, only
-        nodes that lie wholly past the path's first `below_blocks` blocks (what the caller
-        knows is shared, e.g. the system prompt a session's first turn found cached). An
-        evicted node stands for what is left of its path: its deepest ancestor still cached (a
-        removed node keeps its parent), so a session book may hold on to a stale node. Changes
-        the eviction order; returns the nodes marked (0 for a root or a branch point: no mark
-        on them means anything). `tail`: the descendants' mark, where it differs from the
-        node's own (a hot turn is hot only as far as it is retained)."""
-        while node.removed and node.parent is not None:
-            node = node.parent
-        if node.parent is None or len(node.children) > 1:
-            return 0
-        marked = 0
-        end_block = _path_pages(node)
-        below, below_start = node, end_block
-        while len(below.children) == 1:
-            below = next(iter(below.children.values()))
-            if len(below.children) > 1:
-                break
-            if below_start >= below_blocks:
-                self._relabel(below, liveness if tail is None else tail)
-                marked += 1
-            below_start += len(below.pages)
-        current: Node = node
-        while True:
-            start_block = end_block - len(current.pages)
-            if start_block < below_blocks:
-                return marked
-            self._relabel(current, liveness)
-            marked += 1
-            parent = current.parent
-            assert parent is not None
-            if parent.parent is None or len(parent.children) != 1:
-                return marked
-            current, end_block = parent, start_block
-
-    def _relabel(self, node: Node, liveness: Liveness) -> None:
-        if node.liveness == liveness:
-            return
-        filed = node.evict_key is not None
-        if filed:
-            self._order.remove(node)
-        node.liveness = liveness
-        if filed:
-            self._order.add(node)
+        """Mark the path private to `node` with `liveness`, refiling the leaf among it
+        (liveness.mark_private_path says which nodes); changes the eviction order, returns the
+        nodes marked (0 for a root or a branch point)."""
+        return mark_private_path(self._order, node, liveness, below_blocks=below_blocks, tail=tail)
 
     def mark_dead(self, node: Node, *, below_blocks: int = 0) -> int:
         """A released or idle-expired session's private tail: evicted first (set_liveness)."""
@@ -412,22 +287,7 @@ class RadixTree:
             raise RuntimeError(f"retain of {node!r}, which was evicted; match again before retaining")
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be positive, got {ttl_s!r}")
-        now_s = self._now_s()
-        self.expire(now_s)
-        num_pages = _path_pages(node)
-        if num_pages == 0 or (max_owner_pages is not None and num_pages > max_owner_pages):
-            return 0
-        if self.max_retained_pages is not None:
-            trimmed = self._fit_retained_cap(node, owner, self.max_retained_pages)
-            if trimmed is None:
-                return 0
-            node, num_pages = trimmed, _path_pages(trimmed)
-        expires_at_s = self._supersede(node, now_s + ttl_s, owner)
-        if max_owner_pages is not None:
-            self._fit_owner_cap(owner, max_owner_pages - num_pages)
-        retention = self._book.add(node, expires_at_s, owner, num_pages)
-        self._mark_path(retention)
-        return num_pages
+        return self._retained.retain(node, self._now_s(), ttl_s, owner, max_owner_pages, self.max_retained_pages)
 
     def rehome(self, alias: str | None, owner: str | None, max_owner_pages: int | None = None) -> int:
         """Count `alias`'s retentions as `owner`'s from now on (one owner the disk tier named
@@ -435,35 +295,21 @@ class RadixTree:
         share one cap; returns the retentions moved. Changes the retention book, no node."""
         moved = self._book.rehome(alias, owner)
         if moved and max_owner_pages is not None:
-            self._fit_owner_cap(owner, max_owner_pages)
+            self._retained.fit_owner_cap(owner, max_owner_pages)
         return moved
 
     def retention_owners(self) -> list[str | None]:
         """Every owner with a live retention (as of the last expire); pure."""
         return self._book.owners()
 
-    def _fit_owner_cap(self, owner: str | None, max_pages: int) -> None:
-        """Release the owner's oldest retentions until its retained pages are within max_pages."""
-        for old in self._book.of_owner(owner):
-            if self._book.owner_pages(owner) <= max_pages:
-                break
-            self.release(old.retention_id)
-
     def release(self, retention_id: int) -> bool:
         """End a retention now; False if it was unknown (expired or released already)."""
-        retention = self._book.remove(retention_id)
-        if retention is None:
-            return False
-        self._unmark_path(retention)
-        return True
+        return self._retained.release(retention_id)
 
     def expire(self, now_s: float | None = None) -> int:
         """Drop the retentions whose time has passed; returns how many. Their nodes become
         ordinary LRU nodes again (unless another retention still covers them)."""
-        expired = self._book.pop_expired(self._now_s() if now_s is None else now_s)
-        for retention in expired:
-            self._unmark_path(retention)
-        return len(expired)
+        return self._retained.expire(self._now_s() if now_s is None else now_s)
 
     def retentions(self, owner: str | None) -> list[Retention]:
         """The owner's live retentions (as of the last expire), oldest first."""
@@ -491,7 +337,7 @@ class RadixTree:
 
     @property
     def retained_pages(self) -> int:
-        return self._retained_pages
+        return self._retained.num_pages
 
     @property
     def num_nodes(self) -> int:
@@ -506,23 +352,11 @@ class RadixTree:
         return self._order.policy
 
     def stats(self) -> CacheStats:
-        return CacheStats(
-            queries=self._queries,
-            query_tokens=self._query_tokens,
-            hit_tokens=self._hit_tokens,
-            hit_rate=self._hit_tokens / self._query_tokens if self._query_tokens else 0.0,
-            cached_pages=self._cached_pages,
-            evictable_pages=self._evictable_pages,
-            locked_pages=self.locked_pages,
-            evicted_pages=self._evicted_pages,
-            num_nodes=self._num_nodes,
-            retained_pages=self._retained_pages,
-            num_retentions=len(self._book),
-            protected_pages=self._protected_pages,
-        )
+        """A snapshot of the counters; pure."""
+        return self._counts.snapshot(self, len(self._book))
 
     def reset_stats(self) -> None:
-        self._queries = self._query_tokens = self._hit_tokens = self._evicted_pages = 0
+        self._counts.reset()
 
     def reset(self) -> None:
         """Drop every cached block, releasing the tree's page references. Query statistics are
@@ -535,8 +369,8 @@ class RadixTree:
             node.removed = True
         self._roots.clear()
         self._order.clear()
-        self._book.clear()
-        self._cached_pages = self._evictable_pages = self._num_nodes = self._retained_pages = 0
+        self._retained.clear()
+        self._cached_pages = self._evictable_pages = self._num_nodes = 0
         self._protected_pages = 0
         if self.events:
             self.events.publish(AllCleared())
@@ -567,85 +401,6 @@ class RadixTree:
         # The membership rule of self._order; check_invariants verifies it holds.
         return node.parent is not None and node.lock_ref == 0 and not node.children
 
-    def _fit_retained_cap(self, node: Node, owner: str | None, cap: int) -> Node | None:
-        """The deepest node of `node`'s path whose retention keeps the tree's retained pages
-        within `cap` (None: not one page fits), after releasing the owner's own oldest
-        retentions while the whole path does not fit. Changes the tree (releases, a split)."""
-        for old in self._book.of_owner(owner):
-            if self._retained_pages + _unretained_path_pages(node) <= cap:
-                break
-            self.release(old.retention_id)
-        room = cap - self._retained_pages
-        # A retention marks its whole path, so the retained nodes of a path lead it: what this
-        # retention adds is the unretained tail, top down.
-        path: list[Node] = []
-        current: Node | None = node
-        while current is not None and current.parent is not None:
-            path.append(current)
-            current = current.parent
-        kept: Node | None = None
-        for step in reversed(path):
-            if not step.retains:
-                if len(step.pages) > room:
-                    return self._split(step, room) if room > 0 else kept
-                room -= len(step.pages)
-            kept = step
-        return kept
-
-    def _supersede(self, node: Node, expires_at_s: float, owner: str | None) -> float:
-        """Release the owner's retentions that the new one on `node` covers (its path or a
-        prefix of it, ending no later), so re-retaining a growing conversation does not count
-        its prefix twice; returns the new retention's expiry (a same-path one never shortens)."""
-        path = set()
-        current: Node | None = node
-        while current is not None:
-            path.add(current.node_id)
-            current = current.parent
-        for old in self._book.of_owner(owner):
-            if old.node is node:
-                expires_at_s = max(expires_at_s, old.expires_at_s)
-            elif old.node.node_id not in path or old.expires_at_s > expires_at_s:
-                continue
-            self.release(old.retention_id)
-        return expires_at_s
-
-    def _mark_path(self, retention: Retention) -> None:
-        rid, expires_at_s = retention.retention_id, retention.expires_at_s
-        current: Node | None = retention.node
-        while current is not None and current.parent is not None:
-            if not current.retains:
-                self._retained_pages += len(current.pages)
-            self._set_retains(current, lambda retains: retains.__setitem__(rid, expires_at_s))
-            current = current.parent
-
-    def _unmark_path(self, retention: Retention) -> None:
-        # Walks parent pointers from the retained node even when it (or more of the path) was
-        # evicted since: a removed node keeps its parent, and a split keeps the lower node's
-        # identity with the id copied into the upper one, so every marked node is on this walk.
-        rid = retention.retention_id
-        current: Node | None = retention.node
-        while current is not None and current.parent is not None:
-            if rid in current.retains:
-                self._set_retains(current, lambda retains: retains.__delitem__(rid))
-                if not current.retains and not current.removed:
-                    self._retained_pages -= len(current.pages)
-                if not current.retains and current.liveness is Liveness.HOT:
-                    # Hot only while retained: a session's turn its owner's caps (or the
-                    # owner's other retentions) released is an ordinary node again.
-                    self._relabel(current, Liveness.UNKNOWN)
-            current = current.parent
-
-    def _set_retains(self, node: Node, change: Callable[[dict[int, float]], None]) -> None:
-        """Apply `change` to node.retains, refiling the node if it is in the eviction order
-        (only a leaf can be, so on a path this is at most the deepest node still cached)."""
-        filed = node.evict_key is not None
-        if filed:
-            self._order.remove(node)
-        change(node.retains)
-        node.retention_expires_at_s = max(node.retains.values(), default=0.0)
-        if filed:
-            self._order.add(node)
-
     def _block_hash(
         self,
         node: Node,
@@ -662,6 +417,22 @@ class RadixTree:
         parent = node.hashes[-1] if node.parent is not None else None
         ps = self.page_size
         return self.hasher.hash_block(parent, tokens[block * ps : (block + 1) * ps], salt)
+
+    def _cached_runs(
+        self, tokens: list[int], salt: str | None, max_blocks: int, block_hashes: Sequence[BlockHash] | None
+    ) -> Iterator[tuple[Node, int]]:
+        """Each node on the cached path of the first `max_blocks` blocks of `tokens`, with how
+        many of its leading blocks they match; the walk ends after a node matched in part
+        (none, on a collision). Pure: no split, no time, no statistics."""
+        node, block, ps = self._roots.get(salt), 0, self.page_size
+        while node is not None and block < max_blocks:
+            child = node.children.get(self._block_hash(node, tokens, block, salt, block_hashes))
+            if child is None:
+                return
+            common = common_blocks(child.tokens, tokens, block * ps, max_blocks - block, ps)
+            yield child, common
+            block += common
+            node = child if common == len(child.pages) else None
 
     def _descend(
         self,
@@ -682,7 +453,7 @@ class RadixTree:
             child = node.children.get(key)
             if child is None:
                 return node, block, pages, key, False
-            common = _common_blocks(child.tokens, tokens, block * ps, limit_blocks - block, ps)
+            common = common_blocks(child.tokens, tokens, block * ps, limit_blocks - block, ps)
             if common == 0:
                 # Same hash, different tokens: a collision costs a miss, never a wrong hit.
                 return node, block, pages, key, True
@@ -782,7 +553,7 @@ class RadixTree:
         self._cached_pages -= num
         self._evictable_pages -= num
         if node.retains:
-            self._retained_pages -= num
+            self._retained.num_pages -= num
         if node.num_hits:
             self._protected_pages -= num
         self._num_nodes -= 1
@@ -816,71 +587,8 @@ class RadixTree:
 
     def iter_nodes(self) -> Iterator[Node]:
         """Every cached node, each before its children (what a disk tier persists in order)."""
-        stack = [child for root in self._roots.values() for child in reversed(list(root.children.values()))]
-        while stack:
-            node = stack.pop()
-            yield node
-            stack.extend(reversed(list(node.children.values())))
+        return iter_preorder(self._roots.values())
 
     def _iter_nodes(self) -> Iterator[Node]:
         """Every non-root node of every registered root."""
-        stack = [child for root in self._roots.values() for child in root.children.values()]
-        while stack:
-            node = stack.pop()
-            yield node
-            stack.extend(node.children.values())
-
-def path_tokens(node: Node) -> list[int]:
-    """Every token of the prefix `node` ends: its ancestors' runs, then its own. O(depth)."""
-    runs = []
-    current: Node | None = node
-    while current is not None:
-        runs.append(current.tokens)
-        current = current.parent
-    return [token for run in reversed(runs) for token in run]
-
-
-def _unretained_path_pages(node: Node) -> int:
-    """Pages on `node`'s path that no retention covers (the path's tail: see _fit_retained_cap)."""
-    num = 0
-    current: Node | None = node
-    while current is not None and current.parent is not None and not current.retains:
-        num += len(current.pages)
-        current = current.parent
-    return num
-
-
-def _path_pages(node: Node) -> int:
-    num = 0
-    current: Node | None = node
-    while current is not None:
-        num += len(current.pages)
-        current = current.parent
-    return num
-
-
-def _token_list(token_ids: Sequence[int]) -> list[int]:
-    # numpy arrays and torch tensors: tolist() gives Python ints, which compare cheaply.
-    tolist = getattr(token_ids, "tolist", None)
-    if tolist is not None:
-        return tolist()
-    return token_ids if isinstance(token_ids, list) else list(token_ids)
-
-
-def _common_blocks(run: list[int], tokens: list[int], start: int, max_blocks: int, ps: int) -> int:
-    """How many leading blocks of `run` equal the blocks of `tokens` from `start` (at most
-    `max_blocks`)."""
-    num = min(len(run) // ps, max_blocks)
-    end = start + num * ps
-    if (run if num * ps == len(run) else run[: num * ps]) == tokens[start:end]:
-        return num  # the common case, one comparison in C
-    for block in range(num):
-        lo = block * ps
-        if run[lo : lo + ps] != tokens[start + lo : start + lo + ps]:
-            return block
-    raise AssertionError("unreachable: the runs differ but no block does")
-
-
-def _check_hashes_len(block_hashes: Sequence[BlockHash] | None, needed: int) -> None:
-    if block_hashes is not None and len(block_hashes) < needed:
-        raise ValueError(f"block_hashes has {len(block_hashes)} hashes but {needed} full blocks need one each")
+        return iter_subtrees(self._roots.values())

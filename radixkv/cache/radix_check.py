@@ -12,7 +12,8 @@ from radixkv.cache.eviction import Liveness
 
 if TYPE_CHECKING:
     from radixkv.cache.hashing import BlockHash
-    from radixkv.cache.radix import Node, RadixTree
+    from radixkv.cache.radix import RadixTree
+    from radixkv.cache.radix_node import Node
 
 
 def check_tree(tree: RadixTree, *, check_hashes: bool = False) -> None:
@@ -32,7 +33,7 @@ def check_tree(tree: RadixTree, *, check_hashes: bool = False) -> None:
     )
     _require(walk.nodes == tree._num_nodes, f"num_nodes {tree._num_nodes} != walk {walk.nodes}")
     _require(
-        walk.retained == tree._retained_pages, f"retained_pages {tree._retained_pages} != walk {walk.retained}"
+        walk.retained == tree.retained_pages, f"retained_pages {tree.retained_pages} != walk {walk.retained}"
     )
     cap = tree.max_retained_pages
     _require(cap is None or walk.retained <= cap, f"{walk.retained} retained pages, over the cap of {cap}")

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from sortedcontainers import SortedList
 
 if TYPE_CHECKING:
-    from radixkv.cache.radix import Node
+    from radixkv.cache.radix_node import Node
 
 
 @dataclass(slots=True, eq=False)

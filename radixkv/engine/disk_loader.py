@@ -58,7 +58,8 @@ def open_disk_tier(
 class DiskLoader:
     """Moves blocks between the tree's pages and the disk tier. The RAM side's own steps are
     KVManager's, handed in: `commit` (a sequence's new full blocks into the tree), `peek` (what
-    RAM serves a sequence: where its disk run starts) and `mark_retained` (RAM residency)."""
+    RAM serves a sequence: where its disk run starts) and `retain_prefix` (a prefix retained in
+    RAM, and so in RAM residency: the node its match ends at, the pages retained)."""
 
     def __init__(
         self,
@@ -68,7 +69,7 @@ class DiskLoader:
         *,
         commit: Callable[[SequenceState], None],
         peek_tokens: Callable[[SequenceState], int],
-        mark_retained: Callable[[list[int]], None],
+        retain_prefix: Callable[[list[int], str | None, float, str | None, int | None], tuple[Node, int]],
         compute_s: ComputeEstimate,
         prefetch_bytes: int,
         max_retained_pages_per_owner: int | None,
@@ -79,7 +80,7 @@ class DiskLoader:
         self.page_size = pool.page_size
         self._commit = commit
         self._peek_tokens = peek_tokens
-        self._mark_retained = mark_retained
+        self._retain_prefix = retain_prefix
         self.compute_s = compute_s
         self.max_retained_pages_per_owner = max_retained_pages_per_owner  # for retentions found on disk
         self.prefetcher = DiskPrefetcher(tier, prefetch_bytes)
@@ -233,9 +234,7 @@ class DiskLoader:
             cap = self.max_retained_pages_per_owner
             if ttl_s > 0 and (cap is None or cap > 0):
                 prefix = seq.all_token_ids[: (block + 1) * self.page_size]
-                match = self.tree.match(prefix + [0], seq.salt, record=False, serves=False)
-                owner = self.ram_owner(str(retention.owner), seq.owner)
-                self._mark_retained(match.pages[: self.tree.retain(match.node, ttl_s, owner, cap)])
+                self._retain_prefix(prefix, seq.salt, ttl_s, self.ram_owner(str(retention.owner), seq.owner), cap)
             return
 
     def ram_owner(self, disk_name: str, reader: str | None) -> str | None:

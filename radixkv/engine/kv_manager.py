@@ -19,6 +19,7 @@ from radixkv.cache.radix import Node, PeekResult, RadixTree
 from radixkv.cache.residency import PageResidency, TierResidency
 from radixkv.cache.retention import Retention
 from radixkv.engine.cache_report import AdmissionMatch, MissExplainer
+from radixkv.engine.cache_view import CacheView
 from radixkv.engine.disk_loader import ComputeEstimate, DiskLoader
 from radixkv.engine.request import Admitted, CacheLookup, SequenceState
 
@@ -26,7 +27,7 @@ from radixkv.engine.request import Admitted, CacheLookup, SequenceState
 class KVManager:
     """What the scheduler asks of the cache, in seven verbs: peek, can_admit, load_ready,
     admit, reserve, release, block_hashes. The engine adds commit, the pins and retentions, and
-    the whole-cache calls (lookup, flush, close, residency, disk_stats)."""
+    the whole-cache calls (lookup, flush, close, residency, disk_stats: engine/cache_view.py)."""
 
     def __init__(
         self,
@@ -51,7 +52,7 @@ class KVManager:
         if disk is not None and enable_prefix_caching:
             self._loader = DiskLoader(
                 disk, pool, tree, commit=self.commit, peek_tokens=lambda seq: self.peek(seq).num_cached_tokens,
-                mark_retained=self._residency.retained, compute_s=compute_s, prefetch_bytes=prefetch_bytes,
+                retain_prefix=self._retain_prefix, compute_s=compute_s, prefetch_bytes=prefetch_bytes,
                 max_retained_pages_per_owner=max_retained_pages_per_owner,
             )
         # Evicted hashes, so a request's cache report tells evicted from never seen.
@@ -62,6 +63,7 @@ class KVManager:
         for bus in buses:
             for listener in listeners:
                 bus.subscribe(listener)
+        self._view = CacheView(tree, pool, self._residency, self._misses, self._loader, enable_prefix_caching)
 
     @property
     def page_size(self) -> int:
@@ -244,16 +246,24 @@ class KVManager:
             return 0
         if self._loader is not None:
             self._loader.claim(owner)  # what came back from disk under its name counts here too
-        prefix = list(prefix_token_ids[: max_owner_pages * self._page_size])
+        node, num_pages = self._retain_prefix(prefix_token_ids[: max_owner_pages * self._page_size], salt, ttl_s, owner, max_owner_pages)
+        if num_pages and self._loader is not None:
+            self._loader.write_through(node)
+        return num_pages * self._page_size
+
+    def _retain_prefix(
+        self, prefix_token_ids: Sequence[int], salt: str | None, ttl_s: float, owner: str | None, max_owner_pages: int | None
+    ) -> tuple[Node, int]:
+        """Retain the cached full blocks of a prefix (RadixTree.retain), marked retained in RAM
+        residency: (the node its match ends at, pages retained). Also what the disk loader
+        does for a block read back under a live retention."""
         # As in pin: one more token lets match return every full block of the prefix itself.
         # Retaining serves no request: counted as a hit, it would make the path protected under
         # slru, outranking other keys' real hits once the retention ends.
-        match = self._tree.match(prefix + [0], salt, record=False, serves=False)
+        match = self._tree.match(list(prefix_token_ids) + [0], salt, record=False, serves=False)
         num_pages = self._tree.retain(match.node, ttl_s, owner, max_owner_pages)
         self._residency.retained(match.pages[:num_pages])
-        if num_pages and self._loader is not None:
-            self._loader.write_through(match.node)
-        return num_pages * self._page_size
+        return match.node, num_pages
 
     def retentions(self, owner: str | None) -> list[Retention]:
         """`owner`'s live retentions, the newest last; pure."""
@@ -286,55 +296,28 @@ class KVManager:
             return self._tree.mark_hot(node, below_blocks=below_blocks)
         return self._tree.set_liveness(node, liveness, below_blocks=below_blocks)
 
-    # -- the whole cache ---------------------------------------------------------------------
+    # -- the whole cache (engine/cache_view.py says what each returns) ----------------------
 
     def lookup(self, token_ids: list[int], salt: str | None) -> CacheLookup:
-        """The tokens of the prompt's full blocks cached in RAM, and those cached on disk right
-        after them, changing nothing: no LRU time, no hit counted, no file read."""
-        if not self._caching:
-            return CacheLookup(0, 0)
-        tokens = list(token_ids)
-        # As in pin: one more token lets peek count every full block of the prompt itself.
-        ram = self._tree.peek(tokens + [0], salt).num_cached_tokens
-        return CacheLookup(ram, self._loader.lookup(tokens, salt, ram) if self._loader is not None else 0)
+        return self._view.lookup(token_ids, salt)
 
     def flush(self, ram: bool, disk: bool) -> tuple[int, int]:
-        """Drop what the cache holds: every unlocked RAM page (pages in use by requests or pins
-        stay), every disk block. Returns (pages freed, blocks deleted). Flushing both drops RAM
-        first without writing it back; RAM alone is written back as by any eviction."""
-        pages = blocks = 0
-        if ram:
-            pages = self._tree.evict(self._tree.evictable_pages, flushing=True, write_back=not disk)
-        if disk and self._loader is not None:
-            blocks = self._loader.flush()
-        return pages, blocks
+        return self._view.flush(ram, disk)
 
     def close(self) -> int:
-        """Stop the background reads, write every block cached in RAM to the disk tier and close
-        it (its directory is the next process's); returns blocks written (0 without a tier).
-        The cache stays usable, without the disk tier."""
-        return self._loader.close() if self._loader is not None else 0
+        return self._view.close()
 
     def residency(self) -> dict[str, TierResidency]:
-        """Per tier ("ram", "disk" with a disk tier): hits, what it holds, evictions by reason,
-        block lifetime and reuse gap histograms."""
-        cached = self._tree.cached_pages
-        tiers = {"ram": self._residency.snapshot(cached, cached * self._pool.page_nbytes)}
-        if self._loader is not None:
-            tiers["disk"] = self._loader.residency()
-        return tiers
+        return self._view.residency()
 
     def disk_stats(self) -> DiskStats | None:
-        """The disk tier's counters; None without one."""
-        return self._loader.stats() if self._loader is not None else None
+        return self._view.disk_stats()
 
     def disk_directory(self) -> Path | None:
-        """The directory of the disk tier while it is in use; None without one (or once off)."""
-        return self._loader.directory() if self._loader is not None else None
+        return self._view.disk_directory()
 
     def miss_counts(self) -> dict[str, int]:
-        """Cache reports so far by reason (MISS_REASONS)."""
-        return self._misses.snapshot()
+        return self._view.miss_counts()
 
 
 def _reports(seq: SequenceState) -> bool:
