@@ -119,12 +119,7 @@ class Engine:
         self.pins = Pins(
             self.kv, num_pages, config.page_size, self.max_context_tokens, config.max_pinned_pages, config.max_pinned_pages_per_owner
         )
-        # A request's keeps go through the same retention and pins (and caps) as the verbs below.
-        self.keeper = Keeper(self.kv, self.pins, config.max_retained_pages_per_owner, self.tree.now_s)
-        self.requests = RequestBook(
-            self.scheduler, self.kv, self.tokenizer, self.eos_token_ids, self.max_model_len, self.counters, self.keeper
-        )
-        # Sessions retain each conversation's newest turn through the retention above (no lock).
+        # Sessions name conversations; each turn is a keep into the reply (no lock).
         self.sessions = SessionBook(
             self.kv,
             SessionLimits(
@@ -133,6 +128,11 @@ class Engine:
             ),
             chunk_tokens=config.max_batch_tokens, clock=self.tree.now_s, signals=self.kv,
         )  # fmt: skip
+        # A request's keeps go through the same retention and pins (and caps) as the verbs below.
+        self.keeper = Keeper(self.kv, self.pins, config.max_retained_pages_per_owner, self.tree.now_s, self.sessions)
+        self.requests = RequestBook(
+            self.scheduler, self.kv, self.tokenizer, self.eos_token_ids, self.max_model_len, self.counters, self.keeper
+        )
         # KV events (off by default): the cache's bus tells the recorder of every block the tree
         # stores or evicts; each step's events go out as one batch. Opened last, so a failed start
         # leaves no socket bound.
@@ -163,13 +163,14 @@ class Engine:
         holding what it missed (another_partition); never another owner's.
         max_tokens None becomes the room the context leaves after this prompt (for this
         request only: `params` may be shared). `session` names the owner's session this turn
-        continues (engine/sessions.py): checked against its caps here, before any work.
+        continues (engine/sessions.py): checked against its caps here, before any work; the
+        turn is a keep into the reply, retained when the request finishes.
         `keeps` (engine/keeps.py): prefixes of the prompt kept cached once the prompt is computed,
         under `owner`'s caps; what they did is on the output (`RequestOutput.kept`)."""
         params = params or SamplingParams()
         self.check_request(prompt_token_ids, params, salt, guide_checked=guide_grammar is not None)
         keeps = check_keeps(keeps, len(prompt_token_ids))
-        session_idle_s = self.sessions.check(session) if session is not None else 0.0
+        turn_keep = self.sessions.check(session, len(prompt_token_ids)) if session is not None else None
         params = self.context.filled(prompt_token_ids, params)
         if params.n > self.queue_room():
             raise QueueFull(f"the waiting queue is full ({self.config.max_queue_len} requests); retry later", limit=self.config.max_queue_len)
@@ -180,7 +181,7 @@ class Engine:
         seqs = [
             SequenceState(
                 next(self._seq_ids), request_id, i, prompt, params, salt, self.scheduler.step_count, owner=owner,
-                sibling_salts=tuple(sibling_salts), keeps=keeps,
+                sibling_salts=tuple(sibling_salts), keeps=keeps if turn_keep is None else (*keeps, turn_keep),
             )
             for i in range(params.n)
         ]
@@ -190,8 +191,8 @@ class Engine:
         self.requests.register(request_id, seqs)
         for seq in seqs:
             self.scheduler.add(seq)
-        if session is not None:
-            self.sessions.begin(request_id, session, session_idle_s, salt, seqs)
+        if session is not None and turn_keep is not None:
+            self.sessions.begin(request_id, session, turn_keep, salt, seqs)
         return request_id
 
     def queue_room(self) -> int:
@@ -308,10 +309,6 @@ class Engine:
         self._observe(batch, result)
         postprocess_start_s = time.perf_counter()
         deltas = self.requests.postprocess(batch, result)
-        if self.sessions:
-            for delta in deltas:
-                if delta.output is not None:
-                    self.sessions.finished(delta.output)
         self.step_times.add("postprocess", time.perf_counter() - postprocess_start_s)
         return deltas
 

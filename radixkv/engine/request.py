@@ -181,11 +181,17 @@ class Keep:
     first `num_tokens` (their full pages), for `ttl_s` seconds. Unlocked, it is a retention:
     evicted last, earliest expiry first, capped per owner. Locked, it is a pin: never evicted
     until it expires (`ttl_s` None: until unpinned), under the pin caps. Every wire spelling
-    (retention, breakpoints, cache_control, pins) is one of these (server/keeps.py)."""
+    (retention, breakpoints, cache_control, pins, sessions) is one of these (server/keeps.py).
+
+    `reply`: the keep reaches past the prompt's first `num_tokens` into the first continuation's
+    reply, so it is applied when the request finishes (the reply exists only then), never
+    locked, and not part of the prompt's `KeepReport`. A session's newest turn is one
+    (engine/sessions.py makes it, whole prompt and reply, its idle time the ttl)."""
 
     num_tokens: int
     ttl_s: float | None = 300.0
     lock: bool = False
+    reply: bool = False
 
     def check(self, num_prompt_tokens: int) -> None:
         """InvalidRequest (param "keeps") unless this keep names a prefix of a prompt of
@@ -193,6 +199,8 @@ class Keep:
         _int_in("keeps", self.num_tokens, 0, num_prompt_tokens)
         if not isinstance(self.lock, bool):
             raise InvalidRequest(f"a keep's lock must be a boolean, got {self.lock!r}", param="keeps")
+        if not isinstance(self.reply, bool) or (self.reply and self.lock):
+            raise InvalidRequest(f"a keep that reaches into the reply is a boolean and never locked, got {self.reply!r}", param="keeps")
         ttl_s = self.ttl_s
         if ttl_s is None and self.lock:
             return
