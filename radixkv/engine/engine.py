@@ -29,7 +29,9 @@ from radixkv.engine.keeps import Keeper, check_keeps
 from radixkv.engine.kv_manager import KVManager
 from radixkv.engine.outputs import RequestBook
 from radixkv.engine.pins import Owner, PinnedPrefix, Pins
-from radixkv.engine.request import Batch, CacheLookup, Keep, RequestDelta, SamplingParams, SequenceState
+from radixkv.engine.request import Batch, CacheLookup, Keep, SequenceState
+from radixkv.engine.request_output import RequestDelta
+from radixkv.engine.sampling_params import SamplingParams
 from radixkv.engine.runner import ModelRunner, StepResult
 from radixkv.engine.sampler import Sampler
 from radixkv.engine.scheduler import Scheduler

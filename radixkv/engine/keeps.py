@@ -17,7 +17,7 @@ from radixkv.errors import InvalidRequest
 
 if TYPE_CHECKING:
     from radixkv.cache.retention import Retention
-    from radixkv.engine.request import RequestOutput
+    from radixkv.engine.request_output import RequestOutput
 
 
 def check_keeps(keeps: Sequence[Keep], num_prompt_tokens: int) -> tuple[Keep, ...]:

@@ -15,16 +15,8 @@ from typing import TYPE_CHECKING
 from radixkv.engine.guide import GuideRejected
 from radixkv.engine.keeps import Keeper
 from radixkv.engine.kv_manager import KVManager
-from radixkv.engine.request import (
-    Batch,
-    CompletionDelta,
-    CompletionOutput,
-    RequestDelta,
-    RequestOutput,
-    SeqStatus,
-    SequenceState,
-    TokenLogprob,
-)
+from radixkv.engine.request import Batch, SeqStatus, SequenceState
+from radixkv.engine.request_output import CompletionDelta, CompletionOutput, RequestDelta, RequestOutput, TokenLogprob
 from radixkv.engine.runner import StepResult
 from radixkv.engine.scheduler import Scheduler
 from radixkv.engine.stats import EngineCounters

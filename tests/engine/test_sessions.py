@@ -12,7 +12,7 @@ from radixkv.cache.eviction import Liveness
 from radixkv.cache.radix import Node
 from radixkv.config import EngineConfig
 from radixkv.engine.engine import Engine
-from radixkv.engine.request import SamplingParams
+from radixkv.engine.sampling_params import SamplingParams
 from radixkv.engine.sessions import SessionRef
 from radixkv.errors import ConfigError, InvalidRequest, OwnerCapExceeded
 from tests.helpers.engine import assert_pages_returned, run_to_end
