@@ -11,22 +11,15 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from radixkv.attention import make_backend
-from radixkv.cache.hashing import BlockHasher
-from radixkv.cache.kv_dtype import resolve_kv_dtype
-from radixkv.cache.pages import PagePool, available_memory_bytes
-from radixkv.cache.radix import RadixTree
 from radixkv.config import EngineConfig
-from radixkv.engine.compute_cost import ComputeCost, attended
+from radixkv.engine.build import build_cache, load_engine_model
+from radixkv.engine.compute_cost import attended
 from radixkv.engine.context import ContextLimit
-from radixkv.engine.disk_loader import open_disk_tier
 from radixkv.engine.guide import GuideLimits, Guides
 from radixkv.engine.invariants import check_page_accounting
 from radixkv.engine.keeps import Keeper, check_keeps
-from radixkv.engine.kv_manager import KVManager
 from radixkv.engine.outputs import RequestBook
 from radixkv.engine.pins import Owner, PinnedPrefix, Pins
 from radixkv.engine.request import Batch, CacheLookup, Keep, SequenceState
@@ -37,10 +30,10 @@ from radixkv.engine.sampler import Sampler
 from radixkv.engine.scheduler import Scheduler
 from radixkv.engine.sessions import SessionBook, SessionLimits, SessionRef
 from radixkv.engine.stats import EngineCounters, EngineStats, StepTimes
-from radixkv.errors import ConfigError, InvalidRequest, QueueFull
+from radixkv.errors import InvalidRequest, QueueFull
 from radixkv.kv_events import start_kv_events
 from radixkv.model.device import resolve_device, resolve_dtype
-from radixkv.model.loader import LoadedModel, load_model
+from radixkv.model.loader import LoadedModel
 
 if TYPE_CHECKING:
     from radixkv.kv_events.recorder import KVEventRecorder
@@ -51,22 +44,7 @@ class Engine:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        backend = loaded.model.attention if loaded is not None else make_backend(
-            config.attention_backend, self.device.type, native_kernels=config.native_kernels, decode_amx=config.decode_amx,
-            share_decode_reads=config.share_decode_reads, check_indices=config.check_indices,
-        )
-        # Before the model loads: a configuration the backend cannot run fails in a blink.
-        if config.batch_invariant and not backend.capabilities.batch_invariant:
-            raise ConfigError(
-                f"batch_invariant needs an attention backend that attends row by row ('torch' or 'cpu'), not {backend.name!r}",
-                param="batch_invariant",
-            )
-        if loaded is None:
-            loaded = load_model(
-                config.model, backend, dtype=config.dtype, device=config.device, cache_dir=config.cache_dir,
-                native_kernels=config.native_kernels, linear_kernel=config.linear_kernel,
-                weight_dtype=config.weight_dtype, quant_kernel=config.quant_kernel,
-            )
+        loaded = load_engine_model(config, self.device, loaded)
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         model_config = loaded.config
@@ -75,38 +53,20 @@ class Engine:
         self.eos_token_ids = set(model_config.eos_token_ids)
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
-
-        # The pages' storage dtype (EngineConfig.kv_dtype); pages are sized in its bytes.
-        self.kv_dtype = resolve_kv_dtype(config.kv_dtype, loaded.dtype, loaded.device)
-        num_pages = config.num_pages or PagePool.pages_for_memory(
-            available_memory_bytes(self.device), config.kv_memory_fraction, config.max_kv_pages,
-            config.page_size, model_config.num_layers, model_config.num_kv_heads, model_config.head_dim, self.kv_dtype,
-        )
-        self.pool = PagePool(
-            num_pages, config.page_size, model_config.num_layers, model_config.num_kv_heads, model_config.head_dim,
-            self.kv_dtype, loaded.device,
-        )
+        cache = build_cache(config, loaded, self.device)
+        self.kv_dtype, self.pool, self.hasher, self.tree, self.kv = cache.kv_dtype, cache.pool, cache.hasher, cache.tree, cache.kv
+        self.compute_cost = cache.compute_cost
+        num_pages = self.pool.num_pages
         # The most tokens (prompt + completion) one request may have: the model's context, or
         # less when the page pool is smaller. Every layer that checks a length reads this.
         self.max_context_tokens = min(self.max_model_len, num_pages * config.page_size)
         self.context = ContextLimit(self.max_context_tokens, self.max_model_len, num_pages, config.page_size, model_config.vocab_size)
-        self.hasher = BlockHasher(config.page_size, seed=config.hash_seed)
-        self.tree = RadixTree(
-            self.pool, self.hasher, eviction_policy=config.eviction_policy,
-            max_retained_pages=int(num_pages * config.max_retained_pages_fraction),
-        )
-        self.compute_cost = ComputeCost()
-        self.kv = KVManager(
-            self.pool, self.tree, self.hasher, config.enable_prefix_caching, open_disk_tier(config, loaded, self.pool.page_nbytes, self.kv_dtype, self.tree.events),
-            self.compute_cost.estimate_s, config.kv_disk_prefetch_bytes, config.max_retained_pages_per_owner,
-            config.max_ghost_blocks,
-        )
         self.scheduler = Scheduler(config, self.kv)
         self.sampler = Sampler(config.seed, tuple(sorted(self.eos_token_ids)))
         # Quantized weights (int8 activations) are cache-exact only batch-invariant; see config.
         invariant = config.batch_invariant
         if invariant is None:
-            invariant = loaded.weight_format != "float" and backend.capabilities.batch_invariant
+            invariant = loaded.weight_format != "float" and loaded.model.attention.capabilities.batch_invariant
         self.batch_invariant = invariant
         self.runner = ModelRunner(loaded.model, self.pool, loaded.device, self.sampler, batch_invariant=invariant)
         guide_limits = GuideLimits(
@@ -123,13 +83,8 @@ class Engine:
         )
         # Sessions name conversations; each turn is a keep into the reply (no lock).
         self.sessions = SessionBook(
-            self.kv,
-            SessionLimits(
-                config.session_idle_s, config.max_session_idle_s, config.max_sessions_per_owner,
-                min(config.max_session_pages_per_owner, config.max_retained_pages_per_owner), config.max_retained_pages_per_owner,
-            ),
-            chunk_tokens=config.max_batch_tokens, clock=self.tree.now_s, signals=self.kv,
-        )  # fmt: skip
+            self.kv, SessionLimits.of(config), chunk_tokens=config.max_batch_tokens, clock=self.tree.now_s, signals=self.kv
+        )
         # A request's keeps go through the same retention and pins (and caps) as the verbs below.
         self.keeper = Keeper(self.kv, self.pins, config.max_retained_pages_per_owner, self.tree.now_s, self.sessions)
         self.requests = RequestBook(
@@ -356,23 +311,7 @@ class Engine:
     # -- introspection -----------------------------------------------------------------------
 
     def stats(self) -> EngineStats:
-        pool, tree = self.pool, self.tree
-        tree.expire()  # so retained_pages counts live retentions only
-        return EngineStats(
-            counters=replace(self.counters),
-            cache=tree.stats(),
-            num_pages=pool.num_pages,
-            num_free_pages=pool.num_free,
-            num_pages_in_use=pool.num_pages - pool.num_free - tree.evictable_pages,
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
-            num_unfinished=len(self.requests),
-            num_preemptions=self.scheduler.num_preemptions,
-            num_deferrals=self.scheduler.num_deferrals,
-            disk=self.kv.disk_stats(),
-            residency=self.kv.residency(),
-            cache_misses=self.kv.miss_counts(),
-        )
+        return EngineStats.snapshot(self.counters, self.pool, self.tree, self.scheduler, len(self.requests), self.kv)
 
     def check_invariants(self) -> None:
         """free + evictable + in use == total, no page counted twice, refcounts explained."""

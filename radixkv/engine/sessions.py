@@ -22,6 +22,7 @@ from radixkv.errors import InvalidRequest, OwnerCapExceeded
 if TYPE_CHECKING:
     from radixkv.cache.radix import Node
     from radixkv.cache.retention import Retention
+    from radixkv.config import EngineConfig
     from radixkv.engine.kv_manager import KVManager
     from radixkv.engine.pins import Owner
     from radixkv.engine.request import SequenceState
@@ -111,6 +112,15 @@ class SessionLimits:
     max_sessions_per_owner: int
     max_pages_per_owner: int  # over the owner's sessions
     max_retained_pages_per_owner: int  # over all the owner's retentions (EngineConfig's, shared)
+
+    @classmethod
+    def of(cls, config: EngineConfig) -> SessionLimits:
+        """The config's session knobs (the session pages within the owner's retention cap)."""
+        retained = config.max_retained_pages_per_owner
+        return cls(
+            config.session_idle_s, config.max_session_idle_s, config.max_sessions_per_owner,
+            min(config.max_session_pages_per_owner, retained), retained,
+        )  # fmt: skip
 
 
 class SessionBook:
