@@ -15,18 +15,17 @@ from typing import TYPE_CHECKING, Any
 
 from radixkv.config import EngineConfig
 from radixkv.engine.build import build_cache, load_engine_model
-from radixkv.engine.compute_cost import attended
 from radixkv.engine.context import ContextLimit
 from radixkv.engine.guide import GuideLimits, Guides
 from radixkv.engine.invariants import check_page_accounting
 from radixkv.engine.keeps import Keeper, check_keeps
 from radixkv.engine.outputs import RequestBook
 from radixkv.engine.pins import Owner, PinnedPrefix, Pins
-from radixkv.engine.request import Batch, CacheLookup, Keep, SequenceState
+from radixkv.engine.request import CacheLookup, Keep, SequenceState
 from radixkv.engine.request_output import RequestDelta
-from radixkv.engine.sampling_params import SamplingParams
-from radixkv.engine.runner import ModelRunner, StepResult
+from radixkv.engine.runner import ModelRunner
 from radixkv.engine.sampler import Sampler
+from radixkv.engine.sampling_params import SamplingParams
 from radixkv.engine.scheduler import Scheduler
 from radixkv.engine.sessions import SessionBook, SessionLimits, SessionRef
 from radixkv.engine.stats import EngineCounters, EngineStats, StepTimes
@@ -263,20 +262,13 @@ class Engine:
             pending_masks = self.guides.start_fills([item.seq for item in batch.items if item.samples])
         self.step_times.add("schedule", time.perf_counter() - started_s)
         result = self.runner.run(batch, pending_masks)
-        self._observe(batch, result)
+        for phase in ("prepare", "forward", "sample"):  # where the step's time went
+            self.step_times.add(phase, getattr(result, f"{phase}_s"))
+        self.compute_cost.observe_batch(batch, result.forward_s)  # for the disk tier's read-or-compute choice
         postprocess_start_s = time.perf_counter()
         deltas = self.requests.postprocess(batch, result)
         self.step_times.add("postprocess", time.perf_counter() - postprocess_start_s)
         return deltas
-
-    def _observe(self, batch: Batch, result: StepResult) -> None:
-        """Where the step's time went, and what the forward cost (for the disk tier's
-        read-or-compute choice); before the batch is committed."""
-        self.step_times.add("prepare", result.prepare_s)
-        self.step_times.add("forward", result.forward_s)
-        self.step_times.add("sample", result.sample_s)
-        attended_tokens = sum(attended(item.seq.num_computed_tokens, item.num_new_tokens) for item in batch.items)
-        self.compute_cost.observe(batch.num_tokens, attended_tokens, result.forward_s)
 
     def lookup(self, prompt_token_ids: list[int], salt: str | None = None) -> CacheLookup:
         """The prompt's tokens cached in RAM and, right after those, on disk, in full blocks;
