@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from radixkv.config import EngineConfig
 from radixkv.errors import ConfigError, InvalidRequest, QueueFull
-from radixkv.engine.request import CompletionOutput, GrammarGuide, JsonGuide, RequestOutput, SamplingParams, TokenLogprob
+from radixkv.engine.request_output import CompletionOutput, RequestOutput, TokenLogprob
+from radixkv.engine.sampling_params import GrammarGuide, JsonGuide, SamplingParams
 
 __all__ = [
     "LLM",

@@ -12,7 +12,9 @@ from typing import Any
 from radixkv.config import EngineConfig
 from radixkv.engine.engine import Engine
 from radixkv.engine.keeps import check_keeps
-from radixkv.engine.request import Keep, RequestOutput, SamplingParams
+from radixkv.engine.request import Keep
+from radixkv.engine.request_output import RequestOutput
+from radixkv.engine.sampling_params import SamplingParams
 from radixkv.engine.run import run_to_completion
 from radixkv.engine.sessions import SessionRef
 from radixkv.engine.stats import EngineStats

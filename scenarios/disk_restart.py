@@ -19,7 +19,7 @@ from pathlib import Path
 
 from radixkv.config import EngineConfig
 from radixkv.engine.engine import Engine
-from radixkv.engine.request import SamplingParams
+from radixkv.engine.sampling_params import SamplingParams
 from radixkv.scenarios.machine import machine_limits
 from radixkv.scenarios.plots import pyplot, save
 

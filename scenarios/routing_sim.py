@@ -25,7 +25,8 @@ from pathlib import Path
 
 from radixkv.cache import BlockHasher, PagePool, RadixTree
 from radixkv.engine.kv_manager import KVManager
-from radixkv.engine.request import SamplingParams, SequenceState
+from radixkv.engine.request import SequenceState
+from radixkv.engine.sampling_params import SamplingParams
 from radixkv.scenarios.plots import pyplot, save, save_results
 from radixkv.scenarios.trace_replay import block_tokens, load_trace, resolve_trace, serve_request
 

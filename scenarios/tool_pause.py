@@ -22,7 +22,8 @@ from pathlib import Path
 
 from radixkv.config import EngineConfig
 from radixkv.engine.engine import Engine
-from radixkv.engine.request import RequestOutput, SamplingParams
+from radixkv.engine.request_output import RequestOutput
+from radixkv.engine.sampling_params import SamplingParams
 from radixkv.engine.sessions import SessionRef
 from radixkv.scenarios.harness import text_tokens
 from radixkv.scenarios.machine import cpu_model

@@ -59,7 +59,8 @@ from radixkv.cache.kv_dtype import KV_STORAGE_DTYPES
 from radixkv.cache.disk_index import DiskIndex
 from radixkv.cache.eviction import EVICTION_POLICIES
 from radixkv.engine.kv_manager import KVManager
-from radixkv.engine.request import SamplingParams, SequenceState
+from radixkv.engine.request import SequenceState
+from radixkv.engine.sampling_params import SamplingParams
 from radixkv.scenarios.plots import pyplot, save
 from radixkv.scenarios.session_inference import IdleRule, SessionInference
 

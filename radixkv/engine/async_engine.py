@@ -20,7 +20,9 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from radixkv.engine.engine import Engine
-from radixkv.engine.request import Keep, RequestDelta, SamplingParams, merge_deltas
+from radixkv.engine.request import Keep
+from radixkv.engine.request_output import RequestDelta, merge_deltas
+from radixkv.engine.sampling_params import SamplingParams
 from radixkv.engine.sessions import SessionRef
 from radixkv.engine.stats import EngineStats
 from radixkv.errors import InvalidRequest

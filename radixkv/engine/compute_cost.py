@@ -5,6 +5,11 @@ whether reading a run of blocks beats computing them at their positions.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from radixkv.engine.request import Batch
+
 # Too few tokens say more about the step's fixed costs than about tokens.
 _MIN_TOKENS = 256
 
@@ -20,6 +25,11 @@ class ComputeCost:
         self._tt = self._ta = self._aa = self._ts = self._as = 0.0
         self._tokens = 0
         self._seconds = 0.0
+
+    def observe_batch(self, batch: Batch, forward_s: float) -> None:
+        """What a step's forward over `batch` cost; before the batch is committed."""
+        num_attended = sum(attended(item.seq.num_computed_tokens, item.num_new_tokens) for item in batch.items)
+        self.observe(batch.num_tokens, num_attended, forward_s)
 
     def observe(self, num_tokens: int, num_attended: int, seconds: float) -> None:
         """One step: tokens computed, the sum over them of the positions they attend to

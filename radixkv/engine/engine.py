@@ -11,34 +11,28 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from radixkv.attention import make_backend
-from radixkv.cache.hashing import BlockHasher
-from radixkv.cache.kv_dtype import resolve_kv_dtype
-from radixkv.cache.pages import PagePool, available_memory_bytes
-from radixkv.cache.radix import RadixTree
 from radixkv.config import EngineConfig
-from radixkv.engine.compute_cost import ComputeCost, attended
+from radixkv.engine.build import build_cache, load_engine_model
 from radixkv.engine.context import ContextLimit
-from radixkv.engine.disk_loader import open_disk_tier
 from radixkv.engine.guide import GuideLimits, Guides
 from radixkv.engine.invariants import check_page_accounting
 from radixkv.engine.keeps import Keeper, check_keeps
-from radixkv.engine.kv_manager import KVManager
 from radixkv.engine.outputs import RequestBook
 from radixkv.engine.pins import Owner, PinnedPrefix, Pins
-from radixkv.engine.request import Batch, CacheLookup, Keep, RequestDelta, SamplingParams, SequenceState
-from radixkv.engine.runner import ModelRunner, StepResult
+from radixkv.engine.request import CacheLookup, Keep, SequenceState
+from radixkv.engine.request_output import RequestDelta
+from radixkv.engine.runner import ModelRunner
 from radixkv.engine.sampler import Sampler
+from radixkv.engine.sampling_params import SamplingParams
 from radixkv.engine.scheduler import Scheduler
 from radixkv.engine.sessions import SessionBook, SessionLimits, SessionRef
 from radixkv.engine.stats import EngineCounters, EngineStats, StepTimes
-from radixkv.errors import ConfigError, InvalidRequest, QueueFull
+from radixkv.errors import InvalidRequest, QueueFull
 from radixkv.kv_events import start_kv_events
 from radixkv.model.device import resolve_device, resolve_dtype
-from radixkv.model.loader import LoadedModel, load_model
+from radixkv.model.loader import LoadedModel
 
 if TYPE_CHECKING:
     from radixkv.kv_events.recorder import KVEventRecorder
@@ -49,22 +43,7 @@ class Engine:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        backend = loaded.model.attention if loaded is not None else make_backend(
-            config.attention_backend, self.device.type, native_kernels=config.native_kernels, decode_amx=config.decode_amx,
-            share_decode_reads=config.share_decode_reads, check_indices=config.check_indices,
-        )
-        # Before the model loads: a configuration the backend cannot run fails in a blink.
-        if config.batch_invariant and not backend.capabilities.batch_invariant:
-            raise ConfigError(
-                f"batch_invariant needs an attention backend that attends row by row ('torch' or 'cpu'), not {backend.name!r}",
-                param="batch_invariant",
-            )
-        if loaded is None:
-            loaded = load_model(
-                config.model, backend, dtype=config.dtype, device=config.device, cache_dir=config.cache_dir,
-                native_kernels=config.native_kernels, linear_kernel=config.linear_kernel,
-                weight_dtype=config.weight_dtype, quant_kernel=config.quant_kernel,
-            )
+        loaded = load_engine_model(config, self.device, loaded)
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         model_config = loaded.config
@@ -73,38 +52,20 @@ class Engine:
         self.eos_token_ids = set(model_config.eos_token_ids)
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
-
-        # The pages' storage dtype (EngineConfig.kv_dtype); pages are sized in its bytes.
-        self.kv_dtype = resolve_kv_dtype(config.kv_dtype, loaded.dtype, loaded.device)
-        num_pages = config.num_pages or PagePool.pages_for_memory(
-            available_memory_bytes(self.device), config.kv_memory_fraction, config.max_kv_pages,
-            config.page_size, model_config.num_layers, model_config.num_kv_heads, model_config.head_dim, self.kv_dtype,
-        )
-        self.pool = PagePool(
-            num_pages, config.page_size, model_config.num_layers, model_config.num_kv_heads, model_config.head_dim,
-            self.kv_dtype, loaded.device,
-        )
+        cache = build_cache(config, loaded, self.device)
+        self.kv_dtype, self.pool, self.hasher, self.tree, self.kv = cache.kv_dtype, cache.pool, cache.hasher, cache.tree, cache.kv
+        self.compute_cost = cache.compute_cost
+        num_pages = self.pool.num_pages
         # The most tokens (prompt + completion) one request may have: the model's context, or
         # less when the page pool is smaller. Every layer that checks a length reads this.
         self.max_context_tokens = min(self.max_model_len, num_pages * config.page_size)
         self.context = ContextLimit(self.max_context_tokens, self.max_model_len, num_pages, config.page_size, model_config.vocab_size)
-        self.hasher = BlockHasher(config.page_size, seed=config.hash_seed)
-        self.tree = RadixTree(
-            self.pool, self.hasher, eviction_policy=config.eviction_policy,
-            max_retained_pages=int(num_pages * config.max_retained_pages_fraction),
-        )
-        self.compute_cost = ComputeCost()
-        self.kv = KVManager(
-            self.pool, self.tree, self.hasher, config.enable_prefix_caching, open_disk_tier(config, loaded, self.pool.page_nbytes, self.kv_dtype, self.tree.events),
-            self.compute_cost.estimate_s, config.kv_disk_prefetch_bytes, config.max_retained_pages_per_owner,
-            config.max_ghost_blocks,
-        )
         self.scheduler = Scheduler(config, self.kv)
         self.sampler = Sampler(config.seed, tuple(sorted(self.eos_token_ids)))
         # Quantized weights (int8 activations) are cache-exact only batch-invariant; see config.
         invariant = config.batch_invariant
         if invariant is None:
-            invariant = loaded.weight_format != "float" and backend.capabilities.batch_invariant
+            invariant = loaded.weight_format != "float" and loaded.model.attention.capabilities.batch_invariant
         self.batch_invariant = invariant
         self.runner = ModelRunner(loaded.model, self.pool, loaded.device, self.sampler, batch_invariant=invariant)
         guide_limits = GuideLimits(
@@ -119,20 +80,15 @@ class Engine:
         self.pins = Pins(
             self.kv, num_pages, config.page_size, self.max_context_tokens, config.max_pinned_pages, config.max_pinned_pages_per_owner
         )
+        # Sessions name conversations; each turn is a keep into the reply (no lock).
+        self.sessions = SessionBook(
+            self.kv, SessionLimits.of(config), chunk_tokens=config.max_batch_tokens, clock=self.tree.now_s, signals=self.kv
+        )
         # A request's keeps go through the same retention and pins (and caps) as the verbs below.
-        self.keeper = Keeper(self.kv, self.pins, config.max_retained_pages_per_owner, self.tree.now_s)
+        self.keeper = Keeper(self.kv, self.pins, config.max_retained_pages_per_owner, self.tree.now_s, self.sessions)
         self.requests = RequestBook(
             self.scheduler, self.kv, self.tokenizer, self.eos_token_ids, self.max_model_len, self.counters, self.keeper
         )
-        # Sessions retain each conversation's newest turn through the retention above (no lock).
-        self.sessions = SessionBook(
-            self.kv,
-            SessionLimits(
-                config.session_idle_s, config.max_session_idle_s, config.max_sessions_per_owner,
-                min(config.max_session_pages_per_owner, config.max_retained_pages_per_owner), config.max_retained_pages_per_owner,
-            ),
-            chunk_tokens=config.max_batch_tokens, clock=self.tree.now_s, signals=self.kv,
-        )  # fmt: skip
         # KV events (off by default): the cache's bus tells the recorder of every block the tree
         # stores or evicts; each step's events go out as one batch. Opened last, so a failed start
         # leaves no socket bound.
@@ -163,13 +119,14 @@ class Engine:
         holding what it missed (another_partition); never another owner's.
         max_tokens None becomes the room the context leaves after this prompt (for this
         request only: `params` may be shared). `session` names the owner's session this turn
-        continues (engine/sessions.py): checked against its caps here, before any work.
+        continues (engine/sessions.py): checked against its caps here, before any work; the
+        turn is a keep into the reply, retained when the request finishes.
         `keeps` (engine/keeps.py): prefixes of the prompt kept cached once the prompt is computed,
         under `owner`'s caps; what they did is on the output (`RequestOutput.kept`)."""
         params = params or SamplingParams()
         self.check_request(prompt_token_ids, params, salt, guide_checked=guide_grammar is not None)
         keeps = check_keeps(keeps, len(prompt_token_ids))
-        session_idle_s = self.sessions.check(session) if session is not None else 0.0
+        turn_keep = self.sessions.check(session, len(prompt_token_ids)) if session is not None else None
         params = self.context.filled(prompt_token_ids, params)
         if params.n > self.queue_room():
             raise QueueFull(f"the waiting queue is full ({self.config.max_queue_len} requests); retry later", limit=self.config.max_queue_len)
@@ -180,7 +137,7 @@ class Engine:
         seqs = [
             SequenceState(
                 next(self._seq_ids), request_id, i, prompt, params, salt, self.scheduler.step_count, owner=owner,
-                sibling_salts=tuple(sibling_salts), keeps=keeps,
+                sibling_salts=tuple(sibling_salts), keeps=keeps if turn_keep is None else (*keeps, turn_keep),
             )
             for i in range(params.n)
         ]
@@ -190,8 +147,8 @@ class Engine:
         self.requests.register(request_id, seqs)
         for seq in seqs:
             self.scheduler.add(seq)
-        if session is not None:
-            self.sessions.begin(request_id, session, session_idle_s, salt, seqs)
+        if session is not None and turn_keep is not None:
+            self.sessions.begin(request_id, session, turn_keep, salt, seqs)
         return request_id
 
     def queue_room(self) -> int:
@@ -305,24 +262,13 @@ class Engine:
             pending_masks = self.guides.start_fills([item.seq for item in batch.items if item.samples])
         self.step_times.add("schedule", time.perf_counter() - started_s)
         result = self.runner.run(batch, pending_masks)
-        self._observe(batch, result)
+        for phase in ("prepare", "forward", "sample"):  # where the step's time went
+            self.step_times.add(phase, getattr(result, f"{phase}_s"))
+        self.compute_cost.observe_batch(batch, result.forward_s)  # for the disk tier's read-or-compute choice
         postprocess_start_s = time.perf_counter()
         deltas = self.requests.postprocess(batch, result)
-        if self.sessions:
-            for delta in deltas:
-                if delta.output is not None:
-                    self.sessions.finished(delta.output)
         self.step_times.add("postprocess", time.perf_counter() - postprocess_start_s)
         return deltas
-
-    def _observe(self, batch: Batch, result: StepResult) -> None:
-        """Where the step's time went, and what the forward cost (for the disk tier's
-        read-or-compute choice); before the batch is committed."""
-        self.step_times.add("prepare", result.prepare_s)
-        self.step_times.add("forward", result.forward_s)
-        self.step_times.add("sample", result.sample_s)
-        attended_tokens = sum(attended(item.seq.num_computed_tokens, item.num_new_tokens) for item in batch.items)
-        self.compute_cost.observe(batch.num_tokens, attended_tokens, result.forward_s)
 
     def lookup(self, prompt_token_ids: list[int], salt: str | None = None) -> CacheLookup:
         """The prompt's tokens cached in RAM and, right after those, on disk, in full blocks;
@@ -357,23 +303,7 @@ class Engine:
     # -- introspection -----------------------------------------------------------------------
 
     def stats(self) -> EngineStats:
-        pool, tree = self.pool, self.tree
-        tree.expire()  # so retained_pages counts live retentions only
-        return EngineStats(
-            counters=replace(self.counters),
-            cache=tree.stats(),
-            num_pages=pool.num_pages,
-            num_free_pages=pool.num_free,
-            num_pages_in_use=pool.num_pages - pool.num_free - tree.evictable_pages,
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
-            num_unfinished=len(self.requests),
-            num_preemptions=self.scheduler.num_preemptions,
-            num_deferrals=self.scheduler.num_deferrals,
-            disk=self.kv.disk_stats(),
-            residency=self.kv.residency(),
-            cache_misses=self.kv.miss_counts(),
-        )
+        return EngineStats.snapshot(self.counters, self.pool, self.tree, self.scheduler, len(self.requests), self.kv)
 
     def check_invariants(self) -> None:
         """free + evictable + in use == total, no page counted twice, refcounts explained."""

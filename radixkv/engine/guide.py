@@ -27,7 +27,8 @@ import torch
 from radixkv.cpu.logits import apply_token_bitmask
 from radixkv.engine.guide_compile import TRANSFER_GRACE_S, CompileJob, CompileQueues, CompileWorker, Killed, NotCompiled, Outcome, worker_main
 from radixkv.engine.pins import Owner
-from radixkv.engine.request import GrammarGuide, Guide, JsonGuide, SequenceState
+from radixkv.engine.request import SequenceState
+from radixkv.engine.sampling_params import GrammarGuide, Guide, JsonGuide
 from radixkv.errors import InvalidRequest, OwnerCapExceeded
 
 # (kind: "json", "regex" or "ebnf"; its text, None for any JSON object; strict, for JSON)

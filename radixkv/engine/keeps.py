@@ -1,21 +1,29 @@
 """Keeps: what a request asks to stay cached, applied once, right after the step that computed its
-prompt, through KVManager's retain (unlocked) and the pins (locked), under the owner's caps.
-The report it makes is the only source of the wire's cache-write usage fields.
+prompt (a keep into the reply: when the request finishes), through KVManager's retain (unlocked)
+and the pins (locked), under the owner's caps. The report it makes is the only source of the
+wire's cache-write usage fields.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 from radixkv.engine.kv_manager import KVManager
-from radixkv.engine.pins import Pins
+from radixkv.engine.pins import Owner, Pins
 from radixkv.engine.request import MAX_KEEPS, Keep, KeepReport, SequenceState
 from radixkv.errors import InvalidRequest
+
+if TYPE_CHECKING:
+    from radixkv.cache.retention import Retention
+    from radixkv.engine.request_output import RequestOutput
 
 
 def check_keeps(keeps: Sequence[Keep], num_prompt_tokens: int) -> tuple[Keep, ...]:
     """The keeps as a tuple; InvalidRequest (param "keeps", the limit as data) for more than
-    MAX_KEEPS, a keep that is no Keep, or one past the prompt or with a lifetime it may not have."""
+    MAX_KEEPS, a keep that is no Keep, one past the prompt or with a lifetime it may not have,
+    or one into the reply (only a session makes those: Engine.add_request(session=...))."""
     keeps = tuple(keeps)
     if len(keeps) > MAX_KEEPS:
         raise InvalidRequest(f"a request may keep at most {MAX_KEEPS} prefixes, got {len(keeps)}", param="keeps", limit=MAX_KEEPS)
@@ -23,7 +31,32 @@ def check_keeps(keeps: Sequence[Keep], num_prompt_tokens: int) -> tuple[Keep, ..
         if not isinstance(keep, Keep):
             raise InvalidRequest(f"keeps must be Keep records, got {type(keep).__name__}", param="keeps")
         keep.check(num_prompt_tokens)
+        if keep.reply:
+            raise InvalidRequest("a keep into the reply is a session's turn: name the session instead", param="keeps")
     return keeps
+
+
+@dataclass(frozen=True, slots=True)
+class TurnRoom:
+    """Where a finished turn's reply keep goes: whose retention it is and how many of its tokens
+    fit beside the owner's other sessions."""
+
+    owner: Owner
+    num_tokens: int
+
+
+class Turns(Protocol):
+    """The book of requests that are turns of a session (engine/sessions.py's SessionBook)."""
+
+    def room(self, request_id: str, num_tokens: int, num_cached_tokens: int) -> TurnRoom | None:
+        """The request's turn ends: where its reply keep of `num_tokens` goes, room made under
+        its owner's session caps; None (the turn is over) if its session is gone. Unless None,
+        `kept` follows."""
+        ...
+
+    def kept(self, request_id: str, retention: Retention | None, num_tokens: int) -> None:
+        """The turn's keep was applied (`retention` None: nothing was kept)."""
+        ...
 
 
 class Keeper:
@@ -32,25 +65,28 @@ class Keeper:
     owners may trim them); a locked keep pins (Pins: per owner and over all owners), and a pin
     the caps refuse is reported, not raised, so the request itself runs on. Engine thread only."""
 
-    def __init__(self, kv: KVManager, pins: Pins, max_retained_pages_per_owner: int, clock: Callable[[], float]) -> None:
+    def __init__(
+        self, kv: KVManager, pins: Pins, max_retained_pages_per_owner: int, clock: Callable[[], float], turns: Turns | None = None
+    ) -> None:
         self._kv = kv
         self._pins = pins
         self._max_retained_pages_per_owner = max_retained_pages_per_owner
         self._clock = clock
+        self._turns = turns
 
     def due(self, seq: SequenceState) -> bool:
-        """Whether seq's keeps are to be applied now: it has some, its request has not applied
-        them, and its whole prompt is computed (and committed); pure."""
-        return bool(seq.keeps) and seq.kept is None and seq.num_computed_tokens >= len(seq.prompt_token_ids)
+        """Whether seq's prompt keeps are to be applied now: it has some, its request has not
+        applied them, and its whole prompt is computed (and committed); pure."""
+        return seq.kept is None and seq.num_computed_tokens >= len(seq.prompt_token_ids) and any(not k.reply for k in seq.keeps)
 
     def apply(self, seq: SequenceState, num_cached_tokens: int) -> KeepReport:
-        """Retain or pin each of seq's keeps, in order; the report (`num_cached_tokens`: what the
+        """Retain or pin each of seq's prompt keeps, in order; the report (`num_cached_tokens`: what the
         cache served the request, so the rest of the most kept was written by it)."""
         kept: list[int] = []
         expiries: list[float] = []
         pin = error = None
         prompt = seq.prompt_token_ids
-        for keep in seq.keeps:
+        for keep in (k for k in seq.keeps if not k.reply):
             prefix = prompt[: keep.num_tokens]
             if keep.lock:
                 try:
@@ -70,3 +106,19 @@ class Keeper:
                 expiries.append(self._clock() + keep.ttl_s)
         most = max(kept, default=0)
         return KeepReport(tuple(kept), max(0, most - num_cached_tokens), max(expiries, default=None), pin, error)
+
+    def finish(self, seq: SequenceState, output: RequestOutput) -> None:
+        """seq's request finished with `output`: retain its reply keep (a session's newest turn:
+        the prompt's first num_tokens, then the first continuation's reply) for its ttl, where
+        the session book makes room (its owner, its session caps); the book hears what was kept."""
+        for keep in (k for k in seq.keeps if k.reply):
+            assert keep.ttl_s is not None, "Keep.check refuses a reply keep without a ttl"
+            reply = output.outputs[0].token_ids if output.outputs else []
+            tokens = [*seq.prompt_token_ids[: keep.num_tokens], *reply]
+            room = self._turns.room(seq.request_id, len(tokens), output.num_cached_tokens) if self._turns is not None else None
+            if room is None:
+                continue  # its session was released while the turn ran: the release stands
+            tokens = tokens[: room.num_tokens]
+            cap = self._max_retained_pages_per_owner
+            num = self._kv.retain(tokens, seq.salt, float(keep.ttl_s), room.owner, cap) if tokens else 0
+            self._turns.kept(seq.request_id, self._kv.retentions(room.owner)[-1] if num else None, num)  # type: ignore[union-attr]

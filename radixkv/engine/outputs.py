@@ -2,7 +2,7 @@
 
 `postprocess` commits a step (computed tokens, KV blocks), applies the keeps of each request
 whose prompt it computed, appends each sampled token, decides finish reasons and turns the
-changes into deltas; a request leaves the book exactly when its
+changes into deltas, applying a finished request's keeps into the reply; a request leaves the book exactly when its
 last delta (with its whole output) is made, it is aborted, or a step fails it alone.
 """
 
@@ -15,16 +15,8 @@ from typing import TYPE_CHECKING
 from radixkv.engine.guide import GuideRejected
 from radixkv.engine.keeps import Keeper
 from radixkv.engine.kv_manager import KVManager
-from radixkv.engine.request import (
-    Batch,
-    CompletionDelta,
-    CompletionOutput,
-    RequestDelta,
-    RequestOutput,
-    SeqStatus,
-    SequenceState,
-    TokenLogprob,
-)
+from radixkv.engine.request import Batch, SeqStatus, SequenceState
+from radixkv.engine.request_output import CompletionDelta, CompletionOutput, RequestDelta, RequestOutput, TokenLogprob
 from radixkv.engine.runner import StepResult
 from radixkv.engine.scheduler import Scheduler
 from radixkv.engine.stats import EngineCounters
@@ -130,8 +122,8 @@ class RequestBook:
             self._failed.append((request_id, error))
         deltas = [self._delta(self._requests[request_id], seqs) for request_id, seqs in changed.items()]
         for delta in deltas:
-            if delta.finished:
-                del self._requests[delta.request_id]
+            if delta.output is not None:
+                self.keeper.finish(self._requests.pop(delta.request_id)[0], delta.output)  # a session's turn
         return deltas
 
     def _keep(self, seqs: list[SequenceState]) -> None:

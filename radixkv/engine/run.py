@@ -9,7 +9,9 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 from radixkv.engine.engine import Engine
-from radixkv.engine.request import Keep, RequestOutput, SamplingParams
+from radixkv.engine.request import Keep
+from radixkv.engine.request_output import RequestOutput
+from radixkv.engine.sampling_params import SamplingParams
 from radixkv.engine.sessions import SessionRef
 from radixkv.errors import InvalidRequest, QueueFull
 

@@ -15,7 +15,8 @@ import torch
 from radixkv.attention.base import AttentionMetadata, KVReads, StepState
 from radixkv.cache.pages import PagePool
 from radixkv.engine.guide import GuideMasks, PendingMasks
-from radixkv.engine.request import Batch, SequenceState, TokenLogprob
+from radixkv.engine.request import Batch, SequenceState
+from radixkv.engine.request_output import TokenLogprob
 from radixkv.engine.sampler import Sampler
 from radixkv.errors import InvalidRequest
 

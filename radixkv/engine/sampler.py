@@ -18,7 +18,9 @@ import torch
 
 from radixkv.cpu.logits import argmax_rows
 from radixkv.engine.guide import GuideMasks
-from radixkv.engine.request import SamplingParams, SequenceState, TokenLogprob
+from radixkv.engine.request import SequenceState
+from radixkv.engine.request_output import TokenLogprob
+from radixkv.engine.sampling_params import SamplingParams
 
 
 class Sampler:

@@ -17,7 +17,8 @@ from collections import Counter, deque
 
 from radixkv.config import EngineConfig
 from radixkv.engine.kv_manager import KVManager
-from radixkv.engine.request import MIN_PRIORITY, Batch, ScheduledSeq, SequenceState, SeqStatus
+from radixkv.engine.request import Batch, ScheduledSeq, SequenceState, SeqStatus
+from radixkv.engine.sampling_params import MIN_PRIORITY
 
 
 class Scheduler:

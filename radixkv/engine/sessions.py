@@ -1,6 +1,8 @@
 """Sessions: a name an owner gives a conversation (OpenAI's prompt_cache_key, the
 X-Radixkv-Session header) so its newest turn (prompt and reply) stays retained between turns for
 an idle time, is released on request, and is read back from disk as soon as the next turn comes.
+The book names and caps sessions: a turn is a keep its request carries (into the reply, applied
+by the engine's Keeper when the request finishes); the book makes its room and marks the tails.
 """
 
 from __future__ import annotations
@@ -13,13 +15,17 @@ from typing import TYPE_CHECKING, Protocol
 from sortedcontainers import SortedList
 
 from radixkv.cache.eviction import Liveness
+from radixkv.engine.keeps import TurnRoom
+from radixkv.engine.request import Keep
 from radixkv.errors import InvalidRequest, OwnerCapExceeded
 
 if TYPE_CHECKING:
     from radixkv.cache.radix import Node
+    from radixkv.cache.retention import Retention
+    from radixkv.config import EngineConfig
     from radixkv.engine.kv_manager import KVManager
     from radixkv.engine.pins import Owner
-    from radixkv.engine.request import RequestOutput, SequenceState
+    from radixkv.engine.request import SequenceState
 
 # A session key is the client's own string; bounded so a book entry costs little (OpenAI's
 # prompt_cache_key takes up to this many characters on radixkv's wire too).
@@ -107,12 +113,23 @@ class SessionLimits:
     max_pages_per_owner: int  # over the owner's sessions
     max_retained_pages_per_owner: int  # over all the owner's retentions (EngineConfig's, shared)
 
+    @classmethod
+    def of(cls, config: EngineConfig) -> SessionLimits:
+        """The config's session knobs (the session pages within the owner's retention cap)."""
+        retained = config.max_retained_pages_per_owner
+        return cls(
+            config.session_idle_s, config.max_session_idle_s, config.max_sessions_per_owner,
+            min(config.max_session_pages_per_owner, retained), retained,
+        )  # fmt: skip
+
 
 class SessionBook:
     """Every live session by (owner, key): another owner's key is a different session, and
-    every answer about one (list, release) reads as if it did not exist. A turn's retention
-    goes through KVManager.retain (no lock; retained leaves go last and are written to disk),
-    counted against the owner's retention cap too. Touched only on the engine's thread."""
+    every answer about one (list, release) reads as if it did not exist. A turn is a keep into
+    the reply (`check` makes it) that the Keeper retains when the request finishes (no lock;
+    retained leaves go last and are written to disk), counted against the owner's retention cap
+    too; the book makes its room (`room`) and hears what was kept (`kept`). Meets keeps.Turns.
+    Touched only on the engine's thread."""
 
     def __init__(
         self,
@@ -142,9 +159,10 @@ class SessionBook:
 
     # -- a request's turn ----------------------------------------------------------------------
 
-    def check(self, ref: SessionRef) -> float:
+    def check(self, ref: SessionRef, num_prompt_tokens: int) -> Keep:
         """InvalidRequest (OwnerCapExceeded past the owner's session count) unless `ref` may
-        start or continue a turn; its idle time. Changes nothing but expiring idle sessions."""
+        start or continue a turn; the turn's keep (the whole prompt and the reply, for the idle
+        time). Changes nothing but expiring idle sessions."""
         if not isinstance(ref.key, str) or not 0 < len(ref.key) <= MAX_SESSION_KEY_CHARS:
             raise InvalidRequest(
                 f"a session key must be 1 to {MAX_SESSION_KEY_CHARS} characters", param="session", limit=MAX_SESSION_KEY_CHARS
@@ -167,12 +185,13 @@ class SessionBook:
                 code="session_limit_exceeded",
                 limit=self.limits.max_sessions_per_owner,
             )
-        return float(idle_s)
+        return Keep(num_prompt_tokens, float(idle_s), reply=True)
 
-    def begin(self, request_id: str, ref: SessionRef, idle_s: float, salt: str | None, seqs: list[SequenceState]) -> None:
-        """Bind a queued request to its session (made now if new). Resuming a session starts
-        reading its disk blocks ahead at once, before the request reaches admission."""
-        now_s = self._clock()
+    def begin(self, request_id: str, ref: SessionRef, turn: Keep, salt: str | None, seqs: list[SequenceState]) -> None:
+        """Bind a queued request carrying `turn` (check's keep) to its session (made now if new).
+        Resuming a session starts reading its disk blocks ahead at once, before admission."""
+        assert turn.ttl_s is not None, "check() gives a turn its idle time"
+        idle_s, now_s = turn.ttl_s, self._clock()
         session = self._sessions.get((ref.owner, ref.namespace, ref.key))
         if session is None:
             mine = self._by_owner.get(ref.owner, {})
@@ -197,19 +216,47 @@ class SessionBook:
         session.in_flight.add(request_id)
         self._turns[request_id] = session
 
-    def finished(self, output: RequestOutput) -> None:
-        """A request ended with its whole output: its session retains the prompt and the first
-        continuation's reply in place of the previous turn, for the session's idle time."""
-        session = self._turns.pop(output.request_id, None)
-        if session is None:
-            return
-        session.in_flight.discard(output.request_id)
-        if self._sessions.get((session.owner, *session.name)) is not session:
-            return  # released while the turn ran: the release stands
+    def room(self, request_id: str, num_tokens: int, num_cached_tokens: int) -> TurnRoom | None:
+        """The request's turn ends (keeps.Turns): its session's room for the turn's `num_tokens`
+        (prompt and reply) beside the owner's other sessions, whose least recently active give
+        theirs up first; None (and the turn is over) if its session was released meanwhile."""
+        session = self._turns.get(request_id)
+        if session is None or self._sessions.get((session.owner, *session.name)) is not session:
+            self.dropped(request_id)
+            return None  # released while the turn ran: the release stands
         if session.num_shared_tokens is None:
-            session.num_shared_tokens = output.num_cached_tokens
-        reply = output.outputs[0].token_ids if output.outputs else []
-        self._retain_turn(session, list(output.prompt_token_ids) + list(reply))
+            session.num_shared_tokens = num_cached_tokens
+        page_size = self._kv.page_size
+        room = self.limits.max_pages_per_owner - sum(
+            s.num_retained_tokens // page_size for s in self._by_owner.get(session.owner, {}).values() if s is not session
+        )
+        # Past the owner's session pages, its least recently active sessions give theirs up
+        # first (never another owner's): the newest turn is the one about to be used. Trimmed
+        # to that room; the retention cap the Keeper passes on is the owner's own over all its
+        # retentions, so the owner's other retentions are not released to fit the room.
+        for other in list(self._by_owner.get(session.owner, {}).values()):
+            if room * page_size >= num_tokens or other is session:
+                break
+            room += other.num_retained_tokens // page_size
+            self._drop_retention(other, dead=True)
+        return TurnRoom(session.owner, min(num_tokens, max(0, room) * page_size))
+
+    def kept(self, request_id: str, retention: Retention | None, num_tokens: int) -> None:
+        """The Keeper retained the turn `room` made room for (keeps.Turns): it takes the previous
+        turn's place (released; marked cold where the new turn does not continue it), its tail is
+        marked hot, and the session idles from now."""
+        session = self._turns.pop(request_id)
+        session.in_flight.discard(request_id)
+        old_id, old_node = session.retention_id, session.node
+        session.retention_id = retention.retention_id if retention is not None else None
+        session.node = retention.node if retention is not None else None
+        session.num_retained_tokens = num_tokens
+        if old_id is not None and old_id != session.retention_id:
+            self._kv.release_retention(old_id)  # already gone where the new turn's retention covers it
+            if old_node is not None and not _on_path(old_node, session.node):
+                self.signals.mark(old_node, Liveness.COLD, below_blocks=self._shared_blocks(session))  # what the new turn does not continue
+        if session.node is not None:
+            self.signals.mark(session.node, Liveness.HOT, below_blocks=self._shared_blocks(session))
         session.num_turns += 1
         session.last_active_at_s = self._clock()
         self._file(session)
@@ -222,35 +269,6 @@ class SessionBook:
             if self._sessions.get((session.owner, *session.name)) is session:
                 self._unfile(session)
                 self._file(session)
-
-    def _retain_turn(self, session: Session, tokens: list[int]) -> None:
-        room = self.limits.max_pages_per_owner - sum(
-            s.num_retained_tokens // self._kv.page_size for s in self._by_owner.get(session.owner, {}).values() if s is not session
-        )
-        # Past the owner's session pages, its least recently active sessions give theirs up
-        # first (never another owner's): the newest turn is the one about to be used.
-        for other in list(self._by_owner.get(session.owner, {}).values()):
-            if room * self._kv.page_size >= len(tokens) or other is session:
-                break
-            room += other.num_retained_tokens // self._kv.page_size
-            self._drop_retention(other, dead=True)
-        # Trimmed to the sessions' room here; the retention cap passed on is the owner's own over
-        # all its retentions, so the owner's other retentions are not released to fit the room.
-        tokens = tokens[: max(0, room) * self._kv.page_size]
-        previous = (session.retention_id, session.node)
-        cap = self.limits.max_retained_pages_per_owner
-        num_tokens = self._kv.retain(tokens, session.salt, session.idle_s, session.owner, cap) if tokens else 0
-        retention = self._kv.retentions(session.owner)[-1] if num_tokens else None
-        session.retention_id = retention.retention_id if retention is not None else None
-        session.node = retention.node if retention is not None else None
-        session.num_retained_tokens = num_tokens
-        old_id, old_node = previous
-        if old_id is not None and old_id != session.retention_id:
-            self._kv.release_retention(old_id)  # already gone where the new turn's retention covers it
-            if old_node is not None and not _on_path(old_node, session.node):
-                self.signals.mark(old_node, Liveness.COLD, below_blocks=self._shared_blocks(session))  # what the new turn does not continue
-        if session.node is not None:
-            self.signals.mark(session.node, Liveness.HOT, below_blocks=self._shared_blocks(session))
 
     # -- the owner's calls ---------------------------------------------------------------------
 

@@ -4,7 +4,7 @@ step's time goes. Metrics, `LLM.stats()` and the scenarios read these, never str
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING
 
 from radixkv.cache.disk import DiskStats
@@ -13,6 +13,10 @@ from radixkv.cache.residency import TierResidency
 
 if TYPE_CHECKING:
     from radixkv.attention.base import KVReads
+    from radixkv.cache.pages import PagePool
+    from radixkv.cache.radix import RadixTree
+    from radixkv.engine.kv_manager import KVManager
+    from radixkv.engine.scheduler import Scheduler
     from radixkv.engine.request import Batch
 
 
@@ -64,6 +68,29 @@ class EngineStats:
     # Requests by the reason of their cache report (engine/cache_report.py MISS_REASONS; "hit"
     # included), made for every request at its first admission.
     cache_misses: dict[str, int] | None = None
+
+    @classmethod
+    def snapshot(
+        cls, counters: EngineCounters, pool: PagePool, tree: RadixTree, scheduler: Scheduler, num_unfinished: int, kv: KVManager
+    ) -> EngineStats:
+        """The engine's numbers now; expires the tree's retentions first, so `retained_pages`
+        counts live ones only."""
+        tree.expire()
+        return cls(
+            counters=replace(counters),
+            cache=tree.stats(),
+            num_pages=pool.num_pages,
+            num_free_pages=pool.num_free,
+            num_pages_in_use=pool.num_pages - pool.num_free - tree.evictable_pages,
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            num_unfinished=num_unfinished,
+            num_preemptions=scheduler.num_preemptions,
+            num_deferrals=scheduler.num_deferrals,
+            disk=kv.disk_stats(),
+            residency=kv.residency(),
+            cache_misses=kv.miss_counts(),
+        )
 
 
 @dataclass(slots=True)

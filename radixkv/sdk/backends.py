@@ -14,7 +14,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixkv.engine.request import GrammarGuide, RequestOutput, SamplingParams
+from radixkv.engine.request_output import RequestOutput
+from radixkv.engine.sampling_params import GrammarGuide, SamplingParams
 from radixkv.errors import InvalidRequest
 from radixkv.prompts import Prompt, encode, has_chat_template
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from radixkv.engine.request import SamplingParams
+from radixkv.engine.sampling_params import SamplingParams
 from radixkv.prompts import Prompt
 from radixkv.sdk.backends import Pin, Result, as_backend
 from radixkv.sdk.template import Message, PromptTemplate, Row, render_rows

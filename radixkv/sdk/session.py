@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from radixkv.engine.request import SamplingParams
+from radixkv.engine.sampling_params import SamplingParams
 from radixkv.prompts import Prompt
 from radixkv.sdk.backends import Backend, GenerationError, Result, as_backend
 from radixkv.sdk.template import Message

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from radixkv.engine.cache_report import CacheReport
-from radixkv.engine.request import RequestOutput
+from radixkv.engine.request_output import RequestOutput
 from radixkv.errors import InvalidRequest
 from radixkv.server.errors import APIError
 from radixkv.prompts.conversation import EncodedConversation, common_prefix, encode_conversation

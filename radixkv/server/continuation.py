@@ -17,7 +17,7 @@ from typing import Any
 
 from radixkv.prompts.continuation import DEFAULT_MAX_SPLICED_REPLIES, Rendered, decodes_to, reply_ids, splice_replies
 from radixkv.prompts.conversation import EncodedConversation, encode_conversation
-from radixkv.engine.request import RequestOutput
+from radixkv.engine.request_output import RequestOutput
 from radixkv.server import tool_prompts
 from radixkv.server.tools import Tool, ToolChoice, check_tool_choice
 

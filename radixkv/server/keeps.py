@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from radixkv.engine.request import Keep, RequestOutput
+from radixkv.engine.request import Keep
+from radixkv.engine.request_output import RequestOutput
 from radixkv.errors import InvalidRequest
 from radixkv.server.anthropic.protocol import TTL_S as ANTHROPIC_TTL_S
 from radixkv.server.errors import APIError

@@ -9,7 +9,7 @@ import re
 from functools import lru_cache
 from typing import Any
 
-from radixkv.engine.request import TokenLogprob
+from radixkv.engine.request_output import TokenLogprob
 
 # A sentencepiece byte-fallback piece: the token is one raw byte.
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")

@@ -27,7 +27,7 @@ from radixkv.cache.residency import EVICTION_REASONS, HistogramSnapshot, TierRes
 from radixkv.engine.stats import EngineStats
 
 if TYPE_CHECKING:
-    from radixkv.engine.request import RequestDelta
+    from radixkv.engine.request_output import RequestDelta
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

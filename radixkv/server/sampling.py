@@ -6,7 +6,7 @@ the engine's alone.
 
 from __future__ import annotations
 
-from radixkv.engine.request import Guide, JsonGuide, SamplingParams
+from radixkv.engine.sampling_params import Guide, JsonGuide, SamplingParams
 from radixkv.errors import InvalidRequest
 from radixkv.server.anthropic.protocol import MessagesRequest
 from radixkv.server.errors import WireNames, engine_error

@@ -23,12 +23,9 @@ from radixkv.engine.async_engine import (
     EngineStopped,
     RequestStream,
 )
-from radixkv.engine.request import (
-    Keep,
-    RequestDelta,
-    RequestOutput,
-    SamplingParams,
-)
+from radixkv.engine.request import Keep
+from radixkv.engine.request_output import RequestDelta, RequestOutput
+from radixkv.engine.sampling_params import SamplingParams
 from radixkv.engine.sessions import SessionRef
 from radixkv.server.errors import (
     WireNames,

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from radixkv.engine.request import JsonGuide
+from radixkv.engine.sampling_params import JsonGuide
 from radixkv.errors import InvalidRequest
 
 # "none" | "auto" | "required" | the name of the one function the reply must call.

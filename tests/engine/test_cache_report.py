@@ -12,7 +12,7 @@ import pytest
 
 from radixkv import SamplingParams
 from radixkv.engine.cache_report import MISS_REASONS, CacheReport
-from radixkv.engine.request import RequestOutput
+from radixkv.engine.request_output import RequestOutput
 from tests.helpers.engine import VOCAB, assert_pages_returned, make_llm, run_to_end
 
 PS = 4  # make_llm's page size

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from radixkv.engine.engine import Engine
-from radixkv.engine.request import MAX_KEEPS, Batch, Keep, SamplingParams
+from radixkv.engine.request import MAX_KEEPS, Batch, Keep
+from radixkv.engine.sampling_params import SamplingParams
 from radixkv.errors import InvalidRequest, OwnerCapExceeded
 from tests.helpers.engine import assert_pages_returned, make_llm, run_to_end
 

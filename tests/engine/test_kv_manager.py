@@ -13,7 +13,8 @@ from radixkv.cache import BlockHasher, PagePool, RadixTree
 from radixkv.cache.disk import DiskTier
 from radixkv.config import EngineConfig
 from radixkv.engine.kv_manager import KVManager
-from radixkv.engine.request import Admitted, SamplingParams, SequenceState
+from radixkv.engine.request import Admitted, SequenceState
+from radixkv.engine.sampling_params import SamplingParams
 from radixkv.engine.scheduler import Scheduler
 
 PAGE = 4

@@ -11,7 +11,7 @@ import pytest
 from radixkv.config import EngineConfig
 from radixkv.engine.engine import Engine
 from radixkv.engine.pins import Pins
-from radixkv.engine.request import SamplingParams
+from radixkv.engine.sampling_params import SamplingParams
 from radixkv.errors import ConfigError, InvalidRequest, OwnerCapExceeded
 from tests.helpers.engine import assert_pages_returned, make_llm, run_to_end
 

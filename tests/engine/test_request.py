@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from radixkv import LLM, InvalidRequest, SamplingParams
-from radixkv.engine.request import MAX_SEED, MIN_SEED
+from radixkv.engine.sampling_params import MAX_SEED, MIN_SEED
 from tests.helpers.engine import assert_pages_returned, make_llm, run_to_end
 
 CONTEXT = 64

@@ -10,7 +10,7 @@ import pytest
 
 from radixkv.config import EngineConfig
 from radixkv.engine.engine import Engine
-from radixkv.engine.request import SamplingParams
+from radixkv.engine.sampling_params import SamplingParams
 from radixkv.errors import ConfigError
 from tests.helpers.engine import assert_pages_returned, run_to_end
 

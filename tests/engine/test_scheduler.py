@@ -10,7 +10,8 @@ from radixkv.cache.pages import PagePool
 from radixkv.cache.radix import RadixTree
 from radixkv.config import EngineConfig
 from radixkv.engine.kv_manager import KVManager
-from radixkv.engine.request import SamplingParams, SequenceState, SeqStatus
+from radixkv.engine.request import SequenceState, SeqStatus
+from radixkv.engine.sampling_params import SamplingParams
 from radixkv.engine.scheduler import Scheduler
 
 PAGE = 4

@@ -12,7 +12,7 @@ from radixkv.cache.eviction import Liveness
 from radixkv.cache.radix import Node
 from radixkv.config import EngineConfig
 from radixkv.engine.engine import Engine
-from radixkv.engine.request import SamplingParams
+from radixkv.engine.sampling_params import SamplingParams
 from radixkv.engine.sessions import SessionRef
 from radixkv.errors import ConfigError, InvalidRequest, OwnerCapExceeded
 from tests.helpers.engine import assert_pages_returned, run_to_end
@@ -314,3 +314,41 @@ def test_a_session_turn_its_owners_retention_cap_released_is_ordinary(tiny_llama
     assert engine.lookup(bobs, None).num_ram_tokens == 6 * PAGE_SIZE
     assert engine.lookup(alices, None).num_ram_tokens == 0
     assert_pages_returned(engine)
+
+
+def test_a_turn_is_a_keep_into_the_reply_the_request_carries_applied_when_it_finishes(
+    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Move (a): the session's turn rides on the request as one Keep (whole prompt, then the
+    reply, the idle time its ttl); nothing of it is retained at prefill, all of it at the finish,
+    and a prompt keep beside it reports alone."""
+    from radixkv.engine.request import Keep
+
+    engine, _, _ = make(tiny_llama, monkeypatch, session_idle_s=60.0)
+    tokens = prompt(1, 4) + [5]
+    request_id = engine.add_request(
+        tokens, SamplingParams(max_tokens=6, ignore_eos=True), session=SessionRef("alice", "s1"), owner="alice", keeps=(Keep(8, 30.0),)
+    )
+    [seq] = engine.requests[request_id]
+    assert seq.keeps == (Keep(8, 30.0), Keep(len(tokens), 60.0, reply=True))
+    while seq.num_computed_tokens < len(tokens):
+        engine.step()
+    assert [r.num_pages for r in engine.tree.retentions("alice")] == [2]  # the prompt keep alone
+    output = run_to_end(engine)[request_id]
+    assert output.kept is not None and output.kept.num_kept_tokens == (8,)
+    [info] = engine.sessions.of_owner("alice")
+    assert info.num_retained_tokens == (len(tokens) + 6 - 1) // PAGE_SIZE * PAGE_SIZE
+    # The turn's retention covers the prompt keep's path, which the tree folds into it.
+    assert [r.num_pages for r in engine.tree.retentions("alice")] == [info.num_retained_tokens // PAGE_SIZE]
+    assert_pages_returned(engine)
+
+
+def test_only_a_session_makes_a_keep_into_the_reply(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from radixkv.engine.request import Keep
+
+    engine, _, _ = make(tiny_llama, monkeypatch)
+    for keep in (Keep(4, 60.0, reply=True), Keep(4, 60.0, lock=True, reply=True)):
+        with pytest.raises(InvalidRequest) as info:
+            engine.add_request(prompt(1, 2), SamplingParams(max_tokens=1), keeps=(keep,))
+        assert info.value.param == "keeps"
+    assert not engine.has_unfinished()

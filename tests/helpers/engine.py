@@ -15,7 +15,7 @@ import torch
 from radixkv import LLM
 from radixkv.config import EngineConfig
 from radixkv.engine.engine import Engine
-from radixkv.engine.request import RequestOutput
+from radixkv.engine.request_output import RequestOutput
 from radixkv.model.loader import LoadedModel, hf_reference_model
 from tests.helpers.tiny_models import CHAT_TEMPLATE
 

@@ -18,7 +18,7 @@ import zmq
 
 from radixkv.cache import BlockHasher, PagePool, RadixTree
 from radixkv.cache.radix import path_tokens
-from radixkv.engine.request import SamplingParams
+from radixkv.engine.sampling_params import SamplingParams
 from radixkv.errors import ConfigError
 from radixkv.kv_events.publisher import ZmqEventPublisher
 from radixkv.kv_events.recorder import KVEventRecorder

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from radixkv.attention.torch_backend import TorchBackend
 from radixkv.cpu.quant_linear import QuantLinear
-from radixkv.engine.request import SamplingParams
+from radixkv.engine.sampling_params import SamplingParams
 from radixkv.model import load_model, load_model_config
 from radixkv.model import llama
 from radixkv.model.gguf import GGUFFile

@@ -12,7 +12,8 @@ import pytest
 
 from radixkv.cache import BlockHasher, Liveness, PagePool, RadixTree
 from radixkv.engine.kv_manager import KVManager
-from radixkv.engine.request import SamplingParams, SequenceState
+from radixkv.engine.request import SequenceState
+from radixkv.engine.sampling_params import SamplingParams
 from radixkv.scenarios import multi_turn_trace, trace_replay
 from radixkv.scenarios.session_inference import IdleRule, SessionInference
 

@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from radixkv.engine.async_engine import AsyncEngine, EngineStepError, EngineStopped
-from radixkv.engine.request import SamplingParams
+from radixkv.engine.sampling_params import SamplingParams
 from radixkv.errors import InvalidRequest, QueueFull
 
 from tests.helpers.live_server import make_async_engine

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from radixkv.prompts.continuation import decode_exact
-from radixkv.engine.request import CompletionOutput, RequestOutput
+from radixkv.engine.request_output import CompletionOutput, RequestOutput
 from radixkv.server import tool_prompts as tool_layer
 from radixkv.server.continuation import ReplyCollector, ReplyMap
 from radixkv.server.encode import chat_prompt

@@ -116,7 +116,7 @@ def test_health_answers_while_a_large_prompt_is_tokenized(default_server):
 
 
 def test_a_stop_string_past_the_length_limit_is_refused_naming_it(small_body_server):
-    from radixkv.engine.request import MAX_STOP_CHARS
+    from radixkv.engine.sampling_params import MAX_STOP_CHARS
 
     with small_body_server.http() as client:
         too_long = client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "stop": ["s" * (MAX_STOP_CHARS + 1)]})

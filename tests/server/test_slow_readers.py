@@ -9,7 +9,7 @@ import socket
 
 import pytest
 
-from radixkv.engine.request import SamplingParams
+from radixkv.engine.sampling_params import SamplingParams
 from radixkv.server.limits import ServerLimits
 from tests.helpers.engine import wait_until
 from radixkv.server.app import create_app

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response
 
 from radixkv.engine.async_engine import EngineStopped
 from radixkv.engine.pins import PinnedPrefix
-from radixkv.engine.request import SamplingParams
+from radixkv.engine.sampling_params import SamplingParams
 from radixkv.errors import InvalidRequest
 from radixkv.prompts import encode_prompt
 from radixkv.server.cache.protocol import (

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 from pydantic import ValidationError
 
-from radixkv.engine.request import Keep, SamplingParams
+from radixkv.engine.request import Keep
+from radixkv.engine.sampling_params import SamplingParams
 from radixkv.engine.sessions import SessionRef
 from radixkv.server import keeps
 from radixkv.server.errors import APIError, WireNames, validation_error_at

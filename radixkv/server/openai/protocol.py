@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
-from radixkv.engine.request import MAX_LOGIT_BIAS_TOKENS, MAX_STOP_TOKEN_IDS, GrammarGuide
+from radixkv.engine.sampling_params import MAX_LOGIT_BIAS_TOKENS, MAX_STOP_TOKEN_IDS, GrammarGuide
 from radixkv.errors import InvalidRequest
 from radixkv.server.guards.request_caps import (
     CAPS,

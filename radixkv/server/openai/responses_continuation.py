@@ -11,7 +11,7 @@ from array import array
 from typing import TYPE_CHECKING, Any
 
 from radixkv.prompts.continuation import continue_after, reply_ids
-from radixkv.engine.request import RequestOutput
+from radixkv.engine.request_output import RequestOutput
 from radixkv.server import tool_prompts
 from radixkv.server.openai import responses_convert as convert
 from radixkv.server.openai.responses_protocol import ResponsesRequest

@@ -10,7 +10,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from radixkv.engine.request import GrammarGuide, Guide, JsonGuide
+from radixkv.engine.sampling_params import GrammarGuide, Guide, JsonGuide
 from radixkv.server import tools as tool_layer
 from radixkv.server.errors import APIError, validation_error_at
 from radixkv.server.openai.responses_protocol import (

@@ -16,7 +16,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from radixkv.engine.async_engine import EngineStepError, EngineStopped, RequestStream
-from radixkv.engine.request import Keep, RequestOutput, SamplingParams
+from radixkv.engine.request import Keep
+from radixkv.engine.request_output import RequestOutput
+from radixkv.engine.sampling_params import SamplingParams
 from radixkv.errors import InvalidRequest
 from radixkv.server import sampling
 from radixkv.server import tool_prompts

@@ -17,14 +17,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from radixkv.engine.async_engine import EngineStepError, EngineStopped, RequestStream
-from radixkv.engine.request import (
-    CompletionDelta,
-    CompletionOutput,
-    Guide,
-    Keep,
-    RequestOutput,
-    SamplingParams,
-)
+from radixkv.engine.request import Keep
+from radixkv.engine.request_output import CompletionDelta, CompletionOutput, RequestOutput
+from radixkv.engine.sampling_params import Guide, SamplingParams
 from radixkv.errors import InvalidRequest
 from radixkv.server import keeps, sampling
 from radixkv.server.cache_report import CacheReporter, ChatSource, wanted

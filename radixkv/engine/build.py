@@ -1,0 +1,81 @@
+"""An engine's parts made from its config: the model on its attention backend (a configuration
+the backend cannot run refused before the weights load), and the cache beneath it (the page pool
+sized from memory, the radix tree, the KV manager with its disk tier).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from radixkv.attention import make_backend
+from radixkv.cache.hashing import BlockHasher
+from radixkv.cache.kv_dtype import resolve_kv_dtype
+from radixkv.cache.pages import PagePool, available_memory_bytes
+from radixkv.cache.radix import RadixTree
+from radixkv.config import EngineConfig
+from radixkv.engine.compute_cost import ComputeCost
+from radixkv.engine.disk_loader import open_disk_tier
+from radixkv.engine.kv_manager import KVManager
+from radixkv.errors import ConfigError
+from radixkv.model.loader import LoadedModel, load_model
+
+
+def load_engine_model(config: EngineConfig, device: torch.device, loaded: LoadedModel | None = None) -> LoadedModel:
+    """`loaded`, or the config's model loaded on a backend made for `device`; ConfigError for a
+    batch-invariant config on a backend that cannot run it, before any weight is read."""
+    backend = loaded.model.attention if loaded is not None else make_backend(
+        config.attention_backend, device.type, native_kernels=config.native_kernels, decode_amx=config.decode_amx,
+        share_decode_reads=config.share_decode_reads, check_indices=config.check_indices,
+    )  # fmt: skip
+    if config.batch_invariant and not backend.capabilities.batch_invariant:
+        raise ConfigError(
+            f"batch_invariant needs an attention backend that attends row by row ('torch' or 'cpu'), not {backend.name!r}",
+            param="batch_invariant",
+        )
+    if loaded is not None:
+        return loaded
+    return load_model(
+        config.model, backend, dtype=config.dtype, device=config.device, cache_dir=config.cache_dir,
+        native_kernels=config.native_kernels, linear_kernel=config.linear_kernel,
+        weight_dtype=config.weight_dtype, quant_kernel=config.quant_kernel,
+    )  # fmt: skip
+
+
+@dataclass(slots=True)
+class EngineCache:
+    """The cache an engine holds: pages stored in `kv_dtype`, the tree over them, and the KV
+    manager, the only mover of pages between sequences and the tree."""
+
+    kv_dtype: torch.dtype
+    pool: PagePool
+    hasher: BlockHasher
+    tree: RadixTree
+    compute_cost: ComputeCost
+    kv: KVManager
+
+
+def build_cache(config: EngineConfig, loaded: LoadedModel, device: torch.device) -> EngineCache:
+    """The page pool (EngineConfig.num_pages, else sized from the memory `device` has free), its
+    tree and KV manager (with the disk tier when the config names one)."""
+    model_config = loaded.config
+    # The pages' storage dtype (EngineConfig.kv_dtype); pages are sized in its bytes.
+    kv_dtype = resolve_kv_dtype(config.kv_dtype, loaded.dtype, loaded.device)
+    num_pages = config.num_pages or PagePool.pages_for_memory(
+        available_memory_bytes(device), config.kv_memory_fraction, config.max_kv_pages,
+        config.page_size, model_config.num_layers, model_config.num_kv_heads, model_config.head_dim, kv_dtype,
+    )  # fmt: skip
+    pool = PagePool(
+        num_pages, config.page_size, model_config.num_layers, model_config.num_kv_heads, model_config.head_dim, kv_dtype, loaded.device
+    )
+    hasher = BlockHasher(config.page_size, seed=config.hash_seed)
+    tree = RadixTree(
+        pool, hasher, eviction_policy=config.eviction_policy, max_retained_pages=int(num_pages * config.max_retained_pages_fraction)
+    )
+    compute_cost = ComputeCost()
+    kv = KVManager(
+        pool, tree, hasher, config.enable_prefix_caching, open_disk_tier(config, loaded, pool.page_nbytes, kv_dtype, tree.events),
+        compute_cost.estimate_s, config.kv_disk_prefetch_bytes, config.max_retained_pages_per_owner, config.max_ghost_blocks,
+    )  # fmt: skip
+    return EngineCache(kv_dtype, pool, hasher, tree, compute_cost, kv)
