@@ -16,8 +16,9 @@ import pytest
 
 from radixkv.prompts.continuation import decode_exact
 from radixkv.engine.request import CompletionOutput, RequestOutput
-from radixkv.server import tool_prompts as tool_layer
-from radixkv.server.continuation import ReplyCollector, ReplyMap
+from radixkv.prompts import tools as tool_layer
+from radixkv.prompts.replies import ReplyMap
+from radixkv.server.continuation import ReplyCollector
 from radixkv.server.encode import chat_prompt
 from tests.helpers.live_server import KEY_A, KEY_B, MODEL, LiveServer, make_async_engine, serve
 from tests.helpers.tiny_models import make_tiny_model

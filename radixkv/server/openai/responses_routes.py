@@ -19,7 +19,7 @@ from radixkv.engine.async_engine import EngineStepError, EngineStopped, RequestS
 from radixkv.engine.request import Keep, RequestOutput, SamplingParams
 from radixkv.errors import InvalidRequest
 from radixkv.server import sampling
-from radixkv.server import tool_prompts
+from radixkv.prompts import tools as tool_prompts
 from radixkv.server.cache_report import CacheReporter, ChatSource, wanted
 from radixkv.server.errors import (
     WireNames,
