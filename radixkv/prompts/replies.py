@@ -12,14 +12,20 @@ import hashlib
 import threading
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from radixkv.prompts import tools as tool_prompts
 from radixkv.prompts.continuation import DEFAULT_MAX_SPLICED_REPLIES, Rendered, decodes_to, reply_ids, splice_replies
-from radixkv.prompts.conversation import EncodedConversation, encode_conversation
+from radixkv.prompts.conversation import EncodedConversation, TemplateInput, encode_conversation
+from radixkv.prompts.encode import render_chat
 from radixkv.prompts.tools import Tool, ToolChoice, check_tool_choice
+
+# An in-process owner's map (LLM): the server's per-key defaults (ServerLimits.max_replies_per_key,
+# max_reply_tokens_per_key), since an LLM is one owner.
+DEFAULT_MAX_REPLIES = 4096
+DEFAULT_MAX_REPLY_TOKENS = 1 << 20
 
 
 def _key(salt: str | None, text: str) -> bytes:
@@ -145,15 +151,46 @@ def encode_conversation_exact(
         return tool_prompts.render_conversation(tokenizer, normalized, tools if with_tools else [], add_generation_prompt=generation)
 
     encoded = encode_conversation(tokenizer, view, add_generation_prompt=add_generation_prompt, render=rerender)
-    if replies is None or len(encoded.plain_ids) >= max_context_tokens:
-        return encoded
 
     def render(ms: list[dict[str, Any]]) -> str:
         return tool_prompts.render_conversation(tokenizer, ms, tools, add_generation_prompt=add_generation_prompt)
 
+    return _splice_known(replies, owner, tokenizer, encoded, normalized, render, salt, max_context_tokens)
+
+
+def encode_chat_exact(
+    replies: ReplyMap | None,
+    owner: str | None,
+    tokenizer: Any,
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    salt: str | None,
+    max_context_tokens: int,
+    add_generation_prompt: bool = True,
+) -> EncodedConversation:
+    """Messages as the chat template takes them (no tools, nothing normalized: the plain ids are
+    radixkv.prompts.encode_chat's), rendered once, with the owner's known replies spliced back
+    as encode_conversation_exact does: LLM.chat's and the SDK's in-process encoder."""
+    view = TemplateInput.plain(messages)
+    encoded = encode_conversation(tokenizer, view, add_generation_prompt=add_generation_prompt)
+
+    def render(ms: list[dict[str, Any]]) -> str:
+        return render_chat(tokenizer, ms, add_generation_prompt=add_generation_prompt)
+
+    return _splice_known(replies, owner, tokenizer, encoded, view.messages, render, salt, max_context_tokens)
+
+
+def _splice_known(
+    replies: ReplyMap | None, owner: str | None, tokenizer: Any, encoded: EncodedConversation, messages: list[dict[str, Any]],
+    render: Callable[[list[dict[str, Any]]], str], salt: str | None, max_context_tokens: int,
+) -> EncodedConversation:  # fmt: skip
+    """`encoded` with the known replies spliced into its token ids where safe; untouched without
+    a map, or when its plain prompt leaves the context no room (the engine refuses it)."""
+    if replies is None or len(encoded.plain_ids) >= max_context_tokens:
+        return encoded
     lookup = replies.lookup_for(owner, salt)
     plain = Rendered(encoded.text, encoded.plain_ids)
-    spliced = splice_replies(tokenizer, render, normalized, lookup, plain=plain, max_replies=replies.max_spliced_replies)
+    spliced = splice_replies(tokenizer, render, messages, lookup, plain=plain, max_replies=replies.max_spliced_replies)
     if spliced is not None:
         encoded.token_ids = spliced
     return encoded
