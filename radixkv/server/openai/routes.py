@@ -14,10 +14,11 @@ from fastapi.responses import JSONResponse, Response
 
 from radixkv.engine.request import Guide, Keep, RequestOutput, SamplingParams
 from radixkv.errors import InvalidRequest
+from radixkv.prompts.conversation import EncodedConversation
 from radixkv.server import keeps, sampling
 from radixkv.server.cache_report import CacheReporter, ChatSource, wanted
 from radixkv.server.continuation import ReplyCollector
-from radixkv.server.encode import chat_prompt, completion_prompts
+from radixkv.server.encode import chat_conversation, completion_prompts
 from radixkv.server.errors import APIError, WireNames, engine_error, parse_body
 from radixkv.server.logprobs import TokenTexts
 from radixkv.server.openai import prompt_cache
@@ -60,19 +61,20 @@ def register(app: FastAPI, server: AppState) -> None:
         raw = await request.body()
         owner = server.tenants.owner(key)
 
-        def prepare() -> tuple[ChatCompletionRequest, ChatTools, list[int], WireNames, SamplingParams, tuple[Keep, ...], str | None]:
+        def prepare() -> tuple[ChatCompletionRequest, ChatTools, EncodedConversation, WireNames, SamplingParams, tuple[Keep, ...], str | None]:
             body = parse_body(ChatCompletionRequest, raw)
             _check_request(server, body)
             prompt_cache.check_options(body)
             tools = _chat_tools(body)
             salt = server.tenants.cache_salt(key, body.cache_salt)
-            prompt = chat_prompt(server, [m.as_chat() for m in body.messages], tools.tools, tools.choice, owner=owner, salt=salt)
+            encoded = chat_conversation(server, [m.as_chat() for m in body.messages], tools.tools, tools.choice, owner=owner, salt=salt)
             guide, guide_param = _chat_guide(body, tools)
             names = sampling.chat_names(body, guide_param)
-            writes = prompt_cache.chat_writes(server, body, tools.tools, tools.choice, prompt)
-            return body, tools, prompt, names, sampling.chat_params(body, names, guide), writes, salt
+            writes = prompt_cache.chat_writes(server, body, tools.tools, tools.choice, encoded.token_ids)
+            return body, tools, encoded, names, sampling.chat_params(body, names, guide), writes, salt
 
-        body, tools, prompt, names, params, writes, salt = await server.parse_slots.run(key, prepare)
+        body, tools, encoded, names, params, writes, salt = await server.parse_slots.run(key, prepare)
+        prompt = encoded.token_ids
         session = session_ref(request.headers, owner, body.prompt_cache_key, server.tenants.session_namespace(salt))
         if body.prompt_cache_options is not None and body.prompt_cache_options.prewarm:
             done = await prompt_cache.prewarm(server, request, key, [prompt], [writes], salt, owner, names, session)
@@ -84,7 +86,7 @@ def register(app: FastAPI, server: AppState) -> None:
         )
         replies = ReplyCollector(server.replies, owner, salt)
         asked = wanted(body.cache_report, request.headers)
-        source = ChatSource([m.as_chat() for m in body.messages], tools.tools, tools.choice) if asked else None
+        source = ChatSource([m.as_chat() for m in body.messages], tools.tools, tools.choice, encoded=encoded) if asked else None
         reporter = CacheReporter(server, key, asked, [prompt], source)
         if body.stream:
             events = chat_events(server, texts, body, tools, streams, params.n, reporter, replies)
