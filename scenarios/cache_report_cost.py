@@ -62,7 +62,7 @@ def engine_share(llm: LLM, prompt_tokens: int, requests: int) -> dict[str, float
 def locate_share(llm: LLM, messages: int) -> dict[str, float]:
     """Seconds to find the part of a chat's first uncached token (server/cache_report.locate)."""
     from radixkv.server.cache_report import ChatSource, locate
-    from radixkv.server.tool_prompts import encode_conversation
+    from radixkv.prompts.tools import encode_conversation
 
     rng = random.Random(1)
     words = "apple river stone cloud garden window yellow music paper forest silver ocean".split()

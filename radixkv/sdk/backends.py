@@ -17,7 +17,7 @@ from typing import Any
 from radixkv.engine.request_output import RequestOutput
 from radixkv.engine.sampling_params import GrammarGuide, SamplingParams
 from radixkv.errors import InvalidRequest
-from radixkv.prompts import Prompt, encode, has_chat_template
+from radixkv.prompts import Prompt, has_chat_template
 
 OnResult = Callable[[int, "Result"], None]
 
@@ -128,16 +128,23 @@ class InProcessBackend(Backend):
         encoded: list[tuple[int, list[int]]] = []
         for i, prompt in enumerate(prompts):
             try:
-                encoded.append((i, encode(self.tokenizer, prompt)))
+                encoded.append((i, self.llm.encode_exact(prompt, salt=self.salt)))
             except Exception as error:  # noqa: BLE001 - the chat template refusing this prompt
                 finish(i, Result(error=f"{type(error).__name__}: {error}"))
+
+        def finished(j: int, output: RequestOutput) -> None:
+            i = encoded[j][0]
+            if prompts[i].messages is not None:  # a conversation's reply, for its next turn (LLM.remember)
+                self.llm.remember(output, salt=self.salt)
+            finish(i, _result_of(output))
+
         # Each prompt is checked on its own, so one over the context fails alone.
         run_to_completion(
             self.engine,
             [token_ids for _, token_ids in encoded],
             [params] * len(encoded),
             salt=self.salt,
-            on_finished=lambda j, output: finish(encoded[j][0], _result_of(output)),
+            on_finished=finished,
             on_rejected=lambda j, error: finish(encoded[j][0], Result(error=f"{type(error).__name__}: {error}")),
             on_step=self.on_step,
         )
@@ -146,7 +153,7 @@ class InProcessBackend(Backend):
     def pin(self, prefix: Prompt) -> Pin:
         """Warm and pin `prefix` under the engine's pin caps (the same an HTTP caller gets);
         GenerationError past a cap, as from the HTTP backend."""
-        token_ids = encode(self.tokenizer, prefix)
+        token_ids = self.llm.encode_exact(prefix, salt=self.salt)  # as the next turn will encode it
         warmed = self.warm(Prompt(token_ids=token_ids))
         try:
             pinned = self.engine.pin(token_ids, self.salt)

@@ -15,8 +15,7 @@ from radixkv.engine.request_output import RequestOutput
 from radixkv.errors import InvalidRequest
 from radixkv.server.errors import APIError
 from radixkv.prompts.conversation import EncodedConversation, common_prefix, encode_conversation
-from radixkv.server.tool_prompts import render_conversation, template_input
-from radixkv.server.tools import Tool, ToolChoice
+from radixkv.prompts.tools import Tool, ToolChoice, render_conversation, template_input
 
 if TYPE_CHECKING:
     from radixkv.server.state import AppState
@@ -42,7 +41,7 @@ class PromptPart:
 
 @dataclass(frozen=True, slots=True)
 class ChatSource:
-    """A chat prompt as the encoder rendered it (server/tool_prompts.render_conversation), so parts are
+    """A chat prompt as the encoder rendered it (radixkv/prompts/tools.render_conversation), so parts are
     found in the very text its token ids came from."""
 
     messages: list[dict[str, Any]]

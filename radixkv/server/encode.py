@@ -1,7 +1,7 @@
 """Prompts to token ids through radixkv.prompts (the encoder LLM and the SDK use), for every
 API family: a conversation of chat messages (with its tools, through
-radixkv.server.tool_prompts) and completion prompts (text or token ids, one or a batch); a
-caller's earlier replies spliced back in as their generated ids (server.continuation).
+radixkv.prompts.tools) and completion prompts (text or token ids, one or a batch); a
+caller's earlier replies spliced back in as their generated ids (radixkv.prompts.replies).
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Any
 from radixkv.errors import InvalidRequest
 from radixkv.prompts import encode_prompt
 from radixkv.prompts.conversation import EncodedConversation
-from radixkv.server.continuation import encode_conversation_exact
+from radixkv.prompts.replies import encode_conversation_exact
 from radixkv.server.errors import APIError, engine_error
-from radixkv.server.tools import Tool, ToolChoice
+from radixkv.prompts.tools import Tool, ToolChoice
 
 if TYPE_CHECKING:
     from radixkv.server.state import AppState
@@ -48,7 +48,7 @@ def chat_conversation(
     """The conversation rendered once, knowing where its parts start (for the cache report and
     breakpoints). With an owner, that owner's earlier replies in the cache partition `salt` (the
     request's Tenants.cache_salt) go back in as the ids they were generated as (exact
-    continuation, server.continuation), when the server has it on."""
+    continuation, radixkv.prompts.replies), when the server has it on."""
     replies = server.replies if owner is not None else None
     engine = server.engine
     try:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from radixkv.engine.async_engine import AsyncEngine
-from radixkv.server.continuation import ReplyMap
+from radixkv.prompts.replies import ReplyMap
 from radixkv.server.errors import APIError
 from radixkv.server.guards.drain import Drain
 from radixkv.server.limits import ServerLimits

@@ -1,7 +1,8 @@
 """Function tools for every API the server speaks: their definitions and the choice, the JSON
 guide that makes forced calls parse, and how a reply (whole or streamed) splits into text and
 calls, in the one call format the fallback prompt asks for (`<tool_call>` lines, or bare JSON).
-How a conversation with tools becomes a prompt is server/tool_prompts.py.
+The `Tool` record, the choice's check and how a conversation with tools becomes a prompt are
+radixkv/prompts/tools.py, below the server.
 """
 
 from __future__ import annotations
@@ -14,22 +15,11 @@ from typing import Any
 
 from radixkv.engine.sampling_params import JsonGuide
 from radixkv.errors import InvalidRequest
+from radixkv.prompts.tools import CALL_CLOSE, CALL_OPEN, CHOICES, MALFORMED, Tool, ToolChoice, check_tool_choice, loads_json
 
-# "none" | "auto" | "required" | the name of the one function the reply must call.
-ToolChoice = str
-CHOICES = ("none", "auto", "required")
-CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 # A guided array of parallel calls ends here: a weak model may otherwise append calls until
 # max_tokens cuts the JSON, and then nothing parses.
 MAX_PARALLEL_CALLS = 8
-
-
-@dataclass(frozen=True, slots=True)
-class Tool:
-    name: str
-    description: str
-    parameters: dict  # JSON Schema of the arguments (an object schema)
-    strict: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,13 +81,6 @@ def tool_choice_from_openai(raw: Any, tools: Sequence[Tool], param: str = "tool_
         raise InvalidRequest(f"{param} must be a string or a function choice", param=param)
     check_tool_choice(choice, tools, param)
     return choice
-
-
-def check_tool_choice(choice: ToolChoice, tools: Sequence[Tool], param: str = "tool_choice") -> None:
-    if choice in ("required",) and not tools:
-        raise InvalidRequest(f"{param} is 'required' but no tools were given", param=param)
-    if choice not in CHOICES and choice not in {t.name for t in tools}:
-        raise InvalidRequest(f"{param} names the function {choice!r}, which is not among the tools", param=param)
 
 
 # -- guides ---------------------------------------------------------------------------------
@@ -228,18 +211,6 @@ def _call_of(value: Any, names: set[str]) -> ToolCall | None:
 def _parse_call(body: str, names: set[str]) -> ToolCall | None:
     value = loads_json(body)
     return None if value is MALFORMED else _call_of(value, names)
-
-
-MALFORMED = object()
-
-
-def loads_json(text: str) -> Any:
-    """JSON text as a value, or MALFORMED: a model may write anything, nesting deeper than
-    json's recursion takes included (RecursionError), and that is content, not a server error."""
-    try:
-        return json.loads(text)
-    except (json.JSONDecodeError, RecursionError):
-        return MALFORMED
 
 
 def _tagged_calls(text: str, names: set[str]) -> tuple[str, list[ToolCall]]:

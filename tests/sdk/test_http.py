@@ -69,12 +69,13 @@ def _converse(backend, system: str, branches: list[str]):
 
 
 def test_sessions_and_forks_over_http_match_in_process(tiny_llama):
-    """In process a session re-renders its earlier replies from their text, as a server with
-    exact continuation off does (on, the server puts back the ids a reply was generated as, which
-    the tiny model's byte-token replies do not re-tokenize to: tests/server/test_continuation.py)."""
+    """With exact continuation off on both sides, a session re-renders its earlier replies from
+    their text in process as over HTTP (on, both put back the ids a reply was generated as, which
+    the tiny model's byte-token replies do not re-tokenize to: the test below,
+    tests/sdk/test_exact_continuation.py and tests/server/test_continuation.py)."""
     system = "You are a helpful assistant (http session). " * 3
     branches = ["What is the capital of France?", "The quick brown fox?", "Prefix caching?"]
-    first_local, replies_local, _ = _converse(make_sdk_llm(tiny_llama), system, branches)
+    first_local, replies_local, _ = _converse(make_sdk_llm(tiny_llama, exact_continuation=False), system, branches)
     engine = make_async_engine(tiny_llama, page_size=PAGE_SIZE, num_pages=NUM_PAGES, seed=0)
     with serve(engine, limits=ServerLimits(exact_continuation=False)) as server:
         first_http, replies_http, forks = _converse(server.client(), system, branches)
@@ -83,6 +84,24 @@ def test_sessions_and_forks_over_http_match_in_process(tiny_llama):
     assert all(r.num_cached_tokens >= first_http.num_prompt_tokens // PAGE_SIZE * PAGE_SIZE for r in replies_http)
     assert forks[0].messages[-1] == {"role": "assistant", "content": replies_http[0].text}
 
+
+def test_sessions_with_exact_continuation_match_in_process(tiny_llama):
+    """Exact continuation on in process and over HTTP (both defaults): the same prompts, so the
+    same replies, and every fork's turn hits the first turn, its reply as generated."""
+    system = "You are a helpful assistant (exact http session). " * 3
+    branches = ["What is the capital of France?", "Prefix caching?"]
+    first_local, replies_local, _ = _converse(make_sdk_llm(tiny_llama), system, branches)
+    engine = make_async_engine(tiny_llama, page_size=PAGE_SIZE, num_pages=NUM_PAGES, seed=0)
+    with serve(engine) as server:
+        first_http, replies_http, _ = _converse(server.client(), system, branches)
+    assert first_http.text == first_local.text
+    assert [r.text for r in replies_http] == [r.text for r in replies_local]
+    assert [r.num_prompt_tokens for r in replies_http] == [r.num_prompt_tokens for r in replies_local]
+    turn = first_http.num_prompt_tokens + first_http.num_output_tokens
+    assert all(r.num_cached_tokens >= first_http.num_prompt_tokens // PAGE_SIZE * PAGE_SIZE for r in replies_http + replies_local)
+    assert [r.num_cached_tokens >= (turn - 1) // PAGE_SIZE * PAGE_SIZE for r in replies_http] == [
+        r.num_cached_tokens >= (turn - 1) // PAGE_SIZE * PAGE_SIZE for r in replies_local
+    ]
 
 def test_pin_over_http(live_server, tiny_llama):
     tpl = template("pinned")

@@ -205,7 +205,7 @@ def test_parts_are_exact_for_the_default_template_with_tools(live: LiveServer) -
     """Every token of a prompt with tools, a tool call and its result, labelled: the parts come
     in the conversation's order, and each message's text lies in its own part."""
     from radixkv.server.cache_report import ChatSource, locate
-    from radixkv.server.tool_prompts import encode_conversation, render_conversation
+    from radixkv.prompts.tools import encode_conversation, render_conversation
     from radixkv.server.tools import tools_from_openai
 
     tokenizer = live.async_engine.tokenizer
@@ -249,7 +249,7 @@ def test_locating_a_part_renders_the_conversation_a_logarithmic_number_of_times(
     """The report's only work per request beyond the engine's: a few renderings of the caller's
     own conversation (in its own parse slots), never one per message."""
     from radixkv.server import cache_report as module
-    from radixkv.server.tool_prompts import encode_conversation
+    from radixkv.prompts.tools import encode_conversation
 
     tokenizer = live.async_engine.tokenizer
     messages = [{"role": "user" if k % 2 == 0 else "assistant", "content": text(100 + k, 8)} for k in range(64)]

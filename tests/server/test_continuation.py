@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from radixkv.server.continuation import ReplyMap
+from radixkv.prompts.replies import ReplyMap
 from radixkv.server.encode import chat_prompt
 from tests.helpers.live_server import KEY_A, KEY_B, MODEL
 

@@ -16,8 +16,9 @@ import pytest
 
 from radixkv.prompts.continuation import decode_exact
 from radixkv.engine.request_output import CompletionOutput, RequestOutput
-from radixkv.server import tool_prompts as tool_layer
-from radixkv.server.continuation import ReplyCollector, ReplyMap
+from radixkv.prompts import tools as tool_layer
+from radixkv.prompts.replies import ReplyMap
+from radixkv.server.continuation import ReplyCollector
 from radixkv.server.encode import chat_prompt
 from tests.helpers.live_server import KEY_A, KEY_B, MODEL, LiveServer, make_async_engine, serve
 from tests.helpers.tiny_models import make_tiny_model
@@ -178,3 +179,21 @@ def test_an_owners_caps_hold_over_all_its_partitions(live):
         assert replies.remember("a", text, by_characters(tokenizer, text), salt=salt)
     assert replies.held_by("a")[0] == 2
     assert replies.get("a", text, salt="p") is None and replies.get("a", text, salt="r") is not None
+
+
+@pytest.mark.parametrize("door", ["chat", "responses", "messages"])
+def test_a_cache_report_reads_the_one_rendering_the_prompt_came_from(live, work, door):
+    """Every route hands its encoder's EncodedConversation to the cache reporter: the prompt's
+    one rendering, and one without the generation prompt to align its parts; none of its own."""
+    messages = [{"role": "user", "content": f"Report {door}: where does it miss?"}]
+    headers = {"Authorization": f"Bearer {KEY_A}", "anthropic-version": "2023-06-01"}
+    path, body = {
+        "chat": ("/v1/chat/completions", {"messages": messages, "max_tokens": 1}),
+        "responses": ("/v1/responses", {"input": messages, "max_output_tokens": 1, "store": False}),
+        "messages": ("/v1/messages", {"messages": messages, "max_tokens": 1}),
+    }[door]
+    work.renders = 0
+    response = httpx.post(f"{live.base_url}{path}", json={"model": MODEL, "cache_report": True, **body}, headers=headers, timeout=120)
+    assert response.status_code == 200, response.text
+    assert response.json()["cache_report"]["part"] is not None
+    assert work.renders == 2

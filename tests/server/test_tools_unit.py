@@ -1,4 +1,4 @@
-"""radixkv.server.tools and radixkv.server.tool_prompts without a server: tool definitions and
+"""radixkv.server.tools and radixkv.prompts.tools without a server: tool definitions and
 choices, the prompt through a template that takes tools and through the fallback, guides, and
 replies whole and streamed."""
 
@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from radixkv.errors import InvalidRequest
 from radixkv.prompts import template_takes_tools
-from radixkv.server.tool_prompts import encode_conversation, fallback_messages, tools_section
+from radixkv.prompts.tools import encode_conversation, fallback_messages, tools_section
 from radixkv.server.tools import (
     CALL_CLOSE,
     CALL_OPEN,

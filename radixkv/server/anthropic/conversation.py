@@ -11,7 +11,8 @@ from typing import Any
 
 from radixkv.engine.request import Keep
 from radixkv.errors import InvalidRequest
-from radixkv.server import keeps, tool_prompts
+from radixkv.prompts import tools as tool_prompts
+from radixkv.server import keeps
 from radixkv.server.keeps import common_prefix
 from radixkv.server.anthropic.protocol import (
     CacheControl,
@@ -20,7 +21,7 @@ from radixkv.server.anthropic.protocol import (
     ToolResultBlock,
     ToolUseBlock,
 )
-from radixkv.server.tools import Tool
+from radixkv.prompts.tools import Tool
 
 
 @dataclass(frozen=True, slots=True)

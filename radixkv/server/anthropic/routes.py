@@ -28,7 +28,8 @@ from radixkv.server.anthropic import conversation as conv_mod
 from radixkv.server.anthropic.conversation import Conversation
 from radixkv.server.anthropic.protocol import MessagesRequest
 from radixkv.server.cache_report import CacheReporter, ChatSource, wanted
-from radixkv.server.continuation import ReplyCollector, encode_conversation_exact
+from radixkv.prompts.replies import encode_conversation_exact
+from radixkv.server.continuation import ReplyCollector
 from radixkv.server.errors import (
     APIError,
     ClientGone,

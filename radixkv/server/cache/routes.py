@@ -44,7 +44,7 @@ P = TypeVar("P", bound=PinRequest)  # a pin or a lookup body: a prefix to encode
 def pin_prompt(server: AppState, body: PinRequest, owner: str | None = None, salt: str | None = None) -> list[int]:
     """The prefix's token ids; messages with the owner's earlier replies in partition `salt`
     spliced back in as their generated ids, as that owner's next chat turn will be
-    (server.continuation)."""
+    (radixkv.prompts.replies)."""
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "give the prefix to pin as exactly one of prompt (text or token ids) or messages")
     if body.messages is not None:

@@ -28,8 +28,7 @@ from radixkv.server.openai.protocol import (
 )
 from radixkv.server.openai.responses_protocol import ResponsesRequest
 from radixkv.server.streaming import collect, submit, until_disconnect
-from radixkv.server.tool_prompts import encode_conversation
-from radixkv.server.tools import Tool, ToolChoice
+from radixkv.prompts.tools import Tool, ToolChoice, encode_conversation
 
 if TYPE_CHECKING:
     from radixkv.server.state import AppState

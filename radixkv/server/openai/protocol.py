@@ -103,7 +103,7 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
     def as_chat(self) -> dict[str, Any]:
-        """In transformers' chat format, as radixkv.server.tool_prompts.encode_conversation takes it."""
+        """In transformers' chat format, as radixkv.prompts.tools.encode_conversation takes it."""
         message: dict[str, Any] = {"role": self.role, "content": self.text()}
         if self.tool_calls:
             message["tool_calls"] = [call.model_dump() for call in self.tool_calls]

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from radixkv.prompts.continuation import continue_after, reply_ids
 from radixkv.engine.request_output import RequestOutput
-from radixkv.server import tool_prompts
+from radixkv.prompts import tools as tool_prompts
 from radixkv.server.openai import responses_convert as convert
 from radixkv.server.openai.responses_protocol import ResponsesRequest
 from radixkv.server.openai.responses_store import ResponseStore, TurnIds

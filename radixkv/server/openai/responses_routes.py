@@ -21,7 +21,8 @@ from radixkv.engine.request_output import RequestOutput
 from radixkv.engine.sampling_params import SamplingParams
 from radixkv.errors import InvalidRequest
 from radixkv.server import sampling
-from radixkv.server import tool_prompts
+from radixkv.prompts.conversation import EncodedConversation
+from radixkv.prompts.replies import encode_conversation_exact
 from radixkv.server.cache_report import CacheReporter, ChatSource, wanted
 from radixkv.server.errors import (
     WireNames,
@@ -72,6 +73,7 @@ class _Turn:
     names: WireNames
     prompt: list[int]  # stored with the reply's ids, for the next turn to continue from
     writes: tuple[Keep, ...] = ()  # its prompt_cache breakpoints, kept once the prompt is computed
+    encoded: EncodedConversation | None = None  # its one rendering (None: continued from stored ids)
 
 
 def register(app: FastAPI, server: AppState, store: ResponseStore | None = None) -> None:
@@ -111,7 +113,7 @@ def register(app: FastAPI, server: AppState, store: ResponseStore | None = None)
         # message[k] counts the conversation (stored history, then input) as chat messages; the
         # instructions are the system part, no message of their own.
         offset = 1 if body.instructions else 0
-        source = ChatSource(convert.prompt_messages(body, turn.messages), turn.tools, turn.choice, message_offset=offset)
+        source = ChatSource(convert.prompt_messages(body, turn.messages), turn.tools, turn.choice, message_offset=offset, encoded=turn.encoded)
         reporter = CacheReporter(server, key, wanted(body.cache_report, request.headers), [prompt], source)
         if body.stream:
             events = _events(server, store, turn, streams, reporter)
@@ -155,13 +157,18 @@ def _prepare(server: AppState, store: ResponseStore, body: ResponsesRequest, own
     try:
         check_tool_choice(choice, tools)
         prompt = continuation.continued_prompt(server, store, body, owner, history, messages, tools)
-        if prompt is None:
-            prompt = tool_prompts.encode_conversation(server.engine.tokenizer, convert.prompt_messages(body, messages), tools, choice)
+        encoded = None
+        if prompt is None:  # rendered once, for the prompt and the cache report alike
+            encoded = encode_conversation_exact(
+                None, owner, server.engine.tokenizer, convert.prompt_messages(body, messages), tools, choice,
+                salt=None, max_context_tokens=server.engine.max_context_tokens,
+            )  # fmt: skip
+            prompt = encoded.token_ids
     except InvalidRequest as error:
         raise engine_error(error, names) from None
     params = sampling.responses_params(body, names, guide)
     writes = prompt_cache.responses_writes(server, body, history, tools, choice, prompt)
-    return _Turn(body, owner, messages, tools, choice, params, names, prompt, writes), prompt
+    return _Turn(body, owner, messages, tools, choice, params, names, prompt, writes, encoded), prompt
 
 
 def _skeleton(server: AppState, body: ResponsesRequest) -> ResponseObject:

@@ -1,10 +1,11 @@
-"""How a conversation with tools becomes prompt tokens: the model's chat template when it takes
-`tools`, else the fallback prompt below; messages normalized as templates print them.
+"""How a conversation with tools becomes prompt tokens: the `Tool` record and the tool choice,
+the model's chat template when it takes `tools`, else the fallback prompt below; messages
+normalized as templates print them. Guides and reading calls back are the server's (server/tools.py).
 
 The fallback, for chat templates that take no `tools`: a system-prompt section lists each
 function as one JSON line {"name", "description", "parameters"} and asks for one line
 `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` per call (read back by
-server/tools.py). Earlier assistant calls are rendered in that same form, and tool results as a
+radixkv/server/tools.py). Earlier assistant calls are rendered in that same form, and tool results as a
 user turn of `<tool_response>` lines.
 """
 
@@ -12,12 +13,44 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from radixkv.errors import InvalidRequest
-from radixkv.prompts import render_chat, template_takes_tools, tokenize_rendered
 from radixkv.prompts.conversation import TemplateInput
-from radixkv.server.tools import CALL_CLOSE, CALL_OPEN, MALFORMED, Tool, ToolChoice, check_tool_choice, loads_json
+from radixkv.prompts.encode import render_chat, template_takes_tools, tokenize_rendered
+
+# "none" | "auto" | "required" | the name of the one function the reply must call.
+ToolChoice = str
+CHOICES = ("none", "auto", "required")
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+
+
+@dataclass(frozen=True, slots=True)
+class Tool:
+    name: str
+    description: str
+    parameters: dict  # JSON Schema of the arguments (an object schema)
+    strict: bool = False
+
+
+def check_tool_choice(choice: ToolChoice, tools: Sequence[Tool], param: str = "tool_choice") -> None:
+    if choice in ("required",) and not tools:
+        raise InvalidRequest(f"{param} is 'required' but no tools were given", param=param)
+    if choice not in CHOICES and choice not in {t.name for t in tools}:
+        raise InvalidRequest(f"{param} names the function {choice!r}, which is not among the tools", param=param)
+
+
+MALFORMED = object()
+
+
+def loads_json(text: str) -> Any:
+    """JSON text as a value, or MALFORMED: a model may write anything, nesting deeper than
+    json's recursion takes included (RecursionError), and that is content, not a server error."""
+    try:
+        return json.loads(text)
+    except (json.JSONDecodeError, RecursionError):
+        return MALFORMED
 
 
 def encode_conversation(
