@@ -44,8 +44,8 @@ class EngineConfig:
     dtype: str = "auto"
     # The dtype KV pages are stored in, apart from the compute dtype: "auto" stores the compute
     # dtype (exact against the float model); "bf16"/"fp16"/"fp32" round the stored K/V (the
-    # kernels widen on load); "int8" stores symmetric int8 with an fp32 scale per (token, KV
-    # head), about half a bf16 page; "fp8" (e4m3) only on CUDA GPUs that have it. Greedy
+    # kernels widen on load); "int8" stores symmetric int8 with an fp16 scale per (token, KV
+    # head), about half a bf16 page (1.94x its tokens per byte at head_dim 64); "fp8" (e4m3) only on CUDA GPUs that have it. Greedy
     # output with and without the cache agrees bit for bit within one kv_dtype.
     kv_dtype: str = "auto"
     device: str = "auto"  # "auto": cuda when available, else cpu

@@ -152,7 +152,7 @@ class AttentionBackend(Generic[StateT]):
     ) -> None:
         """Write k, v into their slots meta.slot_mapping (< 0: do not store), rounded to the
         caches' storage dtype; int8 caches quantize each (token, head) row into k_scales and
-        v_scales ([num_pages, page_size, num_kv_heads] fp32, radixkv.cache.kv_dtype)."""
+        v_scales ([num_pages, page_size, num_kv_heads] fp16, radixkv.cache.kv_dtype)."""
         raise NotImplementedError
 
     def extend(

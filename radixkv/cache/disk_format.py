@@ -14,8 +14,9 @@ from dataclasses import dataclass
 import xxhash
 
 MAGIC = b"RKVB"
-# 2: the MAC. A file of an older version is a miss ("corrupt"), never read as this one.
-VERSION = 2
+# 2: the MAC. 3: int8 pages' scales in fp16 (radixkv.cache.kv_dtype.SCALE_DTYPE), not fp32. A
+# file of an older version is a miss ("corrupt"), never read as this one.
+VERSION = 3
 # magic, version, page_size, num_prefix_tokens, payload_bytes, fingerprint, salt digest, key,
 # parent key (0 for a first block), checksum (xxh3: damage) of the header before it and of
 # everything after the header, MAC (BLAKE2b keyed with the directory's key: a block someone

@@ -42,7 +42,7 @@ class PagePool:
         device: str | torch.device = "cpu",
     ):
         """dtype: the storage dtype (radixkv.cache.kv_dtype); int8 pages get k_scales and
-        v_scales, fp32 [num_pages, page_size, num_kv_heads] per layer (empty lists otherwise)."""
+        v_scales, fp16 (SCALE_DTYPE) [num_pages, page_size, num_kv_heads] per layer (empty lists otherwise)."""
         _check_int("num_pages", num_pages, minimum=1)
         _check_int("page_size", page_size, minimum=1)
         _check_int("num_layers", num_layers, minimum=0)

@@ -14,12 +14,13 @@ from dataclasses import dataclass
 
 import torch
 
+from radixkv.cache.kv_dtype import SCALE_DTYPE
 from radixkv.cpu.features import cpu_caches
 from radixkv.cpu.native import load
 
 _FUNCTIONS = {torch.bfloat16: "radixkv_paged_decode_bf16", torch.float32: "radixkv_paged_decode_f32"}
 # Pages the fp32 kernel widens on load (radixkv_paged_decode_f32_kv's kv_kind): a bf16 is the
-# top half of an fp32; an int8 element times its (token, kv head) scale. The bf16 kernel
+# top half of an fp32; an int8 element times its (token, kv head) fp16 scale. The bf16 kernel
 # (radixkv_paged_decode_bf16_kv) widens int8 pages.
 _WIDENED_KINDS = {torch.bfloat16: 2, torch.int8: 3}
 _WIDENING = {
@@ -270,12 +271,12 @@ def check_buffers(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 
 def check_scales(k_cache: torch.Tensor, k_scales: torch.Tensor | None, v_scales: torch.Tensor | None) -> None:
-    """int8 pages come with fp32 scales [num_pages, page_size, num_kv_heads], contiguous."""
+    """int8 pages come with fp16 scales [num_pages, page_size, num_kv_heads], contiguous."""
     if k_cache.dtype != torch.int8:
         return
     for scales in (k_scales, v_scales):
-        if scales is None or scales.shape != k_cache.shape[:3] or scales.dtype != torch.float32 or not scales.is_contiguous():
-            raise ValueError(f"int8 pages need contiguous fp32 scales of shape {tuple(k_cache.shape[:3])}")
+        if scales is None or scales.shape != k_cache.shape[:3] or scales.dtype != SCALE_DTYPE or not scales.is_contiguous():
+            raise ValueError(f"int8 pages need contiguous fp16 scales of shape {tuple(k_cache.shape[:3])}")
 
 
 def check_tables(

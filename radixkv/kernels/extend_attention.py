@@ -117,7 +117,7 @@ def _extend_kernel(
             k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0)
             scale_at = slot * num_kv_heads + kv_head  # int8 pages' scale of each key (QUANT)
             if QUANT:  # int8 pages: times each (token, kv head) scale
-                k = k.to(tl.float32) * tl.load(k_scale_ptr + scale_at, mask=key_valid, other=0.0)[:, None]
+                k = k.to(tl.float32) * tl.load(k_scale_ptr + scale_at, mask=key_valid, other=0.0).to(tl.float32)[:, None]
             k = k.to(q.dtype)
             scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2
             scores = tl.where(in_window, scores, float("-inf"))
@@ -129,7 +129,7 @@ def _extend_kernel(
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0)
             if QUANT:
-                v = v.to(tl.float32) * tl.load(v_scale_ptr + scale_at, mask=key_valid, other=0.0)[:, None]
+                v = v.to(tl.float32) * tl.load(v_scale_ptr + scale_at, mask=key_valid, other=0.0).to(tl.float32)[:, None]
             v = v.to(q.dtype)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
@@ -226,7 +226,7 @@ def extend_attention(
     """Attention of q ([T, Hq, D]) over each request's paged prefix plus, causally, its new k/v
     (window: each query over its last `window` keys only)
     (rounded as store_kv stores them: through the pages' dtype, int8 quantized per row). int8
-    pages come with k_scales, v_scales ([P, page_size, Hkv] fp32).
+    pages come with k_scales, v_scales ([P, page_size, Hkv] fp16).
 
     Request b owns rows cu_q_lens[b]:cu_q_lens[b+1] of q, k, v; its prefix is the first
     seq_lens[b] - q_len_b tokens of the pages page_table[b]. The caller guarantees every index is

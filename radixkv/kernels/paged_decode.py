@@ -58,7 +58,7 @@ def _attend_keys(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, head_off
         k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0)
         scale_at = slot * num_kv_heads + kv_head  # int8 pages' scale of each key (QUANT)
         if QUANT:
-            k = k.to(tl.float32) * tl.load(k_scale_ptr + scale_at, mask=key_valid, other=0.0)[:, None]
+            k = k.to(tl.float32) * tl.load(k_scale_ptr + scale_at, mask=key_valid, other=0.0).to(tl.float32)[:, None]
         k = k.to(q.dtype)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2
         scores = tl.where(key_valid[None, :], scores, float("-inf"))
@@ -69,7 +69,7 @@ def _attend_keys(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, head_off
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0)
         if QUANT:
-            v = v.to(tl.float32) * tl.load(v_scale_ptr + scale_at, mask=key_valid, other=0.0)[:, None]
+            v = v.to(tl.float32) * tl.load(v_scale_ptr + scale_at, mask=key_valid, other=0.0).to(tl.float32)[:, None]
         v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
@@ -366,7 +366,7 @@ def paged_decode(
     """Attention of one query per request (q: [B, Hq, D]) over its first seq_lens[b] cached tokens
     (window: its last `window` of them only, never with groups).
     Pages may be stored in another dtype (widened to q's on load); int8 pages come with
-    k_scales, v_scales ([P, page_size, Hkv] fp32).
+    k_scales, v_scales ([P, page_size, Hkv] fp16).
 
     Request b's KV lives in pages page_table[b, :ceil(seq_lens[b] / page_size)]. The caller
     guarantees every index is in range (the kernel does not check bounds) and seq_lens >= 1.

@@ -17,11 +17,16 @@ ROUND_MAGIC = 12582912.0
 
 
 @triton.jit
-def quantize_rows(x, INT8_MAX: tl.constexpr = 127.0):
+def quantize_rows(
+    x, INT8_MAX: tl.constexpr = 127.0, FP16_MIN_NORMAL: tl.constexpr = 2.0**-14, FP16_MAX: tl.constexpr = 65504.0
+):
     """Rows of x [R, D] (fp32, zeros past the row) as int8 values (still fp32) and their scales
-    [R]: scale = absmax / 127, q = round-half-even(x / scale), 0 where the row is all zero:
+    [R] (fp32 holding fp16 values): scale = absmax / 127 clamped into fp16's normal range and
+    rounded to fp16, q = round-half-even(x / scale), 0 where the row is all zero:
     radixkv.cache.kv_dtype.quantize_int8's arithmetic, so the same values."""
     scale = tl.max(tl.abs(x), 1) / INT8_MAX
+    scale = tl.where(scale > 0.0, tl.minimum(tl.maximum(scale, FP16_MIN_NORMAL), FP16_MAX), scale)
+    scale = scale.to(tl.float16).to(tl.float32)
     safe = tl.where(scale > 0.0, scale, 1.0)
     q = tl.math.div_rn(x, safe[:, None])
     q = (q + ROUND_MAGIC) - ROUND_MAGIC
@@ -63,8 +68,8 @@ def _store_kv_kernel(
             k, k_scale = quantize_rows(tl.where(mask, k.to(tl.float32), 0.0))
             v, v_scale = quantize_rows(tl.where(mask, v.to(tl.float32), 0.0))
             head_valid = heads < num_kv_heads
-            tl.store(k_scale_ptr + slot * num_kv_heads + heads, k_scale, mask=head_valid)
-            tl.store(v_scale_ptr + slot * num_kv_heads + heads, v_scale, mask=head_valid)
+            tl.store(k_scale_ptr + slot * num_kv_heads + heads, k_scale.to(tl.float16), mask=head_valid)
+            tl.store(v_scale_ptr + slot * num_kv_heads + heads, v_scale.to(tl.float16), mask=head_valid)
         tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
         tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -80,7 +85,7 @@ def store_kv(
 ) -> None:
     """Write k[t], v[t] ([T, Hkv, D]) to slot slot_mapping[t] of the caches ([P, page_size, Hkv, D]),
     rounded to their dtype; int8 caches quantized, the scales into k_scales, v_scales ([P,
-    page_size, Hkv] fp32).
+    page_size, Hkv] fp16).
 
     The caller guarantees slot_mapping[t] < P * page_size (the kernel does not check bounds).
     """

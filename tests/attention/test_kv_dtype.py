@@ -11,7 +11,7 @@ import torch
 
 from radixkv.attention.cpu_backend import CPUBackend
 from radixkv.attention.torch_backend import TorchBackend, store_by_index_copy
-from radixkv.cache.kv_dtype import dequantize, quantize_int8
+from radixkv.cache.kv_dtype import FP16_MAX, FP16_MIN_NORMAL, SCALE_DTYPE, dequantize, quantize_int8
 from radixkv.cache.pages import PagePool
 from radixkv.cpu.native import load
 from tests.helpers.paged import Paged, assert_close, reference, gen, make_meta, prepared  # noqa: F401 (gen: a fixture)
@@ -108,11 +108,33 @@ def test_int8_quantization_is_symmetric_per_token_and_head(gen):
     x = torch.randn(5, 3, 16, generator=gen) * 4
     x[2, 1] = 0.0
     data, scales = quantize_int8(x)
-    assert data.dtype == torch.int8 and scales.shape == (5, 3)
-    assert torch.equal(scales, x.abs().amax(-1) / 127)
+    assert data.dtype == torch.int8 and scales.shape == (5, 3) and scales.dtype == SCALE_DTYPE == torch.float16
+    # The scale is absmax / 127 rounded to fp16, and the row is quantized with the rounded one.
+    assert torch.equal(scales, (x.abs().amax(-1) / 127).to(torch.float16))
+    assert torch.equal(data, (x / scales.float()[..., None]).nan_to_num().round().clamp(-127, 127).to(torch.int8))
     assert int(data.abs().max()) == 127 and scales[2, 1] == 0 and not data[2, 1].any()
-    # Each element within half a step of its row.
-    assert ((dequantize(data, scales, torch.float32) - x).abs() <= scales[..., None] / 2 + 1e-6).all()
+    # Each element within half a step (the rounded scale's) of its row.
+    assert ((dequantize(data, scales, torch.float32) - x).abs() <= scales.float()[..., None] / 2 + 1e-6).all()
+
+
+def test_int8_scales_stay_in_fp16s_normal_range(gen):
+    """A row whose absmax / 127 passes fp16's largest value clamps its scale there (never inf)
+    and saturates at +-127; one whose scale would be subnormal clamps it to fp16's smallest
+    normal, so its steps stay 2^-14 (at most 2^-15 off each element)."""
+    x = torch.randn(4, 2, 64, generator=gen)
+    x[0, 0] *= 1e9  # absmax / 127 far past 65504
+    x[0, 1] = torch.full((64,), 3e38)  # near fp32's largest
+    x[1, 0] *= 1e-4  # absmax / 127 subnormal in fp16
+    x[1, 1] *= 1e-12  # absmax / 127 below fp16's smallest subnormal: would flush to 0
+    data, scales = quantize_int8(x)
+    assert torch.isfinite(scales).all() and (scales.float() > 0).all()
+    assert scales[0, 0] == scales[0, 1] == FP16_MAX and scales[1, 0] == scales[1, 1] == FP16_MIN_NORMAL
+    assert (data[0].abs() <= 127).all() and (data[0, 1] == 127).all()  # saturated, not wrapped
+    assert (data[1, 0] != 0).any()  # the tiny row still carries its signs and shape
+    error = (dequantize(data[1], scales[1], torch.float32) - x[1]).abs()
+    assert (error <= FP16_MIN_NORMAL / 2).all()
+    # The ordinary rows beside them are untouched by the clamps.
+    assert torch.equal(scales[2:], (x[2:].abs().amax(-1) / 127).to(torch.float16))
 
 
 @needs_native
@@ -156,6 +178,8 @@ def test_native_store_writes_the_references_bytes(gen, dtype):
     page_size, heads, group, head_dim = 4, 3, 1, 64
     all_tokens, _, k, v, _, num_pages = _case(gen, [0, 0], [9, 14], page_size, heads, group, head_dim)
     k[3, 1] = 0.0  # a zero row: scale 0
+    k[4, 0] *= 1e7  # a huge row: the scale clamps at fp16's largest
+    k[5, 2] *= 1e-6  # a tiny row: the scale clamps at fp16's smallest normal
     want = _filled(dtype, all_tokens, k, v, num_pages, page_size)
     got = _pool(dtype, num_pages, page_size, heads, head_dim)
     k_cache, v_cache, k_scales, v_scales = _layer(got)

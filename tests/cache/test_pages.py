@@ -188,17 +188,17 @@ def test_pages_for_memory_takes_the_fraction_and_stays_within_one_and_the_cap() 
 
 
 def test_page_bytes_count_the_storage_dtype_and_int8_scales() -> None:
-    """Pages are sized in their storage bytes: int8 pages are head_dim int8 plus one fp32 scale
-    per (token, kv head), so a budget holds 2 * 64 / 68 times the bf16 pages at head_dim 64."""
+    """Pages are sized in their storage bytes: int8 pages are head_dim int8 plus one fp16 scale
+    per (token, kv head), so a budget holds 2 * 64 / 66 times the bf16 pages at head_dim 64."""
     bf16 = PagePool.bytes_per_page(16, 2, 4, 64, torch.bfloat16)
     int8 = PagePool.bytes_per_page(16, 2, 4, 64, torch.int8)
-    assert int8 == 2 * 2 * 16 * 4 * (64 + 4)
+    assert int8 == 2 * 2 * 16 * 4 * (64 + 2)
     budget = 1000 * bf16
     ratio = PagePool.pages_for_memory(budget, 1.0, 1 << 20, 16, 2, 4, 64, torch.int8) / 1000
-    assert ratio == pytest.approx(2 * 64 / 68, abs=1e-3)
+    assert ratio == pytest.approx(2 * 64 / 66, abs=1e-3)
     pool = PagePool(3, 16, num_layers=2, num_kv_heads=4, head_dim=64, dtype=torch.int8)
     assert pool.page_nbytes == int8 and pool.dtype == torch.int8
-    assert pool.k_scales[0].shape == (3, 16, 4) and pool.k_scales[0].dtype == torch.float32
+    assert pool.k_scales[0].shape == (3, 16, 4) and pool.k_scales[0].dtype == torch.float16
     pool.allocate(1)
     assert not pool.k_scales[1][0].any()  # zeroed with its page
 

@@ -61,8 +61,8 @@ def test_int8_pages_hold_about_twice_the_tokens_of_bf16_pages_per_byte(tiny_llam
         sizes[kv_dtype] = llm.engine.pool.page_nbytes
     head_dim = make_llm(tiny_llama).engine.model_config.head_dim
     assert sizes["fp32"] == 2 * sizes["bf16"]
-    # int8 elements and one fp32 scale per head_dim of them.
-    assert sizes["bf16"] / sizes["int8"] == pytest.approx(2 * head_dim / (head_dim + 4))
+    # int8 elements and one fp16 scale per head_dim of them.
+    assert sizes["bf16"] / sizes["int8"] == pytest.approx(2 * head_dim / (head_dim + 2))
 
 
 def test_fp8_needs_a_cuda_gpu_with_e4m3(tiny_llama):

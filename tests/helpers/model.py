@@ -10,6 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from radixkv.attention.base import AttentionMetadata
+from radixkv.cache.kv_dtype import SCALE_DTYPE
 from radixkv.model.loader import LoadedModel, hf_reference_model
 from tests.helpers.tiny_models import tiny_config, tiny_tokenizer
 
@@ -86,8 +87,8 @@ class Stepper:
         self.k_caches = [torch.zeros(shape, dtype=kv_dtype) for _ in range(config.num_layers)]
         self.v_caches = [torch.zeros(shape, dtype=kv_dtype) for _ in range(config.num_layers)]
         scales = kv_dtype == torch.int8
-        self.k_scales = [torch.zeros(shape[:3]) for _ in range(config.num_layers)] if scales else None
-        self.v_scales = [torch.zeros(shape[:3]) for _ in range(config.num_layers)] if scales else None
+        self.k_scales = [torch.zeros(shape[:3], dtype=SCALE_DTYPE) for _ in range(config.num_layers)] if scales else None
+        self.v_scales = [torch.zeros(shape[:3], dtype=SCALE_DTYPE) for _ in range(config.num_layers)] if scales else None
         self.num_computed = [0] * len(sequences)
 
     @torch.inference_mode()

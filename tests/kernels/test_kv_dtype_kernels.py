@@ -11,7 +11,7 @@ import torch
 
 from radixkv.attention.torch_backend import TorchBackend, store_by_index_copy
 from radixkv.attention.triton_backend import TritonBackend
-from radixkv.cache.kv_dtype import quantize_int8
+from radixkv.cache.kv_dtype import SCALE_DTYPE, quantize_int8
 from radixkv.kernels import CascadeGroups, extend_attention, paged_decode, store_kv
 from radixkv.kernels.extend_attention import on_interpreter
 from tests.kernels.test_attention_kernels import DEVICE, assert_matches, gen, make_case, poisoned_like, prepared  # noqa: F401 (gen)
@@ -47,6 +47,8 @@ def test_store_kv_writes_the_references_bytes(gen, dtype) -> None:
     shape = (num_pages, page_size, num_kv_heads, head_dim)
     kv = (torch.randn(num_tokens, 2 * num_kv_heads, head_dim, generator=gen) * 3).to(DEVICE)
     kv[3, 1] = 0.0  # an all-zero row: scale 0
+    kv[4, 0] = kv[4, 0] * 1e7  # a huge row: the scale clamps at fp16's largest, the row saturates
+    kv[5, 1] = kv[5, 1] * 1e-6  # a tiny row: the scale clamps at fp16's smallest normal
     k, v = kv[:, :num_kv_heads], kv[:, num_kv_heads:]
     slots = torch.randperm(num_pages * page_size, generator=gen)[:num_tokens]
     slots[torch.rand(num_tokens, generator=gen) < 0.25] = -1
@@ -54,7 +56,7 @@ def test_store_kv_writes_the_references_bytes(gen, dtype) -> None:
     caches = []
     for _ in range(2):
         k_cache, v_cache = torch.zeros(shape, dtype=dtype, device=DEVICE), torch.zeros(shape, dtype=dtype, device=DEVICE)
-        scales = [torch.zeros(shape[:3], device=DEVICE) for _ in range(2)] if dtype == torch.int8 else [None, None]
+        scales = [torch.zeros(shape[:3], dtype=SCALE_DTYPE, device=DEVICE) for _ in range(2)] if dtype == torch.int8 else [None, None]
         caches.append((k_cache, v_cache, *scales))
     store_by_index_copy(k, v, *caches[0][:2], slots, *caches[0][2:])
     store_kv(k, v, *caches[1][:2], slots, *caches[1][2:])

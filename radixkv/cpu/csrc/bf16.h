@@ -1,4 +1,4 @@
-/* bf16 <-> float conversions and a vector exp, shared by radixkv's CPU kernels. */
+/* bf16 <-> float and fp16 <-> float conversions and a vector exp, shared by radixkv's CPU kernels. */
 #ifndef RADIXKV_BF16_H
 #define RADIXKV_BF16_H
 
@@ -20,6 +20,52 @@ static inline uint16_t float_to_bf16(float f) {
     if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* NaN */
     bits += 0x7fffu + ((bits >> 16) & 1u);
     return (uint16_t)(bits >> 16);
+}
+
+/* fp16 (IEEE binary16, int8 pages' scales: radixkv.cache.kv_dtype.SCALE_DTYPE) to float, exact. */
+#ifdef __F16C__
+#include <immintrin.h>
+#endif
+static inline float fp16_to_float(uint16_t h) {
+#ifdef __F16C__
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu;
+    uint32_t bits;
+    if (exponent == 0x1fu) {
+        bits = sign | 0x7f800000u | (mantissa << 13);
+    } else if (exponent) {
+        bits = sign | ((exponent + 112u) << 23) | (mantissa << 13);
+    } else {
+        const float magnitude = (float)mantissa * 0x1p-24f; /* zero or subnormal */
+        memcpy(&bits, &magnitude, sizeof bits);
+        bits |= sign;
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+#endif
+}
+
+/* Float to fp16, round to nearest even, as torch's .to(torch.float16) converts. */
+static inline uint16_t float_to_fp16(float f) {
+#ifdef __F16C__
+    return (uint16_t)_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
+#else
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    const uint16_t sign = (uint16_t)((bits >> 16) & 0x8000u);
+    uint32_t magnitude = bits & 0x7fffffffu;
+    if (magnitude > 0x7f800000u) return sign | 0x7e00u;     /* NaN */
+    if (magnitude >= 0x477ff000u) return sign | 0x7c00u;    /* 65520 and above round to inf */
+    if (magnitude < 0x38800000u) {                          /* below 2^-14: subnormal or zero */
+        float below;
+        memcpy(&below, &magnitude, sizeof below);
+        return sign | (uint16_t)nearbyintf(below * 0x1p24f); /* exact product, ties to even */
+    }
+    magnitude += 0xfffu + ((magnitude >> 13) & 1u);
+    return sign | (uint16_t)((magnitude - 0x38000000u) >> 13);
+#endif
 }
 
 #if defined(__AVX2__) && defined(__FMA__)

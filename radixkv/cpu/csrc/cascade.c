@@ -148,8 +148,8 @@ static inline __attribute__((always_inline)) void shared_f32_impl(const SharedIt
 
 #ifdef HAVE_AVX2
 /* Kv head h's rows of a chunk (blocks) as contiguous fp32 [n][D] in out: bf16 pages (kind 2)
- * shifted into the top half, int8 pages (3) times their (token, kv head) scale. */
-static void widen_chunk_rows(const Block *blocks, int num_blocks, const void *pages, const float *scales, int h,
+ * shifted into the top half, int8 pages (3) times their (token, kv head) fp16 scale. */
+static void widen_chunk_rows(const Block *blocks, int num_blocks, const void *pages, const uint16_t *scales, int h,
                              const Shape *sh, float *out) {
     const int D = sh->head_dim, H = sh->num_kv_heads;
     const int64_t token_stride = (int64_t)H * D;
@@ -162,7 +162,7 @@ static void widen_chunk_rows(const Block *blocks, int num_blocks, const void *pa
                 for (int d = 0; d < D; d++) dst[d] = bf16_to_float(src[d]);
             } else {
                 const int8_t *src = (const int8_t *)pages + first;
-                const float scale = scales[first / D];
+                const float scale = fp16_to_float(scales[first / D]);
                 for (int d = 0; d < D; d++) dst[d] = (float)src[d] * scale;
             }
         }

@@ -19,9 +19,9 @@ typedef struct {
     float scale;
     int use_amx; /* q.k of full 16-key blocks on AMX tiles (bf16, where the OS allows it) */
     /* Pages under fp32 compute in another dtype (paged_decode_avx2.c's KIND_*; 0: as q), and
-     * int8 pages' scales, [num_pages][page_size][num_kv_heads] like the pages' rows. */
+     * int8 pages' fp16 scales, [num_pages][page_size][num_kv_heads] like the pages' rows. */
     int kv_kind;
-    const float *k_scales, *v_scales;
+    const uint16_t *k_scales, *v_scales;
 } Shape;
 
 /* The keys [t, t + n) that share a page (at most BLOCK_TOKENS of them) and where they start. */

@@ -16,13 +16,13 @@
 
 /* One layer's weights and KV pages, in the model's dtype or (fp32 layers) the shape's kv_kind.
  * Linear weights are packed (packed_linear.c, linear_f32.c, or quant_linear.c's records);
- * biases fp32 or NULL; scales: int8 pages' (NULL otherwise). */
+ * biases fp32 or NULL; scales: int8 pages' fp16 scales (NULL otherwise). */
 typedef struct {
     const void *input_norm, *post_norm;
     const void *qkv, *o, *gate_up, *down;
     const float *qkv_bias, *o_bias;
     void *k_cache, *v_cache;
-    float *k_scales, *v_scales;
+    uint16_t *k_scales, *v_scales;
     int formats[4]; /* quantized layers: qkv, o, gate_up and down's formats (quant_linear.c's FORMAT_*) */
 } DecodeLayer;
 

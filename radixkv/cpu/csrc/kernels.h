@@ -40,9 +40,9 @@ int radixkv_paged_decode_f32_kv(const float *q, int64_t q_row_stride, const void
                                 const int32_t *page_table, int64_t page_table_stride, const int32_t *seq_lens,
                                 const int32_t *rows, int num_seqs, int num_q_heads, int num_kv_heads, int head_dim,
                                 int page_size, float scale, float *out, float *work, const int32_t *plan,
-                                int num_threads, int window, const float *k_scales, const float *v_scales,
+                                int num_threads, int window, const uint16_t *k_scales, const uint16_t *v_scales,
                                 int kv_kind);
-void radixkv_store_kv_narrow(void *k_cache, void *v_cache, float *k_scales, float *v_scales, const float *k,
+void radixkv_store_kv_narrow(void *k_cache, void *v_cache, uint16_t *k_scales, uint16_t *v_scales, const float *k,
                              const float *v, int64_t k_row_stride, int64_t v_row_stride, const int64_t *slots, int rows,
                              int num_kv_heads, int head_dim, int kind);
 int radixkv_packed_linear_f32(const float *x, int64_t x_stride, int m, int k, const float *packed, int n,

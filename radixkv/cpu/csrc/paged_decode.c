@@ -629,7 +629,7 @@ static inline int item_thread(const Items *items, int64_t i, int num_threads) {
     return t < num_threads ? t : num_threads - 1;
 }
 
-#define KV_PARAMS_WIDE , const float *k_scales, const float *v_scales, int kv_kind
+#define KV_PARAMS_WIDE , const uint16_t *k_scales, const uint16_t *v_scales, int kv_kind
 #define KV_INIT_WIDE                                                                                              \
     if (!radixkv_decode_kv_fits(kv_kind, head_dim) || (kv_kind == 3 && !(k_scales && v_scales)))                 \
         return 1;                                                                                                 \
@@ -733,10 +733,10 @@ int radixkv_decode_kv_fits(int kv_kind, int head_dim) {
 }
 
 /* Element i of kv head row `row` (element offset) of bf16 (kind 2) or int8 (3, 4) pages, in
- * fp32: an int8 row is scaled by its (token, kv head) scale, row / head_dim. */
-static inline float wide_load(const void *pages, const float *scales, int64_t row, int i, int kind, int D) {
+ * fp32: an int8 row is scaled by its (token, kv head) fp16 scale, row / head_dim. */
+static inline float wide_load(const void *pages, const uint16_t *scales, int64_t row, int i, int kind, int D) {
     if (kind == 2) return bf16_to_float(((const uint16_t *)pages)[row + i]);
-    return (float)((const int8_t *)pages)[row + i] * scales[row / D];
+    return (float)((const int8_t *)pages)[row + i] * fp16_to_float(scales[row / D]);
 }
 
 /* The portable item over pages in another dtype: DEFINE_ITEM's loops, each K and V row widened
@@ -845,11 +845,16 @@ static inline int8_t quantize_one(float x, float scale) {
     return (int8_t)q;
 }
 
+/* int8 pages' scales stay in fp16's normal range (radixkv.cache.kv_dtype.FP16_MIN_NORMAL, FP16_MAX). */
+#define FP16_MIN_NORMAL 0x1p-14f
+#define FP16_MAX 65504.0f
+
 /* Write fp32 rows of K and V into narrower pages (kind 2: bf16, rounded to nearest even; 3:
- * int8, each (token, kv head) row quantized symmetrically with scale absmax / 127 into the
- * scales, as radixkv.cache.kv_dtype.quantize_int8 computes it, to the same bytes). Row
- * strides in floats; a negative slot means "do not store". */
-void radixkv_store_kv_narrow(void *k_cache, void *v_cache, float *k_scales, float *v_scales, const float *k,
+ * int8, each (token, kv head) row quantized symmetrically with scale absmax / 127, clamped
+ * into fp16's normal range and rounded to fp16 into the scales, then the row quantized with
+ * the rounded scale, as radixkv.cache.kv_dtype.quantize_int8 computes it, to the same bytes).
+ * Row strides in floats; a negative slot means "do not store". */
+void radixkv_store_kv_narrow(void *k_cache, void *v_cache, uint16_t *k_scales, uint16_t *v_scales, const float *k,
                              const float *v, int64_t k_row_stride, int64_t v_row_stride, const int64_t *slots, int rows,
                              int num_kv_heads, int head_dim, int kind) {
     const int64_t row = (int64_t)num_kv_heads * head_dim;
@@ -864,13 +869,15 @@ void radixkv_store_kv_narrow(void *k_cache, void *v_cache, float *k_scales, floa
                 continue;
             }
             int8_t *dst = (int8_t *)cache + slots[r] * row;
-            float *scales = (which ? v_scales : k_scales) + slots[r] * num_kv_heads;
+            uint16_t *scales = (which ? v_scales : k_scales) + slots[r] * num_kv_heads;
             for (int h = 0; h < num_kv_heads; h++) {
                 const float *x = src + (int64_t)h * head_dim;
                 float absmax = 0.0f;
                 for (int d = 0; d < head_dim; d++) absmax = fabsf(x[d]) > absmax ? fabsf(x[d]) : absmax;
-                const float scale = absmax / 127.0f;
-                scales[h] = scale;
+                float wide = absmax / 127.0f;
+                if (wide > 0.0f) wide = wide < FP16_MIN_NORMAL ? FP16_MIN_NORMAL : wide > FP16_MAX ? FP16_MAX : wide;
+                scales[h] = float_to_fp16(wide);
+                const float scale = fp16_to_float(scales[h]);
                 for (int d = 0; d < head_dim; d++) dst[(int64_t)h * head_dim + d] = quantize_one(x[d], scale);
             }
         }

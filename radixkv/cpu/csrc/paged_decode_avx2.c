@@ -64,10 +64,10 @@ static inline __m256 sum_lanes_8(const __m256 v[LANES]) {
 
 /* Scores of one block's n <= 16 keys for the kv head's G query heads: s[g * SCORE_STRIDE + j] =
  * scale * q_g . k_j, 0 past n. A prefetch step every PREFETCH_KEYS keys, full block or not, as
- * the prefetcher's step count assumes. ks: KIND_INT8's scale of key 0, key j's H apart. */
+ * the prefetcher's step count assumes. ks: KIND_INT8's fp16 scale of key 0, key j's H apart. */
 static inline __attribute__((always_inline)) void block_scores(__m256 (*qv)[MAX_VECTORS], const char *k0,
                                                                int64_t row_bytes, int n, const int D, const int G,
-                                                               const int kind, float scale, const float *ks, int H,
+                                                               const int kind, float scale, const uint16_t *ks, int H,
                                                                float *s, Prefetcher *prefetcher) {
     for (int j0 = 0; j0 < BLOCK_TOKENS; j0 += LANES) {
         __m256 dots[MAX_GROUP][LANES];
@@ -89,7 +89,7 @@ static inline __attribute__((always_inline)) void block_scores(__m256 (*qv)[MAX_
             __m256 factor = _mm256_set1_ps(scale);
             if (is_int8(kind)) {
                 float key_scales[LANES];
-                for (int j = 0; j < LANES; j++) key_scales[j] = j0 + j < n ? ks[(int64_t)(j0 + j) * H] * scale : 0.0f;
+                for (int j = 0; j < LANES; j++) key_scales[j] = j0 + j < n ? fp16_to_float(ks[(int64_t)(j0 + j) * H]) * scale : 0.0f;
                 factor = _mm256_loadu_ps(key_scales);
             }
             for (int g = 0; g < G; g++) _mm256_storeu_ps(s + g * SCORE_STRIDE + j0, _mm256_mul_ps(sum_lanes_8(dots[g]), factor));
@@ -99,13 +99,13 @@ static inline __attribute__((always_inline)) void block_scores(__m256 (*qv)[MAX_
 
 /* Adds `keys` consecutive keys' weighted values into the G accumulators, 8 dims (KIND_BF16: 16,
  * one load, two vectors) at a time; each accumulator takes its keys in key order. vs:
- * KIND_INT8's scale of the first key, key i's H apart (it scales the key's weight). */
+ * KIND_INT8's fp16 scale of the first key, key i's H apart (it scales the key's weight). */
 static inline __attribute__((always_inline)) void keys_values(__m256 (*acc)[MAX_VECTORS], const char *v_row,
                                                               int64_t row_bytes, int keys, const int D, const int G,
-                                                              const int kind, const float *w, const float *vs, int H) {
+                                                              const int kind, const float *w, const uint16_t *vs, int H) {
     const int pairs = kind == KIND_BF16;
     float value_scales[PREFETCH_KEYS];
-    for (int i = 0; i < keys; i++) value_scales[i] = is_int8(kind) ? vs[(int64_t)i * H] : 1.0f;
+    for (int i = 0; i < keys; i++) value_scales[i] = is_int8(kind) ? fp16_to_float(vs[(int64_t)i * H]) : 1.0f;
     for (int c = 0; c < D / 8; c += 1 + pairs) {
         __m256 low[PREFETCH_KEYS], high[PREFETCH_KEYS];
         for (int i = 0; i < keys; i++) load_dims(v_row + i * row_bytes + 8 * kind_bytes(kind) * c, kind, &low[i], &high[i]);
@@ -127,11 +127,11 @@ static inline __attribute__((always_inline)) void keys_values(__m256 (*acc)[MAX_
  * before each; w: the block's weights, query head g's at w[g * SCORE_STRIDE]. */
 static inline __attribute__((always_inline)) void block_values(__m256 (*acc)[MAX_VECTORS], const char *v0,
                                                                int64_t row_bytes, int n, const int D, const int G,
-                                                               const int kind, const float *w, const float *vs, int H,
+                                                               const int kind, const float *w, const uint16_t *vs, int H,
                                                                Prefetcher *prefetcher) {
     for (int j = 0; j < BLOCK_TOKENS; j += PREFETCH_KEYS) {
         prefetch_step(prefetcher);
-        const float *at = vs ? vs + (int64_t)j * H : NULL;
+        const uint16_t *at = vs ? vs + (int64_t)j * H : NULL;
         if (n - j >= PREFETCH_KEYS) keys_values(acc, v0 + j * row_bytes, row_bytes, PREFETCH_KEYS, D, G, kind, w + j, at, H);
         else if (n > j) keys_values(acc, v0 + j * row_bytes, row_bytes, n - j, D, G, kind, w + j, at, H);
     }
@@ -183,7 +183,7 @@ static inline __attribute__((always_inline)) void item_avx2_impl(const void *q_r
             for (int h = 0; h < heads_per_pass; h++) {
                 /* The block's first key's scale for kv head h0 + h: block.first / D is its slot's
                  * first (token, kv head) pair. */
-                const float *ks = is_int8(kind) ? sh->k_scales + blocks[bi].first / D + h0 + h : NULL;
+                const uint16_t *ks = is_int8(kind) ? sh->k_scales + blocks[bi].first / D + h0 + h : NULL;
                 block_scores(qv + h * G, (const char *)k + (blocks[bi].first + (int64_t)(h0 + h) * D) * bytes, row_bytes,
                              blocks[bi].n, D, G, kind, sh->scale, ks, H, s + h * G * SCORE_STRIDE + offset, &prefetcher);
             }
@@ -193,7 +193,7 @@ static inline __attribute__((always_inline)) void item_avx2_impl(const void *q_r
         }
         for (int bi = 0, offset = 0; bi < num_blocks; offset += blocks[bi++].n)
             for (int h = 0; h < heads_per_pass; h++) {
-                const float *vs = is_int8(kind) ? sh->v_scales + blocks[bi].first / D + h0 + h : NULL;
+                const uint16_t *vs = is_int8(kind) ? sh->v_scales + blocks[bi].first / D + h0 + h : NULL;
                 block_values(acc + h * G, (const char *)v + (blocks[bi].first + (int64_t)(h0 + h) * D) * bytes, row_bytes,
                              blocks[bi].n, D, G, kind, s + h * G * SCORE_STRIDE + offset, vs, H, &prefetcher);
             }
