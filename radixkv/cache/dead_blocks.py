@@ -53,9 +53,9 @@ if TYPE_CHECKING:
     from radixkv.cache.radix import Node
 
 # q below this: dead; below COLD_BELOW: cold; from HOT_FROM: hot; else unknown.
-DEAD_BELOW = 0.15
-COLD_BELOW = 0.35
-HOT_FROM = 0.75
+DEAD_BELOW = 0.1
+COLD_BELOW = 0.25
+HOT_FROM = 0.6
 # A class's p is smoothed toward its parent's with this many pseudo-observations.
 PRIOR_STRENGTH = 8.0
 # Gaps remembered per class (the most recent), and the fewest before a class uses its own
