@@ -33,6 +33,7 @@ from radixkv.engine.request import Batch, CacheLookup, Keep, RequestDelta, Sampl
 from radixkv.engine.runner import ModelRunner, StepResult
 from radixkv.engine.sampler import Sampler
 from radixkv.engine.scheduler import Scheduler
+from radixkv.engine.predicted_liveness import PredictedLiveness
 from radixkv.engine.sessions import SessionBook, SessionLimits, SessionRef
 from radixkv.engine.stats import EngineCounters, EngineStats, StepTimes
 from radixkv.errors import ConfigError, InvalidRequest, QueueFull
@@ -133,6 +134,10 @@ class Engine:
             ),
             chunk_tokens=config.max_batch_tokens, clock=self.tree.now_s, signals=self.kv,
         )  # fmt: skip
+        # Under the `predict` eviction policy, finished requests teach the dead-block predictor.
+        self.predicted: PredictedLiveness | None = None
+        if config.eviction_policy == "predict":
+            self.predicted = PredictedLiveness(self.kv, self.tree, self.hasher, self.tree.now_s)
         # KV events (off by default): the cache's bus tells the recorder of every block the tree
         # stores or evicts; each step's events go out as one batch. Opened last, so a failed start
         # leaves no socket bound.
@@ -192,6 +197,8 @@ class Engine:
             self.scheduler.add(seq)
         if session is not None:
             self.sessions.begin(request_id, session, session_idle_s, salt, seqs)
+        if self.predicted is not None:
+            self.predicted.begin(request_id, salt, session)
         return request_id
 
     def queue_room(self) -> int:
@@ -211,6 +218,8 @@ class Engine:
     def abort(self, request_id: str) -> RequestDelta | None:
         """End a request wherever it is; its pages go back. None if it is unknown or done."""
         self.sessions.dropped(request_id)
+        if self.predicted is not None:
+            self.predicted.dropped(request_id)
         return self.requests.abort(request_id)
 
     def abort_all(self) -> int:
@@ -267,6 +276,8 @@ class Engine:
         failed = self.requests.take_failed()
         for request_id, _ in failed:
             self.sessions.dropped(request_id)
+            if self.predicted is not None:
+                self.predicted.dropped(request_id)
         return failed
 
     def has_unfinished(self) -> bool:
@@ -308,10 +319,13 @@ class Engine:
         self._observe(batch, result)
         postprocess_start_s = time.perf_counter()
         deltas = self.requests.postprocess(batch, result)
-        if self.sessions:
+        if self.sessions or self.predicted is not None:
             for delta in deltas:
                 if delta.output is not None:
-                    self.sessions.finished(delta.output)
+                    if self.sessions:
+                        self.sessions.finished(delta.output)
+                    if self.predicted is not None:
+                        self.predicted.finished(delta.output)
         self.step_times.add("postprocess", time.perf_counter() - postprocess_start_s)
         return deltas
 
