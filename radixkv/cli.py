@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         "--max-spliced-replies", type=int, default=None, help="earlier replies one prompt gets back as their generated ids (default 64; 0: none)"
     )
     serving.add_argument(
-        "--eviction-policy", default=None, help="slru (default: session marks honoured), lru, or session (EngineConfig.eviction_policy)"
+        "--eviction-policy", default=None, help="slru (default: session marks honoured), lru, session, or predict (online dead-block predictor) (EngineConfig.eviction_policy)"
     )
     serving.add_argument("--pin-ttl-s", type=float, default=None, help="seconds a pin lasts unless unpinned; 0: forever (default 3600)")
     serving.add_argument(

@@ -15,7 +15,7 @@ from radixkv.errors import ConfigError
 POLICIES = ("lpm", "fcfs")
 # radixkv.cache.eviction.EVICTION_POLICIES; spelled out so the config stays free of torch
 # (importing radixkv.cache loads it), and a test checks the two agree.
-EVICTION_POLICIES = ("slru", "lru", "session")
+EVICTION_POLICIES = ("slru", "lru", "session", "predict")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # radixkv.cache.kv_dtype's storage dtypes of KV pages; "auto": the compute dtype (dtype).
 KV_DTYPES = ("auto", "bf16", "fp16", "fp32", "int8", "fp8")

@@ -50,6 +50,32 @@ class TraceShape:
     one_shot_share: float = 0.5  # of all requests: single requests outside any session
     one_shot_blocks: tuple[int, int] = (4, 32)
     one_shot_system_share: float = 0.5  # one-shots that start with a shared system prompt
+    # A real trace's last block is partial (input_length is no multiple of 512): the next turn
+    # re-sends it with more tokens, so its hash changes and the old last block is superseded.
+    # False (the calibrated shape): every block is whole and a turn re-sends the previous one's
+    # blocks exactly.
+    partial_last_block: bool = False
+
+
+# Named variants of the shape (--shape): the calibrated one; the same with partial last
+# blocks, as a recorded trace has; and an AIPerf-style multi-turn benchmark (AIPerf's
+# --conversation-num/--conversation-turn-mean/--conversation-turn-delay-mean with a shared
+# system prompt pool: every request is a turn, no one-shots, shorter think times, fewer and
+# longer conversations).
+SHAPES = {
+    "chat": TraceShape(),
+    "chat-partial": TraceShape(partial_last_block=True),
+    "aiperf": TraceShape(
+        num_sessions=1500, num_system_prompts=2, system_prompt_blocks=(4, 8), first_user_blocks=(1, 4),
+        one_turn_share=0.0, two_turn_share=0.0, long_mean_turns=6.0, max_turns=20, session_gap_ms=500.0,
+        think_ms=20_000.0, one_shot_share=0.0, partial_last_block=True,
+    ),
+    "agent": TraceShape(
+        num_sessions=800, num_system_prompts=3, system_prompt_blocks=(8, 16), first_user_blocks=(1, 4),
+        user_blocks=(1, 6), reply_blocks=(1, 2), one_turn_share=0.1, two_turn_share=0.1, long_mean_turns=14.0,
+        max_turns=60, session_gap_ms=1500.0, think_ms=8_000.0, one_shot_share=0.2, partial_last_block=True,
+    ),
+}
 
 
 @dataclass(slots=True)
@@ -100,7 +126,10 @@ def generate(seed: int = DEFAULT_SEED, shape: TraceShape = TraceShape()) -> list
         for turn in range(num_turns):
             if turn:
                 reply, user = rng.randint(*shape.reply_blocks), rng.randint(*shape.user_blocks)
-                hash_ids = hash_ids + ids.take(reply + user)
+                if shape.partial_last_block:
+                    hash_ids = hash_ids[:-1] + ids.take(1 + reply + user)
+                else:
+                    hash_ids = hash_ids + ids.take(reply + user)
                 at_ms += rng.expovariate(1.0 / shape.think_ms)
             output_tokens = rng.randint(1, BLOCK_TOKENS * shape.reply_blocks[1])
             events.append((at_ms, order, hash_ids, output_tokens, session_id, turn == num_turns - 1))
@@ -150,8 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED, help=f"generation seed (default {DEFAULT_SEED}, held out; the shape was tuned on {CALIBRATION_SEED})")
     parser.add_argument("--out", default="out/multi_turn_trace.jsonl", help="the JSONL file to write")
     parser.add_argument("--session-ids", action="store_true", help="add session_id and session_end to each record (what a client naming its sessions sends)")
+    parser.add_argument("--shape", default="chat", choices=sorted(SHAPES), help="the trace's shape (default chat: the calibrated one)")
     args = parser.parse_args(argv)
-    records = generate(args.seed)
+    records = generate(args.seed, SHAPES[args.shape])
     write(records, Path(args.out), args.session_ids)
     print(f"wrote {Path(args.out)}: {len(records):,} requests over {records[-1].timestamp / 1000:,.0f} s, seed {args.seed}")
     return 0

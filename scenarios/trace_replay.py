@@ -55,6 +55,7 @@ from pathlib import Path
 from sortedcontainers import SortedList
 
 from radixkv.cache import BlockHasher, BlocksEvicted, CacheEvent, PagePool, RadixTree
+from radixkv.cache.dead_blocks import DeadBlockPredictor
 from radixkv.cache.kv_dtype import KV_STORAGE_DTYPES
 from radixkv.cache.disk_index import DiskIndex
 from radixkv.cache.eviction import EVICTION_POLICIES
@@ -68,6 +69,11 @@ TRACE_NAME = "synthetic_trace.jsonl"
 # Replayed under the tree's `session` order with inferred sessions: by the idle rule's name.
 SESSION_POLICIES = ("session", "session-n", "session-ids")
 REPLAY_POLICIES = tuple(p for p in EVICTION_POLICIES if p != "session") + SESSION_POLICIES
+# Replayed under the tree's `predict` order with the online dead-block predictor
+# (cache/dead_blocks.py); `predict-ids` also takes the client's session ids and releases where
+# the trace carries them.
+PREDICT_POLICIES = ("predict", "predict-ids")
+REPLAY_POLICIES += ("predict-ids",)
 # Chosen on multi_turn_trace's calibration seed only (never on the held-out trace): a session
 # idle this long is over. On that trace the hit ratio is flat from 450 s to 1200 s (a few mean
 # think times) and from 3000 requests up; shorter rules end live sessions.
@@ -137,10 +143,11 @@ def main(argv: list[str] | None = None) -> int:
 
     path = resolve_trace(args.trace)
     trace = load_trace(path, args.limit)
-    if trace.session_names is None and "session-ids" in policies:
-        if args.policy is not None:
-            parser.error(f"--policy session-ids: {trace.name} names no sessions (no session_id in its records)")
-        policies.remove("session-ids")
+    for named in ("session-ids", "predict-ids"):
+        if trace.session_names is None and named in policies:
+            if args.policy is not None:
+                parser.error(f"--policy {named}: {trace.name} names no sessions (no session_id in its records)")
+            policies.remove(named)
     print(
         f"{trace.name}: {len(trace.requests):,} requests, {trace.num_blocks:,} block accesses, "
         f"{trace.num_distinct_blocks:,} distinct blocks\n"
@@ -374,12 +381,14 @@ def replay(
             disk.add(key, 1)
             written[0] += 1
 
-    tree_policy = "session" if policy in SESSION_POLICIES else policy
+    tree_policy = "session" if policy in SESSION_POLICIES else "predict" if policy in PREDICT_POLICIES else policy
     tree = RadixTree(pool, hasher, eviction_policy=tree_policy)
     if disk is not None:
         tree.events.subscribe(write_back)
     kv = KVManager(pool, tree, hasher, enable_prefix_caching=True)
     sessions = session_inference(trace, policy, tree, idle_rule)
+    predictor = DeadBlockPredictor(lambda node, liveness, below: tree.set_liveness(node, liveness, below_blocks=below)) if policy in PREDICT_POLICIES else None
+    named = policy == "predict-ids"
     params = SamplingParams(max_tokens=1)
     ram_hits = disk_hits = 0
     spent_s = 0.0
@@ -387,7 +396,12 @@ def replay(
         prompt = [token for h in hash_ids for token in block_tokens(h, page_size)] + [0]
         seq = SequenceState(number, f"r{number}", 0, prompt, params, None, 0)
         start = time.perf_counter()
-        if sessions is None:
+        if predictor is not None:
+            ram, from_disk = serve_request(kv, disk, seq, lambda seq, hit: predictor.served(
+                kv.block_hashes(seq), seq.tree_node, hit, trace.arrivals_s[number] if trace.arrivals_s else float(number),
+                name=trace.session_names[number] if named else None, released=trace.session_ends[number] if named else False,
+            ))  # fmt: skip
+        elif sessions is None:
             ram, from_disk = serve_request(kv, disk, seq)
         else:
             ram, from_disk = serve_request(kv, disk, seq, lambda seq, hit: sessions.served(

@@ -1,7 +1,8 @@
 """The order in which the prefix cache gives up its unlocked leaves, under a policy: `lru`
 (least recently used first), `slru` (leaves that never served a hit first, then those that
-did, each by LRU) or `session` (by the liveness a session book marks: dead, cold, unknown, hot,
-each by LRU). `slru` honours the marks too: a marked leaf is filed as dead, cold or hot, an
+did, each by LRU), `session` (by the liveness a session book marks: dead, cold, unknown, hot,
+each by LRU) or `predict` (ordered as `session`, by the marks of the online dead-block predictor,
+cache/dead_blocks.py, which the engine runs under this policy; unmarked it is lru). `slru` honours the marks too: a marked leaf is filed as dead, cold or hot, an
 unmarked one as slru files it; `lru` ignores them. Retained leaves always last, earliest expiry
 first. Sorted sets, so adding, removing and taking the next victim each cost O(log n).
 """
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
 EvictKey = tuple[int, float, int, "Node"]
 _PROBATION, _PROTECTED, _RETAINED, _DEAD, _COLD, _HOT = 0, 1, 2, 3, 4, 5
 
-EVICTION_POLICIES = ("slru", "lru", "session")
+EVICTION_POLICIES = ("slru", "lru", "session", "predict")
 
 
 class Liveness(IntEnum):
@@ -67,7 +68,7 @@ class EvictionOrder:
             return (_RETAINED, node.retention_expires_at_s, node.node_id, node)
         if self.policy != "lru" and node.liveness is not Liveness.UNKNOWN:
             return (_LIVENESS_SET[node.liveness], float(node.last_access), node.node_id, node)
-        if self.policy == "session":
+        if self.policy in ("session", "predict"):
             return (_PROBATION, float(node.last_access), node.node_id, node)
         tag = _PROTECTED if self.policy == "slru" and node.num_hits > 0 else _PROBATION
         return (tag, float(node.last_access), node.node_id, node)

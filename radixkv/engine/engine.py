@@ -27,6 +27,7 @@ from radixkv.engine.runner import ModelRunner
 from radixkv.engine.sampler import Sampler
 from radixkv.engine.sampling_params import SamplingParams
 from radixkv.engine.scheduler import Scheduler
+from radixkv.engine.predicted_liveness import PredictedLiveness
 from radixkv.engine.sessions import SessionBook, SessionLimits, SessionRef
 from radixkv.engine.stats import EngineCounters, EngineStats, StepTimes
 from radixkv.errors import InvalidRequest, QueueFull
@@ -89,6 +90,10 @@ class Engine:
         self.requests = RequestBook(
             self.scheduler, self.kv, self.tokenizer, self.eos_token_ids, self.max_model_len, self.counters, self.keeper
         )
+        # Under the `predict` eviction policy, finished requests teach the dead-block predictor.
+        self.predicted: PredictedLiveness | None = None
+        if config.eviction_policy == "predict":
+            self.predicted = PredictedLiveness(self.kv, self.tree, self.hasher, self.tree.now_s)
         # KV events (off by default): the cache's bus tells the recorder of every block the tree
         # stores or evicts; each step's events go out as one batch. Opened last, so a failed start
         # leaves no socket bound.
@@ -149,6 +154,8 @@ class Engine:
             self.scheduler.add(seq)
         if session is not None and turn_keep is not None:
             self.sessions.begin(request_id, session, turn_keep, salt, seqs)
+        if self.predicted is not None:
+            self.predicted.begin(request_id, salt, session)
         return request_id
 
     def queue_room(self) -> int:
@@ -168,6 +175,8 @@ class Engine:
     def abort(self, request_id: str) -> RequestDelta | None:
         """End a request wherever it is; its pages go back. None if it is unknown or done."""
         self.sessions.dropped(request_id)
+        if self.predicted is not None:
+            self.predicted.dropped(request_id)
         return self.requests.abort(request_id)
 
     def abort_all(self) -> int:
@@ -224,6 +233,8 @@ class Engine:
         failed = self.requests.take_failed()
         for request_id, _ in failed:
             self.sessions.dropped(request_id)
+            if self.predicted is not None:
+                self.predicted.dropped(request_id)
         return failed
 
     def has_unfinished(self) -> bool:
@@ -267,6 +278,10 @@ class Engine:
         self.compute_cost.observe_batch(batch, result.forward_s)  # for the disk tier's read-or-compute choice
         postprocess_start_s = time.perf_counter()
         deltas = self.requests.postprocess(batch, result)
+        if self.predicted is not None:
+            for delta in deltas:
+                if delta.output is not None:
+                    self.predicted.finished(delta.output)
         self.step_times.add("postprocess", time.perf_counter() - postprocess_start_s)
         return deltas
 

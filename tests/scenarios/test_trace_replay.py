@@ -86,9 +86,9 @@ def test_main_writes_json_and_plot(tmp_path: Path, capsys) -> None:
     report = json.loads((tmp_path / "out" / "trace_replay.json").read_text())
     kinds = {(row["kind"], row["policy"]) for row in report["rows"]}
     assert {("infinite", "-"), ("belady", "belady"), ("replay", "lru"), ("replay", "slru")} <= kinds
-    # belady and each default policy (session-ids only where the trace names sessions, this one
+    # belady and each default policy (session-ids and predict-ids only where the trace names sessions, this one
     # does not) at each (RAM, disk) size, + the oracle at each RAM size
-    assert len(report["rows"]) == 1 + 2 * 2 * (1 + len(trace_replay.REPLAY_POLICIES) - 1) + 2
+    assert len(report["rows"]) == 1 + 2 * 2 * (1 + len(trace_replay.REPLAY_POLICIES) - 2) + 2
     assert (tmp_path / "out" / "trace_replay.png").stat().st_size > 0
     assert "belady" in capsys.readouterr().out
 
