@@ -71,6 +71,10 @@ def main(argv: list[str] | None = None) -> int:
     serving.add_argument("--max-pinned-pages-per-key", type=int, default=None, help="KV pages one key's pins may lock (default: a quarter of the page pool)")
     serving.add_argument("--max-stored-responses-per-key", type=int, default=None, help="Responses one key may keep for previous_response_id (default 1024)")
     serving.add_argument(
+        "--max-cache-diagnoses-per-key", type=int, default=None,
+        help="answered prompts' fingerprints one key keeps for cache diagnostics (default 1024)",
+    )
+    serving.add_argument(
         "--max-stored-response-bytes-per-key", type=int, default=None, help="bytes of stored Responses one key may keep (default 64 MiB)"
     )
     serving.add_argument(
@@ -318,6 +322,7 @@ def _server_limits(args: argparse.Namespace, *, keyless_remote: bool) -> ServerL
         "pin_ttl_s": args.pin_ttl_s,
         "max_stored_responses_per_key": args.max_stored_responses_per_key,
         "max_stored_response_bytes_per_key": args.max_stored_response_bytes_per_key,
+        "max_cache_diagnoses_per_key": args.max_cache_diagnoses_per_key,
         "max_connections": args.max_connections,
         "header_read_timeout_s": args.header_read_timeout_s,
         "body_read_timeout_s": args.body_read_timeout_s,

@@ -1,5 +1,5 @@
 """ServerLimits: the HTTP server's own protective knobs (body size, connections and read
-deadlines, slow readers, per-key fair share, parsing threads, pin ttl, stored responses,
+deadlines, slow readers, per-key fair share, parsing threads, pin ttl, stored responses, cache diagnoses,
 exact continuation, cross-site checks, operator endpoints), one validated dataclass with every default and unit.
 What one request body may carry is radixkv.server.guards.request_caps.
 """
@@ -49,6 +49,15 @@ class ServerLimits:
     # so a key within its own caps never loses a response to a key storing more.
     max_stored_responses: int = 65536
     max_stored_response_bytes: int = 1024 * MIB
+    # Cache diagnostics (Anthropic's diagnostics.previous_message_id, OpenAI's
+    # prompt_cache_options.comparison_response_id): every answered message or response keeps a
+    # fingerprint (digests and counts, never text: 16 bytes a message plus 256) per key; past
+    # a key's count or byte cap its least recently used go; over all keys past either cap, the
+    # key holding the most bytes loses its least recently used.
+    max_cache_diagnoses_per_key: int = 1024
+    max_cache_diagnosis_bytes_per_key: int = 16 * MIB
+    max_cache_diagnoses: int = 65536
+    max_cache_diagnosis_bytes: int = 256 * MIB
     # Exact continuation: a turn continues from the ids its previous reply was generated as
     # (previous_response_id: the stored turn's ids; chat and Messages: a reply sent back as an
     # assistant message gets its generated ids spliced in), so it hits all the previous turn
@@ -94,6 +103,10 @@ class ServerLimits:
         _int_in("max_stored_response_bytes_per_key", self.max_stored_response_bytes_per_key, 1024, 1 << 40)
         _int_in("max_stored_responses", self.max_stored_responses, 1, 1 << 30)
         _int_in("max_stored_response_bytes", self.max_stored_response_bytes, 1024, 1 << 40)
+        _int_in("max_cache_diagnoses_per_key", self.max_cache_diagnoses_per_key, 1, 1 << 30)
+        _int_in("max_cache_diagnosis_bytes_per_key", self.max_cache_diagnosis_bytes_per_key, 1024, 1 << 40)
+        _int_in("max_cache_diagnoses", self.max_cache_diagnoses, 1, 1 << 30)
+        _int_in("max_cache_diagnosis_bytes", self.max_cache_diagnosis_bytes, 1024, 1 << 40)
         _int_in("max_replies_per_key", self.max_replies_per_key, 1, 1 << 30)
         _int_in("max_reply_tokens_per_key", self.max_reply_tokens_per_key, 1, 1 << 34)
         _int_in("max_reply_tokens", self.max_reply_tokens, 1, 1 << 36)

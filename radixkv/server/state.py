@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from radixkv.engine.async_engine import AsyncEngine
 from radixkv.prompts.replies import ReplyMap
+from radixkv.server.cache_diagnostics import DiagnosisStore
 from radixkv.server.errors import APIError
 from radixkv.server.guards.drain import Drain
 from radixkv.server.limits import ServerLimits
@@ -34,6 +35,7 @@ class AppState:
     created: int = field(default_factory=lambda: int(time.time()))
     drain: Drain = field(default_factory=Drain)  # set draining by SIGTERM (radixkv serve)
     replies: ReplyMap | None = field(init=False)  # chat replies' ids per owner; None: continuation off
+    diagnoses: DiagnosisStore = field(init=False)  # answered prompts' fingerprints per owner (cache diagnostics)
 
     def __post_init__(self) -> None:
         self.quotas = KeyQuotas(self.limits.max_requests_per_key, self.limits.max_seqs_per_key)
@@ -41,6 +43,9 @@ class AppState:
         self.parse_slots = ParseSlots(
             limits.max_parses_per_key, limits.max_requests_per_key,
             cpu_share=limits.parse_cpu_share_per_key, cpu_burst_s=limits.parse_cpu_burst_s,
+        )  # fmt: skip
+        self.diagnoses = DiagnosisStore(
+            limits.max_cache_diagnoses_per_key, limits.max_cache_diagnosis_bytes_per_key, limits.max_cache_diagnoses, limits.max_cache_diagnosis_bytes,
         )  # fmt: skip
         self.replies = None
         if limits.exact_continuation:

@@ -78,6 +78,13 @@ class ToolChoiceParam(_Wire):
     disable_parallel_tool_use: bool = False
 
 
+class DiagnosticsParam(_Wire):
+    """Asks why the prompt cache could not reuse the prefix of an earlier message of this key's
+    (server/cache_diagnostics.py); None: the first of a chain, nothing to compare."""
+
+    previous_message_id: str | None = Field(default=None, max_length=CAPS.max_id_chars)
+
+
 class MessagesRequest(_Wire):
     model: str
     max_tokens: int = Field(ge=1)
@@ -93,6 +100,7 @@ class MessagesRequest(_Wire):
     stream: bool = False
     # radixkv's own: the message carries its cache report (server/cache_report.py).
     cache_report: bool = False
+    diagnostics: DiagnosticsParam | None = None  # Anthropic's cache diagnostics
 
     @model_validator(mode="after")
     def _breakpoints_within_cap(self) -> MessagesRequest:

@@ -27,6 +27,7 @@ from radixkv.server import tools as tool_layer
 from radixkv.server.anthropic import conversation as conv_mod
 from radixkv.server.anthropic.conversation import Conversation
 from radixkv.server.anthropic.protocol import MessagesRequest
+from radixkv.server.cache_diagnostics import PromptFingerprint, anthropic_reason, diverge
 from radixkv.server.cache_report import CacheReporter, ChatSource, wanted
 from radixkv.prompts.replies import encode_conversation_exact
 from radixkv.server.continuation import ReplyCollector
@@ -76,7 +77,7 @@ async def _messages(server: AppState, request: Request) -> Response:
     raw = await request.body()
     owner = server.tenants.owner(key)  # whose retention cap the breakpoints count against, whose replies splice
     salt = server.tenants.cache_salt(key, None)  # the same partition as the key's OpenAI calls
-    body, conv, encoded, marks, params = await server.parse_slots.run(key, lambda: _prepare(server, raw, owner, salt))
+    body, conv, encoded, marks, params, diagnosis = await server.parse_slots.run(key, lambda: _prepare(server, raw, owner, salt))
     prompt = encoded.token_ids
     # The X-Radixkv-Session header: Anthropic has no field.
     session = session_ref(request.headers, owner, namespace=server.tenants.session_namespace(salt))
@@ -86,9 +87,10 @@ async def _messages(server: AppState, request: Request) -> Response:
         session=session, keeps=[tuple(marks)],
     )  # fmt: skip
     ctx = _Context(server, body, conv, prompt, salt, owner)
+    ctx.fingerprint, ctx.diagnostics = diagnosis
     # The system field is rendered as the conversation's first message; message[k] counts the
     # request's own messages.
-    offset = 1 if body.system and conv.messages and conv.messages[0].get("role") == "system" else 0
+    offset = _system_offset(body, conv)
     source = ChatSource(conv.messages, conv.tools, conv.tool_choice, message_offset=offset, encoded=encoded)
     ctx.reporter = CacheReporter(server, key, wanted(body.cache_report, request.headers), [prompt], source)
     if body.stream:
@@ -99,7 +101,7 @@ async def _messages(server: AppState, request: Request) -> Response:
 
 def _prepare(
     server: AppState, raw: bytes, owner: str, salt: str | None
-) -> tuple[MessagesRequest, Conversation, EncodedConversation, list[Keep], SamplingParams]:
+) -> tuple[MessagesRequest, Conversation, EncodedConversation, list[Keep], SamplingParams, tuple[PromptFingerprint, dict[str, Any] | None]]:
     """The body parsed, templated, tokenized and checked (off the event loop: it may be large)."""
     body = parse_body(MessagesRequest, raw)
     server.check_model(body.model)
@@ -113,7 +115,34 @@ def _prepare(
         marks = conv_mod.breakpoints(tokenizer, body, conv, encoded.token_ids)
     except InvalidRequest as error:
         raise engine_error(error, _NAMES) from None
-    return body, conv, encoded, marks, _sampling_params(conv, body)
+    return body, conv, encoded, marks, _sampling_params(conv, body), _diagnose(server, body, conv, encoded, owner, salt)
+
+
+def _diagnose(
+    server: AppState, body: MessagesRequest, conv: Conversation, encoded: EncodedConversation, owner: str, salt: str | None
+) -> tuple[PromptFingerprint, dict[str, Any] | None]:
+    """This prompt's fingerprint (kept once it is answered) and, when the body asks, the
+    `diagnostics` it answers: compared with the key's own earlier message only."""
+    offset = _system_offset(body, conv)
+    system = conv.messages[0]["content"] if offset else None
+    tools = [t.model_dump(exclude={"cache_control"}) for t in body.tools or ()]  # in order: reordering is a change
+    fingerprint = server.diagnoses.digester.fingerprint(
+        model=server.model_name, salt=salt, system=system, tools=tools, options=[conv.tool_choice, conv.parallel_tool_calls],
+        messages=conv.messages[offset:], num_prompt_tokens=len(encoded.token_ids),
+    )  # fmt: skip
+    if body.diagnostics is None:
+        return fingerprint, None
+    previous_id = body.diagnostics.previous_message_id
+    if previous_id is None:
+        return fingerprint, {"cache_miss_reason": None}
+    previous = server.diagnoses.get(owner, previous_id)
+    divergence = None if previous is None else diverge(previous, fingerprint, server.engine.tokenizer, encoded, offset)
+    return fingerprint, {"cache_miss_reason": anthropic_reason(divergence)}
+
+
+def _system_offset(body: MessagesRequest, conv: Conversation) -> int:
+    """Chat messages before the request's first: the system field, rendered as a message."""
+    return 1 if body.system and conv.messages and conv.messages[0].get("role") == "system" else 0
 
 
 class _Context:
@@ -123,6 +152,16 @@ class _Context:
         self.salt, self.owner = salt, owner
         self.message_id = f"msg_{secrets.token_hex(12)}"
         self.reporter: CacheReporter | None = None  # set once the request is submitted
+        self.fingerprint: PromptFingerprint | None = None  # kept under message_id once answered
+        self.diagnostics: dict[str, Any] | None = None  # the body asked for diagnostics: the answer
+
+    def answered(self) -> None:
+        """The message is answered: later requests of this key may compare with it."""
+        if self.fingerprint is not None:
+            self.server.diagnoses.put(self.owner, self.message_id, self.fingerprint)
+
+    def diagnostics_field(self) -> dict[str, Any]:
+        return {"diagnostics": self.diagnostics} if self.diagnostics is not None else {}
 
 
 def _sampling_params(conv: Conversation, body: MessagesRequest) -> SamplingParams:
@@ -186,6 +225,7 @@ def _parse(ctx: _Context, text: str) -> tuple[str | None, list[Any]]:
 
 async def _message(ctx: _Context, final: RequestOutput) -> dict[str, Any]:
     ReplyCollector(ctx.server.replies, ctx.owner, ctx.salt).finished(final)
+    ctx.answered()
     text, calls = _parse(ctx, final.outputs[0].text)
     content: list[dict[str, Any]] = [{"type": "text", "text": text}] if text else []
     content += [_tool_use(call) for call in calls]
@@ -199,6 +239,7 @@ async def _message(ctx: _Context, final: RequestOutput) -> dict[str, Any]:
         "stop_reason": stop_reason,
         "stop_sequence": stop_sequence,
         "usage": _usage(ctx, final),
+        **ctx.diagnostics_field(),
         **await _report(ctx, final),
     }
 
@@ -256,7 +297,7 @@ class _Blocks:
 async def _events(ctx: _Context, streams: list[RequestStream]) -> AsyncIterator[str]:
     message = {"id": ctx.message_id, "type": "message", "role": "assistant", "model": ctx.server.model_name,
                "content": [], "stop_reason": None, "stop_sequence": None,
-               "usage": {"input_tokens": len(ctx.prompt), "output_tokens": 0}}
+               "usage": {"input_tokens": len(ctx.prompt), "output_tokens": 0}, **ctx.diagnostics_field()}
     use_tools = bool(ctx.conv.tools) and ctx.conv.tool_choice != "none"
     splitter = tool_layer.ToolCallStream(ctx.conv.tools, ctx.conv.tool_choice) if use_tools else None
     blocks, final, num_calls = _Blocks(), None, 0
@@ -284,6 +325,7 @@ async def _events(ctx: _Context, streams: list[RequestStream]) -> AsyncIterator[
         if final is None:  # every stream ends with its output or an error; never a silent end
             raise APIError(500, "the request ended without an output", type="server_error")
         ReplyCollector(ctx.server.replies, ctx.owner, ctx.salt).finished(final)
+        ctx.answered()
         stop_reason, stop_sequence = _stop_reason(ctx, final, num_calls > 0)
         usage = _usage(ctx, final)
         closing = {"delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence}, "usage": usage, **await _report(ctx, final)}
