@@ -54,6 +54,9 @@ class PromptCacheOptions(BaseModel):
     mode: Literal["implicit", "explicit"] = "implicit"
     ttl: Literal["30m", "12h"] = "30m"
     prewarm: bool = False
+    # Responses only: the key's earlier response to diagnose this prompt's cache reuse against
+    # (server/cache_diagnostics.py); another key's is never found.
+    comparison_response_id: str | None = Field(default=None, max_length=CAPS.max_id_chars)
 
 
 class StreamOptions(BaseModel):

@@ -229,12 +229,15 @@ class ResponseObject(BaseModel):
     user: str | None = None
     prompt_cache_key: str | None = None
     cache_report: dict[str, Any] | None = None  # radixkv's, when asked for; absent otherwise
+    # OpenAI's, when prompt_cache_options.comparison_response_id asked; absent otherwise.
+    prompt_cache_diagnostics: dict[str, Any] | None = None
 
     @model_serializer(mode="wrap")
     def _report_only_when_asked(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         data = handler(self)
-        if data.get("cache_report") is None:
-            data.pop("cache_report", None)
+        for name in ("cache_report", "prompt_cache_diagnostics"):
+            if data.get(name) is None:
+                data.pop(name, None)
         return data
 
 

@@ -23,6 +23,7 @@ from radixkv.errors import InvalidRequest
 from radixkv.server import sampling
 from radixkv.prompts.conversation import EncodedConversation
 from radixkv.prompts.replies import encode_conversation_exact
+from radixkv.server.cache_diagnostics import PromptFingerprint, diverge, openai_diagnostics
 from radixkv.server.cache_report import CacheReporter, ChatSource, wanted
 from radixkv.server.errors import (
     WireNames,
@@ -74,6 +75,8 @@ class _Turn:
     prompt: list[int]  # stored with the reply's ids, for the next turn to continue from
     writes: tuple[Keep, ...] = ()  # its prompt_cache breakpoints, kept once the prompt is computed
     encoded: EncodedConversation | None = None  # its one rendering (None: continued from stored ids)
+    fingerprint: PromptFingerprint | None = None  # kept under the response's id once answered
+    diagnostics: dict[str, Any] | None = None  # prompt_cache_diagnostics, when asked for
 
 
 def register(app: FastAPI, server: AppState, store: ResponseStore | None = None) -> None:
@@ -96,7 +99,9 @@ def register(app: FastAPI, server: AppState, store: ResponseStore | None = None)
             if body.model is not None:
                 server.check_model(body.model)
             prompt_cache.check_options(body)
-            return body, *_prepare(server, store, body, owner)
+            turn, prompt = _prepare(server, store, body, owner)
+            _diagnose(server, turn, server.tenants.cache_salt(key, body.cache_salt))
+            return body, turn, prompt
 
         body, turn, prompt = await server.parse_slots.run(key, prepare)
         salt = server.tenants.cache_salt(key, body.cache_salt)
@@ -121,6 +126,7 @@ def register(app: FastAPI, server: AppState, store: ResponseStore | None = None)
         finals = await until_disconnect(request, collect(server.metrics, streams, 1), streams)
         response = _finished(server, turn, finals[0])
         response.cache_report = await reporter.one(finals)
+        _answered(server, turn, response.id)
         if body.store:
             ids = continuation.turn_ids(server, body, prompt, finals[0])
             store.put(response.id, turn.owner, turn.messages + convert.reply_messages(response.output), ids)
@@ -171,6 +177,31 @@ def _prepare(server: AppState, store: ResponseStore, body: ResponsesRequest, own
     return _Turn(body, owner, messages, tools, choice, params, names, prompt, writes, encoded), prompt
 
 
+def _diagnose(server: AppState, turn: _Turn, salt: str | None) -> None:
+    """The turn's fingerprint and, when prompt_cache_options.comparison_response_id asks, its
+    prompt_cache_diagnostics: compared with the key's own earlier response only."""
+    body = turn.body
+    turn.fingerprint = server.diagnoses.digester.fingerprint(
+        model=server.model_name, salt=salt, system=body.instructions or None,
+        tools=[tool.model_dump(exclude_none=True) for tool in body.tools],  # in order: reordering is a change
+        options=[turn.choice, body.parallel_tool_calls], messages=turn.messages, num_prompt_tokens=len(turn.prompt),
+    )  # fmt: skip
+    options = body.prompt_cache_options
+    if options is None or options.comparison_response_id is None:
+        return
+    previous = server.diagnoses.get(turn.owner, options.comparison_response_id)
+    offset = 1 if body.instructions else 0
+    divergence = None if previous is None else diverge(previous, turn.fingerprint, server.engine.tokenizer, turn.encoded, offset)
+    turn.diagnostics = openai_diagnostics(divergence)
+
+
+def _answered(server: AppState, turn: _Turn, response_id: str) -> None:
+    """The response is answered: later requests of this key may compare with it (store or not:
+    the fingerprint holds no text)."""
+    if turn.fingerprint is not None:
+        server.diagnoses.put(turn.owner, response_id, turn.fingerprint)
+
+
 def _skeleton(server: AppState, body: ResponsesRequest) -> ResponseObject:
     """The Response before any output: the request's settings echoed as OpenAI does."""
     return ResponseObject(
@@ -216,6 +247,7 @@ def _finished(server: AppState, turn: _Turn, final: RequestOutput) -> ResponseOb
     complete = final.outputs[0].finish_reason != "length"
     content, calls = convert.split_reply(final.outputs[0].text, turn.tools, turn.choice)
     response = _skeleton(server, turn.body)
+    response.prompt_cache_diagnostics = turn.diagnostics
     response.output = convert.output_items(content, calls, complete)
     response.usage = _usage(server, final)
     response.status = "completed" if complete else "incomplete"
@@ -229,7 +261,9 @@ async def _events(
 ) -> AsyncIterator[str]:
     """The streamed response: text passes through as the engine decodes it, except what may
     still become a tool call (ToolCallStream holds that back until it parses)."""
-    events = ResponseEvents(_skeleton(server, turn.body))
+    skeleton = _skeleton(server, turn.body)
+    skeleton.prompt_cache_diagnostics = turn.diagnostics  # known before generation: in every event's response
+    events = ResponseEvents(skeleton)
     splitter = ToolCallStream(turn.tools, turn.choice) if convert.calls_possible(turn.tools, turn.choice) else None
     final: RequestOutput | None = None
     try:
@@ -252,6 +286,7 @@ async def _events(
         events.response.cache_report = await reporter.one([final])  # in the closing event, beside usage
         closing = events.finish(_usage(server, final), final.outputs[0].finish_reason != "length")
         # Stored before the last event goes out: a client may hang up the moment it has it.
+        _answered(server, turn, events.response.id)
         if turn.body.store:
             ids = continuation.turn_ids(server, turn.body, turn.prompt, final)
             store.put(events.response.id, turn.owner, turn.messages + convert.reply_messages(events.response.output), ids)
