@@ -11,12 +11,10 @@ from collections.abc import Sequence
 
 from radixkv.cache.disk import DiskTier
 from radixkv.cache.eviction import Liveness
-from radixkv.cache.ghost import GhostIndex
 from radixkv.cache.hashing import BlockHasher
 from radixkv.cache.pages import OutOfPages, PagePool
 from radixkv.cache.radix import Node, PeekResult, RadixTree
-from radixkv.cache.residency import PageResidency
-from radixkv.engine.cache_report import AdmissionMatch, MissExplainer
+from radixkv.engine.cache_report import AdmissionMatch
 from radixkv.engine.cache_view import CacheView
 from radixkv.engine.disk_loader import ComputeEstimate, DiskLoader
 from radixkv.engine.request import Admitted, SequenceState
@@ -46,7 +44,6 @@ class KVManager:
         self._hasher = hasher
         self._page_size = pool.page_size
         self._caching = enable_prefix_caching
-        self._residency = PageResidency(pool.num_pages)
         self._loader: DiskLoader | None = None
         if disk is not None and enable_prefix_caching:
             self._loader = DiskLoader(
@@ -54,15 +51,10 @@ class KVManager:
                 retain_prefix=self._retain_prefix, compute_s=compute_s, prefetch_bytes=prefetch_bytes,
                 max_retained_pages_per_owner=max_retained_pages_per_owner,
             )
-        # Evicted hashes, so a request's cache report tells evicted from never seen.
-        self._misses = MissExplainer(GhostIndex(max_ghost_blocks or 4 * pool.num_pages), tree, hasher)
         # One bus in an engine (the tree's, handed to its disk tier); a tier built apart has its own.
-        listeners = [self._residency.listen, self._misses.ghost.listen] + ([self._loader.listen] if self._loader else [])
         buses = [tree.events] if disk is None or disk.events is tree.events else [tree.events, disk.events]
-        for bus in buses:
-            for listener in listeners:
-                bus.subscribe(listener)
-        self._view = CacheView(tree, pool, self._residency, self._misses, self._loader, enable_prefix_caching)
+        self._view = CacheView.listening(tree, pool, hasher, self._loader, enable_prefix_caching, buses, max_ghost_blocks)
+        self._residency, self._misses = self._view.ram_residency, self._view.misses
 
     def cache_view(self) -> CacheView:
         """The whole cache over these same parts, for reports and flush/close (the engine holds it)."""
