@@ -207,7 +207,7 @@ def tenant_secret_for(args: argparse.Namespace, engine: Engine) -> bytes | None:
     files are not to tell how to compute any key's salt. None (a fresh one per process) without."""
     from radixkv.server.guards.tenants import default_tenant_secret_path, persistent_secret
 
-    kv_directory = engine.kv.disk_directory()
+    kv_directory = engine.cache_view.disk_directory()
     if kv_directory is None:
         return None
     path = Path(args.tenant_secret_file or default_tenant_secret_path()).expanduser()

@@ -36,7 +36,7 @@ def _timed(owner: Any, name: str, spent: list[float]) -> None:
 def engine_share(llm: LLM, prompt_tokens: int, requests: int) -> dict[str, float]:
     """Seconds per request in the report's engine work, over repeats, fresh prompts and
     prompts evicted since (their reasons: hit, never_seen, evicted)."""
-    misses: MissExplainer = llm.engine.kv._misses  # timed in place: a scenario may reach inside
+    misses: MissExplainer = llm.engine.cache_view.misses  # timed in place, through the view's parts
     explain: list[float] = []
     tails: list[float] = []
     _timed(misses, "explain", explain)

@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     written = first.close()
     persist_s = time.perf_counter() - start
-    disk_stats = first.kv.disk_stats()
+    disk_stats = first.cache_view.disk_stats()
     disk_bytes = disk_stats.bytes_used if disk_stats else 0
     page_size = first.config.page_size
     num_blocks = args.system_len // page_size
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     warm = _engine(loaded, base, directory)
     rows.append(_ttft(warm, "restart: system prompt from disk", system + questions[1]))
     rows.append(_ttft(warm, "then: system prompt from RAM", system + questions[2]))
-    warm_disk = warm.kv.disk_stats()
+    warm_disk = warm.cache_view.disk_stats()
     hit_blocks = warm_disk.hit_blocks if warm_disk else 0
     read_s = warm_disk.read_s_per_block * num_blocks if warm_disk and warm_disk.read_s_per_block else None
     warm.close()

@@ -454,7 +454,7 @@ def serve_request(kv: KVManager, disk: DiskIndex | None, seq: SequenceState, com
     """One request through admission as the scheduler runs it (peek, check, then match, lock
     and allocate), computed at once, committed and finished; returns (RAM hit, disk hit) blocks.
     `committed` is told of the sequence while it still holds its node (a session book)."""
-    ps = kv.page_size
+    ps = kv.cache_view().pool.page_size
     peek = kv.peek(seq)
     if not kv.can_admit(peek, seq.num_tokens - peek.num_cached_tokens):
         return 0, 0  # larger than RAM: computed without the cache (capacity() rules it out)

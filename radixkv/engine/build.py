@@ -15,6 +15,7 @@ from radixkv.cache.kv_dtype import resolve_kv_dtype
 from radixkv.cache.pages import PagePool, available_memory_bytes
 from radixkv.cache.radix import RadixTree
 from radixkv.config import EngineConfig
+from radixkv.engine.cache_view import CacheView
 from radixkv.engine.compute_cost import ComputeCost
 from radixkv.engine.disk_loader import open_disk_tier
 from radixkv.engine.kv_manager import KVManager
@@ -45,8 +46,9 @@ def load_engine_model(config: EngineConfig, device: torch.device, loaded: Loaded
 
 @dataclass(slots=True)
 class EngineCache:
-    """The cache an engine holds: pages stored in `kv_dtype`, the tree over them, and the KV
-    manager, the only mover of pages between sequences and the tree."""
+    """The cache an engine holds: pages stored in `kv_dtype`, the tree over them, the KV
+    manager, the only mover of pages between sequences and the tree, and the whole-cache view
+    over its parts (reports, flush, close)."""
 
     kv_dtype: torch.dtype
     pool: PagePool
@@ -54,6 +56,7 @@ class EngineCache:
     tree: RadixTree
     compute_cost: ComputeCost
     kv: KVManager
+    view: CacheView
 
 
 def build_cache(config: EngineConfig, loaded: LoadedModel, device: torch.device) -> EngineCache:
@@ -78,4 +81,4 @@ def build_cache(config: EngineConfig, loaded: LoadedModel, device: torch.device)
         pool, tree, hasher, config.enable_prefix_caching, open_disk_tier(config, loaded, pool.page_nbytes, kv_dtype, tree.events),
         compute_cost.estimate_s, config.kv_disk_prefetch_bytes, config.max_retained_pages_per_owner, config.max_ghost_blocks,
     )  # fmt: skip
-    return EngineCache(kv_dtype, pool, hasher, tree, compute_cost, kv)
+    return EngineCache(kv_dtype, pool, hasher, tree, compute_cost, kv, kv.cache_view())

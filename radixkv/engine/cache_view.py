@@ -5,10 +5,14 @@ cache reports by reason, and the two verbs that act on all of it (flush, close).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from radixkv.cache.disk import DiskStats
+from radixkv.cache.events import CacheEvents
+from radixkv.cache.ghost import GhostIndex
+from radixkv.cache.hashing import BlockHasher
 from radixkv.cache.pages import PagePool
 from radixkv.cache.radix import RadixTree
 from radixkv.cache.residency import PageResidency, TierResidency
@@ -20,7 +24,7 @@ from radixkv.engine.request import CacheLookup
 @dataclass(frozen=True, slots=True)
 class CacheView:
     """KVManager's parts, seen whole; only `flush` and `close` change anything. Built by
-    KVManager, which answers the engine's whole-cache calls through it."""
+    KVManager (`listening`) and handed out by its `cache_view()`: the engine calls it directly."""
 
     tree: RadixTree
     pool: PagePool
@@ -28,6 +32,21 @@ class CacheView:
     misses: MissExplainer
     loader: DiskLoader | None
     caching: bool
+
+    @classmethod
+    def listening(
+        cls, tree: RadixTree, pool: PagePool, hasher: BlockHasher, loader: DiskLoader | None, caching: bool,
+        buses: Iterable[CacheEvents], max_ghost_blocks: int | None,
+    ) -> CacheView:
+        """The view over a new RAM residency and ghost index (evicted hashes, so a request's cache
+        report tells evicted from never seen), both, and the loader's write-back, subscribed to `buses`."""
+        residency = PageResidency(pool.num_pages)
+        misses = MissExplainer(GhostIndex(max_ghost_blocks or 4 * pool.num_pages), tree, hasher)
+        listeners = [residency.listen, misses.ghost.listen] + ([loader.listen] if loader is not None else [])
+        for bus in buses:
+            for listener in listeners:
+                bus.subscribe(listener)
+        return cls(tree, pool, residency, misses, loader, caching)
 
     def lookup(self, token_ids: list[int], salt: str | None) -> CacheLookup:
         """The tokens of the prompt's full blocks cached in RAM, and those cached on disk right

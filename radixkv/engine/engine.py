@@ -55,6 +55,8 @@ class Engine:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         cache = build_cache(config, loaded, self.device)
         self.kv_dtype, self.pool, self.hasher, self.tree, self.kv = cache.kv_dtype, cache.pool, cache.hasher, cache.tree, cache.kv
+        # The whole cache as reports see it (lookup, residency, disk, misses) and flush/close act on it.
+        self.cache_view = cache.view
         self.compute_cost = cache.compute_cost
         num_pages = self.pool.num_pages
         # The most tokens (prompt + completion) one request may have: the model's context, or
@@ -81,19 +83,21 @@ class Engine:
         self.pins = Pins(
             self.kv, num_pages, config.page_size, self.max_context_tokens, config.max_pinned_pages, config.max_pinned_pages_per_owner
         )
-        # Sessions name conversations; each turn is a keep into the reply (no lock).
-        self.sessions = SessionBook(
-            self.kv, SessionLimits.of(config), chunk_tokens=config.max_batch_tokens, clock=self.tree.now_s, signals=self.kv
-        )
-        # A request's keeps go through the same retention and pins (and caps) as the verbs below.
-        self.keeper = Keeper(self.kv, self.pins, config.max_retained_pages_per_owner, self.tree.now_s, self.sessions)
-        self.requests = RequestBook(
-            self.scheduler, self.kv, self.tokenizer, self.eos_token_ids, self.max_model_len, self.counters, self.keeper
-        )
-        # Under the `predict` eviction policy, finished requests teach the dead-block predictor.
+        # Under the `predict` eviction policy, finished requests teach the dead-block predictor,
+        # and a session's release (DELETE) tells it that session's tail is dead.
         self.predicted: PredictedLiveness | None = None
         if config.eviction_policy == "predict":
             self.predicted = PredictedLiveness(self.kv, self.tree, self.hasher, self.tree.now_s)
+        # Sessions name conversations; each turn is a keep into the reply (no lock).
+        self.sessions = SessionBook(
+            self.kv, self.tree, SessionLimits.of(config), chunk_tokens=config.max_batch_tokens, clock=self.tree.now_s,
+            signals=self.kv, released=self.predicted.released if self.predicted is not None else None,
+        )  # fmt: skip
+        # A request's keeps go through the same retention and pins (and caps) as the verbs below.
+        self.keeper = Keeper(self.kv, self.tree, self.pins, config.max_retained_pages_per_owner, self.tree.now_s, self.sessions)
+        self.requests = RequestBook(
+            self.scheduler, self.kv, self.tokenizer, self.eos_token_ids, self.max_model_len, self.counters, self.keeper
+        )
         # KV events (off by default): the cache's bus tells the recorder of every block the tree
         # stores or evicts; each step's events go out as one batch. Opened last, so a failed start
         # leaves no socket bound.
@@ -291,12 +295,12 @@ class Engine:
         this model, and for a prompt past the context (nothing longer is cached; refused
         before any id is read, so a lookup costs this thread at most a context's work)."""
         self.context.check_lookup(prompt_token_ids)
-        return self.kv.lookup(prompt_token_ids, salt)
+        return self.cache_view.lookup(prompt_token_ids, salt)
 
     def flush_cache(self, *, ram: bool = True, disk: bool = True) -> tuple[int, int]:
         """Drop the prefix cache's unlocked RAM pages and/or its disk blocks; (pages freed,
         blocks deleted). Running requests and pins keep theirs."""
-        flushed = self.kv.flush(ram, disk)
+        flushed = self.cache_view.flush(ram, disk)
         if self.kv_events is not None:
             self.kv_events.flush()
         return flushed
@@ -313,12 +317,12 @@ class Engine:
         its directory; returns the blocks written (0 without a disk tier). The engine stays
         usable, without the disk tier; its guide compile workers stop (a later guide starts them)."""
         self.guides.compiler.close()
-        return self.kv.close()
+        return self.cache_view.close()
 
     # -- introspection -----------------------------------------------------------------------
 
     def stats(self) -> EngineStats:
-        return EngineStats.snapshot(self.counters, self.pool, self.tree, self.scheduler, len(self.requests), self.kv)
+        return EngineStats.snapshot(self.counters, self.pool, self.tree, self.scheduler, len(self.requests), self.cache_view)
 
     def check_invariants(self) -> None:
         """free + evictable + in use == total, no page counted twice, refcounts explained."""

@@ -16,6 +16,7 @@ from radixkv.engine.request import MAX_KEEPS, Keep, KeepReport, SequenceState
 from radixkv.errors import InvalidRequest
 
 if TYPE_CHECKING:
+    from radixkv.cache.radix import RadixTree
     from radixkv.cache.retention import Retention
     from radixkv.engine.request_output import RequestOutput
 
@@ -66,9 +67,16 @@ class Keeper:
     the caps refuse is reported, not raised, so the request itself runs on. Engine thread only."""
 
     def __init__(
-        self, kv: KVManager, pins: Pins, max_retained_pages_per_owner: int, clock: Callable[[], float], turns: Turns | None = None
+        self,
+        kv: KVManager,
+        tree: RadixTree,
+        pins: Pins,
+        max_retained_pages_per_owner: int,
+        clock: Callable[[], float],
+        turns: Turns | None = None,
     ) -> None:
         self._kv = kv
+        self._tree = tree  # the retention a turn's keep just made, for the session book
         self._pins = pins
         self._max_retained_pages_per_owner = max_retained_pages_per_owner
         self._clock = clock
@@ -121,4 +129,4 @@ class Keeper:
             tokens = tokens[: room.num_tokens]
             cap = self._max_retained_pages_per_owner
             num = self._kv.retain(tokens, seq.salt, float(keep.ttl_s), room.owner, cap) if tokens else 0
-            self._turns.kept(seq.request_id, self._kv.retentions(room.owner)[-1] if num else None, num)  # type: ignore[union-attr]
+            self._turns.kept(seq.request_id, self._tree.retentions(room.owner)[-1] if num else None, num)  # type: ignore[union-attr]

@@ -8,26 +8,23 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
-from radixkv.cache.disk import DiskStats, DiskTier
+from radixkv.cache.disk import DiskTier
 from radixkv.cache.eviction import Liveness
-from radixkv.cache.ghost import GhostIndex
 from radixkv.cache.hashing import BlockHasher
 from radixkv.cache.pages import OutOfPages, PagePool
 from radixkv.cache.radix import Node, PeekResult, RadixTree
-from radixkv.cache.residency import PageResidency, TierResidency
-from radixkv.cache.retention import Retention
-from radixkv.engine.cache_report import AdmissionMatch, MissExplainer
+from radixkv.engine.cache_report import AdmissionMatch
 from radixkv.engine.cache_view import CacheView
 from radixkv.engine.disk_loader import ComputeEstimate, DiskLoader
-from radixkv.engine.request import Admitted, CacheLookup, SequenceState
+from radixkv.engine.request import Admitted, SequenceState
 
 
 class KVManager:
     """What the scheduler asks of the cache, in seven verbs: peek, can_admit, load_ready,
-    admit, reserve, release, block_hashes. The engine adds commit, the pins and retentions, and
-    the whole-cache calls (lookup, flush, close, residency, disk_stats: engine/cache_view.py)."""
+    admit, reserve, release, block_hashes. The engine adds commit, pins, retain and mark; its
+    whole-cache reports (lookup, flush, close, residency, disk stats) go to the CacheView this
+    builds over its parts (`cache_view`, engine/cache_view.py)."""
 
     def __init__(
         self,
@@ -47,7 +44,6 @@ class KVManager:
         self._hasher = hasher
         self._page_size = pool.page_size
         self._caching = enable_prefix_caching
-        self._residency = PageResidency(pool.num_pages)
         self._loader: DiskLoader | None = None
         if disk is not None and enable_prefix_caching:
             self._loader = DiskLoader(
@@ -55,20 +51,14 @@ class KVManager:
                 retain_prefix=self._retain_prefix, compute_s=compute_s, prefetch_bytes=prefetch_bytes,
                 max_retained_pages_per_owner=max_retained_pages_per_owner,
             )
-        # Evicted hashes, so a request's cache report tells evicted from never seen.
-        self._misses = MissExplainer(GhostIndex(max_ghost_blocks or 4 * pool.num_pages), tree, hasher)
         # One bus in an engine (the tree's, handed to its disk tier); a tier built apart has its own.
-        listeners = [self._residency.listen, self._misses.ghost.listen] + ([self._loader.listen] if self._loader else [])
         buses = [tree.events] if disk is None or disk.events is tree.events else [tree.events, disk.events]
-        for bus in buses:
-            for listener in listeners:
-                bus.subscribe(listener)
-        self._view = CacheView(tree, pool, self._residency, self._misses, self._loader, enable_prefix_caching)
+        self._view = CacheView.listening(tree, pool, hasher, self._loader, enable_prefix_caching, buses, max_ghost_blocks)
+        self._residency, self._misses = self._view.ram_residency, self._view.misses
 
-    @property
-    def page_size(self) -> int:
-        """Tokens per page (and per cached block)."""
-        return self._page_size
+    def cache_view(self) -> CacheView:
+        """The whole cache over these same parts, for reports and flush/close (the engine holds it)."""
+        return self._view
 
     # -- the scheduler's verbs ---------------------------------------------------------------
 
@@ -89,7 +79,8 @@ class KVManager:
         could free outside it); pure."""
         num_cached = peek.num_cached_tokens
         needed = -(-(num_cached + num_new_tokens) // self._page_size) - num_cached // self._page_size
-        return needed + headroom_pages <= self.available_pages() - peek.num_unlocked_pages
+        available = self._pool.num_free + self._tree.evictable_pages  # free, or freed by eviction
+        return needed + headroom_pages <= available - peek.num_unlocked_pages
 
     def load_ready(self, seq: SequenceState, chunk_tokens: int) -> bool:
         """For a waiting sequence: whether its first chunk can be admitted without waiting on a
@@ -188,10 +179,6 @@ class KVManager:
             return False
         return True
 
-    def available_pages(self) -> int:
-        """Pages that can be had now: free ones plus those eviction would free."""
-        return self._pool.num_free + self._tree.evictable_pages
-
     # -- after a step ------------------------------------------------------------------------
 
     def commit(self, seq: SequenceState) -> None:
@@ -265,18 +252,6 @@ class KVManager:
         self._residency.retained(match.pages[:num_pages])
         return match.node, num_pages
 
-    def retentions(self, owner: str | None) -> list[Retention]:
-        """`owner`'s live retentions, the newest last; pure."""
-        return self._tree.retentions(owner)
-
-    def retention(self, retention_id: int) -> Retention | None:
-        """A live retention; None once released, superseded or expired; pure."""
-        return self._tree.retention(retention_id)
-
-    def release_retention(self, retention_id: int) -> bool:
-        """End a retention now (its blocks stay cached); False if it was not live."""
-        return self._tree.release(retention_id)
-
     # -- liveness (a session book's marks; the `session` eviction policy orders by them) -----
 
     def mark(
@@ -295,29 +270,6 @@ class KVManager:
         if liveness is Liveness.HOT:
             return self._tree.mark_hot(node, below_blocks=below_blocks)
         return self._tree.set_liveness(node, liveness, below_blocks=below_blocks)
-
-    # -- the whole cache (engine/cache_view.py says what each returns) ----------------------
-
-    def lookup(self, token_ids: list[int], salt: str | None) -> CacheLookup:
-        return self._view.lookup(token_ids, salt)
-
-    def flush(self, ram: bool, disk: bool) -> tuple[int, int]:
-        return self._view.flush(ram, disk)
-
-    def close(self) -> int:
-        return self._view.close()
-
-    def residency(self) -> dict[str, TierResidency]:
-        return self._view.residency()
-
-    def disk_stats(self) -> DiskStats | None:
-        return self._view.disk_stats()
-
-    def disk_directory(self) -> Path | None:
-        return self._view.disk_directory()
-
-    def miss_counts(self) -> dict[str, int]:
-        return self._view.miss_counts()
 
 
 def _reports(seq: SequenceState) -> bool:

@@ -1,6 +1,7 @@
 """The engine's side of the `predict` eviction policy: each finished request is told to the
 online dead-block predictor (cache/dead_blocks.py), which marks the tree's liveness through
-KVManager.mark, the one place marks are made.
+KVManager.mark, the one place marks are made; a session its client releases (SessionBook.release,
+wired to `released` by the engine) is told too.
 """
 
 from __future__ import annotations

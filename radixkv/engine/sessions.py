@@ -20,7 +20,7 @@ from radixkv.engine.request import Keep
 from radixkv.errors import InvalidRequest, OwnerCapExceeded
 
 if TYPE_CHECKING:
-    from radixkv.cache.radix import Node
+    from radixkv.cache.radix import Node, RadixTree
     from radixkv.cache.retention import Retention
     from radixkv.config import EngineConfig
     from radixkv.engine.kv_manager import KVManager
@@ -134,17 +134,22 @@ class SessionBook:
     def __init__(
         self,
         kv: KVManager,
+        tree: RadixTree,
         limits: SessionLimits,
         *,
         chunk_tokens: int,
         clock: Callable[[], float],
         signals: TailSignals | None = None,
+        released: Callable[[SessionRef], object] | None = None,
     ) -> None:
-        self._kv = kv
+        self._kv = kv  # load_ready: a resumed session's read-ahead
+        self._tree = tree  # the turns' retentions (looked up and released; made by the Keeper)
+        self._page_size = tree.pool.page_size
         self.limits = limits
         self._chunk_tokens = chunk_tokens
         self._clock = clock
         self.signals: TailSignals = signals if signals is not None else NoSignals()
+        self._released = released  # told of every release its owner asks for (the `predict` policy's predictor)
         self._sessions: dict[tuple[Owner, str | None, str], Session] = {}  # (owner, namespace, key)
         self._by_id: dict[int, Session] = {}
         self._by_owner: dict[Owner, dict[tuple[str | None, str], Session]] = {}  # by name; least recently active first
@@ -226,7 +231,7 @@ class SessionBook:
             return None  # released while the turn ran: the release stands
         if session.num_shared_tokens is None:
             session.num_shared_tokens = num_cached_tokens
-        page_size = self._kv.page_size
+        page_size = self._page_size
         room = self.limits.max_pages_per_owner - sum(
             s.num_retained_tokens // page_size for s in self._by_owner.get(session.owner, {}).values() if s is not session
         )
@@ -252,7 +257,7 @@ class SessionBook:
         session.node = retention.node if retention is not None else None
         session.num_retained_tokens = num_tokens
         if old_id is not None and old_id != session.retention_id:
-            self._kv.release_retention(old_id)  # already gone where the new turn's retention covers it
+            self._tree.release(old_id)  # already gone where the new turn's retention covers it
             if old_node is not None and not _on_path(old_node, session.node):
                 self.signals.mark(old_node, Liveness.COLD, below_blocks=self._shared_blocks(session))  # what the new turn does not continue
         if session.node is not None:
@@ -274,8 +279,11 @@ class SessionBook:
 
     def release(self, owner: Owner, key: str, namespace: str | None = None) -> bool:
         """End `owner`'s session `key` now; False if there is none (another owner's or another
-        namespace's included)."""
+        namespace's included). `released` hears of it either way (the client's word that the
+        conversation is over stands after an idle expiry too; a name is its owner's own)."""
         self.expire()
+        if self._released is not None:
+            self._released(SessionRef(owner, key, namespace=namespace))
         session = self._sessions.get((owner, namespace, key))
         if session is None:
             return False
@@ -312,14 +320,14 @@ class SessionBook:
     # -- internals -----------------------------------------------------------------------------
 
     def _shared_blocks(self, session: Session) -> int:
-        return (session.num_shared_tokens or 0) // self._kv.page_size
+        return (session.num_shared_tokens or 0) // self._page_size
 
     def _idlest(self, owner: Owner) -> Session | None:
         """The owner's least recently active session with no turn running; None if none."""
         return next((s for s in self._by_owner.get(owner, {}).values() if not s.in_flight), None)
 
     def _live_tokens(self, session: Session) -> int:
-        if session.retention_id is None or self._kv.retention(session.retention_id) is None:
+        if session.retention_id is None or self._tree.retention(session.retention_id) is None:
             return 0  # the owner's other retentions or the caps took it
         return session.num_retained_tokens
 
@@ -335,7 +343,7 @@ class SessionBook:
 
     def _drop_retention(self, session: Session, *, dead: bool) -> None:
         if session.retention_id is not None:
-            self._kv.release_retention(session.retention_id)
+            self._tree.release(session.retention_id)
         if session.node is not None and dead:
             self.signals.mark(session.node, Liveness.DEAD, below_blocks=self._shared_blocks(session))
         session.retention_id, session.node, session.num_retained_tokens = None, None, 0

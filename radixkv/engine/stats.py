@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from radixkv.attention.base import KVReads
     from radixkv.cache.pages import PagePool
     from radixkv.cache.radix import RadixTree
-    from radixkv.engine.kv_manager import KVManager
+    from radixkv.engine.cache_view import CacheView
     from radixkv.engine.scheduler import Scheduler
     from radixkv.engine.request import Batch
 
@@ -71,7 +71,7 @@ class EngineStats:
 
     @classmethod
     def snapshot(
-        cls, counters: EngineCounters, pool: PagePool, tree: RadixTree, scheduler: Scheduler, num_unfinished: int, kv: KVManager
+        cls, counters: EngineCounters, pool: PagePool, tree: RadixTree, scheduler: Scheduler, num_unfinished: int, view: CacheView
     ) -> EngineStats:
         """The engine's numbers now; expires the tree's retentions first, so `retained_pages`
         counts live ones only."""
@@ -87,9 +87,9 @@ class EngineStats:
             num_unfinished=num_unfinished,
             num_preemptions=scheduler.num_preemptions,
             num_deferrals=scheduler.num_deferrals,
-            disk=kv.disk_stats(),
-            residency=kv.residency(),
-            cache_misses=kv.miss_counts(),
+            disk=view.disk_stats(),
+            residency=view.residency(),
+            cache_misses=view.miss_counts(),
         )
 
 

@@ -66,7 +66,7 @@ def test_an_evicted_prefix_reads_as_evicted(tiny_llama: Path) -> None:
     assert got.reason == "evicted" and got.first_uncached_token < 44
     # Computed again, its blocks are cached again and leave the ghost index.
     assert report(llm, prompt).reason == "hit"
-    assert not any(h in llm.engine.kv._misses.ghost for h in llm.engine.hasher.hash_blocks(prompt[:44], None))
+    assert not any(h in llm.engine.cache_view.misses.ghost for h in llm.engine.hasher.hash_blocks(prompt[:44], None))
     assert_pages_returned(llm.engine)
 
 
@@ -128,7 +128,7 @@ def test_a_disk_hit_is_reported_per_tier_and_a_skipped_read_says_so(tiny_llama: 
     assert report(second, batch[0]) == CacheReport(45, 0, 44, 44, "hit")  # unmeasured: read
     for _ in range(2):
         report(second, [7] * 300)  # the engine learns its compute speed
-    second.engine.kv._loader.tier.read_s_per_block = 3600.0  # as if the disk took an hour a block
+    second.engine.cache_view.loader.tier.read_s_per_block = 3600.0  # as if the disk took an hour a block
     assert report(second, batch[1]) == CacheReport(45, 0, 0, 0, "disk_read_skipped")
     second.close()
     assert_pages_returned(second.engine)
@@ -146,14 +146,14 @@ def test_a_block_the_disk_dropped_reads_as_evicted(tiny_llama: Path, tmp_path: P
     payload = first.engine.pool.page_nbytes
     budget = sum(block_file_bytes((b + 1) * PS, payload) for b in range(40))  # about three prompts' blocks
     second = make_llm(tiny_llama, kv_disk_dir=str(tmp_path / "kv"), kv_disk_bytes=budget, num_pages=16)
-    tier = second.engine.kv._loader.tier
+    tier = second.engine.cache_view.loader.tier
     keys = tier.keys(prompt[:44], None)
     assert tier.count_cached(keys, 0, 11, touch=False) == 11
     for seed in range(26, 31):  # a small RAM writes each back; the disk's budget drops the oldest
         report(second, tokens(seed, 45))
     tier.drain()
     assert tier.count_cached(keys, 0, 11, touch=False) < 11
-    assert not any(h in second.engine.kv._misses.ghost for h in second.engine.hasher.hash_blocks(prompt[:44], None))
+    assert not any(h in second.engine.cache_view.misses.ghost for h in second.engine.hasher.hash_blocks(prompt[:44], None))
     got = report(second, prompt)
     assert got.reason == "evicted" and got.num_ram_tokens == 0
     second.close()
@@ -164,7 +164,7 @@ def test_the_ghost_is_bounded_over_all_tenants(tiny_llama: Path) -> None:
     llm = make_llm(tiny_llama, num_pages=24, max_ghost_blocks=10)
     for seed in range(40, 46):
         report(llm, tokens(seed, 45), salt=f"tenant-{seed}")
-    assert len(llm.engine.kv._misses.ghost) == 10 and llm.engine.kv._misses.ghost.num_tails <= 10
+    assert len(llm.engine.cache_view.misses.ghost) == 10 and llm.engine.cache_view.misses.ghost.num_tails <= 10
     assert_pages_returned(llm.engine)
 
 

@@ -47,7 +47,8 @@ def test_a_deep_run_is_read_and_a_shallow_one_computed(tmp_path: Path) -> None:
         cost.observe(num, attended(start, num), 1e-4 * num + 1e-7 * attended(start, num))
     kv = KVManager(pool, tree, tree.hasher, True, disk, cost.estimate_s)
     disk.read_s_per_block = 4 * 1e-4 * 2  # a block reads in the time 8 tokens compute at position 0
-    assert kv._loader is not None
-    assert not kv._loader.pays(0, 4)  # near the start computing is cheaper
-    assert kv._loader.pays(20000 // 4, 4)  # deep in a long prompt attention makes it dearer
+    loader = kv.cache_view().loader
+    assert loader is not None
+    assert not loader.pays(0, 4)  # near the start computing is cheaper
+    assert loader.pays(20000 // 4, 4)  # deep in a long prompt attention makes it dearer
     assert disk.counters["computed_instead"] == 1

@@ -164,7 +164,7 @@ def test_a_disk_slower_than_compute_is_skipped(tiny_llama: Path, workload, tmp_p
     assert second.stats().disk.hit_blocks > 0 and second.stats().disk.read_s_per_block is not None
     warm_up = [[7] * 300]  # enough computed tokens for the engine to know its compute speed
     generate(second, warm_up)
-    second.engine.kv._loader.tier.read_s_per_block = 3600.0  # as if the disk took an hour a block
+    second.engine.cache_view.loader.tier.read_s_per_block = 3600.0  # as if the disk took an hour a block
     hits = second.stats().disk.hit_blocks
     assert generate(second, batch[1:]) == expected[1:]
     assert second.stats().disk.hit_blocks == hits and second.stats().disk.computed_instead == len(batch) - 1
@@ -193,13 +193,13 @@ def test_a_disk_hit_is_read_while_other_requests_compute(tiny_llama: Path, workl
     second = make_llm(tiny_llama, kv_disk_dir=str(tmp_path / "kv"), max_batch_tokens=16)
     engine = second.engine
     disk_answers = threading.Event()
-    real_read = engine.kv._loader.tier.read
+    real_read = engine.cache_view.loader.tier.read
 
     def slow_read(*args, **kwargs):
         disk_answers.wait()
         return real_read(*args, **kwargs)
 
-    engine.kv._loader.tier.read = slow_read  # the real read, once the "disk" answers
+    engine.cache_view.loader.tier.read = slow_read  # the real read, once the "disk" answers
     busy = prompts(7, count=1, length=9)[0]
     busy_id = engine.add_request(busy, SamplingParams(max_tokens=30, ignore_eos=True))
     engine.step()
@@ -233,7 +233,7 @@ def test_an_aborted_request_stops_its_read_and_returns_every_page(tiny_llama: Pa
     for request_id in ids:
         engine.abort(request_id)
     run_to_end(engine)
-    assert engine.kv._loader.prefetcher.get(0) is None and not engine.kv._loader.prefetcher._pending
+    assert engine.cache_view.loader.prefetcher.get(0) is None and not engine.cache_view.loader.prefetcher._pending
     assert_pages_returned(engine)
 
 
@@ -302,7 +302,7 @@ def test_retention_is_written_off_the_engine_thread_and_close_persists_it(tiny_l
     hit token-exact; close() waits for every queued write, and a restart finds them retained."""
     batch, expected = workload
     llm = make_llm(tiny_llama, kv_disk_dir=str(tmp_path / "kv"))
-    disk = llm.engine.kv._loader.tier
+    disk = llm.engine.cache_view.loader.tier
     writer_may_go = threading.Event()
     writes_by_thread: list[str] = []
     real_write = disk.files.write_block
@@ -411,7 +411,7 @@ def test_a_key_cannot_pass_its_retention_cap_by_way_of_disk(tiny_llama: Path, wo
     assert restarted.stats().disk.retained_blocks == 22
     generate(restarted, batch[:2])  # both back from disk, retained again under the name the disk knows
     restarted.engine.flush_cache(ram=True, disk=False)  # and written back under that same name
-    owners = {retention.owner for _, retention in restarted.engine.kv._loader.tier.index.retentions()}
+    owners = {retention.owner for _, retention in restarted.engine.cache_view.loader.tier.index.retentions()}
     assert owners == {digest("tenant").hex()}  # one owner on disk too: one disk cap
     generate(restarted, batch)
     assert restarted.engine.retain(batch[2], ttl_s=3600, owner="tenant") == 44

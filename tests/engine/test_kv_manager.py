@@ -42,7 +42,7 @@ def cache_on_disk_only(kv: KVManager, tokens: list[int]) -> None:
     seq.num_computed_tokens = len(tokens)
     kv.commit(seq)
     kv.release(seq)
-    assert kv.flush(ram=True, disk=False)[0] == len(tokens) // PAGE
+    assert kv.cache_view().flush(ram=True, disk=False)[0] == len(tokens) // PAGE
     assert kv.peek(make_seq(tokens)).num_cached_tokens == 0
 
 
@@ -58,11 +58,12 @@ def test_a_hit_that_goes_on_on_disk_loads_chunk_by_chunk(tmp_path: Path) -> None
     # The last chunk: 3 blocks left before the last token's; the hit ends, a page for the rest.
     assert kv.reserve(seq, 13) == Admitted(44, 12, False)
     assert seq.num_cached_tokens == 44 and len(seq.page_table) == 12
-    assert kv.disk_stats().hit_blocks == 11
-    kv._tree.check_invariants()
+    view = kv.cache_view()  # the whole cache over the manager's parts
+    assert view.disk_stats().hit_blocks == 11
+    view.tree.check_invariants()
     kv.release(seq)
-    assert kv._pool.num_free + kv._tree.evictable_pages == kv._pool.num_pages
-    kv.close()
+    assert view.pool.num_free + view.tree.evictable_pages == view.pool.num_pages
+    view.close()
 
 
 def test_without_a_disk_tier_admission_loads_nothing(tmp_path: Path) -> None:
@@ -74,7 +75,8 @@ def test_without_a_disk_tier_admission_loads_nothing(tmp_path: Path) -> None:
     assert kv.admit(seq, 16) == Admitted(0, 0, False) and len(seq.page_table) == 4
     seq.num_computed_tokens = 16  # the chunk computed
     assert kv.reserve(seq, 16) == Admitted(16, 0, False) and len(seq.page_table) == 8
-    assert kv.disk_stats() is None and kv.disk_directory() is None and kv.close() == 0
+    view = kv.cache_view()
+    assert view.disk_stats() is None and view.disk_directory() is None and view.close() == 0
 
 
 def test_the_scheduler_loads_a_disk_hit_chunk_by_chunk_then_computes(tmp_path: Path) -> None:
@@ -93,4 +95,4 @@ def test_the_scheduler_loads_a_disk_hit_chunk_by_chunk_then_computes(tmp_path: P
     assert [(item.seq, item.num_new_tokens, item.samples) for item in batch.items] == [(seq, 1, True)]
     assert seq.num_cached_tokens == 44
     scheduler.remove(seq)
-    kv.close()
+    kv.cache_view().close()

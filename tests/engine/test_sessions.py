@@ -215,7 +215,7 @@ def test_resuming_reads_the_disk_blocks_ahead_before_admission(tiny_llama: Path,
     history = turn(engine, prompt(1, 8), ref, max_tokens=1)
     other = turn(engine, prompt(2, 8), None, max_tokens=1)
     engine.flush_cache(ram=True, disk=False)  # both written back to disk, RAM empty
-    loader = engine.kv._loader
+    loader = engine.cache_view.loader
     assert loader is not None
     resumed = engine.add_request(history + [7, 8, 9], SamplingParams(max_tokens=1), session=ref)
     unnamed = engine.add_request(other + [7, 8, 9], SamplingParams(max_tokens=1))

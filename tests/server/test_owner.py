@@ -89,7 +89,7 @@ def test_a_key_rotating_cache_salt_retains_on_disk_as_one_owner(tiny_llama: Path
         expected = {digest(owner_of(server, KEY_A)).hex()}
 
         def disk_owners(engine) -> set[str]:
-            return {retention.owner for _, retention in engine.kv._loader.tier.index.retentions()}
+            return {retention.owner for _, retention in engine.cache_view.loader.tier.index.retentions()}
 
         assert wait_until(lambda: server.engine_call(disk_owners) == expected, 10), server.engine_call(disk_owners)
 
