@@ -203,7 +203,8 @@ def _content_starts(text: str, bare: str, contents: list[Any]) -> tuple[list[int
     return starts, closing
 
 
-def common_prefix(a: str, b: str) -> int:
+def common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
+    """How many leading items (characters, token ids) two sequences share; pure."""
     n = min(len(a), len(b))
     if a[:n] == b[:n]:
         return n

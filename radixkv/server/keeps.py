@@ -12,6 +12,7 @@ from radixkv.engine.request_output import RequestOutput
 from radixkv.errors import InvalidRequest
 from radixkv.server.anthropic.protocol import TTL_S as ANTHROPIC_TTL_S
 from radixkv.server.errors import APIError
+from radixkv.prompts.conversation import common_prefix
 from radixkv.server.openai.protocol import PROMPT_CACHE_TTL_S, RETENTION_TTL_S, PromptCacheOptions
 
 # OpenAI's: each request writes at most four breakpoints, the implicit one among them.
@@ -86,10 +87,3 @@ def creation_tokens(output: RequestOutput) -> int:
         return 0
     return max(0, report.num_kept_tokens[-1] - output.num_cached_tokens)
 
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    for k in range(n):
-        if a[k] != b[k]:
-            return k
-    return n

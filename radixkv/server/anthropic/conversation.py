@@ -13,7 +13,6 @@ from radixkv.engine.request import Keep
 from radixkv.errors import InvalidRequest
 from radixkv.prompts import tools as tool_prompts
 from radixkv.server import keeps
-from radixkv.server.keeps import common_prefix
 from radixkv.server.anthropic.protocol import (
     CacheControl,
     MessagesRequest,
@@ -21,6 +20,7 @@ from radixkv.server.anthropic.protocol import (
     ToolResultBlock,
     ToolUseBlock,
 )
+from radixkv.prompts.conversation import common_prefix
 from radixkv.prompts.tools import Tool
 
 
