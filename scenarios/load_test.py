@@ -29,10 +29,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import json
 import math
-import random
 import secrets
 import sys
 import time
@@ -42,7 +40,15 @@ from typing import Any
 
 import httpx
 
-from radixkv.scenarios.abuse_doors import DoorTally, door_attacks
+from radixkv.scenarios.abuse_clients import (
+    AbuseTally,
+    abuse_in_own_process,
+    check_after_abuse,
+    keep_before_abuse,
+    open_slow_readers,
+)
+from radixkv.scenarios.abuse_doors import DoorTally
+from radixkv.scenarios.load_clients import Job, Outcome, build_jobs, run_clients, salted
 from radixkv.scenarios.harness import TEXT
 from radixkv.server.thread import ServerThread
 
@@ -53,31 +59,6 @@ PLAIN_CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
-
-
-@dataclass(slots=True)
-class Job:
-    index: int
-    path: str
-    body: dict[str, Any]
-    shared: bool
-    disconnect_after_chunks: int | None  # None: read to the end
-    key_index: int = 0  # which well-behaved API key sends it
-
-
-@dataclass(slots=True)
-class Outcome:
-    index: int
-    shared: bool
-    status: str  # "completed", "failed", "aborted" (the client left on purpose)
-    http_status: int | None = None
-    error: str | None = None
-    latency_s: float | None = None
-    ttft_s: float | None = None
-    completion_tokens: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    key_index: int = 0
 
 
 @dataclass(slots=True)
@@ -97,52 +78,6 @@ class KeyRow:
         if not self.p99_alone_s or self.p99_with_abuse_s is None:
             return None
         return self.p99_with_abuse_s / self.p99_alone_s
-
-
-@dataclass(slots=True)
-class AbuseTally:
-    """What the abusive clients sent and what they got."""
-
-    flood_sent: int = 0
-    flood_refused_429: int = 0
-    flood_other: int = 0
-    oversized_sent: int = 0
-    oversized_refused_413: int = 0
-    oversized_cut_off: int = 0  # refused by closing the connection before the body was all sent
-    slow_readers: int = 0
-    # Requests carrying what no request may: each must get a 4xx, quickly, costing no one else.
-    many_tools_sent: int = 0
-    many_tools_refused: int = 0
-    breakpoints_sent: int = 0
-    breakpoints_refused: int = 0
-    dead_schema_sent: int = 0
-    dead_schema_refused: int = 0
-    # Retention under a fresh cache_salt each time: served, but retained within one owner's cap.
-    salt_rotations_sent: int = 0
-    salt_rotations_other: int = 0  # answers that were neither 200 nor 429
-    retained_pages_end: int = 0
-    retained_pages_cap: int = 0  # the abuser's cap plus what the well-behaved key retained
-    # Stored Responses from the abuser: a well-behaved key's stored response must outlive them.
-    store_flood_sent: int = 0
-    store_flood_other: int = 0
-    well_retained_tokens: tuple[int, int] = (0, 0)  # its retained prefix's cached tokens, before and after
-    well_retained_kept: bool = False  # the well-behaved key's retained prefix still cached
-    well_stored_kept: bool = False  # its stored response still continues
-    doors: DoorTally = field(default_factory=DoorTally)
-
-    @property
-    def request_attacks_ok(self) -> bool:
-        return (
-            self.many_tools_refused == self.many_tools_sent
-            and self.breakpoints_refused == self.breakpoints_sent
-            and self.dead_schema_refused == self.dead_schema_sent
-            and self.salt_rotations_other == 0
-            and self.store_flood_other == 0
-            and self.retained_pages_end <= self.retained_pages_cap
-            and self.well_retained_kept
-            and self.well_stored_kept
-            and self.doors.ok
-        )
 
 
 @dataclass(slots=True)
@@ -243,294 +178,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-# -- the server ------------------------------------------------------------------------------
-
-
-# -- the workload ----------------------------------------------------------------------------
-
-
-def build_jobs(args: argparse.Namespace, tokenizer: Any, model_name: str) -> list[Job]:
-    rng = random.Random(args.seed)
-    words = TEXT.split()
-    base = tokenizer(TEXT, add_special_tokens=False).input_ids
-
-    def tokens(count: int, offset: int) -> list[int]:
-        return [base[(offset + i) % len(base)] for i in range(count)]
-
-    systems = [tokenizer.decode(tokens(args.system_len, 97 * g)) for g in range(args.groups)]
-    chat = bool(getattr(tokenizer, "chat_template", None))
-    jobs = []
-    for i in range(args.requests):
-        shared = rng.random() < args.shared_fraction
-        # A distinct opening (the request number) keeps unshared prompts from sharing a block.
-        question = f"Request {i}: " + " ".join(rng.choice(words) for _ in range(max(1, args.question_len // 2)))
-        if shared:
-            system = systems[rng.randrange(args.groups)]
-            if chat:
-                path = "/v1/chat/completions"
-                messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
-                body: dict[str, Any] = {"messages": messages}
-            else:
-                path, body = "/v1/completions", {"prompt": system + "\n" + question}
-        else:
-            path, body = "/v1/completions", {"prompt": question}
-        body.update(
-            model=model_name,
-            max_tokens=args.max_tokens,
-            temperature=0,
-            stream=True,
-            stream_options={"include_usage": True},
-        )
-        leave = rng.random() < args.disconnect_fraction
-        jobs.append(Job(i, path, body, shared, rng.randint(1, 3) if leave else None, i % args.well_keys))
-    return jobs
-
-
-def salted(jobs: list[Job], salt: str) -> list[Job]:
-    """The same jobs in their own cache partition, so a second run finds nothing the first cached."""
-    return [Job(j.index, j.path, {**j.body, "cache_salt": salt}, j.shared, j.disconnect_after_chunks, j.key_index) for j in jobs]
-
-
-async def run_one(client: httpx.AsyncClient, job: Job, headers: dict[str, str]) -> Outcome:
-    outcome = Outcome(job.index, job.shared, "failed", key_index=job.key_index)
-    start = time.perf_counter()
-    chunks = 0
-    try:
-        async with client.stream("POST", job.path, json=job.body, headers=headers) as response:
-            outcome.http_status = response.status_code
-            if response.status_code != 200:
-                outcome.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
-                return outcome
-            async for line in response.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[len("data: ") :]
-                if data == "[DONE]":
-                    outcome.status = "completed"
-                    outcome.latency_s = time.perf_counter() - start
-                    return outcome
-                event = json.loads(data)
-                if "error" in event:
-                    outcome.error = f"stream error: {event['error']}"
-                    return outcome
-                if event.get("usage"):
-                    usage = event["usage"]
-                    outcome.completion_tokens = usage["completion_tokens"]
-                    outcome.prompt_tokens = usage["prompt_tokens"]
-                    outcome.cached_tokens = usage["prompt_tokens_details"]["cached_tokens"]
-                for choice in event.get("choices", []):
-                    text = choice.get("text") or (choice.get("delta") or {}).get("content")
-                    if text:
-                        chunks += 1
-                        if outcome.ttft_s is None:
-                            outcome.ttft_s = time.perf_counter() - start
-                if job.disconnect_after_chunks is not None and chunks >= job.disconnect_after_chunks:
-                    outcome.status = "aborted"  # leaving the block drops the connection
-                    return outcome
-            outcome.error = "the stream ended without [DONE]"
-    except (TimeoutError, httpx.HTTPError, json.JSONDecodeError, KeyError) as error:
-        outcome.error = f"{type(error).__name__}: {error}"
-    return outcome
-
-
-async def run_clients(
-    base_url: str, api_keys: list[str], jobs: list[Job], args: argparse.Namespace
-) -> tuple[list[Outcome], float]:
-    queue = list(reversed(jobs))
-    outcomes: list[Outcome] = []
-    timeout = httpx.Timeout(args.request_timeout_s, connect=10.0)
-    limits = httpx.Limits(max_connections=args.clients, max_keepalive_connections=args.clients)
-    start = time.perf_counter()
-    deadline = start + args.time_limit_s
-
-    async def client_loop(client: httpx.AsyncClient) -> None:
-        while queue and time.perf_counter() < deadline:
-            job = queue.pop()
-            headers = {"Authorization": f"Bearer {api_keys[job.key_index]}"}
-            try:
-                outcome = await asyncio.wait_for(run_one(client, job, headers), args.request_timeout_s)
-            except TimeoutError:
-                outcome = Outcome(job.index, job.shared, "failed", error=f"no answer in {args.request_timeout_s} s", key_index=job.key_index)
-            outcomes.append(outcome)
-            done = len(outcomes)
-            if done % max(1, len(jobs) // 10) == 0:
-                print(f"  {done}/{len(jobs)} requests done ({time.perf_counter() - start:.0f} s)", flush=True)
-
-    async with httpx.AsyncClient(base_url=base_url, timeout=timeout, limits=limits) as client:
-        await asyncio.gather(*(client_loop(client) for _ in range(args.clients)))
-    return outcomes, time.perf_counter() - start
-
-
-# -- the abusive clients ---------------------------------------------------------------------
-
-
-async def flood(base_url: str, key: str, body: dict[str, Any], concurrency: int, stop: asyncio.Event, tally: AbuseTally) -> None:
-    """One key keeping `concurrency` requests in flight until `stop`: most should get 429."""
-    headers = {"Authorization": f"Bearer {key}"}
-
-    async def one_lane(client: httpx.AsyncClient) -> None:
-        while not stop.is_set():
-            tally.flood_sent += 1
-            try:
-                response = await client.post("/v1/completions", json=body, headers=headers)
-            except httpx.HTTPError:
-                tally.flood_other += 1
-                continue
-            if response.status_code == 429:
-                tally.flood_refused_429 += 1
-                await asyncio.sleep(float(response.headers.get("Retry-After", "1")) / 10)  # an impatient client
-            elif response.status_code != 200:
-                tally.flood_other += 1
-
-    limits = httpx.Limits(max_connections=concurrency)
-    async with httpx.AsyncClient(base_url=base_url, timeout=60, limits=limits) as client:
-        await asyncio.gather(*(one_lane(client) for _ in range(concurrency)))
-
-
-async def oversized(base_url: str, key: str, count: int, max_body_bytes: int, tally: AbuseTally) -> None:
-    """Bodies one byte past the limit: each must be refused (413) without being processed."""
-    body = json.dumps({"prompt": "x" * max_body_bytes, "max_tokens": 1}).encode()
-    async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
-        for _ in range(count):
-            tally.oversized_sent += 1
-            try:
-                response = await client.post(
-                    "/v1/completions", content=body, headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
-                )
-            except httpx.TimeoutException:
-                continue
-            except httpx.TransportError:
-                # The server answered 413 and closed while the body was still going out.
-                tally.oversized_cut_off += 1
-                continue
-            # 429: the key's share is in flight (its own flood), refused unread as well.
-            tally.oversized_refused_413 += response.status_code in (413, 429)
-
-
-# A string only raw control bytes could continue: the grammar has no way on after `{"a":"`.
-DEAD_END_SCHEMA = {"type": "object", "properties": {"a": {"type": "string", "pattern": "\u0001+"}}, "required": ["a"]}
-
-
-async def request_attacks(base_url: str, key: str, model_name: str, args: argparse.Namespace, stop: asyncio.Event, tally: AbuseTally) -> None:
-    """One lane of requests that carry what no request may (refused with a 4xx each), and
-    retention under a new cache_salt each time (served, capped per owner), round robin until `stop`."""
-    headers = {"Authorization": f"Bearer {key}"}
-    tools = [{"type": "function", "function": {"name": f"f{i}"}} for i in range(args.many_tools)]
-    ask = [{"role": "user", "content": "Hi"}]
-    # Encoded once: the attacker's cost of a request should not be what the run measures.
-    many_tools = json.dumps({"model": model_name, "messages": ask, "tools": tools, "max_tokens": 1}).encode()
-    blocks = [{"type": "text", "text": f"part {i}", "cache_control": {"type": "ephemeral"}} for i in range(args.breakpoints)]
-    dead_end = {"type": "json_schema", "json_schema": {"name": "dead_end", "schema": DEAD_END_SCHEMA}}
-    headers["Content-Type"] = "application/json"
-    async with httpx.AsyncClient(base_url=base_url, timeout=120, headers=headers) as client:
-        for i in itertools.count():
-            if stop.is_set() and i >= 4:  # every attack at least once, however short the run
-                return
-            kind = i % 4
-            try:
-                if kind == 0:
-                    tally.many_tools_sent += 1
-                    response = await client.post("/v1/chat/completions", content=many_tools)
-                    tally.many_tools_refused += 400 <= response.status_code < 500
-                elif kind == 1:
-                    tally.breakpoints_sent += 1
-                    body = {"model": model_name, "max_tokens": 1, "messages": [{"role": "user", "content": blocks}]}
-                    response = await client.post("/v1/messages", json=body)
-                    tally.breakpoints_refused += 400 <= response.status_code < 500
-                elif kind == 2:
-                    tally.dead_schema_sent += 1
-                    body = {"model": model_name, "messages": ask, "response_format": dead_end, "max_tokens": 64}
-                    response = await client.post("/v1/chat/completions", json=body)
-                    # A 429 (the key's share taken by its own flood) is no answer: not counted.
-                    tally.dead_schema_sent -= response.status_code == 429
-                    tally.dead_schema_refused += response.status_code == 400
-                else:
-                    tally.salt_rotations_sent += 1
-                    body = {"model": model_name, "prompt": f"Retain {i}: " + TEXT[:300], "max_tokens": 1,
-                            "prompt_cache_retention": "24h", "cache_salt": secrets.token_hex(8)}  # fmt: skip
-                    response = await client.post("/v1/completions", json=body)
-                    tally.salt_rotations_other += response.status_code not in (200, 429)
-            except httpx.HTTPError:
-                tally.salt_rotations_other += kind == 3  # the refusals count as not refused
-            await asyncio.sleep(0)
-
-
-async def store_flood(base_url: str, key: str, model_name: str, count: int, stop: asyncio.Event, tally: AbuseTally) -> None:
-    """`count` stored Responses from one key, a few lanes at a time: none may push out another
-    tenant's stored response."""
-    headers = {"Authorization": f"Bearer {key}"}
-    remaining = iter(range(count))
-
-    async def lane(client: httpx.AsyncClient) -> None:
-        for i in remaining:
-            if stop.is_set():
-                return
-            tally.store_flood_sent += 1
-            body = {"model": model_name, "input": f"Store {i}", "max_output_tokens": 1, "store": True}
-            try:
-                response = await client.post("/v1/responses", json=body)
-            except httpx.HTTPError:
-                tally.store_flood_other += 1
-                continue
-            if response.status_code == 429:
-                await asyncio.sleep(float(response.headers.get("Retry-After", "1")) / 10)
-            elif response.status_code != 200:
-                tally.store_flood_other += 1
-
-    async with httpx.AsyncClient(base_url=base_url, timeout=120, headers=headers) as client:
-        await asyncio.gather(*(lane(client) for _ in range(4)))
-
-
-@dataclass(slots=True)
-class WellKeyState:
-    """What one well-behaved key kept before the abuse: a retained prefix and a stored response."""
-
-    retained_prompt: str
-    retained_tokens: int
-    stored_response_id: str
-
-
-def keep_before_abuse(base_url: str, key: str, model_name: str) -> WellKeyState:
-    prompt = "Kept by a well-behaved key: " + TEXT[:400]
-    with httpx.Client(base_url=base_url, timeout=120, headers={"Authorization": f"Bearer {key}"}) as client:
-        body = {"model": model_name, "prompt": prompt, "max_tokens": 1, "prompt_cache_retention": "24h"}
-        client.post("/v1/completions", json=body).raise_for_status()
-        cached = client.post("/v1/cache/lookup", json={"prompt": prompt}).raise_for_status().json()["ram_tokens"]
-        stored = client.post("/v1/responses", json={"model": model_name, "input": "Remember me.", "max_output_tokens": 1, "store": True})
-        return WellKeyState(prompt, cached, stored.raise_for_status().json()["id"])
-
-
-def check_after_abuse(base_url: str, key: str, model_name: str, kept: WellKeyState, tally: AbuseTally) -> None:
-    with httpx.Client(base_url=base_url, timeout=120, headers={"Authorization": f"Bearer {key}"}) as client:
-        cached = client.post("/v1/cache/lookup", json={"prompt": kept.retained_prompt}).json().get("ram_tokens", 0)
-        tally.well_retained_tokens = (kept.retained_tokens, cached)
-        tally.well_retained_kept = kept.retained_tokens > 0 and cached >= kept.retained_tokens
-        body = {"model": model_name, "input": "Still there?", "max_output_tokens": 1, "previous_response_id": kept.stored_response_id}
-        tally.well_stored_kept = client.post("/v1/responses", json=body).status_code == 200
-
-
-def open_slow_readers(base_url: str, key: str, body: dict[str, Any], count: int, tally: AbuseTally) -> list[Any]:
-    """Streaming requests on sockets that never read (a small receive window): the server must
-    abort them after its send timeout rather than hold their output."""
-    import socket
-
-    host, port = base_url.removeprefix("http://").split(":")
-    payload = json.dumps(body).encode()
-    head = (
-        f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\nAuthorization: Bearer {key}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n"
-    ).encode()
-    sockets = []
-    for _ in range(count):
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        sock.connect((host, int(port)))
-        sock.sendall(head + payload)
-        sockets.append(sock)
-        tally.slow_readers += 1
-    return sockets
-
-
 async def run_with_abuse(
     base_url: str, api_keys: list[str], abuser_keys: tuple[str, str], jobs: list[Job], args: argparse.Namespace, model_name: str
 ) -> tuple[list[Outcome], float, AbuseTally]:
@@ -565,33 +212,6 @@ async def run_with_abuse(
     tally.slow_readers = slow_tally.slow_readers
     return outcomes, wall_s, tally
 
-
-def abuse_in_own_process(base_url: str, abuser_keys: tuple[str, str], model_name: str, options: dict, stop: Any, results: Any) -> None:
-    """The abusive clients until `stop` (a multiprocessing Event), then their tally on `results`."""
-    import os
-
-    os.nice(10)  # the abusers' own CPU is not the server's to defend
-    results.put(asyncio.run(_abuse(base_url, abuser_keys, model_name, argparse.Namespace(**options), stop)))
-
-
-async def _abuse(base_url: str, abuser_keys: tuple[str, str], model_name: str, args: argparse.Namespace, outer_stop: Any) -> dict[str, Any]:
-    """The first abusive key floods, reads nothing and sends oversized bodies; the second sends
-    what no request may carry and stores Responses by the thousand (below its share, so its
-    requests reach the caps rather than the first key's 429s)."""
-    flooder, prober = abuser_keys
-    tally = AbuseTally()
-    stop = asyncio.Event()
-    flood_body = {"model": model_name, "prompt": "Flood: " + TEXT[:120], "max_tokens": args.max_tokens, "temperature": 0}
-    flooding = asyncio.create_task(flood(base_url, flooder, flood_body, args.flood_concurrency, stop, tally))
-    too_big = asyncio.create_task(oversized(base_url, flooder, args.oversized, args.max_body_bytes, tally))
-    attacks = asyncio.create_task(request_attacks(base_url, prober, model_name, args, stop, tally))
-    storing = asyncio.create_task(store_flood(base_url, prober, model_name, args.store_flood, stop, tally))
-    doors = asyncio.create_task(door_attacks(base_url, prober, args.victim_key, model_name, args.echoes, stop, tally.doors))
-    await asyncio.to_thread(outer_stop.wait)
-    await storing
-    stop.set()
-    await asyncio.gather(flooding, too_big, attacks, doors)
-    return asdict(tally)
 
 
 def key_rows(alone: list[Outcome], abused: list[Outcome], num_keys: int) -> list[KeyRow]:
