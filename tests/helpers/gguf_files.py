@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -96,6 +97,18 @@ def _f16_bytes(values: np.ndarray) -> np.ndarray:
     return values.astype(np.float16)[..., None].view(np.uint8)
 
 
+def _write_shape(writer: Any, config: Any) -> None:
+    """The header fields every tiny GGUF here shares: the transformer's shape, RoPE base, norm eps."""
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"] if getattr(config, "rope_parameters", None) else config.rope_theta)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+
+
 def write_tiny_gguf(
     path: Path, type_name: str, seed: int = 0, tied: bool = True, overrides: dict[str, str] | None = None
 ) -> Path:
@@ -110,14 +123,7 @@ def write_tiny_gguf(
     config, state = _llama_state(seed, tied)
     writer = GGUFWriter(str(path), "llama")
     writer.add_name(f"tiny-llama-{type_name}")
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"] if getattr(config, "rope_parameters", None) else config.rope_theta)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    _write_shape(writer, config)
     writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
     writer.add_vocab_size(VOCAB)
     for key, value, kind, sub in _tokenizer_fields():
@@ -240,16 +246,9 @@ def write_tiny_moe_gguf(path: Path, type_name: str, seed: int = 0, moe_intermedi
     config, state = _qwen3_moe_state(seed, moe_intermediate_size)
     writer = GGUFWriter(str(path), "qwen3moe")
     writer.add_name(f"tiny-qwen3moe-{type_name}")
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
+    _write_shape(writer, config)
     writer.add_key_length(config.head_dim)
     writer.add_value_length(config.head_dim)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_expert_count(config.num_experts)
     writer.add_expert_used_count(config.num_experts_per_tok)
     writer.add_expert_feed_forward_length(moe_intermediate_size)
