@@ -6,6 +6,7 @@ wire's cache-write usage fields.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -118,7 +119,9 @@ class Keeper:
             if num:
                 expiries.append(self._clock() + keep.ttl_s)
         most = max(kept, default=0)
-        return KeepReport(tuple(kept), max(0, most - num_cached_tokens), max(expiries, default=None), pin, error)
+        expires_at_s = max(expiries, default=None)
+        epoch_s = None if expires_at_s is None else expires_at_s - self._clock() + time.time()
+        return KeepReport(tuple(kept), max(0, most - num_cached_tokens), expires_at_s, pin, error, epoch_s)
 
     def finish(self, seq: SequenceState, output: RequestOutput) -> None:
         """seq's request finished with `output`: retain its reply keep (a session's newest turn:
