@@ -204,3 +204,18 @@ def test_usage_echoes_what_of_the_prompt_is_kept_and_until_when(live_server: Liv
     assert response.status_code == 200, response.text
     echoed = response.json()["usage"]["prompt_cache_kept"]
     assert echoed["tokens"] > 0 and before_s + 1800 - 5 <= echoed["expires_at"] <= time.time() + 1800 + 1
+
+
+@pytest.mark.parametrize("ttl", ["1h", "24h", "5m", "", 1800])
+def test_a_ttl_openai_does_not_document_is_a_400_before_any_work(live_server: LiveServer, ttl: object) -> None:
+    """prompt_cache_options.ttl takes what OpenAI documents ("30m", "12h"), a breakpoint's ttl too."""
+    before = live_server.engine_call(lambda engine: engine.counters.num_steps)
+    with live_server.http() as http:
+        for body, param in (
+            ({"prompt_cache_options": {"ttl": ttl}, "messages": [{"role": "user", "content": "hi"}]}, "prompt_cache_options"),
+            ({"messages": [{"role": "user", "content": [{**marked("hi"), "prompt_cache_breakpoint": {"mode": "explicit", "ttl": ttl}}]}]}, "messages"),
+        ):
+            response = http.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 2, **body})
+            assert response.status_code == 400, response.text
+            assert (response.json()["error"]["param"] or "").startswith(param)
+    assert live_server.engine_call(lambda engine: engine.counters.num_steps) == before
