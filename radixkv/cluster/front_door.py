@@ -30,7 +30,7 @@ from radixkv.server.guards.connections import uvicorn_options
 from radixkv.server.guards.parse_slots import ParseSlots
 from radixkv.server.guards.tenants import ADMIN_KEYS_ENV, Tenants, load_api_keys
 from radixkv.server.limits import ServerLimits
-from radixkv.server.sessions import SESSION_HEADER, session_ref
+from radixkv.server.sessions import DYNAMO_SESSION_HEADER, SESSION_HEADER, session_ref
 
 # Bodies that may carry prompt_cache_key (OpenAI's chat, completions and Responses).
 SESSION_BODY_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
@@ -53,7 +53,7 @@ def session_key(path: str, headers: Mapping[str, str], body: bytes) -> str | Non
     of an OpenAI endpoint. Where a worker reads sessions, APIError 400 for a key it would
     refuse as malformed (session_ref: empty or past MAX_SESSION_KEY_CHARS), unforwarded; a body
     that is no JSON object, or disagrees with the header, is left for the worker to refuse."""
-    header = headers.get(SESSION_HEADER)
+    header = headers.get(SESSION_HEADER, headers.get(DYNAMO_SESSION_HEADER))
     if path not in SESSION_PATHS:
         return header if header and len(header) <= MAX_SESSION_KEY_CHARS else None
     body_key = _body_session_key(body) if header is None and path in SESSION_BODY_PATHS else None

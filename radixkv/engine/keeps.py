@@ -6,6 +6,7 @@ wire's cache-write usage fields.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -40,10 +41,12 @@ def check_keeps(keeps: Sequence[Keep], num_prompt_tokens: int) -> tuple[Keep, ..
 @dataclass(frozen=True, slots=True)
 class TurnRoom:
     """Where a finished turn's reply keep goes: whose retention it is and how many of its tokens
-    fit beside the owner's other sessions."""
+    fit beside the owner's other sessions. `final`: the turn is its session's last, so nothing
+    is retained and the book hears `ended` instead of `kept`."""
 
     owner: Owner
     num_tokens: int
+    final: bool = False
 
 
 class Turns(Protocol):
@@ -52,11 +55,14 @@ class Turns(Protocol):
     def room(self, request_id: str, num_tokens: int, num_cached_tokens: int) -> TurnRoom | None:
         """The request's turn ends: where its reply keep of `num_tokens` goes, room made under
         its owner's session caps; None (the turn is over) if its session is gone. Unless None,
-        `kept` follows."""
+        `kept` follows (`ended`, where the room says final)."""
         ...
 
     def kept(self, request_id: str, retention: Retention | None, num_tokens: int) -> None:
         """The turn's keep was applied (`retention` None: nothing was kept)."""
+
+    def ended(self, request_id: str, tokens: list[int], salt: str | None) -> None:
+        """The session's final turn finished with `tokens` (prompt and reply): the session ends."""
         ...
 
 
@@ -113,7 +119,9 @@ class Keeper:
             if num:
                 expiries.append(self._clock() + keep.ttl_s)
         most = max(kept, default=0)
-        return KeepReport(tuple(kept), max(0, most - num_cached_tokens), max(expiries, default=None), pin, error)
+        expires_at_s = max(expiries, default=None)
+        epoch_s = None if expires_at_s is None else expires_at_s - self._clock() + time.time()
+        return KeepReport(tuple(kept), max(0, most - num_cached_tokens), expires_at_s, pin, error, epoch_s)
 
     def finish(self, seq: SequenceState, output: RequestOutput) -> None:
         """seq's request finished with `output`: retain its reply keep (a session's newest turn:
@@ -126,6 +134,9 @@ class Keeper:
             room = self._turns.room(seq.request_id, len(tokens), output.num_cached_tokens) if self._turns is not None else None
             if room is None:
                 continue  # its session was released while the turn ran: the release stands
+            if room.final:
+                self._turns.ended(seq.request_id, tokens, seq.salt)  # type: ignore[union-attr]
+                continue
             tokens = tokens[: room.num_tokens]
             cap = self._max_retained_pages_per_owner
             num = self._kv.retain(tokens, seq.salt, float(keep.ttl_s), room.owner, cap) if tokens else 0

@@ -69,13 +69,15 @@ class KeepReport:
     per keep (in the request's order) the tokens it kept (0: none, trimmed by a cap or not
     cached); of the most kept, the tokens this request computed rather than found cached
     (written); the latest expiry among them on the tree's clock (None: nothing kept, or only
-    locked until unpinned); the pin a locked keep made, or why the pin caps refused it."""
+    locked until unpinned); the pin a locked keep made, or why the pin caps refused it; that
+    expiry as a Unix time (what a response echoes: the tree's clock is the engine's own)."""
 
     num_kept_tokens: tuple[int, ...]
     num_written_tokens: int
     expires_at_s: float | None
     pin: PinnedPrefix | None = None
     error: InvalidRequest | None = None
+    expires_at_epoch_s: float | None = None
 
     @property
     def most_kept_tokens(self) -> int:

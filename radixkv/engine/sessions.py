@@ -56,12 +56,20 @@ class SessionRef:
     `idle_s` overrides EngineConfig.session_idle_s for this turn (at most max_session_idle_s).
     `namespace` sets one caller's keys apart from another's within one owner (a keyless
     server's callers are one owner: their cache partition, server/sessions.py); the owner's
-    caps count every namespace together."""
+    caps count every namespace together.
+
+    `parent`: the key of the owner's session this one branches from (a subagent's: its prompt
+    starts with the parent's prefix), looked up among the owner's own sessions in the same
+    namespace; another owner's, or none, is simply not found. `final`: this turn is the
+    session's last: once it finishes the session ends and its private tail (past what the
+    parent holds) is marked dead, while the parent's prefix stays as the parent keeps it."""
 
     owner: Owner
     key: str
     idle_s: float | None = None
     namespace: str | None = None
+    parent: str | None = None
+    final: bool = False
 
 
 @dataclass(slots=True, eq=False)
@@ -82,6 +90,7 @@ class Session:
     num_shared_tokens: int | None = None  # what its first turn found cached: shared, never its own
     in_flight: set[str] = field(default_factory=set)  # request ids of turns not finished yet
     namespace: str | None = None  # SessionRef.namespace
+    parent_id: int | None = None  # the owner's session it branches from (SessionRef.parent), if found
 
     @property
     def name(self) -> tuple[str | None, str]:
@@ -155,6 +164,7 @@ class SessionBook:
         self._by_owner: dict[Owner, dict[tuple[str | None, str], Session]] = {}  # by name; least recently active first
         self._by_expiry: SortedList = SortedList()  # (expires_at_s, session_id) of idle sessions
         self._turns: dict[str, Session] = {}  # request id -> the session its turn belongs to
+        self._final: set[str] = set()  # request ids of turns that are their session's last
         self._ids = itertools.count(1)
         self.num_resumed = 0  # requests that named a live session
         self.num_expired = 0
@@ -172,6 +182,14 @@ class SessionBook:
             raise InvalidRequest(
                 f"a session key must be 1 to {MAX_SESSION_KEY_CHARS} characters", param="session", limit=MAX_SESSION_KEY_CHARS
             )
+        if ref.parent is not None and (not isinstance(ref.parent, str) or not 0 < len(ref.parent) <= MAX_SESSION_KEY_CHARS):
+            raise InvalidRequest(
+                f"a parent session key must be 1 to {MAX_SESSION_KEY_CHARS} characters",
+                param="session_parent",
+                limit=MAX_SESSION_KEY_CHARS,
+            )
+        if not isinstance(ref.final, bool):
+            raise InvalidRequest(f"a session turn's final flag must be a boolean, got {ref.final!r}", param="session_final")
         idle_s = self.limits.default_idle_s if ref.idle_s is None else ref.idle_s
         if isinstance(idle_s, bool) or not isinstance(idle_s, (int, float)) or not 0 < idle_s <= self.limits.max_idle_s:
             raise InvalidRequest(
@@ -217,9 +235,16 @@ class SessionBook:
             session.salt, session.idle_s, session.last_active_at_s = salt, idle_s, now_s
             for seq in seqs:
                 self._kv.load_ready(seq, self._chunk_tokens)  # starts the read-ahead (if on disk)
+        if ref.parent is not None and session.parent_id is None:
+            # The owner's own session of that name, in this namespace; any other is not found.
+            parent = self._sessions.get((ref.owner, ref.namespace, ref.parent))
+            if parent is not None and parent is not session:
+                session.parent_id = parent.session_id
         self._by_owner.setdefault(ref.owner, {})[session.name] = session  # now the most recently active
         session.in_flight.add(request_id)
         self._turns[request_id] = session
+        if ref.final:
+            self._final.add(request_id)
 
     def room(self, request_id: str, num_tokens: int, num_cached_tokens: int) -> TurnRoom | None:
         """The request's turn ends (keeps.Turns): its session's room for the turn's `num_tokens`
@@ -231,6 +256,8 @@ class SessionBook:
             return None  # released while the turn ran: the release stands
         if session.num_shared_tokens is None:
             session.num_shared_tokens = num_cached_tokens
+        if request_id in self._final:
+            return TurnRoom(session.owner, num_tokens, final=True)  # nothing retained: `ended` follows
         page_size = self._page_size
         room = self.limits.max_pages_per_owner - sum(
             s.num_retained_tokens // page_size for s in self._by_owner.get(session.owner, {}).values() if s is not session
@@ -239,9 +266,13 @@ class SessionBook:
         # first (never another owner's): the newest turn is the one about to be used. Trimmed
         # to that room; the retention cap the Keeper passes on is the owner's own over all its
         # retentions, so the owner's other retentions are not released to fit the room.
+        # A child never makes its parents give theirs up: it is about to read their prefix.
+        parents = self._parents(session)
         for other in list(self._by_owner.get(session.owner, {}).values()):
             if room * page_size >= num_tokens or other is session:
                 break
+            if other.session_id in parents:
+                continue
             room += other.num_retained_tokens // page_size
             self._drop_retention(other, dead=True)
         return TurnRoom(session.owner, min(num_tokens, max(0, room) * page_size))
@@ -266,8 +297,24 @@ class SessionBook:
         session.last_active_at_s = self._clock()
         self._file(session)
 
+    def ended(self, request_id: str, tokens: list[int], salt: str | None) -> None:
+        """A final turn finished (keeps.Turns; `room` said final) with `tokens` (prompt and
+        reply): its session ends now, its private tail (this turn's and its last retained
+        turn's, past the prefix it shares with its parent or found cached) marked dead; the
+        parent's prefix keeps whatever the parent session holds."""
+        self._final.discard(request_id)
+        session = self._turns.pop(request_id)
+        session.in_flight.discard(request_id)
+        if self._sessions.get((session.owner, *session.name)) is not session:
+            return  # released meanwhile: the release stands
+        node = self._tree.deepest_node(tokens, salt) if tokens else None
+        if node is not None:
+            self.signals.mark(node, Liveness.DEAD, below_blocks=self._shared_blocks(session, node))
+        self._end(session)
+
     def dropped(self, request_id: str) -> None:
         """A request left without output to retain (aborted, failed): its session only idles."""
+        self._final.discard(request_id)
         session = self._turns.pop(request_id, None)
         if session is not None:
             session.in_flight.discard(request_id)
@@ -319,8 +366,25 @@ class SessionBook:
 
     # -- internals -----------------------------------------------------------------------------
 
-    def _shared_blocks(self, session: Session) -> int:
-        return (session.num_shared_tokens or 0) // self._page_size
+    def _shared_blocks(self, session: Session, node: Node | None = None) -> int:
+        """The blocks of `session`'s path (to `node`, else its retained node) that are not its
+        own: what its first turn found cached, or, for a child, what it shares with its parent's
+        retained path, whichever is more; pure."""
+        own = (session.num_shared_tokens or 0) // self._page_size
+        parent = self._by_id.get(session.parent_id) if session.parent_id is not None else None
+        node = node if node is not None else session.node
+        if parent is None or parent.node is None or parent.node.removed or node is None:
+            return own
+        return max(own, _common_blocks(node, parent.node))
+
+    def _parents(self, session: Session) -> set[int]:
+        """The ids of the live sessions `session` branches from, its parent's parent included."""
+        found: set[int] = set()
+        parent_id = session.parent_id
+        while parent_id is not None and parent_id not in found and parent_id in self._by_id:
+            found.add(parent_id)
+            parent_id = self._by_id[parent_id].parent_id
+        return found
 
     def _idlest(self, owner: Owner) -> Session | None:
         """The owner's least recently active session with no turn running; None if none."""
@@ -354,6 +418,24 @@ class SessionBook:
 
     def _unfile(self, session: Session) -> None:
         self._by_expiry.discard((session.expires_at_s, session.session_id))
+
+
+def _common_blocks(a: Node, b: Node) -> int:
+    """The blocks two nodes' paths share from the root (their deepest common ancestor's depth,
+    counting whole nodes: match and insert split nodes where paths part); pure."""
+    ancestors = set()
+    current: Node | None = b
+    while current is not None:
+        ancestors.add(id(current))
+        current = current.parent
+    current = a
+    while current is not None and id(current) not in ancestors:
+        current = current.parent
+    blocks = 0
+    while current is not None:
+        blocks += len(current.pages)
+        current = current.parent
+    return blocks
 
 
 def _on_path(node: Node, deepest: Node | None) -> bool:

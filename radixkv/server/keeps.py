@@ -5,7 +5,7 @@ Anthropic's cache_control, a pin; and the usage fields read back from the output
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from radixkv.engine.request import Keep
 from radixkv.engine.request_output import RequestOutput
@@ -87,3 +87,35 @@ def creation_tokens(output: RequestOutput) -> int:
         return 0
     return max(0, report.num_kept_tokens[-1] - output.num_cached_tokens)
 
+
+
+def prompt_cache_kept(outputs: Sequence[RequestOutput]) -> dict[str, int | None]:
+    """radixkv's own usage field (`prompt_cache_kept`, beside each wire format's usage): how many
+    of the prompts' tokens their keeps hold now (the most any keep of each prompt kept, summed)
+    and until when (Unix seconds, the latest expiry; None: nothing kept, or pinned until
+    unpinned). A session's turn is kept when the reply ends, after this is written."""
+    reports = [o.kept for o in outputs if o.kept is not None]
+    expiries = [r.expires_at_epoch_s for r in reports if r.expires_at_epoch_s is not None and r.most_kept_tokens]
+    return {
+        "tokens": sum(r.most_kept_tokens for r in reports),
+        "expires_at": int(max(expiries)) if expiries else None,
+    }
+
+
+def cache_creation_by_ttl(output: RequestOutput, breakpoints: Sequence[Keep]) -> dict[str, int]:
+    """Anthropic's usage.cache_creation: creation_tokens split by the ttl of the breakpoint
+    that wrote them (each breakpoint's kept tokens past the cache's and the earlier ones'), so
+    the two add up to cache_creation_input_tokens."""
+    split = {"ephemeral_5m_input_tokens": 0, "ephemeral_1h_input_tokens": 0}
+    report = output.kept
+    if report is None or not report.num_kept_tokens or len(report.num_kept_tokens) != len(breakpoints):
+        return split
+    end = report.num_kept_tokens[-1]
+    done = output.num_cached_tokens
+    for kept, keep in zip(report.num_kept_tokens, breakpoints, strict=True):
+        upto = min(kept, end)
+        if upto > done:
+            name = "ephemeral_1h_input_tokens" if (keep.ttl_s or 0) > ANTHROPIC_TTL_S["5m"] else "ephemeral_5m_input_tokens"
+            split[name] += upto - done
+            done = upto
+    return split

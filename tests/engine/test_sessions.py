@@ -352,3 +352,88 @@ def test_only_a_session_makes_a_keep_into_the_reply(tiny_llama: Path, monkeypatc
             engine.add_request(prompt(1, 2), SamplingParams(max_tokens=1), keeps=(keep,))
         assert info.value.param == "keeps"
     assert not engine.has_unfinished()
+
+
+# -- parent and child sessions (subagents) ------------------------------------------------------
+
+
+def _fan_out(engine: Engine, prefix: list[int], owner: str = "alice") -> list[list[int]]:
+    """A parent turn over `prefix`, then 8 children branching from it (each a turn, then a
+    final turn continuing it); the children's final histories."""
+    turn(engine, prefix, SessionRef(owner, "parent"), max_tokens=4)
+    histories = []
+    for child in range(8):
+        first = turn(engine, prefix + prompt(20 + child, 2), SessionRef(owner, f"child-{child}", parent="parent"), max_tokens=4)
+        final = SessionRef(owner, f"child-{child}", parent="parent", final=True)
+        histories.append(turn(engine, first + prompt(40 + child, 1), final, max_tokens=4))
+    return histories
+
+
+def test_final_children_release_their_tails_and_the_parents_prefix_is_still_hit(tiny_llama: Path) -> None:
+    config = dict(model=str(tiny_llama), dtype="float32", device="cpu", page_size=PAGE_SIZE, num_pages=40, check_invariants=True, seed=0)
+    engine = Engine(EngineConfig(**config))  # type: ignore[arg-type]  # the KVManager's own marks
+    prefix = prompt(1, 8)  # the long shared prefix: 8 of the pool's 40 pages
+    histories = _fan_out(engine, prefix)
+    assert [s.key for s in engine.sessions.of_owner("alice")] == ["parent"]  # every final child ended
+    tree = engine.tree
+    for history in histories:
+        tail = tree.deepest_node(history, None)
+        if tail is not None and len(tail.tokens) and tail is not tree.deepest_node(prefix, None):
+            assert tail.liveness is Liveness.DEAD  # the child's private tail, past the parent's prefix
+    shared = tree.deepest_node(prefix, None)
+    assert shared is not None and shared.liveness is not Liveness.DEAD
+    # Pressure: other traffic needs nearly the whole pool; the children's tails go first.
+    for seed in range(6):
+        engine.add_request(prompt(80 + seed, 6), SamplingParams(max_tokens=2, ignore_eos=True), owner="bob")
+        run_to_end(engine)
+    for history in histories:
+        kept = tree.deepest_node(history, None)
+        assert kept is None or sum(len(n.pages) for n in _path(kept)) <= len(prefix) // PAGE_SIZE
+    request_id = engine.add_request(prefix + prompt(99, 1), SamplingParams(max_tokens=1), session=SessionRef("alice", "parent"))
+    assert run_to_end(engine)[request_id].num_cached_tokens >= len(prefix)  # the parent's prefix is still hit
+    assert_pages_returned(engine)
+
+
+def _path(node: Node) -> list[Node]:
+    path = []
+    current: Node | None = node
+    while current is not None:
+        path.append(current)
+        current = current.parent
+    return path
+
+
+def test_another_owners_parent_key_is_not_found_and_does_nothing_to_the_real_parent(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine, _, signals = make(tiny_llama, monkeypatch)
+    prefix = prompt(1, 6)
+    turn(engine, prefix, SessionRef("alice", "parent"))
+    [retention] = engine.tree.retentions("alice")
+    turn(engine, prefix + prompt(2, 2), SessionRef("bob", "child", parent="parent"))
+    assert engine.sessions.get("bob", "child").parent_id is None  # alice's parent is not bob's
+    turn(engine, prefix + prompt(2, 2) + [5], SessionRef("bob", "child", parent="parent", final=True))
+    assert engine.sessions.get("bob", "child") is None  # bob's own session ended
+    assert engine.sessions.get("alice", "parent").parent_id is None
+    assert engine.tree.retentions("alice") == [retention] and retention.node not in signals.dead
+    request_id = engine.add_request(prefix + [7], SamplingParams(max_tokens=1), session=SessionRef("alice", "parent"))
+    assert run_to_end(engine)[request_id].num_cached_tokens == len(prefix)
+
+
+def test_a_child_marks_dead_only_past_what_it_shares_with_its_parent(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine, _, signals = make(tiny_llama, monkeypatch, eviction_policy="session")
+    engine.sessions.signals = engine.kv  # the KVManager's own marks
+    prefix = prompt(1, 6)
+    turn(engine, prefix, SessionRef("alice", "parent"))
+    history = turn(engine, prefix + prompt(2, 2), SessionRef("alice", "child", parent="parent"))
+    assert engine.sessions.get("alice", "child").parent_id == engine.sessions.get("alice", "parent").session_id
+    turn(engine, history + [5], SessionRef("alice", "child", final=True))
+    assert engine.sessions.get("alice", "child") is None
+    assert engine.tree.deepest_node(prefix, None).liveness is not Liveness.DEAD
+    child_tail = engine.tree.deepest_node(history, None)
+    assert child_tail is not None and child_tail.liveness is Liveness.DEAD
+
+
+def test_a_parent_key_past_the_cap_is_refused_before_any_work(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine, _, _ = make(tiny_llama, monkeypatch)
+    with pytest.raises(InvalidRequest) as refused:
+        engine.add_request(prompt(1, 2), SamplingParams(max_tokens=1), session=SessionRef("alice", "c", parent="p" * 1025))
+    assert refused.value.param == "session_parent" and engine.sessions.get("alice", "c") is None

@@ -87,6 +87,7 @@ async def _messages(server: AppState, request: Request) -> Response:
         session=session, keeps=[tuple(marks)],
     )  # fmt: skip
     ctx = _Context(server, body, conv, prompt, salt, owner)
+    ctx.breakpoints = tuple(marks)
     ctx.fingerprint, ctx.diagnostics = diagnosis
     # The system field is rendered as the conversation's first message; message[k] counts the
     # request's own messages.
@@ -154,6 +155,7 @@ class _Context:
         self.reporter: CacheReporter | None = None  # set once the request is submitted
         self.fingerprint: PromptFingerprint | None = None  # kept under message_id once answered
         self.diagnostics: dict[str, Any] | None = None  # the body asked for diagnostics: the answer
+        self.breakpoints: tuple[Keep, ...] = ()  # the cache_control keeps, in the request's order
 
     def answered(self) -> None:
         """The message is answered: later requests of this key may compare with it."""
@@ -174,17 +176,20 @@ def _sampling_params(conv: Conversation, body: MessagesRequest) -> SamplingParam
 # -- usage ---------------------------------------------------------------------------------
 
 
-def _usage(ctx: _Context, final: RequestOutput) -> dict[str, int]:
+def _usage(ctx: _Context, final: RequestOutput) -> dict[str, Any]:
     """The prompt split honestly: tokens the cache served; tokens up to the last breakpoint
-    that were computed now and are now kept (the engine's KeepReport); the rest. The three add
-    up to the prompt's tokens."""
+    that were computed now and are now kept (the engine's KeepReport), split by their
+    breakpoints' ttl in cache_creation; the rest. The three add up to the prompt's tokens.
+    radixkv's prompt_cache_kept says what stays kept and until when."""
     cached = final.num_cached_tokens
     creation = keeps.creation_tokens(final)
     return {
         "input_tokens": len(ctx.prompt) - cached - creation,
         "cache_read_input_tokens": cached,
         "cache_creation_input_tokens": creation,
+        "cache_creation": keeps.cache_creation_by_ttl(final, ctx.breakpoints),
         "output_tokens": sum(len(o.token_ids) for o in final.outputs),
+        "prompt_cache_kept": keeps.prompt_cache_kept([final]),
     }
 
 

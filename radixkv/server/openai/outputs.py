@@ -17,6 +17,7 @@ from radixkv.server.continuation import ReplyCollector
 from radixkv.server.errors import APIError, engine_error
 from radixkv.server.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from radixkv.server.metrics import ServerMetrics
+from radixkv.server import keeps
 from radixkv.server.openai.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -34,6 +35,7 @@ from radixkv.server.openai.protocol import (
     ReplyToolCall,
     Usage,
     make_usage,
+    PromptCacheKept,
     new_id,
     now_s,
 )
@@ -242,8 +244,11 @@ async def text_events(
 
 
 def usage(finals: Sequence[RequestOutput]) -> Usage:
-    return make_usage(
+    """The prompts' and replies' tokens, those the cache served, and what stays kept until when."""
+    made = make_usage(
         sum(f.num_prompt_tokens for f in finals),
         sum(f.num_output_tokens for f in finals),
         sum(f.num_cached_tokens for f in finals),
     )
+    made.prompt_cache_kept = PromptCacheKept(**keeps.prompt_cache_kept(finals))
+    return made

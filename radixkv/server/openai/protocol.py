@@ -294,11 +294,20 @@ class PromptTokensDetails(BaseModel):
     cache_write_tokens: int | None = None  # prompt tokens a breakpoint or prewarm retained anew
 
 
+class PromptCacheKept(BaseModel):
+    """radixkv's extension beside usage (server/keeps.py prompt_cache_kept): the prompt's tokens
+    its keeps hold now, and until when (Unix seconds; None: nothing kept, or pinned until unpinned)."""
+
+    tokens: int = 0
+    expires_at: int | None = None
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    prompt_cache_kept: PromptCacheKept = PromptCacheKept()
 
 
 def make_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Usage:

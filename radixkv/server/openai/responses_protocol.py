@@ -18,7 +18,7 @@ from radixkv.server.guards.request_caps import (
     check_schema_or_none,
     max_items,
 )
-from radixkv.server.openai.protocol import PromptCacheOptions
+from radixkv.server.openai.protocol import PromptCacheKept, PromptCacheOptions
 
 
 class _Lenient(BaseModel):
@@ -178,6 +178,7 @@ class ResponseUsage(BaseModel):
     output_tokens: int
     output_tokens_details: OutputTokensDetails
     total_tokens: int
+    prompt_cache_kept: PromptCacheKept = PromptCacheKept()  # radixkv's extension (protocol.py)
 
 
 def response_usage(input_tokens: int, output_tokens: int, cached_tokens: int, cache_write_tokens: int = 0) -> ResponseUsage:

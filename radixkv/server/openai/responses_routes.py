@@ -20,7 +20,7 @@ from radixkv.engine.request import Keep
 from radixkv.engine.request_output import RequestOutput
 from radixkv.engine.sampling_params import SamplingParams
 from radixkv.errors import InvalidRequest
-from radixkv.server import sampling
+from radixkv.server import keeps, sampling
 from radixkv.prompts.conversation import EncodedConversation
 from radixkv.prompts.replies import encode_conversation_exact
 from radixkv.server.cache_diagnostics import PromptFingerprint, diverge, openai_diagnostics
@@ -35,6 +35,7 @@ from radixkv.server.openai import responses_continuation as continuation
 from radixkv.server.openai import responses_convert as convert
 from radixkv.server.openai import prompt_cache
 from radixkv.server.openai.responses_events import ResponseEvents
+from radixkv.server.openai.protocol import PromptCacheKept
 from radixkv.server.openai.responses_protocol import (
     IncompleteDetails,
     ResponseObject,
@@ -240,7 +241,9 @@ def _usage(server: AppState, final: RequestOutput) -> ResponseUsage:
     config = server.engine.engine.config
     full_tokens = final.num_prompt_tokens // config.page_size * config.page_size if config.enable_prefix_caching else 0
     written = max(0, full_tokens - final.num_cached_tokens)
-    return response_usage(final.num_prompt_tokens, final.num_output_tokens, final.num_cached_tokens, written)
+    made = response_usage(final.num_prompt_tokens, final.num_output_tokens, final.num_cached_tokens, written)
+    made.prompt_cache_kept = PromptCacheKept(**keeps.prompt_cache_kept([final]))
+    return made
 
 
 def _finished(server: AppState, turn: _Turn, final: RequestOutput) -> ResponseObject:

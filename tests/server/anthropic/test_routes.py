@@ -137,3 +137,24 @@ def test_tool_choice_any_gives_a_tool_use_block_the_client_parses(agent_server: 
     )  # fmt: skip
     assert reply.type == "message" and reply.usage.cache_read_input_tokens > 0
     agent_server.assert_idle_and_consistent()
+
+
+def test_cache_creation_splits_the_written_tokens_by_ttl_and_the_lifetime_is_echoed(live_server: LiveServer) -> None:
+    import time
+
+    system = [
+        {"type": "text", "text": SYSTEM + " ttl split", "cache_control": {"type": "ephemeral", "ttl": "1h"}},
+        {"type": "text", "text": "Then a shorter-lived part of the system prompt.", "cache_control": {"type": "ephemeral", "ttl": "5m"}},
+    ]
+    before_s = time.time()
+    raw = client(live_server).messages.with_raw_response.create(
+        model=MODEL, max_tokens=2, system=system, messages=[{"role": "user", "content": "Go."}]
+    )
+    usage = raw.parse().usage
+    split = usage.cache_creation
+    assert split is not None and split.ephemeral_1h_input_tokens > 0 and split.ephemeral_5m_input_tokens > 0
+    assert split.ephemeral_1h_input_tokens + split.ephemeral_5m_input_tokens == usage.cache_creation_input_tokens
+    kept = raw.http_response.json()["usage"]["prompt_cache_kept"]
+    assert kept["tokens"] >= usage.cache_creation_input_tokens and before_s + 3600 - 5 <= kept["expires_at"] <= time.time() + 3601
+    again = client(live_server).messages.create(model=MODEL, max_tokens=2, system=system, messages=[{"role": "user", "content": "Go."}])
+    assert again.usage.cache_creation is not None and again.usage.cache_creation.ephemeral_1h_input_tokens == 0  # read, not written

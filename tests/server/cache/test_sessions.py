@@ -107,6 +107,13 @@ def test_a_session_on_the_responses_api_and_a_resumed_turn_counts(live_server: L
         ({"X-Radixkv-Session-Idle-S": "30"}, None, "x-radixkv-session-idle-s"),
         ({"X-Radixkv-Session": "a", "X-Radixkv-Session-Idle-S": "-1"}, None, "x-radixkv-session-idle-s"),
         ({"X-Radixkv-Session": "a", "X-Radixkv-Session-Idle-S": "nan"}, None, "x-radixkv-session-idle-s"),
+        ({"X-Dynamo-Session-ID": "x" * 1025}, None, "x-dynamo-session-id"),
+        ({"X-Dynamo-Session-ID": "a", "X-Radixkv-Session": "b"}, None, "x-dynamo-session-id"),
+        ({"X-Dynamo-Session-ID": "a"}, "b", "prompt_cache_key"),
+        ({"X-Dynamo-Parent-Session-ID": "p"}, None, "x-dynamo-parent-session-id"),
+        ({"X-Dynamo-Session-ID": "a", "X-Dynamo-Parent-Session-ID": "p" * 1025}, None, "x-dynamo-parent-session-id"),
+        ({"X-Dynamo-Session-Final": "true"}, None, "x-dynamo-session-final"),
+        ({"X-Dynamo-Session-ID": "a", "X-Dynamo-Session-Final": "yes"}, None, "x-dynamo-session-final"),
     ],
 )
 def test_malformed_session_fields_are_refused_before_any_work(live_server: LiveServer, headers: dict, body_key: str | None, param: str) -> None:
@@ -216,3 +223,40 @@ def test_keyless_callers_are_one_owner_with_a_session_namespace_per_cache_partit
         assert live.engine_call(lambda engine: len(engine.sessions)) == 2  # one owner's cap over every namespace
         assert listed("app-a") == []
         live.assert_idle_and_consistent()
+
+
+@pytest.fixture(scope="module")
+def fanout_server(tiny_llama) -> Iterator[LiveServer]:
+    """Memory pressure: a pool that holds the shared prefix and a few subagents' tails, not all."""
+    with serve(make_async_engine(tiny_llama, num_pages=128)) as live:
+        yield live
+
+
+PLANNER = "You are the planner of a team of subagents; read the whole repository map first. " * 2
+
+
+def subagent(live: LiveServer, task: str, key: str = KEY_A, **headers: str) -> dict:
+    reply = live.client(key).chat.completions.create(
+        model=MODEL, messages=[{"role": "system", "content": PLANNER}, {"role": "user", "content": task}],
+        max_tokens=4, temperature=0, extra_headers=headers,
+    )  # fmt: skip
+    return reply.model_dump()
+
+
+def test_a_parent_and_8_final_children_leave_the_parents_prefix_hit(fanout_server: LiveServer) -> None:
+    live = fanout_server
+    subagent(live, "Plan the work.", **{"X-Dynamo-Session-ID": "planner"})
+    for child in range(8):
+        headers = {"X-Dynamo-Session-ID": f"agent-{child}", "X-Dynamo-Parent-Session-ID": "planner"}
+        subagent(live, f"Subagent {child}: inspect module number {child} and report.", **headers)
+        subagent(live, f"Subagent {child}: inspect module number {child} and report. Done?", **headers, **{"X-Dynamo-Session-Final": "true"})
+    assert list(sessions(live)) == ["planner"]  # every final child ended
+    # Another tenant's child naming "planner" finds no parent and touches nothing of A's.
+    retained = sessions(live)["planner"]["retained_tokens"]
+    assert retained > 0
+    subagent(live, "Subagent 9 of another tenant.", KEY_B, **{"X-Dynamo-Session-ID": "b-agent", "X-Dynamo-Parent-Session-ID": "planner"})
+    subagent(live, "Subagent 9 of another tenant. Done?", KEY_B, **{"X-Dynamo-Session-ID": "b-agent", "X-Dynamo-Parent-Session-ID": "planner", "X-Dynamo-Session-Final": "true"})
+    assert "b-agent" not in sessions(live, KEY_B) and sessions(live)["planner"]["retained_tokens"] == retained
+    prefix_tokens = live.engine_call(lambda engine: len(engine.tokenizer.encode(PLANNER)))
+    reply = subagent(live, "Now merge the reports.", **{"X-Radixkv-Session": "planner"})
+    assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] >= prefix_tokens  # the parent's prefix is still hit

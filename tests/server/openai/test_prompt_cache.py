@@ -184,3 +184,38 @@ def test_a_breakpoint_in_a_responses_input_part(live_server: LiveServer) -> None
     with live_server.http(KEY_B) as http:
         bad = http.post("/v1/responses", json={"model": MODEL, "input": [{"role": "user", "content": [{**parts[0], "prompt_cache_breakpoint": {"mode": "sometimes"}}]}]})
     assert bad.status_code == 400 and bad.json()["error"]["param"].startswith("input.0.content.0.prompt_cache_breakpoint")
+
+
+def test_usage_echoes_what_of_the_prompt_is_kept_and_until_when(live_server: LiveServer) -> None:
+    import time
+
+    messages = [{"role": "system", "content": SYSTEM + "Echo test."}, {"role": "user", "content": "Go."}]
+    before_s = time.time()
+    kept = live_server.client(KEY_B).chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=1, extra_body={"prompt_cache_retention": "24h"}
+    ).model_dump()["usage"]["prompt_cache_kept"]
+    assert kept["tokens"] > 0 and kept["tokens"] % 4 == 0  # its full pages
+    assert before_s + 86400 - 5 <= kept["expires_at"] <= time.time() + 86400 + 1
+    plain = live_server.client(KEY_B).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Plain."}], max_tokens=1)
+    assert plain.model_dump()["usage"]["prompt_cache_kept"] == {"tokens": 0, "expires_at": None}
+    with live_server.http(KEY_B) as http:
+        response = http.post("/v1/responses", json={"model": MODEL, "input": SYSTEM + "Echo.", "max_output_tokens": 1,
+                                                   "prompt_cache_options": {"mode": "implicit", "ttl": "30m"}})  # fmt: skip
+    assert response.status_code == 200, response.text
+    echoed = response.json()["usage"]["prompt_cache_kept"]
+    assert echoed["tokens"] > 0 and before_s + 1800 - 5 <= echoed["expires_at"] <= time.time() + 1800 + 1
+
+
+@pytest.mark.parametrize("ttl", ["1h", "24h", "5m", "", 1800])
+def test_a_ttl_openai_does_not_document_is_a_400_before_any_work(live_server: LiveServer, ttl: object) -> None:
+    """prompt_cache_options.ttl takes what OpenAI documents ("30m", "12h"), a breakpoint's ttl too."""
+    before = live_server.engine_call(lambda engine: engine.counters.num_steps)
+    with live_server.http() as http:
+        for body, param in (
+            ({"prompt_cache_options": {"ttl": ttl}, "messages": [{"role": "user", "content": "hi"}]}, "prompt_cache_options"),
+            ({"messages": [{"role": "user", "content": [{**marked("hi"), "prompt_cache_breakpoint": {"mode": "explicit", "ttl": ttl}}]}]}, "messages"),
+        ):
+            response = http.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 2, **body})
+            assert response.status_code == 400, response.text
+            assert (response.json()["error"]["param"] or "").startswith(param)
+    assert live_server.engine_call(lambda engine: engine.counters.num_steps) == before
