@@ -42,7 +42,7 @@ def test_serve_options_become_server_limits():
     args = argparse.Namespace(
         max_body_bytes=4096, stream_send_timeout_s=5.0, max_requests_per_key=3, max_seqs_per_key=6, max_pinned_pages_per_key=0,
         pin_ttl_s=0.0, max_parses_per_key=2, parse_cpu_share_per_key=0.5, allowed_origin=["https://app.example"], public_operator_endpoints=True,
-        max_stored_responses_per_key=7, max_stored_response_bytes_per_key=1 << 20,
+        max_stored_responses_per_key=7, max_stored_response_bytes_per_key=1 << 20, max_cache_diagnoses_per_key=11,
         max_connections=7, header_read_timeout_s=2.5, body_read_timeout_s=4.0,
         exact_continuation=False, max_replies_per_key=9, max_reply_tokens_per_key=99, max_spliced_replies=5,
     )
@@ -56,6 +56,7 @@ def test_serve_options_become_server_limits():
     assert limits.allowed_origins == ("https://app.example",) and limits.allowed_hosts == ("*",)
     assert (limits.exact_continuation, limits.max_replies_per_key, limits.max_reply_tokens_per_key) == (False, 9, 99)
     assert limits.max_spliced_replies == 5
+    assert limits.max_cache_diagnoses_per_key == 11
 
 
 def test_invalid_server_limits_name_the_field():
