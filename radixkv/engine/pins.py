@@ -83,6 +83,8 @@ class Pins:
         self._clock = clock
         self._records: dict[int, PinnedPrefix] = {}
         self.pages = 0  # pages all pins lock, overlaps counted twice
+        # No pin expires before this: expire() runs every step, and scans the pins only past it.
+        self._next_expiry_s = float("inf")
 
     def __bool__(self) -> bool:
         return bool(self._records)
@@ -108,6 +110,8 @@ class Pins:
         record = PinnedPrefix(pin_id, num_pinned_tokens, len(prompt), node, owner, expires_at_s)
         self._records[pin_id] = record
         self.pages += pages
+        if expires_at_s is not None:
+            self._next_expiry_s = min(self._next_expiry_s, expires_at_s)
         return record
 
     def _check(self, pages: int, owner: Owner) -> None:
@@ -150,9 +154,12 @@ class Pins:
     def expire(self) -> int:
         """Release every pin past its ttl; how many were."""
         now = self._clock() + _EXPIRY_SLACK_S
+        if now < self._next_expiry_s:
+            return 0
         expired = [pin_id for pin_id, r in self._records.items() if r.expires_at_s is not None and r.expires_at_s <= now]
         for pin_id in expired:
             self._release(pin_id)
+        self._next_expiry_s = min((r.expires_at_s for r in self._records.values() if r.expires_at_s is not None), default=float("inf"))
         return len(expired)
 
     def _release(self, pin_id: int) -> None:
