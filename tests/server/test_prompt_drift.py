@@ -6,8 +6,11 @@ the SDK types still parse), in radixkv's cache report too, and another key's id 
 from __future__ import annotations
 
 import anthropic
+import pytest
 from openai.types.responses.response import PromptCacheDiagnosticsCacheMiss, PromptCacheDiagnosticsComparisonResponseNotFound
 
+from radixkv.server.cache_diagnostics import Digester
+from radixkv.server.prompt_drift import DriftDigests, drift_digests, system_drift
 from tests.helpers.live_server import KEY_A, KEY_B, MODEL, LiveServer
 
 INSTRUCTIONS = "Answer in one short sentence."
@@ -121,3 +124,20 @@ def test_another_keys_id_is_never_found(agent_server: LiveServer) -> None:
     other = respond(agent_server, FIRST, first.id, key=KEY_B, tools=[TOOL_B, TOOL_A])
     assert isinstance(other.prompt_cache_diagnostics, PromptCacheDiagnosticsComparisonResponseNotFound)
     assert "drift" not in other.cache_report
+
+
+@pytest.mark.parametrize(("before", "after", "named"), [
+    ("Today is 2026-12-06.", "Today is 2026-12-07.", True),
+    ("It is 20:03 UTC on Sunday, Dec 6, 2026.", "It is 09:15 UTC on Monday, Dec 7, 2026.", True),
+    ("Date: 06/12/2026, time 8:05 pm", "Date: 07/12/2026, time 9:41 pm", True),
+    ("Session started at 1765051421.", "Session started at 1765051999.", True),
+    ("Today is 2026-12-06.", "Today is 2026-12-06!", False),
+    ("You are terse.", "You are verbose.", False),
+])  # fmt: skip
+def test_only_a_date_or_time_span_is_a_timestamp_drift(before: str, after: str, named: bool) -> None:
+    digester = Digester()
+
+    def digests(system: str) -> DriftDigests:
+        return drift_digests(digester.of, system=system, tools=[], messages=[], token_ids=[])
+
+    assert (system_drift(digests(before), digests(after)) == "system_timestamp_changed") is named
