@@ -437,3 +437,16 @@ def test_a_parent_key_past_the_cap_is_refused_before_any_work(tiny_llama: Path, 
     with pytest.raises(InvalidRequest) as refused:
         engine.add_request(prompt(1, 2), SamplingParams(max_tokens=1), session=SessionRef("alice", "c", parent="p" * 1025))
     assert refused.value.param == "session_parent" and engine.sessions.get("alice", "c") is None
+
+
+def test_the_turn_kept_when_the_reply_ends_is_on_the_output(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine, clock, _ = make(tiny_llama, monkeypatch)
+    request_id = engine.add_request(prompt(1, 5) + [5], SamplingParams(max_tokens=6, ignore_eos=True), session=SessionRef("alice", "s1", idle_s=100.0))
+    output = run_to_end(engine)[request_id]
+    [info] = engine.sessions.of_owner("alice")
+    assert output.kept is not None and output.kept.num_turn_tokens == info.num_retained_tokens > len(output.prompt_token_ids)
+    assert output.kept.most_kept_tokens == info.num_retained_tokens and output.kept.num_kept_tokens == ()
+    assert output.kept.expires_at_s == clock.now_s + 100.0
+    plain = engine.add_request(prompt(2, 3), SamplingParams(max_tokens=2))
+    assert run_to_end(engine)[plain].kept is None  # no session, no keeps: nothing kept
+    assert_pages_returned(engine)

@@ -175,7 +175,8 @@ def _prepare(server: AppState, store: ResponseStore, body: ResponsesRequest, own
     except InvalidRequest as error:
         raise engine_error(error, names) from None
     params = sampling.responses_params(body, names, guide)
-    writes = prompt_cache.responses_writes(server, body, history, tools, choice, prompt)
+    # The retention first, as chat keeps it: a later keep of the same prefix then reports it.
+    writes = keeps.retention(body.prompt_cache_retention, prompt) + prompt_cache.responses_writes(server, body, history, tools, choice, prompt)
     return _Turn(body, owner, messages, tools, choice, params, names, prompt, writes, encoded), prompt
 
 
@@ -225,6 +226,7 @@ def _skeleton(server: AppState, body: ResponsesRequest) -> ResponseObject:
         metadata=body.metadata or {},
         user=body.user,
         prompt_cache_key=body.prompt_cache_key,
+        prompt_cache_retention=body.prompt_cache_retention,
     )
 
 
