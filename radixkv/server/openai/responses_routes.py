@@ -46,7 +46,7 @@ from radixkv.server.openai.responses_protocol import (
     response_usage,
 )
 from radixkv.server.openai.responses_store import ResponseStore, conversation_bytes
-from radixkv.server.sessions import session_ref
+from radixkv.server.sessions import hint_resume, session_ref
 from radixkv.server.streaming import (
     SSEResponse,
     collect,
@@ -92,6 +92,7 @@ def register(app: FastAPI, server: AppState, store: ResponseStore | None = None)
     @app.post("/v1/responses")
     async def create_response(request: Request) -> Response:
         key = server.tenants.authenticate_headers(request.headers)
+        hint_resume(server, request.headers, key)  # the disk read starts before the body is read
         raw = await request.body()
         owner = server.tenants.owner(key)
 
