@@ -305,6 +305,7 @@ class SessionBook:
                 self.signals.mark(old_node, Liveness.COLD, below_blocks=self._shared_blocks(session))  # what the new turn does not continue
         if session.node is not None:
             self.signals.mark(session.node, Liveness.HOT, below_blocks=self._shared_blocks(session))
+            self._keep_parents(session)
         session.num_turns += 1
         session.last_active_at_s = self._clock()
         self._file(session)
@@ -388,6 +389,26 @@ class SessionBook:
         if parent is None or parent.node is None or parent.node.removed or node is None:
             return own
         return max(own, _common_blocks(node, parent.node))
+
+    def _keep_parents(self, child: Session) -> None:
+        """A child's turn covers its parents' prefix, so the tree let it supersede their
+        retentions (one owner's retention covering another's, RadixTree.retain): each parent's
+        newest turn is retained again, for what is left of its idle time, so it outlives the
+        child (a final child's tail goes, the parent's prefix stays, as the parent keeps it)."""
+        now_s = self._clock()
+        for parent_id in self._parents(child):
+            parent = self._by_id[parent_id]
+            if parent.retention_id is None or parent.node is None or parent.node.removed:
+                continue
+            if self._tree.retention(parent.retention_id) is not None:
+                continue
+            ttl_s = parent.expires_at_s - now_s
+            if ttl_s <= 0:
+                continue
+            num = self._kv.retain(path_tokens(parent.node), parent.salt, ttl_s, parent.owner, self.limits.max_retained_pages_per_owner)
+            retention = self._tree.retentions(parent.owner)[-1] if num else None
+            parent.retention_id = retention.retention_id if retention is not None else None
+            parent.node = retention.node if retention is not None else parent.node
 
     def _parents(self, session: Session) -> set[int]:
         """The ids of the live sessions `session` branches from, its parent's parent included."""

@@ -484,3 +484,26 @@ def test_a_resume_hint_reads_the_turn_ahead_and_its_request_takes_the_read(tiny_
     assert reads == [(0, num)]  # one read of those blocks in all
     assert engine.cache_view.disk_stats().prefetched_blocks >= num
     engine.close()
+
+
+def test_a_childs_turn_does_not_take_its_parents_retention(tiny_llama: Path) -> None:
+    """A child's retained turn covers the parent's prefix, which the tree would let supersede
+    the parent's retention (one owner's): the parent's turn stays retained beside each child's
+    and after every final child ended, under plain LRU too, where hits protect nothing."""
+    config = dict(
+        model=str(tiny_llama), dtype="float32", device="cpu", page_size=PAGE_SIZE, num_pages=40, check_invariants=True, seed=0,
+        eviction_policy="lru",
+    )  # fmt: skip
+    engine = Engine(EngineConfig(**config))  # type: ignore[arg-type]
+    prefix = prompt(1, 8)
+    _fan_out(engine, prefix)
+    [parent] = engine.sessions.of_owner("alice")
+    assert parent.key == "parent" and parent.num_retained_tokens >= len(prefix)
+    [retention] = engine.tree.retentions("alice")
+    assert retention.num_pages * PAGE_SIZE >= len(prefix)
+    for seed in range(6):  # other traffic needs nearly the whole pool
+        engine.add_request(prompt(80 + seed, 6), SamplingParams(max_tokens=2, ignore_eos=True), owner="bob")
+        run_to_end(engine)
+    request_id = engine.add_request(prefix + prompt(99, 1), SamplingParams(max_tokens=1), session=SessionRef("alice", "parent"))
+    assert run_to_end(engine)[request_id].num_cached_tokens >= len(prefix)
+    assert_pages_returned(engine)
