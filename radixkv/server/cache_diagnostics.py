@@ -107,10 +107,9 @@ def diverge(previous: PromptFingerprint, current: PromptFingerprint, tokenizer: 
     found = _diverge_text(previous, current, tokenizer, encoded, message_offset)
     if previous.drift is None or current.drift is None or found.part in ("model", "partition"):
         return found
-    text_change = None if found.part is None else found.start_token
-    if found.part is not None and text_change is None:
-        return found
-    at = prompt_drift.retokenized(previous.drift, current.drift, text_change)
+    at = None
+    if found.part is None or found.start_token is not None:  # where the text changed is known (or it did not)
+        at = prompt_drift.retokenized(previous.drift, current.drift, found.start_token if found.part else None)
     counts = {"previous_prompt_tokens": found.previous_prompt_tokens, "prompt_tokens": found.prompt_tokens}
     if at is not None:
         return Divergence("messages", at, **counts, drift="message_boundary_retokenized")
