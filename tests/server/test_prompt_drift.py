@@ -133,6 +133,7 @@ def test_another_keys_id_is_never_found(agent_server: LiveServer) -> None:
     ("Session started at 1765051421.", "Session started at 1765051999.", True),
     ("Today is 2026-12-06.", "Today is 2026-12-06!", False),
     ("You are terse.", "You are verbose.", False),
+    ("Tools of version 1.2.3.", "Tools of version 1.2.4.", False),
 ])  # fmt: skip
 def test_only_a_date_or_time_span_is_a_timestamp_drift(before: str, after: str, named: bool) -> None:
     digester = Digester()
