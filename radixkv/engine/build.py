@@ -1,6 +1,6 @@
 """An engine's parts made from its config: the model on its attention backend (a configuration
-the backend cannot run refused before the weights load), and the cache beneath it (the page pool
-sized from memory, the radix tree, the KV manager with its disk tier).
+the backend cannot run refused before the weights load), the cache beneath it (the page pool
+sized from memory, the radix tree, the KV manager with its disk tier), its end ids and guides.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from radixkv.config import EngineConfig
 from radixkv.engine.cache_view import CacheView
 from radixkv.engine.compute_cost import ComputeCost
 from radixkv.engine.disk_loader import open_disk_tier
+from radixkv.engine.guide import GuideLimits, Guides
 from radixkv.engine.kv_manager import KVManager
 from radixkv.errors import ConfigError
 from radixkv.model.loader import LoadedModel, load_model
@@ -82,3 +83,25 @@ def build_cache(config: EngineConfig, loaded: LoadedModel, device: torch.device)
         compute_cost.estimate_s, config.kv_disk_prefetch_bytes, config.max_retained_pages_per_owner, config.max_ghost_blocks,
     )  # fmt: skip
     return EngineCache(kv_dtype, pool, hasher, tree, compute_cost, kv, kv.cache_view())
+
+
+def eos_token_ids(loaded: LoadedModel) -> set[int]:
+    """The ids that end a reply: the model config's, and the tokenizer's own where it names one."""
+    ids = set(loaded.config.eos_token_ids)
+    if getattr(loaded.tokenizer, "eos_token_id", None) is not None:
+        ids.add(loaded.tokenizer.eos_token_id)
+    return ids
+
+
+def resolve_batch_invariant(config: EngineConfig, loaded: LoadedModel) -> bool:
+    """The config's choice, or on where the model needs it and its backend can: quantized weights
+    (int8 activations) are cache-exact only batch-invariant; see config."""
+    if config.batch_invariant is not None:
+        return config.batch_invariant
+    return loaded.weight_format != "float" and loaded.model.attention.capabilities.batch_invariant
+
+
+def build_guides(config: EngineConfig, loaded: LoadedModel, eos_ids: set[int]) -> Guides:
+    """Structured output's compiler and masks, under the config's schema and time limits."""
+    limits = GuideLimits(config.max_guide_schema_bytes, config.max_guide_schema_depth, config.guide_compile_timeout_s, config.guide_mask_timeout_s)
+    return Guides(loaded.tokenizer, loaded.config.vocab_size, sorted(eos_ids), limits)
