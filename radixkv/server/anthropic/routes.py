@@ -27,7 +27,7 @@ from radixkv.server import tools as tool_layer
 from radixkv.server.anthropic import conversation as conv_mod
 from radixkv.server.anthropic.conversation import Conversation
 from radixkv.server.anthropic.protocol import MessagesRequest
-from radixkv.server.cache_diagnostics import PromptFingerprint, anthropic_reason, diverge
+from radixkv.server.cache_diagnostics import PromptFingerprint, anthropic_reason, diverge, drift_field
 from radixkv.server.cache_report import CacheReporter, ChatSource, wanted
 from radixkv.prompts.replies import encode_conversation_exact
 from radixkv.server.continuation import ReplyCollector
@@ -94,6 +94,7 @@ async def _messages(server: AppState, request: Request) -> Response:
     offset = _system_offset(body, conv)
     source = ChatSource(conv.messages, conv.tools, conv.tool_choice, message_offset=offset, encoded=encoded)
     ctx.reporter = CacheReporter(server, key, wanted(body.cache_report, request.headers), [prompt], source)
+    ctx.reporter.drift = (ctx.diagnostics or {}).get("drift")
     if body.stream:
         return SSEResponse(_events(ctx, streams), streams, server.limits.stream_send_timeout_s)
     finals = await until_disconnect(request, collect(server.metrics, streams, 1), streams)
@@ -129,7 +130,7 @@ def _diagnose(
     tools = [t.model_dump(exclude={"cache_control"}) for t in body.tools or ()]  # in order: reordering is a change
     fingerprint = server.diagnoses.digester.fingerprint(
         model=server.model_name, salt=salt, system=system, tools=tools, options=[conv.tool_choice, conv.parallel_tool_calls],
-        messages=conv.messages[offset:], num_prompt_tokens=len(encoded.token_ids),
+        messages=conv.messages[offset:], num_prompt_tokens=len(encoded.token_ids), token_ids=encoded.token_ids,
     )  # fmt: skip
     if body.diagnostics is None:
         return fingerprint, None
@@ -138,7 +139,7 @@ def _diagnose(
         return fingerprint, {"cache_miss_reason": None}
     previous = server.diagnoses.get(owner, previous_id)
     divergence = None if previous is None else diverge(previous, fingerprint, server.engine.tokenizer, encoded, offset)
-    return fingerprint, {"cache_miss_reason": anthropic_reason(divergence)}
+    return fingerprint, {"cache_miss_reason": anthropic_reason(divergence), **drift_field(divergence)}
 
 
 def _system_offset(body: MessagesRequest, conv: Conversation) -> int:

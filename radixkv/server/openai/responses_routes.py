@@ -121,6 +121,7 @@ def register(app: FastAPI, server: AppState, store: ResponseStore | None = None)
         offset = 1 if body.instructions else 0
         source = ChatSource(convert.prompt_messages(body, turn.messages), turn.tools, turn.choice, message_offset=offset, encoded=turn.encoded)
         reporter = CacheReporter(server, key, wanted(body.cache_report, request.headers), [prompt], source)
+        reporter.drift = (turn.diagnostics or {}).get("drift")
         if body.stream:
             events = _events(server, store, turn, streams, reporter)
             return SSEResponse(events, streams, server.limits.stream_send_timeout_s)
@@ -186,6 +187,7 @@ def _diagnose(server: AppState, turn: _Turn, salt: str | None) -> None:
         model=server.model_name, salt=salt, system=body.instructions or None,
         tools=[tool.model_dump(exclude_none=True) for tool in body.tools],  # in order: reordering is a change
         options=[turn.choice, body.parallel_tool_calls], messages=turn.messages, num_prompt_tokens=len(turn.prompt),
+        token_ids=turn.prompt,
     )  # fmt: skip
     options = body.prompt_cache_options
     if options is None or options.comparison_response_id is None:
