@@ -175,7 +175,7 @@ def _prepare(server: AppState, store: ResponseStore, body: ResponsesRequest, own
     except InvalidRequest as error:
         raise engine_error(error, names) from None
     params = sampling.responses_params(body, names, guide)
-    writes = prompt_cache.responses_writes(server, body, history, tools, choice, prompt)
+    writes = prompt_cache.responses_writes(server, body, history, tools, choice, prompt, encoded)
     return _Turn(body, owner, messages, tools, choice, params, names, prompt, writes, encoded), prompt
 
 
