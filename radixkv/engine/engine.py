@@ -270,6 +270,12 @@ class Engine:
         self.context.check_lookup(prompt_token_ids)
         return self.cache_view.lookup(prompt_token_ids, salt)
 
+    def read_ahead_session(self, ref: SessionRef) -> int:
+        """A session's resume, named before its request is read: its newest turn's disk blocks
+        start being read (engine/sessions.py `read_ahead`); the blocks being read, 0 for a
+        session the owner does not have."""
+        return self.sessions.read_ahead(ref, self.cache_view.loader)
+
     def flush_cache(self, *, ram: bool = True, disk: bool = True) -> tuple[int, int]:
         """Drop the prefix cache's unlocked RAM pages and/or its disk blocks; (pages freed,
         blocks deleted). Running requests and pins keep theirs."""

@@ -78,10 +78,13 @@ class KeepReport:
     pin: PinnedPrefix | None = None
     error: InvalidRequest | None = None
     expires_at_epoch_s: float | None = None
+    # A session's turn, kept when the reply ends (Keeper.finish): its tokens (the prompt's and
+    # the reply's); the expiries above then count its own.
+    num_turn_tokens: int = 0
 
     @property
     def most_kept_tokens(self) -> int:
-        return max(self.num_kept_tokens, default=0)
+        return max(*self.num_kept_tokens, self.num_turn_tokens, 0)
 
 
 class SeqStatus(enum.Enum):

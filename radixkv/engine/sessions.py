@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 from sortedcontainers import SortedList
 
 from radixkv.cache.eviction import Liveness
+from radixkv.cache.radix_node import path_tokens
 from radixkv.engine.keeps import TurnRoom
 from radixkv.engine.request import Keep
 from radixkv.errors import InvalidRequest, OwnerCapExceeded
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
     from radixkv.cache.radix import Node, RadixTree
     from radixkv.cache.retention import Retention
     from radixkv.config import EngineConfig
+    from radixkv.engine.disk_loader import DiskLoader
     from radixkv.engine.kv_manager import KVManager
     from radixkv.engine.pins import Owner
     from radixkv.engine.request import SequenceState
@@ -245,6 +247,16 @@ class SessionBook:
         self._turns[request_id] = session
         if ref.final:
             self._final.add(request_id)
+
+    def read_ahead(self, ref: SessionRef, loader: DiskLoader | None) -> int:
+        """A resume named before its request is read (the session header): start reading the
+        session's newest turn back from disk (DiskLoader.read_ahead), so the request finds it
+        read; the owner's own session in its namespace only, any other is not found and starts
+        nothing. Returns the blocks being read. Changes nothing in the book."""
+        session = self._sessions.get((ref.owner, ref.namespace, ref.key))
+        if loader is None or session is None or session.node is None:
+            return 0
+        return loader.read_ahead(path_tokens(session.node), session.salt)  # the path outlives its eviction
 
     def room(self, request_id: str, num_tokens: int, num_cached_tokens: int) -> TurnRoom | None:
         """The request's turn ends (keeps.Turns): its session's room for the turn's `num_tokens`

@@ -13,7 +13,9 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+from radixkv.errors import InvalidRequest
 from radixkv.prompts.conversation import EncodedConversation
+from radixkv.prompts.tools import normalize_messages
 from radixkv.server import prompt_drift
 from radixkv.server.prompt_drift import DriftDigests
 
@@ -84,6 +86,12 @@ class Digester:
         self, *, model: str, salt: str | None, system: str | None, tools: list[dict[str, Any]], options: Any,
         messages: list[dict[str, Any]], num_prompt_tokens: int, token_ids: list[int] | None = None,
     ) -> PromptFingerprint:
+        # The messages as the template is given them: what renders the same ids digests alike
+        # (a content array of text parts or its string, a call's arguments in other spacing).
+        try:
+            messages = normalize_messages(messages)
+        except InvalidRequest:
+            pass  # never rendered: compared as sent
         drift = prompt_drift.drift_digests(self.of, system=system, tools=tools, messages=messages, token_ids=token_ids or ())
         return PromptFingerprint(
             self.of(model), self.of([salt]), self.of([system]), self.of(tools), self.of(options),

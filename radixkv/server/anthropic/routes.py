@@ -38,7 +38,7 @@ from radixkv.server.errors import (
     engine_error,
     parse_body,
 )
-from radixkv.server.sessions import session_ref
+from radixkv.server.sessions import hint_resume, session_ref
 from radixkv.server.streaming import (
     SSEResponse,
     collect,
@@ -74,6 +74,7 @@ def _error_response(error: APIError) -> JSONResponse:
 
 async def _messages(server: AppState, request: Request) -> Response:
     key = server.tenants.authenticate_headers(request.headers)
+    hint_resume(server, request.headers, key)  # the disk read starts before the body is read
     raw = await request.body()
     owner = server.tenants.owner(key)  # whose retention cap the breakpoints count against, whose replies splice
     salt = server.tenants.cache_salt(key, None)  # the same partition as the key's OpenAI calls

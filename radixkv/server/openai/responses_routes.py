@@ -46,7 +46,7 @@ from radixkv.server.openai.responses_protocol import (
     response_usage,
 )
 from radixkv.server.openai.responses_store import ResponseStore, conversation_bytes
-from radixkv.server.sessions import session_ref
+from radixkv.server.sessions import hint_resume, session_ref
 from radixkv.server.streaming import (
     SSEResponse,
     collect,
@@ -92,6 +92,7 @@ def register(app: FastAPI, server: AppState, store: ResponseStore | None = None)
     @app.post("/v1/responses")
     async def create_response(request: Request) -> Response:
         key = server.tenants.authenticate_headers(request.headers)
+        hint_resume(server, request.headers, key)  # the disk read starts before the body is read
         raw = await request.body()
         owner = server.tenants.owner(key)
 
@@ -175,7 +176,10 @@ def _prepare(server: AppState, store: ResponseStore, body: ResponsesRequest, own
     except InvalidRequest as error:
         raise engine_error(error, names) from None
     params = sampling.responses_params(body, names, guide)
-    writes = prompt_cache.responses_writes(server, body, history, tools, choice, prompt, encoded)
+    # The retention first, as chat keeps it: a later keep of the same prefix then reports it.
+    writes = keeps.retention(body.prompt_cache_retention, prompt) + prompt_cache.responses_writes(
+        server, body, history, tools, choice, prompt, encoded
+    )
     return _Turn(body, owner, messages, tools, choice, params, names, prompt, writes, encoded), prompt
 
 
@@ -225,6 +229,7 @@ def _skeleton(server: AppState, body: ResponsesRequest) -> ResponseObject:
         metadata=body.metadata or {},
         user=body.user,
         prompt_cache_key=body.prompt_cache_key,
+        prompt_cache_retention=body.prompt_cache_retention,
     )
 
 
