@@ -55,6 +55,7 @@ class Engine:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         cache = build_cache(config, loaded, self.device)
         self.kv_dtype, self.pool, self.hasher, self.tree, self.kv = cache.kv_dtype, cache.pool, cache.hasher, cache.tree, cache.kv
+        self.windows = cache.windows  # the window layers' pages (layer groups), None for one group
         # The whole cache as reports see it (lookup, residency, disk, misses) and flush/close act on it.
         self.cache_view = cache.view
         self.compute_cost = cache.compute_cost
@@ -70,7 +71,7 @@ class Engine:
         if invariant is None:
             invariant = loaded.weight_format != "float" and loaded.model.attention.capabilities.batch_invariant
         self.batch_invariant = invariant
-        self.runner = ModelRunner(loaded.model, self.pool, loaded.device, self.sampler, batch_invariant=invariant)
+        self.runner = ModelRunner(loaded.model, self.pool, loaded.device, self.sampler, invariant, cache.groups, cache.windows)
         guide_limits = GuideLimits(
             config.max_guide_schema_bytes, config.max_guide_schema_depth, config.guide_compile_timeout_s, config.guide_mask_timeout_s
         )
@@ -326,4 +327,4 @@ class Engine:
 
     def check_invariants(self) -> None:
         """free + evictable + in use == total, no page counted twice, refcounts explained."""
-        check_page_accounting(self.pool, self.tree, self.scheduler.running, self.scheduler.waiting)
+        check_page_accounting(self.pool, self.tree, self.scheduler.running, self.scheduler.waiting, self.windows)
