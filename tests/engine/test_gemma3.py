@@ -74,3 +74,34 @@ def test_gemma3_batch_invariant_matches_transformers(tiny_gemma3, gemma_referenc
     prompts, expected = gemma_reference
     llm = make_llm(tiny_gemma3, attention_backend="cpu" if native.load() else "torch", batch_invariant=True)
     assert [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW))] == expected
+
+
+@pytest.mark.parametrize("backend", _backends())
+def test_gemma3_window_pages_small_pool(tiny_gemma3, gemma_reference, backend):
+    """Layer groups: the window layers' pool holds a few windows, not the prompts. Blocks
+    behind a window go back while a request runs, finished prefixes lose window pages under
+    pressure, and a warm match stops where a window lacks them; tokens stay transformers'."""
+    prompts, expected = gemma_reference
+    llm = make_llm(tiny_gemma3, attention_backend=backend, max_batch_tokens=16, num_window_pages=10)
+    windows = llm.engine.windows
+    assert windows is not None and windows.pool.num_pages == 10
+    assert windows.pool.num_pages * 4 < sum(len(p) for p in prompts), "the window pool cannot hold every prompt"
+    params = SamplingParams(max_tokens=MAX_NEW)
+    for _ in range(2):
+        assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+    one = max(prompts, key=len)
+    assert llm.generate([one], params)[0].token_ids == expected[prompts.index(one)]
+    warm = llm.generate([one], params)[0]
+    assert warm.token_ids == expected[prompts.index(one)] and warm.num_cached_tokens > 8, "a warm hit past the window"
+    assert_pages_returned(llm.engine)
+
+
+def test_gemma3_groups_refuse_what_they_cannot_hold(tiny_gemma3, tmp_path):
+    from radixkv.errors import ConfigError
+
+    with pytest.raises(ConfigError) as small:
+        make_llm(tiny_gemma3, max_batch_tokens=16, num_window_pages=4)
+    assert small.value.param == "num_window_pages" and "at least 7" in str(small.value)
+    with pytest.raises(ConfigError) as disk:
+        make_llm(tiny_gemma3, kv_disk_dir=str(tmp_path / "kv"))
+    assert disk.value.param == "kv_disk_dir" and "sliding-window" in str(disk.value)
