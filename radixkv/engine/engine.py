@@ -323,7 +323,7 @@ class Engine:
     # -- introspection -----------------------------------------------------------------------
 
     def stats(self) -> EngineStats:
-        return EngineStats.snapshot(self.counters, self.pool, self.tree, self.scheduler, len(self.requests), self.cache_view)
+        return EngineStats.snapshot(self.counters, self.pool, self.tree, self.scheduler, len(self.requests), self.cache_view, self.windows)
 
     def check_invariants(self) -> None:
         """free + evictable + in use == total, no page counted twice, refcounts explained."""

@@ -200,10 +200,7 @@ class KVManager(KVKeeps):
         """Pages for num_new_tokens more tokens of seq, evicting if needed; False if short.
         Window pages behind seq's next query go back first."""
         windows = self._windows
-        if windows is not None:
-            floor = windows.first_block(seq.num_computed_tokens)
-            windows.release(seq.page_table, seq.window_table, seq.window_floor, floor, tail=False)
-            seq.window_floor = max(seq.window_floor, floor)
+        self._release_behind(seq)
         needed = max(0, -(-(seq.num_computed_tokens + num_new_tokens) // self._page_size) - len(seq.page_table))
         if needed == 0:
             return True
@@ -221,13 +218,24 @@ class KVManager(KVKeeps):
         seq.window_table.extend(window_pages)
         return True
 
+    def _release_behind(self, seq: SequenceState) -> None:
+        """Give back seq's window pages of blocks its next query no longer reads."""
+        if self._windows is not None:
+            floor = self._windows.first_block(seq.num_computed_tokens)
+            self._windows.release(seq.page_table, seq.window_table, seq.window_floor, floor, tail=False)
+            seq.window_floor = max(seq.window_floor, floor)
+
     # -- after a step ------------------------------------------------------------------------
 
     def commit(self, seq: SequenceState) -> None:
-        """Offer seq's newly computed full blocks to the tree; adopt the tree's duplicates."""
+        """Offer seq's newly computed full blocks to the tree; adopt the tree's duplicates;
+        then give back the window pages the step left behind (the tree keeps its own)."""
         num_full = seq.num_computed_tokens // self._page_size
-        if not self._caching or num_full <= seq.num_tree_blocks:
-            return
+        if self._caching and num_full > seq.num_tree_blocks:
+            self._insert(seq, num_full)
+        self._release_behind(seq)
+
+    def _insert(self, seq: SequenceState, num_full: int) -> None:
         hashes = self._hashes(seq)
         tokens = seq.all_token_ids[: num_full * self._page_size]
         # The blocks it inserts reach residency and the ghost index through the bus (BlocksStored).

@@ -105,3 +105,29 @@ def test_gemma3_groups_refuse_what_they_cannot_hold(tiny_gemma3, tmp_path):
     with pytest.raises(ConfigError) as disk:
         make_llm(tiny_gemma3, kv_disk_dir=str(tmp_path / "kv"))
     assert disk.value.param == "kv_disk_dir" and "sliding-window" in str(disk.value)
+
+
+def test_gemma3_kv_bytes_in_use_keep_the_window_only(tiny_gemma3, gemma_reference):
+    """One long sequence: the full layer keeps every token, the window layers a window and the
+    chunk being written; stats().cache.kv_bytes_in_use counts both pools."""
+    prompts, _ = gemma_reference
+    prompt = max(prompts, key=len)
+    llm = make_llm(tiny_gemma3, max_batch_tokens=16, enable_prefix_caching=False)
+    engine, windows = llm.engine, llm.engine.windows
+    engine.add_request(prompt, SamplingParams(max_tokens=MAX_NEW))
+    full_bytes, window_bytes = engine.pool.page_nbytes, windows.pool.page_nbytes
+    assert window_bytes == 3 * full_bytes, "three window layers beside one full layer"
+    peak_window_pages = 0
+    while engine.has_unfinished():
+        engine.step()
+        if not engine.has_unfinished():
+            break
+        seq = engine.scheduler.running[0]
+        held_window = sum(1 for page in seq.window_table if page >= 0)
+        assert held_window <= -(-(8 - 1) // 4) + 1, "between steps a sequence holds its window and the page being written"
+        peak_window_pages = max(peak_window_pages, windows.pool.num_pages - windows.pool.num_free)
+        in_use = llm.stats().cache.kv_bytes_in_use
+        assert in_use == len(seq.page_table) * full_bytes + held_window * window_bytes
+    # Every layer keeping every token would hold 4 layers x all pages; the window layers held 3.
+    assert peak_window_pages <= 3 < -(-(len(prompt) + MAX_NEW) // 4)
+    assert llm.stats().cache.kv_bytes_in_use == 0
