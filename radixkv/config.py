@@ -32,6 +32,9 @@ class EngineConfig:
     num_pages: int | None = None  # None: sized from free memory and kv_memory_fraction
     kv_memory_fraction: float = 0.25  # share of free memory for KV pages when num_pages is None
     max_kv_pages: int = 65536  # cap on pages when sized from memory
+    # Pages of the window layers' own pool on a model with layer groups (Gemma 3: full and
+    # sliding-window layers; cache/layer_groups.py); None: sized from max_num_seqs and the chunk.
+    num_window_pages: int | None = None
     max_batch_tokens: int = 2048  # tokens computed per step (prefill chunks + decode tokens)
     max_num_seqs: int = 64  # requests running at once
     max_model_len: int | None = None  # None: the model's max_position_embeddings
@@ -201,6 +204,8 @@ class EngineConfig:
         _positive(self, "max_kv_pages", limit=1 << 26)
         if self.num_pages is not None:
             _positive(self, "num_pages", limit=1 << 26)
+        if self.num_window_pages is not None:
+            _positive(self, "num_window_pages", limit=1 << 26)
         if self.max_retained_pages_per_owner != 0:
             _positive(self, "max_retained_pages_per_owner", limit=1 << 26)
         fraction = self.max_retained_pages_fraction

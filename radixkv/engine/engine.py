@@ -52,6 +52,7 @@ class Engine:
         self.eos_token_ids = eos_token_ids(loaded)
         cache = build_cache(config, loaded, self.device)
         self.kv_dtype, self.pool, self.hasher, self.tree, self.kv = cache.kv_dtype, cache.pool, cache.hasher, cache.tree, cache.kv
+        self.windows = cache.windows  # the window layers' pages (layer groups), None for one group
         # The whole cache as reports see it (lookup, residency, disk, misses) and flush/close act on it.
         self.cache_view = cache.view
         self.compute_cost = cache.compute_cost
@@ -63,7 +64,7 @@ class Engine:
         self.scheduler = Scheduler(config, self.kv)
         self.sampler = Sampler(config.seed, tuple(sorted(self.eos_token_ids)))
         self.batch_invariant = resolve_batch_invariant(config, loaded)
-        self.runner = ModelRunner(loaded.model, self.pool, loaded.device, self.sampler, batch_invariant=self.batch_invariant)
+        self.runner = ModelRunner(loaded.model, self.pool, loaded.device, self.sampler, self.batch_invariant, cache.groups, cache.windows)
         self.guides = build_guides(config, loaded, self.eos_token_ids)
         self.counters = EngineCounters()
         self.step_times = StepTimes()
@@ -301,8 +302,8 @@ class Engine:
     # -- introspection -----------------------------------------------------------------------
 
     def stats(self) -> EngineStats:
-        return EngineStats.snapshot(self.counters, self.pool, self.tree, self.scheduler, len(self.requests), self.cache_view)
+        return EngineStats.snapshot(self.counters, self.pool, self.tree, self.scheduler, len(self.requests), self.cache_view, self.windows)
 
     def check_invariants(self) -> None:
         """free + evictable + in use == total, no page counted twice, refcounts explained."""
-        check_page_accounting(self.pool, self.tree, self.scheduler.running, self.scheduler.waiting)
+        check_page_accounting(self.pool, self.tree, self.scheduler.running, self.scheduler.waiting, self.windows)
