@@ -305,6 +305,7 @@ int radixkv_quant_linear_kernels(void) {
     kernels |= RADIXKV_QUANT_AVX2;
     if (vnni_runs()) kernels |= RADIXKV_QUANT_AVX512_VNNI;
 #endif
+    if (radixkv_quant_zmm_runs()) kernels |= RADIXKV_QUANT_AVX512_ZMM;
     return kernels;
 }
 
@@ -315,6 +316,8 @@ int radixkv_quant_linear_kernels(void) {
  * groups, each group's records streaming once past the pass's rows, 4 rows per weight load. */
 int radixkv_quant_linear(int kernel, int format, const void *x, int x_bf16, int64_t x_stride, int m, int k,
                          const uint8_t *packed, int n, const float *bias, void *y, int64_t y_stride, int num_threads) {
+    if (kernel == RADIXKV_QUANT_AVX512_ZMM) /* packed in its own layout */
+        return radixkv_quant_zmm_linear(format, x, x_bf16, x_stride, m, k, packed, n, bias, y, y_stride, num_threads);
 #ifdef HAVE_AVX2
     if (!(radixkv_quant_linear_kernels() & kernel) || (kernel != RADIXKV_QUANT_AVX2 && kernel != RADIXKV_QUANT_AVX512_VNNI))
         return 1;
