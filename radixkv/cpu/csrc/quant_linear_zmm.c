@@ -20,6 +20,10 @@
 #define ZGROUP 16      /* output rows interleaved in one record */
 #define ZBLOCK 32      /* inputs per block */
 #define ZROW_TILE 4    /* x rows that share each weight load */
+#ifndef ZPREFETCH
+#define ZPREFETCH 0 /* records ahead to prefetch; 0: the records stream in order, and the hardware
+                     * prefetcher alone kept one-row calls faster than software prefetches did */
+#endif
 #define ZPASS_X_BYTES (192 << 10) /* x rows per pass over the weights: as many as stay in L2 */
 #define ZSERIAL_ROWS 32           /* up to this many x rows are quantized before the threads start */
 
@@ -161,7 +165,8 @@ static inline __attribute__((always_inline)) void zgroup(const uint8_t *group, i
     for (int i = 0; i < ZROW_TILE; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < x->nb; b++) {
         const uint8_t *record = group + b * bytes;
-        for (int line = 0; line < bytes; line += 64) _mm_prefetch((const char *)record + 4 * bytes + line, _MM_HINT_T0);
+        if (ZPREFETCH)
+            for (int line = 0; line < bytes; line += 64) _mm_prefetch((const char *)record + ZPREFETCH * bytes + line, _MM_HINT_T0);
         __m512i dot[ZROW_TILE];
         if (format == ZFORMAT_Q8_0) {
             for (int i = 0; i < rows; i++) dot[i] = _mm512_set1_epi32(-128 * x->sum[(r0 + i) * x->nb + b]);
