@@ -21,7 +21,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_DTYPES = ("auto", "bf16", "fp16", "fp32", "int8", "fp8")
 BACKENDS = ("auto", "torch", "cpu", "triton")
 LINEAR_KERNELS = ("auto", "amx", "avx512_bf16", "avx2", "onednn")
-QUANT_KERNELS = ("auto", "amx_int8", "avx512_vnni", "avx2", "torch")
+QUANT_KERNELS = ("auto", "amx_int8", "avx512_vnni_zmm", "avx512_vnni", "avx2", "torch")
 WEIGHT_DTYPES = ("auto", "float", "int8")
 
 
@@ -80,7 +80,8 @@ class EngineConfig:
     linear_kernel: str = "auto"
     # Linears over quantized weights (a GGUF's Q8_0/Q4 blocks kept as they ship, or an HF
     # folder quantized at load): integer dot products with activations quantized per block of
-    # 32: "avx512_vnni" (vpdpbusd), "avx2" (vpmaddubsw) or "torch" (the reference, no native
+    # 32: "avx512_vnni_zmm" (512-bit vpdpbusd over 16-row records), "avx512_vnni" (256-bit
+    # vpdpbusd), "avx2" (vpmaddubsw) or "torch" (the reference, no native
     # library needed); "amx_int8" is reserved (no kernel yet: naming it fails at load). All
     # compute the same bits. "auto": the fastest that runs here; a named native kernel this CPU
     # cannot run fails at load, naming why.
