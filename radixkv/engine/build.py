@@ -40,8 +40,17 @@ def load_engine_model(config: EngineConfig, device: torch.device, loaded: Loaded
     return load_model(
         config.model, backend, dtype=config.dtype, device=config.device, cache_dir=config.cache_dir,
         native_kernels=config.native_kernels, linear_kernel=config.linear_kernel,
-        weight_dtype=config.weight_dtype, quant_kernel=config.quant_kernel,
+        weight_dtype=config.weight_dtype, quant_kernel=config.quant_kernel, moe_kernel=config.moe_kernel,
     )  # fmt: skip
+
+
+def kv_memory_bytes(available: int, loaded: LoadedModel) -> int:
+    """Memory the KV pool may size itself from: the available memory less the weights read in
+    place from the file (mapped experts). MemAvailable counts their page cache as free, yet
+    every step reads them: pages sized into it would push the experts out to disk."""
+    if loaded.device.type != "cpu":
+        return available
+    return max(0, available - loaded.mapped_bytes)
 
 
 @dataclass(slots=True)
@@ -66,7 +75,7 @@ def build_cache(config: EngineConfig, loaded: LoadedModel, device: torch.device)
     # The pages' storage dtype (EngineConfig.kv_dtype); pages are sized in its bytes.
     kv_dtype = resolve_kv_dtype(config.kv_dtype, loaded.dtype, loaded.device)
     num_pages = config.num_pages or PagePool.pages_for_memory(
-        available_memory_bytes(device), config.kv_memory_fraction, config.max_kv_pages,
+        kv_memory_bytes(available_memory_bytes(device), loaded), config.kv_memory_fraction, config.max_kv_pages,
         config.page_size, model_config.num_layers, model_config.num_kv_heads, model_config.head_dim, kv_dtype,
     )  # fmt: skip
     pool = PagePool(
