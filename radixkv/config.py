@@ -22,6 +22,7 @@ KV_DTYPES = ("auto", "bf16", "fp16", "fp32", "int8", "fp8")
 BACKENDS = ("auto", "torch", "cpu", "triton")
 LINEAR_KERNELS = ("auto", "amx", "avx512_bf16", "avx2", "onednn")
 QUANT_KERNELS = ("auto", "amx_int8", "avx512_vnni_zmm", "avx512_vnni", "avx2", "torch")
+MOE_KERNELS = ("auto", "native", "native_fp32", "torch")
 WEIGHT_DTYPES = ("auto", "float", "int8")
 
 
@@ -86,6 +87,12 @@ class EngineConfig:
     # compute the same bits. "auto": the fastest that runs here; a named native kernel this CPU
     # cannot run fails at load, naming why.
     quant_kernel: str = "auto"
+    # Mixture-of-experts layers (Qwen3-MoE): a GGUF's quantized experts are read in place from
+    # a memory map of the file. "native": csrc/moe.c groups a step's tokens by expert and reads
+    # each routed expert's blocks once; "torch": its reference (same bits, slow); "native_fp32":
+    # also float experts (weight_dtype="float", fp32) through the grouped fp32 kernel; "auto":
+    # "native" where the library builds, else "torch".
+    moe_kernel: str = "auto"
     # How weights are held. "auto": a GGUF's quantized tensors (Q8_0, Q4_0/Q4_1, Q4_K; other
     # k-quants requantized to 8 bits) stay quantized in their blocks, run by quant_kernel, a tied
     # lm_head and embedding sharing one copy; float tensors, and every HF folder weight, in dtype.
@@ -256,6 +263,7 @@ class EngineConfig:
         _choice(self, "attention_backend", BACKENDS)
         _choice(self, "linear_kernel", LINEAR_KERNELS)
         _choice(self, "quant_kernel", QUANT_KERNELS)
+        _choice(self, "moe_kernel", MOE_KERNELS)
         _choice(self, "weight_dtype", WEIGHT_DTYPES)
         for name in ("native_kernels", "decode_amx", "share_decode_reads"):
             if not isinstance(getattr(self, name), bool):

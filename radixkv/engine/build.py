@@ -42,8 +42,17 @@ def load_engine_model(config: EngineConfig, device: torch.device, loaded: Loaded
     return load_model(
         config.model, backend, dtype=config.dtype, device=config.device, cache_dir=config.cache_dir,
         native_kernels=config.native_kernels, linear_kernel=config.linear_kernel,
-        weight_dtype=config.weight_dtype, quant_kernel=config.quant_kernel,
+        weight_dtype=config.weight_dtype, quant_kernel=config.quant_kernel, moe_kernel=config.moe_kernel,
     )  # fmt: skip
+
+
+def kv_memory_bytes(available: int, loaded: LoadedModel) -> int:
+    """Memory the KV pool may size itself from: the available memory less the weights read in
+    place from the file (mapped experts). MemAvailable counts their page cache as free, yet
+    every step reads them: pages sized into it would push the experts out to disk."""
+    if loaded.device.type != "cpu":
+        return available
+    return max(0, available - loaded.mapped_bytes)
 
 
 @dataclass(slots=True)
@@ -74,7 +83,7 @@ def build_cache(config: EngineConfig, loaded: LoadedModel, device: torch.device)
         num_pages, windows = _grouped_pools(config, loaded, device, groups, kv_dtype)
     else:
         num_pages, windows = config.num_pages or PagePool.pages_for_memory(
-            available_memory_bytes(device), config.kv_memory_fraction, config.max_kv_pages,
+            kv_memory_bytes(available_memory_bytes(device), loaded), config.kv_memory_fraction, config.max_kv_pages,
             config.page_size, model_config.num_layers, model_config.num_kv_heads, model_config.head_dim, kv_dtype,
         ), None  # fmt: skip
     pool = PagePool(
@@ -133,7 +142,7 @@ def _grouped_pools(
     full_bytes = PagePool.bytes_per_page(page_size, len(groups.full_layers), *shape)
     window_bytes = PagePool.bytes_per_page(page_size, len(groups.window_layers), *shape)
     num_pages = config.num_pages
-    budget = 0 if num_pages is not None else int(available_memory_bytes(device) * config.kv_memory_fraction)
+    budget = 0 if num_pages is not None else int(kv_memory_bytes(available_memory_bytes(device), loaded) * config.kv_memory_fraction)
     cap = num_pages if num_pages is not None else min(config.max_kv_pages, max(1, budget // (full_bytes + window_bytes)))
     # A chunk never spans more pages than the full pool has.
     least = groups.min_window_pages(page_size, min(config.max_batch_tokens, cap * page_size))
