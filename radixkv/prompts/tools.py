@@ -90,7 +90,8 @@ def prefix_tokens(
 
 def _cut(messages: list[dict], prefix: list[dict]) -> tuple[int, str | None] | None:
     """Where `prefix` ends in `messages`: (its last message's index, None where that message is
-    whole, else the first characters of its text that it keeps); None for any other prefix."""
+    whole, else the first characters of its text that it keeps, its tool calls perhaps dropped:
+    templates print calls after the text); None for any other prefix."""
     k = len(prefix) - 1
     if not 0 <= k < len(messages) or prefix[:k] != messages[:k]:
         return None
@@ -100,7 +101,8 @@ def _cut(messages: list[dict], prefix: list[dict]) -> tuple[int, str | None] | N
         return None
     if cut == whole:
         return k, None
-    if {**cut, "content": whole["content"]} == whole and whole["content"].startswith(cut["content"]):
+    calls = {"tool_calls": whole["tool_calls"]} if "tool_calls" in whole and "tool_calls" not in cut else {}
+    if {**cut, "content": whole["content"], **calls} == whole and whole["content"].startswith(cut["content"]):
         return k, cut["content"]
     return None
 
