@@ -1,6 +1,7 @@
-"""Models of real shape with random weights: a Llama-3.2-1B-shaped and a Llama-3.1-8B-shaped one
-(and a tiny one for tests) as HF folders and as GGUFs (F16, Q8_0, Q4_K_M), cached by shape and
-format under the radixkv cache folder. Speed does not depend on the weights' values.
+"""Models of real shape with random weights: a Llama-3.2-1B-shaped and a Llama-3.1-8B-shaped one,
+a Qwen3-30B-A3B-shaped mixture of experts (and tiny ones of each kind for tests) as HF folders and
+as GGUFs (F16, Q8_0, Q4_K_M), cached by shape and format under the radixkv cache folder. Speed
+does not depend on the weights' values.
 
     python -m radixkv.scenarios.real_shape --shape llama-8b --format Q4_K_M [--out DIR]
 
@@ -8,7 +9,9 @@ F16 comes from llama.cpp's converter, Q8_0 and Q4_K_M from its quantizer (paths 
 RADIXKV_LLAMA_CPP_DIR, RADIXKV_LLAMA_QUANTIZE, RADIXKV_CONVERT_PYTHON). An 8B-shaped Q4_K_M would
 need a 16 GB F16 file first, so `--direct` (the default for llama-8b) writes it block by block:
 random valid Q4_K and Q6_K blocks in the tensor types llama-quantize picks, and the metadata the
-converter writes for that shape (its `--vocab-only` output).
+converter writes for that shape (its `--vocab-only` output). The mixture-of-experts shapes
+(qwen3-30b-a3b, about 18.5 GB; tiny-moe) are always written directly, their metadata built here
+(SmolLM2's tokenizer, padded to the shape's vocabulary), experts stacked as llama.cpp stores them.
 """
 
 from __future__ import annotations
@@ -43,8 +46,26 @@ class Shape:
     intermediate_size: int
     vocab_size: int
     tied: bool
+    # Mixture of experts (Qwen3-MoE) when num_experts > 0: every layer's MLP is routed experts.
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_ffn: int = 0
+
+    @property
+    def moe(self) -> bool:
+        return self.num_experts > 0
 
     def hf_config(self) -> dict:
+        if self.moe:
+            return dict(
+                architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=self.vocab_size,
+                hidden_size=self.hidden_size, intermediate_size=self.intermediate_size, num_hidden_layers=self.num_layers,
+                num_attention_heads=self.num_q_heads, num_key_value_heads=self.num_kv_heads, head_dim=self.head_dim,
+                max_position_embeddings=40960, rope_theta=1000000.0, tie_word_embeddings=self.tied, rms_norm_eps=1e-6,
+                num_experts=self.num_experts, num_experts_per_tok=self.experts_per_token,
+                moe_intermediate_size=self.expert_ffn, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16",
+            )  # fmt: skip
         return dict(
             architectures=["LlamaForCausalLM"], model_type="llama",
             vocab_size=self.vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
@@ -57,8 +78,19 @@ class Shape:
     def tensor_shapes(self) -> list[tuple[str, tuple[int, int] | tuple[int]]]:
         """Every GGUF tensor, (rows, row length) as numpy holds it, in the converter's order."""
         q, kv, h, m = self.num_q_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.hidden_size, self.intermediate_size
-        tensors: list[tuple[str, tuple[int, int] | tuple[int]]] = [("token_embd.weight", (self.vocab_size, h))]
+        tensors: list[tuple[str, tuple[int, ...]]] = [("token_embd.weight", (self.vocab_size, h))]
         for i in range(self.num_layers):
+            if self.moe:
+                e, f = self.num_experts, self.expert_ffn
+                tensors += [
+                    (f"blk.{i}.attn_norm.weight", (h,)), (f"blk.{i}.attn_q.weight", (q, h)),
+                    (f"blk.{i}.attn_k.weight", (kv, h)), (f"blk.{i}.attn_v.weight", (kv, h)),
+                    (f"blk.{i}.attn_output.weight", (h, q)), (f"blk.{i}.attn_q_norm.weight", (self.head_dim,)),
+                    (f"blk.{i}.attn_k_norm.weight", (self.head_dim,)), (f"blk.{i}.ffn_norm.weight", (h,)),
+                    (f"blk.{i}.ffn_gate_inp.weight", (e, h)), (f"blk.{i}.ffn_gate_exps.weight", (e, f, h)),
+                    (f"blk.{i}.ffn_up_exps.weight", (e, f, h)), (f"blk.{i}.ffn_down_exps.weight", (e, h, f)),
+                ]  # fmt: skip
+                continue
             tensors += [
                 (f"blk.{i}.attn_norm.weight", (h,)), (f"blk.{i}.attn_q.weight", (q, h)),
                 (f"blk.{i}.attn_k.weight", (kv, h)), (f"blk.{i}.attn_v.weight", (kv, h)),
@@ -77,7 +109,12 @@ SHAPES = {
     "llama-8b": Shape("llama-8b", 32, 4096, 32, 8, 128, 14336, 128256, tied=False),
     # Rows of 256 so every K-quant block fits; SmolLM2's own vocabulary, so no padding tokens.
     "tiny": Shape("tiny", 2, 256, 4, 2, 64, 512, 49152, tied=True),
+    # Qwen3-30B-A3B: 48 layers, 128 experts of width 768, 8 routed a token, untied.
+    "qwen3-30b-a3b": Shape("qwen3-30b-a3b", 48, 2048, 32, 4, 128, 6144, 151936, False, 128, 8, 768),
+    "tiny-moe": Shape("tiny-moe", 2, 256, 4, 2, 64, 512, 49152, False, 8, 2, 256),
 }
+# Written directly (no HF folder, no converter): the experts' shapes.
+DIRECT_ONLY = ("llama-8b", "qwen3-30b-a3b", "tiny-moe")
 
 
 # -- where things are ------------------------------------------------------------------------
@@ -191,11 +228,11 @@ def _more_bits(layer: int, num_layers: int) -> bool:
 
 def q4_k_m_type(name: str, shape: Shape) -> str:
     """The tensor type llama-quantize gives `name` in a Q4_K_M file of `shape`."""
-    if name.endswith("_norm.weight"):
+    if name.endswith("_norm.weight") or name.endswith("ffn_gate_inp.weight"):  # llama.cpp never quantizes the router
         return "F32"
     if name == "output.weight" or (name == "token_embd.weight" and shape.tied):
         return "Q6_K"  # the output projection (the tied embedding is it)
-    if name.endswith(("attn_v.weight", "ffn_down.weight")) and _more_bits(int(name.split(".")[1]), shape.num_layers):
+    if name.endswith(("attn_v.weight", "ffn_down.weight", "ffn_down_exps.weight")) and _more_bits(int(name.split(".")[1]), shape.num_layers):
         return "Q6_K"
     return "Q4_K"
 
@@ -235,26 +272,87 @@ def write_q4_k_m(shape: Shape, out: Path, metadata: Path, seed: int = 0) -> Path
     plan = [(name, dims, q4_k_m_type(name, shape)) for name, dims in shape.tensor_shapes()]
     for name, dims, kind in plan:
         if kind == "F32":
-            writer.add_tensor_info(name, dims, np.dtype(np.float32), 4 * dims[0])
+            writer.add_tensor_info(name, dims, np.dtype(np.float32), 4 * int(np.prod(dims)))
         else:
-            rows, row_len = dims
+            rows, row_len = int(np.prod(dims[:-1])), dims[-1]
             values, size = Q4_K_BLOCK if kind == "Q4_K" else Q6_K_BLOCK
             nbytes = rows * row_len // values * size
-            writer.add_tensor_info(name, (rows, row_len * size // values), np.dtype(np.uint8), nbytes, gguf.GGMLQuantizationType[kind])
+            byte_shape = (*dims[:-1], row_len * size // values)
+            writer.add_tensor_info(name, byte_shape, np.dtype(np.uint8), nbytes, gguf.GGMLQuantizationType[kind])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     rng = np.random.default_rng(seed)
     for name, dims, kind in plan:
-        if kind == "F32":
+        if name.endswith("ffn_gate_inp.weight"):  # a random router, so tokens spread over the experts
+            writer.write_tensor_data(rng.normal(0.0, 0.02, size=dims).astype(np.float32))
+        elif kind == "F32":
             writer.write_tensor_data(np.ones(dims, dtype=np.float32))
         else:
             # A few thousand rows at a time would need the writer to take partial tensors; one
-            # tensor of the 8B shape is at most 128256 x 4096 values, ~430 MB as Q6_K: fine.
-            writer.write_tensor_data(random_blocks(kind, dims[0], dims[1], rng))
+            # tensor of the 8B shape is at most 128256 x 4096 values, ~430 MB as Q6_K (a stacked
+            # experts tensor of the 30B-A3B shape ~165 MB): fine.
+            rows = int(np.prod(dims[:-1]))
+            writer.write_tensor_data(random_blocks(kind, rows, dims[-1], rng).reshape(*dims[:-1], -1))
     writer.close()
     tmp.rename(out)
     return out
+
+
+def write_moe_metadata(shape: Shape, out: Path) -> Path:
+    """A tensorless GGUF of a Qwen3-MoE shape's metadata (what the converter's --vocab-only
+    writes): the shape's fields and SmolLM2's tokenizer, its vocabulary padded to the shape's."""
+    import gguf
+
+    from radixkv.model.loader import default_model_gguf
+
+    writer = gguf.GGUFWriter(out, arch="qwen3moe")
+    writer.add_name(shape.name)
+    writer.add_block_count(shape.num_layers)
+    writer.add_context_length(40960)
+    writer.add_embedding_length(shape.hidden_size)
+    writer.add_feed_forward_length(shape.intermediate_size)
+    writer.add_head_count(shape.num_q_heads)
+    writer.add_head_count_kv(shape.num_kv_heads)
+    writer.add_key_length(shape.head_dim)
+    writer.add_value_length(shape.head_dim)
+    writer.add_rope_freq_base(1000000.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_expert_count(shape.num_experts)
+    writer.add_expert_used_count(shape.experts_per_token)
+    writer.add_expert_feed_forward_length(shape.expert_ffn)
+    writer.add_vocab_size(shape.vocab_size)
+    reader = gguf.GGUFReader(default_model_gguf())
+    for key, field in reader.fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        kind = field.types[0]
+        sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+        value = field.contents()
+        if key == "tokenizer.ggml.tokens":
+            value = [*value, *(f"<|pad_{i}|>" for i in range(len(value), shape.vocab_size))]
+        elif key == "tokenizer.ggml.token_type":
+            value = [*value, *([int(gguf.TokenType.UNUSED)] * (shape.vocab_size - len(value)))]
+        writer.add_key_value(key, value, kind, sub_type=sub)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def layout_matches(path: Path, shape: Shape) -> bool:
+    """Whether a GGUF's tensor table is the one write_q4_k_m plans for `shape` (names, types,
+    shapes, in order), read from its header: an earlier file is reused only then."""
+    from radixkv.model.gguf import _read_header
+
+    try:
+        header = _read_header(path)
+    except Exception:  # a truncated or foreign file: not ours
+        return False
+    plan = [(name, tuple(dims), q4_k_m_type(name, shape)) for name, dims in shape.tensor_shapes()]
+    found = [(t.name, tuple(t.shape), t.type_name) for t in header.tensors]
+    return found == plan and header.tensors[-1].offset + header.tensors[-1].nbytes <= path.stat().st_size
 
 
 # -- the cache -------------------------------------------------------------------------------
@@ -266,14 +364,21 @@ def ensure_gguf(shape: Shape, fmt: str, root: Path | None = None, direct: bool |
     if fmt not in FORMATS:
         raise ConfigError(f"unknown format {fmt!r}; known: {', '.join(FORMATS)}", param="format")
     path = gguf_path(shape, fmt, root)
+    if shape.moe and path.exists() and not layout_matches(path, shape):
+        raise ConfigError(f"{path} exists but is not the {shape.name} layout this writer makes; move it away", param="shape")
     if path.exists():
         return path
     if direct is None:
-        direct = shape.name == "llama-8b" and fmt == "Q4_K_M"
-    if shape.name == "llama-8b" and not direct:
+        direct = shape.name in DIRECT_ONLY and fmt == "Q4_K_M"
+    if shape.name in DIRECT_ONLY and not direct:
         # Random init of an 8B model takes 32 GB and its F16 file 16 GB: not on a 24 GB machine.
-        raise ConfigError(f"the llama-8b shape is made as a direct Q4_K_M only, not {fmt} through an F16 file", param="format")
+        raise ConfigError(f"the {shape.name} shape is made as a direct Q4_K_M only, not {fmt} through an F16 file", param="format")
     path.parent.mkdir(parents=True, exist_ok=True)
+    if direct and shape.moe:
+        if fmt != "Q4_K_M":
+            raise ConfigError(f"direct writing makes Q4_K_M only, not {fmt}", param="format")
+        metadata = write_moe_metadata(shape, path.with_name(f"{shape.name}-vocab.gguf"))
+        return write_q4_k_m(shape, path, metadata, seed)
     if direct:
         if fmt != "Q4_K_M":
             raise ConfigError(f"direct writing makes Q4_K_M only, not {fmt}", param="format")
@@ -309,8 +414,8 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(args.out) if args.out else None
     start = time.perf_counter()
     if args.format == "hf":
-        if shape.name == "llama-8b":
-            raise ConfigError("an HF folder of the llama-8b shape would take 32 GB to initialise: make its Q4_K_M directly", param="format")
+        if shape.name in DIRECT_ONLY:
+            raise ConfigError(f"the {shape.name} shape is made as a direct Q4_K_M only, not as an HF folder", param="format")
         path = make_hf_folder(shape, hf_path(shape, root), args.seed)
     else:
         direct = None if args.direct is None else bool(args.direct)

@@ -21,7 +21,7 @@ import httpx
 API_KEY = "sk-scenario"
 START_TIMEOUT_S = 1800.0  # a dequantizing load of a 1B-shaped GGUF takes minutes on 2 cores
 # EngineConfig knobs other branches add; passed on only when this checkout's config has them.
-NEW_KNOBS = ("weight_dtype", "kv_dtype", "quant_kernel")
+NEW_KNOBS = ("weight_dtype", "kv_dtype", "quant_kernel", "moe_kernel")
 
 
 def free_port() -> int:

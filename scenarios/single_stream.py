@@ -4,11 +4,11 @@ over HTTP on the same file: prefill time, decode seconds per token, and the peak
 radixkv process loading the file with a small KV pool.
 
     python -m radixkv.scenarios.single_stream [--model FILE.gguf] [--prompt-len 512 --output-len 128]
-        [--peers radixkv,radixkv-serve,llama-server] [--weight-dtype auto --kv-dtype bf16 --quant-kernel ...]
+        [--peers radixkv,radixkv-serve,llama-server] [--weight-dtype auto --kv-dtype bf16 --quant-kernel ... --moe-kernel ...]
 
 The prompt's token ids come from SmolLM2's tokenizer (the real_shape models use it), sent as
 ids to both servers so both compute the same tokens. Each server gets one short request first,
-off the clock. --weight-dtype/--kv-dtype/--quant-kernel reach EngineConfig and `radixkv serve`
+off the clock. --weight-dtype/--kv-dtype/--quant-kernel/--moe-kernel reach EngineConfig and `radixkv serve`
 when this checkout has them (a line says when one is ignored).
 """
 
@@ -40,6 +40,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--weight-dtype", default=None)
     parser.add_argument("--kv-dtype", default=None)
     parser.add_argument("--quant-kernel", default=None)
+    parser.add_argument("--moe-kernel", default=None, help="EngineConfig.moe_kernel (a mixture-of-experts model's experts)")
     parser.add_argument("--limits", type=int, default=1, help="0: skip measuring the machine's limits (tests)")
     parser.add_argument("--out", default="out/single_stream")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)  # the in-process peer's own process
@@ -65,7 +66,11 @@ def prompt_ids(length: int) -> list[int]:
 def knobs(args: argparse.Namespace) -> dict[str, str]:
     from radixkv.scenarios.serve_http import engine_knobs
 
-    return engine_knobs(dict(weight_dtype=args.weight_dtype, kv_dtype=args.kv_dtype, quant_kernel=args.quant_kernel))
+    return engine_knobs(_knob_values(args))
+
+
+def _knob_values(args: argparse.Namespace) -> dict[str, str | None]:
+    return dict(weight_dtype=args.weight_dtype, kv_dtype=args.kv_dtype, quant_kernel=args.quant_kernel, moe_kernel=args.moe_kernel)
 
 
 def num_pages(args: argparse.Namespace, page_size: int = 16) -> int:
@@ -89,7 +94,7 @@ def run_in_process(args: argparse.Namespace, ids: list[int]) -> dict:
 def _child_argv(args: argparse.Namespace) -> list[str]:
     argv = ["--model", model_path(args), "--dtype", args.dtype, "--prompt-len", str(args.prompt_len),
             "--output-len", str(args.output_len), "--num-pages", str(num_pages(args)), "--threads", str(args.threads)]  # fmt: skip
-    for name in ("weight_dtype", "kv_dtype", "quant_kernel"):
+    for name in ("weight_dtype", "kv_dtype", "quant_kernel", "moe_kernel"):
         if getattr(args, name) is not None:
             argv += ["--" + name.replace("_", "-"), getattr(args, name)]
     return argv
@@ -235,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     print_table(rows, args, limits)
     results = dict(
         scenario="single_stream", model=model, prompt_len=args.prompt_len, output_len=args.output_len, threads=args.threads,
-        knobs=dict(weight_dtype=args.weight_dtype, kv_dtype=args.kv_dtype, quant_kernel=args.quant_kernel),
+        knobs=_knob_values(args),
         machine_limits=limits, command=" ".join(["python -m radixkv.scenarios.single_stream", *(argv if argv is not None else sys.argv[1:])]),
         rows=[{k: v for k, v in r.items() if k != "token_ids"} for r in rows],
     )  # fmt: skip

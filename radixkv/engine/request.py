@@ -115,6 +115,10 @@ class SequenceState:
     # one pool reference on each. The first num_tree_blocks pages are the tree's (locked
     # through tree_node); the rest are private.
     page_table: list[int] = field(default_factory=list)
+    # With layer groups (cache/layer_groups.py): window_table[i] is block i's page in the window
+    # layers' pool, -1 once it fell behind the window (blocks below window_floor hold none).
+    window_table: list[int] = field(default_factory=list)
+    window_floor: int = 0
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the cache at first admission
     num_tree_blocks: int = 0

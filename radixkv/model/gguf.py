@@ -106,6 +106,10 @@ class GGUFFile:
         size = self.path.stat().st_size
         permute = self.architecture in _PERMUTED_ARCHITECTURES
         self.tensors: dict[str, GGUFTensor] = {}
+        # Stacked experts tensors as the file holds them, by our module name and part, e.g.
+        # ("model.layers.0.mlp.experts", "gate_proj"): read in place through `mapped`.
+        self.stacked: dict[tuple[str, str], GGUFTensor] = {}
+        self._map: np.memmap | None = None
         for raw in header.tensors:
             if raw.name in _SKIPPED:
                 continue
@@ -113,6 +117,7 @@ class GGUFFile:
             if block is not None and block.group(2) in _EXPERT_NAMES:
                 self._check_within(raw, size)
                 self.tensors.update((t.name, t) for t in expert_tensors(raw))
+                self.stacked[(f"model.layers.{block.group(1)}.mlp.experts", _EXPERT_NAMES[block.group(2)])] = raw
                 continue
             name = hf_name(raw.name, self.architecture)
             if name is None:
@@ -136,6 +141,16 @@ class GGUFFile:
     def tensor_bytes(self) -> int:
         """Bytes of the tensors radixkv reads from the file."""
         return sum(t.nbytes for t in self.tensors.values())
+
+    def mapped(self, tensor: GGUFTensor) -> np.ndarray:
+        """A tensor's bytes in place: a read-only view [*shape[:-1], row bytes] of one memory map
+        of the file, so its pages are the page cache's (shared, dropped under pressure, read
+        back on use), never a copy in this process's own memory."""
+        if self._map is None:
+            self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
+        rows = math.prod(tensor.shape[:-1])
+        view = self._map[tensor.offset : tensor.offset + tensor.nbytes]
+        return view.reshape(*tensor.shape[:-1], tensor.nbytes // rows)
 
     def raw(self, name: str, rows: tuple[int, int] | None = None) -> np.ndarray:
         """The tensor's bytes as GGUFReader would give them (dtype and shape alike), in the file's

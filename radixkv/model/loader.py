@@ -26,6 +26,7 @@ from torch import Tensor
 
 from radixkv.attention.base import AttentionBackend
 from radixkv.config import WEIGHT_DTYPES, default_cache_dir
+from radixkv.cpu.moe import resolve_moe_kernel
 from radixkv.cpu.linear import can_prepack, prepack_linears, resolve_linear_kernel
 from radixkv.cpu.quant_linear import resolve_quant_kernel
 from radixkv.errors import ConfigError
@@ -33,6 +34,7 @@ from radixkv.model.device import resolve_device, resolve_dtype
 from radixkv.model.fused_layers import install_fused_decode
 from radixkv.model.gguf import GGUFError, GGUFFile
 from radixkv.model.llama import CausalLM, ModelConfig
+from radixkv.model.moe import FloatExperts, MappedExperts
 from radixkv.model.quantized import QuantSource, quantized_modules
 
 if TYPE_CHECKING:
@@ -67,6 +69,9 @@ class LoadedModel:
     gguf: str | None = None  # the GGUF file the weights were read from, None for an HF folder
     # What the weights hold: "float" (all in dtype), else the weight_dtype that kept some quantized.
     weight_format: str = "float"
+    # Bytes of weights read in place from a memory map of the file (a GGUF's experts): page
+    # cache, not this process's own memory, but memory the model needs resident to run fast.
+    mapped_bytes: int = 0
 
 
 @dataclass(slots=True, frozen=True)
@@ -86,13 +91,14 @@ def load_model(
     linear_kernel: str = "auto",
     weight_dtype: str = "auto",
     quant_kernel: str = "auto",
+    moe_kernel: str = "auto",
 ) -> LoadedModel:
     """Load weights (cast to dtype, on device) and tokenizer. None means the default SmolLM2.
 
     native_kernels=False keeps every layer on torch ops (EngineConfig.native_kernels): no native
     linears, no native row ops, no fused decode step. linear_kernel: EngineConfig.linear_kernel,
     for bf16 and fp32 on CPU. weight_dtype, quant_kernel: EngineConfig's (quantized weights are
-    CPU-only: elsewhere "auto" loads floats and "int8" is refused).
+    CPU-only: elsewhere "auto" loads floats and "int8" is refused). moe_kernel: EngineConfig's.
     """
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
@@ -100,6 +106,7 @@ def load_model(
     kernel = _linear_kernel(linear_kernel, native_kernels, torch_dtype, torch_device)
     weight_dtype = _weight_dtype(weight_dtype, torch_device)
     quant = None if weight_dtype == "float" else resolve_quant_kernel(quant_kernel, native_kernels)
+    moe = resolve_moe_kernel(moe_kernel, native_kernels and torch_device.type == "cpu")
     source = resolve_model_source(model, cache_dir)
     folder = source.folder
 
@@ -121,17 +128,22 @@ def load_model(
     if quantized is not None:
         assert quant is not None
         modules = quantized_modules(
-            net._hf_sources(), set(weights.keys()), quantized, config.tie_word_embeddings, torch_dtype, quant
+            net._hf_sources(), set(weights.keys()), quantized, config.tie_word_embeddings, torch_dtype, quant, moe
         )
     net.load_state_dict_hf(weights, modules)
     net.eval()
+    if moe == "native_fp32":
+        for module in net.modules():
+            if isinstance(module, FloatExperts):
+                module.native_fp32 = True
     if kernel is not None:
         prepack_linears(net, kernel)
     if native_kernels and (kernel is not None or modules):  # decode-only steps in one native call where the model fits
         install_fused_decode(net)
     gguf = None if source.gguf is None else str(source.gguf)
     weight_format = weight_dtype if modules else "float"
-    return LoadedModel(net, config, tokenizer, str(folder), torch_dtype, torch_device, gguf, weight_format)
+    mapped = sum(m.mapped_bytes for m in net.modules() if isinstance(m, MappedExperts))
+    return LoadedModel(net, config, tokenizer, str(folder), torch_dtype, torch_device, gguf, weight_format, mapped)
 
 
 def _weight_dtype(requested: str, device: torch.device) -> str:
@@ -284,11 +296,27 @@ def gguf_folder(gguf: Path, cache_dir: str | None = None) -> Path:
     return target
 
 
+# A GGUF up to this size is hashed whole; a larger one (a 30B model's 18 GB) by its header and
+# samples (_sampled_digest), so finding its folder does not read the whole file at every load.
+_FULL_KEY_BYTES = 1 << 30
+_KEY_HEAD_BYTES = 16 << 20  # the header: metadata, tokenizer, tensor table with every offset
+_KEY_SAMPLES, _KEY_SAMPLE_BYTES = 64, 64 << 10
+
+
 def _content_key(path: Path) -> str:
+    size = path.stat().st_size
     digest = xxhash.xxh3_128()
     with open(path, "rb") as file:
-        while chunk := file.read(8 << 20):
-            digest.update(chunk)
+        if size <= _FULL_KEY_BYTES:
+            while chunk := file.read(8 << 20):
+                digest.update(chunk)
+        else:
+            digest.update(f"{size}|".encode())
+            digest.update(file.read(_KEY_HEAD_BYTES))
+            step = (size - _KEY_SAMPLE_BYTES) // (_KEY_SAMPLES - 1)
+            for i in range(_KEY_SAMPLES):
+                file.seek(i * step)
+                digest.update(file.read(_KEY_SAMPLE_BYTES))
     return digest.hexdigest()[:16]
 
 

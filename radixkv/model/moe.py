@@ -9,11 +9,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
 from radixkv.attention.base import AttentionMetadata
+from radixkv.cpu import moe as cpu_moe
 from radixkv.cpu.quant_linear import QuantLinear
 from radixkv.model.row_ops import silu_mul
 
@@ -100,6 +102,25 @@ class FloatExperts(nn.Module):
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
         self.gate_up = nn.Parameter(torch.empty(num_experts * 2 * intermediate_size, hidden_size))
         self.down = nn.Parameter(torch.empty(num_experts * hidden_size, intermediate_size))
+        self.native_fp32 = False  # EngineConfig.moe_kernel="native_fp32": grouped() runs csrc/moe.c's fp32 kernel
+
+    @property
+    def grouped_ready(self) -> bool:
+        return self.native_fp32 and self.gate_up.dtype == torch.float32 and self.gate_up.device.type == "cpu"
+
+    def grouped(self, x: Tensor, groups: ExpertGroups) -> Tensor:
+        """Every routed pair's expert output, fp32 [pairs, H] in groups' order, one native call a
+        projection (each expert's rows read once for all its tokens)."""
+        size, pairs = self.intermediate_size, groups.tokens.numel()
+        x = x.float().contiguous()
+        gate_up = torch.empty(pairs, 2 * size)
+        weights = self.gate_up.detach().view(self.num_experts, 2 * size, self.hidden_size)
+        cpu_moe.native_grouped_f32(weights, x, groups.experts, groups.offsets, groups.tokens, gate_up)
+        h = (F.silu(gate_up[:, :size]) * gate_up[:, size:]).contiguous()
+        y = torch.empty(pairs, self.hidden_size)
+        down = self.down.detach().view(self.num_experts, self.hidden_size, size)
+        cpu_moe.native_grouped_f32(down, h, groups.experts, groups.offsets, torch.arange(pairs), y)
+        return y
 
     def project_gate_up(self, expert: int, x: Tensor) -> Tensor:
         """[gate x, up x] of expert `expert` for rows x [n, H]: [n, 2I]."""
@@ -129,6 +150,56 @@ class QuantExperts(nn.Module):
         return self.down[expert](h)
 
 
+class MappedExperts(nn.Module):
+    """num_experts SwiGLU MLPs read in place from a GGUF's stacked experts tensors (a memory map:
+    the file's own blocks, never copied), multiplied by csrc/moe.c ("native") or its torch
+    reference ("torch"), which compute the same bits.
+
+    parts: (gate, up, down) as (block type, uint8 view [experts, rows, row bytes])."""
+
+    rows_independent = True  # each output row is computed alone, whatever the batch
+
+    def __init__(self, parts: Sequence[tuple[str, np.ndarray]], hidden_size: int, intermediate_size: int, kernel: str) -> None:
+        super().__init__()
+        assert kernel in ("native", "torch") and len(parts) == 3
+        (self.gate_type, self.gate), (self.up_type, self.up), (self.down_type, self.down) = parts
+        self.num_experts = self.gate.shape[0]
+        self.hidden_size, self.intermediate_size, self.kernel = hidden_size, intermediate_size, kernel
+        self.vnni = True  # the VNNI dot product where compiled in; False: the scalar loop (tests)
+
+    grouped_ready = True
+
+    @property
+    def mapped_bytes(self) -> int:
+        """Bytes of the file this block reads in place."""
+        return self.gate.nbytes + self.up.nbytes + self.down.nbytes
+
+    def grouped(self, x: Tensor, groups: ExpertGroups) -> Tensor:
+        """Every routed pair's expert output, fp32 [pairs, H] in groups' order: gate and up over
+        the quantized x, SiLU(gate) * up in fp32, down; each routed expert's rows read once."""
+        size, pairs = self.intermediate_size, groups.tokens.numel()
+        x = x.float().contiguous()
+        gate_up = torch.empty(pairs, 2 * size)
+        self._linear(self.gate_type, self.gate, x, groups, groups.tokens, gate_up[:, :size])
+        self._linear(self.up_type, self.up, x, groups, groups.tokens, gate_up[:, size:])
+        h = (F.silu(gate_up[:, :size]) * gate_up[:, size:]).contiguous()
+        y = torch.empty(pairs, self.hidden_size)
+        self._linear(self.down_type, self.down, h, groups, torch.arange(pairs), y)
+        return y
+
+    def _linear(self, type_name: str, weights: np.ndarray, x: Tensor, groups: ExpertGroups, rows: Tensor, out: Tensor) -> None:
+        if self.kernel == "native":
+            cpu_moe.native_grouped(type_name, weights, x, groups.experts, groups.offsets, rows, out, self.vnni)
+            return
+        for g, expert in enumerate(groups.experts):
+            start, stop = groups.offsets[g], groups.offsets[g + 1]
+            out[start:stop] = cpu_moe.torch_block_linear(x[rows[start:stop]], type_name, weights[expert], x.shape[1])
+
+    def extra_repr(self) -> str:
+        types = f"{self.gate_type}/{self.up_type}/{self.down_type}"
+        return f"num_experts={self.num_experts}, types={types}, mapped_bytes={self.mapped_bytes}, kernel={self.kernel}"
+
+
 class SparseMoE(nn.Module):
     """Router (linear to num_experts), top-k, experts; a decoder layer's MLP.
 
@@ -142,7 +213,9 @@ class SparseMoE(nn.Module):
         self.top_k, self.norm_topk_prob = moe.num_experts_per_tok, moe.norm_topk_prob
         self.native = native  # SiLU * up may run as one native call (bf16 on CPU)
         self.gate = nn.Linear(hidden_size, moe.num_experts, bias=False)
-        self.experts: FloatExperts | QuantExperts = FloatExperts(moe.num_experts, hidden_size, moe.moe_intermediate_size)
+        self.experts: FloatExperts | QuantExperts | MappedExperts = FloatExperts(
+            moe.num_experts, hidden_size, moe.moe_intermediate_size
+        )
 
     def forward(self, x: Tensor, meta: AttentionMetadata) -> Tensor:
         logits = self._rows(self.gate, x, meta)
@@ -152,6 +225,11 @@ class SparseMoE(nn.Module):
     def combine(self, x: Tensor, groups: ExpertGroups, batch_invariant: bool = False) -> Tensor:
         """sum over each token's routed experts of weight * expert(token), each expert run once."""
         out = torch.zeros_like(x)
+        if getattr(self.experts, "grouped_ready", False):
+            # One grouped call a projection; pairs added in expert order per token, as below.
+            y = self.experts.grouped(x, groups).to(x.dtype)
+            out.index_add_(0, groups.tokens, y * groups.weights[:, None])
+            return out
         for g, expert in enumerate(groups.experts):
             start, stop = groups.offsets[g], groups.offsets[g + 1]
             tokens = groups.tokens[start:stop]

@@ -13,7 +13,8 @@ from torch import Tensor, nn
 from radixkv.cpu.quant import QuantWeight, dequantize, quantize_q8_0
 from radixkv.cpu.quant_linear import QuantEmbedding, QuantLinear
 from radixkv.model.gguf import GGUFFile
-from radixkv.model.moe import QuantExperts
+from radixkv.cpu.moe import BLOCK_TYPES
+from radixkv.model.moe import MappedExperts, QuantExperts
 
 # Our linears (module names end with these), whose weights a weight_dtype may keep quantized.
 _LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
@@ -60,12 +61,14 @@ def quantized_modules(
     tied: bool,
     dtype: torch.dtype,
     kernel: str,
+    moe_kernel: str = "torch",
 ) -> dict[str, nn.Module]:
     """Modules by our module name (e.g. layers.0.self_attn.qkv_proj) for every linear whose
     checkpoint tensors are all to be held quantized, and the embedding where its weight is.
 
     sources: CausalLM._hf_sources() (our parameter -> checkpoint names, concatenated on dim 0).
-    A tied lm_head is the embedding's tensor; its QuantEmbedding reads the linear's bytes."""
+    A tied lm_head is the embedding's tensor; its QuantEmbedding reads the linear's bytes.
+    moe_kernel: a resolved EngineConfig.moe_kernel, for experts read in place (MappedExperts)."""
     modules: dict[str, nn.Module] = {}
     # The embedding first: the largest tensor, while nothing else is held, so the peak is the
     # model plus one of the small tensors being converted, not plus the embedding's conversion.
@@ -77,7 +80,7 @@ def quantized_modules(
     elif source.gguf is not None and source.gguf.tensors[embedding].quantized:
         # An embedding is no linear: int8 leaves its blocks as the file has them.
         modules[EMBEDDING] = QuantEmbedding(source.weight(embedding, linear=False), dtype)
-    modules.update(_expert_modules(sources, source, kernel))
+    modules.update(_expert_modules(sources, source, kernel, moe_kernel))
     for ours, names in sorted(sources.items(), key=lambda item: item[0] != "lm_head.weight"):  # an untied lm_head first
         module, _, kind = ours.rpartition(".")
         if kind != "weight" or module.rpartition(".")[2] not in _LINEARS:
@@ -92,10 +95,11 @@ def quantized_modules(
     return modules
 
 
-def _expert_modules(sources: Mapping[str, list[str]], source: QuantSource, kernel: str) -> dict[str, nn.Module]:
-    """A QuantExperts (radixkv.model.moe) for each expert block whose tensors are all to be held
-    quantized: per expert, one QuantLinear over its gate and up rows and one over its down, each
-    built from that expert's own tensor (a GGUF's stacked experts are read one expert at a time)."""
+def _expert_modules(sources: Mapping[str, list[str]], source: QuantSource, kernel: str, moe_kernel: str) -> dict[str, nn.Module]:
+    """For each expert block whose tensors are all to be held quantized: a MappedExperts over the
+    GGUF's stacked blocks in place (weight_dtype "auto", block types csrc/moe.c reads), else a
+    QuantExperts (radixkv.model.moe): per expert, one QuantLinear over its gate and up rows and
+    one over its down, each converted from that expert's own tensor, one expert at a time."""
     modules: dict[str, nn.Module] = {}
     for ours, gate_up in sources.items():
         module, _, kind = ours.rpartition(".")
@@ -104,12 +108,30 @@ def _expert_modules(sources: Mapping[str, list[str]], source: QuantSource, kerne
         down = sources[f"{module}.down"]
         if not all(source.is_quantized(name) for name in (*gate_up, *down)):
             continue
+        mapped = _mapped_experts(source, f"model.{module}", moe_kernel)
+        if mapped is not None:
+            modules[module] = mapped
+            continue
         pairs = zip(gate_up[0::2], gate_up[1::2], strict=True)
         modules[module] = QuantExperts(
             [_linear([source.weight(gate), source.weight(up)], None, kernel) for gate, up in pairs],
             [_linear([source.weight(name)], None, kernel) for name in down],
         )
     return modules
+
+
+def _mapped_experts(source: QuantSource, prefix: str, moe_kernel: str) -> MappedExperts | None:
+    """The GGUF's stacked experts of `prefix` (model.layers.N.mlp.experts) read in place, where
+    weight_dtype is "auto" and every part is a block type the grouped kernel reads."""
+    gguf = source.gguf
+    if gguf is None or source.weight_dtype != "auto" or moe_kernel not in ("native", "native_fp32", "torch"):
+        return None
+    parts = [gguf.stacked.get((prefix, part)) for part in ("gate_proj", "up_proj", "down_proj")]
+    if any(p is None or p.type_name not in BLOCK_TYPES for p in parts):
+        return None
+    gate, _, down = parts
+    kernel = "torch" if moe_kernel == "torch" else "native"
+    return MappedExperts([(p.type_name, gguf.mapped(p)) for p in parts], down.shape[1], gate.shape[1], kernel)
 
 
 def _linear(weights: list[QuantWeight], bias: Tensor | None, kernel: str) -> nn.Module:

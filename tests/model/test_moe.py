@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from torch.nn import functional as F
@@ -19,7 +20,9 @@ from radixkv.engine.sampling_params import SamplingParams
 from radixkv.model import load_model, load_model_config
 from radixkv.model import llama
 from radixkv.model.gguf import GGUFFile
-from radixkv.model.moe import INVARIANT_GEMM_ROWS, FloatExperts, MoEConfig, QuantExperts, SparseMoE, group_by_expert, route
+from radixkv.model.moe import (
+    INVARIANT_GEMM_ROWS, FloatExperts, MappedExperts, MoEConfig, QuantExperts, SparseMoE, group_by_expert, route,
+)  # fmt: skip
 from tests.helpers.engine import hf_greedy, make_llm, shared_prefix_prompts
 from tests.helpers.gguf_files import MOE_NARROW, VOCAB, write_tiny_moe_gguf
 from tests.helpers.model import Stepper, make_random_model, reference_logits
@@ -33,9 +36,6 @@ SEQUENCE = [(37 * i) % 1000 + 20 for i in range(33)]
 # SEQUENCE, auto against float: Q8_0 argmax equal at 29 of 33 positions, max |diff| / max |logit|
 # median 0.031, worst 0.75 (a flipped expert); Q4_K_M 33 of 33, median 0.008, worst 0.14.
 EXPERT_BOUND = {"Q8_0": 0.03, "Q4_K_M": 0.03}
-# Bytes the quantized experts hold against the file's expert bytes (blocks of 32 with fp32 scales:
-# Q4_K 18 -> 24 bytes a block, Q6_K -> q8_0 26.25 -> 36; Q8_0 34 -> 36). Measured: Q8_0 1.06, Q4_K_M 1.35.
-BYTES_FACTOR = 1.4
 
 
 def test_invariant_rows_match_the_dense_forwards():
@@ -189,28 +189,67 @@ def test_gguf_float_equals_transformers(moe_ggufs, cache, type_name):
     torch.testing.assert_close(logits, reference, atol=1e-3, rtol=0)
 
 
+def _load_kernel(path: Path, weight_dtype: str, cache: Path, moe_kernel: str):
+    return load_model(
+        str(path), TorchBackend(), dtype="float32", device="cpu", weight_dtype=weight_dtype, cache_dir=str(cache), moe_kernel=moe_kernel
+    )
+
+
 @pytest.mark.parametrize("type_name", ["Q8_0", "Q4_K_M"])
-def test_gguf_experts_kept_in_their_blocks_within_the_formats_bound(moe_ggufs, cache, type_name):
+def test_gguf_experts_read_in_place_within_the_formats_bound(moe_ggufs, cache, type_name):
     path = moe_ggufs(type_name)
     as_float, auto = _load(path, "float", cache), _load(path, "auto", cache)
     assert auto.weight_format == "auto"
     file = GGUFFile(path, 4, 2)
-    expert_bytes = sum(t.nbytes for name, t in file.tensors.items() if ".experts." in name)
-    held = 0
+    expert_bytes = sum(t.nbytes for t in file.stacked.values())
+    assert auto.mapped_bytes == expert_bytes and as_float.mapped_bytes == 0
     torch.manual_seed(1)
     x = torch.randn(24, 256)
     for layer in range(2):
-        dense, quantized = as_float.model.layers[layer].mlp, auto.model.layers[layer].mlp
-        experts = quantized.experts
-        assert isinstance(experts, QuantExperts) and all(isinstance(m, QuantLinear) for m in [*experts.gate_up, *experts.down])
-        formats = {experts.gate_up[0].format, experts.down[0].format}
-        assert formats == ({"q8_0"} if type_name == "Q8_0" else {"q4_1", "q8_0"})  # Q4_K as it is; Q6_K down -> q8_0
-        held += sum(m.weight_nbytes for m in [*experts.gate_up, *experts.down])
+        dense, mapped = as_float.model.layers[layer].mlp, auto.model.layers[layer].mlp
+        experts = mapped.experts
+        assert isinstance(experts, MappedExperts) and experts.kernel == "native"
+        # The file's own bytes: views of its memory map, not copies.
+        assert isinstance(experts.gate.base, np.memmap) or isinstance(getattr(experts.gate.base, "base", None), np.memmap)
+        types = {experts.gate_type, experts.down_type}
+        assert types == ({"Q8_0"} if type_name == "Q8_0" else {"Q4_K", "Q6_K"})  # Q4_K_M's down experts: Q6_K
         weights, ids = route(dense.gate(x), 2, True, x.dtype)  # one routing for both
         groups = group_by_expert(ids, weights)
-        want, got = dense.combine(x, groups), quantized.combine(x, groups)
+        want, got = dense.combine(x, groups), mapped.combine(x, groups)
         assert (got - want).abs().max() / want.abs().max() <= EXPERT_BOUND[type_name]
-    assert held <= BYTES_FACTOR * expert_bytes
+
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_K_M"])
+def test_native_experts_equal_the_torch_reference_bit_for_bit(moe_ggufs, cache, type_name):
+    path = moe_ggufs(type_name)
+    native_loaded, torch_loaded = _load_kernel(path, "auto", cache, "native"), _load_kernel(path, "auto", cache, "torch")
+    assert torch_loaded.model.layers[0].mlp.experts.kernel == "torch"
+    sequences = [SEQUENCE, SEQUENCE[:9]]
+    native_logits = Stepper(native_loaded, sequences).step({0: 33, 1: 9})
+    torch_logits = Stepper(torch_loaded, sequences).step({0: 33, 1: 9})
+    assert native_logits.keys() == torch_logits.keys() == {0, 1}
+    for seq in (0, 1):
+        assert torch.equal(native_logits[seq], torch_logits[seq])
+
+
+def test_native_fp32_float_experts_greedy_equals_transformers(moe_ggufs, cache):
+    path = moe_ggufs("Q8_0")
+    prompts = shared_prefix_prompts(6, vocab=VOCAB, count=3)
+    reference = hf_greedy(path, prompts, 8)
+    options = dict(cache_dir=str(cache), weight_dtype="float", dtype="float32", moe_kernel="native_fp32")
+    llm = make_llm(path, **options)
+    experts = llm.engine.loaded.model.layers[0].mlp.experts
+    assert isinstance(experts, FloatExperts) and experts.grouped_ready
+    assert [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=8))] == reference
+
+
+def test_moe_kernel_is_checked():
+    from radixkv.config import EngineConfig
+    from radixkv.errors import ConfigError
+
+    with pytest.raises(ConfigError) as error:
+        EngineConfig(moe_kernel="fast")
+    assert error.value.param == "moe_kernel"
 
 
 def test_gguf_quantized_experts_cache_on_and_off_bit_identical(moe_ggufs, cache):
@@ -224,6 +263,6 @@ def test_gguf_expert_width_is_read_from_the_file(tmp_path, cache):
     path = write_tiny_moe_gguf(tmp_path / "narrow.gguf", "Q8_0", moe_intermediate_size=MOE_NARROW)
     assert load_model_config(str(path), str(cache)).moe.moe_intermediate_size == MOE_NARROW
     loaded = _load(path, "auto", cache)
-    assert loaded.model.layers[0].mlp.experts.gate_up[0].out_features == 2 * MOE_NARROW
+    assert loaded.model.layers[0].mlp.experts.intermediate_size == MOE_NARROW
     logits = Stepper(loaded, [SEQUENCE]).step({0: len(SEQUENCE)})[0]
     assert torch.isfinite(logits).all()

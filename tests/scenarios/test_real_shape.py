@@ -111,3 +111,32 @@ def test_the_8b_shape_is_made_directly_only(tmp_path):
     assert raised.value.param == "format" and not list(tmp_path.iterdir())
     with pytest.raises(ConfigError):
         real_shape.ensure_gguf(SHAPES["tiny"], "Q9_9", tmp_path)
+
+
+def test_moe_shapes_are_qwen3_30b_a3b_and_a_tiny_one():
+    big = SHAPES["qwen3-30b-a3b"]
+    assert (big.num_layers, big.hidden_size, big.num_q_heads, big.num_kv_heads, big.head_dim) == (48, 2048, 32, 4, 128)
+    assert (big.num_experts, big.experts_per_token, big.expert_ffn, big.vocab_size, big.tied) == (128, 8, 768, 151936, False)
+    shapes = dict(big.tensor_shapes())
+    assert shapes["blk.0.ffn_gate_exps.weight"] == (128, 768, 2048) and shapes["blk.0.ffn_down_exps.weight"] == (128, 2048, 768)
+    assert q4_k_m_type("blk.0.ffn_gate_inp.weight", big) == "F32"  # the router is never quantized
+    assert q4_k_m_type("blk.0.ffn_down_exps.weight", big) == "Q6_K" and q4_k_m_type("blk.7.ffn_down_exps.weight", big) == "Q4_K"
+
+
+def test_tiny_moe_is_written_directly_and_runs_with_both_expert_kernels(tmp_path):
+    from radixkv import LLM, SamplingParams
+    from radixkv.model.moe import MappedExperts
+
+    shape = SHAPES["tiny-moe"]
+    path = real_shape.ensure_gguf(shape, "Q4_K_M", tmp_path)
+    assert real_shape.layout_matches(path, shape)
+    assert not real_shape.layout_matches(real_shape.write_moe_metadata(shape, tmp_path / "meta.gguf"), shape)
+    outputs = {}
+    for kernel in ("native", "torch"):
+        llm = LLM(str(path), dtype="float32", num_pages=32, page_size=4, cache_dir=str(tmp_path / "cache"), moe_kernel=kernel, seed=0)
+        experts = llm.engine.loaded.model.layers[1].mlp.experts
+        assert isinstance(experts, MappedExperts) and experts.kernel == kernel and experts.down_type == "Q6_K"
+        outputs[kernel] = llm.generate([[5, 17, 300, 41, 9]], SamplingParams(max_tokens=6, ignore_eos=True))[0].token_ids
+    assert outputs["native"] == outputs["torch"] and len(outputs["native"]) == 6
+    with pytest.raises(ConfigError):
+        real_shape.ensure_gguf(shape, "F16", tmp_path)

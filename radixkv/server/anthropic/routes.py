@@ -115,7 +115,7 @@ def _prepare(
             server.replies, owner, tokenizer, conv.messages, conv.tools, conv.tool_choice,
             salt=salt, max_context_tokens=server.engine.max_context_tokens,
         )  # fmt: skip
-        marks = conv_mod.breakpoints(tokenizer, body, conv, encoded.token_ids)
+        marks = conv_mod.breakpoints(tokenizer, body, conv, encoded.token_ids, encoded)
     except InvalidRequest as error:
         raise engine_error(error, _NAMES) from None
     return body, conv, encoded, marks, _sampling_params(conv, body), _diagnose(server, body, conv, encoded, owner, salt)

@@ -177,7 +177,9 @@ def _prepare(server: AppState, store: ResponseStore, body: ResponsesRequest, own
         raise engine_error(error, names) from None
     params = sampling.responses_params(body, names, guide)
     # The retention first, as chat keeps it: a later keep of the same prefix then reports it.
-    writes = keeps.retention(body.prompt_cache_retention, prompt) + prompt_cache.responses_writes(server, body, history, tools, choice, prompt)
+    writes = keeps.retention(body.prompt_cache_retention, prompt) + prompt_cache.responses_writes(
+        server, body, history, tools, choice, prompt, encoded
+    )
     return _Turn(body, owner, messages, tools, choice, params, names, prompt, writes, encoded), prompt
 
 

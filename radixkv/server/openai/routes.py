@@ -75,7 +75,7 @@ def register(app: FastAPI, server: AppState) -> None:
             encoded = chat_conversation(server, [m.as_chat() for m in body.messages], tools.tools, tools.choice, owner=owner, salt=salt)
             guide, guide_param = _chat_guide(body, tools)
             names = sampling.chat_names(body, guide_param)
-            writes = prompt_cache.chat_writes(server, body, tools.tools, tools.choice, encoded.token_ids)
+            writes = prompt_cache.chat_writes(server, body, tools.tools, tools.choice, encoded.token_ids, encoded)
             return body, tools, encoded, names, sampling.chat_params(body, names, guide), writes, salt
 
         body, tools, encoded, names, params, writes, salt = await server.parse_slots.run(key, prepare)

@@ -1,0 +1,300 @@
+/* Grouped expert linears over a GGUF's own blocks (radixkv/cpu/moe.py): for each routed expert,
+ * y = x W_e^T for the rows of x routed to it, W_e read in place from the stacked experts tensor
+ * (a memory map of the file), each of its rows decoded once a call and multiplied with every
+ * routed token, so an expert's bytes are read once a step however many tokens picked it.
+ *
+ * Arithmetic (cpu/moe.py's torch_block_linear computes the same bits): x is quantized per row
+ * and block of 32 as quant_linear.c does (scale = absmax / 127, q = round_half_even(x / scale)).
+ * Each weight block of 32 is integers w with an fp32 scale s (and min m): Q8_0 w = q, s = d;
+ * Q4_0 w = q, s = d, m = -8d; Q4_1 w = q, s = d, m = m; Q5_0 w = q - 16, s = d; Q4_K w = q,
+ * s = d * sc, m = -(dmin * mn); Q6_K w = sc16 * (q - 32) over its two sub-blocks of 16, s = d.
+ * Per output an fp32 sum starts at 0 and takes the blocks in order: acc = acc + (s * sx) *
+ * float(sum w * xq) (an exact integer), then with a min acc = acc + m * (sx * float(sum xq)).
+ * No fused multiply-adds (-std=c11 turns contraction off): the order is the result.
+ *
+ * Integer dot products: w is decoded to unsigned bytes u with w = u - offset (Q8_0: 128, Q5_0:
+ * 16, Q6_K: 32 before its scales, others 0), so sum w * xq = sum u * xq - offset * sum xq, one
+ * vpdpbusd per 32 bytes; the scalar loop computes the same integers where VNNI is not compiled in.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bf16.h"
+
+#define MBLOCK 32
+#define KBLOCK 256
+
+enum { T_Q8_0 = 0, T_Q4_0 = 1, T_Q4_1 = 2, T_Q5_0 = 3, T_Q4_K = 4, T_Q6_K = 5 };
+
+static float f16_to_f32(const uint8_t *at) {
+    uint16_t h;
+    memcpy(&h, at, 2);
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, mant = h & 0x3FF;
+    uint32_t bits;
+    if (exp == 0x1F) bits = sign | 0x7F800000u | (mant << 13);
+    else if (exp) bits = sign | ((exp + 112) << 23) | (mant << 13);
+    else if (!mant) bits = sign;
+    else { /* subnormal: value mant * 2^-24, exact in fp32 */
+        float v = (float)mant * 5.9604644775390625e-8f;
+        memcpy(&bits, &v, 4);
+        bits |= sign;
+    }
+    float out;
+    memcpy(&out, &bits, 4);
+    return out;
+}
+
+/* Bytes a row of k values takes in `type`; 0 for an unknown type or a k it cannot hold. */
+int64_t radixkv_moe_row_bytes(int type, int k) {
+    switch (type) {
+    case T_Q8_0: return k % MBLOCK ? 0 : (int64_t)k / MBLOCK * 34;
+    case T_Q4_0: return k % MBLOCK ? 0 : (int64_t)k / MBLOCK * 18;
+    case T_Q4_1: return k % MBLOCK ? 0 : (int64_t)k / MBLOCK * 20;
+    case T_Q5_0: return k % MBLOCK ? 0 : (int64_t)k / MBLOCK * 22;
+    case T_Q4_K: return k % KBLOCK ? 0 : (int64_t)k / KBLOCK * 144;
+    case T_Q6_K: return k % KBLOCK ? 0 : (int64_t)k / KBLOCK * 210;
+    default: return 0;
+    }
+}
+
+/* One row decoded: u [k] unsigned quants, s and m [k / 32] (m only where the type has mins),
+ * sc [k / 16] Q6_K's sub-block scales. */
+typedef struct {
+    uint8_t *u;
+    float *s, *m;
+    int32_t *sc;
+} Row;
+
+static void decode_row(int type, const uint8_t *src, int k, Row *row) {
+    const int nb = k / MBLOCK;
+    switch (type) {
+    case T_Q8_0:
+        for (int b = 0; b < nb; b++, src += 34) {
+            row->s[b] = f16_to_f32(src);
+            for (int j = 0; j < MBLOCK; j++) row->u[b * MBLOCK + j] = (uint8_t)(src[2 + j] ^ 0x80);
+        }
+        break;
+    case T_Q4_0:
+    case T_Q4_1: {
+        const int q4_1 = type == T_Q4_1, size = q4_1 ? 20 : 18, at = q4_1 ? 4 : 2;
+        for (int b = 0; b < nb; b++, src += size) {
+            const float d = f16_to_f32(src);
+            row->s[b] = d;
+            row->m[b] = q4_1 ? f16_to_f32(src + 2) : d * -8.0f;
+            for (int j = 0; j < 16; j++) {
+                row->u[b * MBLOCK + j] = src[at + j] & 0x0F;
+                row->u[b * MBLOCK + 16 + j] = src[at + j] >> 4;
+            }
+        }
+        break;
+    }
+    case T_Q5_0:
+        for (int b = 0; b < nb; b++, src += 22) {
+            row->s[b] = f16_to_f32(src);
+            uint32_t high;
+            memcpy(&high, src + 2, 4);
+            for (int j = 0; j < 16; j++) {
+                row->u[b * MBLOCK + j] = (uint8_t)((src[6 + j] & 0x0F) | (((high >> j) & 1) << 4));
+                row->u[b * MBLOCK + 16 + j] = (uint8_t)((src[6 + j] >> 4) | (((high >> (j + 16)) & 1) << 4));
+            }
+        }
+        break;
+    case T_Q4_K:
+        for (int sb = 0; sb < k / KBLOCK; sb++, src += 144) {
+            const float d = f16_to_f32(src), dmin = f16_to_f32(src + 2);
+            const uint8_t *s = src + 4, *qs = src + 16;
+            for (int j = 0; j < 8; j++) {
+                int sc, mn;
+                if (j < 4) sc = s[j] & 63, mn = s[j + 4] & 63;
+                else sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4), mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+                const int b = sb * 8 + j;
+                row->s[b] = d * (float)sc;
+                row->m[b] = -(dmin * (float)mn);
+                const uint8_t *chunk = qs + 32 * (j / 2);
+                const int shift = 4 * (j & 1);
+                for (int l = 0; l < 32; l++) row->u[b * MBLOCK + l] = (chunk[l] >> shift) & 0x0F;
+            }
+        }
+        break;
+    case T_Q6_K:
+        for (int sb = 0; sb < k / KBLOCK; sb++, src += 210) {
+            const uint8_t *ql = src, *qh = src + 128;
+            const int8_t *scales = (const int8_t *)(src + 192);
+            const float d = f16_to_f32(src + 208);
+            for (int h = 0; h < 2; h++)
+                for (int g = 0; g < 4; g++) {
+                    const int b = sb * 8 + h * 4 + g;
+                    row->s[b] = d;
+                    row->sc[2 * b] = scales[8 * h + 2 * g];
+                    row->sc[2 * b + 1] = scales[8 * h + 2 * g + 1];
+                    const uint8_t *low = ql + 64 * h + 32 * (g & 1);
+                    const int shift = 4 * (g >> 1);
+                    for (int l = 0; l < 32; l++)
+                        row->u[b * MBLOCK + l] = (uint8_t)(((low[l] >> shift) & 0x0F) | (((qh[32 * h + l] >> (2 * g)) & 3) << 4));
+                }
+        }
+        break;
+    }
+}
+
+/* Activations of one call quantized: q [m][k], s and u (= s * sum q) [m][k / 32], half sums
+ * [m][k / 16] (sum q over each 16: Q6_K's offsets, and every offset's sum as two halves). */
+typedef struct {
+    int8_t *q;
+    float *s, *u;
+    int32_t *half;
+    int k, nb;
+} QX;
+
+static void quantize_x_row(const float *x, int k, int8_t *q, float *s, float *u, int32_t *half) {
+    for (int b = 0; b < k / MBLOCK; b++) {
+        const float *v = x + (int64_t)b * MBLOCK;
+        float amax = 0.0f;
+        for (int j = 0; j < MBLOCK; j++) amax = fmaxf(amax, fabsf(v[j]));
+        const float scale = amax / 127.0f;
+        const float inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
+        int32_t sums[2] = {0, 0};
+        for (int j = 0; j < MBLOCK; j++) {
+            float r = rintf(v[j] * inverse); /* round half to even, as torch.round */
+            r = r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r);
+            q[b * MBLOCK + j] = (int8_t)r;
+            sums[j / 16] += (int32_t)r;
+        }
+        s[b] = scale;
+        u[b] = scale * (float)(sums[0] + sums[1]);
+        half[2 * b] = sums[0], half[2 * b + 1] = sums[1];
+    }
+}
+
+/* The integer sums of u * xq over the two halves of block b. */
+static inline void dot_halves(const uint8_t *u, const int8_t *xq, int use_vnni, int32_t out[2]) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    if (use_vnni) {
+        const __m256i w = _mm256_loadu_si256((const __m256i *)u), x = _mm256_loadu_si256((const __m256i *)xq);
+        const __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);
+        __m128i lo = _mm256_castsi256_si128(dot), hi = _mm256_extracti128_si256(dot, 1);
+        __m128i both = _mm_hadd_epi32(lo, hi); /* lo0+lo1, lo2+lo3, hi0+hi1, hi2+hi3 */
+        both = _mm_hadd_epi32(both, both);
+        out[0] = _mm_cvtsi128_si32(both), out[1] = _mm_extract_epi32(both, 1);
+        return;
+    }
+#endif
+    (void)use_vnni;
+    int32_t a = 0, b = 0;
+    for (int j = 0; j < 16; j++) a += (int32_t)u[j] * xq[j], b += (int32_t)u[16 + j] * xq[16 + j];
+    out[0] = a, out[1] = b;
+}
+
+/* y[o] for one x row against one decoded weight row, in the documented order. */
+static float row_dot(int type, const Row *row, const QX *x, int64_t r, int use_vnni) {
+    const int8_t *xq = x->q + r * x->k;
+    const float *xs = x->s + r * x->nb, *xu = x->u + r * x->nb;
+    const int32_t *half = x->half + r * 2 * x->nb;
+    const int offset = type == T_Q8_0 ? 128 : (type == T_Q5_0 ? 16 : (type == T_Q6_K ? 32 : 0));
+    const int mins = type == T_Q4_0 || type == T_Q4_1 || type == T_Q4_K;
+    float acc = 0.0f;
+    for (int b = 0; b < x->nb; b++) {
+        int32_t h[2];
+        dot_halves(row->u + b * MBLOCK, xq + b * MBLOCK, use_vnni, h);
+        h[0] -= offset * half[2 * b], h[1] -= offset * half[2 * b + 1];
+        const int32_t i = type == T_Q6_K ? row->sc[2 * b] * h[0] + row->sc[2 * b + 1] * h[1] : h[0] + h[1];
+        const float scaled = row->s[b] * xs[b];
+        acc = acc + scaled * (float)i;
+        if (mins) {
+            const float term = row->m[b] * xu[b];
+            acc = acc + term;
+        }
+    }
+    return acc;
+}
+
+/* For each group g: expert experts[g]'s weight (weights + experts[g] * expert_bytes, n rows of
+ * row_bytes) times x rows x_rows[p] for pairs p in [offsets[g], offsets[g + 1]), into y row p,
+ * columns [0, n) (y_stride floats a row). x fp32 [m][x_stride]. Returns 1 for a type or shape
+ * it does not take, 2 where memory ran out. */
+int radixkv_moe_grouped(int type, const uint8_t *weights, int64_t expert_bytes, int n, int k, const float *x,
+                        int64_t x_stride, int m, const int32_t *experts, const int32_t *offsets, int groups,
+                        const int32_t *x_rows, float *y, int64_t y_stride, int num_threads, int use_vnni) {
+    const int64_t row_bytes = radixkv_moe_row_bytes(type, k);
+    if (!row_bytes || n <= 0 || m < 0) return 1;
+    if (m == 0 || groups == 0) return 0;
+    const int nb = k / MBLOCK;
+    QX qx = {malloc((size_t)m * k), malloc((size_t)m * nb * sizeof(float)), malloc((size_t)m * nb * sizeof(float)),
+             malloc((size_t)m * nb * 2 * sizeof(int32_t)), k, nb};
+    int status = qx.q && qx.s && qx.u && qx.half ? 0 : 2;
+    if (!status) {
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (m > 8)
+        for (int r = 0; r < m; r++)
+            quantize_x_row(x + (int64_t)r * x_stride, k, qx.q + (int64_t)r * k, qx.s + (int64_t)r * nb, qx.u + (int64_t)r * nb,
+                           qx.half + (int64_t)r * 2 * nb);
+#pragma omp parallel num_threads(num_threads)
+        {
+            Row row = {malloc((size_t)k), malloc((size_t)nb * sizeof(float)), malloc((size_t)nb * sizeof(float)),
+                       malloc((size_t)nb * 2 * sizeof(int32_t))};
+            const int ok = row.u && row.s && row.m && row.sc;
+            if (!ok) {
+#pragma omp atomic write
+                status = 2;
+            }
+            for (int g = 0; g < groups; g++) {
+                const uint8_t *expert = weights + (int64_t)experts[g] * expert_bytes;
+#pragma omp for schedule(static)
+                for (int o = 0; o < n; o++) {
+                    if (!ok) continue;
+                    decode_row(type, expert + (int64_t)o * row_bytes, k, &row);
+                    for (int p = offsets[g]; p < offsets[g + 1]; p++)
+                        y[(int64_t)p * y_stride + o] = row_dot(type, &row, &qx, x_rows[p], use_vnni);
+                }
+            }
+            free(row.u), free(row.s), free(row.m), free(row.sc);
+        }
+    }
+    free(qx.q), free(qx.s), free(qx.u), free(qx.half);
+    return status;
+}
+
+/* Whether the VNNI dot product is compiled in (else the scalar loop runs, the same integers). */
+int radixkv_moe_has_vnni(void) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* Float experts (weight_dtype="float", fp32): y[p][o] = sum_j x[x_rows[p]][j] * w_e[o][j] for
+ * each group's expert e, w_e at weights + e * expert_floats, [n][k] row-major; 16 lanes with
+ * fused multiply-adds (close to, not bitwise, torch's GEMM). */
+int radixkv_moe_grouped_f32(const float *weights, int64_t expert_floats, int n, int k, const float *x, int64_t x_stride,
+                            const int32_t *experts, const int32_t *offsets, int groups, const int32_t *x_rows, float *y,
+                            int64_t y_stride, int num_threads) {
+    if (n <= 0 || k <= 0) return 1;
+#pragma omp parallel num_threads(num_threads)
+    for (int g = 0; g < groups; g++) {
+        const float *expert = weights + (int64_t)experts[g] * expert_floats;
+#pragma omp for schedule(static)
+        for (int o = 0; o < n; o++) {
+            const float *w = expert + (int64_t)o * k;
+            for (int p = offsets[g]; p < offsets[g + 1]; p++) {
+                const float *v = x + (int64_t)x_rows[p] * x_stride;
+#if defined(__AVX512F__)
+                __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+                int j = 0;
+                for (; j + 32 <= k; j += 32) {
+                    a0 = _mm512_fmadd_ps(_mm512_loadu_ps(w + j), _mm512_loadu_ps(v + j), a0);
+                    a1 = _mm512_fmadd_ps(_mm512_loadu_ps(w + j + 16), _mm512_loadu_ps(v + j + 16), a1);
+                }
+                float acc = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+#else
+                float acc = 0.0f;
+                int j = 0;
+#endif
+                for (; j < k; j++) acc += w[j] * v[j];
+                y[(int64_t)p * y_stride + o] = acc;
+            }
+        }
+    }
+    return 0;
+}

@@ -1,0 +1,162 @@
+"""Grouped expert linears over a GGUF's own blocks (csrc/moe.c) and their torch reference: a
+layer's routed experts multiplied with the rows routed to each, every expert read in place.
+
+torch_block_linear is the reference the native kernel matches bit for bit (the order of
+operations is csrc/moe.c's header comment); moe_kernel picks between them (EngineConfig.moe_kernel).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from radixkv.config import MOE_KERNELS
+from radixkv.cpu import native
+from radixkv.cpu.quant_linear import quantize_activations
+from radixkv.errors import ConfigError
+
+# GGUF block types the grouped kernel reads in place, with csrc/moe.c's type ids.
+BLOCK_TYPES = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q5_0": 3, "Q4_K": 4, "Q6_K": 5}
+_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q4_K": 144, "Q6_K": 210}
+_QK_K = 256
+_BLOCK = 32
+
+
+def resolve_moe_kernel(requested: str, native_kernels: bool = True) -> str:
+    """EngineConfig.moe_kernel as it runs here: "auto" -> "native" where the library builds, else
+    "torch"; a native kernel without the library (or native_kernels off) is a ConfigError."""
+    if requested not in MOE_KERNELS:
+        raise ConfigError(f"moe_kernel must be one of {MOE_KERNELS}, got {requested!r}", param="moe_kernel")
+    if requested == "torch":
+        return "torch"
+    available = native_kernels and native.load() is not None
+    if requested == "auto":
+        return "native" if available else "torch"
+    if not native_kernels:
+        raise ConfigError(f"moe_kernel={requested!r} is a native kernel, and native_kernels is False", param="moe_kernel")
+    if not available:
+        raise ConfigError(f"moe_kernel={requested!r} cannot run here: the native kernels did not build", param="moe_kernel")
+    return requested
+
+
+def row_bytes(type_name: str, in_features: int) -> int:
+    values = _QK_K if type_name.endswith("_K") else _BLOCK
+    if in_features % values:
+        raise ValueError(f"a {type_name} row holds whole blocks of {values} values, not {in_features}")
+    return in_features // values * _BLOCK_BYTES[type_name]
+
+
+def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
+    return np.ascontiguousarray(blocks[..., start : start + 2]).view(np.float16)[..., 0].astype(np.float32)
+
+
+def decode_blocks(type_name: str, raw: np.ndarray, in_features: int) -> tuple[Tensor, Tensor, Tensor | None]:
+    """A matrix's blocks (uint8 [rows, row bytes]) as (integer weights w, fp32 [rows, in], each
+    value exact; scales [rows, in / 32]; mins [rows, in / 32] or None): value = s * w (+ m) per
+    block of 32 as csrc/moe.c's header defines it (Q6_K: w = sub-block scale * (q - 32))."""
+    rows = raw.shape[0]
+    nb = in_features // _BLOCK
+    if type_name in ("Q8_0", "Q4_0", "Q4_1", "Q5_0"):
+        blocks = raw.reshape(rows, nb, _BLOCK_BYTES[type_name])
+        d = _f16(blocks, 0)
+        mins = None
+        if type_name == "Q8_0":
+            w = blocks[..., 2:].view(np.int8).astype(np.float32)
+        elif type_name == "Q5_0":
+            high = np.ascontiguousarray(blocks[..., 2:6]).view(np.uint32)
+            high = ((high >> np.arange(32, dtype=np.uint32)) & 1).astype(np.int32)
+            nib = blocks[..., 6:].astype(np.int32)
+            w = (np.concatenate((nib & 15, nib >> 4), axis=-1) | (high << 4)).astype(np.float32) - 16.0
+        else:
+            at = 4 if type_name == "Q4_1" else 2
+            nib = blocks[..., at:]
+            w = np.concatenate((nib & 15, nib >> 4), axis=-1).astype(np.float32)
+            mins = _f16(blocks, 2) if type_name == "Q4_1" else d * np.float32(-8.0)
+        return _t(w.reshape(rows, in_features)), _t(d), None if mins is None else _t(mins)
+    blocks = raw.reshape(rows, in_features // _QK_K, _BLOCK_BYTES[type_name])
+    if type_name == "Q4_K":
+        d, dmin = _f16(blocks, 0), _f16(blocks, 2)
+        packed = blocks[..., 4:16]
+        a, b, c = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+        sc = np.concatenate((a & 0x3F, (c & 0x0F) | ((a >> 2) & 0x30)), axis=-1).astype(np.float32)
+        mn = np.concatenate((b & 0x3F, (c >> 4) | ((b >> 2) & 0x30)), axis=-1).astype(np.float32)
+        nibbles = blocks[..., 16:].reshape(rows, -1, 4, 1, 32)
+        w = np.concatenate((nibbles & 15, nibbles >> 4), axis=-2).astype(np.float32)  # sub-block 2i + h
+        scales, mins = d[..., None] * sc, -(dmin[..., None] * mn)
+        return _t(w.reshape(rows, in_features)), _t(scales.reshape(rows, nb)), _t(mins.reshape(rows, nb))
+    if type_name == "Q6_K":
+        ql, qh = blocks[..., :128].astype(np.int32), blocks[..., 128:192].astype(np.int32)
+        sc = blocks[..., 192:208].view(np.int8).astype(np.int32)  # [rows, nsb, 16]
+        d = _f16(blocks, 208)
+        parts = []
+        for h in range(2):
+            for g in range(4):
+                low = (ql[..., 64 * h + 32 * (g & 1) : 64 * h + 32 * (g & 1) + 32] >> (4 * (g >> 1))) & 15
+                q = (low | (((qh[..., 32 * h : 32 * h + 32] >> (2 * g)) & 3) << 4)) - 32
+                scale = np.repeat(sc[..., [8 * h + 2 * g, 8 * h + 2 * g + 1]], 16, axis=-1)
+                parts.append(q * scale)
+        w = np.stack(parts, axis=-2).astype(np.float32)  # [rows, nsb, 8, 32]
+        scales = np.repeat(d[..., None], 8, axis=-1)
+        return _t(w.reshape(rows, in_features)), _t(scales.reshape(rows, nb)), None
+    raise ValueError(f"no grouped expert kernel for {type_name}; supported: {tuple(BLOCK_TYPES)}")
+
+
+def _t(values: np.ndarray) -> Tensor:
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+
+
+def torch_block_linear(x: Tensor, type_name: str, raw: np.ndarray, in_features: int) -> Tensor:
+    """fp32 y = x W^T for fp32 x [m, in] and W's blocks raw (uint8 [out, row bytes]), in the
+    order csrc/moe.c documents; integer block sums below 2^24, so fp32 holds them exactly."""
+    w, scales, mins = decode_blocks(type_name, raw, in_features)
+    xq, sx = quantize_activations(x)
+    xq_blocks = xq.reshape(x.shape[0], -1, _BLOCK)
+    acc = torch.zeros(x.shape[0], w.shape[0], dtype=torch.float32)
+    for b in range(in_features // _BLOCK):
+        dots = xq_blocks[:, b] @ w[:, b * _BLOCK : (b + 1) * _BLOCK].T
+        acc = acc + (sx[:, b : b + 1] * scales[:, b]) * dots
+        if mins is not None:
+            acc = acc + mins[:, b] * (sx[:, b : b + 1] * xq_blocks[:, b].sum(dim=-1, keepdim=True))
+    return acc
+
+
+def native_grouped(
+    type_name: str, weights: np.ndarray, x: Tensor, experts: list[int], offsets: list[int], x_rows: Tensor,
+    out: Tensor, vnni: bool = True,
+) -> None:  # fmt: skip
+    """out[p] = x[x_rows[p]] W_e^T for the pairs p of each expert e = experts[g] (offsets[g] to
+    offsets[g + 1]), weights the stacked experts' blocks [E, rows, row bytes] (a memory map),
+    out an fp32 view [pairs, rows] (its row stride may be wider). vnni=False: the scalar loop."""
+    library = native.load()
+    num_experts, n, nbytes = weights.shape
+    assert x.dtype == torch.float32 and x.stride(1) == 1 and out.dtype == torch.float32 and out.stride(1) == 1
+    ids = torch.tensor(experts, dtype=torch.int32)
+    starts = torch.tensor(offsets, dtype=torch.int32)
+    rows = x_rows.to(torch.int32).contiguous()
+    status = library.radixkv_moe_grouped(
+        BLOCK_TYPES[type_name], weights.ctypes.data, n * nbytes, n, x.shape[1], x.data_ptr(), x.stride(0), x.shape[0],
+        ids.data_ptr(), starts.data_ptr(), len(experts), rows.data_ptr(), out.data_ptr(), out.stride(0),
+        torch.get_num_threads(), int(vnni),
+    )  # fmt: skip
+    if status:
+        raise RuntimeError(f"the grouped expert kernel refused a {type_name} weight of {n} x {x.shape[1]} (status {status})")
+
+
+def native_grouped_f32(weights: Tensor, x: Tensor, experts: list[int], offsets: list[int], x_rows: Tensor, out: Tensor) -> None:
+    """The fp32 kernel for float experts: weights [E, rows, in] contiguous fp32."""
+    library = native.load()
+    _, n, k = weights.shape
+    assert weights.dtype == torch.float32 and weights.is_contiguous() and x.stride(1) == 1 and out.stride(1) == 1
+    ids = torch.tensor(experts, dtype=torch.int32)
+    starts = torch.tensor(offsets, dtype=torch.int32)
+    rows = x_rows.to(torch.int32).contiguous()
+    library.radixkv_moe_grouped_f32(
+        weights.data_ptr(), n * k, n, k, x.data_ptr(), x.stride(0), ids.data_ptr(), starts.data_ptr(), len(experts),
+        rows.data_ptr(), out.data_ptr(), out.stride(0), torch.get_num_threads(),
+    )  # fmt: skip
+
+
+def has_vnni() -> bool:
+    library = native.load()
+    return library is not None and bool(library.radixkv_moe_has_vnni())

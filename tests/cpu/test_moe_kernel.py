@@ -1,0 +1,85 @@
+"""The grouped expert kernel (radixkv/cpu/csrc/moe.c) over a GGUF's blocks as the file stores
+them: its decoding equals gguf's dequantization, and native (VNNI and scalar) equals the torch
+reference bit for bit for every block type, on random experts and routings."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from radixkv.cpu import native
+from radixkv.cpu.moe import BLOCK_TYPES, decode_blocks, has_vnni, native_grouped, native_grouped_f32, row_bytes, torch_block_linear
+
+pytestmark = pytest.mark.skipif(native.load() is None, reason="the native kernels did not build (no C compiler)")
+
+# Offsets of each type's fp16 fields, set to small finite values so random bits make weights.
+_F16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}
+_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q4_K": 144, "Q6_K": 210}
+
+
+def random_experts(type_name: str, experts: int, rows: int, in_features: int, seed: int = 0) -> np.ndarray:
+    """[experts, rows, row bytes] of random valid blocks."""
+    rng = np.random.default_rng(seed)
+    per_row = row_bytes(type_name, in_features)
+    size = _BYTES[type_name]
+    blocks = rng.integers(0, 256, size=(experts * rows * per_row // size, size), dtype=np.uint8)
+    for at in _F16_FIELDS[type_name]:
+        values = rng.uniform(0.0005, 0.004, size=blocks.shape[0]).astype(np.float16)
+        blocks[:, at : at + 2] = values.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(experts, rows, per_row)
+
+
+@pytest.mark.parametrize("type_name", list(BLOCK_TYPES))
+def test_decoded_blocks_are_ggufs_values(type_name):
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    raw = random_experts(type_name, 1, 8, 512)[0]
+    w, scales, mins = decode_blocks(type_name, raw, 512)
+    values = (w.reshape(8, -1, 32) * scales[..., None] + (0 if mins is None else mins[..., None])).reshape(8, 512)
+    want = torch.from_numpy(np.asarray(dequantize(raw, GGMLQuantizationType[type_name]), dtype=np.float32)).reshape(8, 512)
+    if type_name == "Q6_K":  # d * (sc * q) here, (d * sc) * q in gguf: one rounding apart
+        torch.testing.assert_close(values, want, rtol=1e-6, atol=1e-9)
+    else:
+        assert torch.equal(values, want)
+
+
+def _routing(tokens: int, experts: int, top_k: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
+    ids[:, 0] = torch.where(ids[:, 0] == 3, 1, ids[:, 0])  # expert 3 is never picked first (some go unrouted)
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    routed, counts = torch.unique_consecutive(flat[order], return_counts=True)
+    return routed.tolist(), [0, *torch.cumsum(counts, 0).tolist()], order // top_k
+
+
+@pytest.mark.parametrize("type_name", list(BLOCK_TYPES))
+@pytest.mark.parametrize("tokens", [1, 7])
+def test_native_equals_torch_bit_for_bit(type_name, tokens):
+    experts, rows, in_features = 6, 24, 512
+    weights = random_experts(type_name, experts, rows, in_features, seed=tokens)
+    x = torch.randn(tokens, in_features, generator=torch.Generator().manual_seed(tokens)) * 3
+    x[0, :32] = 0.0  # an all-zero block: scale 0
+    routed, offsets, x_rows = _routing(tokens, experts, 2, tokens)
+    want = torch.empty(len(x_rows), rows)
+    for g, e in enumerate(routed):
+        part = x_rows[offsets[g] : offsets[g + 1]]
+        want[offsets[g] : offsets[g + 1]] = torch_block_linear(x[part], type_name, weights[e], in_features)
+    paths = [False, True] if has_vnni() else [False]
+    for vnni in paths:
+        out = torch.full((len(x_rows), rows + 5), float("nan"))[:, :rows]  # a wider row stride
+        native_grouped(type_name, weights, x, routed, offsets, x_rows, out, vnni=vnni)
+        assert torch.equal(out, want), (type_name, vnni)
+
+
+def test_fp32_kernel_close_to_torch():
+    torch.manual_seed(0)
+    weights = torch.randn(5, 40, 96)
+    x = torch.randn(9, 96)
+    routed, offsets, x_rows = _routing(9, 5, 2, 0)
+    out = torch.empty(len(x_rows), 40)
+    native_grouped_f32(weights, x, routed, offsets, x_rows, out)
+    want = torch.cat([x[x_rows[offsets[g] : offsets[g + 1]]] @ weights[e].T for g, e in enumerate(routed)])
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
