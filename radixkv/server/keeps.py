@@ -92,7 +92,8 @@ def prompt_cache_kept(outputs: Sequence[RequestOutput]) -> dict[str, int | None]
     """radixkv's own usage field (`prompt_cache_kept`, beside each wire format's usage): how many
     of the prompts' tokens their keeps hold now (the most any keep of each prompt kept, summed)
     and until when (Unix seconds, the latest expiry; None: nothing kept, or pinned until
-    unpinned). A session's turn is kept when the reply ends, after this is written."""
+    unpinned). A session's turn is kept when its reply ends, before the last output is made, so it
+    is counted here."""
     reports = [o.kept for o in outputs if o.kept is not None]
     expiries = [r.expires_at_epoch_s for r in reports if r.expires_at_epoch_s is not None and r.most_kept_tokens]
     return {
