@@ -4,7 +4,7 @@ steps with prefix caching off; between steps, LLM.stats().cache.kv_bytes_in_use 
 every layer keeping every token would take, and the model's arithmetic (3 x tokens + 15 x
 (window + a page)). Prints a table and writes JSON.
 
-    python scenarios/ram_budget.py [--tokens 4096] [--new-tokens 8] [--chunk 512] [--out out/ram_budget]
+    radixkv bench ram_budget [--tokens 4096] [--new-tokens 8] [--chunk 512] [--out out/ram_budget]
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def measure(model: str, num_tokens: int, new_tokens: int, chunk: int, page_size:
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="a GGUF or HF folder with layer groups (default: Gemma 3 270M's GGUF)")
     parser.add_argument("--tokens", type=int, default=4096)
@@ -72,7 +72,7 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=512)
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--out", default="out/ram_budget")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     result = measure(args.model or gemma3_270m(), args.tokens, args.new_tokens, args.chunk, args.page_size)
     mib = 1 << 20
     print(f"{result['model']}: {result['layers']} layers ({result['full_layers']} full, {result['window_layers']} window {result['window']}), "
@@ -85,7 +85,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "ram_budget.json").write_text(json.dumps(result, indent=2))
     print(json.dumps(result))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
