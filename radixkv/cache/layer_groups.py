@@ -79,6 +79,9 @@ class WindowPages:
         self._ends: dict[int, None] = {}
         self._end_pages: set[int] = set()  # full pages that end a tree node
         self._stored: list[int] = []  # full pages the tree adopted since take_stored
+        # Pins (KVManager.pin): by the pinned node's identity, the (full pages, window table)
+        # each pin of it holds, so a pinned prefix keeps its last window too.
+        self._pins: dict[int, list[tuple[list[int], list[int]]]] = {}
 
     # -- the tree's bus -----------------------------------------------------------------------
 
@@ -155,6 +158,17 @@ class WindowPages:
             table[i] = self._take(page)
         return table
 
+    def pin(self, node: object, full_pages: Sequence[int], first: int) -> None:
+        """Hold the window pages a pinned prefix needs (hold), until unpin(node)."""
+        self._pins.setdefault(id(node), []).append((list(full_pages), self.hold(full_pages, first)))
+
+    def unpin(self, node: object) -> None:
+        held = self._pins[id(node)]
+        full_pages, table = held.pop()
+        if not held:
+            del self._pins[id(node)]
+        self.release(full_pages, table, 0, len(table))
+
     def _take(self, full_page: int) -> int:
         window_page = self._tree[full_page]
         self.pool.incref([window_page])
@@ -222,7 +236,8 @@ class WindowPages:
         expected = [0] * self.pool.num_pages
         for window_page in self._tree.values():
             expected[window_page] += 1
-        for table in tables:
+        pinned = [table for held in self._pins.values() for _, table in held]
+        for table in (*tables, *pinned):
             for window_page in table:
                 if window_page >= 0:
                     expected[window_page] += 1

@@ -97,3 +97,25 @@ def test_accounting_holds_under_random_use(ops: list[tuple[int, int, int]]) -> N
         kv.release(seq)
     check_page_accounting(pool, tree, [], [], windows)
     assert windows.pool.num_free + windows.evictable_pages == windows.pool.num_pages
+
+
+def test_a_pinned_prefix_keeps_its_last_window() -> None:
+    """Pins lock the full blocks and hold the window pages before the pinned cut: window
+    eviction cannot cut a pinned prefix short; once unpinned it can."""
+    kv, pool, tree, windows = make_kv(64, 16)
+    prompt = list(range(300, 341))  # 10 full blocks and a token
+    seq = make_seq(prompt)
+    kv.admit(seq, len(prompt))
+    seq.num_computed_tokens = len(prompt)
+    kv.commit(seq)
+    kv.release(seq)
+    node, pinned = kv.pin(prompt[:40], None)
+    assert pinned == 40
+    windows.evict(windows.pool.num_pages)
+    check_page_accounting(pool, tree, [], [], windows)
+    assert kv.peek(make_seq(prompt)).num_cached_tokens == 40, "the pinned window stayed"
+    kv.unpin(node)
+    windows.evict(windows.pool.num_pages)
+    assert kv.peek(make_seq(prompt)).num_cached_tokens == 0, "unpinned, its window pages went"
+    assert windows.pool.num_free == windows.pool.num_pages
+    check_page_accounting(pool, tree, [], [], windows)
