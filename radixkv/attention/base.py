@@ -107,6 +107,18 @@ class AttentionMetadata(Generic[StateT]):
 
 
 @dataclass(frozen=True, slots=True)
+class LayerPages:
+    """One layer's paged KV as a backend stores and reads it: k_cache, v_cache [num_pages,
+    page_size, num_kv_heads, head_dim] in the storage dtype; int8 caches with k_scales, v_scales
+    [num_pages, page_size, num_kv_heads] (None for every other dtype)."""
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    k_scales: torch.Tensor | None = None
+    v_scales: torch.Tensor | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class BackendCapabilities:
     """What a backend can do, so callers ask this rather than the backend's name."""
 
@@ -127,6 +139,8 @@ class AttentionBackend(Generic[StateT]):
     to q's dtype; int8 caches come with k_scales, v_scales [num_pages, page_size, num_kv_heads].
     Returns [T, num_q_heads, head_dim]. store_kv, extend, decode and forward read meta.state,
     which prepare() made for this step (StateT: this backend's own state class).
+    A backend implements store_pages, extend_pages and decode_pages, which take the layer's
+    caches and scales as one LayerPages; the public methods here bundle them.
 
     window: the layer's sliding window, W keys a query sees counting itself (a query at position
     p attends to keys p - W + 1 .. p); None attends to every key. A per-call argument, so one
@@ -162,7 +176,7 @@ class AttentionBackend(Generic[StateT]):
         """Write k, v into their slots meta.slot_mapping (< 0: do not store), rounded to the
         caches' storage dtype; int8 caches quantize each (token, head) row into k_scales and
         v_scales ([num_pages, page_size, num_kv_heads] fp16, radixkv.cache.kv_dtype)."""
-        raise NotImplementedError
+        self.store_pages(k, v, LayerPages(k_cache, v_cache, k_scales, v_scales), meta)
 
     def extend(
         self,
@@ -177,7 +191,7 @@ class AttentionBackend(Generic[StateT]):
         v_scales: torch.Tensor | None = None,
         window: int | None = None,
     ) -> torch.Tensor:
-        raise NotImplementedError
+        return self.extend_pages(q, k, v, LayerPages(k_cache, v_cache, k_scales, v_scales), meta, scale, window)
 
     def decode(
         self,
@@ -190,7 +204,7 @@ class AttentionBackend(Generic[StateT]):
         v_scales: torch.Tensor | None = None,
         window: int | None = None,
     ) -> torch.Tensor:
-        raise NotImplementedError
+        return self.decode_pages(q, LayerPages(k_cache, v_cache, k_scales, v_scales), meta, scale, window)
 
     def forward(
         self,
@@ -205,7 +219,22 @@ class AttentionBackend(Generic[StateT]):
         v_scales: torch.Tensor | None = None,
         window: int | None = None,
     ) -> torch.Tensor:
-        self.store_kv(k, v, k_cache, v_cache, meta, k_scales, v_scales)
+        pages = LayerPages(k_cache, v_cache, k_scales, v_scales)
+        self.store_pages(k, v, pages, meta)
         if meta.is_decode_only:
-            return self.decode(q, k_cache, v_cache, meta, scale, k_scales, v_scales, window)
-        return self.extend(q, k, v, k_cache, v_cache, meta, scale, k_scales, v_scales, window)
+            return self.decode_pages(q, pages, meta, scale, window)
+        return self.extend_pages(q, k, v, pages, meta, scale, window)
+
+    # What a backend implements: the public methods above bundle a layer's four page tensors
+    # into one LayerPages, so each backend states them once rather than in every signature.
+    def store_pages(self, k: torch.Tensor, v: torch.Tensor, pages: LayerPages, meta: AttentionMetadata[StateT]) -> None:
+        raise NotImplementedError
+
+    def extend_pages(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pages: LayerPages,
+                     meta: AttentionMetadata[StateT], scale: float, window: int | None) -> torch.Tensor:  # fmt: skip
+        raise NotImplementedError
+
+    def decode_pages(
+        self, q: torch.Tensor, pages: LayerPages, meta: AttentionMetadata[StateT], scale: float, window: int | None
+    ) -> torch.Tensor:
+        raise NotImplementedError

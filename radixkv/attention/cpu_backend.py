@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from radixkv.attention import cascade, torch_backend
-from radixkv.attention.base import AttentionBackend, AttentionMetadata, BackendCapabilities, DecodeTables, KVReads
+from radixkv.attention.base import AttentionBackend, AttentionMetadata, BackendCapabilities, DecodeTables, KVReads, LayerPages
 from radixkv.attention.torch_backend import RowByRow, TorchStepState
 from radixkv.cpu import decode, extend
 from radixkv.cpu.native import load
@@ -132,37 +132,18 @@ class CPUBackend(AttentionBackend[CPUStepState]):
         min_shared = decode.min_shared_tokens(num_kv_heads, head_dim, k_cache.element_size())
         return cascade.plan_cascade(page_table, seq_lens, k_cache.shape[1], min_shared_tokens=min_shared, min_group_members=members)
 
-    def store_kv(
-        self,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata[CPUStepState],
-        k_scales: torch.Tensor | None = None,
-        v_scales: torch.Tensor | None = None,
-    ) -> None:
+    def store_pages(self, k: torch.Tensor, v: torch.Tensor, pages: LayerPages, meta: AttentionMetadata[CPUStepState]) -> None:
+        k_cache, v_cache, k_scales, v_scales = pages.k_cache, pages.v_cache, pages.k_scales, pages.v_scales
         # prepare() checked the slots: the native store trusts them.
         if not decode.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scales, v_scales):
             torch_backend.store_by_index_copy(k, v, k_cache, v_cache, meta.slot_mapping, k_scales, v_scales)
 
-    def extend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata[CPUStepState],
-        scale: float,
-        k_scales: torch.Tensor | None = None,
-        v_scales: torch.Tensor | None = None,
-        window: int | None = None,
-    ) -> torch.Tensor:
+    def extend_pages(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pages: LayerPages,
+                     meta: AttentionMetadata[CPUStepState], scale: float, window: int | None) -> torch.Tensor:  # fmt: skip
         state = meta.state
+        k_cache, v_cache, k_scales, v_scales = pages.k_cache, pages.v_cache, pages.k_scales, pages.v_scales
         if not state.kernel or not decode.pages_fit(q.dtype, k_cache):
-            reference = self._reference(meta, k_cache, q.shape[1])
-            return torch_backend.reference_extend(q, k_cache, v_cache, meta, reference, scale, k_scales, v_scales, window)
+            return torch_backend.reference_extend(q, pages, meta, self._reference(meta, k_cache, q.shape[1]), scale, window)
         q = _rows_side_by_side(q)
         if meta.batch_invariant:  # each row as its own request: the kernel's rows are independent
             tables = state.row_by_row
@@ -190,25 +171,16 @@ class CPUBackend(AttentionBackend[CPUStepState]):
             )  # fmt: skip
         return out
 
-    def decode(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata[CPUStepState],
-        scale: float,
-        k_scales: torch.Tensor | None = None,
-        v_scales: torch.Tensor | None = None,
-        window: int | None = None,
+    def decode_pages(
+        self, q: torch.Tensor, pages: LayerPages, meta: AttentionMetadata[CPUStepState], scale: float, window: int | None
     ) -> torch.Tensor:
         state = meta.state
-        if not state.kernel or not decode.pages_fit(q.dtype, k_cache):
-            reference = self._reference(meta, k_cache, q.shape[1])
-            return torch_backend.reference_decode(q, k_cache, v_cache, meta, reference, scale, k_scales, v_scales, window)
+        if not state.kernel or not decode.pages_fit(q.dtype, pages.k_cache):
+            return torch_backend.reference_decode(q, pages, meta, self._reference(meta, pages.k_cache, q.shape[1]), scale, window)
         # Rows are independent in the kernel, so batch-invariant decode steps take it too.
         return decode.paged_decode(
-            _rows_side_by_side(q), k_cache, v_cache, state.page_table, state.seq_lens, scale, check=False,
-            plan=_plan_for(state.plan, window), k_scales=k_scales, v_scales=v_scales, window=window,
+            _rows_side_by_side(q), pages.k_cache, pages.v_cache, state.page_table, state.seq_lens, scale, check=False,
+            plan=_plan_for(state.plan, window), k_scales=pages.k_scales, v_scales=pages.v_scales, window=window,
         )  # fmt: skip
 
     def _reference(self, meta: AttentionMetadata[CPUStepState], k_cache: torch.Tensor, num_q_heads: int) -> TorchStepState:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from radixkv.attention.base import AttentionBackend, AttentionMetadata, BackendCapabilities, DecodeTables, KVReads
+from radixkv.attention.base import AttentionBackend, AttentionMetadata, BackendCapabilities, DecodeTables, KVReads, LayerPages
 from radixkv.cache.kv_dtype import dequantize, quantize_int8, to_storage
 
 
@@ -63,64 +63,37 @@ class TorchBackend(AttentionBackend[TorchStepState]):
             pages, bias = decode_gather_inputs(meta, _mask_dtype(k_cache.dtype))
         return TorchStepState(pages, bias, row_by_row_tables(meta) if meta.batch_invariant else None)
 
-    def store_kv(
-        self,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata[TorchStepState],
-        k_scales: torch.Tensor | None = None,
-        v_scales: torch.Tensor | None = None,
-    ) -> None:
-        store_by_index_copy(k, v, k_cache, v_cache, meta.slot_mapping, k_scales, v_scales)
+    def store_pages(self, k: torch.Tensor, v: torch.Tensor, pages: LayerPages, meta: AttentionMetadata[TorchStepState]) -> None:
+        store_by_index_copy(k, v, pages.k_cache, pages.v_cache, meta.slot_mapping, pages.k_scales, pages.v_scales)
 
-    def extend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata[TorchStepState],
-        scale: float,
-        k_scales: torch.Tensor | None = None,
-        v_scales: torch.Tensor | None = None,
-        window: int | None = None,
-    ) -> torch.Tensor:
-        return reference_extend(q, k_cache, v_cache, meta, meta.state, scale, k_scales, v_scales, window)
+    def extend_pages(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pages: LayerPages,
+                     meta: AttentionMetadata[TorchStepState], scale: float, window: int | None) -> torch.Tensor:  # fmt: skip
+        return reference_extend(q, pages, meta, meta.state, scale, window)
 
-    def decode(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata[TorchStepState],
-        scale: float,
-        k_scales: torch.Tensor | None = None,
-        v_scales: torch.Tensor | None = None,
-        window: int | None = None,
+    def decode_pages(
+        self, q: torch.Tensor, pages: LayerPages, meta: AttentionMetadata[TorchStepState], scale: float, window: int | None
     ) -> torch.Tensor:
-        return reference_decode(q, k_cache, v_cache, meta, meta.state, scale, k_scales, v_scales, window)
+        return reference_decode(q, pages, meta, meta.state, scale, window)
 
 
 def reference_extend(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, state: TorchStepState, scale: float,
-    k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None, window: int | None = None,
-) -> torch.Tensor:  # fmt: skip
+    q: torch.Tensor, pages: LayerPages, meta: AttentionMetadata, state: TorchStepState, scale: float, window: int | None = None
+) -> torch.Tensor:
     """Extend attention over the pages (the step's own KV is stored already)."""
     if meta.batch_invariant:
-        return attend_row_by_row(q, k_cache, v_cache, state.row_by_row, scale, k_scales, v_scales, window)
+        return attend_row_by_row(q, pages.k_cache, pages.v_cache, state.row_by_row, scale, pages.k_scales, pages.v_scales, window)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    extend_requests(q, k_cache, v_cache, meta, scale, out, k_scales=k_scales, v_scales=v_scales, window=window)
+    extend_requests(
+        q, pages.k_cache, pages.v_cache, meta, scale, out, k_scales=pages.k_scales, v_scales=pages.v_scales, window=window
+    )
     return out
 
 
 def reference_decode(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, state: TorchStepState, scale: float,
-    k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None, window: int | None = None,
-) -> torch.Tensor:  # fmt: skip
+    q: torch.Tensor, pages: LayerPages, meta: AttentionMetadata, state: TorchStepState, scale: float, window: int | None = None
+) -> torch.Tensor:
     """Decode attention, one query row per request."""
+    k_cache, v_cache, k_scales, v_scales = pages.k_cache, pages.v_cache, pages.k_scales, pages.v_scales
     if meta.batch_invariant:  # padding to the longest request would change the reduction
         return attend_row_by_row(q, k_cache, v_cache, state.row_by_row, scale, k_scales, v_scales, window)
     bias = state.decode_bias_for(meta, window)

@@ -20,7 +20,7 @@ import torch
 
 from radixkv.attention import cascade
 from radixkv.attention import torch_backend
-from radixkv.attention.base import AttentionBackend, AttentionMetadata, BackendCapabilities, DecodeTables, KVReads
+from radixkv.attention.base import AttentionBackend, AttentionMetadata, BackendCapabilities, DecodeTables, KVReads, LayerPages
 from radixkv.kernels import CascadeGroups, extend_attention, paged_decode, store_kv
 
 
@@ -87,68 +87,38 @@ class TritonBackend(AttentionBackend[TritonStepState]):
             state = dataclasses.replace(state, reference=torch_backend.TorchBackend().prepare(meta, k_cache, num_q_heads))
         return state
 
-    def store_kv(
-        self,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata[TritonStepState],
-        k_scales: torch.Tensor | None = None,
-        v_scales: torch.Tensor | None = None,
-    ) -> None:
+    def store_pages(self, k: torch.Tensor, v: torch.Tensor, pages: LayerPages, meta: AttentionMetadata[TritonStepState]) -> None:
         slot_mapping = meta.state.slot_mapping
         if k.shape[0] != slot_mapping.shape[0]:
             raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} slots for {k.shape[0]} tokens")
-        if not kernels_read(k_cache):
-            torch_backend.store_by_index_copy(k, v, k_cache, v_cache, slot_mapping, k_scales, v_scales)
-            return
-        store_kv(k, v, k_cache, v_cache, slot_mapping, k_scales, v_scales)
+        store = store_kv if kernels_read(pages.k_cache) else torch_backend.store_by_index_copy
+        store(k, v, pages.k_cache, pages.v_cache, slot_mapping, pages.k_scales, pages.v_scales)
 
-    def extend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata[TritonStepState],
-        scale: float,
-        k_scales: torch.Tensor | None = None,
-        v_scales: torch.Tensor | None = None,
-        window: int | None = None,
-    ) -> torch.Tensor:
+    def extend_pages(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pages: LayerPages,
+                     meta: AttentionMetadata[TritonStepState], scale: float, window: int | None) -> torch.Tensor:  # fmt: skip
         state = meta.state
         _check_rows(q, meta)
         if state.reference is not None:
-            return torch_backend.reference_extend(q, k_cache, v_cache, meta, state.reference, scale, k_scales, v_scales, window)
+            return torch_backend.reference_extend(q, pages, meta, state.reference, scale, window)
         return extend_attention(
-            q, k, v, k_cache, v_cache, state.cu_q_lens, state.seq_lens, state.page_table, meta.max_q_len, scale,
-            k_scales=k_scales, v_scales=v_scales, window=window,
+            q, k, v, pages.k_cache, pages.v_cache, state.cu_q_lens, state.seq_lens, state.page_table, meta.max_q_len, scale,
+            k_scales=pages.k_scales, v_scales=pages.v_scales, window=window,
         )  # fmt: skip
 
-    def decode(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata[TritonStepState],
-        scale: float,
-        k_scales: torch.Tensor | None = None,
-        v_scales: torch.Tensor | None = None,
-        window: int | None = None,
+    def decode_pages(
+        self, q: torch.Tensor, pages: LayerPages, meta: AttentionMetadata[TritonStepState], scale: float, window: int | None
     ) -> torch.Tensor:
         if any(n != 1 for n in meta.q_lens_list):
             raise ValueError("decode needs exactly one new token per request; use extend")
         state = meta.state
         _check_rows(q, meta)
         if state.reference is not None:
-            return torch_backend.reference_decode(q, k_cache, v_cache, meta, state.reference, scale, k_scales, v_scales, window)
+            return torch_backend.reference_decode(q, pages, meta, state.reference, scale, window)
         # A window layer decodes without the step's cascade groups: a group's shared prefix may
         # lie outside a member's window (the step's KVReads count the full layers' reads).
         return paged_decode(
-            q, k_cache, v_cache, state.seq_lens, state.page_table, meta.max_seq_len, scale,
-            groups=state.groups if window is None else None, k_scales=k_scales, v_scales=v_scales, window=window,
+            q, pages.k_cache, pages.v_cache, state.seq_lens, state.page_table, meta.max_seq_len, scale,
+            groups=state.groups if window is None else None, k_scales=pages.k_scales, v_scales=pages.v_scales, window=window,
         )  # fmt: skip
 
     @staticmethod

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from radixkv.cache.disk_directory import DiskDirectory
-from radixkv.cache.disk_format import block_file_bytes, digest, encode_block, owner_id
+from radixkv.cache.disk_format import BlockFormat, block_file_bytes, digest, encode_block, owner_id
 from radixkv.cache.disk_index import DiskIndex, DiskRetention
 from radixkv.cache.disk_reads import BlockReader, DiskRead
 from radixkv.cache.disk_writer import DiskWriter, QueuedBlock, WriteRun
@@ -93,7 +93,7 @@ class DiskTier:
         # Seconds to read and check one block, a moving average of the loads so far (None
         # before the first): the engine compares it with what computing a block costs.
         self.read_s_per_block: float | None = None
-        self._mac_key = b""
+        self._format: BlockFormat | None = None  # once the directory is open (its MAC key)
         self._reader: BlockReader | None = None  # once the directory is open
         # Where the tier says, on the caller's thread, which keys it dropped to stay within the
         # budget and which it stored (the engine's ghost index: a later miss on a dropped block
@@ -116,13 +116,11 @@ class DiskTier:
     # ----------------------------------------------------------------- setup
 
     def _open(self) -> None:
-        seed, self._mac_key = self.files.open()
+        seed, mac_key = self.files.open()
         try:
             self.hasher = BlockHasher(self.page_size, seed=int.from_bytes(seed, "little"))
-            self._reader = BlockReader(
-                self.files, self.writer.pending, fingerprint=self.fingerprint, page_size=self.page_size,
-                payload_bytes=self.payload_bytes, mac_key=self._mac_key,
-            )
+            self._format = BlockFormat(self.fingerprint, self.page_size, self.payload_bytes, mac_key)
+            self._reader = BlockReader(self.files, self.writer.pending, self._format)
             self._rebuild_index()
         except BaseException:
             self.files.unlock()
@@ -355,16 +353,11 @@ class DiskTier:
 
     def _encode(self, block: QueuedBlock) -> bytes:
         """A queued block's file bytes (on the writer thread); OverflowError past int32 tokens."""
+        assert self._format is not None, "the writer runs only once the directory is open"
         return encode_block(
-            fingerprint=self.fingerprint,
-            salt=block.salt,
-            key=block.key,
-            parent_key=block.parent_key,
-            page_size=self.page_size,
-            prefix_tokens=block.tokens[: block.num_prefix_tokens],
-            payload=block.payload,
-            mac_key=self._mac_key,
-        )
+            self._format, salt=block.salt, key=block.key, parent_key=block.parent_key,
+            prefix_tokens=block.tokens[: block.num_prefix_tokens], payload=block.payload,
+        )  # fmt: skip
 
     # ----------------------------------------------------------------- housekeeping
 

@@ -29,6 +29,17 @@ MAC_KEY_BYTES = 32
 _TOKEN_BYTES = 4  # int32: token ids are vocabulary indices
 
 
+@dataclass(frozen=True, slots=True)
+class BlockFormat:
+    """What every block file of one open tier is written with and checked against: the model's
+    fingerprint digest, the page size, one page's KV bytes (all layers), the directory's MAC key."""
+
+    fingerprint: bytes
+    page_size: int
+    payload_bytes: int
+    mac_key: bytes
+
+
 class BlockRejected(Exception):
     """A stored block that must not be used; `reason` names the metric it counts under."""
 
@@ -89,15 +100,7 @@ def salt_digest(salt: str | None) -> bytes:
 
 
 def encode_block(
-    *,
-    fingerprint: bytes,
-    salt: str | None,
-    key: int,
-    parent_key: int,
-    page_size: int,
-    prefix_tokens: list[int],
-    payload: bytes,
-    mac_key: bytes,
+    fmt: BlockFormat, *, salt: str | None, key: int, parent_key: int, prefix_tokens: list[int], payload: bytes
 ) -> bytes:
     """One file's bytes. The whole prefix is stored, not only the block's own tokens: a load
     then compares every token the block's KV depends on, so no hash is ever trusted alone."""
@@ -108,10 +111,10 @@ def encode_block(
     head = _HEADER.pack(
         MAGIC,
         VERSION,
-        page_size,
+        fmt.page_size,
         len(prefix_tokens),
         len(payload),
-        fingerprint,
+        fmt.fingerprint,
         salt_digest(salt),
         key.to_bytes(16, "little"),
         parent_key.to_bytes(16, "little"),
@@ -119,7 +122,7 @@ def encode_block(
         b"\x00" * 16,
     )
     head = head[:_CHECKED_HEADER_BYTES] + _checksum(head[:_CHECKED_HEADER_BYTES], body)
-    return head + _mac(mac_key, head, body) + body
+    return head + _mac(fmt.mac_key, head, body) + body
 
 
 def decode_header(data: bytes) -> BlockHeader:
@@ -143,34 +146,23 @@ def decode_header(data: bytes) -> BlockHeader:
     )
 
 
-def check_header(data: bytes, *, fingerprint: bytes, salt: str | None, page_size: int, payload_bytes: int) -> BlockHeader:
+def check_header(data: bytes, fmt: BlockFormat, salt: str | None) -> BlockHeader:
     """The header at the start of `data` if it is of this model, layout and tenant, else
     BlockRejected: "fingerprint" (another model or layout), "salt" (another tenant), or
     "truncated" / "corrupt" where it is no header of this version."""
     header = decode_header(data)
-    if header.fingerprint != fingerprint or header.page_size != page_size or header.payload_bytes != payload_bytes:
+    if header.fingerprint != fmt.fingerprint or header.page_size != fmt.page_size or header.payload_bytes != fmt.payload_bytes:
         raise BlockRejected("fingerprint", "written by another model or layout")
     if header.salt_digest != salt_digest(salt):
         raise BlockRejected("salt", "written for another tenant")
     return header
 
 
-def check_block(
-    data: bytes,
-    *,
-    fingerprint: bytes,
-    salt: str | None,
-    key: int,
-    parent_key: int,
-    page_size: int,
-    prefix_tokens: list[int],
-    payload_bytes: int,
-    mac_key: bytes,
-) -> bytes:
+def check_block(data: bytes, fmt: BlockFormat, *, salt: str | None, key: int, parent_key: int, prefix_tokens: list[int]) -> bytes:
     """The payload of a stored block if it is exactly the block asked for, else BlockRejected
     with the reason: another model's, another tenant's, truncated, corrupt (or damaged:
     "checksum"), not made with this directory's key ("mac"), or other tokens."""
-    header = check_header(data, fingerprint=fingerprint, salt=salt, page_size=page_size, payload_bytes=payload_bytes)
+    header = check_header(data, fmt, salt)
     if len(data) != header.file_bytes:
         raise BlockRejected("truncated", f"{len(data)} bytes, the header says {header.file_bytes}")
     if header.key != key or header.parent_key != parent_key:
@@ -178,7 +170,7 @@ def check_block(
     body = data[HEADER_BYTES:]
     if _checksum(data[:_CHECKED_HEADER_BYTES], body) != header.checksum:
         raise BlockRejected("checksum", "the bytes changed since they were written")
-    if not hmac.compare_digest(_mac(mac_key, data[:_MACED_HEADER_BYTES], body), header.mac):
+    if not hmac.compare_digest(_mac(fmt.mac_key, data[:_MACED_HEADER_BYTES], body), header.mac):
         raise BlockRejected("mac", "not written with this directory's key")
     split = header.num_prefix_tokens * _TOKEN_BYTES
     stored = array("i")

@@ -13,7 +13,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from radixkv.cache.disk_directory import DiskDirectory
-from radixkv.cache.disk_format import HEADER_BYTES, BlockRejected, block_file_bytes, check_block, check_header, salt_digest
+from radixkv.cache.disk_format import (
+    HEADER_BYTES, BlockFormat, BlockRejected, block_file_bytes, check_block, check_header, salt_digest,
+)  # fmt: skip
 from radixkv.cache.disk_writer import QueuedBlock
 
 logger = logging.getLogger(__name__)
@@ -38,18 +40,11 @@ class BlockReader:
         self,
         directory: DiskDirectory,
         pending: Callable[[int], QueuedBlock | None],
-        *,
-        fingerprint: bytes,
-        page_size: int,
-        payload_bytes: int,
-        mac_key: bytes,
+        fmt: BlockFormat,
     ) -> None:
         self.directory = directory
         self.pending = pending
-        self.fingerprint = fingerprint
-        self.page_size = page_size
-        self.payload_bytes = payload_bytes
-        self._mac_key = mac_key
+        self.format = fmt
 
     def read(
         self,
@@ -69,7 +64,7 @@ class BlockReader:
         returns False to stop (cancelled)."""
         result = DiskRead(start_block) if into is None else into
         tokens = list(token_ids)
-        ps = self.page_size
+        ps = self.format.page_size
         for block in range(start_block, start_block + num_blocks):
             began = time.perf_counter()
             key = keys[block]
@@ -80,18 +75,8 @@ class BlockReader:
                 if queued is not None:
                     payload = queued
                 else:
-                    data = self._read_file(key, block_file_bytes(len(prefix_tokens), self.payload_bytes), salt)
-                    payload = check_block(
-                        data,
-                        fingerprint=self.fingerprint,
-                        salt=salt,
-                        key=key,
-                        parent_key=parent_key,
-                        page_size=ps,
-                        prefix_tokens=prefix_tokens,
-                        payload_bytes=self.payload_bytes,
-                        mac_key=self._mac_key,
-                    )
+                    data = self._read_file(key, block_file_bytes(len(prefix_tokens), self.format.payload_bytes), salt)
+                    payload = check_block(data, self.format, salt=salt, key=key, parent_key=parent_key, prefix_tokens=prefix_tokens)
             except FileNotFoundError:
                 result.failure = "missing"
             except OSError as error:
@@ -133,10 +118,7 @@ class BlockReader:
             if not stat.S_ISREG(info.st_mode):
                 raise BlockRejected("not_a_file", f"mode {info.st_mode:o}")
             if info.st_size != expected_bytes:
-                check_header(
-                    os.read(fd, HEADER_BYTES), fingerprint=self.fingerprint, salt=salt,
-                    page_size=self.page_size, payload_bytes=self.payload_bytes,
-                )
+                check_header(os.read(fd, HEADER_BYTES), self.format, salt)
                 reason = "truncated" if info.st_size < expected_bytes else "oversized"
                 raise BlockRejected(reason, f"{info.st_size} bytes, a block here has {expected_bytes}")
             parts = []

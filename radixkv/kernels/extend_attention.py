@@ -31,6 +31,47 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+@triton.jit
+def online_softmax(scores, m_i, l_i):
+    """One tile of scores (log2 domain) into the rows' running max m_i and sum l_i: the tile's
+    weights p, the factor alpha that rescales what the rows summed before, the new max and sum."""
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    # A row with no visible key yet keeps max -inf; subtracting 0 instead avoids inf - inf.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(scores - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def load_page_rows(cache_ptr, scale_ptr, kv_offsets, kv_mask, scale_at, key_valid, QUANT: tl.constexpr):
+    """One tile of K or V rows from the pages, in their storage dtype; int8 pages (QUANT) come
+    back as fp32 times each (token, kv head) scale. The caller widens to q's dtype."""
+    rows = tl.load(cache_ptr + kv_offsets, mask=kv_mask, other=0)
+    if QUANT:
+        rows = rows.to(tl.float32) * tl.load(scale_ptr + scale_at, mask=key_valid, other=0.0).to(tl.float32)[:, None]
+    return rows
+
+
+@triton.jit
+def attend_page_tile(q, m_i, l_i, acc, visible, pos, key_valid, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+                     table_row, head_offset, page_size, stride_cache_slot, dims, dim_valid, kv_head, num_kv_heads,
+                     qk_scale_log2, DOT_PRECISION: tl.constexpr, QUANT: tl.constexpr):  # fmt: skip
+    """One tile of a request's paged keys (positions pos, read through its page table row) into
+    the query rows' online softmax; visible [rows, keys] says which keys each row sees. Pages
+    are widened to q's dtype on load. Returns the rows' new max, sum and accumulator."""
+    page = tl.load(table_row + pos // page_size, mask=key_valid, other=0).to(tl.int64)
+    slot = page * page_size + (pos % page_size)
+    kv_offsets = slot[:, None] * stride_cache_slot + head_offset + dims[None, :]
+    kv_mask = key_valid[:, None] & dim_valid[None, :]
+    scale_at = slot * num_kv_heads + kv_head  # int8 pages' scale of each key (QUANT)
+    k = load_page_rows(k_cache_ptr, k_scale_ptr, kv_offsets, kv_mask, scale_at, key_valid, QUANT).to(q.dtype)
+    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2
+    p, alpha, m_new, l_i = online_softmax(tl.where(visible, scores, float("-inf")), m_i, l_i)
+    v = load_page_rows(v_cache_ptr, v_scale_ptr, kv_offsets, kv_mask, scale_at, key_valid, QUANT).to(q.dtype)
+    return m_new, l_i, acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+
+
 # The page table's width changes from step to step: no variant compiled for its value.
 @triton.jit(do_not_specialize=("stride_table",))
 def _extend_kernel(
@@ -110,29 +151,11 @@ def _extend_kernel(
             pos = start + offs_n
             key_valid = pos < prefix_len
             in_window = key_valid[None, :] & (prefix_len + q_idx[:, None] - pos[None, :] < window)
-            page = tl.load(table_row + pos // page_size, mask=key_valid, other=0).to(tl.int64)
-            slot = page * page_size + (pos % page_size)
-            kv_offsets = slot[:, None] * stride_cache_slot + head_offset + dims[None, :]
-            kv_mask = key_valid[:, None] & dim_valid[None, :]
-            k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0)
-            scale_at = slot * num_kv_heads + kv_head  # int8 pages' scale of each key (QUANT)
-            if QUANT:  # int8 pages: times each (token, kv head) scale
-                k = k.to(tl.float32) * tl.load(k_scale_ptr + scale_at, mask=key_valid, other=0.0).to(tl.float32)[:, None]
-            k = k.to(q.dtype)
-            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2
-            scores = tl.where(in_window, scores, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, 1))
-            # A row with no visible key yet keeps max -inf; subtracting 0 instead avoids inf - inf.
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(scores - m_safe[:, None])
-            alpha = tl.exp2(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0)
-            if QUANT:
-                v = v.to(tl.float32) * tl.load(v_scale_ptr + scale_at, mask=key_valid, other=0.0).to(tl.float32)[:, None]
-            v = v.to(q.dtype)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            m_i = m_new
+            m_i, l_i, acc = attend_page_tile(
+                q, m_i, l_i, acc, in_window, pos, key_valid, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table_row,
+                head_offset, page_size, stride_cache_slot, dims, dim_valid, kv_head, num_kv_heads, qk_scale_log2,
+                DOT_PRECISION, QUANT,
+            )  # fmt: skip
 
         # The new tokens, causally: this tile's last query sees new tokens up to its own index.
         kv_end = tl.minimum(q_len, tile_start + BLOCK_Q)
@@ -154,11 +177,7 @@ def _extend_kernel(
             scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2
             visible = key_valid[None, :] & (key_idx[None, :] <= q_idx[:, None]) & (q_idx[:, None] - key_idx[None, :] < window)
             scores = tl.where(visible, scores, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(scores - m_safe[:, None])
-            alpha = tl.exp2(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
+            p, alpha, m_new, l_i = online_softmax(scores, m_i, l_i)
             v = tl.load(
                 v_ptr + key_rows[:, None] * stride_vt + kv_head * stride_vh + dims[None, :],
                 mask=kv_mask,

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from radixkv.kernels.extend_attention import LOG2E, dot_precision, on_interpreter
+from radixkv.kernels.extend_attention import LOG2E, attend_page_tile, dot_precision, on_interpreter
 
 MAX_SPLITS = 16
 # A split shorter than this costs more in stage-2 traffic and launch overhead than it saves.
@@ -51,28 +51,11 @@ def _attend_keys(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, head_off
     for tile_start in range(start, end, BLOCK_N):
         pos = tile_start + offs_n
         key_valid = pos < end
-        page = tl.load(table_row + pos // page_size, mask=key_valid, other=0).to(tl.int64)
-        slot = page * page_size + (pos % page_size)
-        kv_offsets = slot[:, None] * stride_cache_slot + head_offset + dims[None, :]
-        kv_mask = key_valid[:, None] & dim_valid[None, :]
-        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0)
-        scale_at = slot * num_kv_heads + kv_head  # int8 pages' scale of each key (QUANT)
-        if QUANT:
-            k = k.to(tl.float32) * tl.load(k_scale_ptr + scale_at, mask=key_valid, other=0.0).to(tl.float32)[:, None]
-        k = k.to(q.dtype)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2
-        scores = tl.where(key_valid[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(scores - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0)
-        if QUANT:
-            v = v.to(tl.float32) * tl.load(v_scale_ptr + scale_at, mask=key_valid, other=0.0).to(tl.float32)[:, None]
-        v = v.to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = attend_page_tile(
+            q, m_i, l_i, acc, key_valid[None, :], pos, key_valid, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+            table_row, head_offset, page_size, stride_cache_slot, dims, dim_valid, kv_head, num_kv_heads, qk_scale_log2,
+            DOT_PRECISION, QUANT,
+        )  # fmt: skip
     return m_i, l_i, acc
 
 

@@ -104,11 +104,17 @@ def test_split_and_partial_eviction_keep_the_path_retained() -> None:
     tree.check_invariants()
 
 
-def test_owner_cap_releases_the_oldest_retention() -> None:
+def three_prompts() -> tuple[RadixTree, list[int], list[int], list[int]]:
+    """A tree caching three unrelated prompts of 2, 2 and 3 pages, for the owner-cap tests."""
     tree, _ = make_tree()
     a, b, c = seq(0, 8), seq(100, 8), seq(200, 12)
     for tokens in (a, b, c):
         run_request(tree, tokens)
+    return tree, a, b, c
+
+
+def test_owner_cap_releases_the_oldest_retention() -> None:
+    tree, a, b, c = three_prompts()
     assert retain(tree, a, 300, "k", cap=5) == 2
     assert retain(tree, b, 300, "k", cap=5) == 2
     assert retain(tree, c, 300, "k", cap=5) == 3  # 7 > 5: a, the oldest, is released
@@ -232,10 +238,7 @@ def test_retention_never_passes_the_global_cap_nor_takes_another_owners(cap: int
 def test_rehome_counts_an_owners_second_name_in_its_one_cap() -> None:
     """Issue 43: retentions filed under a disk tier's name for an owner move to the owner, oldest
     first among its own, and the owner's oldest go past its cap."""
-    tree, _ = make_tree()
-    a, b, c = seq(0, 8), seq(100, 8), seq(200, 12)
-    for tokens in (a, b, c):
-        run_request(tree, tokens)
+    tree, a, b, c = three_prompts()
     assert retain(tree, a, 300, "disk:k", cap=5) == 2
     assert retain(tree, b, 300, "k", cap=5) == 2
     assert retain(tree, c, 300, "disk:k", cap=5) == 3

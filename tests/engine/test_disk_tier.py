@@ -40,6 +40,15 @@ def generate(llm, batch: list[list[int]], salt: str | None = None) -> list[list[
     return [llm.generate([prompt], PARAMS, salt=salt)[0].token_ids for prompt in batch]
 
 
+def write_tier(model: Path, batch: list[list[int]], kv_dir: Path, salt: str | None = None) -> list[list[int]]:
+    """One engine's run over batch with the disk tier at kv_dir, then closed (every block
+    written back): what a later engine on that directory restarts from. Its outputs."""
+    first = make_llm(model, kv_disk_dir=str(kv_dir))
+    outputs = generate(first, batch, salt)
+    first.close()
+    return outputs
+
+
 def test_restart_is_warm_and_exact(tiny_llama: Path, workload, tmp_path: Path) -> None:
     batch, expected = workload
     first = make_llm(tiny_llama, kv_disk_dir=str(tmp_path / "kv"))
@@ -65,9 +74,7 @@ def test_a_restart_with_chunked_prefill_is_exact(tiny_llama: Path, workload, tmp
     after chunk, computing only once the hit ends; the tokens do not change. With a read-ahead
     budget smaller than a block, the hit is read a chunk at a time, and still wholly."""
     batch, expected = workload
-    first = make_llm(tiny_llama, kv_disk_dir=str(tmp_path / "kv"))
-    generate(first, batch)
-    first.close()
+    write_tier(tiny_llama, batch, tmp_path / "kv")
     second = make_llm(tiny_llama, kv_disk_dir=str(tmp_path / "kv"), max_batch_tokens=16, kv_disk_prefetch_bytes=prefetch_bytes)
     outputs = [second.generate([prompt], PARAMS)[0] for prompt in batch]
     assert [output.token_ids for output in outputs] == expected
@@ -93,9 +100,7 @@ def test_blocks_evicted_mid_run_come_back_from_disk(tiny_llama: Path, workload, 
 
 def test_corrupt_files_are_misses(tiny_llama: Path, workload, tmp_path: Path) -> None:
     batch, expected = workload
-    first = make_llm(tiny_llama, kv_disk_dir=str(tmp_path / "kv"))
-    generate(first, batch)
-    first.close()
+    write_tier(tiny_llama, batch, tmp_path / "kv")
     for path in (tmp_path / "kv" / "blocks").rglob("*.kvb"):
         data = bytearray(path.read_bytes())
         data[-5] ^= 0x01  # one bit of the KV: the checksum must catch it
@@ -109,9 +114,7 @@ def test_corrupt_files_are_misses(tiny_llama: Path, workload, tmp_path: Path) ->
 
 def test_another_models_files_are_misses(tiny_llama: Path, workload, tmp_path: Path) -> None:
     batch, _ = workload
-    first = make_llm(tiny_llama, kv_disk_dir=str(tmp_path / "kv"))
-    generate(first, batch)
-    first.close()
+    write_tier(tiny_llama, batch, tmp_path / "kv")
     other_model = make_tiny_model(tmp_path / "other", "llama", seed=1, max_position_embeddings=512)
     other = make_llm(other_model, kv_disk_dir=str(tmp_path / "kv"))
     assert generate(other, batch) == hf_greedy(other_model, batch, MAX_NEW)
@@ -122,9 +125,7 @@ def test_another_models_files_are_misses(tiny_llama: Path, workload, tmp_path: P
 
 def test_another_tenants_blocks_are_not_found(tiny_llama: Path, workload, tmp_path: Path) -> None:
     batch, expected = workload
-    first = make_llm(tiny_llama, kv_disk_dir=str(tmp_path / "kv"))
-    assert generate(first, batch, salt="tenant-a") == expected
-    first.close()
+    assert write_tier(tiny_llama, batch, tmp_path / "kv", salt="tenant-a") == expected
     second = make_llm(tiny_llama, kv_disk_dir=str(tmp_path / "kv"))
     assert generate(second, batch, salt="tenant-b") == expected
     assert second.stats().disk.hit_blocks == 0
@@ -156,9 +157,7 @@ def test_an_unusable_directory_runs_without_the_tier(tiny_llama: Path, workload,
 
 def test_a_disk_slower_than_compute_is_skipped(tiny_llama: Path, workload, tmp_path: Path) -> None:
     batch, expected = workload
-    first = make_llm(tiny_llama, kv_disk_dir=str(tmp_path / "kv"))
-    generate(first, batch)
-    first.close()
+    write_tier(tiny_llama, batch, tmp_path / "kv")
     second = make_llm(tiny_llama, kv_disk_dir=str(tmp_path / "kv"))
     assert generate(second, batch[:1]) == expected[:1]  # unmeasured: the disk is tried
     assert second.stats().disk.hit_blocks > 0 and second.stats().disk.read_s_per_block is not None
@@ -187,9 +186,7 @@ def test_a_disk_hit_is_read_while_other_requests_compute(tiny_llama: Path, workl
     is refused unread, test_a_planted_pipe_is_a_miss_not_a_hang: it cannot stand for a slow
     disk.)"""
     batch, expected = workload
-    first = make_llm(tiny_llama, kv_disk_dir=str(tmp_path / "kv"))
-    generate(first, batch[:1])
-    first.close()
+    write_tier(tiny_llama, batch[:1], tmp_path / "kv")
     second = make_llm(tiny_llama, kv_disk_dir=str(tmp_path / "kv"), max_batch_tokens=16)
     engine = second.engine
     disk_answers = threading.Event()
@@ -221,9 +218,7 @@ def test_a_disk_hit_is_read_while_other_requests_compute(tiny_llama: Path, workl
 
 def test_an_aborted_request_stops_its_read_and_returns_every_page(tiny_llama: Path, workload, tmp_path: Path) -> None:
     batch, _ = workload
-    first = make_llm(tiny_llama, kv_disk_dir=str(tmp_path / "kv"))
-    generate(first, batch)
-    first.close()
+    write_tier(tiny_llama, batch, tmp_path / "kv")
     second = make_llm(tiny_llama, kv_disk_dir=str(tmp_path / "kv"))
     engine = second.engine
     engine.add_request(prompts(7, count=1, length=9)[0], SamplingParams(max_tokens=8, ignore_eos=True))

@@ -97,6 +97,20 @@ def _f16_bytes(values: np.ndarray) -> np.ndarray:
     return values.astype(np.float16)[..., None].view(np.uint8)
 
 
+def _start(writer: Any, name: str, config: Any) -> Any:
+    """writer with its name and shape written (the fields every tiny GGUF here opens with)."""
+    writer.add_name(name)
+    _write_shape(writer, config)
+    return writer
+
+
+def _add_tokenizer(writer: Any) -> None:
+    """The vocabulary size and the tokenizer's fields, the same in every tiny GGUF here."""
+    writer.add_vocab_size(VOCAB)
+    for key, value, kind, sub in _tokenizer_fields():
+        writer.add_key_value(key, value, kind, sub)
+
+
 def _write_shape(writer: Any, config: Any) -> None:
     """The header fields every tiny GGUF here shares: the transformer's shape, RoPE base, norm eps."""
     writer.add_block_count(config.num_hidden_layers)
@@ -109,6 +123,34 @@ def _write_shape(writer: Any, config: Any) -> None:
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
 
 
+def _add_tensor(writer: Any, gguf_name: str, weights: np.ndarray, kind: str, rng: np.random.Generator) -> None:
+    """weights as a GGUF tensor of type kind: F32 and F16 as they are, the types gguf-py
+    quantizes (QUANTIZED_TYPES) quantized, the K-quants as random valid blocks (rows of any
+    leading shape, experts stacked included)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    if kind == "F32":
+        writer.add_tensor(gguf_name, weights.astype(np.float32))
+    elif kind == "F16":
+        writer.add_tensor(gguf_name, weights.astype(np.float16))
+    elif kind in QUANTIZED_TYPES:
+        qtype = GGMLQuantizationType[kind]
+        writer.add_tensor(gguf_name, quantize(weights, qtype), raw_dtype=qtype)
+    else:
+        rows = int(np.prod(weights.shape[:-1]))
+        blocks = _random_blocks(kind, rows, weights.shape[-1], rng).reshape(*weights.shape[:-1], -1)
+        writer.add_tensor(gguf_name, blocks, raw_dtype=GGMLQuantizationType[kind])
+
+
+def _finish(writer: Any, path: Path) -> Path:
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
 def write_tiny_gguf(
     path: Path, type_name: str, seed: int = 0, tied: bool = True, overrides: dict[str, str] | None = None
 ) -> Path:
@@ -117,17 +159,12 @@ def write_tiny_gguf(
     type, for the error it must give)."""
     mix = MIXES.get(type_name, {})
     base = "Q4_K" if mix else type_name
-    from gguf import GGMLQuantizationType, GGUFWriter
-    from gguf.quants import quantize
+    from gguf import GGUFWriter
 
     config, state = _llama_state(seed, tied)
-    writer = GGUFWriter(str(path), "llama")
-    writer.add_name(f"tiny-llama-{type_name}")
-    _write_shape(writer, config)
+    writer = _start(GGUFWriter(str(path), "llama"), f"tiny-llama-{type_name}", config)
     writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
-    writer.add_vocab_size(VOCAB)
-    for key, value, kind, sub in _tokenizer_fields():
-        writer.add_key_value(key, value, kind, sub)
+    _add_tokenizer(writer)
     rng = np.random.default_rng(seed)
     names = {
         "model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight",
@@ -148,21 +185,8 @@ def write_tiny_gguf(
         elif ".attn_k." in gguf_name:
             weights = _permute(weights, config.num_key_value_heads)
         kind = (overrides or {}).get(gguf_name) or mix.get(gguf_name.split(".")[-2], base)
-        if weights.ndim == 1 or kind == "F32":
-            writer.add_tensor(gguf_name, weights.astype(np.float32))
-        elif kind == "F16":
-            writer.add_tensor(gguf_name, weights.astype(np.float16))
-        elif kind in QUANTIZED_TYPES:
-            qtype = GGMLQuantizationType[kind]
-            writer.add_tensor(gguf_name, quantize(weights, qtype), raw_dtype=qtype)
-        else:
-            qtype = GGMLQuantizationType[kind]
-            writer.add_tensor(gguf_name, _random_blocks(kind, *weights.shape, rng), raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+        _add_tensor(writer, gguf_name, weights, "F32" if weights.ndim == 1 else kind, rng)
+    return _finish(writer, path)
 
 
 class TinyGGUFs:
@@ -238,39 +262,20 @@ def write_tiny_moe_gguf(path: Path, type_name: str, seed: int = 0, moe_intermedi
     """A tiny random Qwen3-MoE GGUF at path: its matrices in type_name (a type, or a mix of
     MOE_MIXES; norms and the router F32), experts stacked [experts, rows, inputs] as llama.cpp
     stores them; the K-quants written as random valid blocks, the others quantized from weights."""
-    from gguf import GGMLQuantizationType, GGUFWriter
-    from gguf.quants import quantize
+    from gguf import GGUFWriter
 
     mix = MOE_MIXES.get(type_name, {})
     base = "Q4_K" if mix else type_name
     config, state = _qwen3_moe_state(seed, moe_intermediate_size)
-    writer = GGUFWriter(str(path), "qwen3moe")
-    writer.add_name(f"tiny-qwen3moe-{type_name}")
-    _write_shape(writer, config)
+    writer = _start(GGUFWriter(str(path), "qwen3moe"), f"tiny-qwen3moe-{type_name}", config)
     writer.add_key_length(config.head_dim)
     writer.add_value_length(config.head_dim)
     writer.add_expert_count(config.num_experts)
     writer.add_expert_used_count(config.num_experts_per_tok)
     writer.add_expert_feed_forward_length(moe_intermediate_size)
-    writer.add_vocab_size(VOCAB)
-    for key, value, kind, sub in _tokenizer_fields():
-        writer.add_key_value(key, value, kind, sub)
+    _add_tokenizer(writer)
     rng = np.random.default_rng(seed)
     for gguf_name, weights in state.items():
-        kind = mix.get(gguf_name.split(".")[-2], base)
-        if weights.ndim == 1 or kind == "F32" or ".ffn_gate_inp." in gguf_name:
-            writer.add_tensor(gguf_name, weights.astype(np.float32))
-        elif kind == "F16":
-            writer.add_tensor(gguf_name, weights.astype(np.float16))
-        elif kind in QUANTIZED_TYPES:
-            qtype = GGMLQuantizationType[kind]
-            writer.add_tensor(gguf_name, quantize(weights, qtype), raw_dtype=qtype)
-        else:
-            rows = int(np.prod(weights.shape[:-1]))
-            blocks = _random_blocks(kind, rows, weights.shape[-1], rng).reshape(*weights.shape[:-1], -1)
-            writer.add_tensor(gguf_name, blocks, raw_dtype=GGMLQuantizationType[kind])
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+        router = weights.ndim == 1 or ".ffn_gate_inp." in gguf_name
+        _add_tensor(writer, gguf_name, weights, "F32" if router else mix.get(gguf_name.split(".")[-2], base), rng)
+    return _finish(writer, path)

@@ -7,30 +7,25 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM
 
 from radixkv.attention.base import AttentionMetadata
 from radixkv.cache.kv_dtype import SCALE_DTYPE
 from radixkv.model.loader import LoadedModel, hf_reference_model
-from tests.helpers.tiny_models import tiny_config, tiny_tokenizer
+from tests.helpers.tiny_models import save_random_model
 
 
 def make_random_model(path: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
     """A tiny `arch` model whose weights, biases and norm scales are all random, saved to path."""
-    torch.manual_seed(seed)
-    config = tiny_config(arch, **overrides)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:  # around 1, so a wrong eps or missing norm shows
-                param.copy_(1.0 + 0.2 * torch.randn_like(param))
-            elif param.dim() == 1:  # biases are zero at init: make them count
-                param.normal_(0.0, 0.2)
-            else:
-                param.normal_(0.0, 0.3 if "embed" in name or "lm_head" in name else 0.15)
-    model.save_pretrained(path)
-    tiny_tokenizer(config.vocab_size).save_pretrained(path)
-    return path
+
+    def init(name: str, param: torch.nn.Parameter) -> None:
+        if "norm" in name:  # around 1, so a wrong eps or missing norm shows
+            param.copy_(1.0 + 0.2 * torch.randn_like(param))
+        elif param.dim() == 1:  # biases are zero at init: make them count
+            param.normal_(0.0, 0.2)
+        else:
+            param.normal_(0.0, 0.3 if "embed" in name or "lm_head" in name else 0.15)
+
+    return save_random_model(path, arch, seed, init, **overrides)
 
 
 def contiguous_metadata(

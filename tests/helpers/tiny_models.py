@@ -6,6 +6,7 @@ small enough that transformers' own `generate` runs in a blink as the reference.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -40,21 +41,24 @@ def tiny_tokenizer(vocab_size: int = 320) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>", pad_token="<eos>")
 
 
+# Every tiny config's shape (gemma3_config's too), token id 0 the end, padding and start.
+TINY_SHAPE = dict(
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    eos_token_id=0,
+    pad_token_id=0,
+    bos_token_id=0,
+)
+
+
 def tiny_config(arch: str = "llama", **overrides):
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
-    common = dict(
-        vocab_size=320,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        eos_token_id=0,
-        pad_token_id=0,
-        bos_token_id=0,
-    )
+    common = dict(TINY_SHAPE, num_hidden_layers=2)
     common.update(overrides)
     if arch == "gemma3":
         return gemma3_config(**overrides)
@@ -76,21 +80,13 @@ def gemma3_config(**overrides):
     from transformers import Gemma3TextConfig
 
     options = dict(
-        vocab_size=320,
-        hidden_size=64,
-        intermediate_size=128,
+        TINY_SHAPE,
         num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         head_dim=16,
         query_pre_attn_scalar=24,  # not head_dim, so the scale is the config's
         sliding_window=8,
         sliding_window_pattern=4,
-        max_position_embeddings=512,
         final_logit_softcapping=30.0,
-        eos_token_id=0,
-        pad_token_id=0,
-        bos_token_id=0,
     )
     options.update(overrides)
     config = Gemma3TextConfig(**options)
@@ -100,18 +96,29 @@ def gemma3_config(**overrides):
 
 def make_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
     """Save a random tiny model of `arch` plus tokenizer into `path`; returns the folder."""
-    torch.manual_seed(seed)
-    config = tiny_config(arch, **overrides)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
     # Random init at 0.02 std gives near-uniform logits and frequent argmax ties; a larger
     # scale makes greedy decoding decisive, so exactness tests compare real choices.
+    def init(name: str, param: torch.nn.Parameter) -> None:
+        if param.dim() > 1:
+            param.normal_(0.0, 0.3 if "embed" in name or "lm_head" in name else 0.15)
+        if arch == "gemma3":  # tied and scaled by sqrt(hidden): a wide embedding repeats one token
+            param.normal_(0.0, 0.02 if "embed" in name else 0.2)  # norms too: (1 + w) starts at w = 0
+
+    return save_random_model(path, arch, seed, init, **overrides)
+
+
+def save_random_model(
+    path: Path, arch: str, seed: int, init: Callable[[str, torch.nn.Parameter], None], **overrides
+) -> Path:
+    """A tiny `arch` model (tiny_config) whose parameters init(name, param) sets, in order after
+    seeding torch with seed, saved with the tiny tokenizer into path; returns the folder."""
+    torch.manual_seed(seed)
+    config = tiny_config(arch, **overrides)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if param.dim() > 1:
-                param.normal_(0.0, 0.3 if "embed" in name or "lm_head" in name else 0.15)
-            if arch == "gemma3":  # tied and scaled by sqrt(hidden): a wide embedding repeats one token
-                param.normal_(0.0, 0.02 if "embed" in name else 0.2)  # norms too: (1 + w) starts at w = 0
+            init(name, param)
     model.save_pretrained(path)
     tiny_tokenizer(config.vocab_size).save_pretrained(path)
     return path
