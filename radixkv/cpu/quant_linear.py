@@ -20,15 +20,13 @@ from radixkv.cpu.features import cpu_features
 from radixkv.cpu.quant import BLOCK, QuantWeight, dequantize, unpack_q4
 from radixkv.errors import ConfigError
 
-# The native kernels of EngineConfig.quant_kernel in the order "auto" prefers them, each with its
-# bit in radixkv_quant_linear_kernels() and the CPU features it needs (for messages and test
-# skips). The 512-bit kernel comes after the 256-bit VNNI one: on the Zen 4 measured it won at
-# 32 rows and lost at 1 to 4 rows streaming from memory (docs/measurements.md), and one row is
-# a single stream's whole decode step.
+# The native kernels of EngineConfig.quant_kernel, fastest first ("auto" takes the first that
+# runs here), each with its bit in radixkv_quant_linear_kernels() and the CPU features it needs
+# (for messages and test skips).
 NATIVE_QUANT_KERNELS = {
     "amx_int8": (1, ("amx_int8", "amx_tile")),
-    "avx512_vnni": (2, ("avx512_vnni", "avx512vl", "avx512bw")),
     "avx512_vnni_zmm": (8, ("avx512f", "avx512bw", "avx512_vnni")),
+    "avx512_vnni": (2, ("avx512_vnni", "avx512vl", "avx512bw")),
     "avx2": (4, ("avx2",)),
 }
 FORMAT_IDS = {"q8_0": 0, "q4_1": 1}
