@@ -64,7 +64,13 @@ def main(argv: list[str] | None = None) -> int:
     tree = native.load()
     libraries = {}
     with tempfile.TemporaryDirectory() as tmp:
-        base = native.build_from(sources_at(args.base, Path(tmp)), native.find_compiler()) if any(n.startswith("main:") for n in names) else None
+        base = None
+        if any(n.startswith("main:") for n in names):
+            csrc = sources_at(args.base, Path(tmp))
+            for source in native.SOURCES + native.HEADERS:  # files the base lacks: unused there, but this tree's loader declares them
+                if not (csrc / source.name).exists():
+                    (csrc / source.name).write_bytes(source.read_bytes())
+            base = native.build_from(csrc, native.find_compiler())
         for name in names:
             libraries[name] = base if name.startswith("main:") else tree
     limits_before = machine_limits(torch.bfloat16)
@@ -97,9 +103,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"linears, {rows} rows: " + ", ".join(f"{n} {ms:.2f} ms ({best[names[0]] / ms:.2f}x)" for n, ms in best.items()) + f"; bit-identical {identical}", flush=True)
 
     if step_names:
+        torch.set_num_threads(max(args.threads, torch.get_num_threads(), 2))  # the prefills are not what is timed
         for name in step_names:
             with native.using(libraries[name]):
                 start_decoding(args.model, args.dtype, args.num_seqs, args.context, args.rounds, llm=llms[name])
+        torch.set_num_threads(args.threads)
         seconds = run_in_turns(step_names, libraries, lambda name: llms[name].engine.step(), args.rounds)
         best = {name: min(times) * 1e3 for name, times in seconds.items()}
         results["step"] = dict(best_ms=best, num_seqs=args.num_seqs, context=args.context)

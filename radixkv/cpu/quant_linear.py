@@ -20,8 +20,9 @@ from radixkv.cpu.features import cpu_features
 from radixkv.cpu.quant import BLOCK, QuantWeight, dequantize, unpack_q4
 from radixkv.errors import ConfigError
 
-# The native kernels of EngineConfig.quant_kernel, fastest first, each with its bit in
-# radixkv_quant_linear_kernels() and the CPU features it needs (for messages and test skips).
+# The native kernels of EngineConfig.quant_kernel, fastest first ("auto" takes the first that
+# runs here), each with its bit in radixkv_quant_linear_kernels() and the CPU features it needs
+# (for messages and test skips).
 NATIVE_QUANT_KERNELS = {
     "amx_int8": (1, ("amx_int8", "amx_tile")),
     "avx512_vnni_zmm": (8, ("avx512f", "avx512bw", "avx512_vnni")),
