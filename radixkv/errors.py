@@ -39,3 +39,7 @@ class ConfigError(ValueError):
 class OwnerCapExceeded(InvalidRequest):
     """A request past its owner's own share of a cap (pins per owner): the same request may
     succeed once the owner releases some of its share. The server answers it with 429."""
+
+
+class UnsupportedModel(ValueError):
+    """A model whose architecture or settings the forward does not implement."""

@@ -230,8 +230,7 @@ static inline __attribute__((always_inline)) void group_avx2(const uint8_t *grou
  * vpmaddubsw's int16 saturation; the operands are those of the AVX2 kernel. Inlined into
  * group_vnni once per row count, as group_avx2 is: with `rows` unknown the sums went through
  * memory and the kernel ran slower than AVX2's. */
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) static void
-__attribute__((always_inline)) inline vnni_rows(const uint8_t *group, int format, const QuantX *x, int64_t r0, int rows,
+static inline __attribute__((always_inline, target("avx512f,avx512bw,avx512vl,avx512vnni"))) void vnni_rows(const uint8_t *group, int format, const QuantX *x, int64_t r0, int rows,
                                                 __m256 acc[ROW_TILE]) {
     const __m256i low = _mm256_set1_epi8(0x0F);
     const int64_t bytes = record_bytes(format);
