@@ -436,13 +436,15 @@ class DeadBlockPredictor:
 
     def _settle(self) -> None:
         """The duel's verdict after a request; on a flip every followed tail is re-marked (at
-        its level, or unknown), oldest first so a newer tail's mark wins on a shared path."""
+        its level, or unknown), oldest first so a newer tail's mark wins on a shared path (an
+        old tail's mark runs down to what was cached under it since, an unknown tail's too)."""
         if self.duel is None or not self.duel.settle():
             return
         on = self.duel.enabled
         for tail in self._order.values():
-            if tail.level is not None and tail.level is not Liveness.UNKNOWN:
-                self._mark(tail.node, tail.level if on else Liveness.UNKNOWN, tail.below)
+            if tail.level is not None:
+                # Off: the whole private path, past `below` or not (a fork since may have raised it).
+                self._mark(tail.node, tail.level if on else Liveness.UNKNOWN, tail.below if on else 0)
 
 
 def _chain(cls: ClassKey) -> tuple[ClassKey, ...]:

@@ -104,3 +104,41 @@ def test_a_guarded_predictor_marks_the_tree_only_while_the_duel_is_on() -> None:
     server.serve([1, 2], now + 1.0)
     assert not duel.enabled and _marked_nodes(server) == 0
     server.tree.check_invariants()
+
+
+
+flips = st.lists(
+    st.tuples(
+        st.lists(st.integers(0, 5), min_size=1, max_size=6),
+        st.booleans(),  # append a fresh private block
+        st.floats(0.0, 30.0),  # think time
+        st.sampled_from([None, "a", "b"]),  # the session's name
+        st.booleans(),  # the client releases it (a dead mark at once)
+        st.sampled_from([None, 1e9, -1e9]),  # force the duel's verdict (None: its own)
+    ),
+    min_size=1,
+    max_size=40,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(flips)
+def test_the_tree_holds_its_invariants_while_the_duel_flips(trace) -> None:
+    server = Server(num_pages=16)
+    server.predictor = type(server.predictor)(lambda node, liveness, below: server.tree.set_liveness(node, liveness, below_blocks=below), guard_blocks=15)
+    duel = server.predictor.duel
+    now, fresh = 0.0, 1000
+    for blocks, extend, think, name, released, verdict in trace:
+        if extend:
+            blocks, fresh = blocks + [fresh], fresh + 1
+        now += think
+        if verdict is not None:
+            duel.score = verdict
+        seq = server.start(blocks)
+        if seq is None:
+            continue
+        server.finish(seq, now, name=name, released=released and name is not None)
+        server.tree.check_invariants()
+        server.pool.check_invariants()
+        if not duel.enabled:
+            assert _marked_nodes(server) == 0  # off: plain LRU, whatever the predictor thinks
