@@ -174,12 +174,14 @@ class DeadBlockPredictor:
         self._advance(now_s)
         hashes = list(block_hashes)
         tail = self._served(hashes, node, cached_blocks, now_s, name, released)
-        self._settle()
+        self._settle(hashes)
         return tail
 
     def _served(self, hashes: list[BlockHash], node: Node | None, cached_blocks: int, now_s: float, name: object, released: bool) -> Tail | None:
         if self.duel is not None:
-            self.duel.access(hashes, self._block_level)
+            # Learn from the cache the marks would make (the marked shadow), off or on: learning
+            # from an LRU-run cache teaches other classes, whose marks then never win.
+            cached_blocks = self.duel.access(hashes, self._block_level)
         found, common = self._deepest(hashes, name)
         predecessor = None
         below = cached_blocks
@@ -434,11 +436,11 @@ class DeadBlockPredictor:
         tail = self._by_block.get(block_hash)
         return Liveness.UNKNOWN if tail is None or tail.level is None else tail.level
 
-    def _settle(self) -> None:
+    def _settle(self, hashes: list[BlockHash]) -> None:
         """The duel's verdict after a request; on a flip every followed tail is re-marked (at
         its level, or unknown), oldest first so a newer tail's mark wins on a shared path (an
         old tail's mark runs down to what was cached under it since, an unknown tail's too)."""
-        if self.duel is None or not self.duel.settle():
+        if self.duel is None or not self.duel.settle(hashes, self._block_level):
             return
         on = self.duel.enabled
         for tail in self._order.values():

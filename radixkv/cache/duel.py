@@ -81,6 +81,16 @@ class ShadowMarked:
             if entry is not None and entry[0] is not level:
                 self._put(h, level, entry[1])
 
+    def relevel(self, hashes: Sequence[BlockHash], level_of: Callable[[BlockHash], Liveness]) -> None:
+        """After the predictor took the request: its blocks at the level their tail has now (a
+        fork made some shared, so unknown, as the tree's branch point is)."""
+        for h in hashes:
+            entry = self._entry.get(h)
+            if entry is not None:
+                level = level_of(h)
+                if entry[0] is not level:
+                    self._put(h, level, entry[1])
+
     def evict(self) -> None:
         while len(self._entry) > self.capacity:
             for level in _ORDER:
@@ -125,16 +135,22 @@ class MarkDuel:
         self._decay = 1.0 - 1.0 / window
         self._margin = margin
 
-    def access(self, hashes: Sequence[BlockHash], level_of: Callable[[BlockHash], Liveness]) -> None:
-        """A request arrived: both shadows serve it and the score moves by their hits' difference."""
+    def access(self, hashes: Sequence[BlockHash], level_of: Callable[[BlockHash], Liveness]) -> int:
+        """A request arrived: both shadows serve it and the score moves by their hits' difference.
+        Returns the marked shadow's hit, what the predictor learns from (so what it learns does
+        not depend on whether its marks reach the real cache)."""
         lru_hits = self.lru.access(hashes)
         marked_hits = self.marked.access(hashes, level_of)
         self.score = self.score * self._decay + (marked_hits - lru_hits)
         self.base = self.base * self._decay + lru_hits
+        return marked_hits
 
-    def settle(self) -> bool:
-        """After the request's marks: the marked shadow evicts to capacity, then the switch is
-        decided. Returns whether it flipped (the caller re-marks the real cache)."""
+    def settle(self, hashes: Sequence[BlockHash] = (), level_of: Callable[[BlockHash], Liveness] | None = None) -> bool:
+        """After the request's marks: its blocks re-levelled (`level_of`), the marked shadow
+        evicts to capacity, then the switch is decided. Returns whether it flipped (the caller
+        re-marks the real cache)."""
+        if level_of is not None:
+            self.marked.relevel(hashes, level_of)
         self.marked.evict()
         margin = self._margin * self.base
         flip = self.score < -margin if self.enabled else self.score > margin
