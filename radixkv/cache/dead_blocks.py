@@ -33,7 +33,8 @@ turn by name; a released session (DELETE, a final-turn flag) is dead at once.
 Guard (cache/duel.py, where `guard_blocks` gives the real cache's size): the marks reach the
 cache only while a shadow cache ordered by them beats a shadow LRU of the same size over the
 recent requests; otherwise every followed tail is unmarked (plain LRU), so a predictor wrong on
-some workload costs at most the lag of the switch.
+some workload costs at most the lag of the switch. Guarded, it learns from the marked shadow's
+hits (what it found cached), not the real cache's, so what it learns is the same on or off.
 
 Constants are structure, not fitted to one trace: thresholds in probability, prior strengths
 in observations; they were chosen on multi_turn_trace's calibration seed and reported on
