@@ -62,18 +62,26 @@ class WindowPages:
     """The window layers' pages. A running sequence holds one reference on the window page of
     each block in its window (SequenceState.window_table); the tree one on the window page of a
     cached block (keyed by the block's full page) until it drops it. A window page only the tree
-    holds is evictable: pages a sequence walked past first, then finished sequences' last windows
-    (the part a later hit needs), oldest first within each. Dropping one leaves the tree's full
-    block: a match then stops where a window lacks pages (usable_tokens)."""
+    holds is evictable: blocks inside a node's run first, then blocks that end a node (where a
+    request stopped or a later one parted: the cuts a later hit needs), least recently let go
+    first within each. Dropping one leaves the tree's full block: a match then stops where a
+    window lacks pages (usable_tokens)."""
 
     def __init__(self, pool: PagePool, window: int) -> None:
         self.pool = pool
         self.window = window
         self.page_size = pool.page_size
         self._tree: dict[int, int] = {}  # the tree's full page -> its window page
-        self._behind: dict[int, None] = {}  # full pages (tree only), passed by their sequence
-        self._tails: dict[int, None] = {}  # full pages (tree only), a released sequence's last window
+        # Full pages whose window page only the tree holds, least recently let go first:
+        # inside a node's run, then those ending a node (a branch point or a leaf's end, where
+        # requests are known to stop or part: the cuts a later match needs).
+        self._inner: dict[int, None] = {}
+        self._ends: dict[int, None] = {}
+        self._end_pages: set[int] = set()  # full pages that end a tree node
         self._stored: list[int] = []  # full pages the tree adopted since take_stored
+        # Pins (KVManager.pin): by the pinned node's identity, the (full pages, window table)
+        # each pin of it holds, so a pinned prefix keeps its last window too.
+        self._pins: dict[int, list[tuple[list[int], list[int]]]] = {}
 
     # -- the tree's bus -----------------------------------------------------------------------
 
@@ -82,12 +90,24 @@ class WindowPages:
             return
         if isinstance(event, BlocksStored):
             self._stored.extend(event.pages)
+            node = event.node
+            if node is not None and node.pages:
+                self._mark_end(node.pages[-1])
+                if node.parent is not None and node.parent.pages:  # the new leaf parts from its parent there
+                    self._mark_end(node.parent.pages[-1])
         elif isinstance(event, BlocksEvicted):
             for page in event.node.pages:
                 self._drop(page)
         elif isinstance(event, AllCleared):
             for page in list(self._tree):
                 self._drop(page)
+            self._end_pages.clear()
+
+    def _mark_end(self, full_page: int) -> None:
+        self._end_pages.add(full_page)
+        if full_page in self._inner:  # evictable already: it moves to the later tier
+            del self._inner[full_page]
+            self._ends[full_page] = None
 
     def take_stored(self) -> set[int]:
         stored, self._stored = set(self._stored), []
@@ -96,9 +116,10 @@ class WindowPages:
     def _drop(self, full_page: int) -> None:
         window_page = self._tree.pop(full_page, None)
         if window_page is not None:
-            self._behind.pop(full_page, None)
-            self._tails.pop(full_page, None)
+            self._inner.pop(full_page, None)
+            self._ends.pop(full_page, None)
             self.pool.release([window_page])
+        self._end_pages.discard(full_page)
 
     # -- matching -----------------------------------------------------------------------------
 
@@ -120,11 +141,11 @@ class WindowPages:
 
     def num_evictable_in(self, pages: Sequence[int]) -> int:
         """Of these full pages, how many have a window page only the tree holds; pure."""
-        return sum(1 for page in pages if page in self._behind or page in self._tails)
+        return sum(1 for page in pages if page in self._inner or page in self._ends)
 
     @property
     def evictable_pages(self) -> int:
-        return len(self._behind) + len(self._tails)
+        return len(self._inner) + len(self._ends)
 
     # -- sequences ----------------------------------------------------------------------------
 
@@ -137,11 +158,22 @@ class WindowPages:
             table[i] = self._take(page)
         return table
 
+    def pin(self, node: object, full_pages: Sequence[int], first: int) -> None:
+        """Hold the window pages a pinned prefix needs (hold), until unpin(node)."""
+        self._pins.setdefault(id(node), []).append((list(full_pages), self.hold(full_pages, first)))
+
+    def unpin(self, node: object) -> None:
+        held = self._pins[id(node)]
+        full_pages, table = held.pop()
+        if not held:
+            del self._pins[id(node)]
+        self.release(full_pages, table, 0, len(table))
+
     def _take(self, full_page: int) -> int:
         window_page = self._tree[full_page]
         self.pool.incref([window_page])
-        self._behind.pop(full_page, None)
-        self._tails.pop(full_page, None)
+        self._inner.pop(full_page, None)
+        self._ends.pop(full_page, None)
         return window_page
 
     def allocate(self, num_pages: int) -> list[int] | None:
@@ -156,16 +188,16 @@ class WindowPages:
     def evict(self, num_pages: int) -> int:
         """Drop the tree's window pages, passed ones first; returns pages freed."""
         freed = 0
-        for tier in (self._behind, self._tails):
+        for tier in (self._inner, self._ends):
             while freed < num_pages and tier:
                 full_page = next(iter(tier))
                 del tier[full_page]
                 freed += self.pool.release([self._tree.pop(full_page)])
         return freed
 
-    def release(self, full_pages: Sequence[int], table: list[int], start: int, end: int, *, tail: bool) -> None:
+    def release(self, full_pages: Sequence[int], table: list[int], start: int, end: int) -> None:
         """Drop a sequence's references on blocks [start, end) of its window table (set to -1);
-        a page the tree then holds alone becomes evictable (`tail`: the sequence ended there)."""
+        a page the tree then holds alone becomes evictable."""
         for i in range(start, min(end, len(table))):
             window_page = table[i]
             if window_page < 0:
@@ -174,7 +206,7 @@ class WindowPages:
             self.pool.release([window_page])
             full_page = full_pages[i]
             if self._tree.get(full_page) == window_page and self.pool.refcount(window_page) == 1:
-                (self._tails if tail else self._behind)[full_page] = None
+                (self._ends if full_page in self._end_pages else self._inner)[full_page] = None
 
     def commit(self, full_pages: Sequence[int], table: list[int], start: int, canonical: Sequence[int], stored: set[int]) -> None:
         """After the tree took blocks [start, len(canonical)) of a sequence: where the tree had
@@ -204,7 +236,8 @@ class WindowPages:
         expected = [0] * self.pool.num_pages
         for window_page in self._tree.values():
             expected[window_page] += 1
-        for table in tables:
+        pinned = [table for held in self._pins.values() for _, table in held]
+        for table in (*tables, *pinned):
             for window_page in table:
                 if window_page >= 0:
                     expected[window_page] += 1
@@ -212,7 +245,7 @@ class WindowPages:
         if list(actual) != expected:
             page = next(p for p in range(self.pool.num_pages) if actual[p] != expected[p])
             raise AssertionError(f"window page {page}: refcount {actual[page]}, expected {expected[page]}")
-        evictable = {self._tree[p] for p in (*self._behind, *self._tails)}
+        evictable = {self._tree[p] for p in (*self._inner, *self._ends)}
         assert len(evictable) == self.evictable_pages and all(expected[w] == 1 for w in evictable)
         only_tree = {w for w in self._tree.values() if expected[w] == 1}
         assert only_tree == evictable, "a window page only the tree holds is not evictable"

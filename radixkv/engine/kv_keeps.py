@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from radixkv.cache.eviction import Liveness
+from radixkv.cache.layer_groups import WindowPages
 from radixkv.cache.radix import Node, PeekResult, RadixTree
 from radixkv.cache.residency import PageResidency
 from radixkv.engine.disk_loader import DiskLoader
@@ -20,6 +21,7 @@ class KVKeeps:
     _page_size: int
     _loader: DiskLoader | None
     _residency: PageResidency
+    _windows: WindowPages | None
 
     # -- pins and retention ------------------------------------------------------------------
 
@@ -34,10 +36,18 @@ class KVKeeps:
         # match() leaves the last token to compute; one more token lets it return every full
         # block of the prefix itself (a partial block never matches).
         match = self._tree.match(list(prefix_token_ids) + [0], salt, record=False)
+        windows = self._windows
+        if windows is not None:  # layer groups: pinned up to where the window layers hold theirs, and those held
+            cut = windows.usable_tokens(match.pages, match.num_cached_tokens)
+            if cut < match.num_cached_tokens:
+                match = self._tree.match(list(prefix_token_ids[:cut]) + [0], salt, record=False)
+            windows.pin(match.node, match.pages, windows.first_block(cut))
         self._tree.lock(match.node)
         return match.node, match.num_cached_tokens
 
     def unpin(self, node: Node) -> None:
+        if self._windows is not None:
+            self._windows.unpin(node)
         self._tree.unlock(node)
 
     def retain(self, prefix_token_ids: list[int], salt: str | None, ttl_s: float, owner: str | None, max_owner_pages: int) -> int:

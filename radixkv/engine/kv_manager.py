@@ -152,7 +152,7 @@ class KVManager(KVKeeps):
         if self._caching and seq.num_computed_tokens:
             self._misses.remember_tail(seq.all_token_ids, seq.salt, self._hashes(seq), seq.num_computed_tokens)
         if self._windows is not None:
-            self._windows.release(seq.page_table, seq.window_table, seq.window_floor, len(seq.window_table), tail=True)
+            self._windows.release(seq.page_table, seq.window_table, seq.window_floor, len(seq.window_table))
             seq.window_table, seq.window_floor = [], 0
         self._pool.release(seq.page_table)
         seq.page_table = []
@@ -222,7 +222,7 @@ class KVManager(KVKeeps):
         """Give back seq's window pages of blocks its next query no longer reads."""
         if self._windows is not None:
             floor = self._windows.first_block(seq.num_computed_tokens)
-            self._windows.release(seq.page_table, seq.window_table, seq.window_floor, floor, tail=False)
+            self._windows.release(seq.page_table, seq.window_table, seq.window_floor, floor)
             seq.window_floor = max(seq.window_floor, floor)
 
     # -- after a step ------------------------------------------------------------------------

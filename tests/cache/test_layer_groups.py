@@ -61,11 +61,12 @@ def test_a_sequence_keeps_only_its_window() -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 4), st.integers(0, 3), st.integers(1, 40)), min_size=1, max_size=40))
+@given(st.lists(st.tuples(st.integers(0, 5), st.integers(0, 3), st.integers(1, 40)), min_size=1, max_size=40))
 def test_accounting_holds_under_random_use(ops: list[tuple[int, int, int]]) -> None:
     kv, pool, tree, windows = make_kv(40, 14)
     prefixes = [list(range(100, 140)), list(range(100, 120)) + list(range(300, 320)), list(range(500, 540))]
     running: list[SequenceState] = []
+    pins: list = []
     for op, which, amount in ops:
         if op == 0 or not running:  # admit a prompt sharing a prefix with others
             seq = make_seq(prefixes[which % 3][: 10 + amount % 30] + [7, 8, 9])
@@ -88,6 +89,11 @@ def test_accounting_holds_under_random_use(ops: list[tuple[int, int, int]]) -> N
                 kv.release(running.pop(which % len(running)))
         elif op == 3:  # finish one
             kv.release(running.pop(which % len(running)))
+        elif op == 5:  # pin a cached prefix, or unpin the oldest pin
+            if pins and amount % 2:
+                kv.unpin(pins.pop(0))
+            else:
+                pins.append(kv.pin(prefixes[which % 3][: amount], None)[0])
         else:  # pressure: evict from each group
             tree.evict(amount % 5)
             windows.evict(amount % 5)
@@ -95,5 +101,29 @@ def test_accounting_holds_under_random_use(ops: list[tuple[int, int, int]]) -> N
         check_tree(tree)
     for seq in running:
         kv.release(seq)
+    for node in pins:
+        kv.unpin(node)
     check_page_accounting(pool, tree, [], [], windows)
     assert windows.pool.num_free + windows.evictable_pages == windows.pool.num_pages
+
+
+def test_a_pinned_prefix_keeps_its_last_window() -> None:
+    """Pins lock the full blocks and hold the window pages before the pinned cut: window
+    eviction cannot cut a pinned prefix short; once unpinned it can."""
+    kv, pool, tree, windows = make_kv(64, 16)
+    prompt = list(range(300, 341))  # 10 full blocks and a token
+    seq = make_seq(prompt)
+    kv.admit(seq, len(prompt))
+    seq.num_computed_tokens = len(prompt)
+    kv.commit(seq)
+    kv.release(seq)
+    node, pinned = kv.pin(prompt[:40], None)
+    assert pinned == 40
+    windows.evict(windows.pool.num_pages)
+    check_page_accounting(pool, tree, [], [], windows)
+    assert kv.peek(make_seq(prompt)).num_cached_tokens == 40, "the pinned window stayed"
+    kv.unpin(node)
+    windows.evict(windows.pool.num_pages)
+    assert kv.peek(make_seq(prompt)).num_cached_tokens == 0, "unpinned, its window pages went"
+    assert windows.pool.num_free == windows.pool.num_pages
+    check_page_accounting(pool, tree, [], [], windows)
