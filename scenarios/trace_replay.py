@@ -73,8 +73,9 @@ REPLAY_POLICIES = tuple(p for p in EVICTION_POLICIES if p != "session") + SESSIO
 # Replayed under the tree's `predict` order with the online dead-block predictor
 # (cache/dead_blocks.py); `predict-ids` also takes the client's session ids and releases where
 # the trace carries them.
-PREDICT_POLICIES = ("predict", "predict-ids")
-REPLAY_POLICIES += ("predict-ids",)
+# `predict-raw`: its marks unguarded (no duel against a shadow LRU, cache/duel.py).
+PREDICT_POLICIES = ("predict", "predict-ids", "predict-raw")
+REPLAY_POLICIES += ("predict-ids", "predict-raw")
 # Chosen on multi_turn_trace's calibration seed only (never on the held-out trace): a session
 # idle this long is over. On that trace the hit ratio is flat from 450 s to 1200 s (a few mean
 # think times) and from 3000 requests up; shorter rules end live sessions.
@@ -383,7 +384,7 @@ def replay(
         tree.events.subscribe(write_back)
     kv = KVManager(pool, tree, hasher, enable_prefix_caching=True)
     sessions = session_inference(trace, policy, tree, idle_rule)
-    predictor = DeadBlockPredictor(lambda node, liveness, below: tree.set_liveness(node, liveness, below_blocks=below)) if policy in PREDICT_POLICIES else None
+    predictor = DeadBlockPredictor(lambda node, liveness, below: tree.set_liveness(node, liveness, below_blocks=below), guard_blocks=None if policy == "predict-raw" else ram_blocks) if policy in PREDICT_POLICIES else None
     named = policy == "predict-ids"
     params = SamplingParams(max_tokens=1)
     ram_hits = disk_hits = 0

@@ -30,6 +30,12 @@ asked for again, which is the usual case).
 Client signals: a named session (prompt_cache_key, a trace's session id) finds its previous
 turn by name; a released session (DELETE, a final-turn flag) is dead at once.
 
+Guard (cache/duel.py, where `guard_blocks` gives the real cache's size): the marks reach the
+cache only while a shadow cache ordered by them beats a shadow LRU of the same size over the
+recent requests; otherwise every followed tail is unmarked (plain LRU), so a predictor wrong on
+some workload costs at most the lag of the switch. Guarded, it learns from the marked shadow's
+hits (what it found cached), not the real cache's, so what it learns is the same on or off.
+
 Constants are structure, not fitted to one trace: thresholds in probability, prior strengths
 in observations; they were chosen on multi_turn_trace's calibration seed and reported on
 held-out seeds and other traces (docs/measurements.md).
@@ -46,6 +52,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from radixkv.cache.duel import MarkDuel
 from radixkv.cache.eviction import Liveness
 from radixkv.cache.hashing import BlockHash
 
@@ -119,8 +126,10 @@ class DeadBlockPredictor:
     serves where there is no clock). Bounded: at most `max_blocks` block hashes are remembered
     (the oldest tails forgotten first)."""
 
-    def __init__(self, mark: Mark, *, max_blocks: int = 1 << 20) -> None:
+    def __init__(self, mark: Mark, *, max_blocks: int = 1 << 20, guard_blocks: int | None = None) -> None:
         self._mark = mark
+        # None: the marks always reach the cache (unguarded); else the duel decides (cache/duel.py).
+        self.duel = MarkDuel(guard_blocks) if guard_blocks is not None else None
         self.max_blocks = max_blocks
         self._by_block: dict[BlockHash, Tail] = {}
         self._order: OrderedDict[int, Tail] = OrderedDict()  # every indexed tail, oldest first
@@ -165,6 +174,15 @@ class DeadBlockPredictor:
         self._expire(now_s)
         self._advance(now_s)
         hashes = list(block_hashes)
+        tail = self._served(hashes, node, cached_blocks, now_s, name, released)
+        self._settle(hashes)
+        return tail
+
+    def _served(self, hashes: list[BlockHash], node: Node | None, cached_blocks: int, now_s: float, name: object, released: bool) -> Tail | None:
+        if self.duel is not None:
+            # Learn from the cache the marks would make (the marked shadow), off or on: learning
+            # from an LRU-run cache teaches other classes, whose marks then never win.
+            cached_blocks = self.duel.access(hashes, self._block_level)
         found, common = self._deepest(hashes, name)
         predecessor = None
         below = cached_blocks
@@ -408,7 +426,28 @@ class DeadBlockPredictor:
         if level is tail.level:
             return
         tail.level = level
-        self._mark(tail.node, level, tail.below)
+        duel = self.duel
+        if duel is not None:
+            by_block = self._by_block
+            duel.marked.set_level([h for h in tail.hashes if by_block.get(h) is tail], level)
+        if duel is None or duel.enabled:
+            self._mark(tail.node, level, tail.below)
+
+    def _block_level(self, block_hash: BlockHash) -> Liveness:
+        tail = self._by_block.get(block_hash)
+        return Liveness.UNKNOWN if tail is None or tail.level is None else tail.level
+
+    def _settle(self, hashes: list[BlockHash]) -> None:
+        """The duel's verdict after a request; on a flip every followed tail is re-marked (at
+        its level, or unknown), oldest first so a newer tail's mark wins on a shared path (an
+        old tail's mark runs down to what was cached under it since, an unknown tail's too)."""
+        if self.duel is None or not self.duel.settle(hashes, self._block_level):
+            return
+        on = self.duel.enabled
+        for tail in self._order.values():
+            if tail.level is not None:
+                # Off: the whole private path, past `below` or not (a fork since may have raised it).
+                self._mark(tail.node, tail.level if on else Liveness.UNKNOWN, tail.below if on else 0)
 
 
 def _chain(cls: ClassKey) -> tuple[ClassKey, ...]:

@@ -29,7 +29,9 @@ class PredictedLiveness:
         self._tree = tree
         self._hasher = hasher
         self._clock = clock
-        self.predictor = DeadBlockPredictor(lambda node, liveness, below: kv.mark(node, liveness, below_blocks=below))
+        # Guarded by a duel against a shadow LRU the pool's size (cache/duel.py).
+        pages = kv.cache_view().pool.num_pages
+        self.predictor = DeadBlockPredictor(lambda node, liveness, below: kv.mark(node, liveness, below_blocks=below), guard_blocks=pages)
         self._in_flight: dict[str, tuple[str | None, object]] = {}
 
     def begin(self, request_id: str, salt: str | None, session: SessionRef | None) -> None:

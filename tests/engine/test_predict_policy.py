@@ -22,6 +22,8 @@ def test_the_engine_feeds_the_predictor_turn_by_turn(tiny_llama: Path) -> None:
     config = EngineConfig(model=str(tiny_llama), dtype="float32", device="cpu", page_size=PAGE_SIZE, num_pages=64, seed=0, eviction_policy="predict")
     engine = Engine(config)
     assert engine.predicted is not None and engine.tree.eviction_policy == "predict"
+    duel = engine.predicted.predictor.duel  # guarded by a duel against a shadow LRU the pool's size
+    assert duel is not None and duel.lru.capacity == config.num_pages
     history = prompt(1, 3)
     for number in range(3):
         request_id = engine.add_request(history, SamplingParams(max_tokens=4, ignore_eos=True), session=SessionRef("alice", "s1") if number else None)
