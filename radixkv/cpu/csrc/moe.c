@@ -210,6 +210,101 @@ static float row_dot(int type, const Row *row, const QX *x, int64_t r, int use_v
     return acc;
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define TILE 8
+/* 8 rows decoded side by side: their block scales (and mins, Q6_K's sub-block scales) stored
+ * [block][row], so one load gives a block's 8 lanes. */
+typedef struct {
+    Row rows[TILE];
+    float *s, *m;
+    int32_t *sca, *scb;
+    int16_t *scv; /* Q6_K: per row and block, 8 lanes of sc_a then 8 of sc_b (vpmaddwd's) */
+} Tile;
+
+/* Lane r = the sum of v[r]'s 8 lanes. */
+static inline __m256i sum_lanes8(const __m256i v[TILE]) {
+    const __m256i a0 = _mm256_hadd_epi32(v[0], v[1]), a1 = _mm256_hadd_epi32(v[2], v[3]);
+    const __m256i a2 = _mm256_hadd_epi32(v[4], v[5]), a3 = _mm256_hadd_epi32(v[6], v[7]);
+    const __m256i b0 = _mm256_hadd_epi32(a0, a1), b1 = _mm256_hadd_epi32(a2, a3);
+    return _mm256_add_epi32(_mm256_permute2x128_si256(b0, b1, 0x20), _mm256_permute2x128_si256(b0, b1, 0x31));
+}
+
+/* 8 outputs (the tile's rows) for x row r, each lane the scalar row_dot's steps in its order. */
+static void tile_dot(int type, const Tile *t, const QX *x, int64_t r, float out[TILE]) {
+    const int8_t *xq = x->q + r * x->k;
+    const float *xs = x->s + r * x->nb, *xu = x->u + r * x->nb;
+    const int32_t *half = x->half + r * 2 * x->nb;
+    const int offset = type == T_Q8_0 ? 128 : (type == T_Q5_0 ? 16 : 0);
+    const int mins = type == T_Q4_0 || type == T_Q4_1 || type == T_Q4_K, q6 = type == T_Q6_K;
+    __m256 acc = _mm256_setzero_ps();
+    for (int b = 0; b < x->nb; b++) {
+        const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + b * MBLOCK));
+        __m256i v[TILE];
+        if (q6) {
+            for (int i = 0; i < TILE; i++) {
+                const __m256i w = _mm256_loadu_si256((const __m256i *)(t->rows[i].u + b * MBLOCK));
+                const __m256i sc = _mm256_loadu_si256((const __m256i *)(t->scv + ((int64_t)i * x->nb + b) * 16));
+                v[i] = _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), sc); /* pairs <= 2 * 63 * 127: no saturation */
+            }
+        } else {
+            for (int i = 0; i < TILE; i++) {
+                const __m256i w = _mm256_loadu_si256((const __m256i *)(t->rows[i].u + b * MBLOCK));
+                v[i] = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, xv);
+            }
+        }
+        __m256i dots = sum_lanes8(v);
+        if (q6) {
+            const __m256i off = _mm256_add_epi32(_mm256_mullo_epi32(_mm256_loadu_si256((const __m256i *)(t->sca + b * TILE)), _mm256_set1_epi32(half[2 * b])),
+                                                 _mm256_mullo_epi32(_mm256_loadu_si256((const __m256i *)(t->scb + b * TILE)), _mm256_set1_epi32(half[2 * b + 1])));
+            dots = _mm256_sub_epi32(dots, _mm256_slli_epi32(off, 5));
+        } else if (offset) {
+            dots = _mm256_sub_epi32(dots, _mm256_set1_epi32(offset * (half[2 * b] + half[2 * b + 1])));
+        }
+        const __m256 scaled = _mm256_mul_ps(_mm256_loadu_ps(t->s + b * TILE), _mm256_set1_ps(xs[b]));
+        acc = _mm256_add_ps(acc, _mm256_mul_ps(scaled, _mm256_cvtepi32_ps(dots)));
+        if (mins) acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_loadu_ps(t->m + b * TILE), _mm256_set1_ps(xu[b])));
+    }
+    _mm256_storeu_ps(out, acc);
+}
+
+static void tile_decode(int type, const uint8_t *src, int64_t row_bytes, int k, Tile *t) {
+    const int nb = k / MBLOCK;
+    for (int i = 0; i < TILE; i++) {
+        Row *row = &t->rows[i];
+        decode_row(type, src + i * row_bytes, k, row);
+        for (int b = 0; b < nb; b++) {
+            t->s[b * TILE + i] = row->s[b];
+            if (type == T_Q4_0 || type == T_Q4_1 || type == T_Q4_K) t->m[b * TILE + i] = row->m[b];
+            if (type == T_Q6_K) {
+                t->sca[b * TILE + i] = row->sc[2 * b], t->scb[b * TILE + i] = row->sc[2 * b + 1];
+                int16_t *lanes = t->scv + ((int64_t)i * nb + b) * 16;
+                for (int j = 0; j < 8; j++) lanes[j] = (int16_t)row->sc[2 * b], lanes[8 + j] = (int16_t)row->sc[2 * b + 1];
+            }
+        }
+    }
+}
+
+static int tile_alloc(Tile *t, int k) {
+    const int nb = k / MBLOCK;
+    int ok = 1;
+    for (int i = 0; i < TILE; i++) {
+        Row *row = &t->rows[i];
+        row->u = malloc((size_t)k), row->s = malloc((size_t)nb * sizeof(float)), row->m = malloc((size_t)nb * sizeof(float));
+        row->sc = malloc((size_t)nb * 2 * sizeof(int32_t));
+        ok = ok && row->u && row->s && row->m && row->sc;
+    }
+    t->s = malloc((size_t)nb * TILE * sizeof(float)), t->m = malloc((size_t)nb * TILE * sizeof(float));
+    t->sca = malloc((size_t)nb * TILE * sizeof(int32_t)), t->scb = malloc((size_t)nb * TILE * sizeof(int32_t));
+    t->scv = malloc((size_t)nb * TILE * 16 * sizeof(int16_t));
+    return ok && t->s && t->m && t->sca && t->scb && t->scv;
+}
+
+static void tile_free(Tile *t) {
+    for (int i = 0; i < TILE; i++) free(t->rows[i].u), free(t->rows[i].s), free(t->rows[i].m), free(t->rows[i].sc);
+    free(t->s), free(t->m), free(t->sca), free(t->scb), free(t->scv);
+}
+#endif
+
 /* For each group g: expert experts[g]'s weight (weights + experts[g] * expert_bytes, n rows of
  * row_bytes) times x rows x_rows[p] for pairs p in [offsets[g], offsets[g + 1]), into y row p,
  * columns [0, n) (y_stride floats a row). x fp32 [m][x_stride]. Returns 1 for a type or shape
@@ -233,22 +328,48 @@ int radixkv_moe_grouped(int type, const uint8_t *weights, int64_t expert_bytes, 
         {
             Row row = {malloc((size_t)k), malloc((size_t)nb * sizeof(float)), malloc((size_t)nb * sizeof(float)),
                        malloc((size_t)nb * 2 * sizeof(int32_t))};
-            const int ok = row.u && row.s && row.m && row.sc;
+            int ok = row.u && row.s && row.m && row.sc;
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+            /* Tiles of 8 rows: one reduction tree and one vector of sums for 8 outputs. */
+            Tile tile;
+            const int tiled = use_vnni;
+            if (tiled) ok = tile_alloc(&tile, k) && ok;
+#else
+            const int tiled = 0;
+#endif
             if (!ok) {
 #pragma omp atomic write
                 status = 2;
             }
+            const int tiles = (n + 7) / 8;
             for (int g = 0; g < groups; g++) {
                 const uint8_t *expert = weights + (int64_t)experts[g] * expert_bytes;
 #pragma omp for schedule(static)
-                for (int o = 0; o < n; o++) {
+                for (int tix = 0; tix < tiles; tix++) {
                     if (!ok) continue;
-                    decode_row(type, expert + (int64_t)o * row_bytes, k, &row);
-                    for (int p = offsets[g]; p < offsets[g + 1]; p++)
-                        y[(int64_t)p * y_stride + o] = row_dot(type, &row, &qx, x_rows[p], use_vnni);
+                    const int o0 = tix * 8, live = n - o0 < 8 ? n - o0 : 8;
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+                    if (tiled && live == 8) {
+                        tile_decode(type, expert + (int64_t)o0 * row_bytes, row_bytes, k, &tile);
+                        for (int p = offsets[g]; p < offsets[g + 1]; p++) {
+                            float lanes[8];
+                            tile_dot(type, &tile, &qx, x_rows[p], lanes);
+                            memcpy(y + (int64_t)p * y_stride + o0, lanes, sizeof lanes);
+                        }
+                        continue;
+                    }
+#endif
+                    for (int o = o0; o < o0 + live; o++) {
+                        decode_row(type, expert + (int64_t)o * row_bytes, k, &row);
+                        for (int p = offsets[g]; p < offsets[g + 1]; p++)
+                            y[(int64_t)p * y_stride + o] = row_dot(type, &row, &qx, x_rows[p], use_vnni);
+                    }
                 }
             }
             free(row.u), free(row.s), free(row.m), free(row.sc);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+            if (tiled) tile_free(&tile);
+#endif
         }
     }
     free(qx.q), free(qx.s), free(qx.u), free(qx.half);
