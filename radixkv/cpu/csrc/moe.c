@@ -67,13 +67,18 @@ typedef struct {
     int32_t *sc;
 } Row;
 
-static void decode_row(int type, const uint8_t *src, int k, Row *row) {
+static void decode_row(int type, const uint8_t *restrict src, int k, const Row *row) {
+    /* Local restrict pointers: stores through row's fields would otherwise alias row itself,
+     * and the byte loops would stay scalar, reloading the pointers every byte. */
+    uint8_t *restrict u = row->u;
+    float *restrict rs = row->s, *restrict rm = row->m;
+    int32_t *restrict rsc = row->sc;
     const int nb = k / MBLOCK;
     switch (type) {
     case T_Q8_0:
         for (int b = 0; b < nb; b++, src += 34) {
-            row->s[b] = f16_to_f32(src);
-            for (int j = 0; j < MBLOCK; j++) row->u[b * MBLOCK + j] = (uint8_t)(src[2 + j] ^ 0x80);
+            rs[b] = f16_to_f32(src);
+            for (int j = 0; j < MBLOCK; j++) u[b * MBLOCK + j] = (uint8_t)(src[2 + j] ^ 0x80);
         }
         break;
     case T_Q4_0:
@@ -81,23 +86,23 @@ static void decode_row(int type, const uint8_t *src, int k, Row *row) {
         const int q4_1 = type == T_Q4_1, size = q4_1 ? 20 : 18, at = q4_1 ? 4 : 2;
         for (int b = 0; b < nb; b++, src += size) {
             const float d = f16_to_f32(src);
-            row->s[b] = d;
-            row->m[b] = q4_1 ? f16_to_f32(src + 2) : d * -8.0f;
+            rs[b] = d;
+            rm[b] = q4_1 ? f16_to_f32(src + 2) : d * -8.0f;
             for (int j = 0; j < 16; j++) {
-                row->u[b * MBLOCK + j] = src[at + j] & 0x0F;
-                row->u[b * MBLOCK + 16 + j] = src[at + j] >> 4;
+                u[b * MBLOCK + j] = src[at + j] & 0x0F;
+                u[b * MBLOCK + 16 + j] = src[at + j] >> 4;
             }
         }
         break;
     }
     case T_Q5_0:
         for (int b = 0; b < nb; b++, src += 22) {
-            row->s[b] = f16_to_f32(src);
+            rs[b] = f16_to_f32(src);
             uint32_t high;
             memcpy(&high, src + 2, 4);
             for (int j = 0; j < 16; j++) {
-                row->u[b * MBLOCK + j] = (uint8_t)((src[6 + j] & 0x0F) | (((high >> j) & 1) << 4));
-                row->u[b * MBLOCK + 16 + j] = (uint8_t)((src[6 + j] >> 4) | (((high >> (j + 16)) & 1) << 4));
+                u[b * MBLOCK + j] = (uint8_t)((src[6 + j] & 0x0F) | (((high >> j) & 1) << 4));
+                u[b * MBLOCK + 16 + j] = (uint8_t)((src[6 + j] >> 4) | (((high >> (j + 16)) & 1) << 4));
             }
         }
         break;
@@ -110,11 +115,11 @@ static void decode_row(int type, const uint8_t *src, int k, Row *row) {
                 if (j < 4) sc = s[j] & 63, mn = s[j + 4] & 63;
                 else sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4), mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
                 const int b = sb * 8 + j;
-                row->s[b] = d * (float)sc;
-                row->m[b] = -(dmin * (float)mn);
+                rs[b] = d * (float)sc;
+                rm[b] = -(dmin * (float)mn);
                 const uint8_t *chunk = qs + 32 * (j / 2);
                 const int shift = 4 * (j & 1);
-                for (int l = 0; l < 32; l++) row->u[b * MBLOCK + l] = (chunk[l] >> shift) & 0x0F;
+                for (int l = 0; l < 32; l++) u[b * MBLOCK + l] = (chunk[l] >> shift) & 0x0F;
             }
         }
         break;
@@ -126,13 +131,13 @@ static void decode_row(int type, const uint8_t *src, int k, Row *row) {
             for (int h = 0; h < 2; h++)
                 for (int g = 0; g < 4; g++) {
                     const int b = sb * 8 + h * 4 + g;
-                    row->s[b] = d;
-                    row->sc[2 * b] = scales[8 * h + 2 * g];
-                    row->sc[2 * b + 1] = scales[8 * h + 2 * g + 1];
+                    rs[b] = d;
+                    rsc[2 * b] = scales[8 * h + 2 * g];
+                    rsc[2 * b + 1] = scales[8 * h + 2 * g + 1];
                     const uint8_t *low = ql + 64 * h + 32 * (g & 1);
                     const int shift = 4 * (g >> 1);
                     for (int l = 0; l < 32; l++)
-                        row->u[b * MBLOCK + l] = (uint8_t)(((low[l] >> shift) & 0x0F) | (((qh[32 * h + l] >> (2 * g)) & 3) << 4));
+                        u[b * MBLOCK + l] = (uint8_t)(((low[l] >> shift) & 0x0F) | (((qh[32 * h + l] >> (2 * g)) & 3) << 4));
                 }
         }
         break;
@@ -332,7 +337,8 @@ int radixkv_moe_grouped(int type, const uint8_t *weights, int64_t expert_bytes, 
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
             /* Tiles of 8 rows: one reduction tree and one vector of sums for 8 outputs. */
             Tile tile;
-            const int tiled = use_vnni;
+            /* Q6_K keeps the row path: its tile (per-lane sub-block scales) measured slower. */
+            const int tiled = use_vnni && type != T_Q6_K;
             if (tiled) ok = tile_alloc(&tile, k) && ok;
 #else
             const int tiled = 0;
