@@ -67,7 +67,7 @@ typedef struct {
     int32_t *sc;
 } Row;
 
-static void decode_row(int type, const uint8_t *restrict src, int k, const Row *row) {
+static void decode_row_part(int type, const uint8_t *restrict src, int k, const Row *row, int with_quants) {
     /* Local restrict pointers: stores through row's fields would otherwise alias row itself,
      * and the byte loops would stay scalar, reloading the pointers every byte. */
     uint8_t *restrict u = row->u;
@@ -78,7 +78,8 @@ static void decode_row(int type, const uint8_t *restrict src, int k, const Row *
     case T_Q8_0:
         for (int b = 0; b < nb; b++, src += 34) {
             rs[b] = f16_to_f32(src);
-            for (int j = 0; j < MBLOCK; j++) u[b * MBLOCK + j] = (uint8_t)(src[2 + j] ^ 0x80);
+            if (with_quants)
+                for (int j = 0; j < MBLOCK; j++) u[b * MBLOCK + j] = (uint8_t)(src[2 + j] ^ 0x80);
         }
         break;
     case T_Q4_0:
@@ -119,7 +120,8 @@ static void decode_row(int type, const uint8_t *restrict src, int k, const Row *
                 rm[b] = -(dmin * (float)mn);
                 const uint8_t *chunk = qs + 32 * (j / 2);
                 const int shift = 4 * (j & 1);
-                for (int l = 0; l < 32; l++) u[b * MBLOCK + l] = (chunk[l] >> shift) & 0x0F;
+                if (with_quants)
+                    for (int l = 0; l < 32; l++) u[b * MBLOCK + l] = (chunk[l] >> shift) & 0x0F;
             }
         }
         break;
@@ -143,6 +145,8 @@ static void decode_row(int type, const uint8_t *restrict src, int k, const Row *
         break;
     }
 }
+
+static void decode_row(int type, const uint8_t *src, int k, const Row *row) { decode_row_part(type, src, k, row, 1); }
 
 /* Activations of one call quantized: q [m][k], s and u (= s * sum q) [m][k / 32], half sums
  * [m][k / 16] (sum q over each 16: Q6_K's offsets, and every offset's sum as two halves). */
@@ -224,7 +228,20 @@ typedef struct {
     float *s, *m;
     int32_t *sca, *scb;
     int16_t *scv; /* Q6_K: per row and block, 8 lanes of sc_a then 8 of sc_b (vpmaddwd's) */
+    const uint8_t *raw[TILE]; /* the rows' blocks in the file, read directly (Q8_0, Q4_K) */
+    int direct;
 } Tile;
+
+/* Block b's 32 unsigned quants of a row read straight from its blocks (Q8_0: q ^ 0x80; Q4_K:
+ * the nibbles of sub-block b % 8), the bytes decode_row would have written. */
+static inline __m256i direct_quants(int type, const uint8_t *raw, int b) {
+    if (type == T_Q8_0)
+        return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(raw + (int64_t)b * 34 + 2)), _mm256_set1_epi8((char)0x80));
+    const int j = b % 8;
+    __m256i w = _mm256_loadu_si256((const __m256i *)(raw + (int64_t)(b / 8) * 144 + 16 + 32 * (j / 2)));
+    if (j & 1) w = _mm256_srli_epi16(w, 4);
+    return _mm256_and_si256(w, _mm256_set1_epi8(0x0F));
+}
 
 /* Lane r = the sum of v[r]'s 8 lanes. */
 static inline __m256i sum_lanes8(const __m256i v[TILE]) {
@@ -252,9 +269,13 @@ static void tile_dot(int type, const Tile *t, const QX *x, int64_t r, float out[
                 v[i] = _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), sc); /* pairs <= 2 * 63 * 127: no saturation */
             }
         } else {
-            for (int i = 0; i < TILE; i++) {
-                const __m256i w = _mm256_loadu_si256((const __m256i *)(t->rows[i].u + b * MBLOCK));
-                v[i] = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, xv);
+            if (t->direct) {
+                for (int i = 0; i < TILE; i++) v[i] = _mm256_dpbusd_epi32(_mm256_setzero_si256(), direct_quants(type, t->raw[i], b), xv);
+            } else {
+                for (int i = 0; i < TILE; i++) {
+                    const __m256i w = _mm256_loadu_si256((const __m256i *)(t->rows[i].u + b * MBLOCK));
+                    v[i] = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, xv);
+                }
             }
         }
         __m256i dots = sum_lanes8(v);
@@ -274,9 +295,11 @@ static void tile_dot(int type, const Tile *t, const QX *x, int64_t r, float out[
 
 static void tile_decode(int type, const uint8_t *src, int64_t row_bytes, int k, Tile *t) {
     const int nb = k / MBLOCK;
+    t->direct = type == T_Q8_0 || type == T_Q4_K; /* scales decoded, quants read in place */
     for (int i = 0; i < TILE; i++) {
         Row *row = &t->rows[i];
-        decode_row(type, src + i * row_bytes, k, row);
+        t->raw[i] = src + i * row_bytes;
+        decode_row_part(type, t->raw[i], k, row, !t->direct);
         for (int b = 0; b < nb; b++) {
             t->s[b * TILE + i] = row->s[b];
             if (type == T_Q4_0 || type == T_Q4_1 || type == T_Q4_K) t->m[b * TILE + i] = row->m[b];
@@ -337,6 +360,7 @@ int radixkv_moe_grouped(int type, const uint8_t *weights, int64_t expert_bytes, 
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
             /* Tiles of 8 rows: one reduction tree and one vector of sums for 8 outputs. */
             Tile tile;
+            memset(&tile, 0, sizeof tile);
             /* Q6_K keeps the row path: its tile (per-lane sub-block scales) measured slower. */
             const int tiled = use_vnni && type != T_Q6_K;
             if (tiled) ok = tile_alloc(&tile, k) && ok;
