@@ -1,7 +1,9 @@
 /* Grouped expert linears over a GGUF's own blocks (radixkv/cpu/moe.py): for each routed expert,
  * y = x W_e^T for the rows of x routed to it, W_e read in place from the stacked experts tensor
- * (a memory map of the file), each of its rows decoded once a call and multiplied with every
- * routed token, so an expert's bytes are read once a step however many tokens picked it.
+ * (a memory map of the file), in tiles of 8 rows, each row read once a call and multiplied with
+ * every routed token, so an expert's bytes are read once a step however many tokens picked it.
+ * Q8_0 and Q4_K tiles take their quants straight from the blocks (only scales are decoded);
+ * the other types, and tails of fewer than 8 rows, decode a row into a buffer first.
  *
  * Arithmetic (cpu/moe.py's torch_block_linear computes the same bits): x is quantized per row
  * and block of 32 as quant_linear.c does (scale = absmax / 127, q = round_half_even(x / scale)).
