@@ -368,6 +368,7 @@ int radixkv_moe_grouped(int type, const uint8_t *weights, int64_t expert_bytes, 
             if (tiled) ok = tile_alloc(&tile, k) && ok;
 #else
             const int tiled = 0;
+            (void)tiled;
 #endif
             if (!ok) {
 #pragma omp atomic write
