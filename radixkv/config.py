@@ -21,7 +21,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_DTYPES = ("auto", "bf16", "fp16", "fp32", "int8", "fp8")
 BACKENDS = ("auto", "torch", "cpu", "triton")
 LINEAR_KERNELS = ("auto", "amx", "avx512_bf16", "avx2", "onednn")
-QUANT_KERNELS = ("auto", "amx_int8", "avx512_vnni", "avx2", "torch")
+QUANT_KERNELS = ("auto", "amx_int8", "avx512_vnni_zmm", "avx512_vnni", "avx2", "torch")
 MOE_KERNELS = ("auto", "native", "native_fp32", "torch")
 WEIGHT_DTYPES = ("auto", "float", "int8")
 
@@ -33,6 +33,9 @@ class EngineConfig:
     num_pages: int | None = None  # None: sized from free memory and kv_memory_fraction
     kv_memory_fraction: float = 0.25  # share of free memory for KV pages when num_pages is None
     max_kv_pages: int = 65536  # cap on pages when sized from memory
+    # Pages of the window layers' own pool on a model with layer groups (Gemma 3: full and
+    # sliding-window layers; cache/layer_groups.py); None: sized from max_num_seqs and the chunk.
+    num_window_pages: int | None = None
     max_batch_tokens: int = 2048  # tokens computed per step (prefill chunks + decode tokens)
     max_num_seqs: int = 64  # requests running at once
     max_model_len: int | None = None  # None: the model's max_position_embeddings
@@ -78,7 +81,8 @@ class EngineConfig:
     linear_kernel: str = "auto"
     # Linears over quantized weights (a GGUF's Q8_0/Q4 blocks kept as they ship, or an HF
     # folder quantized at load): integer dot products with activations quantized per block of
-    # 32: "avx512_vnni" (vpdpbusd), "avx2" (vpmaddubsw) or "torch" (the reference, no native
+    # 32: "avx512_vnni_zmm" (512-bit vpdpbusd over 16-row records), "avx512_vnni" (256-bit
+    # vpdpbusd), "avx2" (vpmaddubsw) or "torch" (the reference, no native
     # library needed); "amx_int8" is reserved (no kernel yet: naming it fails at load). All
     # compute the same bits. "auto": the fastest that runs here; a named native kernel this CPU
     # cannot run fails at load, naming why.
@@ -208,6 +212,8 @@ class EngineConfig:
         _positive(self, "max_kv_pages", limit=1 << 26)
         if self.num_pages is not None:
             _positive(self, "num_pages", limit=1 << 26)
+        if self.num_window_pages is not None:
+            _positive(self, "num_window_pages", limit=1 << 26)
         if self.max_retained_pages_per_owner != 0:
             _positive(self, "max_retained_pages_per_owner", limit=1 << 26)
         fraction = self.max_retained_pages_fraction

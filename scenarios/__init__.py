@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pkgutil
 
-LIBRARY_MODULES = frozenset({"harness", "peers", "report", "serve_http", "llama_server", "session_inference"})
+LIBRARY_MODULES = frozenset({"harness", "peers", "report", "serve_http", "llama_server", "session_inference", "byte_budget"})
 
 
 def scenario_names() -> list[str]:

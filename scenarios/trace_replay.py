@@ -62,6 +62,7 @@ from radixkv.cache.eviction import EVICTION_POLICIES
 from radixkv.engine.kv_manager import KVManager
 from radixkv.engine.request import SequenceState
 from radixkv.engine.sampling_params import SamplingParams
+from radixkv.scenarios.byte_budget import budget_report, parse_budgets
 from radixkv.scenarios.plots import pyplot, save
 from radixkv.scenarios.session_inference import IdleRule, SessionInference
 
@@ -126,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-dtype", default="bf16,int8", help=f"page storage dtypes for --ram-bytes, comma separated ({', '.join(KV_STORAGE_DTYPES)})")
     parser.add_argument("--kv-shape", default="30,3,64", help="layers,kv_heads,head_dim of the model whose KV a block holds (default: SmolLM2-135M)")
     parser.add_argument("--block-tokens", type=int, default=512, help="tokens one trace block stands for when pricing it in bytes (Mooncake: 512)")
+    parser.add_argument("--kv-window", default=None, help="count:W: that many of --kv-shape's layers attend to a W-token window; adds window-aware pages against every layer keeping every token")
     args = parser.parse_args(argv)
     ram_fractions = _fractions(args.ram_fraction, "--ram-fraction", allow_zero=False)
     disk_fractions = _fractions(args.disk_fraction, "--disk-fraction", allow_zero=True)
@@ -166,16 +168,9 @@ def main(argv: list[str] | None = None) -> int:
             for policy in policies:
                 rows.append(replay(trace, policy, ram_fraction, disk_fraction, ram_blocks, disk_blocks, args.page_size, rules.get(policy)))
     print_table(rows)
-    budget_rows = []
-    if args.ram_bytes:
-        shape = _kv_shape(args.kv_shape, parser)
-        kv_dtypes = [d.strip() for d in args.kv_dtype.split(",") if d.strip()]
-        if set(kv_dtypes) - set(KV_STORAGE_DTYPES):
-            parser.error(f"unknown --kv-dtype {sorted(set(kv_dtypes) - set(KV_STORAGE_DTYPES))}; known: {list(KV_STORAGE_DTYPES)}")
-        budgets = [_bytes(text, parser) for text in args.ram_bytes.split(",") if text.strip()]
-        budget_rows = byte_budget_rows(trace, budgets, kv_dtypes, policies, shape, args.block_tokens, args.page_size)
-        print()
-        print_budget_table(budget_rows)
+    budget_rows, window_rows = (
+        budget_report(parse_budgets(args, parser), trace, policies, args.page_size, replay) if args.ram_bytes else ([], [])
+    )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report = {
@@ -188,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": platform.machine(),
         "rows": [asdict(row) for row in rows],
         "byte_budget": [asdict(row) for row in budget_rows],
+        "window_budget": [asdict(row) for row in window_rows],
     }
     (out / "trace_replay.json").write_text(json.dumps(report, indent=2) + "\n")
     plot(rows, out / "trace_replay.png")
@@ -471,75 +467,6 @@ def serve_request(kv: KVManager, disk: DiskIndex | None, seq: SequenceState, com
         committed(seq, ram_blocks + disk_blocks)
     kv.release(seq)
     return ram_blocks, disk_blocks
-
-
-# --------------------------------------------------------------------------- RAM in bytes, per kv dtype
-
-
-@dataclass(frozen=True, slots=True)
-class BudgetRow:
-    """One policy's replay at a RAM budget in bytes with pages stored in one kv dtype."""
-
-    kv_dtype: str
-    policy: str
-    ram_bytes: int
-    bytes_per_token: float  # K and V over all layers, scales included
-    tokens_per_gib: int
-    ram_blocks: int
-    hit_ratio: float
-
-
-def byte_budget_rows(
-    trace: Trace, budgets: list[int], kv_dtypes: list[str], policies: list[str], shape: tuple[int, int, int],
-    block_tokens: int, page_size: int,
-) -> list[BudgetRow]:  # fmt: skip
-    """Each budget, kv dtype and policy: the blocks the bytes hold, replayed (RAM only)."""
-    layers, kv_heads, head_dim = shape
-    rows = []
-    for budget in budgets:
-        for name in kv_dtypes:
-            block_bytes = PagePool.bytes_per_page(block_tokens, layers, kv_heads, head_dim, KV_STORAGE_DTYPES[name])
-            ram_blocks = max(1, budget // block_bytes)
-            for policy in policies:
-                row = replay(trace, policy, ram_blocks / trace.num_distinct_blocks, 0.0, ram_blocks, 0, page_size)
-                rows.append(BudgetRow(
-                    name, policy, budget, block_bytes / block_tokens, int((1 << 30) / block_bytes * block_tokens), ram_blocks,
-                    row.hit_ratio,
-                ))  # fmt: skip
-    return rows
-
-
-def print_budget_table(rows: list[BudgetRow]) -> None:
-    header = f"{'kv_dtype':<9} {'policy':<7} {'RAM bytes':>13} {'B/token':>8} {'tokens/GiB':>11} {'RAM blocks':>10} {'hit all':>8}"
-    print(header)
-    print("-" * len(header))
-    for row in rows:
-        print(
-            f"{row.kv_dtype:<9} {row.policy:<7} {row.ram_bytes:>13,} {row.bytes_per_token:>8.0f} {row.tokens_per_gib:>11,} "
-            f"{row.ram_blocks:>10,} {row.hit_ratio:>8.3f}"
-        )
-
-
-def _bytes(text: str, parser: argparse.ArgumentParser) -> int:
-    text = text.strip().upper()
-    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-    try:
-        value = int(float(text[:-1] if scale > 1 else text) * scale)
-    except ValueError:
-        parser.error(f"--ram-bytes takes sizes like 512M or 2G, got {text!r}")
-    if value <= 0:
-        parser.error(f"--ram-bytes must be positive, got {text!r}")
-    return value
-
-
-def _kv_shape(text: str, parser: argparse.ArgumentParser) -> tuple[int, int, int]:
-    try:
-        layers, kv_heads, head_dim = (int(part) for part in text.split(","))
-    except ValueError:
-        parser.error(f"--kv-shape takes layers,kv_heads,head_dim, got {text!r}")
-    if min(layers, kv_heads, head_dim) < 1:
-        parser.error(f"--kv-shape values must be >= 1, got {text!r}")
-    return layers, kv_heads, head_dim
 
 
 # --------------------------------------------------------------------------- report

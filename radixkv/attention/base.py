@@ -82,6 +82,14 @@ class AttentionMetadata(Generic[StateT]):
     # checked tables), read by every layer; its type is that backend's own state class. Outside
     # the backend only StepState's members are read (through `state`).
     backend_state: StateT | None = None
+    # A model with layer groups (radixkv.cache.layer_groups): the same step for its window
+    # layers, whose pages come from their own pool (its own page_table and slot_mapping, the
+    # rest as here) and with its own backend state; None: every layer reads this one.
+    window_meta: AttentionMetadata[StateT] | None = None
+
+    def for_window(self, window: int | None) -> AttentionMetadata[StateT]:
+        """The metadata a layer with this window reads (its group's page table)."""
+        return self.window_meta if window is not None and self.window_meta is not None else self
 
     @property
     def num_seqs(self) -> int:
@@ -122,8 +130,9 @@ class AttentionBackend(Generic[StateT]):
 
     window: the layer's sliding window, W keys a query sees counting itself (a query at position
     p attends to keys p - W + 1 .. p); None attends to every key. A per-call argument, so one
-    step's layers (later: their layer groups) may each pass their own. Every token's KV is still
-    in the pages; a window only masks.
+    step's layers may each pass their own. With layer groups a window layer is called with its
+    group's metadata (AttentionMetadata.window_meta), whose pages behind the window may be any
+    page: the window masks them, so a backend must never let a masked key's value through.
     """
 
     name = "base"  # for messages and logs only: callers decide by capabilities

@@ -128,6 +128,14 @@ class DiskPrefetcher:
             self._pending.pop(seq_id, None)
         return Taken(payloads, read.failure if stopped else None, per_block, min(ready, num))
 
+    def rekey(self, old_id: int, new_id: int) -> bool:
+        """Hand the read under `old_id` (a hint's) to `new_id` (the sequence it was read for);
+        False if there is none, or `new_id` has one already."""
+        if old_id not in self._pending or new_id in self._pending:
+            return False
+        self._pending[new_id] = self._pending.pop(old_id)
+        return True
+
     def cancel(self, seq_id: int) -> None:
         prefetch = self._pending.pop(seq_id, None)
         if prefetch is not None:

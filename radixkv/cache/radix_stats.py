@@ -25,6 +25,9 @@ class CacheStats:
     protected_pages: int = 0  # cached pages that served a hit (slru keeps them longer)
     retained_pages: int = 0  # cached pages under a live retention (evictable or locked)
     num_retentions: int = 0  # live retentions
+    # KV bytes of every page not free (a request's or the tree's), over all layer groups: the
+    # tree's pool here, the window layers' pool added by the engine's snapshot.
+    kv_bytes_in_use: int = 0
 
 
 class LookupCounts:
@@ -54,4 +57,5 @@ class LookupCounts:
             cached_pages=tree.cached_pages, evictable_pages=tree.evictable_pages, locked_pages=tree.locked_pages,
             evicted_pages=self.evicted_pages, num_nodes=tree.num_nodes, retained_pages=tree.retained_pages,
             num_retentions=num_retentions, protected_pages=tree.protected_pages,
+            kv_bytes_in_use=(tree.pool.num_pages - tree.pool.num_free) * tree.pool.page_nbytes,
         )

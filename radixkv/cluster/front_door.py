@@ -1,7 +1,7 @@
 """The cluster's front door, sticky sessions for `radixkv cluster`: a request naming a session
 (the X-Radixkv-Session header, or prompt_cache_key in an OpenAI body) goes to the worker that
-served that session last, where its turn is retained; every other request goes through the
-router. Behind the workers' own guards (server/guards/: access.py, body_limit.py,
+served that session last, where its turn is retained (a subagent's new session, the worker of
+the parent it names); every other request goes through the router. Behind the workers' own guards (server/guards/: access.py, body_limit.py,
 connections.py, parse_slots.py), with their limits (`front_door_guards`, read from the workers'
 options).
 """
@@ -30,7 +30,7 @@ from radixkv.server.guards.connections import uvicorn_options
 from radixkv.server.guards.parse_slots import ParseSlots
 from radixkv.server.guards.tenants import ADMIN_KEYS_ENV, Tenants, load_api_keys
 from radixkv.server.limits import ServerLimits
-from radixkv.server.sessions import DYNAMO_SESSION_HEADER, SESSION_HEADER, session_ref
+from radixkv.server.sessions import DYNAMO_SESSION_HEADER, PARENT_SESSION_HEADER, SESSION_HEADER, session_ref
 
 # Bodies that may carry prompt_cache_key (OpenAI's chat, completions and Responses).
 SESSION_BODY_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
@@ -174,11 +174,16 @@ class SessionProxy:
         limited = LimitBody(self._forward, self.limits.max_body_bytes, self.limits.body_read_timeout_s)
         self._guarded = AccessGuard(limited, self.tenants, self.limits)
 
-    def route(self, owner: str, key: str | None, down: frozenset[str] = frozenset()) -> str:
-        """Where a request goes: its session's worker, or the router for a request with none."""
+    def route(self, owner: str, key: str | None, down: frozenset[str] = frozenset(), parent: str | None = None) -> str:
+        """Where a request goes: its session's worker; for a session no worker has served yet
+        that names a parent (a subagent's), the parent's worker, where the prefix it starts
+        with is cached (the same owner's parent only: the map is keyed by owner); a fresh
+        choice otherwise; the router for a request with no session."""
         if key is None:
             return self.router_url
         worker = self.sticky.get(owner, key)
+        if worker is None and parent is not None:
+            worker = self.sticky.get(owner, parent)
         if worker is None or worker in down:
             live = [w for w in self.worker_urls if w not in down] or self.worker_urls
             worker = rendezvous(owner, key, live)
@@ -198,7 +203,10 @@ class SessionProxy:
             await error.response_for(path)(scope, receive, send)
             return
         owner = owner_of(headers)
-        response, target = await self._send_routed(scope, owner, key, headers, body)
+        parent = headers.get(PARENT_SESSION_HEADER) if key is not None else None
+        if parent is not None and not 0 < len(parent) <= MAX_SESSION_KEY_CHARS:
+            parent = None  # the worker refuses it; it routes nothing here
+        response, target = await self._send_routed(scope, owner, key, headers, body, parent)
         if response is None:
             await _plain(send, 502, b"no worker could be reached")
             return
@@ -215,7 +223,7 @@ class SessionProxy:
         return await self.parse_slots.run(caller, lambda: session_key(path, headers, body))
 
     async def _send_routed(
-        self, scope: dict, owner: str, key: str | None, headers: dict[str, str], body: bytes
+        self, scope: dict, owner: str, key: str | None, headers: dict[str, str], body: bytes, parent: str | None = None
     ) -> tuple[httpx.Response | None, str]:
         """The first answer of the session's worker, moving on from workers that cannot be
         reached (their sessions with them); None when no worker can be."""
@@ -223,7 +231,7 @@ class SessionProxy:
         query = scope.get("query_string", b"").decode("latin-1")
         down: set[str] = set()
         while True:
-            target = self.route(owner, key, frozenset(down))
+            target = self.route(owner, key, frozenset(down), parent)
             url = f"{target}{scope['path']}" + (f"?{query}" if query else "")
             try:
                 return await self._send(scope["method"], url, forwarded, body), target

@@ -28,7 +28,7 @@ from radixkv.cpu.features import cpu_features
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "paged_decode.c", CSRC / "paged_decode_avx2.c", CSRC / "cascade.c", CSRC / "paged_extend.c", CSRC / "row_ops.c", CSRC / "packed_linear.c", CSRC / "linear_f32.c", CSRC / "decode_layers.c", CSRC / "logits.c", CSRC / "quant_linear.c", CSRC / "moe.c")
+SOURCES = (CSRC / "paged_decode.c", CSRC / "paged_decode_avx2.c", CSRC / "cascade.c", CSRC / "paged_extend.c", CSRC / "row_ops.c", CSRC / "packed_linear.c", CSRC / "linear_f32.c", CSRC / "decode_layers.c", CSRC / "logits.c", CSRC / "quant_linear.c", CSRC / "quant_linear_zmm.c", CSRC / "moe.c")
 HEADERS = (CSRC / "bf16.h", CSRC / "amx.h", CSRC / "decode.h", CSRC / "tiles.h", CSRC / "kernels.h")
 COMPILE_FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 
@@ -164,6 +164,9 @@ def _declare(library: ctypes.CDLL) -> None:
         "radixkv_quant_pack": [i32, p, p, p, i32, i32, p],
         "radixkv_quant_dequant_rows": [i32, p, i32, i32, p, i32, p],
         "radixkv_quant_linear": [i32, i32, p, i32, i64, i32, i32, p, i32, p, p, i64, i32],
+        "radixkv_quant_zmm_packed_bytes": [i32, i32, i32],
+        "radixkv_quant_zmm_pack": [i32, p, p, p, i32, i32, p],
+        "radixkv_quant_zmm_dequant_rows": [i32, p, i32, i32, p, i32, p],
         "radixkv_moe_row_bytes": [i32, i32],
         "radixkv_moe_grouped": [i32, p, i64, i32, i32, p, i64, i32, p, p, i32, p, p, i64, i32, i32],
         "radixkv_moe_has_vnni": [],
@@ -191,6 +194,7 @@ def _declare(library: ctypes.CDLL) -> None:
         "radixkv_quant_linear_kernels": i32,
         "radixkv_quant_packed_bytes": i64,
         "radixkv_quant_linear": i32,
+        "radixkv_quant_zmm_packed_bytes": i64,
         "radixkv_moe_row_bytes": i64,
         "radixkv_moe_grouped": i32,
         "radixkv_moe_has_vnni": i32,

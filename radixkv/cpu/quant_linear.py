@@ -1,6 +1,7 @@
 """Linear and embedding layers over quantized weights (radixkv.cpu.quant.QuantWeight) that stay
 quantized: QuantLinear multiplies them with activations quantized per block of 32 to int8, in
-a native kernel (radixkv/cpu/csrc/quant_linear.c: AVX2, AVX-512 VNNI) or in torch.
+a native kernel (radixkv/cpu/csrc/quant_linear.c: AVX2, AVX-512 VNNI on 256-bit records;
+quant_linear_zmm.c: 512-bit VNNI on 16-row records) or in torch.
 
 A CPU decode step reads every weight once, so its time is the weights' bytes over the memory's
 bandwidth: 9 (q8_0) or 6 (q4_1) bits a weight as packed, instead of fp32's 32. Every kernel
@@ -23,10 +24,14 @@ from radixkv.errors import ConfigError
 # radixkv_quant_linear_kernels() and the CPU features it needs (for messages and test skips).
 NATIVE_QUANT_KERNELS = {
     "amx_int8": (1, ("amx_int8", "amx_tile")),
+    "avx512_vnni_zmm": (8, ("avx512f", "avx512bw", "avx512_vnni")),
     "avx512_vnni": (2, ("avx512_vnni", "avx512vl", "avx512bw")),
     "avx2": (4, ("avx2",)),
 }
 FORMAT_IDS = {"q8_0": 0, "q4_1": 1}
+# Kernels whose packed records are their own (quant_linear_zmm.c), with the prefix of the
+# library's pack, packed-bytes and dequant-rows functions; the others share quant_linear.c's.
+_LAYOUTS = {"avx512_vnni_zmm": "radixkv_quant_zmm_"}
 # Rows of x per torch-path chunk: bounds the [rows, out] temporaries of a long prefill.
 _TORCH_ROWS = 256
 
@@ -136,6 +141,7 @@ class QuantLinear(nn.Module):
         else:
             self.weight = None  # held once: the packed form alone
             self.kernel_bit = NATIVE_QUANT_KERNELS[self.kernel][0]
+            self._layout = _LAYOUTS.get(self.kernel, "radixkv_quant_")
             # A buffer, so the module's buffers() count the bytes; not persistent: the layout is this build's.
             self.register_buffer("packed", self._pack(weight), persistent=False)
 
@@ -145,9 +151,10 @@ class QuantLinear(nn.Module):
 
     def _pack(self, weight: QuantWeight) -> Tensor:
         library, fmt = self._library, FORMAT_IDS[weight.format]
-        packed = torch.empty(library.radixkv_quant_packed_bytes(fmt, self.out_features, self.in_features), dtype=torch.uint8)
+        packed_bytes = getattr(library, self._layout + "packed_bytes")
+        packed = torch.empty(packed_bytes(fmt, self.out_features, self.in_features), dtype=torch.uint8)
         mins = 0 if weight.mins is None else weight.mins.data_ptr()
-        library.radixkv_quant_pack(
+        getattr(library, self._layout + "pack")(
             fmt, weight.quants.data_ptr(), weight.scales.data_ptr(), mins, self.out_features, self.in_features, packed.data_ptr()
         )
         return packed
@@ -178,7 +185,7 @@ class QuantLinear(nn.Module):
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.out_features):
             raise IndexError(f"row ids must be in [0, {self.out_features}), got {ids.min()}..{ids.max()}")
         rows = torch.empty(ids.numel(), self.in_features, dtype=torch.float32)
-        self._library.radixkv_quant_dequant_rows(
+        getattr(self._library, self._layout + "dequant_rows")(
             FORMAT_IDS[self.format], self.packed.data_ptr(), self.out_features, self.in_features, ids.data_ptr(), ids.numel(), rows.data_ptr()
         )
         return rows.to(dtype)

@@ -1,6 +1,6 @@
 """An engine's parts made from its config: the model on its attention backend (a configuration
-the backend cannot run refused before the weights load), and the cache beneath it (the page pool
-sized from memory, the radix tree, the KV manager with its disk tier).
+the backend cannot run refused before the weights load), the cache beneath it (the page pool
+sized from memory, the radix tree, the KV manager with its disk tier), its end ids and guides.
 """
 
 from __future__ import annotations
@@ -12,12 +12,14 @@ import torch
 from radixkv.attention import make_backend
 from radixkv.cache.hashing import BlockHasher
 from radixkv.cache.kv_dtype import resolve_kv_dtype
+from radixkv.cache.layer_groups import LayerGroups, WindowPages
 from radixkv.cache.pages import PagePool, available_memory_bytes
 from radixkv.cache.radix import RadixTree
 from radixkv.config import EngineConfig
 from radixkv.engine.cache_view import CacheView
 from radixkv.engine.compute_cost import ComputeCost
 from radixkv.engine.disk_loader import open_disk_tier
+from radixkv.engine.guide import GuideLimits, Guides
 from radixkv.engine.kv_manager import KVManager
 from radixkv.errors import ConfigError
 from radixkv.model.loader import LoadedModel, load_model
@@ -66,6 +68,8 @@ class EngineCache:
     compute_cost: ComputeCost
     kv: KVManager
     view: CacheView
+    groups: LayerGroups
+    windows: WindowPages | None  # the window layers' pages, None for a model of one group
 
 
 def build_cache(config: EngineConfig, loaded: LoadedModel, device: torch.device) -> EngineCache:
@@ -74,12 +78,16 @@ def build_cache(config: EngineConfig, loaded: LoadedModel, device: torch.device)
     model_config = loaded.config
     # The pages' storage dtype (EngineConfig.kv_dtype); pages are sized in its bytes.
     kv_dtype = resolve_kv_dtype(config.kv_dtype, loaded.dtype, loaded.device)
-    num_pages = config.num_pages or PagePool.pages_for_memory(
-        kv_memory_bytes(available_memory_bytes(device), loaded), config.kv_memory_fraction, config.max_kv_pages,
-        config.page_size, model_config.num_layers, model_config.num_kv_heads, model_config.head_dim, kv_dtype,
-    )  # fmt: skip
+    groups = LayerGroups(model_config.layer_windows, model_config.num_layers)
+    if groups.grouped:
+        num_pages, windows = _grouped_pools(config, loaded, device, groups, kv_dtype)
+    else:
+        num_pages, windows = config.num_pages or PagePool.pages_for_memory(
+            kv_memory_bytes(available_memory_bytes(device), loaded), config.kv_memory_fraction, config.max_kv_pages,
+            config.page_size, model_config.num_layers, model_config.num_kv_heads, model_config.head_dim, kv_dtype,
+        ), None  # fmt: skip
     pool = PagePool(
-        num_pages, config.page_size, model_config.num_layers, model_config.num_kv_heads, model_config.head_dim, kv_dtype, loaded.device
+        num_pages, config.page_size, len(groups.full_layers), model_config.num_kv_heads, model_config.head_dim, kv_dtype, loaded.device
     )
     hasher = BlockHasher(config.page_size, seed=config.hash_seed)
     tree = RadixTree(
@@ -89,5 +97,65 @@ def build_cache(config: EngineConfig, loaded: LoadedModel, device: torch.device)
     kv = KVManager(
         pool, tree, hasher, config.enable_prefix_caching, open_disk_tier(config, loaded, pool.page_nbytes, kv_dtype, tree.events),
         compute_cost.estimate_s, config.kv_disk_prefetch_bytes, config.max_retained_pages_per_owner, config.max_ghost_blocks,
+        windows,
     )  # fmt: skip
-    return EngineCache(kv_dtype, pool, hasher, tree, compute_cost, kv, kv.cache_view())
+    return EngineCache(kv_dtype, pool, hasher, tree, compute_cost, kv, kv.cache_view(), groups, windows)
+
+
+def eos_token_ids(loaded: LoadedModel) -> set[int]:
+    """The ids that end a reply: the model config's, and the tokenizer's own where it names one."""
+    ids = set(loaded.config.eos_token_ids)
+    if getattr(loaded.tokenizer, "eos_token_id", None) is not None:
+        ids.add(loaded.tokenizer.eos_token_id)
+    return ids
+
+
+def resolve_batch_invariant(config: EngineConfig, loaded: LoadedModel) -> bool:
+    """The config's choice, or on where the model needs it and its backend can: quantized weights
+    (int8 activations) are cache-exact only batch-invariant; see config."""
+    if config.batch_invariant is not None:
+        return config.batch_invariant
+    return loaded.weight_format != "float" and loaded.model.attention.capabilities.batch_invariant
+
+
+def build_guides(config: EngineConfig, loaded: LoadedModel, eos_ids: set[int]) -> Guides:
+    """Structured output's compiler and masks, under the config's schema and time limits."""
+    limits = GuideLimits(config.max_guide_schema_bytes, config.max_guide_schema_depth, config.guide_compile_timeout_s, config.guide_mask_timeout_s)
+    return Guides(loaded.tokenizer, loaded.config.vocab_size, sorted(eos_ids), limits)
+
+
+
+def _grouped_pools(
+    config: EngineConfig, loaded: LoadedModel, device: torch.device, groups: LayerGroups, kv_dtype: torch.dtype
+) -> tuple[int, WindowPages]:
+    """A model with full and window layers: the full layers' page count and the window
+    layers' pool. Sized from memory, the window pool is sized first (EngineConfig.num_window_pages,
+    else from max_num_seqs and the chunk) and the full layers take the rest of the bytes."""
+    model_config, page_size = loaded.config, config.page_size
+    if config.kv_disk_dir is not None:
+        raise ConfigError(
+            f"kv_disk_dir cannot store the KV of {config.model!r}: its sliding-window layers keep their own pages, "
+            "which the disk tier's blocks do not hold; leave kv_disk_dir unset for this model",
+            param="kv_disk_dir",
+        )
+    shape = (model_config.num_kv_heads, model_config.head_dim, kv_dtype)
+    full_bytes = PagePool.bytes_per_page(page_size, len(groups.full_layers), *shape)
+    window_bytes = PagePool.bytes_per_page(page_size, len(groups.window_layers), *shape)
+    num_pages = config.num_pages
+    budget = 0 if num_pages is not None else int(kv_memory_bytes(available_memory_bytes(device), loaded) * config.kv_memory_fraction)
+    cap = num_pages if num_pages is not None else min(config.max_kv_pages, max(1, budget // (full_bytes + window_bytes)))
+    # A chunk never spans more pages than the full pool has.
+    least = groups.min_window_pages(page_size, min(config.max_batch_tokens, cap * page_size))
+    num_window_pages = config.num_window_pages
+    if num_window_pages is None:
+        num_window_pages = max(least, min(cap, groups.auto_window_pages(page_size, config.max_batch_tokens, config.max_num_seqs)))
+    elif num_window_pages < least:
+        raise ConfigError(
+            f"num_window_pages must be at least {least} (a window of {groups.window} tokens behind a chunk of up to "
+            f"{config.max_batch_tokens} tokens, in pages of {page_size}), got {num_window_pages}",
+            param="num_window_pages",
+        )
+    if num_pages is None:
+        num_pages = max(1, min(config.max_kv_pages, (budget - num_window_pages * window_bytes) // full_bytes))
+    window_pool = PagePool(num_window_pages, page_size, len(groups.window_layers), *shape[:2], kv_dtype, loaded.device)
+    return num_pages, WindowPages(window_pool, groups.window)

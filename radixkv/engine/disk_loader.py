@@ -5,8 +5,11 @@ continues on disk, read ahead on a thread and loaded chunk by chunk unless compu
 
 from __future__ import annotations
 
+import itertools
 import time
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -27,6 +30,20 @@ if TYPE_CHECKING:
 
 # (start token, number of tokens) -> seconds to compute them, None until measured
 ComputeEstimate = Callable[[int, int], "float | None"]
+
+# A read-ahead started on a hint (a session's resume, named in the headers before the body is
+# read) waits this long for its request to take it over, and at most this many wait at once:
+# past either the read is cancelled, so the budget it holds goes back to real sequences.
+HINT_WAIT_S = 30.0
+MAX_HINTS = 8
+
+
+@dataclass(slots=True)
+class _Hint:
+    tokens: list[int]  # the prefix read (full blocks): a sequence takes the read only if it starts so
+    salt: str | None
+    start_block: int
+    made_at_s: float
 
 
 def open_disk_tier(
@@ -86,6 +103,8 @@ class DiskLoader:
         self.prefetcher = DiskPrefetcher(tier, prefetch_bytes)
         self._keys: dict[int, list[int]] = {}  # seq id -> disk keys of its blocks (a token to spare)
         self._recompute: set[int] = set()  # seq ids whose disk hit is computed: reading is the slower
+        self._hints: OrderedDict[int, _Hint] = OrderedDict()  # read-aheads on a hint, oldest first
+        self._hint_ids = itertools.count(-1, -1)  # below every sequence id
 
     # -- loading a sequence's hit --------------------------------------------------------------
 
@@ -206,9 +225,60 @@ class DiskLoader:
             self._keys[seq.seq_id] = keys
         return keys, end
 
+    # -- reading ahead on a hint ----------------------------------------------------------------
+
+    def read_ahead(self, token_ids: Sequence[int], salt: str | None) -> int:
+        """Start reading the disk blocks of a prefix a request is about to send (a session's
+        last turn, on its resume) before the request exists; the sequence that starts with that
+        prefix takes the read over when it asks for its disk hit. Returns the blocks being read
+        (0: no tier, nothing on disk past RAM, reading judged the slower, or no budget)."""
+        self._drop_stale_hints()
+        if not self.tier.enabled:
+            return 0
+        ps = self.page_size
+        end = len(token_ids) // ps
+        tokens = list(token_ids[: end * ps])
+        start = self.tree.peek(tokens + [0], salt).num_cached_tokens // ps  # pure: RAM serves these
+        keys = self.tier.keys(tokens, salt)
+        found = self.tier.count_cached(keys, start, end - start)
+        if found == 0 or not self.pays(start, found):
+            return 0
+        num = min(found, self.prefetcher.room_blocks())
+        if num == 0:
+            return 0
+        while len(self._hints) >= MAX_HINTS:
+            self.prefetcher.cancel(self._hints.popitem(last=False)[0])
+        hint_id = next(self._hint_ids)
+        self.prefetcher.start(hint_id, tokens, salt, keys, start, num, start + found)
+        self._hints[hint_id] = _Hint(tokens[: (start + num) * ps], salt, start, time.monotonic())
+        return num
+
+    def _take_hint(self, seq: SequenceState, start: int) -> bool:
+        """Hand a hint's read-ahead to seq if it reads the same blocks from the same start (its
+        tokens compared, not only their keys); whether one was taken."""
+        self._drop_stale_hints()
+        for hint_id, hint in self._hints.items():
+            if hint.start_block != start or hint.salt != seq.salt:
+                continue
+            if seq.all_token_ids[: len(hint.tokens)] != hint.tokens or seq.num_tokens <= len(hint.tokens):
+                continue  # another prefix, or one that ends inside the read (its last block is computed)
+            del self._hints[hint_id]
+            return self.prefetcher.rekey(hint_id, seq.seq_id)
+        return False
+
+    def _drop_stale_hints(self) -> None:
+        now_s = time.monotonic()
+        for hint_id, hint in list(self._hints.items()):
+            if now_s - hint.made_at_s > HINT_WAIT_S or self.prefetcher.get(hint_id) is None:
+                self.prefetcher.cancel(hint_id)
+                del self._hints[hint_id]
+
     def _start_prefetch(self, seq: SequenceState, start: int, min_blocks: int) -> bool | None:
         """Begin reading seq's disk run from block `start` (as much as the prefetch budget
-        holds, at least `min_blocks`); None when there is none, or it is computed instead."""
+        holds, at least `min_blocks`), or take over a hint's read of it; None when there is
+        none, or it is computed instead."""
+        if self._hints and self._take_hint(seq, start):
+            return True
         keys, end = self._keys_of(seq)
         found = self.tier.count_cached(keys, start, end - start)  # touched: evictions spare them
         if found == 0:
@@ -339,6 +409,7 @@ class DiskLoader:
         """Stop the background reads, persist RAM and close the tier (its directory is the next
         process's); returns blocks written."""
         self.prefetcher.close()
+        self._hints.clear()
         written = self.persist()
         self.tier.close()
         return written

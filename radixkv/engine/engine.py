@@ -3,8 +3,8 @@
 `add_request` validates and books a request (engine/outputs.py's RequestBook) and queues it;
 `step` is one expiry pass (pins, sessions, retentions) -> schedule (Scheduler) -> run
 (ModelRunner: prepare, forward, NaN guard, sample) -> postprocess (RequestBook: commit, keeps,
-tokens, finish, deltas); `abort` ends a request at any stage. Every ended sequence gives back
-every page it held.
+tokens, finish, deltas) -> the ended requests told to RequestHooks (sessions, predictor);
+`abort` ends a request at any stage. Every ended sequence gives back every page it held.
 """
 
 from __future__ import annotations
@@ -14,9 +14,8 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from radixkv.config import EngineConfig
-from radixkv.engine.build import build_cache, load_engine_model
+from radixkv.engine.build import build_cache, build_guides, eos_token_ids, load_engine_model, resolve_batch_invariant
 from radixkv.engine.context import ContextLimit
-from radixkv.engine.guide import GuideLimits, Guides
 from radixkv.engine.invariants import check_page_accounting
 from radixkv.engine.keeps import Keeper, check_keeps
 from radixkv.engine.outputs import RequestBook
@@ -27,8 +26,8 @@ from radixkv.engine.runner import ModelRunner
 from radixkv.engine.sampler import Sampler
 from radixkv.engine.sampling_params import SamplingParams
 from radixkv.engine.scheduler import Scheduler
-from radixkv.engine.predicted_liveness import PredictedLiveness
-from radixkv.engine.sessions import SessionBook, SessionLimits, SessionRef
+from radixkv.engine.request_hooks import RequestHooks
+from radixkv.engine.sessions import SessionRef
 from radixkv.engine.stats import EngineCounters, EngineStats, StepTimes
 from radixkv.errors import InvalidRequest, QueueFull
 from radixkv.kv_events import start_kv_events
@@ -50,11 +49,10 @@ class Engine:
         model_config = loaded.config
         self.model_config = model_config
         self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings, model_config.max_position_embeddings)
-        self.eos_token_ids = set(model_config.eos_token_ids)
-        if getattr(self.tokenizer, "eos_token_id", None) is not None:
-            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = eos_token_ids(loaded)
         cache = build_cache(config, loaded, self.device)
         self.kv_dtype, self.pool, self.hasher, self.tree, self.kv = cache.kv_dtype, cache.pool, cache.hasher, cache.tree, cache.kv
+        self.windows = cache.windows  # the window layers' pages (layer groups), None for one group
         # The whole cache as reports see it (lookup, residency, disk, misses) and flush/close act on it.
         self.cache_view = cache.view
         self.compute_cost = cache.compute_cost
@@ -65,16 +63,9 @@ class Engine:
         self.context = ContextLimit(self.max_context_tokens, self.max_model_len, num_pages, config.page_size, model_config.vocab_size)
         self.scheduler = Scheduler(config, self.kv)
         self.sampler = Sampler(config.seed, tuple(sorted(self.eos_token_ids)))
-        # Quantized weights (int8 activations) are cache-exact only batch-invariant; see config.
-        invariant = config.batch_invariant
-        if invariant is None:
-            invariant = loaded.weight_format != "float" and loaded.model.attention.capabilities.batch_invariant
-        self.batch_invariant = invariant
-        self.runner = ModelRunner(loaded.model, self.pool, loaded.device, self.sampler, batch_invariant=invariant)
-        guide_limits = GuideLimits(
-            config.max_guide_schema_bytes, config.max_guide_schema_depth, config.guide_compile_timeout_s, config.guide_mask_timeout_s
-        )
-        self.guides = Guides(self.tokenizer, model_config.vocab_size, sorted(self.eos_token_ids), guide_limits)
+        self.batch_invariant = resolve_batch_invariant(config, loaded)
+        self.runner = ModelRunner(loaded.model, self.pool, loaded.device, self.sampler, self.batch_invariant, cache.groups, cache.windows)
+        self.guides = build_guides(config, loaded, self.eos_token_ids)
         self.counters = EngineCounters()
         self.step_times = StepTimes()
         self._seq_ids = itertools.count()
@@ -83,16 +74,9 @@ class Engine:
         self.pins = Pins(
             self.kv, num_pages, config.page_size, self.max_context_tokens, config.max_pinned_pages, config.max_pinned_pages_per_owner
         )
-        # Under the `predict` eviction policy, finished requests teach the dead-block predictor,
-        # and a session's release (DELETE) tells it that session's tail is dead.
-        self.predicted: PredictedLiveness | None = None
-        if config.eviction_policy == "predict":
-            self.predicted = PredictedLiveness(self.kv, self.tree, self.hasher, self.tree.now_s)
-        # Sessions name conversations; each turn is a keep into the reply (no lock).
-        self.sessions = SessionBook(
-            self.kv, self.tree, SessionLimits.of(config), chunk_tokens=config.max_batch_tokens, clock=self.tree.now_s,
-            signals=self.kv, released=self.predicted.released if self.predicted is not None else None,
-        )  # fmt: skip
+        # The session book and, under `predict`, the dead-block predictor: told of each request.
+        self.hooks = RequestHooks(config, self.kv, self.tree, self.hasher, self.tree.now_s)
+        self.sessions, self.predicted = self.hooks.sessions, self.hooks.predicted
         # A request's keeps go through the same retention and pins (and caps) as the verbs below.
         self.keeper = Keeper(self.kv, self.tree, self.pins, config.max_retained_pages_per_owner, self.tree.now_s, self.sessions)
         self.requests = RequestBook(
@@ -135,7 +119,7 @@ class Engine:
         params = params or SamplingParams()
         self.check_request(prompt_token_ids, params, salt, guide_checked=guide_grammar is not None)
         keeps = check_keeps(keeps, len(prompt_token_ids))
-        turn_keep = self.sessions.check(session, len(prompt_token_ids)) if session is not None else None
+        turn_keep = self.hooks.check(session, len(prompt_token_ids))
         params = self.context.filled(prompt_token_ids, params)
         if params.n > self.queue_room():
             raise QueueFull(f"the waiting queue is full ({self.config.max_queue_len} requests); retry later", limit=self.config.max_queue_len)
@@ -156,10 +140,7 @@ class Engine:
         self.requests.register(request_id, seqs)
         for seq in seqs:
             self.scheduler.add(seq)
-        if session is not None and turn_keep is not None:
-            self.sessions.begin(request_id, session, turn_keep, salt, seqs)
-        if self.predicted is not None:
-            self.predicted.begin(request_id, salt, session)
+        self.hooks.begin(request_id, salt, session, turn_keep, seqs)
         return request_id
 
     def queue_room(self) -> int:
@@ -178,9 +159,7 @@ class Engine:
 
     def abort(self, request_id: str) -> RequestDelta | None:
         """End a request wherever it is; its pages go back. None if it is unknown or done."""
-        self.sessions.dropped(request_id)
-        if self.predicted is not None:
-            self.predicted.dropped(request_id)
+        self.hooks.dropped(request_id)
         return self.requests.abort(request_id)
 
     def abort_all(self) -> int:
@@ -217,7 +196,7 @@ class Engine:
         an idle engine does not step): sessions idle past their time (first, so their tails
         are marked dead before scheduling evicts), pins and retentions past their ttl. Returns
         how many ended. Pins and retentions also expire at their own verbs' calls."""
-        ended = self.sessions.expire() if self.sessions else 0
+        ended = self.hooks.expire()
         ended += self.pins.expire() if self.pins else 0
         return ended + self.tree.expire()
 
@@ -236,9 +215,7 @@ class Engine:
         """The requests steps failed alone since the last call (already aborted), with why."""
         failed = self.requests.take_failed()
         for request_id, _ in failed:
-            self.sessions.dropped(request_id)
-            if self.predicted is not None:
-                self.predicted.dropped(request_id)
+            self.hooks.dropped(request_id)
         return failed
 
     def has_unfinished(self) -> bool:
@@ -282,10 +259,7 @@ class Engine:
         self.compute_cost.observe_batch(batch, result.forward_s)  # for the disk tier's read-or-compute choice
         postprocess_start_s = time.perf_counter()
         deltas = self.requests.postprocess(batch, result)
-        if self.predicted is not None:
-            for delta in deltas:
-                if delta.output is not None:
-                    self.predicted.finished(delta.output)
+        self.hooks.finished(deltas)
         self.step_times.add("postprocess", time.perf_counter() - postprocess_start_s)
         return deltas
 
@@ -296,6 +270,12 @@ class Engine:
         before any id is read, so a lookup costs this thread at most a context's work)."""
         self.context.check_lookup(prompt_token_ids)
         return self.cache_view.lookup(prompt_token_ids, salt)
+
+    def read_ahead_session(self, ref: SessionRef) -> int:
+        """A session's resume, named before its request is read: its newest turn's disk blocks
+        start being read (engine/sessions.py `read_ahead`); the blocks being read, 0 for a
+        session the owner does not have."""
+        return self.sessions.read_ahead(ref, self.cache_view.loader)
 
     def flush_cache(self, *, ram: bool = True, disk: bool = True) -> tuple[int, int]:
         """Drop the prefix cache's unlocked RAM pages and/or its disk blocks; (pages freed,
@@ -322,8 +302,8 @@ class Engine:
     # -- introspection -----------------------------------------------------------------------
 
     def stats(self) -> EngineStats:
-        return EngineStats.snapshot(self.counters, self.pool, self.tree, self.scheduler, len(self.requests), self.cache_view)
+        return EngineStats.snapshot(self.counters, self.pool, self.tree, self.scheduler, len(self.requests), self.cache_view, self.windows)
 
     def check_invariants(self) -> None:
         """free + evictable + in use == total, no page counted twice, refcounts explained."""
-        check_page_accounting(self.pool, self.tree, self.scheduler.running, self.scheduler.waiting)
+        check_page_accounting(self.pool, self.tree, self.scheduler.running, self.scheduler.waiting, self.windows)

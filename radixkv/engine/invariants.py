@@ -6,15 +6,19 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from radixkv.cache.layer_groups import WindowPages
 from radixkv.cache.pages import PagePool
 from radixkv.cache.radix import RadixTree
 from radixkv.engine.request import SequenceState
 
 
 def check_page_accounting(
-    pool: PagePool, tree: RadixTree, running: Iterable[SequenceState], waiting: Iterable[SequenceState]
+    pool: PagePool, tree: RadixTree, running: Iterable[SequenceState], waiting: Iterable[SequenceState],
+    windows: WindowPages | None = None,
 ) -> None:
-    """free + evictable + in use == total, no page counted twice, refcounts explained."""
+    """free + evictable + in use == total, no page counted twice, refcounts explained; in
+    each group's pool (the window layers' too, with layer groups)."""
+    running = list(running)
     tree.check_invariants()
     free = pool.free_pages()
     evictable = tree.evictable_page_set()
@@ -34,3 +38,7 @@ def check_page_accounting(
     # Evictable pages are cached ones (expected > 0), so in use is the rest of those referenced.
     in_use = sum(1 for count in expected if count) - len(evictable)
     assert len(free) + len(evictable) + in_use == pool.num_pages
+    if windows is not None:
+        for seq in running:
+            assert len(seq.window_table) == len(seq.page_table), f"seq {seq.seq_id}: a window page per block"
+        windows.check_accounting([seq.window_table for seq in running], tree.cached_page_set())

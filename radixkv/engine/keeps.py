@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
 
 from radixkv.engine.kv_manager import KVManager
@@ -141,3 +141,13 @@ class Keeper:
             cap = self._max_retained_pages_per_owner
             num = self._kv.retain(tokens, seq.salt, float(keep.ttl_s), room.owner, cap) if tokens else 0
             self._turns.kept(seq.request_id, self._tree.retentions(room.owner)[-1] if num else None, num)  # type: ignore[union-attr]
+            if num:
+                output.kept = self._with_turn(output.kept, num, self._clock() + keep.ttl_s)
+
+    def _with_turn(self, report: KeepReport | None, num_tokens: int, expires_at_s: float) -> KeepReport:
+        """The output's report with the turn just kept (before the output leaves the engine), so
+        usage echoes what the next turn will find kept and until when."""
+        report = report or KeepReport((), 0, None)
+        latest = max(expires_at_s, report.expires_at_s or expires_at_s)
+        epoch_s = latest - self._clock() + time.time()
+        return replace(report, num_turn_tokens=num_tokens, expires_at_s=latest, expires_at_epoch_s=epoch_s)

@@ -7,20 +7,20 @@ residency, the ghost index and the write-back follow the cache through its bus (
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 
 from radixkv.cache.disk import DiskTier
-from radixkv.cache.eviction import Liveness
 from radixkv.cache.hashing import BlockHasher
+from radixkv.cache.layer_groups import WindowPages
 from radixkv.cache.pages import OutOfPages, PagePool
-from radixkv.cache.radix import Node, PeekResult, RadixTree
+from radixkv.cache.radix import PeekResult, RadixTree
 from radixkv.engine.cache_report import AdmissionMatch
 from radixkv.engine.cache_view import CacheView
 from radixkv.engine.disk_loader import ComputeEstimate, DiskLoader
+from radixkv.engine.kv_keeps import KVKeeps
 from radixkv.engine.request import Admitted, SequenceState
 
 
-class KVManager:
+class KVManager(KVKeeps):
     """What the scheduler asks of the cache, in seven verbs: peek, can_admit, load_ready,
     admit, reserve, release, block_hashes. The engine adds commit, pins, retain and mark; its
     whole-cache reports (lookup, flush, close, residency, disk stats) go to the CacheView this
@@ -37,6 +37,7 @@ class KVManager:
         prefetch_bytes: int = 256 << 20,
         max_retained_pages_per_owner: int | None = None,
         max_ghost_blocks: int | None = None,
+        windows: WindowPages | None = None,
     ) -> None:
         # Nothing here is read from outside: callers use the verbs below.
         self._pool = pool
@@ -44,6 +45,10 @@ class KVManager:
         self._hasher = hasher
         self._page_size = pool.page_size
         self._caching = enable_prefix_caching
+        # The window layers' pages (cache/layer_groups.py), None for a model of one group.
+        self._windows = windows
+        if windows is not None:
+            tree.events.subscribe(windows.listen)
         self._loader: DiskLoader | None = None
         if disk is not None and enable_prefix_caching:
             self._loader = DiskLoader(
@@ -71,7 +76,16 @@ class KVManager:
         """What RAM would serve seq now; pure (no split, no LRU time, no stats)."""
         if not self._caching or seq.num_tokens <= self._page_size:
             return PeekResult(0, [], 0)
-        return self._tree.peek(seq.all_token_ids, seq.salt, block_hashes=self._hashes(seq))
+        peek = self._tree.peek(seq.all_token_ids, seq.salt, block_hashes=self._hashes(seq))
+        cut = self._window_cut(peek.pages, peek.num_cached_tokens)
+        if cut == peek.num_cached_tokens:
+            return peek
+        hashes = self._hashes(seq)[: cut // self._page_size]
+        return self._tree.peek(seq.all_token_ids[: cut + 1], seq.salt, block_hashes=hashes) if cut else PeekResult(0, [], 0)
+
+    def _window_cut(self, pages: list[int], num_tokens: int) -> int:
+        """Where a match over `pages` may stop so that every group holds what continuing needs."""
+        return num_tokens if self._windows is None else self._windows.usable_tokens(pages, num_tokens)
 
     def can_admit(self, peek: PeekResult, num_new_tokens: int, headroom_pages: int = 0) -> bool:
         """Whether the pages for the first num_new_tokens past peek's match, plus
@@ -80,7 +94,13 @@ class KVManager:
         num_cached = peek.num_cached_tokens
         needed = -(-(num_cached + num_new_tokens) // self._page_size) - num_cached // self._page_size
         available = self._pool.num_free + self._tree.evictable_pages  # free, or freed by eviction
-        return needed + headroom_pages <= available - peek.num_unlocked_pages
+        if needed + headroom_pages > available - peek.num_unlocked_pages:
+            return False
+        windows = self._windows
+        if windows is None:
+            return True
+        held = windows.num_evictable_in(peek.pages[windows.first_block(num_cached) :])
+        return needed + headroom_pages + held <= windows.pool.num_free + windows.evictable_pages
 
     def load_ready(self, seq: SequenceState, chunk_tokens: int) -> bool:
         """For a waiting sequence: whether its first chunk can be admitted without waiting on a
@@ -131,6 +151,9 @@ class KVManager:
             self._loader.forget(seq)
         if self._caching and seq.num_computed_tokens:
             self._misses.remember_tail(seq.all_token_ids, seq.salt, self._hashes(seq), seq.num_computed_tokens)
+        if self._windows is not None:
+            self._windows.release(seq.page_table, seq.window_table, seq.window_floor, len(seq.window_table))
+            seq.window_table, seq.window_floor = [], 0
         self._pool.release(seq.page_table)
         seq.page_table = []
         seq.num_tree_blocks = 0
@@ -139,6 +162,10 @@ class KVManager:
     def _lock_match(self, seq: SequenceState) -> int:
         """Match seq in RAM, lock the match and take a reference on its pages; its tokens."""
         match = self._tree.match(seq.all_token_ids, seq.salt, block_hashes=self._hashes(seq), record=False)
+        cut = self._window_cut(match.pages, match.num_cached_tokens)
+        if cut < match.num_cached_tokens:  # a window lacks pages past the cut: match up to it
+            hashes = self._hashes(seq)[: cut // self._page_size]
+            match = self._tree.match(seq.all_token_ids[: cut + 1], seq.salt, block_hashes=hashes, record=False)
         self._tree.lock(match.node)
         self._tree.record_lookup(seq.num_tokens, match.num_cached_tokens)
         self._pool.incref(match.pages)
@@ -147,6 +174,9 @@ class KVManager:
         seq.page_table = list(match.pages)
         seq.num_tree_blocks = len(match.pages)
         seq.num_computed_tokens = match.num_cached_tokens
+        if self._windows is not None:
+            seq.window_floor = self._windows.first_block(match.num_cached_tokens)
+            seq.window_table = self._windows.hold(match.pages, seq.window_floor)
         return match.num_cached_tokens
 
     def _report(self, seq: SequenceState, match: AdmissionMatch) -> None:
@@ -167,29 +197,52 @@ class KVManager:
         return self._hasher.extend(seq.block_hashes, seq.all_token_ids, seq.salt)
 
     def _allocate(self, seq: SequenceState, num_new_tokens: int) -> bool:
-        """Pages for num_new_tokens more tokens of seq, evicting if needed; False if short."""
+        """Pages for num_new_tokens more tokens of seq, evicting if needed; False if short.
+        Window pages behind seq's next query go back first."""
+        windows = self._windows
+        self._release_behind(seq)
         needed = max(0, -(-(seq.num_computed_tokens + num_new_tokens) // self._page_size) - len(seq.page_table))
         if needed == 0:
             return True
         if self._pool.num_free < needed:
             self._tree.evict(needed - self._pool.num_free)
+        window_pages = windows.allocate(needed) if windows is not None else []
+        if window_pages is None:
+            return False
         try:
             seq.page_table.extend(self._pool.allocate(needed))
         except OutOfPages:
+            if windows is not None:
+                windows.pool.release(window_pages)
             return False
+        seq.window_table.extend(window_pages)
         return True
+
+    def _release_behind(self, seq: SequenceState) -> None:
+        """Give back seq's window pages of blocks its next query no longer reads."""
+        if self._windows is not None:
+            floor = self._windows.first_block(seq.num_computed_tokens)
+            self._windows.release(seq.page_table, seq.window_table, seq.window_floor, floor)
+            seq.window_floor = max(seq.window_floor, floor)
 
     # -- after a step ------------------------------------------------------------------------
 
     def commit(self, seq: SequenceState) -> None:
-        """Offer seq's newly computed full blocks to the tree; adopt the tree's duplicates."""
+        """Offer seq's newly computed full blocks to the tree; adopt the tree's duplicates;
+        then give back the window pages the step left behind (the tree keeps its own)."""
         num_full = seq.num_computed_tokens // self._page_size
-        if not self._caching or num_full <= seq.num_tree_blocks:
-            return
+        if self._caching and num_full > seq.num_tree_blocks:
+            self._insert(seq, num_full)
+        self._release_behind(seq)
+
+    def _insert(self, seq: SequenceState, num_full: int) -> None:
         hashes = self._hashes(seq)
         tokens = seq.all_token_ids[: num_full * self._page_size]
         # The blocks it inserts reach residency and the ghost index through the bus (BlocksStored).
         result = self._tree.insert(tokens, seq.page_table[:num_full], seq.salt, block_hashes=hashes[:num_full])
+        if self._windows is not None:
+            stored = self._windows.take_stored()
+            self._windows.commit(seq.page_table, seq.window_table, seq.num_tree_blocks, result.pages, stored)
         # Blocks another sequence cached first: drop our copy and point at the tree's page,
         # so no page table keeps a page the pool may hand out again.
         for i in range(result.num_existing_blocks):
@@ -204,72 +257,6 @@ class KVManager:
         seq.tree_node = result.node
         # Blocks a hash collision kept out of the tree stay private; they are not offered again.
         seq.num_tree_blocks = num_full
-
-    # -- pins and retention ------------------------------------------------------------------
-
-    def peek_prefix(self, token_ids: list[int], salt: str | None) -> PeekResult:
-        """What a match of these tokens would serve now; pure."""
-        if not self._caching:
-            return PeekResult(0, [], 0)
-        return self._tree.peek(token_ids, salt)
-
-    def pin(self, prefix_token_ids: list[int], salt: str | None) -> tuple[Node, int]:
-        """Lock the cached full blocks of a prefix; (the node to unpin, tokens pinned)."""
-        # match() leaves the last token to compute; one more token lets it return every full
-        # block of the prefix itself (a partial block never matches).
-        match = self._tree.match(list(prefix_token_ids) + [0], salt, record=False)
-        self._tree.lock(match.node)
-        return match.node, match.num_cached_tokens
-
-    def unpin(self, node: Node) -> None:
-        self._tree.unlock(node)
-
-    def retain(self, prefix_token_ids: list[int], salt: str | None, ttl_s: float, owner: str | None, max_owner_pages: int) -> int:
-        """Retain the cached full blocks of a prefix for ttl_s seconds (no lock: they go last,
-        not never), written through to the disk tier; returns tokens retained. A prefix longer
-        than the owner's cap retains its first max_owner_pages pages, and the tree's cap over
-        all owners may trim it further."""
-        if not self._caching or max_owner_pages <= 0:
-            return 0
-        if self._loader is not None:
-            self._loader.claim(owner)  # what came back from disk under its name counts here too
-        node, num_pages = self._retain_prefix(prefix_token_ids[: max_owner_pages * self._page_size], salt, ttl_s, owner, max_owner_pages)
-        if num_pages and self._loader is not None:
-            self._loader.write_through(node)
-        return num_pages * self._page_size
-
-    def _retain_prefix(
-        self, prefix_token_ids: Sequence[int], salt: str | None, ttl_s: float, owner: str | None, max_owner_pages: int | None
-    ) -> tuple[Node, int]:
-        """Retain the cached full blocks of a prefix (RadixTree.retain), marked retained in RAM
-        residency: (the node its match ends at, pages retained). Also what the disk loader
-        does for a block read back under a live retention."""
-        # As in pin: one more token lets match return every full block of the prefix itself.
-        # Retaining serves no request: counted as a hit, it would make the path protected under
-        # slru, outranking other keys' real hits once the retention ends.
-        match = self._tree.match(list(prefix_token_ids) + [0], salt, record=False, serves=False)
-        num_pages = self._tree.retain(match.node, ttl_s, owner, max_owner_pages)
-        self._residency.retained(match.pages[:num_pages])
-        return match.node, num_pages
-
-    # -- liveness (a session book's marks; the `session` eviction policy orders by them) -----
-
-    def mark(
-        self, target: Node | Sequence[int], liveness: Liveness, *, salt: str | None = None, below_blocks: int = 0
-    ) -> int:
-        """The one place liveness is marked: `target`'s private path past its first
-        `below_blocks` blocks (RadixTree.set_liveness); `target` a node, or a prefix's tokens
-        under `salt` (the deepest cached node its full blocks cover; 0 when none). HOT holds as
-        far as `target`, what its retention holds (RadixTree.mark_hot). Returns the nodes
-        marked; changes only the marks."""
-        if not self._caching:
-            return 0
-        node = target if isinstance(target, Node) else self._tree.deepest_node(target, salt)
-        if node is None:
-            return 0
-        if liveness is Liveness.HOT:
-            return self._tree.mark_hot(node, below_blocks=below_blocks)
-        return self._tree.set_liveness(node, liveness, below_blocks=below_blocks)
 
 
 def _reports(seq: SequenceState) -> bool:

@@ -78,10 +78,13 @@ class KeepReport:
     pin: PinnedPrefix | None = None
     error: InvalidRequest | None = None
     expires_at_epoch_s: float | None = None
+    # A session's turn, kept when the reply ends (Keeper.finish): its tokens (the prompt's and
+    # the reply's); the expiries above then count its own.
+    num_turn_tokens: int = 0
 
     @property
     def most_kept_tokens(self) -> int:
-        return max(self.num_kept_tokens, default=0)
+        return max(*self.num_kept_tokens, self.num_turn_tokens, 0)
 
 
 class SeqStatus(enum.Enum):
@@ -112,6 +115,10 @@ class SequenceState:
     # one pool reference on each. The first num_tree_blocks pages are the tree's (locked
     # through tree_node); the rest are private.
     page_table: list[int] = field(default_factory=list)
+    # With layer groups (cache/layer_groups.py): window_table[i] is block i's page in the window
+    # layers' pool, -1 once it fell behind the window (blocks below window_floor hold none).
+    window_table: list[int] = field(default_factory=list)
+    window_floor: int = 0
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the cache at first admission
     num_tree_blocks: int = 0

@@ -7,12 +7,13 @@ touches a request's state: what a step did comes back as one `StepResult`; a row
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from radixkv.attention.base import AttentionMetadata, KVReads, StepState
+from radixkv.cache.layer_groups import LayerGroups, WindowPages
 from radixkv.cache.pages import PagePool
 from radixkv.engine.guide import GuideMasks, PendingMasks
 from radixkv.engine.request import Batch, SequenceState
@@ -37,14 +38,22 @@ class StepResult:
 
 class ModelRunner:
     def __init__(
-        self, model: torch.nn.Module, pool: PagePool, device: torch.device, sampler: Sampler, batch_invariant: bool = False
-    ) -> None:
+        self, model: torch.nn.Module, pool: PagePool, device: torch.device, sampler: Sampler, batch_invariant: bool = False,
+        groups: LayerGroups | None = None, windows: WindowPages | None = None,
+    ) -> None:  # fmt: skip
         self.model = model
         self.pool = pool
         self.device = device
         self.sampler = sampler
         self.page_size = pool.page_size
         self.batch_invariant = batch_invariant
+        self.windows = windows
+        # Each layer's caches in layer order: a window layer's come from the window pool.
+        self.caches: list[list[torch.Tensor]] = [pool.k_cache, pool.v_cache, pool.k_scales, pool.v_scales]
+        if windows is not None and groups is not None:
+            w = windows.pool
+            self.caches = [groups.per_layer(full, window) if full else [] for full, window in zip(
+                self.caches, [w.k_cache, w.v_cache, w.k_scales, w.v_scales])]  # fmt: skip
 
     def run(self, batch: Batch, pending_masks: PendingMasks | None = None) -> StepResult:
         """Prepare, forward, guard and sample one non-empty batch. `pending_masks` (the guided
@@ -72,10 +81,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
         """Logits [number of sampling items, vocab] in fp32, in batch order."""
-        pool = self.pool
-        return self.model(
-            input_ids, meta.positions, meta, pool.k_cache, pool.v_cache, logits_indices, pool.k_scales or None, pool.v_scales or None
-        )
+        k_caches, v_caches, k_scales, v_scales = self.caches
+        return self.model(input_ids, meta.positions, meta, k_caches, v_caches, logits_indices, k_scales or None, v_scales or None)
 
     def prepare(self, batch: Batch) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
         page_size = self.page_size
@@ -117,7 +124,24 @@ class ModelRunner:
             seq_lens_list=seq_lens,
             batch_invariant=self.batch_invariant,
         )
+        if self.windows is not None:
+            meta.window_meta = self._window_meta(batch, meta, rows, positions, max_pages, device)
         return _to(input_ids, device), meta, _to(np.asarray(logits_indices, dtype=np.int64), device)
+
+
+    def _window_meta(
+        self, batch: Batch, meta: AttentionMetadata, rows: np.ndarray, positions: np.ndarray, max_pages: int, device: torch.device
+    ) -> AttentionMetadata:
+        """The step's metadata for the window layers: their own page table and slots. A block
+        behind the window has no page (-1): any page stands in, as attention masks it."""
+        page_size = self.page_size
+        table = np.zeros((len(batch.items), max_pages), dtype=np.int32)
+        for row, item in enumerate(batch.items):
+            pages = item.seq.window_table[:max_pages]
+            table[row, : len(pages)] = pages
+        np.maximum(table, 0, out=table)
+        slots = table[rows, positions // page_size].astype(np.int64) * page_size + positions % page_size
+        return replace(meta, page_table=_to(table, device), slot_mapping=_to(slots, device), backend_state=None)
 
 
 def _dead_grammar_rows(masks: GuideMasks, seqs: list[SequenceState]) -> dict[int, BaseException]:

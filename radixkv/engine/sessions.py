@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 from sortedcontainers import SortedList
 
 from radixkv.cache.eviction import Liveness
+from radixkv.cache.radix_node import path_tokens
 from radixkv.engine.keeps import TurnRoom
 from radixkv.engine.request import Keep
 from radixkv.errors import InvalidRequest, OwnerCapExceeded
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
     from radixkv.cache.radix import Node, RadixTree
     from radixkv.cache.retention import Retention
     from radixkv.config import EngineConfig
+    from radixkv.engine.disk_loader import DiskLoader
     from radixkv.engine.kv_manager import KVManager
     from radixkv.engine.pins import Owner
     from radixkv.engine.request import SequenceState
@@ -246,6 +248,16 @@ class SessionBook:
         if ref.final:
             self._final.add(request_id)
 
+    def read_ahead(self, ref: SessionRef, loader: DiskLoader | None) -> int:
+        """A resume named before its request is read (the session header): start reading the
+        session's newest turn back from disk (DiskLoader.read_ahead), so the request finds it
+        read; the owner's own session in its namespace only, any other is not found and starts
+        nothing. Returns the blocks being read. Changes nothing in the book."""
+        session = self._sessions.get((ref.owner, ref.namespace, ref.key))
+        if loader is None or session is None or session.node is None:
+            return 0
+        return loader.read_ahead(path_tokens(session.node), session.salt)  # the path outlives its eviction
+
     def room(self, request_id: str, num_tokens: int, num_cached_tokens: int) -> TurnRoom | None:
         """The request's turn ends (keeps.Turns): its session's room for the turn's `num_tokens`
         (prompt and reply) beside the owner's other sessions, whose least recently active give
@@ -293,6 +305,7 @@ class SessionBook:
                 self.signals.mark(old_node, Liveness.COLD, below_blocks=self._shared_blocks(session))  # what the new turn does not continue
         if session.node is not None:
             self.signals.mark(session.node, Liveness.HOT, below_blocks=self._shared_blocks(session))
+            self._keep_parents(session)
         session.num_turns += 1
         session.last_active_at_s = self._clock()
         self._file(session)
@@ -376,6 +389,26 @@ class SessionBook:
         if parent is None or parent.node is None or parent.node.removed or node is None:
             return own
         return max(own, _common_blocks(node, parent.node))
+
+    def _keep_parents(self, child: Session) -> None:
+        """A child's turn covers its parents' prefix, so the tree let it supersede their
+        retentions (one owner's retention covering another's, RadixTree.retain): each parent's
+        newest turn is retained again, for what is left of its idle time, so it outlives the
+        child (a final child's tail goes, the parent's prefix stays, as the parent keeps it)."""
+        now_s = self._clock()
+        for parent_id in self._parents(child):
+            parent = self._by_id[parent_id]
+            if parent.retention_id is None or parent.node is None or parent.node.removed:
+                continue
+            if self._tree.retention(parent.retention_id) is not None:
+                continue
+            ttl_s = parent.expires_at_s - now_s
+            if ttl_s <= 0:
+                continue
+            num = self._kv.retain(path_tokens(parent.node), parent.salt, ttl_s, parent.owner, self.limits.max_retained_pages_per_owner)
+            retention = self._tree.retentions(parent.owner)[-1] if num else None
+            parent.retention_id = retention.retention_id if retention is not None else None
+            parent.node = retention.node if retention is not None else parent.node
 
     def _parents(self, session: Session) -> set[int]:
         """The ids of the live sessions `session` branches from, its parent's parent included."""

@@ -13,6 +13,7 @@ from radixkv.cache.residency import TierResidency
 
 if TYPE_CHECKING:
     from radixkv.attention.base import KVReads
+    from radixkv.cache.layer_groups import WindowPages
     from radixkv.cache.pages import PagePool
     from radixkv.cache.radix import RadixTree
     from radixkv.engine.cache_view import CacheView
@@ -71,14 +72,19 @@ class EngineStats:
 
     @classmethod
     def snapshot(
-        cls, counters: EngineCounters, pool: PagePool, tree: RadixTree, scheduler: Scheduler, num_unfinished: int, view: CacheView
+        cls, counters: EngineCounters, pool: PagePool, tree: RadixTree, scheduler: Scheduler, num_unfinished: int, view: CacheView,
+        windows: WindowPages | None = None,
     ) -> EngineStats:
         """The engine's numbers now; expires the tree's retentions first, so `retained_pages`
-        counts live ones only."""
+        counts live ones only. With layer groups, kv_bytes_in_use adds the window layers' pages."""
         tree.expire()
+        cache = tree.stats()
+        if windows is not None:
+            held = windows.pool.num_pages - windows.pool.num_free
+            cache = replace(cache, kv_bytes_in_use=cache.kv_bytes_in_use + held * windows.pool.page_nbytes)
         return cls(
             counters=replace(counters),
-            cache=tree.stats(),
+            cache=cache,
             num_pages=pool.num_pages,
             num_free_pages=pool.num_free,
             num_pages_in_use=pool.num_pages - pool.num_free - tree.evictable_pages,

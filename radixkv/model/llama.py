@@ -467,7 +467,8 @@ class DecoderLayers(nn.ModuleList):
         layers = zip(self, k_caches, v_caches, k_scales or no_scales, v_scales or no_scales, strict=True)
         for layer, k_cache, v_cache, k_scale, v_scale in layers:
             layer_cos, layer_sin = local_rope if layer.local_rope and local_rope is not None else (cos, sin)
-            x, delta = layer(x, delta, layer_cos, layer_sin, meta, k_cache, v_cache, k_scale, v_scale)
+            layer_meta = meta.for_window(layer.self_attn.window)  # window layers: their group's pages
+            x, delta = layer(x, delta, layer_cos, layer_sin, layer_meta, k_cache, v_cache, k_scale, v_scale)
         assert delta is not None, "a model has at least one layer"
         return x, delta
 
@@ -504,7 +505,12 @@ class CausalLM(nn.Module):
     ) -> Tensor:
         """Logits [B, vocab] in fp32 for the rows logits_indices of a flat batch of T tokens.
         k_scales, v_scales: the pages' scales where they are int8 (PagePool.k_scales)."""
-        self.attention.begin_step(meta, k_caches[0], self.config.num_q_heads)
+        if meta.window_meta is None:
+            self.attention.begin_step(meta, k_caches[0], self.config.num_q_heads)
+        else:  # layer groups: each group's metadata prepared against one of its own caches
+            windows = [self.config.window(i) is not None for i in range(self.config.num_layers)]
+            self.attention.begin_step(meta, k_caches[windows.index(False)], self.config.num_q_heads)
+            self.attention.begin_step(meta.window_meta, k_caches[windows.index(True)], self.config.num_q_heads)
         x = self.embed_tokens(input_ids)
         if self.config.embed_scale is not None:  # rounded to the model dtype first, as transformers does
             x = x * torch.tensor(self.config.embed_scale).to(x.dtype)

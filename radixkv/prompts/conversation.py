@@ -5,7 +5,7 @@ the messages' own text in that one rendering, for the cache report, breakpoints 
 
 from __future__ import annotations
 
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,12 +50,24 @@ class Part:
 
 @dataclass(slots=True)
 class _Layout:
-    """Where each part starts in the text, in characters; message_chars is None where the
-    messages could not be aligned (the caller then asks the template per prefix)."""
+    """Where each part starts in the text, in characters; message_chars (and content_chars,
+    where each request message's own text starts, None for one whose text is not printed as it
+    is) are None where the messages could not be aligned (the caller then asks the template per
+    prefix). The tools' span is found on first asking: it may cost a rendering without them."""
 
     generation_char: int
     message_chars: list[int] | None
-    tools_span: tuple[int, int] | None
+    content_chars: list[int | None] | None
+    content_ends: list[int] | None  # where each request message's part of its template message ends
+    closing: str  # what the template prints after the last message ("" where not aligned)
+    find_tools: Callable[[], tuple[int, int] | None]
+    _tools_span: tuple[tuple[int, int] | None] | None = None
+
+    @property
+    def tools_span(self) -> tuple[int, int] | None:
+        if self._tools_span is None:
+            self._tools_span = (self.find_tools(),)
+        return self._tools_span[0]
 
 
 @dataclass(slots=True)
@@ -89,10 +101,8 @@ class EncodedConversation:
         if token >= len(prompt):
             return len(self.text)
         if list(prompt) == self.plain_ids:
-            if self._token_chars is None:
-                self._token_chars = _offsets(tokenizer, self.text, self.plain_ids)
-            if self._token_chars:
-                return self._token_chars[token]
+            if self._offsets(tokenizer):
+                return self._token_chars[token]  # type: ignore[index]
         return len(tokenizer.decode(list(prompt[:token])))
 
     def part_at_char(self, char: int, at_end: bool = False) -> Part | None:
@@ -117,11 +127,49 @@ class EncodedConversation:
 
     def tokens_before_char(self, tokenizer: Any, char: int) -> int:
         """How many plain tokens start before character `char`."""
+        if self._offsets(tokenizer):
+            return bisect_right(self._token_chars, char - 1) if char > 0 else 0  # type: ignore[arg-type]
+        return len(tokenize_rendered(tokenizer, self.text[:char])) if char > 0 else 0
+
+    def cut_tokens(self, tokenizer: Any, k: int, content: str | None = None) -> int | None:
+        """Prompt tokens (of `token_ids`) that the conversation up to request message k, rendered
+        alone with it as the last turn, shares with the prompt: the whole message (`content`
+        None), or only its text's first characters, `content`, which must stand at its start
+        here. Read off this rendering (that prefix's text is this text up to there, then the
+        closing of a last turn), tokenized from the message's start; no further than a spliced
+        prompt agrees with the plain one. None where the layout cannot tell (the caller renders
+        that prefix alone)."""
+        layout = self.layout()
+        if layout.message_chars is None or layout.content_chars is None or not 0 <= k < len(layout.message_chars):
+            return None
+        start = layout.content_chars[k]
+        if content is None:
+            end = layout.content_ends[k]  # type: ignore[index]
+        elif start is not None and self.text.startswith(content, start):
+            end = start + len(content)
+        else:
+            return None
+        count = self._shared(tokenizer, self.text[:end] + layout.closing, layout.message_chars[k])
+        return min(count, common_prefix(self.plain_ids, self.token_ids)) if self.spliced else count
+
+    def _shared(self, tokenizer: Any, text: str, since: int) -> int:
+        """How many plain ids `text` tokenizes to alike; it agrees with this text before
+        character `since`, so where a plain token starts there only the rest is tokenized."""
+        if self._offsets(tokenizer):
+            back = bisect_left(self._token_chars, since)  # type: ignore[arg-type]
+            if back < len(self.plain_ids) and self._token_chars[back] == since:  # type: ignore[index]
+                ids = tokenize_rendered(tokenizer, text[since:])
+                shared = common_prefix(ids, self.plain_ids[back : back + len(ids)])
+                if shared or back == 0:  # else the tokenizer reads a piece apart otherwise: all of it
+                    return back + shared
+        return common_prefix(tokenize_rendered(tokenizer, text), self.plain_ids)
+
+    def _offsets(self, tokenizer: Any) -> bool:
+        """Each plain token's first character, found once; False where the tokenizer gives no
+        offsets (a slow one)."""
         if self._token_chars is None:
             self._token_chars = _offsets(tokenizer, self.text, self.plain_ids)
-        if self._token_chars:
-            return bisect_right(self._token_chars, char - 1) if char > 0 else 0
-        return len(tokenize_rendered(tokenizer, self.text[:char])) if char > 0 else 0
+        return bool(self._token_chars)
 
 
 def encode_conversation(
@@ -163,25 +211,38 @@ def _align(encoded: EncodedConversation) -> _Layout:
     bare = text if not encoded.add_generation_prompt else encoded.rerender(False, True)
     generation_char = common_prefix(bare, text) if encoded.add_generation_prompt else len(text)
     contents = [m.get("content") for m in view.messages]
-    message_chars = None
+    message_chars: list[int] | None = None
+    content_chars: list[int | None] | None = None
+    content_ends: list[int] | None = None
+    closing = ""
     starts = _content_starts(text, bare, contents)
     if starts is not None:
         content_starts, closing = starts
         template_chars = [0] + [content_starts[i] + len(contents[i]) + len(closing) for i in range(len(contents) - 1)]  # type: ignore[arg-type]
         message_chars = [0] * len(view.roles)
+        content_chars = [None] * len(view.roles)
+        content_ends = [0] * len(view.roles)
         for i, origins in enumerate(view.origins):
-            for k, offset in origins:
+            if not origins:
+                continue  # the fallback's own tools section
+            ends = [offset for _, offset in origins[1:]] + [len(contents[i])]  # type: ignore[arg-type]
+            for (k, offset), end in zip(origins, ends, strict=True):
                 message_chars[k] = template_chars[i] if offset == 0 else content_starts[i] + offset
+                content_chars[k] = content_starts[i] if offset == 0 else None  # a merged tool result is quoted
+                content_ends[k] = content_starts[i] + end
         message_chars[0] = 0  # whatever the template prints before the first message is its part
-    tools_span = None
-    if view.tools_at is not None and starts is not None:
-        i, offset = view.tools_at
-        tools_span = (starts[0][i] + offset, starts[0][i] + len(contents[i]))  # type: ignore[arg-type]
-    elif view.tools:
+
+    def find_tools() -> tuple[int, int] | None:
+        if view.tools_at is not None and starts is not None:
+            i, offset = view.tools_at
+            return (starts[0][i] + offset, starts[0][i] + len(contents[i]))  # type: ignore[arg-type]
+        if not view.tools:
+            return None
         without = encoded.rerender(encoded.add_generation_prompt, False)
         start = common_prefix(without, text)
-        tools_span = (start, len(text) - _common_suffix(without, text, start))
-    return _Layout(generation_char, message_chars, tools_span)
+        return (start, len(text) - _common_suffix(without, text, start))
+
+    return _Layout(generation_char, message_chars, content_chars, content_ends, closing, find_tools)
 
 
 def _content_starts(text: str, bare: str, contents: list[Any]) -> tuple[list[int], str] | None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from radixkv.errors import InvalidRequest
-from radixkv.prompts.conversation import TemplateInput
+from radixkv.prompts.conversation import EncodedConversation, TemplateInput, common_prefix
 from radixkv.prompts.encode import render_chat, template_takes_tools, tokenize_rendered
 
 # "none" | "auto" | "required" | the name of the one function the reply must call.
@@ -65,6 +65,46 @@ def encode_conversation(
     the prompt prefix (system + tools) stays the same, and cached, whatever the choice."""
     check_tool_choice(tool_choice, tools)
     return tokenize_rendered(tokenizer, render_conversation(tokenizer, messages, tools, add_generation_prompt=add_generation_prompt))
+
+
+def prefix_tokens(
+    tokenizer: Any,
+    prompt: list[int],
+    messages: list[dict],
+    prefix: list[dict],
+    tools: list[Tool],
+    tool_choice: ToolChoice,
+    encoded: EncodedConversation | None = None,
+) -> int:
+    """Tokens of `prompt` (the conversation `messages`) up to the end of `prefix`: the
+    conversation cut at a mark, its leading messages with the last perhaps cut short. Read off
+    `encoded`, the prompt's one rendering, where its layout tells (EncodedConversation.cut_tokens);
+    else `prefix` rendered alone, counted only as far as it agrees with the prompt (a template
+    closes a turn differently when it is the last). InvalidRequest where the template will not
+    render that prefix alone."""
+    cut = _cut(messages, prefix) if encoded is not None else None
+    if cut is not None and (num_tokens := encoded.cut_tokens(tokenizer, *cut)) is not None:  # type: ignore[union-attr]
+        return num_tokens
+    return common_prefix(encode_conversation(tokenizer, prefix, tools, tool_choice, add_generation_prompt=False), prompt)
+
+
+def _cut(messages: list[dict], prefix: list[dict]) -> tuple[int, str | None] | None:
+    """Where `prefix` ends in `messages`: (its last message's index, None where that message is
+    whole, else the first characters of its text that it keeps, its tool calls perhaps dropped:
+    templates print calls after the text); None for any other prefix."""
+    k = len(prefix) - 1
+    if not 0 <= k < len(messages) or prefix[:k] != messages[:k]:
+        return None
+    try:
+        whole, cut = _normalize(messages[k], k), _normalize(prefix[k], k)
+    except InvalidRequest:
+        return None
+    if cut == whole:
+        return k, None
+    calls = {"tool_calls": whole["tool_calls"]} if "tool_calls" in whole and "tool_calls" not in cut else {}
+    if {**cut, "content": whole["content"], **calls} == whole and whole["content"].startswith(cut["content"]):
+        return k, cut["content"]
+    return None
 
 
 def render_conversation(tokenizer: Any, messages: list[dict], tools: list[Tool], *, add_generation_prompt: bool = True) -> str:

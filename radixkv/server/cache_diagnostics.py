@@ -13,7 +13,11 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+from radixkv.errors import InvalidRequest
 from radixkv.prompts.conversation import EncodedConversation
+from radixkv.prompts.tools import normalize_messages
+from radixkv.server import prompt_drift
+from radixkv.server.prompt_drift import DriftDigests
 
 DIGEST_BYTES = 16
 # What a record costs against the byte caps besides its message digests (the fixed fields and
@@ -32,10 +36,12 @@ class PromptFingerprint:
     options: bytes  # other settings the prompt is rendered with (tool choice)
     messages: tuple[bytes, ...]  # each chat message after the system one, as the template takes it
     num_prompt_tokens: int
+    drift: DriftDigests | None = None  # what naming a drift needs (server/prompt_drift.py)
 
     @property
     def num_bytes(self) -> int:
-        return RECORD_OVERHEAD_BYTES + DIGEST_BYTES * len(self.messages)
+        extra = self.drift.num_bytes if self.drift is not None else 0
+        return RECORD_OVERHEAD_BYTES + DIGEST_BYTES * len(self.messages) + extra
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +54,7 @@ class Divergence:
     start_token: int | None = None
     previous_prompt_tokens: int = 0
     prompt_tokens: int = 0
+    drift: str | None = None  # the drift named (prompt_drift.DRIFT_REASONS), where one is
 
     @property
     def missed_previous_tokens(self) -> int:
@@ -77,16 +84,55 @@ class Digester:
 
     def fingerprint(
         self, *, model: str, salt: str | None, system: str | None, tools: list[dict[str, Any]], options: Any,
-        messages: list[dict[str, Any]], num_prompt_tokens: int,
+        messages: list[dict[str, Any]], num_prompt_tokens: int, token_ids: list[int] | None = None,
     ) -> PromptFingerprint:
+        # The messages as the template is given them: what renders the same ids digests alike
+        # (a content array of text parts or its string, a call's arguments in other spacing).
+        try:
+            messages = normalize_messages(messages)
+        except InvalidRequest:
+            pass  # never rendered: compared as sent
+        drift = prompt_drift.drift_digests(self.of, system=system, tools=tools, messages=messages, token_ids=token_ids or ())
         return PromptFingerprint(
             self.of(model), self.of([salt]), self.of([system]), self.of(tools), self.of(options),
-            tuple(self.of(m) for m in messages), num_prompt_tokens,
+            tuple(self.of(m) for m in messages), num_prompt_tokens, drift,
         )  # fmt: skip
 
 
 def diverge(previous: PromptFingerprint, current: PromptFingerprint, tokenizer: Any, encoded: EncodedConversation | None,
             message_offset: int) -> Divergence:
+    """The first part of `current` that differs from `previous`, its drift named where one fits
+    (prompt_drift): the same text tokenized to other ids before that part is a change of its own,
+    at the first changed block."""
+    found = _diverge_text(previous, current, tokenizer, encoded, message_offset)
+    if previous.drift is None or current.drift is None or found.part in ("model", "partition"):
+        return found
+    at = None
+    if found.part is None or found.start_token is not None:  # where the text changed is known (or it did not)
+        at = prompt_drift.retokenized(previous.drift, current.drift, found.start_token if found.part else None)
+    counts = {"previous_prompt_tokens": found.previous_prompt_tokens, "prompt_tokens": found.prompt_tokens}
+    if at is not None:
+        return Divergence("messages", at, **counts, drift="message_boundary_retokenized")
+    if found.part == "tools":
+        return Divergence("tools", found.start_token, **counts, drift=prompt_drift.tools_drift(previous.drift, current.drift))
+    if found.part == "system":
+        return Divergence("system", found.start_token, **counts, drift=prompt_drift.system_drift(previous.drift, current.drift))
+    if found.part == "messages":
+        k = _first_changed_message(previous, current)
+        drift = prompt_drift.injected(previous.messages, current.messages, current.drift, k)
+        return Divergence("messages", found.start_token, **counts, drift=drift)
+    return found
+
+
+def _first_changed_message(previous: PromptFingerprint, current: PromptFingerprint) -> int:
+    for k, digest in enumerate(previous.messages):
+        if k >= len(current.messages) or current.messages[k] != digest:
+            return k
+    return len(previous.messages)
+
+
+def _diverge_text(previous: PromptFingerprint, current: PromptFingerprint, tokenizer: Any, encoded: EncodedConversation | None,
+                  message_offset: int) -> Divergence:
     """The first part of `current` that differs from `previous`, in the order the prompt is
     laid out (the model and partition first: either changes every block). The change's token
     is read off this prompt's one rendering: before it the two prompts agree, so it is the
@@ -225,5 +271,11 @@ def openai_diagnostics(divergence: Divergence | None) -> dict[str, Any]:
     }[divergence.part]  # fmt: skip
     return {
         "type": "cache_miss", "reason": reason, "cache_missed_tokens": divergence.missed_tokens,
-        "comparison_reusable_tokens": divergence.reusable_tokens,
+        "comparison_reusable_tokens": divergence.reusable_tokens, **drift_field(divergence),
     }  # fmt: skip
+
+
+def drift_field(divergence: Divergence | None) -> dict[str, str]:
+    """radixkv's `drift` beside the official fields (their enums unchanged, so the SDKs' types
+    still parse): the drift named, or nothing."""
+    return {"drift": divergence.drift} if divergence is not None and divergence.drift is not None else {}

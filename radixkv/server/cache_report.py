@@ -98,6 +98,7 @@ class CacheReporter:
         self, server: AppState, key: bytes | None, asked: bool, prompts: list[list[int]], source: ChatSource | None = None
     ) -> None:
         self.server, self.key, self.asked, self.prompts, self.source = server, key, asked, prompts, source
+        self.drift: str | None = None  # the drift the diagnostics named against the compared prompt
 
     async def reports(self, finals: Sequence[RequestOutput]) -> list[dict[str, Any] | None] | None:
         """The wire reports of `finals` (in prompt order; None for one the engine never admitted),
@@ -117,7 +118,8 @@ class CacheReporter:
             found = await self.server.parse_slots.run(self.key, parts)
         except (APIError, InvalidRequest):
             found = [None] * len(made)
-        return [wire(report, part) if report is not None else None for report, part in zip(made, found)]
+        drift = {"drift": self.drift} if self.drift is not None else {}
+        return [{**wire(report, part), **drift} if report is not None else None for report, part in zip(made, found)]
 
     async def for_prompts(self, finals: Sequence[RequestOutput]) -> dict[str, Any] | list[dict[str, Any] | None] | None:
         """A completion's: the report of its prompt, or a list in prompt order for a batch."""

@@ -20,19 +20,10 @@ if TYPE_CHECKING:
     from radixkv.server.state import AppState
 
 
-def chat_prompt(
-    server: AppState,
-    conversation: Sequence[Mapping[str, Any]],
-    tools: list[Tool] | None = None,
-    tool_choice: ToolChoice = "none",
-    *,
-    add_generation_prompt: bool = True,
-    owner: str | None = None,
-    salt: str | None = None,
-) -> list[int]:
-    """One encoder for chat and pins alike, so a pinned conversation is the prefix of its next
-    turn: chat_conversation's token ids."""
-    return chat_conversation(server, conversation, tools, tool_choice, add_generation_prompt=add_generation_prompt, owner=owner, salt=salt).token_ids
+def chat_prompt(server: AppState, conversation: Sequence[Mapping[str, Any]], *args: Any, **options: Any) -> list[int]:
+    """chat_conversation's token ids (its arguments): one encoder for chat and pins alike, so a
+    pinned conversation is the prefix of its next turn."""
+    return chat_conversation(server, conversation, *args, **options).token_ids
 
 
 def chat_conversation(

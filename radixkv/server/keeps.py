@@ -12,15 +12,15 @@ from radixkv.engine.request_output import RequestOutput
 from radixkv.errors import InvalidRequest
 from radixkv.server.anthropic.protocol import TTL_S as ANTHROPIC_TTL_S
 from radixkv.server.errors import APIError
-from radixkv.prompts.conversation import common_prefix
 from radixkv.server.openai.protocol import PROMPT_CACHE_TTL_S, RETENTION_TTL_S, PromptCacheOptions
 
 # OpenAI's: each request writes at most four breakpoints, the implicit one among them.
 MAX_WRITTEN_BREAKPOINTS = 4
 
-# A marked part: the prompt rendered up to it (or InvalidRequest where the template will not
-# render that prefix alone), and its ttl name (None: the request's).
-Mark = tuple[Callable[[], list[int]], str | None]
+# A marked part: the prompt's tokens up to it (radixkv.prompts.tools.prefix_tokens; or
+# InvalidRequest where the template will not render that prefix alone), and its ttl name
+# (None: the request's).
+Mark = tuple[Callable[[], int], str | None]
 
 
 def retention(name: str | None, prompt: list[int]) -> tuple[Keep, ...]:
@@ -38,8 +38,7 @@ def implicit_writes(options: PromptCacheOptions | None, prompt: list[int]) -> tu
 
 def breakpoint_writes(options: PromptCacheOptions | None, marks: list[Mark], prompt: list[int]) -> tuple[Keep, ...]:
     """The latest marks (three beside the implicit one at the prompt's end, four in explicit
-    mode), each as the length of its rendering that agrees with the prompt (a template closes a
-    turn differently when it is the last); nothing without options or marks."""
+    mode), each as the prompt's tokens up to it; nothing without options or marks."""
     if options is None and not marks:
         return ()
     options = options or PromptCacheOptions()
@@ -47,12 +46,12 @@ def breakpoint_writes(options: PromptCacheOptions | None, marks: list[Mark], pro
     latest = marks[len(marks) - (MAX_WRITTEN_BREAKPOINTS - int(implicit)) :] if marks else []
     default_ttl_s = PROMPT_CACHE_TTL_S[options.ttl]
     writes = []
-    for render, ttl in latest:
+    for measure, ttl in latest:
         try:
-            rendered = render()
+            num_tokens = measure()
         except (InvalidRequest, APIError):
             continue  # a prefix the template will not render alone marks nothing
-        writes.append(Keep(common_prefix(rendered, prompt), PROMPT_CACHE_TTL_S[ttl] if ttl else default_ttl_s))
+        writes.append(Keep(num_tokens, PROMPT_CACHE_TTL_S[ttl] if ttl else default_ttl_s))
     if implicit:
         writes.append(Keep(len(prompt), default_ttl_s))
     return tuple(writes)
@@ -93,7 +92,8 @@ def prompt_cache_kept(outputs: Sequence[RequestOutput]) -> dict[str, int | None]
     """radixkv's own usage field (`prompt_cache_kept`, beside each wire format's usage): how many
     of the prompts' tokens their keeps hold now (the most any keep of each prompt kept, summed)
     and until when (Unix seconds, the latest expiry; None: nothing kept, or pinned until
-    unpinned). A session's turn is kept when the reply ends, after this is written."""
+    unpinned). A session's turn is kept when its reply ends, before the last output is made, so it
+    is counted here."""
     reports = [o.kept for o in outputs if o.kept is not None]
     expiries = [r.expires_at_epoch_s for r in reports if r.expires_at_epoch_s is not None and r.most_kept_tokens]
     return {

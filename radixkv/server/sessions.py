@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from radixkv.engine.sessions import MAX_SESSION_KEY_CHARS, SessionRef
 from radixkv.server.errors import APIError
+
+if TYPE_CHECKING:
+    from radixkv.server.state import AppState
 
 SESSION_HEADER = "x-radixkv-session"
 SESSION_IDLE_HEADER = "x-radixkv-session-idle-s"
@@ -50,6 +54,22 @@ def session_ref(
     if parent is not None and not 0 < len(parent) <= MAX_SESSION_KEY_CHARS:
         raise APIError(400, f"a parent session key must be 1 to {MAX_SESSION_KEY_CHARS} characters", param=PARENT_SESSION_HEADER)
     return SessionRef(owner, key, _idle_s(idle), namespace, parent=parent, final=_final(final))
+
+
+def hint_resume(server: AppState, headers: Mapping[str, str], key: bytes | None) -> None:
+    """The session the headers name, resumed: its newest turn starts being read back from disk
+    now, before the body is read and parsed (Engine.read_ahead_session, on the engine's thread;
+    not awaited). Only the key's own session in its default partition is found; a malformed or
+    conflicting header starts nothing here and is refused by `session_ref` after the parse."""
+    name = headers.get(SESSION_HEADER) or headers.get(DYNAMO_SESSION_HEADER)
+    if name is None or not 0 < len(name) <= MAX_SESSION_KEY_CHARS:
+        return
+    tenants = server.tenants
+    ref = SessionRef(tenants.owner(key), name, namespace=tenants.session_namespace(tenants.cache_salt(key, None)))
+    try:
+        server.engine.call(lambda engine: engine.read_ahead_session(ref))
+    except RuntimeError:  # the engine stopped: the request itself gets the error
+        pass
 
 
 def _final(value: str | None) -> bool:

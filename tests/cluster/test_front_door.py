@@ -269,3 +269,30 @@ def test_the_front_door_reads_both_spellings_of_the_parse_share() -> None:
     for flag in ("--max-parse-cpu-share-per-key", "--parse-cpu-share-per-key"):
         _, limits = front_door_guards([flag, "0.5"], "127.0.0.1")
         assert limits.parse_cpu_share_per_key == 0.5
+
+
+def test_a_child_session_goes_to_its_parents_worker_of_the_same_owner(cluster: Cluster) -> None:
+    owner_a = owner_of({"authorization": "Bearer sk-a"})
+    # The parent was served by a worker no fresh choice of the children would pick for all of them.
+    children = [f"child-{i}" for i in range(8)]
+    fresh = {rendezvous(owner_a, child, cluster.proxy.worker_urls) for child in children}
+    parent_worker = next(url for url in cluster.proxy.worker_urls if url in fresh)
+    cluster.proxy.sticky = StickyMap(64)  # room for the parent and its 8 children
+    cluster.proxy.sticky.put(owner_a, "parent", parent_worker)
+    assert len(fresh) > 1  # so the test could fail: rendezvous alone spreads the children
+    for child in children:
+        served = cluster.post(**{"X-Dynamo-Session-ID": child, "X-Dynamo-Parent-Session-ID": "parent"})
+        assert served == cluster.names[parent_worker]
+    # Each child is now sticky on its own: it stays where it was served, wherever the parent goes.
+    elsewhere = next(url for url in cluster.proxy.worker_urls if url != parent_worker)
+    cluster.proxy.sticky.put(owner_a, "parent", elsewhere)
+    assert cluster.post(**{"X-Dynamo-Session-ID": "child-0", "X-Dynamo-Parent-Session-ID": "parent"}) == cluster.names[parent_worker]
+    # Another key naming the same parent: not its parent, a fresh choice by its own owner.
+    owner_b = owner_of({"authorization": "Bearer sk-b"})
+    assert any(rendezvous(owner_b, child, cluster.proxy.worker_urls) != parent_worker for child in children)
+    for child in children:
+        served = cluster.post(key="sk-b", **{"X-Dynamo-Session-ID": child, "X-Dynamo-Parent-Session-ID": "parent"})
+        assert served == cluster.names[rendezvous(owner_b, child, cluster.proxy.worker_urls)]
+    # A parent the map does not know: the child's own fresh choice.
+    served = cluster.post(**{"X-Dynamo-Session-ID": "orphan", "X-Dynamo-Parent-Session-ID": "unknown"})
+    assert served == cluster.names[rendezvous(owner_a, "orphan", cluster.proxy.worker_urls)]

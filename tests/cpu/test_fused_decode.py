@@ -187,12 +187,16 @@ def quantize_layers(model, kernel: str) -> None:
             setattr(parent, name, QuantLinear(weight, bias, kernel=kernel))
 
 
-@pytest.mark.skipif(bool(missing_quant_kernel("avx2")), reason=f"avx2: {missing_quant_kernel('avx2')}")
-def test_fused_decode_over_quantized_linears_is_bit_identical(tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "kernel", [pytest.param(k, marks=pytest.mark.skipif(bool(missing_quant_kernel(k)), reason=f"{k}: {missing_quant_kernel(k)}")) for k in ("avx2", "avx512_vnni_zmm")]
+)
+def test_fused_decode_over_quantized_linears_is_bit_identical(tmp_path, monkeypatch, kernel):
     from radixkv.cpu.fused_decode import FusedDecode
 
+    if missing_quant_kernel("avx2"):
+        pytest.skip(f"avx2: {missing_quant_kernel('avx2')}")  # the fp32 linears around them
     loaded = load_model(str(make_random_model(tmp_path / "m", "llama")), CPUBackend(), dtype="float32", device="cpu", linear_kernel="avx2")
-    quantize_layers(loaded.model, "avx2")
+    quantize_layers(loaded.model, kernel)
     loaded.model.layers.fused = FusedDecode.for_model(loaded.model)
     assert loaded.model.layers.fused is not None
     generator = torch.Generator().manual_seed(0)

@@ -58,6 +58,35 @@ def test_rows_independent_of_batch(kernel: str, source: str) -> None:
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("out_features", [1, 15, 17, 33])
+@pytest.mark.parametrize("in_features", [32, 96])
+def test_odd_shapes_and_extreme_quants(kernel: str, out_features: int, in_features: int) -> None:
+    # Outputs that fill neither an 8- nor a 16-row record; q8_0's -128 and 127 and q4_1's 0 and 15,
+    # whose u8 forms (|w|, w + 128) sit at the ends of their range.
+    generator = torch.Generator().manual_seed(out_features * 1000 + in_features)
+    blocks = (out_features, in_features // 32)
+    q8 = torch.randint(-128, 128, (out_features, in_features), dtype=torch.int8, generator=generator)
+    q8[0, :32] = -128
+    q8[-1, -32:] = 127
+    q4 = torch.randint(0, 256, (out_features, in_features // 2), dtype=torch.uint8, generator=generator)
+    q4[0, :16] = 0xFF
+    weights = [
+        QuantWeight("q8_0", out_features, in_features, q8, torch.rand(blocks, generator=generator) * 0.02, None),
+        QuantWeight("q4_1", out_features, in_features, q4, torch.rand(blocks, generator=generator) * 0.03, torch.rand(blocks, generator=generator) * -0.2),
+    ]
+    x = torch.randn(6, in_features, generator=generator)
+    x[1] = 0.0
+    x[2, :32] = torch.where(torch.arange(32) % 2 == 0, 1.0, -1.0) * 3.0  # every quant at +-127
+    bias = torch.randn(out_features, generator=generator)
+    for weight in weights:
+        native, reference = QuantLinear(weight, bias, kernel=kernel), QuantLinear(weight, bias, kernel="torch")
+        for dtype in (torch.float32, torch.bfloat16):
+            assert torch.equal(native(x.to(dtype)), reference(x.to(dtype)))
+        ids = torch.arange(out_features).flip(0)
+        assert torch.equal(native.weight_rows(ids, torch.float32), dequantize(weight, ids))
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 def test_strided_rows_and_no_bias(kernel: str) -> None:
     weight = weight_of("Q4_1", 16, 256)
     wide = torch.randn(5, 320)

@@ -74,3 +74,60 @@ def test_gemma3_batch_invariant_matches_transformers(tiny_gemma3, gemma_referenc
     prompts, expected = gemma_reference
     llm = make_llm(tiny_gemma3, attention_backend="cpu" if native.load() else "torch", batch_invariant=True)
     assert [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW))] == expected
+
+
+@pytest.mark.parametrize("backend", _backends())
+def test_gemma3_window_pages_small_pool(tiny_gemma3, gemma_reference, backend):
+    """Layer groups: the window layers' pool holds a few windows, not the prompts. Blocks
+    behind a window go back while a request runs, finished prefixes lose window pages under
+    pressure, and a warm match stops where a window lacks them; tokens stay transformers'."""
+    prompts, expected = gemma_reference
+    llm = make_llm(tiny_gemma3, attention_backend=backend, max_batch_tokens=16, num_window_pages=10)
+    windows = llm.engine.windows
+    assert windows is not None and windows.pool.num_pages == 10
+    assert windows.pool.num_pages * 4 < sum(len(p) for p in prompts), "the window pool cannot hold every prompt"
+    params = SamplingParams(max_tokens=MAX_NEW)
+    for _ in range(2):
+        assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+    one = max(prompts, key=len)
+    assert llm.generate([one], params)[0].token_ids == expected[prompts.index(one)]
+    warm = llm.generate([one], params)[0]
+    assert warm.token_ids == expected[prompts.index(one)] and warm.num_cached_tokens > 8, "a warm hit past the window"
+    assert_pages_returned(llm.engine)
+
+
+def test_gemma3_groups_refuse_what_they_cannot_hold(tiny_gemma3, tmp_path):
+    from radixkv.errors import ConfigError
+
+    with pytest.raises(ConfigError) as small:
+        make_llm(tiny_gemma3, max_batch_tokens=16, num_window_pages=4)
+    assert small.value.param == "num_window_pages" and "at least 7" in str(small.value)
+    with pytest.raises(ConfigError) as disk:
+        make_llm(tiny_gemma3, kv_disk_dir=str(tmp_path / "kv"))
+    assert disk.value.param == "kv_disk_dir" and "sliding-window" in str(disk.value)
+
+
+def test_gemma3_kv_bytes_in_use_keep_the_window_only(tiny_gemma3, gemma_reference):
+    """One long sequence: the full layer keeps every token, the window layers a window and the
+    chunk being written; stats().cache.kv_bytes_in_use counts both pools."""
+    prompts, _ = gemma_reference
+    prompt = max(prompts, key=len)
+    llm = make_llm(tiny_gemma3, max_batch_tokens=16, enable_prefix_caching=False)
+    engine, windows = llm.engine, llm.engine.windows
+    engine.add_request(prompt, SamplingParams(max_tokens=MAX_NEW))
+    full_bytes, window_bytes = engine.pool.page_nbytes, windows.pool.page_nbytes
+    assert window_bytes == 3 * full_bytes, "three window layers beside one full layer"
+    peak_window_pages = 0
+    while engine.has_unfinished():
+        engine.step()
+        if not engine.has_unfinished():
+            break
+        seq = engine.scheduler.running[0]
+        held_window = sum(1 for page in seq.window_table if page >= 0)
+        assert held_window <= -(-(8 - 1) // 4) + 1, "between steps a sequence holds its window and the page being written"
+        peak_window_pages = max(peak_window_pages, windows.pool.num_pages - windows.pool.num_free)
+        in_use = llm.stats().cache.kv_bytes_in_use
+        assert in_use == len(seq.page_table) * full_bytes + held_window * window_bytes
+    # Every layer keeping every token would hold 4 layers x all pages; the window layers held 3.
+    assert peak_window_pages <= 3 < -(-(len(prompt) + MAX_NEW) // 4)
+    assert llm.stats().cache.kv_bytes_in_use == 0

@@ -5,6 +5,8 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 
+import pytest
+
 from radixkv.cache.hashing import BlockHasher
 from radixkv.cache.pages import PagePool
 from radixkv.cache.radix import RadixTree
@@ -68,18 +70,9 @@ def test_lpm_admits_the_longest_cached_prefix_first():
     assert batch.items[0].num_new_tokens == 2  # only the uncached suffix is computed
 
 
-def test_fcfs_keeps_arrival_order():
-    scheduler = make_scheduler(max_num_seqs=1, policy="fcfs")
-    shared = list(range(100, 132))
-    warm_cache(scheduler, shared + [1])
-    cold = make_seq(list(range(200, 230)))
-    scheduler.add(cold)
-    scheduler.add(make_seq(shared + [2, 3]))
-    assert [item.seq for item in scheduler.schedule().items] == [cold]
-
-
-def test_lpm_degrades_to_fcfs_over_the_queue_threshold():
-    scheduler = make_scheduler(max_num_seqs=1, lpm_fcfs_queue_threshold=1)
+@pytest.mark.parametrize("options", [{"policy": "fcfs"}, {"lpm_fcfs_queue_threshold": 1}], ids=["fcfs", "lpm_over_the_queue_threshold"])
+def test_arrival_order_under_fcfs_and_lpm_over_the_queue_threshold(options):
+    scheduler = make_scheduler(max_num_seqs=1, **options)
     shared = list(range(100, 132))
     warm_cache(scheduler, shared + [1])
     cold = make_seq(list(range(200, 230)))

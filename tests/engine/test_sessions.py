@@ -437,3 +437,73 @@ def test_a_parent_key_past_the_cap_is_refused_before_any_work(tiny_llama: Path, 
     with pytest.raises(InvalidRequest) as refused:
         engine.add_request(prompt(1, 2), SamplingParams(max_tokens=1), session=SessionRef("alice", "c", parent="p" * 1025))
     assert refused.value.param == "session_parent" and engine.sessions.get("alice", "c") is None
+
+
+def test_the_turn_kept_when_the_reply_ends_is_on_the_output(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine, clock, _ = make(tiny_llama, monkeypatch)
+    request_id = engine.add_request(prompt(1, 5) + [5], SamplingParams(max_tokens=6, ignore_eos=True), session=SessionRef("alice", "s1", idle_s=100.0))
+    output = run_to_end(engine)[request_id]
+    [info] = engine.sessions.of_owner("alice")
+    assert output.kept is not None and output.kept.num_turn_tokens == info.num_retained_tokens > len(output.prompt_token_ids)
+    assert output.kept.most_kept_tokens == info.num_retained_tokens and output.kept.num_kept_tokens == ()
+    assert output.kept.expires_at_s == clock.now_s + 100.0
+    plain = engine.add_request(prompt(2, 3), SamplingParams(max_tokens=2))
+    assert run_to_end(engine)[plain].kept is None  # no session, no keeps: nothing kept
+    assert_pages_returned(engine)
+
+
+def test_a_resume_hint_reads_the_turn_ahead_and_its_request_takes_the_read(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    engine, _, _ = make(tiny_llama, monkeypatch, kv_disk_dir=str(tmp_path / "kv"))
+    ref = SessionRef("alice", "s1")
+    history = turn(engine, prompt(1, 8), ref, max_tokens=1)
+    engine.flush_cache(ram=True, disk=False)  # written back to disk, RAM empty
+    loader = engine.cache_view.loader
+    assert loader is not None
+    reads: list[tuple[int, int]] = []  # (first block, blocks) of every read of the tier's files
+    real_read = loader.tier.read
+
+    def counted(tokens, salt, keys, start, num, **kwargs):
+        reads.append((start, num))
+        return real_read(tokens, salt, keys, start, num, **kwargs)
+
+    monkeypatch.setattr(loader.tier, "read", counted)
+    # Another owner's session of the same key, and an unknown key: nothing is read.
+    assert engine.read_ahead_session(SessionRef("bob", "s1")) == 0
+    assert engine.read_ahead_session(SessionRef("alice", "s2")) == 0
+    assert engine.read_ahead_session(SessionRef("alice", "s1", namespace="other")) == 0
+    assert loader.prefetcher.room_blocks() > 0 and reads == []
+    num = engine.read_ahead_session(ref)
+    assert num == 8  # the turn's full blocks before its last token... and all are on disk
+    [hint] = [p for seq_id, p in loader.prefetcher._pending.items() if seq_id < 0]
+    assert hint.done.wait(10) and hint.num_read() == num and reads == [(0, num)]
+    resumed = engine.add_request(history + [7, 8, 9], SamplingParams(max_tokens=1), session=ref)
+    [seq] = engine.requests[resumed]
+    assert loader.prefetcher.get(seq.seq_id) is hint  # taken over, not read again
+    finals = run_to_end(engine)
+    assert finals[resumed].num_cached_tokens >= num * PAGE_SIZE
+    assert reads == [(0, num)]  # one read of those blocks in all
+    assert engine.cache_view.disk_stats().prefetched_blocks >= num
+    engine.close()
+
+
+def test_a_childs_turn_does_not_take_its_parents_retention(tiny_llama: Path) -> None:
+    """A child's retained turn covers the parent's prefix, which the tree would let supersede
+    the parent's retention (one owner's): the parent's turn stays retained beside each child's
+    and after every final child ended, under plain LRU too, where hits protect nothing."""
+    config = dict(
+        model=str(tiny_llama), dtype="float32", device="cpu", page_size=PAGE_SIZE, num_pages=40, check_invariants=True, seed=0,
+        eviction_policy="lru",
+    )  # fmt: skip
+    engine = Engine(EngineConfig(**config))  # type: ignore[arg-type]
+    prefix = prompt(1, 8)
+    _fan_out(engine, prefix)
+    [parent] = engine.sessions.of_owner("alice")
+    assert parent.key == "parent" and parent.num_retained_tokens >= len(prefix)
+    [retention] = engine.tree.retentions("alice")
+    assert retention.num_pages * PAGE_SIZE >= len(prefix)
+    for seed in range(6):  # other traffic needs nearly the whole pool
+        engine.add_request(prompt(80 + seed, 6), SamplingParams(max_tokens=2, ignore_eos=True), owner="bob")
+        run_to_end(engine)
+    request_id = engine.add_request(prefix + prompt(99, 1), SamplingParams(max_tokens=1), session=SessionRef("alice", "parent"))
+    assert run_to_end(engine)[request_id].num_cached_tokens >= len(prefix)
+    assert_pages_returned(engine)

@@ -105,6 +105,9 @@ def assert_pages_returned(engine: Engine) -> None:
     assert engine.tree.locked_pages == 0
     assert engine.pool.num_free + engine.tree.cached_pages == engine.pool.num_pages
     assert all(engine.pool.refcount(p) == 1 for p in engine.tree.cached_page_set())
+    windows = engine.windows  # layer groups: every window page free or the tree's alone
+    if windows is not None:
+        assert windows.pool.num_free + windows.evictable_pages == windows.pool.num_pages
 
 
 def wait_until(predicate: Callable[[], object], timeout_s: float = 20.0, interval_s: float = 0.02) -> bool:

@@ -1,7 +1,7 @@
 """The exact-continuation doors through the real app over a tiny model: echoed replies with a
 forged splice marker cost two renders and at most max_spliced_replies lookups (chat, Messages,
-/v1/cache/lookup), a prompt past the context is refused with no splice work, and a reply splices
-only in the cache partition it was made in. Work is counted (renders, lookups), never timed.
+/v1/cache/lookup), a prompt past the context is refused with no splice work, breakpoints cost no
+rendering of their own, and a reply splices only in the cache partition it was made in. Work is counted (renders, lookups), never timed.
 Replies are written into the map as ids their text does not re-tokenize to, so no case depends
 on what a model samples on this CPU."""
 
@@ -19,7 +19,9 @@ from radixkv.engine.request_output import CompletionOutput, RequestOutput
 from radixkv.prompts import tools as tool_layer
 from radixkv.prompts.replies import ReplyMap
 from radixkv.server.continuation import ReplyCollector
-from radixkv.server.encode import chat_prompt
+from radixkv.server.encode import chat_conversation, chat_prompt
+from radixkv.server.openai import prompt_cache
+from radixkv.server.openai.protocol import ChatCompletionRequest
 from tests.helpers.live_server import KEY_A, KEY_B, MODEL, LiveServer, make_async_engine, serve
 from tests.helpers.tiny_models import make_tiny_model
 
@@ -197,3 +199,50 @@ def test_a_cache_report_reads_the_one_rendering_the_prompt_came_from(live, work,
     assert response.status_code == 200, response.text
     assert response.json()["cache_report"]["part"] is not None
     assert work.renders == 2
+
+
+def marked_body(door: str, messages: list[dict[str, str]], every: int) -> tuple[str, dict[str, Any]]:
+    """The door's body for `messages`, every `every`th user message's text a marked part: a
+    prompt_cache_breakpoint (chat, Responses) or a cache_control block (Messages)."""
+    mark = {"cache_control": {"type": "ephemeral"}} if door == "messages" else {"prompt_cache_breakpoint": {"mode": "explicit"}}
+    kind = "input_text" if door == "responses" else "text"
+    users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+    marked = [
+        {**m, "content": [{"type": kind, "text": m["content"], **mark}]} if i in users[every - 1 :: every][:4] else m
+        for i, m in enumerate(messages)
+    ]
+    if door == "chat":
+        return "/v1/chat/completions", {"messages": marked, "max_tokens": 1}
+    if door == "responses":
+        return "/v1/responses", {"input": marked, "max_output_tokens": 1, "store": False}
+    return "/v1/messages", {"messages": marked, "max_tokens": 1}
+
+
+@pytest.mark.parametrize("spliced", [False, True])
+@pytest.mark.parametrize("door", ["chat", "responses", "messages"])
+def test_breakpoints_are_read_off_the_prompts_one_rendering(live, work, door, spliced):
+    """Four breakpoints cost no rendering of their own: the prompt's, one without the
+    generation prompt to align its parts, and with known replies the splice's marked one."""
+    texts = replies_of(f"marks-{door}-{spliced}")[:8]
+    if spliced:
+        remember_replies(live, KEY_A, None, texts)
+    path, body = marked_body(door, echoed(texts, "Thanks."), every=2)
+    headers = {"Authorization": f"Bearer {KEY_A}", "anthropic-version": "2023-06-01"}
+    work.renders = 0
+    response = httpx.post(f"{live.base_url}{path}", json={"model": MODEL, **body}, headers=headers, timeout=120)
+    assert response.status_code == 200, response.text
+    assert work.renders == (3 if spliced and door != "responses" else 2)  # Responses splices nothing
+
+
+def test_a_spliced_prompts_breakpoints_equal_rendering_each_cut(live):
+    """Read off the one rendering or rendered cut by cut, a spliced chat prompt's breakpoints
+    are the same keeps (each no further than the splice agrees with the plain prompt)."""
+    texts = replies_of("marks-equal")[:8]
+    remember_replies(live, KEY_A, None, texts)
+    _, raw = marked_body("chat", echoed(texts, "Thanks."), every=1)
+    body = ChatCompletionRequest.model_validate(raw)
+    server, messages = state(live), [m.as_chat() for m in body.messages]
+    encoded = chat_conversation(server, messages, [], "none", owner=owner(live, KEY_A), salt=live.salt_of(KEY_A))
+    assert encoded.spliced
+    read = prompt_cache.chat_writes(server, body, [], "none", encoded.token_ids, encoded)
+    assert len(read) == 4 and read == prompt_cache.chat_writes(server, body, [], "none", encoded.token_ids)

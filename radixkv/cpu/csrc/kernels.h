@@ -52,8 +52,13 @@ int radixkv_packed_linear_f32(const float *x, int64_t x_stride, int m, int k, co
 #define RADIXKV_QUANT_AMX_INT8 1 /* reserved: no AMX-INT8 kernel yet */
 #define RADIXKV_QUANT_AVX512_VNNI 2
 #define RADIXKV_QUANT_AVX2 4
+#define RADIXKV_QUANT_AVX512_ZMM 8 /* 512-bit VNNI over its own 16-row records (quant_linear_zmm.c) */
 int radixkv_quant_linear_kernels(void);
 int radixkv_quant_linear(int kernel, int format, const void *x, int x_bf16, int64_t x_stride, int m, int k,
                          const uint8_t *packed, int n, const float *bias, void *y, int64_t y_stride, int num_threads);
+int radixkv_quant_zmm_runs(void);
+int radixkv_quant_zmm_linear(int format, const void *x, int x_bf16, int64_t x_stride, int m, int k,
+                             const uint8_t *packed, int n, const float *bias, void *y, int64_t y_stride,
+                             int num_threads);
 
 #endif

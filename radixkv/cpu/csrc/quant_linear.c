@@ -227,9 +227,12 @@ static inline __attribute__((always_inline)) void group_avx2(const uint8_t *grou
 }
 
 /* VNNI's vpdpbusd sums u8 x s8 products into int32 lanes in one instruction, without
- * vpmaddubsw's int16 saturation; the operands are those of the AVX2 kernel. */
+ * vpmaddubsw's int16 saturation; the operands are those of the AVX2 kernel. Inlined into
+ * group_vnni once per row count, as group_avx2 is: with `rows` unknown the sums went through
+ * memory and the kernel ran slower than AVX2's. */
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) static void
-group_vnni(const uint8_t *group, int format, const QuantX *x, int64_t r0, int rows, __m256 acc[ROW_TILE]) {
+__attribute__((always_inline)) inline vnni_rows(const uint8_t *group, int format, const QuantX *x, int64_t r0, int rows,
+                                                __m256 acc[ROW_TILE]) {
     const __m256i low = _mm256_set1_epi8(0x0F);
     const int64_t bytes = record_bytes(format);
     for (int i = 0; i < ROW_TILE; i++) acc[i] = _mm256_setzero_ps();
@@ -274,6 +277,16 @@ static void store_group(__m256 acc, const float *bias, int live, void *y, int y_
     }
 }
 
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) static void
+group_vnni(const uint8_t *group, int format, const QuantX *x, int64_t r0, int rows, __m256 acc[ROW_TILE]) {
+    switch (rows) {
+    case 4: vnni_rows(group, format, x, r0, 4, acc); break;
+    case 3: vnni_rows(group, format, x, r0, 3, acc); break;
+    case 2: vnni_rows(group, format, x, r0, 2, acc); break;
+    default: vnni_rows(group, format, x, r0, 1, acc); break;
+    }
+}
+
 static inline __attribute__((always_inline)) void run_tile(int kernel, const uint8_t *group, int format, const QuantX *x,
                                                            int64_t r0, int rows, __m256 acc[ROW_TILE]) {
     if (kernel == RADIXKV_QUANT_AVX512_VNNI) {
@@ -305,6 +318,7 @@ int radixkv_quant_linear_kernels(void) {
     kernels |= RADIXKV_QUANT_AVX2;
     if (vnni_runs()) kernels |= RADIXKV_QUANT_AVX512_VNNI;
 #endif
+    if (radixkv_quant_zmm_runs()) kernels |= RADIXKV_QUANT_AVX512_ZMM;
     return kernels;
 }
 
@@ -315,6 +329,8 @@ int radixkv_quant_linear_kernels(void) {
  * groups, each group's records streaming once past the pass's rows, 4 rows per weight load. */
 int radixkv_quant_linear(int kernel, int format, const void *x, int x_bf16, int64_t x_stride, int m, int k,
                          const uint8_t *packed, int n, const float *bias, void *y, int64_t y_stride, int num_threads) {
+    if (kernel == RADIXKV_QUANT_AVX512_ZMM) /* packed in its own layout */
+        return radixkv_quant_zmm_linear(format, x, x_bf16, x_stride, m, k, packed, n, bias, y, y_stride, num_threads);
 #ifdef HAVE_AVX2
     if (!(radixkv_quant_linear_kernels() & kernel) || (kernel != RADIXKV_QUANT_AVX2 && kernel != RADIXKV_QUANT_AVX512_VNNI))
         return 1;

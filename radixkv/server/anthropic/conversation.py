@@ -20,7 +20,7 @@ from radixkv.server.anthropic.protocol import (
     ToolResultBlock,
     ToolUseBlock,
 )
-from radixkv.prompts.conversation import common_prefix
+from radixkv.prompts.conversation import EncodedConversation
 from radixkv.prompts.tools import Tool
 
 
@@ -44,22 +44,23 @@ def encode(tokenizer: Any, conv: Conversation, *, add_generation_prompt: bool = 
     )
 
 
-def breakpoints(tokenizer: Any, body: MessagesRequest, conv: Conversation, prompt: list[int]) -> list[Keep]:
+def breakpoints(
+    tokenizer: Any, body: MessagesRequest, conv: Conversation, prompt: list[int], encoded: EncodedConversation | None = None
+) -> list[Keep]:
     """Each cache_control breakpoint as a keep (server/keeps.py) of a prompt length: the
-    conversation rendered up to the marked block, counted only as far as it agrees with the
-    whole prompt (a template closes a turn differently when it is the last one), so the length
-    names a real prefix."""
+    prompt's tokens up to the marked block, read off `encoded` (the prompt's one rendering)
+    where the caller has it, else the conversation up to the block rendered alone and counted
+    only as far as it agrees with the whole prompt (tool_prompts.prefix_tokens)."""
     found: list[Keep] = []
     for cut, control in _marks(body):
         messages = _chat_messages(body, cut)
         if not messages:
             continue
-        partial = Conversation(messages, conv.tools, conv.tool_choice, conv.parallel_tool_calls)
         try:
-            rendered = encode(tokenizer, partial, add_generation_prompt=False)
+            num_tokens = tool_prompts.prefix_tokens(tokenizer, prompt, conv.messages, messages, conv.tools, conv.tool_choice, encoded)
         except InvalidRequest:
             continue  # a prefix the template will not render alone marks nothing
-        found.append(keeps.cache_control(common_prefix(rendered, prompt), control.ttl))
+        found.append(keeps.cache_control(num_tokens, control.ttl))
     return found
 
 

@@ -104,8 +104,9 @@ class MessagesRequest(_Wire):
 
     @model_validator(mode="after")
     def _breakpoints_within_cap(self) -> MessagesRequest:
-        # Each breakpoint renders and tokenizes its prefix again (anthropic_conversation), so
-        # their number bounds that work; Anthropic allows 4 and counts them the same way.
+        # A breakpoint tokenizes its last turn again, and renders its prefix again where the
+        # prompt's rendering cannot be aligned (anthropic/conversation.py), so their number
+        # bounds that work; Anthropic allows 4 and counts them the same way.
         blocks: list[Any] = [*self.system_blocks(), *(self.tools or ())]
         for message in self.messages:
             for block in message.blocks():

@@ -27,7 +27,7 @@ from radixkv.server import tools as tool_layer
 from radixkv.server.anthropic import conversation as conv_mod
 from radixkv.server.anthropic.conversation import Conversation
 from radixkv.server.anthropic.protocol import MessagesRequest
-from radixkv.server.cache_diagnostics import PromptFingerprint, anthropic_reason, diverge
+from radixkv.server.cache_diagnostics import PromptFingerprint, anthropic_reason, diverge, drift_field
 from radixkv.server.cache_report import CacheReporter, ChatSource, wanted
 from radixkv.prompts.replies import encode_conversation_exact
 from radixkv.server.continuation import ReplyCollector
@@ -38,7 +38,7 @@ from radixkv.server.errors import (
     engine_error,
     parse_body,
 )
-from radixkv.server.sessions import session_ref
+from radixkv.server.sessions import hint_resume, session_ref
 from radixkv.server.streaming import (
     SSEResponse,
     collect,
@@ -74,6 +74,7 @@ def _error_response(error: APIError) -> JSONResponse:
 
 async def _messages(server: AppState, request: Request) -> Response:
     key = server.tenants.authenticate_headers(request.headers)
+    hint_resume(server, request.headers, key)  # the disk read starts before the body is read
     raw = await request.body()
     owner = server.tenants.owner(key)  # whose retention cap the breakpoints count against, whose replies splice
     salt = server.tenants.cache_salt(key, None)  # the same partition as the key's OpenAI calls
@@ -94,6 +95,7 @@ async def _messages(server: AppState, request: Request) -> Response:
     offset = _system_offset(body, conv)
     source = ChatSource(conv.messages, conv.tools, conv.tool_choice, message_offset=offset, encoded=encoded)
     ctx.reporter = CacheReporter(server, key, wanted(body.cache_report, request.headers), [prompt], source)
+    ctx.reporter.drift = (ctx.diagnostics or {}).get("drift")
     if body.stream:
         return SSEResponse(_events(ctx, streams), streams, server.limits.stream_send_timeout_s)
     finals = await until_disconnect(request, collect(server.metrics, streams, 1), streams)
@@ -113,7 +115,7 @@ def _prepare(
             server.replies, owner, tokenizer, conv.messages, conv.tools, conv.tool_choice,
             salt=salt, max_context_tokens=server.engine.max_context_tokens,
         )  # fmt: skip
-        marks = conv_mod.breakpoints(tokenizer, body, conv, encoded.token_ids)
+        marks = conv_mod.breakpoints(tokenizer, body, conv, encoded.token_ids, encoded)
     except InvalidRequest as error:
         raise engine_error(error, _NAMES) from None
     return body, conv, encoded, marks, _sampling_params(conv, body), _diagnose(server, body, conv, encoded, owner, salt)
@@ -129,7 +131,7 @@ def _diagnose(
     tools = [t.model_dump(exclude={"cache_control"}) for t in body.tools or ()]  # in order: reordering is a change
     fingerprint = server.diagnoses.digester.fingerprint(
         model=server.model_name, salt=salt, system=system, tools=tools, options=[conv.tool_choice, conv.parallel_tool_calls],
-        messages=conv.messages[offset:], num_prompt_tokens=len(encoded.token_ids),
+        messages=conv.messages[offset:], num_prompt_tokens=len(encoded.token_ids), token_ids=encoded.token_ids,
     )  # fmt: skip
     if body.diagnostics is None:
         return fingerprint, None
@@ -138,7 +140,7 @@ def _diagnose(
         return fingerprint, {"cache_miss_reason": None}
     previous = server.diagnoses.get(owner, previous_id)
     divergence = None if previous is None else diverge(previous, fingerprint, server.engine.tokenizer, encoded, offset)
-    return fingerprint, {"cache_miss_reason": anthropic_reason(divergence)}
+    return fingerprint, {"cache_miss_reason": anthropic_reason(divergence), **drift_field(divergence)}
 
 
 def _system_offset(body: MessagesRequest, conv: Conversation) -> int:

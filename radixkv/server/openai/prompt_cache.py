@@ -28,7 +28,8 @@ from radixkv.server.openai.protocol import (
 )
 from radixkv.server.openai.responses_protocol import ResponsesRequest
 from radixkv.server.streaming import collect, submit, until_disconnect
-from radixkv.prompts.tools import Tool, ToolChoice, encode_conversation
+from radixkv.prompts.conversation import EncodedConversation
+from radixkv.prompts.tools import Tool, ToolChoice, prefix_tokens
 
 if TYPE_CHECKING:
     from radixkv.server.state import AppState
@@ -47,39 +48,44 @@ def check_options(body: ChatCompletionRequest | CompletionRequest | ResponsesReq
 
 
 def chat_writes(
-    server: AppState, body: ChatCompletionRequest, tools: list[Tool], choice: ToolChoice, prompt: list[int]
-) -> tuple[Keep, ...]:
-    """The breakpoints a chat request writes (keeps.breakpoint_writes), its marked text parts
-    rendered as the conversation up to the part."""
+    server: AppState, body: ChatCompletionRequest, tools: list[Tool], choice: ToolChoice, prompt: list[int],
+    encoded: EncodedConversation | None = None,
+) -> tuple[Keep, ...]:  # fmt: skip
+    """The breakpoints a chat request writes (keeps.breakpoint_writes), each marked text part
+    as the prompt's tokens up to it: read off `encoded`, the prompt's one rendering, where the
+    route has it, else the conversation up to the part rendered alone (prefix_tokens)."""
     tokenizer = server.engine.tokenizer
 
-    def render(i: int, j: int) -> list[int]:
+    def measure(i: int, j: int) -> int:
         cut = body.messages[i].model_copy(update={"content": body.messages[i].content[: j + 1]})  # type: ignore[index]
-        messages = [*(m.as_chat() for m in body.messages[:i]), cut.as_chat()]
-        return encode_conversation(tokenizer, messages, tools, choice, add_generation_prompt=False)
+        messages = [*whole[:i], cut.as_chat()]
+        return prefix_tokens(tokenizer, prompt, whole, messages, tools, choice, encoded)
 
     marks: list[keeps.Mark] = [
-        (partial(render, i, j), part.prompt_cache_breakpoint.ttl)
+        (partial(measure, i, j), part.prompt_cache_breakpoint.ttl)
         for i, message in enumerate(body.messages)
         if isinstance(message.content, list)
         for j, part in enumerate(message.content)
         if part.prompt_cache_breakpoint is not None
     ]
+    whole = [m.as_chat() for m in body.messages] if marks else []
     return keeps.breakpoint_writes(body.prompt_cache_options, marks, prompt)
 
 
 def responses_writes(
-    server: AppState, body: ResponsesRequest, history: list[dict[str, Any]], tools: list[Tool], choice: ToolChoice, prompt: list[int]
-) -> tuple[Keep, ...]:
-    """The breakpoints a Responses request writes (keeps.breakpoint_writes): its input items' marked parts,
-    each rendered as the request cut after that part (on the same stored history)."""
+    server: AppState, body: ResponsesRequest, history: list[dict[str, Any]], tools: list[Tool], choice: ToolChoice, prompt: list[int],
+    encoded: EncodedConversation | None = None,
+) -> tuple[Keep, ...]:  # fmt: skip
+    """The breakpoints a Responses request writes (keeps.breakpoint_writes): its input items'
+    marked parts, each as the prompt's tokens up to the request cut after that part (on the
+    same stored history), read off `encoded` where the route has it (prefix_tokens)."""
     tokenizer = server.engine.tokenizer
     items = body.input if isinstance(body.input, list) else []
 
-    def render(k: int, j: int) -> list[int]:
+    def measure(k: int, j: int) -> int:
         cut = body.model_copy(update={"input": [*items[:k], {**items[k], "content": items[k]["content"][: j + 1]}]})
         messages = convert.prompt_messages(cut, convert.conversation(cut, history))
-        return encode_conversation(tokenizer, messages, tools, choice, add_generation_prompt=False)
+        return prefix_tokens(tokenizer, prompt, whole, messages, tools, choice, encoded)
 
     marks: list[keeps.Mark] = []
     for k, item in enumerate(items):
@@ -90,12 +96,13 @@ def responses_writes(
                     mark = PromptCacheBreakpoint.model_validate(part["prompt_cache_breakpoint"])
                 except ValidationError as error:
                     raise validation_error_at(("input", k, "content", j, "prompt_cache_breakpoint"), error.errors()) from None
-                marks.append((partial(render, k, j), mark.ttl))
+                marks.append((partial(measure, k, j), mark.ttl))
     if len(marks) > MAX_MARKED_PARTS:
         raise APIError(
             400, f"at most {MAX_MARKED_PARTS} content parts may carry prompt_cache_breakpoint, got {len(marks)}",
             param="prompt_cache_breakpoint",
         )  # fmt: skip
+    whole = convert.prompt_messages(body, convert.conversation(body, history)) if marks and encoded is not None else []
     return keeps.breakpoint_writes(body.prompt_cache_options, marks, prompt)
 
 

@@ -118,6 +118,8 @@ class ResponsesRequest(_Lenient):
     user: str | None = None
     prompt_cache_key: str | None = None  # names a session (server/sessions.py); partitions nothing
     prompt_cache_options: PromptCacheOptions | None = None  # server/openai/prompt_cache.py
+    # As on chat: the whole prompt kept for the named time (server/keeps.py retention).
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     truncation: Literal["auto", "disabled"] | None = None
     # radixkv's own: partitions the prefix cache within the caller's tenant, as on chat.
     cache_salt: str | None = Field(default=None, max_length=1024)
@@ -229,6 +231,7 @@ class ResponseObject(BaseModel):
     background: bool = False
     user: str | None = None
     prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
     cache_report: dict[str, Any] | None = None  # radixkv's, when asked for; absent otherwise
     # OpenAI's, when prompt_cache_options.comparison_response_id asked; absent otherwise.
     prompt_cache_diagnostics: dict[str, Any] | None = None

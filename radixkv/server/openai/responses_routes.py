@@ -46,7 +46,7 @@ from radixkv.server.openai.responses_protocol import (
     response_usage,
 )
 from radixkv.server.openai.responses_store import ResponseStore, conversation_bytes
-from radixkv.server.sessions import session_ref
+from radixkv.server.sessions import hint_resume, session_ref
 from radixkv.server.streaming import (
     SSEResponse,
     collect,
@@ -92,6 +92,7 @@ def register(app: FastAPI, server: AppState, store: ResponseStore | None = None)
     @app.post("/v1/responses")
     async def create_response(request: Request) -> Response:
         key = server.tenants.authenticate_headers(request.headers)
+        hint_resume(server, request.headers, key)  # the disk read starts before the body is read
         raw = await request.body()
         owner = server.tenants.owner(key)
 
@@ -121,6 +122,7 @@ def register(app: FastAPI, server: AppState, store: ResponseStore | None = None)
         offset = 1 if body.instructions else 0
         source = ChatSource(convert.prompt_messages(body, turn.messages), turn.tools, turn.choice, message_offset=offset, encoded=turn.encoded)
         reporter = CacheReporter(server, key, wanted(body.cache_report, request.headers), [prompt], source)
+        reporter.drift = (turn.diagnostics or {}).get("drift")
         if body.stream:
             events = _events(server, store, turn, streams, reporter)
             return SSEResponse(events, streams, server.limits.stream_send_timeout_s)
@@ -174,7 +176,10 @@ def _prepare(server: AppState, store: ResponseStore, body: ResponsesRequest, own
     except InvalidRequest as error:
         raise engine_error(error, names) from None
     params = sampling.responses_params(body, names, guide)
-    writes = prompt_cache.responses_writes(server, body, history, tools, choice, prompt)
+    # The retention first, as chat keeps it: a later keep of the same prefix then reports it.
+    writes = keeps.retention(body.prompt_cache_retention, prompt) + prompt_cache.responses_writes(
+        server, body, history, tools, choice, prompt, encoded
+    )
     return _Turn(body, owner, messages, tools, choice, params, names, prompt, writes, encoded), prompt
 
 
@@ -186,6 +191,7 @@ def _diagnose(server: AppState, turn: _Turn, salt: str | None) -> None:
         model=server.model_name, salt=salt, system=body.instructions or None,
         tools=[tool.model_dump(exclude_none=True) for tool in body.tools],  # in order: reordering is a change
         options=[turn.choice, body.parallel_tool_calls], messages=turn.messages, num_prompt_tokens=len(turn.prompt),
+        token_ids=turn.prompt,
     )  # fmt: skip
     options = body.prompt_cache_options
     if options is None or options.comparison_response_id is None:
@@ -223,6 +229,7 @@ def _skeleton(server: AppState, body: ResponsesRequest) -> ResponseObject:
         metadata=body.metadata or {},
         user=body.user,
         prompt_cache_key=body.prompt_cache_key,
+        prompt_cache_retention=body.prompt_cache_retention,
     )
 
 

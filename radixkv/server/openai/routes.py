@@ -35,7 +35,7 @@ from radixkv.server.openai.outputs import (
     completion_response,
 )
 from radixkv.server.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, make_usage, new_id, now_s
-from radixkv.server.sessions import session_ref
+from radixkv.server.sessions import hint_resume, session_ref
 from radixkv.server.streaming import SSEResponse, collect, submit, until_disconnect
 from radixkv.server.tools import guide_for, response_format_guide, tool_choice_from_openai, tools_from_openai
 
@@ -62,6 +62,7 @@ def register(app: FastAPI, server: AppState) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         key = server.tenants.authenticate_headers(request.headers)
+        hint_resume(server, request.headers, key)  # the disk read starts before the body is read
         raw = await request.body()
         owner = server.tenants.owner(key)
 
@@ -74,7 +75,7 @@ def register(app: FastAPI, server: AppState) -> None:
             encoded = chat_conversation(server, [m.as_chat() for m in body.messages], tools.tools, tools.choice, owner=owner, salt=salt)
             guide, guide_param = _chat_guide(body, tools)
             names = sampling.chat_names(body, guide_param)
-            writes = prompt_cache.chat_writes(server, body, tools.tools, tools.choice, encoded.token_ids)
+            writes = prompt_cache.chat_writes(server, body, tools.tools, tools.choice, encoded.token_ids, encoded)
             return body, tools, encoded, names, sampling.chat_params(body, names, guide), writes, salt
 
         body, tools, encoded, names, params, writes, salt = await server.parse_slots.run(key, prepare)
@@ -105,6 +106,7 @@ def register(app: FastAPI, server: AppState) -> None:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         key = server.tenants.authenticate_headers(request.headers)
+        hint_resume(server, request.headers, key)  # the disk read starts before the body is read
         raw = await request.body()
 
         def prepare() -> tuple[CompletionRequest, list[list[int]], WireNames, SamplingParams]:

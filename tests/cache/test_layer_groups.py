@@ -1,0 +1,129 @@
+"""Layer groups at the KV manager, without a model: two groups (full layers, a window of W
+tokens) under random admissions, steps, commits, releases and evictions keep each pool's
+accounting exact (free + evictable + in use == total, every refcount explained), the tree
+consistent, and a match never stops where a window lacks its pages."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from radixkv.cache import BlockHasher, PagePool, RadixTree
+from radixkv.cache.layer_groups import LayerGroups, WindowPages
+from radixkv.cache.radix_check import check_tree
+from radixkv.engine.invariants import check_page_accounting
+from radixkv.engine.kv_manager import KVManager
+from radixkv.engine.request import SequenceState
+from radixkv.engine.sampling_params import SamplingParams
+
+PAGE, WINDOW = 4, 9  # a window spanning parts of three pages
+_ids = itertools.count()
+
+
+def make_kv(num_pages: int, num_window_pages: int) -> tuple[KVManager, PagePool, RadixTree, WindowPages]:
+    pool = PagePool(num_pages, PAGE, num_layers=1, num_kv_heads=1, head_dim=2)
+    windows = WindowPages(PagePool(num_window_pages, PAGE, num_layers=2, num_kv_heads=1, head_dim=2), WINDOW)
+    tree = RadixTree(pool, BlockHasher(PAGE, seed=0))
+    return KVManager(pool, tree, tree.hasher, True, windows=windows), pool, tree, windows
+
+
+def make_seq(tokens: list[int]) -> SequenceState:
+    seq_id = next(_ids)
+    return SequenceState(seq_id, f"r{seq_id}", 0, list(tokens), SamplingParams(max_tokens=4), None, 0)
+
+
+def test_groups_from_layer_windows() -> None:
+    groups = LayerGroups((512, 512, None, 512), 4)
+    assert groups.grouped and groups.full_layers == (2,) and groups.window_layers == (0, 1, 3) and groups.window == 512
+    assert groups.per_layer(["f"], ["a", "b", "c"]) == ["a", "b", "f", "c"]
+    assert not LayerGroups((), 3).grouped, "a dense model is one group"
+    assert not LayerGroups((64, 64), 2).grouped, "a window on every layer is one group (it only masks)"
+
+
+def test_a_sequence_keeps_only_its_window() -> None:
+    kv, pool, tree, windows = make_kv(64, 16)
+    seq = make_seq(list(range(200)))
+    assert kv.admit(seq, 8) is not None
+    for _ in range(40):  # 8 tokens a step, committed like the engine does
+        seq.num_computed_tokens += 8
+        kv.commit(seq)
+        if seq.num_computed_tokens >= 160:
+            break
+        assert kv.reserve(seq, 8) is not None
+        held = sum(1 for page in seq.window_table if page >= 0)
+        assert held <= -(-(WINDOW - 1) // PAGE) + 1 + 2, "blocks behind the window went back"
+    kv.release(seq)
+    assert windows.pool.num_free + windows.evictable_pages == windows.pool.num_pages
+    check_page_accounting(pool, tree, [], [], windows)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5), st.integers(0, 3), st.integers(1, 40)), min_size=1, max_size=40))
+def test_accounting_holds_under_random_use(ops: list[tuple[int, int, int]]) -> None:
+    kv, pool, tree, windows = make_kv(40, 14)
+    prefixes = [list(range(100, 140)), list(range(100, 120)) + list(range(300, 320)), list(range(500, 540))]
+    running: list[SequenceState] = []
+    pins: list = []
+    for op, which, amount in ops:
+        if op == 0 or not running:  # admit a prompt sharing a prefix with others
+            seq = make_seq(prefixes[which % 3][: 10 + amount % 30] + [7, 8, 9])
+            peek = kv.peek(seq)
+            # What a match covers, the window groups still hold: its last window has pages.
+            assert peek.num_cached_tokens == windows.usable_tokens(peek.pages, peek.num_cached_tokens)
+            num_new = min(seq.num_tokens - peek.num_cached_tokens, 8)
+            if kv.can_admit(peek, num_new):
+                kv.admit(seq, num_new)
+                seq.num_computed_tokens += num_new
+                kv.commit(seq)
+                running.append(seq)
+        elif op in (1, 2):  # a step of one running sequence
+            seq = running[which % len(running)]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, 1 + amount % 8)
+            if num_new and kv.reserve(seq, num_new) is not None:
+                seq.num_computed_tokens += num_new
+                kv.commit(seq)
+            elif not num_new:
+                kv.release(running.pop(which % len(running)))
+        elif op == 3:  # finish one
+            kv.release(running.pop(which % len(running)))
+        elif op == 5:  # pin a cached prefix, or unpin the oldest pin
+            if pins and amount % 2:
+                kv.unpin(pins.pop(0))
+            else:
+                pins.append(kv.pin(prefixes[which % 3][: amount], None)[0])
+        else:  # pressure: evict from each group
+            tree.evict(amount % 5)
+            windows.evict(amount % 5)
+        check_page_accounting(pool, tree, running, [], windows)
+        check_tree(tree)
+    for seq in running:
+        kv.release(seq)
+    for node in pins:
+        kv.unpin(node)
+    check_page_accounting(pool, tree, [], [], windows)
+    assert windows.pool.num_free + windows.evictable_pages == windows.pool.num_pages
+
+
+def test_a_pinned_prefix_keeps_its_last_window() -> None:
+    """Pins lock the full blocks and hold the window pages before the pinned cut: window
+    eviction cannot cut a pinned prefix short; once unpinned it can."""
+    kv, pool, tree, windows = make_kv(64, 16)
+    prompt = list(range(300, 341))  # 10 full blocks and a token
+    seq = make_seq(prompt)
+    kv.admit(seq, len(prompt))
+    seq.num_computed_tokens = len(prompt)
+    kv.commit(seq)
+    kv.release(seq)
+    node, pinned = kv.pin(prompt[:40], None)
+    assert pinned == 40
+    windows.evict(windows.pool.num_pages)
+    check_page_accounting(pool, tree, [], [], windows)
+    assert kv.peek(make_seq(prompt)).num_cached_tokens == 40, "the pinned window stayed"
+    kv.unpin(node)
+    windows.evict(windows.pool.num_pages)
+    assert kv.peek(make_seq(prompt)).num_cached_tokens == 0, "unpinned, its window pages went"
+    assert windows.pool.num_free == windows.pool.num_pages
+    check_page_accounting(pool, tree, [], [], windows)
