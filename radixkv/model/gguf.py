@@ -88,7 +88,8 @@ class GGUFTensor:
 
 class GGUFFile:
     """One GGUF file's tensor table; tensors are read one at a time, with file reads rather than
-    through a memory map, so file pages never count as this process's memory."""
+    through a memory map, so file pages never count as this process's memory. The exception is
+    the stacked experts, read in place through `mapped` (radixkv.model.moe.MappedExperts)."""
 
     def __init__(self, path: str | Path, num_heads: int, num_kv_heads: int) -> None:
         self.path = Path(path)

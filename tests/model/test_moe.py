@@ -266,3 +266,31 @@ def test_gguf_expert_width_is_read_from_the_file(tmp_path, cache):
     assert loaded.model.layers[0].mlp.experts.intermediate_size == MOE_NARROW
     logits = Stepper(loaded, [SEQUENCE]).step({0: len(SEQUENCE)})[0]
     assert torch.isfinite(logits).all()
+
+
+def test_kv_sizing_leaves_the_mapped_experts_their_memory(moe_ggufs, cache):
+    from radixkv.engine.build import kv_memory_bytes
+
+    loaded = _load(moe_ggufs("Q8_0"), "auto", cache)
+    assert loaded.mapped_bytes > 0
+    assert kv_memory_bytes(10 * loaded.mapped_bytes, loaded) == 9 * loaded.mapped_bytes
+    assert kv_memory_bytes(loaded.mapped_bytes // 2, loaded) == 0
+
+
+def test_a_large_gguf_is_keyed_from_its_header_and_samples_not_read_whole(tmp_path):
+    from radixkv.model import loader
+
+    big = tmp_path / "big.gguf"
+    with open(big, "wb") as file:
+        file.write(b"GGUF" + bytes(100))
+        file.truncate(loader._FULL_KEY_BYTES + (1 << 20))  # sparse: costs no disk
+    key = loader._content_key(big)
+    step = (big.stat().st_size - loader._KEY_SAMPLE_BYTES) // (loader._KEY_SAMPLES - 1)
+    with open(big, "r+b") as file:
+        file.seek(step + loader._KEY_SAMPLE_BYTES + 4096)  # between two samples: not read
+        file.write(b"x")
+    assert loader._content_key(big) == key
+    with open(big, "r+b") as file:
+        file.seek(64)  # in the header
+        file.write(b"y")
+    assert loader._content_key(big) != key

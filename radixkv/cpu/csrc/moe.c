@@ -1,7 +1,9 @@
 /* Grouped expert linears over a GGUF's own blocks (radixkv/cpu/moe.py): for each routed expert,
  * y = x W_e^T for the rows of x routed to it, W_e read in place from the stacked experts tensor
- * (a memory map of the file), each of its rows decoded once a call and multiplied with every
- * routed token, so an expert's bytes are read once a step however many tokens picked it.
+ * (a memory map of the file), in tiles of 8 rows, each row read once a call and multiplied with
+ * every routed token, so an expert's bytes are read once a step however many tokens picked it.
+ * Q8_0 and Q4_K tiles take their quants straight from the blocks (only scales are decoded);
+ * the other types, and tails of fewer than 8 rows, decode a row into a buffer first.
  *
  * Arithmetic (cpu/moe.py's torch_block_linear computes the same bits): x is quantized per row
  * and block of 32 as quant_linear.c does (scale = absmax / 127, q = round_half_even(x / scale)).
@@ -67,13 +69,19 @@ typedef struct {
     int32_t *sc;
 } Row;
 
-static void decode_row(int type, const uint8_t *src, int k, Row *row) {
+static void decode_row_part(int type, const uint8_t *restrict src, int k, const Row *row, int with_quants) {
+    /* Local restrict pointers: stores through row's fields would otherwise alias row itself,
+     * and the byte loops would stay scalar, reloading the pointers every byte. */
+    uint8_t *restrict u = row->u;
+    float *restrict rs = row->s, *restrict rm = row->m;
+    int32_t *restrict rsc = row->sc;
     const int nb = k / MBLOCK;
     switch (type) {
     case T_Q8_0:
         for (int b = 0; b < nb; b++, src += 34) {
-            row->s[b] = f16_to_f32(src);
-            for (int j = 0; j < MBLOCK; j++) row->u[b * MBLOCK + j] = (uint8_t)(src[2 + j] ^ 0x80);
+            rs[b] = f16_to_f32(src);
+            if (with_quants)
+                for (int j = 0; j < MBLOCK; j++) u[b * MBLOCK + j] = (uint8_t)(src[2 + j] ^ 0x80);
         }
         break;
     case T_Q4_0:
@@ -81,23 +89,23 @@ static void decode_row(int type, const uint8_t *src, int k, Row *row) {
         const int q4_1 = type == T_Q4_1, size = q4_1 ? 20 : 18, at = q4_1 ? 4 : 2;
         for (int b = 0; b < nb; b++, src += size) {
             const float d = f16_to_f32(src);
-            row->s[b] = d;
-            row->m[b] = q4_1 ? f16_to_f32(src + 2) : d * -8.0f;
+            rs[b] = d;
+            rm[b] = q4_1 ? f16_to_f32(src + 2) : d * -8.0f;
             for (int j = 0; j < 16; j++) {
-                row->u[b * MBLOCK + j] = src[at + j] & 0x0F;
-                row->u[b * MBLOCK + 16 + j] = src[at + j] >> 4;
+                u[b * MBLOCK + j] = src[at + j] & 0x0F;
+                u[b * MBLOCK + 16 + j] = src[at + j] >> 4;
             }
         }
         break;
     }
     case T_Q5_0:
         for (int b = 0; b < nb; b++, src += 22) {
-            row->s[b] = f16_to_f32(src);
+            rs[b] = f16_to_f32(src);
             uint32_t high;
             memcpy(&high, src + 2, 4);
             for (int j = 0; j < 16; j++) {
-                row->u[b * MBLOCK + j] = (uint8_t)((src[6 + j] & 0x0F) | (((high >> j) & 1) << 4));
-                row->u[b * MBLOCK + 16 + j] = (uint8_t)((src[6 + j] >> 4) | (((high >> (j + 16)) & 1) << 4));
+                u[b * MBLOCK + j] = (uint8_t)((src[6 + j] & 0x0F) | (((high >> j) & 1) << 4));
+                u[b * MBLOCK + 16 + j] = (uint8_t)((src[6 + j] >> 4) | (((high >> (j + 16)) & 1) << 4));
             }
         }
         break;
@@ -110,11 +118,12 @@ static void decode_row(int type, const uint8_t *src, int k, Row *row) {
                 if (j < 4) sc = s[j] & 63, mn = s[j + 4] & 63;
                 else sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4), mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
                 const int b = sb * 8 + j;
-                row->s[b] = d * (float)sc;
-                row->m[b] = -(dmin * (float)mn);
+                rs[b] = d * (float)sc;
+                rm[b] = -(dmin * (float)mn);
                 const uint8_t *chunk = qs + 32 * (j / 2);
                 const int shift = 4 * (j & 1);
-                for (int l = 0; l < 32; l++) row->u[b * MBLOCK + l] = (chunk[l] >> shift) & 0x0F;
+                if (with_quants)
+                    for (int l = 0; l < 32; l++) u[b * MBLOCK + l] = (chunk[l] >> shift) & 0x0F;
             }
         }
         break;
@@ -126,18 +135,20 @@ static void decode_row(int type, const uint8_t *src, int k, Row *row) {
             for (int h = 0; h < 2; h++)
                 for (int g = 0; g < 4; g++) {
                     const int b = sb * 8 + h * 4 + g;
-                    row->s[b] = d;
-                    row->sc[2 * b] = scales[8 * h + 2 * g];
-                    row->sc[2 * b + 1] = scales[8 * h + 2 * g + 1];
+                    rs[b] = d;
+                    rsc[2 * b] = scales[8 * h + 2 * g];
+                    rsc[2 * b + 1] = scales[8 * h + 2 * g + 1];
                     const uint8_t *low = ql + 64 * h + 32 * (g & 1);
                     const int shift = 4 * (g >> 1);
                     for (int l = 0; l < 32; l++)
-                        row->u[b * MBLOCK + l] = (uint8_t)(((low[l] >> shift) & 0x0F) | (((qh[32 * h + l] >> (2 * g)) & 3) << 4));
+                        u[b * MBLOCK + l] = (uint8_t)(((low[l] >> shift) & 0x0F) | (((qh[32 * h + l] >> (2 * g)) & 3) << 4));
                 }
         }
         break;
     }
 }
+
+static void decode_row(int type, const uint8_t *src, int k, const Row *row) { decode_row_part(type, src, k, row, 1); }
 
 /* Activations of one call quantized: q [m][k], s and u (= s * sum q) [m][k / 32], half sums
  * [m][k / 16] (sum q over each 16: Q6_K's offsets, and every offset's sum as two halves). */
@@ -210,6 +221,120 @@ static float row_dot(int type, const Row *row, const QX *x, int64_t r, int use_v
     return acc;
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define TILE 8
+/* 8 rows decoded side by side: their block scales (and mins, Q6_K's sub-block scales) stored
+ * [block][row], so one load gives a block's 8 lanes. */
+typedef struct {
+    Row rows[TILE];
+    float *s, *m;
+    int32_t *sca, *scb;
+    int16_t *scv; /* Q6_K: per row and block, 8 lanes of sc_a then 8 of sc_b (vpmaddwd's) */
+    const uint8_t *raw[TILE]; /* the rows' blocks in the file, read directly (Q8_0, Q4_K) */
+    int direct;
+} Tile;
+
+/* Block b's 32 unsigned quants of a row read straight from its blocks (Q8_0: q ^ 0x80; Q4_K:
+ * the nibbles of sub-block b % 8), the bytes decode_row would have written. */
+static inline __m256i direct_quants(int type, const uint8_t *raw, int b) {
+    if (type == T_Q8_0)
+        return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(raw + (int64_t)b * 34 + 2)), _mm256_set1_epi8((char)0x80));
+    const int j = b % 8;
+    __m256i w = _mm256_loadu_si256((const __m256i *)(raw + (int64_t)(b / 8) * 144 + 16 + 32 * (j / 2)));
+    if (j & 1) w = _mm256_srli_epi16(w, 4);
+    return _mm256_and_si256(w, _mm256_set1_epi8(0x0F));
+}
+
+/* Lane r = the sum of v[r]'s 8 lanes. */
+static inline __m256i sum_lanes8(const __m256i v[TILE]) {
+    const __m256i a0 = _mm256_hadd_epi32(v[0], v[1]), a1 = _mm256_hadd_epi32(v[2], v[3]);
+    const __m256i a2 = _mm256_hadd_epi32(v[4], v[5]), a3 = _mm256_hadd_epi32(v[6], v[7]);
+    const __m256i b0 = _mm256_hadd_epi32(a0, a1), b1 = _mm256_hadd_epi32(a2, a3);
+    return _mm256_add_epi32(_mm256_permute2x128_si256(b0, b1, 0x20), _mm256_permute2x128_si256(b0, b1, 0x31));
+}
+
+/* 8 outputs (the tile's rows) for x row r, each lane the scalar row_dot's steps in its order. */
+static void tile_dot(int type, const Tile *t, const QX *x, int64_t r, float out[TILE]) {
+    const int8_t *xq = x->q + r * x->k;
+    const float *xs = x->s + r * x->nb, *xu = x->u + r * x->nb;
+    const int32_t *half = x->half + r * 2 * x->nb;
+    const int offset = type == T_Q8_0 ? 128 : (type == T_Q5_0 ? 16 : 0);
+    const int mins = type == T_Q4_0 || type == T_Q4_1 || type == T_Q4_K, q6 = type == T_Q6_K;
+    __m256 acc = _mm256_setzero_ps();
+    for (int b = 0; b < x->nb; b++) {
+        const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + b * MBLOCK));
+        __m256i v[TILE];
+        if (q6) {
+            for (int i = 0; i < TILE; i++) {
+                const __m256i w = _mm256_loadu_si256((const __m256i *)(t->rows[i].u + b * MBLOCK));
+                const __m256i sc = _mm256_loadu_si256((const __m256i *)(t->scv + ((int64_t)i * x->nb + b) * 16));
+                v[i] = _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), sc); /* pairs <= 2 * 63 * 127: no saturation */
+            }
+        } else {
+            if (t->direct) {
+                for (int i = 0; i < TILE; i++) v[i] = _mm256_dpbusd_epi32(_mm256_setzero_si256(), direct_quants(type, t->raw[i], b), xv);
+            } else {
+                for (int i = 0; i < TILE; i++) {
+                    const __m256i w = _mm256_loadu_si256((const __m256i *)(t->rows[i].u + b * MBLOCK));
+                    v[i] = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, xv);
+                }
+            }
+        }
+        __m256i dots = sum_lanes8(v);
+        if (q6) {
+            const __m256i off = _mm256_add_epi32(_mm256_mullo_epi32(_mm256_loadu_si256((const __m256i *)(t->sca + b * TILE)), _mm256_set1_epi32(half[2 * b])),
+                                                 _mm256_mullo_epi32(_mm256_loadu_si256((const __m256i *)(t->scb + b * TILE)), _mm256_set1_epi32(half[2 * b + 1])));
+            dots = _mm256_sub_epi32(dots, _mm256_slli_epi32(off, 5));
+        } else if (offset) {
+            dots = _mm256_sub_epi32(dots, _mm256_set1_epi32(offset * (half[2 * b] + half[2 * b + 1])));
+        }
+        const __m256 scaled = _mm256_mul_ps(_mm256_loadu_ps(t->s + b * TILE), _mm256_set1_ps(xs[b]));
+        acc = _mm256_add_ps(acc, _mm256_mul_ps(scaled, _mm256_cvtepi32_ps(dots)));
+        if (mins) acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_loadu_ps(t->m + b * TILE), _mm256_set1_ps(xu[b])));
+    }
+    _mm256_storeu_ps(out, acc);
+}
+
+static void tile_decode(int type, const uint8_t *src, int64_t row_bytes, int k, Tile *t) {
+    const int nb = k / MBLOCK;
+    t->direct = type == T_Q8_0 || type == T_Q4_K; /* scales decoded, quants read in place */
+    for (int i = 0; i < TILE; i++) {
+        Row *row = &t->rows[i];
+        t->raw[i] = src + i * row_bytes;
+        decode_row_part(type, t->raw[i], k, row, !t->direct);
+        for (int b = 0; b < nb; b++) {
+            t->s[b * TILE + i] = row->s[b];
+            if (type == T_Q4_0 || type == T_Q4_1 || type == T_Q4_K) t->m[b * TILE + i] = row->m[b];
+            if (type == T_Q6_K) {
+                t->sca[b * TILE + i] = row->sc[2 * b], t->scb[b * TILE + i] = row->sc[2 * b + 1];
+                int16_t *lanes = t->scv + ((int64_t)i * nb + b) * 16;
+                for (int j = 0; j < 8; j++) lanes[j] = (int16_t)row->sc[2 * b], lanes[8 + j] = (int16_t)row->sc[2 * b + 1];
+            }
+        }
+    }
+}
+
+static int tile_alloc(Tile *t, int k) {
+    const int nb = k / MBLOCK;
+    int ok = 1;
+    for (int i = 0; i < TILE; i++) {
+        Row *row = &t->rows[i];
+        row->u = malloc((size_t)k), row->s = malloc((size_t)nb * sizeof(float)), row->m = malloc((size_t)nb * sizeof(float));
+        row->sc = malloc((size_t)nb * 2 * sizeof(int32_t));
+        ok = ok && row->u && row->s && row->m && row->sc;
+    }
+    t->s = malloc((size_t)nb * TILE * sizeof(float)), t->m = malloc((size_t)nb * TILE * sizeof(float));
+    t->sca = malloc((size_t)nb * TILE * sizeof(int32_t)), t->scb = malloc((size_t)nb * TILE * sizeof(int32_t));
+    t->scv = malloc((size_t)nb * TILE * 16 * sizeof(int16_t));
+    return ok && t->s && t->m && t->sca && t->scb && t->scv;
+}
+
+static void tile_free(Tile *t) {
+    for (int i = 0; i < TILE; i++) free(t->rows[i].u), free(t->rows[i].s), free(t->rows[i].m), free(t->rows[i].sc);
+    free(t->s), free(t->m), free(t->sca), free(t->scb), free(t->scv);
+}
+#endif
+
 /* For each group g: expert experts[g]'s weight (weights + experts[g] * expert_bytes, n rows of
  * row_bytes) times x rows x_rows[p] for pairs p in [offsets[g], offsets[g + 1]), into y row p,
  * columns [0, n) (y_stride floats a row). x fp32 [m][x_stride]. Returns 1 for a type or shape
@@ -233,22 +358,51 @@ int radixkv_moe_grouped(int type, const uint8_t *weights, int64_t expert_bytes, 
         {
             Row row = {malloc((size_t)k), malloc((size_t)nb * sizeof(float)), malloc((size_t)nb * sizeof(float)),
                        malloc((size_t)nb * 2 * sizeof(int32_t))};
-            const int ok = row.u && row.s && row.m && row.sc;
+            int ok = row.u && row.s && row.m && row.sc;
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+            /* Tiles of 8 rows: one reduction tree and one vector of sums for 8 outputs. */
+            Tile tile;
+            memset(&tile, 0, sizeof tile);
+            /* Q6_K keeps the row path: its tile (per-lane sub-block scales) measured slower. */
+            const int tiled = use_vnni && type != T_Q6_K;
+            if (tiled) ok = tile_alloc(&tile, k) && ok;
+#else
+            const int tiled = 0;
+            (void)tiled;
+#endif
             if (!ok) {
 #pragma omp atomic write
                 status = 2;
             }
+            const int tiles = (n + 7) / 8;
             for (int g = 0; g < groups; g++) {
                 const uint8_t *expert = weights + (int64_t)experts[g] * expert_bytes;
 #pragma omp for schedule(static)
-                for (int o = 0; o < n; o++) {
+                for (int tix = 0; tix < tiles; tix++) {
                     if (!ok) continue;
-                    decode_row(type, expert + (int64_t)o * row_bytes, k, &row);
-                    for (int p = offsets[g]; p < offsets[g + 1]; p++)
-                        y[(int64_t)p * y_stride + o] = row_dot(type, &row, &qx, x_rows[p], use_vnni);
+                    const int o0 = tix * 8, live = n - o0 < 8 ? n - o0 : 8;
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+                    if (tiled && live == 8) {
+                        tile_decode(type, expert + (int64_t)o0 * row_bytes, row_bytes, k, &tile);
+                        for (int p = offsets[g]; p < offsets[g + 1]; p++) {
+                            float lanes[8];
+                            tile_dot(type, &tile, &qx, x_rows[p], lanes);
+                            memcpy(y + (int64_t)p * y_stride + o0, lanes, sizeof lanes);
+                        }
+                        continue;
+                    }
+#endif
+                    for (int o = o0; o < o0 + live; o++) {
+                        decode_row(type, expert + (int64_t)o * row_bytes, k, &row);
+                        for (int p = offsets[g]; p < offsets[g + 1]; p++)
+                            y[(int64_t)p * y_stride + o] = row_dot(type, &row, &qx, x_rows[p], use_vnni);
+                    }
                 }
             }
             free(row.u), free(row.s), free(row.m), free(row.sc);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+            if (tiled) tile_free(&tile);
+#endif
         }
     }
     free(qx.q), free(qx.s), free(qx.u), free(qx.half);
