@@ -6,6 +6,7 @@ transformers' GGUF loader undoes it. Config and tokenizer come from transformers
 from __future__ import annotations
 
 import math
+import mmap
 import re
 import struct
 from dataclasses import dataclass, replace
@@ -152,6 +153,26 @@ class GGUFFile:
         rows = math.prod(tensor.shape[:-1])
         view = self._map[tensor.offset : tensor.offset + tensor.nbytes]
         return view.reshape(*tensor.shape[:-1], tensor.nbytes // rows)
+
+    def populate(self, tensor: GGUFTensor) -> None:
+        """Map a mapped tensor's pages now (read from disk where the page cache lacks them), as
+        llama.cpp does at load: otherwise every page's first touch faults during a decode step.
+        The pages stay the page cache's, shared and dropped under pressure."""
+        self.mapped(tensor)  # the map opened
+        if not hasattr(getattr(self._map, "_mmap", None), "madvise"):
+            return
+        start = tensor.offset - tensor.offset % mmap.PAGESIZE
+        length = tensor.offset + tensor.nbytes - start
+        # MADV_POPULATE_READ (Linux 5.14; not named by Python 3.11's mmap); where refused,
+        # WILLNEED still reads the pages into the page cache ahead of use.
+        for advice in (getattr(mmap, "MADV_POPULATE_READ", 22), getattr(mmap, "MADV_WILLNEED", None)):
+            if advice is None:
+                continue
+            try:
+                self._map._mmap.madvise(advice, start, length)
+                return
+            except (OSError, ValueError):
+                continue
 
     def raw(self, name: str, rows: tuple[int, int] | None = None) -> np.ndarray:
         """The tensor's bytes as GGUFReader would give them (dtype and shape alike), in the file's

@@ -131,6 +131,8 @@ def _mapped_experts(source: QuantSource, prefix: str, moe_kernel: str) -> Mapped
         return None
     gate, _, down = parts
     kernel = "torch" if moe_kernel == "torch" else "native"
+    for part in parts:
+        gguf.populate(part)
     return MappedExperts([(p.type_name, gguf.mapped(p)) for p in parts], down.shape[1], gate.shape[1], kernel)
 
 

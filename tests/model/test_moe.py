@@ -294,3 +294,26 @@ def test_a_large_gguf_is_keyed_from_its_header_and_samples_not_read_whole(tmp_pa
         file.seek(64)  # in the header
         file.write(b"y")
     assert loader._content_key(big) != key
+
+
+def _faults_reading(file: GGUFFile) -> tuple[int, int]:
+    """(minor page faults while touching every page of the file's stacked experts, pages)."""
+    import resource
+
+    views = [file.mapped(t).reshape(-1) for t in file.stacked.values()]
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for view in views:
+        view[::4096].sum(dtype=np.uint64)  # one byte of each page read
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    return faults, sum(v.nbytes for v in views) // 4096
+
+
+def test_populate_maps_the_experts_pages_at_load_not_on_first_touch(moe_ggufs):
+    path = moe_ggufs("Q4_K_M")
+    cold, pages = _faults_reading(GGUFFile(path, 4, 2))
+    populated = GGUFFile(path, 4, 2)
+    for tensor in populated.stacked.values():
+        populated.populate(tensor)
+    warm, _ = _faults_reading(populated)
+    assert pages > 200 and cold > 8  # each first touch faults (the kernel maps a few pages a fault)
+    assert warm <= cold // 4
