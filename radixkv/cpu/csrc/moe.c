@@ -295,9 +295,33 @@ static void tile_dot(int type, const Tile *t, const QX *x, int64_t r, float out[
     _mm256_storeu_ps(out, acc);
 }
 
+/* Q4_K's tile: each row's block scales and mins written straight into the tile's [block][row]
+ * arrays (decode_row_part's values: d * sc and -(dmin * mn)), no row buffer between. */
+static void tile_decode_q4_k(const uint8_t *src, int64_t row_bytes, int k, Tile *t) {
+    for (int i = 0; i < TILE; i++) {
+        const uint8_t *row = src + i * row_bytes;
+        t->raw[i] = row;
+        for (int sb = 0; sb < k / KBLOCK; sb++, row += 144) {
+            const float d = f16_to_f32(row), dmin = f16_to_f32(row + 2);
+            const uint8_t *s = row + 4;
+            float *ts = t->s + (int64_t)sb * 8 * TILE + i, *tm = t->m + (int64_t)sb * 8 * TILE + i;
+            for (int j = 0; j < 4; j++) {
+                ts[j * TILE] = d * (float)(s[j] & 63);
+                tm[j * TILE] = -(dmin * (float)(s[j + 4] & 63));
+                ts[(j + 4) * TILE] = d * (float)((s[j + 8] & 0x0F) | ((s[j] >> 6) << 4));
+                tm[(j + 4) * TILE] = -(dmin * (float)((s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4)));
+            }
+        }
+    }
+}
+
 static void tile_decode(int type, const uint8_t *src, int64_t row_bytes, int k, Tile *t) {
     const int nb = k / MBLOCK;
     t->direct = type == T_Q8_0 || type == T_Q4_K; /* scales decoded, quants read in place */
+    if (type == T_Q4_K) {
+        tile_decode_q4_k(src, row_bytes, k, t);
+        return;
+    }
     for (int i = 0; i < TILE; i++) {
         Row *row = &t->rows[i];
         t->raw[i] = src + i * row_bytes;
