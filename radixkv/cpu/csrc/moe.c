@@ -359,11 +359,6 @@ static void tile_free(Tile *t) {
 }
 #endif
 
-/* Asks for bytes [p, p + bytes) to be brought into the caches, one request a cache line. */
-static inline void prefetch_span(const uint8_t *p, int64_t bytes) {
-    for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(p + at, 0, 3);
-}
-
 /* For each group g: expert experts[g]'s weight (weights + experts[g] * expert_bytes, n rows of
  * row_bytes) times x rows x_rows[p] for pairs p in [offsets[g], offsets[g + 1]), into y row p,
  * columns [0, n) (y_stride floats a row). x fp32 [m][x_stride]. Returns 1 for a type or shape
@@ -410,11 +405,6 @@ int radixkv_moe_grouped(int type, const uint8_t *weights, int64_t expert_bytes, 
                 for (int tix = 0; tix < tiles; tix++) {
                     if (!ok) continue;
                     const int o0 = tix * 8, live = n - o0 < 8 ? n - o0 : 8;
-                    /* The next tile's bytes (the next expert's first after the last tile)
-                     * requested now: decoding a tile's scales otherwise waits on each row's
-                     * first cache miss in turn, one thread reading far below the bandwidth. */
-                    if (tix + 1 < tiles) prefetch_span(expert + (int64_t)(o0 + 8) * row_bytes, (int64_t)(n - o0 - 8 < 8 ? n - o0 - 8 : 8) * row_bytes);
-                    else if (g + 1 < groups) prefetch_span(weights + (int64_t)experts[g + 1] * expert_bytes, (int64_t)(n < 8 ? n : 8) * row_bytes);
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
                     if (tiled && live == 8) {
                         tile_decode(type, expert + (int64_t)o0 * row_bytes, row_bytes, k, &tile);
