@@ -33,6 +33,9 @@ enum { T_Q8_0 = 0, T_Q4_0 = 1, T_Q4_1 = 2, T_Q5_0 = 3, T_Q4_K = 4, T_Q6_K = 5 };
 static float f16_to_f32(const uint8_t *at) {
     uint16_t h;
     memcpy(&h, at, 2);
+#if defined(__F16C__)
+    return _cvtsh_ss(h); /* exact, as below, for every non-NaN half */
+#else
     const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, mant = h & 0x3FF;
     uint32_t bits;
     if (exp == 0x1F) bits = sign | 0x7F800000u | (mant << 13);
@@ -46,6 +49,7 @@ static float f16_to_f32(const uint8_t *at) {
     float out;
     memcpy(&out, &bits, 4);
     return out;
+#endif
 }
 
 /* Bytes a row of k values takes in `type`; 0 for an unknown type or a k it cannot hold. */
