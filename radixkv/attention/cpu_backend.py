@@ -127,10 +127,8 @@ class CPUBackend(AttentionBackend[CPUStepState]):
         thresholds. A batch-invariant step keeps every row on its own: a group depends on the batch."""
         if not self.share_reads or meta.batch_invariant:
             return cascade.CascadePlan(None, 0)
-        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        members = decode.min_members(num_q_heads // num_kv_heads)
-        min_shared = decode.min_shared_tokens(num_kv_heads, head_dim, k_cache.element_size())
-        return cascade.plan_cascade(page_table, seq_lens, k_cache.shape[1], min_shared_tokens=min_shared, min_group_members=members)
+        thresholds = decode.cascade_thresholds(num_q_heads, k_cache.shape[2], k_cache.shape[3], k_cache.element_size())
+        return cascade.plan_cascade(page_table, seq_lens, k_cache.shape[1], **thresholds)
 
     def store_pages(self, k: torch.Tensor, v: torch.Tensor, pages: LayerPages, meta: AttentionMetadata[CPUStepState]) -> None:
         k_cache, v_cache, k_scales, v_scales = pages.k_cache, pages.v_cache, pages.k_scales, pages.v_scales

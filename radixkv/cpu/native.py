@@ -137,7 +137,7 @@ def _declare(library: ctypes.CDLL) -> None:
         "radixkv_paged_extend_bf16": [p, i64, p, p, p, i64, p, p, p, i32, i32, i32, i32, i32, f32, p, i64, i32, i32],
         "radixkv_paged_extend_f32": [p, i64, p, p, p, i64, p, p, p, i32, i32, i32, i32, i32, f32, p, i64, i32, i32],
         "radixkv_paged_extend_fits": [i32, i32, i32],
-        "radixkv_cascade_plan": [p, i64, p, i32, i32, i32, i32, p],
+        "radixkv_cascade_plan": [p, i64, p, i32, i32, i32, i32, i64, p],
         "radixkv_cascade_plan_ints": [i32],
         "radixkv_decode_work_floats": [p, i32, p, i32, i32, i32],
         "radixkv_decode_use_amx": [i32],

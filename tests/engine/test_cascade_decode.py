@@ -20,8 +20,9 @@ pytestmark = pytest.mark.skipif(load() is None, reason="needs the native kernels
 @pytest.fixture(autouse=True)
 def groups_over_any_shared_page(monkeypatch):
     """The tiny model's KV is far smaller than any L2, so no prefix of it would reach the byte
-    threshold (decode.min_shared_tokens): these tests are about groups, so they lift it."""
-    monkeypatch.setattr(decode, "MIN_SHARED_L2_FRACTION", 0.0)
+    threshold (decode.cascade_thresholds): these tests are about groups, so they lift it."""
+    monkeypatch.setattr(decode, "MIN_SAVED_L2_FRACTION", 0.0)
+    monkeypatch.setattr(decode, "MIN_SHARED_TOKENS", 1)
 
 
 def agent_prompts(seed: int, groups: int = 2, members: int = 5, system_len: int = 300) -> list[list[int]]:
