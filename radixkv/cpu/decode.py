@@ -196,10 +196,10 @@ def work_floats(
 # chunk) and enough query heads per KV head to fill a tile (members x GQA group). The runs that
 # set them are in docs/measurements.md ("Cascade decode: where a group pays on CPU" and "Cascade
 # chosen by the bytes it saves"; scenarios/cascade_threshold.py --ab).
-MIN_SAVED_L2_FRACTION = 1.0
+MIN_SAVED_L2_FRACTION = 4.0
 MIN_SHARED_TOKENS = 256
 L2_BYTES_UNKNOWN = 512 << 10  # the smallest L2 of the CPUs radixkv has met, where sysfs is silent
-MIN_GROUP_QUERY_HEADS = 8
+MIN_GROUP_QUERY_HEADS = 12
 
 
 def min_saved_tokens(num_kv_heads: int, head_dim: int, kv_itemsize: int, l2_bytes: int | None = None) -> int:

@@ -38,6 +38,7 @@ def groups_over_any_shared_page(monkeypatch):
     cascade's byte threshold (decode.cascade_thresholds): tests that share pages want groups."""
     monkeypatch.setattr(cpu_decode, "MIN_SAVED_L2_FRACTION", 0.0)
     monkeypatch.setattr(cpu_decode, "MIN_SHARED_TOKENS", 1)
+    monkeypatch.setattr(cpu_decode, "MIN_GROUP_QUERY_HEADS", 8)
 
 
 def run_schedule(

@@ -23,12 +23,14 @@ def groups_over_any_shared_page(monkeypatch):
     threshold (decode.cascade_thresholds): these tests are about groups, so they lift it."""
     monkeypatch.setattr(decode, "MIN_SAVED_L2_FRACTION", 0.0)
     monkeypatch.setattr(decode, "MIN_SHARED_TOKENS", 1)
+    monkeypatch.setattr(decode, "MIN_GROUP_QUERY_HEADS", 8)
 
 
 def agent_prompts(seed: int, groups: int = 2, members: int = 5, system_len: int = 300) -> list[list[int]]:
     """Groups of requests over one long system prompt each (past a 256-key chunk of the
     kernel, and off the page grid), each with a short question of its own. The tiny model's
-    GQA 2 needs 4 members to a group (decode.min_members)."""
+    GQA 2 needs 4 members to a group (decode.min_members, at the 8
+    query heads the fixture sets)."""
     rng = random.Random(seed)
     prompts = []
     for _ in range(groups):
