@@ -64,14 +64,16 @@ class CPUBackend(AttentionBackend[CPUStepState]):
     name = "cpu"
     capabilities = BackendCapabilities(batch_invariant=True, fused_cpu_decode=True)
 
-    def __init__(self, decode_amx: bool = True, share_reads: bool = True) -> None:
+    def __init__(self, decode_amx: bool = True, share_reads: bool = True, cascade_tiles: bool = True) -> None:
         """share_reads: cascade decode, where requests that share a cached prefix read its pages
-        once per step for the whole group (EngineConfig.share_decode_reads)."""
+        once per step for the whole group (EngineConfig.share_decode_reads); cascade_tiles: the
+        group's shared keys as matrix-product tiles (EngineConfig.cascade_tiles)."""
         library = load()
         if library is None:
             raise RuntimeError("the CPU backend needs radixkv's native library, which could not be built here")
         # A process-wide setting of the library (it has one): the last backend built sets it.
         library.radixkv_decode_use_amx(int(decode_amx))
+        library.radixkv_cascade_use_tiles(int(cascade_tiles))
         self.share_reads = share_reads
         self.reference = torch_backend.TorchBackend()
 

@@ -202,6 +202,13 @@ L2_BYTES_UNKNOWN = 512 << 10  # the smallest L2 of the CPUs radixkv has met, whe
 MIN_GROUP_QUERY_HEADS = 12
 
 
+def use_cascade_tiles(on: bool) -> bool:
+    """Cascade groups' shared keys as matrix-product tiles (vdpbf16ps in bf16, FMAs in fp32;
+    on by default) or, off, each member over them with the plain kernel; returns whether tiles
+    are on. One setting per process (the library holds it), as EngineConfig.cascade_tiles."""
+    return bool(load().radixkv_cascade_use_tiles(int(on)))
+
+
 def min_saved_tokens(num_kv_heads: int, head_dim: int, kv_itemsize: int, l2_bytes: int | None = None) -> int:
     """The fewest KV tokens a cascade group must save reading ((members - 1) x shared tokens):
     those whose K and V, over one layer's KV heads at the pages' element size, fill

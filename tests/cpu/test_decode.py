@@ -545,6 +545,30 @@ def test_cascade_matches_the_reference_for_every_grouping(gen, dtype, groups, he
     assert (plan.plan is None) == (plan.saved_tokens == 0)
 
 
+@pytest.fixture
+def cascade_tiles_off():
+    """The member-by-member shared path (EngineConfig.cascade_tiles=False) for one test."""
+    assert native.use_cascade_tiles(False) is False
+    yield
+    native.use_cascade_tiles(True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("groups", "heads", "head_dim"), CASES[:4])
+def test_cascade_without_tiles_matches_the_reference_and_the_tiles(gen, cascade_tiles_off, dtype, groups, heads, head_dim):
+    # Tiles off: each member runs the plain kernel over the shared keys, so the groups' output
+    # is the plain kernel's up to the merge; both paths stay within the reference's tolerance,
+    # on any CPU (with AVX512_BF16 the bf16 tiles are vdpbf16ps, elsewhere tiles in fp32 only).
+    own = torch.randint(1, 90, (sum(size for _, size in groups),), generator=gen).tolist()
+    t = Tables(gen, groups, own, heads=heads, head_dim=head_dim, dtype=dtype)
+    plan = check_cascade(t, dtype, f"tiles off: {groups} {heads} d{head_dim}")
+    scale = t.q.shape[-1] ** -0.5
+    members = native.paged_decode(t.q, t.k_cache, t.v_cache, t.page_table, t.seq_lens, scale, plan=plan.plan)
+    assert native.use_cascade_tiles(True) is True
+    tiles = native.paged_decode(t.q, t.k_cache, t.v_cache, t.page_table, t.seq_lens, scale, plan=plan.plan)
+    assert_close(members, tiles, dtype, "tiles on against off")
+
+
 def test_default_thresholds_group_by_the_bytes_they_save(gen):
     # SmolLM2's heads (GQA 3) in bf16 pages, a 512 KiB L2: a group needs 4 members (12 query
     # heads per KV head), 256 shared tokens (a chunk), and to save (members - 1) x shared tokens

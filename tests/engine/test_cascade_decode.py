@@ -39,17 +39,23 @@ def agent_prompts(seed: int, groups: int = 2, members: int = 5, system_len: int 
     return prompts
 
 
-def run(tiny_llama, prompts, share: bool, num_pages: int = 256, max_tokens: int = 10):
-    llm = make_llm(tiny_llama, share_decode_reads=share, page_size=16, num_pages=num_pages)
+def run(tiny_llama, prompts, share: bool, num_pages: int = 256, max_tokens: int = 10, tiles: bool = True):
+    llm = make_llm(tiny_llama, share_decode_reads=share, page_size=16, num_pages=num_pages, cascade_tiles=tiles)
     llm.generate([prompts[0]], SamplingParams(max_tokens=1))  # the first system prompt cached
     outputs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens))
     assert_pages_returned(llm.engine)
     return [o.token_ids for o in outputs], llm
 
 
-def test_greedy_tokens_are_the_same_with_and_without_cascade(tiny_llama):
+@pytest.mark.parametrize("tiles", [True, False], ids=["tiles", "member_by_member"])
+def test_greedy_tokens_are_the_same_with_and_without_cascade(tiny_llama, tiles):
+    # EngineConfig.cascade_tiles=False runs the groups' shared keys member by member: any CPU
+    # checks both shared paths.
     prompts = agent_prompts(1)
-    cascade, cascade_llm = run(tiny_llama, prompts, share=True)
+    try:
+        cascade, cascade_llm = run(tiny_llama, prompts, share=True, tiles=tiles)
+    finally:
+        decode.use_cascade_tiles(True)  # a process-wide setting: back to its default
     plain, plain_llm = run(tiny_llama, prompts, share=False)
     assert cascade == plain == hf_greedy(tiny_llama, prompts, 10)
     on, off = cascade_llm.engine.counters, plain_llm.engine.counters

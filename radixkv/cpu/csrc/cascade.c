@@ -16,6 +16,15 @@
 
 #include <stdlib.h>
 
+/* The shared items' matrix-product tiles on (1, the default) or off (0: every member runs the
+ * own-item kernel over the shared keys, as where no vector path fits), so any CPU tests both. */
+static int cascade_tiles = 1;
+
+int radixkv_cascade_use_tiles(int on) {
+    cascade_tiles = on != 0;
+    return cascade_tiles;
+}
+
 /* Transposed keys (head_dim x padded keys, 4 bytes each: bf16 pairs or fp32), room for the
  * bf16 path's paired values (CHUNK_TOKENS x head_dim x 4 bytes), then per member query and
  * state pointers. */
@@ -212,7 +221,8 @@ static inline __attribute__((always_inline)) void shared_f32_kv_impl(const Share
 HIDDEN void radixkv_shared_item_bf16(const SharedItem *item, const uint16_t *k, const uint16_t *v, const Shape *sh,
                                      void *scratch) {
 #ifdef HAVE_AVX512_BF16
-    if (sh->head_dim == 64) shared_bf16_impl(item, k, v, sh, scratch, 64);
+    if (!cascade_tiles) MEMBER_BY_MEMBER(radixkv_item_bf16, uint16_t)
+    else if (sh->head_dim == 64) shared_bf16_impl(item, k, v, sh, scratch, 64);
     else if (sh->head_dim == 128) shared_bf16_impl(item, k, v, sh, scratch, 128);
     else if (sh->head_dim % 32 == 0) shared_bf16_impl(item, k, v, sh, scratch, sh->head_dim);
     else
@@ -230,7 +240,8 @@ HIDDEN void radixkv_shared_item_f32(const SharedItem *item, const float *k, cons
 #else
     const int lanes = 8;
 #endif
-    if (sh->head_dim == 64) shared_f32_impl(item, k, v, sh, scratch, 64);
+    if (!cascade_tiles) MEMBER_BY_MEMBER(radixkv_item_f32, float)
+    else if (sh->head_dim == 64) shared_f32_impl(item, k, v, sh, scratch, 64);
     else if (sh->head_dim == 128) shared_f32_impl(item, k, v, sh, scratch, 128);
     else if (sh->head_dim % lanes == 0) shared_f32_impl(item, k, v, sh, scratch, sh->head_dim);
     else
@@ -383,7 +394,8 @@ HIDDEN void radixkv_shared_item_f32_kv(const SharedItem *item, const void *k, co
 #else
     const int lanes = 8;
 #endif
-    if (sh->head_dim == 64) shared_f32_kv_impl(item, k, v, sh, scratch, 64);
+    if (!cascade_tiles) MEMBER_BY_MEMBER(radixkv_item_f32_kv, float)
+    else if (sh->head_dim == 64) shared_f32_kv_impl(item, k, v, sh, scratch, 64);
     else if (sh->head_dim % lanes == 0) shared_f32_kv_impl(item, k, v, sh, scratch, sh->head_dim);
     else
 #else
