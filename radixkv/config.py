@@ -65,13 +65,18 @@ class EngineConfig:
     # in different orders, so some bf16 bits differ). One setting per process: the native
     # library holds it, and the CPU backend applies this value when it is built.
     decode_amx: bool = True
-    # Cascade decode: requests that share a cached prefix (CPU: 9+ query heads per KV head over
-    # 256+ tokens; radixkv/cpu/decode.py says why) read its KV once per step as a group (q.k
+    # Cascade decode: requests that share a cached prefix (CPU: where the group saves reading 4
+    # L2s of one layer's K and V, with 12+ query heads per KV head over 256+ tokens;
+    # radixkv/cpu/decode.py says why) read its KV once per step as a group (q.k
     # and p.v as small matrix products, CPU native or Triton), merged by
     # log-sum-exp with each request's own suffix. Outputs equal plain decode's up to summation
     # order; batch-invariant steps never group (a group depends on the batch). False: each
     # request reads all its KV itself.
     share_decode_reads: bool = True
+    # CPU cascade groups' shared keys as matrix-product tiles (vdpbf16ps on AVX512_BF16 in bf16,
+    # FMAs in fp32); False runs each member over them with the plain decode kernel, so any CPU
+    # tests both. One setting per process, like decode_amx.
+    cascade_tiles: bool = True
     # Linears on CPU. bf16: "amx" (tiles), "avx512_bf16" (vdpbf16ps; any CPU with AVX512_BF16,
     # AMX machines included, so either machine tests the other's path) or "onednn" (torch's
     # library, over weights it packs once). fp32: "avx2" (FMAs over weights packed once; any
@@ -265,7 +270,7 @@ class EngineConfig:
         _choice(self, "quant_kernel", QUANT_KERNELS)
         _choice(self, "moe_kernel", MOE_KERNELS)
         _choice(self, "weight_dtype", WEIGHT_DTYPES)
-        for name in ("native_kernels", "decode_amx", "share_decode_reads"):
+        for name in ("native_kernels", "decode_amx", "share_decode_reads", "cascade_tiles"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}", param=name)
         if self.check_indices is not None and not isinstance(self.check_indices, bool):

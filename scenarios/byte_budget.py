@@ -161,25 +161,24 @@ def replay_window_aware(trace, num_full_blocks: int, windows: WindowPages | None
 
 
 def print_budget_table(rows: list[BudgetRow]) -> None:
-    header = f"{'kv_dtype':<9} {'policy':<7} {'RAM bytes':>13} {'B/token':>8} {'tokens/GiB':>11} {'RAM blocks':>10} {'hit all':>8}"
-    print(header)
-    print("-" * len(header))
-    for row in rows:
-        print(
-            f"{row.kv_dtype:<9} {row.policy:<7} {row.ram_bytes:>13,} {row.bytes_per_token:>8.0f} {row.tokens_per_gib:>11,} "
-            f"{row.ram_blocks:>10,} {row.hit_ratio:>8.3f}"
-        )
+    columns = (("kv_dtype", "<9", ""), ("policy", "<7", ""), ("RAM bytes", ">13", ","), ("B/token", ">8", ".0f"),
+               ("tokens/GiB", ">11", ","), ("RAM blocks", ">10", ","), ("hit all", ">8", ".3f"))  # fmt: skip
+    _print_table(columns, [(r.kv_dtype, r.policy, r.ram_bytes, r.bytes_per_token, r.tokens_per_gib, r.ram_blocks, r.hit_ratio) for r in rows])
 
 
 def print_window_table(rows: list[WindowRow]) -> None:
-    header = f"{'kv_dtype':<9} {'RAM bytes':>15} {'layout':<13} {'share':>6} {'full blocks':>11} {'window blocks':>13} {'hit':>6}"
+    columns = (("kv_dtype", "<9", ""), ("RAM bytes", ">15", ","), ("layout", "<13", ""), ("share", ">6", ".2f"),
+               ("full blocks", ">11", ","), ("window blocks", ">13", ","), ("hit", ">6", ".3f"))  # fmt: skip
+    _print_table(columns, [(r.kv_dtype, r.ram_bytes, r.layout, r.window_share, r.full_blocks, r.window_blocks, r.hit_ratio) for r in rows])
+
+
+def _print_table(columns: tuple[tuple[str, str, str], ...], cells: list[tuple]) -> None:
+    """A fixed-width table: each column's (header, alignment and width, value format)."""
+    header = " ".join(f"{name:{width}}" for name, width, _ in columns)
     print(header)
     print("-" * len(header))
-    for row in rows:
-        print(
-            f"{row.kv_dtype:<9} {row.ram_bytes:>15,} {row.layout:<13} {row.window_share:>6.2f} {row.full_blocks:>11,} "
-            f"{row.window_blocks:>13,} {row.hit_ratio:>6.3f}"
-        )
+    for row in cells:
+        print(" ".join(f"{value:{width}{spec}}" for value, (_, width, spec) in zip(row, columns, strict=True)))
 
 
 def _bytes(text: str, parser: argparse.ArgumentParser) -> int:

@@ -301,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--own-tokens", type=int, default=64, help="with --shared-prefix: tokens of each request's own")
     parser.add_argument("--group-size", type=int, default=16, help="with --shared-prefix: requests per group")
     parser.add_argument("--group-sizes", default="1,2,4,8,16,32", help="with --shared-prefix: the sizes of the step-time sweep")
+    parser.add_argument("--batch-invariant", choices=("auto", "on", "off"), default="auto",
+                        help="with --shared-prefix: EngineConfig.batch_invariant (auto: on for quantized weights, which keeps every row on its own, cascade off)")  # fmt: skip
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -321,7 +323,8 @@ def shared_prefix_main(args, out: Path) -> int:
 
     context = args.shared_prefix + args.own_tokens
     pages = args.num_seqs * (-(-(context + args.steps + 72) // 16)) + 64
-    llm = LLM(args.model, dtype=args.dtype, num_pages=pages, max_num_seqs=args.num_seqs, max_batch_tokens=4096)
+    invariant = {"auto": None, "on": True, "off": False}[args.batch_invariant]
+    llm = LLM(args.model, dtype=args.dtype, num_pages=pages, max_num_seqs=args.num_seqs, max_batch_tokens=4096, batch_invariant=invariant)
     common = dict(num_seqs=args.num_seqs, context=context, steps=args.steps, shared_prefix=args.shared_prefix, quiet=True,
                   llm=llm, limits=machine_limits(llm.engine.dtype))  # fmt: skip
     runs = {share: profile_decode(**common, group_size=args.group_size, share_reads=share, breakdown=True) for share in (True, False)}

@@ -55,6 +55,7 @@ def make_backend(
     decode_amx: bool = True,
     share_decode_reads: bool = True,
     check_indices: bool | None = None,
+    cascade_tiles: bool = True,
 ) -> AttentionBackend:
     """The backend for `name` ("auto", "torch", "cpu", "triton") on `device`, set up from
     EngineConfig's fields of the same names."""
@@ -62,7 +63,7 @@ def make_backend(
     if name == "cpu":
         if not native_kernels:
             raise ValueError("attention_backend 'cpu' runs the native kernels; it needs native_kernels=True")
-        return backend_class(name)(decode_amx=decode_amx, share_reads=share_decode_reads)
+        return backend_class(name)(decode_amx=decode_amx, share_reads=share_decode_reads, cascade_tiles=cascade_tiles)
     if name == "triton":
         return backend_class(name)(check_indices=check_indices, share_reads=share_decode_reads, native_planner=native_kernels)
     return backend_class(name)()

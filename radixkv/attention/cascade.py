@@ -23,6 +23,7 @@ def plan_cascade(
     min_shared_tokens: int,
     min_group_members: int,
     native_planner: bool = True,
+    min_saved_tokens: int = 0,
 ) -> CascadePlan:
     """The step's cascade groups (see torch_cascade_plan), planned by the C planner where
     native_planner is on (EngineConfig.native_kernels) and the library is built, else in Python.
@@ -30,8 +31,8 @@ def plan_cascade(
     page_table = page_table.to(device="cpu", dtype=torch.int32).contiguous()
     seq_lens = seq_lens.to(device="cpu", dtype=torch.int32).contiguous()
     if native_planner and native.load() is not None:
-        return cascade_plan(page_table, seq_lens, page_size, min_shared_tokens, min_group_members)
-    return torch_cascade_plan(page_table, seq_lens, page_size, min_shared_tokens, min_group_members)
+        return cascade_plan(page_table, seq_lens, page_size, min_shared_tokens, min_group_members, min_saved_tokens)
+    return torch_cascade_plan(page_table, seq_lens, page_size, min_shared_tokens, min_group_members, min_saved_tokens)
 
 
 def plan_ints(num_seqs: int) -> int:
@@ -40,13 +41,19 @@ def plan_ints(num_seqs: int) -> int:
 
 
 def torch_cascade_plan(
-    page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int, min_shared_tokens: int, min_group_members: int
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_size: int,
+    min_shared_tokens: int,
+    min_group_members: int,
+    min_saved_tokens: int = 0,
 ) -> CascadePlan:
     """Groups requests by the deepest cached prefix they share (equal page ids at the same
     positions: the same radix tree blocks, whole pages only), choosing the grouping that saves
     the most reads; a group has at least min_group_members requests sharing min_shared_tokens
-    or more. The plan buffer is laid out as radixkv_cascade_plan writes it (Plan in
-    csrc/paged_decode.c); each step below is that function's, in its order."""
+    or more, saving at least min_saved_tokens of KV reads ((members - 1) x shared tokens). The
+    plan buffer is laid out as radixkv_cascade_plan writes it (Plan in csrc/paged_decode.c);
+    each step below is that function's, in its order."""
     num_seqs = seq_lens.shape[0]
     plan = torch.zeros(plan_ints(num_seqs), dtype=torch.int32)
     plan[1 : 1 + num_seqs] = -1
@@ -59,7 +66,8 @@ def torch_cascade_plan(
     lcp = [0] + [_common_pages(full[a], full[b]) for a, b in zip(order, order[1:])]
     min_pages = max(1, -(-min_shared_tokens // page_size))
     min_members = max(2, min_group_members)
-    merged = _best_grouping(lcp, min_pages, min_members)
+    min_saved_pages = -(-max(0, min_saved_tokens) // page_size)
+    merged = _best_grouping(lcp, min_pages, min_members, min_saved_pages)
     groups = _emit_groups(lcp, merged)
     group_of, member_index = plan[1 : 1 + num_seqs], plan[1 + num_seqs : 1 + 2 * num_seqs]
     starts, members, shared, saved = [0], [], [], 0
@@ -93,7 +101,7 @@ def _argmin(lcp: list[int], lo: int, hi: int) -> int:
     return k
 
 
-def _best_grouping(lcp: list[int], min_pages: int, min_members: int) -> dict[int, bool]:
+def _best_grouping(lcp: list[int], min_pages: int, min_members: int, min_saved_pages: int = 0) -> dict[int, bool]:
     """For each split point k, whether the run it splits is one group (merged) or its two sides'
     best groupings: the one that saves more reads, (members - 1) x shared pages; a tie merges.
     Iterative, children before parent (the C code recurses), so any batch size fits the stack."""
@@ -110,8 +118,9 @@ def _best_grouping(lcp: list[int], min_pages: int, min_members: int) -> dict[int
             stack += [(lo, hi, True), (k, hi, False), (lo, k, False)]
             continue
         split = saving.pop((lo, k)) + saving.pop((k, hi))
-        worth = lcp[k] >= min_pages and hi - lo >= min_members
-        whole = (hi - lo - 1) * lcp[k] if worth else 0
+        saves = (hi - lo - 1) * lcp[k]
+        worth = lcp[k] >= min_pages and hi - lo >= min_members and saves >= min_saved_pages
+        whole = saves if worth else 0
         merged[k] = whole > 0 and whole >= split
         saving[(lo, hi)] = whole if merged[k] else split
     return merged

@@ -64,14 +64,16 @@ class CPUBackend(AttentionBackend[CPUStepState]):
     name = "cpu"
     capabilities = BackendCapabilities(batch_invariant=True, fused_cpu_decode=True)
 
-    def __init__(self, decode_amx: bool = True, share_reads: bool = True) -> None:
+    def __init__(self, decode_amx: bool = True, share_reads: bool = True, cascade_tiles: bool = True) -> None:
         """share_reads: cascade decode, where requests that share a cached prefix read its pages
-        once per step for the whole group (EngineConfig.share_decode_reads)."""
+        once per step for the whole group (EngineConfig.share_decode_reads); cascade_tiles: the
+        group's shared keys as matrix-product tiles (EngineConfig.cascade_tiles)."""
         library = load()
         if library is None:
             raise RuntimeError("the CPU backend needs radixkv's native library, which could not be built here")
         # A process-wide setting of the library (it has one): the last backend built sets it.
         library.radixkv_decode_use_amx(int(decode_amx))
+        library.radixkv_cascade_use_tiles(int(cascade_tiles))
         self.share_reads = share_reads
         self.reference = torch_backend.TorchBackend()
 
@@ -127,10 +129,8 @@ class CPUBackend(AttentionBackend[CPUStepState]):
         thresholds. A batch-invariant step keeps every row on its own: a group depends on the batch."""
         if not self.share_reads or meta.batch_invariant:
             return cascade.CascadePlan(None, 0)
-        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        members = decode.min_members(num_q_heads // num_kv_heads)
-        min_shared = decode.min_shared_tokens(num_kv_heads, head_dim, k_cache.element_size())
-        return cascade.plan_cascade(page_table, seq_lens, k_cache.shape[1], min_shared_tokens=min_shared, min_group_members=members)
+        thresholds = decode.cascade_thresholds(num_q_heads, k_cache.shape[2], k_cache.shape[3], k_cache.element_size())
+        return cascade.plan_cascade(page_table, seq_lens, k_cache.shape[1], **thresholds)
 
     def store_pages(self, k: torch.Tensor, v: torch.Tensor, pages: LayerPages, meta: AttentionMetadata[CPUStepState]) -> None:
         k_cache, v_cache, k_scales, v_scales = pages.k_cache, pages.v_cache, pages.k_scales, pages.v_scales

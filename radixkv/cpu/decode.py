@@ -189,30 +189,49 @@ def work_floats(
 
 
 # Who decodes as a cascade group on CPU. A shared item transposes and pairs its keys and values
-# once for all its queries, then runs at the matrix-product rate; that set-up pays only when
-# the members would otherwise fetch the shared KV from beyond a core's own cache, and with
-# enough query heads per KV head (members x GQA group: 3 members of SmolLM2's GQA 3, pairs of
-# a Llama-3's GQA 4). So the
-# threshold is in bytes, one layer's shared K and V against the L2 a core has, not in tokens.
-# The runs that set both thresholds are in docs/measurements.md ("Cascade decode: where a group
-# pays on CPU"; scenarios/cascade_threshold.py).
-MIN_SHARED_L2_FRACTION = 1.0
+# once for all its queries, then runs at the matrix-product rate; the group pays by the KV reads
+# it saves: (members - 1) x the shared K and V of one layer, in bytes, at least a fraction of a
+# core's L2 (below that the members' re-reads come from cache and the set-up is not won back).
+# Two floors stand beside the bytes rule: a chunk's worth of shared keys (the transposing is per
+# chunk) and enough query heads per KV head to fill a tile (members x GQA group). The runs that
+# set them are in docs/measurements.md ("Cascade decode: where a group pays on CPU" and "Cascade
+# chosen by the bytes it saves"; scenarios/cascade_threshold.py --ab).
+MIN_SAVED_L2_FRACTION = 4.0
+MIN_SHARED_TOKENS = 256
 L2_BYTES_UNKNOWN = 512 << 10  # the smallest L2 of the CPUs radixkv has met, where sysfs is silent
-MIN_GROUP_QUERY_HEADS = 8
+MIN_GROUP_QUERY_HEADS = 12
 
 
-def min_shared_tokens(num_kv_heads: int, head_dim: int, kv_itemsize: int, l2_bytes: int | None = None) -> int:
-    """The fewest shared tokens worth a cascade group: those whose K and V, over one layer's KV
-    heads at the pages' element size, fill MIN_SHARED_L2_FRACTION of a core's L2 (this CPU's
-    where l2_bytes is None)."""
+def use_cascade_tiles(on: bool) -> bool:
+    """Cascade groups' shared keys as matrix-product tiles (vdpbf16ps in bf16, FMAs in fp32;
+    on by default) or, off, each member over them with the plain kernel; returns whether tiles
+    are on. One setting per process (the library holds it), as EngineConfig.cascade_tiles."""
+    return bool(load().radixkv_cascade_use_tiles(int(on)))
+
+
+def min_saved_tokens(num_kv_heads: int, head_dim: int, kv_itemsize: int, l2_bytes: int | None = None) -> int:
+    """The fewest KV tokens a cascade group must save reading ((members - 1) x shared tokens):
+    those whose K and V, over one layer's KV heads at the pages' element size, fill
+    MIN_SAVED_L2_FRACTION of a core's L2 (this CPU's where l2_bytes is None)."""
     l2_bytes = l2_bytes or cpu_caches().l2_bytes or L2_BYTES_UNKNOWN
     bytes_per_token = 2 * num_kv_heads * head_dim * kv_itemsize
-    return max(1, math.ceil(MIN_SHARED_L2_FRACTION * l2_bytes / bytes_per_token))
+    return max(1, math.ceil(MIN_SAVED_L2_FRACTION * l2_bytes / bytes_per_token))
 
 
 def min_members(query_heads_per_kv_head: int) -> int:
     """The fewest requests worth a cascade group for this GQA group size."""
     return max(2, -(-MIN_GROUP_QUERY_HEADS // max(1, query_heads_per_kv_head)))
+
+
+def cascade_thresholds(num_q_heads: int, num_kv_heads: int, head_dim: int, kv_itemsize: int,
+                       l2_bytes: int | None = None) -> dict[str, int]:  # fmt: skip
+    """The automatic choice as cascade_plan's keyword arguments: min_shared_tokens,
+    min_group_members and min_saved_tokens for this model's heads and page dtype on this CPU."""
+    return dict(
+        min_shared_tokens=MIN_SHARED_TOKENS,
+        min_group_members=min_members(num_q_heads // num_kv_heads),
+        min_saved_tokens=min_saved_tokens(num_kv_heads, head_dim, kv_itemsize, l2_bytes),
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,10 +263,12 @@ def cascade_plan(
     page_size: int,
     min_shared_tokens: int,
     min_group_members: int = 2,
+    min_saved_tokens: int = 0,
 ) -> CascadePlan:
     """Groups requests by the deepest cached prefix they share (equal page ids: the same radix
     tree blocks), choosing the grouping that saves the most reads (radixkv_cascade_plan); a
-    group has at least min_group_members requests sharing min_shared_tokens or more. Tables as
+    group has at least min_group_members requests sharing min_shared_tokens or more, and saves
+    at least min_saved_tokens of KV reads ((members - 1) x shared tokens). Tables as
     paged_decode takes them, already checked. The backends plan through radixkv.attention.cascade,
     whose Python planner gives the same plan where this library is not built."""
     library = load()
@@ -255,7 +276,7 @@ def cascade_plan(
     plan = torch.empty(library.radixkv_cascade_plan_ints(num_seqs), dtype=torch.int32)
     saved = library.radixkv_cascade_plan(
         page_table.data_ptr(), page_table.stride(0), seq_lens.data_ptr(), num_seqs, page_size, min_shared_tokens,
-        min_group_members, plan.data_ptr(),
+        min_group_members, min_saved_tokens, plan.data_ptr(),
     )  # fmt: skip
     if saved < 0:
         raise MemoryError("cascade planning could not allocate its sort buffers")

@@ -30,7 +30,7 @@ def load_engine_model(config: EngineConfig, device: torch.device, loaded: Loaded
     batch-invariant config on a backend that cannot run it, before any weight is read."""
     backend = loaded.model.attention if loaded is not None else make_backend(
         config.attention_backend, device.type, native_kernels=config.native_kernels, decode_amx=config.decode_amx,
-        share_decode_reads=config.share_decode_reads, check_indices=config.check_indices,
+        share_decode_reads=config.share_decode_reads, check_indices=config.check_indices, cascade_tiles=config.cascade_tiles,
     )  # fmt: skip
     if config.batch_invariant and not backend.capabilities.batch_invariant:
         raise ConfigError(

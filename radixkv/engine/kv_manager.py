@@ -7,17 +7,22 @@ residency, the ghost index and the write-back follow the cache through its bus (
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 from radixkv.cache.disk import DiskTier
 from radixkv.cache.hashing import BlockHasher
 from radixkv.cache.layer_groups import WindowPages
 from radixkv.cache.pages import OutOfPages, PagePool
 from radixkv.cache.radix import PeekResult, RadixTree
+from radixkv.cache.radix_node import MatchResult
 from radixkv.engine.cache_report import AdmissionMatch
 from radixkv.engine.cache_view import CacheView
 from radixkv.engine.disk_loader import ComputeEstimate, DiskLoader
 from radixkv.engine.kv_keeps import KVKeeps
 from radixkv.engine.request import Admitted, SequenceState
+
+_Found = TypeVar("_Found", bound=PeekResult | MatchResult)
 
 
 class KVManager(KVKeeps):
@@ -76,16 +81,17 @@ class KVManager(KVKeeps):
         """What RAM would serve seq now; pure (no split, no LRU time, no stats)."""
         if not self._caching or seq.num_tokens <= self._page_size:
             return PeekResult(0, [], 0)
-        peek = self._tree.peek(seq.all_token_ids, seq.salt, block_hashes=self._hashes(seq))
-        cut = self._window_cut(peek.pages, peek.num_cached_tokens)
-        if cut == peek.num_cached_tokens:
-            return peek
-        hashes = self._hashes(seq)[: cut // self._page_size]
-        return self._tree.peek(seq.all_token_ids[: cut + 1], seq.salt, block_hashes=hashes) if cut else PeekResult(0, [], 0)
+        return self._within_windows(seq, lambda tokens, hashes: self._tree.peek(tokens, seq.salt, block_hashes=hashes))
 
-    def _window_cut(self, pages: list[int], num_tokens: int) -> int:
-        """Where a match over `pages` may stop so that every group holds what continuing needs."""
-        return num_tokens if self._windows is None else self._windows.usable_tokens(pages, num_tokens)
+    def _within_windows(self, seq: SequenceState, find: Callable[[list[int], list[int]], _Found]) -> _Found:
+        """find(tokens, hashes) over seq, found again up to the cut where every group still holds
+        what continuing needs (window layers: the W tokens before it) when the first stops later."""
+        hashes, tokens = self._hashes(seq), seq.all_token_ids
+        found = find(tokens, hashes)
+        if self._windows is None:
+            return found
+        cut = self._windows.usable_tokens(found.pages, found.num_cached_tokens)
+        return found if cut == found.num_cached_tokens else find(tokens[: cut + 1], hashes[: cut // self._page_size])
 
     def can_admit(self, peek: PeekResult, num_new_tokens: int, headroom_pages: int = 0) -> bool:
         """Whether the pages for the first num_new_tokens past peek's match, plus
@@ -114,7 +120,7 @@ class KVManager(KVKeeps):
         the chunk unless the hit goes on past it. Call it after can_admit: nothing is undone."""
         assert not seq.page_table and seq.tree_node is None
         num_ram_tokens = self._lock_match(seq) if self._caching else 0
-        loader, reporting = self._loader, _reports(seq)
+        loader, reporting = self._loader, seq.makes_cache_report
         # What the disk held past the RAM match, counted before loading takes it.
         held = loader.held_blocks(seq, num_ram_tokens // self._page_size) if reporting and loader is not None else 0
         if loader is not None:
@@ -125,7 +131,7 @@ class KVManager(KVKeeps):
         rest = 0 if admitted.more_to_load else num_new_tokens - admitted.num_loaded_tokens
         reserved = self._allocate(seq, rest)
         assert reserved, "can_admit counted these pages a moment ago"
-        if _first_run(seq):
+        if seq.first_run:
             seq.num_cached_tokens = seq.num_computed_tokens
         return admitted
 
@@ -134,7 +140,7 @@ class KVManager(KVKeeps):
         are loaded, pages allocated for the rest (evicting if needed) unless the hit goes on
         past them. None when short of pages (what was loaded stays: num_computed_tokens says)."""
         loaded = self._loader.continue_load(seq, num_new_tokens) if self._loader is not None else 0
-        if _first_run(seq):
+        if seq.first_run:
             seq.num_cached_tokens += loaded  # served by the cache, as at admission
         admitted = self._admitted(seq, loaded)
         if not admitted.more_to_load and not self._allocate(seq, num_new_tokens - loaded):
@@ -161,11 +167,7 @@ class KVManager(KVKeeps):
 
     def _lock_match(self, seq: SequenceState) -> int:
         """Match seq in RAM, lock the match and take a reference on its pages; its tokens."""
-        match = self._tree.match(seq.all_token_ids, seq.salt, block_hashes=self._hashes(seq), record=False)
-        cut = self._window_cut(match.pages, match.num_cached_tokens)
-        if cut < match.num_cached_tokens:  # a window lacks pages past the cut: match up to it
-            hashes = self._hashes(seq)[: cut // self._page_size]
-            match = self._tree.match(seq.all_token_ids[: cut + 1], seq.salt, block_hashes=hashes, record=False)
+        match = self._within_windows(seq, lambda tokens, hashes: self._tree.match(tokens, seq.salt, block_hashes=hashes, record=False))
         self._tree.lock(match.node)
         self._tree.record_lookup(seq.num_tokens, match.num_cached_tokens)
         self._pool.incref(match.pages)
@@ -257,15 +259,3 @@ class KVManager(KVKeeps):
         seq.tree_node = result.node
         # Blocks a hash collision kept out of the tree stay private; they are not offered again.
         seq.num_tree_blocks = num_full
-
-
-def _reports(seq: SequenceState) -> bool:
-    """Whether admitting seq makes its request's cache report: once per request, at its first
-    sequence's first admission (what the cache served the request, as _first_run says)."""
-    return seq.index == 0 and _first_run(seq)
-
-
-def _first_run(seq: SequenceState) -> bool:
-    """Whether seq runs for the first time (not after a preemption, no output yet): what the
-    cache serves it then is the request's cache hit (num_cached_tokens)."""
-    return seq.num_preemptions == 0 and not seq.output_token_ids

@@ -167,6 +167,18 @@ class SequenceState:
     def finished(self) -> bool:
         return self.status is SeqStatus.FINISHED
 
+    @property
+    def first_run(self) -> bool:
+        """Whether it runs for the first time (not after a preemption, no output yet): what the
+        cache serves it then is the request's cache hit (num_cached_tokens)."""
+        return self.num_preemptions == 0 and not self.output_token_ids
+
+    @property
+    def makes_cache_report(self) -> bool:
+        """Whether admitting it makes its request's cache report: once per request, at its first
+        sequence's first admission."""
+        return self.index == 0 and self.first_run
+
 
 @dataclass(frozen=True, slots=True)
 class Admitted:

@@ -8,6 +8,8 @@ tests/kernels/test_attention_kernels.py (Triton).
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -66,12 +68,14 @@ def shared_tables(draw, num_seqs: int, page_size: int) -> tuple[torch.Tensor, to
     page_size=st.sampled_from([1, 2, 4, 16]),
     min_pages=st.integers(0, 4),
     min_group_members=st.integers(0, 4),
+    min_saved_pages=st.integers(0, 12),
 )
-def test_the_python_planner_gives_the_c_planners_groups(data, num_seqs, page_size, min_pages, min_group_members):
+def test_the_python_planner_gives_the_c_planners_groups(data, num_seqs, page_size, min_pages, min_group_members, min_saved_pages):
     # Thresholds around whole pages (half a page short of min_pages), so that about half the
     # examples group, many in several groups.
     page_table, seq_lens = shared_tables(data.draw, num_seqs, page_size)
-    thresholds = dict(min_shared_tokens=max(0, min_pages * page_size - page_size // 2), min_group_members=min_group_members)
+    thresholds = dict(min_shared_tokens=max(0, min_pages * page_size - page_size // 2), min_group_members=min_group_members,
+                      min_saved_tokens=max(0, min_saved_pages * page_size - page_size // 2))  # fmt: skip
     c_plan = decode.cascade_plan(page_table, seq_lens, page_size, **thresholds)
     py_plan = cascade.torch_cascade_plan(page_table, seq_lens, page_size, **thresholds)
     assert py_plan.saved_tokens == c_plan.saved_tokens
@@ -80,6 +84,23 @@ def test_the_python_planner_gives_the_c_planners_groups(data, num_seqs, page_siz
         assert torch.equal(used_ints(py_plan.plan, num_seqs), used_ints(c_plan.plan, num_seqs))
         for ours, theirs in zip(py_plan.groups(num_seqs), c_plan.groups(num_seqs), strict=True):
             assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("native_planner", [False, True])
+def test_a_group_must_save_min_saved_tokens_of_reads(native_planner):
+    # Three requests over 2 shared pages of 4 tokens save (3 - 1) x 8 = 16 tokens of reads: a
+    # group at 16, none at 17; a pair over the same pages saves 8.
+    if native_planner and native.load() is None:
+        pytest.skip("needs the native library (a C compiler)")
+    rows = [[1, 2, 10 + b] for b in range(3)]
+    page_table, seq_lens = torch.tensor(rows, dtype=torch.int32), torch.full((3,), 10, dtype=torch.int32)
+    plan = functools.partial(cascade.plan_cascade, page_table, seq_lens, 4, min_shared_tokens=4, min_group_members=2,
+                             native_planner=native_planner)  # fmt: skip
+    assert plan(min_saved_tokens=16).saved_tokens == 16
+    assert plan(min_saved_tokens=17).plan is None
+    pair = cascade.plan_cascade(page_table[:2], seq_lens[:2], 4, min_shared_tokens=4, min_group_members=2,
+                                native_planner=native_planner, min_saved_tokens=9)  # fmt: skip
+    assert pair.plan is None
 
 
 def test_the_python_planner_groups_by_the_deepest_prefix_that_saves_most():

@@ -545,19 +545,45 @@ def test_cascade_matches_the_reference_for_every_grouping(gen, dtype, groups, he
     assert (plan.plan is None) == (plan.saved_tokens == 0)
 
 
-def test_default_thresholds_group_only_what_pays(gen):
-    # SmolLM2's heads (GQA 3) in bf16 pages, a 512 KiB L2: a group needs 3 members (8 query heads
-    # per KV head) and a layer's shared K and V to fill the L2 (683 tokens of 768 bytes); a pair
-    # over 1,024 tokens and trios over 112 and 240 tokens decode on their own.
-    min_shared = native.min_shared_tokens(3, 64, 2, l2_bytes=512 << 10)
-    assert min_shared == 683 and native.min_shared_tokens(8, 64, 4, l2_bytes=512 << 10) == 128
-    groups = [(1024, 2), (1024, 3), (112, 3), (240, 3), (700, 16)]
+@pytest.fixture
+def cascade_tiles_off():
+    """The member-by-member shared path (EngineConfig.cascade_tiles=False) for one test."""
+    assert native.use_cascade_tiles(False) is False
+    yield
+    native.use_cascade_tiles(True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("groups", "heads", "head_dim"), CASES[:4])
+def test_cascade_without_tiles_matches_the_reference_and_the_tiles(gen, cascade_tiles_off, dtype, groups, heads, head_dim):
+    # Tiles off: each member runs the plain kernel over the shared keys, so the groups' output
+    # is the plain kernel's up to the merge; both paths stay within the reference's tolerance,
+    # on any CPU (with AVX512_BF16 the bf16 tiles are vdpbf16ps, elsewhere tiles in fp32 only).
+    own = torch.randint(1, 90, (sum(size for _, size in groups),), generator=gen).tolist()
+    t = Tables(gen, groups, own, heads=heads, head_dim=head_dim, dtype=dtype)
+    plan = check_cascade(t, dtype, f"tiles off: {groups} {heads} d{head_dim}")
+    scale = t.q.shape[-1] ** -0.5
+    members = native.paged_decode(t.q, t.k_cache, t.v_cache, t.page_table, t.seq_lens, scale, plan=plan.plan)
+    assert native.use_cascade_tiles(True) is True
+    tiles = native.paged_decode(t.q, t.k_cache, t.v_cache, t.page_table, t.seq_lens, scale, plan=plan.plan)
+    assert_close(members, tiles, dtype, "tiles on against off")
+
+
+def test_default_thresholds_group_by_the_bytes_they_save(gen):
+    # SmolLM2's heads (GQA 3) in bf16 pages, a 512 KiB L2: a group needs 4 members (12 query
+    # heads per KV head), 256 shared tokens (a chunk), and to save (members - 1) x shared tokens
+    # of one layer's K and V that fill 4 L2s (2,731 tokens of 768 bytes). A trio over 2,048
+    # tokens, four over 240 and four over 512 (saves 1,536) decode on their own; four over 1,024
+    # (saves 3,072), 16 over 256 (saves 3,840) and 16 over 700 (688 in whole pages) form groups.
+    thresholds = native.cascade_thresholds(9, 3, 64, 2, l2_bytes=512 << 10)
+    assert thresholds == dict(min_shared_tokens=256, min_group_members=4, min_saved_tokens=2731)
+    assert native.min_saved_tokens(8, 64, 4, l2_bytes=512 << 10) == 512
+    assert native.min_members(1) == 12 and native.min_members(4) == 3 and native.min_members(8) == 2
+    groups = [(2048, 3), (240, 4), (512, 4), (1024, 4), (256, 16), (700, 16)]
     own = torch.randint(1, 40, (sum(size for _, size in groups),), generator=gen).tolist()
     t = Tables(gen, groups, own, heads=(9, 3), head_dim=64, dtype=torch.bfloat16)
-    members = native.min_members(3)
-    assert members == 3 and native.min_members(1) == 8 and native.min_members(4) == 2
-    plan = check_cascade(t, torch.bfloat16, "default thresholds", min_shared_tokens=min_shared, min_group_members=members)
-    assert plan.saved_tokens == t.expected_saved_tokens(min_shared, members) == 2 * 1024 + 15 * 688
+    plan = check_cascade(t, torch.bfloat16, "default thresholds", **thresholds)
+    assert plan.saved_tokens == 3 * 1024 + 15 * 256 + 15 * 688
 
 
 def test_plan_groups_by_the_deepest_prefix_that_saves_most(gen):

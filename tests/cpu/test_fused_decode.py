@@ -35,8 +35,10 @@ needs_native_linears = pytest.mark.skipif(FUSED_KERNEL is None, reason=f"no nati
 @pytest.fixture(autouse=True)
 def groups_over_any_shared_page(monkeypatch):
     """The tiny models' shared prefixes are far smaller than any L2, so none would reach the
-    cascade's byte threshold (decode.min_shared_tokens): tests that share pages want groups."""
-    monkeypatch.setattr(cpu_decode, "MIN_SHARED_L2_FRACTION", 0.0)
+    cascade's byte threshold (decode.cascade_thresholds): tests that share pages want groups."""
+    monkeypatch.setattr(cpu_decode, "MIN_SAVED_L2_FRACTION", 0.0)
+    monkeypatch.setattr(cpu_decode, "MIN_SHARED_TOKENS", 1)
+    monkeypatch.setattr(cpu_decode, "MIN_GROUP_QUERY_HEADS", 8)
 
 
 def run_schedule(

@@ -20,14 +20,17 @@ pytestmark = pytest.mark.skipif(load() is None, reason="needs the native kernels
 @pytest.fixture(autouse=True)
 def groups_over_any_shared_page(monkeypatch):
     """The tiny model's KV is far smaller than any L2, so no prefix of it would reach the byte
-    threshold (decode.min_shared_tokens): these tests are about groups, so they lift it."""
-    monkeypatch.setattr(decode, "MIN_SHARED_L2_FRACTION", 0.0)
+    threshold (decode.cascade_thresholds): these tests are about groups, so they lift it."""
+    monkeypatch.setattr(decode, "MIN_SAVED_L2_FRACTION", 0.0)
+    monkeypatch.setattr(decode, "MIN_SHARED_TOKENS", 1)
+    monkeypatch.setattr(decode, "MIN_GROUP_QUERY_HEADS", 8)
 
 
 def agent_prompts(seed: int, groups: int = 2, members: int = 5, system_len: int = 300) -> list[list[int]]:
     """Groups of requests over one long system prompt each (past a 256-key chunk of the
     kernel, and off the page grid), each with a short question of its own. The tiny model's
-    GQA 2 needs 4 members to a group (decode.min_members)."""
+    GQA 2 needs 4 members to a group (decode.min_members, at the 8
+    query heads the fixture sets)."""
     rng = random.Random(seed)
     prompts = []
     for _ in range(groups):
@@ -36,17 +39,23 @@ def agent_prompts(seed: int, groups: int = 2, members: int = 5, system_len: int 
     return prompts
 
 
-def run(tiny_llama, prompts, share: bool, num_pages: int = 256, max_tokens: int = 10):
-    llm = make_llm(tiny_llama, share_decode_reads=share, page_size=16, num_pages=num_pages)
+def run(tiny_llama, prompts, share: bool, num_pages: int = 256, max_tokens: int = 10, tiles: bool = True):
+    llm = make_llm(tiny_llama, share_decode_reads=share, page_size=16, num_pages=num_pages, cascade_tiles=tiles)
     llm.generate([prompts[0]], SamplingParams(max_tokens=1))  # the first system prompt cached
     outputs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens))
     assert_pages_returned(llm.engine)
     return [o.token_ids for o in outputs], llm
 
 
-def test_greedy_tokens_are_the_same_with_and_without_cascade(tiny_llama):
+@pytest.mark.parametrize("tiles", [True, False], ids=["tiles", "member_by_member"])
+def test_greedy_tokens_are_the_same_with_and_without_cascade(tiny_llama, tiles):
+    # EngineConfig.cascade_tiles=False runs the groups' shared keys member by member: any CPU
+    # checks both shared paths.
     prompts = agent_prompts(1)
-    cascade, cascade_llm = run(tiny_llama, prompts, share=True)
+    try:
+        cascade, cascade_llm = run(tiny_llama, prompts, share=True, tiles=tiles)
+    finally:
+        decode.use_cascade_tiles(True)  # a process-wide setting: back to its default
     plain, plain_llm = run(tiny_llama, prompts, share=False)
     assert cascade == plain == hf_greedy(tiny_llama, prompts, 10)
     on, off = cascade_llm.engine.counters, plain_llm.engine.counters

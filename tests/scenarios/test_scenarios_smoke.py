@@ -121,6 +121,25 @@ def test_cascade_threshold_reports_each_case_by_its_shared_bytes(tmp_path, capsy
     assert "plain/cascade" in capsys.readouterr().out
 
 
+def test_cascade_ab_times_off_on_and_auto_and_says_where_auto_groups(tmp_path, capsys):
+    from radixkv.cpu import decode, native
+
+    if native.load() is None:
+        pytest.skip("the cascade bench needs the native kernels (no C compiler here)")
+    module = importlib.import_module("radixkv.scenarios.cascade_threshold")
+    argv = ["--ab", "--out", str(tmp_path), "--rounds", "1", "--layers", "1", "--shared", "0", "512", "--members", "2", "16", "--flush-mib", "4"]
+    assert module.main(argv) == 0
+    report = json.loads((tmp_path / "cascade_ab.json").read_text())
+    rows = {(row["members"], row["shared"]): row for row in report["rows"]}
+    assert len(rows) == 4 and all(row["off_ms"] > 0 and row["on_ms"] > 0 and row["auto_ms"] > 0 and row["no_tiles_ms"] > 0 for row in rows.values())
+    # Auto groups exactly where the thresholds say: never a pair of GQA 3, never over 0 tokens.
+    auto = decode.cascade_thresholds(*module.HEADS["SmolLM2-135M"], 2 if report["dtype"] == "torch.bfloat16" else 4)
+    for (members, shared), row in rows.items():
+        assert row["auto_groups"] == module.groups(auto, members, shared)
+    assert not rows[(2, 512)]["auto_groups"] and not rows[(16, 0)]["auto_groups"]
+    assert (tmp_path / "cascade_ab.png").exists() and "off/auto" in capsys.readouterr().out
+
+
 def test_cpu_kernels_bench_runs_and_reports(tmp_path, capsys):
     import torch
 

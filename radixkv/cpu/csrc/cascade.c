@@ -16,6 +16,15 @@
 
 #include <stdlib.h>
 
+/* The shared items' matrix-product tiles on (1, the default) or off (0: every member runs the
+ * own-item kernel over the shared keys, as where no vector path fits), so any CPU tests both. */
+static int cascade_tiles = 1;
+
+int radixkv_cascade_use_tiles(int on) {
+    cascade_tiles = on != 0;
+    return cascade_tiles;
+}
+
 /* Transposed keys (head_dim x padded keys, 4 bytes each: bf16 pairs or fp32), room for the
  * bf16 path's paired values (CHUNK_TOKENS x head_dim x 4 bytes), then per member query and
  * state pointers. */
@@ -212,7 +221,8 @@ static inline __attribute__((always_inline)) void shared_f32_kv_impl(const Share
 HIDDEN void radixkv_shared_item_bf16(const SharedItem *item, const uint16_t *k, const uint16_t *v, const Shape *sh,
                                      void *scratch) {
 #ifdef HAVE_AVX512_BF16
-    if (sh->head_dim == 64) shared_bf16_impl(item, k, v, sh, scratch, 64);
+    if (!cascade_tiles) MEMBER_BY_MEMBER(radixkv_item_bf16, uint16_t)
+    else if (sh->head_dim == 64) shared_bf16_impl(item, k, v, sh, scratch, 64);
     else if (sh->head_dim == 128) shared_bf16_impl(item, k, v, sh, scratch, 128);
     else if (sh->head_dim % 32 == 0) shared_bf16_impl(item, k, v, sh, scratch, sh->head_dim);
     else
@@ -230,7 +240,8 @@ HIDDEN void radixkv_shared_item_f32(const SharedItem *item, const float *k, cons
 #else
     const int lanes = 8;
 #endif
-    if (sh->head_dim == 64) shared_f32_impl(item, k, v, sh, scratch, 64);
+    if (!cascade_tiles) MEMBER_BY_MEMBER(radixkv_item_f32, float)
+    else if (sh->head_dim == 64) shared_f32_impl(item, k, v, sh, scratch, 64);
     else if (sh->head_dim == 128) shared_f32_impl(item, k, v, sh, scratch, 128);
     else if (sh->head_dim % lanes == 0) shared_f32_impl(item, k, v, sh, scratch, sh->head_dim);
     else
@@ -289,14 +300,16 @@ static int argmin_lcp(const int32_t *lcp, int lo, int hi) {
 
 typedef struct {
     int min_pages, min_members;
+    int64_t min_saved_pages; /* (members - 1) x shared pages a group must save: the bytes rule */
 } Thresholds;
 
 static int64_t best_saving(const int32_t *lcp, int lo, int hi, const Thresholds *at_least, uint8_t *merged) {
     if (hi - lo < 2) return 0;
     const int k = argmin_lcp(lcp, lo, hi);
     const int64_t split = best_saving(lcp, lo, k, at_least, merged) + best_saving(lcp, k, hi, at_least, merged);
-    const int worth = lcp[k] >= at_least->min_pages && hi - lo >= at_least->min_members;
-    const int64_t whole = worth ? (int64_t)(hi - lo - 1) * lcp[k] : 0;
+    const int64_t saving = (int64_t)(hi - lo - 1) * lcp[k];
+    const int worth = lcp[k] >= at_least->min_pages && hi - lo >= at_least->min_members && saving >= at_least->min_saved_pages;
+    const int64_t whole = worth ? saving : 0;
     merged[k] = whole > 0 && whole >= split;
     return merged[k] ? whole : split;
 }
@@ -329,11 +342,13 @@ static void emit_groups(const int32_t *lcp, const int32_t *sorted, int lo, int h
 int64_t radixkv_cascade_plan_ints(int num_seqs) { return 2 + 5 * (int64_t)(num_seqs > 0 ? num_seqs : 0); }
 
 /* Groups of at least min_members requests that share at least min_shared_tokens of cached
- * prefix, into plan (the layout paged_decode.c reads: see Plan there). Returns the KV tokens
+ * prefix and save at least min_saved_tokens of KV reads ((members - 1) x shared tokens), into
+ * plan (the layout paged_decode.c reads: see Plan there). Returns the KV tokens
  * the groups save: what members other than the first would have read of the shared prefixes;
  * -1 when out of memory (the plan then has no groups). */
 int64_t radixkv_cascade_plan(const int32_t *page_table, int64_t page_table_stride, const int32_t *seq_lens,
-                             int num_seqs, int page_size, int min_shared_tokens, int min_members, int32_t *plan) {
+                             int num_seqs, int page_size, int min_shared_tokens, int min_members,
+                             int64_t min_saved_tokens, int32_t *plan) {
     plan[0] = 0;
     for (int b = 0; b < num_seqs; b++) plan[1 + b] = -1, plan[1 + num_seqs + b] = 0;
     int32_t *group_start = plan + 1 + 2 * num_seqs;
@@ -350,7 +365,8 @@ int64_t radixkv_cascade_plan(const int32_t *page_table, int64_t page_table_strid
         lcp[0] = 0;
         for (int i = 1; i < num_seqs; i++) lcp[i] = common_pages(&tables, sorted[i - 1], sorted[i]);
         const int min_pages = (min_shared_tokens + page_size - 1) / page_size;
-        const Thresholds at_least = {min_pages > 0 ? min_pages : 1, min_members > 2 ? min_members : 2};
+        const int64_t min_saved_pages = min_saved_tokens > 0 ? (min_saved_tokens + page_size - 1) / page_size : 0;
+        const Thresholds at_least = {min_pages > 0 ? min_pages : 1, min_members > 2 ? min_members : 2, min_saved_pages};
         best_saving(lcp, 0, num_seqs, &at_least, merged);
         PlanOut out = {plan + 1, plan + 1 + num_seqs, group_start, members, shared, 0};
         emit_groups(lcp, sorted, 0, num_seqs, merged, &out);
@@ -378,7 +394,8 @@ HIDDEN void radixkv_shared_item_f32_kv(const SharedItem *item, const void *k, co
 #else
     const int lanes = 8;
 #endif
-    if (sh->head_dim == 64) shared_f32_kv_impl(item, k, v, sh, scratch, 64);
+    if (!cascade_tiles) MEMBER_BY_MEMBER(radixkv_item_f32_kv, float)
+    else if (sh->head_dim == 64) shared_f32_kv_impl(item, k, v, sh, scratch, 64);
     else if (sh->head_dim % lanes == 0) shared_f32_kv_impl(item, k, v, sh, scratch, sh->head_dim);
     else
 #else
