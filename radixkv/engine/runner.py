@@ -128,7 +128,6 @@ class ModelRunner:
             meta.window_meta = self._window_meta(batch, meta, rows, positions, max_pages, device)
         return _to(input_ids, device), meta, _to(np.asarray(logits_indices, dtype=np.int64), device)
 
-
     def _window_meta(
         self, batch: Batch, meta: AttentionMetadata, rows: np.ndarray, positions: np.ndarray, max_pages: int, device: torch.device
     ) -> AttentionMetadata:

@@ -409,6 +409,11 @@ class CausalLM(nn.Module):
         self.rope = RotaryEmbedding(config)
         local = config.local_rope_theta
         self.local_rope = None if local is None else RotaryEmbedding(dataclasses.replace(config, rope_theta=local, rope_scaling=None))
+        # With layer groups each group's step state is prepared against one of its own layers'
+        # caches: the first full layer's and the first window layer's (known once, not per step).
+        windowed = [config.window(i) is not None for i in range(config.num_layers)]
+        self._first_full_layer = windowed.index(False) if False in windowed else 0
+        self._first_window_layer = windowed.index(True) if True in windowed else 0
 
     def forward(
         self,
@@ -423,10 +428,10 @@ class CausalLM(nn.Module):
     ) -> Tensor:
         """Logits [B, vocab] in fp32 for the rows logits_indices of a flat batch of T tokens.
         k_scales, v_scales: the pages' scales where they are int8 (PagePool.k_scales)."""
-        windows = [self.config.window(i) is not None for i in range(self.config.num_layers)]
-        self.attention.begin_step(meta, k_caches[0 if meta.window_meta is None else windows.index(False)], self.config.num_q_heads)
-        if meta.window_meta is not None:  # layer groups: each group's metadata against one of its own caches
-            self.attention.begin_step(meta.window_meta, k_caches[windows.index(True)], self.config.num_q_heads)
+        grouped = meta.window_meta is not None
+        self.attention.begin_step(meta, k_caches[self._first_full_layer if grouped else 0], self.config.num_q_heads)
+        if grouped:
+            self.attention.begin_step(meta.window_meta, k_caches[self._first_window_layer], self.config.num_q_heads)
         x = self.embed_tokens(input_ids)
         if self.config.embed_scale is not None:  # rounded to the model dtype first, as transformers does
             x = x * torch.tensor(self.config.embed_scale).to(x.dtype)
