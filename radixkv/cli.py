@@ -100,6 +100,11 @@ def main(argv: list[str] | None = None) -> int:
     serving.add_argument("--dtype", default="auto")
     serving.add_argument("--weight-dtype", default="auto", help="how weights are held: auto (a GGUF's quantized blocks kept), float, int8 (EngineConfig.weight_dtype)")
     serving.add_argument("--kv-dtype", default="auto", help="KV pages' storage dtype: auto (the compute dtype), bf16, fp16, fp32, int8, fp8")
+    serving.add_argument(
+        "--moe-kernel", default="auto",
+        help="a mixture-of-experts model's experts: auto, native (tokens grouped by expert over the file's blocks), "
+        "native_fp32 (float experts too), torch (EngineConfig.moe_kernel)",
+    )
     serving.add_argument("--num-pages", type=int, default=None)
     serving.add_argument("--no-prefix-caching", action="store_true", help="compute every prompt in full (for comparisons)")
     serving.add_argument("--kv-disk-dir", default=None, help="keep evicted KV blocks (and all of them at exit) in this directory; a restart finds them")
@@ -251,6 +256,7 @@ def serve(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             weight_dtype=args.weight_dtype,
             kv_dtype=args.kv_dtype,
+            moe_kernel=args.moe_kernel,
             num_pages=args.num_pages,
             enable_prefix_caching=not args.no_prefix_caching,
             kv_disk_dir=args.kv_disk_dir,

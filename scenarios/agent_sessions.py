@@ -6,6 +6,14 @@ without -kvu: the better one is compared) on the same GGUF.
 
     python -m radixkv.scenarios.agent_sessions [--model FILE.gguf] [--sessions 16 --prompts 4
         --prompt-tokens 8192 --turns 4 --reply-tokens 128] [--servers radixkv,llama-server,llama-server-kvu]
+        [--api auto|chat|completions] [--llama-slots N] [--moe-kernel K --kv-dtype D --num-pages N]
+
+Prompt lengths are counted in the model's own tokens. A model with a chat template is sent chat
+requests; one without (a base model's GGUF, as Gemma 3 270M's) gets the same conversation rendered
+as plain text to /v1/completions (--api). radixkv's KV pool is sized from free memory less the
+experts it reads in place from the file, unless --num-pages; --llama-slots caps llama-server's
+slots (default one a session), the rest of the sessions queueing there, when its KV for one slot a
+session would not fit in memory beside the model.
 
 Replies are asked for with ignore_eos (both servers honour it), so both make the same tokens.
 With --peer-time-factor F, radixkv runs first and each llama-server stops at F times radixkv's
@@ -33,6 +41,7 @@ from radixkv.scenarios.report import percentile
 
 SERVERS = ("radixkv", "llama-server", "llama-server-kvu")
 FULL = dict(sessions=16, prompts=4, prompt_tokens=8192, turns=4, reply_tokens=128)
+API_MODES = ("auto", "chat", "completions")
 TOOL_NAMES = ("lookup_order", "search_docs", "calculator", "calendar", "convert_currency", "weather")
 
 
@@ -65,6 +74,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--weight-dtype", default=None)
     parser.add_argument("--kv-dtype", default=None)
     parser.add_argument("--quant-kernel", default=None)
+    parser.add_argument("--moe-kernel", default=None, help="EngineConfig.moe_kernel (a mixture-of-experts model's experts)")
+    parser.add_argument("--api", default="auto", choices=API_MODES, help="auto: chat when the model has a chat template, else completions")
+    parser.add_argument("--llama-slots", type=int, default=0, help="llama-server's -np (0: one a session)")
     parser.add_argument("--request-timeout-s", type=float, default=7200.0)
     parser.add_argument("--peer-time-factor", type=float, default=0.0, help="stop each llama-server at this many times radixkv's wall (0: run to the end)")
     parser.add_argument("--limits", type=int, default=1, help="0: skip measuring the machine's limits (tests)")
@@ -76,6 +88,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name in FULL:
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.llama_slots < 0:
+        parser.error("--llama-slots must be at least 0")
     return args
 
 
@@ -109,6 +123,37 @@ def user_message(session: int, turn: int) -> str:
     return f"[session {session}, turn {turn}] {QUESTIONS[(session + turn) % len(QUESTIONS)]}"
 
 
+def api_mode(requested: str, tokenizer) -> str:
+    """chat or completions: auto takes chat where the model's tokenizer has a chat template."""
+    if requested != "auto":
+        return requested
+    return "chat" if getattr(tokenizer, "chat_template", None) else "completions"
+
+
+def render_plain(messages: list[dict]) -> str:
+    """A conversation as plain text, for a model without a chat template: the system prompt,
+    then "User: ..." and "Assistant: ..." turns, open for the assistant's next reply. Plain
+    text, so both servers tokenize it the same way (no special tokens to parse)."""
+    parts = []
+    for message in messages:
+        if message["role"] == "system":
+            parts.append(message["content"] + "\n\n")
+        elif message["role"] == "user":
+            parts.append(f"User: {message['content']}\nAssistant:")
+        else:
+            parts.append(message["content"] + "\n\n")
+    return "".join(parts)
+
+
+def request(api: str, model_name: str, messages: list[dict], max_tokens: int) -> tuple[str, dict]:
+    """The path and body of one turn's request (greedy): completions, else chat (auto not yet
+    resolved against a tokenizer included)."""
+    body = dict(model=model_name, max_tokens=max_tokens, temperature=0)
+    if api == "completions":
+        return "/v1/completions", dict(body, prompt=render_plain(messages))
+    return "/v1/chat/completions", dict(body, messages=messages)
+
+
 # -- one server ------------------------------------------------------------------------------
 
 
@@ -124,7 +169,7 @@ async def run_sessions(
     limits = httpx.Limits(max_connections=args.sessions + 4, max_keepalive_connections=args.sessions + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(args.request_timeout_s), limits=limits) as client:
         # Off the clock: one short request, so first-call costs are not the first turn's.
-        await stream(client, server, "/v1/chat/completions", dict(model=model_name, messages=[{"role": "user", "content": "hi"}], max_tokens=2, temperature=0))
+        await stream(client, server, *request(args.api, model_name, [{"role": "user", "content": "hi"}], 2))
         start = time.perf_counter()
 
         async def session(s: int) -> list[Turn]:
@@ -135,10 +180,10 @@ async def run_sessions(
                 sent = time.perf_counter() - start
                 if deadline_s is not None and sent >= deadline_s:
                     break
-                body = dict(model=model_name, messages=messages, max_tokens=args.reply_tokens, temperature=0, ignore_eos=True)
+                path, body = request(args.api, model_name, messages, args.reply_tokens)
                 reply = Reply()
                 try:
-                    read = stream(client, server, "/v1/chat/completions", body, reply)
+                    read = stream(client, server, path, dict(body, ignore_eos=True), reply)
                     await (read if deadline_s is None else asyncio.wait_for(read, deadline_s - sent))
                 except asyncio.TimeoutError:
                     turns.append(Turn(s, t, sent, reply.ttft_s, deadline_s - sent, 0, None, len(reply.token_times_s), None, finished=False))
@@ -162,14 +207,15 @@ def run_server(name: str, args: argparse.Namespace, systems: list[str], out: Pat
     from radixkv.scenarios.serve_http import engine_knobs, metric_total, served_model, start_radixkv_serve
 
     model = model_path(args)
+    slots = None if name == "radixkv" else args.llama_slots or args.sessions
     started = time.perf_counter()
     try:
         if name == "radixkv":
-            knobs = engine_knobs(dict(weight_dtype=args.weight_dtype, kv_dtype=args.kv_dtype, quant_kernel=args.quant_kernel))
+            knobs = engine_knobs(dict(weight_dtype=args.weight_dtype, kv_dtype=args.kv_dtype, quant_kernel=args.quant_kernel, moe_kernel=args.moe_kernel))
             server = start_radixkv_serve(model, out / "radixkv-serve.log", dtype=args.dtype, num_pages=args.num_pages, threads=args.threads, knobs=knobs)
         else:
             ctx = args.prompt_tokens + args.turns * (args.reply_tokens + 64) + 512  # a session's whole history, and room
-            options = LlamaServerOptions(slots=args.sessions, ctx_per_slot=ctx, threads=args.threads, cache_ram_mib=args.cache_ram_mib, unified_kv=name.endswith("kvu"))
+            options = LlamaServerOptions(slots=slots, ctx_per_slot=ctx, threads=args.threads, cache_ram_mib=args.cache_ram_mib, unified_kv=name.endswith("kvu"))
             server = start_llama_server(Path(model), out / f"{name}.log", options)
     except Exception as error:  # reported; the other servers still run
         return dict(server=name, error=f"{type(error).__name__}: {error}")
@@ -179,8 +225,9 @@ def run_server(name: str, args: argparse.Namespace, systems: list[str], out: Pat
         turns, wall = asyncio.run(run_sessions(server, systems, args, served_model(server), deadline_s))
         memory = server.memory()
         hits_after = metric_total(server, "radixkv_cached_prompt_tokens_total") if name == "radixkv" else None
+        kv_pages = metric_total(server, "radixkv_kv_pages_total") if name == "radixkv" else None
     row = summarize(name, turns, wall, memory, load_s, args, None if hits_after is None else hits_after - (hits_before or 0))
-    return dict(row, deadline_s=deadline_s)
+    return dict(row, deadline_s=deadline_s, api=args.api, kv_pages=kv_pages, slots=slots)
 
 
 def peer_deadline(args: argparse.Namespace, rows: list[dict]) -> float | None:
@@ -260,7 +307,7 @@ def estimate_full(args, wall: float, prompt: int, cached: int, output: int, pref
 def print_table(rows: list[dict], args, limits: dict | None) -> dict:
     print(
         f"\nagent_sessions: {model_path(args)}; {args.sessions} sessions over {args.prompts} prompts of {args.prompt_tokens} tokens, "
-        f"{args.turns} turns of {args.reply_tokens}-token replies, greedy, {args.threads} threads"
+        f"{args.turns} turns of {args.reply_tokens}-token replies, greedy, {args.threads} threads, {args.api} requests"
     )
     if limits:
         print(f"{limits['cpu']}: read {limits['read_bandwidth_gb_s']:.1f} GB/s, {limits['matmul_dtype']} matmul {limits['matmul_gflops']:.0f} GFLOP/s (this run)")
@@ -277,6 +324,9 @@ def print_table(rows: list[dict], args, limits: dict | None) -> dict:
             f"{row['server']:<18}{row['wall_s']:>8.1f}{row['output_tokens']:>8}{row['output_tokens_per_s']:>10.2f}{_s(row['ttft_p50_s'])}{_s(row['ttft_p90_s'])}"
             f"{share:>8}{row['rss_bytes'] / 1e9:>8.2f}{row['peak_rss_bytes'] / 1e9:>8.2f}{row['failed']:>7}{est:>11}"
         )
+    for row in rows:
+        if row.get("kv_pages") or row.get("slots"):
+            print(f"  {row['server']}: " + (f"{row['kv_pages']:.0f} KV pages" if row.get("kv_pages") else f"{row['slots']} slots"))
     print("\nper turn, ttft p50 / p90 (s):")
     for row in rows:
         if row.get("per_turn"):
@@ -363,7 +413,10 @@ def main(argv: list[str] | None = None) -> int:
     if not model.endswith(".gguf"):
         print("note: llama-server needs a .gguf; left out", flush=True)
         servers = [s for s in servers if not s.startswith("llama-server")]
-    systems = system_prompts(load_tokenizer(None), args.prompts, args.prompt_tokens)
+    tokenizer = load_tokenizer(model)  # the model's own tokens: --prompt-tokens counts them
+    args.api = api_mode(args.api, tokenizer)
+    print(f"api: {args.api}", flush=True)
+    systems = system_prompts(tokenizer, args.prompts, args.prompt_tokens)
     rows = []
     for name in servers:
         print(f"running {name} ...", flush=True)

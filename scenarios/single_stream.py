@@ -6,8 +6,9 @@ radixkv process loading the file with a small KV pool.
     python -m radixkv.scenarios.single_stream [--model FILE.gguf] [--prompt-len 512 --output-len 128]
         [--peers radixkv,radixkv-serve,llama-server] [--weight-dtype auto --kv-dtype bf16 --quant-kernel ... --moe-kernel ...]
 
-The prompt's token ids come from SmolLM2's tokenizer (the real_shape models use it), sent as
-ids to both servers so both compute the same tokens. Each server gets one short request first,
+The prompt's token ids come from the model's own tokenizer (any GGUF radixkv reads: a dense,
+mixture-of-experts or Gemma 3 one, e.g. real_shape's), sent as ids to both servers so both
+compute the same tokens. Each server gets one short request first,
 off the clock. --weight-dtype/--kv-dtype/--quant-kernel/--moe-kernel reach EngineConfig and `radixkv serve`
 when this checkout has them (a line says when one is ignored).
 """
@@ -57,10 +58,12 @@ def model_path(args: argparse.Namespace) -> str:
     return args.model or str(default_model_gguf())
 
 
-def prompt_ids(length: int) -> list[int]:
+def prompt_ids(length: int, model: str | None = None) -> list[int]:
+    """`length` ids of English text in the model's own tokenizer (ids of another tokenizer may
+    lie past a small vocabulary's end)."""
     from radixkv.scenarios.harness import load_tokenizer, text_tokens
 
-    return text_tokens(load_tokenizer(None), length, offset=11)
+    return text_tokens(load_tokenizer(model), length, offset=11)
 
 
 def knobs(args: argparse.Namespace) -> dict[str, str]:
@@ -223,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     if "llama-server" in peers and not model.endswith(".gguf"):
         print("note: llama-server needs a .gguf; left out", flush=True)
         peers.remove("llama-server")
-    ids = prompt_ids(args.prompt_len)
+    ids = prompt_ids(args.prompt_len, model)
     rows = []
     for peer in peers:
         print(f"running {peer} ...", flush=True)
