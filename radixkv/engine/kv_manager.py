@@ -54,6 +54,9 @@ class KVManager(KVKeeps):
         self._windows = windows
         if windows is not None:
             tree.events.subscribe(windows.listen)
+            windows.events = tree.events
+            windows.evict_leaf = lambda retained_too: tree.evict(1, retained_too=retained_too)  # one order over both pools
+            windows.retention_expiry = lambda retention_id: getattr(tree.retention(retention_id), "expires_at_s", None)
         self._loader: DiskLoader | None = None
         if disk is not None and enable_prefix_caching:
             self._loader = DiskLoader(
@@ -63,7 +66,7 @@ class KVManager(KVKeeps):
             )
         # One bus in an engine (the tree's, handed to its disk tier); a tier built apart has its own.
         buses = [tree.events] if disk is None or disk.events is tree.events else [tree.events, disk.events]
-        self._view = CacheView.listening(tree, pool, hasher, self._loader, enable_prefix_caching, buses, max_ghost_blocks)
+        self._view = CacheView.listening(tree, pool, hasher, self._loader, enable_prefix_caching, buses, max_ghost_blocks, windows)
         self._residency, self._misses = self._view.ram_residency, self._view.misses
 
     def cache_view(self) -> CacheView:
