@@ -226,6 +226,10 @@ class WindowPages:
         """Of these full pages, how many have a window page only the tree holds; pure."""
         return sum(1 for page in pages if page in self._inner or page in self._ends or page in self._last)
 
+    def window_page_of(self, full_page: int) -> int | None:
+        """The window page the tree holds for a cached block (its full page), None if dropped; pure."""
+        return self._tree.get(full_page)
+
     @property
     def tree_pages(self) -> int:
         """Window pages the tree holds (shared with sequences or not)."""

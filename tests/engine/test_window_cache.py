@@ -104,3 +104,32 @@ def test_kv_events_publish_the_window_group(tiny_gemma3, tmp_path):
     finally:
         subscriber.close()
         engine.stop_kv_events()
+
+
+def test_the_disk_tier_keeps_window_blocks_across_a_restart(tiny_gemma3, tmp_path):
+    """A window model with kv_disk_dir: a block goes to disk with its full layers' KV and, where
+    RAM still held it, its window layers' KV; a restarted engine continues past the window from
+    disk alone (a full hit), and a block written without its window KV cuts the disk hit at the
+    last cut whose window is stored. Greedy tokens stay transformers'."""
+    rng = random.Random(5)
+    prompt, other = _prompt(rng, 40), _prompt(rng, 40)
+    continued, other_continued = prompt + _prompt(rng, 5), other + _prompt(rng, 5)
+    expected = hf_greedy(tiny_gemma3, [continued, other_continued], MAX_NEW)
+    disk = str(tmp_path / "kv")
+    params = SamplingParams(max_tokens=MAX_NEW)
+    first = make_llm(tiny_gemma3, max_batch_tokens=16, kv_disk_dir=disk, max_num_seqs=1)
+    first.generate([prompt + [5]], params)
+    first.engine.flush_cache(ram=True, disk=False)  # evicted: written back with its window KV
+    first.generate([other + [5]], params)
+    first.engine.windows.evict(first.engine.windows.evictable_pages, whole_leaves=False)  # RAM keeps full KV only
+    first.engine.close()  # every RAM block to disk: `other`'s without its window KV
+    second = make_llm(tiny_gemma3, max_batch_tokens=16, kv_disk_dir=disk, max_num_seqs=1)
+    assert second.engine.lookup(continued).num_disk_tokens == 40
+    assert second.engine.lookup(other_continued).num_disk_tokens == 0, "no stored window before any cut"
+    warm = second.generate([continued], params)[0]
+    assert warm.num_cached_tokens == 40 and warm.cache_report.num_disk_tokens == 40, "a full hit from disk"
+    assert warm.token_ids == expected[0]
+    cold = second.generate([other_continued], params)[0]
+    assert cold.num_cached_tokens == 0 and cold.token_ids == expected[1]
+    assert_pages_returned(second.engine)
+    second.engine.close()
