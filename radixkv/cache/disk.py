@@ -76,11 +76,13 @@ class DiskTier:
         max_owner_retained_bytes: int | None = None,
         max_queued_bytes: int = 256 << 20,
         events: CacheEvents | None = None,
+        window_payload_bytes: int = 0,
     ):
         self.directory = Path(directory).expanduser()
         self.files = DiskDirectory(self.directory)
         self.page_size = page_size
-        self.payload_bytes = payload_bytes  # one page's KV, all layers
+        self.payload_bytes = payload_bytes  # one page's KV, all layers (the full layers' with layer groups)
+        self.window_payload_bytes = window_payload_bytes  # a window page's, after it where a block has it
         self.fingerprint = digest(fingerprint)
         # Wall time, not monotonic: retention expiries and block ages must mean the same after
         # a restart.
@@ -119,7 +121,7 @@ class DiskTier:
         seed, mac_key = self.files.open()
         try:
             self.hasher = BlockHasher(self.page_size, seed=int.from_bytes(seed, "little"))
-            self._format = BlockFormat(self.fingerprint, self.page_size, self.payload_bytes, mac_key)
+            self._format = BlockFormat(self.fingerprint, self.page_size, self.payload_bytes, mac_key, self.window_payload_bytes)
             self._reader = BlockReader(self.files, self.writer.pending, self._format)
             self._rebuild_index()
         except BaseException:
@@ -183,6 +185,12 @@ class DiskTier:
             while num < max_blocks and start_block + num < len(keys) and found(keys[start_block + num]):
                 num += 1
             return num
+
+    def holds_window(self, key: int, block: int) -> bool:
+        """Whether the stored block `block` (its key) carries its window layers' KV (its size
+        says so; no file is read)."""
+        with_window = block_file_bytes((block + 1) * self.page_size, self.payload_bytes + self.window_payload_bytes)
+        return self.window_payload_bytes > 0 and self.index.size_of(key) == with_window
 
     # ----------------------------------------------------------------- read
 

@@ -38,6 +38,14 @@ class BlockFormat:
     page_size: int
     payload_bytes: int
     mac_key: bytes
+    # Layer groups: a block may carry its window layers' KV too (this many bytes more), where
+    # RAM still held it when the block was written; 0 for a model of one group.
+    window_bytes: int = 0
+
+    @property
+    def payload_sizes(self) -> tuple[int, ...]:
+        """The payload sizes a block of this format may have: full layers, then with windows."""
+        return (self.payload_bytes, self.payload_bytes + self.window_bytes) if self.window_bytes else (self.payload_bytes,)
 
 
 class BlockRejected(Exception):
@@ -151,7 +159,7 @@ def check_header(data: bytes, fmt: BlockFormat, salt: str | None) -> BlockHeader
     BlockRejected: "fingerprint" (another model or layout), "salt" (another tenant), or
     "truncated" / "corrupt" where it is no header of this version."""
     header = decode_header(data)
-    if header.fingerprint != fmt.fingerprint or header.page_size != fmt.page_size or header.payload_bytes != fmt.payload_bytes:
+    if header.fingerprint != fmt.fingerprint or header.page_size != fmt.page_size or header.payload_bytes not in fmt.payload_sizes:
         raise BlockRejected("fingerprint", "written by another model or layout")
     if header.salt_digest != salt_digest(salt):
         raise BlockRejected("salt", "written for another tenant")

@@ -75,7 +75,8 @@ class BlockReader:
                 if queued is not None:
                     payload = queued
                 else:
-                    data = self._read_file(key, block_file_bytes(len(prefix_tokens), self.format.payload_bytes), salt)
+                    sizes = [block_file_bytes(len(prefix_tokens), size) for size in self.format.payload_sizes]
+                    data = self._read_file(key, sizes, salt)
                     payload = check_block(data, self.format, salt=salt, key=key, parent_key=parent_key, prefix_tokens=prefix_tokens)
             except FileNotFoundError:
                 result.failure = "missing"
@@ -107,7 +108,7 @@ class BlockReader:
             raise BlockRejected("tokens", "another prefix under the same key")
         return block.payload
 
-    def _read_file(self, key: int, expected_bytes: int, salt: str | None) -> bytes:
+    def _read_file(self, key: int, sizes: list[int], salt: str | None) -> bytes:
         """A block file's bytes, opened without following a symlink (neither the file nor its
         folder), and read only if it is a regular file of exactly the size a block of its
         place in the prefix has: a planted pipe, link or huge file is refused unread (but for
@@ -117,10 +118,11 @@ class BlockReader:
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode):
                 raise BlockRejected("not_a_file", f"mode {info.st_mode:o}")
-            if info.st_size != expected_bytes:
+            if info.st_size not in sizes:
                 check_header(os.read(fd, HEADER_BYTES), self.format, salt)
-                reason = "truncated" if info.st_size < expected_bytes else "oversized"
-                raise BlockRejected(reason, f"{info.st_size} bytes, a block here has {expected_bytes}")
+                reason = "truncated" if info.st_size < max(sizes) else "oversized"
+                raise BlockRejected(reason, f"{info.st_size} bytes, a block here has {' or '.join(map(str, sizes))}")
+            expected_bytes = info.st_size
             parts = []
             left = expected_bytes
             while left:

@@ -57,7 +57,20 @@ class AllCleared:
     tier: Tier = "ram"
 
 
-CacheEvent = BlocksStored | BlocksEvicted | BlocksDropped | AllCleared
+@dataclass(frozen=True, slots=True)
+class WindowBlocks:
+    """The window layers' group (cache/layer_groups.py) now holds (`stored`) or no longer holds
+    the window KV of these RAM blocks, each a (hash, parent hash or None) pair. Dropped: the
+    window pool needed room (the tree keeps the blocks' full KV) or the tree evicted the blocks
+    (after their BlocksEvicted). KV events publish them as the window group's own."""
+
+    blocks: Sequence[tuple[BlockHash, BlockHash | None]]
+    stored: bool
+    window: int
+    tier: Tier = "ram"
+
+
+CacheEvent = BlocksStored | BlocksEvicted | BlocksDropped | AllCleared | WindowBlocks
 Listener = Callable[[CacheEvent], None]
 
 

@@ -5,10 +5,11 @@ of which tree blocks still hold their window KV and which of those may go first.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-from radixkv.cache.events import AllCleared, BlocksEvicted, BlocksStored, CacheEvent
+from radixkv.cache.events import AllCleared, BlocksEvicted, BlocksStored, CacheEvent, CacheEvents, WindowBlocks
+from radixkv.cache.hashing import BlockHash
 from radixkv.cache.pages import OutOfPages, PagePool
 
 T = TypeVar("T")
@@ -62,10 +63,10 @@ class WindowPages:
     """The window layers' pages. A running sequence holds one reference on the window page of
     each block in its window (SequenceState.window_table); the tree one on the window page of a
     cached block (keyed by the block's full page) until it drops it. A window page only the tree
-    holds is evictable: blocks inside a node's run first, then blocks that end a node (where a
-    request stopped or a later one parted: the cuts a later hit needs), least recently let go
-    first within each. Dropping one leaves the tree's full block: a match then stops where a
-    window lacks pages (usable_tokens)."""
+    holds is evictable, in one order with the tree's leaves (evict); a retention keeps the
+    window before its cut last (keep: what a Keep ttl, cache_control or a session's turn needs
+    to stay a full hit at its cut). Dropping one leaves the tree's full block: a match then
+    stops where a window lacks pages (usable_tokens)."""
 
     def __init__(self, pool: PagePool, window: int) -> None:
         self.pool = pool
@@ -73,15 +74,34 @@ class WindowPages:
         self.page_size = pool.page_size
         self._tree: dict[int, int] = {}  # the tree's full page -> its window page
         # Full pages whose window page only the tree holds, least recently let go first:
-        # inside a node's run, then those ending a node (a branch point or a leaf's end, where
-        # requests are known to stop or part: the cuts a later match needs).
+        # inside a node's run, and those in the window before a node's end (a branch point or
+        # a leaf's end, where requests are known to stop or part: the cuts a later match needs).
         self._inner: dict[int, None] = {}
         self._ends: dict[int, None] = {}
-        self._end_pages: set[int] = set()  # full pages that end a tree node
+        self._end_pages: set[int] = set()  # full pages in the window before a tree node's end
         self._stored: list[int] = []  # full pages the tree adopted since take_stored
+        self._window_blocks = -(-(window - 1) // self.page_size)  # blocks a cut's window reaches back
+        # The tree's eviction of its next leaf (in its order, both groups' pages; full pages
+        # freed, 0 when none is left): KVManager hands in the tree's (one order over both pools).
+        self.evict_leaf: Callable[[bool], int] | None = None  # its argument: retained leaves too
+        # Window pages dropped at a node's end while its full pages stay (no leaf left to take
+        # whole, or whole_leaves False), and of those, pages a live retention's cut needed.
+        self.num_end_drops = self.num_kept_drops = 0
+        # Each cached full page's (block hash, parent hash), so what this group holds can be told
+        # by hash (KV events), and the bus to tell it on (KVManager hands in the tree's).
+        self._blocks: dict[int, tuple[BlockHash, BlockHash | None]] = {}
+        self.events: CacheEvents | None = None
         # Pins (KVManager.pin): by the pinned node's identity, the (full pages, window table)
         # each pin of it holds, so a pinned prefix keeps its last window too.
         self._pins: dict[int, list[tuple[list[int], list[int]]]] = {}
+        # Retained cuts (keep): full page -> the retention ids whose cut's window it is in, and
+        # the evictable ones among them, met while evicting, taken only after every other.
+        self._kept: dict[int, set[int]] = {}
+        self._kept_by: dict[int, list[int]] = {}  # retention id -> its full pages
+        self._last: dict[int, None] = {}
+        self._sweep_at = 64
+        # A retention's expiry on the tree's clock, None once it ended (KVManager sets the tree's).
+        self.retention_expiry: Callable[[int], float | None] = lambda retention_id: None
 
     # -- the tree's bus -----------------------------------------------------------------------
 
@@ -92,22 +112,37 @@ class WindowPages:
             self._stored.extend(event.pages)
             node = event.node
             if node is not None and node.pages:
-                self._mark_end(node.pages[-1])
+                parent = node.parent.hashes[-1] if node.parent is not None and node.parent.hashes else None
+                for page, block_hash in zip(node.pages, node.hashes):
+                    self._blocks[page] = (block_hash, parent)
+                    parent = block_hash
+                self._mark_ends(node.pages)
                 if node.parent is not None and node.parent.pages:  # the new leaf parts from its parent there
-                    self._mark_end(node.parent.pages[-1])
+                    self._mark_ends(node.parent.pages)
         elif isinstance(event, BlocksEvicted):
+            dropped = [self._blocks[page] for page in event.node.pages if page in self._tree]
             for page in event.node.pages:
                 self._drop(page)
+                self._blocks.pop(page, None)
+            self._tell(dropped, stored=False)
         elif isinstance(event, AllCleared):
             for page in list(self._tree):
                 self._drop(page)
             self._end_pages.clear()
+            self._kept_by.clear()
+            self._blocks.clear()
 
-    def _mark_end(self, full_page: int) -> None:
-        self._end_pages.add(full_page)
-        if full_page in self._inner:  # evictable already: it moves to the later tier
-            del self._inner[full_page]
-            self._ends[full_page] = None
+    def _tell(self, blocks: list[tuple[BlockHash, BlockHash | None]], *, stored: bool) -> None:
+        if blocks and self.events:
+            self.events.publish(WindowBlocks(blocks, stored, self.window))
+
+    def _mark_ends(self, run: Sequence[int]) -> None:
+        """The blocks of the window before the end of a node's run: what a hit at that end needs."""
+        for full_page in run[-self._window_blocks :]:
+            self._end_pages.add(full_page)
+            if full_page in self._inner:  # evictable already: it moves to the later tier
+                del self._inner[full_page]
+                self._ends[full_page] = None
 
     def take_stored(self) -> set[int]:
         stored, self._stored = set(self._stored), []
@@ -116,10 +151,58 @@ class WindowPages:
     def _drop(self, full_page: int) -> None:
         window_page = self._tree.pop(full_page, None)
         if window_page is not None:
-            self._inner.pop(full_page, None)
-            self._ends.pop(full_page, None)
+            self._unlist(full_page)
             self.pool.release([window_page])
         self._end_pages.discard(full_page)
+        self._kept.pop(full_page, None)
+
+    def _unlist(self, full_page: int) -> None:
+        """No longer evictable (taken, or gone): out of whichever tier it was in."""
+        self._inner.pop(full_page, None)
+        self._ends.pop(full_page, None)
+        self._last.pop(full_page, None)
+
+    # -- retained cuts ------------------------------------------------------------------------
+
+    def keep(self, retention_id: int, full_pages: Sequence[int], cut_tokens: int) -> None:
+        """A retention keeps the prefix over `full_pages` to cut_tokens: the window pages of the
+        W tokens before its usable cut go last while it lives (no lock); changes only the order."""
+        cut = self.usable_tokens(full_pages, cut_tokens)
+        pages = [page for page in full_pages[self.first_block(cut) : cut // self.page_size] if page in self._tree]
+        if len(self._kept_by) >= self._sweep_at:  # ended retentions forgotten, amortized
+            for old in [r for r in self._kept_by if self.retention_expiry(r) is None]:
+                self._forget(old)
+            self._sweep_at = max(64, 2 * len(self._kept_by))
+        self._kept_by[retention_id] = pages
+        for page in pages:
+            self._kept.setdefault(page, set()).add(retention_id)
+
+    def _kept_until(self, full_page: int) -> float | None:
+        """The latest expiry among the live retentions keeping this page (None: not kept);
+        forgets the ended ones."""
+        ids = self._kept.get(full_page)
+        if not ids:
+            return None
+        latest = None
+        for retention_id in list(ids):
+            expiry = self.retention_expiry(retention_id)
+            if expiry is None:
+                self._forget(retention_id)
+            else:
+                latest = expiry if latest is None else max(latest, expiry)
+        return latest
+
+    def _forget(self, retention_id: int) -> None:
+        for page in self._kept_by.pop(retention_id, ()):
+            ids = self._kept.get(page)
+            if ids is not None:
+                ids.discard(retention_id)
+                if not ids:
+                    del self._kept[page]
+
+    def kept_pages(self) -> int:
+        """Window pages of the tree under a live retention's cut (pure but for forgetting ended ones)."""
+        return sum(1 for page in list(self._kept) if self._kept_until(page) is not None)
 
     # -- matching -----------------------------------------------------------------------------
 
@@ -141,11 +224,24 @@ class WindowPages:
 
     def num_evictable_in(self, pages: Sequence[int]) -> int:
         """Of these full pages, how many have a window page only the tree holds; pure."""
-        return sum(1 for page in pages if page in self._inner or page in self._ends)
+        return sum(1 for page in pages if page in self._inner or page in self._ends or page in self._last)
+
+    def window_page_of(self, full_page: int) -> int | None:
+        """The window page the tree holds for a cached block (its full page), None if dropped; pure."""
+        return self._tree.get(full_page)
+
+    @property
+    def tree_pages(self) -> int:
+        """Window pages the tree holds (shared with sequences or not)."""
+        return len(self._tree)
+
+    def held_blocks(self) -> list[BlockHash]:
+        """The hashes of the cached blocks whose window KV the tree still holds; pure."""
+        return [self._blocks[page][0] for page in self._tree]
 
     @property
     def evictable_pages(self) -> int:
-        return len(self._inner) + len(self._ends)
+        return len(self._inner) + len(self._ends) + len(self._last)
 
     # -- sequences ----------------------------------------------------------------------------
 
@@ -172,12 +268,13 @@ class WindowPages:
     def _take(self, full_page: int) -> int:
         window_page = self._tree[full_page]
         self.pool.incref([window_page])
-        self._inner.pop(full_page, None)
-        self._ends.pop(full_page, None)
+        self._unlist(full_page)
         return window_page
 
     def allocate(self, num_pages: int) -> list[int] | None:
         """num_pages window pages, evicting tree-only ones if needed; None if short."""
+        if self.pool.num_free + self.evictable_pages < num_pages:
+            return None  # short whatever goes: nothing is evicted for a refusal
         if self.pool.num_free < num_pages:
             self.evict(num_pages - self.pool.num_free)
         try:
@@ -185,14 +282,65 @@ class WindowPages:
         except OutOfPages:
             return None
 
-    def evict(self, num_pages: int) -> int:
-        """Drop the tree's window pages, passed ones first; returns pages freed."""
+    def evict(self, num_pages: int, *, whole_leaves: bool = True) -> int:
+        """Free num_pages window pages from what only the tree holds, in one order over both
+        groups (DESIGN.md (d)); returns window pages freed. A page is priced by the hit it
+        serves per byte it frees. First the window pages of blocks inside a run, more than a
+        window before any node's end: no hit at a node's end (where requests stop or part) reads
+        them. Then whole leaves in the tree's own order (slru, retained last), each freeing its
+        full pages (num_full_layers x page bytes) with its window pages (num_window_layers x
+        page bytes): a block whose window KV went can serve no hit, so dropping a leaf's end
+        window alone would keep its full pages for nothing, and truncating a leaf costs the
+        same hit per byte freed as dropping it. Then (or with whole_leaves False, at once) the
+        window pages of node ends no leaf took with it (inner nodes, locked paths), then
+        retained leaves whole, and last the window a live retention's cut needs, earliest
+        expiry first."""
+        num_pages = min(num_pages, self.evictable_pages)
+        freed = self._evict_pages(self._take_tier(self._inner, num_pages))
+        freed += self._evict_leaves(num_pages - freed, whole_leaves, retained_too=False)
+        dropped = self._take_tier(self._ends, num_pages - freed)
+        self.num_end_drops += len(dropped)
+        freed += self._evict_pages(dropped)
+        freed += self._evict_leaves(num_pages - freed, whole_leaves, retained_too=True)
+        if freed < num_pages and self._last:
+            ordered = sorted(self._last, key=lambda page: self._kept_until(page) or 0.0)[: num_pages - freed]
+            for full_page in ordered:
+                del self._last[full_page]
+            self.num_end_drops += len(ordered)
+            self.num_kept_drops += len(ordered)
+            freed += self._evict_pages(ordered)
+        return freed
+
+    def _evict_leaves(self, num_pages: int, whole_leaves: bool, retained_too: bool) -> int:
+        """Evict the tree's leaves in its order until num_pages window pages were freed (their
+        window pages come back through BlocksEvicted); window pages freed."""
         freed = 0
-        for tier in (self._inner, self._ends):
-            while freed < num_pages and tier:
-                full_page = next(iter(tier))
-                del tier[full_page]
-                freed += self.pool.release([self._tree.pop(full_page)])
+        while whole_leaves and self.evict_leaf is not None and freed < num_pages and self.evictable_pages:
+            before = self.pool.num_free
+            if not self.evict_leaf(retained_too):
+                break
+            freed += self.pool.num_free - before
+        return freed
+
+    def _take_tier(self, tier: dict[int, None], num_pages: int) -> list[int]:
+        """Up to num_pages of a tier's pages, oldest first, taken out of it; a page a live
+        retention keeps moves to the last tier instead."""
+        taken: list[int] = []
+        while len(taken) < num_pages and tier:
+            full_page = next(iter(tier))
+            del tier[full_page]
+            if self._kept_until(full_page) is not None:
+                self._last[full_page] = None
+            else:
+                taken.append(full_page)
+        return taken
+
+    def _evict_pages(self, full_pages: list[int]) -> int:
+        """Drop the tree's window pages of these blocks (taken out of their tiers); pages freed."""
+        for full_page in full_pages:
+            self._kept.pop(full_page, None)
+        freed = self.pool.release([self._tree.pop(page) for page in full_pages])
+        self._tell([self._blocks[page] for page in full_pages], stored=False)
         return freed
 
     def release(self, full_pages: Sequence[int], table: list[int], start: int, end: int) -> None:
@@ -206,12 +354,13 @@ class WindowPages:
             self.pool.release([window_page])
             full_page = full_pages[i]
             if self._tree.get(full_page) == window_page and self.pool.refcount(window_page) == 1:
-                (self._ends if full_page in self._end_pages else self._inner)[full_page] = None
+                (self._ends if full_page in self._end_pages else self._inner)[full_page] = None  # kept: met in evict
 
     def commit(self, full_pages: Sequence[int], table: list[int], start: int, canonical: Sequence[int], stored: set[int]) -> None:
         """After the tree took blocks [start, len(canonical)) of a sequence: where the tree had
         the block already (canonical page differs), use its window page, or give it ours if it
         had dropped its own; where it adopted our page, it takes a reference on our window page."""
+        adopted = []
         for i in range(start, len(canonical)):
             page, ours = canonical[i], table[i]
             if page != full_pages[i]:
@@ -220,19 +369,23 @@ class WindowPages:
                         self.pool.release([ours])
                         table[i] = self._take(page)
                 elif ours >= 0:
-                    self._adopt(page, ours)
+                    adopted.append(self._adopt(page, ours))
             elif page in stored and ours >= 0:
-                self._adopt(page, ours)
+                adopted.append(self._adopt(page, ours))
+        self._tell(adopted, stored=True)
 
-    def _adopt(self, full_page: int, window_page: int) -> None:
+    def _adopt(self, full_page: int, window_page: int) -> tuple[BlockHash, BlockHash | None]:
         self._tree[full_page] = window_page
         self.pool.incref([window_page])
+        return self._blocks[full_page]
 
     # -- checks -------------------------------------------------------------------------------
 
     def check_accounting(self, tables: Sequence[Sequence[int]], cached_full_pages: set[int]) -> None:
         """free + evictable + in use == total; every refcount is the tree's and the sequences'."""
         assert set(self._tree) <= cached_full_pages, "a window page kept for a block the tree no longer caches"
+        assert set(self._kept) <= set(self._tree), "a retained cut's page the tree dropped"
+        assert set(self._blocks) == cached_full_pages, "every cached block's hash known"
         expected = [0] * self.pool.num_pages
         for window_page in self._tree.values():
             expected[window_page] += 1
@@ -245,7 +398,7 @@ class WindowPages:
         if list(actual) != expected:
             page = next(p for p in range(self.pool.num_pages) if actual[p] != expected[p])
             raise AssertionError(f"window page {page}: refcount {actual[page]}, expected {expected[page]}")
-        evictable = {self._tree[p] for p in (*self._inner, *self._ends)}
+        evictable = {self._tree[p] for p in (*self._inner, *self._ends, *self._last)}
         assert len(evictable) == self.evictable_pages and all(expected[w] == 1 for w in evictable)
         only_tree = {w for w in self._tree.values() if expected[w] == 1}
         assert only_tree == evictable, "a window page only the tree holds is not evictable"

@@ -95,7 +95,8 @@ def build_cache(config: EngineConfig, loaded: LoadedModel, device: torch.device)
     )
     compute_cost = ComputeCost()
     kv = KVManager(
-        pool, tree, hasher, config.enable_prefix_caching, open_disk_tier(config, loaded, pool.page_nbytes, kv_dtype, tree.events),
+        pool, tree, hasher, config.enable_prefix_caching,
+        open_disk_tier(config, loaded, pool.page_nbytes, kv_dtype, tree.events, windows.pool.page_nbytes if windows is not None else 0),
         compute_cost.estimate_s, config.kv_disk_prefetch_bytes, config.max_retained_pages_per_owner, config.max_ghost_blocks,
         windows,
     )  # fmt: skip
@@ -132,12 +133,6 @@ def _grouped_pools(
     layers' pool. Sized from memory, the window pool is sized first (EngineConfig.num_window_pages,
     else from max_num_seqs and the chunk) and the full layers take the rest of the bytes."""
     model_config, page_size = loaded.config, config.page_size
-    if config.kv_disk_dir is not None:
-        raise ConfigError(
-            f"kv_disk_dir cannot store the KV of {config.model!r}: its sliding-window layers keep their own pages, "
-            "which the disk tier's blocks do not hold; leave kv_disk_dir unset for this model",
-            param="kv_disk_dir",
-        )
     shape = (model_config.num_kv_heads, model_config.head_dim, kv_dtype)
     full_bytes = PagePool.bytes_per_page(page_size, len(groups.full_layers), *shape)
     window_bytes = PagePool.bytes_per_page(page_size, len(groups.window_layers), *shape)

@@ -17,7 +17,8 @@ from radixkv.cache.radix import RadixTree
 #   hit               every full block that can be served was (the block of the last token,
 #                     whose logits are needed, and a partial last page are always computed)
 #   disk_read_skipped the disk tier held the next blocks, and computing them was judged faster
-#   evicted           the next block was cached (RAM or disk) and has been evicted since
+#   evicted           the next block was cached (RAM or disk) and has been evicted since, or
+#                     (layer groups) RAM holds it but not the window KV a hit there needs
 #   partial_page      the prompt fits in one page, or the next block begins with the partial
 #                     last page an earlier sequence computed there (only full pages are cached)
 #   another_partition the same API key's other partition (another cache_salt) holds it
@@ -52,8 +53,9 @@ class MissExplainer:
     """Turns an admission's match into a CacheReport, and counts reports by reason. Holds no
     state per request or per tenant: the ghost index (bounded over all tenants) is all."""
 
-    def __init__(self, ghost: GhostIndex, tree: RadixTree, hasher: BlockHasher) -> None:
+    def __init__(self, ghost: GhostIndex, tree: RadixTree, hasher: BlockHasher, windowed: bool = False) -> None:
         self.ghost = ghost
+        self.windowed = windowed  # layer groups: RAM may hold a block whose window KV went
         self.tree = tree
         self.hasher = hasher
         self.page_size = hasher.page_size
@@ -102,6 +104,8 @@ class MissExplainer:
             return "never_seen"  # prefix caching is off: no block is ever cached
         if hashes[block] in self.ghost or disk_key(block) in self.ghost:
             return "evicted"
+        if self.windowed and self._held_by(tokens, salt, block):
+            return "evicted"  # its full KV is cached, the window layers' KV before it was evicted
         ps = self.page_size
         parent = hashes[block - 1] if block else self.root_key(salt)
         if self.ghost.continues_tail(parent, tokens[block * ps : (block + 1) * ps]):

@@ -13,6 +13,7 @@ from radixkv.cache.disk import DiskStats
 from radixkv.cache.events import CacheEvents
 from radixkv.cache.ghost import GhostIndex
 from radixkv.cache.hashing import BlockHasher
+from radixkv.cache.layer_groups import WindowPages
 from radixkv.cache.pages import PagePool
 from radixkv.cache.radix import RadixTree
 from radixkv.cache.residency import PageResidency, TierResidency
@@ -32,31 +33,36 @@ class CacheView:
     misses: MissExplainer
     loader: DiskLoader | None
     caching: bool
+    windows: WindowPages | None = None  # layer groups: a hit ends where a window lacks its pages
 
     @classmethod
     def listening(
         cls, tree: RadixTree, pool: PagePool, hasher: BlockHasher, loader: DiskLoader | None, caching: bool,
-        buses: Iterable[CacheEvents], max_ghost_blocks: int | None,
+        buses: Iterable[CacheEvents], max_ghost_blocks: int | None, windows: WindowPages | None = None,
     ) -> CacheView:
         """The view over a new RAM residency and ghost index (evicted hashes, so a request's cache
         report tells evicted from never seen), both, and the loader's write-back, subscribed to `buses`."""
         residency = PageResidency(pool.num_pages)
-        misses = MissExplainer(GhostIndex(max_ghost_blocks or 4 * pool.num_pages), tree, hasher)
+        misses = MissExplainer(GhostIndex(max_ghost_blocks or 4 * pool.num_pages), tree, hasher, windows is not None)
         listeners = [residency.listen, misses.ghost.listen] + ([loader.listen] if loader is not None else [])
         for bus in buses:
             for listener in listeners:
                 bus.subscribe(listener)
-        return cls(tree, pool, residency, misses, loader, caching)
+        return cls(tree, pool, residency, misses, loader, caching, windows)
 
     def lookup(self, token_ids: list[int], salt: str | None) -> CacheLookup:
         """The tokens of the prompt's full blocks cached in RAM, and those cached on disk right
-        after them, changing nothing: no LRU time, no hit counted, no file read."""
+        after them, changing nothing: no LRU time, no hit counted, no file read. With layer
+        groups, RAM's count ends at the cut a request would take (its window's pages held)."""
         if not self.caching:
             return CacheLookup(0, 0)
         tokens = list(token_ids)
         # match() and peek() leave the last token to compute; one more token lets peek count
         # every full block of the prompt itself (a partial block never matches).
-        ram = self.tree.peek(tokens + [0], salt).num_cached_tokens
+        found = self.tree.peek(tokens + [0], salt)
+        ram = found.num_cached_tokens
+        if self.windows is not None:  # what admission would take: where the window layers still hold theirs
+            ram = self.windows.usable_tokens(found.pages, ram)
         return CacheLookup(ram, self.loader.lookup(tokens, salt, ram) if self.loader is not None else 0)
 
     def flush(self, ram: bool, disk: bool) -> tuple[int, int]:
@@ -80,7 +86,8 @@ class CacheView:
         """Per tier ("ram", "disk" with a disk tier): hits, what it holds, evictions by reason,
         block lifetime and reuse gap histograms."""
         cached = self.tree.cached_pages
-        tiers = {"ram": self.ram_residency.snapshot(cached, cached * self.pool.page_nbytes)}
+        window_bytes = self.windows.tree_pages * self.windows.pool.page_nbytes if self.windows is not None else 0
+        tiers = {"ram": self.ram_residency.snapshot(cached, cached * self.pool.page_nbytes + window_bytes)}
         if self.loader is not None:
             tiers["disk"] = self.loader.residency()
         return tiers

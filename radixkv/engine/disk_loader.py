@@ -19,6 +19,7 @@ from radixkv.cache.disk import DiskStats, DiskTier
 from radixkv.cache.disk_format import disk_owner, owner_id
 from radixkv.cache.disk_prefetch import DiskPrefetcher
 from radixkv.cache.events import BlocksEvicted, CacheEvent, CacheEvents
+from radixkv.cache.layer_groups import WindowPages
 from radixkv.cache.pages import PagePool
 from radixkv.cache.radix import Node, RadixTree, path_tokens
 from radixkv.cache.residency import TierResidency
@@ -52,6 +53,7 @@ def open_disk_tier(
     payload_bytes: int,
     kv_dtype: torch.dtype | None = None,
     events: CacheEvents | None = None,
+    window_payload_bytes: int = 0,
 ) -> DiskTier | None:
     """The disk tier `config` asks for (kv_disk_dir, with prefix caching on), None without one.
     Blocks hold the pages' bytes as RAM stores them (kv_dtype, scales included: payload_bytes),
@@ -69,6 +71,7 @@ def open_disk_tier(
         payload_bytes=payload_bytes,
         max_owner_retained_bytes=config.kv_disk_retained_bytes_per_owner,
         events=events,
+        window_payload_bytes=window_payload_bytes,
     )
 
 
@@ -90,8 +93,12 @@ class DiskLoader:
         compute_s: ComputeEstimate,
         prefetch_bytes: int,
         max_retained_pages_per_owner: int | None,
+        windows: WindowPages | None = None,
     ) -> None:
         self.tier = tier
+        # Layer groups: a block's window layers' KV travels with it where RAM still held it, and
+        # a disk hit ends at the last cut whose window is held (RAM's or the stored blocks').
+        self.windows = windows
         self.pool = pool
         self.tree = tree
         self.page_size = pool.page_size
@@ -129,7 +136,7 @@ class DiskLoader:
         if not self.tier.enabled:
             return 0
         keys, end = self._keys_of(seq)
-        return self.tier.count_cached(keys, start_block, end - start_block, touch=False)
+        return self._windowed(keys, start_block, self.tier.count_cached(keys, start_block, end - start_block, touch=False))
 
     def read_skipped(self, seq: SequenceState) -> bool:
         """Whether seq's disk hit is computed instead, reading being judged the slower."""
@@ -185,10 +192,13 @@ class DiskLoader:
         if self.pool.num_free < num:
             self.tree.evict(num - self.pool.num_free)  # seq's match is locked: not its pages
         pages = self.pool.allocate(min(num, self.pool.num_free))
-        used = len(pages)
+        window_table, used = self._window_pages(seq, start, taken.payloads, len(pages))
+        self.pool.release(pages[used:])
+        pages = pages[:used]
         if used < num:
-            self.prefetcher.cancel(seq.seq_id)  # no page for the rest: computed instead
-        self.pool.load_pages(pages, taken.payloads[:used])
+            self.prefetcher.cancel(seq.seq_id)  # no page for the rest (or no window): computed instead
+        full = self.pool.page_nbytes
+        self.pool.load_pages(pages, [payload[:full] if len(payload) > full else payload for payload in taken.payloads[:used]])
         self.tier.accept(
             keys,
             start,
@@ -200,6 +210,8 @@ class DiskLoader:
         if not used:
             return
         seq.page_table.extend(pages)
+        if self.windows is not None:
+            seq.window_table.extend(window_table)
         seq.num_computed_tokens = (start + used) * ps
         self._commit(seq)
         self._retain_as_on_disk(seq, keys, start + used)
@@ -208,6 +220,48 @@ class DiskLoader:
                 # The budget cut the read short of the run: read the next part while this chunk
                 # computes (at least a chunk's worth, so a long hit never falls back to compute).
                 self._start_prefetch(seq, start + used, min_blocks=limit)
+
+    def _window_pages(self, seq: SequenceState, start: int, payloads: list[bytes], num: int) -> tuple[list[int], int]:
+        """Of `num` blocks read from block `start` on: how many to take (up to the last cut whose
+        window is held, so what follows computes over every key it reads) and, with layer
+        groups, their window pages, loaded from the payloads' tails (-1 where a block has none)."""
+        windows = self.windows
+        if windows is None:
+            return [], num
+        full = self.pool.page_nbytes
+        held = [len(payload) > full for payload in payloads[:num]]
+        behind = 0  # RAM's blocks right before `start` that hold their window pages
+        while behind < start and seq.window_table[start - 1 - behind] >= 0:
+            behind += 1
+        num = self._cut(start, behind, held)
+        with_window = [payload[full:] for payload, has in zip(payloads[:num], held) if has]
+        window_pages = windows.allocate(len(with_window)) if with_window else []
+        if window_pages is None:
+            return [], 0  # no window page for them: the hit is computed
+        windows.pool.load_pages(window_pages, with_window)
+        pages = iter(window_pages)
+        return [next(pages) if has else -1 for has in held[:num]], num
+
+    def _windowed(self, keys: Sequence[int], start: int, found: int) -> int:
+        """Of `found` stored blocks from `start`, how many a hit may take (all of them for a
+        model of one group): up to the last cut whose window is held, RAM's blocks before
+        `start` holding theirs (a RAM match ends at such a cut), stored ones where they carry
+        their window KV. Reads no file."""
+        if self.windows is None or not found:
+            return found
+        return self._cut(start, start, [self.tier.holds_window(keys[block], block) for block in range(start, start + found)])
+
+    def _cut(self, start: int, behind: int, held: list[bool]) -> int:
+        """Blocks from `start` to the last cut whose window is held: `behind` blocks before
+        `start` hold theirs, and held[i] says whether block start + i does."""
+        assert self.windows is not None
+        best, run = 0, behind
+        for offset, has in enumerate(held):
+            run = run + 1 if has else 0
+            end = start + offset + 1
+            if run >= end - self.windows.first_block(end * self.page_size):
+                best = offset + 1
+        return best
 
     def forget(self, seq: SequenceState) -> None:
         """seq gave back its pages: stop its read and drop what was kept for it."""
@@ -280,7 +334,7 @@ class DiskLoader:
         if self._hints and self._take_hint(seq, start):
             return True
         keys, end = self._keys_of(seq)
-        found = self.tier.count_cached(keys, start, end - start)  # touched: evictions spare them
+        found = self._windowed(keys, start, self.tier.count_cached(keys, start, end - start))  # touched: evictions spare them
         if found == 0:
             return None
         if not self.pays(start, found):
@@ -370,9 +424,16 @@ class DiskLoader:
         pages = node.pages
         expires_at_s, owner = self._retention_of(node)
         return tier.save(
-            tokens, node.salt, keys, first, len(pages), lambda i: self.pool.page_bytes(pages[i]),
+            tokens, node.salt, keys, first, len(pages), lambda i: self._payload(pages[i]),
             retention_expires_at_s=expires_at_s, owner=owner, wait=False,
         )
+
+    def _payload(self, page: int) -> bytes:
+        """A cached block's bytes for the disk: its full layers' page, then its window layers'
+        page where the tree still holds it (layer groups)."""
+        data = self.pool.page_bytes(page)
+        window_page = self.windows.window_page_of(page) if self.windows is not None else None
+        return data if window_page is None else data + self.windows.pool.page_bytes(window_page)  # type: ignore[union-attr]
 
     def _retention_of(self, node: Node) -> tuple[float, str | None]:
         """(wall-clock expiry, owner) of the retention on `node` that ends last, (0, None) if
@@ -391,7 +452,8 @@ class DiskLoader:
         ps = self.page_size
         num_full = len(token_ids) // ps
         keys = self.tier.keys(token_ids[: num_full * ps], salt)
-        return self.tier.count_cached(keys, ram_tokens // ps, num_full - ram_tokens // ps, touch=False) * ps
+        start = ram_tokens // ps
+        return self._windowed(keys, start, self.tier.count_cached(keys, start, num_full - start, touch=False)) * ps
 
     def flush(self) -> int:
         """Delete every block on disk; returns how many."""

@@ -76,6 +76,11 @@ class KVKeeps:
         match = self._tree.match(list(prefix_token_ids) + [0], salt, record=False, serves=False)
         num_pages = self._tree.retain(match.node, ttl_s, owner, max_owner_pages)
         self._residency.retained(match.pages[:num_pages])
+        if num_pages and self._windows is not None:
+            # The newest retention is this one; the window layers keep the W tokens before its
+            # cut, so the retained prefix stays a full hit there, not only its full layers.
+            retention = self._tree.retentions(owner)[-1]
+            self._windows.keep(retention.retention_id, match.pages[:num_pages], num_pages * self._page_size)
         return match.node, num_pages
 
     # -- liveness (a session book's marks; the `session` eviction policy orders by them) -----

@@ -52,19 +52,23 @@ class KVManager(KVKeeps):
         self._caching = enable_prefix_caching
         # The window layers' pages (cache/layer_groups.py), None for a model of one group.
         self._windows = windows
-        if windows is not None:
-            tree.events.subscribe(windows.listen)
         self._loader: DiskLoader | None = None
         if disk is not None and enable_prefix_caching:
             self._loader = DiskLoader(
                 disk, pool, tree, commit=self.commit, peek_tokens=lambda seq: self.peek(seq).num_cached_tokens,
                 retain_prefix=self._retain_prefix, compute_s=compute_s, prefetch_bytes=prefetch_bytes,
-                max_retained_pages_per_owner=max_retained_pages_per_owner,
+                max_retained_pages_per_owner=max_retained_pages_per_owner, windows=windows,
             )
         # One bus in an engine (the tree's, handed to its disk tier); a tier built apart has its own.
         buses = [tree.events] if disk is None or disk.events is tree.events else [tree.events, disk.events]
-        self._view = CacheView.listening(tree, pool, hasher, self._loader, enable_prefix_caching, buses, max_ghost_blocks)
+        self._view = CacheView.listening(tree, pool, hasher, self._loader, enable_prefix_caching, buses, max_ghost_blocks, windows)
         self._residency, self._misses = self._view.ram_residency, self._view.misses
+        if windows is not None:
+            # After the write-back: an evicted block's window pages are written with it first.
+            tree.events.subscribe(windows.listen)
+            windows.events = tree.events
+            windows.evict_leaf = lambda retained_too: tree.evict(1, retained_too=retained_too)  # one order over both pools
+            windows.retention_expiry = lambda retention_id: getattr(tree.retention(retention_id), "expires_at_s", None)
 
     def cache_view(self) -> CacheView:
         """The whole cache over these same parts, for reports and flush/close (the engine holds it)."""

@@ -8,11 +8,13 @@ from __future__ import annotations
 import time
 from typing import Protocol
 
-from radixkv.cache.events import AllCleared, BlocksEvicted, BlocksStored, CacheEvent
+from radixkv.cache.events import AllCleared, BlocksEvicted, BlocksStored, CacheEvent, WindowBlocks
 from radixkv.cache.radix import Node
 from radixkv.kv_events.schema import (
     GROUP_IDX,
     SPEC_KIND,
+    WINDOW_GROUP_IDX,
+    WINDOW_SPEC_KIND,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -58,6 +60,8 @@ class KVEventRecorder:
             self.blocks_removed(event.node)
         elif isinstance(event, AllCleared):
             self.all_cleared()
+        elif isinstance(event, WindowBlocks):
+            self.window_blocks(event)
 
     def blocks_stored(self, node: Node) -> None:
         # Copied now: a later split cuts node.hashes and node.tokens in place.
@@ -87,6 +91,34 @@ class KVEventRecorder:
         self._pending.append(
             BlockRemoved(block_hashes=[wire_hash(h) for h in node.hashes], medium=self.medium, group_idx=GROUP_IDX)
         )
+
+    def window_blocks(self, event: WindowBlocks) -> None:
+        """The window group's own stores and removals (group 1, `sliding_window`): a stored run
+        goes out as one chain per run of consecutive blocks; token ids are never repeated here
+        (the full group's event carried them where they are sent)."""
+        hashes = [wire_hash(block_hash) for block_hash, _ in event.blocks]
+        if not event.stored:
+            self._pending.append(BlockRemoved(block_hashes=hashes, medium=self.medium, group_idx=WINDOW_GROUP_IDX))
+            return
+        chain: list[int] = []
+        parent: int | None = None
+        for (block_hash, block_parent), wire in zip(event.blocks, hashes):
+            if chain and block_parent is not None and wire_hash(block_parent) == chain[-1]:
+                chain.append(wire)
+                continue
+            self._window_chain(chain, parent, event.window)
+            chain, parent = [wire], None if block_parent is None else wire_hash(block_parent)
+        self._window_chain(chain, parent, event.window)
+
+    def _window_chain(self, chain: list[int], parent: int | None, window: int) -> None:
+        if chain:
+            self._pending.append(
+                BlockStored(
+                    block_hashes=chain, parent_block_hash=parent, token_ids=[], block_size=self.page_size, lora_id=None,
+                    medium=self.medium, lora_name=None, group_idx=WINDOW_GROUP_IDX, kv_cache_spec_kind=WINDOW_SPEC_KIND,
+                    kv_cache_spec_sliding_window=window,
+                )
+            )
 
     def all_cleared(self) -> None:
         self._pending.append(AllBlocksCleared())

@@ -27,10 +27,16 @@ WIRE_HASH_MASK = (1 << 64) - 1
 # "CPU" for its CPU offload tier); radixkv's pages live in RAM when the engine runs on the CPU.
 MEDIUM_GPU = "GPU"
 MEDIUM_CPU = "CPU"
-# The one KV cache group radixkv has: full attention over every layer (vLLM's group 0 for such
-# models); sent so group-aware indexers file the blocks where vLLM's would be.
+# KV cache groups as vLLM numbers them: group 0 the layers attending to every token (every
+# layer of a dense model), sent so group-aware indexers file the blocks where vLLM's would be.
+# A model with window layers (layer groups, cache/layer_groups.py) has a second group whose
+# events say which blocks still hold their window KV; like vLLM's hybrid manager, each group
+# stores and removes on its own, and consumers that know one group (Dynamo's router filters
+# the others out) read group 0 alone, unchanged.
 GROUP_IDX = 0
 SPEC_KIND = "full_attention"
+WINDOW_GROUP_IDX = 1
+WINDOW_SPEC_KIND = "sliding_window"
 
 
 def wire_hash(block_hash: int) -> int:

@@ -35,6 +35,24 @@ def make_seq(tokens: list[int]) -> SequenceState:
     return SequenceState(seq_id, f"r{seq_id}", 0, list(tokens), SamplingParams(max_tokens=4), None, 0)
 
 
+def path_pages(node) -> list[int]:
+    runs = []
+    while node is not None and node.parent is not None:
+        runs.append(node.pages)
+        node = node.parent
+    return [page for run in reversed(runs) for page in run]
+
+
+def unlocked_leaves(tree: RadixTree) -> list:
+    return [node for node in tree.iter_nodes() if node.parent is not None and not node.children and node.lock_ref == 0]
+
+
+def end_usable(node, windows: WindowPages) -> bool:
+    """A hit at the node's end would be taken whole: the window before it still has pages."""
+    pages = path_pages(node)
+    return windows.usable_tokens(pages, len(pages) * PAGE) == len(pages) * PAGE
+
+
 def test_groups_from_layer_windows() -> None:
     groups = LayerGroups((512, 512, None, 512), 4)
     assert groups.grouped and groups.full_layers == (2,) and groups.window_layers == (0, 1, 3) and groups.window == 512
@@ -67,6 +85,7 @@ def test_accounting_holds_under_random_use(ops: list[tuple[int, int, int]]) -> N
     prefixes = [list(range(100, 140)), list(range(100, 120)) + list(range(300, 320)), list(range(500, 540))]
     running: list[SequenceState] = []
     pins: list = []
+    whole_at_start: dict[int, bool] = {}  # retention id -> its cut was a full hit when made
     for op, which, amount in ops:
         if op == 0 or not running:  # admit a prompt sharing a prefix with others
             seq = make_seq(prefixes[which % 3][: 10 + amount % 30] + [7, 8, 9])
@@ -94,9 +113,20 @@ def test_accounting_holds_under_random_use(ops: list[tuple[int, int, int]]) -> N
                 kv.unpin(pins.pop(0))
             else:
                 pins.append(kv.pin(prefixes[which % 3][: amount], None)[0])
-        else:  # pressure: evict from each group
+        elif op == 4 and which == 3:  # retain a cached prefix, as a Keep ttl or a session's turn does
+            if kv.retain(prefixes[amount % 3][:amount], None, 30.0, f"owner{amount % 2}", 12):
+                retention = tree.retentions(f"owner{amount % 2}")[-1]
+                whole_at_start[retention.retention_id] = end_usable(retention.node, windows)
+        else:  # pressure: evict from each group, the window pool by the order over both
             tree.evict(amount % 5)
-            windows.evict(amount % 5)
+            bare = {node.node_id for node in tree.iter_nodes() if node.parent is not None and not end_usable(node, windows)}
+            drops, kept_drops = windows.num_end_drops, windows.num_kept_drops
+            windows.evict(amount % 5, whole_leaves=which != 2)
+            if windows.num_end_drops == drops:  # no leaf's end window dropped alone: every usable end stays
+                assert all(end_usable(node, windows) for node in unlocked_leaves(tree) if node.node_id not in bare)
+            if windows.num_kept_drops == kept_drops:  # a retained cut that was a full hit stays one (or went whole)
+                live = [r for owner in tree.retention_owners() for r in tree.retentions(owner)]
+                assert all(r.node.removed or end_usable(r.node, windows) for r in live if whole_at_start.get(r.retention_id))
         check_page_accounting(pool, tree, running, [], windows)
         check_tree(tree)
     for seq in running:
@@ -126,4 +156,33 @@ def test_a_pinned_prefix_keeps_its_last_window() -> None:
     windows.evict(windows.pool.num_pages)
     assert kv.peek(make_seq(prompt)).num_cached_tokens == 0, "unpinned, its window pages went"
     assert windows.pool.num_free == windows.pool.num_pages
+    check_page_accounting(pool, tree, [], [], windows)
+
+
+def test_a_retained_cut_keeps_its_window_last() -> None:
+    """A retention keeps the window pages of the W tokens before its cut: window eviction takes
+    every other window page first, so the retained prefix stays a hit at its cut; once the
+    retention ends those pages are ordinary again."""
+    kv, pool, tree, windows = make_kv(64, 24)
+    clock = [0.0]
+    tree._now_s = lambda: clock[0]  # the tree's clock, so the retention can end
+    kept_prompt, other = list(range(300, 341)), list(range(600, 641))
+    for prompt in (kept_prompt, other):
+        seq = make_seq(prompt)
+        kv.admit(seq, len(prompt))
+        seq.num_computed_tokens = len(prompt)
+        kv.commit(seq)
+        kv.release(seq)
+    assert kv.retain(kept_prompt[:40], None, 10.0, "a", 64) == 40
+    held = windows.kept_pages()
+    assert held == -(-(WINDOW - 1) // PAGE), "the W tokens before the cut"
+    windows.evict(windows.evictable_pages - held)
+    check_page_accounting(pool, tree, [], [], windows)
+    assert kv.peek(make_seq(kept_prompt)).num_cached_tokens == 40, "the retained cut is still a full hit"
+    assert kv.peek(make_seq(other)).num_cached_tokens < 40, "the other prefix lost its window"
+    clock[0] = 11.0
+    tree.expire()
+    assert windows.kept_pages() == 0
+    windows.evict(1)
+    assert kv.peek(make_seq(kept_prompt)).num_cached_tokens < 40, "expired, its window pages go like any"
     check_page_accounting(pool, tree, [], [], windows)

@@ -96,15 +96,12 @@ def test_gemma3_window_pages_small_pool(tiny_gemma3, gemma_reference, backend):
     assert_pages_returned(llm.engine)
 
 
-def test_gemma3_groups_refuse_what_they_cannot_hold(tiny_gemma3, tmp_path):
+def test_gemma3_groups_refuse_what_they_cannot_hold(tiny_gemma3):
     from radixkv.errors import ConfigError
 
     with pytest.raises(ConfigError) as small:
         make_llm(tiny_gemma3, max_batch_tokens=16, num_window_pages=4)
     assert small.value.param == "num_window_pages" and "at least 7" in str(small.value)
-    with pytest.raises(ConfigError) as disk:
-        make_llm(tiny_gemma3, kv_disk_dir=str(tmp_path / "kv"))
-    assert disk.value.param == "kv_disk_dir" and "sliding-window" in str(disk.value)
 
 
 def test_gemma3_kv_bytes_in_use_keep_the_window_only(tiny_gemma3, gemma_reference):

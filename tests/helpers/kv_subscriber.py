@@ -36,6 +36,7 @@ class SchemaSubscriber:
     num_live: int = 0  # live messages that were new when they came, lost ones included
     num_replayed: int = 0
     batches: list[list] = field(default_factory=list)  # every decoded batch, in seq order
+    group_blocks: dict[int, set[int]] = field(default_factory=dict)  # another group's blocks, by group_idx
 
     def __post_init__(self) -> None:
         context = zmq.Context.instance()
@@ -119,7 +120,9 @@ class SchemaSubscriber:
         for event in events:
             assert isinstance(event, dict), "events are tagged maps (vLLM >= #42892)"
             kind = event["type"]
-            if kind == "BlockStored":
+            if event.get("group_idx") not in (None, 0):  # another KV cache group (vLLM's hybrid models)
+                self._group_event(event)
+            elif kind == "BlockStored":
                 self._stored(event)
             elif kind == "BlockRemoved":
                 for block_hash in event["block_hashes"]:
@@ -127,10 +130,24 @@ class SchemaSubscriber:
                     del self.blocks[block_hash]
             elif kind == "AllBlocksCleared":
                 self.blocks.clear()
+                self.group_blocks.clear()
             else:
                 raise AssertionError(f"unknown event type {kind!r}")
         self.batches.append(batch)
         self.next_seq = seq + 1
+
+    def _group_event(self, event: dict) -> None:
+        """A block of another group (a window group: `sliding_window`, its window in tokens) is
+        stored or removed on its own; a group only ever holds blocks group 0 holds."""
+        held = self.group_blocks.setdefault(event["group_idx"], set())
+        for block_hash in event["block_hashes"]:
+            if event["type"] == "BlockStored":
+                assert event["kv_cache_spec_kind"] == "sliding_window" and event["kv_cache_spec_sliding_window"] > 0
+                assert block_hash in self.blocks, f"group {event['group_idx']} stored {block_hash:#x} before group 0"
+                held.add(block_hash)
+            else:
+                assert block_hash in held, f"group {event['group_idx']} removed unknown block {block_hash:#x}"
+                held.discard(block_hash)
 
     def _stored(self, event: dict) -> None:
         hashes, tokens, size = event["block_hashes"], event["token_ids"], event["block_size"]
