@@ -285,3 +285,13 @@ def test_fused_gemma3_decode_over_quantized_linears_is_bit_identical(tmp_path, m
     generator = torch.Generator().manual_seed(6)
     sequences = [torch.randint(5, 300, (n,), generator=generator).tolist() for n in (40, 23, 33)]
     assert_fused_matches_modules(loaded, sequences, monkeypatch)
+
+
+@pytest.mark.skipif(bool(missing_linear_kernel("avx2")), reason=f"fp32 layers: avx2: {missing_linear_kernel('avx2')}")
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.int8], ids=str)
+def test_fused_gemma3_decode_over_bf16_and_int8_pages_is_bit_identical(tmp_path, monkeypatch, kv_dtype):
+    """Gemma 3's window layers over narrow pages: the windowed widening decode, fused or not."""
+    loaded = load_model(str(make_random_model(tmp_path / "g", "gemma3")), CPUBackend(), dtype="float32", device="cpu", linear_kernel="avx2")
+    generator = torch.Generator().manual_seed(7)
+    sequences = [torch.randint(5, 300, (n,), generator=generator).tolist() for n in (40, 23, 33)]
+    assert_fused_matches_modules(loaded, sequences, monkeypatch, kv_dtype=kv_dtype)
