@@ -13,6 +13,7 @@ it over a model's layers and hands it the tables the CPU backend checked (StepSt
 from __future__ import annotations
 
 import ctypes
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -24,6 +25,16 @@ from radixkv.cpu.quant_linear import FORMAT_IDS, QuantLinear
 _p = ctypes.c_void_p
 
 
+class DecodeTables(Protocol):
+    """What run() reads of a step's checked tables (radixkv.attention.base.DecodeTables: this
+    floor does not import attention/)."""
+
+    slot_mapping: Tensor
+    page_table: Tensor
+    seq_lens: Tensor
+    plan: Tensor | None
+
+
 class _Layer(ctypes.Structure):
     _fields_ = [
         *(
@@ -31,6 +42,8 @@ class _Layer(ctypes.Structure):
             for name in ("input_norm", "post_norm", "qkv", "o", "gate_up", "down", "qkv_bias", "o_bias", "k_cache", "v_cache", "k_scales", "v_scales")
         ),
         ("formats", ctypes.c_int * 4),
+        *((name, _p) for name in ("q_norm", "k_norm", "pre_ff_norm", "post_ff_norm")),
+        *((name, ctypes.c_int) for name in ("window", "group", "rope")),
     ]
 
 
@@ -42,6 +55,18 @@ class _Shape(ctypes.Structure):
         ("scale", ctypes.c_float),
         ("quant_kernel", ctypes.c_int),
         ("kv_kind", ctypes.c_int),
+        ("gemma", ctypes.c_int),
+    ]
+
+
+class _Step(ctypes.Structure):
+    """decode_layers.c's DecodeStep: [0] the full layers' tables and the model's RoPE, [1] the
+    window group's tables and the local layers' RoPE."""
+
+    _fields_ = [
+        *((name, _p * 2) for name in ("cos", "signed_sin", "slots", "page_table")),
+        ("page_table_stride", ctypes.c_int64 * 2),
+        *((name, _p * 2) for name in ("seq_lens", "plan")),
     ]
 
 
@@ -81,7 +106,9 @@ class FusedDecode:
         # The layers and config, not the model: the model holds this object.
         self.layers, self.config, self.library = model.layers, model.config, library
         self._layers: ctypes.Array | None = None
-        self._caches: tuple[int, int] | None = None  # data_ptr of the first k and v cache bound
+        self._caches: tuple[int, ...] | None = None  # data_ptr of every k and v cache bound
+        # The distinct sliding windows of the layers (Gemma's local layers), sized for in run().
+        self._windows = sorted({layer.self_attn.window for layer in self.layers if layer.self_attn.window is not None})
         # float64 [len(PHASES)] that each fused step adds its seconds per phase to, or None:
         # untimed. A profiler's (scenarios/decode_profile.py) to set, zero and read.
         self.phase_seconds: Tensor | None = None
@@ -104,9 +131,8 @@ class FusedDecode:
         dtypes = (torch.bfloat16, torch.float32) if kind == "packed" or available_linear_kernels(torch.bfloat16) else (torch.float32,)
         fits = (
             library is not None
-            and not config.qk_norm
-            and not config.gemma_norms
-            and not any(window is not None for window in config.layer_windows)  # the C loop passes no window
+            and config.qk_norm == config.gemma_norms  # per-head norms: Gemma's (1 + w) ones only
+            and config.hidden_act == ("gelu_tanh" if config.gemma_norms else "silu")
             and dtype_source is not None
             and dtype_source.dtype in dtypes
             and dtype_source.device.type == "cpu"
@@ -121,23 +147,30 @@ class FusedDecode:
 
     def run(
         self, x: Tensor, cos: Tensor, sin: Tensor, k_caches: list[Tensor], v_caches: list[Tensor],
-        slots: Tensor, page_table: Tensor, seq_lens: Tensor, plan: Tensor | None,
-        k_scales: list[Tensor] | None = None, v_scales: list[Tensor] | None = None,
+        tables: DecodeTables, k_scales: list[Tensor] | None = None, v_scales: list[Tensor] | None = None,
+        window_tables: DecodeTables | None = None, local_rope: tuple[Tensor, Tensor] | None = None,
     ) -> tuple[Tensor, Tensor]:  # fmt: skip
         """(residual stream, last MLP output) after all layers, as the module loop returns them,
-        for one new token a row. The C code trusts slots, page_table and seq_lens, so the caller
-        range-checks them first (the CPU attention backend's prepare() does, and hands them out as
-        DecodeTables); plan: its cascade plan. Pages in another dtype than x's (takes_pages) come
-        with their scales where int8 (PagePool.k_scales)."""
+        for one new token a row. The C code trusts the tables' slots, page tables and lengths, so
+        the caller range-checks them first (the CPU attention backend's prepare() does, and hands
+        them out as DecodeTables, with the cascade plan). window_tables: the window layers' group
+        (AttentionMetadata.window_meta's), None where they read `tables`; local_rope: the (cos,
+        sin) of window layers with their own RoPE base (Gemma's local layers). Pages in another
+        dtype than x's (takes_pages) come with their scales where int8 (PagePool.k_scales)."""
         config, rows = self.config, x.shape[0]
-        slots = slots.to(torch.int64).contiguous()
         assert self.takes_pages(x.dtype, k_caches[0]), "call takes_pages() first"
         layers = self._bind(k_caches, v_caches, k_scales, v_scales)
         q_size, kv_size = config.num_q_heads * config.head_dim, config.num_kv_heads * config.head_dim
         widths = dict(h=config.hidden_size, qkv=q_size + 2 * kv_size, attention=q_size, projected=config.hidden_size,
                       gate_up=2 * config.intermediate_size, activated=config.intermediate_size)  # fmt: skip
         buffers = {name: torch.empty(rows, width, dtype=x.dtype) for name, width in widths.items()}
-        work = torch.empty(max(decode.work_floats(seq_lens, plan, config.num_q_heads, config.head_dim), 1), dtype=torch.float32)
+        # Window layers read group 1's tables (their own pool's where the model has layer groups)
+        # and no cascade plan; each of their windows sizes its own softmax work.
+        groups = (tables, window_tables or tables)
+        rotations = [(c.contiguous(), s.contiguous()) for c, s in ((cos, sin), local_rope or (cos, sin))]
+        floats = [decode.work_floats(tables.seq_lens, tables.plan, config.num_q_heads, config.head_dim)]
+        floats += [decode.work_floats(groups[1].seq_lens, None, config.num_q_heads, config.head_dim, window) for window in self._windows]
+        work = torch.empty(max(*floats, 1), dtype=torch.float32)
         timed = self.phase_seconds
         if timed is not None and (timed.dtype != torch.float64 or timed.device.type != "cpu" or timed.numel() != len(self.PHASES) or not timed.is_contiguous()):
             raise ValueError(f"phase_seconds must be a contiguous float64 CPU tensor of {len(self.PHASES)} values")
@@ -146,15 +179,21 @@ class FusedDecode:
             rows=rows, hidden=config.hidden_size, intermediate=config.intermediate_size, num_q_heads=config.num_q_heads,
             num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, page_size=k_caches[0].shape[1],
             num_threads=torch.get_num_threads(), eps=config.rms_norm_eps, scale=self.layers[0].self_attn.scale,
-            kv_kind=decode.widened_kind(x.dtype, k_caches[0].dtype), **self._kernel_ids(x.dtype),
+            kv_kind=decode.widened_kind(x.dtype, k_caches[0].dtype), gemma=int(config.gemma_norms), **self._kernel_ids(x.dtype),
+        )  # fmt: skip
+        pair = lambda values: (_p * 2)(*values)  # noqa: E731
+        slots = [group.slot_mapping.to(torch.int64).contiguous() for group in groups]
+        step = _Step(
+            cos=pair(c.data_ptr() for c, _ in rotations), signed_sin=pair(s.data_ptr() for _, s in rotations),
+            slots=pair(t.data_ptr() for t in slots), page_table=pair(g.page_table.data_ptr() for g in groups),
+            page_table_stride=(ctypes.c_int64 * 2)(*(g.page_table.stride(0) for g in groups)),
+            seq_lens=pair(g.seq_lens.data_ptr() for g in groups), plan=pair(_pointer(g.plan) for g in groups),
         )  # fmt: skip
         delta = torch.empty_like(x)
         x = x.contiguous()
         status = self.library.radixkv_decode_layers(
             ctypes.addressof(layers), len(self.layers), 1, ctypes.addressof(shape), ctypes.addressof(scratch),
-            x.data_ptr(), delta.data_ptr(),
-            cos.contiguous().data_ptr(), sin.contiguous().data_ptr(), slots.data_ptr(), page_table.data_ptr(),
-            page_table.stride(0), seq_lens.data_ptr(), _pointer(plan),
+            x.data_ptr(), delta.data_ptr(), ctypes.addressof(step),
         )  # fmt: skip
         if status != 0:
             raise RuntimeError("the fused decode kernels refused this model's shapes")
@@ -173,7 +212,7 @@ class FusedDecode:
         self, k_caches: list[Tensor], v_caches: list[Tensor], k_scales: list[Tensor] | None, v_scales: list[Tensor] | None
     ) -> ctypes.Array:
         """The layer records, built once per set of caches (the pool's tensors never move)."""
-        key = (k_caches[0].data_ptr(), v_caches[0].data_ptr())
+        key = tuple(cache.data_ptr() for cache in (*k_caches, *v_caches))  # window layers' caches lie in their own pool
         if self._layers is None or self._caches != key:
             records = []
             no_scales = [None] * len(k_caches)
@@ -183,6 +222,7 @@ class FusedDecode:
                 if k_cache.dtype == torch.int8:
                     decode.check_scales(k_cache, k_scale, v_scale)
                 attn, mlp = layer.self_attn, layer.mlp
+                gemma = {name: _pointer(_norm(layer, attr)) for name, attr in _GEMMA_NORMS.items()}
                 records.append(_Layer(
                     input_norm=layer.input_layernorm.weight.data_ptr(), post_norm=layer.post_attention_layernorm.weight.data_ptr(),
                     qkv=_packed(attn.qkv_proj).data_ptr(), o=_packed(attn.o_proj).data_ptr(),
@@ -191,6 +231,7 @@ class FusedDecode:
                     k_cache=k_cache.data_ptr(), v_cache=v_cache.data_ptr(),
                     k_scales=_pointer(k_scale), v_scales=_pointer(v_scale),
                     formats=(ctypes.c_int * 4)(*(FORMAT_IDS.get(getattr(linear, "format", ""), 0) for linear in _linears(layer))),
+                    **gemma, window=attn.window or 0, group=int(attn.window is not None), rope=int(layer.local_rope),
                 ))  # fmt: skip
             self._layers, self._caches = (_Layer * len(records))(*records), key
         return self._layers
@@ -198,3 +239,16 @@ class FusedDecode:
 
 def _pointer(tensor: Tensor | None) -> int | None:
     return None if tensor is None else tensor.data_ptr()
+
+
+# _Layer's Gemma norms and the modules holding them (a Llama layer has none of them).
+_GEMMA_NORMS = {"q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm",
+                "pre_ff_norm": "pre_feedforward_layernorm", "post_ff_norm": "post_feedforward_layernorm"}  # fmt: skip
+
+
+def _norm(layer: torch.nn.Module, path: str) -> Tensor | None:
+    """The weight of the Gemma norm at `path` in layer, None where the layer has none."""
+    module = layer
+    for part in path.split("."):
+        module = getattr(module, part, None)
+    return None if module is None else module.weight

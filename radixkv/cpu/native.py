@@ -28,7 +28,7 @@ from radixkv.cpu.features import cpu_features
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "paged_decode.c", CSRC / "paged_decode_avx2.c", CSRC / "cascade.c", CSRC / "paged_extend.c", CSRC / "row_ops.c", CSRC / "packed_linear.c", CSRC / "linear_f32.c", CSRC / "decode_layers.c", CSRC / "logits.c", CSRC / "quant_linear.c", CSRC / "quant_linear_zmm.c", CSRC / "moe.c")
+SOURCES = (CSRC / "paged_decode.c", CSRC / "paged_decode_avx2.c", CSRC / "cascade.c", CSRC / "paged_extend.c", CSRC / "row_ops.c", CSRC / "packed_linear.c", CSRC / "linear_f32.c", CSRC / "decode_layers.c", CSRC / "logits.c", CSRC / "quant_linear.c", CSRC / "quant_linear_zmm.c", CSRC / "moe.c", CSRC / "gemma_ops.c")
 HEADERS = (CSRC / "bf16.h", CSRC / "amx.h", CSRC / "decode.h", CSRC / "tiles.h", CSRC / "kernels.h")
 COMPILE_FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 
@@ -159,7 +159,11 @@ def _declare(library: ctypes.CDLL) -> None:
         "radixkv_packed_linear_f32": [p, i64, i32, i32, p, i32, p, p, i64, i32],
         "radixkv_apply_token_bitmask_f32": [p, i64, p, i64, p, i32, i32],
         "radixkv_argmax_rows_f32": [p, i64, i32, i64, p, i32],
-        "radixkv_decode_layers": [p, i32, i32, p, p, p, p, p, p, p, p, i64, p, p],
+        "radixkv_decode_layers": [p, i32, i32, p, p, p, p, p],
+        "radixkv_gemma_norm_bf16": [p, i64, p, p, p, i64, i32, i32, i32, f32, i32],
+        "radixkv_gemma_norm_f32": [p, i64, p, p, p, i64, i32, i32, i32, f32, i32],
+        "radixkv_gelu_mul_bf16": [p, i64, p, i32, i32, i32],
+        "radixkv_gelu_mul_f32": [p, i64, p, i32, i32, i32],
         "radixkv_quant_linear_kernels": [],
         "radixkv_quant_packed_bytes": [i32, i32, i32],
         "radixkv_quant_pack": [i32, p, p, p, i32, i32, p],

@@ -70,3 +70,39 @@ def silu_mul(gate_up: Tensor) -> Tensor | None:
     out = torch.empty((rows, dim), dtype=gate_up.dtype)
     kernel(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, dim, torch.get_num_threads())
     return out
+
+
+def gemma_norm(x: Tensor, weight: Tensor, eps: float, delta: Tensor | None = None) -> Tensor | None:
+    """Gemma's RMSNorm (normalized in fp32, times (1 + weight) in fp32, rounded once) of x's
+    last dim, x: [T, dim] or [T, H, dim] (each row's heads side by side, any row stride), as a
+    new contiguous tensor; with delta (x's shape, contiguous, x contiguous too) x += delta in
+    place first, the residual add. None where the kernel does not take these tensors. The fused
+    decode step (radixkv/cpu/csrc/decode_layers.c) calls the same kernel."""
+    tensors = (x, weight) if delta is None else (x, delta, weight)
+    kernel = _native_for("gemma_norm", *tensors)
+    if kernel is None or x.dim() not in (2, 3) or weight.numel() != x.shape[-1]:
+        return None
+    rows, dim = x.shape[0], x.shape[-1]
+    heads = 1 if x.dim() == 2 else x.shape[1]
+    if (heads > 1 and x.stride(1) != dim) or not weight.is_contiguous():
+        return None
+    if delta is not None and (not x.is_contiguous() or not delta.is_contiguous() or delta.shape != x.shape):
+        return None
+    out = torch.empty(x.shape, dtype=x.dtype)
+    kernel(
+        x.data_ptr(), x.stride(0), None if delta is None else delta.data_ptr(), weight.data_ptr(), out.data_ptr(),
+        heads * dim, rows, heads, dim, eps, torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+def gelu_mul(gate_up: Tensor) -> Tensor | None:
+    """F.gelu(gate, approximate="tanh") * up for gate_up = [gate | up] along the last dim,
+    [T, 2 * dim] -> [T, dim] (GeGLU), or None where the kernel does not take it."""
+    kernel = _native_for("gelu_mul", gate_up)
+    if kernel is None or gate_up.dim() != 2:
+        return None
+    rows, dim = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty((rows, dim), dtype=gate_up.dtype)
+    kernel(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, dim, torch.get_num_threads())
+    return out

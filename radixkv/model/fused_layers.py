@@ -30,16 +30,17 @@ class FusedDecodeLayers(DecoderLayers):
     ) -> tuple[Tensor, Tensor]:  # fmt: skip
         # Pages in another dtype than the compute dtype that the fused step does not read (it
         # reads bf16 and int8 pages under fp32) take the layer loop, whose backend widens them.
-        # A second RoPE (window layers' own base) is one the native loop does not take.
-        if self.fused is None or local_rope is not None or not self.fused.takes_pages(x.dtype, k_caches[0]):
+        if self.fused is None or not self.fused.takes_pages(x.dtype, k_caches[0]):
             return super().forward(x, cos, sin, meta, k_caches, v_caches, k_scales, v_scales, local_rope)
-        # One new token per request: a request with none this step has no row to decode.
-        tables = meta.state.decode_tables() if meta.is_decode_only and meta.num_seqs == x.shape[0] else None
-        if tables is None:
-            return super().forward(x, cos, sin, meta, k_caches, v_caches, k_scales, v_scales)
-        return self.fused.run(
-            x, cos, sin, k_caches, v_caches, tables.slot_mapping, tables.page_table, tables.seq_lens, tables.plan, k_scales, v_scales
-        )
+        # One new token per request: a request with none this step has no row to decode. A model
+        # with layer groups hands its window layers their own group's checked tables.
+        decode_only = meta.is_decode_only and meta.num_seqs == x.shape[0]
+        tables = meta.state.decode_tables() if decode_only else None
+        window_meta = meta.window_meta
+        window_tables = window_meta.state.decode_tables() if tables is not None and window_meta is not None else None
+        if tables is None or (window_meta is not None and window_tables is None):
+            return super().forward(x, cos, sin, meta, k_caches, v_caches, k_scales, v_scales, local_rope)
+        return self.fused.run(x, cos, sin, k_caches, v_caches, tables, k_scales, v_scales, window_tables, local_rope)
 
 
 def install_fused_decode(model: CausalLM) -> bool:

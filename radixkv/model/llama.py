@@ -14,13 +14,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from radixkv.attention.base import AttentionBackend, AttentionMetadata
 from radixkv.errors import UnsupportedModel
 from radixkv.model.rope import SUPPORTED_ROPE_TYPES, RotaryEmbedding
-from radixkv.model.row_ops import add_rms_norm, apply_rope, rms_norm, silu_mul
+from radixkv.model.row_ops import add_rms_norm, apply_rope, gelu_mul, gemma_norm, rms_norm, silu_mul
 
 if TYPE_CHECKING:
     from radixkv.model.moe import MoEConfig
@@ -243,26 +242,25 @@ def project(layer: nn.Module, x: Tensor, meta: AttentionMetadata) -> Tensor:
 
 class RMSNorm(nn.Module):
     """gemma: Gemma's norm, the normalized fp32 rows times (1 + w) in fp32 and only then cast
-    (Llama casts first and multiplies by w in the model dtype); torch ops on every device."""
+    (Llama casts first and multiplies by w in the model dtype); one native call on CPU where
+    native (the kernel the fused decode step calls), torch ops elsewhere."""
 
     def __init__(self, dim: int, eps: float, native: bool = True, gemma: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(dim) if gemma else torch.ones(dim))
         self.eps = eps
-        self.native = native and not gemma  # the fused add + norm may run as one native call (bf16 on CPU)
+        self.native = native  # the fused add + norm may run as one native call (CPU)
         self.gemma = gemma
 
     def forward(self, x: Tensor) -> Tensor:
         if self.gemma:
-            x32 = x.float()
-            return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight.float())).to(x.dtype)
+            return gemma_norm(x, self.weight, self.eps, native=self.native)[1]
         return rms_norm(x, self.weight, self.eps)
 
     def add_and_normalize(self, x: Tensor, delta: Tensor | None) -> tuple[Tensor, Tensor]:
         """(x + delta, norm(x + delta)): a layer's residual add fused with the next norm."""
         if self.gemma:
-            x = x if delta is None else x + delta
-            return x, self(x)
+            return gemma_norm(x, self.weight, self.eps, delta, self.native)
         return add_rms_norm(x, delta, self.weight, self.eps, native=self.native)
 
 
@@ -275,8 +273,8 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_out_bias)
         if config.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, gemma=config.gemma_norms)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, gemma=config.gemma_norms)
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, native, gemma=config.gemma_norms)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, native, gemma=config.gemma_norms)
         self.qk_norm = config.qk_norm
         self.backend = backend
         self.native = native  # rope may run as one native call (bf16 on CPU)
@@ -314,8 +312,7 @@ class MLP(nn.Module):
     def forward(self, x: Tensor, meta: AttentionMetadata) -> Tensor:
         gate_up = project(self.gate_up_proj, x, meta)
         if self.gelu:
-            gate, up = gate_up.chunk(2, dim=-1)
-            return project(self.down_proj, F.gelu(gate, approximate="tanh") * up, meta)
+            return project(self.down_proj, gelu_mul(gate_up, self.native), meta)
         return project(self.down_proj, silu_mul(gate_up, self.native), meta)
 
 

@@ -70,3 +70,25 @@ def silu_mul(gate_up: Tensor, native: bool = True) -> Tensor:
         return row_ops.silu_mul(gate_up)
     fused = cpu_row_ops.silu_mul(gate_up) if native else None
     return fused if fused is not None else torch_silu_mul(gate_up)
+
+
+def gemma_norm(x: Tensor, weight: Tensor, eps: float, delta: Tensor | None = None, native: bool = True) -> tuple[Tensor, Tensor]:
+    """(x + delta, Gemma's RMSNorm of it): normalized in fp32, times (1 + weight) in fp32, then
+    cast, as transformers' Gemma3RMSNorm. x: [T, dim] or [T, H, dim]; on the native path (CPU)
+    x is updated in place, as the fused decode step does."""
+    fused = cpu_row_ops.gemma_norm(x, weight, eps, delta) if native else None
+    if fused is not None:
+        return x, fused
+    if delta is not None:
+        x = x + delta
+    x32 = x.float()
+    return x, (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())).to(x.dtype)
+
+
+def gelu_mul(gate_up: Tensor, native: bool = True) -> Tensor:
+    """F.gelu(gate, approximate="tanh") * up for gate_up = [gate | up] along the last dim (GeGLU)."""
+    fused = cpu_row_ops.gelu_mul(gate_up) if native else None
+    if fused is not None:
+        return fused
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up

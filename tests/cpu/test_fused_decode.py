@@ -76,7 +76,7 @@ def assert_fused_matches_modules(
     assert plan is not None
     calls = []
     run = plan.run
-    monkeypatch.setattr(plan, "run", lambda *args: calls.append(args[8] is not None) or run(*args))  # args[8]: the cascade plan
+    monkeypatch.setattr(plan, "run", lambda *args: calls.append(args[5].plan is not None) or run(*args))  # args[5]: the tables
     fused, fused_stepper = run_schedule(loaded, sequences, fused=True, shared_pages=shared_pages, kv_dtype=kv_dtype)
     assert calls == [bool(shared_pages)] * len(fused)  # every decode step took the fused path, in groups where shared
     modules, module_stepper = run_schedule(loaded, sequences, fused=False, shared_pages=shared_pages, kv_dtype=kv_dtype)
@@ -250,3 +250,48 @@ def test_the_fused_step_times_its_phases_without_changing_its_bits(tmp_path, mon
     for a, b in zip(untimed, timed, strict=True):
         assert torch.equal(a, b)
     assert (seconds > 0).all(), dict(zip(fused.PHASES, seconds.tolist()))
+
+
+@pytest.mark.parametrize("shared_pages", [0, 2])
+@pytest.mark.parametrize(("kernel", "dtype"), KERNELS)
+def test_fused_gemma3_decode_is_bit_identical(tmp_path, monkeypatch, kernel, dtype, shared_pages):
+    """Gemma 3 (its (1 + w) norms around each block and on each q and k head, GeGLU, a window of
+    8 keys on 3 of 4 layers with their own RoPE base, query_pre_attn_scalar): the fused step
+    gives the layer loop's bits over sequences several windows long, cascade groups on the full
+    layer where pages are shared (never on a window layer)."""
+    # One kv head of 4 query heads: three members fill the cascade's tile (MIN_GROUP_QUERY_HEADS).
+    folder = make_random_model(tmp_path / "gemma3", "gemma3", num_key_value_heads=1)
+    loaded = load_model(str(folder), CPUBackend(), dtype=dtype, device="cpu", linear_kernel=kernel)
+    fused = fused_decode(loaded.model)
+    assert fused is not None and fused._windows == [8]
+    generator = torch.Generator().manual_seed(5)
+    prefix = torch.randint(1, 320, (32,), generator=generator).tolist()
+    sequences = [prefix + torch.randint(1, 320, (n,), generator=generator).tolist() for n in (9, 40, 23)]
+    assert_fused_matches_modules(loaded, sequences, monkeypatch, shared_pages=shared_pages)
+
+
+@pytest.mark.parametrize(
+    "kernel", [pytest.param(k, marks=pytest.mark.skipif(bool(missing_quant_kernel(k)), reason=f"{k}: {missing_quant_kernel(k)}")) for k in ("avx2", "avx512_vnni_zmm")]
+)
+def test_fused_gemma3_decode_over_quantized_linears_is_bit_identical(tmp_path, monkeypatch, kernel):
+    from radixkv.cpu.fused_decode import FusedDecode
+
+    if missing_quant_kernel("avx2"):
+        pytest.skip(f"avx2: {missing_quant_kernel('avx2')}")  # the fp32 linears around them
+    loaded = load_model(str(make_random_model(tmp_path / "g", "gemma3")), CPUBackend(), dtype="float32", device="cpu", linear_kernel="avx2")
+    quantize_layers(loaded.model, kernel)
+    loaded.model.layers.fused = FusedDecode.for_model(loaded.model)
+    assert loaded.model.layers.fused is not None
+    generator = torch.Generator().manual_seed(6)
+    sequences = [torch.randint(5, 300, (n,), generator=generator).tolist() for n in (40, 23, 33)]
+    assert_fused_matches_modules(loaded, sequences, monkeypatch)
+
+
+@pytest.mark.skipif(bool(missing_linear_kernel("avx2")), reason=f"fp32 layers: avx2: {missing_linear_kernel('avx2')}")
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.int8], ids=str)
+def test_fused_gemma3_decode_over_bf16_and_int8_pages_is_bit_identical(tmp_path, monkeypatch, kv_dtype):
+    """Gemma 3's window layers over narrow pages: the windowed widening decode, fused or not."""
+    loaded = load_model(str(make_random_model(tmp_path / "g", "gemma3")), CPUBackend(), dtype="float32", device="cpu", linear_kernel="avx2")
+    generator = torch.Generator().manual_seed(7)
+    sequences = [torch.randint(5, 300, (n,), generator=generator).tolist() for n in (40, 23, 33)]
+    assert_fused_matches_modules(loaded, sequences, monkeypatch, kv_dtype=kv_dtype)

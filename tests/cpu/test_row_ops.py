@@ -106,3 +106,52 @@ def test_tensors_the_kernels_do_not_take_are_left_to_the_caller():
     assert row_ops.add_rms_norm(x, None, torch.ones(64).half(), 1e-5) is None
     assert row_ops.silu_mul(torch.randn(3, 64, 2)[..., 0]) is None
     assert row_ops.apply_rope(torch.randn(3, 2, 16).half(), torch.ones(3, 16).half(), torch.ones(3, 16).half()) is None
+
+
+def _torch_gemma_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' Gemma3RMSNorm: fp32 throughout, times (1 + w), cast once."""
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [BF16, torch.float32], ids=str)
+@pytest.mark.parametrize("with_delta", [True, False])
+@pytest.mark.parametrize("rows", [1, 5, 40])  # 40 x 640 runs on all threads
+def test_gemma_norm_against_transformers_ops(dtype, with_delta, rows):
+    gen = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, 640, generator=gen) * 3).to(dtype)
+    delta = torch.randn(rows, 640, generator=gen).to(dtype) if with_delta else None
+    weight = (torch.randn(640, generator=gen) * 0.5).to(dtype)
+    expected_x = x + delta if with_delta else x.clone()
+    expected = _torch_gemma_norm(expected_x, weight, 1e-6)
+    normed = row_ops.gemma_norm(x, weight, 1e-6, delta)
+    assert torch.equal(x, expected_x)  # the residual add in place, rounded as torch's
+    # The sum of squares is ordered otherwise: within an ulp or two of the model dtype.
+    torch.testing.assert_close(normed, expected, rtol=2 * torch.finfo(dtype).eps, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [BF16, torch.float32], ids=str)
+def test_gemma_norm_over_heads_of_a_strided_row(dtype):
+    """The per-head q norm over the q heads of a fused qkv row (row stride wider than the heads)."""
+    gen = torch.Generator().manual_seed(3)
+    qkv = torch.randn(7, (4 + 2) * 32, generator=gen).to(dtype)
+    q = qkv[:, : 4 * 32].view(7, 4, 32)
+    weight = torch.randn(32, generator=gen).to(dtype)
+    before = qkv.clone()
+    normed = row_ops.gemma_norm(q, weight, 1e-6)
+    torch.testing.assert_close(normed, _torch_gemma_norm(q, weight, 1e-6), rtol=2 * torch.finfo(dtype).eps, atol=1e-6)
+    assert torch.equal(qkv, before)  # a new tensor: the qkv row untouched
+
+
+@pytest.mark.parametrize("dtype", [BF16, torch.float32], ids=str)
+@pytest.mark.parametrize("dim", [2048, 40])  # 40: a vector tail
+def test_gelu_mul_against_the_torch_ops(dtype, dim):
+    gen = torch.Generator().manual_seed(dim)
+    gate_up = (torch.randn(3, 2 * dim, generator=gen) * 4).to(dtype)
+    gate_up[0, :8] = torch.tensor([-100.0, -20.0, -5.0, 0.0, 1e-4, 5.0, 20.0, 100.0]).to(dtype)  # both tanh saturations
+    gate, up = gate_up.chunk(2, dim=-1)
+    expected = F.gelu(gate, approximate="tanh") * up
+    got = row_ops.gelu_mul(gate_up)
+    assert torch.isfinite(got).all()
+    # tanh as 1 - 2 / (e^2u + 1) and a polynomial exp: a few fp32 ulps before any rounding.
+    torch.testing.assert_close(got, expected, rtol=2 * torch.finfo(dtype).eps if dtype == BF16 else 1e-5, atol=1e-5)

@@ -128,3 +128,29 @@ def test_gemma3_kv_bytes_in_use_keep_the_window_only(tiny_gemma3, gemma_referenc
     # Every layer keeping every token would hold 4 layers x all pages; the window layers held 3.
     assert peak_window_pages <= 3 < -(-(len(prompt) + MAX_NEW) // 4)
     assert llm.stats().cache.kv_bytes_in_use == 0
+
+
+@pytest.mark.skipif(native.load() is None, reason="no native library here")
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "layer-loop"])
+@pytest.mark.parametrize("cache", [True, False], ids=["cache", "no-cache"])
+def test_gemma3_fused_decode_matches_transformers(tiny_gemma3, gemma_reference, monkeypatch, fused, cache):
+    """The fused native decode step (radixkv.cpu.fused_decode) over layer groups: window layers
+    read their own pool's tables, cold and warm; switched off (model.layers.fused = None) the
+    layer loop gives the same tokens, both transformers'."""
+    from radixkv.model.fused_layers import fused_decode
+
+    prompts, expected = gemma_reference
+    llm = make_llm(tiny_gemma3, attention_backend="cpu", enable_prefix_caching=cache, max_batch_tokens=16, num_window_pages=16)
+    model = llm.engine.loaded.model
+    step = fused_decode(model)
+    assert step is not None, "Gemma 3 takes the fused decode step"
+    assert llm.engine.windows is not None, "its window layers keep their own pages"
+    calls = []
+    run = step.run
+    monkeypatch.setattr(step, "run", lambda *args: calls.append(args[8] is not None) or run(*args))  # args[8]: window tables
+    model.layers.fused = step if fused else None
+    params = SamplingParams(max_tokens=MAX_NEW)
+    for _ in range(2):  # cold, then warm
+        assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+    assert calls and all(calls) if fused else not calls
+    assert_pages_returned(llm.engine)

@@ -60,3 +60,37 @@ def test_a_gguf_without_chat_template_refuses_chat_clearly(gemma_gguf):
         pytest.skip("this GGUF carries a chat template")
     with pytest.raises(InvalidRequest, match="no chat template"):
         llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=1))
+
+
+def test_gemma3_270m_fused_decode_is_bit_identical_to_the_layer_loop(gemma_gguf):
+    """The file's own weights (the quantized linears, bf16 where the CPU runs it, else fp32) past
+    the 512-token window: every decode step's logits from the fused native step equal the layer
+    loop's, bit for bit, window layers over their own pages."""
+    import torch
+
+    from radixkv.model.fused_layers import fused_decode
+
+    llm = LLM(str(gemma_gguf), device="cpu", page_size=16, enable_prefix_caching=False)
+    model = llm.engine.loaded.model
+    step = fused_decode(model)
+    if step is None:
+        pytest.skip("the fused decode step does not run here (no native linear kernel)")
+    prompt = llm.tokenizer.encode(TEXT * 18)
+    assert len(prompt) > 512
+    logits: list[torch.Tensor] = []
+    hook = model.register_forward_hook(lambda module, args, out: logits.append(out.clone()))
+    runs = []
+    try:
+        for fused in (step, None):
+            model.layers.fused = fused
+            logits.clear()
+            tokens = llm.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True))[0].token_ids
+            runs.append((tokens, list(logits)))
+    finally:
+        hook.remove()
+        model.layers.fused = step
+    (fused_tokens, fused_logits), (loop_tokens, loop_logits) = runs
+    assert fused_tokens == loop_tokens
+    assert len(fused_logits) == len(loop_logits) > 10
+    for a, b in zip(fused_logits, loop_logits, strict=True):
+        assert torch.equal(a, b)

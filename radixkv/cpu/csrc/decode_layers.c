@@ -8,6 +8,11 @@
  * query row per request. fp32 layers also read and write bf16 or int8 pages (shape.kv_kind),
  * through the same store and decode kernels the layer-by-layer forward calls for them. The
  * caller checks page tables, lengths and slots once per step.
+ *
+ * Gemma 3 (shape.gemma): its (1 + w) norms before and after each block and on each q and k head,
+ * GeGLU (gemma_ops.c, the kernels its layer-by-layer forward calls), and per layer a window
+ * (only the last W keys), the page tables of the layer's group (a window group keeps its own
+ * pages) and the RoPE of the layer's kind (local layers' own base).
  */
 #include "kernels.h"
 
@@ -24,7 +29,26 @@ typedef struct {
     void *k_cache, *v_cache;
     uint16_t *k_scales, *v_scales;
     int formats[4]; /* quantized layers: qkv, o, gate_up and down's formats (quant_linear.c's FORMAT_*) */
+    /* Gemma 3 only (shape.gemma; NULL otherwise): per-head q and k norms, the MLP's norms. Its
+     * post_norm above norms attention's output; the MLP's input norm is pre_ff_norm. */
+    const void *q_norm, *k_norm, *pre_ff_norm, *post_ff_norm;
+    int window; /* the layer's sliding window in keys (counting the query's own), 0: every key */
+    int group;  /* which of the step's tables (DecodeStep) it reads: 0 the full layers', 1 the window group's */
+    int rope;   /* which of the step's rotations: 0 the model's, 1 the local layers' own base */
 } DecodeLayer;
+
+/* What a step gives every layer, twice: [0] for full layers and the model's RoPE, [1] for a
+ * window group's pages and the local RoPE (the same as [0] where the model has none). cos,
+ * signed_sin: [rows][head_dim]; slots [rows]; page_table [rows][stride]; seq_lens [rows]; plan:
+ * the cascade plan (radixkv_cascade_plan), or NULL, never read by a window layer. */
+typedef struct {
+    const void *cos[2], *signed_sin[2];
+    const int64_t *slots[2];
+    const int32_t *page_table[2];
+    int64_t page_table_stride[2];
+    const int32_t *seq_lens[2];
+    const int32_t *plan[2];
+} DecodeStep;
 
 typedef struct {
     int rows, hidden, intermediate, num_q_heads, num_kv_heads, head_dim, page_size, num_threads;
@@ -32,6 +56,7 @@ typedef struct {
     float eps, scale;
     int quant_kernel; /* 0, or RADIXKV_QUANT_*: the linears are quantized (linear_kernel then names the dtype only) */
     int kv_kind; /* 0: pages in the model's dtype; fp32 layers: 2 bf16 pages, 3 int8 pages */
+    int gemma;   /* Gemma 3's layer: its norms (DecodeLayer's), GeGLU in place of SwiGLU */
 } DecodeShape;
 
 /* A step's phases, in the order fused_decode.py's PHASES names them. */
@@ -82,61 +107,85 @@ static void rope(const DecodeShape *sh, void *qkv, int64_t row_stride, const voi
 static int attend(const DecodeShape *sh, const DecodeLayer *layer, const void *qkv, int64_t qkv_size, void *out,
                   float *work, const int32_t *page_table, int64_t page_table_stride, const int32_t *seq_lens,
                   const int32_t *plan) {
+    const int window = layer->window;
     if (fp32(sh) && sh->kv_kind)
         return radixkv_paged_decode_f32_kv(qkv, qkv_size, layer->k_cache, layer->v_cache, page_table, page_table_stride,
                                            seq_lens, NULL, sh->rows, sh->num_q_heads, sh->num_kv_heads, sh->head_dim,
-                                           sh->page_size, sh->scale, out, work, plan, sh->num_threads, 0, layer->k_scales,
+                                           sh->page_size, sh->scale, out, work, plan, sh->num_threads, window, layer->k_scales,
                                            layer->v_scales, sh->kv_kind);
     if (fp32(sh))
         return radixkv_paged_decode_f32(qkv, qkv_size, layer->k_cache, layer->v_cache, page_table, page_table_stride,
                                         seq_lens, NULL, sh->rows, sh->num_q_heads, sh->num_kv_heads, sh->head_dim,
-                                        sh->page_size, sh->scale, out, work, plan, sh->num_threads, 0);
+                                        sh->page_size, sh->scale, out, work, plan, sh->num_threads, window);
     return radixkv_paged_decode_bf16(qkv, qkv_size, layer->k_cache, layer->v_cache, page_table, page_table_stride,
                                      seq_lens, NULL, sh->rows, sh->num_q_heads, sh->num_kv_heads, sh->head_dim,
-                                     sh->page_size, sh->scale, out, work, plan, sh->num_threads, 0);
+                                     sh->page_size, sh->scale, out, work, plan, sh->num_threads, window);
 }
 
 static void silu_mul(const DecodeShape *sh, const void *gate_up, void *out) {
-    if (fp32(sh)) radixkv_silu_mul_f32(gate_up, 2 * sh->intermediate, out, sh->rows, sh->intermediate, sh->num_threads);
+    if (sh->gemma && fp32(sh)) radixkv_gelu_mul_f32(gate_up, 2 * sh->intermediate, out, sh->rows, sh->intermediate, sh->num_threads);
+    else if (sh->gemma) radixkv_gelu_mul_bf16(gate_up, 2 * sh->intermediate, out, sh->rows, sh->intermediate, sh->num_threads);
+    else if (fp32(sh)) radixkv_silu_mul_f32(gate_up, 2 * sh->intermediate, out, sh->rows, sh->intermediate, sh->num_threads);
     else radixkv_silu_mul_bf16(gate_up, 2 * sh->intermediate, out, sh->rows, sh->intermediate, sh->num_threads);
+}
+
+/* Gemma's norm of `heads` vectors of `dim` per row (x_stride, out_stride in elements), after
+ * x += delta where delta is not NULL; out may be x. */
+static void gemma_norm(const DecodeShape *sh, void *x, int64_t x_stride, const void *delta, const void *weight,
+                       void *out, int64_t out_stride, int heads, int dim) {
+    if (fp32(sh))
+        radixkv_gemma_norm_f32(x, x_stride, delta, weight, out, out_stride, sh->rows, heads, dim, sh->eps, sh->num_threads);
+    else
+        radixkv_gemma_norm_bf16(x, x_stride, delta, weight, out, out_stride, sh->rows, heads, dim, sh->eps, sh->num_threads);
 }
 
 /* x [rows][hidden]: the residual stream, updated in place; delta [rows][hidden]: the MLP output
  * of the layer before the first one run here (ignored when first_layer is 1), replaced by the
- * last layer's. cos, signed_sin: [rows][head_dim]. plan: the step's cascade plan
- * (radixkv_cascade_plan), or NULL. Returns 0, or 1 where a kernel refused its shapes. */
+ * last layer's. step: the tables and rotations (DecodeStep). Returns 0, or 1 where a kernel
+ * refused its shapes. */
 int radixkv_decode_layers(const DecodeLayer *layers, int num_layers, int first_layer, const DecodeShape *sh,
-                          const DecodeScratch *scratch, void *x, void *delta, const void *cos, const void *signed_sin,
-                          const int64_t *slots, const int32_t *page_table, int64_t page_table_stride,
-                          const int32_t *seq_lens, const int32_t *plan) {
-    const int hidden = sh->hidden, inter = sh->intermediate, bytes = fp32(sh) ? 4 : 2;
-    const int q_size = sh->num_q_heads * sh->head_dim, kv_size = sh->num_kv_heads * sh->head_dim;
+                          const DecodeScratch *scratch, void *x, void *delta, const DecodeStep *step) {
+    const int hidden = sh->hidden, inter = sh->intermediate, bytes = fp32(sh) ? 4 : 2, hd = sh->head_dim;
+    const int q_size = sh->num_q_heads * hd, kv_size = sh->num_kv_heads * hd;
     const int qkv_size = q_size + 2 * kv_size;
     double *timed = scratch->phase_seconds;
     double t = timed ? omp_get_wtime() : 0.0;
     for (int i = 0; i < num_layers; i++) {
         const DecodeLayer *layer = layers + i;
-        add_rms_norm(sh, x, (first_layer && i == 0) ? NULL : delta, layer->input_norm, scratch->h);
+        const int g = layer->group, r = layer->rope;
+        const void *residual_in = (first_layer && i == 0) ? NULL : delta;
+        if (sh->gemma) gemma_norm(sh, x, hidden, residual_in, layer->input_norm, scratch->h, hidden, 1, hidden);
+        else add_rms_norm(sh, x, residual_in, layer->input_norm, scratch->h);
         t = lap(timed, PHASE_NORMS, t);
         if (linear(sh, scratch->h, hidden, layer->qkv, layer->formats[0], qkv_size, layer->qkv_bias, scratch->qkv)) return 1;
         t = lap(timed, PHASE_QKV, t);
-        rope(sh, scratch->qkv, qkv_size, cos, signed_sin);
-        const char *k = (const char *)scratch->qkv + (int64_t)q_size * bytes, *v = k + (int64_t)kv_size * bytes;
+        char *q = scratch->qkv;
+        char *k = q + (int64_t)q_size * bytes, *v = k + (int64_t)kv_size * bytes;
+        if (sh->gemma) { /* each head normed in place, then q and k rotated side by side */
+            gemma_norm(sh, q, qkv_size, NULL, layer->q_norm, q, qkv_size, sh->num_q_heads, hd);
+            gemma_norm(sh, k, qkv_size, NULL, layer->k_norm, k, qkv_size, sh->num_kv_heads, hd);
+        }
+        rope(sh, scratch->qkv, qkv_size, step->cos[r], step->signed_sin[r]);
         if (sh->kv_kind)
             radixkv_store_kv_narrow(layer->k_cache, layer->v_cache, layer->k_scales, layer->v_scales, (const float *)k,
-                                    (const float *)v, qkv_size, qkv_size, slots, sh->rows, sh->num_kv_heads,
-                                    sh->head_dim, sh->kv_kind);
+                                    (const float *)v, qkv_size, qkv_size, step->slots[g], sh->rows, sh->num_kv_heads,
+                                    hd, sh->kv_kind);
         else
             radixkv_store_kv(layer->k_cache, layer->v_cache, k, v, (int64_t)qkv_size * bytes, (int64_t)qkv_size * bytes,
-                             slots, sh->rows, (int64_t)kv_size * bytes);
+                             step->slots[g], sh->rows, (int64_t)kv_size * bytes);
         t = lap(timed, PHASE_ROPE_STORE, t);
-        if (attend(sh, layer, scratch->qkv, qkv_size, scratch->attention, scratch->work, page_table, page_table_stride,
-                   seq_lens, plan))
+        if (attend(sh, layer, scratch->qkv, qkv_size, scratch->attention, scratch->work, step->page_table[g],
+                   step->page_table_stride[g], step->seq_lens[g], layer->window ? NULL : step->plan[g]))
             return 1;
         t = lap(timed, PHASE_ATTENTION, t);
         if (linear(sh, scratch->attention, q_size, layer->o, layer->formats[1], hidden, layer->o_bias, scratch->projected)) return 1;
         t = lap(timed, PHASE_O, t);
-        add_rms_norm(sh, x, scratch->projected, layer->post_norm, scratch->h);
+        if (sh->gemma) { /* attention's output normed, added, and the sum normed for the MLP */
+            gemma_norm(sh, scratch->projected, hidden, NULL, layer->post_norm, scratch->projected, hidden, 1, hidden);
+            gemma_norm(sh, x, hidden, scratch->projected, layer->pre_ff_norm, scratch->h, hidden, 1, hidden);
+        } else {
+            add_rms_norm(sh, x, scratch->projected, layer->post_norm, scratch->h);
+        }
         t = lap(timed, PHASE_NORMS, t);
         if (linear(sh, scratch->h, hidden, layer->gate_up, layer->formats[2], 2 * inter, NULL, scratch->gate_up)) return 1;
         t = lap(timed, PHASE_GATE_UP, t);
@@ -144,6 +193,10 @@ int radixkv_decode_layers(const DecodeLayer *layers, int num_layers, int first_l
         t = lap(timed, PHASE_NORMS, t);
         if (linear(sh, scratch->activated, inter, layer->down, layer->formats[3], hidden, NULL, delta)) return 1;
         t = lap(timed, PHASE_DOWN, t);
+        if (sh->gemma) {
+            gemma_norm(sh, delta, hidden, NULL, layer->post_ff_norm, delta, hidden, 1, hidden);
+            t = lap(timed, PHASE_NORMS, t);
+        }
     }
     return 0;
 }

@@ -61,4 +61,15 @@ int radixkv_quant_zmm_linear(int format, const void *x, int x_bf16, int64_t x_st
                              const uint8_t *packed, int n, const float *bias, void *y, int64_t y_stride,
                              int num_threads);
 
+/* Gemma 3's row glue (gemma_ops.c): its (1 + w) RMSNorm over heads of strided rows, with the
+ * residual add where delta is not NULL, and GeGLU. */
+void radixkv_gemma_norm_bf16(uint16_t *x, int64_t x_stride, const uint16_t *delta, const uint16_t *weight,
+                             uint16_t *out, int64_t out_stride, int rows, int heads, int dim, float eps,
+                             int num_threads);
+void radixkv_gemma_norm_f32(float *x, int64_t x_stride, const float *delta, const float *weight, float *out,
+                            int64_t out_stride, int rows, int heads, int dim, float eps, int num_threads);
+void radixkv_gelu_mul_bf16(const uint16_t *gate_up, int64_t row_stride, uint16_t *out, int rows, int dim,
+                           int num_threads);
+void radixkv_gelu_mul_f32(const float *gate_up, int64_t row_stride, float *out, int rows, int dim, int num_threads);
+
 #endif
