@@ -2,7 +2,7 @@
  * y = x W_e^T for the rows of x routed to it, W_e read in place from the stacked experts tensor
  * (a memory map of the file), in tiles of 8 rows, each row read once a call and multiplied with
  * every routed token, so an expert's bytes are read once a step however many tokens picked it.
- * Q4_K and Q6_K rows are read straight from their blocks into 512-bit lanes (kquant_dot_zmm);
+ * Q4_K and Q6_K rows are read straight from their blocks into 512-bit lanes (q4_k_dot_zmm);
  * Q8_0 tiles take their quants from the blocks (only scales are decoded); the other types, and
  * tails of fewer than 8 rows, decode a row into a buffer first.
  *
@@ -246,18 +246,6 @@ static float reduce_lanes(float *v, int lanes) {
     return v[0];
 }
 
-/* Q4_K's 8 sub-block scales and 8 mins (6 bits each) of a super-block's 12 bytes, bytes 0-7
- * then 8-15 (llama.cpp's unpacking). */
-static inline void q4_k_scales(const uint8_t *packed, uint8_t out[16]) {
-    uint32_t a[3], r[4];
-    memcpy(a, packed, 12);
-    r[0] = a[0] & 0x3F3F3F3Fu;
-    r[1] = (a[2] & 0x0F0F0F0Fu) | (((a[0] >> 6) & 0x03030303u) << 4);
-    r[2] = a[1] & 0x3F3F3F3Fu;
-    r[3] = ((a[2] >> 4) & 0x0F0F0F0Fu) | (((a[1] >> 6) & 0x03030303u) << 4);
-    memcpy(out, r, 16);
-}
-
 /* The lane order above, one lane at a time, from a row decoded by decode_row (any CPU). */
 static float kquant_dot_scalar(int type, const Row *row, const QX *x, int64_t r) {
     const int8_t *xq = x->q + r * x->k;
@@ -281,68 +269,97 @@ static float kquant_dot_scalar(int type, const Row *row, const QX *x, int64_t r)
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+/* Q4_K's 8 sub-block scales and 8 mins (6 bits each) of a super-block's 12 bytes, as bytes 0-7
+ * and 8-15 (llama.cpp's unpacking), built in a register (no store then wider load). */
+static inline __m128i q4_k_scales(const uint8_t *packed) {
+    uint32_t a[3];
+    memcpy(a, packed, 12);
+    return _mm_set_epi32((int)(((a[2] >> 4) & 0x0F0F0F0Fu) | (((a[1] >> 6) & 0x03030303u) << 4)), (int)(a[1] & 0x3F3F3F3Fu),
+                         (int)((a[2] & 0x0F0F0F0Fu) | (((a[0] >> 6) & 0x03030303u) << 4)), (int)(a[0] & 0x3F3F3F3Fu));
+}
+
+/* reduce_lanes's halvings of 8 lanes, in registers. */
+static inline float halve8(__m256 v) {
+    const __m128 four = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+    return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
+}
+
 /* The same lanes in zmm registers, quants read straight from the row's blocks. */
-static float kquant_dot_zmm(int type, const uint8_t *raw, const QX *x, int64_t r) {
+#define LANE_IDS _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0)
+
+/* Step i's float term: lanes 0-7 take scaled[2i], lanes 8-15 scaled[2i + 1]. */
+static inline __m512 kquant_term(__m512 scaled, int i, __m512i p) {
+    const __m512i pick = _mm512_add_epi32(_mm512_set1_epi32(2 * i), _mm512_srli_epi32(LANE_IDS, 3));
+    return _mm512_mul_ps(_mm512_permutexvar_ps(pick, scaled), _mm512_cvtepi32_ps(p));
+}
+
+static inline float kquant_sum(const __m512 acc[2]) {
+    const __m512 a = _mm512_add_ps(acc[0], acc[1]);
+    return halve8(_mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1)));
+}
+
+static float q4_k_dot_zmm(const uint8_t *raw, const QX *x, int64_t r) {
     const int8_t *xq = x->q + r * x->k;
     const float *xs = x->s + r * x->nb, *xu = x->u + r * x->nb;
-    const int32_t *x32 = x->sum4 + r * (x->k / 4);
     __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
     __m256 macc = _mm256_setzero_ps();
-    const __m512i nibble = _mm512_set1_epi8(0x0F), high2 = _mm512_set1_epi8(0x30);
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
     const __m512i upper4 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+    const __m256 negate = _mm256_set1_ps(-0.0f);
+    for (int sb = 0; sb < x->k / KBLOCK; sb++) {
+        const uint8_t *blk = raw + (int64_t)sb * 144;
+        const int8_t *xb = xq + sb * KBLOCK;
+        uint32_t dd;
+        memcpy(&dd, blk, 4);
+        const __m128 both = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dd)); /* d, dmin */
+        const __m128i bytes = q4_k_scales(blk + 4);
+        const __m256 s = _mm256_mul_ps(_mm256_broadcastss_ps(both), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)));
+        const __m256 mn = _mm256_mul_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(both)),
+                                        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8))));
+        macc = _mm256_add_ps(macc, _mm256_mul_ps(_mm256_xor_ps(mn, negate), _mm256_loadu_ps(xu + sb * 8)));
+        const __m512 scaled = _mm512_castps256_ps512(_mm256_mul_ps(s, _mm256_loadu_ps(xs + sb * 8)));
+        for (int i = 0; i < 4; i++) {
+            const __m512i w = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * i)));
+            const __m512i q = _mm512_and_si512(_mm512_srlv_epi16(w, upper4), nibble);
+            const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, _mm512_loadu_si512(xb + 64 * i));
+            acc[i & 1] = _mm512_add_ps(acc[i & 1], kquant_term(scaled, i, p));
+        }
+    }
+    return kquant_sum(acc) + halve8(macc);
+}
+
+static float q6_k_dot_zmm(const uint8_t *raw, const QX *x, int64_t r) {
+    const int8_t *xq = x->q + r * x->k;
+    const float *xs = x->s + r * x->nb;
+    const int32_t *x32 = x->sum4 + r * (x->k / 4);
+    __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    const __m512i nibble = _mm512_set1_epi8(0x0F), high2 = _mm512_set1_epi8(0x30);
     const __m512i left = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
     const __m512i right = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
     for (int sb = 0; sb < x->k / KBLOCK; sb++) {
+        const uint8_t *blk = raw + (int64_t)sb * 210;
         const int8_t *xb = xq + sb * KBLOCK;
-        __m512 scaled;
-        __m512i sc16 = _mm512_setzero_si512();
-        __m512i q[4];
-        if (type == T_Q4_K) {
-            const uint8_t *blk = raw + (int64_t)sb * 144;
-            uint8_t sm[16];
-            q4_k_scales(blk + 4, sm);
-            const __m256 d = _mm256_set1_ps(f16_to_f32(blk)), dmin = _mm256_set1_ps(f16_to_f32(blk + 2));
-            const __m128i bytes = _mm_loadu_si128((const __m128i *)sm);
-            const __m256 s = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)));
-            const __m256 mn = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8))));
-            const __m256 m = _mm256_xor_ps(mn, _mm256_set1_ps(-0.0f));
-            macc = _mm256_add_ps(macc, _mm256_mul_ps(m, _mm256_loadu_ps(xu + sb * 8)));
-            scaled = _mm512_castps256_ps512(_mm256_mul_ps(s, _mm256_loadu_ps(xs + sb * 8)));
-            for (int c = 0; c < 4; c++) {
-                const __m512i w = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * c)));
-                q[c] = _mm512_and_si512(_mm512_srlv_epi16(w, upper4), nibble);
-            }
-        } else {
-            const uint8_t *blk = raw + (int64_t)sb * 210;
-            const __m256 d = _mm256_set1_ps(f16_to_f32(blk + 208));
-            scaled = _mm512_castps256_ps512(_mm256_mul_ps(d, _mm256_loadu_ps(xs + sb * 8)));
-            sc16 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192)));
-            for (int h = 0; h < 2; h++) {
-                const __m512i ql = _mm512_loadu_si512(blk + 64 * h);
-                const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h)));
-                q[2 * h] = _mm512_or_si512(_mm512_and_si512(ql, nibble), _mm512_and_si512(_mm512_sllv_epi16(qh, left), high2));
-                q[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), nibble),
-                                               _mm512_and_si512(_mm512_srlv_epi16(qh, right), high2));
-            }
-        }
-        for (int i = 0; i < 4; i++) {
-            __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[i], _mm512_loadu_si512(xb + 64 * i));
-            if (type == T_Q6_K) {
-                const __m512i which = _mm512_add_epi32(_mm512_set1_epi32(4 * i), _mm512_srli_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 2));
+        const __m256 d = _mm256_set1_ps(f16_to_f32(blk + 208));
+        const __m512 scaled = _mm512_castps256_ps512(_mm256_mul_ps(d, _mm256_loadu_ps(xs + sb * 8)));
+        const __m512i sc16 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192)));
+        for (int h = 0; h < 2; h++) {
+            const __m512i ql = _mm512_loadu_si512(blk + 64 * h);
+            const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h)));
+            const __m512i q[2] = {
+                _mm512_or_si512(_mm512_and_si512(ql, nibble), _mm512_and_si512(_mm512_sllv_epi16(qh, left), high2)),
+                _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), nibble), _mm512_and_si512(_mm512_srlv_epi16(qh, right), high2))};
+            for (int j = 0; j < 2; j++) {
+                const int i = 2 * h + j;
+                const __m512i which = _mm512_add_epi32(_mm512_set1_epi32(4 * i), _mm512_srli_epi32(LANE_IDS, 2));
+                __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[j], _mm512_loadu_si512(xb + 64 * i));
                 p = _mm512_sub_epi32(p, _mm512_loadu_si512(x32 + sb * 64 + 16 * i));
                 p = _mm512_mullo_epi32(p, _mm512_permutexvar_epi32(which, sc16));
+                acc[i & 1] = _mm512_add_ps(acc[i & 1], kquant_term(scaled, i, p));
             }
-            const __m512i pick = _mm512_add_epi32(_mm512_set1_epi32(2 * i), _mm512_srli_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 3));
-            const __m512 s = _mm512_permutexvar_ps(pick, scaled);
-            acc[i & 1] = _mm512_add_ps(acc[i & 1], _mm512_mul_ps(s, _mm512_cvtepi32_ps(p)));
         }
     }
-    float lanes[16], mins[8];
-    _mm512_storeu_ps(lanes, _mm512_add_ps(acc[0], acc[1]));
-    const float dot = reduce_lanes(lanes, 16);
-    if (type != T_Q4_K) return dot;
-    _mm256_storeu_ps(mins, macc);
-    return dot + reduce_lanes(mins, 8);
+    return kquant_sum(acc);
 }
 #endif
 
@@ -488,7 +505,7 @@ int radixkv_moe_grouped(int type, const uint8_t *weights, int64_t expert_bytes, 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
                             if (use_vnni) {
                                 for (int p = offsets[g]; p < offsets[g + 1]; p++)
-                                    y[(int64_t)p * y_stride + o] = kquant_dot_zmm(type, raw, &qx, x_rows[p]);
+                                    y[(int64_t)p * y_stride + o] = (type == T_Q4_K ? q4_k_dot_zmm : q6_k_dot_zmm)(raw, &qx, x_rows[p]);
                                 continue;
                             }
 #endif
