@@ -125,12 +125,15 @@ def torch_block_linear(x: Tensor, type_name: str, raw: np.ndarray, in_features: 
 
 def _kquant_lanes(xq: Tensor, sx: Tensor, w: Tensor, scales: Tensor, mins: Tensor | None) -> Tensor:
     """K-quant rows in csrc/moe.c's lanes: block b's lane t (values 4t..4t+3) adds (s * sx) * p
-    to accumulator (b // 2) % 2, lane 8 * (b % 2) + t, blocks in order; the two summed and
+    to accumulator (b // 2) % 2, lane 8 * (b % 2) + t (Q4_K: b's position in its super-block's
+    order 0, 2, 1, 3, 4, 6, 5, 7), blocks in order; the two summed and
     halved 16 -> 1; mins in 8 lanes (sub-block b % 8), halved 8 -> 1, added last."""
     m, n, nb = xq.shape[0], w.shape[0], sx.shape[1]
     # Sums of 4 integer products: exact in fp32 whatever order einsum takes.
     p = torch.einsum("mbtf,nbtf->mnbt", xq.reshape(m, nb, 8, 4), w.reshape(n, nb, 8, 4))
     terms = (scales[None] * sx[:, None]).unsqueeze(-1) * p  # [m, n, nb, 8]
+    if mins is not None:  # Q4_K: steps pair blocks (0, 2), (1, 3), (4, 6), (5, 7) of each 8
+        terms = terms.reshape(m, n, nb // 8, 8, 8)[:, :, :, [0, 2, 1, 3, 4, 6, 5, 7]].reshape(m, n, nb, 8)
     terms = terms.reshape(m, n, nb // 4, 2, 16)  # step pairs: (accumulator, lane)
     acc = torch.zeros(m, n, 2, 16)
     for i in range(nb // 4):

@@ -164,7 +164,13 @@ typedef struct {
     float *s, *u;
     int32_t *half, *sum4;
     int k, nb;
+    int8_t *qp; /* Q4_K: q with each super-block's blocks in Q4K_ORDER */
 } QX;
+
+/* Q4_K's lane steps take blocks in pairs (0, 2), (1, 3), (4, 6), (5, 7) of each super-block:
+ * 64 bytes of its quants hold sub-blocks 2c, 2c + 2 in their low nibbles, 2c + 1, 2c + 3 in the
+ * high. The order is its own inverse. */
+static const int Q4K_ORDER[8] = {0, 2, 1, 3, 4, 6, 5, 7};
 
 static void quantize_x_row(const float *x, int k, int8_t *q, float *s, float *u, int32_t *half, int32_t *sum4) {
     for (int b = 0; b < k / MBLOCK; b++) {
@@ -234,8 +240,9 @@ static float row_dot(int type, const Row *row, const QX *x, int64_t r, int use_v
 
 /* K-quant rows (Q4_K, Q6_K): a row's products land in 2 x 16 fp32 lanes, as 512-bit registers
  * hold them, summed once at the end, so the inner loop has no horizontal reduction. Step i
- * (blocks 2i and 2i + 1) goes to accumulator i & 1; block 2i's lane t (its values 4t to 4t + 3)
- * is lane t, block 2i + 1's lane 8 + t. Each lane takes p = sum of its 4 products w * xq (an
+ * (Q6_K: blocks 2i and 2i + 1; Q4_K: the pair at 2i, 2i + 1 of each super-block's Q4K_ORDER)
+ * goes to accumulator i & 1; the pair's first block's lane t (its values 4t to 4t + 3) is lane
+ * t, the second's lane 8 + t. Each lane takes p = sum of its 4 products w * xq (an
  * exact integer; Q6_K: sc16 * (sum q * xq - 32 * sum xq)) as acc = acc + (s * sx) * float(p),
  * blocks in order. Then a = acc0 + acc1, halved: a[0:8] + a[8:16], then 4, 2, 1. Q4_K's mins:
  * lane j of 8 takes m * (sx * sum xq) of sub-block j of each super-block in order, halved the
@@ -253,7 +260,8 @@ static float kquant_dot_scalar(int type, const Row *row, const QX *x, int64_t r)
     float acc[2][16] = {{0.0f}}, macc[8] = {0.0f};
     for (int b = 0; b < x->nb; b++) {
         const float scaled = row->s[b] * xs[b];
-        float *lanes = acc[(b / 2) & 1] + 8 * (b & 1);
+        const int j = b % 8; /* Q4_K: blocks (2i, 2i + 2) share a step, Q4K_ORDER */
+        float *lanes = type == T_Q4_K ? acc[j & 1] + 8 * ((j >> 1) & 1) : acc[(b / 2) & 1] + 8 * (b & 1);
         for (int t = 0; t < 8; t++) {
             const uint8_t *u = row->u + b * MBLOCK + 4 * t;
             const int8_t *v = xq + b * MBLOCK + 4 * t;
@@ -300,12 +308,11 @@ static inline float kquant_sum(const __m512 acc[2]) {
 }
 
 static float q4_k_dot_zmm(const uint8_t *raw, const QX *x, int64_t r) {
-    const int8_t *xq = x->q + r * x->k;
+    const int8_t *xq = x->qp + r * x->k;
     const float *xs = x->s + r * x->nb, *xu = x->u + r * x->nb;
     __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
     __m256 macc = _mm256_setzero_ps();
     const __m512i nibble = _mm512_set1_epi8(0x0F);
-    const __m512i upper4 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
     const __m256 negate = _mm256_set1_ps(-0.0f);
     for (int sb = 0; sb < x->k / KBLOCK; sb++) {
         const uint8_t *blk = raw + (int64_t)sb * 144;
@@ -319,11 +326,15 @@ static float q4_k_dot_zmm(const uint8_t *raw, const QX *x, int64_t r) {
                                         _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8))));
         macc = _mm256_add_ps(macc, _mm256_mul_ps(_mm256_xor_ps(mn, negate), _mm256_loadu_ps(xu + sb * 8)));
         const __m512 scaled = _mm512_castps256_ps512(_mm256_mul_ps(s, _mm256_loadu_ps(xs + sb * 8)));
-        for (int i = 0; i < 4; i++) {
-            const __m512i w = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * i)));
-            const __m512i q = _mm512_and_si512(_mm512_srlv_epi16(w, upper4), nibble);
-            const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, _mm512_loadu_si512(xb + 64 * i));
-            acc[i & 1] = _mm512_add_ps(acc[i & 1], kquant_term(scaled, i, p));
+        for (int c = 0; c < 2; c++) {
+            const __m512i w = _mm512_loadu_si512(blk + 16 + 64 * c);
+            const __m512i q[2] = {_mm512_and_si512(w, nibble), _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble)};
+            for (int j = 0; j < 2; j++) {
+                const int i = 2 * c + j; /* blocks 4c + j and 4c + j + 2 */
+                const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[j], _mm512_loadu_si512(xb + 64 * i));
+                const __m512i pick = _mm512_add_epi32(_mm512_set1_epi32(4 * c + j), _mm512_slli_epi32(_mm512_srli_epi32(LANE_IDS, 3), 1));
+                acc[j] = _mm512_add_ps(acc[j], _mm512_mul_ps(_mm512_permutexvar_ps(pick, scaled), _mm512_cvtepi32_ps(p)));
+            }
         }
     }
     return kquant_sum(acc) + halve8(macc);
@@ -462,13 +473,17 @@ int radixkv_moe_grouped(int type, const uint8_t *weights, int64_t expert_bytes, 
     if (m == 0 || groups == 0) return 0;
     const int nb = k / MBLOCK, kquant = type == T_Q4_K || type == T_Q6_K;
     QX qx = {malloc((size_t)m * k), malloc((size_t)m * nb * sizeof(float)), malloc((size_t)m * nb * sizeof(float)),
-             malloc((size_t)m * nb * 2 * sizeof(int32_t)), malloc((size_t)m * (k / 4) * sizeof(int32_t)), k, nb};
-    int status = qx.q && qx.s && qx.u && qx.half && qx.sum4 ? 0 : 2;
+             malloc((size_t)m * nb * 2 * sizeof(int32_t)), malloc((size_t)m * (k / 4) * sizeof(int32_t)), k, nb,
+             type == T_Q4_K ? malloc((size_t)m * k) : NULL};
+    int status = qx.q && qx.s && qx.u && qx.half && qx.sum4 && (type != T_Q4_K || qx.qp) ? 0 : 2;
     if (!status) {
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (m > 8)
         for (int r = 0; r < m; r++)
             quantize_x_row(x + (int64_t)r * x_stride, k, qx.q + (int64_t)r * k, qx.s + (int64_t)r * nb, qx.u + (int64_t)r * nb,
                            qx.half + (int64_t)r * 2 * nb, qx.sum4 + (int64_t)r * (k / 4));
+        if (type == T_Q4_K)
+            for (int64_t b = 0; b < (int64_t)m * nb; b++)
+                memcpy(qx.qp + (b - b % 8 + Q4K_ORDER[b % 8]) * MBLOCK, qx.q + b * MBLOCK, MBLOCK);
 #pragma omp parallel num_threads(num_threads)
         {
             Row row = {malloc((size_t)k), malloc((size_t)nb * sizeof(float)), malloc((size_t)nb * sizeof(float)),
@@ -539,7 +554,7 @@ int radixkv_moe_grouped(int type, const uint8_t *weights, int64_t expert_bytes, 
 #endif
         }
     }
-    free(qx.q), free(qx.s), free(qx.u), free(qx.half), free(qx.sum4);
+    free(qx.q), free(qx.s), free(qx.u), free(qx.half), free(qx.sum4), free(qx.qp);
     return status;
 }
 
