@@ -111,6 +111,8 @@ def torch_block_linear(x: Tensor, type_name: str, raw: np.ndarray, in_features: 
     order csrc/moe.c documents; integer block sums below 2^24, so fp32 holds them exactly."""
     w, scales, mins = decode_blocks(type_name, raw, in_features)
     xq, sx = quantize_activations(x)
+    if type_name in ("Q4_K", "Q6_K"):
+        return torch.cat([_kquant_lanes(xq[i : i + 16], sx[i : i + 16], w, scales, mins) for i in range(0, x.shape[0], 16)])
     xq_blocks = xq.reshape(x.shape[0], -1, _BLOCK)
     acc = torch.zeros(x.shape[0], w.shape[0], dtype=torch.float32)
     for b in range(in_features // _BLOCK):
@@ -119,6 +121,39 @@ def torch_block_linear(x: Tensor, type_name: str, raw: np.ndarray, in_features: 
         if mins is not None:
             acc = acc + mins[:, b] * (sx[:, b : b + 1] * xq_blocks[:, b].sum(dim=-1, keepdim=True))
     return acc
+
+
+def _kquant_lanes(xq: Tensor, sx: Tensor, w: Tensor, scales: Tensor, mins: Tensor | None) -> Tensor:
+    """K-quant rows in csrc/moe.c's lanes: block b's lane t (values 4t..4t+3) adds (s * sx) * p
+    to accumulator (b // 2) % 2, lane 8 * (b % 2) + t (Q4_K: b's position in its super-block's
+    order 0, 2, 1, 3, 4, 6, 5, 7), blocks in order; the two summed and
+    halved 16 -> 1; mins in 8 lanes (sub-block b % 8), halved 8 -> 1, added last."""
+    m, n, nb = xq.shape[0], w.shape[0], sx.shape[1]
+    # Sums of 4 integer products: exact in fp32 whatever order einsum takes.
+    p = torch.einsum("mbtf,nbtf->mnbt", xq.reshape(m, nb, 8, 4), w.reshape(n, nb, 8, 4))
+    terms = (scales[None] * sx[:, None]).unsqueeze(-1) * p  # [m, n, nb, 8]
+    if mins is not None:  # Q4_K: steps pair blocks (0, 2), (1, 3), (4, 6), (5, 7) of each 8
+        terms = terms.reshape(m, n, nb // 8, 8, 8)[:, :, :, [0, 2, 1, 3, 4, 6, 5, 7]].reshape(m, n, nb, 8)
+    terms = terms.reshape(m, n, nb // 4, 2, 16)  # step pairs: (accumulator, lane)
+    acc = torch.zeros(m, n, 2, 16)
+    for i in range(nb // 4):
+        acc = acc + terms[:, :, i]
+    total = _halve(acc[:, :, 0] + acc[:, :, 1])
+    if mins is None:
+        return total
+    xu = sx * xq.reshape(m, nb, _BLOCK).sum(dim=-1)
+    min_terms = (mins[None] * xu[:, None]).reshape(m, n, nb // 8, 8)
+    macc = torch.zeros(m, n, 8)
+    for i in range(nb // 8):
+        macc = macc + min_terms[:, :, i]
+    return total + _halve(macc)
+
+
+def _halve(lanes: Tensor) -> Tensor:
+    while lanes.shape[-1] > 1:
+        half = lanes.shape[-1] // 2
+        lanes = lanes[..., :half] + lanes[..., half:]
+    return lanes[..., 0]
 
 
 def native_grouped(

@@ -83,3 +83,24 @@ def test_fp32_kernel_close_to_torch():
     native_grouped_f32(weights, x, routed, offsets, x_rows, out)
     want = torch.cat([x[x_rows[offsets[g] : offsets[g + 1]]] @ weights[e].T for g, e in enumerate(routed)])
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q8_0"])
+def test_native_same_bits_at_any_thread_count(type_name):
+    """The step's (expert, rows) items split over threads: each output is computed whole by one
+    thread, so 1, 2 and 3 threads give the same bits (here with more threads than cores too)."""
+    experts, rows, in_features = 5, 40, 768
+    weights = random_experts(type_name, experts, rows, in_features, seed=3)
+    x = torch.randn(4, in_features, generator=torch.Generator().manual_seed(3))
+    routed, offsets, x_rows = _routing(4, experts, 3, 3)
+    before = torch.get_num_threads()
+    outs = []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            out = torch.empty(len(x_rows), rows)
+            native_grouped(type_name, weights, x, routed, offsets, x_rows, out)
+            outs.append(out)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])

@@ -2,16 +2,18 @@
  * y = x W_e^T for the rows of x routed to it, W_e read in place from the stacked experts tensor
  * (a memory map of the file), in tiles of 8 rows, each row read once a call and multiplied with
  * every routed token, so an expert's bytes are read once a step however many tokens picked it.
- * Q8_0 and Q4_K tiles take their quants straight from the blocks (only scales are decoded);
- * the other types, and tails of fewer than 8 rows, decode a row into a buffer first.
+ * Q4_K and Q6_K rows are read straight from their blocks into 512-bit lanes (q4_k_dot_zmm);
+ * Q8_0 tiles take their quants from the blocks (only scales are decoded); the other types, and
+ * tails of fewer than 8 rows, decode a row into a buffer first.
  *
  * Arithmetic (cpu/moe.py's torch_block_linear computes the same bits): x is quantized per row
  * and block of 32 as quant_linear.c does (scale = absmax / 127, q = round_half_even(x / scale)).
  * Each weight block of 32 is integers w with an fp32 scale s (and min m): Q8_0 w = q, s = d;
  * Q4_0 w = q, s = d, m = -8d; Q4_1 w = q, s = d, m = m; Q5_0 w = q - 16, s = d; Q4_K w = q,
  * s = d * sc, m = -(dmin * mn); Q6_K w = sc16 * (q - 32) over its two sub-blocks of 16, s = d.
- * Per output an fp32 sum starts at 0 and takes the blocks in order: acc = acc + (s * sx) *
- * float(sum w * xq) (an exact integer), then with a min acc = acc + m * (sx * float(sum xq)).
+ * Blocks of 32 types: per output an fp32 sum starts at 0 and takes the blocks in order: acc =
+ * acc + (s * sx) * float(sum w * xq) (an exact integer), then with a min acc = acc + m * (sx *
+ * float(sum xq)). K-quants: the same terms over 4-value lanes, order at kquant_dot_scalar.
  * No fused multiply-adds (-std=c11 turns contraction off): the order is the result.
  *
  * Integer dot products: w is decoded to unsigned bytes u with w = u - offset (Q8_0: 128, Q5_0:
@@ -155,15 +157,22 @@ static void decode_row_part(int type, const uint8_t *restrict src, int k, const 
 static void decode_row(int type, const uint8_t *src, int k, const Row *row) { decode_row_part(type, src, k, row, 1); }
 
 /* Activations of one call quantized: q [m][k], s and u (= s * sum q) [m][k / 32], half sums
- * [m][k / 16] (sum q over each 16: Q6_K's offsets, and every offset's sum as two halves). */
+ * [m][k / 16] (sum q over each 16: every offset's sum as two halves), sum4 [m][k / 4] (32 *
+ * sum q over each 4: Q6_K's offsets per lane). */
 typedef struct {
     int8_t *q;
     float *s, *u;
-    int32_t *half;
+    int32_t *half, *sum4;
     int k, nb;
+    int8_t *qp; /* Q4_K: q with each super-block's blocks in Q4K_ORDER */
 } QX;
 
-static void quantize_x_row(const float *x, int k, int8_t *q, float *s, float *u, int32_t *half) {
+/* Q4_K's lane steps take blocks in pairs (0, 2), (1, 3), (4, 6), (5, 7) of each super-block:
+ * 64 bytes of its quants hold sub-blocks 2c, 2c + 2 in their low nibbles, 2c + 1, 2c + 3 in the
+ * high. The order is its own inverse. */
+static const int Q4K_ORDER[8] = {0, 2, 1, 3, 4, 6, 5, 7};
+
+static void quantize_x_row(const float *x, int k, int8_t *q, float *s, float *u, int32_t *half, int32_t *sum4) {
     for (int b = 0; b < k / MBLOCK; b++) {
         const float *v = x + (int64_t)b * MBLOCK;
         float amax = 0.0f;
@@ -180,6 +189,10 @@ static void quantize_x_row(const float *x, int k, int8_t *q, float *s, float *u,
         s[b] = scale;
         u[b] = scale * (float)(sums[0] + sums[1]);
         half[2 * b] = sums[0], half[2 * b + 1] = sums[1];
+        for (int t = 0; t < MBLOCK / 4; t++) {
+            const int8_t *four = q + b * MBLOCK + 4 * t;
+            sum4[b * (MBLOCK / 4) + t] = 32 * (four[0] + four[1] + four[2] + four[3]);
+        }
     }
 }
 
@@ -225,28 +238,156 @@ static float row_dot(int type, const Row *row, const QX *x, int64_t r, int use_v
     return acc;
 }
 
+/* K-quant rows (Q4_K, Q6_K): a row's products land in 2 x 16 fp32 lanes, as 512-bit registers
+ * hold them, summed once at the end, so the inner loop has no horizontal reduction. Step i
+ * (Q6_K: blocks 2i and 2i + 1; Q4_K: the pair at 2i, 2i + 1 of each super-block's Q4K_ORDER)
+ * goes to accumulator i & 1; the pair's first block's lane t (its values 4t to 4t + 3) is lane
+ * t, the second's lane 8 + t. Each lane takes p = sum of its 4 products w * xq (an
+ * exact integer; Q6_K: sc16 * (sum q * xq - 32 * sum xq)) as acc = acc + (s * sx) * float(p),
+ * blocks in order. Then a = acc0 + acc1, halved: a[0:8] + a[8:16], then 4, 2, 1. Q4_K's mins:
+ * lane j of 8 takes m * (sx * sum xq) of sub-block j of each super-block in order, halved the
+ * same way, and added last. cpu/moe.py's torch_block_linear computes these bits. */
+static float reduce_lanes(float *v, int lanes) {
+    for (int w = lanes / 2; w >= 1; w /= 2)
+        for (int i = 0; i < w; i++) v[i] = v[i] + v[w + i];
+    return v[0];
+}
+
+/* The lane order above, one lane at a time, from a row decoded by decode_row (any CPU). */
+static float kquant_dot_scalar(int type, const Row *row, const QX *x, int64_t r) {
+    const int8_t *xq = x->q + r * x->k;
+    const float *xs = x->s + r * x->nb, *xu = x->u + r * x->nb;
+    float acc[2][16] = {{0.0f}}, macc[8] = {0.0f};
+    for (int b = 0; b < x->nb; b++) {
+        const float scaled = row->s[b] * xs[b];
+        const int j = b % 8; /* Q4_K: blocks (2i, 2i + 2) share a step, Q4K_ORDER */
+        float *lanes = type == T_Q4_K ? acc[j & 1] + 8 * ((j >> 1) & 1) : acc[(b / 2) & 1] + 8 * (b & 1);
+        for (int t = 0; t < 8; t++) {
+            const uint8_t *u = row->u + b * MBLOCK + 4 * t;
+            const int8_t *v = xq + b * MBLOCK + 4 * t;
+            int32_t p = u[0] * v[0] + u[1] * v[1] + u[2] * v[2] + u[3] * v[3];
+            if (type == T_Q6_K) p = row->sc[2 * b + t / 4] * (p - 32 * (v[0] + v[1] + v[2] + v[3]));
+            lanes[t] = lanes[t] + scaled * (float)p;
+        }
+        if (type == T_Q4_K) macc[b % 8] = macc[b % 8] + row->m[b] * xu[b];
+    }
+    for (int i = 0; i < 16; i++) acc[0][i] = acc[0][i] + acc[1][i];
+    const float dot = reduce_lanes(acc[0], 16);
+    return type == T_Q4_K ? dot + reduce_lanes(macc, 8) : dot;
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+/* Q4_K's 8 sub-block scales and 8 mins (6 bits each) of a super-block's 12 bytes, as bytes 0-7
+ * and 8-15 (llama.cpp's unpacking), built in a register (no store then wider load). */
+static inline __m128i q4_k_scales(const uint8_t *packed) {
+    uint32_t a[3];
+    memcpy(a, packed, 12);
+    return _mm_set_epi32((int)(((a[2] >> 4) & 0x0F0F0F0Fu) | (((a[1] >> 6) & 0x03030303u) << 4)), (int)(a[1] & 0x3F3F3F3Fu),
+                         (int)((a[2] & 0x0F0F0F0Fu) | (((a[0] >> 6) & 0x03030303u) << 4)), (int)(a[0] & 0x3F3F3F3Fu));
+}
+
+/* reduce_lanes's halvings of 8 lanes, in registers. */
+static inline float halve8(__m256 v) {
+    const __m128 four = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+    return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
+}
+
+/* The same lanes in zmm registers, quants read straight from the row's blocks. */
+#define LANE_IDS _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0)
+
+/* Step i's float term: lanes 0-7 take scaled[2i], lanes 8-15 scaled[2i + 1]. */
+static inline __m512 kquant_term(__m512 scaled, int i, __m512i p) {
+    const __m512i pick = _mm512_add_epi32(_mm512_set1_epi32(2 * i), _mm512_srli_epi32(LANE_IDS, 3));
+    return _mm512_mul_ps(_mm512_permutexvar_ps(pick, scaled), _mm512_cvtepi32_ps(p));
+}
+
+static inline float kquant_sum(const __m512 acc[2]) {
+    const __m512 a = _mm512_add_ps(acc[0], acc[1]);
+    return halve8(_mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1)));
+}
+
+static float q4_k_dot_zmm(const uint8_t *raw, const QX *x, int64_t r) {
+    const int8_t *xq = x->qp + r * x->k;
+    const float *xs = x->s + r * x->nb, *xu = x->u + r * x->nb;
+    __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    __m256 macc = _mm256_setzero_ps();
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    const __m256 negate = _mm256_set1_ps(-0.0f);
+    for (int sb = 0; sb < x->k / KBLOCK; sb++) {
+        const uint8_t *blk = raw + (int64_t)sb * 144;
+        const int8_t *xb = xq + sb * KBLOCK;
+        uint32_t dd;
+        memcpy(&dd, blk, 4);
+        const __m128 both = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dd)); /* d, dmin */
+        const __m128i bytes = q4_k_scales(blk + 4);
+        const __m256 s = _mm256_mul_ps(_mm256_broadcastss_ps(both), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)));
+        const __m256 mn = _mm256_mul_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(both)),
+                                        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8))));
+        macc = _mm256_add_ps(macc, _mm256_mul_ps(_mm256_xor_ps(mn, negate), _mm256_loadu_ps(xu + sb * 8)));
+        const __m512 scaled = _mm512_castps256_ps512(_mm256_mul_ps(s, _mm256_loadu_ps(xs + sb * 8)));
+        for (int c = 0; c < 2; c++) {
+            const __m512i w = _mm512_loadu_si512(blk + 16 + 64 * c);
+            const __m512i q[2] = {_mm512_and_si512(w, nibble), _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble)};
+            for (int j = 0; j < 2; j++) {
+                const int i = 2 * c + j; /* blocks 4c + j and 4c + j + 2 */
+                const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[j], _mm512_loadu_si512(xb + 64 * i));
+                const __m512i pick = _mm512_add_epi32(_mm512_set1_epi32(4 * c + j), _mm512_slli_epi32(_mm512_srli_epi32(LANE_IDS, 3), 1));
+                acc[j] = _mm512_add_ps(acc[j], _mm512_mul_ps(_mm512_permutexvar_ps(pick, scaled), _mm512_cvtepi32_ps(p)));
+            }
+        }
+    }
+    return kquant_sum(acc) + halve8(macc);
+}
+
+static float q6_k_dot_zmm(const uint8_t *raw, const QX *x, int64_t r) {
+    const int8_t *xq = x->q + r * x->k;
+    const float *xs = x->s + r * x->nb;
+    const int32_t *x32 = x->sum4 + r * (x->k / 4);
+    __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    const __m512i nibble = _mm512_set1_epi8(0x0F), high2 = _mm512_set1_epi8(0x30);
+    const __m512i left = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
+    const __m512i right = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+    for (int sb = 0; sb < x->k / KBLOCK; sb++) {
+        const uint8_t *blk = raw + (int64_t)sb * 210;
+        const int8_t *xb = xq + sb * KBLOCK;
+        const __m256 d = _mm256_set1_ps(f16_to_f32(blk + 208));
+        const __m512 scaled = _mm512_castps256_ps512(_mm256_mul_ps(d, _mm256_loadu_ps(xs + sb * 8)));
+        const __m512i sc16 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192)));
+        for (int h = 0; h < 2; h++) {
+            const __m512i ql = _mm512_loadu_si512(blk + 64 * h);
+            const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h)));
+            const __m512i q[2] = {
+                _mm512_or_si512(_mm512_and_si512(ql, nibble), _mm512_and_si512(_mm512_sllv_epi16(qh, left), high2)),
+                _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), nibble), _mm512_and_si512(_mm512_srlv_epi16(qh, right), high2))};
+            for (int j = 0; j < 2; j++) {
+                const int i = 2 * h + j;
+                const __m512i which = _mm512_add_epi32(_mm512_set1_epi32(4 * i), _mm512_srli_epi32(LANE_IDS, 2));
+                __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[j], _mm512_loadu_si512(xb + 64 * i));
+                p = _mm512_sub_epi32(p, _mm512_loadu_si512(x32 + sb * 64 + 16 * i));
+                p = _mm512_mullo_epi32(p, _mm512_permutexvar_epi32(which, sc16));
+                acc[i & 1] = _mm512_add_ps(acc[i & 1], kquant_term(scaled, i, p));
+            }
+        }
+    }
+    return kquant_sum(acc);
+}
+#endif
+
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define TILE 8
-/* 8 rows decoded side by side: their block scales (and mins, Q6_K's sub-block scales) stored
+/* 8 rows (types of blocks of 32) decoded side by side: their block scales and mins stored
  * [block][row], so one load gives a block's 8 lanes. */
 typedef struct {
     Row rows[TILE];
     float *s, *m;
-    int32_t *sca, *scb;
-    int16_t *scv; /* Q6_K: per row and block, 8 lanes of sc_a then 8 of sc_b (vpmaddwd's) */
-    const uint8_t *raw[TILE]; /* the rows' blocks in the file, read directly (Q8_0, Q4_K) */
+    const uint8_t *raw[TILE]; /* the rows' blocks in the file, read directly (Q8_0) */
     int direct;
 } Tile;
 
-/* Block b's 32 unsigned quants of a row read straight from its blocks (Q8_0: q ^ 0x80; Q4_K:
- * the nibbles of sub-block b % 8), the bytes decode_row would have written. */
-static inline __m256i direct_quants(int type, const uint8_t *raw, int b) {
-    if (type == T_Q8_0)
-        return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(raw + (int64_t)b * 34 + 2)), _mm256_set1_epi8((char)0x80));
-    const int j = b % 8;
-    __m256i w = _mm256_loadu_si256((const __m256i *)(raw + (int64_t)(b / 8) * 144 + 16 + 32 * (j / 2)));
-    if (j & 1) w = _mm256_srli_epi16(w, 4);
-    return _mm256_and_si256(w, _mm256_set1_epi8(0x0F));
+/* Block b's 32 unsigned quants of a Q8_0 row read straight from its blocks (q ^ 0x80). */
+static inline __m256i direct_quants(const uint8_t *raw, int b) {
+    return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(raw + (int64_t)b * 34 + 2)), _mm256_set1_epi8((char)0x80));
 }
 
 /* Lane r = the sum of v[r]'s 8 lanes. */
@@ -263,33 +404,21 @@ static void tile_dot(int type, const Tile *t, const QX *x, int64_t r, float out[
     const float *xs = x->s + r * x->nb, *xu = x->u + r * x->nb;
     const int32_t *half = x->half + r * 2 * x->nb;
     const int offset = type == T_Q8_0 ? 128 : (type == T_Q5_0 ? 16 : 0);
-    const int mins = type == T_Q4_0 || type == T_Q4_1 || type == T_Q4_K, q6 = type == T_Q6_K;
+    const int mins = type == T_Q4_0 || type == T_Q4_1;
     __m256 acc = _mm256_setzero_ps();
     for (int b = 0; b < x->nb; b++) {
         const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + b * MBLOCK));
         __m256i v[TILE];
-        if (q6) {
+        if (t->direct) {
+            for (int i = 0; i < TILE; i++) v[i] = _mm256_dpbusd_epi32(_mm256_setzero_si256(), direct_quants(t->raw[i], b), xv);
+        } else {
             for (int i = 0; i < TILE; i++) {
                 const __m256i w = _mm256_loadu_si256((const __m256i *)(t->rows[i].u + b * MBLOCK));
-                const __m256i sc = _mm256_loadu_si256((const __m256i *)(t->scv + ((int64_t)i * x->nb + b) * 16));
-                v[i] = _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), sc); /* pairs <= 2 * 63 * 127: no saturation */
-            }
-        } else {
-            if (t->direct) {
-                for (int i = 0; i < TILE; i++) v[i] = _mm256_dpbusd_epi32(_mm256_setzero_si256(), direct_quants(type, t->raw[i], b), xv);
-            } else {
-                for (int i = 0; i < TILE; i++) {
-                    const __m256i w = _mm256_loadu_si256((const __m256i *)(t->rows[i].u + b * MBLOCK));
-                    v[i] = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, xv);
-                }
+                v[i] = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, xv);
             }
         }
         __m256i dots = sum_lanes8(v);
-        if (q6) {
-            const __m256i off = _mm256_add_epi32(_mm256_mullo_epi32(_mm256_loadu_si256((const __m256i *)(t->sca + b * TILE)), _mm256_set1_epi32(half[2 * b])),
-                                                 _mm256_mullo_epi32(_mm256_loadu_si256((const __m256i *)(t->scb + b * TILE)), _mm256_set1_epi32(half[2 * b + 1])));
-            dots = _mm256_sub_epi32(dots, _mm256_slli_epi32(off, 5));
-        } else if (offset) {
+        if (offset) {
             dots = _mm256_sub_epi32(dots, _mm256_set1_epi32(offset * (half[2 * b] + half[2 * b + 1])));
         }
         const __m256 scaled = _mm256_mul_ps(_mm256_loadu_ps(t->s + b * TILE), _mm256_set1_ps(xs[b]));
@@ -299,45 +428,16 @@ static void tile_dot(int type, const Tile *t, const QX *x, int64_t r, float out[
     _mm256_storeu_ps(out, acc);
 }
 
-/* Q4_K's tile: each row's block scales and mins written straight into the tile's [block][row]
- * arrays (decode_row_part's values: d * sc and -(dmin * mn)), no row buffer between. */
-static void tile_decode_q4_k(const uint8_t *src, int64_t row_bytes, int k, Tile *t) {
-    for (int i = 0; i < TILE; i++) {
-        const uint8_t *row = src + i * row_bytes;
-        t->raw[i] = row;
-        for (int sb = 0; sb < k / KBLOCK; sb++, row += 144) {
-            const float d = f16_to_f32(row), dmin = f16_to_f32(row + 2);
-            const uint8_t *s = row + 4;
-            float *ts = t->s + (int64_t)sb * 8 * TILE + i, *tm = t->m + (int64_t)sb * 8 * TILE + i;
-            for (int j = 0; j < 4; j++) {
-                ts[j * TILE] = d * (float)(s[j] & 63);
-                tm[j * TILE] = -(dmin * (float)(s[j + 4] & 63));
-                ts[(j + 4) * TILE] = d * (float)((s[j + 8] & 0x0F) | ((s[j] >> 6) << 4));
-                tm[(j + 4) * TILE] = -(dmin * (float)((s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4)));
-            }
-        }
-    }
-}
-
 static void tile_decode(int type, const uint8_t *src, int64_t row_bytes, int k, Tile *t) {
     const int nb = k / MBLOCK;
-    t->direct = type == T_Q8_0 || type == T_Q4_K; /* scales decoded, quants read in place */
-    if (type == T_Q4_K) {
-        tile_decode_q4_k(src, row_bytes, k, t);
-        return;
-    }
+    t->direct = type == T_Q8_0; /* scales decoded, quants read in place */
     for (int i = 0; i < TILE; i++) {
         Row *row = &t->rows[i];
         t->raw[i] = src + i * row_bytes;
         decode_row_part(type, t->raw[i], k, row, !t->direct);
         for (int b = 0; b < nb; b++) {
             t->s[b * TILE + i] = row->s[b];
-            if (type == T_Q4_0 || type == T_Q4_1 || type == T_Q4_K) t->m[b * TILE + i] = row->m[b];
-            if (type == T_Q6_K) {
-                t->sca[b * TILE + i] = row->sc[2 * b], t->scb[b * TILE + i] = row->sc[2 * b + 1];
-                int16_t *lanes = t->scv + ((int64_t)i * nb + b) * 16;
-                for (int j = 0; j < 8; j++) lanes[j] = (int16_t)row->sc[2 * b], lanes[8 + j] = (int16_t)row->sc[2 * b + 1];
-            }
+            if (type == T_Q4_0 || type == T_Q4_1) t->m[b * TILE + i] = row->m[b];
         }
     }
 }
@@ -352,14 +452,12 @@ static int tile_alloc(Tile *t, int k) {
         ok = ok && row->u && row->s && row->m && row->sc;
     }
     t->s = malloc((size_t)nb * TILE * sizeof(float)), t->m = malloc((size_t)nb * TILE * sizeof(float));
-    t->sca = malloc((size_t)nb * TILE * sizeof(int32_t)), t->scb = malloc((size_t)nb * TILE * sizeof(int32_t));
-    t->scv = malloc((size_t)nb * TILE * 16 * sizeof(int16_t));
-    return ok && t->s && t->m && t->sca && t->scb && t->scv;
+    return ok && t->s && t->m;
 }
 
 static void tile_free(Tile *t) {
     for (int i = 0; i < TILE; i++) free(t->rows[i].u), free(t->rows[i].s), free(t->rows[i].m), free(t->rows[i].sc);
-    free(t->s), free(t->m), free(t->sca), free(t->scb), free(t->scv);
+    free(t->s), free(t->m);
 }
 #endif
 
@@ -373,15 +471,19 @@ int radixkv_moe_grouped(int type, const uint8_t *weights, int64_t expert_bytes, 
     const int64_t row_bytes = radixkv_moe_row_bytes(type, k);
     if (!row_bytes || n <= 0 || m < 0) return 1;
     if (m == 0 || groups == 0) return 0;
-    const int nb = k / MBLOCK;
+    const int nb = k / MBLOCK, kquant = type == T_Q4_K || type == T_Q6_K;
     QX qx = {malloc((size_t)m * k), malloc((size_t)m * nb * sizeof(float)), malloc((size_t)m * nb * sizeof(float)),
-             malloc((size_t)m * nb * 2 * sizeof(int32_t)), k, nb};
-    int status = qx.q && qx.s && qx.u && qx.half ? 0 : 2;
+             malloc((size_t)m * nb * 2 * sizeof(int32_t)), malloc((size_t)m * (k / 4) * sizeof(int32_t)), k, nb,
+             type == T_Q4_K ? malloc((size_t)m * k) : NULL};
+    int status = qx.q && qx.s && qx.u && qx.half && qx.sum4 && (type != T_Q4_K || qx.qp) ? 0 : 2;
     if (!status) {
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (m > 8)
         for (int r = 0; r < m; r++)
             quantize_x_row(x + (int64_t)r * x_stride, k, qx.q + (int64_t)r * k, qx.s + (int64_t)r * nb, qx.u + (int64_t)r * nb,
-                           qx.half + (int64_t)r * 2 * nb);
+                           qx.half + (int64_t)r * 2 * nb, qx.sum4 + (int64_t)r * (k / 4));
+        if (type == T_Q4_K)
+            for (int64_t b = 0; b < (int64_t)m * nb; b++)
+                memcpy(qx.qp + (b - b % 8 + Q4K_ORDER[b % 8]) * MBLOCK, qx.q + b * MBLOCK, MBLOCK);
 #pragma omp parallel num_threads(num_threads)
         {
             Row row = {malloc((size_t)k), malloc((size_t)nb * sizeof(float)), malloc((size_t)nb * sizeof(float)),
@@ -391,8 +493,7 @@ int radixkv_moe_grouped(int type, const uint8_t *weights, int64_t expert_bytes, 
             /* Tiles of 8 rows: one reduction tree and one vector of sums for 8 outputs. */
             Tile tile;
             memset(&tile, 0, sizeof tile);
-            /* Q6_K keeps the row path: its tile (per-lane sub-block scales) measured slower. */
-            const int tiled = use_vnni && type != T_Q6_K;
+            const int tiled = use_vnni && !kquant;
             if (tiled) ok = tile_alloc(&tile, k) && ok;
 #else
             const int tiled = 0;
@@ -402,13 +503,33 @@ int radixkv_moe_grouped(int type, const uint8_t *weights, int64_t expert_bytes, 
 #pragma omp atomic write
                 status = 2;
             }
+            /* One list of (expert, 8 rows) items split over the threads: no barrier between
+             * experts, and each output is computed whole by one thread (the same bits for any
+             * thread count). */
             const int tiles = (n + 7) / 8;
-            for (int g = 0; g < groups; g++) {
-                const uint8_t *expert = weights + (int64_t)experts[g] * expert_bytes;
 #pragma omp for schedule(static)
-                for (int tix = 0; tix < tiles; tix++) {
+            for (int64_t item = 0; item < (int64_t)groups * tiles; item++) {
+                const int g = (int)(item / tiles), tix = (int)(item % tiles);
+                const uint8_t *expert = weights + (int64_t)experts[g] * expert_bytes;
+                {
                     if (!ok) continue;
                     const int o0 = tix * 8, live = n - o0 < 8 ? n - o0 : 8;
+                    if (kquant) {
+                        for (int o = o0; o < o0 + live; o++) {
+                            const uint8_t *raw = expert + (int64_t)o * row_bytes;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+                            if (use_vnni) {
+                                for (int p = offsets[g]; p < offsets[g + 1]; p++)
+                                    y[(int64_t)p * y_stride + o] = (type == T_Q4_K ? q4_k_dot_zmm : q6_k_dot_zmm)(raw, &qx, x_rows[p]);
+                                continue;
+                            }
+#endif
+                            decode_row(type, raw, k, &row);
+                            for (int p = offsets[g]; p < offsets[g + 1]; p++)
+                                y[(int64_t)p * y_stride + o] = kquant_dot_scalar(type, &row, &qx, x_rows[p]);
+                        }
+                        continue;
+                    }
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
                     if (tiled && live == 8) {
                         tile_decode(type, expert + (int64_t)o0 * row_bytes, row_bytes, k, &tile);
@@ -433,7 +554,7 @@ int radixkv_moe_grouped(int type, const uint8_t *weights, int64_t expert_bytes, 
 #endif
         }
     }
-    free(qx.q), free(qx.s), free(qx.u), free(qx.half);
+    free(qx.q), free(qx.s), free(qx.u), free(qx.half), free(qx.sum4), free(qx.qp);
     return status;
 }
 
