@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from radixkv.config import QUANT_KERNELS
 from radixkv.cpu import native
 from radixkv.cpu.features import cpu_features
-from radixkv.cpu.quant import BLOCK, KERNEL_FORMATS, QuantWeight, as_kernel_format, dequantize, q6_k_parts, stack_rows, unpack_q4
+from radixkv.cpu.quant import BLOCK, KERNEL_FORMATS, QuantWeight, as_kernel_format, dequantize, q6_k_parts, quantize_q8_0, stack_rows, unpack_q4
 from radixkv.errors import ConfigError
 
 # The native kernels of EngineConfig.quant_kernel, fastest first ("auto" takes the first that
@@ -85,8 +85,15 @@ def resolve_quant_kernel(requested: str, native_kernels: bool = True) -> str:
 
 
 def kernel_formats(kernel: str) -> tuple[str, ...]:
-    """The QuantWeight formats a resolved kernel multiplies as they are."""
-    return _FORMATS.get(kernel, _BASE_FORMATS)
+    """The QuantWeight formats a resolved kernel multiplies as they are ("parts": linears of
+    parts in several formats). A library built from sources before q4_k, q6_k and parts (one
+    without radixkv_quant_super_blocks, e.g. main's in scenarios/quant_ab.py) takes q8_0 and q4_1."""
+    if kernel == "torch":
+        return (*KERNEL_FORMATS, "parts")
+    library = native.load()
+    if library is None or not hasattr(library, "radixkv_quant_super_blocks"):
+        return ("q8_0", "q4_1")
+    return (*_FORMATS.get(kernel, _BASE_FORMATS), "parts")
 
 
 def quantize_activations(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -156,7 +163,11 @@ class QuantLinear(nn.Module):
         # Parts (row ranges, stacked in order) in a format the kernel lacks take their kernel
         # form; parts then sharing a format are one weight, else the linear is "parts".
         parts = [weight] if isinstance(weight, QuantWeight) else list(weight)
-        parts = [w if w.format in kernel_formats(self.kernel) else as_kernel_format(w) for w in parts]
+        formats = kernel_formats(self.kernel)
+        parts = [w if w.format in formats else as_kernel_format(w) for w in parts]
+        if len({w.format for w in parts}) > 1 and "parts" not in formats:
+            # One format then: q8_0 holds a 4-bit part to within half an int8 step of its block's largest.
+            parts = [w if w.format == "q8_0" else quantize_q8_0(dequantize(w)) for w in parts]
         if len({w.format for w in parts}) == 1:
             parts = [stack_rows(parts)]
         parts = [w.with_float_scales() for w in parts]

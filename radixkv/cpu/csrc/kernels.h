@@ -55,6 +55,7 @@ int radixkv_packed_linear_f32(const float *x, int64_t x_stride, int m, int k, co
 #define RADIXKV_QUANT_AVX512_ZMM 8 /* 512-bit VNNI over its own 16-row records (quant_linear_zmm.c) */
 #define RADIXKV_QUANT_PARTS 15 /* a format: row ranges packed in their own formats (quant_linear.py's "parts") */
 int radixkv_quant_linear_kernels(void);
+int radixkv_quant_super_blocks(void);
 int radixkv_quant_linear(int kernel, int format, const void *x, int x_bf16, int64_t x_stride, int m, int k,
                          const uint8_t *packed, int n, const float *bias, void *y, int64_t y_stride, int num_threads);
 int radixkv_quant_zmm_runs(void);

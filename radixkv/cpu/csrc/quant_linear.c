@@ -389,6 +389,10 @@ static int vnni_runs(void) {
 #endif
 }
 
+/* 1: this build multiplies q4_k / q6_k records and linears of parts (quant_linear.py asks, so a
+ * library built from older sources, as scenarios/quant_ab.py loads, gets only q8_0 and q4_1). */
+int radixkv_quant_super_blocks(void) { return 1; }
+
 /* The quantized kernels that run here, as RADIXKV_QUANT_* bits. */
 int radixkv_quant_linear_kernels(void) {
     int kernels = 0;
