@@ -2,8 +2,10 @@
 in_features), its conversion from a GGUF tensor's blocks (from_gguf) or a float weight
 (quantize_q8_0), and the reference dequantization the kernels are tested against.
 
-Two layouts are all the kernels multiply (KERNEL_FORMATS). GGUF's other block types map onto
-them once at load: Q4_0 and Q4_K exactly into q4_1 (a scale and a min per 32), Q5_0 exactly
+The kernels multiply q8_0 and q4_1, and (512-bit kernel and torch) GGUF's own Q4_K and Q6_K
+super-blocks kept as the file has them (q4_k, q6_k: SUPER_FORMATS; q4_k computes q4_1's bits,
+q6_k its own: w = sc * (q - 32) per 16 inputs under the super-block's d; from_gguf's
+super_blocks). Otherwise GGUF's other block types map onto q8_0 and q4_1 once at load: Q4_0 and Q4_K exactly into q4_1 (a scale and a min per 32), Q5_0 exactly
 into q8_0 (its 5-bit quants minus 16 fit int8 under the block's own scale); Q5_1, Q5_K and Q6_K
 are requantized into q8_0 per block of 32 (absmax / 127), within half an int8 step of the
 original value: 127 levels against their 31 or 63. tests/cpu/test_quant.py checks max |error|
@@ -20,7 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-KERNEL_FORMATS = ("q8_0", "q4_1")  # the layouts the kernels multiply
+KERNEL_FORMATS = ("q8_0", "q4_1", "q4_k", "q6_k")  # the layouts the kernels multiply
+SUPER_FORMATS = {"q4_k": 144, "q6_k": 210}  # GGUF's bytes per super-block of 256, kept as they are
 BLOCK = 32  # weights per block along in_features, in both formats
 EXACT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_0")
 REQUANTIZED_TYPES = ("Q5_1", "Q5_K", "Q6_K")
@@ -38,6 +41,8 @@ class QuantWeight:
     nibble and quant 32b + j + 16 in its high nibble.
     scales (and mins, q4_1 only): [out, in // 32], fp16 where the source's value is fp16 and
     exact, else fp32. Dequantized in fp32 as scale * q (+ min): a product, then a sum.
+    q4_k, q6_k: quants uint8 [out, in // 256 * bytes], the GGUF's super-blocks row by row;
+    scales an empty [out, 0] (they live in the blocks), no mins.
     """
 
     format: str
@@ -50,6 +55,11 @@ class QuantWeight:
     def __post_init__(self) -> None:
         assert self.format in KERNEL_FORMATS, self.format
         assert self.in_features % BLOCK == 0, self.in_features
+        if self.format in SUPER_FORMATS:
+            assert self.in_features % _QK_K == 0 and self.mins is None, self.in_features
+            width = self.in_features // _QK_K * SUPER_FORMATS[self.format]
+            assert tuple(self.quants.shape) == (self.out_features, width) and tuple(self.scales.shape) == (self.out_features, 0)
+            return
         width = self.in_features if self.format == "q8_0" else self.in_features // 2
         assert tuple(self.quants.shape) == (self.out_features, width), (self.quants.shape, self.out_features, width)
         blocks = (self.out_features, self.in_features // BLOCK)
@@ -91,7 +101,16 @@ def pack_q4(q: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize(weight: QuantWeight, rows: torch.Tensor | None = None) -> torch.Tensor:
-    """The weight in fp32 [out, in] (with rows: only those rows, e.g. an embedding lookup)."""
+    """The weight in fp32 [out, in] (with rows: only those rows, e.g. an embedding lookup);
+    q4_k as its q4_1 form, q6_k as gguf computes it, (d * sc) * (q - 32)."""
+    if weight.format in SUPER_FORMATS:
+        weight = weight if rows is None else weight.rows(rows)
+        if weight.format == "q4_k":
+            return dequantize(as_kernel_format(weight))
+        q, sc, d = q6_k_parts(weight)
+        n = weight.out_features
+        scale = (d.repeat_interleave(16, dim=1) * sc.float()).unsqueeze(-1)  # [n, in / 16, 1]
+        return (scale * q.float().reshape(n, -1, 16)).reshape(n, weight.in_features)
     quants, scales, mins = weight.quants, weight.scales, weight.mins
     if rows is not None:
         rows = rows.to(torch.long)
@@ -118,11 +137,36 @@ def quantize_q8_0(weight: torch.Tensor) -> QuantWeight:
     return QuantWeight("q8_0", out_features, in_features, q.reshape(out_features, in_features), scales.contiguous(), None)
 
 
-def from_gguf(type_name: str, raw: np.ndarray, shape: tuple[int, int]) -> QuantWeight:
+def q6_k_parts(weight: QuantWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A q6_k weight's values: (q - 32 as int8 [out, in], the int8 scale of each 16 inputs
+    [out, in // 16], d fp32 [out, in // 256]), GGUF's element order."""
+    assert weight.format == "q6_k"
+    n = weight.out_features
+    blocks = weight.quants.numpy().reshape(n, -1, 210)
+    ql, qh = blocks[..., :128].reshape(n, -1, 2, 2, 32), blocks[..., 128:192].reshape(n, -1, 2, 1, 32)
+    # element 128h + 32g + l: ql[64h + 32(g & 1) + l] >> 4(g >> 1), qh[32h + l] >> 2g
+    low = np.concatenate((ql & 0x0F, ql >> 4), axis=-2)  # [n, nsb, h, g, 32]
+    high = (qh >> (2 * np.arange(4, dtype=np.uint8)).reshape(1, 1, 1, 4, 1)) & 3
+    q = (low | (high << 4)).astype(np.int8) - np.int8(32)
+    sc = np.ascontiguousarray(blocks[..., 192:208]).view(np.int8).reshape(n, -1)
+    return torch.from_numpy(q.reshape(n, weight.in_features)), torch.from_numpy(sc.copy()), _f32(_f16(blocks, 208))
+
+
+def as_kernel_format(weight: QuantWeight) -> QuantWeight:
+    """A q4_k weight as q4_1 (exact: the same sums) and a q6_k one requantized into q8_0 (see
+    the module docstring), for a kernel without the super-block formats; others as they are."""
+    if weight.format not in SUPER_FORMATS:
+        return weight
+    name = weight.format.upper()
+    return from_gguf(name, weight.quants.numpy(), (weight.out_features, weight.in_features))
+
+
+def from_gguf(type_name: str, raw: np.ndarray, shape: tuple[int, int], super_blocks: bool = False) -> QuantWeight:
     """A GGUF tensor's blocks (raw: its bytes as gguf.GGUFReader gives them, uint8) as a
     QuantWeight of `shape` (out, in) in PyTorch order. Q8_0, Q4_0, Q4_1, Q4_K and Q5_0 convert
     exactly (dequantize() equals gguf.quants.dequantize bit for bit); Q5_1, Q5_K and Q6_K are
-    requantized into q8_0 (see the module docstring)."""
+    requantized into q8_0 (see the module docstring). super_blocks: Q4_K and Q6_K kept as their
+    blocks (q4_k, q6_k), for the kernels that multiply them."""
     name = type_name.upper()
     out_features, in_features = shape
     if name not in SUPPORTED_TYPES:
@@ -135,6 +179,9 @@ def from_gguf(type_name: str, raw: np.ndarray, shape: tuple[int, int]) -> QuantW
     expected = out_features * (in_features // block_size) * block_bytes
     if data.size != expected:
         raise ValueError(f"expected {expected} bytes for a {name} tensor of {out_features} x {in_features}, got {data.size}")
+    if super_blocks and name.lower() in SUPER_FORMATS:
+        quants = torch.from_numpy(data.reshape(out_features, -1).copy())
+        return QuantWeight(name.lower(), out_features, in_features, quants, torch.empty(out_features, 0), None)
     convert = {"Q8_0": _from_q8_0, "Q4_0": _from_q4_0, "Q4_1": _from_q4_1, "Q4_K": _from_q4_k, "Q5_0": _from_q5_0}.get(name)
     return _by_rows(convert or _requantizer(name), data.reshape(out_features, -1), out_features, in_features, compact=convert is not None)
 
@@ -256,4 +303,22 @@ def _from_q4_k(data: np.ndarray, out_features: int, in_features: int) -> QuantWe
     q = torch.from_numpy(np.ascontiguousarray(q).reshape(out_features, in_features))
     return QuantWeight(
         "q4_1", out_features, in_features, pack_q4(q), _f32(scales.reshape(out_features, -1)), _f32(mins.reshape(out_features, -1))
+    )
+
+
+def stack_rows(weights: list[QuantWeight]) -> QuantWeight:
+    """Weights of one format and width stacked along the outputs, in order."""
+    if len(weights) == 1:
+        return weights[0]
+    first = weights[0]
+    # Scales stay fp16 only where every part's are; fp16 -> fp32 is exact.
+    scale_dtype = first.scales.dtype if all(w.scales.dtype == first.scales.dtype for w in weights) else torch.float32
+    mins = None if first.mins is None else torch.cat([w.mins.to(scale_dtype) for w in weights])
+    return QuantWeight(
+        first.format,
+        sum(w.out_features for w in weights),
+        first.in_features,
+        torch.cat([w.quants for w in weights]),
+        torch.cat([w.scales.to(scale_dtype) for w in weights]),
+        mins,
     )

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from radixkv.config import QUANT_KERNELS
 from radixkv.cpu import native
 from radixkv.cpu.features import cpu_features
-from radixkv.cpu.quant import BLOCK, QuantWeight, dequantize, unpack_q4
+from radixkv.cpu.quant import BLOCK, KERNEL_FORMATS, QuantWeight, as_kernel_format, dequantize, q6_k_parts, quantize_q8_0, stack_rows, unpack_q4
 from radixkv.errors import ConfigError
 
 # The native kernels of EngineConfig.quant_kernel, fastest first ("auto" takes the first that
@@ -29,7 +29,13 @@ NATIVE_QUANT_KERNELS = {
     "avx512_vnni": (2, ("avx512_vnni", "avx512vl", "avx512bw")),
     "avx2": (4, ("avx2",)),
 }
-FORMAT_IDS = {"q8_0": 0, "q4_1": 1}
+FORMAT_IDS = {"q8_0": 0, "q4_1": 1, "q4_k": 2, "q6_k": 3, "parts": 15}
+# The formats each kernel multiplies; a weight in another is taken in as_kernel_format's form.
+# "parts": a linear whose row ranges differ in format (a Q4_K_M file's Q4_K q and k beside its
+# Q6_K v), packed one after another behind a header, each part run in its own format.
+_FORMATS = {"avx512_vnni_zmm": KERNEL_FORMATS, "torch": KERNEL_FORMATS}
+_BASE_FORMATS = ("q8_0", "q4_1", "q6_k")  # the 256-bit kernels: q4_k as q4_1 (the same bits)
+_PARTS_HEADER_ALIGN = 64
 # Kernels whose packed records are their own (quant_linear_zmm.c), with the prefix of the
 # library's pack, packed-bytes and dequant-rows functions; the others share quant_linear.c's.
 _LAYOUTS = {"avx512_vnni_zmm": "radixkv_quant_zmm_"}
@@ -78,6 +84,18 @@ def resolve_quant_kernel(requested: str, native_kernels: bool = True) -> str:
     return requested
 
 
+def kernel_formats(kernel: str) -> tuple[str, ...]:
+    """The QuantWeight formats a resolved kernel multiplies as they are ("parts": linears of
+    parts in several formats). A library built from sources before q4_k, q6_k and parts (one
+    without radixkv_quant_super_blocks, e.g. main's in scenarios/quant_ab.py) takes q8_0 and q4_1."""
+    if kernel == "torch":
+        return (*KERNEL_FORMATS, "parts")
+    library = native.load()
+    if library is None or not hasattr(library, "radixkv_quant_super_blocks"):
+        return ("q8_0", "q4_1")
+    return (*_FORMATS.get(kernel, _BASE_FORMATS), "parts")
+
+
 def quantize_activations(x: Tensor) -> tuple[Tensor, Tensor]:
     """fp32 x [m, k] -> (int8-valued fp32 quants [m, k], fp32 scales [m, k // 32]): per row and
     block of 32, scale = absmax / 127, inverse = 1 / scale (0 for an all-zero block),
@@ -99,11 +117,21 @@ def torch_quant_linear(x: Tensor, weight: QuantWeight, bias: Tensor | None) -> T
         q4_1: acc = acc + mins[o, b] * (sx[r, b] * float(sum_j xq[r, 32b + j]))
     then y = acc + bias[o] (fp32), rounded once to the output dtype by the caller. No fused
     multiply-adds anywhere: each step rounds as written, so any kernel that keeps this order per
-    output gets the same bits whatever rows it is called with."""
+    output gets the same bits whatever rows it is called with.
+    q4_k runs as its q4_1 form (the same numbers); q6_k as q8_0's steps with the integer weights
+    w = sc * (q - 32) (sc: the int8 scale of each 16 inputs) and scale d per block: the block's
+    integer sum stays below 2^24 (32 * 128 * 32 * 127), so fp32 holds it exactly."""
+    if weight.format == "q4_k":
+        weight = as_kernel_format(weight)
     m, out_features = x.shape[0], weight.out_features
-    scales = weight.scales.float()
-    mins = None if weight.mins is None else weight.mins.float()
-    quants = weight.quants if weight.format == "q8_0" else unpack_q4(weight.quants)
+    if weight.format == "q6_k":
+        q, sc, d = q6_k_parts(weight)
+        quants = q.to(torch.int16) * sc.to(torch.int16).repeat_interleave(16, dim=1)
+        scales, mins = d.repeat_interleave(256 // BLOCK, dim=1), None
+    else:
+        scales = weight.scales.float()
+        mins = None if weight.mins is None else weight.mins.float()
+        quants = weight.quants if weight.format == "q8_0" else unpack_q4(weight.quants)
     y = torch.empty(m, out_features, dtype=torch.float32)
     for r0 in range(0, m, _TORCH_ROWS):
         xq, sx = quantize_activations(x[r0 : r0 + _TORCH_ROWS])
@@ -129,42 +157,66 @@ class QuantLinear(nn.Module):
 
     rows_independent = True
 
-    def __init__(self, weight: QuantWeight, bias: Tensor | None = None, kernel: str = "auto") -> None:
+    def __init__(self, weight: QuantWeight | list[QuantWeight], bias: Tensor | None = None, kernel: str = "auto") -> None:
         super().__init__()
-        self.in_features, self.out_features, self.format = weight.in_features, weight.out_features, weight.format
         self.kernel = resolve_quant_kernel(kernel)
+        # Parts (row ranges, stacked in order) in a format the kernel lacks take their kernel
+        # form; parts then sharing a format are one weight, else the linear is "parts".
+        parts = [weight] if isinstance(weight, QuantWeight) else list(weight)
+        formats = kernel_formats(self.kernel)
+        parts = [w if w.format in formats else as_kernel_format(w) for w in parts]
+        if len({w.format for w in parts}) > 1 and "parts" not in formats:
+            # One format then: q8_0 holds a 4-bit part to within half an int8 step of its block's largest.
+            parts = [w if w.format == "q8_0" else quantize_q8_0(dequantize(w)) for w in parts]
+        if len({w.format for w in parts}) == 1:
+            parts = [stack_rows(parts)]
+        parts = [w.with_float_scales() for w in parts]
+        self.in_features, self.out_features = parts[0].in_features, sum(w.out_features for w in parts)
+        self.format = parts[0].format if len(parts) == 1 else "parts"
         self.bias = None if bias is None else nn.Parameter(bias.detach().float().contiguous(), requires_grad=False)
-        weight = weight.with_float_scales()
         self._library = native.load() if self.kernel != "torch" else None
         if self._library is None:
-            self.weight: QuantWeight | None = weight
+            self.weight: QuantWeight | None = parts[0] if len(parts) == 1 else None
+            self._torch_parts: list[QuantWeight] | None = parts
             self.packed = None
         else:
-            self.weight = None  # held once: the packed form alone
+            self.weight, self._torch_parts = None, None  # held once: the packed form alone
             self.kernel_bit = NATIVE_QUANT_KERNELS[self.kernel][0]
             self._layout = _LAYOUTS.get(self.kernel, "radixkv_quant_")
             # A buffer, so the module's buffers() count the bytes; not persistent: the layout is this build's.
-            self.register_buffer("packed", self._pack(weight), persistent=False)
+            self.register_buffer("packed", self._pack(parts), persistent=False)
 
     @property
     def weight_nbytes(self) -> int:
-        return self.weight.nbytes if self.packed is None else self.packed.nbytes
+        return sum(w.nbytes for w in self._torch_parts) if self.packed is None else self.packed.nbytes
 
-    def _pack(self, weight: QuantWeight) -> Tensor:
-        library, fmt = self._library, FORMAT_IDS[weight.format]
+    def _pack(self, parts: list[QuantWeight]) -> Tensor:
+        """The parts' records one after another; more than one behind a header of int64s
+        (count, then format, rows and byte offset per part) that quant_linear.c reads."""
+        library = self._library
         packed_bytes = getattr(library, self._layout + "packed_bytes")
-        packed = torch.empty(packed_bytes(fmt, self.out_features, self.in_features), dtype=torch.uint8)
-        mins = 0 if weight.mins is None else weight.mins.data_ptr()
-        getattr(library, self._layout + "pack")(
-            fmt, weight.quants.data_ptr(), weight.scales.data_ptr(), mins, self.out_features, self.in_features, packed.data_ptr()
-        )
+        sizes = [packed_bytes(FORMAT_IDS[w.format], w.out_features, w.in_features) for w in parts]
+        header = 0 if len(parts) == 1 else -(-8 * (1 + 3 * len(parts)) // _PARTS_HEADER_ALIGN) * _PARTS_HEADER_ALIGN
+        offsets = []
+        for size in sizes:
+            offsets.append(header + sum(-(-s // _PARTS_HEADER_ALIGN) * _PARTS_HEADER_ALIGN for s in sizes[: len(offsets)]))
+        packed = torch.zeros(offsets[-1] + sizes[-1], dtype=torch.uint8)
+        if header:
+            fields = [len(parts)] + [v for w, at in zip(parts, offsets, strict=True) for v in (FORMAT_IDS[w.format], w.out_features, at)]
+            packed[: 8 * len(fields)] = torch.tensor(fields, dtype=torch.int64).view(torch.uint8)
+        for w, at in zip(parts, offsets, strict=True):
+            mins = 0 if w.mins is None else w.mins.data_ptr()
+            getattr(library, self._layout + "pack")(
+                FORMAT_IDS[w.format], w.quants.data_ptr(), w.scales.data_ptr(), mins, w.out_features, w.in_features, packed.data_ptr() + at
+            )
         return packed
 
     def forward(self, x: Tensor) -> Tensor:
         if x.dim() != 2 or x.shape[1] != self.in_features or x.dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"expected fp32 or bf16 input [rows, {self.in_features}], got {x.dtype} {tuple(x.shape)}")
         if self.packed is None:
-            return torch_quant_linear(x.float(), self.weight, self.bias).to(x.dtype)
+            y = torch.cat([torch_quant_linear(x.float(), w, None) for w in self._torch_parts], dim=1)
+            return (y if self.bias is None else y + self.bias).to(x.dtype)
         if x.stride(1) != 1:
             x = x.contiguous()
         y = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
@@ -181,6 +233,8 @@ class QuantLinear(nn.Module):
         """Rows `ids` of the dequantized weight (fp32 as dequantize() computes it, then `dtype`):
         a tied embedding's lookup, from this layer's own bytes."""
         ids = ids.reshape(-1).to(torch.long)
+        if self.format == "parts":
+            raise ValueError("a linear whose parts differ in format is no tied embedding")
         if self.packed is None:
             return dequantize(self.weight, ids).to(dtype)
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.out_features):

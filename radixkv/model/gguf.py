@@ -214,10 +214,11 @@ class GGUFFile:
             values = values[row_permutation(info.shape[0], info.permute_heads)]
         return torch.from_numpy(np.ascontiguousarray(values))
 
-    def quantized(self, name: str, requantize: bool = False) -> QuantWeight:
+    def quantized(self, name: str, requantize: bool = False, super_blocks: bool = False) -> QuantWeight:
         """The tensor's blocks as a QuantWeight (radixkv.cpu.quant.from_gguf: Q8_0 and 4-bit
         formats as they are, other k-quants requantized), rows in transformers' order.
-        requantize: q8_0 from the dequantized values (quantize_q8_0), whatever the type."""
+        requantize: q8_0 from the dequantized values (quantize_q8_0), whatever the type.
+        super_blocks: Q4_K and Q6_K kept as their blocks (q4_k, q6_k)."""
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
 
@@ -230,7 +231,7 @@ class GGUFFile:
 
         def convert(raw: np.ndarray, rows: int) -> QuantWeight:
             if not requantize:
-                return from_gguf(info.type_name, raw, shape=(rows, info.shape[1]))
+                return from_gguf(info.type_name, raw, shape=(rows, info.shape[1]), super_blocks=super_blocks)
             values = np.asarray(dequantize(raw, qtype), dtype=np.float32).reshape(rows, info.shape[1])
             return quantize_q8_0(torch.from_numpy(values))
 

@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import Tensor, nn
 
-from radixkv.cpu.quant import QuantWeight, dequantize, quantize_q8_0
+from radixkv.cpu.quant import QuantWeight, quantize_q8_0
 from radixkv.cpu.quant_linear import QuantEmbedding, QuantLinear
 from radixkv.model.gguf import GGUFFile
 from radixkv.cpu.moe import BLOCK_TYPES
@@ -47,7 +47,8 @@ class QuantSource:
         if gguf is None:
             return quantize_q8_0(self.stored(name).float())  # one float tensor at a time
         if self.weight_dtype == "auto" or not linear:
-            return gguf.quantized(name)
+            # Q4_K and Q6_K as the file has them: QuantLinear converts them where its kernel lacks them.
+            return gguf.quantized(name, super_blocks=True)
         return gguf.quantized(name, requantize=gguf.tensors[name].type_name != "Q8_0")
 
     def bias(self, name: str) -> Tensor:
@@ -138,29 +139,9 @@ def _mapped_experts(source: QuantSource, prefix: str, moe_kernel: str) -> Mapped
 
 def _linear(weights: list[QuantWeight], bias: Tensor | None, kernel: str) -> nn.Module:
     """One QuantLinear over the parts' rows stacked. Parts in different formats (a Q4_K_M file's
-    Q4_K q and k beside a Q6_K v) are all made q8_0 first: one linear keeps the fused decode
-    step (one format per linear), and int8 holds a 4-bit part's values to within half an int8
-    step of its block's largest, far inside the 4-bit grid's own error."""
-    if len({w.format for w in weights}) > 1:
-        weights = [w if w.format == "q8_0" else quantize_q8_0(dequantize(w)) for w in weights]
-    return QuantLinear(_stack_rows(weights), bias, kernel)
-
-
-def _stack_rows(weights: list[QuantWeight]) -> QuantWeight:
-    if len(weights) == 1:
-        return weights[0]
-    first = weights[0]
-    # Scales stay fp16 only where every part's are; fp16 -> fp32 is exact.
-    scale_dtype = first.scales.dtype if all(w.scales.dtype == first.scales.dtype for w in weights) else torch.float32
-    mins = None if first.mins is None else torch.cat([w.mins.to(scale_dtype) for w in weights])
-    return QuantWeight(
-        first.format,
-        sum(w.out_features for w in weights),
-        first.in_features,
-        torch.cat([w.quants for w in weights]),
-        torch.cat([w.scales.to(scale_dtype) for w in weights]),
-        mins,
-    )
+    Q4_K q and k beside a Q6_K v) stay in their own formats, as one linear of parts, which the
+    fused decode step runs as any other."""
+    return QuantLinear(weights, bias, kernel)
 
 
 def weight_bytes(model: nn.Module) -> int:

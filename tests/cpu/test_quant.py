@@ -163,6 +163,25 @@ def test_embedding_from_weight_and_tied_linear() -> None:
     assert torch.equal(tied(ids), expected) and tied.weight_nbytes == 0
 
 
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
+def test_super_blocks_kept_dequantize_as_gguf_does(type_name: str) -> None:
+    raw = random_blocks(type_name, 6, 512, 3)
+    kept = from_gguf(type_name, raw, (6, 512), super_blocks=True)
+    assert kept.format == type_name.lower() and kept.nbytes == raw.size
+    assert torch.equal(dequantize(kept), reference(type_name, raw).reshape(6, 512))
+    rows = torch.tensor([5, 0, 5])
+    assert torch.equal(dequantize(kept, rows), dequantize(kept)[rows])
+
+
+def test_q6_k_torch_path_within_activation_bound() -> None:
+    # q6_k's own steps (w = sc * (q - 32) under d) err only by the activations' int8 step.
+    quant = from_gguf("Q6_K", random_blocks("Q6_K", 40, 256, 4), (40, 256), super_blocks=True)
+    x = torch.randn(9, 256)
+    w = dequantize(quant)
+    y = QuantLinear(quant, kernel="torch")(x)
+    assert (y - x @ w.T).abs().le(activation_bound(x, w)).all()
+
+
 def test_quant_weight_checks_its_shapes() -> None:
     with pytest.raises(AssertionError):
         QuantWeight("q8_0", 2, 32, torch.zeros(2, 16, dtype=torch.int8), torch.zeros(2, 1), None)

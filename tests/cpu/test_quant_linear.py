@@ -22,13 +22,15 @@ from radixkv.errors import ConfigError  # noqa: E402
 from tests.cpu.test_quant import random_blocks  # noqa: E402
 
 KERNELS = [pytest.param(name, marks=pytest.mark.skipif(bool(missing_quant_kernel(name)), reason=missing_quant_kernel(name) or "runs")) for name in NATIVE_QUANT_KERNELS]
-SOURCES = ("float", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
+# Lower case: Q4_K and Q6_K kept as their super-blocks (q4_k, q6_k), as a GGUF loads under "auto".
+SOURCES = ("float", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K", "q4_k", "q6_k")
 
 
 def weight_of(source: str, out_features: int, in_features: int, seed: int = 0) -> QuantWeight:
     if source == "float":
         return quantize_q8_0(torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(seed)) * 0.05)
-    return from_gguf(source, random_blocks(source, out_features, in_features, seed), (out_features, in_features))
+    raw = random_blocks(source.upper(), out_features, in_features, seed)
+    return from_gguf(source.upper(), raw, (out_features, in_features), super_blocks=source.islower())
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -48,7 +50,7 @@ def test_kernel_equals_torch_path(kernel: str, source: str, rows: int) -> None:
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("source", ["float", "Q4_K"])
+@pytest.mark.parametrize("source", ["float", "Q4_K", "q4_k", "q6_k"])
 def test_rows_independent_of_batch(kernel: str, source: str) -> None:
     layer = QuantLinear(weight_of(source, 70, 256), kernel=kernel)
     x = torch.randn(257, 256)
@@ -95,7 +97,7 @@ def test_strided_rows_and_no_bias(kernel: str) -> None:
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("source", ["float", "Q4_K"])
+@pytest.mark.parametrize("source", ["float", "Q4_K", "q4_k", "q6_k"])
 def test_tied_embedding_reads_the_packed_weight(kernel: str, source: str) -> None:
     weight = weight_of(source, 37, 256)
     layer = QuantLinear(weight, kernel=kernel)
@@ -105,6 +107,34 @@ def test_tied_embedding_reads_the_packed_weight(kernel: str, source: str) -> Non
     assert torch.equal(QuantEmbedding(layer, torch.bfloat16)(ids), expected.bfloat16())
     with pytest.raises(IndexError):
         layer.weight_rows(torch.tensor([37]), torch.float32)
+
+
+@pytest.mark.parametrize("kernel", [*KERNELS, "torch"])
+def test_parts_in_their_own_formats(kernel: str) -> None:
+    # A Q4_K_M qkv: q and k in Q4_K, v in Q6_K, one linear; each part runs in its own format.
+    parts = [weight_of("q4_k", 40, 512, 1), weight_of("q4_k", 8, 512, 2), weight_of("q6_k", 24, 512, 3)]
+    bias = torch.randn(72)
+    layer = QuantLinear(parts, bias, kernel=kernel)
+    assert layer.format == "parts" and layer.out_features == 72
+    x = torch.randn(6, 512)
+    alone = torch.cat([QuantLinear(part, None, kernel="torch")(x) for part in parts], dim=1)
+    assert torch.equal(layer(x), alone + bias)
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(layer(x.to(dtype)), QuantLinear(parts, bias, kernel="torch")(x.to(dtype)))
+    with pytest.raises(ValueError, match="tied"):
+        layer.weight_rows(torch.tensor([0]), torch.float32)
+    # Parts of one format are one weight (q4_k as q4_1 where the kernel lacks q4_k: the same bits).
+    assert QuantLinear(parts[:2], kernel=kernel).format == ("q4_k" if kernel in ("avx512_vnni_zmm", "torch") else "q4_1")
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_super_blocks_packed_near_their_own_bytes(kernel: str) -> None:
+    for source, file_bytes in (("q4_k", 144), ("q6_k", 210)):
+        layer = QuantLinear(weight_of(source, 64, 512), kernel=kernel)
+        ratio = layer.weight_nbytes / (64 * 2 * file_bytes)
+        # 512-bit records: 4.75 and 6.625 bits a weight against the file's 4.5 and 6.5625;
+        # the 256-bit kernels take q4_k as q4_1 (6 bits) and q6_k as int8 (9.5 bits).
+        assert ratio <= ((1.06 if source == "q4_k" else 1.01) if kernel == "avx512_vnni_zmm" else 1.45)
 
 
 def test_native_weight_is_held_once_packed() -> None:
@@ -188,7 +218,7 @@ def test_vnni_kernel_logic_under_emulation(tmp_path, monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     library = native.build_from(tmp_path, native.find_compiler())
     with native.using(library):
-        for source in ("Q8_0", "Q4_K"):
+        for source in ("Q8_0", "Q4_K", "q6_k"):
             weight, bias = weight_of(source, 45, 512), torch.randn(45)
             emulated, reference = QuantLinear(weight, bias, kernel="avx512_vnni"), QuantLinear(weight, bias, kernel="torch")
             assert emulated.kernel == "avx512_vnni"

@@ -53,10 +53,14 @@ int radixkv_packed_linear_f32(const float *x, int64_t x_stride, int m, int k, co
 #define RADIXKV_QUANT_AVX512_VNNI 2
 #define RADIXKV_QUANT_AVX2 4
 #define RADIXKV_QUANT_AVX512_ZMM 8 /* 512-bit VNNI over its own 16-row records (quant_linear_zmm.c) */
+#define RADIXKV_QUANT_PARTS 15 /* a format: row ranges packed in their own formats (quant_linear.py's "parts") */
 int radixkv_quant_linear_kernels(void);
+int radixkv_quant_super_blocks(void);
 int radixkv_quant_linear(int kernel, int format, const void *x, int x_bf16, int64_t x_stride, int m, int k,
                          const uint8_t *packed, int n, const float *bias, void *y, int64_t y_stride, int num_threads);
 int radixkv_quant_zmm_runs(void);
+/* A Q4_K (format 2) or Q6_K (3) super-block's quants, codes and d, dmin (quant_linear_zmm.c). */
+void radixkv_quant_decode_super(int format, const uint8_t *src, uint8_t u[256], int codes[16], float *d, float *dmin);
 int radixkv_quant_zmm_linear(int format, const void *x, int x_bf16, int64_t x_stride, int m, int k,
                              const uint8_t *packed, int n, const float *bias, void *y, int64_t y_stride,
                              int num_threads);

@@ -18,6 +18,11 @@
  *                     then 8 fp32 scales (row r at lane r).
  *   q4_1 (192 bytes): 4 chunks c of 32 bytes, chunk byte r * 4 + e = q[8g + r][32b + 4c + e]
  *                     | q[8g + r][32b + 16 + 4c + e] << 4; then 8 fp32 scales, 8 fp32 mins.
+ *   q6_k (304 bytes): q8_0's chunks of q - 32 (packed from the GGUF's Q6_K blocks); then the int8
+ *                     scales of inputs 0..15 (8 bytes, row r at byte r) and of 16..31, then 8
+ *                     fp32 d. The block's integer sum is sc_lo * dot_lo + sc_hi * dot_hi, then
+ *                     acc + (d * sx) * float(sum): torch_quant_linear's q6_k steps. (q4_k runs
+ *                     here as its q4_1 form, the same bits.)
  * One 32-byte load holds 4 inputs of 8 rows: against x's 4 inputs broadcast to every lane, a
  * lane's dot product is its row's, so 8 outputs sum in 8 lanes with no horizontal adds.
  */
@@ -32,15 +37,38 @@
 #define GROUP_X_BYTES (192 << 10) /* x rows per pass over the weights: as many as stay in L2 */
 #define SERIAL_QUANTIZE_ROWS 32   /* up to this many x rows are quantized before the threads start */
 
-enum { FORMAT_Q8_0 = 0, FORMAT_Q4_1 = 1 };
+enum { FORMAT_Q8_0 = 0, FORMAT_Q4_1 = 1, FORMAT_Q6_K = 3 };
 
-static inline int64_t record_bytes(int format) { return format == FORMAT_Q8_0 ? 256 + 32 : 128 + 64; }
-static inline int64_t quant_bytes(int format) { return format == FORMAT_Q8_0 ? 256 : 128; }
+static inline int64_t record_bytes(int format) {
+    return format == FORMAT_Q8_0 ? 256 + 32 : (format == FORMAT_Q6_K ? 256 + 16 + 32 : 128 + 64);
+}
+static inline int64_t quant_bytes(int format) { return format == FORMAT_Q4_1 ? 128 : 256; }
 static inline int64_t group_count(int n) { return (n + QGROUP - 1) / QGROUP; }
 
 /* Bytes of the packed form of an n x k weight (k % 32 == 0). */
 int64_t radixkv_quant_packed_bytes(int format, int n, int k) {
+    if (format == FORMAT_Q6_K && k % 256 != 0) return 0;
     return group_count(n) * (k / QBLOCK) * record_bytes(format);
+}
+
+/* q6_k's records of group g, super-block s, from the GGUF's rows (210 bytes a super-block). */
+static void pack_q6_k(const uint8_t *quants, int n, int k, int64_t g, int64_t s, uint8_t *packed) {
+    const int64_t nb = k / QBLOCK, bytes = record_bytes(FORMAT_Q6_K), row_bytes = (k / 256) * 210;
+    for (int r = 0; r < QGROUP; r++) {
+        const int64_t row = g * QGROUP + r;
+        uint8_t u[256] = {0};
+        int codes[16] = {0};
+        float d = 0.0f, dmin;
+        if (row < n) radixkv_quant_decode_super(FORMAT_Q6_K, quants + row * row_bytes + s * 210, u, codes, &d, &dmin);
+        for (int j = 0; j < 8; j++) {
+            uint8_t *record = packed + (g * nb + s * 8 + j) * bytes;
+            for (int c = 0; c < 8; c++)
+                for (int e = 0; e < 4; e++) record[c * 32 + r * 4 + e] = row < n ? (uint8_t)(int8_t)(u[32 * j + 4 * c + e] - 32) : 0;
+            record[256 + r] = (uint8_t)(int8_t)codes[2 * j];
+            record[264 + r] = (uint8_t)(int8_t)codes[2 * j + 1];
+            memcpy(record + 272 + 4 * r, &d, sizeof d);
+        }
+    }
 }
 
 /* The 32 quants (0..15) of q4_1 row `row`, block b, from QuantWeight's nibble order. */
@@ -54,6 +82,12 @@ static void q4_row_block(const uint8_t *quants, int k, int64_t row, int64_t b, u
 void radixkv_quant_pack(int format, const uint8_t *quants, const float *scales, const float *mins, int n, int k,
                         uint8_t *packed) {
     const int64_t nb = k / QBLOCK, bytes = record_bytes(format);
+    if (format == FORMAT_Q6_K) { /* quants: the GGUF's Q6_K blocks; no scales */
+#pragma omp parallel for schedule(static)
+        for (int64_t g = 0; g < group_count(n); g++)
+            for (int64_t s = 0; s < k / 256; s++) pack_q6_k(quants, n, k, g, s, packed);
+        return;
+    }
 #pragma omp parallel for schedule(static)
     for (int64_t g = 0; g < group_count(n); g++)
         for (int64_t b = 0; b < nb; b++) {
@@ -94,6 +128,13 @@ void radixkv_quant_dequant_rows(int format, const uint8_t *packed, int n, int k,
             float lanes[2 * QGROUP];
             memcpy(lanes, record + quant_bytes(format), sizeof lanes / (format == FORMAT_Q8_0 ? 2 : 1));
             float *dst = out + (int64_t)i * k + b * QBLOCK;
+            if (format == FORMAT_Q6_K) { /* as gguf: (d * sc) * (q - 32) */
+                float d;
+                memcpy(&d, record + 272 + 4 * r, sizeof d);
+                for (int j = 0; j < QBLOCK; j++)
+                    dst[j] = (d * (float)(int8_t)record[256 + 8 * (j / 16) + r]) * (float)(int8_t)record[(j / 4) * 32 + r * 4 + j % 4];
+                continue;
+            }
             for (int j = 0; j < QBLOCK; j++) {
                 float w;
                 if (format == FORMAT_Q8_0) {
@@ -175,6 +216,14 @@ static inline __attribute__((always_inline)) void add_block(__m256 *acc, __m256i
     if (q4) *acc = _mm256_add_ps(*acc, _mm256_mul_ps(_mm256_loadu_ps(lanes + QGROUP), _mm256_set1_ps(x->u[row * x->nb + b])));
 }
 
+/* q6_k's block sum from its two halves' dot products: sc_lo * lo + sc_hi * hi, exact. */
+static inline __attribute__((always_inline)) __m256i q6_sum(const uint8_t *record, __m256i lo, __m256i hi) {
+    int64_t lo_bytes, hi_bytes;
+    memcpy(&lo_bytes, record + 256, 8), memcpy(&hi_bytes, record + 264, 8);
+    const __m256i sc_lo = _mm256_cvtepi8_epi32(_mm_cvtsi64_si128(lo_bytes)), sc_hi = _mm256_cvtepi8_epi32(_mm_cvtsi64_si128(hi_bytes));
+    return _mm256_add_epi32(_mm256_mullo_epi32(lo, sc_lo), _mm256_mullo_epi32(hi, sc_hi));
+}
+
 /* Sums of one group (8 outputs) for `rows` x rows from r0 (rows a constant 1..4 after
  * inlining, so the sums stay in registers), over all blocks. vpmaddubsw multiplies u8 by s8:
  * q8_0 takes |w| and x carrying w's sign (vpsignb; x is in [-127, 127], so negating it is safe,
@@ -192,8 +241,8 @@ static inline __attribute__((always_inline)) void group_avx2(const uint8_t *grou
         _mm_prefetch((const char *)record + 8 * bytes + 64, _MM_HINT_T0);
         _mm_prefetch((const char *)record + 8 * bytes + 128, _MM_HINT_T0);
         _mm_prefetch((const char *)record + 8 * bytes + 192, _MM_HINT_T0);
+        if (format != FORMAT_Q4_1) _mm_prefetch((const char *)record + 8 * bytes + 256, _MM_HINT_T0);
         if (format == FORMAT_Q8_0) {
-            _mm_prefetch((const char *)record + 8 * bytes + 256, _MM_HINT_T0);
             __m256i dot[ROW_TILE];
             for (int i = 0; i < rows; i++) dot[i] = _mm256_setzero_si256();
             /* Unrolled further, GCC computes every chunk's products first and spills them. */
@@ -208,6 +257,20 @@ static inline __attribute__((always_inline)) void group_avx2(const uint8_t *grou
                 }
             }
             for (int i = 0; i < rows; i++) add_block(&acc[i], dot[i], (const float *)(record + 256), x, r0 + i, b, 0);
+        } else if (format == FORMAT_Q6_K) {
+            __m256i dot[2][ROW_TILE];
+            for (int i = 0; i < rows; i++) dot[0][i] = dot[1][i] = _mm256_setzero_si256();
+#pragma GCC unroll 2
+            for (int c = 0; c < 8; c++) {
+                const __m256i w = _mm256_loadu_si256((const __m256i *)(record + 32 * c));
+                const __m256i magnitude = _mm256_abs_epi8(w); /* |q - 32| <= 32 */
+                for (int i = 0; i < rows; i++) {
+                    const int64_t at = (r0 + i) * x->k + b * QBLOCK + 4 * c;
+                    const __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(broadcast4(x->q + at), w));
+                    dot[c / 4][i] = _mm256_add_epi32(dot[c / 4][i], _mm256_madd_epi16(pairs, ones));
+                }
+            }
+            for (int i = 0; i < rows; i++) add_block(&acc[i], q6_sum(record, dot[0][i], dot[1][i]), (const float *)(record + 272), x, r0 + i, b, 0);
         } else {
             __m256i pairs[ROW_TILE];
             for (int i = 0; i < rows; i++) pairs[i] = _mm256_setzero_si256();
@@ -240,6 +303,22 @@ static inline __attribute__((always_inline, target("avx512f,avx512bw,avx512vl,av
         for (int line = 0; line < bytes; line += 64) _mm_prefetch((const char *)record + 8 * bytes + line, _MM_HINT_T0);
         __m256i dot[ROW_TILE];
         for (int i = 0; i < rows; i++) dot[i] = _mm256_setzero_si256();
+        if (format == FORMAT_Q6_K) {
+            __m256i dot_hi[ROW_TILE];
+            for (int i = 0; i < rows; i++) dot_hi[i] = _mm256_setzero_si256();
+            for (int c = 0; c < 8; c++) {
+                const __m256i w = _mm256_loadu_si256((const __m256i *)(record + 32 * c));
+                const __m256i magnitude = _mm256_abs_epi8(w);
+                for (int i = 0; i < rows; i++) {
+                    const int64_t at = (r0 + i) * x->k + b * QBLOCK + 4 * c;
+                    if (c < 4) dot[i] = _mm256_dpbusd_epi32(dot[i], magnitude, _mm256_sign_epi8(broadcast4(x->q + at), w));
+                    else dot_hi[i] = _mm256_dpbusd_epi32(dot_hi[i], magnitude, _mm256_sign_epi8(broadcast4(x->q + at), w));
+                }
+            }
+            for (int i = 0; i < rows; i++) dot[i] = q6_sum(record, dot[i], dot_hi[i]);
+            for (int i = 0; i < rows; i++) add_block(&acc[i], dot[i], (const float *)(record + 272), x, r0 + i, b, 0);
+            continue;
+        }
         if (format == FORMAT_Q8_0) {
             for (int c = 0; c < 8; c++) {
                 const __m256i w = _mm256_loadu_si256((const __m256i *)(record + 32 * c));
@@ -310,6 +389,10 @@ static int vnni_runs(void) {
 #endif
 }
 
+/* 1: this build multiplies q4_k / q6_k records and linears of parts (quant_linear.py asks, so a
+ * library built from older sources, as scenarios/quant_ab.py loads, gets only q8_0 and q4_1). */
+int radixkv_quant_super_blocks(void) { return 1; }
+
 /* The quantized kernels that run here, as RADIXKV_QUANT_* bits. */
 int radixkv_quant_linear_kernels(void) {
     int kernels = 0;
@@ -328,12 +411,28 @@ int radixkv_quant_linear_kernels(void) {
  * groups, each group's records streaming once past the pass's rows, 4 rows per weight load. */
 int radixkv_quant_linear(int kernel, int format, const void *x, int x_bf16, int64_t x_stride, int m, int k,
                          const uint8_t *packed, int n, const float *bias, void *y, int64_t y_stride, int num_threads) {
+    if (format == RADIXKV_QUANT_PARTS) { /* row ranges in their own formats, behind a header */
+        int64_t header[1 + 3 * 16], row = 0;
+        memcpy(header, packed, sizeof(int64_t));
+        if (header[0] < 1 || header[0] > 16) return 1;
+        memcpy(header, packed, (1 + 3 * header[0]) * sizeof(int64_t));
+        for (int64_t p = 0; p < header[0]; p++) {
+            const int64_t *part = header + 1 + 3 * p;
+            if (part[0] == RADIXKV_QUANT_PARTS) return 1;
+            const int status = radixkv_quant_linear(kernel, (int)part[0], x, x_bf16, x_stride, m, k, packed + part[2], (int)part[1],
+                                                    bias ? bias + row : NULL, (char *)y + row * (x_bf16 ? 2 : 4), y_stride, num_threads);
+            if (status) return status;
+            row += part[1];
+        }
+        return row == n ? 0 : 1;
+    }
     if (kernel == RADIXKV_QUANT_AVX512_ZMM) /* packed in its own layout */
         return radixkv_quant_zmm_linear(format, x, x_bf16, x_stride, m, k, packed, n, bias, y, y_stride, num_threads);
 #ifdef HAVE_AVX2
     if (!(radixkv_quant_linear_kernels() & kernel) || (kernel != RADIXKV_QUANT_AVX2 && kernel != RADIXKV_QUANT_AVX512_VNNI))
         return 1;
-    if (k % QBLOCK != 0 || (format != FORMAT_Q8_0 && format != FORMAT_Q4_1) || m <= 0) return m == 0 ? 0 : 1;
+    if (k % QBLOCK != 0 || (format != FORMAT_Q8_0 && format != FORMAT_Q4_1 && format != FORMAT_Q6_K) || m <= 0) return m == 0 ? 0 : 1;
+    if (format == FORMAT_Q6_K && k % 256 != 0) return 1;
     const int nb = k / QBLOCK;
     char *scratch = malloc((size_t)m * k + (size_t)m * nb * 2 * sizeof(float));
     if (!scratch) return 2;

@@ -11,6 +11,20 @@
  *                     | q[16g + r][32b + 16 + 4c + e] << 4; then 16 fp32 scales, 16 fp32 mins.
  * q8_0's sum over w + 128 is 128 * sum(xq) too many: the int32 sums start at -128 * sum(xq), so
  * they end exact, as the AVX2 kernel's.
+ *
+ * GGUF's Q4_K and Q6_K keep their super-blocks of 256 inputs (no requantizing, about their own
+ * bits per weight): per group g, per super-block s, one record of 8 sub-blocks j of 32 inputs:
+ *   q4_k (2432 bytes): per j 256 bytes of nibbles as q4_1's; at 2048 the 6-bit scale codes
+ *                     (byte 16j + r), at 2176 the min codes, at 2304 16 fp32 d, at 2368 16 fp32
+ *                     -dmin. Block j's scale d * sc and min -dmin * m are q4_1's, exact in
+ *                     fp32, so the sums are q4_1's bits (quant.py converts Q4_K the same way).
+ *   q6_k (3392 bytes): per j 384 bytes: 4 chunks of low nibbles as q4_1's, then two 64-byte
+ *                     chunks of the top 2 bits (chunk h, byte r * 4 + e: bits 2c..2c+1 hold
+ *                     input 32j + 16h + 4c + e); at 3072 the int8 scales of each 16 inputs
+ *                     (byte 16 (2j + h) + r); at 3328 16 fp32 d. A block's integer sum is
+ *                     sc_lo * dot_lo + sc_hi * dot_hi over w = q - 32 (|sum| < 2^24: exact in
+ *                     fp32), then acc + (d * sx) * float(sum), as torch_quant_linear does with
+ *                     w = sc * (q - 32) and scale d.
  */
 #include <stdlib.h>
 
@@ -27,11 +41,89 @@
 #define ZPASS_X_BYTES (192 << 10) /* x rows per pass over the weights: as many as stay in L2 */
 #define ZSERIAL_ROWS 32           /* up to this many x rows are quantized before the threads start */
 
-enum { ZFORMAT_Q8_0 = 0, ZFORMAT_Q4_1 = 1 };
+#define ZSUPER 256     /* inputs per Q4_K / Q6_K super-block */
 
-static inline int64_t zrecord_bytes(int format) { return format == ZFORMAT_Q8_0 ? 512 + 64 : 256 + 128; }
+enum { ZFORMAT_Q8_0 = 0, ZFORMAT_Q4_1 = 1, ZFORMAT_Q4_K = 2, ZFORMAT_Q6_K = 3 };
+
+static inline int zsuper_format(int format) { return format == ZFORMAT_Q4_K || format == ZFORMAT_Q6_K; }
+/* Bytes of one record: of 32 inputs (q8_0, q4_1) or of a super-block (q4_k, q6_k). */
+static inline int64_t zrecord_bytes(int format) {
+    switch (format) {
+    case ZFORMAT_Q8_0: return 512 + 64;
+    case ZFORMAT_Q4_1: return 256 + 128;
+    case ZFORMAT_Q4_K: return 8 * 256 + 256 + 128;
+    default: return 8 * 384 + 256 + 64;
+    }
+}
 static inline int64_t zquant_bytes(int format) { return format == ZFORMAT_Q8_0 ? 512 : 256; }
 static inline int64_t zgroup_count(int n) { return (n + ZGROUP - 1) / ZGROUP; }
+/* Bytes of one group's records over all k inputs. */
+static inline int64_t zgroup_bytes(int format, int k) {
+    return (zsuper_format(format) ? k / ZSUPER : k / ZBLOCK) * zrecord_bytes(format);
+}
+static inline int zformat_takes(int format, int k) {
+    return format >= ZFORMAT_Q8_0 && format <= ZFORMAT_Q6_K && k % (zsuper_format(format) ? ZSUPER : ZBLOCK) == 0;
+}
+
+/* A super-block of row `row` (GGUF's bytes, src) decoded: u [256] unsigned quants (q4_k: 0..15,
+ * q6_k: 0..63), codes [16] (q4_k: 8 scale codes then 8 min codes; q6_k: 16 int8 scales), and
+ * d, dmin as fp32. GGUF's element order, as csrc/moe.c reads it. quant_linear.c packs q6_k with it too. */
+void radixkv_quant_decode_super(int format, const uint8_t *src, uint8_t u[ZSUPER], int codes[16], float *d, float *dmin) {
+    uint16_t half;
+    if (format == ZFORMAT_Q4_K) {
+        memcpy(&half, src, 2), *d = fp16_to_float(half);
+        memcpy(&half, src + 2, 2), *dmin = fp16_to_float(half);
+        const uint8_t *s = src + 4, *qs = src + 16;
+        for (int j = 0; j < 8; j++) {
+            if (j < 4) codes[j] = s[j] & 63, codes[8 + j] = s[j + 4] & 63;
+            else codes[j] = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4), codes[8 + j] = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+            for (int l = 0; l < 32; l++) u[32 * j + l] = (qs[32 * (j / 2) + l] >> (4 * (j & 1))) & 0x0F;
+        }
+    } else {
+        const uint8_t *ql = src, *qh = src + 128;
+        memcpy(&half, src + 208, 2), *d = fp16_to_float(half), *dmin = 0.0f;
+        for (int i = 0; i < 16; i++) codes[i] = (int8_t)src[192 + i];
+        for (int h = 0; h < 2; h++)
+            for (int g = 0; g < 4; g++)
+                for (int l = 0; l < 32; l++)
+                    u[128 * h + 32 * g + l] = (uint8_t)(((ql[64 * h + 32 * (g & 1) + l] >> (4 * (g >> 1))) & 0x0F) |
+                                                        (((qh[32 * h + l] >> (2 * g)) & 3) << 4));
+    }
+}
+
+/* Record s of group g from the GGUF rows (quants: n rows of k / 256 super-blocks). */
+static void zpack_super(int format, const uint8_t *quants, int n, int k, int64_t g, int64_t s, uint8_t *record) {
+    const int64_t row_bytes = (k / ZSUPER) * (format == ZFORMAT_Q4_K ? 144 : 210);
+    const int q6 = format == ZFORMAT_Q6_K, sub = q6 ? 384 : 256, tail = 8 * sub;
+    float lanes[2 * ZGROUP];
+    memset(record, 0, zrecord_bytes(format));
+    for (int r = 0; r < ZGROUP; r++) {
+        const int64_t row = g * ZGROUP + r;
+        uint8_t u[ZSUPER] = {0};
+        int codes[16] = {0};
+        float d = 0.0f, dmin = 0.0f;
+        if (row < n) radixkv_quant_decode_super(format, quants + row * row_bytes + s * (format == ZFORMAT_Q4_K ? 144 : 210), u, codes, &d, &dmin);
+        lanes[r] = d, lanes[ZGROUP + r] = -dmin;
+        for (int j = 0; j < 8; j++) {
+            uint8_t *block = record + j * sub;
+            const uint8_t *q = u + 32 * j;
+            for (int c = 0; c < 4; c++)
+                for (int e = 0; e < 4; e++) {
+                    block[c * 64 + r * 4 + e] = (uint8_t)((q[4 * c + e] & 0x0F) | ((q[16 + 4 * c + e] & 0x0F) << 4));
+                    if (q6)
+                        for (int h = 0; h < 2; h++) block[256 + h * 64 + r * 4 + e] |= (uint8_t)(((q[16 * h + 4 * c + e] >> 4) & 3) << (2 * c));
+                }
+            if (q6) {
+                record[tail + 16 * (2 * j) + r] = (uint8_t)(int8_t)codes[2 * j];
+                record[tail + 16 * (2 * j + 1) + r] = (uint8_t)(int8_t)codes[2 * j + 1];
+            } else {
+                record[tail + 16 * j + r] = (uint8_t)codes[j];
+                record[tail + 128 + 16 * j + r] = (uint8_t)codes[8 + j];
+            }
+        }
+    }
+    memcpy(record + tail + (q6 ? 256 : 256), lanes, (q6 ? 1 : 2) * ZGROUP * sizeof(float));
+}
 
 /* Whether this build has the kernel (the library is built for this CPU: -march=native). */
 int radixkv_quant_zmm_runs(void) {
@@ -44,14 +136,23 @@ int radixkv_quant_zmm_runs(void) {
 
 /* Bytes of the packed form of an n x k weight (k % 32 == 0). */
 int64_t radixkv_quant_zmm_packed_bytes(int format, int n, int k) {
-    return zgroup_count(n) * (k / ZBLOCK) * zrecord_bytes(format);
+    return zformat_takes(format, k) ? zgroup_count(n) * zgroup_bytes(format, k) : 0;
 }
 
 /* Pack QuantWeight's tensors (quants: int8 [n][k] or uint8 [n][k / 2] with block j's quants
  * 0..15 in the low nibbles of bytes 0..15 and 16..31 in the high ones; scales, mins: fp32
- * [n][k / 32], mins q4_1 only) into the layout above. */
+ * [n][k / 32], mins q4_1 only; q4_k, q6_k: the GGUF's blocks, row after row, no scales) into the
+ * layout above. */
 void radixkv_quant_zmm_pack(int format, const uint8_t *quants, const float *scales, const float *mins, int n, int k,
                             uint8_t *packed) {
+    if (zsuper_format(format)) {
+        const int64_t supers = k / ZSUPER;
+#pragma omp parallel for schedule(static)
+        for (int64_t g = 0; g < zgroup_count(n); g++)
+            for (int64_t s = 0; s < supers; s++)
+                zpack_super(format, quants, n, k, g, s, packed + g * zgroup_bytes(format, k) + s * zrecord_bytes(format));
+        return;
+    }
     const int64_t nb = k / ZBLOCK, bytes = zrecord_bytes(format);
 #pragma omp parallel for schedule(static)
     for (int64_t g = 0; g < zgroup_count(n); g++)
@@ -82,6 +183,36 @@ void radixkv_quant_zmm_pack(int format, const uint8_t *quants, const float *scal
         }
 }
 
+/* Row r of a q4_k / q6_k group's records, dequantized: q4_k as q4_1 (scale * q, then + min),
+ * q6_k as gguf does, (d * sc) * (q - 32). */
+static void zdequant_super_row(int format, const uint8_t *group, int k, int r, float *dst) {
+    const int q6 = format == ZFORMAT_Q6_K, sub = q6 ? 384 : 256, tail = 8 * sub;
+    for (int64_t s = 0; s < k / ZSUPER; s++, dst += ZSUPER) {
+        const uint8_t *record = group + s * zrecord_bytes(format);
+        float d, negdmin = 0.0f;
+        memcpy(&d, record + tail + 256 + 4 * r, 4);
+        memcpy(&negdmin, record + tail + 256 + 64 + 4 * r, q6 ? 0 : 4);
+        for (int j = 0; j < 8; j++) {
+            const uint8_t *block = record + j * sub;
+            for (int l = 0; l < ZBLOCK; l++) {
+                const int half = l / 16, c = (l % 16) / 4, e = l % 4;
+                const uint8_t byte = block[c * 64 + r * 4 + e];
+                int q = half ? byte >> 4 : byte & 0x0F;
+                if (q6) {
+                    q |= ((block[256 + half * 64 + r * 4 + e] >> (2 * c)) & 3) << 4;
+                    const float scale = d * (float)(int8_t)record[tail + 16 * (2 * j + half) + r];
+                    dst[32 * j + l] = scale * (float)(q - 32);
+                } else {
+                    const float scale = d * (float)record[tail + 16 * j + r];
+                    const float min = negdmin * (float)record[tail + 128 + 16 * j + r];
+                    const float w = scale * (float)q;
+                    dst[32 * j + l] = w + min;
+                }
+            }
+        }
+    }
+}
+
 /* Rows `ids` of the packed weight, dequantized to fp32 [count][k] as quant.dequantize does
  * (scale * q, then + min): a tied embedding's lookup. */
 void radixkv_quant_zmm_dequant_rows(int format, const uint8_t *packed, int n, int k, const int64_t *ids, int count,
@@ -91,6 +222,10 @@ void radixkv_quant_zmm_dequant_rows(int format, const uint8_t *packed, int n, in
     for (int i = 0; i < count; i++) {
         const int64_t g = ids[i] / ZGROUP;
         const int r = (int)(ids[i] % ZGROUP);
+        if (zsuper_format(format)) {
+            zdequant_super_row(format, packed + g * zgroup_bytes(format, k), k, r, out + (int64_t)i * k);
+            continue;
+        }
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *record = packed + (g * nb + b) * bytes;
             float scale, min = 0.0f;
@@ -114,7 +249,7 @@ void radixkv_quant_zmm_dequant_rows(int format, const uint8_t *packed, int n, in
 /* One x row quantized as quant_linear.c's quantize_row does (scale = absmax / 127, q =
  * round_half_even(x * (1 / scale)), 0 for an all-zero block), plus each block's integer sum
  * (q8_0's correction) and scale * sum (q4_1's min term). */
-static void zquantize_row(const void *x, int x_bf16, int k, int8_t *xq, float *xs, int32_t *xsum, float *xu) {
+static void zquantize_row(const void *x, int x_bf16, int k, int8_t *xq, float *xs, int32_t *xsum, float *xu, int32_t *xhalf) {
     for (int b = 0; b < k / ZBLOCK; b++) {
         __m512 v[2];
         for (int i = 0; i < 2; i++) {
@@ -134,7 +269,8 @@ static void zquantize_row(const void *x, int x_bf16, int k, int8_t *xq, float *x
         const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v[1], by));
         _mm_storeu_si128((__m128i *)(xq + (int64_t)b * ZBLOCK), _mm512_cvtsepi32_epi8(q0));
         _mm_storeu_si128((__m128i *)(xq + (int64_t)b * ZBLOCK + 16), _mm512_cvtsepi32_epi8(q1));
-        const int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+        const int low_sum = _mm512_reduce_add_epi32(q0), sum = low_sum + _mm512_reduce_add_epi32(q1);
+        xhalf[2 * b] = low_sum, xhalf[2 * b + 1] = sum - low_sum; /* q6_k's offsets, per 16 inputs */
         xs[b] = scale;
         xsum[b] = sum;
         xu[b] = scale * (float)sum;
@@ -145,7 +281,7 @@ static void zquantize_row(const void *x, int x_bf16, int k, int8_t *xq, float *x
 typedef struct {
     const int8_t *q;
     const float *s, *u;
-    const int32_t *sum;
+    const int32_t *sum, *half;
     int k, nb;
 } ZQuantX;
 
@@ -198,9 +334,91 @@ static inline __attribute__((always_inline)) void zgroup(const uint8_t *group, i
     }
 }
 
+/* zgroup over q4_k / q6_k super-block records (layout above), the same steps per block of 32. */
+static inline __attribute__((always_inline)) void zgroup_super(const uint8_t *group, int format, const ZQuantX *x,
+                                                               int64_t r0, int rows, __m512 acc[ZROW_TILE]) {
+    const __m512i low = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);
+    const int64_t bytes = zrecord_bytes(format);
+    for (int i = 0; i < ZROW_TILE; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t s = 0; s < x->nb / 8; s++) {
+        const uint8_t *record = group + s * bytes;
+        if (format == ZFORMAT_Q4_K) {
+            const __m512 d = _mm512_loadu_ps((const float *)(record + 2304)), negdmin = _mm512_loadu_ps((const float *)(record + 2368));
+            for (int j = 0; j < 8; j++) {
+                const int64_t b = s * 8 + j;
+                const uint8_t *block = record + 256 * j;
+                __m512i dot[ZROW_TILE];
+                for (int i = 0; i < rows; i++) dot[i] = _mm512_setzero_si512();
+                for (int c = 0; c < 4; c++) {
+                    const __m512i w = _mm512_loadu_si512((const void *)(block + 64 * c));
+                    const __m512i lo = _mm512_and_si512(w, low), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);
+                    for (int i = 0; i < rows; i++) {
+                        dot[i] = _mm512_dpbusd_epi32(dot[i], lo, xword(x, r0 + i, b * ZBLOCK + 4 * c));
+                        dot[i] = _mm512_dpbusd_epi32(dot[i], hi, xword(x, r0 + i, b * ZBLOCK + 16 + 4 * c));
+                    }
+                }
+                const __m512 codes = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(record + 2048 + 16 * j))));
+                const __m512 min_codes = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(record + 2176 + 16 * j))));
+                const __m512 scales = _mm512_mul_ps(d, codes), mins = _mm512_mul_ps(negdmin, min_codes); /* exact */
+                for (int i = 0; i < rows; i++) {
+                    const __m512 scaled = _mm512_mul_ps(scales, _mm512_set1_ps(x->s[(r0 + i) * x->nb + b]));
+                    acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(scaled, _mm512_cvtepi32_ps(dot[i])));
+                    acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(mins, _mm512_set1_ps(x->u[(r0 + i) * x->nb + b])));
+                }
+            }
+        } else {
+            const __m512 d = _mm512_loadu_ps((const float *)(record + 3328));
+            for (int j = 0; j < 8; j++) {
+                const int64_t b = s * 8 + j;
+                const uint8_t *block = record + 384 * j;
+                const __m512i top0 = _mm512_loadu_si512((const void *)(block + 256)), top1 = _mm512_loadu_si512((const void *)(block + 320));
+                __m512i dot_lo[ZROW_TILE], dot_hi[ZROW_TILE];
+                for (int i = 0; i < rows; i++) {
+                    /* sum (q - 32) x = sum q x - 32 sum x, per 16 inputs */
+                    dot_lo[i] = _mm512_set1_epi32(-32 * x->half[(r0 + i) * 2 * x->nb + 2 * b]);
+                    dot_hi[i] = _mm512_set1_epi32(-32 * x->half[(r0 + i) * 2 * x->nb + 2 * b + 1]);
+                }
+                for (int c = 0; c < 4; c++) {
+                    const __m512i w = _mm512_loadu_si512((const void *)(block + 64 * c));
+                    /* bits 2c..2c+1 of each byte to bits 4..5; what crosses from the next byte is masked off */
+                    const __m512i t0 = c < 2 ? _mm512_slli_epi16(top0, 4 - 2 * c) : _mm512_srli_epi16(top0, 2 * c - 4);
+                    const __m512i t1 = c < 2 ? _mm512_slli_epi16(top1, 4 - 2 * c) : _mm512_srli_epi16(top1, 2 * c - 4);
+                    const __m512i lo = _mm512_or_si512(_mm512_and_si512(w, low), _mm512_and_si512(t0, top));
+                    const __m512i hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(w, 4), low), _mm512_and_si512(t1, top));
+                    for (int i = 0; i < rows; i++) {
+                        dot_lo[i] = _mm512_dpbusd_epi32(dot_lo[i], lo, xword(x, r0 + i, b * ZBLOCK + 4 * c));
+                        dot_hi[i] = _mm512_dpbusd_epi32(dot_hi[i], hi, xword(x, r0 + i, b * ZBLOCK + 16 + 4 * c));
+                    }
+                }
+                const __m512i sc_lo = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(record + 3072 + 32 * j)));
+                const __m512i sc_hi = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(record + 3072 + 32 * j + 16)));
+                for (int i = 0; i < rows; i++) {
+                    const __m512i sum = _mm512_add_epi32(_mm512_mullo_epi32(dot_lo[i], sc_lo), _mm512_mullo_epi32(dot_hi[i], sc_hi));
+                    const __m512 scaled = _mm512_mul_ps(d, _mm512_set1_ps(x->s[(r0 + i) * x->nb + b]));
+                    acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(scaled, _mm512_cvtepi32_ps(sum)));
+                }
+            }
+        }
+    }
+}
+
 static void ztile(const uint8_t *group, int format, const ZQuantX *x, int64_t r0, int rows, __m512 acc[ZROW_TILE]) {
     /* One copy per format and row count: both constant inside, so nothing spills. */
-    if (format == ZFORMAT_Q8_0) {
+    if (format == ZFORMAT_Q4_K) {
+        switch (rows) {
+        case 4: zgroup_super(group, ZFORMAT_Q4_K, x, r0, 4, acc); break;
+        case 3: zgroup_super(group, ZFORMAT_Q4_K, x, r0, 3, acc); break;
+        case 2: zgroup_super(group, ZFORMAT_Q4_K, x, r0, 2, acc); break;
+        default: zgroup_super(group, ZFORMAT_Q4_K, x, r0, 1, acc); break;
+        }
+    } else if (format == ZFORMAT_Q6_K) {
+        switch (rows) {
+        case 4: zgroup_super(group, ZFORMAT_Q6_K, x, r0, 4, acc); break;
+        case 3: zgroup_super(group, ZFORMAT_Q6_K, x, r0, 3, acc); break;
+        case 2: zgroup_super(group, ZFORMAT_Q6_K, x, r0, 2, acc); break;
+        default: zgroup_super(group, ZFORMAT_Q6_K, x, r0, 1, acc); break;
+        }
+    } else if (format == ZFORMAT_Q8_0) {
         switch (rows) {
         case 4: zgroup(group, ZFORMAT_Q8_0, x, r0, 4, acc); break;
         case 3: zgroup(group, ZFORMAT_Q8_0, x, r0, 3, acc); break;
@@ -236,19 +454,20 @@ int radixkv_quant_zmm_linear(int format, const void *x, int x_bf16, int64_t x_st
                              const uint8_t *packed, int n, const float *bias, void *y, int64_t y_stride,
                              int num_threads) {
 #if defined(HAVE_AVX512) && defined(__AVX512VNNI__)
-    if (k % ZBLOCK != 0 || (format != ZFORMAT_Q8_0 && format != ZFORMAT_Q4_1) || m <= 0) return m == 0 ? 0 : 1;
+    if (!zformat_takes(format, k) || m <= 0) return m == 0 ? 0 : 1;
     const int nb = k / ZBLOCK;
-    char *scratch = malloc((size_t)m * k + (size_t)m * nb * 3 * sizeof(float));
+    char *scratch = malloc((size_t)m * k + (size_t)m * nb * 5 * sizeof(float));
     if (!scratch) return 2;
     float *xs = (float *)(scratch + (size_t)m * k);
-    ZQuantX qx = {(int8_t *)scratch, xs, xs + (size_t)m * nb, (int32_t *)(xs + 2 * (size_t)m * nb), k, nb};
-    const int64_t groups = zgroup_count(n), bytes = zrecord_bytes(format);
+    ZQuantX qx = {(int8_t *)scratch, xs, xs + (size_t)m * nb, (int32_t *)(xs + 2 * (size_t)m * nb), (int32_t *)(xs + 3 * (size_t)m * nb), k, nb};
+    const int64_t groups = zgroup_count(n), group_bytes = zgroup_bytes(format, k);
     int pass_rows = (int)(ZPASS_X_BYTES / k) / ZROW_TILE * ZROW_TILE;
     if (pass_rows < ZROW_TILE) pass_rows = ZROW_TILE;
     const size_t elem = x_bf16 ? 2 : 4;
 #define ZQUANTIZE(r)                                                                                                \
     zquantize_row((const char *)x + (r) * x_stride * elem, x_bf16, k, (int8_t *)qx.q + (int64_t)(r) * k,              \
-                  (float *)qx.s + (int64_t)(r) * nb, (int32_t *)qx.sum + (int64_t)(r) * nb, (float *)qx.u + (int64_t)(r) * nb)
+                  (float *)qx.s + (int64_t)(r) * nb, (int32_t *)qx.sum + (int64_t)(r) * nb, (float *)qx.u + (int64_t)(r) * nb, \
+                  (int32_t *)qx.half + 2 * (int64_t)(r) * nb)
     /* A decode step's few rows are quantized before the threads start: a barrier on a busy
      * machine can wait out another process's time slice. */
     const int serial_rows = m <= ZSERIAL_ROWS ? m : 0;
@@ -263,7 +482,7 @@ int radixkv_quant_zmm_linear(int format, const void *x, int x_bf16, int64_t x_st
             const int pass_end = p0 + pass_rows < m ? p0 + pass_rows : m;
 #pragma omp for schedule(static)
             for (int64_t g = 0; g < groups; g++) {
-                const uint8_t *group = packed + g * nb * bytes;
+                const uint8_t *group = packed + g * group_bytes;
                 const int live = n - g * ZGROUP < ZGROUP ? (int)(n - g * ZGROUP) : ZGROUP;
                 for (int r0 = p0; r0 < pass_end; r0 += ZROW_TILE) {
                     const int rows = pass_end - r0 < ZROW_TILE ? pass_end - r0 : ZROW_TILE;
