@@ -13,6 +13,8 @@ from typing import Generic, Protocol, TypeVar
 
 import torch
 
+from radixkv.errors import UnsupportedModel
+
 
 @dataclass(frozen=True, slots=True)
 class KVReads:
@@ -128,6 +130,9 @@ class BackendCapabilities:
     # tables that kernel trusts, so its state may hand them out (StepState.decode_tables) and the
     # fused native decode step (radixkv.cpu.fused_decode) may run a decode-only step in its place.
     fused_cpu_decode: bool = False
+    # Runs attention sinks (gpt-oss: a learned logit per query head in each softmax's
+    # denominator, `sink_pages`); a model with sinks refuses a backend without them at build.
+    attention_sinks: bool = False
 
 
 class AttentionBackend(Generic[StateT]):
@@ -218,9 +223,14 @@ class AttentionBackend(Generic[StateT]):
         k_scales: torch.Tensor | None = None,
         v_scales: torch.Tensor | None = None,
         window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """store_kv, then extend or decode; sinks [num_q_heads] (None: none): each head's
+        softmax also counts exp(sink), as gpt-oss's attention does (`sink_pages`)."""
         pages = LayerPages(k_cache, v_cache, k_scales, v_scales)
         self.store_pages(k, v, pages, meta)
+        if sinks is not None:
+            return self.sink_pages(q, pages, meta, scale, window, sinks)
         if meta.is_decode_only:
             return self.decode_pages(q, pages, meta, scale, window)
         return self.extend_pages(q, k, v, pages, meta, scale, window)
@@ -238,3 +248,9 @@ class AttentionBackend(Generic[StateT]):
         self, q: torch.Tensor, pages: LayerPages, meta: AttentionMetadata[StateT], scale: float, window: int | None
     ) -> torch.Tensor:
         raise NotImplementedError
+
+    def sink_pages(self, q: torch.Tensor, pages: LayerPages, meta: AttentionMetadata[StateT], scale: float,
+                   window: int | None, sinks: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """Extend or decode attention (the step's KV stored already) whose softmax denominators
+        also hold exp(sinks[head]); a backend with capabilities.attention_sinks implements it."""
+        raise UnsupportedModel(f"the {self.name!r} attention backend does not run attention sinks")

@@ -5,12 +5,13 @@ Stores KV with one native call, runs decode rows (decode steps, the one-token re
 steps, and every row of a batch-invariant step) through the paged decode kernel and multi-token
 requests through the prefill kernel, both reading KV in place; tensors the kernels cannot take
 (shapes, or a (compute dtype, page dtype) pair without a kernel: radixkv.cpu.decode.pages_fit)
-run the reference's torch code.
+run the reference's torch code. So does attention with sinks (gpt-oss): the kernels return no
+log-sum-exp that a sink's rescale, o * sigmoid(lse - sink), would need.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -55,6 +56,9 @@ class CPUStepState:
     kv_reads: KVReads | None = None  # decode-only steps through the kernel
     extend_rows: ExtendRows | None = None  # mixed steps whose multi-token requests the prefill kernel runs
     decode_only: DecodeTables | None = None  # decode-only steps through the kernel: the tables, checked
+    # The reference's state where the kernel was chosen yet a layer takes the reference (sinks,
+    # or pages no kernel reads under q's dtype): made by the first such layer, kept for the step.
+    lazy_reference: list[TorchStepState] = field(default_factory=list)
 
     def decode_tables(self) -> DecodeTables | None:
         return self.decode_only
@@ -62,7 +66,7 @@ class CPUStepState:
 
 class CPUBackend(AttentionBackend[CPUStepState]):
     name = "cpu"
-    capabilities = BackendCapabilities(batch_invariant=True, fused_cpu_decode=True)
+    capabilities = BackendCapabilities(batch_invariant=True, fused_cpu_decode=True, attention_sinks=True)
 
     def __init__(self, decode_amx: bool = True, share_reads: bool = True, cascade_tiles: bool = True) -> None:
         """share_reads: cascade decode, where requests that share a cached prefix read its pages
@@ -183,11 +187,21 @@ class CPUBackend(AttentionBackend[CPUStepState]):
             plan=_plan_for(state.plan, window), k_scales=pages.k_scales, v_scales=pages.v_scales, window=window,
         )  # fmt: skip
 
+    def sink_pages(self, q: torch.Tensor, pages: LayerPages, meta: AttentionMetadata[CPUStepState], scale: float,
+                   window: int | None, sinks: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        state = self._reference(meta, pages.k_cache, q.shape[1])
+        return torch_backend.reference_sinks(q, pages, meta, state, scale, window, sinks)
+
     def _reference(self, meta: AttentionMetadata[CPUStepState], k_cache: torch.Tensor, num_q_heads: int) -> TorchStepState:
         """The reference's state for this step: prepare's where the kernel was ruled out there,
-        else built here (a compute dtype whose pages no kernel reads, known only once q is)."""
+        else built here once a step (a compute dtype whose pages no kernel reads, known only once
+        q is, or a layer with sinks)."""
         state = meta.state
-        return state.reference if state.reference is not None else self.reference.prepare(meta, k_cache, num_q_heads)
+        if state.reference is not None:
+            return state.reference
+        if not state.lazy_reference:
+            state.lazy_reference.append(self.reference.prepare(meta, k_cache, num_q_heads))
+        return state.lazy_reference[0]
 
 
 def _plan_for(plan: torch.Tensor | None, window: int | None) -> torch.Tensor | None:

@@ -55,7 +55,7 @@ def row_by_row_tables(meta: AttentionMetadata) -> RowByRow:
 
 class TorchBackend(AttentionBackend[TorchStepState]):
     name = "torch"
-    capabilities = BackendCapabilities(batch_invariant=True)
+    capabilities = BackendCapabilities(batch_invariant=True, attention_sinks=True)
 
     def prepare(self, meta: AttentionMetadata[TorchStepState], k_cache: torch.Tensor, num_q_heads: int) -> TorchStepState:
         pages = bias = None
@@ -74,6 +74,43 @@ class TorchBackend(AttentionBackend[TorchStepState]):
         self, q: torch.Tensor, pages: LayerPages, meta: AttentionMetadata[TorchStepState], scale: float, window: int | None
     ) -> torch.Tensor:
         return reference_decode(q, pages, meta, meta.state, scale, window)
+
+    def sink_pages(self, q: torch.Tensor, pages: LayerPages, meta: AttentionMetadata[TorchStepState], scale: float,
+                   window: int | None, sinks: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        return reference_sinks(q, pages, meta, meta.state, scale, window, sinks)
+
+
+def reference_sinks(q: torch.Tensor, pages: LayerPages, meta: AttentionMetadata, state: TorchStepState, scale: float,
+                    window: int | None, sinks: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """Extend or decode attention with a sink logit per query head in each softmax (gpt-oss)."""
+    k_cache, v_cache, k_scales, v_scales = pages.k_cache, pages.v_cache, pages.k_scales, pages.v_scales
+    if meta.batch_invariant:
+        return attend_row_by_row(q, k_cache, v_cache, state.row_by_row, scale, k_scales, v_scales, window, sinks)
+    if meta.is_decode_only:
+        bias = state.decode_bias_for(meta, window)
+        return decode_gathered(q, k_cache, v_cache, meta.num_seqs, state.decode_pages, bias, scale, k_scales, v_scales, sinks)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    extend_requests(q, k_cache, v_cache, meta, scale, out, k_scales=k_scales, v_scales=v_scales, window=window, sinks=sinks)
+    return out
+
+
+def attend_with_sinks(qt: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor, mask: torch.Tensor, scale: float,
+                      sinks: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """Attention [N, Hq, Lq, D] as transformers' gpt-oss eager attention computes it: q.k times
+    scale, the mask (bool, True: seen; or additive), each head's sink logit appended, max
+    subtracted, softmax, the sink's column dropped. qt [N, Hq, Lq, D]; kt, vt [N, Hkv, Lk, D]."""
+    group = qt.shape[1] // kt.shape[1]
+    kt, vt = kt.repeat_interleave(group, dim=1), vt.repeat_interleave(group, dim=1)
+    scores = torch.matmul(qt, kt.transpose(2, 3)) * scale
+    if mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    else:
+        scores = scores + mask.to(scores.dtype)
+    sink = sinks.to(scores.dtype).reshape(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1)
+    logits = torch.cat([scores, sink], dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1]
+    return torch.matmul(probs.to(vt.dtype), vt)
 
 
 def reference_extend(
@@ -142,6 +179,7 @@ def extend_requests(
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Each request's rows of out: its KV gathered through its page table, one SDPA call per
     request. skip_one_token leaves the rows of one-token requests to a caller that has them."""
@@ -151,13 +189,14 @@ def extend_requests(
         if q_len > 1 or not skip_one_token:
             keys = _gather(k_cache, meta.page_table[b], seq_len, k_scales, q.dtype)
             values = _gather(v_cache, meta.page_table[b], seq_len, v_scales, q.dtype)
-            out[start:end] = _attend(q[start:end], keys, values, seq_len - q_len, scale, window)
+            out[start:end] = _attend(q[start:end], keys, values, seq_len - q_len, scale, window, sinks)
         start = end
 
 
 def attend_row_by_row(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: RowByRow, scale: float,
     k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None, window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Each query row attends to the keys up to its own position as if it were decoding, so its
     result cannot depend on the other rows or on how its prefix was computed (the KV of this
@@ -167,7 +206,7 @@ def attend_row_by_row(
         page_row = tables.page_table[row]
         keys = _gather(k_cache, page_row, seq_len, k_scales, q.dtype)
         values = _gather(v_cache, page_row, seq_len, v_scales, q.dtype)
-        out[row : row + 1] = _attend(q[row : row + 1], keys, values, seq_len - 1, scale, window)
+        out[row : row + 1] = _attend(q[row : row + 1], keys, values, seq_len - 1, scale, window, sinks)
     return out
 
 
@@ -197,12 +236,15 @@ def decode_gathered(
     scale: float,
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One padded gather and one SDPA call for the whole batch: a per-request loop costs a
     kernel launch per request per layer, which dominates short decode steps."""
     num_kv_heads, head_dim = k_cache.shape[-2], k_cache.shape[-1]
     keys = _gather_pages(k_cache, pages, k_scales, q.dtype).view(batch, -1, num_kv_heads, head_dim)
     values = _gather_pages(v_cache, pages, v_scales, q.dtype).view(batch, -1, num_kv_heads, head_dim)
+    if sinks is not None:
+        return attend_with_sinks(q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2), bias, scale, sinks).squeeze(2)
     out = F.scaled_dot_product_attention(
         q.unsqueeze(2),  # [B, Hq, 1, D]
         keys.transpose(1, 2),
@@ -234,15 +276,16 @@ def _gather(cache: torch.Tensor, pages: torch.Tensor, seq_len: int, scales: torc
 
 
 def _attend(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, prefix_len: int, scale: float, window: int | None = None
-) -> torch.Tensor:
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, prefix_len: int, scale: float, window: int | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
     """Attention of q_len queries at positions prefix_len.. over kv_len keys, causally (and each
     over its last `window` keys only, where given)."""
     q_len, kv_len = q.shape[0], keys.shape[0]
     # [1, heads, len, head_dim]: with a batch dimension PyTorch's CPU flash kernel runs; 3-D
     # inputs fall back to the math path, several times slower on long prompts.
     qt, kt, vt = (x.transpose(0, 1).unsqueeze(0) for x in (q, keys, values))
-    if prefix_len == 0 and (window is None or window >= kv_len):
+    if prefix_len == 0 and (window is None or window >= kv_len) and sinks is None:
         out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True)
     else:
         query_pos = torch.arange(prefix_len, prefix_len + q_len, device=q.device)
@@ -250,5 +293,7 @@ def _attend(
         mask = key_pos[None, :] <= query_pos[:, None]
         if window is not None:
             mask &= key_pos[None, :] > query_pos[:, None] - window
+        if sinks is not None:
+            return attend_with_sinks(qt, kt, vt, mask[None, None], scale, sinks).squeeze(0).transpose(0, 1)
         out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=True)
     return out.squeeze(0).transpose(0, 1)

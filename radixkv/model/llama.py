@@ -22,10 +22,12 @@ from radixkv.model.rope import SUPPORTED_ROPE_TYPES, RotaryEmbedding
 from radixkv.model.row_ops import add_rms_norm, apply_rope, gelu_mul, gemma_norm, rms_norm, silu_mul
 
 if TYPE_CHECKING:
+    from radixkv.model.gpt_oss import GptOssMoEConfig
     from radixkv.model.moe import MoEConfig
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM",
+    "GptOssForCausalLM",
 )  # fmt: skip
 # Architectures whose MLPs are (partly) routed experts (radixkv.model.moe).
 _MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
@@ -39,6 +41,7 @@ _ARCH_BY_MODEL_TYPE = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 # Weights some checkpoints carry that the forward recomputes.
 _IGNORED_WEIGHT_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -63,7 +66,7 @@ class ModelConfig:
     qk_norm: bool  # per-head RMSNorm of q and k before rope (Qwen3)
     eos_token_ids: tuple[int, ...]
     attention_out_bias: bool = False  # bias on o_proj (Llama/Qwen3 with attention_bias; not Qwen2)
-    moe: MoEConfig | None = None  # routed experts (Qwen3-MoE): their shape and which layers have them
+    moe: MoEConfig | GptOssMoEConfig | None = None  # routed experts (Qwen3-MoE, gpt-oss): their shape and layers
     # Gemma 3's options (the defaults are Llama's).
     hidden_act: str = "silu"  # or "gelu_tanh": GeGLU with the tanh approximation
     gemma_norms: bool = False  # RMSNorm times (1 + w) in fp32; norms after attention and MLP too
@@ -72,6 +75,7 @@ class ModelConfig:
     layer_windows: tuple[int | None, ...] = ()  # per layer: its sliding window W, None: every key
     local_rope_theta: float | None = None  # RoPE base of the window layers (default rope) when set
     final_logit_softcap: float | None = None  # logits = cap * tanh(logits / cap)
+    attention_sinks: bool = False  # a learned logit per query head in each softmax's denominator (gpt-oss)
 
     def window(self, layer: int) -> int | None:
         return self.layer_windows[layer] if self.layer_windows else None
@@ -90,6 +94,10 @@ class ModelConfig:
             )
         if architecture == "Gemma3ForCausalLM":
             return _gemma3_config(hf_config)
+        if architecture == "GptOssForCausalLM":
+            from radixkv.model.gpt_oss import gpt_oss_config
+
+            return gpt_oss_config(hf_config)
         if getattr(hf_config, "hidden_act", "silu") != "silu":
             raise UnsupportedModel(f"{architecture} with hidden_act={hf_config.hidden_act!r}: only 'silu' is supported")
         if getattr(hf_config, "mlp_bias", False):
@@ -280,6 +288,8 @@ class Attention(nn.Module):
         self.native = native  # rope may run as one native call (bf16 on CPU)
         self.scale = config.attention_scale or self.head_dim**-0.5
         self.window = config.window(layer)  # the backend masks keys older than the window
+        # gpt-oss: one learned logit per query head joins each softmax's denominator.
+        self.sinks = nn.Parameter(torch.zeros(self.num_q_heads)) if config.attention_sinks else None
 
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata, k_cache: Tensor, v_cache: Tensor,
@@ -296,7 +306,7 @@ class Attention(nn.Module):
         else:  # q and k heads side by side: one rotation for both
             qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_q_heads + self.num_kv_heads, self.head_dim)
             q, k = apply_rope(qk, cos, sin, self.native).split([self.num_q_heads, self.num_kv_heads], dim=1)
-        out = self.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale, k_scales, v_scales, self.window)
+        out = self.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale, k_scales, v_scales, self.window, self.sinks)
         return project(self.o_proj, out.reshape(num_tokens, self.q_size), meta)
 
 
@@ -328,9 +338,13 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(config, backend, native, layer)
         self.post_attention_layernorm = RMSNorm(hidden, eps, native, gemma)
         if config.moe is not None and layer in config.moe.moe_layers:
+            from radixkv.model.gpt_oss import GptOssMoE, GptOssMoEConfig
             from radixkv.model.moe import SparseMoE
 
-            self.mlp: MLP | SparseMoE = SparseMoE(hidden, config.moe, native)
+            moe = config.moe
+            self.mlp: MLP | SparseMoE | GptOssMoE = (
+                GptOssMoE(hidden, moe) if isinstance(moe, GptOssMoEConfig) else SparseMoE(hidden, moe, native)
+            )
         else:
             self.mlp = MLP(config, native)
         self.gemma = gemma
@@ -394,6 +408,11 @@ class CausalLM(nn.Module):
 
     def __init__(self, config: ModelConfig, attention: AttentionBackend, native_kernels: bool = True) -> None:
         super().__init__()
+        if config.attention_sinks and not attention.capabilities.attention_sinks:
+            raise UnsupportedModel(
+                f"{config.architecture}'s attention sinks do not run on the {attention.name!r} attention backend "
+                "(its kernels return no log-sum-exp to rescale by); use attention_backend='cpu' or 'torch'"
+            )
         self.config = config
         # Every layer's attention backend; forward prepares its per-step state once.
         self.attention = attention
@@ -510,6 +529,13 @@ class CausalLM(nn.Module):
             if config.qk_norm:
                 sources[ours + "self_attn.q_norm.weight"] = [attn + "q_norm.weight"]
                 sources[ours + "self_attn.k_norm.weight"] = [attn + "k_norm.weight"]
+            if config.attention_sinks:
+                sources[ours + "self_attn.sinks"] = [attn + "sinks"]
+            if config.architecture == "GptOssForCausalLM":
+                from radixkv.model import gpt_oss
+
+                sources.update({ours + "mlp." + name: parts for name, parts in gpt_oss.hf_sources(mlp).items()})
+                continue
             if config.moe is not None and i in config.moe.moe_layers:
                 from radixkv.model.moe import hf_expert_sources
 

@@ -62,6 +62,8 @@ def tiny_config(arch: str = "llama", **overrides):
     common.update(overrides)
     if arch == "gemma3":
         return gemma3_config(**overrides)
+    if arch == "gpt_oss":
+        return gpt_oss_config(**overrides)
     config_class = {
         "llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig, "qwen3_moe": Qwen3MoeConfig,
     }[arch]  # fmt: skip
@@ -91,6 +93,30 @@ def gemma3_config(**overrides):
     options.update(overrides)
     config = Gemma3TextConfig(**options)
     config.architectures = ["Gemma3ForCausalLM"]
+    return config
+
+
+def gpt_oss_config(**overrides):
+    """gpt-oss at test size: 8-token windows alternating with full layers (the real model: 128),
+    8 experts of 32 with 2 routed a token, YaRN RoPE scaled 8x over 64 positions."""
+    from transformers import GptOssConfig
+
+    options = dict(
+        TINY_SHAPE,
+        num_hidden_layers=4,
+        head_dim=16,
+        intermediate_size=32,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        sliding_window=8,
+        rope_parameters=dict(
+            rope_type="yarn", rope_theta=150000.0, factor=8.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+            original_max_position_embeddings=64,
+        ),
+    )  # fmt: skip
+    options.update(overrides)
+    config = GptOssConfig(**options)
+    config.architectures = ["GptOssForCausalLM"]
     return config
 
 

@@ -1,0 +1,191 @@
+"""gpt-oss (GptOssForCausalLM) as options of the Llama-family forward: its config, and its expert
+block (a router with a bias and softmax over the top-k logits, experts with biases and a clamped SwiGLU).
+
+Attention sinks, biases on q/k/v/o, YaRN RoPE and the alternating window layers are ModelConfig
+options that radixkv.model.llama runs; the experts are float (an HF folder) or a GGUF's MXFP4 blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from radixkv.attention.base import AttentionMetadata
+from radixkv.errors import UnsupportedModel
+
+if TYPE_CHECKING:
+    from radixkv.model.llama import ModelConfig
+
+
+@dataclass(slots=True, frozen=True)
+class GptOssMoEConfig:
+    """gpt-oss's experts: every layer's MLP is the expert block."""
+
+    num_experts: int
+    num_experts_per_tok: int  # top-k
+    intermediate_size: int  # each expert's gated width
+    swiglu_alpha: float  # glu = gate * sigmoid(alpha * gate)
+    swiglu_limit: float  # gate clamped above, up clamped both ways, at this
+    moe_layers: tuple[int, ...]
+
+
+def gpt_oss_config(hf_config: Any) -> ModelConfig:
+    """transformers' GptOssConfig as ModelConfig: biases on q/k/v/o, a sink per query head,
+    windows on the `sliding_attention` layers, YaRN RoPE, experts on every layer."""
+    from radixkv.model.llama import ModelConfig, _as_ids, _rope_parameters
+
+    num_layers = int(hf_config.num_hidden_layers)
+    layer_types = list(getattr(hf_config, "layer_types", None) or ["full_attention"] * num_layers)
+    unknown = sorted(set(layer_types) - {"sliding_attention", "full_attention"})
+    if unknown:
+        raise UnsupportedModel(f"GptOssForCausalLM with layer types {unknown}: only sliding_attention and full_attention run")
+    window = getattr(hf_config, "sliding_window", None)
+    rope_theta, rope_scaling = _rope_parameters(hf_config)
+    num_q_heads = int(hf_config.num_attention_heads)
+    moe = GptOssMoEConfig(
+        num_experts=int(hf_config.num_local_experts),
+        num_experts_per_tok=int(hf_config.num_experts_per_tok),
+        intermediate_size=int(hf_config.intermediate_size),
+        swiglu_alpha=float(getattr(hf_config, "swiglu_alpha", 1.702)),
+        swiglu_limit=float(getattr(hf_config, "swiglu_limit", 7.0)),
+        moe_layers=tuple(range(num_layers)),
+    )
+    bias = bool(getattr(hf_config, "attention_bias", True))
+    return ModelConfig(
+        architecture="GptOssForCausalLM",
+        vocab_size=hf_config.vocab_size,
+        hidden_size=hf_config.hidden_size,
+        intermediate_size=hf_config.intermediate_size,
+        num_layers=num_layers,
+        num_q_heads=num_q_heads,
+        num_kv_heads=int(getattr(hf_config, "num_key_value_heads", None) or num_q_heads),
+        head_dim=int(getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_q_heads),
+        rms_norm_eps=float(hf_config.rms_norm_eps),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        max_position_embeddings=hf_config.max_position_embeddings,
+        tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        attention_bias=bias,
+        qk_norm=False,
+        eos_token_ids=_as_ids(getattr(hf_config, "eos_token_id", None)),
+        attention_out_bias=bias,
+        moe=moe,
+        layer_windows=tuple(window if kind == "sliding_attention" else None for kind in layer_types),
+        attention_sinks=True,
+    )
+
+
+def hf_sources(prefix: str) -> dict[str, list[str]]:
+    """Our expert block's parameters -> transformers' names, for a layer's `mlp.` prefix."""
+    names = ("experts.gate_up_proj", "experts.gate_up_proj_bias", "experts.down_proj", "experts.down_proj_bias")
+    return {"router.weight": [prefix + "router.weight"], "router.bias": [prefix + "router.bias"]} | {
+        name: [prefix + name] for name in names
+    }
+
+
+def clamped_swiglu(gate: Tensor, up: Tensor, alpha: float, limit: float) -> Tensor:
+    """gpt-oss's gated activation: (clamp(up) + 1) * g * sigmoid(alpha * g), g = gate clamped above."""
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+class FloatGptOssExperts(nn.Module):
+    """The experts as transformers stores them: gate_up_proj [E, H, 2I] with gate and up
+    interleaved by column, down_proj [E, I, H], a bias for each; x @ W + b as transformers computes."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, hidden_size, 2 * intermediate_size))
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
+        self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden_size))
+
+    def gate_up(self, expert: int, x: Tensor) -> tuple[Tensor, Tensor]:
+        gate_up = x @ self.gate_up_proj[expert] + self.gate_up_proj_bias[expert]
+        return gate_up[..., ::2], gate_up[..., 1::2]
+
+    def down(self, expert: int, h: Tensor) -> Tensor:
+        return h @ self.down_proj[expert] + self.down_proj_bias[expert]
+
+
+class MappedMxfp4Experts(nn.Module):
+    """A GGUF's stacked experts read in place (a memory map of the file: its own blocks, never
+    copied), any block type radixkv.model.gguf dequantizes (MXFP4 in gpt-oss's files), each routed
+    expert's rows dequantized to fp32 by torch for its tokens of the step; the biases are floats.
+
+    parts: (gate, up, down) as (block type, uint8 view [experts, rows, row bytes])."""
+
+    rows_independent = True
+
+    def __init__(self, parts: Sequence[tuple[str, np.ndarray]], biases: Sequence[Tensor], hidden_size: int,
+                 intermediate_size: int) -> None:  # fmt: skip
+        super().__init__()
+        assert len(parts) == 3 and len(biases) == 3
+        (self.gate_type, self.gate), (self.up_type, self.up), (self.down_type, self.down) = parts
+        self.gate_bias, self.up_bias, self.down_bias = (nn.Parameter(b, requires_grad=False) for b in biases)
+        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+
+    @property
+    def mapped_bytes(self) -> int:
+        return self.gate.nbytes + self.up.nbytes + self.down.nbytes
+
+    def gate_up(self, expert: int, x: Tensor) -> tuple[Tensor, Tensor]:
+        gate = F.linear(x.float(), _rows(self.gate_type, self.gate[expert], self.hidden_size), self.gate_bias[expert].float())
+        up = F.linear(x.float(), _rows(self.up_type, self.up[expert], self.hidden_size), self.up_bias[expert].float())
+        return gate.to(x.dtype), up.to(x.dtype)
+
+    def down(self, expert: int, h: Tensor) -> Tensor:
+        w = _rows(self.down_type, self.down[expert], self.intermediate_size)
+        return F.linear(h.float(), w, self.down_bias[expert].float()).to(h.dtype)
+
+    def extra_repr(self) -> str:
+        return f"types={self.gate_type}/{self.up_type}/{self.down_type}, mapped_bytes={self.mapped_bytes}"
+
+
+def _rows(type_name: str, blocks: np.ndarray, width: int) -> Tensor:
+    """One expert's [rows, row bytes] blocks as fp32 [rows, width]."""
+    from radixkv.model.gguf import dequantize_rows
+
+    return dequantize_rows(type_name, blocks, width)
+
+
+class GptOssMoE(nn.Module):
+    """gpt-oss's MLP: router logits (with a bias), top-k of the logits, softmax over those k,
+    each routed expert run once on its tokens and scatter-added in ascending expert order."""
+
+    def __init__(self, hidden_size: int, moe: GptOssMoEConfig) -> None:
+        super().__init__()
+        self.top_k, self.alpha, self.limit = moe.num_experts_per_tok, moe.swiglu_alpha, moe.swiglu_limit
+        self.router = nn.Linear(hidden_size, moe.num_experts, bias=True)
+        self.experts: FloatGptOssExperts | MappedMxfp4Experts = FloatGptOssExperts(
+            moe.num_experts, hidden_size, moe.intermediate_size
+        )
+
+    def forward(self, x: Tensor, meta: AttentionMetadata) -> Tensor:
+        from radixkv.model.moe import INVARIANT_GEMM_ROWS, SparseMoE, group_by_expert
+
+        logits = SparseMoE._rows(self.router, x, meta)
+        top, ids = torch.topk(logits, self.top_k, dim=-1)
+        weights = torch.softmax(top, dim=1, dtype=top.dtype)
+        groups = group_by_expert(ids, weights)
+        out = torch.zeros_like(x)
+        for g, expert in enumerate(groups.experts):
+            start, stop = groups.offsets[g], groups.offsets[g + 1]
+            tokens = groups.tokens[start:stop]
+            # Batch-invariant steps: float GEMMs in fixed row blocks (radixkv.model.llama.project's reason).
+            split = meta.batch_invariant and not getattr(self.experts, "rows_independent", False)
+            blocks = x[tokens].split(INVARIANT_GEMM_ROWS) if split else (x[tokens],)
+            y = torch.cat([self._expert(expert, block) for block in blocks])
+            out.index_add_(0, tokens, (y * groups.weights[start:stop, None]).to(x.dtype))
+        return out
+
+    def _expert(self, expert: int, x: Tensor) -> Tensor:
+        gate, up = self.experts.gate_up(expert, x)
+        return self.experts.down(expert, clamped_swiglu(gate, up, self.alpha, self.limit))
