@@ -130,11 +130,14 @@ class CPUBackend(AttentionBackend[CPUStepState]):
     def _plan(self, meta: AttentionMetadata, page_table: torch.Tensor, seq_lens: torch.Tensor, num_q_heads: int,
               k_cache: torch.Tensor) -> cascade.CascadePlan:  # fmt: skip
         """The cascade groups of these decoding requests (checked tables), with the CPU kernel's
-        thresholds. A batch-invariant step keeps every row on its own: a group depends on the batch."""
-        if not self.share_reads or meta.batch_invariant:
+        thresholds. In a batch-invariant step a group runs each member as the plain kernel runs it
+        alone (decode.batch_invariant_plan): which requests group depends on the batch, what a
+        member computes does not."""
+        if not self.share_reads:
             return cascade.CascadePlan(None, 0)
         thresholds = decode.cascade_thresholds(num_q_heads, k_cache.shape[2], k_cache.shape[3], k_cache.element_size())
-        return cascade.plan_cascade(page_table, seq_lens, k_cache.shape[1], **thresholds)
+        plan = cascade.plan_cascade(page_table, seq_lens, k_cache.shape[1], **thresholds)
+        return decode.batch_invariant_plan(plan, seq_lens.shape[0]) if meta.batch_invariant else plan
 
     def store_pages(self, k: torch.Tensor, v: torch.Tensor, pages: LayerPages, meta: AttentionMetadata[CPUStepState]) -> None:
         k_cache, v_cache, k_scales, v_scales = pages.k_cache, pages.v_cache, pages.k_scales, pages.v_scales

@@ -283,6 +283,18 @@ def cascade_plan(
     return CascadePlan(plan if int(plan[0]) > 0 else None, int(saved))
 
 
+def batch_invariant_plan(plan: CascadePlan, num_seqs: int) -> CascadePlan:
+    """plan made batch-invariant (radixkv_cascade_plan_exact): each group's shared length cut
+    to the kernel's 256-key chunk grid and every member run through the plain kernel's own
+    code over the shared chunks, so a member's output is the bits it gets decoded alone, and the
+    shared keys still come from memory once per group. A new plan; plan is left as it was."""
+    if plan.plan is None:
+        return plan
+    exact = plan.plan.clone()
+    saved = load().radixkv_cascade_plan_exact(exact.data_ptr(), num_seqs)
+    return CascadePlan(exact if saved > 0 else None, int(saved))
+
+
 def check_buffers(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor) -> None:
     """The caches and the output buffer have the shapes and dtypes the kernel assumes."""
     if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype or not v_cache.is_contiguous():

@@ -413,6 +413,11 @@ def test_builds_for_other_cpus_give_the_same_answers(gen, monkeypatch, tmp_path,
             assert plan.saved_tokens == 2 * 256
             out = native.paged_decode(q, grouped.k_cache, grouped.v_cache, grouped.page_table, grouped.seq_lens, 0.125, plan=plan.plan)
             assert_close(out, reference(q, grouped, 0.125), dtype, f"{march} build, cascade, head_dim {head_dim}")
+            # Batch-invariant groups: each member the plain kernel's bits.
+            exact = native.batch_invariant_plan(plan, 3)
+            assert exact.saved_tokens == 2 * 256
+            args = (q, grouped.k_cache, grouped.v_cache, grouped.page_table, grouped.seq_lens, 0.125)
+            assert torch.equal(native.paged_decode(*args, plan=exact.plan), native.paged_decode(*args))
         # Prefill attention: the fp32 kernel needs AVX2 (8 lanes) or AVX-512 (16), the bf16 one
         # AVX512_BF16; elsewhere the backend keeps the torch reference.
         assert extend.fits(dtype, 64, 3) == (march != "x86-64-v2" and dtype == torch.float32)
@@ -633,3 +638,52 @@ def test_cascade_rows_of_a_mixed_step(gen):
     assert_close(out[rows.long()], reference(t.q, t.paged(), 0.125), torch.bfloat16, "mixed-step rows")
     others = [r for r in range(12) if r not in rows.tolist()]
     assert (out[others] == 7.0).all()
+
+
+EXACT_CASES = [
+    *CASES[:6],
+    ([(200, 3), (300, 2), (1100, 4)], (9, 3), 64),  # a group under one chunk: nothing left to share
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("groups", "heads", "head_dim"), EXACT_CASES)
+def test_batch_invariant_groups_give_each_member_its_bits_alone(gen, dtype, groups, heads, head_dim):
+    # A batch-invariant plan cuts each group's shared part to the 256-key chunk grid and runs
+    # every member through the plain kernel's code: a member's output is, bit for bit, what it
+    # gets decoded alone and in a batch without groups, with 1 or 2 threads, tiles on or off.
+    own = torch.randint(1, 90, (sum(size for _, size in groups),), generator=gen).tolist()
+    t = Tables(gen, groups, own, heads=heads, head_dim=head_dim, dtype=dtype)
+    scale = head_dim**-0.5
+    plan = native.cascade_plan(t.page_table, t.seq_lens, PAGE, **ANY_SHARING)
+    exact = native.batch_invariant_plan(plan, len(own))
+    chunk_shared = [pages * PAGE // 256 * 256 for pages in t.shared_pages]
+    assert exact.saved_tokens == sum((size - 1) * shared for (_, size), shared in zip(groups, chunk_shared, strict=True))
+    assert (exact.plan is None) == (exact.saved_tokens == 0)
+    assert plan.plan is None or int(plan.plan[-1]) == 0  # the planner's own plan is left as it was
+    plain = native.paged_decode(t.q, t.k_cache, t.v_cache, t.page_table, t.seq_lens, scale)
+    alone = [
+        native.paged_decode(t.q[b : b + 1], t.k_cache, t.v_cache, t.page_table[b : b + 1], t.seq_lens[b : b + 1], scale)[0]
+        for b in range(len(own))
+    ]  # fmt: skip
+    assert torch.equal(torch.stack(alone), plain)
+    threads = torch.get_num_threads()
+    try:
+        for num_threads, tiles in ((1, True), (2, True), (2, False)):
+            torch.set_num_threads(num_threads)
+            native.use_cascade_tiles(tiles)
+            grouped = native.paged_decode(t.q, t.k_cache, t.v_cache, t.page_table, t.seq_lens, scale, plan=exact.plan)
+            assert torch.equal(grouped, plain), f"{num_threads} threads, tiles {tiles}"
+    finally:
+        torch.set_num_threads(threads)
+        native.use_cascade_tiles(True)
+
+
+def test_a_plan_off_the_chunk_grid_marked_exact_is_refused(gen):
+    # The kernel trusts no batch-invariant mark on a group whose shared part ends inside a chunk.
+    t = Tables(gen, [(300, 3)], [10, 20, 30], heads=(9, 3), head_dim=64, dtype=torch.bfloat16)
+    plan = native.cascade_plan(t.page_table, t.seq_lens, PAGE, **ANY_SHARING)
+    marked = plan.plan.clone()
+    marked[-1] = 1
+    with pytest.raises(ValueError, match="rejected"):
+        native.paged_decode(t.q, t.k_cache, t.v_cache, t.page_table, t.seq_lens, 0.125, plan=marked)

@@ -76,3 +76,23 @@ def test_preemption_and_eviction_mid_run_keep_outputs_exact(tiny_llama):
     assert stats.num_preemptions > 0
     assert stats.cache.evicted_pages > 0
     assert llm.engine.counters.num_kv_tokens_read_shared > 0
+
+
+def test_batch_invariant_steps_form_groups_and_keep_every_bit(tiny_llama):
+    # Batch-invariant engines (the default for quantized weights) group too: each group's shared
+    # part on the 256-key chunk grid, each member computed as the plain kernel computes it alone,
+    # so the tokens and the logits are those of cascade off, and the shared keys are read once.
+    prompts = agent_prompts(5)
+    outputs = {}
+    for share in (True, False):
+        llm = make_llm(tiny_llama, share_decode_reads=share, page_size=16, num_pages=256, batch_invariant=True)
+        llm.generate([prompts[0]], SamplingParams(max_tokens=1))
+        out = llm.generate(prompts, SamplingParams(max_tokens=8, logprobs=5))
+        assert_pages_returned(llm.engine)
+        outputs[share] = ([o.token_ids for o in out], [o.outputs[0].logprobs for o in out], llm.engine.counters)
+    (on_tokens, on_logprobs, on), (off_tokens, off_logprobs, off) = outputs[True], outputs[False]
+    assert on_tokens == off_tokens == hf_greedy(tiny_llama, prompts, 8)
+    assert on_logprobs == off_logprobs
+    assert off.num_kv_tokens_read_shared == 0
+    # Four of a group's five members skip its 288 shared tokens cut to the chunk grid, 256.
+    assert on.num_kv_tokens_read_shared >= 4 * 256 * 7 and on.num_kv_tokens_read_shared % 256 == 0

@@ -221,7 +221,7 @@ static inline __attribute__((always_inline)) void shared_f32_kv_impl(const Share
 HIDDEN void radixkv_shared_item_bf16(const SharedItem *item, const uint16_t *k, const uint16_t *v, const Shape *sh,
                                      void *scratch) {
 #ifdef HAVE_AVX512_BF16
-    if (!cascade_tiles) MEMBER_BY_MEMBER(radixkv_item_bf16, uint16_t)
+    if (!cascade_tiles || sh->members_alone) MEMBER_BY_MEMBER(radixkv_item_bf16, uint16_t)
     else if (sh->head_dim == 64) shared_bf16_impl(item, k, v, sh, scratch, 64);
     else if (sh->head_dim == 128) shared_bf16_impl(item, k, v, sh, scratch, 128);
     else if (sh->head_dim % 32 == 0) shared_bf16_impl(item, k, v, sh, scratch, sh->head_dim);
@@ -240,7 +240,7 @@ HIDDEN void radixkv_shared_item_f32(const SharedItem *item, const float *k, cons
 #else
     const int lanes = 8;
 #endif
-    if (!cascade_tiles) MEMBER_BY_MEMBER(radixkv_item_f32, float)
+    if (!cascade_tiles || sh->members_alone) MEMBER_BY_MEMBER(radixkv_item_f32, float)
     else if (sh->head_dim == 64) shared_f32_impl(item, k, v, sh, scratch, 64);
     else if (sh->head_dim == 128) shared_f32_impl(item, k, v, sh, scratch, 128);
     else if (sh->head_dim % lanes == 0) shared_f32_impl(item, k, v, sh, scratch, sh->head_dim);
@@ -350,6 +350,7 @@ int64_t radixkv_cascade_plan(const int32_t *page_table, int64_t page_table_strid
                              int num_seqs, int page_size, int min_shared_tokens, int min_members,
                              int64_t min_saved_tokens, int32_t *plan) {
     plan[0] = 0;
+    plan[radixkv_cascade_plan_ints(num_seqs) - 1] = 0; /* not batch-invariant (radixkv_cascade_plan_exact) */
     for (int b = 0; b < num_seqs; b++) plan[1 + b] = -1, plan[1 + num_seqs + b] = 0;
     int32_t *group_start = plan + 1 + 2 * num_seqs;
     group_start[0] = 0;
@@ -394,7 +395,7 @@ HIDDEN void radixkv_shared_item_f32_kv(const SharedItem *item, const void *k, co
 #else
     const int lanes = 8;
 #endif
-    if (!cascade_tiles) MEMBER_BY_MEMBER(radixkv_item_f32_kv, float)
+    if (!cascade_tiles || sh->members_alone) MEMBER_BY_MEMBER(radixkv_item_f32_kv, float)
     else if (sh->head_dim == 64) shared_f32_kv_impl(item, k, v, sh, scratch, 64);
     else if (sh->head_dim % lanes == 0) shared_f32_kv_impl(item, k, v, sh, scratch, sh->head_dim);
     else

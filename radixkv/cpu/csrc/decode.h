@@ -22,6 +22,9 @@ typedef struct {
      * int8 pages' fp16 scales, [num_pages][page_size][num_kv_heads] like the pages' rows. */
     int kv_kind;
     const uint16_t *k_scales, *v_scales;
+    /* A batch-invariant plan (radixkv_cascade_plan_exact): each member of a group runs the own
+     * item's very code over the shared chunks, so its states are the bits it would get alone. */
+    int members_alone;
 } Shape;
 
 /* The keys [t, t + n) that share a page (at most BLOCK_TOKENS of them) and where they start. */

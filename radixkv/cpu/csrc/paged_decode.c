@@ -522,23 +522,47 @@ static inline int64_t num_chunks(int32_t tokens) {
 
 /* A cascade plan (radixkv_cascade_plan) in the int32 buffer that carries it:
  *   [0] num_groups, then group_of[num_seqs] (-1: no group), member_index[num_seqs],
- *   group_start[num_groups + 1], members[group_start[num_groups]], shared_len[num_groups].
+ *   group_start[num_groups + 1], members[group_start[num_groups]], shared_len[num_groups],
+ *   and in the buffer's last int (EXACT_AT: radixkv_cascade_plan_ints leaves it spare) 1 for a
+ *   batch-invariant plan (radixkv_cascade_plan_exact), else 0.
  * A group's members share the pages of their first shared_len keys. */
 typedef struct {
-    int num_groups;
+    int num_groups, exact;
     const int32_t *group_of, *member_index, *group_start, *members, *shared_len;
 } Plan;
 
+#define EXACT_AT(num_seqs) (1 + 5 * (int64_t)(num_seqs))
+
 static Plan plan_view(const int32_t *buffer, int num_seqs) {
-    Plan plan = {0, NULL, NULL, NULL, NULL, NULL};
+    Plan plan = {0, 0, NULL, NULL, NULL, NULL, NULL};
     if (!buffer) return plan;
     plan.num_groups = buffer[0];
+    plan.exact = buffer[EXACT_AT(num_seqs)] == 1;
     plan.group_of = buffer + 1;
     plan.member_index = plan.group_of + num_seqs;
     plan.group_start = plan.member_index + num_seqs;
     plan.members = plan.group_start + plan.num_groups + 1;
     plan.shared_len = plan.members + plan.group_start[plan.num_groups];
     return plan;
+}
+
+/* Makes plan (radixkv_cascade_plan's, for num_seqs requests) batch-invariant, in place: each
+ * group's shared length rounded down to the chunk grid, so a member's chunks are the very
+ * chunks it reads alone (from key 0, CHUNK_TOKENS each) and its states merge in the same order,
+ * and the plan marked so its members run the own item's code over the shared chunks (which
+ * reads each shared key from memory once, the other members from cache). Groups left with
+ * nothing shared stay, reading all their keys as their own. Returns the KV tokens the groups
+ * now save. */
+int64_t radixkv_cascade_plan_exact(int32_t *buffer, int num_seqs) {
+    const Plan plan = plan_view(buffer, num_seqs);
+    int32_t *shared_len = (int32_t *)plan.shared_len;
+    int64_t saved = 0;
+    for (int g = 0; g < plan.num_groups; g++) {
+        shared_len[g] -= shared_len[g] % CHUNK_TOKENS;
+        saved += (int64_t)(plan.group_start[g + 1] - plan.group_start[g] - 1) * shared_len[g];
+    }
+    buffer[EXACT_AT(num_seqs)] = 1;
+    return saved;
 }
 
 /* The first key of request b's own part: past its group's shared prefix, or with a sliding
@@ -608,7 +632,7 @@ static void build_items(const int32_t *seq_lens, int num_seqs, const Plan *plan,
 int64_t radixkv_decode_work_floats(const int32_t *seq_lens, int num_seqs, const int32_t *plan_buffer, int num_q_heads,
                                    int head_dim, int window) {
     const Plan plan = plan_view(plan_buffer, num_seqs);
-    const Shape sh = {1, head_dim, num_q_heads, 16, 1.0f, 0, 0, NULL, NULL};
+    const Shape sh = {1, head_dim, num_q_heads, 16, 1.0f, 0, 0, NULL, NULL, 0};
     Items items = {NULL, 0, 0, NULL, NULL};
     build_items(seq_lens, num_seqs, &plan, &sh, window, &items);
     return items.work_floats;
@@ -651,11 +675,14 @@ int radixkv_decode_kv_fits(int kv_kind, int head_dim);
              int num_q_heads, int num_kv_heads, int head_dim, int page_size, float scale, T *out, float *work,   \
              const int32_t *plan_buffer, int num_threads, int window KV_PARAMS) {                                \
         if (num_kv_heads <= 0 || num_q_heads % num_kv_heads != 0 || (window > 0 && plan_buffer)) return 1;       \
-        Shape sh = {num_kv_heads, head_dim, num_q_heads / num_kv_heads, page_size, scale, 0, 0, NULL, NULL};     \
+        Shape sh = {num_kv_heads, head_dim, num_q_heads / num_kv_heads, page_size, scale, 0, 0, NULL, NULL, 0};  \
         if (sh.group > MAX_GROUP || head_dim > MAX_HEAD_DIM || page_size <= 0) return 1;                         \
         KV_INIT                                                                                                  \
         sh.use_amx = AMX_CAPABLE && amx_fits(&sh);                                                               \
         const Plan plan = plan_view(plan_buffer, num_seqs);                                                      \
+        sh.members_alone = plan.exact;                                                                           \
+        for (int g = 0; plan.exact && g < plan.num_groups; g++)                                                  \
+            if (plan.shared_len[g] % CHUNK_TOKENS) return 1; /* off the chunk grid: not exact */                 \
         Items items = {NULL, 0, 0, NULL, NULL};                                                                  \
         build_items(seq_lens, num_seqs, &plan, &sh, window, &items);                                             \
         items.items = malloc(sizeof(Item) * (size_t)(items.num_items + 1));                                      \
@@ -703,7 +730,7 @@ int radixkv_decode_kv_fits(int kv_kind, int head_dim);
                 const int b = (int)(pair / num_kv_heads), head = (int)(pair % num_kv_heads);                     \
                 const int group = plan.num_groups ? plan.group_of[b] : -1;                                       \
                 StateRuns runs = {{NULL, NULL}, {0, item_floats(&sh)}, {0, 0}};                                  \
-                if (group >= 0) {                                                                                \
+                if (group >= 0 && plan.shared_len[group] > 0) {                                                  \
                     const Item *first = items.items + items.group_first[group];                                  \
                     runs.base[0] = work + first->offset + plan.member_index[b] * item_floats(&sh);               \
                     runs.stride[0] = first->members * item_floats(&sh);                                          \
