@@ -8,6 +8,8 @@ which across SmolLM2's 30 layers is ~8 ms of a ~60 ms step (scenarios/decode_pro
 both paths). Only steps where every request decodes one token take this path; prefill and
 mixed steps run the modules, and so does every other device. radixkv.model.fused_layers installs
 it over a model's layers and hands it the tables the CPU backend checked (StepState.decode_tables).
+Gemma 3 runs it too: its norms and GeGLU (csrc/gemma_ops.c, which its layer loop calls as well),
+and its window layers over their own group's tables with their own RoPE base.
 """
 
 from __future__ import annotations
