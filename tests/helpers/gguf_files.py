@@ -290,8 +290,10 @@ GPT_OSS_SHAPE = dict(
 )  # fmt: skip
 
 
-def write_tiny_gpt_oss_gguf(path: Path, folder: Path, seed: int = 0) -> Path:
-    """The GGUF at path and, in folder, transformers' model with the GGUF's dequantized weights."""
+def write_tiny_gpt_oss_gguf(path: Path, folder: Path, seed: int = 0, matrices: str = "F32") -> Path:
+    """The GGUF at path and, in folder, transformers' model with the GGUF's dequantized weights
+    (matrices: the type of q/k/v/o, the embedding and the output; Q8_0 is dequantized into the
+    folder too)."""
     from gguf import GGMLQuantizationType, GGUFWriter, RopeScalingType
     from gguf.quants import dequantize, quantize
 
@@ -316,7 +318,13 @@ def write_tiny_gpt_oss_gguf(path: Path, folder: Path, seed: int = 0) -> Path:
                 blocks = quantize(param.transpose(1, 2).contiguous().numpy(), mx)
                 values = dequantize(blocks, mx).reshape(param.shape[0], param.shape[2], param.shape[1])
                 param.copy_(torch.from_numpy(values).transpose(1, 2))
+        if matrices != "F32":  # the other matrices as the file holds them
+            qtype = GGMLQuantizationType[matrices]
+            for name, param in model.named_parameters():
+                if param.dim() == 2 and "router" not in name:
+                    param.copy_(torch.from_numpy(dequantize(quantize(param.numpy(), qtype), qtype).reshape(param.shape)))
     model.save_pretrained(folder)
+    rng = np.random.default_rng(seed)
     width = config.intermediate_size
     writer = _start(GGUFWriter(str(path), "gpt-oss"), "tiny-gpt-oss", config)
     writer.add_key_length(config.head_dim)
@@ -338,11 +346,16 @@ def write_tiny_gpt_oss_gguf(path: Path, folder: Path, seed: int = 0) -> Path:
     for name, tensor in model.state_dict().items():
         values = tensor.detach().numpy().copy()
         globals_ = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+        if name in globals_ and name != "model.norm.weight":
+            _add_tensor(writer, globals_[name], values, matrices, rng)
+            continue
         if name in globals_:
             writer.add_tensor(globals_[name], values)
             continue
         _, _, layer, rest = name.split(".", 3)
-        if rest in block:
+        if rest in block and rest.endswith("_proj.weight"):
+            _add_tensor(writer, f"blk.{layer}.{block[rest]}", values, matrices, rng)
+        elif rest in block:
             writer.add_tensor(f"blk.{layer}.{block[rest]}", values)
         elif rest == "mlp.experts.gate_up_proj":  # [E, H, 2I], gate and up interleaved by column
             for part, start in (("gate", 0), ("up", 1)):

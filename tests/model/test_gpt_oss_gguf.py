@@ -82,3 +82,20 @@ def test_mxfp4_experts_are_mapped_not_copied(gpt_oss_files):
         "no expert matrix was copied into a parameter"
     )
     torch.testing.assert_close(experts[0].gate_bias, file.dequantized("model.layers.0.mlp.experts.gate_bias"))
+
+
+def test_q8_0_matrices_beside_mxfp4_experts(tmp_path):
+    """q/k/v/o (with their biases), embedding and output in Q8_0: dequantized (weight_dtype
+    "float") they give transformers' tokens; kept quantized ("auto", int8 activations) the
+    prefix cache on and off give the same tokens as each other."""
+    gguf = write_tiny_gpt_oss_gguf(tmp_path / "q8.gguf", tmp_path / "hf", matrices="Q8_0")
+    prompts = shared_prefix_prompts(5, vocab=VOCAB)
+    params = SamplingParams(max_tokens=MAX_NEW)
+    cache_dir = str(tmp_path / "cache")
+    floats = make_llm(gguf, attention_backend="cpu", weight_dtype="float", cache_dir=cache_dir)
+    assert [o.token_ids for o in floats.generate(prompts, params)] == hf_greedy(tmp_path / "hf", prompts, MAX_NEW)
+    kept = [
+        [o.token_ids for o in make_llm(gguf, weight_dtype="auto", cache_dir=cache_dir, enable_prefix_caching=cache).generate(prompts, params)]
+        for cache in (True, False)
+    ]
+    assert kept[0] == kept[1]
