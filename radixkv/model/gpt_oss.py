@@ -1,8 +1,5 @@
-"""gpt-oss (GptOssForCausalLM) as options of the Llama-family forward: its config, and its expert
-block (a router with a bias and softmax over the top-k logits, experts with biases and a clamped SwiGLU).
-
-Attention sinks, biases on q/k/v/o, YaRN RoPE and the alternating window layers are ModelConfig
-options that radixkv.model.llama runs; the experts are float (an HF folder) or a GGUF's MXFP4 blocks.
+"""gpt-oss (GptOssForCausalLM) as options of the Llama-family forward (sinks, biases, YaRN, windows):
+its config, its expert block (router with a bias, softmax over the top-k, clamped SwiGLU), float or MXFP4 experts.
 """
 
 from __future__ import annotations
@@ -162,6 +159,8 @@ def gguf_experts(file: GGUFFile, config: ModelConfig) -> dict[str, nn.Module]:
             biases = [file.dequantized(f"{prefix}.{part}_bias") for part in ("gate", "up", "down")]
         except KeyError as exc:
             raise UnsupportedModel(f"{str(file.path)!r} lacks layer {layer}'s stacked experts or their biases ({exc})") from None
+        for part in parts:  # mapped now, as llama.cpp does, not faulted in on a step's first touch
+            file.populate(part)
         modules[f"layers.{layer}.mlp.experts"] = MappedMxfp4Experts(
             [(part.type_name, file.mapped(part)) for part in parts], biases, config.hidden_size, config.moe.intermediate_size
         )
