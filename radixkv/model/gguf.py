@@ -9,6 +9,7 @@ import math
 import mmap
 import re
 import struct
+import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 from collections.abc import Callable
@@ -26,7 +27,7 @@ FLOAT_TYPES = ("F32", "F16", "BF16")
 # llama.cpp permutes q/k rows of these architectures for its rope layout (transformers'
 # LlamaTensorProcessor undoes it for "llama" only).
 _PERMUTED_ARCHITECTURES = ("llama",)
-_SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3moe", "gemma3")
+_SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3moe", "gemma3", "gpt-oss")
 # llama.cpp stores Gemma's norm weights as 1 + w (its norm multiplies by the stored weight);
 # transformers' Gemma3RMSNorm takes w, so w = stored - 1 in fp32 as transformers' loader computes.
 _UNIT_OFFSET_NORM_ARCHITECTURES = ("gemma3",)
@@ -59,6 +60,17 @@ _GEMMA_BLOCK_NAMES = {
     "post_attention_norm": "post_attention_layernorm",
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
+}
+# gpt-oss's: the MLP's input norm is post_attention_norm, the router has a bias, a sink logit per
+# query head (blk.N.attn_sinks.weight, transformers' self_attn.sinks), the experts' biases
+# stacked [experts, rows] (mlp.experts.{gate,up,down}_bias: radixkv.model.gpt_oss reads them).
+_GPT_OSS_BLOCK_NAMES = {
+    **_BLOCK_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_gate_inp": "mlp.router",
+    "ffn_gate_exps": "mlp.experts.gate",
+    "ffn_up_exps": "mlp.experts.up",
+    "ffn_down_exps": "mlp.experts.down",
 }
 # Tensors llama.cpp stores that transformers' models compute themselves (llama3 rope factors).
 _SKIPPED = ("rope_freqs.weight",)
@@ -116,7 +128,7 @@ class GGUFFile:
             if raw.name in _SKIPPED:
                 continue
             block = _BLOCK.match(raw.name)
-            if block is not None and block.group(2) in _EXPERT_NAMES:
+            if block is not None and block.group(2) in _EXPERT_NAMES and block.group(3) == "weight":
                 self._check_within(raw, size)
                 self.tensors.update((t.name, t) for t in expert_tensors(raw))
                 self.stacked[(f"model.layers.{block.group(1)}.mlp.experts", _EXPERT_NAMES[block.group(2)])] = raw
@@ -280,11 +292,44 @@ def hf_name(gguf_name: str, architecture: str = "llama") -> str | None:
     base, _, suffix = gguf_name.rpartition(".")
     if base in _GLOBAL_NAMES and suffix in ("weight", "bias"):
         return f"{_GLOBAL_NAMES[base]}.{suffix}"
-    names = _GEMMA_BLOCK_NAMES if architecture == "gemma3" else _BLOCK_NAMES
+    names = {"gemma3": _GEMMA_BLOCK_NAMES, "gpt-oss": _GPT_OSS_BLOCK_NAMES}.get(architecture, _BLOCK_NAMES)
     match = _BLOCK.match(gguf_name)
+    if architecture == "gpt-oss" and match is not None and match.group(2) == "attn_sinks":
+        return f"model.layers.{match.group(1)}.self_attn.sinks"
     if match is None or match.group(2) not in names:
         return None
-    return f"model.layers.{match.group(1)}.{names[match.group(2)]}.{match.group(3)}"
+    part = names[match.group(2)]
+    if part.startswith("mlp.experts."):  # the stacked experts' biases (their weights are mapped)
+        return f"model.layers.{match.group(1)}.{part}_bias" if match.group(3) == "bias" else None
+    return f"model.layers.{match.group(1)}.{part}.{match.group(3)}"
+
+
+# MXFP4 (ggml type 39): a block of 32 values is one E8M0 scale byte and 16 bytes of e2m1 codes,
+# low nibbles the first 16 values; these are the codes' values doubled (ggml's kvalues_mxfp4),
+# so the scale is 2^(e - 128), half the E8M0 value.
+_MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+
+
+def dequantize_rows(type_name: str, blocks: np.ndarray, width: int) -> Tensor:
+    """Rows of a quantized matrix [rows, row bytes] as fp32 [rows, width]: MXFP4 in torch (the
+    values gguf-py's dequantize gives, bit for bit), other types through gguf-py."""
+    if type_name != "MXFP4":
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        values = dequantize(np.asarray(blocks), GGMLQuantizationType[type_name])
+        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(-1, width))
+    with warnings.catch_warnings():  # a read-only map of the file: read here, never written
+        warnings.simplefilter("ignore", UserWarning)
+        data = torch.from_numpy(np.ascontiguousarray(blocks)).view(-1, width // 32, 17)
+    exponent = data[..., 0].to(torch.int32)
+    # The scale's bits as ggml builds them (e < 2: the subnormals 2^-128 and 2^-127).
+    bits = torch.where(exponent < 2, torch.tensor(0x00200000, dtype=torch.int32) << exponent, (exponent - 1) << 23)
+    scale = bits.view(torch.float32)
+    codes = data[..., 1:]
+    nibbles = torch.cat([codes & 0x0F, codes >> 4], dim=-1).long()  # [rows, blocks, 32]
+    values = torch.tensor(_MXFP4_VALUES, dtype=torch.float32)[nibbles]
+    return (scale[..., None] * values).reshape(-1, width)
 
 
 def read_scalars(path: str | Path) -> dict[str, int | float | bool]:

@@ -1,8 +1,5 @@
-"""gpt-oss (GptOssForCausalLM) as options of the Llama-family forward: its config, and its expert
-block (a router with a bias and softmax over the top-k logits, experts with biases and a clamped SwiGLU).
-
-Attention sinks, biases on q/k/v/o, YaRN RoPE and the alternating window layers are ModelConfig
-options that radixkv.model.llama runs; the experts are float (an HF folder) or a GGUF's MXFP4 blocks.
+"""gpt-oss (GptOssForCausalLM) as options of the Llama-family forward (sinks, biases, YaRN, windows):
+its config, its expert block (router with a bias, softmax over the top-k, clamped SwiGLU), float or MXFP4 experts.
 """
 
 from __future__ import annotations
@@ -20,6 +17,7 @@ from radixkv.attention.base import AttentionMetadata
 from radixkv.errors import UnsupportedModel
 
 if TYPE_CHECKING:
+    from radixkv.model.gguf import GGUFFile
     from radixkv.model.llama import ModelConfig
 
 
@@ -128,25 +126,75 @@ class MappedMxfp4Experts(nn.Module):
                  intermediate_size: int) -> None:  # fmt: skip
         super().__init__()
         assert len(parts) == 3 and len(biases) == 3
-        (self.gate_type, self.gate), (self.up_type, self.up), (self.down_type, self.down) = parts
+        (self.gate_type, self.gate_blocks), (self.up_type, self.up_blocks), (self.down_type, self.down_blocks) = parts
         self.gate_bias, self.up_bias, self.down_bias = (nn.Parameter(b, requires_grad=False) for b in biases)
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
 
     @property
     def mapped_bytes(self) -> int:
-        return self.gate.nbytes + self.up.nbytes + self.down.nbytes
+        return self.gate_blocks.nbytes + self.up_blocks.nbytes + self.down_blocks.nbytes
 
     def gate_up(self, expert: int, x: Tensor) -> tuple[Tensor, Tensor]:
-        gate = F.linear(x.float(), _rows(self.gate_type, self.gate[expert], self.hidden_size), self.gate_bias[expert].float())
-        up = F.linear(x.float(), _rows(self.up_type, self.up[expert], self.hidden_size), self.up_bias[expert].float())
+        gate = F.linear(x.float(), _rows(self.gate_type, self.gate_blocks[expert], self.hidden_size), self.gate_bias[expert].float())
+        up = F.linear(x.float(), _rows(self.up_type, self.up_blocks[expert], self.hidden_size), self.up_bias[expert].float())
         return gate.to(x.dtype), up.to(x.dtype)
 
     def down(self, expert: int, h: Tensor) -> Tensor:
-        w = _rows(self.down_type, self.down[expert], self.intermediate_size)
+        w = _rows(self.down_type, self.down_blocks[expert], self.intermediate_size)
         return F.linear(h.float(), w, self.down_bias[expert].float()).to(h.dtype)
 
     def extra_repr(self) -> str:
         return f"types={self.gate_type}/{self.up_type}/{self.down_type}, mapped_bytes={self.mapped_bytes}"
+
+
+def gguf_experts(file: GGUFFile, config: ModelConfig) -> dict[str, nn.Module]:
+    """Every layer's experts read in place from a gpt-oss GGUF (llama.cpp's layout: gate and up
+    apart, [experts, rows, inputs], biases [experts, rows]), by our module name."""
+    assert isinstance(config.moe, GptOssMoEConfig)
+    modules: dict[str, nn.Module] = {}
+    for layer in config.moe.moe_layers:
+        prefix = f"model.layers.{layer}.mlp.experts"
+        try:
+            parts = [file.stacked[(prefix, f"{part}_proj")] for part in ("gate", "up", "down")]
+            biases = [file.dequantized(f"{prefix}.{part}_bias") for part in ("gate", "up", "down")]
+        except KeyError as exc:
+            raise UnsupportedModel(f"{str(file.path)!r} lacks layer {layer}'s stacked experts or their biases ({exc})") from None
+        for part in parts:  # mapped now, as llama.cpp does, not faulted in on a step's first touch
+            file.populate(part)
+        modules[f"layers.{layer}.mlp.experts"] = MappedMxfp4Experts(
+            [(part.type_name, file.mapped(part)) for part in parts], biases, config.hidden_size, config.moe.intermediate_size
+        )
+    return modules
+
+
+def hide_gguf_rope_scaling() -> None:
+    """Hide a gpt-oss GGUF's rope.scaling.* fields from gguf-py's reader in this process (the one
+    that reads a GGUF's config and tokenizer): transformers' gpt-oss GGUF config reader takes such
+    a field's first part (its key's length) for its value and fails on it. `gguf_rope` then sets
+    the RoPE from the header's numbers."""
+    import gguf
+
+    base = gguf.GGUFReader
+    if getattr(base, "hides_rope_scaling", False):
+        return
+
+    class Reader(base):  # type: ignore[misc, valid-type]
+        hides_rope_scaling = True
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            for key in [key for key in self.fields if key.startswith("gpt-oss.rope.scaling.")]:
+                del self.fields[key]
+
+    gguf.GGUFReader = Reader
+
+
+def gguf_rope(rope: dict[str, Any], scalars: dict[str, int | float | bool]) -> dict[str, Any]:
+    """A converted config's rope_parameters (GptOssConfig's default YaRN) with the GGUF's base,
+    factor and original context; llama.cpp's gpt-oss files are YaRN, so the type is kept."""
+    keys = {"rope_theta": "gpt-oss.rope.freq_base", "factor": "gpt-oss.rope.scaling.factor",
+            "original_max_position_embeddings": "gpt-oss.rope.scaling.original_context_length"}  # fmt: skip
+    return {**rope, **{field: scalars[key] for field, key in keys.items() if key in scalars}}
 
 
 def _rows(type_name: str, blocks: np.ndarray, width: int) -> Tensor:

@@ -475,13 +475,18 @@ class CausalLM(nn.Module):
         sources = self._hf_sources()
         needed = {name for names in sources.values() for name in names}
         available = set(tensors.keys())
-        missing = sorted(needed - available)
+        # A module built elsewhere may come from tensors under other names (a GGUF's stacked
+        # experts): its own sources need not be there, and tensors under its name are its own.
+        provided = tuple(f"model.{name}." for name in modules)
+        required = {name for ours, names in sources.items() if ours.rpartition(".")[0] not in modules for name in names}
+        missing = sorted(required - available)
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} weight(s) the model needs, e.g. {missing[:5]}")
         unexpected = sorted(
             name
             for name in available - needed
             if not name.endswith(_IGNORED_WEIGHT_SUFFIXES)
+            and not name.startswith(provided)
             and not (name == "lm_head.weight" and self.config.tie_word_embeddings)
         )
         if unexpected:

@@ -35,6 +35,7 @@ from radixkv.model.fused_layers import install_fused_decode
 from radixkv.model.gguf import GGUFError, GGUFFile
 from radixkv.model.llama import CausalLM, ModelConfig
 from radixkv.model.moe import FloatExperts, MappedExperts
+from radixkv.model.gpt_oss import MappedMxfp4Experts
 from radixkv.model.quantized import QuantSource, quantized_modules
 
 if TYPE_CHECKING:
@@ -130,6 +131,10 @@ def load_model(
         modules = quantized_modules(
             net._hf_sources(), set(weights.keys()), quantized, config.tie_word_embeddings, torch_dtype, quant, moe
         )
+    if source.gguf is not None and config.architecture == "GptOssForCausalLM":
+        from radixkv.model.gpt_oss import gguf_experts
+
+        modules.update(gguf_experts(file, config))  # MXFP4 blocks in place under every weight_dtype
     net.load_state_dict_hf(weights, modules)
     net.eval()
     if moe == "native_fp32":
@@ -142,7 +147,7 @@ def load_model(
         install_fused_decode(net)
     gguf = None if source.gguf is None else str(source.gguf)
     weight_format = weight_dtype if modules else "float"
-    mapped = sum(m.mapped_bytes for m in net.modules() if isinstance(m, MappedExperts))
+    mapped = sum(m.mapped_bytes for m in net.modules() if isinstance(m, (MappedExperts, MappedMxfp4Experts)))
     return LoadedModel(net, config, tokenizer, str(folder), torch_dtype, torch_device, gguf, weight_format, mapped)
 
 
@@ -374,6 +379,15 @@ def _save_gguf_metadata(gguf: Path, folder: Path) -> None:
     """config.json, generation config and tokenizer files of a GGUF, as transformers reads them."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
+    from radixkv.model import gpt_oss
+    from radixkv.model.gguf import read_scalars
+
+    try:
+        scalars = read_scalars(gguf)
+    except (GGUFError, OSError):  # a bad file: transformers' reader below says so
+        scalars = {}
+    if any(key.startswith("gpt-oss.") for key in scalars):
+        gpt_oss.hide_gguf_rope_scaling()  # transformers misreads these fields (see there)
     try:
         hf_config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
     except Exception as exc:  # transformers raises anything from ValueError to KeyError on a bad file
@@ -389,6 +403,13 @@ def _save_gguf_metadata(gguf: Path, folder: Path) -> None:
         width = read_scalars(gguf).get("qwen3moe.expert_feed_forward_length")
         if width is not None:
             config["moe_intermediate_size"] = int(width)
+    if config.get("model_type") == "gpt_oss":
+        # transformers' GGUF reader leaves head_dim, the experts' width and the window at GptOssConfig's defaults.
+        config["rope_parameters"] = gpt_oss.gguf_rope(config["rope_parameters"], scalars)
+        for key, field in (("gpt-oss.attention.key_length", "head_dim"), ("gpt-oss.expert_feed_forward_length", "intermediate_size"),
+                           ("gpt-oss.attention.sliding_window", "sliding_window")):
+            if key in scalars:
+                config[field] = int(scalars[key])
     config["architectures"] = [f"{type(hf_config).__name__.removesuffix('Config')}ForCausalLM"]
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     GenerationConfig.from_model_config(hf_config).save_pretrained(folder)

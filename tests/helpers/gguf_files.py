@@ -279,3 +279,95 @@ def write_tiny_moe_gguf(path: Path, type_name: str, seed: int = 0, moe_intermedi
         router = weights.ndim == 1 or ".ffn_gate_inp." in gguf_name
         _add_tensor(writer, gguf_name, weights, "F32" if router else mix.get(gguf_name.split(".")[-2], base), rng)
     return _finish(writer, path)
+
+
+# A tiny random gpt-oss in GGUF (llama.cpp's gpt-oss layout): gate and up experts apart, stacked
+# [experts, rows, inputs] in MXFP4, their biases, the router's and q/k/v/o's biases and the sinks
+# in F32; the same model as an HF folder whose experts are the MXFP4 values dequantized.
+GPT_OSS_SHAPE = dict(
+    hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=4,
+    num_local_experts=8, num_experts_per_tok=2, sliding_window=8,
+)  # fmt: skip
+
+
+def write_tiny_gpt_oss_gguf(path: Path, folder: Path, seed: int = 0, matrices: str = "F32") -> Path:
+    """The GGUF at path and, in folder, transformers' model with the GGUF's dequantized weights
+    (matrices: the type of q/k/v/o, the embedding and the output; Q8_0 is dequantized into the
+    folder too)."""
+    from gguf import GGMLQuantizationType, GGUFWriter, RopeScalingType
+    from gguf.quants import dequantize, quantize
+
+    from tests.helpers.tiny_models import gpt_oss_config
+
+    torch.manual_seed(seed)
+    config = gpt_oss_config(vocab_size=VOCAB, max_position_embeddings=512, tie_word_embeddings=False, **GPT_OSS_SHAPE)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    mx = GGMLQuantizationType.MXFP4
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(1.0 + 0.2 * torch.randn_like(param))
+            elif "sinks" in name:
+                param.normal_(0.0, 2.0)
+            elif param.dim() == 1 or name.endswith("_bias"):
+                param.normal_(0.0, 0.2)
+            else:
+                param.normal_(0.0, 0.3 if "embed" in name or "lm_head" in name else 0.15)
+        for layer in model.model.layers:  # the experts as MXFP4 holds them: the reference's values
+            for param in (layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj):
+                blocks = quantize(param.transpose(1, 2).contiguous().numpy(), mx)
+                values = dequantize(blocks, mx).reshape(param.shape[0], param.shape[2], param.shape[1])
+                param.copy_(torch.from_numpy(values).transpose(1, 2))
+        if matrices != "F32":  # the other matrices as the file holds them
+            qtype = GGMLQuantizationType[matrices]
+            for name, param in model.named_parameters():
+                if param.dim() == 2 and "router" not in name:
+                    param.copy_(torch.from_numpy(dequantize(quantize(param.numpy(), qtype), qtype).reshape(param.shape)))
+    model.save_pretrained(folder)
+    rng = np.random.default_rng(seed)
+    width = config.intermediate_size
+    writer = _start(GGUFWriter(str(path), "gpt-oss"), "tiny-gpt-oss", config)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_expert_count(config.num_local_experts)
+    writer.add_expert_used_count(config.num_experts_per_tok)
+    writer.add_expert_feed_forward_length(width)
+    writer.add_sliding_window(config.sliding_window)
+    rope = config.rope_parameters  # transformers' GGUF reader misreads these; radixkv reads them itself
+    writer.add_rope_scaling_type(RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(rope["factor"])
+    writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    _add_tokenizer(writer)
+    block = {
+        "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "post_attention_norm.weight",
+        "self_attn.sinks": "attn_sinks.weight", "mlp.router.weight": "ffn_gate_inp.weight", "mlp.router.bias": "ffn_gate_inp.bias",
+        **{f"self_attn.{p}_proj.{kind}": f"attn_{'output' if p == 'o' else p}.{kind}" for p in "qkvo" for kind in ("weight", "bias")},
+    }  # fmt: skip
+    for name, tensor in model.state_dict().items():
+        values = tensor.detach().numpy().copy()
+        globals_ = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+        if name in globals_ and name != "model.norm.weight":
+            _add_tensor(writer, globals_[name], values, matrices, rng)
+            continue
+        if name in globals_:
+            writer.add_tensor(globals_[name], values)
+            continue
+        _, _, layer, rest = name.split(".", 3)
+        if rest in block and rest.endswith("_proj.weight"):
+            _add_tensor(writer, f"blk.{layer}.{block[rest]}", values, matrices, rng)
+        elif rest in block:
+            writer.add_tensor(f"blk.{layer}.{block[rest]}", values)
+        elif rest == "mlp.experts.gate_up_proj":  # [E, H, 2I], gate and up interleaved by column
+            for part, start in (("gate", 0), ("up", 1)):
+                stacked = np.ascontiguousarray(values[:, :, start::2].transpose(0, 2, 1))
+                writer.add_tensor(f"blk.{layer}.ffn_{part}_exps.weight", quantize(stacked, mx), raw_dtype=mx)
+        elif rest == "mlp.experts.gate_up_proj_bias":
+            writer.add_tensor(f"blk.{layer}.ffn_gate_exps.bias", np.ascontiguousarray(values[:, 0::2]))
+            writer.add_tensor(f"blk.{layer}.ffn_up_exps.bias", np.ascontiguousarray(values[:, 1::2]))
+        elif rest == "mlp.experts.down_proj":  # [E, I, H]
+            writer.add_tensor(f"blk.{layer}.ffn_down_exps.weight", quantize(np.ascontiguousarray(values.transpose(0, 2, 1)), mx), raw_dtype=mx)
+        elif rest == "mlp.experts.down_proj_bias":
+            writer.add_tensor(f"blk.{layer}.ffn_down_exps.bias", values)
+        else:
+            raise AssertionError(f"no GGUF name for {name}")
+    return _finish(writer, path)
