@@ -117,12 +117,12 @@ def test_accounting_holds_under_random_use(ops: list[tuple[int, int, int]]) -> N
             if kv.retain(prefixes[amount % 3][:amount], None, 30.0, f"owner{amount % 2}", 12):
                 retention = tree.retentions(f"owner{amount % 2}")[-1]
                 whole_at_start[retention.retention_id] = end_usable(retention.node, windows)
-        else:  # pressure: evict from each group, the window pool by the order over both
+        else:  # pressure: evict from each group
             tree.evict(amount % 5)
             bare = {node.node_id for node in tree.iter_nodes() if node.parent is not None and not end_usable(node, windows)}
             drops, kept_drops = windows.num_end_drops, windows.num_kept_drops
-            windows.evict(amount % 5, whole_leaves=which != 2)
-            if windows.num_end_drops == drops:  # no leaf's end window dropped alone: every usable end stays
+            windows.evict(amount % 5)
+            if windows.num_end_drops == drops:  # no window before a node's end dropped: every usable end stays
                 assert all(end_usable(node, windows) for node in unlocked_leaves(tree) if node.node_id not in bare)
             if windows.num_kept_drops == kept_drops:  # a retained cut that was a full hit stays one (or went whole)
                 live = [r for owner in tree.retention_owners() for r in tree.retentions(owner)]
