@@ -11,11 +11,11 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from radixkv.cache.disk import DiskTier
+from radixkv.cache.eviction import Liveness
 from radixkv.cache.hashing import BlockHasher
 from radixkv.cache.layer_groups import WindowPages
 from radixkv.cache.pages import OutOfPages, PagePool
 from radixkv.cache.radix import PeekResult, RadixTree
-from radixkv.cache.eviction import Liveness
 from radixkv.cache.radix_node import MatchResult, path_pages
 from radixkv.engine.cache_report import AdmissionMatch
 from radixkv.engine.cache_view import CacheView

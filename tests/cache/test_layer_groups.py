@@ -186,3 +186,26 @@ def test_a_retained_cut_keeps_its_window_last() -> None:
     windows.evict(1)
     assert kv.peek(make_seq(kept_prompt)).num_cached_tokens < 40, "expired, its window pages go like any"
     check_page_accounting(pool, tree, [], [], windows)
+
+
+def test_a_leaf_whose_end_lost_its_window_goes_first() -> None:
+    """One order over both pools: a leaf whose end lost its window KV serves no hit there, so
+    the full pool gives it up before a live leaf it would otherwise keep (LRU or slru)."""
+    kv, pool, tree, windows = make_kv(64, 24)
+    live, bare = list(range(300, 341)), list(range(600, 641))
+    for prompt in (live, bare):
+        seq = make_seq(prompt)
+        kv.admit(seq, len(prompt))
+        seq.num_computed_tokens = len(prompt)
+        kv.commit(seq)
+        kv.release(seq)
+    holder = make_seq(live)
+    kv.admit(holder, 1)  # holds the window before the live prefix's end
+    windows.evict(windows.evictable_pages)  # every other window page, the bare prefix's end included
+    kv.release(holder)
+    tree.match(bare[:40] + [0], record=False)  # used last: by recency alone the live one would go
+    check_page_accounting(pool, tree, [], [], windows)
+    tree.evict(1)
+    assert kv.peek(make_seq(live)).num_cached_tokens == 40, "the live prefix stayed, a full hit"
+    assert tree.peek(bare[:40] + [0]).num_cached_tokens == 0, "the leaf without its end's window went first"
+    check_page_accounting(pool, tree, [], [], windows)
