@@ -95,16 +95,15 @@ class EvictionOrder:
         if filed:
             self.add(node)
 
-    def pop(self, protected_over_cap: bool = False, retained_too: bool = True) -> Node | None:
+    def pop(self, protected_over_cap: bool = False) -> Node | None:
         """The next victim: a dead leaf, then a cold one, then a probation (unknown) one, then
         a protected one, then a hot one (each LRU; `lru` files none as dead, cold or hot, only
-        `slru` protected), then (unless `retained_too` is False) the retained leaf whose
-        retention ends first; None when nothing is evictable. With `protected_over_cap` a
-        protected leaf goes before probation ones (never before a dead or cold one: what a
-        session says is over goes first)."""
+        `slru` protected), then the retained leaf whose retention ends first; None when nothing
+        is evictable. With `protected_over_cap` a protected leaf goes before probation ones (never
+        before a dead or cold one: what a session says is over goes first)."""
         probation, protected, retained, dead, cold, hot = self._sets
         over_cap = protected if protected_over_cap else None
-        ordered = dead or cold or over_cap or probation or protected or hot or (retained if retained_too else None)
+        ordered = dead or cold or over_cap or probation or protected or hot or retained
         if not ordered:
             return None
         node = ordered.pop(0)[3]

@@ -11,6 +11,7 @@ from typing import TypeVar
 from radixkv.cache.events import AllCleared, BlocksEvicted, BlocksStored, CacheEvent, CacheEvents, WindowBlocks
 from radixkv.cache.hashing import BlockHash
 from radixkv.cache.pages import OutOfPages, PagePool
+from radixkv.cache.radix_node import Node
 
 T = TypeVar("T")
 
@@ -79,13 +80,15 @@ class WindowPages:
         self._inner: dict[int, None] = {}
         self._ends: dict[int, None] = {}
         self._end_pages: set[int] = set()  # full pages in the window before a tree node's end
+        self._end_of: dict[int, Node] = {}  # ... and the node whose end that is
+        # One order over both pools, priced in bytes: a leaf whose end lost its window serves
+        # no hit there, so its full pages (num_full_layers x a page's bytes) are worth nothing
+        # to a request that comes back: KVManager marks it dead (evicted first) through this.
+        self.end_lost: Callable[[Node], object] | None = None
         self._stored: list[int] = []  # full pages the tree adopted since take_stored
         self._window_blocks = -(-(window - 1) // self.page_size)  # blocks a cut's window reaches back
-        # The tree's eviction of its next leaf (in its order, both groups' pages; full pages
-        # freed, 0 when none is left): KVManager hands in the tree's (one order over both pools).
-        self.evict_leaf: Callable[[bool], int] | None = None  # its argument: retained leaves too
-        # Window pages dropped at a node's end while its full pages stay (no leaf left to take
-        # whole, or whole_leaves False), and of those, pages a live retention's cut needed.
+        # Window pages dropped in the window before a node's end while its full pages stay, and
+        # of those, pages a live retention's cut needed.
         self.num_end_drops = self.num_kept_drops = 0
         # Each cached full page's (block hash, parent hash), so what this group holds can be told
         # by hash (KV events), and the bus to tell it on (KVManager hands in the tree's).
@@ -116,9 +119,9 @@ class WindowPages:
                 for page, block_hash in zip(node.pages, node.hashes):
                     self._blocks[page] = (block_hash, parent)
                     parent = block_hash
-                self._mark_ends(node.pages)
+                self._mark_ends(node, node.pages)
                 if node.parent is not None and node.parent.pages:  # the new leaf parts from its parent there
-                    self._mark_ends(node.parent.pages)
+                    self._mark_ends(node.parent, node.parent.pages)
         elif isinstance(event, BlocksEvicted):
             dropped = [self._blocks[page] for page in event.node.pages if page in self._tree]
             for page in event.node.pages:
@@ -129,6 +132,7 @@ class WindowPages:
             for page in list(self._tree):
                 self._drop(page)
             self._end_pages.clear()
+            self._end_of.clear()
             self._kept_by.clear()
             self._blocks.clear()
 
@@ -136,10 +140,11 @@ class WindowPages:
         if blocks and self.events:
             self.events.publish(WindowBlocks(blocks, stored, self.window))
 
-    def _mark_ends(self, run: Sequence[int]) -> None:
+    def _mark_ends(self, node: Node, run: Sequence[int]) -> None:
         """The blocks of the window before the end of a node's run: what a hit at that end needs."""
         for full_page in run[-self._window_blocks :]:
             self._end_pages.add(full_page)
+            self._end_of[full_page] = node
             if full_page in self._inner:  # evictable already: it moves to the later tier
                 del self._inner[full_page]
                 self._ends[full_page] = None
@@ -154,6 +159,7 @@ class WindowPages:
             self._unlist(full_page)
             self.pool.release([window_page])
         self._end_pages.discard(full_page)
+        self._end_of.pop(full_page, None)
         self._kept.pop(full_page, None)
 
     def _unlist(self, full_page: int) -> None:
@@ -282,45 +288,26 @@ class WindowPages:
         except OutOfPages:
             return None
 
-    def evict(self, num_pages: int, *, whole_leaves: bool = True) -> int:
-        """Free num_pages window pages from what only the tree holds, in one order over both
-        groups (DESIGN.md (d)); returns window pages freed. A page is priced by the hit it
-        serves per byte it frees. First the window pages of blocks inside a run, more than a
-        window before any node's end: no hit at a node's end (where requests stop or part) reads
-        them. Then whole leaves in the tree's own order (slru, retained last), each freeing its
-        full pages (num_full_layers x page bytes) with its window pages (num_window_layers x
-        page bytes): a block whose window KV went can serve no hit, so dropping a leaf's end
-        window alone would keep its full pages for nothing, and truncating a leaf costs the
-        same hit per byte freed as dropping it. Then (or with whole_leaves False, at once) the
-        window pages of node ends no leaf took with it (inner nodes, locked paths), then
-        retained leaves whole, and last the window a live retention's cut needs, earliest
-        expiry first."""
+    def evict(self, num_pages: int) -> int:
+        """Free num_pages window pages from what only the tree holds; returns pages freed. The
+        window pool's own order (the tree's leaves, with both groups' pages, go by the tree's):
+        first the pages of blocks more than a window before any node's end (no hit at a node's
+        end, where requests stop or part, reads them), then those in the window before a node's
+        end, least recently let go first within each, and last the window a live retention's
+        cut needs, earliest expiry first."""
         num_pages = min(num_pages, self.evictable_pages)
-        freed = self._evict_pages(self._take_tier(self._inner, num_pages))
-        freed += self._evict_leaves(num_pages - freed, whole_leaves, retained_too=False)
-        dropped = self._take_tier(self._ends, num_pages - freed)
-        self.num_end_drops += len(dropped)
-        freed += self._evict_pages(dropped)
-        freed += self._evict_leaves(num_pages - freed, whole_leaves, retained_too=True)
-        if freed < num_pages and self._last:
-            ordered = sorted(self._last, key=lambda page: self._kept_until(page) or 0.0)[: num_pages - freed]
+        dropped = self._take_tier(self._inner, num_pages)
+        ends = self._take_tier(self._ends, num_pages - len(dropped))
+        self.num_end_drops += len(ends)
+        dropped += ends
+        if len(dropped) < num_pages and self._last:
+            ordered = sorted(self._last, key=lambda page: self._kept_until(page) or 0.0)[: num_pages - len(dropped)]
             for full_page in ordered:
                 del self._last[full_page]
             self.num_end_drops += len(ordered)
             self.num_kept_drops += len(ordered)
-            freed += self._evict_pages(ordered)
-        return freed
-
-    def _evict_leaves(self, num_pages: int, whole_leaves: bool, retained_too: bool) -> int:
-        """Evict the tree's leaves in its order until num_pages window pages were freed (their
-        window pages come back through BlocksEvicted); window pages freed."""
-        freed = 0
-        while whole_leaves and self.evict_leaf is not None and freed < num_pages and self.evictable_pages:
-            before = self.pool.num_free
-            if not self.evict_leaf(retained_too):
-                break
-            freed += self.pool.num_free - before
-        return freed
+            dropped += ordered
+        return self._evict_pages(dropped)
 
     def _take_tier(self, tier: dict[int, None], num_pages: int) -> list[int]:
         """Up to num_pages of a tier's pages, oldest first, taken out of it; a page a live
@@ -337,9 +324,16 @@ class WindowPages:
 
     def _evict_pages(self, full_pages: list[int]) -> int:
         """Drop the tree's window pages of these blocks (taken out of their tiers); pages freed."""
+        lost: dict[int, Node] = {}
         for full_page in full_pages:
             self._kept.pop(full_page, None)
+            node = self._end_of.get(full_page)
+            if node is not None and not node.children and not node.removed:
+                lost[node.node_id] = node
         freed = self.pool.release([self._tree.pop(page) for page in full_pages])
+        if self.end_lost is not None:
+            for node in lost.values():
+                self.end_lost(node)
         self._tell([self._blocks[page] for page in full_pages], stored=False)
         return freed
 

@@ -233,18 +233,17 @@ class RadixTree:
             self._order.add(node)
         self._maybe_drop_root(root)
 
-    def evict(self, num_pages: int, *, flushing: bool = False, write_back: bool = True, retained_too: bool = True) -> int:
+    def evict(self, num_pages: int, *, flushing: bool = False, write_back: bool = True) -> int:
         """Evict unlocked leaves (whole nodes) until at least `num_pages` pages were freed or
         nothing is evictable; returns the pages freed. Unretained leaves go first, least
-        recently used first; retained ones only then (unless `retained_too` is False),
-        earliest expiry first. O(log n) per node.
+        recently used first; retained ones only then, earliest expiry first. O(log n) per node.
         Each leaf is published (BlocksEvicted, with `flushing` and `write_back`) before its
         pages are freed."""
         if num_pages <= 0:
             return 0
         self.expire()
         freed = 0
-        while freed < num_pages and (node := self._order.pop(self._protected_over_cap(), retained_too)) is not None:
+        while freed < num_pages and (node := self._order.pop(self._protected_over_cap())) is not None:
             if self.events:
                 self.events.publish(BlocksEvicted(node, flushing, write_back))
             freed += self._remove_leaf(node)

@@ -11,11 +11,12 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from radixkv.cache.disk import DiskTier
+from radixkv.cache.eviction import Liveness
 from radixkv.cache.hashing import BlockHasher
 from radixkv.cache.layer_groups import WindowPages
 from radixkv.cache.pages import OutOfPages, PagePool
 from radixkv.cache.radix import PeekResult, RadixTree
-from radixkv.cache.radix_node import MatchResult
+from radixkv.cache.radix_node import MatchResult, path_pages
 from radixkv.engine.cache_report import AdmissionMatch
 from radixkv.engine.cache_view import CacheView
 from radixkv.engine.disk_loader import ComputeEstimate, DiskLoader
@@ -67,8 +68,9 @@ class KVManager(KVKeeps):
             # After the write-back: an evicted block's window pages are written with it first.
             tree.events.subscribe(windows.listen)
             windows.events = tree.events
-            windows.evict_leaf = lambda retained_too: tree.evict(1, retained_too=retained_too)  # one order over both pools
             windows.retention_expiry = lambda retention_id: getattr(tree.retention(retention_id), "expires_at_s", None)
+            # A leaf whose end lost its window KV holds full pages no hit there reads: first to go.
+            windows.end_lost = lambda node: self.mark(node, Liveness.DEAD, below_blocks=path_pages(node) - len(node.pages))
 
     def cache_view(self) -> CacheView:
         """The whole cache over these same parts, for reports and flush/close (the engine holds it)."""

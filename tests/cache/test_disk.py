@@ -357,3 +357,26 @@ def test_disk_index_against_a_reference(budget: int, ops) -> None:
                 del ref[victims[0]]
         assert index.bytes_used == sum(s for s, _ in ref.values()) <= budget
         assert list(index) == order()
+
+
+def test_a_window_model_s_blocks_carry_their_window_kv_where_they_have_it(tmp_path):
+    """Layer groups: a block is stored with its full layers' KV and, where it has it, its window
+    layers' KV after it (two payload sizes); both read back whole, the index tells which blocks
+    carry window KV from file sizes alone (after a restart too), and a file of any other size is
+    refused unread."""
+    pool, window_bytes = make_pool(), 96
+    tier = DiskTier(tmp_path, 1 << 20, fingerprint=FINGERPRINT, page_size=PS, payload_bytes=pool.page_nbytes, window_payload_bytes=window_bytes)
+    tokens = list(range(100, 100 + 3 * PS))
+    keys = tier.keys(tokens, None)
+    payloads = [pool.page_bytes(0) + bytes([7]) * window_bytes, pool.page_bytes(1), pool.page_bytes(2) + bytes([9]) * window_bytes]
+    assert tier.save(tokens, None, keys, 0, 3, lambda i: payloads[i]) == 3
+    assert tier.load(tokens, None, keys, 0, 3) == payloads
+    assert [tier.holds_window(keys[b], b) for b in range(3)] == [True, False, True]
+    tier.close()
+    reopened = DiskTier(tmp_path, 1 << 20, fingerprint=FINGERPRINT, page_size=PS, payload_bytes=pool.page_nbytes, window_payload_bytes=window_bytes)
+    assert [reopened.holds_window(keys[b], b) for b in range(3)] == [True, False, True]
+    path = reopened.files.block_path(keys[2])
+    path.write_bytes(path.read_bytes()[:-window_bytes // 2])  # neither size: torn
+    read = reopened.read(tokens, None, keys, 0, 3)
+    assert read.payloads == payloads[:2] and read.failure == "truncated"
+    reopened.close()

@@ -117,12 +117,12 @@ def test_accounting_holds_under_random_use(ops: list[tuple[int, int, int]]) -> N
             if kv.retain(prefixes[amount % 3][:amount], None, 30.0, f"owner{amount % 2}", 12):
                 retention = tree.retentions(f"owner{amount % 2}")[-1]
                 whole_at_start[retention.retention_id] = end_usable(retention.node, windows)
-        else:  # pressure: evict from each group, the window pool by the order over both
+        else:  # pressure: evict from each group
             tree.evict(amount % 5)
             bare = {node.node_id for node in tree.iter_nodes() if node.parent is not None and not end_usable(node, windows)}
             drops, kept_drops = windows.num_end_drops, windows.num_kept_drops
-            windows.evict(amount % 5, whole_leaves=which != 2)
-            if windows.num_end_drops == drops:  # no leaf's end window dropped alone: every usable end stays
+            windows.evict(amount % 5)
+            if windows.num_end_drops == drops:  # no window before a node's end dropped: every usable end stays
                 assert all(end_usable(node, windows) for node in unlocked_leaves(tree) if node.node_id not in bare)
             if windows.num_kept_drops == kept_drops:  # a retained cut that was a full hit stays one (or went whole)
                 live = [r for owner in tree.retention_owners() for r in tree.retentions(owner)]
@@ -185,4 +185,27 @@ def test_a_retained_cut_keeps_its_window_last() -> None:
     assert windows.kept_pages() == 0
     windows.evict(1)
     assert kv.peek(make_seq(kept_prompt)).num_cached_tokens < 40, "expired, its window pages go like any"
+    check_page_accounting(pool, tree, [], [], windows)
+
+
+def test_a_leaf_whose_end_lost_its_window_goes_first() -> None:
+    """One order over both pools: a leaf whose end lost its window KV serves no hit there, so
+    the full pool gives it up before a live leaf it would otherwise keep (LRU or slru)."""
+    kv, pool, tree, windows = make_kv(64, 24)
+    live, bare = list(range(300, 341)), list(range(600, 641))
+    for prompt in (live, bare):
+        seq = make_seq(prompt)
+        kv.admit(seq, len(prompt))
+        seq.num_computed_tokens = len(prompt)
+        kv.commit(seq)
+        kv.release(seq)
+    holder = make_seq(live)
+    kv.admit(holder, 1)  # holds the window before the live prefix's end
+    windows.evict(windows.evictable_pages)  # every other window page, the bare prefix's end included
+    kv.release(holder)
+    tree.match(bare[:40] + [0], record=False)  # used last: by recency alone the live one would go
+    check_page_accounting(pool, tree, [], [], windows)
+    tree.evict(1)
+    assert kv.peek(make_seq(live)).num_cached_tokens == 40, "the live prefix stayed, a full hit"
+    assert tree.peek(bare[:40] + [0]).num_cached_tokens == 0, "the leaf without its end's window went first"
     check_page_accounting(pool, tree, [], [], windows)

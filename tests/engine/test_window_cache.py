@@ -28,7 +28,11 @@ def test_a_retained_prefix_keeps_its_window_under_pressure(tiny_gemma3):
     first = llm.generate([kept + [5]], params, keeps=[(Keep(40, ttl_s=300.0),)])[0]
     assert first.kept is not None and first.kept.num_kept_tokens[0] == 40
     llm.generate(flood, params)  # every flood prompt needs more window pages than the pool has free
-    assert llm.engine.windows.pool.num_pages * 4 < sum(map(len, flood))
+    windows = llm.engine.windows
+    assert windows.pool.num_pages * 4 < sum(map(len, flood))
+    # The window pool alone under pressure: every window page but those a retained cut needs.
+    windows.evict(windows.evictable_pages - windows.kept_pages())
+    assert windows.kept_pages() == 2 and windows.evictable_pages == 2
     warm = llm.generate([continued], params)[0]
     assert warm.num_cached_tokens == 40, "the retained cut is a full hit"
     assert warm.token_ids == expected
@@ -51,7 +55,7 @@ def test_reports_and_lookups_take_the_windowed_cut(tiny_gemma3):
     assert held and engine.cache_view.residency()["ram"].bytes == (
         engine.tree.cached_pages * engine.pool.page_nbytes + held * engine.windows.pool.page_nbytes
     ), "RAM's bytes count both groups' pages"
-    engine.windows.evict(engine.windows.evictable_pages, whole_leaves=False)  # the window KV alone goes
+    engine.windows.evict(engine.windows.evictable_pages)  # the window KV alone goes
     looked_up = engine.lookup(continued).num_ram_tokens
     assert looked_up < 40 and engine.lookup(continued).num_ram_tokens == looked_up  # pure
     warm = llm.generate([continued], params)[0]
@@ -121,7 +125,7 @@ def test_the_disk_tier_keeps_window_blocks_across_a_restart(tiny_gemma3, tmp_pat
     first.generate([prompt + [5]], params)
     first.engine.flush_cache(ram=True, disk=False)  # evicted: written back with its window KV
     first.generate([other + [5]], params)
-    first.engine.windows.evict(first.engine.windows.evictable_pages, whole_leaves=False)  # RAM keeps full KV only
+    first.engine.windows.evict(first.engine.windows.evictable_pages)  # RAM keeps full KV only
     first.engine.close()  # every RAM block to disk: `other`'s without its window KV
     second = make_llm(tiny_gemma3, max_batch_tokens=16, kv_disk_dir=disk, max_num_seqs=1)
     assert second.engine.lookup(continued).num_disk_tokens == 40
@@ -133,3 +137,25 @@ def test_the_disk_tier_keeps_window_blocks_across_a_restart(tiny_gemma3, tmp_pat
     assert cold.num_cached_tokens == 0 and cold.token_ids == expected[1]
     assert_pages_returned(second.engine)
     second.engine.close()
+
+
+def test_a_session_turn_keeps_its_window_under_pressure(tiny_gemma3):
+    """A session's newest turn (prompt and reply, retained when the reply ends) keeps the window
+    before its cut: the next turn is a full hit after other requests fill the window pool."""
+    rng = random.Random(9)
+    first_prompt = _prompt(rng, 41)
+    flood = [_prompt(rng, 30) for _ in range(8)]
+    llm = make_llm(tiny_gemma3, max_batch_tokens=16, num_window_pages=10, max_num_seqs=1)
+    params = SamplingParams(max_tokens=MAX_NEW)
+    first = llm.generate([first_prompt], params, session="agent-1")[0]
+    computed = len(first_prompt) + len(first.token_ids) - 1  # the reply's last token is not computed yet
+    llm.generate(flood, params)
+    windows = llm.engine.windows
+    windows.evict(windows.evictable_pages - windows.kept_pages())
+    assert windows.kept_pages() == 2, "the window before the turn's cut"
+    turn = first_prompt + first.token_ids + _prompt(rng, 3)
+    expected = hf_greedy(tiny_gemma3, [turn], MAX_NEW)[0]
+    warm = llm.generate([turn], params, session="agent-1")[0]
+    assert warm.num_cached_tokens == computed // 4 * 4, "the session's turn is a full hit at its cut"
+    assert warm.token_ids == expected
+    assert_pages_returned(llm.engine)
