@@ -157,17 +157,19 @@ def _halve(lanes: Tensor) -> Tensor:
 
 
 def native_grouped(
-    type_name: str, weights: np.ndarray, x: Tensor, experts: list[int], offsets: list[int], x_rows: Tensor,
+    type_name: str, weights: np.ndarray, x: Tensor, experts: list[int] | Tensor, offsets: list[int] | Tensor, x_rows: Tensor,
     out: Tensor, vnni: bool = True,
 ) -> None:  # fmt: skip
     """out[p] = x[x_rows[p]] W_e^T for the pairs p of each expert e = experts[g] (offsets[g] to
     offsets[g + 1]), weights the stacked experts' blocks [E, rows, row bytes] (a memory map),
-    out an fp32 view [pairs, rows] (its row stride may be wider). vnni=False: the scalar loop."""
+    out an fp32 view [pairs, rows] (its row stride may be wider). vnni=False: the scalar loop.
+    experts and offsets may come as int32 tensors already (one conversion for a layer's calls)."""
     library = native.load()
     num_experts, n, nbytes = weights.shape
     assert x.dtype == torch.float32 and x.stride(1) == 1 and out.dtype == torch.float32 and out.stride(1) == 1
-    ids = torch.tensor(experts, dtype=torch.int32)
-    starts = torch.tensor(offsets, dtype=torch.int32)
+    ids = experts if isinstance(experts, Tensor) else torch.tensor(experts, dtype=torch.int32)
+    starts = offsets if isinstance(offsets, Tensor) else torch.tensor(offsets, dtype=torch.int32)
+    assert ids.dtype == torch.int32 and starts.dtype == torch.int32
     rows = x_rows.to(torch.int32).contiguous()
     status = library.radixkv_moe_grouped(
         BLOCK_TYPES[type_name], weights.ctypes.data, n * nbytes, n, x.shape[1], x.data_ptr(), x.stride(0), x.shape[0],

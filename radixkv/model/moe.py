@@ -86,6 +86,14 @@ class ExpertGroups:
 def group_by_expert(ids: Tensor, weights: Tensor) -> ExpertGroups:
     """Bucket each token's top-k (ids, weights [T, k]) by expert, one stable sort."""
     top_k = ids.shape[1]
+    if ids.shape[0] == 1:
+        # One token (a decode step): its k experts are distinct, so sorting them in Python gives
+        # the general path's groups without its five small tensor ops a layer.
+        row = ids[0].tolist()
+        order = sorted(range(top_k), key=row.__getitem__)
+        picked = torch.tensor(order)
+        tokens = torch.zeros(top_k, dtype=torch.long)
+        return ExpertGroups([row[i] for i in order], list(range(top_k + 1)), tokens, weights[0][picked])
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # pairs in token order within each expert
     experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
@@ -180,16 +188,21 @@ class MappedExperts(nn.Module):
         size, pairs = self.intermediate_size, groups.tokens.numel()
         x = x.float().contiguous()
         gate_up = torch.empty(pairs, 2 * size)
-        self._linear(self.gate_type, self.gate, x, groups, groups.tokens, gate_up[:, :size])
-        self._linear(self.up_type, self.up, x, groups, groups.tokens, gate_up[:, size:])
+        # The native calls' int32 arguments built once for the three projections.
+        ids = (torch.tensor(groups.experts, dtype=torch.int32), torch.tensor(groups.offsets, dtype=torch.int32))
+        tokens, order = groups.tokens.to(torch.int32), torch.arange(pairs, dtype=torch.int32)
+        self._linear(self.gate_type, self.gate, x, groups, tokens, gate_up[:, :size], ids)
+        self._linear(self.up_type, self.up, x, groups, tokens, gate_up[:, size:], ids)
         h = (F.silu(gate_up[:, :size]) * gate_up[:, size:]).contiguous()
         y = torch.empty(pairs, self.hidden_size)
-        self._linear(self.down_type, self.down, h, groups, torch.arange(pairs), y)
+        self._linear(self.down_type, self.down, h, groups, order, y, ids)
         return y
 
-    def _linear(self, type_name: str, weights: np.ndarray, x: Tensor, groups: ExpertGroups, rows: Tensor, out: Tensor) -> None:
+    def _linear(
+        self, type_name: str, weights: np.ndarray, x: Tensor, groups: ExpertGroups, rows: Tensor, out: Tensor, ids: tuple[Tensor, Tensor],
+    ) -> None:  # fmt: skip
         if self.kernel == "native":
-            cpu_moe.native_grouped(type_name, weights, x, groups.experts, groups.offsets, rows, out, self.vnni)
+            cpu_moe.native_grouped(type_name, weights, x, ids[0], ids[1], rows, out, self.vnni)
             return
         for g, expert in enumerate(groups.experts):
             start, stop = groups.offsets[g], groups.offsets[g + 1]
