@@ -137,6 +137,8 @@ def load_model(
         modules.update(gguf_experts(file, config))  # MXFP4 blocks in place under every weight_dtype
     net.load_state_dict_hf(weights, modules)
     net.eval()
+    if modules:
+        _release_freed_heap()
     if moe == "native_fp32":
         for module in net.modules():
             if isinstance(module, FloatExperts):
@@ -149,6 +151,19 @@ def load_model(
     weight_format = weight_dtype if modules else "float"
     mapped = sum(m.mapped_bytes for m in net.modules() if isinstance(m, (MappedExperts, MappedMxfp4Experts)))
     return LoadedModel(net, config, tokenizer, str(folder), torch_dtype, torch_device, gguf, weight_format, mapped)
+
+
+def _release_freed_heap() -> None:
+    """Hand the heap a quantized load freed (each tensor's file bytes and conversion
+    temporaries, freed one tensor at a time into the allocator's free lists) back to the OS,
+    where glibc can; the process's RSS otherwise keeps them for good (docs/measurements.md)."""
+    import ctypes
+
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return
+    trim(0)
 
 
 def _weight_dtype(requested: str, device: torch.device) -> str:

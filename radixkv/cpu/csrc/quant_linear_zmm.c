@@ -33,7 +33,9 @@
 
 #define ZGROUP 16      /* output rows interleaved in one record */
 #define ZBLOCK 32      /* inputs per block */
-#define ZROW_TILE 4    /* x rows that share each weight load */
+#ifndef ZROW_TILE
+#define ZROW_TILE 4    /* x rows that share each weight load (4 or 8) */
+#endif
 #ifndef ZPREFETCH
 #define ZPREFETCH 0 /* records ahead to prefetch; 0: the records stream in order, and the hardware
                      * prefetcher alone kept one-row calls faster than software prefetches did */
@@ -402,38 +404,31 @@ static inline __attribute__((always_inline)) void zgroup_super(const uint8_t *gr
     }
 }
 
+/* One copy per format and row count: both constant inside, so nothing spills. */
+#if ZROW_TILE >= 8
+#define ZWIDE_CASES(fn, F) case 8: fn(group, F, x, r0, 8, acc); break; case 7: fn(group, F, x, r0, 7, acc); break; \
+                           case 6: fn(group, F, x, r0, 6, acc); break; case 5: fn(group, F, x, r0, 5, acc); break;
+#else
+#define ZWIDE_CASES(fn, F)
+#endif
+#define ZROW_CASES(fn, F)                                                                                              \
+    switch (rows) {                                                                                                    \
+    ZWIDE_CASES(fn, F)                                                                                                 \
+    case 4: fn(group, F, x, r0, 4, acc); break;                                                                        \
+    case 3: fn(group, F, x, r0, 3, acc); break;                                                                        \
+    case 2: fn(group, F, x, r0, 2, acc); break;                                                                        \
+    default: fn(group, F, x, r0, 1, acc); break;                                                                       \
+    }
 static void ztile(const uint8_t *group, int format, const ZQuantX *x, int64_t r0, int rows, __m512 acc[ZROW_TILE]) {
-    /* One copy per format and row count: both constant inside, so nothing spills. */
-    if (format == ZFORMAT_Q4_K) {
-        switch (rows) {
-        case 4: zgroup_super(group, ZFORMAT_Q4_K, x, r0, 4, acc); break;
-        case 3: zgroup_super(group, ZFORMAT_Q4_K, x, r0, 3, acc); break;
-        case 2: zgroup_super(group, ZFORMAT_Q4_K, x, r0, 2, acc); break;
-        default: zgroup_super(group, ZFORMAT_Q4_K, x, r0, 1, acc); break;
-        }
-    } else if (format == ZFORMAT_Q6_K) {
-        switch (rows) {
-        case 4: zgroup_super(group, ZFORMAT_Q6_K, x, r0, 4, acc); break;
-        case 3: zgroup_super(group, ZFORMAT_Q6_K, x, r0, 3, acc); break;
-        case 2: zgroup_super(group, ZFORMAT_Q6_K, x, r0, 2, acc); break;
-        default: zgroup_super(group, ZFORMAT_Q6_K, x, r0, 1, acc); break;
-        }
-    } else if (format == ZFORMAT_Q8_0) {
-        switch (rows) {
-        case 4: zgroup(group, ZFORMAT_Q8_0, x, r0, 4, acc); break;
-        case 3: zgroup(group, ZFORMAT_Q8_0, x, r0, 3, acc); break;
-        case 2: zgroup(group, ZFORMAT_Q8_0, x, r0, 2, acc); break;
-        default: zgroup(group, ZFORMAT_Q8_0, x, r0, 1, acc); break;
-        }
-    } else {
-        switch (rows) {
-        case 4: zgroup(group, ZFORMAT_Q4_1, x, r0, 4, acc); break;
-        case 3: zgroup(group, ZFORMAT_Q4_1, x, r0, 3, acc); break;
-        case 2: zgroup(group, ZFORMAT_Q4_1, x, r0, 2, acc); break;
-        default: zgroup(group, ZFORMAT_Q4_1, x, r0, 1, acc); break;
-        }
+    switch (format) {
+    case ZFORMAT_Q4_K: ZROW_CASES(zgroup_super, ZFORMAT_Q4_K) break;
+    case ZFORMAT_Q6_K: ZROW_CASES(zgroup_super, ZFORMAT_Q6_K) break;
+    case ZFORMAT_Q8_0: ZROW_CASES(zgroup, ZFORMAT_Q8_0) break;
+    default: ZROW_CASES(zgroup, ZFORMAT_Q4_1) break;
     }
 }
+#undef ZROW_CASES
+#undef ZWIDE_CASES
 
 /* acc + bias into y at `offset`, features [16g, 16g + live) (the rest is padding). */
 static void zstore(__m512 acc, const float *bias, int live, void *y, int y_bf16, int64_t offset) {
