@@ -9,9 +9,10 @@ case's saved bytes beside the L2 and L3 sizes.
     python -m radixkv.scenarios.cascade_threshold [--out out/cascade_threshold] [--layers 4] [--repeats 3]
     python -m radixkv.scenarios.cascade_threshold --ab [--members 16] [--shared 0 512 1024 4096 8192] [--rounds 8]
 
---ab: cascade off, on (every group formed) and auto (the default thresholds) alternated in turns
-in one process, one group of --members requests over each shared length with the default
-model's heads, and the ratios off/on and off/auto.
+--ab: cascade off, on (every group formed), auto (the default thresholds), on without the tiles
+and bi (auto's groups as a batch-invariant step runs them: cut to the 256-key chunk grid, each
+member through the plain kernel) alternated in turns in one process, one group of --members
+requests over each shared length with the default model's heads, and the ratios to off.
 """
 
 from __future__ import annotations
@@ -77,11 +78,14 @@ def ab_rows(args: argparse.Namespace, dtype: torch.dtype, flush: torch.Tensor) -
             q = torch.randn(members, q_heads, head_dim).to(dtype)
             any_group = dict(min_shared_tokens=page, min_group_members=2)
             on = cpu_decode.cascade_plan(page_table, seq_lens, page, **any_group).plan
-            # "members": the groups of "on" with the tiles off (EngineConfig.cascade_tiles=False).
-            plans = {"off": None, "on": on, "auto": cpu_decode.cascade_plan(page_table, seq_lens, page, **auto).plan, "members": on}
+            # "members": the groups of "on" with the tiles off (EngineConfig.cascade_tiles=False);
+            # "bi": auto's groups as a batch-invariant step runs them (cpu_decode.batch_invariant_plan).
+            auto_plan = cpu_decode.cascade_plan(page_table, seq_lens, page, **auto)
+            bi = cpu_decode.batch_invariant_plan(auto_plan, members).plan
+            plans = {"off": None, "on": on, "auto": auto_plan.plan, "members": on, "bi": bi}
             times: dict[str, list[float]] = {mode: [] for mode in plans}
             for r in range(-1, args.rounds):  # round -1 warms up, untimed
-                modes = list(plans)[r % 4 :] + list(plans)[: r % 4]
+                modes = list(plans)[r % len(plans) :] + list(plans)[: r % len(plans)]
                 for mode in modes:
                     cpu_decode.use_cascade_tiles(mode != "members")
                     flush.max()
@@ -97,9 +101,10 @@ def ab_rows(args: argparse.Namespace, dtype: torch.dtype, flush: torch.Tensor) -
             rows.append(dict(members=members, shared=shared, saved_kib_per_layer=saved_kib, auto_groups=plans["auto"] is not None,
                              off_ms=ms["off"], on_ms=ms["on"], auto_ms=ms["auto"], no_tiles_ms=ms["members"],
                              off_over_on=ms["off"] / ms["on"], off_over_auto=ms["off"] / ms["auto"],
-                             off_over_no_tiles=ms["off"] / ms["members"]))  # fmt: skip
+                             off_over_no_tiles=ms["off"] / ms["members"], bi_ms=ms["bi"], off_over_bi=ms["off"] / ms["bi"]))  # fmt: skip
             print(f"{members:>7} {shared:>7} {saved_kib:>10.0f} {ms['off']:>8.3f} {ms['on']:>8.3f} {ms['auto']:>8.3f} "
-                  f"{ms['off'] / ms['on']:>7.2f} {ms['off'] / ms['auto']:>8.2f} {ms['off'] / ms['members']:>13.2f} {'yes' if rows[-1]['auto_groups'] else 'no':>6}", flush=True)  # fmt: skip
+                  f"{ms['off'] / ms['on']:>7.2f} {ms['off'] / ms['auto']:>8.2f} {ms['off'] / ms['members']:>13.2f} "
+                  f"{ms['off'] / ms['bi']:>6.2f} {'yes' if rows[-1]['auto_groups'] else 'no':>6}", flush=True)  # fmt: skip
     return rows
 
 
@@ -140,7 +145,7 @@ def ab_main(args: argparse.Namespace, dtype: torch.dtype, flush: torch.Tensor) -
     """The A/B table, with the machine's limits measured before and after it."""
     before = machine_limits(dtype)
     caches = cpu_caches()
-    print(f"{'members':>7} {'shared':>7} {'saved KiB':>10} {'off ms':>8} {'on ms':>8} {'auto ms':>8} {'off/on':>7} {'off/auto':>8} {'off/no-tiles':>13} {'auto':>6}")
+    print(f"{'members':>7} {'shared':>7} {'saved KiB':>10} {'off ms':>8} {'on ms':>8} {'auto ms':>8} {'off/on':>7} {'off/auto':>8} {'off/no-tiles':>13} {'off/bi':>6} {'auto':>6}")
     rows = ab_rows(args, dtype, flush)
     after = machine_limits(dtype)
     for name, limits in (("before", before), ("after", after)):

@@ -231,3 +231,15 @@ def test_cascade_groups_over_narrow_pages_match_the_reference(gen, dtype, head_d
     want = reference(q, layout, scale)
     assert_close(grouped, want, torch.float32, f"cascade over {dtype} pages")
     assert_close(alone, want, torch.float32, f"plain decode over {dtype} pages")
+    # Batch-invariant groups (cut to the 256-key chunk grid, each member through the plain item):
+    # every member's bits are its ungrouped output's, under fp32 compute and (int8 pages) bf16.
+    exact = decode.batch_invariant_plan(plan, members)
+    assert exact.saved_tokens == (members - 1) * 256
+    pages = dict(k_scales=k_scales, v_scales=v_scales)
+    assert torch.equal(decode.paged_decode(q, k_cache, v_cache, page_table, seq_lens, scale, plan=exact.plan, **pages), alone)
+    if dtype == torch.int8:
+        q16 = q.to(torch.bfloat16)
+        assert torch.equal(
+            decode.paged_decode(q16, k_cache, v_cache, page_table, seq_lens, scale, plan=exact.plan, **pages),
+            decode.paged_decode(q16, k_cache, v_cache, page_table, seq_lens, scale, **pages),
+        )

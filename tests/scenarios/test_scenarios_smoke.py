@@ -131,7 +131,7 @@ def test_cascade_ab_times_off_on_and_auto_and_says_where_auto_groups(tmp_path, c
     assert module.main(argv) == 0
     report = json.loads((tmp_path / "cascade_ab.json").read_text())
     rows = {(row["members"], row["shared"]): row for row in report["rows"]}
-    assert len(rows) == 4 and all(row["off_ms"] > 0 and row["on_ms"] > 0 and row["auto_ms"] > 0 and row["no_tiles_ms"] > 0 for row in rows.values())
+    assert len(rows) == 4 and all(row["off_ms"] > 0 and row["on_ms"] > 0 and row["auto_ms"] > 0 and row["no_tiles_ms"] > 0 and row["bi_ms"] > 0 for row in rows.values())
     # Auto groups exactly where the thresholds say: never a pair of GQA 3, never over 0 tokens.
     auto = decode.cascade_thresholds(*module.HEADS["SmolLM2-135M"], 2 if report["dtype"] == "torch.bfloat16" else 4)
     for (members, shared), row in rows.items():

@@ -172,53 +172,43 @@ static inline __m512 sum_lanes_16(const __m512 v[16]) {
  * holds only its own dtype's code. */
 typedef __m512 SpanQueries[SPAN_ROWS][MAX_HEAD_DIM / 16];
 
-/* dots[r][j] for the key row at `key`, across the span's kv heads (rows r = h * G + g): lanes
- * of partial q.k sums, by vdpbf16ps over dim pairs or by fp32 FMAs; each kv head's values are
- * loaded once for its G query heads. */
-static inline __attribute__((always_inline)) void key_dots(SpanQueries qv, const char *key, int heads, const int D,
-                                                           const int G, const int bf16, __m512 dots[SPAN_ROWS][16],
-                                                           int j) {
-    for (int h = 0; h < heads; h++) {
-        if (bf16) {
+/* q_r . k_j for one query row against key j's row of kv head h: lanes of partial sums, by
+ * vdpbf16ps over dim pairs or by fp32 FMAs, dim chunks in order. */
+static inline __attribute__((always_inline)) __m512 row_dot(const __m512 *q, const char *key, int h, const int D,
+                                                            const int bf16) {
+    if (bf16) {
 #ifdef HAVE_AVX512_BF16
-            const uint16_t *head = (const uint16_t *)key + h * D;
-            __m512bh kv[MAX_HEAD_DIM / 32];
-            for (int c = 0; c < D / 32; c++) kv[c] = (__m512bh)_mm512_loadu_si512(head + 32 * c);
-            for (int g = 0; g < G; g++) {
-                __m512 dot = _mm512_setzero_ps();
-                for (int c = 0; c < D / 32; c++) dot = _mm512_dpbf16_ps(dot, (__m512bh)qv[h * G + g][c], kv[c]);
-                dots[h * G + g][j] = dot;
-            }
+        const uint16_t *head = (const uint16_t *)key + h * D;
+        __m512 dot = _mm512_setzero_ps();
+        for (int c = 0; c < D / 32; c++) dot = _mm512_dpbf16_ps(dot, (__m512bh)q[c], (__m512bh)_mm512_loadu_si512(head + 32 * c));
+        return dot;
 #endif
-        } else {
-            const float *head = (const float *)key + h * D;
-            __m512 kv[MAX_HEAD_DIM / 16];
-            for (int c = 0; c < D / 16; c++) kv[c] = _mm512_loadu_ps(head + 16 * c);
-            for (int g = 0; g < G; g++) {
-                __m512 dot = _mm512_mul_ps(qv[h * G + g][0], kv[0]);
-                for (int c = 1; c < D / 16; c++) dot = _mm512_fmadd_ps(qv[h * G + g][c], kv[c], dot);
-                dots[h * G + g][j] = dot;
-            }
-        }
     }
+    const float *head = (const float *)key + h * D;
+    __m512 dot = _mm512_mul_ps(q[0], _mm512_loadu_ps(head));
+    for (int c = 1; c < D / 16; c++) dot = _mm512_fmadd_ps(q[c], _mm512_loadu_ps(head + 16 * c), dot);
+    return dot;
 }
 
-/* Scores of one block's n <= 16 keys for the span's query heads, key by key across its kv heads
- * so each row of K is read in address order: s[r * SCORE_STRIDE + j] = scale * q_r . k_j, 0
- * past n. Takes the block's prefetch steps between its keys. */
+/* Scores of one block's n <= 16 keys for the span's query heads: s[r * SCORE_STRIDE + j] =
+ * scale * q_r . k_j, 0 past n. Row by row, each row's 16 dot vectors and their sums held in
+ * registers: the block's K rows (a few KiB) come from L1 after the first row, where key by key
+ * every dot vector went through memory on its way to the sums (the same sums, in the same
+ * order). The block's prefetch steps are spread over its rows. */
 static inline __attribute__((always_inline)) void block_scores(SpanQueries qv, const char *k0, int64_t row_bytes,
                                                                int n, int heads, const int D, const int G,
                                                                const int bf16, float scale, float *s,
                                                                Prefetcher *prefetcher) {
-    __m512 dots[SPAN_ROWS][16];
-    for (int j = 0; j < 16; j++) {
-        if (j % PREFETCH_KEYS == 0) prefetch_step(prefetcher);
-        if (j < n) key_dots(qv, k0 + j * row_bytes, heads, D, G, bf16, dots, j);
-        else
-            for (int r = 0; r < heads * G; r++) dots[r][j] = _mm512_setzero_ps();
+    const int rows = heads * G;
+    int steps = 0;
+    for (int r = 0; r < rows; r++) {
+        for (; steps < STEPS_PER_BLOCK && steps * rows <= r * STEPS_PER_BLOCK; steps++) prefetch_step(prefetcher);
+        __m512 dots[16];
+        for (int j = 0; j < 16; j++)
+            dots[j] = j < n ? row_dot(qv[r], k0 + j * row_bytes, r / G, D, bf16) : _mm512_setzero_ps();
+        _mm512_storeu_ps(s + r * SCORE_STRIDE, _mm512_mul_ps(sum_lanes_16(dots), _mm512_set1_ps(scale)));
     }
-    for (int r = 0; r < heads * G; r++)
-        _mm512_storeu_ps(s + r * SCORE_STRIDE, _mm512_mul_ps(sum_lanes_16(dots[r]), _mm512_set1_ps(scale)));
+    for (; steps < STEPS_PER_BLOCK; steps++) prefetch_step(prefetcher);
 }
 
 /* Adds `keys` consecutive keys' weighted values into the span's accumulators, 16 dims (fp32)
