@@ -240,7 +240,7 @@ static int extend(const Extend *e, int num_seqs, int num_threads, int bf16) {
 #ifdef HAVE_AVX2
 #define EXTEND_BODY(BF16)                                                                                            \
     const Extend e = {q, k, v, out, q_row_stride, out_row_stride, page_table_stride, page_table, seq_lens, q_starts, \
-                      q_lens, {num_kv_heads, head_dim, num_q_heads / num_kv_heads, page_size, scale, 0, 0, NULL, NULL}, \
+                      q_lens, {num_kv_heads, head_dim, num_q_heads / num_kv_heads, page_size, scale, 0, 0, NULL, NULL, 0}, \
                       window};                                                                                     \
     return extend(&e, num_seqs, num_threads, BF16);
 #else
