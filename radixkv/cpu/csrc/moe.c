@@ -296,12 +296,6 @@ static inline float halve8(__m256 v) {
 /* The same lanes in zmm registers, quants read straight from the row's blocks. */
 #define LANE_IDS _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0)
 
-/* Step i's float term: lanes 0-7 take scaled[2i], lanes 8-15 scaled[2i + 1]. */
-static inline __m512 kquant_term(__m512 scaled, int i, __m512i p) {
-    const __m512i pick = _mm512_add_epi32(_mm512_set1_epi32(2 * i), _mm512_srli_epi32(LANE_IDS, 3));
-    return _mm512_mul_ps(_mm512_permutexvar_ps(pick, scaled), _mm512_cvtepi32_ps(p));
-}
-
 static inline float kquant_sum(const __m512 acc[2]) {
     const __m512 a = _mm512_add_ps(acc[0], acc[1]);
     return halve8(_mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1)));
@@ -366,7 +360,9 @@ static float q6_k_dot_zmm(const uint8_t *raw, const QX *x, int64_t r) {
                 __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[j], _mm512_loadu_si512(xb + 64 * i));
                 p = _mm512_sub_epi32(p, _mm512_loadu_si512(x32 + sb * 64 + 16 * i));
                 p = _mm512_mullo_epi32(p, _mm512_permutexvar_epi32(which, sc16));
-                acc[i & 1] = _mm512_add_ps(acc[i & 1], kquant_term(scaled, i, p));
+                /* lanes 0-7 take scaled[2i], lanes 8-15 scaled[2i + 1] */
+                const __m512i pick = _mm512_add_epi32(_mm512_set1_epi32(2 * i), _mm512_srli_epi32(LANE_IDS, 3));
+                acc[j] = _mm512_add_ps(acc[j], _mm512_mul_ps(_mm512_permutexvar_ps(pick, scaled), _mm512_cvtepi32_ps(p)));
             }
         }
     }
@@ -511,41 +507,39 @@ int radixkv_moe_grouped(int type, const uint8_t *weights, int64_t expert_bytes, 
             for (int64_t item = 0; item < (int64_t)groups * tiles; item++) {
                 const int g = (int)(item / tiles), tix = (int)(item % tiles);
                 const uint8_t *expert = weights + (int64_t)experts[g] * expert_bytes;
-                {
-                    if (!ok) continue;
-                    const int o0 = tix * 8, live = n - o0 < 8 ? n - o0 : 8;
-                    if (kquant) {
-                        for (int o = o0; o < o0 + live; o++) {
-                            const uint8_t *raw = expert + (int64_t)o * row_bytes;
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-                            if (use_vnni) {
-                                for (int p = offsets[g]; p < offsets[g + 1]; p++)
-                                    y[(int64_t)p * y_stride + o] = (type == T_Q4_K ? q4_k_dot_zmm : q6_k_dot_zmm)(raw, &qx, x_rows[p]);
-                                continue;
-                            }
-#endif
-                            decode_row(type, raw, k, &row);
-                            for (int p = offsets[g]; p < offsets[g + 1]; p++)
-                                y[(int64_t)p * y_stride + o] = kquant_dot_scalar(type, &row, &qx, x_rows[p]);
-                        }
-                        continue;
-                    }
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-                    if (tiled && live == 8) {
-                        tile_decode(type, expert + (int64_t)o0 * row_bytes, row_bytes, k, &tile);
-                        for (int p = offsets[g]; p < offsets[g + 1]; p++) {
-                            float lanes[8];
-                            tile_dot(type, &tile, &qx, x_rows[p], lanes);
-                            memcpy(y + (int64_t)p * y_stride + o0, lanes, sizeof lanes);
-                        }
-                        continue;
-                    }
-#endif
+                if (!ok) continue;
+                const int o0 = tix * 8, live = n - o0 < 8 ? n - o0 : 8;
+                if (kquant) {
                     for (int o = o0; o < o0 + live; o++) {
-                        decode_row(type, expert + (int64_t)o * row_bytes, k, &row);
+                        const uint8_t *raw = expert + (int64_t)o * row_bytes;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+                        if (use_vnni) {
+                            for (int p = offsets[g]; p < offsets[g + 1]; p++)
+                                y[(int64_t)p * y_stride + o] = (type == T_Q4_K ? q4_k_dot_zmm : q6_k_dot_zmm)(raw, &qx, x_rows[p]);
+                            continue;
+                        }
+#endif
+                        decode_row(type, raw, k, &row);
                         for (int p = offsets[g]; p < offsets[g + 1]; p++)
-                            y[(int64_t)p * y_stride + o] = row_dot(type, &row, &qx, x_rows[p], use_vnni);
+                            y[(int64_t)p * y_stride + o] = kquant_dot_scalar(type, &row, &qx, x_rows[p]);
                     }
+                    continue;
+                }
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+                if (tiled && live == 8) {
+                    tile_decode(type, expert + (int64_t)o0 * row_bytes, row_bytes, k, &tile);
+                    for (int p = offsets[g]; p < offsets[g + 1]; p++) {
+                        float lanes[8];
+                        tile_dot(type, &tile, &qx, x_rows[p], lanes);
+                        memcpy(y + (int64_t)p * y_stride + o0, lanes, sizeof lanes);
+                    }
+                    continue;
+                }
+#endif
+                for (int o = o0; o < o0 + live; o++) {
+                    decode_row(type, expert + (int64_t)o * row_bytes, k, &row);
+                    for (int p = offsets[g]; p < offsets[g + 1]; p++)
+                        y[(int64_t)p * y_stride + o] = row_dot(type, &row, &qx, x_rows[p], use_vnni);
                 }
             }
             free(row.u), free(row.s), free(row.m), free(row.sc);
