@@ -21,6 +21,11 @@ from radixkv.model.loader import LoadedModel, _weight_files
 _FULL_HASH_BYTES = 256 << 20
 _SAMPLE_BYTES = 1 << 20
 _NUM_SAMPLES = 8
+# Raised whenever the kernels' arithmetic changes the KV a given file computes (Q6_K read as
+# the file stores it instead of requantized; the experts' lanes summed in another order; Gemma's
+# norms in native code), so a disk tier written by an older build is a miss, never a block that
+# recomputing would not give.
+KV_NUMERICS_REVISION = 2
 
 
 def model_fingerprint(loaded: LoadedModel, kv_dtype: torch.dtype | None = None) -> str:
@@ -31,6 +36,7 @@ def model_fingerprint(loaded: LoadedModel, kv_dtype: torch.dtype | None = None) 
         "weights": weights_digest(weight_files(loaded)),
         # KV computed with weights kept quantized differs from the float model's.
         "weight_format": loaded.weight_format,
+        "numerics": KV_NUMERICS_REVISION,
         "dtype": str(loaded.dtype).removeprefix("torch."),
         "kv_dtype": kv_dtype_name(kv_dtype if kv_dtype is not None else loaded.dtype),
         "architecture": config.architecture,
