@@ -95,8 +95,9 @@ def using(library: ctypes.CDLL) -> Iterator[ctypes.CDLL]:
 
 def _library_path(compiler: str, csrc: Path) -> Path:
     key = hashlib.sha256()
-    for source in (*SOURCES, *HEADERS):
-        key.update((csrc / source.name).read_bytes())
+    for source in (*_sources(csrc), *sorted(csrc.glob("*.h"))):
+        key.update(source.name.encode())
+        key.update(source.read_bytes())
     # A library built with -march=native runs only on this CPU model with these flags.
     for part in (compiler, " ".join(COMPILE_FLAGS), cpu_features().signature):
         key.update(part.encode())
@@ -110,13 +111,19 @@ def check_private(library: Path) -> None:
     private_files.check_private(library.parent, library)
 
 
+def _sources(csrc: Path) -> list[Path]:
+    """The C files of `csrc` (this package's: SOURCES; another revision's: whatever it had, so
+    scenarios/native_ab.py builds a base from before a file was added)."""
+    return sorted(csrc.glob("*.c"))
+
+
 def _build(compiler: str, csrc: Path, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True, mode=0o755)  # check_private: no one else writes it
     # Build beside the target and rename: a concurrent process never loads a half-written file.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        command = [compiler, *COMPILE_FLAGS, "-o", tmp, *(str(csrc / source.name) for source in SOURCES), "-lm"]
+        command = [compiler, *COMPILE_FLAGS, "-o", tmp, *map(str, _sources(csrc)), "-lm"]
         subprocess.run(command, check=True, capture_output=True, text=True)
         os.chmod(tmp, 0o755)  # whatever the umask: check_private refuses a group-writable library
         os.replace(tmp, target)
@@ -209,6 +216,8 @@ def _declare(library: ctypes.CDLL) -> None:
         "radixkv_moe_grouped_f32": i32,
     }
     for name, argtypes in signatures.items():
+        if not hasattr(library, name):  # another revision's build, from before `name` was added
+            continue
         function = getattr(library, name)
         function.argtypes = argtypes
         function.restype = returns.get(name)
