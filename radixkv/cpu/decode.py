@@ -199,7 +199,7 @@ def work_floats(
 MIN_SAVED_L2_FRACTION = 4.0
 MIN_SHARED_TOKENS = 256
 L2_BYTES_UNKNOWN = 512 << 10  # the smallest L2 of the CPUs radixkv has met, where sysfs is silent
-MIN_GROUP_QUERY_HEADS = 12
+MIN_GROUP_QUERY_HEADS = 18
 
 
 def use_cascade_tiles(on: bool) -> bool:

@@ -575,20 +575,20 @@ def test_cascade_without_tiles_matches_the_reference_and_the_tiles(gen, cascade_
 
 
 def test_default_thresholds_group_by_the_bytes_they_save(gen):
-    # SmolLM2's heads (GQA 3) in bf16 pages, a 512 KiB L2: a group needs 4 members (12 query
+    # SmolLM2's heads (GQA 3) in bf16 pages, a 512 KiB L2: a group needs 6 members (18 query
     # heads per KV head), 256 shared tokens (a chunk), and to save (members - 1) x shared tokens
-    # of one layer's K and V that fill 4 L2s (2,731 tokens of 768 bytes). A trio over 2,048
-    # tokens, four over 240 and four over 512 (saves 1,536) decode on their own; four over 1,024
-    # (saves 3,072), 16 over 256 (saves 3,840) and 16 over 700 (688 in whole pages) form groups.
+    # of one layer's K and V that fill 4 L2s (2,731 tokens of 768 bytes). Four over 2,048 tokens,
+    # six over 240 and six over 512 (saves 2,560) decode on their own; six over 1,024 (saves
+    # 5,120), 16 over 256 (saves 3,840) and 16 over 700 (688 in whole pages) form groups.
     thresholds = native.cascade_thresholds(9, 3, 64, 2, l2_bytes=512 << 10)
-    assert thresholds == dict(min_shared_tokens=256, min_group_members=4, min_saved_tokens=2731)
+    assert thresholds == dict(min_shared_tokens=256, min_group_members=6, min_saved_tokens=2731)
     assert native.min_saved_tokens(8, 64, 4, l2_bytes=512 << 10) == 512
-    assert native.min_members(1) == 12 and native.min_members(4) == 3 and native.min_members(8) == 2
-    groups = [(2048, 3), (240, 4), (512, 4), (1024, 4), (256, 16), (700, 16)]
+    assert native.min_members(1) == 18 and native.min_members(4) == 5 and native.min_members(8) == 3
+    groups = [(2048, 4), (240, 6), (512, 6), (1024, 6), (256, 16), (700, 16)]
     own = torch.randint(1, 40, (sum(size for _, size in groups),), generator=gen).tolist()
     t = Tables(gen, groups, own, heads=(9, 3), head_dim=64, dtype=torch.bfloat16)
     plan = check_cascade(t, torch.bfloat16, "default thresholds", **thresholds)
-    assert plan.saved_tokens == 3 * 1024 + 15 * 256 + 15 * 688
+    assert plan.saved_tokens == 5 * 1024 + 15 * 256 + 15 * 688
 
 
 def test_plan_groups_by_the_deepest_prefix_that_saves_most(gen):
