@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests.helpers.tiny_models import tiny_config
+from tests.helpers.tiny_models import init_gpt_oss_param, tiny_config
 
 # Quantized with gguf.quants.quantize; the K-quants are written as random valid blocks.
 QUANTIZED_TYPES = ("Q8_0", "Q4_0", "Q4_1")
@@ -305,14 +305,7 @@ def write_tiny_gpt_oss_gguf(path: Path, folder: Path, seed: int = 0, matrices: s
     mx = GGMLQuantizationType.MXFP4
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if "norm" in name:
-                param.copy_(1.0 + 0.2 * torch.randn_like(param))
-            elif "sinks" in name:
-                param.normal_(0.0, 2.0)
-            elif param.dim() == 1 or name.endswith("_bias"):
-                param.normal_(0.0, 0.2)
-            else:
-                param.normal_(0.0, 0.3 if "embed" in name or "lm_head" in name else 0.15)
+            init_gpt_oss_param(name, param)
         for layer in model.model.layers:  # the experts as MXFP4 holds them: the reference's values
             for param in (layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj):
                 blocks = quantize(param.transpose(1, 2).contiguous().numpy(), mx)

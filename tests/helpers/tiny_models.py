@@ -96,6 +96,19 @@ def gemma3_config(**overrides):
     return config
 
 
+def init_gpt_oss_param(name: str, param: torch.nn.Parameter) -> None:
+    """Every weight random; sinks wide (around the scores' size) so a backend that drops them
+    answers otherwise (tests/model/test_gpt_oss.py: test_sinks_and_windows_matter)."""
+    if "norm" in name:
+        param.copy_(1.0 + 0.2 * torch.randn_like(param))
+    elif "sinks" in name:
+        param.normal_(0.0, 2.0)
+    elif param.dim() == 1 or name.endswith("_bias"):
+        param.normal_(0.0, 0.2)
+    else:
+        param.normal_(0.0, 0.3 if "embed" in name or "lm_head" in name else 0.15)
+
+
 def gpt_oss_config(**overrides):
     """gpt-oss at test size: 8-token windows alternating with full layers (the real model: 128),
     8 experts of 32 with 2 routed a token, YaRN RoPE scaled 8x over 64 positions."""

@@ -15,27 +15,14 @@ from radixkv.attention.torch_backend import attend_with_sinks
 from radixkv.cpu import native
 from radixkv.errors import UnsupportedModel
 from tests.helpers.engine import assert_pages_returned, hf_greedy, make_llm, shared_prefix_prompts
-from tests.helpers.tiny_models import save_random_model
+from tests.helpers.tiny_models import init_gpt_oss_param, save_random_model
 
 MAX_NEW = 12
 BACKENDS = ["torch", pytest.param("cpu", marks=pytest.mark.skipif(native.load() is None, reason="no native library here"))]
 
 
-def _init(name: str, param: torch.nn.Parameter) -> None:
-    """Every weight random; sinks wide (around the scores' size) so a backend that drops them
-    answers otherwise (test_sinks_and_windows_matter)."""
-    if "norm" in name:
-        param.copy_(1.0 + 0.2 * torch.randn_like(param))
-    elif "sinks" in name:
-        param.normal_(0.0, 2.0)
-    elif param.dim() == 1 or name.endswith("_bias"):
-        param.normal_(0.0, 0.2)
-    else:
-        param.normal_(0.0, 0.3 if "embed" in name or "lm_head" in name else 0.15)
-
-
 def make_gpt_oss(path: Path, seed: int = 1, **overrides) -> Path:
-    return save_random_model(path, "gpt_oss", seed, _init, **overrides)
+    return save_random_model(path, "gpt_oss", seed, init_gpt_oss_param, **overrides)
 
 
 @pytest.fixture(scope="module")
