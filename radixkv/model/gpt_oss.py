@@ -217,22 +217,13 @@ class GptOssMoE(nn.Module):
         )
 
     def forward(self, x: Tensor, meta: AttentionMetadata) -> Tensor:
-        from radixkv.model.moe import INVARIANT_GEMM_ROWS, SparseMoE, group_by_expert
+        from radixkv.model.moe import combine_by_expert, group_by_expert, project_rows
 
-        logits = SparseMoE._rows(self.router, x, meta)
+        logits = project_rows(self.router, x, meta)
         top, ids = torch.topk(logits, self.top_k, dim=-1)
         weights = torch.softmax(top, dim=1, dtype=top.dtype)
-        groups = group_by_expert(ids, weights)
-        out = torch.zeros_like(x)
-        for g, expert in enumerate(groups.experts):
-            start, stop = groups.offsets[g], groups.offsets[g + 1]
-            tokens = groups.tokens[start:stop]
-            # Batch-invariant steps: float GEMMs in fixed row blocks (radixkv.model.llama.project's reason).
-            split = meta.batch_invariant and not getattr(self.experts, "rows_independent", False)
-            blocks = x[tokens].split(INVARIANT_GEMM_ROWS) if split else (x[tokens],)
-            y = torch.cat([self._expert(expert, block) for block in blocks])
-            out.index_add_(0, tokens, (y * groups.weights[start:stop, None]).to(x.dtype))
-        return out
+        split = meta.batch_invariant and not getattr(self.experts, "rows_independent", False)
+        return combine_by_expert(x, group_by_expert(ids, weights), self._expert, split)
 
     def _expert(self, expert: int, x: Tensor) -> Tensor:
         gate, up = self.experts.gate_up(expert, x)

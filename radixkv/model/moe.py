@@ -5,7 +5,7 @@ once a step however many of the step's tokens picked it, and an expert no token 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -231,36 +231,48 @@ class SparseMoE(nn.Module):
         )
 
     def forward(self, x: Tensor, meta: AttentionMetadata) -> Tensor:
-        logits = self._rows(self.gate, x, meta)
+        logits = project_rows(self.gate, x, meta)
         weights, ids = route(logits, self.top_k, self.norm_topk_prob, x.dtype)
         return self.combine(x, group_by_expert(ids, weights), meta.batch_invariant)
 
     def combine(self, x: Tensor, groups: ExpertGroups, batch_invariant: bool = False) -> Tensor:
         """sum over each token's routed experts of weight * expert(token), each expert run once."""
-        out = torch.zeros_like(x)
         if getattr(self.experts, "grouped_ready", False):
             # One grouped call a projection; pairs added in expert order per token, as below.
+            out = torch.zeros_like(x)
             y = self.experts.grouped(x, groups).to(x.dtype)
             out.index_add_(0, groups.tokens, y * groups.weights[:, None])
             return out
-        for g, expert in enumerate(groups.experts):
-            start, stop = groups.offsets[g], groups.offsets[g + 1]
-            tokens = groups.tokens[start:stop]
-            block = x[tokens]
-            if batch_invariant and block.shape[0] > INVARIANT_GEMM_ROWS and not getattr(self.experts, "rows_independent", False):
-                y = torch.cat([self.run_expert(expert, part) for part in block.split(INVARIANT_GEMM_ROWS)])
-            else:
-                y = self.run_expert(expert, block)
-            out.index_add_(0, tokens, y * groups.weights[start:stop, None])
-        return out
+        split = batch_invariant and not getattr(self.experts, "rows_independent", False)
+        return combine_by_expert(x, groups, self.run_expert, split)
 
     def run_expert(self, expert: int, x: Tensor) -> Tensor:
         """Expert `expert`'s MLP over rows x [n, H]: down(silu(gate x) * up x)."""
         experts = self.experts
         return experts.project_down(expert, silu_mul(experts.project_gate_up(expert, x), self.native))
 
-    @staticmethod
-    def _rows(layer: nn.Module, x: Tensor, meta: AttentionMetadata) -> Tensor:
-        if not meta.batch_invariant or x.shape[0] <= INVARIANT_GEMM_ROWS or getattr(layer, "rows_independent", False):
-            return layer(x)
-        return torch.cat([layer(block) for block in x.split(INVARIANT_GEMM_ROWS)])
+
+def project_rows(layer: nn.Module, x: Tensor, meta: AttentionMetadata) -> Tensor:
+    """layer(x), in blocks of INVARIANT_GEMM_ROWS rows when the step must be batch-invariant and
+    the layer's rows are not independent already (radixkv.model.llama.project, for the routers)."""
+    if not meta.batch_invariant or x.shape[0] <= INVARIANT_GEMM_ROWS or getattr(layer, "rows_independent", False):
+        return layer(x)
+    return torch.cat([layer(block) for block in x.split(INVARIANT_GEMM_ROWS)])
+
+
+def combine_by_expert(x: Tensor, groups: ExpertGroups, run_expert: Callable[[int, Tensor], Tensor], split_rows: bool) -> Tensor:
+    """sum over each token's routed experts of weight * run_expert(expert, its tokens' rows),
+    each routed expert run once on its block and scatter-added in ascending expert order (the
+    order transformers sums them in); split_rows: the block in INVARIANT_GEMM_ROWS-row parts
+    (batch-invariant steps over float GEMMs)."""
+    out = torch.zeros_like(x)
+    for g, expert in enumerate(groups.experts):
+        start, stop = groups.offsets[g], groups.offsets[g + 1]
+        tokens = groups.tokens[start:stop]
+        block = x[tokens]
+        if split_rows and block.shape[0] > INVARIANT_GEMM_ROWS:
+            y = torch.cat([run_expert(expert, part) for part in block.split(INVARIANT_GEMM_ROWS)])
+        else:
+            y = run_expert(expert, block)
+        out.index_add_(0, tokens, (y * groups.weights[start:stop, None]).to(x.dtype))
+    return out
