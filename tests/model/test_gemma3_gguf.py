@@ -74,7 +74,10 @@ def test_gemma3_270m_fused_decode_is_bit_identical_to_the_layer_loop(gemma_gguf)
     model = llm.engine.loaded.model
     step = fused_decode(model)
     if step is None:
-        pytest.skip("the fused decode step does not run here (no native linear kernel)")
+        from radixkv.cpu.linear import missing_linear_kernel
+
+        why = "; ".join(f"{name}: {missing_linear_kernel(name)}" for name in ("avx512_bf16", "avx2"))
+        pytest.skip(f"the fused decode step does not run here (no native linear kernel: {why})")
     prompt = llm.tokenizer.encode(TEXT * 18)
     assert len(prompt) > 512
     logits: list[torch.Tensor] = []
