@@ -85,7 +85,8 @@ def test_accounting_holds_under_random_use(ops: list[tuple[int, int, int]]) -> N
     prefixes = [list(range(100, 140)), list(range(100, 120)) + list(range(300, 320)), list(range(500, 540))]
     running: list[SequenceState] = []
     pins: list = []
-    whole_at_start: dict[int, bool] = {}  # retention id -> its cut was a full hit when made
+    # retention id -> (its cut was a full hit when made, the kept-tier drops until then)
+    whole_at_start: dict[int, tuple[bool, int]] = {}
     for op, which, amount in ops:
         if op == 0 or not running:  # admit a prompt sharing a prefix with others
             seq = make_seq(prefixes[which % 3][: 10 + amount % 30] + [7, 8, 9])
@@ -116,17 +117,19 @@ def test_accounting_holds_under_random_use(ops: list[tuple[int, int, int]]) -> N
         elif op == 4 and which == 3:  # retain a cached prefix, as a Keep ttl or a session's turn does
             if kv.retain(prefixes[amount % 3][:amount], None, 30.0, f"owner{amount % 2}", 12):
                 retention = tree.retentions(f"owner{amount % 2}")[-1]
-                whole_at_start[retention.retention_id] = end_usable(retention.node, windows)
+                whole_at_start[retention.retention_id] = (end_usable(retention.node, windows), windows.num_kept_drops)
         else:  # pressure: evict from each group
             tree.evict(amount % 5)
             bare = {node.node_id for node in tree.iter_nodes() if node.parent is not None and not end_usable(node, windows)}
-            drops, kept_drops = windows.num_end_drops, windows.num_kept_drops
+            drops = windows.num_end_drops
             windows.evict(amount % 5)
             if windows.num_end_drops == drops:  # no window before a node's end dropped: every usable end stays
                 assert all(end_usable(node, windows) for node in unlocked_leaves(tree) if node.node_id not in bare)
-            if windows.num_kept_drops == kept_drops:  # a retained cut that was a full hit stays one (or went whole)
-                live = [r for owner in tree.retention_owners() for r in tree.retentions(owner)]
-                assert all(r.node.removed or end_usable(r.node, windows) for r in live if whole_at_start.get(r.retention_id))
+            # A retained cut that was a full hit stays one (or went whole) while no kept window
+            # page was dropped, here or by an allocation under pressure since it was made.
+            live = [r for owner in tree.retention_owners() for r in tree.retentions(owner)]
+            untouched = [r for r in live if whole_at_start.get(r.retention_id, (False, 0)) == (True, windows.num_kept_drops)]
+            assert all(r.node.removed or end_usable(r.node, windows) for r in untouched)
         check_page_accounting(pool, tree, running, [], windows)
         check_tree(tree)
     for seq in running:
