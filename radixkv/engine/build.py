@@ -23,6 +23,7 @@ from radixkv.engine.guide import GuideLimits, Guides
 from radixkv.engine.kv_manager import KVManager
 from radixkv.errors import ConfigError
 from radixkv.model.loader import LoadedModel, load_model
+from radixkv.prompts.harmony import harmony_tokens
 
 
 def load_engine_model(config: EngineConfig, device: torch.device, loaded: LoadedModel | None = None) -> LoadedModel:
@@ -104,11 +105,14 @@ def build_cache(config: EngineConfig, loaded: LoadedModel, device: torch.device)
 
 
 def eos_token_ids(loaded: LoadedModel) -> set[int]:
-    """The ids that end a reply: the model config's, and the tokenizer's own where it names one."""
+    """The ids that end a reply: the model config's, the tokenizer's own where it names one, and
+    harmony's `<|return|>` and `<|call|>` for a model that speaks it (a GGUF's config may name
+    only one of them, and a reply that runs past `<|call|>` invents the tool's answer)."""
     ids = set(loaded.config.eos_token_ids)
     if getattr(loaded.tokenizer, "eos_token_id", None) is not None:
         ids.add(loaded.tokenizer.eos_token_id)
-    return ids
+    marks = harmony_tokens(loaded.tokenizer)
+    return ids | marks.stops if marks is not None else ids
 
 
 def resolve_batch_invariant(config: EngineConfig, loaded: LoadedModel) -> bool:

@@ -2,6 +2,9 @@
 the model's chat template when it takes `tools`, else the fallback prompt below; messages
 normalized as templates print them. Guides and reading calls back are the server's (server/tools.py).
 
+gpt-oss's template (harmony, radixkv/prompts/harmony.py) takes its tools; an assistant message
+with several calls is handed to it as one message per call, as harmony writes them.
+
 The fallback, for chat templates that take no `tools`: a system-prompt section lists each
 function as one JSON line {"name", "description", "parameters"} and asks for one line
 `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` per call (read back by
@@ -19,6 +22,7 @@ from typing import Any
 from radixkv.errors import InvalidRequest
 from radixkv.prompts.conversation import EncodedConversation, TemplateInput, common_prefix
 from radixkv.prompts.encode import render_chat, template_takes_tools, tokenize_rendered
+from radixkv.prompts.harmony import harmony_tokens
 
 # "none" | "auto" | "required" | the name of the one function the reply must call.
 ToolChoice = str
@@ -122,9 +126,27 @@ def template_input(tokenizer: Any, messages: list[dict], tools: list[Tool]) -> T
     roles = [m["role"] for m in normalized]
     if template_takes_tools(tokenizer):
         wire_tools = [_wire_tool(t) for t in tools] or None
+        if harmony_tokens(tokenizer) is not None:
+            split, origins = _one_call_each(normalized)
+            return TemplateInput(split, roles, origins, wire_tools)
         return TemplateInput(normalized, roles, [[(i, 0)] for i in range(len(normalized))], wire_tools)
     out, origins, tools_at = _fallback(normalized, tools)
     return TemplateInput(out, roles, origins, None, tools_at)
+
+
+def _one_call_each(messages: list[dict]) -> tuple[list[dict], list[list[tuple[int, int]]]]:
+    """Harmony's assistant messages, one tool call each, as the model writes them: gpt-oss's
+    template prints only an assistant message's first call (its text goes with that one)."""
+    out: list[dict] = []
+    origins: list[list[tuple[int, int]]] = []
+    for k, message in enumerate(messages):
+        calls = message.get("tool_calls") or []
+        out.append({**message, "tool_calls": calls[:1]} if len(calls) > 1 else message)
+        origins.append([(k, 0)])
+        for call in calls[1:]:
+            out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            origins.append([])
+    return out, origins
 
 
 def normalize_messages(messages: list[dict]) -> list[dict]:

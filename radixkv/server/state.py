@@ -14,6 +14,7 @@ from radixkv.server.errors import APIError
 from radixkv.server.guards.drain import Drain
 from radixkv.server.limits import ServerLimits
 from radixkv.server.metrics import ServerMetrics
+from radixkv.server.reply_format import ReplyFormat
 import time
 from radixkv.server.guards.parse_slots import ParseSlots
 from radixkv.server.guards.quotas import KeyQuotas
@@ -36,6 +37,7 @@ class AppState:
     drain: Drain = field(default_factory=Drain)  # set draining by SIGTERM (radixkv serve)
     replies: ReplyMap | None = field(init=False)  # chat replies' ids per owner; None: continuation off
     diagnoses: DiagnosisStore = field(init=False)  # answered prompts' fingerprints per owner (cache diagnostics)
+    reply_format: ReplyFormat = field(init=False)  # the model's: how every route splits a reply
 
     def __post_init__(self) -> None:
         self.quotas = KeyQuotas(self.limits.max_requests_per_key, self.limits.max_seqs_per_key)
@@ -47,6 +49,7 @@ class AppState:
         self.diagnoses = DiagnosisStore(
             limits.max_cache_diagnoses_per_key, limits.max_cache_diagnosis_bytes_per_key, limits.max_cache_diagnoses, limits.max_cache_diagnosis_bytes,
         )  # fmt: skip
+        self.reply_format = ReplyFormat(self.engine.tokenizer)
         self.replies = None
         if limits.exact_continuation:
             self.replies = ReplyMap(

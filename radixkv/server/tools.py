@@ -145,7 +145,7 @@ def _bare_calls(text: str, names: set[str]) -> list[ToolCall] | None:
     if value is MALFORMED:
         return None
     items = value if isinstance(value, list) else [value]
-    calls = [_call_of(item, names) for item in items]
+    calls = [call_of(item, names) for item in items]
     return _distinct(calls) if calls and all(c is not None for c in calls) else None  # type: ignore[arg-type]
 
 
@@ -170,7 +170,7 @@ def completed_calls(text: str, names: set[str]) -> list[ToolCall]:
                 position += 1
     except (json.JSONDecodeError, RecursionError):
         pass  # the cut: what closed before it is kept
-    return _distinct([call for call in (_call_of(value, names) for value in values) if call is not None])
+    return _distinct([call for call in (call_of(value, names) for value in values) if call is not None])
 
 
 def _skip_space(text: str, position: int) -> int:
@@ -192,7 +192,7 @@ def _distinct(calls: list[ToolCall]) -> list[ToolCall]:
     return distinct
 
 
-def _call_of(value: Any, names: set[str]) -> ToolCall | None:
+def call_of(value: Any, names: set[str]) -> ToolCall | None:
     """A ToolCall from {"name", "arguments"} (or "parameters", as some models write it)."""
     if not isinstance(value, dict) or value.get("name") not in names:
         return None
@@ -210,7 +210,7 @@ def _call_of(value: Any, names: set[str]) -> ToolCall | None:
 
 def _parse_call(body: str, names: set[str]) -> ToolCall | None:
     value = loads_json(body)
-    return None if value is MALFORMED else _call_of(value, names)
+    return None if value is MALFORMED else call_of(value, names)
 
 
 def _tagged_calls(text: str, names: set[str]) -> tuple[str, list[ToolCall]]:

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response
 
 from radixkv.engine.async_engine import EngineStepError, EngineStopped, RequestStream
 from radixkv.engine.request import Keep
-from radixkv.engine.request_output import RequestOutput
+from radixkv.engine.request_output import CompletionOutput, RequestOutput
 from radixkv.engine.sampling_params import SamplingParams
 from radixkv.errors import InvalidRequest
 from radixkv.prompts.conversation import EncodedConversation
@@ -198,6 +198,11 @@ def _usage(ctx: _Context, final: RequestOutput) -> dict[str, Any]:
 # -- the reply -------------------------------------------------------------------------------
 
 
+def _content(text: str | None, calls: list[Any]) -> list[dict[str, Any]]:
+    """A reply's content blocks: its text, then a tool_use block per call."""
+    return ([{"type": "text", "text": text}] if text else []) + [_tool_use(call) for call in calls]
+
+
 def _tool_use(call: Any) -> dict[str, Any]:
     try:
         arguments = json.loads(call.arguments) if call.arguments else {}
@@ -224,18 +229,17 @@ def _stop_reason(ctx: _Context, final: RequestOutput, has_calls: bool) -> tuple[
     return "end_turn", None
 
 
-def _parse(ctx: _Context, text: str) -> tuple[str | None, list[Any]]:
-    if not ctx.conv.tools or ctx.conv.tool_choice == "none":
-        return text, []
-    return tool_layer.parse_reply(text, ctx.conv.tools, ctx.conv.tool_choice)
+def _parse(ctx: _Context, output: CompletionOutput) -> tuple[str | None, list[Any]]:
+    """Text and calls; a reasoning model's reasoning is left out (no `thinking` blocks here)."""
+    reply = ctx.server.reply_format.parse(output.text, output.token_ids, ctx.conv.tools, ctx.conv.tool_choice)
+    return reply.content, reply.calls
 
 
 async def _message(ctx: _Context, final: RequestOutput) -> dict[str, Any]:
     ReplyCollector(ctx.server.replies, ctx.owner, ctx.salt).finished(final)
     ctx.answered()
-    text, calls = _parse(ctx, final.outputs[0].text)
-    content: list[dict[str, Any]] = [{"type": "text", "text": text}] if text else []
-    content += [_tool_use(call) for call in calls]
+    text, calls = _parse(ctx, final.outputs[0])
+    content = _content(text, calls)
     stop_reason, stop_sequence = _stop_reason(ctx, final, bool(calls))
     return {
         "id": ctx.message_id,
@@ -305,8 +309,7 @@ async def _events(ctx: _Context, streams: list[RequestStream]) -> AsyncIterator[
     message = {"id": ctx.message_id, "type": "message", "role": "assistant", "model": ctx.server.model_name,
                "content": [], "stop_reason": None, "stop_sequence": None,
                "usage": {"input_tokens": len(ctx.prompt), "output_tokens": 0}, **ctx.diagnostics_field()}
-    use_tools = bool(ctx.conv.tools) and ctx.conv.tool_choice != "none"
-    splitter = tool_layer.ToolCallStream(ctx.conv.tools, ctx.conv.tool_choice) if use_tools else None
+    splitter = ctx.server.reply_format.stream(ctx.conv.tools, ctx.conv.tool_choice)
     blocks, final, num_calls = _Blocks(), None, 0
     try:
         yield _event("message_start", {"message": message})
@@ -315,18 +318,17 @@ async def _events(ctx: _Context, streams: list[RequestStream]) -> AsyncIterator[
             async for _, delta in merged:
                 if any(c.finish_reason == "abort" for c in delta.completions):
                     raise APIError(529, "the request was aborted")
-                text = "".join(c.text for c in delta.completions)
-                content, calls = splitter.feed(text) if splitter is not None else (text, [])
-                for event in _stream_parts(blocks, content, calls):
-                    yield event
-                num_calls += len(calls)
+                for completion in delta.completions:
+                    piece = splitter.feed(completion.text, completion.token_ids)
+                    for event in _stream_parts(blocks, piece.content, piece.calls):
+                        yield event
+                    num_calls += len(piece.calls)
                 if delta.output is not None:
                     final = delta.output
-        if splitter is not None:
-            content, calls = splitter.finish()
-            num_calls += len(calls)
-            for event in _stream_parts(blocks, content, calls):
-                yield event
+        piece = splitter.finish()
+        num_calls += len(piece.calls)
+        for event in _stream_parts(blocks, piece.content, piece.calls):
+            yield event
         for event in blocks.close():
             yield event
         if final is None:  # every stream ends with its output or an error; never a silent end

@@ -40,7 +40,8 @@ from radixkv.server.openai.protocol import (
     now_s,
 )
 from radixkv.server.streaming import merge, sse
-from radixkv.server.tools import Tool, ToolCall, ToolCallStream, ToolChoice, parse_reply
+from radixkv.server.reply_format import ReplyFormat
+from radixkv.server.tools import Tool, ToolCall, ToolChoice
 
 if TYPE_CHECKING:
     from radixkv.server.state import AppState
@@ -51,11 +52,13 @@ Report = dict[str, Any] | list[dict[str, Any] | None] | None
 
 @dataclass(frozen=True, slots=True)
 class ChatTools:
-    """A chat request's tools, its checked tool_choice, and whether calls may come in parallel."""
+    """A chat request's tools, its checked tool_choice, whether calls may come in parallel, and
+    the model's reply format that splits the reply."""
 
     tools: list[Tool]
     choice: ToolChoice
     parallel: bool
+    format: ReplyFormat
 
 
 def _reply_calls(calls: list[ToolCall]) -> list[ReplyToolCall] | None:
@@ -69,11 +72,11 @@ def _finish_reason(engine_reason: str, has_calls: bool) -> str:
 
 
 def _chat_choice(texts: TokenTexts, body: ChatCompletionRequest, tools: ChatTools, output: CompletionOutput) -> ChatChoice:
-    content, calls = parse_reply(output.text, tools.tools, tools.choice)
+    reply = tools.format.parse(output.text, output.token_ids, tools.tools, tools.choice)
     return ChatChoice(
         index=output.index,
-        message=AssistantMessage(content=content, tool_calls=_reply_calls(calls)),
-        finish_reason=_finish_reason(output.finish_reason, bool(calls)),
+        message=AssistantMessage(content=reply.content, tool_calls=_reply_calls(reply.calls), reasoning_content=reply.reasoning),
+        finish_reason=_finish_reason(output.finish_reason, bool(reply.calls)),
         logprobs=chat_logprobs(texts, output.logprobs, body.top_logprobs or 0) if body.logprobs else None,
     )
 
@@ -106,26 +109,31 @@ def completion_response(server: AppState, texts: TokenTexts, body: CompletionReq
 
 
 class _ChatChoiceStream:
-    """One streamed chat choice: content passes through a ToolCallStream; each finished call is
-    sent as OpenAI sends one (its id, type and name with arguments "", then its arguments), and
-    the last chunk says "tool_calls" when any call was made."""
+    """One streamed chat choice split by the model's reply format (server/reply_format.py):
+    reasoning and content pass through; each finished call is sent as OpenAI sends one (its id,
+    type and name with arguments "", then its arguments), and the last chunk says "tool_calls"
+    when any call was made."""
 
     def __init__(self, texts: TokenTexts, body: ChatCompletionRequest, tools: ChatTools, index: int) -> None:
         self._texts, self._body, self._index = texts, body, index
-        self._calls = ToolCallStream(tools.tools, tools.choice)
+        self._calls = tools.format.stream(tools.tools, tools.choice)
 
     def choices(self, delta: CompletionDelta) -> list[ChatChunkChoice]:
-        content, calls = self._calls.feed(delta.text)
+        piece = self._calls.feed(delta.text, delta.token_ids)
         out: list[ChatChunkChoice] = []
         logprobs = chat_logprobs(self._texts, delta.logprobs, self._body.top_logprobs or 0) if self._body.logprobs else None
-        if content or logprobs:
-            out.append(self._choice(Delta(content=content or None), logprobs=logprobs))
-        out += self._call_choices(calls, self._calls.num_calls - len(calls))
+        if piece.reasoning:
+            out.append(self._choice(Delta(reasoning_content=piece.reasoning)))
+        if piece.content or logprobs:
+            out.append(self._choice(Delta(content=piece.content or None), logprobs=logprobs))
+        out += self._call_choices(piece.calls, self._calls.num_calls - len(piece.calls))
         if delta.finish_reason is not None:
-            content, calls = self._calls.finish()
-            if content:
-                out.append(self._choice(Delta(content=content)))
-            out += self._call_choices(calls, self._calls.num_calls - len(calls))
+            piece = self._calls.finish()
+            if piece.reasoning:
+                out.append(self._choice(Delta(reasoning_content=piece.reasoning)))
+            if piece.content:
+                out.append(self._choice(Delta(content=piece.content)))
+            out += self._call_choices(piece.calls, self._calls.num_calls - len(piece.calls))
             finish = _finish_reason(delta.finish_reason, self._calls.num_calls > 0)
             out.append(self._choice(Delta(), finish_reason=finish))
         return out

@@ -334,6 +334,8 @@ class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     tool_calls: list[ReplyToolCall] | None = None
+    # A reasoning model's (harmony's analysis), as vLLM names it; left out where there is none.
+    reasoning_content: str | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class ChatChoice(BaseModel):
@@ -370,6 +372,7 @@ class DeltaToolCall(BaseModel):
 class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = Field(default=None, exclude_if=lambda v: v is None)
     tool_calls: list[DeltaToolCall] | None = None
 
 

@@ -152,12 +152,6 @@ def guide(body: ResponsesRequest, tools: list[tool_layer.Tool], choice: str) -> 
 # -- replies ---------------------------------------------------------------------------------
 
 
-def split_reply(text: str, tools: list[tool_layer.Tool], choice: str) -> tuple[str | None, list[tool_layer.ToolCall]]:
-    if not calls_possible(tools, choice):
-        return text, []
-    return tool_layer.parse_reply(text, tools, choice)
-
-
 def output_items(content: str | None, calls: list[tool_layer.ToolCall], complete: bool) -> list[OutputItem]:
     status = "completed" if complete else "incomplete"
     items: list[OutputItem] = []

@@ -54,7 +54,8 @@ from radixkv.server.streaming import (
     submit,
     until_disconnect,
 )
-from radixkv.server.tools import Tool, ToolCall, ToolCallStream, check_tool_choice
+from radixkv.server.reply_format import Piece, ReplyStream
+from radixkv.server.tools import Tool, check_tool_choice
 
 if TYPE_CHECKING:
     from radixkv.server.state import AppState
@@ -255,10 +256,11 @@ def _usage(server: AppState, final: RequestOutput) -> ResponseUsage:
 
 def _finished(server: AppState, turn: _Turn, final: RequestOutput) -> ResponseObject:
     complete = final.outputs[0].finish_reason != "length"
-    content, calls = convert.split_reply(final.outputs[0].text, turn.tools, turn.choice)
+    # A reasoning model's reasoning is left out: this route has no reasoning items.
+    reply = server.reply_format.parse(final.outputs[0].text, final.outputs[0].token_ids, turn.tools, turn.choice)
     response = _skeleton(server, turn.body)
     response.prompt_cache_diagnostics = turn.diagnostics
-    response.output = convert.output_items(content, calls, complete)
+    response.output = convert.output_items(reply.content, reply.calls, complete)
     response.usage = _usage(server, final)
     response.status = "completed" if complete else "incomplete"
     if not complete:
@@ -270,11 +272,11 @@ async def _events(
     server: AppState, store: ResponseStore, turn: _Turn, streams: list[RequestStream], reporter: CacheReporter
 ) -> AsyncIterator[str]:
     """The streamed response: text passes through as the engine decodes it, except what may
-    still become a tool call (ToolCallStream holds that back until it parses)."""
+    still become a tool call (the reply format's stream holds that back until it parses)."""
     skeleton = _skeleton(server, turn.body)
     skeleton.prompt_cache_diagnostics = turn.diagnostics  # known before generation: in every event's response
     events = ResponseEvents(skeleton)
-    splitter = ToolCallStream(turn.tools, turn.choice) if convert.calls_possible(turn.tools, turn.choice) else None
+    splitter = server.reply_format.stream(turn.tools, turn.choice)
     final: RequestOutput | None = None
     try:
         for event in events.start():
@@ -284,13 +286,12 @@ async def _events(
                 for completion in delta.completions:
                     if completion.finish_reason == "abort":
                         raise APIError(503, "the request was aborted", type="server_error", code="aborted")
-                    for event in _pieces(events, splitter, completion.text):
+                    for event in _pieces(events, splitter, completion.text, completion.token_ids):
                         yield event
                 if delta.output is not None:
                     final = delta.output
-        if splitter is not None:
-            for event in _emit(events, *splitter.finish()):
-                yield event
+        for event in _emit(events, splitter.finish()):
+            yield event
         if final is None:
             raise APIError(503, "the request was aborted", type="server_error", code="aborted")
         events.response.cache_report = await reporter.one([final])  # in the closing event, beside usage
@@ -306,16 +307,14 @@ async def _events(
         yield events.error(error if isinstance(error, APIError) else engine_error(error))
 
 
-def _pieces(events: ResponseEvents, splitter: ToolCallStream | None, text: str) -> list[str]:
-    if not text:
+def _pieces(events: ResponseEvents, splitter: ReplyStream, text: str, token_ids: list[int]) -> list[str]:
+    if not text and not token_ids:
         return []
-    if splitter is None:
-        return events.text(text)
-    return _emit(events, *splitter.feed(text))
+    return _emit(events, splitter.feed(text, token_ids))
 
 
-def _emit(events: ResponseEvents, content: str, calls: list[ToolCall]) -> list[str]:
-    out = events.text(content)
-    for call in calls:
+def _emit(events: ResponseEvents, piece: Piece) -> list[str]:
+    out = events.text(piece.content)
+    for call in piece.calls:
         out += events.call(call)
     return out

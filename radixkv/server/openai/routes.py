@@ -70,7 +70,7 @@ def register(app: FastAPI, server: AppState) -> None:
             body = parse_body(ChatCompletionRequest, raw)
             _check_request(server, body)
             prompt_cache.check_options(body)
-            tools = _chat_tools(body)
+            tools = _chat_tools(server, body)
             salt = server.tenants.cache_salt(key, body.cache_salt)
             encoded = chat_conversation(server, [m.as_chat() for m in body.messages], tools.tools, tools.choice, owner=owner, salt=salt)
             guide, guide_param = _chat_guide(body, tools)
@@ -157,13 +157,13 @@ def _check_request(server: AppState, body: ChatCompletionRequest | CompletionReq
         raise APIError(400, f"radixkv does not support {unsupported!r}", param=unsupported, code="unsupported_parameter")
 
 
-def _chat_tools(body: ChatCompletionRequest) -> ChatTools:
+def _chat_tools(server: AppState, body: ChatCompletionRequest) -> ChatTools:
     try:
         tools = tools_from_openai(body.tools)
         choice = tool_choice_from_openai(body.tool_choice, tools)
     except InvalidRequest as error:
         raise engine_error(error) from None
-    return ChatTools(tools, choice, body.parallel_tool_calls is not False)  # OpenAI's default: parallel
+    return ChatTools(tools, choice, body.parallel_tool_calls is not False, server.reply_format)  # OpenAI's default: parallel
 
 
 def _chat_guide(body: ChatCompletionRequest, tools: ChatTools) -> tuple[Guide | None, str]:

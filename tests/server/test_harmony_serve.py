@@ -1,0 +1,74 @@
+"""The real server over a test-size gpt-oss with a harmony tokenizer and gpt-oss's template: a
+random model writes no chosen sequence (the parser's cases are tests/server/test_reply_format.py),
+so this checks the path: harmony's stops are the engine's, every family answers with its own
+shape, streamed chat equals the whole reply, and the pages all come back."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from radixkv.config import EngineConfig
+from radixkv.engine.async_engine import AsyncEngine
+from radixkv.engine.engine import Engine
+from radixkv.prompts.harmony import harmony_tokens
+from tests.helpers.harmony import harmony_tokenizer
+from tests.helpers.live_server import KEY_A, MODEL, LiveServer, serve
+from tests.helpers.tiny_models import make_tiny_model
+
+WEATHER = {
+    "type": "function",
+    "function": {"name": "get_weather", "description": "Weather of a city", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}},
+}
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def harmony_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    folder = make_tiny_model(tmp_path_factory.mktemp("tiny-gpt-oss"), "gpt_oss", max_position_embeddings=2048)
+    harmony_tokenizer().save_pretrained(folder)  # replaces the tiny tokenizer: same vocabulary size
+    engine = Engine(EngineConfig(model=str(folder), dtype="float32", device="cpu", page_size=4, num_pages=1024, check_invariants=True))
+    with serve(AsyncEngine(engine)) as live:
+        yield live
+
+
+def test_harmonys_stops_end_a_reply(harmony_server: LiveServer) -> None:
+    marks = harmony_tokens(harmony_server.async_engine.tokenizer)
+    assert marks is not None and marks.stops <= set(harmony_server.engine_call(lambda e: e.eos_token_ids))
+
+
+def test_chat_streamed_equals_whole_and_pages_come_back(harmony_server: LiveServer) -> None:
+    client = harmony_server.client()
+    args = dict(model=MODEL, messages=MESSAGES, tools=[WEATHER], max_tokens=24, temperature=0)
+    whole = client.chat.completions.create(**args).choices[0]
+    assert whole.finish_reason in ("stop", "length", "tool_calls")
+    content, reasoning, names, finish = "", "", [], None
+    for chunk in client.chat.completions.create(**args, stream=True):
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            reasoning += getattr(choice.delta, "reasoning_content", None) or ""
+            names += [c.function.name for c in choice.delta.tool_calls or [] if c.function and c.function.name]
+            finish = choice.finish_reason or finish
+    assert content == (whole.message.content or "")
+    assert reasoning == (getattr(whole.message, "reasoning_content", None) or "")
+    assert names == [c.function.name for c in whole.message.tool_calls or []]
+    assert finish == whole.finish_reason
+    harmony_server.assert_idle_and_consistent()
+
+
+def test_messages_and_responses_answer_in_their_shapes(harmony_server: LiveServer) -> None:
+    with harmony_server.http() as http:
+        body = {"model": MODEL, "max_tokens": 24, "messages": [{"role": "user", "content": "Weather in Paris?"}],
+                "tools": [{"name": "get_weather", "description": "Weather", "input_schema": WEATHER["function"]["parameters"]}]}  # fmt: skip
+        message = http.post("/v1/messages", json=body, headers={"x-api-key": KEY_A})
+        assert message.status_code == 200, message.text
+        assert {b["type"] for b in message.json()["content"]} <= {"text", "tool_use"}
+        assert message.json()["stop_reason"] in ("end_turn", "max_tokens", "tool_use")
+        streamed = http.post("/v1/messages", json={**body, "stream": True}, headers={"x-api-key": KEY_A})
+        assert streamed.status_code == 200 and "event: message_stop" in streamed.text and "event: error" not in streamed.text
+    response = harmony_server.client().responses.create(model=MODEL, input="Weather in Paris?", tools=[{"type": "function", **WEATHER["function"]}], max_output_tokens=24)
+    assert response.status in ("completed", "incomplete")
+    assert {item.type for item in response.output} <= {"message", "function_call"}
+    harmony_server.assert_idle_and_consistent()
