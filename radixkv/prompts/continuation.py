@@ -13,6 +13,7 @@ from typing import Any
 
 from radixkv.errors import InvalidRequest
 from radixkv.prompts.encode import tokenize_rendered
+from radixkv.prompts.harmony import HarmonyReader, HarmonyTokens
 
 Message = Mapping[str, Any]
 Render = Callable[[list[dict[str, Any]]], str]  # messages -> the chat template's text
@@ -181,6 +182,54 @@ def continue_after(
     if marked is None or marked.count(marker) != 1 or marked.replace(marker, "") != render(list(messages)):
         return None
     return list(prefix_ids) + _tokens(tokenizer, marked.split(marker, 1)[1])
+
+
+def continue_after_harmony(
+    tokenizer: Any,
+    render: Render,
+    render_through: Render,
+    messages: Sequence[Message],
+    reply_index: int,
+    prefix_ids: Sequence[int],
+    num_reply_tokens: int,
+    marks: HarmonyTokens,
+) -> list[int] | None:
+    """continue_after for a harmony reply (gpt-oss): its ids as generated, its reasoning and
+    markers included, then the template's text after it. The reply ends as the template ends
+    it: a call's `<|call|>` stays, a final answer's `<|return|>` becomes `<|end|>` (harmony's
+    rule for a conversation that goes on). `render_through` renders a conversation without
+    the generation prompt; the template's text after the reply is what the whole rendering
+    adds to the rendering through the reply. None where the stored reply is not the one in
+    `messages` (its last message's text, or the function it calls, differs) or the text after
+    it cannot be told apart."""
+    if not 0 <= reply_index < len(messages) or not 0 < num_reply_tokens <= len(prefix_ids):
+        return None
+    reply, reply_ids_ = messages[reply_index], list(prefix_ids[len(prefix_ids) - num_reply_tokens :])
+    reader = HarmonyReader(tokenizer, marks)
+    reader.feed(reply_ids_)
+    last = reader.messages[-1] if reader.messages and not reader.plain else None
+    calls = reply.get("tool_calls") or []
+    if reply.get("role") != "assistant" or last is None or reply_ids_[-1] not in marks.stops:
+        return None
+    if calls:
+        name = calls[-1].get("function", {}).get("name") if isinstance(calls[-1], Mapping) else None
+        if last.ended != "call" or last.recipient != f"functions.{name}":
+            return None
+        ending, ids = "<|call|>", list(prefix_ids)
+    else:
+        if last.ended != "return" or last.text != reply.get("content"):
+            return None
+        ending, ids = "<|end|>", [*prefix_ids[:-1], marks.end]
+    through = _render_or_none(render_through, list(messages[: reply_index + 1]))
+    whole = _render_or_none(render, list(messages))
+    if through is None or whole is None:
+        return None
+    for closing in ("<|return|>", "<|call|>"):  # the template closes a last reply as training does
+        if through.endswith(closing):
+            through = through[: -len(closing)] + ending
+    if not through.endswith(ending) or not whole.startswith(through):
+        return None
+    return ids + _tokens(tokenizer, whole[len(through) :])
 
 
 def _render_or_none(render: Render, messages: list[dict[str, Any]]) -> str | None:

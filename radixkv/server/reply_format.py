@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixkv.prompts.harmony import Event, HarmonyReader, harmony_tokens
+from radixkv.prompts.harmony import Event, HarmonyReader, HarmonyTokens, harmony_tokens
 from radixkv.prompts.tools import MALFORMED, Tool, ToolChoice, loads_json
 from radixkv.server.tools import ToolCall, ToolCallStream, call_of, parse_reply
 
@@ -51,6 +51,11 @@ class ReplyFormat:
         self._tokenizer = tokenizer
         self._marks = harmony_tokens(tokenizer)
         self.name = "text" if self._marks is None else "harmony"
+
+    @property
+    def harmony(self) -> HarmonyTokens | None:
+        """Harmony's marker ids where the model speaks it (exact continuation reads them)."""
+        return self._marks
 
     def stream(self, tools: list[Tool], choice: ToolChoice) -> ReplyStream:
         return ReplyStream(self._tokenizer, self._marks, tools, choice)

@@ -167,3 +167,40 @@ def test_the_next_turn_keeps_the_previous_prompt_as_its_prefix() -> None:
     assert prompt2[len(prompt1) : len(prompt1) + 3] != reply[:3]  # the analysis is not in turn 2's prompt
     final_only = ids("<|channel|>final<|message|>Sunny.")
     assert prompt2[len(prompt1) : len(prompt1) + len(final_only)] == final_only
+
+
+def test_a_harmony_reply_continues_as_it_was_generated() -> None:
+    """Exact continuation (the Responses API's previous_response_id): the next turn's prompt is
+    the stored prompt and reply ids, reasoning and markers included, then the template's text
+    after the reply; a final answer's `<|return|>` becomes `<|end|>`, a call's `<|call|>` stays."""
+    from radixkv.prompts.continuation import continue_after_harmony
+    from radixkv.prompts.tools import normalize_messages
+
+    tools = [WEATHER]
+
+    def continued(messages: list[dict], reply_index: int, prefix: list[int], reply: list[int]) -> list[int] | None:
+        render = lambda ms: render_conversation(TOKENIZER, ms, tools)  # noqa: E731
+        through = lambda ms: render_conversation(TOKENIZER, ms, tools, add_generation_prompt=False)  # noqa: E731
+        return continue_after_harmony(TOKENIZER, render, through, normalize_messages(messages), reply_index, prefix + reply, len(reply), MARKS)
+
+    turn1 = [{"role": "user", "content": "Weather in Paris?"}]
+    prompt1 = encode_conversation(TOKENIZER, turn1, tools, "auto")
+    reply1 = ids('<|channel|>analysis<|message|>Call it.<|end|><|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city":"Paris"}<|call|>')
+    turn2 = turn1 + [
+        {"role": "assistant", "content": None, "tool_calls": [call("c1", "get_weather", {"city": "Paris"})]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ]
+    prompt2 = continued(turn2, 1, prompt1, reply1)
+    result = '<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>"sunny"<|end|><|start|>assistant'
+    assert prompt2 == prompt1 + reply1 + ids(result)
+
+    reply2 = ids("<|channel|>final<|message|>Sunny.<|return|>")
+    turn3 = turn2 + [{"role": "assistant", "content": "Sunny."}, {"role": "user", "content": "Thanks"}]
+    prompt3 = continued(turn3, 3, prompt2, reply2)
+    assert prompt3 == prompt2 + reply2[:-1] + [MARKS.end] + ids("<|start|>user<|message|>Thanks<|end|><|start|>assistant")
+
+    # Not the stored reply: another answer, another function, a reply cut before its stop.
+    assert continued([*turn3[:3], {"role": "assistant", "content": "Cloudy."}, turn3[4]], 3, prompt2, reply2) is None
+    other = [*turn2[:1], {"role": "assistant", "content": None, "tool_calls": [call("c1", "get_time", {})]}, turn2[2]]
+    assert continued(other, 1, prompt1, reply1) is None
+    assert continued(turn3, 3, prompt2, reply2[:-1]) is None

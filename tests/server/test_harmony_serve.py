@@ -68,7 +68,12 @@ def test_messages_and_responses_answer_in_their_shapes(harmony_server: LiveServe
         assert message.json()["stop_reason"] in ("end_turn", "max_tokens", "tool_use")
         streamed = http.post("/v1/messages", json={**body, "stream": True}, headers={"x-api-key": KEY_A})
         assert streamed.status_code == 200 and "event: message_stop" in streamed.text and "event: error" not in streamed.text
-    response = harmony_server.client().responses.create(model=MODEL, input="Weather in Paris?", tools=[{"type": "function", **WEATHER["function"]}], max_output_tokens=24)
+    tools = [{"type": "function", **WEATHER["function"]}]
+    response = harmony_server.client().responses.create(model=MODEL, input="Weather in Paris?", tools=tools, max_output_tokens=24)
     assert response.status in ("completed", "incomplete")
     assert {item.type for item in response.output} <= {"message", "function_call"}
+    chained = harmony_server.client().responses.create(
+        model=MODEL, input="And in Rome?", previous_response_id=response.id, tools=tools, max_output_tokens=8
+    )
+    assert chained.status in ("completed", "incomplete")
     harmony_server.assert_idle_and_consistent()
