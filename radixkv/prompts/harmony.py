@@ -1,10 +1,5 @@
 """gpt-oss's chat format (harmony) at the token level: whether a tokenizer speaks it (its marker
 tokens), the ids that end a reply, and `HarmonyReader`, a reply's ids read into messages.
-
-A reply continues the prompt's `<|start|>assistant`: messages of a header (` to=recipient`,
-`<|channel|>name`, a content type), `<|message|>`, text, and `<|end|>` (another message
-follows), `<|call|>` (a tool call: the reply stops) or `<|return|>` (done). The markers are
-special tokens the detokenizer drops, so a reply is read from its ids, never from its text.
 """
 
 from __future__ import annotations
@@ -20,9 +15,6 @@ _OPENINGS = ("<|channel|>", "<|start|>", "<|constrain|>", "<|message|>", " to=",
 _CHANNEL = re.compile(r"<\|channel\|>\s*([^\s<]+)(?:\s+(?!to=)([^\s<]+))?")
 _RECIPIENT = re.compile(r"to=([^\s<]+)")
 _CONSTRAIN = re.compile(r"<\|constrain\|>\s*([^\s<]+)")
-# A UTF-8 character spans at most 4 byte tokens: text still ending in U+FFFD past that is a
-# real replacement character.
-_MAX_HELD_TOKENS = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,9 +69,19 @@ class Event(NamedTuple):
     closed: bool
 
 
+# A UTF-8 character spans at most 4 byte tokens: text still ending in U+FFFD past that is a
+# real replacement character.
+_MAX_HELD_TOKENS = 4
+
+
 class HarmonyReader:
-    """Reads a reply's ids as they come into messages, with each message's text decoded as it
-    grows (a character split over tokens is held until whole). Linear in the reply: each token
+    """Reads a reply's ids as they come into messages. A reply continues the prompt's
+    `<|start|>assistant`: messages of a header (` to=recipient`, `<|channel|>name`, a content
+    type), `<|message|>`, text, and `<|end|>` (another message follows), `<|call|>` (a tool
+    call: the reply stops) or `<|return|>` (done). The markers are special tokens the
+    detokenizer drops, so a reply is read from its ids, never from its text.
+
+    Each message's text is decoded as it grows (a character split over tokens is held until whole). Linear in the reply: each token
     is decoded once with at most the few held before it; a header is decoded once, when closed.
     `plain` turns True where the reply does not open as harmony; the reader then reads nothing."""
 

@@ -1,11 +1,5 @@
 """How a reply splits into content, reasoning and tool calls, by the model's format: harmony's
 channels read from the ids (gpt-oss), or the text with the fallback's calls (server/tools.py).
-
-`ReplyFormat` is chosen once per app from the tokenizer (radixkv/prompts/harmony.py decides);
-routes ask it for `parse` (a finished reply) or `stream` (deltas) and never look at the format.
-In harmony: `analysis` is reasoning, `final` (and `commentary` to no one) is content, and a
-message to `functions.<name>` is a call of that tool when its JSON is an object; a message to
-another recipient, an unknown function or JSON that does not parse is content, as written.
 """
 
 from __future__ import annotations
@@ -45,7 +39,12 @@ class Reply:
 
 
 class ReplyFormat:
-    """The served model's reply format, from its tokenizer: "harmony" or "text"."""
+    """The served model's reply format, "harmony" or "text", chosen once per app from the
+    tokenizer (radixkv/prompts/harmony.py decides); routes ask it for `parse` (a finished
+    reply) or `stream` (deltas) and never look at the format. In harmony `analysis` is
+    reasoning, `final` (and `commentary` to no one) is content, and a message to
+    `functions.<name>` is a call of that tool when its JSON is an object; a message to another
+    recipient, an unknown function or JSON that does not parse is content, as written."""
 
     def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
