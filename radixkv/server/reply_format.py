@@ -88,7 +88,8 @@ class ReplyStream:
             self._undecided.append(text)
             return Piece()
         if self._reader.plain:
-            return self._plain("".join(self._undecided) + text)
+            held, self._undecided = "".join(self._undecided), []
+            return self._plain(held + text)
         self._undecided = []
         return self._pieces(events)
 
