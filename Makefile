@@ -20,9 +20,10 @@ demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m radixkv.demo
 
 # Two workers, a test file each at a time: every test runs at one torch thread
-# (tests/conftest.py), so two cores run two files side by side.
+# (tests/conftest.py), so two cores run two files side by side. The "ci" Hypothesis profile
+# draws the same examples every run (tests/conftest.py): a red run is a change's doing.
 test: $(STAMP)
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -n 2 --dist loadfile
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -n 2 --dist loadfile --hypothesis-profile=ci
 
 bench: $(STAMP)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/radixkv bench bench_cache

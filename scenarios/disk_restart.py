@@ -34,13 +34,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="out/disk_restart")
     args = parser.parse_args(argv)
 
-    from radixkv.attention import make_backend
+    from radixkv.engine.build import load_engine_model
     from radixkv.model.device import resolve_device
-    from radixkv.model.loader import load_model
 
     base = EngineConfig(model=args.model, dtype=args.dtype, max_model_len=args.system_len + args.question_len + 8)
-    backend = make_backend(base.attention_backend, resolve_device(base.device).type, native_kernels=base.native_kernels)
-    loaded = load_model(args.model, backend, dtype=args.dtype, device=base.device, native_kernels=base.native_kernels)
+    loaded = load_engine_model(base, resolve_device(base.device))
     rng = random.Random(0)
     vocab = loaded.config.vocab_size
     system = [rng.randrange(100, vocab) for _ in range(args.system_len)]

@@ -46,16 +46,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="out/tool_pause")
     args = parser.parse_args(argv)
 
-    from radixkv.attention import make_backend
+    from radixkv.engine.build import load_engine_model
     from radixkv.model.device import resolve_device
-    from radixkv.model.loader import load_model
 
     context = args.system_len + args.turns * (args.turn_len + args.reply_len) + 8
     base = EngineConfig(model=args.model, dtype=args.dtype, max_model_len=max(context, args.other_len) + 8)
     num_pages = max(8, int(args.pool_contexts * context / base.page_size))
     base = replace(base, num_pages=num_pages)
-    backend = make_backend(base.attention_backend, resolve_device(base.device).type, native_kernels=base.native_kernels)
-    loaded = load_model(args.model, backend, dtype=args.dtype, device=base.device, native_kernels=base.native_kernels)
+    loaded = load_engine_model(base, resolve_device(base.device))
     tokenizer = loaded.tokenizer
 
     runs = {}

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
 
 from tests.helpers.gguf_files import TinyGGUFs
 from tests.helpers.tiny_models import make_tiny_model
@@ -31,6 +32,16 @@ THREADED_PACKAGES = frozenset({"cpu"})
 torch.set_num_threads(1)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 _TESTS = Path(__file__).parent
+
+# Hypothesis: no example fails for its wall time (a deadline, the too_slow health check): on a
+# loaded machine those fail what a quiet one passes. A plain pytest run keeps drawing fresh
+# examples each run (and replays the ones that failed before, from .hypothesis/); the CI gate,
+# `make test`, selects "ci": the same examples every run (derandomize, no example database),
+# so a red CI run means a change broke something. Sweep wider with --hypothesis-seed=N.
+_NO_WALL_TIME = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow]}
+settings.register_profile("default", **_NO_WALL_TIME)
+settings.register_profile("ci", derandomize=True, database=None, print_blob=True, **_NO_WALL_TIME)
+settings.load_profile("default")
 
 
 @pytest.fixture(autouse=True)

@@ -5,8 +5,12 @@ of which tree blocks still hold their window KV and which of those may go first.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TypeVar
+
+from sortedcontainers import SortedList
 
 from radixkv.cache.events import AllCleared, BlocksEvicted, BlocksStored, CacheEvent, CacheEvents, WindowBlocks
 from radixkv.cache.hashing import BlockHash
@@ -60,6 +64,17 @@ class LayerGroups:
         return 2 * (max_num_seqs * per_seq + -(-chunk_tokens // page_size))
 
 
+@dataclass(frozen=True)
+class WindowHooks:
+    """What the window pool asks of the cache it serves (KVManager connects the tree's): the bus
+    it follows and tells what it holds on, a retention's expiry on the tree's clock (None once
+    it ended), and who to tell when a leaf's end lost its window (KVManager marks it dead)."""
+
+    events: CacheEvents | None = None
+    retention_expiry: Callable[[int], float | None] = lambda retention_id: None
+    end_lost: Callable[[Node], object] | None = None
+
+
 class WindowPages:
     """The window layers' pages. A running sequence holds one reference on the window page of
     each block in its window (SequenceState.window_table); the tree one on the window page of a
@@ -81,30 +96,36 @@ class WindowPages:
         self._ends: dict[int, None] = {}
         self._end_pages: set[int] = set()  # full pages in the window before a tree node's end
         self._end_of: dict[int, Node] = {}  # ... and the node whose end that is
-        # One order over both pools, priced in bytes: a leaf whose end lost its window serves
-        # no hit there, so its full pages (num_full_layers x a page's bytes) are worth nothing
-        # to a request that comes back: KVManager marks it dead (evicted first) through this.
-        self.end_lost: Callable[[Node], object] | None = None
+        # The cache this serves (connect); until then, a pool apart: no bus, no retentions.
+        self._hooks = WindowHooks()
         self._stored: list[int] = []  # full pages the tree adopted since take_stored
         self._window_blocks = -(-(window - 1) // self.page_size)  # blocks a cut's window reaches back
         # Window pages dropped in the window before a node's end while its full pages stay, and
         # of those, pages a live retention's cut needed.
         self.num_end_drops = self.num_kept_drops = 0
         # Each cached full page's (block hash, parent hash), so what this group holds can be told
-        # by hash (KV events), and the bus to tell it on (KVManager hands in the tree's).
+        # by hash (KV events).
         self._blocks: dict[int, tuple[BlockHash, BlockHash | None]] = {}
-        self.events: CacheEvents | None = None
         # Pins (KVManager.pin): by the pinned node's identity, the (full pages, window table)
         # each pin of it holds, so a pinned prefix keeps its last window too.
         self._pins: dict[int, list[tuple[list[int], list[int]]]] = {}
         # Retained cuts (keep): full page -> the retention ids whose cut's window it is in, and
-        # the evictable ones among them, met while evicting, taken only after every other.
+        # the evictable ones among them, met while evicting, taken only after every other: by
+        # their key in _last_order, (latest live expiry or 0.0, when they came), kept current as
+        # retentions keep and are forgotten, so eviction takes the front (O(log n) a page).
         self._kept: dict[int, set[int]] = {}
         self._kept_by: dict[int, list[int]] = {}  # retention id -> its full pages
-        self._last: dict[int, None] = {}
+        self._last: dict[int, tuple[float, int]] = {}
+        self._last_order = SortedList()  # (expiry or 0.0, arrival, full page)
+        self._arrivals = itertools.count()
         self._sweep_at = 64
-        # A retention's expiry on the tree's clock, None once it ended (KVManager sets the tree's).
-        self.retention_expiry: Callable[[int], float | None] = lambda retention_id: None
+
+    def connect(self, hooks: WindowHooks) -> None:
+        """Serve the cache behind `hooks`: follow its bus (subscribed after its earlier
+        listeners), tell it what this holds, ask it for retentions' expiries."""
+        self._hooks = hooks
+        if hooks.events is not None:
+            hooks.events.subscribe(self.listen)
 
     # -- the tree's bus -----------------------------------------------------------------------
 
@@ -137,8 +158,8 @@ class WindowPages:
             self._blocks.clear()
 
     def _tell(self, blocks: list[tuple[BlockHash, BlockHash | None]], *, stored: bool) -> None:
-        if blocks and self.events:
-            self.events.publish(WindowBlocks(blocks, stored, self.window))
+        if blocks and self._hooks.events:
+            self._hooks.events.publish(WindowBlocks(blocks, stored, self.window))
 
     def _mark_ends(self, node: Node, run: Sequence[int]) -> None:
         """The blocks of the window before the end of a node's run: what a hit at that end needs."""
@@ -166,7 +187,9 @@ class WindowPages:
         """No longer evictable (taken, or gone): out of whichever tier it was in."""
         self._inner.pop(full_page, None)
         self._ends.pop(full_page, None)
-        self._last.pop(full_page, None)
+        key = self._last.pop(full_page, None)
+        if key is not None:
+            self._last_order.remove((*key, full_page))
 
     # -- retained cuts ------------------------------------------------------------------------
 
@@ -176,27 +199,21 @@ class WindowPages:
         cut = self.usable_tokens(full_pages, cut_tokens)
         pages = [page for page in full_pages[self.first_block(cut) : cut // self.page_size] if page in self._tree]
         if len(self._kept_by) >= self._sweep_at:  # ended retentions forgotten, amortized
-            for old in [r for r in self._kept_by if self.retention_expiry(r) is None]:
-                self._forget(old)
+            self._forget_ended()
             self._sweep_at = max(64, 2 * len(self._kept_by))
         self._kept_by[retention_id] = pages
         for page in pages:
             self._kept.setdefault(page, set()).add(retention_id)
+            self._rekey(page)
 
     def _kept_until(self, full_page: int) -> float | None:
-        """The latest expiry among the live retentions keeping this page (None: not kept);
-        forgets the ended ones."""
-        ids = self._kept.get(full_page)
-        if not ids:
-            return None
-        latest = None
-        for retention_id in list(ids):
-            expiry = self.retention_expiry(retention_id)
-            if expiry is None:
-                self._forget(retention_id)
-            else:
-                latest = expiry if latest is None else max(latest, expiry)
-        return latest
+        """The latest expiry among the live retentions keeping this page (None: not kept); pure."""
+        expiries = (self._hooks.retention_expiry(retention_id) for retention_id in self._kept.get(full_page, ()))
+        return max((expiry for expiry in expiries if expiry is not None), default=None)
+
+    def _forget_ended(self) -> None:
+        for old in [r for r in self._kept_by if self._hooks.retention_expiry(r) is None]:
+            self._forget(old)
 
     def _forget(self, retention_id: int) -> None:
         for page in self._kept_by.pop(retention_id, ()):
@@ -205,10 +222,24 @@ class WindowPages:
                 ids.discard(retention_id)
                 if not ids:
                     del self._kept[page]
+                self._rekey(page)
+
+    def _to_last(self, full_page: int) -> None:
+        key = (self._kept_until(full_page) or 0.0, next(self._arrivals))
+        self._last[full_page] = key
+        self._last_order.add((*key, full_page))
+
+    def _rekey(self, full_page: int) -> None:
+        """A page of the last tier whose retentions changed moves to its new expiry."""
+        key = self._last.get(full_page)
+        if key is not None and key[0] != (self._kept_until(full_page) or 0.0):
+            self._unlist(full_page)
+            self._last[full_page] = key = (self._kept_until(full_page) or 0.0, key[1])
+            self._last_order.add((*key, full_page))
 
     def kept_pages(self) -> int:
-        """Window pages of the tree under a live retention's cut (pure but for forgetting ended ones)."""
-        return sum(1 for page in list(self._kept) if self._kept_until(page) is not None)
+        """Window pages of the tree under a live retention's cut; pure."""
+        return sum(1 for page in self._kept if self._kept_until(page) is not None)
 
     # -- matching -----------------------------------------------------------------------------
 
@@ -301,9 +332,10 @@ class WindowPages:
         self.num_end_drops += len(ends)
         dropped += ends
         if len(dropped) < num_pages and self._last:
-            ordered = sorted(self._last, key=lambda page: self._kept_until(page) or 0.0)[: num_pages - len(dropped)]
+            self._forget_ended()  # a retention released early leaves its pages' keys stale
+            ordered = [full_page for _, _, full_page in self._last_order[: num_pages - len(dropped)]]
             for full_page in ordered:
-                del self._last[full_page]
+                self._unlist(full_page)
             self.num_end_drops += len(ordered)
             self.num_kept_drops += len(ordered)
             dropped += ordered
@@ -317,7 +349,7 @@ class WindowPages:
             full_page = next(iter(tier))
             del tier[full_page]
             if self._kept_until(full_page) is not None:
-                self._last[full_page] = None
+                self._to_last(full_page)
             else:
                 taken.append(full_page)
         return taken
@@ -331,9 +363,9 @@ class WindowPages:
             if node is not None and not node.children and not node.removed:
                 lost[node.node_id] = node
         freed = self.pool.release([self._tree.pop(page) for page in full_pages])
-        if self.end_lost is not None:
+        if self._hooks.end_lost is not None:
             for node in lost.values():
-                self.end_lost(node)
+                self._hooks.end_lost(node)
         self._tell([self._blocks[page] for page in full_pages], stored=False)
         return freed
 

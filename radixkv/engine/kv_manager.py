@@ -13,7 +13,7 @@ from typing import TypeVar
 from radixkv.cache.disk import DiskTier
 from radixkv.cache.eviction import Liveness
 from radixkv.cache.hashing import BlockHasher
-from radixkv.cache.layer_groups import WindowPages
+from radixkv.cache.layer_groups import WindowHooks, WindowPages
 from radixkv.cache.pages import OutOfPages, PagePool
 from radixkv.cache.radix import PeekResult, RadixTree
 from radixkv.cache.radix_node import MatchResult, path_pages
@@ -66,11 +66,13 @@ class KVManager(KVKeeps):
         self._residency, self._misses = self._view.ram_residency, self._view.misses
         if windows is not None:
             # After the write-back: an evicted block's window pages are written with it first.
-            tree.events.subscribe(windows.listen)
-            windows.events = tree.events
-            windows.retention_expiry = lambda retention_id: getattr(tree.retention(retention_id), "expires_at_s", None)
-            # A leaf whose end lost its window KV holds full pages no hit there reads: first to go.
-            windows.end_lost = lambda node: self.mark(node, Liveness.DEAD, below_blocks=path_pages(node) - len(node.pages))
+            # A leaf whose end lost its window KV holds full pages no hit there reads (priced in
+            # bytes, its full pages are worth nothing to a request that comes back): first to go.
+            windows.connect(WindowHooks(
+                tree.events,
+                retention_expiry=lambda retention_id: getattr(tree.retention(retention_id), "expires_at_s", None),
+                end_lost=lambda node: self.mark(node, Liveness.DEAD, below_blocks=path_pages(node) - len(node.pages)),
+            ))
 
     def cache_view(self) -> CacheView:
         """The whole cache over these same parts, for reports and flush/close (the engine holds it)."""

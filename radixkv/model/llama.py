@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from radixkv.attention.base import AttentionBackend, AttentionMetadata
 from radixkv.errors import UnsupportedModel
 from radixkv.model.rope import SUPPORTED_ROPE_TYPES, RotaryEmbedding
-from radixkv.model.row_ops import add_rms_norm, apply_rope, gelu_mul, gemma_norm, rms_norm, silu_mul
+from radixkv.model.row_ops import add_rms_norm, apply_rope, gelu_mul, gemma_norm, project_rows, rms_norm, silu_mul
 
 if TYPE_CHECKING:
     from radixkv.model.gpt_oss import GptOssMoEConfig
@@ -234,20 +234,6 @@ def _as_ids(value: int | list[int] | None) -> tuple[int, ...]:
     return (value,) if isinstance(value, int) else tuple(value)
 
 
-# Rows per GEMM call under batch invariance: oneDNN and MKL pick kernels by row count and
-# those round differently; every call of at most this many rows gives a row the same bits
-# (checked for 1..32 rows on this CPU's oneDNN), so fixed blocks make rows independent.
-INVARIANT_GEMM_ROWS = 32
-
-
-def project(layer: nn.Module, x: Tensor, meta: AttentionMetadata) -> Tensor:
-    """layer(x), in blocks of INVARIANT_GEMM_ROWS rows when the step must be batch-invariant
-    and the layer's rows are not independent already (the AMX kernel's are)."""
-    if not meta.batch_invariant or x.shape[0] <= INVARIANT_GEMM_ROWS or getattr(layer, "rows_independent", False):
-        return layer(x)
-    return torch.cat([layer(block) for block in x.split(INVARIANT_GEMM_ROWS)])
-
-
 class RMSNorm(nn.Module):
     """gemma: Gemma's norm, the normalized fp32 rows times (1 + w) in fp32 and only then cast
     (Llama casts first and multiplies by w in the model dtype); one native call on CPU where
@@ -296,7 +282,7 @@ class Attention(nn.Module):
         k_scales: Tensor | None = None, v_scales: Tensor | None = None,
     ) -> Tensor:  # fmt: skip
         num_tokens = x.shape[0]
-        qkv = project(self.qkv_proj, x, meta)
+        qkv = project_rows(self.qkv_proj, x, meta)
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = qkv[:, : self.q_size], qkv[:, self.q_size : self.q_size + self.kv_size]
@@ -307,7 +293,7 @@ class Attention(nn.Module):
             qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_q_heads + self.num_kv_heads, self.head_dim)
             q, k = apply_rope(qk, cos, sin, self.native).split([self.num_q_heads, self.num_kv_heads], dim=1)
         out = self.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale, k_scales, v_scales, self.window, self.sinks)
-        return project(self.o_proj, out.reshape(num_tokens, self.q_size), meta)
+        return project_rows(self.o_proj, out.reshape(num_tokens, self.q_size), meta)
 
 
 class MLP(nn.Module):
@@ -320,10 +306,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: Tensor, meta: AttentionMetadata) -> Tensor:
-        gate_up = project(self.gate_up_proj, x, meta)
+        gate_up = project_rows(self.gate_up_proj, x, meta)
         if self.gelu:
-            return project(self.down_proj, gelu_mul(gate_up, self.native), meta)
-        return project(self.down_proj, silu_mul(gate_up, self.native), meta)
+            return project_rows(self.down_proj, gelu_mul(gate_up, self.native), meta)
+        return project_rows(self.down_proj, silu_mul(gate_up, self.native), meta)
 
 
 class DecoderLayer(nn.Module):
@@ -457,7 +443,7 @@ class CausalLM(nn.Module):
         # The last add, norm and lm_head only for the rows that are sampled: the vocab
         # projection of every prefill token would cost more than the rest of the forward.
         _, last = self.norm.add_and_normalize(x[logits_indices], delta[logits_indices])
-        logits = project(self.lm_head, last, meta)
+        logits = project_rows(self.lm_head, last, meta)
         cap = self.config.final_logit_softcap
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

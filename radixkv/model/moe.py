@@ -17,12 +17,7 @@ from torch.nn import functional as F
 from radixkv.attention.base import AttentionMetadata
 from radixkv.cpu import moe as cpu_moe
 from radixkv.cpu.quant_linear import QuantLinear
-from radixkv.model.row_ops import silu_mul
-
-# Rows per expert GEMM under batch invariance: radixkv.model.llama.INVARIANT_GEMM_ROWS's reason
-# (oneDNN and MKL round differently by row count; blocks of at most this many rows do not).
-# Kept equal to it by tests/model/test_moe.py; not imported, as llama.py imports this module.
-INVARIANT_GEMM_ROWS = 32
+from radixkv.model.row_ops import INVARIANT_GEMM_ROWS, project_rows, silu_mul
 
 
 @dataclass(slots=True, frozen=True)
@@ -250,14 +245,6 @@ class SparseMoE(nn.Module):
         """Expert `expert`'s MLP over rows x [n, H]: down(silu(gate x) * up x)."""
         experts = self.experts
         return experts.project_down(expert, silu_mul(experts.project_gate_up(expert, x), self.native))
-
-
-def project_rows(layer: nn.Module, x: Tensor, meta: AttentionMetadata) -> Tensor:
-    """layer(x), in blocks of INVARIANT_GEMM_ROWS rows when the step must be batch-invariant and
-    the layer's rows are not independent already (radixkv.model.llama.project, for the routers)."""
-    if not meta.batch_invariant or x.shape[0] <= INVARIANT_GEMM_ROWS or getattr(layer, "rows_independent", False):
-        return layer(x)
-    return torch.cat([layer(block) for block in x.split(INVARIANT_GEMM_ROWS)])
 
 
 def combine_by_expert(x: Tensor, groups: ExpertGroups, run_expert: Callable[[int, Tensor], Tensor], split_rows: bool) -> Tensor:

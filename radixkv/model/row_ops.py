@@ -1,16 +1,28 @@
-"""The decoder layer's row-wise glue (residual add + RMSNorm, rotary embedding, SiLU * up) on the
-device the model runs on: radixkv's fused kernels when native is on (C on CPU:
+"""The decoder layer's row-wise glue (residual add + RMSNorm, rotary embedding, SiLU * up, the row
+blocks of a batch-invariant GEMM) on the device the model runs on: radixkv's fused kernels when native is on (C on CPU:
 radixkv/cpu/row_ops.py; Triton on CUDA: radixkv/kernels/row_ops.py, one launch where torch takes
 five to ten), and the torch ops they replace everywhere else (EngineConfig.native_kernels).
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from radixkv.cpu import row_ops as cpu_row_ops
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from radixkv.attention.base import AttentionMetadata
+
+# Rows per GEMM call under batch invariance: oneDNN and MKL pick kernels by row count and
+# those round differently; every call of at most this many rows gives a row the same bits
+# (checked for 1..32 rows on this CPU's oneDNN), so fixed blocks make rows independent.
+INVARIANT_GEMM_ROWS = 32
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -31,6 +43,14 @@ def torch_rope(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
 def torch_silu_mul(gate_up: Tensor) -> Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def project_rows(layer: nn.Module, x: Tensor, meta: AttentionMetadata) -> Tensor:
+    """layer(x), in blocks of INVARIANT_GEMM_ROWS rows when the step must be batch-invariant
+    and the layer's rows are not independent already (the AMX kernel's are)."""
+    if not meta.batch_invariant or x.shape[0] <= INVARIANT_GEMM_ROWS or getattr(layer, "rows_independent", False):
+        return layer(x)
+    return torch.cat([layer(block) for block in x.split(INVARIANT_GEMM_ROWS)])
 
 
 def _on_gpu(native: bool, *tensors: Tensor | None) -> bool:

@@ -191,6 +191,36 @@ def test_a_retained_cut_keeps_its_window_last() -> None:
     check_page_accounting(pool, tree, [], [], windows)
 
 
+def test_retained_cuts_go_earliest_expiry_first_and_a_released_one_before_them() -> None:
+    """The last tier goes by the latest live expiry among a page's retentions: the cut that
+    ends sooner loses its window first; released early, a cut's pages are kept no more and
+    go before every live one's."""
+    kv, pool, tree, windows = make_kv(64, 36)
+    clock = [0.0]
+    tree._now_s = lambda: clock[0]
+    prompts = [list(range(base, base + 41)) for base in (300, 600, 900)]
+    for prompt in prompts:
+        seq = make_seq(prompt)
+        kv.admit(seq, len(prompt))
+        seq.num_computed_tokens = len(prompt)
+        kv.commit(seq)
+        kv.release(seq)
+    # Expiries against the order the prompts were let go in, so the order is the expiries'.
+    ttls = (30.0, 20.0, 10.0)
+    for owner, (prompt, ttl) in enumerate(zip(prompts, ttls)):  # owners apart: none supersedes another
+        assert kv.retain(prompt[:40], None, ttl, f"owner{owner}", 64) == 40
+    assert windows.kept_pages() == 3 * -(-(WINDOW - 1) // PAGE)
+    windows.evict(windows.evictable_pages - windows.kept_pages())
+    whole = lambda prompt: kv.peek(make_seq(prompt)).num_cached_tokens == 40  # noqa: E731
+    assert all(whole(prompt) for prompt in prompts), "every retained cut outlasts the rest"
+    windows.evict(1)
+    assert [whole(prompt) for prompt in prompts] == [True, True, False], "the cut ending soonest went first"
+    tree.release(tree.retentions("owner0")[0].retention_id)
+    windows.evict(1)
+    assert [whole(prompt) for prompt in prompts] == [False, True, False], "released, its cut went before a live one"
+    check_page_accounting(pool, tree, [], [], windows)
+
+
 def test_a_leaf_whose_end_lost_its_window_goes_first() -> None:
     """One order over both pools: a leaf whose end lost its window KV serves no hit there, so
     the full pool gives it up before a live leaf it would otherwise keep (LRU or slru)."""

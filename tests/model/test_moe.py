@@ -21,7 +21,7 @@ from radixkv.model import load_model, load_model_config
 from radixkv.model import llama
 from radixkv.model.gguf import GGUFFile
 from radixkv.model.moe import (
-    INVARIANT_GEMM_ROWS, FloatExperts, MappedExperts, MoEConfig, QuantExperts, SparseMoE, group_by_expert, route,
+    FloatExperts, MappedExperts, MoEConfig, QuantExperts, SparseMoE, group_by_expert, route,
 )  # fmt: skip
 from tests.helpers.engine import hf_greedy, make_llm, shared_prefix_prompts
 from tests.helpers.gguf_files import MOE_NARROW, VOCAB, write_tiny_moe_gguf
@@ -36,10 +36,6 @@ SEQUENCE = [(37 * i) % 1000 + 20 for i in range(33)]
 # SEQUENCE, auto against float: Q8_0 argmax equal at 29 of 33 positions, max |diff| / max |logit|
 # median 0.031, worst 0.75 (a flipped expert); Q4_K_M 33 of 33, median 0.008, worst 0.14.
 EXPERT_BOUND = {"Q8_0": 0.03, "Q4_K_M": 0.03}
-
-
-def test_invariant_rows_match_the_dense_forwards():
-    assert INVARIANT_GEMM_ROWS == llama.INVARIANT_GEMM_ROWS
 
 
 def test_sparse_layers_as_transformers_builds_them():
