@@ -343,6 +343,12 @@ def test_one_token_block_equals_the_grouped_combine_bit_for_bit(types, dtype):
             weights, ids = route(torch.randn(1, experts, generator=torch.Generator().manual_seed(seed + 9)), top_k, True, dtype)
             got = block.experts.one_token(x, ids, weights)
             assert got.dtype == dtype and torch.equal(got, block.combine(x, group_by_expert(ids, weights))), (vnni, threads)
+            # Batch-invariant: the token's row in a step of three (the grouped path) has the same bits.
+            others = torch.randn(2, hidden, generator=torch.Generator().manual_seed(seed + 5)).to(dtype)
+            more_weights, more_ids = route(torch.randn(2, experts, generator=torch.Generator().manual_seed(seed)), top_k, True, dtype)
+            batch = torch.cat([others[:1], x, others[1:]])
+            groups = group_by_expert(torch.cat([more_ids[:1], ids, more_ids[1:]]), torch.cat([more_weights[:1], weights, more_weights[1:]]))
+            assert torch.equal(block.combine(batch, groups)[1:2], got)
     finally:
         torch.set_num_threads(before)
     block.experts.kernel = "torch"  # the reference runs the general path

@@ -4,7 +4,8 @@
  * every routed token, so an expert's bytes are read once a step however many tokens picked it.
  * Q4_K and Q6_K rows are read straight from their blocks into 512-bit lanes (q4_k_dot_zmm);
  * Q8_0 tiles take their quants from the blocks (only scales are decoded); the other types, and
- * tails of fewer than 8 rows, decode a row into a buffer first.
+ * tails of fewer than 8 rows, decode a row into a buffer first. A decode step's one token takes
+ * radixkv_moe_row_gate_up and radixkv_moe_row_down: the same items, and the weighted sum.
  *
  * Arithmetic (cpu/moe.py's torch_block_linear computes the same bits): x is quantized per row
  * and block of 32 as quant_linear.c does (scale = absmax / 127, q = round_half_even(x / scale)).
