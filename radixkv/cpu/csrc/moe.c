@@ -177,7 +177,8 @@ static void quantize_x_row(const float *x, int k, int8_t *q, float *s, float *u,
     for (int b = 0; b < k / MBLOCK; b++) {
         const float *v = x + (int64_t)b * MBLOCK;
         float amax = 0.0f;
-        for (int j = 0; j < MBLOCK; j++) amax = fmaxf(amax, fabsf(v[j]));
+        /* fmaxf's value for every input (a NaN is skipped either way), without its libm call */
+        for (int j = 0; j < MBLOCK; j++) amax = fabsf(v[j]) > amax ? fabsf(v[j]) : amax;
         const float scale = amax / 127.0f;
         const float inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
         int32_t sums[2] = {0, 0};
