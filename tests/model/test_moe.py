@@ -259,6 +259,16 @@ def test_gguf_quantized_experts_cache_on_and_off_bit_identical(moe_ggufs, cache)
     assert _greedy(path, prompts, cache_dir=str(cache), enable_prefix_caching=False) == on
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gguf_one_sequence_decode_native_equals_the_torch_reference(moe_ggufs, cache, dtype):
+    """One sequence: every decode step is one token, so native runs the one-token calls and the
+    torch reference the grouped path; the greedy tokens agree."""
+    path = moe_ggufs("Q4_K_M")
+    prompts = shared_prefix_prompts(5, vocab=VOCAB, count=1)
+    native = _greedy(path, prompts, cache_dir=str(cache), dtype=dtype, moe_kernel="native")
+    assert native == _greedy(path, prompts, cache_dir=str(cache), dtype=dtype, moe_kernel="torch")
+
+
 def test_gguf_expert_width_is_read_from_the_file(tmp_path, cache):
     path = write_tiny_moe_gguf(tmp_path / "narrow.gguf", "Q8_0", moe_intermediate_size=MOE_NARROW)
     assert load_model_config(str(path), str(cache)).moe.moe_intermediate_size == MOE_NARROW
