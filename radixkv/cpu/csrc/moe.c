@@ -507,6 +507,8 @@ static int grouped_items(const Matrix *mats, int count, const QX *qx, const int3
         for (int i = 0; i < count; i++) tiled = tiled || (mats[i].type != T_Q4_K && mats[i].type != T_Q6_K);
         tiled = tiled && use_vnni;
         if (tiled) ok = tile_alloc(&tile, k) && ok;
+#else
+        (void)tiled;
 #endif
         if (!ok) {
 #pragma omp atomic write
