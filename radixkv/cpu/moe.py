@@ -180,6 +180,36 @@ def native_grouped(
         raise RuntimeError(f"the grouped expert kernel refused a {type_name} weight of {n} x {x.shape[1]} (status {status})")
 
 
+def native_row(
+    types: tuple[str, str, str], weights: tuple[np.ndarray, np.ndarray, np.ndarray], x: Tensor, ids: Tensor, routing: Tensor,
+    vnni: bool = True,
+) -> Tensor:  # fmt: skip
+    """One token's expert block, as SparseMoE.combine computes it over the grouped kernel: x [1, H]
+    (fp32 or bf16), its top-k ids (int64 [k]) and routing weights ([k], x's dtype) -> [1, H] in
+    x's dtype. Two native calls (gate and up over x quantized once; down and the weighted sum in
+    ascending expert order) around SiLU(gate) * up in torch, whose bits the kernel does not copy."""
+    library = native.load()
+    (gate_type, up_type, down_type), (gate, up, down) = types, weights
+    hidden, size, top_k = x.shape[1], gate.shape[1], ids.numel()
+    assert x.dtype in (torch.float32, torch.bfloat16) and routing.dtype == x.dtype and ids.dtype == torch.int64
+    ids, routing = ids.contiguous(), routing.contiguous()
+    threads = torch.get_num_threads()
+    x32, gate_up = x.float().contiguous(), torch.empty(top_k, 2 * size)  # x32 held through the call
+    status = library.radixkv_moe_row_gate_up(
+        BLOCK_TYPES[gate_type], gate.ctypes.data, BLOCK_TYPES[up_type], up.ctypes.data, size, hidden,
+        x32.data_ptr(), ids.data_ptr(), top_k, gate_up.data_ptr(), threads, int(vnni),
+    )  # fmt: skip
+    h = (torch.nn.functional.silu(gate_up[:, :size]) * gate_up[:, size:]).contiguous()
+    out = torch.empty(1, hidden, dtype=x.dtype)
+    status = status or library.radixkv_moe_row_down(
+        BLOCK_TYPES[down_type], down.ctypes.data, hidden, size, h.data_ptr(), ids.data_ptr(), routing.data_ptr(), top_k,
+        out.data_ptr(), int(x.dtype == torch.bfloat16), threads, int(vnni),
+    )  # fmt: skip
+    if status:
+        raise RuntimeError(f"the one-token expert kernel refused {types} experts of {size} x {hidden} (status {status})")
+    return out
+
+
 def native_grouped_f32(weights: Tensor, x: Tensor, experts: list[int], offsets: list[int], x_rows: Tensor, out: Tensor) -> None:
     """The fp32 kernel for float experts: weights [E, rows, in] contiguous fp32."""
     library = native.load()

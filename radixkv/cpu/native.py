@@ -183,6 +183,8 @@ def _declare(library: ctypes.CDLL) -> None:
         "radixkv_moe_row_bytes": [i32, i32],
         "radixkv_moe_grouped": [i32, p, i64, i32, i32, p, i64, i32, p, p, i32, p, p, i64, i32, i32],
         "radixkv_moe_has_vnni": [],
+        "radixkv_moe_row_gate_up": [i32, p, i32, p, i32, i32, p, p, i32, p, i32, i32],
+        "radixkv_moe_row_down": [i32, p, i32, i32, p, p, p, i32, p, i32, i32, i32],
         "radixkv_moe_grouped_f32": [p, i64, i32, i32, p, i64, p, p, i32, p, p, i64, i32],
     }
     returns = {
@@ -213,6 +215,8 @@ def _declare(library: ctypes.CDLL) -> None:
         "radixkv_moe_row_bytes": i64,
         "radixkv_moe_grouped": i32,
         "radixkv_moe_has_vnni": i32,
+        "radixkv_moe_row_gate_up": i32,
+        "radixkv_moe_row_down": i32,
         "radixkv_moe_grouped_f32": i32,
     }
     for name, argtypes in signatures.items():

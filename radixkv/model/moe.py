@@ -193,6 +193,15 @@ class MappedExperts(nn.Module):
         self._linear(self.down_type, self.down, h, groups, order, y, ids)
         return y
 
+    def one_token(self, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor | None:
+        """combine's result for one token x [1, H] routed to ids with weights ([1, k]) in two
+        native calls (cpu.moe.native_row), or None where that path does not run (the torch
+        kernel, a dtype other than fp32 or bf16)."""
+        if self.kernel != "native" or x.dtype not in (torch.float32, torch.bfloat16):
+            return None
+        types = (self.gate_type, self.up_type, self.down_type)
+        return cpu_moe.native_row(types, (self.gate, self.up, self.down), x, ids[0], weights[0], self.vnni)
+
     def _linear(
         self, type_name: str, weights: np.ndarray, x: Tensor, groups: ExpertGroups, rows: Tensor, out: Tensor, ids: tuple[Tensor, Tensor],
     ) -> None:  # fmt: skip
@@ -228,6 +237,11 @@ class SparseMoE(nn.Module):
     def forward(self, x: Tensor, meta: AttentionMetadata) -> Tensor:
         logits = project_rows(self.gate, x, meta)
         weights, ids = route(logits, self.top_k, self.norm_topk_prob, x.dtype)
+        if x.shape[0] == 1 and isinstance(self.experts, MappedExperts):
+            # A decode step's one token: no grouping tensors, the sum made in the kernel.
+            out = self.experts.one_token(x, ids, weights)
+            if out is not None:
+                return out
         return self.combine(x, group_by_expert(ids, weights), meta.batch_invariant)
 
     def combine(self, x: Tensor, groups: ExpertGroups, batch_invariant: bool = False) -> Tensor:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from radixkv.cpu import native
+from radixkv.cpu.features import cpu_features
 from radixkv.cpu.moe import BLOCK_TYPES, decode_blocks, has_vnni, native_grouped, native_grouped_f32, row_bytes, torch_block_linear
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason="the native kernels did not build (no C compiler)")
@@ -16,6 +17,18 @@ pytestmark = pytest.mark.skipif(native.load() is None, reason="the native kernel
 # Offsets of each type's fp16 fields, set to small finite values so random bits make weights.
 _F16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}
 _BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q4_K": 144, "Q6_K": 210}
+
+
+# The builds a user on another CPU runs, compiled here (tests/cpu/test_decode.py's): no AVX2,
+# AVX2 without AVX-512, AVX-512 without VNNI (Skylake): all take the scalar integer loops.
+OTHER_BUILDS = [
+    pytest.param("x86-64-v2", id="portable"),
+    pytest.param("x86-64-v3", id="avx2", marks=pytest.mark.skipif(not cpu_features().avx2, reason="needs avx2 and fma to run that build")),
+    pytest.param(
+        "skylake-avx512", id="avx512-without-vnni",
+        marks=pytest.mark.skipif(not cpu_features().avx512, reason="needs avx512f and avx512bw to run that build"),
+    ),
+]  # fmt: skip
 
 
 def random_experts(type_name: str, experts: int, rows: int, in_features: int, seed: int = 0) -> np.ndarray:
@@ -104,3 +117,36 @@ def test_native_same_bits_at_any_thread_count(type_name):
     finally:
         torch.set_num_threads(before)
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+@pytest.mark.skipif(cpu_features().machine != "x86_64", reason="the builds are x86-64 ones")
+@pytest.mark.parametrize("march", OTHER_BUILDS)
+def test_builds_for_other_cpus_give_the_same_bits(monkeypatch, tmp_path, march):
+    """The grouped kernel and a decode step's one-token calls, built as a CPU without VNNI (or
+    without AVX2) builds them: the scalar integer loops, the same bits as the references."""
+    from radixkv.model.moe import MappedExperts, group_by_expert, route
+
+    flags = tuple(f"-march={march}" if f == "-march=native" else f for f in native.COMPILE_FLAGS)
+    monkeypatch.setattr(native, "COMPILE_FLAGS", flags)
+    monkeypatch.setattr(native, "_tried", False)
+    monkeypatch.setattr(native, "_library", None)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert native.load() is not None and str(tmp_path) in native.load()._name
+    for type_name in ("Q4_K", "Q6_K", "Q8_0", "Q4_1"):
+        weights = random_experts(type_name, 4, 11, 512, seed=5)
+        x = torch.randn(3, 512, generator=torch.Generator().manual_seed(5))
+        routed, offsets, x_rows = _routing(3, 4, 2, 5)
+        out = torch.empty(len(x_rows), 11)
+        native_grouped(type_name, weights, x, routed, offsets, x_rows, out)
+        want = torch.cat([torch_block_linear(x[x_rows[offsets[g] : offsets[g + 1]]], type_name, weights[e], 512) for g, e in enumerate(routed)])
+        assert torch.equal(out, want), (march, type_name)
+    hidden, size, experts = 256, 256, 6
+    parts = [("Q4_K", random_experts("Q4_K", experts, size, hidden, 1)), ("Q4_K", random_experts("Q4_K", experts, size, hidden, 2)),
+             ("Q6_K", random_experts("Q6_K", experts, hidden, size, 3))]  # fmt: skip
+    native_block, torch_block = MappedExperts(parts, hidden, size, "native"), MappedExperts(parts, hidden, size, "torch")
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(1, hidden, generator=torch.Generator().manual_seed(7)).to(dtype)
+        weights, ids = route(torch.randn(1, experts, generator=torch.Generator().manual_seed(8)), 3, True, dtype)
+        groups = group_by_expert(ids, weights)
+        want = torch.zeros_like(x).index_add_(0, groups.tokens, torch_block.grouped(x, groups).to(dtype) * groups.weights[:, None])
+        assert torch.equal(native_block.one_token(x, ids, weights), want), (march, dtype)

@@ -255,6 +255,16 @@ def test_gguf_quantized_experts_cache_on_and_off_bit_identical(moe_ggufs, cache)
     assert _greedy(path, prompts, cache_dir=str(cache), enable_prefix_caching=False) == on
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gguf_one_sequence_decode_native_equals_the_torch_reference(moe_ggufs, cache, dtype):
+    """One sequence: every decode step is one token, so native runs the one-token calls and the
+    torch reference the grouped path; the greedy tokens agree."""
+    path = moe_ggufs("Q4_K_M")
+    prompts = shared_prefix_prompts(5, vocab=VOCAB, count=1)
+    native = _greedy(path, prompts, cache_dir=str(cache), dtype=dtype, moe_kernel="native")
+    assert native == _greedy(path, prompts, cache_dir=str(cache), dtype=dtype, moe_kernel="torch")
+
+
 def test_gguf_expert_width_is_read_from_the_file(tmp_path, cache):
     path = write_tiny_moe_gguf(tmp_path / "narrow.gguf", "Q8_0", moe_intermediate_size=MOE_NARROW)
     assert load_model_config(str(path), str(cache)).moe.moe_intermediate_size == MOE_NARROW
@@ -313,3 +323,39 @@ def test_populate_maps_the_experts_pages_at_load_not_on_first_touch(moe_ggufs):
     warm, _ = _faults_reading(populated)
     assert pages > 200 and cold > 8  # each first touch faults (the kernel maps a few pages a fault)
     assert warm <= cold // 4
+
+
+@pytest.mark.parametrize("types", [("Q4_K", "Q4_K", "Q6_K"), ("Q8_0", "Q8_0", "Q8_0"), ("Q5_0", "Q4_1", "Q4_0")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_token_block_equals_the_grouped_combine_bit_for_bit(types, dtype):
+    """A decode step's one token takes two native calls (SparseMoE.forward's one_token path):
+    the same bits as the grouped kernel's combine, VNNI and scalar, at 1, 2 and 3 threads."""
+    from radixkv.cpu import native
+    from tests.cpu.test_moe_kernel import random_experts
+
+    if native.load() is None:
+        pytest.skip("the native kernels did not build (no C compiler)")
+    hidden, size, experts, top_k = 512, 256, 12, 4
+    parts = [(types[0], random_experts(types[0], experts, size, hidden, 1)), (types[1], random_experts(types[1], experts, size, hidden, 2)),
+             (types[2], random_experts(types[2], experts, hidden, size, 3))]  # fmt: skip
+    block = SparseMoE(hidden, MoEConfig(experts, top_k, size, True, (0,)))
+    block.experts = MappedExperts(parts, hidden, size, "native")
+    before = torch.get_num_threads()
+    try:
+        for seed, (vnni, threads) in enumerate([(True, 1), (True, 2), (True, 3), (False, 1), (False, 2)]):
+            block.experts.vnni = vnni
+            torch.set_num_threads(threads)
+            x = (torch.randn(1, hidden, generator=torch.Generator().manual_seed(seed)) * 2).to(dtype)
+            weights, ids = route(torch.randn(1, experts, generator=torch.Generator().manual_seed(seed + 9)), top_k, True, dtype)
+            got = block.experts.one_token(x, ids, weights)
+            assert got.dtype == dtype and torch.equal(got, block.combine(x, group_by_expert(ids, weights))), (vnni, threads)
+            # Batch-invariant: the token's row in a step of three (the grouped path) has the same bits.
+            others = torch.randn(2, hidden, generator=torch.Generator().manual_seed(seed + 5)).to(dtype)
+            more_weights, more_ids = route(torch.randn(2, experts, generator=torch.Generator().manual_seed(seed)), top_k, True, dtype)
+            batch = torch.cat([others[:1], x, others[1:]])
+            groups = group_by_expert(torch.cat([more_ids[:1], ids, more_ids[1:]]), torch.cat([more_weights[:1], weights, more_weights[1:]]))
+            assert torch.equal(block.combine(batch, groups)[1:2], got)
+    finally:
+        torch.set_num_threads(before)
+    block.experts.kernel = "torch"  # the reference runs the general path
+    assert block.experts.one_token(x, ids, weights) is None

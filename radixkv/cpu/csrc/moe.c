@@ -4,7 +4,8 @@
  * every routed token, so an expert's bytes are read once a step however many tokens picked it.
  * Q4_K and Q6_K rows are read straight from their blocks into 512-bit lanes (q4_k_dot_zmm);
  * Q8_0 tiles take their quants from the blocks (only scales are decoded); the other types, and
- * tails of fewer than 8 rows, decode a row into a buffer first.
+ * tails of fewer than 8 rows, decode a row into a buffer first. A decode step's one token takes
+ * radixkv_moe_row_gate_up and radixkv_moe_row_down: the same items, and the weighted sum.
  *
  * Arithmetic (cpu/moe.py's torch_block_linear computes the same bits): x is quantized per row
  * and block of 32 as quant_linear.c does (scale = absmax / 127, q = round_half_even(x / scale)).
@@ -176,7 +177,8 @@ static void quantize_x_row(const float *x, int k, int8_t *q, float *s, float *u,
     for (int b = 0; b < k / MBLOCK; b++) {
         const float *v = x + (int64_t)b * MBLOCK;
         float amax = 0.0f;
-        for (int j = 0; j < MBLOCK; j++) amax = fmaxf(amax, fabsf(v[j]));
+        /* fmaxf's value for every input (a NaN is skipped either way), without its libm call */
+        for (int j = 0; j < MBLOCK; j++) amax = fabsf(v[j]) > amax ? fabsf(v[j]) : amax;
         const float scale = amax / 127.0f;
         const float inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
         int32_t sums[2] = {0, 0};
@@ -457,6 +459,120 @@ static void tile_free(Tile *t) {
 }
 #endif
 
+/* A call's activations quantized once (alloc, fill; free with qx_free): rows x[r * x_stride],
+ * with_qp: the Q4_K block order too. Returns 0, or 2 where memory ran out. */
+static int qx_build(QX *qx, const float *x, int64_t x_stride, int m, int k, int with_qp, int num_threads) {
+    const int nb = k / MBLOCK;
+    *qx = (QX){malloc((size_t)m * k), malloc((size_t)m * nb * sizeof(float)), malloc((size_t)m * nb * sizeof(float)),
+               malloc((size_t)m * nb * 2 * sizeof(int32_t)), malloc((size_t)m * (k / 4) * sizeof(int32_t)), k, nb,
+               with_qp ? malloc((size_t)m * k) : NULL};
+    if (!(qx->q && qx->s && qx->u && qx->half && qx->sum4 && (!with_qp || qx->qp))) return 2;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (m > 8)
+    for (int r = 0; r < m; r++)
+        quantize_x_row(x + (int64_t)r * x_stride, k, qx->q + (int64_t)r * k, qx->s + (int64_t)r * nb, qx->u + (int64_t)r * nb,
+                       qx->half + (int64_t)r * 2 * nb, qx->sum4 + (int64_t)r * (k / 4));
+    if (with_qp)
+        for (int64_t b = 0; b < (int64_t)m * nb; b++)
+            memcpy(qx->qp + (b - b % 8 + Q4K_ORDER[b % 8]) * MBLOCK, qx->q + b * MBLOCK, MBLOCK);
+    return 0;
+}
+
+static void qx_free(QX *qx) { free(qx->q), free(qx->s), free(qx->u), free(qx->half), free(qx->sum4), free(qx->qp); }
+
+/* One weight of a grouped call: the stacked experts' blocks, their type and shape. */
+typedef struct {
+    int type, n;
+    const uint8_t *weights;
+    int64_t expert_bytes, row_bytes;
+    float *y; /* output pair p's row at y + p * y_stride, columns [0, n) */
+    int64_t y_stride;
+} Matrix;
+
+/* Each matrix's rows for every group's expert and x rows (radixkv_moe_grouped's contract), the
+ * matrices' (expert, 8 rows) items in one list split over the threads. Returns 0 or 2. */
+static int grouped_items(const Matrix *mats, int count, const QX *qx, const int32_t *experts, const int32_t *offsets, int groups,
+                         const int32_t *x_rows, int num_threads, int use_vnni) {
+    const int k = qx->k, nb = qx->nb;
+    int status = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        Row row = {malloc((size_t)k), malloc((size_t)nb * sizeof(float)), malloc((size_t)nb * sizeof(float)),
+                   malloc((size_t)nb * 2 * sizeof(int32_t))};
+        int ok = row.u && row.s && row.m && row.sc;
+        int tiled = 0;
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+        /* Tiles of 8 rows: one reduction tree and one vector of sums for 8 outputs. */
+        Tile tile;
+        memset(&tile, 0, sizeof tile);
+        for (int i = 0; i < count; i++) tiled = tiled || (mats[i].type != T_Q4_K && mats[i].type != T_Q6_K);
+        tiled = tiled && use_vnni;
+        if (tiled) ok = tile_alloc(&tile, k) && ok;
+#else
+        (void)tiled;
+#endif
+        if (!ok) {
+#pragma omp atomic write
+            status = 2;
+        }
+        /* One list of (matrix, expert, 8 rows) items split over the threads: no barrier between
+         * experts, and each output is computed whole by one thread (the same bits for any
+         * thread count). */
+        int64_t total = 0;
+        for (int i = 0; i < count; i++) total += (int64_t)groups * ((mats[i].n + 7) / 8);
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < total; item++) {
+            int64_t rest = item;
+            int mi = 0;
+            while (rest >= (int64_t)groups * ((mats[mi].n + 7) / 8)) rest -= (int64_t)groups * ((mats[mi].n + 7) / 8), mi++;
+            const Matrix *mat = &mats[mi];
+            const int type = mat->type, n = mat->n, tiles = (n + 7) / 8, kquant = type == T_Q4_K || type == T_Q6_K;
+            const int g = (int)(rest / tiles), tix = (int)(rest % tiles);
+            const uint8_t *expert = mat->weights + (int64_t)experts[g] * mat->expert_bytes;
+            const int64_t row_bytes = mat->row_bytes, y_stride = mat->y_stride;
+            float *y = mat->y;
+            if (!ok) continue;
+            const int o0 = tix * 8, live = n - o0 < 8 ? n - o0 : 8;
+            if (kquant) {
+                for (int o = o0; o < o0 + live; o++) {
+                    const uint8_t *raw = expert + (int64_t)o * row_bytes;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+                    if (use_vnni) {
+                        for (int p = offsets[g]; p < offsets[g + 1]; p++)
+                            y[(int64_t)p * y_stride + o] = (type == T_Q4_K ? q4_k_dot_zmm : q6_k_dot_zmm)(raw, qx, x_rows[p]);
+                        continue;
+                    }
+#endif
+                    decode_row(type, raw, k, &row);
+                    for (int p = offsets[g]; p < offsets[g + 1]; p++)
+                        y[(int64_t)p * y_stride + o] = kquant_dot_scalar(type, &row, qx, x_rows[p]);
+                }
+                continue;
+            }
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+            if (tiled && live == 8) {
+                tile_decode(type, expert + (int64_t)o0 * row_bytes, row_bytes, k, &tile);
+                for (int p = offsets[g]; p < offsets[g + 1]; p++) {
+                    float lanes[8];
+                    tile_dot(type, &tile, qx, x_rows[p], lanes);
+                    memcpy(y + (int64_t)p * y_stride + o0, lanes, sizeof lanes);
+                }
+                continue;
+            }
+#endif
+            for (int o = o0; o < o0 + live; o++) {
+                decode_row(type, expert + (int64_t)o * row_bytes, k, &row);
+                for (int p = offsets[g]; p < offsets[g + 1]; p++)
+                    y[(int64_t)p * y_stride + o] = row_dot(type, &row, qx, x_rows[p], use_vnni);
+            }
+        }
+        free(row.u), free(row.s), free(row.m), free(row.sc);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+        if (tiled) tile_free(&tile);
+#endif
+    }
+    return status;
+}
+
 /* For each group g: expert experts[g]'s weight (weights + experts[g] * expert_bytes, n rows of
  * row_bytes) times x rows x_rows[p] for pairs p in [offsets[g], offsets[g + 1]), into y row p,
  * columns [0, n) (y_stride floats a row). x fp32 [m][x_stride]. Returns 1 for a type or shape
@@ -467,88 +583,84 @@ int radixkv_moe_grouped(int type, const uint8_t *weights, int64_t expert_bytes, 
     const int64_t row_bytes = radixkv_moe_row_bytes(type, k);
     if (!row_bytes || n <= 0 || m < 0) return 1;
     if (m == 0 || groups == 0) return 0;
-    const int nb = k / MBLOCK, kquant = type == T_Q4_K || type == T_Q6_K;
-    QX qx = {malloc((size_t)m * k), malloc((size_t)m * nb * sizeof(float)), malloc((size_t)m * nb * sizeof(float)),
-             malloc((size_t)m * nb * 2 * sizeof(int32_t)), malloc((size_t)m * (k / 4) * sizeof(int32_t)), k, nb,
-             type == T_Q4_K ? malloc((size_t)m * k) : NULL};
-    int status = qx.q && qx.s && qx.u && qx.half && qx.sum4 && (type != T_Q4_K || qx.qp) ? 0 : 2;
+    QX qx;
+    int status = qx_build(&qx, x, x_stride, m, k, type == T_Q4_K, num_threads);
+    const Matrix mat = {type, n, weights, expert_bytes, row_bytes, y, y_stride};
+    if (!status) status = grouped_items(&mat, 1, &qx, experts, offsets, groups, x_rows, num_threads, use_vnni);
+    qx_free(&qx);
+    return status;
+}
+
+/* One token's experts (a decode step): its top-k ids (int64, distinct, any order) sorted
+ * ascending, with their routing weights (fp32, or bf16 when bf16) in the same order. */
+static int sort_experts(const int64_t *ids, const void *weights, int bf16, int count, int32_t *experts, float *w) {
+    for (int i = 0; i < count; i++) {
+        const float wi = bf16 ? bf16_to_float(((const uint16_t *)weights)[i]) : ((const float *)weights)[i];
+        int at = i;
+        while (at > 0 && experts[at - 1] > ids[i]) experts[at] = experts[at - 1], w[at] = w[at - 1], at--;
+        experts[at] = (int32_t)ids[i], w[at] = wi;
+    }
+    return 0;
+}
+
+/* A decode step's gate and up projections over its one token x [k] (fp32), x quantized once
+ * (weights stacked [experts][n][row bytes], as radixkv_moe_grouped's with expert_bytes = n rows):
+ * for the top-k ids (int64 [count]) in ascending order, y [count][2n] takes the expert's gate
+ * row outputs in columns [0, n) and its up outputs in [n, 2n); radixkv_moe_grouped's bits.
+ * Returns 1 for a type or shape it does not take, 2 where memory ran out. */
+int radixkv_moe_row_gate_up(int gate_type, const uint8_t *gate, int up_type, const uint8_t *up, int n, int k,
+                            const float *x, const int64_t *ids, int count, float *y, int num_threads, int use_vnni) {
+    const int64_t gate_bytes = radixkv_moe_row_bytes(gate_type, k), up_bytes = radixkv_moe_row_bytes(up_type, k);
+    if (!gate_bytes || !up_bytes || n <= 0 || count <= 0 || count > 64) return 1;
+    int32_t experts[64], offsets[65], rows[64];
+    float unused[64];
+    sort_experts(ids, unused, 0, count, experts, unused);
+    for (int i = 0; i <= count; i++) offsets[i] = i;
+    memset(rows, 0, sizeof rows);
+    QX qx;
+    int status = qx_build(&qx, x, k, 1, k, gate_type == T_Q4_K || up_type == T_Q4_K, 1);
+    const Matrix mats[2] = {{gate_type, n, gate, n * gate_bytes, gate_bytes, y, 2 * (int64_t)n},
+                            {up_type, n, up, n * up_bytes, up_bytes, y + n, 2 * (int64_t)n}};
+    if (!status) status = grouped_items(mats, 2, &qx, experts, offsets, count, rows, num_threads, use_vnni);
+    qx_free(&qx);
+    return status;
+}
+
+/* The step's down projections and their weighted sum, as radixkv.model.moe.SparseMoE.combine
+ * computes it in the token's dtype (bf16: out_bf16): h [count][k] fp32, the experts' rows in
+ * ascending expert order (radixkv_moe_row_gate_up's); each expert's y = down h rounded to the
+ * dtype, times its routing weight (rounded), summed in fp32 from 0, experts ascending, rounded
+ * once (torch's index_add_ into one bf16 row sums so).
+ * weights: the top-k routing weights in ids' order (bf16 or fp32 as out). */
+int radixkv_moe_row_down(int type, const uint8_t *down, int n, int k, const float *h, const int64_t *ids, const void *weights, int count,
+                         void *out, int out_bf16, int num_threads, int use_vnni) {
+    const int64_t row_bytes = radixkv_moe_row_bytes(type, k);
+    if (!row_bytes || n <= 0 || count <= 0 || count > 64) return 1;
+    int32_t experts[64], offsets[65], rows[64];
+    float w[64];
+    sort_experts(ids, weights, out_bf16, count, experts, w);
+    for (int i = 0; i <= count; i++) offsets[i] = i;
+    for (int i = 0; i < count; i++) rows[i] = i;
+    float *y = malloc((size_t)count * n * sizeof(float));
+    QX qx;
+    int status = y ? qx_build(&qx, h, k, count, k, type == T_Q4_K, num_threads) : 2;
+    const Matrix mat = {type, n, down, n * row_bytes, row_bytes, y, n};
+    if (!status) status = grouped_items(&mat, 1, &qx, experts, offsets, count, rows, num_threads, use_vnni);
+    if (y) qx_free(&qx);
     if (!status) {
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (m > 8)
-        for (int r = 0; r < m; r++)
-            quantize_x_row(x + (int64_t)r * x_stride, k, qx.q + (int64_t)r * k, qx.s + (int64_t)r * nb, qx.u + (int64_t)r * nb,
-                           qx.half + (int64_t)r * 2 * nb, qx.sum4 + (int64_t)r * (k / 4));
-        if (type == T_Q4_K)
-            for (int64_t b = 0; b < (int64_t)m * nb; b++)
-                memcpy(qx.qp + (b - b % 8 + Q4K_ORDER[b % 8]) * MBLOCK, qx.q + b * MBLOCK, MBLOCK);
-#pragma omp parallel num_threads(num_threads)
-        {
-            Row row = {malloc((size_t)k), malloc((size_t)nb * sizeof(float)), malloc((size_t)nb * sizeof(float)),
-                       malloc((size_t)nb * 2 * sizeof(int32_t))};
-            int ok = row.u && row.s && row.m && row.sc;
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-            /* Tiles of 8 rows: one reduction tree and one vector of sums for 8 outputs. */
-            Tile tile;
-            memset(&tile, 0, sizeof tile);
-            const int tiled = use_vnni && !kquant;
-            if (tiled) ok = tile_alloc(&tile, k) && ok;
-#else
-            const int tiled = 0;
-            (void)tiled;
-#endif
-            if (!ok) {
-#pragma omp atomic write
-                status = 2;
+        for (int o = 0; o < n; o++) {
+            float acc = 0.0f;
+            for (int i = 0; i < count; i++) {
+                const float yi = y[(int64_t)i * n + o];
+                /* bf16: y and y * w rounded as torch's ops round them; index_add_ sums in fp32 */
+                const float term = out_bf16 ? bf16_to_float(float_to_bf16(bf16_to_float(float_to_bf16(yi)) * w[i])) : yi * w[i];
+                acc = acc + term;
             }
-            /* One list of (expert, 8 rows) items split over the threads: no barrier between
-             * experts, and each output is computed whole by one thread (the same bits for any
-             * thread count). */
-            const int tiles = (n + 7) / 8;
-#pragma omp for schedule(static)
-            for (int64_t item = 0; item < (int64_t)groups * tiles; item++) {
-                const int g = (int)(item / tiles), tix = (int)(item % tiles);
-                const uint8_t *expert = weights + (int64_t)experts[g] * expert_bytes;
-                if (!ok) continue;
-                const int o0 = tix * 8, live = n - o0 < 8 ? n - o0 : 8;
-                if (kquant) {
-                    for (int o = o0; o < o0 + live; o++) {
-                        const uint8_t *raw = expert + (int64_t)o * row_bytes;
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-                        if (use_vnni) {
-                            for (int p = offsets[g]; p < offsets[g + 1]; p++)
-                                y[(int64_t)p * y_stride + o] = (type == T_Q4_K ? q4_k_dot_zmm : q6_k_dot_zmm)(raw, &qx, x_rows[p]);
-                            continue;
-                        }
-#endif
-                        decode_row(type, raw, k, &row);
-                        for (int p = offsets[g]; p < offsets[g + 1]; p++)
-                            y[(int64_t)p * y_stride + o] = kquant_dot_scalar(type, &row, &qx, x_rows[p]);
-                    }
-                    continue;
-                }
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-                if (tiled && live == 8) {
-                    tile_decode(type, expert + (int64_t)o0 * row_bytes, row_bytes, k, &tile);
-                    for (int p = offsets[g]; p < offsets[g + 1]; p++) {
-                        float lanes[8];
-                        tile_dot(type, &tile, &qx, x_rows[p], lanes);
-                        memcpy(y + (int64_t)p * y_stride + o0, lanes, sizeof lanes);
-                    }
-                    continue;
-                }
-#endif
-                for (int o = o0; o < o0 + live; o++) {
-                    decode_row(type, expert + (int64_t)o * row_bytes, k, &row);
-                    for (int p = offsets[g]; p < offsets[g + 1]; p++)
-                        y[(int64_t)p * y_stride + o] = row_dot(type, &row, &qx, x_rows[p], use_vnni);
-                }
-            }
-            free(row.u), free(row.s), free(row.m), free(row.sc);
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-            if (tiled) tile_free(&tile);
-#endif
+            if (out_bf16) ((uint16_t *)out)[o] = float_to_bf16(acc);
+            else ((float *)out)[o] = acc;
         }
     }
-    free(qx.q), free(qx.s), free(qx.u), free(qx.half), free(qx.sum4), free(qx.qp);
+    free(y);
     return status;
 }
 
