@@ -687,3 +687,28 @@ def test_a_plan_off_the_chunk_grid_marked_exact_is_refused(gen):
     marked[-1] = 1
     with pytest.raises(ValueError, match="rejected"):
         native.paged_decode(t.q, t.k_cache, t.v_cache, t.page_table, t.seq_lens, 0.125, plan=marked)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("heads", "head_dim"), [((9, 3), 64), ((8, 2), 48), ((4, 2), 128)])
+def test_sinks_join_each_heads_softmax_in_groups_and_alone(gen, dtype, heads, head_dim):
+    """gpt-oss's sink logits (one per query head) join each softmax where a request's states
+    merge: plain, in cascade groups and in a batch-invariant plan the reference's output, the
+    exact plan still each member's bits alone; the sinks (about the scores' size) move the output
+    far past the tolerance, so a kernel that dropped them fails."""
+    groups = [(600, 3), (300, 2)]
+    own = torch.randint(1, 90, (5,), generator=gen).tolist()
+    t = Tables(gen, groups, own, heads=heads, head_dim=head_dim, dtype=dtype)
+    scale, sinks = head_dim**-0.5, torch.randn(heads[0], generator=gen) * 3 + 9  # about the largest scores
+    expected = reference(t.q, t.paged(), scale, sinks=sinks)
+    plan = native.cascade_plan(t.page_table, t.seq_lens, PAGE, **ANY_SHARING)
+    exact = native.batch_invariant_plan(plan, len(own))
+    assert plan.plan is not None and exact.plan is not None
+    args = (t.q, t.k_cache, t.v_cache, t.page_table, t.seq_lens, scale)
+    plain = native.paged_decode(*args, sinks=sinks)
+    for what, out in (("plain", plain), ("cascade", native.paged_decode(*args, plan=plan.plan, sinks=sinks))):
+        assert_close(out, expected, dtype, f"{what}, seed {gen.initial_seed()}")
+    assert torch.equal(native.paged_decode(*args, plan=exact.plan, sinks=sinks), plain)
+    assert (plain.double() - reference(t.q, t.paged(), scale)).abs().max() > 0.1
+    with pytest.raises(ValueError, match="sinks must be"):
+        native.paged_decode(*args, sinks=sinks[:-1])
