@@ -255,9 +255,11 @@ class GptOssMoE(nn.Module):
         weights = torch.softmax(top, dim=1, dtype=top.dtype)
         groups = group_by_expert(ids, weights)
         if getattr(self.experts, "grouped_ready", False):
-            # Pairs scatter-added in expert order per token, as combine_by_expert adds them.
-            y = self.experts.grouped(x, groups, self.alpha, self.limit)
-            return torch.zeros_like(x).index_add_(0, groups.tokens, (y * groups.weights[:, None]).to(x.dtype))
+            # Pairs scatter-added in expert order per token, as combine_by_expert adds them, into
+            # fp32: torch's bf16 index_add_ on CPU runs a slow path (milliseconds for a few rows),
+            # so bf16 terms are summed in fp32 and rounded once (fp32 models: the same bits).
+            y = (self.experts.grouped(x, groups, self.alpha, self.limit) * groups.weights[:, None]).to(x.dtype)
+            return torch.zeros(x.shape).index_add_(0, groups.tokens, y.float()).to(x.dtype)
         split = meta.batch_invariant and not getattr(self.experts, "rows_independent", False)
         return combine_by_expert(x, groups, self._expert, split)
 
