@@ -24,7 +24,7 @@ from tests.helpers.paged import Paged, assert_close, gen, make_paged, make_q, re
 
 from radixkv.attention.cpu_backend import CPUBackend
 from radixkv.cpu import decode as native
-from radixkv.cpu import extend
+from radixkv.cpu import extend, mxfp4
 from radixkv.cpu import native as native_library
 from radixkv.cpu.features import cpu_features
 
@@ -385,7 +385,7 @@ OTHER_BUILDS = [
 @pytest.mark.parametrize("march", OTHER_BUILDS)
 def test_builds_for_other_cpus_give_the_same_answers(gen, monkeypatch, tmp_path, march) -> None:
     # Built into a scratch cache and held to the same reference: decode (with and without
-    # cascade groups) and row ops alike.
+    # cascade groups, with sinks), prefill, row ops and the MXFP4 experts alike.
     from radixkv.cpu import row_ops
     from radixkv.engine.sampler import greedy_tokens
     from radixkv.model.row_ops import rms_norm
@@ -406,6 +406,9 @@ def test_builds_for_other_cpus_give_the_same_answers(gen, monkeypatch, tmp_path,
             q = make_q(gen, 3, 9, 3, head_dim, dtype)
             out = native.paged_decode(q, paged.k_cache, paged.v_cache, paged.page_table, paged.seq_lens, 0.125)
             assert_close(out, reference(q, paged, 0.125), dtype, f"{march} build, head_dim {head_dim}")
+            sinks = torch.randn(9, generator=gen) * 3  # gpt-oss's, merged in the build's own code
+            out = native.paged_decode(q, paged.k_cache, paged.v_cache, paged.page_table, paged.seq_lens, 0.125, sinks=sinks)
+            assert_close(out, reference(q, paged, 0.125, sinks=sinks), dtype, f"{march} build, sinks, head_dim {head_dim}")
             # Cascade groups: three requests over one 256-token cached prefix (its 16 pages shared).
             grouped = make_paged(gen, [300, 310, 290], num_kv_heads=3, head_dim=head_dim, page_size=16, dtype=dtype)
             grouped.page_table[1:, :16] = grouped.page_table[0, :16]
@@ -426,6 +429,12 @@ def test_builds_for_other_cpus_give_the_same_answers(gen, monkeypatch, tmp_path,
 
             out, rows, expected = run_case(gen, REQUESTS, (9, 3), 64, 16, dtype)
             assert_close(out[rows], expected, dtype, f"{march} build, prefill")
+    # MXFP4 experts: the build's paths (AVX2 and portable, or portable alone), the reference's bits.
+    from tests.cpu.test_mxfp4 import test_every_path_gives_the_references_bits
+
+    assert mxfp4.compiled_kernels() == (["portable"] if march == "x86-64-v2" else ["avx2", "portable"])
+    for kernel in mxfp4.compiled_kernels():
+        test_every_path_gives_the_references_bits(kernel, 70, 96, True)
     x, delta, weight = (torch.randn(shape, generator=gen).to(torch.bfloat16) for shape in ((5, 64), (5, 64), (64,)))
     expected = rms_norm(x + delta, weight, 1e-5)
     assert torch.equal(row_ops.add_rms_norm(x.clone(), delta, weight, 1e-5)[1], expected)
