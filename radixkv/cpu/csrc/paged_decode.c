@@ -465,7 +465,7 @@ typedef struct {
             float top = -INFINITY, total = 0.0f;                                                  \
             FOR_EACH_STATE(runs, at, state, { top = state[0] > top ? state[0] : top; })           \
             const float sink = sh->sinks ? sh->sinks[head * sh->group + g] : -INFINITY;           \
-            top = sink > top ? sink : top; /* the sink's own exp(sink - top) then never overflows */ \
+            top = sink > top ? sink : top; /* so exp(sink - top) cannot overflow */               \
             memset(merged, 0, sizeof(float) * D);                                                 \
             FOR_EACH_STATE(runs, at, state, {                                                     \
                 const float w = state[0] == -INFINITY ? 0.0f : expf(state[0] - top);              \
@@ -660,9 +660,10 @@ int radixkv_decode_kv_fits(int kv_kind, int head_dim);
 /* Returns 0, 1 for shapes this kernel does not take (callers check them first), or 2 when out
  * of memory. work: radixkv_decode_work_floats floats; plan: radixkv_cascade_plan's buffer or
  * NULL (every request reads all its keys itself); window: a sliding window of that many keys
- * (each request reads its last `window` keys; 0: all; a window with a plan returns 1). KV_PARAMS, KV_ARGS, KV_INIT: the page dtype's
- * own parameters after num_threads, their names, and what they set in the shape (or a return for
- * what it cannot run). NAME_sinks takes gpt-oss's sink logits after them (Shape.sinks). */
+ * (each request reads its last `window` keys; 0: all; a window with a plan returns 1).
+ * KV_PARAMS, KV_ARGS, KV_INIT: the page dtype's own parameters after num_threads, their names,
+ * and what they set in the shape (or a return for what it cannot run). NAME_sinks takes
+ * gpt-oss's sink logits after them (Shape.sinks); NAME is NAME_sinks without. */
 #define DEFINE_DECODE(NAME, T, KT, ITEM, SHARED_ITEM, MERGE, AMX_CAPABLE, KV_PARAMS, KV_ARGS, KV_INIT)           \
     int NAME##_sinks(const T *q, int64_t q_row_stride, const KT *k, const KT *v, const int32_t *page_table,       \
                      int64_t page_table_stride, const int32_t *seq_lens, const int32_t *rows, int num_seqs,       \
