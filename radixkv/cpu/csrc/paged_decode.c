@@ -625,7 +625,7 @@ static void build_items(const int32_t *seq_lens, int num_seqs, const Plan *plan,
 int64_t radixkv_decode_work_floats(const int32_t *seq_lens, int num_seqs, const int32_t *plan_buffer, int num_q_heads,
                                    int head_dim, int window) {
     const Plan plan = plan_view(plan_buffer, num_seqs);
-    const Shape sh = {1, head_dim, num_q_heads, 16, 1.0f, 0, 0, NULL, NULL, 0};
+    const Shape sh = {1, head_dim, num_q_heads, 16, 1.0f, 0, 0, NULL, NULL, 0, NULL};
     Items items = {NULL, 0, 0, NULL, NULL};
     build_items(seq_lens, num_seqs, &plan, &sh, window, &items);
     return items.work_floats;
