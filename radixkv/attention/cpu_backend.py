@@ -5,8 +5,8 @@ Stores KV with one native call, runs decode rows (decode steps, the one-token re
 steps, and every row of a batch-invariant step) through the paged decode kernel and multi-token
 requests through the prefill kernel, both reading KV in place; tensors the kernels cannot take
 (shapes, or a (compute dtype, page dtype) pair without a kernel: radixkv.cpu.decode.pages_fit)
-run the reference's torch code. So does attention with sinks (gpt-oss): the kernels return no
-log-sum-exp that a sink's rescale, o * sigmoid(lse - sink), would need.
+run the reference's torch code. Attention with sinks (gpt-oss) takes the same kernels, each head's
+sink logit joining its softmax's sum where the kernel merges a request's states.
 """
 
 from __future__ import annotations
@@ -56,8 +56,8 @@ class CPUStepState:
     kv_reads: KVReads | None = None  # decode-only steps through the kernel
     extend_rows: ExtendRows | None = None  # mixed steps whose multi-token requests the prefill kernel runs
     decode_only: DecodeTables | None = None  # decode-only steps through the kernel: the tables, checked
-    # The reference's state where the kernel was chosen yet a layer takes the reference (sinks,
-    # or pages no kernel reads under q's dtype): made by the first such layer, kept for the step.
+    # The reference's state where the kernel was chosen yet a layer takes the reference (pages
+    # no kernel reads under q's dtype): made by the first such layer, kept for the step.
     lazy_reference: list[TorchStepState] = field(default_factory=list)
 
     def decode_tables(self) -> DecodeTables | None:
@@ -147,58 +147,79 @@ class CPUBackend(AttentionBackend[CPUStepState]):
 
     def extend_pages(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pages: LayerPages,
                      meta: AttentionMetadata[CPUStepState], scale: float, window: int | None) -> torch.Tensor:  # fmt: skip
+        return self._extend(q, pages, meta, scale, window, None)
+
+    def decode_pages(
+        self, q: torch.Tensor, pages: LayerPages, meta: AttentionMetadata[CPUStepState], scale: float, window: int | None
+    ) -> torch.Tensor:
+        return self._decode(q, pages, meta, scale, window, None)
+
+    def sink_pages(self, q: torch.Tensor, pages: LayerPages, meta: AttentionMetadata[CPUStepState], scale: float,
+                   window: int | None, sinks: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        # The kernels add each head's exp(sink - max) where a request's softmax states merge.
+        logits = decode.sink_logits(sinks)
+        if meta.is_decode_only:
+            return self._decode(q, pages, meta, scale, window, logits)
+        return self._extend(q, pages, meta, scale, window, logits)
+
+    def _extend(self, q: torch.Tensor, pages: LayerPages, meta: AttentionMetadata[CPUStepState], scale: float,
+                window: int | None, sinks: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
         state = meta.state
         k_cache, v_cache, k_scales, v_scales = pages.k_cache, pages.v_cache, pages.k_scales, pages.v_scales
         if not state.kernel or not decode.pages_fit(q.dtype, k_cache):
-            return torch_backend.reference_extend(q, pages, meta, self._reference(meta, k_cache, q.shape[1]), scale, window)
+            return self._reference_attention(q, pages, meta, scale, window, sinks)
         q = _rows_side_by_side(q)
         if meta.batch_invariant:  # each row as its own request: the kernel's rows are independent
             tables = state.row_by_row
             return decode.paged_decode(
                 q, k_cache, v_cache, tables.page_table, tables.seq_lens, scale, check=False, k_scales=k_scales, v_scales=v_scales,
-                window=window,
+                window=window, sinks=sinks,
             )  # fmt: skip
         out = torch.empty(q.shape, dtype=q.dtype)
         rows = state.decode_rows
         if rows is not None:  # requests decoding beside a prefill: one kernel call for all
             decode.paged_decode(
                 q, k_cache, v_cache, rows.page_table, rows.seq_lens, scale, rows=rows.rows, out=out, check=False,
-                plan=_plan_for(rows.plan, window), k_scales=k_scales, v_scales=v_scales, window=window,
+                plan=_plan_for(rows.plan, window), k_scales=k_scales, v_scales=v_scales, window=window, sinks=sinks,
             )  # fmt: skip
         requests = state.extend_rows
         if requests is None or q.dtype != k_cache.dtype:
             torch_backend.extend_requests(
                 q, k_cache, v_cache, meta, scale, out, skip_one_token=rows is not None, k_scales=k_scales, v_scales=v_scales,
-                window=window,
+                window=window, sinks=sinks,
             )  # fmt: skip
         elif len(requests.q_lens):
             extend.paged_extend(
                 q, k_cache, v_cache, requests.page_table, requests.seq_lens, requests.q_starts, requests.q_lens, scale, out,
-                window,
+                window, sinks,
             )  # fmt: skip
         return out
 
-    def decode_pages(
-        self, q: torch.Tensor, pages: LayerPages, meta: AttentionMetadata[CPUStepState], scale: float, window: int | None
-    ) -> torch.Tensor:
+    def _decode(self, q: torch.Tensor, pages: LayerPages, meta: AttentionMetadata[CPUStepState], scale: float,
+                window: int | None, sinks: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
         state = meta.state
         if not state.kernel or not decode.pages_fit(q.dtype, pages.k_cache):
-            return torch_backend.reference_decode(q, pages, meta, self._reference(meta, pages.k_cache, q.shape[1]), scale, window)
+            return self._reference_attention(q, pages, meta, scale, window, sinks)
         # Rows are independent in the kernel, so batch-invariant decode steps take it too.
         return decode.paged_decode(
             _rows_side_by_side(q), pages.k_cache, pages.v_cache, state.page_table, state.seq_lens, scale, check=False,
-            plan=_plan_for(state.plan, window), k_scales=pages.k_scales, v_scales=pages.v_scales, window=window,
+            plan=_plan_for(state.plan, window), k_scales=pages.k_scales, v_scales=pages.v_scales, window=window, sinks=sinks,
         )  # fmt: skip
 
-    def sink_pages(self, q: torch.Tensor, pages: LayerPages, meta: AttentionMetadata[CPUStepState], scale: float,
-                   window: int | None, sinks: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    def _reference_attention(self, q: torch.Tensor, pages: LayerPages, meta: AttentionMetadata[CPUStepState], scale: float,
+                             window: int | None, sinks: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+        """The torch reference's attention, for tensors no kernel takes."""
         state = self._reference(meta, pages.k_cache, q.shape[1])
-        return torch_backend.reference_sinks(q, pages, meta, state, scale, window, sinks)
+        if sinks is not None:
+            return torch_backend.reference_sinks(q, pages, meta, state, scale, window, sinks)
+        if meta.is_decode_only:
+            return torch_backend.reference_decode(q, pages, meta, state, scale, window)
+        return torch_backend.reference_extend(q, pages, meta, state, scale, window)
 
     def _reference(self, meta: AttentionMetadata[CPUStepState], k_cache: torch.Tensor, num_q_heads: int) -> TorchStepState:
         """The reference's state for this step: prepare's where the kernel was ruled out there,
         else built here once a step (a compute dtype whose pages no kernel reads, known only once
-        q is, or a layer with sinks)."""
+        q is)."""
         state = meta.state
         if state.reference is not None:
             return state.reference

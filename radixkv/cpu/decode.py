@@ -120,6 +120,7 @@ def paged_decode(
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query per request over its paged KV, without copying the KV.
 
@@ -132,7 +133,9 @@ def paged_decode(
     (pages_fit: bf16 or int8 under fp32, int8 under bf16) are widened on load, int8 times k_scales, v_scales
     ([num_pages, page_size, num_kv_heads] fp32); cascade groups widen each shared chunk once.
     window: a sliding window, each request attending to its last `window` keys only (never with
-    a plan: a group's shared keys may fall out of a member's window).
+    a plan: a group's shared keys may fall out of a member's window). sinks: gpt-oss's logit per
+    query head [num_q_heads], joining each softmax's sum where a request's states merge, so
+    cascade groups take them as they are (sink_logits makes them).
     """
     if window is not None and plan is not None:
         raise ValueError("a sliding window decodes without cascade groups (plan=None)")
@@ -153,6 +156,8 @@ def paged_decode(
         check_tables(page_table, seq_lens, rows, q.shape[0], k_cache.shape[0], page_size)
         if widened:
             check_scales(k_cache, k_scales, v_scales)
+        if sinks is not None:
+            check_sinks(sinks, num_q_heads)
     plan_pointer = plan.data_ptr() if plan is not None else None
     work = torch.empty(max(work_floats(seq_lens, plan, num_q_heads, head_dim, window), 1), dtype=torch.float32)
     args = (
@@ -161,12 +166,14 @@ def paged_decode(
         rows.data_ptr() if rows is not None else None, num_seqs, num_q_heads, num_kv_heads, head_dim,
         page_size, scale, out.data_ptr(), work.data_ptr(), plan_pointer, torch.get_num_threads(), window or 0,
     )  # fmt: skip
+    # The _sinks variants take the logits after the same arguments (NULL: none).
+    suffix, tail = ("_sinks", (sinks.data_ptr(),)) if sinks is not None else ("", ())
     if widened:
         assert q.dtype in _WIDENING, "call pages_fit() first"
         scales = (k_scales.data_ptr(), v_scales.data_ptr()) if k_scales is not None else (None, None)
-        status = getattr(library, _WIDENING[q.dtype][0])(*args, *scales, _WIDENED_KINDS[k_cache.dtype])
+        status = getattr(library, _WIDENING[q.dtype][0] + suffix)(*args, *scales, _WIDENED_KINDS[k_cache.dtype], *tail)
     else:
-        status = getattr(library, _FUNCTIONS[q.dtype])(*args)
+        status = getattr(library, _FUNCTIONS[q.dtype] + suffix)(*args, *tail)
     if status == 2:
         raise MemoryError("paged decode could not allocate its work item tables")
     if status != 0:
@@ -301,6 +308,17 @@ def check_buffers(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         raise ValueError(f"v_cache {tuple(v_cache.shape)} must match k_cache {tuple(k_cache.shape)}, contiguous")
     if out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous {q.dtype} tensor of shape {tuple(q.shape)}")
+
+
+def sink_logits(sinks: torch.Tensor) -> torch.Tensor:
+    """A layer's sink parameter as the kernels read it: contiguous fp32 [num_q_heads]."""
+    return sinks.detach().to(torch.float32).contiguous()
+
+
+def check_sinks(sinks: torch.Tensor, num_q_heads: int) -> None:
+    """The kernels read one fp32 sink logit per query head."""
+    if sinks.shape != (num_q_heads,) or sinks.dtype != torch.float32 or not sinks.is_contiguous() or sinks.device.type != "cpu":
+        raise ValueError(f"sinks must be a contiguous fp32 CPU tensor of shape ({num_q_heads},), got {tuple(sinks.shape)} {sinks.dtype}")
 
 
 def check_scales(k_cache: torch.Tensor, k_scales: torch.Tensor | None, v_scales: torch.Tensor | None) -> None:

@@ -46,12 +46,15 @@ def paged_extend(
     scale: float,
     out: torch.Tensor,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Rows q_starts[b] .. q_starts[b] + q_lens[b] of out: request b's new tokens (the last
     q_lens[b] of its seq_lens[b]) over its KV, causally. q and out: [T, num_q_heads, head_dim],
     heads side by side in each row, rows may be strided; int32 contiguous tables, checked by the
     caller (decode.check_tables and check_rows); fits() said yes for these shapes. window: a
-    sliding window, the token at position p attending to keys p - window + 1 .. p only."""
+    sliding window, the token at position p attending to keys p - window + 1 .. p only. sinks:
+    gpt-oss's logit per query head, contiguous fp32 [num_q_heads] (decode.sink_logits), in each
+    softmax's sum."""
     library = load()
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -59,7 +62,7 @@ def paged_extend(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), page_table.data_ptr(),
         page_table.stride(0), seq_lens.data_ptr(), q_starts.data_ptr(), q_lens.data_ptr(), seq_lens.shape[0],
         num_q_heads, num_kv_heads, head_dim, page_size, scale, out.data_ptr(), out.stride(0), torch.get_num_threads(),
-        window or 0,
+        window or 0, sinks.data_ptr() if sinks is not None else None,
     )  # fmt: skip
     if status == 2:
         raise MemoryError("prefill attention could not allocate its work buffers")

@@ -28,7 +28,7 @@ from radixkv.cpu.features import cpu_features
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "paged_decode.c", CSRC / "paged_decode_avx2.c", CSRC / "cascade.c", CSRC / "paged_extend.c", CSRC / "row_ops.c", CSRC / "packed_linear.c", CSRC / "linear_f32.c", CSRC / "decode_layers.c", CSRC / "logits.c", CSRC / "quant_linear.c", CSRC / "quant_linear_zmm.c", CSRC / "moe.c", CSRC / "gemma_ops.c")
+SOURCES = (CSRC / "paged_decode.c", CSRC / "paged_decode_avx2.c", CSRC / "cascade.c", CSRC / "paged_extend.c", CSRC / "row_ops.c", CSRC / "packed_linear.c", CSRC / "linear_f32.c", CSRC / "decode_layers.c", CSRC / "logits.c", CSRC / "quant_linear.c", CSRC / "quant_linear_zmm.c", CSRC / "moe.c", CSRC / "moe_mxfp4.c", CSRC / "gemma_ops.c")
 HEADERS = (CSRC / "bf16.h", CSRC / "amx.h", CSRC / "decode.h", CSRC / "tiles.h", CSRC / "kernels.h")
 COMPILE_FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 
@@ -139,10 +139,14 @@ def _declare(library: ctypes.CDLL) -> None:
         "radixkv_paged_decode_f32": [p, i64, p, p, p, i64, p, p, i32, i32, i32, i32, i32, f32, p, p, p, i32, i32],
         "radixkv_paged_decode_f32_kv": [p, i64, p, p, p, i64, p, p, i32, i32, i32, i32, i32, f32, p, p, p, i32, i32, p, p, i32],
         "radixkv_paged_decode_bf16_kv": [p, i64, p, p, p, i64, p, p, i32, i32, i32, i32, i32, f32, p, p, p, i32, i32, p, p, i32],
+        "radixkv_paged_decode_bf16_sinks": [p, i64, p, p, p, i64, p, p, i32, i32, i32, i32, i32, f32, p, p, p, i32, i32, p],
+        "radixkv_paged_decode_f32_sinks": [p, i64, p, p, p, i64, p, p, i32, i32, i32, i32, i32, f32, p, p, p, i32, i32, p],
+        "radixkv_paged_decode_f32_kv_sinks": [p, i64, p, p, p, i64, p, p, i32, i32, i32, i32, i32, f32, p, p, p, i32, i32, p, p, i32, p],
+        "radixkv_paged_decode_bf16_kv_sinks": [p, i64, p, p, p, i64, p, p, i32, i32, i32, i32, i32, f32, p, p, p, i32, i32, p, p, i32, p],
         "radixkv_decode_kv_fits": [i32, i32],
         "radixkv_store_kv_narrow": [p, p, p, p, p, p, i64, i64, p, i32, i32, i32, i32],
-        "radixkv_paged_extend_bf16": [p, i64, p, p, p, i64, p, p, p, i32, i32, i32, i32, i32, f32, p, i64, i32, i32],
-        "radixkv_paged_extend_f32": [p, i64, p, p, p, i64, p, p, p, i32, i32, i32, i32, i32, f32, p, i64, i32, i32],
+        "radixkv_paged_extend_bf16": [p, i64, p, p, p, i64, p, p, p, i32, i32, i32, i32, i32, f32, p, i64, i32, i32, p],
+        "radixkv_paged_extend_f32": [p, i64, p, p, p, i64, p, p, p, i32, i32, i32, i32, i32, f32, p, i64, i32, i32, p],
         "radixkv_paged_extend_fits": [i32, i32, i32],
         "radixkv_cascade_plan": [p, i64, p, i32, i32, i32, i32, i64, p],
         "radixkv_cascade_plan_exact": [p, i32],
@@ -186,12 +190,18 @@ def _declare(library: ctypes.CDLL) -> None:
         "radixkv_moe_row_gate_up": [i32, p, i32, p, i32, i32, p, p, i32, p, i32, i32],
         "radixkv_moe_row_down": [i32, p, i32, i32, p, p, p, i32, p, i32, i32, i32],
         "radixkv_moe_grouped_f32": [p, i64, i32, i32, p, i64, p, p, i32, p, p, i64, i32],
+        "radixkv_moe_mxfp4_kernels": [],
+        "radixkv_moe_mxfp4": [p, i64, i32, i32, p, i64, p, p, i32, p, p, p, i64, i32, i32],
     }
     returns = {
         "radixkv_paged_decode_bf16": i32,
         "radixkv_paged_decode_f32": i32,
         "radixkv_paged_decode_f32_kv": i32,
         "radixkv_paged_decode_bf16_kv": i32,
+        "radixkv_paged_decode_bf16_sinks": i32,
+        "radixkv_paged_decode_f32_sinks": i32,
+        "radixkv_paged_decode_f32_kv_sinks": i32,
+        "radixkv_paged_decode_bf16_kv_sinks": i32,
         "radixkv_decode_kv_fits": i32,
         "radixkv_decode_work_floats": i64,
         "radixkv_paged_extend_bf16": i32,
@@ -218,6 +228,8 @@ def _declare(library: ctypes.CDLL) -> None:
         "radixkv_moe_row_gate_up": i32,
         "radixkv_moe_row_down": i32,
         "radixkv_moe_grouped_f32": i32,
+        "radixkv_moe_mxfp4_kernels": i32,
+        "radixkv_moe_mxfp4": i32,
     }
     for name, argtypes in signatures.items():
         if not hasattr(library, name):  # another revision's build, from before `name` was added

@@ -9,7 +9,6 @@ import math
 import mmap
 import re
 import struct
-import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 from collections.abc import Callable
@@ -18,6 +17,8 @@ from typing import TYPE_CHECKING, BinaryIO
 import numpy as np
 import torch
 from torch import Tensor
+
+from radixkv.cpu.mxfp4 import dequantize_mxfp4
 
 if TYPE_CHECKING:
     from radixkv.cpu.quant import QuantWeight
@@ -304,12 +305,6 @@ def hf_name(gguf_name: str, architecture: str = "llama") -> str | None:
     return f"model.layers.{match.group(1)}.{part}.{match.group(3)}"
 
 
-# MXFP4 (ggml type 39): a block of 32 values is one E8M0 scale byte and 16 bytes of e2m1 codes,
-# low nibbles the first 16 values; these are the codes' values doubled (ggml's kvalues_mxfp4),
-# so the scale is 2^(e - 128), half the E8M0 value.
-_MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
-
-
 def dequantize_rows(type_name: str, blocks: np.ndarray, width: int) -> Tensor:
     """Rows of a quantized matrix [rows, row bytes] as fp32 [rows, width]: MXFP4 in torch (the
     values gguf-py's dequantize gives, bit for bit), other types through gguf-py."""
@@ -319,17 +314,7 @@ def dequantize_rows(type_name: str, blocks: np.ndarray, width: int) -> Tensor:
 
         values = dequantize(np.asarray(blocks), GGMLQuantizationType[type_name])
         return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(-1, width))
-    with warnings.catch_warnings():  # a read-only map of the file: read here, never written
-        warnings.simplefilter("ignore", UserWarning)
-        data = torch.from_numpy(np.ascontiguousarray(blocks)).view(-1, width // 32, 17)
-    exponent = data[..., 0].to(torch.int32)
-    # The scale's bits as ggml builds them (e < 2: the subnormals 2^-128 and 2^-127).
-    bits = torch.where(exponent < 2, torch.tensor(0x00200000, dtype=torch.int32) << exponent, (exponent - 1) << 23)
-    scale = bits.view(torch.float32)
-    codes = data[..., 1:]
-    nibbles = torch.cat([codes & 0x0F, codes >> 4], dim=-1).long()  # [rows, blocks, 32]
-    values = torch.tensor(_MXFP4_VALUES, dtype=torch.float32)[nibbles]
-    return (scale[..., None] * values).reshape(-1, width)
+    return dequantize_mxfp4(blocks, width)
 
 
 def read_scalars(path: str | Path) -> dict[str, int | float | bool]:

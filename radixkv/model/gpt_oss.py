@@ -14,10 +14,12 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from radixkv.attention.base import AttentionMetadata
+from radixkv.cpu.mxfp4 import native_mxfp4
 from radixkv.errors import UnsupportedModel
 
 if TYPE_CHECKING:
     from radixkv.model.gguf import GGUFFile
+    from radixkv.model.moe import ExpertGroups
     from radixkv.model.llama import ModelConfig
 
 
@@ -115,20 +117,41 @@ class FloatGptOssExperts(nn.Module):
 
 class MappedMxfp4Experts(nn.Module):
     """A GGUF's stacked experts read in place (a memory map of the file: its own blocks, never
-    copied), any block type radixkv.model.gguf dequantizes (MXFP4 in gpt-oss's files), each routed
-    expert's rows dequantized to fp32 by torch for its tokens of the step; the biases are floats.
+    copied); the biases are floats. MXFP4 experts (gpt-oss's files) under kernel "native" run
+    grouped through csrc/moe_mxfp4.c (radixkv.cpu.mxfp4), each routed expert's rows read once a
+    step; otherwise (kernel "torch", or another block type) each routed expert's rows are
+    dequantized to fp32 by torch for its tokens of the step.
 
     parts: (gate, up, down) as (block type, uint8 view [experts, rows, row bytes])."""
 
     rows_independent = True
 
     def __init__(self, parts: Sequence[tuple[str, np.ndarray]], biases: Sequence[Tensor], hidden_size: int,
-                 intermediate_size: int) -> None:  # fmt: skip
+                 intermediate_size: int, kernel: str = "torch") -> None:  # fmt: skip
         super().__init__()
         assert len(parts) == 3 and len(biases) == 3
         (self.gate_type, self.gate_blocks), (self.up_type, self.up_blocks), (self.down_type, self.down_blocks) = parts
         self.gate_bias, self.up_bias, self.down_bias = (nn.Parameter(b, requires_grad=False) for b in biases)
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        self.grouped_ready = kernel == "native" and all(part[0] == "MXFP4" for part in parts)
+        self.mxfp4_kernel: str | None = None  # the kernel's path (radixkv.cpu.mxfp4.KERNELS), None: the fastest here
+
+    def grouped(self, x: Tensor, groups: ExpertGroups, alpha: float, limit: float) -> Tensor:
+        """Every routed pair's expert output [pairs, H] in x's dtype, in groups' order: gate and
+        up (with their biases) in fp32, cast to x's dtype, the clamped SwiGLU, down with its bias,
+        as gate_up and down compute them, each projection one native call."""
+        size, pairs = self.intermediate_size, groups.tokens.numel()
+        ids, offsets = torch.tensor(groups.experts, dtype=torch.int32), torch.tensor(groups.offsets, dtype=torch.int32)
+        x32, tokens = x.float().contiguous(), groups.tokens.to(torch.int32)
+        gate_up = torch.empty(pairs, 2 * size)
+        for at, blocks, bias in ((0, self.gate_blocks, self.gate_bias), (size, self.up_blocks, self.up_bias)):
+            native_mxfp4(blocks, x32, ids, offsets, tokens, gate_up[:, at : at + size], _f32(bias), self.mxfp4_kernel)
+        gate, up = gate_up.to(x.dtype).split(size, dim=1)
+        h = clamped_swiglu(gate, up, alpha, limit).float().contiguous()
+        y = torch.empty(pairs, self.hidden_size)
+        order = torch.arange(pairs, dtype=torch.int32)
+        native_mxfp4(self.down_blocks, h, ids, offsets, order, y, _f32(self.down_bias), self.mxfp4_kernel)
+        return y.to(x.dtype)
 
     @property
     def mapped_bytes(self) -> int:
@@ -144,12 +167,19 @@ class MappedMxfp4Experts(nn.Module):
         return F.linear(h.float(), w, self.down_bias[expert].float()).to(h.dtype)
 
     def extra_repr(self) -> str:
-        return f"types={self.gate_type}/{self.up_type}/{self.down_type}, mapped_bytes={self.mapped_bytes}"
+        kernel = "native" if self.grouped_ready else "torch"
+        return f"types={self.gate_type}/{self.up_type}/{self.down_type}, mapped_bytes={self.mapped_bytes}, kernel={kernel}"
 
 
-def gguf_experts(file: GGUFFile, config: ModelConfig) -> dict[str, nn.Module]:
+def _f32(bias: Tensor) -> Tensor:
+    """A bias as the native kernel reads it (already fp32 in a file's experts: no copy)."""
+    return bias.detach().float().contiguous()
+
+
+def gguf_experts(file: GGUFFile, config: ModelConfig, kernel: str = "torch") -> dict[str, nn.Module]:
     """Every layer's experts read in place from a gpt-oss GGUF (llama.cpp's layout: gate and up
-    apart, [experts, rows, inputs], biases [experts, rows]), by our module name."""
+    apart, [experts, rows, inputs], biases [experts, rows]), by our module name; kernel: the
+    resolved EngineConfig.moe_kernel ("native" runs MXFP4 experts through csrc/moe_mxfp4.c)."""
     assert isinstance(config.moe, GptOssMoEConfig)
     modules: dict[str, nn.Module] = {}
     for layer in config.moe.moe_layers:
@@ -162,7 +192,8 @@ def gguf_experts(file: GGUFFile, config: ModelConfig) -> dict[str, nn.Module]:
         for part in parts:  # mapped now, as llama.cpp does, not faulted in on a step's first touch
             file.populate(part)
         modules[f"layers.{layer}.mlp.experts"] = MappedMxfp4Experts(
-            [(part.type_name, file.mapped(part)) for part in parts], biases, config.hidden_size, config.moe.intermediate_size
+            [(part.type_name, file.mapped(part)) for part in parts], biases, config.hidden_size, config.moe.intermediate_size,
+            "native" if kernel in ("native", "native_fp32") else "torch",
         )
     return modules
 
@@ -222,8 +253,15 @@ class GptOssMoE(nn.Module):
         logits = project_rows(self.router, x, meta)
         top, ids = torch.topk(logits, self.top_k, dim=-1)
         weights = torch.softmax(top, dim=1, dtype=top.dtype)
+        groups = group_by_expert(ids, weights)
+        if getattr(self.experts, "grouped_ready", False):
+            # Pairs scatter-added in expert order per token, as combine_by_expert adds them, into
+            # fp32: torch's bf16 index_add_ on CPU runs a slow path (milliseconds for a few rows),
+            # so bf16 terms are summed in fp32 and rounded once (fp32 models: the same bits).
+            y = (self.experts.grouped(x, groups, self.alpha, self.limit) * groups.weights[:, None]).to(x.dtype)
+            return torch.zeros(x.shape).index_add_(0, groups.tokens, y.float()).to(x.dtype)
         split = meta.batch_invariant and not getattr(self.experts, "rows_independent", False)
-        return combine_by_expert(x, group_by_expert(ids, weights), self._expert, split)
+        return combine_by_expert(x, groups, self._expert, split)
 
     def _expert(self, expert: int, x: Tensor) -> Tensor:
         gate, up = self.experts.gate_up(expert, x)

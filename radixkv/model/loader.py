@@ -134,7 +134,7 @@ def load_model(
     if source.gguf is not None and config.architecture == "GptOssForCausalLM":
         from radixkv.model.gpt_oss import gguf_experts
 
-        modules.update(gguf_experts(file, config))  # MXFP4 blocks in place under every weight_dtype
+        modules.update(gguf_experts(file, config, moe))  # MXFP4 blocks in place under every weight_dtype
     net.load_state_dict_hf(weights, modules)
     net.eval()
     if modules:

@@ -243,3 +243,26 @@ def test_cascade_groups_over_narrow_pages_match_the_reference(gen, dtype, head_d
             decode.paged_decode(q16, k_cache, v_cache, page_table, seq_lens, scale, plan=exact.plan, **pages),
             decode.paged_decode(q16, k_cache, v_cache, page_table, seq_lens, scale, **pages),
         )
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", KV_DTYPES, ids=str)
+@pytest.mark.parametrize("compute", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("prefix_lens,q_lens", CASES)
+def test_sinks_over_narrow_pages_match_the_reference(gen, dtype, compute, prefix_lens, q_lens):
+    """gpt-oss's sink logits through the kernels that widen bf16 and int8 pages (fp32 compute) or
+    int8 pages (bf16 compute): the reference's output over the same pages."""
+    from radixkv.attention.base import LayerPages
+    from radixkv.cpu import decode
+
+    page_size, heads, group, head_dim = 4, 2, 3, 32
+    all_tokens, step, k, v, q, num_pages = _case(gen, prefix_lens, q_lens, page_size, heads, group, head_dim)
+    pool = _filled(dtype, all_tokens, k, v, num_pages, page_size)
+    if not decode.pages_fit(compute, pool.k_cache[0]):
+        pytest.skip(f"no kernel reads {dtype} pages under {compute} compute")
+    q, sinks, scale = q.to(compute), torch.randn(heads * group, generator=gen) * 2, head_dim**-0.5
+    outs = []
+    for backend in (TorchBackend(), CPUBackend()):
+        meta = prepared(backend, step, pool.k_cache[0], q.shape[1])
+        outs.append(backend.sink_pages(q, LayerPages(*_layer(pool)), meta, scale, None, sinks))
+    assert_close(outs[1], outs[0].double(), compute, f"cpu backend with sinks over {dtype} pages")

@@ -13,7 +13,7 @@ import os
 
 import pytest
 import torch
-from tests.helpers.paged import assert_close, gen, make_meta, make_paged, make_q, prepared  # noqa: F401  (gen is a fixture)
+from tests.helpers.paged import assert_close, gen, make_meta, make_paged, make_q, prepared, with_sinks  # noqa: F401  (gen is a fixture)
 
 from radixkv.attention.torch_backend import TorchBackend
 from radixkv.cpu import native as native_library
@@ -21,8 +21,9 @@ from radixkv.cpu import native as native_library
 WINDOWS = [1, 5, 64, 300]
 
 
-def windowed_reference(q, paged, meta, scale: float, window: int) -> torch.Tensor:
-    """Every query row of the step over the keys of its window, in float64."""
+def windowed_reference(q, paged, meta, scale: float, window: int | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Every query row of the step over the keys of its window (None: every key), in float64;
+    sinks: each head's logit in its softmax (gpt-oss)."""
     num_q_heads = q.shape[1]
     num_kv_heads, head_dim = paged.k_cache.shape[2:]
     group = num_q_heads // num_kv_heads
@@ -34,8 +35,9 @@ def windowed_reference(q, paged, meta, scale: float, window: int) -> torch.Tenso
         values = paged.v_cache[pages].reshape(-1, num_kv_heads, head_dim)[:seq_len].double().repeat_interleave(group, 1)
         for t in range(q_len):
             position, row = seq_len - q_len + t, starts[b] + t
-            first = max(0, position - window + 1)
-            probs = (torch.einsum("hd,thd->ht", q[row].double(), keys[first : position + 1]) * scale).softmax(-1)
+            first = 0 if window is None else max(0, position - window + 1)
+            scores = torch.einsum("hd,thd->ht", q[row].double(), keys[first : position + 1]) * scale
+            probs = with_sinks(scores, sinks).softmax(-1)[:, : position + 1 - first]
             out[row] = torch.einsum("ht,thd->hd", probs, values[first : position + 1])
     return out
 
@@ -103,3 +105,25 @@ def test_batch_invariant_rows_with_a_window_match_the_reference(gen, window) -> 
         meta = prepared(backend, meta, paged.k_cache, q.shape[1])
         out = backend.extend(q, k, v, paged.k_cache, paged.v_cache, meta, 0.2, window=window)
         assert_close(out, windowed_reference(q, paged, meta, 0.2, window), torch.float32, f"{backend.name}, window {window}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("window", [None, 5, 300])
+@pytest.mark.parametrize("invariant", [False, True], ids=["batched", "batch-invariant"])
+def test_sinks_with_and_without_a_window_match_the_reference(gen, window, dtype, invariant) -> None:
+    """gpt-oss's sink logits (one per query head, about the scores' size) in extend, the one-token
+    requests beside it and decode; dropping them moves the output far past the tolerance."""
+    sinks = torch.randn(4, generator=gen) * 3
+    scale = 32**-0.5
+    for prefix_lens, q_lens in (([300, 0, 40, 7, 600], [150, 20, 1, 9, 1]), ([0, 4, 299, 700], [1, 1, 1, 1])):
+        paged, q, k, v = stored_step(gen, prefix_lens, q_lens, 32, dtype)
+        # The backends with sinks; the torch reference's bf16 softmax (transformers' eager
+        # attention, in bf16) is looser than the kernels' fp32 one, so bf16 holds the kernels only.
+        for backend in backends(dtype)[:2] if dtype == torch.float32 else backends(dtype)[1:2]:
+            meta = make_meta(paged, prefix_lens, q_lens)
+            meta.batch_invariant = invariant
+            meta = prepared(backend, meta, paged.k_cache, q.shape[1])
+            out = backend.forward(q, k, v, paged.k_cache, paged.v_cache, meta, scale, window=window, sinks=sinks)
+            what = f"{backend.name}, q_lens {q_lens}, window {window}, seed {gen.initial_seed()}"
+            assert_close(out, windowed_reference(q, paged, meta, scale, window, sinks), dtype, what)
+            assert (out.double() - windowed_reference(q, paged, meta, scale, window)).abs().max() > 0.1, what

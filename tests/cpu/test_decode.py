@@ -24,7 +24,7 @@ from tests.helpers.paged import Paged, assert_close, gen, make_paged, make_q, re
 
 from radixkv.attention.cpu_backend import CPUBackend
 from radixkv.cpu import decode as native
-from radixkv.cpu import extend
+from radixkv.cpu import extend, mxfp4
 from radixkv.cpu import native as native_library
 from radixkv.cpu.features import cpu_features
 
@@ -385,7 +385,7 @@ OTHER_BUILDS = [
 @pytest.mark.parametrize("march", OTHER_BUILDS)
 def test_builds_for_other_cpus_give_the_same_answers(gen, monkeypatch, tmp_path, march) -> None:
     # Built into a scratch cache and held to the same reference: decode (with and without
-    # cascade groups) and row ops alike.
+    # cascade groups, with sinks), prefill, row ops and the MXFP4 experts alike.
     from radixkv.cpu import row_ops
     from radixkv.engine.sampler import greedy_tokens
     from radixkv.model.row_ops import rms_norm
@@ -406,6 +406,9 @@ def test_builds_for_other_cpus_give_the_same_answers(gen, monkeypatch, tmp_path,
             q = make_q(gen, 3, 9, 3, head_dim, dtype)
             out = native.paged_decode(q, paged.k_cache, paged.v_cache, paged.page_table, paged.seq_lens, 0.125)
             assert_close(out, reference(q, paged, 0.125), dtype, f"{march} build, head_dim {head_dim}")
+            sinks = torch.randn(9, generator=gen) * 3  # gpt-oss's, merged in the build's own code
+            out = native.paged_decode(q, paged.k_cache, paged.v_cache, paged.page_table, paged.seq_lens, 0.125, sinks=sinks)
+            assert_close(out, reference(q, paged, 0.125, sinks=sinks), dtype, f"{march} build, sinks, head_dim {head_dim}")
             # Cascade groups: three requests over one 256-token cached prefix (its 16 pages shared).
             grouped = make_paged(gen, [300, 310, 290], num_kv_heads=3, head_dim=head_dim, page_size=16, dtype=dtype)
             grouped.page_table[1:, :16] = grouped.page_table[0, :16]
@@ -426,6 +429,13 @@ def test_builds_for_other_cpus_give_the_same_answers(gen, monkeypatch, tmp_path,
 
             out, rows, expected = run_case(gen, REQUESTS, (9, 3), 64, 16, dtype)
             assert_close(out[rows], expected, dtype, f"{march} build, prefill")
+    # MXFP4 experts: each path the build has, the reference's bits.
+    from tests.cpu.test_mxfp4 import test_every_path_gives_the_references_bits
+
+    paths = {"x86-64-v2": ["portable"], "x86-64-v3": ["avx2", "portable"]}.get(march, ["avx512", "avx2", "portable"])
+    assert mxfp4.compiled_kernels() == paths
+    for kernel in mxfp4.compiled_kernels():
+        test_every_path_gives_the_references_bits(kernel, 70, 96, True)
     x, delta, weight = (torch.randn(shape, generator=gen).to(torch.bfloat16) for shape in ((5, 64), (5, 64), (64,)))
     expected = rms_norm(x + delta, weight, 1e-5)
     assert torch.equal(row_ops.add_rms_norm(x.clone(), delta, weight, 1e-5)[1], expected)
@@ -687,3 +697,28 @@ def test_a_plan_off_the_chunk_grid_marked_exact_is_refused(gen):
     marked[-1] = 1
     with pytest.raises(ValueError, match="rejected"):
         native.paged_decode(t.q, t.k_cache, t.v_cache, t.page_table, t.seq_lens, 0.125, plan=marked)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("heads", "head_dim"), [((9, 3), 64), ((8, 2), 48), ((4, 2), 128)])
+def test_sinks_join_each_heads_softmax_in_groups_and_alone(gen, dtype, heads, head_dim):
+    """gpt-oss's sink logits (one per query head) join each softmax where a request's states
+    merge: plain, in cascade groups and in a batch-invariant plan the reference's output, the
+    exact plan still each member's bits alone; the sinks (about the scores' size) move the output
+    far past the tolerance, so a kernel that dropped them fails."""
+    groups = [(600, 3), (300, 2)]
+    own = torch.randint(1, 90, (5,), generator=gen).tolist()
+    t = Tables(gen, groups, own, heads=heads, head_dim=head_dim, dtype=dtype)
+    scale, sinks = head_dim**-0.5, torch.randn(heads[0], generator=gen) * 3 + 9  # about the largest scores
+    expected = reference(t.q, t.paged(), scale, sinks=sinks)
+    plan = native.cascade_plan(t.page_table, t.seq_lens, PAGE, **ANY_SHARING)
+    exact = native.batch_invariant_plan(plan, len(own))
+    assert plan.plan is not None and exact.plan is not None
+    args = (t.q, t.k_cache, t.v_cache, t.page_table, t.seq_lens, scale)
+    plain = native.paged_decode(*args, sinks=sinks)
+    for what, out in (("plain", plain), ("cascade", native.paged_decode(*args, plan=plan.plan, sinks=sinks))):
+        assert_close(out, expected, dtype, f"{what}, seed {gen.initial_seed()}")
+    assert torch.equal(native.paged_decode(*args, plan=exact.plan, sinks=sinks), plain)
+    assert (plain.double() - reference(t.q, t.paged(), scale)).abs().max() > 0.1
+    with pytest.raises(ValueError, match="sinks must be"):
+        native.paged_decode(*args, sinks=sinks[:-1])

@@ -105,9 +105,10 @@ def make_q(
 
 
 def reference(
-    q: torch.Tensor, paged: Paged, scale: float, rows: list[int] | None = None
+    q: torch.Tensor, paged: Paged, scale: float, rows: list[int] | None = None, sinks: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """[B, num_q_heads, head_dim] float64: request b's query row (rows[b], or b) over its KV."""
+    """[B, num_q_heads, head_dim] float64: request b's query row (rows[b], or b) over its KV;
+    sinks [num_q_heads]: each head's logit joins its softmax (gpt-oss) and weighs no value."""
     num_q_heads = q.shape[1]
     num_kv_heads, head_dim = paged.k_cache.shape[2:]
     group = num_q_heads // num_kv_heads
@@ -126,13 +127,19 @@ def reference(
             values.repeat_interleave(group, dim=1),
         )
         query = q[b if rows is None else rows[b]].double()
-        probs = (torch.einsum("hd,thd->ht", query, keys) * scale).softmax(-1)
+        scores = torch.einsum("hd,thd->ht", query, keys) * scale
+        probs = with_sinks(scores, sinks).softmax(-1)[:, :seq_len]
         outs.append(torch.einsum("ht,thd->hd", probs, values))
     return (
         torch.stack(outs)
         if outs
         else torch.empty(0, num_q_heads, head_dim, dtype=torch.float64)
     )
+
+
+def with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Scores [heads, keys] with each head's sink logit as one more column (None: as they are)."""
+    return scores if sinks is None else torch.cat([scores, sinks.double()[:, None]], dim=-1)
 
 
 def assert_close(

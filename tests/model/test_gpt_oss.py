@@ -1,6 +1,7 @@
 """gpt-oss at test size: greedy tokens equal transformers' generate (fp32) on prompts several times
 its 8-token window, with attention sinks, biases, YaRN RoPE and its clamped-SwiGLU experts, on the
-torch and cpu backends, the prefix cache on and off, warm, chunked and preempted."""
+torch and cpu backends (its sink layers on the native kernels), the prefix cache on and off, warm,
+chunked and preempted."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from radixkv import SamplingParams
+from radixkv.attention import torch_backend
 from radixkv.attention.torch_backend import attend_with_sinks
 from radixkv.cpu import native
 from radixkv.errors import UnsupportedModel
@@ -69,9 +71,23 @@ def test_sinks_and_windows_matter(tiny_gpt_oss, reference, tmp_path):
     assert hf_greedy(tmp_path / "wide", prompts, MAX_NEW) != expected
 
 
+@pytest.fixture
+def kernels_only(monkeypatch):
+    """The cpu backend's sink layers run on its kernels: the torch reference's sink attention
+    raises if called (a kernel that dropped the sinks then answers otherwise:
+    test_sinks_and_windows_matter)."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a sink layer took the torch reference")
+
+    monkeypatch.setattr(torch_backend, "reference_sinks", refuse)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("cache", [True, False], ids=["cache", "no-cache"])
-def test_gpt_oss_matches_transformers(tiny_gpt_oss, reference, backend, cache):
+def test_gpt_oss_matches_transformers(tiny_gpt_oss, reference, backend, cache, request):
+    if backend == "cpu":
+        request.getfixturevalue("kernels_only")
     prompts, expected = reference
     llm = make_llm(tiny_gpt_oss, attention_backend=backend, enable_prefix_caching=cache)
     assert llm.engine.windows is not None, "window layers keep their own pages"
@@ -85,7 +101,9 @@ def test_gpt_oss_matches_transformers(tiny_gpt_oss, reference, backend, cache):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_gpt_oss_chunked_and_preempted(tiny_gpt_oss, reference, backend):
+def test_gpt_oss_chunked_and_preempted(tiny_gpt_oss, reference, backend, request):
+    if backend == "cpu":
+        request.getfixturevalue("kernels_only")
     prompts, expected = reference
     chunked = make_llm(tiny_gpt_oss, attention_backend=backend, max_batch_tokens=7)
     assert [o.token_ids for o in chunked.generate(prompts, SamplingParams(max_tokens=MAX_NEW))] == expected
@@ -95,7 +113,9 @@ def test_gpt_oss_chunked_and_preempted(tiny_gpt_oss, reference, backend):
     assert_pages_returned(llm.engine)
 
 
-def test_gpt_oss_batch_invariant_matches_transformers(tiny_gpt_oss, reference):
+def test_gpt_oss_batch_invariant_matches_transformers(tiny_gpt_oss, reference, request):
+    if native.load():
+        request.getfixturevalue("kernels_only")
     prompts, expected = reference
     llm = make_llm(tiny_gpt_oss, attention_backend="cpu" if native.load() else "torch", batch_invariant=True)
     assert [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW))] == expected

@@ -51,12 +51,16 @@ def test_gguf_lists_mxfp4_experts_their_biases_and_sinks(gpt_oss_files):
     assert file.tensors["model.layers.2.mlp.router.bias"].shape == (experts,)
 
 
+@pytest.mark.parametrize("moe_kernel", ["native", "torch"])
 @pytest.mark.parametrize("cache", [True, False], ids=["cache", "no-cache"])
-def test_mxfp4_experts_in_place_equal_the_dequantized_forward(gpt_oss_files, cache):
+def test_mxfp4_experts_in_place_equal_the_dequantized_forward(gpt_oss_files, cache, moe_kernel):
+    """The experts grouped through csrc/moe_mxfp4.c ("native") or dequantized by torch per expert."""
     gguf, folder, cache_dir = gpt_oss_files
     prompts = shared_prefix_prompts(5, vocab=VOCAB)
     expected = hf_greedy(folder, prompts, MAX_NEW)
-    llm = make_llm(gguf, attention_backend="cpu", enable_prefix_caching=cache, cache_dir=str(cache_dir))
+    llm = make_llm(gguf, attention_backend="cpu", enable_prefix_caching=cache, cache_dir=str(cache_dir), moe_kernel=moe_kernel)
+    experts = [m for m in llm.engine.loaded.model.modules() if isinstance(m, MappedMxfp4Experts)]
+    assert experts and all(m.grouped_ready == (moe_kernel == "native") for m in experts)
     params = SamplingParams(max_tokens=MAX_NEW)
     assert [o.token_ids for o in llm.generate(prompts, params)] == expected
     warm = llm.generate(prompts, params)
@@ -99,3 +103,38 @@ def test_q8_0_matrices_beside_mxfp4_experts(tmp_path):
         for cache in (True, False)
     ]
     assert kept[0] == kept[1]
+
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_grouped_experts_match_the_per_expert_path(gpt_oss_files, dtype):
+    """A layer's routed pairs through the kernel (each compiled path, the same bits) against the
+    torch path's dequantize-and-multiply per expert: equal within fp32's summation error (bf16:
+    its rounding of gate, up and the output)."""
+    from radixkv.cpu.mxfp4 import compiled_kernels
+    from radixkv.model.gpt_oss import clamped_swiglu
+    from radixkv.model.moe import group_by_expert
+
+    gguf, _, _ = gpt_oss_files
+    file = GGUFFile(gguf, 4, 2)
+    prefix = "model.layers.1.mlp.experts"
+    parts = [file.stacked[(prefix, f"{part}_proj")] for part in ("gate", "up", "down")]
+    biases = [file.dequantized(f"{prefix}.{part}_bias") for part in ("gate", "up", "down")]
+    hidden, size = GPT_OSS_SHAPE["hidden_size"], GPT_OSS_SHAPE["intermediate_size"]
+    experts = MappedMxfp4Experts([(p.type_name, file.mapped(p)) for p in parts], biases, hidden, size, "native")
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(6, hidden, generator=generator).to(dtype)
+    ids = torch.stack([torch.randperm(GPT_OSS_SHAPE["num_local_experts"], generator=generator)[:2] for _ in range(6)])
+    groups = group_by_expert(ids, torch.ones(6, 2, dtype=dtype))
+    per_expert = []
+    for g, expert in enumerate(groups.experts):
+        rows = x[groups.tokens[groups.offsets[g] : groups.offsets[g + 1]]]
+        gate, up = experts.gate_up(expert, rows)
+        per_expert.append(experts.down(expert, clamped_swiglu(gate, up, 1.702, 7.0)))
+    outs = []
+    for kernel in compiled_kernels():
+        experts.mxfp4_kernel = kernel
+        outs.append(experts.grouped(x, groups, 1.702, 7.0))
+    assert all(torch.equal(out, outs[0]) for out in outs)
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(outs[0], torch.cat(per_expert), **tolerance)

@@ -25,6 +25,10 @@ typedef struct {
     /* A batch-invariant plan (radixkv_cascade_plan_exact): each member of a group runs the own
      * item's very code over the shared chunks, so its states are the bits it would get alone. */
     int members_alone;
+    /* gpt-oss's attention sinks: a logit per query head that joins each softmax's denominator
+     * (exp(sink - max)) and weights no value; NULL: none. Applied once, where a request's
+     * states merge, so cascade groups and chunking need nothing of their own. */
+    const float *sinks;
 } Shape;
 
 /* The keys [t, t + n) that share a page (at most BLOCK_TOKENS of them) and where they start. */

@@ -464,12 +464,15 @@ typedef struct {
             const int64_t at = (int64_t)(head * sh->group + g) * state_floats(sh);                \
             float top = -INFINITY, total = 0.0f;                                                  \
             FOR_EACH_STATE(runs, at, state, { top = state[0] > top ? state[0] : top; })           \
+            const float sink = sh->sinks ? sh->sinks[head * sh->group + g] : -INFINITY;           \
+            top = sink > top ? sink : top; /* so exp(sink - top) cannot overflow */               \
             memset(merged, 0, sizeof(float) * D);                                                 \
             FOR_EACH_STATE(runs, at, state, {                                                     \
                 const float w = state[0] == -INFINITY ? 0.0f : expf(state[0] - top);              \
                 total += state[1] * w;                                                            \
                 for (int d = 0; d < D; d++) merged[d] += state[2 + d] * w;                        \
             })                                                                                    \
+            if (sh->sinks) total += expf(sink - top);                                             \
             const float inv = total > 0.0f ? 1.0f / total : 0.0f;                                 \
             T *dst = out_row + (int64_t)(head * sh->group + g) * D;                               \
             for (int d = 0; d < D; d++) dst[d] = STORE(merged[d] * inv);                          \
@@ -622,7 +625,7 @@ static void build_items(const int32_t *seq_lens, int num_seqs, const Plan *plan,
 int64_t radixkv_decode_work_floats(const int32_t *seq_lens, int num_seqs, const int32_t *plan_buffer, int num_q_heads,
                                    int head_dim, int window) {
     const Plan plan = plan_view(plan_buffer, num_seqs);
-    const Shape sh = {1, head_dim, num_q_heads, 16, 1.0f, 0, 0, NULL, NULL, 0};
+    const Shape sh = {1, head_dim, num_q_heads, 16, 1.0f, 0, 0, NULL, NULL, 0, NULL};
     Items items = {NULL, 0, 0, NULL, NULL};
     build_items(seq_lens, num_seqs, &plan, &sh, window, &items);
     return items.work_floats;
@@ -644,6 +647,7 @@ static inline int item_thread(const Items *items, int64_t i, int num_threads) {
 }
 
 #define KV_PARAMS_WIDE , const uint16_t *k_scales, const uint16_t *v_scales, int kv_kind
+#define KV_ARGS_WIDE , k_scales, v_scales, kv_kind
 #define KV_INIT_WIDE                                                                                              \
     if (!radixkv_decode_kv_fits(kv_kind, head_dim) || (kv_kind == 3 && !(k_scales && v_scales)))                 \
         return 1;                                                                                                 \
@@ -656,16 +660,33 @@ int radixkv_decode_kv_fits(int kv_kind, int head_dim);
 /* Returns 0, 1 for shapes this kernel does not take (callers check them first), or 2 when out
  * of memory. work: radixkv_decode_work_floats floats; plan: radixkv_cascade_plan's buffer or
  * NULL (every request reads all its keys itself); window: a sliding window of that many keys
- * (each request reads its last `window` keys; 0: all; a window with a plan returns 1). KV_PARAMS, KV_INIT: the page dtype's own
- * parameters after num_threads, and what they set in the shape (or a return for what it
- * cannot run). */
-#define DEFINE_DECODE(NAME, T, KT, ITEM, SHARED_ITEM, MERGE, AMX_CAPABLE, KV_PARAMS, KV_INIT)                    \
+ * (each request reads its last `window` keys; 0: all; a window with a plan returns 1).
+ * KV_PARAMS, KV_ARGS, KV_INIT: the page dtype's own parameters after num_threads, their names,
+ * and what they set in the shape (or a return for what it cannot run). NAME_sinks takes
+ * gpt-oss's sink logits after them (Shape.sinks); NAME is NAME_sinks without. */
+#define DEFINE_DECODE(NAME, T, KT, ITEM, SHARED_ITEM, MERGE, AMX_CAPABLE, KV_PARAMS, KV_ARGS, KV_INIT)           \
+    int NAME##_sinks(const T *q, int64_t q_row_stride, const KT *k, const KT *v, const int32_t *page_table,       \
+                     int64_t page_table_stride, const int32_t *seq_lens, const int32_t *rows, int num_seqs,       \
+                     int num_q_heads, int num_kv_heads, int head_dim, int page_size, float scale, T *out,        \
+                     float *work, const int32_t *plan_buffer, int num_threads, int window KV_PARAMS,             \
+                     const float *sinks);                                                                        \
     int NAME(const T *q, int64_t q_row_stride, const KT *k, const KT *v, const int32_t *page_table,               \
              int64_t page_table_stride, const int32_t *seq_lens, const int32_t *rows, int num_seqs,               \
              int num_q_heads, int num_kv_heads, int head_dim, int page_size, float scale, T *out, float *work,   \
              const int32_t *plan_buffer, int num_threads, int window KV_PARAMS) {                                \
+        return NAME##_sinks(q, q_row_stride, k, v, page_table, page_table_stride, seq_lens, rows, num_seqs,      \
+                            num_q_heads, num_kv_heads, head_dim, page_size, scale, out, work, plan_buffer,        \
+                            num_threads, window KV_ARGS, NULL);                                                  \
+    }                                                                                                            \
+    /* sinks: a logit per query head, fp32 (Shape.sinks), or NULL. */                                           \
+    int NAME##_sinks(const T *q, int64_t q_row_stride, const KT *k, const KT *v, const int32_t *page_table,       \
+                     int64_t page_table_stride, const int32_t *seq_lens, const int32_t *rows, int num_seqs,       \
+                     int num_q_heads, int num_kv_heads, int head_dim, int page_size, float scale, T *out,        \
+                     float *work, const int32_t *plan_buffer, int num_threads, int window KV_PARAMS,             \
+                     const float *sinks) {                                                                       \
         if (num_kv_heads <= 0 || num_q_heads % num_kv_heads != 0 || (window > 0 && plan_buffer)) return 1;       \
-        Shape sh = {num_kv_heads, head_dim, num_q_heads / num_kv_heads, page_size, scale, 0, 0, NULL, NULL, 0};  \
+        Shape sh = {num_kv_heads, head_dim, num_q_heads / num_kv_heads, page_size, scale, 0, 0, NULL, NULL, 0,   \
+                    sinks};                                                                                      \
         if (sh.group > MAX_GROUP || head_dim > MAX_HEAD_DIM || page_size <= 0) return 1;                         \
         KV_INIT                                                                                                  \
         sh.use_amx = AMX_CAPABLE && amx_fits(&sh);                                                               \
@@ -740,8 +761,8 @@ int radixkv_decode_kv_fits(int kv_kind, int head_dim);
         return status;                                                                                           \
     }
 
-DEFINE_DECODE(radixkv_paged_decode_bf16, uint16_t, uint16_t, radixkv_item_bf16, radixkv_shared_item_bf16, merge_bf16, 1, , )
-DEFINE_DECODE(radixkv_paged_decode_f32, float, float, radixkv_item_f32, radixkv_shared_item_f32, merge_f32, 0, , )
+DEFINE_DECODE(radixkv_paged_decode_bf16, uint16_t, uint16_t, radixkv_item_bf16, radixkv_shared_item_bf16, merge_bf16, 1, , , )
+DEFINE_DECODE(radixkv_paged_decode_f32, float, float, radixkv_item_f32, radixkv_shared_item_f32, merge_f32, 0, , , )
 
 /* Whether fp32 compute reads pages of kv_kind (2: bf16, 3: int8) of this head_dim: the AVX2
  * item widens them in vectors (head_dim % 8 == 0), the portable one element by element. */
@@ -816,12 +837,12 @@ HIDDEN void radixkv_item_bf16_kv(const uint16_t *q_row, const void *k, const voi
 
 /* fp32 compute over bf16 (kv_kind 2) or int8 (3, with scales) pages, widened on load. */
 DEFINE_DECODE(radixkv_paged_decode_f32_kv, float, void, radixkv_item_f32_kv, radixkv_shared_item_f32_kv, merge_f32, 0,
-              KV_PARAMS_WIDE, KV_INIT_WIDE)
+              KV_PARAMS_WIDE, KV_ARGS_WIDE, KV_INIT_WIDE)
 
 /* bf16 compute over int8 pages (kv_kind 3, with scales): q widened from bf16 in the item, the
  * output rounded to bf16 in the merge, as the bf16 kernel's. */
 DEFINE_DECODE(radixkv_paged_decode_bf16_kv, uint16_t, void, radixkv_item_bf16_kv, radixkv_shared_item_bf16_kv, merge_bf16,
-              0, KV_PARAMS_WIDE, KV_INIT_BF16_INT8)
+              0, KV_PARAMS_WIDE, KV_ARGS_WIDE, KV_INIT_BF16_INT8)
 
 /* Turns the AMX q.k path on (on != 0, where the CPU and the OS allow) or off; returns whether
  * it is on. One setting per process: every later decode call reads it. */

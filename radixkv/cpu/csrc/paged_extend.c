@@ -74,11 +74,15 @@ static inline __attribute__((always_inline)) void fold_state(float *run, const f
                                                       _mm256_mul_ps(_mm256_loadu_ps(part + 2 + d), a)));
 }
 
-/* A running state's output, acc / sum, to an output row (bf16 rounded to nearest even). */
-static inline __attribute__((always_inline)) void write_state(const float *run, void *dst, const int D, const int bf16) {
+/* A running state's output, acc / sum, to an output row (bf16 rounded to nearest even). A sink
+ * logit (gpt-oss; -inf: none) joins the sum as exp(sink - max), both taken from the larger max. */
+static inline __attribute__((always_inline)) void write_state(const float *run, float sink, void *dst, const int D,
+                                                              const int bf16) {
+    const float top = sink > run[0] ? sink : run[0], keep = expf(run[0] - top);
+    const float scale = sink == -INFINITY ? 1.0f / run[1] : keep / (run[1] * keep + expf(sink - top));
 #ifdef HAVE_AVX512_BF16
     if (bf16) {
-        const __m512 inv = _mm512_set1_ps(1.0f / run[1]);
+        const __m512 inv = _mm512_set1_ps(scale);
         for (int d = 0; d < D; d += 16)
             _mm256_storeu_si256((__m256i *)((uint16_t *)dst + d),
                                 (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(run + 2 + d), inv)));
@@ -86,7 +90,7 @@ static inline __attribute__((always_inline)) void write_state(const float *run, 
     }
 #endif
     (void)bf16;
-    const __m256 inv = _mm256_set1_ps(1.0f / run[1]);
+    const __m256 inv = _mm256_set1_ps(scale);
     for (int d = 0; d < D; d += 8) _mm256_storeu_ps((float *)dst + d, _mm256_mul_ps(_mm256_loadu_ps(run + 2 + d), inv));
 }
 
@@ -158,7 +162,8 @@ static inline __attribute__((always_inline)) void extend_item(const Extend *e, c
     }
     for (int i = 0; i < count; i++) {
         const int64_t offset = (int64_t)(e->q_starts[b] + t0 + i / G) * e->out_row_stride + (int64_t)(h * G + i % G) * D;
-        write_state(running + i * sf, (char *)e->out + offset * element_bytes, D, bf16);
+        const float sink = sh->sinks ? sh->sinks[h * G + i % G] : -INFINITY;
+        write_state(running + i * sf, sink, (char *)e->out + offset * element_bytes, D, bf16);
     }
 }
 
@@ -226,12 +231,13 @@ static int extend(const Extend *e, int num_seqs, int num_threads, int bf16) {
 
 /* Attention of each request's q_lens[b] new tokens (q rows q_starts[b].., at positions
  * seq_lens[b] - q_lens[b]..) over its first seq_lens[b] keys, causally, into the same rows of
- * out. Returns 0; 1, doing nothing, where radixkv_paged_extend_fits says no; 2 out of memory. */
+ * out; sinks: a logit per query head in each softmax's sum (gpt-oss), fp32, or NULL. Returns
+ * 0; 1, doing nothing, where radixkv_paged_extend_fits says no; 2 out of memory. */
 #define DEFINE_EXTEND(NAME, T, BF16)                                                                                  \
     int NAME(const T *q, int64_t q_row_stride, const T *k, const T *v, const int32_t *page_table,                    \
              int64_t page_table_stride, const int32_t *seq_lens, const int32_t *q_starts, const int32_t *q_lens,      \
              int num_seqs, int num_q_heads, int num_kv_heads, int head_dim, int page_size, float scale, T *out,        \
-             int64_t out_row_stride, int num_threads, int window) {                                                   \
+             int64_t out_row_stride, int num_threads, int window, const float *sinks) {                               \
         if (num_kv_heads < 1 || num_q_heads % num_kv_heads ||                                                         \
             !radixkv_paged_extend_fits(BF16, head_dim, num_q_heads / num_kv_heads))                                    \
             return 1;                                                                                                 \
@@ -240,14 +246,15 @@ static int extend(const Extend *e, int num_seqs, int num_threads, int bf16) {
 #ifdef HAVE_AVX2
 #define EXTEND_BODY(BF16)                                                                                            \
     const Extend e = {q, k, v, out, q_row_stride, out_row_stride, page_table_stride, page_table, seq_lens, q_starts, \
-                      q_lens, {num_kv_heads, head_dim, num_q_heads / num_kv_heads, page_size, scale, 0, 0, NULL, NULL, 0}, \
+                      q_lens, {num_kv_heads, head_dim, num_q_heads / num_kv_heads, page_size, scale, 0, 0, NULL, NULL, 0,   \
+                       sinks},                                                                                      \
                       window};                                                                                     \
     return extend(&e, num_seqs, num_threads, BF16);
 #else
 #define EXTEND_BODY(BF16)                                                                                            \
     (void)q, (void)q_row_stride, (void)k, (void)v, (void)page_table, (void)page_table_stride, (void)seq_lens,        \
         (void)q_starts, (void)q_lens, (void)num_seqs, (void)page_size, (void)scale, (void)out, (void)out_row_stride, \
-        (void)num_threads, (void)window;                                                                             \
+        (void)num_threads, (void)window, (void)sinks;                                                                \
     return 1;
 #endif
 DEFINE_EXTEND(radixkv_paged_extend_bf16, uint16_t, 1)
