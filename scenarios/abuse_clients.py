@@ -125,7 +125,9 @@ async def request_attacks(base_url: str, key: str, model_name: str, args: argpar
     headers["Content-Type"] = "application/json"
     async with httpx.AsyncClient(base_url=base_url, timeout=120, headers=headers) as client:
         for i in itertools.count():
-            if stop.is_set() and i >= 4:  # every attack at least once, however short the run
+            # Every attack at least once, however short the run; the dead-end schema until one was
+            # answered (its 429s are no answer, and the key's own flood may hold its share until stop).
+            if stop.is_set() and i >= 4 and (tally.dead_schema_sent or i >= 400):
                 return
             kind = i % 4
             try:
