@@ -83,7 +83,9 @@ class HarmonyReader:
 
     Each message's text is decoded as it grows (a character split over tokens is held until whole). Linear in the reply: each token
     is decoded once with at most the few held before it; a header is decoded once, when closed.
-    `plain` turns True where the reply does not open as harmony; the reader then reads nothing."""
+    `plain` turns True where the reply does not open as harmony; the reader then reads nothing.
+    `reasoning_tokens` counts the reply's tokens of `analysis` messages: header, text and the
+    marker that ends each (OpenAI's usage.completion_tokens_details.reasoning_tokens)."""
 
     def __init__(self, tokenizer: Any, marks: HarmonyTokens) -> None:
         self._tokenizer, self._marks = tokenizer, marks
@@ -92,6 +94,8 @@ class HarmonyReader:
         self._message: Message | None = None
         self.plain: bool | None = None  # None until the first header shows what the reply is
         self.messages: list[Message] = []
+        self.reasoning_tokens = 0
+        self._header_tokens = 0  # the reply's tokens since the last message closed, markers included
 
     def feed(self, token_ids: list[int]) -> list[Event]:
         events: list[Event] = []
@@ -116,6 +120,7 @@ class HarmonyReader:
     def _token(self, token: int, events: list[Event]) -> None:
         marks = self._marks
         if self._header is not None:
+            self._header_tokens += 1
             if token == marks.message:
                 self._open(events)
             elif token == marks.start:
@@ -128,13 +133,17 @@ class HarmonyReader:
                 if self.plain is None:
                     self._decide()
             return
+        assert self._message is not None
+        reasoning = self._message.channel == "analysis"
         if token in (marks.end, marks.call, marks.return_, marks.start):
             self._flush(events, final=True)
-            assert self._message is not None
+            self.reasoning_tokens += reasoning and token != marks.start
+            self._header_tokens = int(token == marks.start)  # a start opens the next header
             self._message.ended = {marks.end: "end", marks.call: "call", marks.return_: "return"}.get(token)
             events.append(Event(self._message, "", True))
             self._message, self._header = None, []
             return
+        self.reasoning_tokens += reasoning
         self._held.append(token)
         self._flush(events, final=False)
 
@@ -154,6 +163,9 @@ class HarmonyReader:
         self.plain = False
         self._message = Message(channel.group(1) if channel else None, recipient.group(1) if recipient else None, content_type)
         self.messages.append(self._message)
+        if self._message.channel == "analysis":
+            self.reasoning_tokens += self._header_tokens
+        self._header_tokens = 0
         self._header = None
 
     def _flush(self, events: list[Event], *, final: bool) -> None:

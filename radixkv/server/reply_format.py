@@ -36,6 +36,7 @@ class Reply:
     content: str | None
     reasoning: str | None
     calls: list[ToolCall]
+    reasoning_tokens: int = 0  # the reply's tokens of reasoning (harmony's analysis messages)
 
 
 class ReplyFormat:
@@ -66,7 +67,8 @@ class ReplyFormat:
             return Reply(content, None, calls)
         stream = self.stream(tools, choice)
         whole = stream.feed(text, token_ids).add(stream.finish())
-        return Reply(whole.content if whole.content or not whole.calls else None, whole.reasoning or None, whole.calls)
+        content = whole.content if whole.content or not whole.calls else None
+        return Reply(content, whole.reasoning or None, whole.calls, stream.reasoning_tokens)
 
 
 class ReplyStream:
@@ -79,6 +81,11 @@ class ReplyStream:
         self._names = {t.name for t in tools} if choice != "none" else set()
         self._undecided: list[str] = []  # engine text while the reader does not know the form
         self.num_calls = 0
+
+    @property
+    def reasoning_tokens(self) -> int:
+        """The reply's tokens of reasoning so far (0 for a reply that is not harmony)."""
+        return 0 if self._reader is None or self._reader.plain else self._reader.reasoning_tokens
 
     def feed(self, text: str, token_ids: list[int]) -> Piece:
         if self._reader is None or self._reader.plain:

@@ -42,10 +42,16 @@ def test_harmonys_stops_end_a_reply(harmony_server: LiveServer) -> None:
 def test_chat_streamed_equals_whole_and_pages_come_back(harmony_server: LiveServer) -> None:
     client = harmony_server.client()
     args = dict(model=MODEL, messages=MESSAGES, tools=[WEATHER], max_tokens=24, temperature=0)
-    whole = client.chat.completions.create(**args).choices[0]
+    response = client.chat.completions.create(**args)
+    whole = response.choices[0]
     assert whole.finish_reason in ("stop", "length", "tool_calls")
+    # A harmony model reports its reasoning tokens, the same streamed (with usage) as whole.
+    reasoning_tokens = response.usage.completion_tokens_details.reasoning_tokens
+    assert 0 <= reasoning_tokens <= response.usage.completion_tokens
     content, reasoning, names, finish = "", "", [], None
-    for chunk in client.chat.completions.create(**args, stream=True):
+    for chunk in client.chat.completions.create(**args, stream=True, stream_options={"include_usage": True}):
+        if chunk.usage is not None:
+            assert chunk.usage.completion_tokens_details.reasoning_tokens == reasoning_tokens
         for choice in chunk.choices:
             content += choice.delta.content or ""
             reasoning += getattr(choice.delta, "reasoning_content", None) or ""

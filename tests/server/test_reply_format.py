@@ -64,7 +64,9 @@ def chat_tools(choice: str = "auto") -> ChatTools:
 
 def openai_message(name: str, choice: str = "auto") -> dict:
     body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}])
-    choice_ = _chat_choice(TokenTexts(TOKENIZER), body, chat_tools(choice), output(name))
+    whole = output(name)
+    reply = FORMAT.parse(whole.text, whole.token_ids, TOOLS, choice)
+    choice_ = _chat_choice(TokenTexts(TOKENIZER), body, whole, reply)
     message = choice_.model_dump()["message"]
     for call in message.get("tool_calls") or []:
         call["id"] = "id"
@@ -112,6 +114,26 @@ def test_known_replies_become_openai_messages(name: str) -> None:
 @given(name=st.sampled_from(sorted(CASES)), cuts=st.lists(st.integers(1, 40), max_size=6))
 def test_streamed_chunks_add_up_to_the_whole_reply(name: str, cuts: list[int]) -> None:
     assert openai_streamed(name, cuts) == openai_message(name)
+
+
+# The reply's analysis messages as written (the `<|start|>assistant` after one opens the next message).
+REASONING_TEXT = {"analysis_final": ANALYSIS, "analysis_call": ANALYSIS, "bad_json": ANALYSIS, "cut_in_analysis": CASES["cut_in_analysis"][0]}
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.sampled_from(sorted(CASES)), st.lists(st.integers(1, 40), max_size=6))
+def test_reasoning_tokens_count_the_analysis_messages_whole_or_streamed(name: str, cuts: list[int]) -> None:
+    text = REASONING_TEXT.get(name, "")
+    expected = len(ids(text.removesuffix("<|start|>assistant")))
+    whole = output(name)
+    assert FORMAT.parse(whole.text, whole.token_ids, TOOLS, "auto").reasoning_tokens == expected
+    stream = FORMAT.stream(TOOLS, "auto")
+    bounds = [0, *sorted({c for c in cuts if c < len(whole.token_ids)}), len(whole.token_ids)]
+    for a, b in zip(bounds, bounds[1:]):
+        stream.feed(TOKENIZER.decode(whole.token_ids[a:b], skip_special_tokens=True), whole.token_ids[a:b])
+    stream.finish()
+    assert stream.reasoning_tokens == expected
+    assert bool(expected) == bool(CASES[name][2]), "a reply with reasoning text counts its tokens, one without none"
 
 
 def test_tool_choice_none_leaves_calls_as_content() -> None:

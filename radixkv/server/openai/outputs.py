@@ -28,6 +28,7 @@ from radixkv.server.openai.protocol import (
     Completion,
     CompletionChoice,
     CompletionRequest,
+    CompletionTokensDetails,
     Delta,
     DeltaFunction,
     DeltaToolCall,
@@ -40,7 +41,7 @@ from radixkv.server.openai.protocol import (
     now_s,
 )
 from radixkv.server.streaming import merge, sse
-from radixkv.server.reply_format import ReplyFormat
+from radixkv.server.reply_format import Reply, ReplyFormat
 from radixkv.server.tools import Tool, ToolCall, ToolChoice
 
 if TYPE_CHECKING:
@@ -71,8 +72,7 @@ def _finish_reason(engine_reason: str, has_calls: bool) -> str:
     return "tool_calls" if has_calls and engine_reason != "length" else engine_reason
 
 
-def _chat_choice(texts: TokenTexts, body: ChatCompletionRequest, tools: ChatTools, output: CompletionOutput) -> ChatChoice:
-    reply = tools.format.parse(output.text, output.token_ids, tools.tools, tools.choice)
+def _chat_choice(texts: TokenTexts, body: ChatCompletionRequest, output: CompletionOutput, reply: Reply) -> ChatChoice:
     return ChatChoice(
         index=output.index,
         message=AssistantMessage(content=reply.content, tool_calls=_reply_calls(reply.calls), reasoning_content=reply.reasoning),
@@ -82,13 +82,21 @@ def _chat_choice(texts: TokenTexts, body: ChatCompletionRequest, tools: ChatTool
 
 
 def chat_response(server: AppState, texts: TokenTexts, body: ChatCompletionRequest, tools: ChatTools, final: RequestOutput) -> ChatCompletion:
+    replies = [(o, tools.format.parse(o.text, o.token_ids, tools.tools, tools.choice)) for o in final.outputs]
     return ChatCompletion(
         id=new_id("chatcmpl"),
         created=now_s(),
         model=server.model_name,
-        choices=[_chat_choice(texts, body, tools, o) for o in final.outputs],
-        usage=usage([final]),
+        choices=[_chat_choice(texts, body, o, reply) for o, reply in replies],
+        usage=with_reasoning(usage([final]), tools.format, sum(reply.reasoning_tokens for _, reply in replies)),
     )
+
+
+def with_reasoning(made: Usage, reply_format: ReplyFormat, reasoning_tokens: int) -> Usage:
+    """usage with its completion_tokens_details where the model reasons (harmony)."""
+    if reply_format.harmony is not None:
+        made.completion_tokens_details = CompletionTokensDetails(reasoning_tokens=reasoning_tokens)
+    return made
 
 
 def completion_response(server: AppState, texts: TokenTexts, body: CompletionRequest, finals: list[RequestOutput], n: int) -> Completion:
@@ -117,6 +125,10 @@ class _ChatChoiceStream:
     def __init__(self, texts: TokenTexts, body: ChatCompletionRequest, tools: ChatTools, index: int) -> None:
         self._texts, self._body, self._index = texts, body, index
         self._calls = tools.format.stream(tools.tools, tools.choice)
+
+    @property
+    def reasoning_tokens(self) -> int:
+        return self._calls.reasoning_tokens
 
     def choices(self, delta: CompletionDelta) -> list[ChatChunkChoice]:
         piece = self._calls.feed(delta.text, delta.token_ids)
@@ -159,6 +171,8 @@ async def chat_events(
     per_choice = [_ChatChoiceStream(texts, body, tools, j) for j in range(n)]
 
     def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None, report: Report = None) -> str:
+        if usage is not None:
+            usage = with_reasoning(usage, tools.format, sum(c.reasoning_tokens for c in per_choice))
         payload = ChatCompletionChunk(id=chunk_id, created=created, model=model, choices=choices, usage=usage)
         return _sse_data(payload, body.include_usage, report)
 

@@ -302,11 +302,17 @@ class PromptCacheKept(BaseModel):
     expires_at: int | None = None
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    # A reasoning model's (harmony's analysis tokens); left out for a model that does not reason.
+    completion_tokens_details: CompletionTokensDetails | None = Field(default=None, exclude_if=lambda v: v is None)
     prompt_cache_kept: PromptCacheKept = PromptCacheKept()
 
 
