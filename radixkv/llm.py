@@ -3,7 +3,8 @@
 It owns an `Engine`, encodes prompts, submits every request at once (so the scheduler can share
 their prefixes), runs them to completion and returns outputs in input order. Chats continue
 exactly, as over HTTP: the replies it generated are remembered (one `ReplyMap`, its single owner)
-and put back as their generated ids when they come back as assistant messages.
+and put back as their generated ids when they come back as assistant messages. A harmony model's
+chat reply (gpt-oss) comes back as its content in `text` and its analysis in `reasoning`.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from radixkv.engine.sessions import SessionRef
 from radixkv.engine.stats import EngineStats
 from radixkv.errors import InvalidRequest, QueueFull
 from radixkv.prompts import Message, Prompt, encode, encode_chat
+from radixkv.prompts.harmony import harmony_tokens, split_reply
 from radixkv.prompts.replies import DEFAULT_MAX_REPLIES, DEFAULT_MAX_REPLY_TOKENS, ReplyMap, encode_chat_exact
 
 # What generate takes per prompt: text, token ids, or a Prompt (messages, text or token ids).
@@ -37,6 +39,7 @@ class LLM:
         self.config = EngineConfig.from_kwargs(model=model, **options)
         self.engine = Engine(self.config)
         self.tokenizer = self.engine.tokenizer
+        self._harmony = harmony_tokens(self.tokenizer)  # gpt-oss's format: chat replies split by channel
         # In-process callers are one owner (None), as for pins and sessions.
         self.replies = ReplyMap(self.tokenizer, DEFAULT_MAX_REPLIES, DEFAULT_MAX_REPLY_TOKENS, DEFAULT_MAX_REPLY_TOKENS) if exact_continuation else None
 
@@ -104,6 +107,16 @@ class LLM:
         the same model and directory starts warm. A no-op without a disk tier."""
         self.engine.close()
 
+    def _split_channels(self, output: RequestOutput) -> None:
+        """A harmony model's chat reply: content in `text`, analysis in `reasoning` (the engine's
+        text has the markers dropped and the channels run together); ids left as generated."""
+        if self._harmony is None:
+            return
+        for choice in output.outputs:
+            split = split_reply(self.tokenizer, self._harmony, choice.token_ids)
+            if split is not None:
+                choice.text, choice.reasoning = split[0], split[1] or None
+
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
@@ -128,6 +141,7 @@ class LLM:
             results[i] = output
             if chats is not None and chats[i]:
                 self.remember(output, salt=salt)
+                self._split_channels(output)
 
         ref = SessionRef(None, session) if session is not None else None  # in-process callers are one owner
         run_to_completion(self.engine, token_lists, params, salt=salt, on_finished=finished, session=ref, keeps=keeps)

@@ -31,6 +31,8 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None  # "stop", "length", "abort", or None while running
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token when asked for
+    # A reasoning model's chat reply (gpt-oss's analysis), split off `text` by LLM.chat; None otherwise.
+    reasoning: str | None = None
 
 
 @dataclass(slots=True)

@@ -74,6 +74,19 @@ class Event(NamedTuple):
 _MAX_HELD_TOKENS = 4
 
 
+def split_reply(tokenizer: Any, marks: HarmonyTokens, token_ids: list[int]) -> tuple[str, str] | None:
+    """A finished reply's (content, reasoning): `analysis` messages are reasoning, every other
+    message's text is content (a message to a tool, its JSON included: a chat without tools has
+    no calls to make); None where the reply is not harmony (plain text, or nothing read)."""
+    reader = HarmonyReader(tokenizer, marks)
+    reader.feed(token_ids)
+    reader.finish()
+    if reader.plain or not reader.messages:
+        return None
+    content = "".join(m.text for m in reader.messages if m.channel != "analysis")
+    return content, "".join(m.text for m in reader.messages if m.channel == "analysis")
+
+
 class HarmonyReader:
     """Reads a reply's ids as they come into messages. A reply continues the prompt's
     `<|start|>assistant`: messages of a header (` to=recipient`, `<|channel|>name`, a content

@@ -9,7 +9,7 @@ import json
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from radixkv.prompts.harmony import HarmonyReader, HarmonyTokens, harmony_tokens
+from radixkv.prompts.harmony import HarmonyReader, HarmonyTokens, harmony_tokens, split_reply
 from radixkv.prompts.tools import Tool, encode_conversation, render_conversation
 from tests.helpers.harmony import harmony_tokenizer
 from tests.helpers.tiny_models import tiny_tokenizer
@@ -204,3 +204,18 @@ def test_a_harmony_reply_continues_as_it_was_generated() -> None:
     other = [*turn2[:1], {"role": "assistant", "content": None, "tool_calls": [call("c1", "get_time", {})]}, turn2[2]]
     assert continued(other, 1, prompt1, reply1) is None
     assert continued(turn3, 3, prompt2, reply2[:-1]) is None
+
+
+@pytest.mark.parametrize(
+    ("reply", "expected"),
+    [
+        ("<|channel|>final<|message|>Sunny.<|return|>", ("Sunny.", "")),
+        ("<|channel|>analysis<|message|>The user asks.<|end|><|start|>assistant<|channel|>final<|message|>Sunny.<|return|>",
+         ("Sunny.", "The user asks.")),
+        ("<|channel|>analysis<|message|>The user", ("", "The user")),  # cut off in its reasoning
+        ("Sunny.", None),  # not harmony: left as the engine's text
+        ("", None),
+    ],
+)  # fmt: skip
+def test_a_finished_reply_splits_into_content_and_reasoning(reply: str, expected: tuple[str, str] | None) -> None:
+    assert split_reply(TOKENIZER, MARKS, ids(reply)) == expected
