@@ -232,9 +232,12 @@ class WindowPages:
     def _rekey(self, full_page: int) -> None:
         """A page of the last tier whose retentions changed moves to its new expiry."""
         key = self._last.get(full_page)
-        if key is not None and key[0] != (self._kept_until(full_page) or 0.0):
-            self._unlist(full_page)
-            self._last[full_page] = key = (self._kept_until(full_page) or 0.0, key[1])
+        if key is None:
+            return
+        expiry = self._kept_until(full_page) or 0.0
+        if key[0] != expiry:
+            self._last_order.remove((*key, full_page))
+            self._last[full_page] = key = (expiry, key[1])
             self._last_order.add((*key, full_page))
 
     def kept_pages(self) -> int:

@@ -16,10 +16,11 @@ from torch.nn import functional as F
 from radixkv.attention.base import AttentionMetadata
 from radixkv.cpu.mxfp4 import native_mxfp4
 from radixkv.errors import UnsupportedModel
+from radixkv.model.moe import ExpertGroups, combine_by_expert, group_by_expert
+from radixkv.model.row_ops import project_rows
 
 if TYPE_CHECKING:
     from radixkv.model.gguf import GGUFFile
-    from radixkv.model.moe import ExpertGroups
     from radixkv.model.llama import ModelConfig
 
 
@@ -248,8 +249,6 @@ class GptOssMoE(nn.Module):
         )
 
     def forward(self, x: Tensor, meta: AttentionMetadata) -> Tensor:
-        from radixkv.model.moe import combine_by_expert, group_by_expert, project_rows
-
         logits = project_rows(self.router, x, meta)
         top, ids = torch.topk(logits, self.top_k, dim=-1)
         weights = torch.softmax(top, dim=1, dtype=top.dtype)

@@ -592,15 +592,19 @@ int radixkv_moe_grouped(int type, const uint8_t *weights, int64_t expert_bytes, 
 }
 
 /* One token's experts (a decode step): its top-k ids (int64, distinct, any order) sorted
- * ascending, with their routing weights (fp32, or bf16 when bf16) in the same order. */
-static int sort_experts(const int64_t *ids, const void *weights, int bf16, int count, int32_t *experts, float *w) {
+ * ascending into experts, with their routing weights (fp32, or bf16 when bf16) in the same
+ * order into w; weights and w NULL: the ids alone. */
+static void sort_experts(const int64_t *ids, const void *weights, int bf16, int count, int32_t *experts, float *w) {
     for (int i = 0; i < count; i++) {
-        const float wi = bf16 ? bf16_to_float(((const uint16_t *)weights)[i]) : ((const float *)weights)[i];
         int at = i;
-        while (at > 0 && experts[at - 1] > ids[i]) experts[at] = experts[at - 1], w[at] = w[at - 1], at--;
-        experts[at] = (int32_t)ids[i], w[at] = wi;
+        while (at > 0 && experts[at - 1] > ids[i]) {
+            experts[at] = experts[at - 1];
+            if (w) w[at] = w[at - 1];
+            at--;
+        }
+        experts[at] = (int32_t)ids[i];
+        if (w) w[at] = bf16 ? bf16_to_float(((const uint16_t *)weights)[i]) : ((const float *)weights)[i];
     }
-    return 0;
 }
 
 /* A decode step's gate and up projections over its one token x [k] (fp32), x quantized once
@@ -613,8 +617,7 @@ int radixkv_moe_row_gate_up(int gate_type, const uint8_t *gate, int up_type, con
     const int64_t gate_bytes = radixkv_moe_row_bytes(gate_type, k), up_bytes = radixkv_moe_row_bytes(up_type, k);
     if (!gate_bytes || !up_bytes || n <= 0 || count <= 0 || count > 64) return 1;
     int32_t experts[64], offsets[65], rows[64];
-    float unused[64];
-    sort_experts(ids, unused, 0, count, experts, unused);
+    sort_experts(ids, NULL, 0, count, experts, NULL);
     for (int i = 0; i <= count; i++) offsets[i] = i;
     memset(rows, 0, sizeof rows);
     QX qx;
