@@ -141,12 +141,26 @@ def _one_call_each(messages: list[dict]) -> tuple[list[dict], list[list[tuple[in
     origins: list[list[tuple[int, int]]] = []
     for k, message in enumerate(messages):
         calls = message.get("tool_calls") or []
-        out.append({**message, "tool_calls": calls[:1]} if len(calls) > 1 else message)
+        out.append(_harmony_message(message, calls))
         origins.append([(k, 0)])
         for call in calls[1:]:
             out.append({"role": "assistant", "content": "", "tool_calls": [call]})
             origins.append([])
     return out, origins
+
+
+def _harmony_message(message: dict, calls: list[dict]) -> dict:
+    """A message as gpt-oss's template takes it: its first call only, and its reasoning as
+    `thinking` where the template prints it: before a call, in a message with no text (the
+    template refuses both; it prints the text in the analysis channel then)."""
+    if not calls and "reasoning_content" not in message:
+        return message
+    out = {k: v for k, v in message.items() if k != "reasoning_content"}
+    if calls:
+        out["tool_calls"] = calls[:1]
+        if message.get("reasoning_content") and not message["content"]:
+            out["thinking"] = message["reasoning_content"]
+    return out
 
 
 def normalize_messages(messages: list[dict]) -> list[dict]:
@@ -164,6 +178,11 @@ def _normalize(message: Mapping[str, Any], index: int) -> dict:
     out: dict[str, Any] = {"role": role, "content": _text(message.get("content"), index)}
     if role == "assistant" and message.get("tool_calls"):
         out["tool_calls"] = [_history_call(c, index) for c in message["tool_calls"]]
+    if role == "assistant" and isinstance(reasoning := message.get("reasoning_content"), str) and reasoning:
+        # The reply's reasoning handed back (chat's reasoning_content, a Responses reasoning
+        # item, an Anthropic thinking block): templates that know the key (Qwen3's) print it
+        # within the current tool loop; gpt-oss's reads it as `thinking` (_one_call_each).
+        out["reasoning_content"] = reasoning
     if role == "tool":
         out["tool_call_id"] = str(message.get("tool_call_id") or "")
         if message.get("name"):

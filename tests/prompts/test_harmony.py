@@ -154,6 +154,26 @@ def test_calls_and_results_render_back_as_harmony_messages() -> None:
     )
 
 
+def test_reasoning_handed_back_renders_before_its_call_within_the_tool_loop() -> None:
+    """An assistant turn's reasoning_content (chat's field, a Responses reasoning item, an
+    Anthropic thinking block) is gpt-oss's `thinking`: printed before the turn's call while the
+    tool loop runs, dropped once a final answer follows, and never beside the turn's own text
+    (the template refuses both; the text is printed as the analysis then)."""
+    head = [{"role": "user", "content": "Weather?"}]
+    calling = {"role": "assistant", "content": None, "reasoning_content": "Call the tool.", "tool_calls": [call("c1", "get_weather", {"city": "Paris"})]}
+    result = {"role": "tool", "tool_call_id": "c1", "content": "sunny"}
+    loop = render_conversation(TOKENIZER, [*head, calling, result], [WEATHER])
+    analysis = "<|start|>assistant<|channel|>analysis<|message|>Call the tool.<|end|>"
+    assert analysis + '<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}<|call|>' in loop
+    answered = render_conversation(TOKENIZER, [*head, calling, result, {"role": "assistant", "content": "Sunny."}, {"role": "user", "content": "Thanks"}], [WEATHER])
+    assert "Call the tool." not in answered
+    with_text = render_conversation(TOKENIZER, [*head, {**calling, "content": "Checking."}, result], [WEATHER])
+    assert "<|channel|>analysis<|message|>Checking.<|end|>" in with_text and "Call the tool." not in with_text
+    # Reasoning on a turn without calls is not printed for inference, as the template decides.
+    plain = render_conversation(TOKENIZER, [*head, {"role": "assistant", "content": "Sunny.", "reasoning_content": "Easy."}, {"role": "user", "content": "Ok"}], [WEATHER])
+    assert "Easy." not in plain
+
+
 def test_the_next_turn_keeps_the_previous_prompt_as_its_prefix() -> None:
     """What the prefix cache can reuse across an agent's turns: the template drops an earlier
     turn's reasoning and writes `<|end|>` for the `<|return|>` the model wrote, so turn k+1's

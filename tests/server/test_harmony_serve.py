@@ -83,3 +83,42 @@ def test_messages_and_responses_answer_in_their_shapes(harmony_server: LiveServe
     )
     assert chained.status in ("completed", "incomplete")
     harmony_server.assert_idle_and_consistent()
+
+
+def test_reasoning_goes_out_and_comes_back_on_responses_and_messages(harmony_server: LiveServer) -> None:
+    """Each route's reply, reasoning items and thinking blocks included, handed back as the next
+    request's history is taken (as the Agents SDK and Anthropic's clients resend them), streamed
+    and whole alike; a handed-back reasoning item of our own making is taken too."""
+    client = harmony_server.client()
+    tools = [{"type": "function", **WEATHER["function"]}]
+    reasoning = {"type": "reasoning", "id": "rs_x", "summary": [], "content": [{"type": "reasoning_text", "text": "Ask the tool."}]}
+    call = {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Paris"}'}
+    first = client.responses.create(model=MODEL, input=[{"role": "user", "content": "Weather in Paris?"}, reasoning, call,
+                                    {"type": "function_call_output", "call_id": "c1", "output": "sunny"}], tools=tools, max_output_tokens=24)  # fmt: skip
+    assert {item.type for item in first.output} <= {"reasoning", "message", "function_call"}
+    assert first.usage.output_tokens_details.reasoning_tokens <= first.usage.output_tokens
+    items = [item.model_dump(exclude_none=True) for item in first.output]
+    items += [{"type": "function_call_output", "call_id": i["call_id"], "output": "sunny"} for i in items if i["type"] == "function_call"]
+    again = client.responses.create(model=MODEL, input=[{"role": "user", "content": "Weather in Paris?"}, *items], tools=tools, max_output_tokens=8)
+    assert again.status in ("completed", "incomplete")
+    # The client's own stream helper accumulates every event (reasoning text deltas included).
+    with client.responses.stream(model=MODEL, input="Weather in Paris?", tools=tools, max_output_tokens=24) as stream:
+        last = [event for event in stream][-1]
+    assert last.type in ("response.completed", "response.incomplete")
+    assert {item.type for item in last.response.output} <= {"reasoning", "message", "function_call"}
+    with harmony_server.http() as http:
+        body = {"model": MODEL, "max_tokens": 24, "messages": [{"role": "user", "content": "Weather in Paris?"}],
+                "thinking": {"type": "enabled", "budget_tokens": 1024},
+                "tools": [{"name": "get_weather", "description": "Weather", "input_schema": WEATHER["function"]["parameters"]}]}  # fmt: skip
+        reply = http.post("/v1/messages", json=body, headers={"x-api-key": KEY_A})
+        assert reply.status_code == 200, reply.text
+        content = reply.json()["content"]
+        assert {b["type"] for b in content} <= {"thinking", "text", "tool_use"}
+        assert all(b["signature"] for b in content if b["type"] == "thinking")
+        if content:
+            results = [{"type": "tool_result", "tool_use_id": b["id"], "content": "sunny"} for b in content if b["type"] == "tool_use"]
+            turn2 = {**body, "messages": [*body["messages"], {"role": "assistant", "content": content}, {"role": "user", "content": results or "ok"}]}
+            assert http.post("/v1/messages", json=turn2, headers={"x-api-key": KEY_A}).status_code == 200
+        streamed_message = http.post("/v1/messages", json={**body, "stream": True}, headers={"x-api-key": KEY_A})
+        assert "event: message_stop" in streamed_message.text and "event: error" not in streamed_message.text
+    harmony_server.assert_idle_and_consistent()

@@ -16,6 +16,10 @@ from radixkv.server.anthropic.routes import _Blocks, _content, _stream_parts
 from radixkv.server.logprobs import TokenTexts
 from radixkv.server.openai.outputs import ChatTools, _ChatChoiceStream, _chat_choice
 from radixkv.server.openai.protocol import ChatCompletionRequest
+from radixkv.server.openai.responses_convert import output_items
+from radixkv.server.openai.responses_events import ResponseEvents
+from radixkv.server.openai.responses_protocol import ResponseObject, response_usage
+from radixkv.server.openai.responses_routes import _emit
 from radixkv.server.reply_format import ReplyFormat
 from tests.helpers.harmony import harmony_tokenizer
 from tests.helpers.tiny_models import tiny_tokenizer
@@ -149,40 +153,99 @@ def test_a_forced_call_the_guide_wrote_as_json_is_read_from_its_text() -> None:
     assert reply.content is None and [(c.name, c.arguments) for c in reply.calls] == [("get_time", "{}")]
 
 
-def anthropic_streamed(name: str, cuts: list[int]) -> list[dict]:
+def anthropic_streamed(name: str, cuts: list[int], thinking: bool) -> list[dict]:
     whole = output(name)
     stream, blocks, events = FORMAT.stream(TOOLS, "auto"), _Blocks(), []
     bounds = [0, *sorted({c for c in cuts if c < len(whole.token_ids)}), len(whole.token_ids)]
     for a, b in zip(bounds, bounds[1:]):
         piece = stream.feed("", whole.token_ids[a:b])
-        events += _stream_parts(blocks, piece.content, piece.calls)
+        events += _stream_parts(blocks, piece.content, piece.calls, piece.reasoning if thinking else "")
     piece = stream.finish()
-    events += _stream_parts(blocks, piece.content, piece.calls) + blocks.close()
+    events += _stream_parts(blocks, piece.content, piece.calls, piece.reasoning if thinking else "") + blocks.close()
     content: list[dict] = []
     for event in events:
         data = json.loads(event.split("data: ", 1)[1])
+        delta = data.get("delta", {})
         if data["type"] == "content_block_start":
             content.append(dict(data["content_block"]))
-        elif data["type"] == "content_block_delta" and data["delta"]["type"] == "text_delta":
-            content[data["index"]]["text"] += data["delta"]["text"]
-        elif data["type"] == "content_block_delta":
-            content[data["index"]]["input"] = json.loads(data["delta"]["partial_json"])
+        elif delta.get("type") == "text_delta":
+            content[data["index"]]["text"] += delta["text"]
+        elif delta.get("type") == "thinking_delta":
+            content[data["index"]]["thinking"] += delta["thinking"]
+        elif delta.get("type") == "signature_delta":
+            content[data["index"]]["signature"] = delta["signature"]
+        elif delta.get("type") == "input_json_delta":
+            content[data["index"]]["input"] = json.loads(delta["partial_json"])
     return content
 
 
 @settings(max_examples=40, deadline=None)
-@given(name=st.sampled_from(sorted(CASES)), cuts=st.lists(st.integers(1, 40), max_size=6))
-def test_known_replies_become_anthropic_blocks_whole_or_streamed(name: str, cuts: list[int]) -> None:
-    _, content, _, calls, _ = CASES[name]
+@given(name=st.sampled_from(sorted(CASES)), cuts=st.lists(st.integers(1, 40), max_size=6), thinking=st.booleans())
+def test_known_replies_become_anthropic_blocks_whole_or_streamed(name: str, cuts: list[int], thinking: bool) -> None:
+    _, content, reasoning, calls, _ = CASES[name]
     whole = output(name)
     reply = FORMAT.parse(whole.text, whole.token_ids, TOOLS, "auto")
-    blocks = _content(reply.content, reply.calls)
-    # Reasoning has no block here (no `thinking` blocks on this route): only text and tool_use.
+    blocks = _content(reply.content, reply.calls, reply.reasoning if thinking else None)
+    # Reasoning is a thinking block (first) only where the request asked for thinking.
+    thoughts = [b["thinking"] for b in blocks if b["type"] == "thinking"]
+    assert thoughts == ([reasoning] if thinking and reasoning else [])
+    assert all(b["signature"] for b in blocks if b["type"] == "thinking")
+    assert [b["type"] for b in blocks][: len(thoughts)] == ["thinking"] * len(thoughts)
     assert [b["text"] for b in blocks if b["type"] == "text"] == ([content] if content else [])
     assert [(b["name"], b["input"]) for b in blocks if b["type"] == "tool_use"] == calls
-    streamed = anthropic_streamed(name, cuts)
+    streamed = anthropic_streamed(name, cuts, thinking)
     strip = lambda bs: [{k: v for k, v in b.items() if k != "id"} for b in bs]  # noqa: E731
     assert strip(streamed) == strip(blocks)
+
+
+def responses_whole(name: str) -> list[dict]:
+    whole = output(name)
+    reply = FORMAT.parse(whole.text, whole.token_ids, TOOLS, "auto")
+    return [item.model_dump() for item in output_items(reply.content, reply.calls, whole.finish_reason != "length", reply.reasoning)]
+
+
+def responses_streamed(name: str, cuts: list[int]) -> list[dict]:
+    """The output items a client rebuilds from the stream's events (added, deltas, done)."""
+    whole = output(name)
+    stream = FORMAT.stream(TOOLS, "auto")
+    events = ResponseEvents(ResponseObject(id="resp_1", created_at=0, status="in_progress", model="m"))
+    raw = events.start()
+    bounds = [0, *sorted({c for c in cuts if c < len(whole.token_ids)}), len(whole.token_ids)]
+    for a, b in zip(bounds, bounds[1:]):
+        piece = stream.feed("", whole.token_ids[a:b])
+        raw += _emit(events, piece)
+    raw += _emit(events, stream.finish())
+    raw += events.finish(response_usage(1, 1, 0), whole.finish_reason != "length")
+    items: list[dict] = []
+    for event in raw:
+        data = json.loads(event.split("data: ", 1)[1])
+        kind = data["type"]
+        if kind == "response.output_item.added":
+            items.append(data["item"])
+        elif kind in ("response.reasoning_text.delta", "response.output_text.delta"):
+            item = items[data["output_index"]]
+            if not item["content"]:
+                item["content"].append({"text": ""})
+            item["content"][data["content_index"]]["text"] += data["delta"]
+        elif kind == "response.output_item.done":
+            done = data["item"]
+            if done["type"] != "function_call":  # the deltas add up to what the item says it holds
+                assert "".join(p["text"] for p in items[data["output_index"]]["content"]) == "".join(p["text"] for p in done["content"])
+            items[data["output_index"]] = done
+    return items
+
+
+@settings(max_examples=40, deadline=None)
+@given(name=st.sampled_from(sorted(CASES)), cuts=st.lists(st.integers(1, 40), max_size=6))
+def test_known_replies_become_responses_items_whole_or_streamed(name: str, cuts: list[int]) -> None:
+    _, content, reasoning, calls, _ = CASES[name]
+    items = responses_whole(name)
+    # The reasoning is an item of its own, first; then the text, then each call.
+    assert [p["text"] for i in items if i["type"] == "reasoning" for p in i["content"]] == ([reasoning] if reasoning else [])
+    assert [i["type"] for i in items][:1] == (["reasoning"] if reasoning else [items[0]["type"]])
+    assert [(i["name"], json.loads(i["arguments"])) for i in items if i["type"] == "function_call"] == calls
+    strip = lambda xs: [{k: v for k, v in x.items() if k not in ("id", "call_id")} for x in xs]  # noqa: E731
+    assert strip(responses_streamed(name, cuts)) == strip(items)
 
 
 def test_a_model_without_harmony_keeps_the_text_format() -> None:

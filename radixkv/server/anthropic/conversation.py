@@ -16,7 +16,9 @@ from radixkv.server import keeps
 from radixkv.server.anthropic.protocol import (
     CacheControl,
     MessagesRequest,
+    RedactedThinkingBlock,
     TextBlock,
+    ThinkingBlock,
     ToolResultBlock,
     ToolUseBlock,
 )
@@ -77,7 +79,8 @@ def _marks(body: MessagesRequest) -> list[tuple[Cut, CacheControl]]:
         marks.append(((-1, 0) if system else (0, 0), tool_marks[-1]))  # tools render beside the first turn
     marks += [((-1, j), b.cache_control) for j, b in enumerate(system) if b.cache_control is not None]
     for i, message in enumerate(body.messages):
-        marks += [((i, j), b.cache_control) for j, b in enumerate(message.blocks()) if b.cache_control is not None]
+        blocks = message.blocks()  # thinking blocks carry no cache_control
+        marks += [((i, j), b.cache_control) for j, b in enumerate(blocks) if getattr(b, "cache_control", None) is not None]
     return marks
 
 
@@ -100,8 +103,9 @@ def _chat_messages(body: MessagesRequest, cut: Cut | None) -> list[dict[str, Any
 
 
 def _user(blocks: list[Any], index: int) -> list[dict[str, Any]]:
-    if any(isinstance(b, ToolUseBlock) for b in blocks):
-        raise InvalidRequest(f"messages.{index}: tool_use blocks belong in assistant messages", param=f"messages.{index}")
+    misplaced = next((b.type for b in blocks if isinstance(b, (ToolUseBlock, ThinkingBlock, RedactedThinkingBlock))), None)
+    if misplaced is not None:
+        raise InvalidRequest(f"messages.{index}: {misplaced} blocks belong in assistant messages", param=f"messages.{index}")
     # Anthropic puts tool results first in a user turn; chat templates want them as tool messages.
     out: list[dict[str, Any]] = [
         {"role": "tool", "tool_call_id": b.tool_use_id, "content": b.text()} for b in blocks if isinstance(b, ToolResultBlock)
@@ -121,6 +125,9 @@ def _assistant(blocks: list[Any]) -> list[dict[str, Any]]:
     ]
     if calls:
         message["tool_calls"] = calls
+    thinking = "".join(b.thinking for b in blocks if isinstance(b, ThinkingBlock))
+    if thinking:
+        message["reasoning_content"] = thinking
     return [message]
 
 

@@ -54,14 +54,38 @@ class ToolResultBlock(_Wire):
         return self.content if isinstance(self.content, str) else "".join(b.text for b in self.content)
 
 
-Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
+class ThinkingBlock(_Wire):
+    """An assistant turn's reasoning handed back, as clients must with tool use under extended
+    thinking; the signature is this server's (routes._thinking) and is not checked."""
+
+    type: Literal["thinking"]
+    thinking: str
+    signature: str = Field(default="", max_length=CAPS.max_opaque_chars)
+
+
+class RedactedThinkingBlock(_Wire):
+    """Reasoning another server encrypted: nothing here can read it, so it is dropped."""
+
+    type: Literal["redacted_thinking"]
+    data: str = Field(default="", max_length=CAPS.max_opaque_chars)
+
+
+Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock, Field(discriminator="type")]
+
+
+class ThinkingParam(_Wire):
+    """Extended thinking: "enabled" sends a reasoning model's reasoning as thinking blocks. The
+    budget is taken as Anthropic checks it but bounds nothing: a harmony model reasons as it does."""
+
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: int | None = Field(default=None, ge=1024)
 
 
 class InputMessage(_Wire):
     role: Literal["user", "assistant"]
     content: Annotated[str | Annotated[list[Block], Field(max_length=CAPS.max_content_blocks)], max_items(CAPS.max_content_blocks, "content blocks")]
 
-    def blocks(self) -> list[TextBlock | ToolUseBlock | ToolResultBlock]:
+    def blocks(self) -> list[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock]:
         return [TextBlock(type="text", text=self.content)] if isinstance(self.content, str) else list(self.content)
 
 
@@ -101,6 +125,11 @@ class MessagesRequest(_Wire):
     # radixkv's own: the message carries its cache report (server/cache_report.py).
     cache_report: bool = False
     diagnostics: DiagnosticsParam | None = None  # Anthropic's cache diagnostics
+    thinking: ThinkingParam | None = None
+
+    @property
+    def wants_thinking(self) -> bool:
+        return self.thinking is not None and self.thinking.type != "disabled"
 
     @model_validator(mode="after")
     def _breakpoints_within_cap(self) -> MessagesRequest:
@@ -110,6 +139,8 @@ class MessagesRequest(_Wire):
         blocks: list[Any] = [*self.system_blocks(), *(self.tools or ())]
         for message in self.messages:
             for block in message.blocks():
+                if isinstance(block, (ThinkingBlock, RedactedThinkingBlock)):
+                    continue  # no cache_control on these
                 blocks.append(block)
                 if isinstance(block, ToolResultBlock) and isinstance(block.content, list):
                     blocks += block.content

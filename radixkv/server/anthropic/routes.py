@@ -6,6 +6,7 @@ cache_control keeps did, server/keeps.py), and Anthropic-shaped errors on this p
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import secrets
@@ -18,7 +19,7 @@ from fastapi.responses import JSONResponse, Response
 
 from radixkv.engine.async_engine import EngineStepError, EngineStopped, RequestStream
 from radixkv.engine.request import Keep
-from radixkv.engine.request_output import CompletionOutput, RequestOutput
+from radixkv.engine.request_output import RequestOutput
 from radixkv.engine.sampling_params import SamplingParams
 from radixkv.errors import InvalidRequest
 from radixkv.prompts.conversation import EncodedConversation
@@ -198,9 +199,20 @@ def _usage(ctx: _Context, final: RequestOutput) -> dict[str, Any]:
 # -- the reply -------------------------------------------------------------------------------
 
 
-def _content(text: str | None, calls: list[Any]) -> list[dict[str, Any]]:
-    """A reply's content blocks: its text, then a tool_use block per call."""
-    return ([{"type": "text", "text": text}] if text else []) + [_tool_use(call) for call in calls]
+def _content(text: str | None, calls: list[Any], thinking: str | None = None) -> list[dict[str, Any]]:
+    """A reply's content blocks: its thinking (where asked for), its text, a tool_use block per call."""
+    blocks = [_thinking_block(thinking)] if thinking else []
+    return blocks + ([{"type": "text", "text": text}] if text else []) + [_tool_use(call) for call in calls]
+
+
+def _thinking_block(text: str) -> dict[str, Any]:
+    return {"type": "thinking", "thinking": text, "signature": _signature(text)}
+
+
+def _signature(text: str) -> str:
+    # Clients hand a thinking block back with its signature; ours names the text and proves
+    # nothing (a reasoning model's thinking is read back as any other history, not trusted).
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _tool_use(call: Any) -> dict[str, Any]:
@@ -229,17 +241,14 @@ def _stop_reason(ctx: _Context, final: RequestOutput, has_calls: bool) -> tuple[
     return "end_turn", None
 
 
-def _parse(ctx: _Context, output: CompletionOutput) -> tuple[str | None, list[Any]]:
-    """Text and calls; a reasoning model's reasoning is left out (no `thinking` blocks here)."""
-    reply = ctx.server.reply_format.parse(output.text, output.token_ids, ctx.conv.tools, ctx.conv.tool_choice)
-    return reply.content, reply.calls
-
-
 async def _message(ctx: _Context, final: RequestOutput) -> dict[str, Any]:
     ReplyCollector(ctx.server.replies, ctx.owner, ctx.salt).finished(final)
     ctx.answered()
-    text, calls = _parse(ctx, final.outputs[0])
-    content = _content(text, calls)
+    output = final.outputs[0]
+    reply = ctx.server.reply_format.parse(output.text, output.token_ids, ctx.conv.tools, ctx.conv.tool_choice)
+    calls = reply.calls
+    # A reasoning model's reasoning goes out as a thinking block only where the body asks.
+    content = _content(reply.content, calls, reply.reasoning if ctx.body.wants_thinking else None)
     stop_reason, stop_sequence = _stop_reason(ctx, final, bool(calls))
     return {
         "id": ctx.message_id,
@@ -269,23 +278,34 @@ def _event(name: str, data: dict[str, Any]) -> str:
 
 
 class _Blocks:
-    """Content blocks as stream events: an open text block takes text deltas; a tool call is
-    a whole tool_use block (start, its input JSON as one delta, stop)."""
+    """Content blocks as stream events: an open text or thinking block takes its deltas (a
+    thinking block's signature comes as its last delta); a tool call is a whole tool_use block
+    (start, its input JSON as one delta, stop)."""
 
     def __init__(self) -> None:
         self.index = -1
-        self.text_open = False
+        self.open: str | None = None  # the open block's type: "text", "thinking" or none
+        self.thought = ""  # the open thinking block's text, which its signature names
+
+    def thinking(self, delta: str) -> list[str]:
+        if not delta:
+            return []
+        events = [] if self.open == "thinking" else self.close() + self._start({"type": "thinking", "thinking": "", "signature": ""})
+        self.thought += delta
+        events.append(_event("content_block_delta", {"index": self.index, "delta": {"type": "thinking_delta", "thinking": delta}}))
+        return events
 
     def text(self, delta: str) -> list[str]:
         if not delta:
             return []
-        events = []
-        if not self.text_open:
-            self.index += 1
-            self.text_open = True
-            events.append(_event("content_block_start", {"index": self.index, "content_block": {"type": "text", "text": ""}}))
+        events = [] if self.open == "text" else self.close() + self._start({"type": "text", "text": ""})
         events.append(_event("content_block_delta", {"index": self.index, "delta": {"type": "text_delta", "text": delta}}))
         return events
+
+    def _start(self, block: dict[str, Any]) -> list[str]:
+        self.index += 1
+        self.open = block["type"]
+        return [_event("content_block_start", {"index": self.index, "content_block": block})]
 
     def tool(self, call: Any) -> list[str]:
         events = self.close()
@@ -299,10 +319,15 @@ class _Blocks:
         ]
 
     def close(self) -> list[str]:
-        if not self.text_open:
+        if self.open is None:
             return []
-        self.text_open = False
-        return [_event("content_block_stop", {"index": self.index})]
+        events = []
+        if self.open == "thinking":
+            signature = {"type": "signature_delta", "signature": _signature(self.thought)}
+            events.append(_event("content_block_delta", {"index": self.index, "delta": signature}))
+            self.thought = ""
+        self.open = None
+        return events + [_event("content_block_stop", {"index": self.index})]
 
 
 async def _events(ctx: _Context, streams: list[RequestStream]) -> AsyncIterator[str]:
@@ -311,6 +336,7 @@ async def _events(ctx: _Context, streams: list[RequestStream]) -> AsyncIterator[
                "usage": {"input_tokens": len(ctx.prompt), "output_tokens": 0}, **ctx.diagnostics_field()}
     splitter = ctx.server.reply_format.stream(ctx.conv.tools, ctx.conv.tool_choice)
     blocks, final, num_calls = _Blocks(), None, 0
+    thinking = ctx.body.wants_thinking  # a reasoning model's reasoning streams as thinking blocks
     try:
         yield _event("message_start", {"message": message})
         yield _event("ping", {})
@@ -320,14 +346,14 @@ async def _events(ctx: _Context, streams: list[RequestStream]) -> AsyncIterator[
                     raise APIError(529, "the request was aborted")
                 for completion in delta.completions:
                     piece = splitter.feed(completion.text, completion.token_ids)
-                    for event in _stream_parts(blocks, piece.content, piece.calls):
+                    for event in _stream_parts(blocks, piece.content, piece.calls, piece.reasoning if thinking else ""):
                         yield event
                     num_calls += len(piece.calls)
                 if delta.output is not None:
                     final = delta.output
         piece = splitter.finish()
         num_calls += len(piece.calls)
-        for event in _stream_parts(blocks, piece.content, piece.calls):
+        for event in _stream_parts(blocks, piece.content, piece.calls, piece.reasoning if thinking else ""):
             yield event
         for event in blocks.close():
             yield event
@@ -346,8 +372,8 @@ async def _events(ctx: _Context, streams: list[RequestStream]) -> AsyncIterator[
         yield f"event: error\ndata: {json.dumps(anthropic_error_body(status, api_error.message))}\n\n"
 
 
-def _stream_parts(blocks: _Blocks, content: str, calls: list[Any]) -> list[str]:
-    events = blocks.text(content)
+def _stream_parts(blocks: _Blocks, content: str, calls: list[Any], thinking: str = "") -> list[str]:
+    events = blocks.thinking(thinking) + blocks.text(content)
     for call in calls:
         events += blocks.tool(call)
     return events

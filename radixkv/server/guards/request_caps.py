@@ -62,6 +62,9 @@ class RequestCaps:
     # Call ids, tool_use ids and response ids a client sends back: ours are under 64
     # characters; 256 leaves room for other servers' and still bounds what is echoed.
     max_id_chars: int = 256
+    # Opaque strings a client hands back and nothing here reads (a thinking block's signature,
+    # redacted thinking's data): Anthropic's run to a few KiB; kept only within this bound.
+    max_opaque_chars: int = 64 * KIB
 
 
 CAPS = RequestCaps()

@@ -11,7 +11,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, AliasChoices, BaseModel, ConfigDict, Field, model_validator
 
 from radixkv.engine.sampling_params import MAX_LOGIT_BIAS_TOKENS, MAX_STOP_TOKEN_IDS, GrammarGuide
 from radixkv.errors import InvalidRequest
@@ -91,6 +91,9 @@ class ChatMessage(BaseModel):
     # Assistant turns that called tools.
     tool_calls: list[MessageToolCall] | None = Field(default=None, max_length=CAPS.max_content_blocks)
     tool_call_id: str | None = Field(default=None, max_length=CAPS.max_id_chars)  # a tool turn: the call it answers
+    # An assistant turn's reasoning handed back (what this server sends as reasoning_content;
+    # some clients name it `reasoning`): a reasoning model's template prints it in the tool loop.
+    reasoning_content: str | None = Field(default=None, validation_alias=AliasChoices("reasoning_content", "reasoning"))
 
     @model_validator(mode="after")
     def _tool_result_names_its_call(self) -> ChatMessage:
@@ -110,6 +113,8 @@ class ChatMessage(BaseModel):
         message: dict[str, Any] = {"role": self.role, "content": self.text()}
         if self.tool_calls:
             message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.reasoning_content and self.role == "assistant":
+            message["reasoning_content"] = self.reasoning_content
         if self.role == "tool":
             message["tool_call_id"] = self.tool_call_id or ""
         if self.name and self.role == "tool":

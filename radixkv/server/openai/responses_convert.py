@@ -22,7 +22,10 @@ from radixkv.server.openai.responses_protocol import (
     OutputFunctionCall,
     OutputItem,
     OutputMessage,
+    OutputReasoning,
+    OutputReasoningText,
     OutputText,
+    ReasoningItem,
     ResponsesRequest,
     new_item_id,
 )
@@ -41,13 +44,21 @@ def conversation(body: ResponsesRequest, history: list[Message]) -> list[Message
     call_names = _call_names(history)
     for index, item in enumerate(input_items(body.input)):
         if isinstance(item, MessageItem):
-            messages.append({"role": item.role, "content": item.text()})
+            _append_message(messages, item)
         elif isinstance(item, FunctionCallItem):
             call_names[item.call_id] = item.name
             _append_call(messages, item)
         elif isinstance(item, FunctionCallOutputItem):
             messages.append(_tool_result(item, call_names, index))
-    return messages
+        elif isinstance(item, ReasoningItem) and (text := item.text()):
+            # Held by an assistant turn of its own until that turn's text or calls arrive.
+            messages.append({"role": "assistant", "content": None, "reasoning_content": text})
+    # Reasoning that no text or call followed says nothing a template prints.
+    return [m for m in messages if not _reasoning_only(m)]
+
+
+def _reasoning_only(message: Message) -> bool:
+    return message["role"] == "assistant" and "reasoning_content" in message and not message["content"] and not message.get("tool_calls")
 
 
 def input_items(raw: list[dict[str, Any]]) -> list[InputItem]:
@@ -79,6 +90,13 @@ def _call_names(messages: list[Message]) -> dict[str, str]:
     return {
         call["id"]: call["function"]["name"] for m in messages for call in m.get("tool_calls") or () if m.get("role") == "assistant"
     }
+
+
+def _append_message(messages: list[Message], item: MessageItem) -> None:
+    if item.role == "assistant" and messages and _reasoning_only(messages[-1]):
+        messages[-1]["content"] = item.text()  # the text its reasoning led to
+    else:
+        messages.append({"role": item.role, "content": item.text()})
 
 
 def _append_call(messages: list[Message], item: FunctionCallItem) -> None:
@@ -152,9 +170,11 @@ def guide(body: ResponsesRequest, tools: list[tool_layer.Tool], choice: str) -> 
 # -- replies ---------------------------------------------------------------------------------
 
 
-def output_items(content: str | None, calls: list[tool_layer.ToolCall], complete: bool) -> list[OutputItem]:
+def output_items(content: str | None, calls: list[tool_layer.ToolCall], complete: bool, reasoning: str | None = None) -> list[OutputItem]:
     status = "completed" if complete else "incomplete"
     items: list[OutputItem] = []
+    if reasoning:
+        items.append(reasoning_item(reasoning, status))
     if content or not calls:  # a reply with neither is an empty message, as OpenAI sends it
         items.append(OutputMessage(id=new_item_id("msg"), status=status, content=[OutputText(text=content or "")]))
     items.extend(function_call_item(call, "completed") for call in calls)
@@ -166,9 +186,15 @@ def function_call_item(call: tool_layer.ToolCall, status: str) -> OutputFunction
     return OutputFunctionCall(id=f"fc_{call.id.removeprefix('call_')}", call_id=call.id, name=call.name, arguments=arguments, status=status)
 
 
+def reasoning_item(text: str, status: str) -> OutputReasoning:
+    return OutputReasoning(id=new_item_id("rs"), content=[OutputReasoningText(text=text)], status=status)
+
+
 def reply_messages(items: list[OutputItem]) -> list[Message]:
-    """The reply as the assistant message a later turn's history holds."""
+    """The reply as the assistant message a later turn's history holds (its reasoning too:
+    a reasoning model's template prints it before the turn's calls)."""
     content = "".join(part.text for item in items if isinstance(item, OutputMessage) for part in item.content)
+    reasoning = "".join(part.text for item in items if isinstance(item, OutputReasoning) for part in item.content)
     calls = [
         {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
         for item in items
@@ -177,4 +203,6 @@ def reply_messages(items: list[OutputItem]) -> list[Message]:
     message: Message = {"role": "assistant", "content": content or None}
     if calls:
         message["tool_calls"] = calls
+    if reasoning:
+        message["reasoning_content"] = reasoning
     return [message]

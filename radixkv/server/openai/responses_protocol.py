@@ -61,12 +61,34 @@ class FunctionCallOutputItem(_Lenient):
         return self.output if isinstance(self.output, str) else "".join(part.text for part in self.output)
 
 
+class ReasoningPart(_Lenient):
+    type: Literal["reasoning_text", "summary_text"]
+    text: str
+
+
+class ReasoningItem(_Lenient):
+    """A reply's reasoning handed back, as the Agents SDK sends the items it was given; its
+    text goes to the assistant turn after it (responses_convert.conversation)."""
+
+    type: Literal["reasoning"]
+    id: str | None = Field(default=None, max_length=CAPS.max_id_chars)
+    summary: Annotated[list[ReasoningPart], Field(max_length=CAPS.max_content_blocks), max_items(CAPS.max_content_blocks, "summary parts")] = Field(default_factory=list)
+    content: Annotated[Annotated[list[ReasoningPart], Field(max_length=CAPS.max_content_blocks)] | None, max_items(CAPS.max_content_blocks, "content parts")] = None
+
+    def text(self) -> str:
+        """The reasoning itself where the item carries it, else its summary."""
+        if self.content:
+            return "".join(part.text for part in self.content)
+        return "\n\n".join(part.text for part in self.summary)
+
+
 INPUT_ITEMS: dict[str, type[_Lenient]] = {
     "message": MessageItem,
     "function_call": FunctionCallItem,
     "function_call_output": FunctionCallOutputItem,
+    "reasoning": ReasoningItem,
 }
-InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem
+InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
 
 
 # -- tools and formats -----------------------------------------------------------------------
@@ -162,7 +184,23 @@ class OutputFunctionCall(BaseModel):
     status: Literal["in_progress", "completed", "incomplete"]
 
 
-OutputItem = OutputMessage | OutputFunctionCall
+class OutputReasoningText(BaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class OutputReasoning(BaseModel):
+    """A reasoning model's reasoning (harmony's analysis channel), in the clear: no summary, no
+    encrypted_content."""
+
+    type: Literal["reasoning"] = "reasoning"
+    id: str
+    summary: list[Any] = Field(default_factory=list)
+    content: list[OutputReasoningText]
+    status: Literal["in_progress", "completed", "incomplete"]
+
+
+OutputItem = OutputMessage | OutputFunctionCall | OutputReasoning
 
 
 class InputTokensDetails(BaseModel):
@@ -183,12 +221,14 @@ class ResponseUsage(BaseModel):
     prompt_cache_kept: PromptCacheKept = PromptCacheKept()  # radixkv's extension (protocol.py)
 
 
-def response_usage(input_tokens: int, output_tokens: int, cached_tokens: int, cache_write_tokens: int = 0) -> ResponseUsage:
+def response_usage(
+    input_tokens: int, output_tokens: int, cached_tokens: int, cache_write_tokens: int = 0, reasoning_tokens: int = 0
+) -> ResponseUsage:
     return ResponseUsage(
         input_tokens=input_tokens,
         input_tokens_details=InputTokensDetails(cached_tokens=cached_tokens, cache_write_tokens=cache_write_tokens),
         output_tokens=output_tokens,
-        output_tokens_details=OutputTokensDetails(),
+        output_tokens_details=OutputTokensDetails(reasoning_tokens=reasoning_tokens),
         total_tokens=input_tokens + output_tokens,
     )
 

@@ -243,25 +243,24 @@ def _prewarmed(server: AppState, body: ResponsesRequest, done: prompt_cache.Prew
     return response
 
 
-def _usage(server: AppState, final: RequestOutput) -> ResponseUsage:
+def _usage(server: AppState, final: RequestOutput, reasoning_tokens: int = 0) -> ResponseUsage:
     # Written to the cache: the prompt's full pages (only those are cached) that it did not
     # already hold. The engine's config is fixed once built, so reading it here is safe.
     config = server.engine.engine.config
     full_tokens = final.num_prompt_tokens // config.page_size * config.page_size if config.enable_prefix_caching else 0
     written = max(0, full_tokens - final.num_cached_tokens)
-    made = response_usage(final.num_prompt_tokens, final.num_output_tokens, final.num_cached_tokens, written)
+    made = response_usage(final.num_prompt_tokens, final.num_output_tokens, final.num_cached_tokens, written, reasoning_tokens)
     made.prompt_cache_kept = PromptCacheKept(**keeps.prompt_cache_kept([final]))
     return made
 
 
 def _finished(server: AppState, turn: _Turn, final: RequestOutput) -> ResponseObject:
     complete = final.outputs[0].finish_reason != "length"
-    # A reasoning model's reasoning is left out: this route has no reasoning items.
     reply = server.reply_format.parse(final.outputs[0].text, final.outputs[0].token_ids, turn.tools, turn.choice)
     response = _skeleton(server, turn.body)
     response.prompt_cache_diagnostics = turn.diagnostics
-    response.output = convert.output_items(reply.content, reply.calls, complete)
-    response.usage = _usage(server, final)
+    response.output = convert.output_items(reply.content, reply.calls, complete, reply.reasoning)
+    response.usage = _usage(server, final, reply.reasoning_tokens)
     response.status = "completed" if complete else "incomplete"
     if not complete:
         response.incomplete_details = IncompleteDetails(reason="max_output_tokens")
@@ -295,7 +294,7 @@ async def _events(
         if final is None:
             raise APIError(503, "the request was aborted", type="server_error", code="aborted")
         events.response.cache_report = await reporter.one([final])  # in the closing event, beside usage
-        closing = events.finish(_usage(server, final), final.outputs[0].finish_reason != "length")
+        closing = events.finish(_usage(server, final, splitter.reasoning_tokens), final.outputs[0].finish_reason != "length")
         # Stored before the last event goes out: a client may hang up the moment it has it.
         _answered(server, turn, events.response.id)
         if turn.body.store:
@@ -314,7 +313,7 @@ def _pieces(events: ResponseEvents, splitter: ReplyStream, text: str, token_ids:
 
 
 def _emit(events: ResponseEvents, piece: Piece) -> list[str]:
-    out = events.text(piece.content)
+    out = events.reasoning(piece.reasoning) + events.text(piece.content)
     for call in piece.calls:
         out += events.call(call)
     return out
