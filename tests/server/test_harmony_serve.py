@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import anthropic
 import pytest
 
 from radixkv.config import EngineConfig
@@ -106,19 +107,20 @@ def test_reasoning_goes_out_and_comes_back_on_responses_and_messages(harmony_ser
         last = [event for event in stream][-1]
     assert last.type in ("response.completed", "response.incomplete")
     assert {item.type for item in last.response.output} <= {"reasoning", "message", "function_call"}
-    with harmony_server.http() as http:
-        body = {"model": MODEL, "max_tokens": 24, "messages": [{"role": "user", "content": "Weather in Paris?"}],
-                "thinking": {"type": "enabled", "budget_tokens": 1024},
-                "tools": [{"name": "get_weather", "description": "Weather", "input_schema": WEATHER["function"]["parameters"]}]}  # fmt: skip
-        reply = http.post("/v1/messages", json=body, headers={"x-api-key": KEY_A})
-        assert reply.status_code == 200, reply.text
-        content = reply.json()["content"]
-        assert {b["type"] for b in content} <= {"thinking", "text", "tool_use"}
-        assert all(b["signature"] for b in content if b["type"] == "thinking")
-        if content:
-            results = [{"type": "tool_result", "tool_use_id": b["id"], "content": "sunny"} for b in content if b["type"] == "tool_use"]
-            turn2 = {**body, "messages": [*body["messages"], {"role": "assistant", "content": content}, {"role": "user", "content": results or "ok"}]}
-            assert http.post("/v1/messages", json=turn2, headers={"x-api-key": KEY_A}).status_code == 200
-        streamed_message = http.post("/v1/messages", json={**body, "stream": True}, headers={"x-api-key": KEY_A})
-        assert "event: message_stop" in streamed_message.text and "event: error" not in streamed_message.text
+    # Anthropic's own client parses the thinking blocks, whole and as its stream accumulates them.
+    claude = anthropic.Anthropic(base_url=harmony_server.base_url, api_key=KEY_A, max_retries=0, timeout=120)
+    args = dict(model=MODEL, max_tokens=24, messages=[{"role": "user", "content": "Weather in Paris?"}], thinking={"type": "enabled", "budget_tokens": 1024},
+                tools=[{"name": "get_weather", "description": "Weather", "input_schema": WEATHER["function"]["parameters"]}])  # fmt: skip
+    message = claude.messages.create(**args)
+    assert {b.type for b in message.content} <= {"thinking", "text", "tool_use"}
+    assert all(b.signature for b in message.content if b.type == "thinking")
+    content = [b.model_dump(exclude_none=True) for b in message.content]
+    if content:
+        results = [{"type": "tool_result", "tool_use_id": b["id"], "content": "sunny"} for b in content if b["type"] == "tool_use"]
+        history = [*args["messages"], {"role": "assistant", "content": content}, {"role": "user", "content": results or "ok"}]
+        assert claude.messages.create(**{**args, "messages": history}).stop_reason is not None
+    with claude.messages.stream(**args) as stream:
+        streamed = stream.get_final_message()
+    assert {b.type for b in streamed.content} <= {"thinking", "text", "tool_use"}
+    assert all(b.signature for b in streamed.content if b.type == "thinking")
     harmony_server.assert_idle_and_consistent()

@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import json
 
+import anthropic
+import openai
 import pytest
 from hypothesis import given, settings, strategies as st
+from pydantic import TypeAdapter
 
 from radixkv.engine.request_output import CompletionDelta, CompletionOutput
 from radixkv.prompts.tools import Tool
@@ -25,6 +28,11 @@ from tests.helpers.harmony import harmony_tokenizer
 from tests.helpers.tiny_models import tiny_tokenizer
 
 TOKENIZER = harmony_tokenizer()
+# The official clients' own types for what goes over the wire.
+ANTHROPIC_EVENT = TypeAdapter(anthropic.types.RawMessageStreamEvent)
+ANTHROPIC_BLOCK = TypeAdapter(anthropic.types.ContentBlock)
+OPENAI_EVENT = TypeAdapter(openai.types.responses.ResponseStreamEvent)
+OPENAI_ITEM = TypeAdapter(openai.types.responses.ResponseOutputItem)
 FORMAT = ReplyFormat(TOKENIZER)
 TOOLS = [
     Tool("get_weather", "Weather of a city", {"type": "object", "properties": {"city": {"type": "string"}}}),
@@ -165,6 +173,8 @@ def anthropic_streamed(name: str, cuts: list[int], thinking: bool) -> list[dict]
     content: list[dict] = []
     for event in events:
         data = json.loads(event.split("data: ", 1)[1])
+        parsed = ANTHROPIC_EVENT.validate_python(data)  # the client's own types parse it
+        assert parsed.type == data["type"] and getattr(getattr(parsed, "delta", None), "type", None) == data.get("delta", {}).get("type")
         delta = data.get("delta", {})
         if data["type"] == "content_block_start":
             content.append(dict(data["content_block"]))
@@ -196,6 +206,7 @@ def test_known_replies_become_anthropic_blocks_whole_or_streamed(name: str, cuts
     streamed = anthropic_streamed(name, cuts, thinking)
     strip = lambda bs: [{k: v for k, v in b.items() if k != "id"} for b in bs]  # noqa: E731
     assert strip(streamed) == strip(blocks)
+    assert [ANTHROPIC_BLOCK.validate_python(b).type for b in blocks] == [b["type"] for b in blocks]
 
 
 def responses_whole(name: str) -> list[dict]:
@@ -220,6 +231,7 @@ def responses_streamed(name: str, cuts: list[int]) -> list[dict]:
     for event in raw:
         data = json.loads(event.split("data: ", 1)[1])
         kind = data["type"]
+        assert type(OPENAI_EVENT.validate_python(data)).__name__.startswith("Response")  # the client's own event types
         if kind == "response.output_item.added":
             items.append(data["item"])
         elif kind in ("response.reasoning_text.delta", "response.output_text.delta"):
@@ -246,6 +258,7 @@ def test_known_replies_become_responses_items_whole_or_streamed(name: str, cuts:
     assert [(i["name"], json.loads(i["arguments"])) for i in items if i["type"] == "function_call"] == calls
     strip = lambda xs: [{k: v for k, v in x.items() if k not in ("id", "call_id")} for x in xs]  # noqa: E731
     assert strip(responses_streamed(name, cuts)) == strip(items)
+    assert [OPENAI_ITEM.validate_python(i).type for i in items] == [i["type"] for i in items]
 
 
 def test_a_model_without_harmony_keeps_the_text_format() -> None:
