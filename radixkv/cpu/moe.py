@@ -132,29 +132,42 @@ def torch_block_linear(x: Tensor, type_name: str, raw: np.ndarray, in_features: 
 
 
 def _kquant_linear(x: Tensor, type_name: str, raw: np.ndarray, in_features: int) -> Tensor:
-    """K-quant rows against x quantized per 256: each super-block's integer sums (exact in
-    float64, rounded once to fp32 as C's float(int32) rounds), then the fp32 steps in order."""
-    rows, nsb = raw.shape[0], in_features // _QK_K
+    """K-quant rows against x quantized per 256, in csrc/moe.c's 16 lanes: each super-block's
+    integer lane sums (exact in float64; below 2^24, so exact in fp32 too), then per lane
+    acc = acc + (d * sx) * lane, super-blocks in order, halved 16 -> 1; Q4_K's mins likewise in
+    8 lanes (sub-block j), subtracted last."""
+    rows, nsb, m = raw.shape[0], in_features // _QK_K, x.shape[0]
     blocks = raw.reshape(rows, nsb, _BLOCK_BYTES[type_name])
+    xq, sx = quantize_activations(x, _QK_K)
+    xq = xq.double().reshape(m, nsb, _QK_K)
     if type_name == "Q4_K":
         d, dmin, sc, mn, q = _q4_k_fields(blocks)
-        w = torch.from_numpy((q * sc[..., None]).astype(np.float64).reshape(rows, nsb, _QK_K))
-    else:  # Q6_K: w = sc16 * (q - 32), the same integers
-        values, scales, _ = decode_blocks(type_name, raw, in_features)
-        w, d = values.double().reshape(rows, nsb, _QK_K), scales[:, ::8].numpy()
-    xq, sx = quantize_activations(x, _QK_K)
-    xq = xq.double().reshape(x.shape[0], nsb, _QK_K)
-    sums = torch.einsum("msv,nsv->mns", xq, w).float()
-    d = torch.from_numpy(d)
-    if type_name == "Q4_K":
-        mins = torch.einsum("msj,nsj->mns", xq.reshape(x.shape[0], nsb, 8, _BLOCK).sum(-1), torch.from_numpy(mn).double()).float()
+        w = torch.from_numpy((q * sc[..., None]).astype(np.float64))
+        # value 32j + 4t + e (j = 4a + 2b + c) goes to lane 8b + t
+        lanes = torch.einsum("msabcte,nsabcte->mnsbt", xq.reshape(m, nsb, 2, 2, 2, 8, 4), w.reshape(rows, nsb, 2, 2, 2, 8, 4))
+        mins = torch.from_numpy(mn).double()[None] * xq.reshape(m, 1, nsb, 8, _BLOCK).sum(-1)  # [m, rows, nsb, 8]
         dmin = torch.from_numpy(dmin)
-    acc = torch.zeros(x.shape[0], rows, dtype=torch.float32)
+    else:  # Q6_K: w = sc16 * (q - 32); value 64i + 4l + e goes to lane l
+        values, scales, _ = decode_blocks(type_name, raw, in_features)
+        w, d = values.double().reshape(rows, nsb, 4, 16, 4), scales[:, ::8].numpy()
+        lanes = torch.einsum("msile,nsile->mnsl", xq.reshape(m, nsb, 4, 16, 4), w)
+    lanes, d = lanes.reshape(m, rows, nsb, 16).float(), torch.from_numpy(d)
+    acc = torch.zeros(m, rows, 16)
     for sb in range(nsb):
-        acc = acc + (d[:, sb] * sx[:, sb : sb + 1]) * sums[:, :, sb]
-        if type_name == "Q4_K":
-            acc = acc - (dmin[:, sb] * sx[:, sb : sb + 1]) * mins[:, :, sb]
-    return acc
+        acc = acc + (d[:, sb] * sx[:, sb : sb + 1])[..., None] * lanes[:, :, sb]
+    if type_name == "Q6_K":
+        return _halve(acc)
+    mins, macc = mins.float(), torch.zeros(m, rows, 8)
+    for sb in range(nsb):
+        macc = macc + (dmin[:, sb] * sx[:, sb : sb + 1])[..., None] * mins[:, :, sb]
+    return _halve(acc) - _halve(macc)
+
+
+def _halve(lanes: Tensor) -> Tensor:
+    while lanes.shape[-1] > 1:
+        half = lanes.shape[-1] // 2
+        lanes = lanes[..., :half] + lanes[..., half:]
+    return lanes[..., 0]
 
 
 def native_grouped(

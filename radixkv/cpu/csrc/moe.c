@@ -133,7 +133,7 @@ static void decode_row(int type, const uint8_t *src, int k, const Row *row) { de
 /* Activations of one call quantized. Per 32 (blocks of 32 types): q [m][k], s and u (= s * sum
  * q) [m][k / 32], half sums [m][k / 16] (sum q over each 16: every offset's sum as two halves).
  * Per 256 (K-quants): kq [m][k], ks [m][k / 256], ksum16 [m][k / 16] and ksum32 [m][k / 32]
- * (sums of kq), kqp (Q4_K: kq with each super-block's sub-blocks in Q4K_ORDER). Parts a call
+ * (sums of kq), kqp (Q4_K: kq with each super-block's sub-blocks in Q4K_ORDER), kpair. Parts a call
  * does not use are NULL. */
 typedef struct {
     int8_t *q;
@@ -143,6 +143,7 @@ typedef struct {
     int8_t *kq, *kqp;
     float *ks;
     int32_t *ksum16, *ksum32;
+    int16_t *kpair; /* Q6_K: 32 * (kq[2g] + kq[2g + 1]) [m][k / 2] */
 } QX;
 
 /* Q4_K's steps take sub-blocks in pairs (0, 2), (1, 3), (4, 6), (5, 7) of each super-block:
@@ -233,55 +234,66 @@ static inline void q4_k_unpack(const uint8_t *s, int j, int *sc, int *mn) {
     else *sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4), *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
 }
 
-/* K-quant rows against x per 256 (the header's order), one value at a time (any CPU). */
+/* The header's lanes summed: v[0:half] + v[half:], halving to 1 (reduce_lanes's tree). */
+static float reduce_lanes(float *v, int lanes) {
+    for (int w = lanes / 2; w >= 1; w /= 2)
+        for (int i = 0; i < w; i++) v[i] = v[i] + v[w + i];
+    return v[0];
+}
+
+/* K-quant rows in the header's lanes, one value at a time (any CPU). */
 static float q4_k_dot_scalar(const uint8_t *raw, const QX *x, int64_t r) {
     const int8_t *xq = x->kq + r * x->k;
     const float *xs = x->ks + r * x->nsb;
     const int32_t *sum32 = x->ksum32 + r * (x->k / MBLOCK);
-    float acc = 0.0f;
+    float acc[16] = {0.0f}, macc[8] = {0.0f};
     for (int sb = 0; sb < x->nsb; sb++) {
         const uint8_t *blk = raw + (int64_t)sb * 144;
         const int8_t *xb = xq + sb * KBLOCK;
-        int32_t i = 0, n = 0;
+        int32_t lane[16] = {0}, n[8];
         for (int j = 0; j < 8; j++) {
             int sc, mn;
             q4_k_unpack(blk + 4, j, &sc, &mn);
             const uint8_t *chunk = blk + 16 + 32 * (j / 2);
             const int shift = 4 * (j & 1);
-            int32_t dot = 0;
-            for (int l = 0; l < 32; l++) dot += ((chunk[l] >> shift) & 0x0F) * xb[32 * j + l];
-            i += sc * dot;
-            n += mn * sum32[sb * 8 + j];
+            for (int t = 0; t < 8; t++) {
+                int32_t dot = 0;
+                for (int e = 0; e < 4; e++) dot += ((chunk[4 * t + e] >> shift) & 0x0F) * xb[32 * j + 4 * t + e];
+                lane[8 * ((j >> 1) & 1) + t] += sc * dot;
+            }
+            n[j] = mn * sum32[sb * 8 + j];
         }
-        acc = acc + (f16_to_f32(blk) * xs[sb]) * (float)i;
-        acc = acc - (f16_to_f32(blk + 2) * xs[sb]) * (float)n;
+        const float ds = f16_to_f32(blk) * xs[sb], ms = f16_to_f32(blk + 2) * xs[sb];
+        for (int l = 0; l < 16; l++) acc[l] = acc[l] + ds * (float)lane[l];
+        for (int j = 0; j < 8; j++) macc[j] = macc[j] + ms * (float)n[j];
     }
-    return acc;
+    const float dot = reduce_lanes(acc, 16);
+    return dot - reduce_lanes(macc, 8);
 }
 
 static float q6_k_dot_scalar(const uint8_t *raw, const QX *x, int64_t r) {
     const int8_t *xq = x->kq + r * x->k;
     const float *xs = x->ks + r * x->nsb;
-    float acc = 0.0f;
+    float acc[16] = {0.0f};
     for (int sb = 0; sb < x->nsb; sb++) {
         const uint8_t *blk = raw + (int64_t)sb * 210, *ql = blk, *qh = blk + 128;
         const int8_t *scales = (const int8_t *)(blk + 192), *xb = xq + sb * KBLOCK;
-        int32_t i = 0;
+        int32_t lane[16] = {0};
         for (int h = 0; h < 2; h++)
             for (int g = 0; g < 4; g++) {
-                /* values 128h + 32g + l: low 4 bits from ql, high 2 from qh; scale per 16 */
+                /* values v = 128h + 32g + l: low 4 bits from ql, high 2 from qh; scale per 16 */
                 const uint8_t *low = ql + 64 * h + 32 * (g & 1);
                 const int shift = 4 * (g >> 1);
-                int32_t dot[2] = {0, 0};
                 for (int l = 0; l < 32; l++) {
+                    const int v = 128 * h + 32 * g + l;
                     const int q = ((low[l] >> shift) & 0x0F) | (((qh[32 * h + l] >> (2 * g)) & 3) << 4);
-                    dot[l / 16] += (q - 32) * xb[128 * h + 32 * g + l];
+                    lane[(v % 64) / 4] += scales[v / 16] * (q - 32) * xb[v];
                 }
-                i += scales[8 * h + 2 * g] * dot[0] + scales[8 * h + 2 * g + 1] * dot[1];
             }
-        acc = acc + (f16_to_f32(blk + 208) * xs[sb]) * (float)i;
+        const float ds = f16_to_f32(blk + 208) * xs[sb];
+        for (int l = 0; l < 16; l++) acc[l] = acc[l] + ds * (float)lane[l];
     }
-    return acc;
+    return reduce_lanes(acc, 16);
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -294,81 +306,81 @@ static inline __m128i q4_k_scales(const uint8_t *packed) {
                          (int)((a[2] & 0x0F0F0F0Fu) | (((a[0] >> 6) & 0x03030303u) << 4)), (int)(a[0] & 0x3F3F3F3Fu));
 }
 
-/* The sums of a's 16 and b's 8 int32 lanes, in one reduction (integers: any order). */
-static inline void sum_two(__m512i a, __m256i b, int32_t *sa, int32_t *sb) {
-    const __m256i a8 = _mm256_add_epi32(_mm512_castsi512_si256(a), _mm512_extracti64x4_epi64(a, 1));
-    const __m256i h = _mm256_hadd_epi32(a8, b); /* a01 a23 b01 b23 | a45 a67 b45 b67 */
-    const __m256i hh = _mm256_hadd_epi32(h, h); /* a0-3 b0-3 . . | a4-7 b4-7 . . */
-    const __m128i both = _mm_add_epi32(_mm256_castsi256_si128(hh), _mm256_extracti128_si256(hh, 1));
-    *sa = _mm_cvtsi128_si32(both), *sb = _mm_extract_epi32(both, 1);
+/* reduce_lanes's halvings, in registers. */
+static inline float halve8(__m256 v) {
+    const __m128 four = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+    return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
 }
 
-/* 16-bit lane ids 0-31. */
-static const int16_t LANES16[32] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15,
-                                    16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31};
+static inline float halve16(__m512 v) { return halve8(_mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1))); }
 
-/* The same integers in zmm registers, quants read straight from the row's blocks: a step's 64
- * quants times x (vpmaddubsw: pairs in 16-bit lanes), times each lane's sub-block scale and
- * summed in pairs into 32-bit lanes (vpdpwssd), reduced once a super-block. */
+/* A vpshufb mask whose 128-bit lane i holds the 16-bit value v_i in every 16-bit lane. */
+static inline __m512i lanes4(uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
+    a *= 0x10001u, b *= 0x10001u, c *= 0x10001u, d *= 0x10001u;
+    return _mm512_set_epi32((int)d, (int)d, (int)d, (int)d, (int)c, (int)c, (int)c, (int)c, (int)b, (int)b, (int)b, (int)b,
+                            (int)a, (int)a, (int)a, (int)a);
+}
+
+/* The same lanes in zmm registers, quants read straight from the row's blocks: a step's 64
+ * quants times x in pairs (vpmaddubsw, 16-bit lanes), times each pair's scale and summed into
+ * the 32-bit lanes (vpdpwssd): 32-bit lane l of step i holds its values 4l to 4l + 3. */
 static float q4_k_dot_zmm(const uint8_t *raw, const QX *x, int64_t r) {
     const int8_t *xq = x->kqp + r * x->k;
     const float *xs = x->ks + r * x->nsb;
     const int32_t *sum32 = x->ksum32 + r * (x->k / MBLOCK);
     const __m512i nibble = _mm512_set1_epi8(0x0F);
-    /* step i = 2c + j: 16-bit lanes 0-15 take sub-block 4c + j's scale, 16-31 sub-block 4c + j + 2's */
-    const __m512i pair = _mm512_slli_epi16(_mm512_srli_epi16(_mm512_loadu_si512(LANES16), 4), 1);
-    const __m512i pick[4] = {pair, _mm512_add_epi16(pair, _mm512_set1_epi16(1)), _mm512_add_epi16(pair, _mm512_set1_epi16(4)),
-                             _mm512_add_epi16(pair, _mm512_set1_epi16(5))};
-    float acc = 0.0f;
+    /* step i = 2c + j takes sub-blocks 4c + j (lanes 0-7) and 4c + j + 2 (8-15): each 16-bit
+     * lane their scale byte, zero-extended (0x80 picks a zero) */
+    const __m512i pick[4] = {lanes4(0x8000, 0x8000, 0x8002, 0x8002), lanes4(0x8001, 0x8001, 0x8003, 0x8003),
+                             lanes4(0x8004, 0x8004, 0x8006, 0x8006), lanes4(0x8005, 0x8005, 0x8007, 0x8007)};
+    __m512 acc = _mm512_setzero_ps();
+    __m256 macc = _mm256_setzero_ps();
     for (int sb = 0; sb < x->nsb; sb++) {
         const uint8_t *blk = raw + (int64_t)sb * 144;
         const int8_t *xb = xq + sb * KBLOCK;
         uint32_t dd;
         memcpy(&dd, blk, 4);
-        const __m128 both = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dd)); /* d, dmin */
+        const __m128 dsx = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128((int)dd)), _mm_set1_ps(xs[sb])); /* d * sx, dmin * sx */
         const __m128i bytes = q4_k_scales(blk + 4);
-        const __m512i sc = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(bytes)); /* 16-bit: scales 0-7, mins 8-15 */
-        __m512i iacc = _mm512_setzero_si512();
+        const __m512i sc = _mm512_broadcast_i32x4(bytes);
+        __m512i lanes = _mm512_setzero_si512();
         for (int c = 0; c < 2; c++) {
             const __m512i w = _mm512_loadu_si512(blk + 16 + 64 * c);
             const __m512i q[2] = {_mm512_and_si512(w, nibble), _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble)};
             for (int j = 0; j < 2; j++) {
-                const int i = 2 * c + j; /* sub-blocks 4c + j and 4c + j + 2 */
+                const int i = 2 * c + j;
                 const __m512i p = _mm512_maddubs_epi16(q[j], _mm512_loadu_si512(xb + 64 * i));
-                iacc = _mm512_dpwssd_epi32(iacc, p, _mm512_permutexvar_epi16(pick[i], sc));
+                lanes = _mm512_dpwssd_epi32(lanes, p, _mm512_shuffle_epi8(sc, pick[i]));
             }
         }
-        const __m256i mins = _mm256_mullo_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8)), _mm256_loadu_si256((const __m256i *)(sum32 + sb * 8)));
-        int32_t i, n;
-        sum_two(iacc, mins, &i, &n);
-        acc = acc + (_mm_cvtss_f32(both) * xs[sb]) * (float)i;
-        acc = acc - (_mm_cvtss_f32(_mm_movehdup_ps(both)) * xs[sb]) * (float)n;
+        const __m256i n = _mm256_mullo_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8)), _mm256_loadu_si256((const __m256i *)(sum32 + sb * 8)));
+        acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_broadcastss_ps(dsx), _mm512_cvtepi32_ps(lanes)));
+        macc = _mm256_add_ps(macc, _mm256_mul_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(dsx)), _mm256_cvtepi32_ps(n)));
     }
-    return acc;
+    const float dot = halve16(acc);
+    return dot - halve8(macc);
 }
 
 static float q6_k_dot_zmm(const uint8_t *raw, const QX *x, int64_t r) {
     const int8_t *xq = x->kq + r * x->k;
     const float *xs = x->ks + r * x->nsb;
-    const int32_t *sum16 = x->ksum16 + r * (x->k / 16);
+    const int16_t *pairs = x->kpair + r * (x->k / 2);
     const __m512i nibble = _mm512_set1_epi8(0x0F), high2 = _mm512_set1_epi8(0x30);
     const __m512i left = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
     const __m512i right = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
-    /* step i (values 64i to 64i + 63): 16-bit lane l holds values 64i + 2l, 2l + 1: scale 4i + l / 8 */
-    const __m512i eighth = _mm512_srli_epi16(_mm512_loadu_si512(LANES16), 3);
-    const __m512i pick[4] = {eighth, _mm512_add_epi16(eighth, _mm512_set1_epi16(4)), _mm512_add_epi16(eighth, _mm512_set1_epi16(8)),
-                             _mm512_add_epi16(eighth, _mm512_set1_epi16(12))};
-    float acc = 0.0f;
+    /* step i = 2h + j (values 64i to 64i + 63): 128-bit lane t takes 16-bit scale 4i + t, of
+     * the 8 in half h broadcast to every 128-bit lane: bytes (2s, 2s + 1) for s = 4j + t */
+    const __m512i pick[2] = {lanes4(0x0100, 0x0302, 0x0504, 0x0706), lanes4(0x0908, 0x0B0A, 0x0D0C, 0x0F0E)};
+    __m512 acc = _mm512_setzero_ps();
     for (int sb = 0; sb < x->nsb; sb++) {
         const uint8_t *blk = raw + (int64_t)sb * 210;
         const int8_t *xb = xq + sb * KBLOCK;
-        const __m128i scales = _mm_loadu_si128((const __m128i *)(blk + 192));
-        const __m512i sc = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(scales));
-        /* the offset 32 of every quant: 32 * sum sc16 * (sum xq over its 16) */
-        __m512i iacc = _mm512_slli_epi32(
-            _mm512_mullo_epi32(_mm512_cvtepi8_epi32(scales), _mm512_loadu_si512(sum16 + sb * 16)), 5);
-        iacc = _mm512_sub_epi32(_mm512_setzero_si512(), iacc);
+        const int16_t *xp = pairs + sb * (KBLOCK / 2);
+        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
+        __m512i lanes = _mm512_setzero_si512();
         for (int h = 0; h < 2; h++) {
+            const __m512i sc = _mm512_broadcast_i32x4(h ? _mm256_extracti128_si256(sc16, 1) : _mm256_castsi256_si128(sc16));
             const __m512i ql = _mm512_loadu_si512(blk + 64 * h);
             const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h)));
             const __m512i q[2] = {
@@ -376,15 +388,14 @@ static float q6_k_dot_zmm(const uint8_t *raw, const QX *x, int64_t r) {
                 _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), nibble), _mm512_and_si512(_mm512_srlv_epi16(qh, right), high2))};
             for (int j = 0; j < 2; j++) {
                 const int i = 2 * h + j;
-                const __m512i p = _mm512_maddubs_epi16(q[j], _mm512_loadu_si512(xb + 64 * i));
-                iacc = _mm512_dpwssd_epi32(iacc, p, _mm512_permutexvar_epi16(pick[i], sc));
+                /* (q - 32) * xq in pairs: q * xq less 32 * (the pair's xq sum) */
+                const __m512i p = _mm512_sub_epi16(_mm512_maddubs_epi16(q[j], _mm512_loadu_si512(xb + 64 * i)), _mm512_loadu_si512(xp + 32 * i));
+                lanes = _mm512_dpwssd_epi32(lanes, p, _mm512_shuffle_epi8(sc, pick[j]));
             }
         }
-        int32_t i, unused;
-        sum_two(iacc, _mm256_setzero_si256(), &i, &unused);
-        acc = acc + (f16_to_f32(blk + 208) * xs[sb]) * (float)i;
+        acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_set1_ps(f16_to_f32(blk + 208) * xs[sb]), _mm512_cvtepi32_ps(lanes)));
     }
-    return acc;
+    return halve16(acc);
 }
 #endif
 
@@ -477,10 +488,11 @@ static void tile_free(Tile *t) {
 /* A call's activations quantized once (alloc, fill; free with qx_free): rows x[r * x_stride],
  * in the formats its weight types take (types [count]). Returns 0, or 2 where memory ran out. */
 static int qx_build(QX *qx, const float *x, int64_t x_stride, int m, int k, const int *types, int count, int num_threads) {
-    int with32 = 0, with256 = 0, with_qp = 0;
+    int with32 = 0, with256 = 0, with_qp = 0, with_pairs = 0;
     for (int i = 0; i < count; i++) {
         const int kquant = types[i] == T_Q4_K || types[i] == T_Q6_K;
-        with32 = with32 || !kquant, with256 = with256 || kquant, with_qp = with_qp || types[i] == T_Q4_K;
+        with32 = with32 || !kquant, with256 = with256 || kquant;
+        with_qp = with_qp || types[i] == T_Q4_K, with_pairs = with_pairs || types[i] == T_Q6_K;
     }
     const int nb = k / MBLOCK, nsb = k / KBLOCK;
     memset(qx, 0, sizeof *qx);
@@ -494,7 +506,8 @@ static int qx_build(QX *qx, const float *x, int64_t x_stride, int m, int k, cons
         qx->kq = malloc((size_t)m * k), qx->ks = malloc((size_t)m * nsb * sizeof(float));
         qx->ksum16 = malloc((size_t)m * (k / 16) * sizeof(int32_t)), qx->ksum32 = malloc((size_t)m * nb * sizeof(int32_t));
         qx->kqp = with_qp ? malloc((size_t)m * k) : NULL;
-        if (!(qx->kq && qx->ks && qx->ksum16 && qx->ksum32 && (!with_qp || qx->kqp))) return 2;
+        qx->kpair = with_pairs ? malloc((size_t)m * (k / 2) * sizeof(int16_t)) : NULL;
+        if (!(qx->kq && qx->ks && qx->ksum16 && qx->ksum32 && (!with_qp || qx->kqp) && (!with_pairs || qx->kpair))) return 2;
     }
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (m > 8)
     for (int r = 0; r < m; r++) {
@@ -507,12 +520,14 @@ static int qx_build(QX *qx, const float *x, int64_t x_stride, int m, int k, cons
     if (with_qp)
         for (int64_t b = 0; b < (int64_t)m * nb; b++)
             memcpy(qx->kqp + (b - b % 8 + Q4K_ORDER[b % 8]) * MBLOCK, qx->kq + b * MBLOCK, MBLOCK);
+    if (with_pairs)
+        for (int64_t g = 0; g < (int64_t)m * (k / 2); g++) qx->kpair[g] = (int16_t)(32 * (qx->kq[2 * g] + qx->kq[2 * g + 1]));
     return 0;
 }
 
 static void qx_free(QX *qx) {
     free(qx->q), free(qx->s), free(qx->u), free(qx->half);
-    free(qx->kq), free(qx->kqp), free(qx->ks), free(qx->ksum16), free(qx->ksum32);
+    free(qx->kq), free(qx->kqp), free(qx->ks), free(qx->ksum16), free(qx->ksum32), free(qx->kpair);
 }
 
 /* One weight of a grouped call: the stacked experts' blocks, their type and shape. */
