@@ -15,22 +15,23 @@
  * order: acc = acc + (s * sx) * float(sum w * xq) (an exact integer), then with a min acc = acc +
  * m * (sx * float(sum xq)).
  * K-quants (Q4_K, Q6_K) take x quantized per 256 the same way (one scale sx per super-block, as
- * llama.cpp's Q8_K), so a super-block's sub-blocks combine in integers. Per output acc starts at
- * 0 and takes the super-blocks in order:
- *   Q4_K: i = sum_j sc_j * (sum q * xq over sub-block j), n = sum_j mn_j * (sum xq over j);
- *         acc = acc + (d * sx) * float(i); acc = acc - (dmin * sx) * float(n)
- *   Q6_K: i = sum_j sc16_j * (sum (q - 32) * xq over the 16 values j); acc = acc + (d * sx) * float(i)
- * float(i) rounds to nearest even (i may pass 2^24). The integers fit int32: Q4_K |i| <= 8 sub-
- * blocks x 32 values x 15 x 127 x 63 = 30.7M, n <= 8 x 32 x 127 x 63 = 2.05M; Q6_K |i| <= 256 x
- * 32 x 127 x 128 = 133M, and its unsigned partial sum_j sc16_j * (sum q * xq) <= 256 x 63 x 127 x
- * 128 = 262M; every partial sum of these terms is bounded the same, in any order.
+ * llama.cpp's Q8_K), so a super-block's sub-blocks combine in integers, in 16 lanes: Q6_K's value
+ * v of a super-block (w = sc16 * (q - 32), sc16 the scale of its 16) goes to lane (v % 64) / 4;
+ * Q4_K's (w = sc * q) value 32j + 4t + e (sub-block j) to lane 8 * ((j >> 1) & 1) + t. A lane's
+ * integer L = sum w * xq over its 16 values of the super-block. Per output, fp32 lanes start at 0
+ * and take the super-blocks in order: acc[l] = acc[l] + (d * sx) * float(L[l]); then acc is
+ * halved, acc[0:8] + acc[8:16], then 4, 2, 1. Q4_K's mins: 8 lanes, macc[j] = macc[j] + (dmin *
+ * sx) * float(mn_j * sum xq over sub-block j), halved 8 -> 1, and y = dot - mins.
+ * The integers are exact in fp32 and fit int32: Q4_K |L| <= 16 values x 15 x 127 x 63 = 1.92M,
+ * |mn_j * sum| <= 63 x 32 x 127 = 256K; Q6_K |L| <= 16 x 32 x 127 x 128 = 8.3M (all < 2^24);
+ * the 16-bit pair sums below stay inside int16.
  * No fused multiply-adds (-std=c11 turns contraction off): the order is the result.
  *
  * Integer dot products: w is decoded to unsigned bytes u with w = u - offset (Q8_0: 128, Q5_0:
  * 16, Q6_K: 32, others 0), so sum w * xq = sum u * xq - offset * sum xq, one vpdpbusd per 32
  * bytes (K-quants: vpmaddubsw then vpdpwssd with the sub-block scales; a pair of u * xq is at
- * most 63 x 127 x 2 = 16002, inside int16); the scalar loop computes the same integers where
- * VNNI is not compiled in.
+ * most 63 x 127 x 2 = 16002, a Q6_K pair less its offset 32 x 127 x 2 = 8128, inside int16); the
+ * scalar loop computes the same integers where VNNI is not compiled in.
  */
 #include <math.h>
 #include <stdint.h>
@@ -132,8 +133,7 @@ static void decode_row(int type, const uint8_t *src, int k, const Row *row) { de
 
 /* Activations of one call quantized. Per 32 (blocks of 32 types): q [m][k], s and u (= s * sum
  * q) [m][k / 32], half sums [m][k / 16] (sum q over each 16: every offset's sum as two halves).
- * Per 256 (K-quants): kq [m][k], ks [m][k / 256], ksum16 [m][k / 16] and ksum32 [m][k / 32]
- * (sums of kq), kqp (Q4_K: kq with each super-block's sub-blocks in Q4K_ORDER), kpair. Parts a call
+ * Per 256 (K-quants): kq [m][k], ks [m][k / 256], ksum32 [m][k / 32] (sums of kq over each 32), kqp (Q4_K: kq with each super-block's sub-blocks in Q4K_ORDER), kpair. Parts a call
  * does not use are NULL. */
 typedef struct {
     int8_t *q;
@@ -142,7 +142,7 @@ typedef struct {
     int k, nb, nsb;
     int8_t *kq, *kqp;
     float *ks;
-    int32_t *ksum16, *ksum32;
+    int32_t *ksum32;
     int16_t *kpair; /* Q6_K: 32 * (kq[2g] + kq[2g + 1]) [m][k / 2] */
 } QX;
 
@@ -176,14 +176,13 @@ static void quantize_x_row(const float *x, int k, int8_t *q, float *s, float *u,
     }
 }
 
-static void quantize_x_row256(const float *x, int k, int8_t *q, float *s, int32_t *sum16, int32_t *sum32) {
+static void quantize_x_row256(const float *x, int k, int8_t *q, float *s, int32_t *sum32) {
     for (int sb = 0; sb < k / KBLOCK; sb++) s[sb] = quantize_block(x + (int64_t)sb * KBLOCK, KBLOCK, q + sb * KBLOCK);
-    for (int g = 0; g < k / 16; g++) {
+    for (int b = 0; b < k / MBLOCK; b++) {
         int32_t sum = 0;
-        for (int j = 0; j < 16; j++) sum += q[16 * g + j];
-        sum16[g] = sum;
+        for (int j = 0; j < MBLOCK; j++) sum += q[MBLOCK * b + j];
+        sum32[b] = sum;
     }
-    for (int b = 0; b < k / MBLOCK; b++) sum32[b] = sum16[2 * b] + sum16[2 * b + 1];
 }
 
 /* The integer sums of u * xq over the two halves of block b. */
@@ -504,18 +503,17 @@ static int qx_build(QX *qx, const float *x, int64_t x_stride, int m, int k, cons
     }
     if (with256) {
         qx->kq = malloc((size_t)m * k), qx->ks = malloc((size_t)m * nsb * sizeof(float));
-        qx->ksum16 = malloc((size_t)m * (k / 16) * sizeof(int32_t)), qx->ksum32 = malloc((size_t)m * nb * sizeof(int32_t));
+        qx->ksum32 = malloc((size_t)m * nb * sizeof(int32_t));
         qx->kqp = with_qp ? malloc((size_t)m * k) : NULL;
         qx->kpair = with_pairs ? malloc((size_t)m * (k / 2) * sizeof(int16_t)) : NULL;
-        if (!(qx->kq && qx->ks && qx->ksum16 && qx->ksum32 && (!with_qp || qx->kqp) && (!with_pairs || qx->kpair))) return 2;
+        if (!(qx->kq && qx->ks && qx->ksum32 && (!with_qp || qx->kqp) && (!with_pairs || qx->kpair))) return 2;
     }
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (m > 8)
     for (int r = 0; r < m; r++) {
         const float *row = x + (int64_t)r * x_stride;
         if (with32) quantize_x_row(row, k, qx->q + (int64_t)r * k, qx->s + (int64_t)r * nb, qx->u + (int64_t)r * nb, qx->half + (int64_t)r * 2 * nb);
         if (with256)
-            quantize_x_row256(row, k, qx->kq + (int64_t)r * k, qx->ks + (int64_t)r * nsb, qx->ksum16 + (int64_t)r * (k / 16),
-                              qx->ksum32 + (int64_t)r * nb);
+            quantize_x_row256(row, k, qx->kq + (int64_t)r * k, qx->ks + (int64_t)r * nsb, qx->ksum32 + (int64_t)r * nb);
     }
     if (with_qp)
         for (int64_t b = 0; b < (int64_t)m * nb; b++)
@@ -527,7 +525,7 @@ static int qx_build(QX *qx, const float *x, int64_t x_stride, int m, int k, cons
 
 static void qx_free(QX *qx) {
     free(qx->q), free(qx->s), free(qx->u), free(qx->half);
-    free(qx->kq), free(qx->kqp), free(qx->ks), free(qx->ksum16), free(qx->ksum32), free(qx->kpair);
+    free(qx->kq), free(qx->kqp), free(qx->ks), free(qx->ksum32), free(qx->kpair);
 }
 
 /* One weight of a grouped call: the stacked experts' blocks, their type and shape. */
