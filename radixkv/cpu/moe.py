@@ -54,7 +54,8 @@ def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
 def decode_blocks(type_name: str, raw: np.ndarray, in_features: int) -> tuple[Tensor, Tensor, Tensor | None]:
     """A matrix's blocks (uint8 [rows, row bytes]) as (integer weights w, fp32 [rows, in], each
     value exact; scales [rows, in / 32]; mins [rows, in / 32] or None): value = s * w (+ m) per
-    block of 32 as csrc/moe.c's header defines it (Q6_K: w = sub-block scale * (q - 32))."""
+    block of 32, w and s as csrc/moe.c's header defines them (Q4_K: s = d * sc, m = -(dmin *
+    mn); Q6_K: w = sub-block scale * (q - 32), s = d)."""
     rows = raw.shape[0]
     nb = in_features // _BLOCK
     if type_name in ("Q8_0", "Q4_0", "Q4_1", "Q5_0"):

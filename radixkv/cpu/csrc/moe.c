@@ -133,8 +133,9 @@ static void decode_row(int type, const uint8_t *src, int k, const Row *row) { de
 
 /* Activations of one call quantized. Per 32 (blocks of 32 types): q [m][k], s and u (= s * sum
  * q) [m][k / 32], half sums [m][k / 16] (sum q over each 16: every offset's sum as two halves).
- * Per 256 (K-quants): kq [m][k], ks [m][k / 256], ksum32 [m][k / 32] (sums of kq over each 32), kqp (Q4_K: kq with each super-block's sub-blocks in Q4K_ORDER), kpair. Parts a call
- * does not use are NULL. */
+ * Per 256 (K-quants): kq [m][k], ks [m][k / 256], ksum32 [m][k / 32] (sums of kq over each
+ * 32), kqp (Q4_K: kq with each super-block's sub-blocks in Q4K_ORDER), kpair. Parts a call does
+ * not use are NULL. */
 typedef struct {
     int8_t *q;
     float *s, *u;
@@ -353,7 +354,8 @@ static float q4_k_dot_zmm(const uint8_t *raw, const QX *x, int64_t r) {
                 lanes = _mm512_dpwssd_epi32(lanes, p, _mm512_shuffle_epi8(sc, pick[i]));
             }
         }
-        const __m256i n = _mm256_mullo_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8)), _mm256_loadu_si256((const __m256i *)(sum32 + sb * 8)));
+        const __m256i sums = _mm256_loadu_si256((const __m256i *)(sum32 + sb * 8));
+        const __m256i n = _mm256_mullo_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8)), sums);
         acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_broadcastss_ps(dsx), _mm512_cvtepi32_ps(lanes)));
         macc = _mm256_add_ps(macc, _mm256_mul_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(dsx)), _mm256_cvtepi32_ps(n)));
     }
@@ -388,7 +390,8 @@ static float q6_k_dot_zmm(const uint8_t *raw, const QX *x, int64_t r) {
             for (int j = 0; j < 2; j++) {
                 const int i = 2 * h + j;
                 /* (q - 32) * xq in pairs: q * xq less 32 * (the pair's xq sum) */
-                const __m512i p = _mm512_sub_epi16(_mm512_maddubs_epi16(q[j], _mm512_loadu_si512(xb + 64 * i)), _mm512_loadu_si512(xp + 32 * i));
+                const __m512i uq = _mm512_maddubs_epi16(q[j], _mm512_loadu_si512(xb + 64 * i));
+                const __m512i p = _mm512_sub_epi16(uq, _mm512_loadu_si512(xp + 32 * i));
                 lanes = _mm512_dpwssd_epi32(lanes, p, _mm512_shuffle_epi8(sc, pick[j]));
             }
         }
@@ -511,7 +514,9 @@ static int qx_build(QX *qx, const float *x, int64_t x_stride, int m, int k, cons
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (m > 8)
     for (int r = 0; r < m; r++) {
         const float *row = x + (int64_t)r * x_stride;
-        if (with32) quantize_x_row(row, k, qx->q + (int64_t)r * k, qx->s + (int64_t)r * nb, qx->u + (int64_t)r * nb, qx->half + (int64_t)r * 2 * nb);
+        if (with32)
+            quantize_x_row(row, k, qx->q + (int64_t)r * k, qx->s + (int64_t)r * nb, qx->u + (int64_t)r * nb,
+                           qx->half + (int64_t)r * 2 * nb);
         if (with256)
             quantize_x_row256(row, k, qx->kq + (int64_t)r * k, qx->ks + (int64_t)r * nsb, qx->ksum32 + (int64_t)r * nb);
     }
