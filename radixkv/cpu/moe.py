@@ -54,7 +54,8 @@ def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
 def decode_blocks(type_name: str, raw: np.ndarray, in_features: int) -> tuple[Tensor, Tensor, Tensor | None]:
     """A matrix's blocks (uint8 [rows, row bytes]) as (integer weights w, fp32 [rows, in], each
     value exact; scales [rows, in / 32]; mins [rows, in / 32] or None): value = s * w (+ m) per
-    block of 32 as csrc/moe.c's header defines it (Q6_K: w = sub-block scale * (q - 32))."""
+    block of 32, w and s as csrc/moe.c's header defines them (Q4_K: s = d * sc, m = -(dmin *
+    mn); Q6_K: w = sub-block scale * (q - 32), s = d)."""
     rows = raw.shape[0]
     nb = in_features // _BLOCK
     if type_name in ("Q8_0", "Q4_0", "Q4_1", "Q5_0"):
@@ -76,14 +77,9 @@ def decode_blocks(type_name: str, raw: np.ndarray, in_features: int) -> tuple[Te
         return _t(w.reshape(rows, in_features)), _t(d), None if mins is None else _t(mins)
     blocks = raw.reshape(rows, in_features // _QK_K, _BLOCK_BYTES[type_name])
     if type_name == "Q4_K":
-        d, dmin = _f16(blocks, 0), _f16(blocks, 2)
-        packed = blocks[..., 4:16]
-        a, b, c = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
-        sc = np.concatenate((a & 0x3F, (c & 0x0F) | ((a >> 2) & 0x30)), axis=-1).astype(np.float32)
-        mn = np.concatenate((b & 0x3F, (c >> 4) | ((b >> 2) & 0x30)), axis=-1).astype(np.float32)
-        nibbles = blocks[..., 16:].reshape(rows, -1, 4, 1, 32)
-        w = np.concatenate((nibbles & 15, nibbles >> 4), axis=-2).astype(np.float32)  # sub-block 2i + h
-        scales, mins = d[..., None] * sc, -(dmin[..., None] * mn)
+        d, dmin, sc, mn, q = _q4_k_fields(blocks)
+        w = q.astype(np.float32)
+        scales, mins = d[..., None] * sc.astype(np.float32), -(dmin[..., None] * mn.astype(np.float32))
         return _t(w.reshape(rows, in_features)), _t(scales.reshape(rows, nb)), _t(mins.reshape(rows, nb))
     if type_name == "Q6_K":
         ql, qh = blocks[..., :128].astype(np.int32), blocks[..., 128:192].astype(np.int32)
@@ -102,6 +98,19 @@ def decode_blocks(type_name: str, raw: np.ndarray, in_features: int) -> tuple[Te
     raise ValueError(f"no grouped expert kernel for {type_name}; supported: {tuple(BLOCK_TYPES)}")
 
 
+def _q4_k_fields(blocks: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Q4_K blocks [rows, super-blocks, 144] -> d, dmin (fp32 [rows, sb]), the 6-bit scales and
+    mins (int32 [rows, sb, 8]) and the quants (int32 [rows, sb, 8, 32], sub-block 2i + h)."""
+    d, dmin = _f16(blocks, 0), _f16(blocks, 2)
+    packed = blocks[..., 4:16]
+    a, b, c = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    sc = np.concatenate((a & 0x3F, (c & 0x0F) | ((a >> 2) & 0x30)), axis=-1).astype(np.int32)
+    mn = np.concatenate((b & 0x3F, (c >> 4) | ((b >> 2) & 0x30)), axis=-1).astype(np.int32)
+    nibbles = blocks[..., 16:].reshape(*blocks.shape[:2], 4, 1, 32)
+    q = np.concatenate((nibbles & 15, nibbles >> 4), axis=-2).astype(np.int32)
+    return d, dmin, sc, mn, q.reshape(*blocks.shape[:2], 8, 32)
+
+
 def _t(values: np.ndarray) -> Tensor:
     return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
 
@@ -109,10 +118,10 @@ def _t(values: np.ndarray) -> Tensor:
 def torch_block_linear(x: Tensor, type_name: str, raw: np.ndarray, in_features: int) -> Tensor:
     """fp32 y = x W^T for fp32 x [m, in] and W's blocks raw (uint8 [out, row bytes]), in the
     order csrc/moe.c documents; integer block sums below 2^24, so fp32 holds them exactly."""
+    if type_name in ("Q4_K", "Q6_K"):
+        return _kquant_linear(x, type_name, raw, in_features)
     w, scales, mins = decode_blocks(type_name, raw, in_features)
     xq, sx = quantize_activations(x)
-    if type_name in ("Q4_K", "Q6_K"):
-        return torch.cat([_kquant_lanes(xq[i : i + 16], sx[i : i + 16], w, scales, mins) for i in range(0, x.shape[0], 16)])
     xq_blocks = xq.reshape(x.shape[0], -1, _BLOCK)
     acc = torch.zeros(x.shape[0], w.shape[0], dtype=torch.float32)
     for b in range(in_features // _BLOCK):
@@ -123,30 +132,36 @@ def torch_block_linear(x: Tensor, type_name: str, raw: np.ndarray, in_features: 
     return acc
 
 
-def _kquant_lanes(xq: Tensor, sx: Tensor, w: Tensor, scales: Tensor, mins: Tensor | None) -> Tensor:
-    """K-quant rows in csrc/moe.c's lanes: block b's lane t (values 4t..4t+3) adds (s * sx) * p
-    to accumulator (b // 2) % 2, lane 8 * (b % 2) + t (Q4_K: b's position in its super-block's
-    order 0, 2, 1, 3, 4, 6, 5, 7), blocks in order; the two summed and
-    halved 16 -> 1; mins in 8 lanes (sub-block b % 8), halved 8 -> 1, added last."""
-    m, n, nb = xq.shape[0], w.shape[0], sx.shape[1]
-    # Sums of 4 integer products: exact in fp32 whatever order einsum takes.
-    p = torch.einsum("mbtf,nbtf->mnbt", xq.reshape(m, nb, 8, 4), w.reshape(n, nb, 8, 4))
-    terms = (scales[None] * sx[:, None]).unsqueeze(-1) * p  # [m, n, nb, 8]
-    if mins is not None:  # Q4_K: steps pair blocks (0, 2), (1, 3), (4, 6), (5, 7) of each 8
-        terms = terms.reshape(m, n, nb // 8, 8, 8)[:, :, :, [0, 2, 1, 3, 4, 6, 5, 7]].reshape(m, n, nb, 8)
-    terms = terms.reshape(m, n, nb // 4, 2, 16)  # step pairs: (accumulator, lane)
-    acc = torch.zeros(m, n, 2, 16)
-    for i in range(nb // 4):
-        acc = acc + terms[:, :, i]
-    total = _halve(acc[:, :, 0] + acc[:, :, 1])
-    if mins is None:
-        return total
-    xu = sx * xq.reshape(m, nb, _BLOCK).sum(dim=-1)
-    min_terms = (mins[None] * xu[:, None]).reshape(m, n, nb // 8, 8)
-    macc = torch.zeros(m, n, 8)
-    for i in range(nb // 8):
-        macc = macc + min_terms[:, :, i]
-    return total + _halve(macc)
+def _kquant_linear(x: Tensor, type_name: str, raw: np.ndarray, in_features: int) -> Tensor:
+    """K-quant rows against x quantized per 256, in csrc/moe.c's 16 lanes: each super-block's
+    integer lane sums (exact in float64; below 2^24, so exact in fp32 too), then per lane
+    acc = acc + (d * sx) * lane, super-blocks in order, halved 16 -> 1; Q4_K's mins likewise in
+    8 lanes (sub-block j), subtracted last."""
+    rows, nsb, m = raw.shape[0], in_features // _QK_K, x.shape[0]
+    blocks = raw.reshape(rows, nsb, _BLOCK_BYTES[type_name])
+    xq, sx = quantize_activations(x, _QK_K)
+    xq = xq.double().reshape(m, nsb, _QK_K)
+    if type_name == "Q4_K":
+        d, dmin, sc, mn, q = _q4_k_fields(blocks)
+        w = torch.from_numpy((q * sc[..., None]).astype(np.float64))
+        # value 32j + 4t + e (j = 4a + 2b + c) goes to lane 8b + t
+        lanes = torch.einsum("msabcte,nsabcte->mnsbt", xq.reshape(m, nsb, 2, 2, 2, 8, 4), w.reshape(rows, nsb, 2, 2, 2, 8, 4))
+        mins = torch.from_numpy(mn).double()[None] * xq.reshape(m, 1, nsb, 8, _BLOCK).sum(-1)  # [m, rows, nsb, 8]
+        dmin = torch.from_numpy(dmin)
+    else:  # Q6_K: w = sc16 * (q - 32); value 64i + 4l + e goes to lane l
+        values, scales, _ = decode_blocks(type_name, raw, in_features)
+        w, d = values.double().reshape(rows, nsb, 4, 16, 4), scales[:, ::8].numpy()
+        lanes = torch.einsum("msile,nsile->mnsl", xq.reshape(m, nsb, 4, 16, 4), w)
+    lanes, d = lanes.reshape(m, rows, nsb, 16).float(), torch.from_numpy(d)
+    acc = torch.zeros(m, rows, 16)
+    for sb in range(nsb):
+        acc = acc + (d[:, sb] * sx[:, sb : sb + 1])[..., None] * lanes[:, :, sb]
+    if type_name == "Q6_K":
+        return _halve(acc)
+    mins, macc = mins.float(), torch.zeros(m, rows, 8)
+    for sb in range(nsb):
+        macc = macc + (dmin[:, sb] * sx[:, sb : sb + 1])[..., None] * mins[:, :, sb]
+    return _halve(acc) - _halve(macc)
 
 
 def _halve(lanes: Tensor) -> Tensor:

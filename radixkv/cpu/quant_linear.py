@@ -96,11 +96,11 @@ def kernel_formats(kernel: str) -> tuple[str, ...]:
     return (*_FORMATS.get(kernel, _BASE_FORMATS), "parts")
 
 
-def quantize_activations(x: Tensor) -> tuple[Tensor, Tensor]:
-    """fp32 x [m, k] -> (int8-valued fp32 quants [m, k], fp32 scales [m, k // 32]): per row and
-    block of 32, scale = absmax / 127, inverse = 1 / scale (0 for an all-zero block),
+def quantize_activations(x: Tensor, block: int = BLOCK) -> tuple[Tensor, Tensor]:
+    """fp32 x [m, k] -> (int8-valued fp32 quants [m, k], fp32 scales [m, k // block]): per row and
+    block of 32 (or `block`), scale = absmax / 127, inverse = 1 / scale (0 for an all-zero block),
     q = round_half_even(x * inverse) (a product, then the rounding), as the C kernels do."""
-    blocks = x.reshape(x.shape[0], -1, BLOCK)
+    blocks = x.reshape(x.shape[0], -1, block)
     scales = blocks.abs().amax(dim=-1) / torch.tensor(127.0)
     inverse = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))
     q = torch.round(blocks * inverse.unsqueeze(-1)).clamp_(-127.0, 127.0)

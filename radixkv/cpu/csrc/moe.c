@@ -7,19 +7,31 @@
  * tails of fewer than 8 rows, decode a row into a buffer first. A decode step's one token takes
  * radixkv_moe_row_gate_up and radixkv_moe_row_down: the same items, and the weighted sum.
  *
- * Arithmetic (cpu/moe.py's torch_block_linear computes the same bits): x is quantized per row
- * and block of 32 as quant_linear.c does (scale = absmax / 127, q = round_half_even(x / scale)).
- * Each weight block of 32 is integers w with an fp32 scale s (and min m): Q8_0 w = q, s = d;
- * Q4_0 w = q, s = d, m = -8d; Q4_1 w = q, s = d, m = m; Q5_0 w = q - 16, s = d; Q4_K w = q,
- * s = d * sc, m = -(dmin * mn); Q6_K w = sc16 * (q - 32) over its two sub-blocks of 16, s = d.
- * Blocks of 32 types: per output an fp32 sum starts at 0 and takes the blocks in order: acc =
- * acc + (s * sx) * float(sum w * xq) (an exact integer), then with a min acc = acc + m * (sx *
- * float(sum xq)). K-quants: the same terms over 4-value lanes, order at kquant_dot_scalar.
+ * Arithmetic (cpu/moe.py's torch_block_linear computes the same bits). Blocks of 32 types (Q8_0,
+ * Q4_0, Q4_1, Q5_0): x is quantized per row and block of 32 as quant_linear.c does (scale =
+ * absmax / 127, q = round_half_even(x / scale)). Each weight block of 32 is integers w with an
+ * fp32 scale s (and min m): Q8_0 w = q, s = d; Q4_0 w = q, s = d, m = -8d; Q4_1 w = q, s = d,
+ * m = m; Q5_0 w = q - 16, s = d. Per output an fp32 sum starts at 0 and takes the blocks in
+ * order: acc = acc + (s * sx) * float(sum w * xq) (an exact integer), then with a min acc = acc +
+ * m * (sx * float(sum xq)).
+ * K-quants (Q4_K, Q6_K) take x quantized per 256 the same way (one scale sx per super-block, as
+ * llama.cpp's Q8_K), so a super-block's sub-blocks combine in integers, in 16 lanes: Q6_K's value
+ * v of a super-block (w = sc16 * (q - 32), sc16 the scale of its 16) goes to lane (v % 64) / 4;
+ * Q4_K's (w = sc * q) value 32j + 4t + e (sub-block j) to lane 8 * ((j >> 1) & 1) + t. A lane's
+ * integer L = sum w * xq over its 16 values of the super-block. Per output, fp32 lanes start at 0
+ * and take the super-blocks in order: acc[l] = acc[l] + (d * sx) * float(L[l]); then acc is
+ * halved, acc[0:8] + acc[8:16], then 4, 2, 1. Q4_K's mins: 8 lanes, macc[j] = macc[j] + (dmin *
+ * sx) * float(mn_j * sum xq over sub-block j), halved 8 -> 1, and y = dot - mins.
+ * The integers are exact in fp32 and fit int32: Q4_K |L| <= 16 values x 15 x 127 x 63 = 1.92M,
+ * |mn_j * sum| <= 63 x 32 x 127 = 256K; Q6_K |L| <= 16 x 32 x 127 x 128 = 8.3M (all < 2^24);
+ * the 16-bit pair sums below stay inside int16.
  * No fused multiply-adds (-std=c11 turns contraction off): the order is the result.
  *
  * Integer dot products: w is decoded to unsigned bytes u with w = u - offset (Q8_0: 128, Q5_0:
- * 16, Q6_K: 32 before its scales, others 0), so sum w * xq = sum u * xq - offset * sum xq, one
- * vpdpbusd per 32 bytes; the scalar loop computes the same integers where VNNI is not compiled in.
+ * 16, Q6_K: 32, others 0), so sum w * xq = sum u * xq - offset * sum xq, one vpdpbusd per 32
+ * bytes (K-quants: vpmaddubsw then vpdpwssd with the sub-block scales; a pair of u * xq is at
+ * most 63 x 127 x 2 = 16002, a Q6_K pair less its offset 32 x 127 x 2 = 8128, inside int16); the
+ * scalar loop computes the same integers where VNNI is not compiled in.
  */
 #include <math.h>
 #include <stdint.h>
@@ -68,12 +80,11 @@ int64_t radixkv_moe_row_bytes(int type, int k) {
     }
 }
 
-/* One row decoded: u [k] unsigned quants, s and m [k / 32] (m only where the type has mins),
- * sc [k / 16] Q6_K's sub-block scales. */
+/* One row of a blocks of 32 type decoded: u [k] unsigned quants, s and m [k / 32] (m only
+ * where the type has mins). */
 typedef struct {
     uint8_t *u;
     float *s, *m;
-    int32_t *sc;
 } Row;
 
 static void decode_row_part(int type, const uint8_t *restrict src, int k, const Row *row, int with_quants) {
@@ -81,7 +92,6 @@ static void decode_row_part(int type, const uint8_t *restrict src, int k, const 
      * and the byte loops would stay scalar, reloading the pointers every byte. */
     uint8_t *restrict u = row->u;
     float *restrict rs = row->s, *restrict rm = row->m;
-    int32_t *restrict rsc = row->sc;
     const int nb = k / MBLOCK;
     switch (type) {
     case T_Q8_0:
@@ -116,85 +126,63 @@ static void decode_row_part(int type, const uint8_t *restrict src, int k, const 
             }
         }
         break;
-    case T_Q4_K:
-        for (int sb = 0; sb < k / KBLOCK; sb++, src += 144) {
-            const float d = f16_to_f32(src), dmin = f16_to_f32(src + 2);
-            const uint8_t *s = src + 4, *qs = src + 16;
-            for (int j = 0; j < 8; j++) {
-                int sc, mn;
-                if (j < 4) sc = s[j] & 63, mn = s[j + 4] & 63;
-                else sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4), mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-                const int b = sb * 8 + j;
-                rs[b] = d * (float)sc;
-                rm[b] = -(dmin * (float)mn);
-                const uint8_t *chunk = qs + 32 * (j / 2);
-                const int shift = 4 * (j & 1);
-                if (with_quants)
-                    for (int l = 0; l < 32; l++) u[b * MBLOCK + l] = (chunk[l] >> shift) & 0x0F;
-            }
-        }
-        break;
-    case T_Q6_K:
-        for (int sb = 0; sb < k / KBLOCK; sb++, src += 210) {
-            const uint8_t *ql = src, *qh = src + 128;
-            const int8_t *scales = (const int8_t *)(src + 192);
-            const float d = f16_to_f32(src + 208);
-            for (int h = 0; h < 2; h++)
-                for (int g = 0; g < 4; g++) {
-                    const int b = sb * 8 + h * 4 + g;
-                    rs[b] = d;
-                    rsc[2 * b] = scales[8 * h + 2 * g];
-                    rsc[2 * b + 1] = scales[8 * h + 2 * g + 1];
-                    const uint8_t *low = ql + 64 * h + 32 * (g & 1);
-                    const int shift = 4 * (g >> 1);
-                    for (int l = 0; l < 32; l++)
-                        u[b * MBLOCK + l] = (uint8_t)(((low[l] >> shift) & 0x0F) | (((qh[32 * h + l] >> (2 * g)) & 3) << 4));
-                }
-        }
-        break;
     }
 }
 
 static void decode_row(int type, const uint8_t *src, int k, const Row *row) { decode_row_part(type, src, k, row, 1); }
 
-/* Activations of one call quantized: q [m][k], s and u (= s * sum q) [m][k / 32], half sums
- * [m][k / 16] (sum q over each 16: every offset's sum as two halves), sum4 [m][k / 4] (32 *
- * sum q over each 4: Q6_K's offsets per lane). */
+/* Activations of one call quantized. Per 32 (blocks of 32 types): q [m][k], s and u (= s * sum
+ * q) [m][k / 32], half sums [m][k / 16] (sum q over each 16: every offset's sum as two halves).
+ * Per 256 (K-quants): kq [m][k], ks [m][k / 256], ksum32 [m][k / 32] (sums of kq over each
+ * 32), kqp (Q4_K: kq with each super-block's sub-blocks in Q4K_ORDER), kpair. Parts a call does
+ * not use are NULL. */
 typedef struct {
     int8_t *q;
     float *s, *u;
-    int32_t *half, *sum4;
-    int k, nb;
-    int8_t *qp; /* Q4_K: q with each super-block's blocks in Q4K_ORDER */
+    int32_t *half;
+    int k, nb, nsb;
+    int8_t *kq, *kqp;
+    float *ks;
+    int32_t *ksum32;
+    int16_t *kpair; /* Q6_K: 32 * (kq[2g] + kq[2g + 1]) [m][k / 2] */
 } QX;
 
-/* Q4_K's lane steps take blocks in pairs (0, 2), (1, 3), (4, 6), (5, 7) of each super-block:
+/* Q4_K's steps take sub-blocks in pairs (0, 2), (1, 3), (4, 6), (5, 7) of each super-block:
  * 64 bytes of its quants hold sub-blocks 2c, 2c + 2 in their low nibbles, 2c + 1, 2c + 3 in the
  * high. The order is its own inverse. */
 static const int Q4K_ORDER[8] = {0, 2, 1, 3, 4, 6, 5, 7};
 
-static void quantize_x_row(const float *x, int k, int8_t *q, float *s, float *u, int32_t *half, int32_t *sum4) {
+/* x's n values quantized as one block: scale = absmax / 127, q = round_half_even(x / scale). */
+static float quantize_block(const float *v, int n, int8_t *q) {
+    float amax = 0.0f;
+    /* fmaxf's value for every input (a NaN is skipped either way), without its libm call */
+    for (int j = 0; j < n; j++) amax = fabsf(v[j]) > amax ? fabsf(v[j]) : amax;
+    const float scale = amax / 127.0f;
+    const float inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
+    for (int j = 0; j < n; j++) {
+        float r = rintf(v[j] * inverse); /* round half to even, as torch.round */
+        r = r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r);
+        q[j] = (int8_t)r;
+    }
+    return scale;
+}
+
+static void quantize_x_row(const float *x, int k, int8_t *q, float *s, float *u, int32_t *half) {
     for (int b = 0; b < k / MBLOCK; b++) {
-        const float *v = x + (int64_t)b * MBLOCK;
-        float amax = 0.0f;
-        /* fmaxf's value for every input (a NaN is skipped either way), without its libm call */
-        for (int j = 0; j < MBLOCK; j++) amax = fabsf(v[j]) > amax ? fabsf(v[j]) : amax;
-        const float scale = amax / 127.0f;
-        const float inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
+        s[b] = quantize_block(x + (int64_t)b * MBLOCK, MBLOCK, q + b * MBLOCK);
         int32_t sums[2] = {0, 0};
-        for (int j = 0; j < MBLOCK; j++) {
-            float r = rintf(v[j] * inverse); /* round half to even, as torch.round */
-            r = r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r);
-            q[b * MBLOCK + j] = (int8_t)r;
-            sums[j / 16] += (int32_t)r;
-        }
-        s[b] = scale;
-        u[b] = scale * (float)(sums[0] + sums[1]);
+        for (int j = 0; j < MBLOCK; j++) sums[j / 16] += q[b * MBLOCK + j];
+        u[b] = s[b] * (float)(sums[0] + sums[1]);
         half[2 * b] = sums[0], half[2 * b + 1] = sums[1];
-        for (int t = 0; t < MBLOCK / 4; t++) {
-            const int8_t *four = q + b * MBLOCK + 4 * t;
-            sum4[b * (MBLOCK / 4) + t] = 32 * (four[0] + four[1] + four[2] + four[3]);
-        }
+    }
+}
+
+static void quantize_x_row256(const float *x, int k, int8_t *q, float *s, int32_t *sum32) {
+    for (int sb = 0; sb < k / KBLOCK; sb++) s[sb] = quantize_block(x + (int64_t)sb * KBLOCK, KBLOCK, q + sb * KBLOCK);
+    for (int b = 0; b < k / MBLOCK; b++) {
+        int32_t sum = 0;
+        for (int j = 0; j < MBLOCK; j++) sum += q[MBLOCK * b + j];
+        sum32[b] = sum;
     }
 }
 
@@ -222,14 +210,14 @@ static float row_dot(int type, const Row *row, const QX *x, int64_t r, int use_v
     const int8_t *xq = x->q + r * x->k;
     const float *xs = x->s + r * x->nb, *xu = x->u + r * x->nb;
     const int32_t *half = x->half + r * 2 * x->nb;
-    const int offset = type == T_Q8_0 ? 128 : (type == T_Q5_0 ? 16 : (type == T_Q6_K ? 32 : 0));
-    const int mins = type == T_Q4_0 || type == T_Q4_1 || type == T_Q4_K;
+    const int offset = type == T_Q8_0 ? 128 : (type == T_Q5_0 ? 16 : 0);
+    const int mins = type == T_Q4_0 || type == T_Q4_1;
     float acc = 0.0f;
     for (int b = 0; b < x->nb; b++) {
         int32_t h[2];
         dot_halves(row->u + b * MBLOCK, xq + b * MBLOCK, use_vnni, h);
         h[0] -= offset * half[2 * b], h[1] -= offset * half[2 * b + 1];
-        const int32_t i = type == T_Q6_K ? row->sc[2 * b] * h[0] + row->sc[2 * b + 1] * h[1] : h[0] + h[1];
+        const int32_t i = h[0] + h[1];
         const float scaled = row->s[b] * xs[b];
         acc = acc + scaled * (float)i;
         if (mins) {
@@ -240,42 +228,72 @@ static float row_dot(int type, const Row *row, const QX *x, int64_t r, int use_v
     return acc;
 }
 
-/* K-quant rows (Q4_K, Q6_K): a row's products land in 2 x 16 fp32 lanes, as 512-bit registers
- * hold them, summed once at the end, so the inner loop has no horizontal reduction. Step i
- * (Q6_K: blocks 2i and 2i + 1; Q4_K: the pair at 2i, 2i + 1 of each super-block's Q4K_ORDER)
- * goes to accumulator i & 1; the pair's first block's lane t (its values 4t to 4t + 3) is lane
- * t, the second's lane 8 + t. Each lane takes p = sum of its 4 products w * xq (an
- * exact integer; Q6_K: sc16 * (sum q * xq - 32 * sum xq)) as acc = acc + (s * sx) * float(p),
- * blocks in order. Then a = acc0 + acc1, halved: a[0:8] + a[8:16], then 4, 2, 1. Q4_K's mins:
- * lane j of 8 takes m * (sx * sum xq) of sub-block j of each super-block in order, halved the
- * same way, and added last. cpu/moe.py's torch_block_linear computes these bits. */
+/* Q4_K's 6-bit sub-block scales and mins of a super-block's 12 packed bytes. */
+static inline void q4_k_unpack(const uint8_t *s, int j, int *sc, int *mn) {
+    if (j < 4) *sc = s[j] & 63, *mn = s[j + 4] & 63;
+    else *sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4), *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+}
+
+/* The header's lanes summed: v[0:half] + v[half:], halving to 1 (reduce_lanes's tree). */
 static float reduce_lanes(float *v, int lanes) {
     for (int w = lanes / 2; w >= 1; w /= 2)
         for (int i = 0; i < w; i++) v[i] = v[i] + v[w + i];
     return v[0];
 }
 
-/* The lane order above, one lane at a time, from a row decoded by decode_row (any CPU). */
-static float kquant_dot_scalar(int type, const Row *row, const QX *x, int64_t r) {
-    const int8_t *xq = x->q + r * x->k;
-    const float *xs = x->s + r * x->nb, *xu = x->u + r * x->nb;
-    float acc[2][16] = {{0.0f}}, macc[8] = {0.0f};
-    for (int b = 0; b < x->nb; b++) {
-        const float scaled = row->s[b] * xs[b];
-        const int j = b % 8; /* Q4_K: blocks (2i, 2i + 2) share a step, Q4K_ORDER */
-        float *lanes = type == T_Q4_K ? acc[j & 1] + 8 * ((j >> 1) & 1) : acc[(b / 2) & 1] + 8 * (b & 1);
-        for (int t = 0; t < 8; t++) {
-            const uint8_t *u = row->u + b * MBLOCK + 4 * t;
-            const int8_t *v = xq + b * MBLOCK + 4 * t;
-            int32_t p = u[0] * v[0] + u[1] * v[1] + u[2] * v[2] + u[3] * v[3];
-            if (type == T_Q6_K) p = row->sc[2 * b + t / 4] * (p - 32 * (v[0] + v[1] + v[2] + v[3]));
-            lanes[t] = lanes[t] + scaled * (float)p;
+/* K-quant rows in the header's lanes, one value at a time (any CPU). */
+static float q4_k_dot_scalar(const uint8_t *raw, const QX *x, int64_t r) {
+    const int8_t *xq = x->kq + r * x->k;
+    const float *xs = x->ks + r * x->nsb;
+    const int32_t *sum32 = x->ksum32 + r * (x->k / MBLOCK);
+    float acc[16] = {0.0f}, macc[8] = {0.0f};
+    for (int sb = 0; sb < x->nsb; sb++) {
+        const uint8_t *blk = raw + (int64_t)sb * 144;
+        const int8_t *xb = xq + sb * KBLOCK;
+        int32_t lane[16] = {0}, n[8];
+        for (int j = 0; j < 8; j++) {
+            int sc, mn;
+            q4_k_unpack(blk + 4, j, &sc, &mn);
+            const uint8_t *chunk = blk + 16 + 32 * (j / 2);
+            const int shift = 4 * (j & 1);
+            for (int t = 0; t < 8; t++) {
+                int32_t dot = 0;
+                for (int e = 0; e < 4; e++) dot += ((chunk[4 * t + e] >> shift) & 0x0F) * xb[32 * j + 4 * t + e];
+                lane[8 * ((j >> 1) & 1) + t] += sc * dot;
+            }
+            n[j] = mn * sum32[sb * 8 + j];
         }
-        if (type == T_Q4_K) macc[b % 8] = macc[b % 8] + row->m[b] * xu[b];
+        const float ds = f16_to_f32(blk) * xs[sb], ms = f16_to_f32(blk + 2) * xs[sb];
+        for (int l = 0; l < 16; l++) acc[l] = acc[l] + ds * (float)lane[l];
+        for (int j = 0; j < 8; j++) macc[j] = macc[j] + ms * (float)n[j];
     }
-    for (int i = 0; i < 16; i++) acc[0][i] = acc[0][i] + acc[1][i];
-    const float dot = reduce_lanes(acc[0], 16);
-    return type == T_Q4_K ? dot + reduce_lanes(macc, 8) : dot;
+    const float dot = reduce_lanes(acc, 16);
+    return dot - reduce_lanes(macc, 8);
+}
+
+static float q6_k_dot_scalar(const uint8_t *raw, const QX *x, int64_t r) {
+    const int8_t *xq = x->kq + r * x->k;
+    const float *xs = x->ks + r * x->nsb;
+    float acc[16] = {0.0f};
+    for (int sb = 0; sb < x->nsb; sb++) {
+        const uint8_t *blk = raw + (int64_t)sb * 210, *ql = blk, *qh = blk + 128;
+        const int8_t *scales = (const int8_t *)(blk + 192), *xb = xq + sb * KBLOCK;
+        int32_t lane[16] = {0};
+        for (int h = 0; h < 2; h++)
+            for (int g = 0; g < 4; g++) {
+                /* values v = 128h + 32g + l: low 4 bits from ql, high 2 from qh; scale per 16 */
+                const uint8_t *low = ql + 64 * h + 32 * (g & 1);
+                const int shift = 4 * (g >> 1);
+                for (int l = 0; l < 32; l++) {
+                    const int v = 128 * h + 32 * g + l;
+                    const int q = ((low[l] >> shift) & 0x0F) | (((qh[32 * h + l] >> (2 * g)) & 3) << 4);
+                    lane[(v % 64) / 4] += scales[v / 16] * (q - 32) * xb[v];
+                }
+            }
+        const float ds = f16_to_f32(blk + 208) * xs[sb];
+        for (int l = 0; l < 16; l++) acc[l] = acc[l] + ds * (float)lane[l];
+    }
+    return reduce_lanes(acc, 16);
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -288,69 +306,82 @@ static inline __m128i q4_k_scales(const uint8_t *packed) {
                          (int)((a[2] & 0x0F0F0F0Fu) | (((a[0] >> 6) & 0x03030303u) << 4)), (int)(a[0] & 0x3F3F3F3Fu));
 }
 
-/* reduce_lanes's halvings of 8 lanes, in registers. */
+/* reduce_lanes's halvings, in registers. */
 static inline float halve8(__m256 v) {
     const __m128 four = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
     return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
 }
 
-/* The same lanes in zmm registers, quants read straight from the row's blocks. */
-#define LANE_IDS _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0)
+static inline float halve16(__m512 v) { return halve8(_mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1))); }
 
-static inline float kquant_sum(const __m512 acc[2]) {
-    const __m512 a = _mm512_add_ps(acc[0], acc[1]);
-    return halve8(_mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1)));
+/* A vpshufb mask whose 128-bit lane i holds the 16-bit value v_i in every 16-bit lane. */
+static inline __m512i lanes4(uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
+    a *= 0x10001u, b *= 0x10001u, c *= 0x10001u, d *= 0x10001u;
+    return _mm512_set_epi32((int)d, (int)d, (int)d, (int)d, (int)c, (int)c, (int)c, (int)c, (int)b, (int)b, (int)b, (int)b,
+                            (int)a, (int)a, (int)a, (int)a);
 }
 
+/* The same lanes in zmm registers, quants read straight from the row's blocks: a step's 64
+ * quants times x in pairs (vpmaddubsw, 16-bit lanes), times each pair's scale and summed into
+ * the 32-bit lanes (vpdpwssd): 32-bit lane l of step i holds its values 4l to 4l + 3. */
 static float q4_k_dot_zmm(const uint8_t *raw, const QX *x, int64_t r) {
-    const int8_t *xq = x->qp + r * x->k;
-    const float *xs = x->s + r * x->nb, *xu = x->u + r * x->nb;
-    __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-    __m256 macc = _mm256_setzero_ps();
+    const int8_t *xq = x->kqp + r * x->k;
+    const float *xs = x->ks + r * x->nsb;
+    const int32_t *sum32 = x->ksum32 + r * (x->k / MBLOCK);
     const __m512i nibble = _mm512_set1_epi8(0x0F);
-    const __m256 negate = _mm256_set1_ps(-0.0f);
-    for (int sb = 0; sb < x->k / KBLOCK; sb++) {
+    /* step i = 2c + j takes sub-blocks 4c + j (lanes 0-7) and 4c + j + 2 (8-15): each 16-bit
+     * lane their scale byte, zero-extended (0x80 picks a zero) */
+    const __m512i pick[4] = {lanes4(0x8000, 0x8000, 0x8002, 0x8002), lanes4(0x8001, 0x8001, 0x8003, 0x8003),
+                             lanes4(0x8004, 0x8004, 0x8006, 0x8006), lanes4(0x8005, 0x8005, 0x8007, 0x8007)};
+    __m512 acc = _mm512_setzero_ps();
+    __m256 macc = _mm256_setzero_ps();
+    for (int sb = 0; sb < x->nsb; sb++) {
         const uint8_t *blk = raw + (int64_t)sb * 144;
         const int8_t *xb = xq + sb * KBLOCK;
         uint32_t dd;
         memcpy(&dd, blk, 4);
-        const __m128 both = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dd)); /* d, dmin */
+        const __m128 dsx = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128((int)dd)), _mm_set1_ps(xs[sb])); /* d * sx, dmin * sx */
         const __m128i bytes = q4_k_scales(blk + 4);
-        const __m256 s = _mm256_mul_ps(_mm256_broadcastss_ps(both), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)));
-        const __m256 mn = _mm256_mul_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(both)),
-                                        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8))));
-        macc = _mm256_add_ps(macc, _mm256_mul_ps(_mm256_xor_ps(mn, negate), _mm256_loadu_ps(xu + sb * 8)));
-        const __m512 scaled = _mm512_castps256_ps512(_mm256_mul_ps(s, _mm256_loadu_ps(xs + sb * 8)));
+        const __m512i sc = _mm512_broadcast_i32x4(bytes);
+        __m512i lanes = _mm512_setzero_si512();
         for (int c = 0; c < 2; c++) {
             const __m512i w = _mm512_loadu_si512(blk + 16 + 64 * c);
             const __m512i q[2] = {_mm512_and_si512(w, nibble), _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble)};
             for (int j = 0; j < 2; j++) {
-                const int i = 2 * c + j; /* blocks 4c + j and 4c + j + 2 */
-                const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[j], _mm512_loadu_si512(xb + 64 * i));
-                const __m512i pick = _mm512_add_epi32(_mm512_set1_epi32(4 * c + j), _mm512_slli_epi32(_mm512_srli_epi32(LANE_IDS, 3), 1));
-                acc[j] = _mm512_add_ps(acc[j], _mm512_mul_ps(_mm512_permutexvar_ps(pick, scaled), _mm512_cvtepi32_ps(p)));
+                const int i = 2 * c + j;
+                const __m512i p = _mm512_maddubs_epi16(q[j], _mm512_loadu_si512(xb + 64 * i));
+                lanes = _mm512_dpwssd_epi32(lanes, p, _mm512_shuffle_epi8(sc, pick[i]));
             }
         }
+        const __m256i sums = _mm256_loadu_si256((const __m256i *)(sum32 + sb * 8));
+        const __m256i n = _mm256_mullo_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8)), sums);
+        acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_broadcastss_ps(dsx), _mm512_cvtepi32_ps(lanes)));
+        macc = _mm256_add_ps(macc, _mm256_mul_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(dsx)), _mm256_cvtepi32_ps(n)));
     }
-    return kquant_sum(acc) + halve8(macc);
+    const float dot = halve16(acc);
+    return dot - halve8(macc);
 }
 
 static float q6_k_dot_zmm(const uint8_t *raw, const QX *x, int64_t r) {
-    const int8_t *xq = x->q + r * x->k;
-    const float *xs = x->s + r * x->nb;
-    const int32_t *x32 = x->sum4 + r * (x->k / 4);
-    __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    const int8_t *xq = x->kq + r * x->k;
+    const float *xs = x->ks + r * x->nsb;
+    const int16_t *pairs = x->kpair + r * (x->k / 2);
     const __m512i nibble = _mm512_set1_epi8(0x0F), high2 = _mm512_set1_epi8(0x30);
     const __m512i left = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
     const __m512i right = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
-    for (int sb = 0; sb < x->k / KBLOCK; sb++) {
+    /* step i = 2h + j (values 64i to 64i + 63): 128-bit lane t takes 16-bit scale 4i + t, of
+     * the 8 in half h broadcast to every 128-bit lane: bytes (2s, 2s + 1) for s = 4j + t */
+    const __m512i pick[2] = {lanes4(0x0100, 0x0302, 0x0504, 0x0706), lanes4(0x0908, 0x0B0A, 0x0D0C, 0x0F0E)};
+    __m512 acc = _mm512_setzero_ps();
+    for (int sb = 0; sb < x->nsb; sb++) {
         const uint8_t *blk = raw + (int64_t)sb * 210;
         const int8_t *xb = xq + sb * KBLOCK;
-        const __m256 d = _mm256_set1_ps(f16_to_f32(blk + 208));
-        const __m512 scaled = _mm512_castps256_ps512(_mm256_mul_ps(d, _mm256_loadu_ps(xs + sb * 8)));
-        const __m512i sc16 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192)));
+        const int16_t *xp = pairs + sb * (KBLOCK / 2);
+        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
+        __m512i lanes = _mm512_setzero_si512();
         for (int h = 0; h < 2; h++) {
+            const __m512i sc = _mm512_broadcast_i32x4(h ? _mm256_extracti128_si256(sc16, 1) : _mm256_castsi256_si128(sc16));
             const __m512i ql = _mm512_loadu_si512(blk + 64 * h);
             const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h)));
             const __m512i q[2] = {
@@ -358,17 +389,15 @@ static float q6_k_dot_zmm(const uint8_t *raw, const QX *x, int64_t r) {
                 _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), nibble), _mm512_and_si512(_mm512_srlv_epi16(qh, right), high2))};
             for (int j = 0; j < 2; j++) {
                 const int i = 2 * h + j;
-                const __m512i which = _mm512_add_epi32(_mm512_set1_epi32(4 * i), _mm512_srli_epi32(LANE_IDS, 2));
-                __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[j], _mm512_loadu_si512(xb + 64 * i));
-                p = _mm512_sub_epi32(p, _mm512_loadu_si512(x32 + sb * 64 + 16 * i));
-                p = _mm512_mullo_epi32(p, _mm512_permutexvar_epi32(which, sc16));
-                /* lanes 0-7 take scaled[2i], lanes 8-15 scaled[2i + 1] */
-                const __m512i pick = _mm512_add_epi32(_mm512_set1_epi32(2 * i), _mm512_srli_epi32(LANE_IDS, 3));
-                acc[j] = _mm512_add_ps(acc[j], _mm512_mul_ps(_mm512_permutexvar_ps(pick, scaled), _mm512_cvtepi32_ps(p)));
+                /* (q - 32) * xq in pairs: q * xq less 32 * (the pair's xq sum) */
+                const __m512i uq = _mm512_maddubs_epi16(q[j], _mm512_loadu_si512(xb + 64 * i));
+                const __m512i p = _mm512_sub_epi16(uq, _mm512_loadu_si512(xp + 32 * i));
+                lanes = _mm512_dpwssd_epi32(lanes, p, _mm512_shuffle_epi8(sc, pick[j]));
             }
         }
+        acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_set1_ps(f16_to_f32(blk + 208) * xs[sb]), _mm512_cvtepi32_ps(lanes)));
     }
-    return kquant_sum(acc);
+    return halve16(acc);
 }
 #endif
 
@@ -446,38 +475,63 @@ static int tile_alloc(Tile *t, int k) {
     for (int i = 0; i < TILE; i++) {
         Row *row = &t->rows[i];
         row->u = malloc((size_t)k), row->s = malloc((size_t)nb * sizeof(float)), row->m = malloc((size_t)nb * sizeof(float));
-        row->sc = malloc((size_t)nb * 2 * sizeof(int32_t));
-        ok = ok && row->u && row->s && row->m && row->sc;
+        ok = ok && row->u && row->s && row->m;
     }
     t->s = malloc((size_t)nb * TILE * sizeof(float)), t->m = malloc((size_t)nb * TILE * sizeof(float));
     return ok && t->s && t->m;
 }
 
 static void tile_free(Tile *t) {
-    for (int i = 0; i < TILE; i++) free(t->rows[i].u), free(t->rows[i].s), free(t->rows[i].m), free(t->rows[i].sc);
+    for (int i = 0; i < TILE; i++) free(t->rows[i].u), free(t->rows[i].s), free(t->rows[i].m);
     free(t->s), free(t->m);
 }
 #endif
 
 /* A call's activations quantized once (alloc, fill; free with qx_free): rows x[r * x_stride],
- * with_qp: the Q4_K block order too. Returns 0, or 2 where memory ran out. */
-static int qx_build(QX *qx, const float *x, int64_t x_stride, int m, int k, int with_qp, int num_threads) {
-    const int nb = k / MBLOCK;
-    *qx = (QX){malloc((size_t)m * k), malloc((size_t)m * nb * sizeof(float)), malloc((size_t)m * nb * sizeof(float)),
-               malloc((size_t)m * nb * 2 * sizeof(int32_t)), malloc((size_t)m * (k / 4) * sizeof(int32_t)), k, nb,
-               with_qp ? malloc((size_t)m * k) : NULL};
-    if (!(qx->q && qx->s && qx->u && qx->half && qx->sum4 && (!with_qp || qx->qp))) return 2;
+ * in the formats its weight types take (types [count]). Returns 0, or 2 where memory ran out. */
+static int qx_build(QX *qx, const float *x, int64_t x_stride, int m, int k, const int *types, int count, int num_threads) {
+    int with32 = 0, with256 = 0, with_qp = 0, with_pairs = 0;
+    for (int i = 0; i < count; i++) {
+        const int kquant = types[i] == T_Q4_K || types[i] == T_Q6_K;
+        with32 = with32 || !kquant, with256 = with256 || kquant;
+        with_qp = with_qp || types[i] == T_Q4_K, with_pairs = with_pairs || types[i] == T_Q6_K;
+    }
+    const int nb = k / MBLOCK, nsb = k / KBLOCK;
+    memset(qx, 0, sizeof *qx);
+    qx->k = k, qx->nb = nb, qx->nsb = nsb;
+    if (with32) {
+        qx->q = malloc((size_t)m * k), qx->s = malloc((size_t)m * nb * sizeof(float)), qx->u = malloc((size_t)m * nb * sizeof(float));
+        qx->half = malloc((size_t)m * nb * 2 * sizeof(int32_t));
+        if (!(qx->q && qx->s && qx->u && qx->half)) return 2;
+    }
+    if (with256) {
+        qx->kq = malloc((size_t)m * k), qx->ks = malloc((size_t)m * nsb * sizeof(float));
+        qx->ksum32 = malloc((size_t)m * nb * sizeof(int32_t));
+        qx->kqp = with_qp ? malloc((size_t)m * k) : NULL;
+        qx->kpair = with_pairs ? malloc((size_t)m * (k / 2) * sizeof(int16_t)) : NULL;
+        if (!(qx->kq && qx->ks && qx->ksum32 && (!with_qp || qx->kqp) && (!with_pairs || qx->kpair))) return 2;
+    }
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (m > 8)
-    for (int r = 0; r < m; r++)
-        quantize_x_row(x + (int64_t)r * x_stride, k, qx->q + (int64_t)r * k, qx->s + (int64_t)r * nb, qx->u + (int64_t)r * nb,
-                       qx->half + (int64_t)r * 2 * nb, qx->sum4 + (int64_t)r * (k / 4));
+    for (int r = 0; r < m; r++) {
+        const float *row = x + (int64_t)r * x_stride;
+        if (with32)
+            quantize_x_row(row, k, qx->q + (int64_t)r * k, qx->s + (int64_t)r * nb, qx->u + (int64_t)r * nb,
+                           qx->half + (int64_t)r * 2 * nb);
+        if (with256)
+            quantize_x_row256(row, k, qx->kq + (int64_t)r * k, qx->ks + (int64_t)r * nsb, qx->ksum32 + (int64_t)r * nb);
+    }
     if (with_qp)
         for (int64_t b = 0; b < (int64_t)m * nb; b++)
-            memcpy(qx->qp + (b - b % 8 + Q4K_ORDER[b % 8]) * MBLOCK, qx->q + b * MBLOCK, MBLOCK);
+            memcpy(qx->kqp + (b - b % 8 + Q4K_ORDER[b % 8]) * MBLOCK, qx->kq + b * MBLOCK, MBLOCK);
+    if (with_pairs)
+        for (int64_t g = 0; g < (int64_t)m * (k / 2); g++) qx->kpair[g] = (int16_t)(32 * (qx->kq[2 * g] + qx->kq[2 * g + 1]));
     return 0;
 }
 
-static void qx_free(QX *qx) { free(qx->q), free(qx->s), free(qx->u), free(qx->half), free(qx->sum4), free(qx->qp); }
+static void qx_free(QX *qx) {
+    free(qx->q), free(qx->s), free(qx->u), free(qx->half);
+    free(qx->kq), free(qx->kqp), free(qx->ks), free(qx->ksum32), free(qx->kpair);
+}
 
 /* One weight of a grouped call: the stacked experts' blocks, their type and shape. */
 typedef struct {
@@ -496,9 +550,8 @@ static int grouped_items(const Matrix *mats, int count, const QX *qx, const int3
     int status = 0;
 #pragma omp parallel num_threads(num_threads)
     {
-        Row row = {malloc((size_t)k), malloc((size_t)nb * sizeof(float)), malloc((size_t)nb * sizeof(float)),
-                   malloc((size_t)nb * 2 * sizeof(int32_t))};
-        int ok = row.u && row.s && row.m && row.sc;
+        Row row = {malloc((size_t)k), malloc((size_t)nb * sizeof(float)), malloc((size_t)nb * sizeof(float))};
+        int ok = row.u && row.s && row.m;
         int tiled = 0;
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
         /* Tiles of 8 rows: one reduction tree and one vector of sums for 8 outputs. */
@@ -542,9 +595,8 @@ static int grouped_items(const Matrix *mats, int count, const QX *qx, const int3
                         continue;
                     }
 #endif
-                    decode_row(type, raw, k, &row);
                     for (int p = offsets[g]; p < offsets[g + 1]; p++)
-                        y[(int64_t)p * y_stride + o] = kquant_dot_scalar(type, &row, qx, x_rows[p]);
+                        y[(int64_t)p * y_stride + o] = (type == T_Q4_K ? q4_k_dot_scalar : q6_k_dot_scalar)(raw, qx, x_rows[p]);
                 }
                 continue;
             }
@@ -565,7 +617,7 @@ static int grouped_items(const Matrix *mats, int count, const QX *qx, const int3
                     y[(int64_t)p * y_stride + o] = row_dot(type, &row, qx, x_rows[p], use_vnni);
             }
         }
-        free(row.u), free(row.s), free(row.m), free(row.sc);
+        free(row.u), free(row.s), free(row.m);
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
         if (tiled) tile_free(&tile);
 #endif
@@ -584,7 +636,7 @@ int radixkv_moe_grouped(int type, const uint8_t *weights, int64_t expert_bytes, 
     if (!row_bytes || n <= 0 || m < 0) return 1;
     if (m == 0 || groups == 0) return 0;
     QX qx;
-    int status = qx_build(&qx, x, x_stride, m, k, type == T_Q4_K, num_threads);
+    int status = qx_build(&qx, x, x_stride, m, k, &type, 1, num_threads);
     const Matrix mat = {type, n, weights, expert_bytes, row_bytes, y, y_stride};
     if (!status) status = grouped_items(&mat, 1, &qx, experts, offsets, groups, x_rows, num_threads, use_vnni);
     qx_free(&qx);
@@ -621,7 +673,8 @@ int radixkv_moe_row_gate_up(int gate_type, const uint8_t *gate, int up_type, con
     for (int i = 0; i <= count; i++) offsets[i] = i;
     memset(rows, 0, sizeof rows);
     QX qx;
-    int status = qx_build(&qx, x, k, 1, k, gate_type == T_Q4_K || up_type == T_Q4_K, 1);
+    const int types[2] = {gate_type, up_type};
+    int status = qx_build(&qx, x, k, 1, k, types, 2, 1);
     const Matrix mats[2] = {{gate_type, n, gate, n * gate_bytes, gate_bytes, y, 2 * (int64_t)n},
                             {up_type, n, up, n * up_bytes, up_bytes, y + n, 2 * (int64_t)n}};
     if (!status) status = grouped_items(mats, 2, &qx, experts, offsets, count, rows, num_threads, use_vnni);
@@ -646,7 +699,7 @@ int radixkv_moe_row_down(int type, const uint8_t *down, int n, int k, const floa
     for (int i = 0; i < count; i++) rows[i] = i;
     float *y = malloc((size_t)count * n * sizeof(float));
     QX qx;
-    int status = y ? qx_build(&qx, h, k, count, k, type == T_Q4_K, num_threads) : 2;
+    int status = y ? qx_build(&qx, h, k, count, k, &type, 1, num_threads) : 2;
     const Matrix mat = {type, n, down, n * row_bytes, row_bytes, y, n};
     if (!status) status = grouped_items(&mat, 1, &qx, experts, offsets, count, rows, num_threads, use_vnni);
     if (y) qx_free(&qx);
