@@ -25,9 +25,9 @@ if TYPE_CHECKING:
 INVARIANT_GEMM_ROWS = 32
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float, native: bool = True) -> Tensor:
+def rms_norm(x: Tensor, weight: Tensor, eps: float, native: bool = False) -> Tensor:
     """transformers' RMSNorm of x's last dim: variance in fp32, the product in the model dtype.
-    On CPU where native (Qwen3's per-head q/k norms) the add_rms_norm kernel over the heads as
+    With native on CPU (Qwen3's per-head q/k norms) the add_rms_norm kernel over the heads as
     rows, the one the fused decode step calls for them; torch ops elsewhere."""
     if native and x.device.type == "cpu":
         # Never writes x (no delta); a strided slice of the qkv output is copied.
@@ -74,7 +74,7 @@ def add_rms_norm(x: Tensor, delta: Tensor | None, weight: Tensor, eps: float, na
         return fused
     if delta is not None:
         x = x + delta
-    return x, rms_norm(x, weight, eps, native=False)
+    return x, rms_norm(x, weight, eps)
 
 
 def apply_rope(x: Tensor, cos: Tensor, signed_sin: Tensor, native: bool = True) -> Tensor:
