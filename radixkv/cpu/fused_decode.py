@@ -270,7 +270,7 @@ def _pointer(tensor: Tensor | None) -> int | None:
 # _Layer's optional norms and the modules holding them: Gemma's four, Qwen3's q/k ones (a Llama
 # layer has none of them).
 _NORMS = {"q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm",
-                "pre_ff_norm": "pre_feedforward_layernorm", "post_ff_norm": "post_feedforward_layernorm"}  # fmt: skip
+          "pre_ff_norm": "pre_feedforward_layernorm", "post_ff_norm": "post_feedforward_layernorm"}  # fmt: skip
 
 
 def _norm(layer: torch.nn.Module, path: str) -> Tensor | None:

@@ -161,8 +161,8 @@ static void head_norm(const DecodeShape *sh, void *x, int64_t row_stride, const 
 /* x [rows][hidden]: the residual stream, updated in place; delta [rows][hidden]: the MLP output
  * of the layer before the first one run here (ignored when first_layer is 1), replaced by the
  * last layer's, unless that layer's MLP is the caller's (gate_up NULL): then scratch.h holds
- * its input and delta is left as it was. step: the tables and rotations (DecodeStep). Returns 0, or 1 where a kernel
- * refused its shapes. */
+ * its input and delta is left as it was. step: the tables and rotations (DecodeStep). Returns 0,
+ * or 1 where a kernel refused its shapes or a layer with the caller's MLP is not the last. */
 int radixkv_decode_layers(const DecodeLayer *layers, int num_layers, int first_layer, const DecodeShape *sh,
                           const DecodeScratch *scratch, void *x, void *delta, const DecodeStep *step) {
     const int hidden = sh->hidden, inter = sh->intermediate, bytes = fp32(sh) ? 4 : 2, hd = sh->head_dim;
