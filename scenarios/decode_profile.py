@@ -191,7 +191,8 @@ def _timed(owner, name: str, totals: dict[str, float], label: str):
 def fused_breakdown(engine, steps: int) -> dict[str, float]:
     """Where the fused step's time goes, in ms: the native call times its phases as it runs
     (FusedDecode.PHASES, all layers together), and the rest of the step is what lies outside
-    the decoder layers (embedding, final norm, lm_head, sampling, the engine). Medians per part,
+    the native call (embedding, final norm, lm_head, sampling, the engine, and an MoE model's
+    experts layers' routers and experts, which run between its calls). Medians per part,
     so the parts need not add up to the median step."""
     fused = fused_decode(engine.loaded.model)
     seconds = torch.zeros(len(fused.PHASES), dtype=torch.float64)

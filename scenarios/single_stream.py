@@ -5,12 +5,16 @@ radixkv process loading the file with a small KV pool.
 
     python -m radixkv.scenarios.single_stream [--model FILE.gguf] [--prompt-len 512 --output-len 128]
         [--peers radixkv,radixkv-serve,llama-server] [--weight-dtype auto --kv-dtype bf16 --quant-kernel ... --moe-kernel ...]
+        [--fused-decode both --repeats 3]
 
 The prompt's token ids come from the model's own tokenizer (any GGUF radixkv reads: a dense,
 mixture-of-experts or Gemma 3 one, e.g. real_shape's), sent as ids to both servers so both
 compute the same tokens. Each server gets one short request first,
 off the clock. --weight-dtype/--kv-dtype/--quant-kernel/--moe-kernel reach EngineConfig and `radixkv serve`
-when this checkout has them (a line says when one is ignored).
+when this checkout has them (a line says when one is ignored). --fused-decode 0 runs the
+in-process peer's decode steps module by module (the fused native step off, as the tests switch
+it); "both" times its request each way in turn, --repeats times, on one loaded model (the best
+of each kept, and whether both gave the same tokens): an A/B of the two paths on a loaded machine.
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--kv-dtype", default=None)
     parser.add_argument("--quant-kernel", default=None)
     parser.add_argument("--moe-kernel", default=None, help="EngineConfig.moe_kernel (a mixture-of-experts model's experts)")
+    parser.add_argument("--fused-decode", choices=("1", "0", "both"), default="1", help="0: the in-process peer decodes module by module; both: each in turn")
+    parser.add_argument("--repeats", type=int, default=1, help="times the in-process peer's request is timed each way (the best kept)")
     parser.add_argument("--limits", type=int, default=1, help="0: skip measuring the machine's limits (tests)")
     parser.add_argument("--out", default="out/single_stream")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)  # the in-process peer's own process
@@ -96,7 +102,8 @@ def run_in_process(args: argparse.Namespace, ids: list[int]) -> dict:
 
 def _child_argv(args: argparse.Namespace) -> list[str]:
     argv = ["--model", model_path(args), "--dtype", args.dtype, "--prompt-len", str(args.prompt_len),
-            "--output-len", str(args.output_len), "--num-pages", str(num_pages(args)), "--threads", str(args.threads)]  # fmt: skip
+            "--output-len", str(args.output_len), "--num-pages", str(num_pages(args)), "--threads", str(args.threads),
+            "--fused-decode", args.fused_decode, "--repeats", str(args.repeats)]  # fmt: skip
     for name in ("weight_dtype", "kv_dtype", "quant_kernel", "moe_kernel"):
         if getattr(args, name) is not None:
             argv += ["--" + name.replace("_", "-"), getattr(args, name)]
@@ -104,10 +111,11 @@ def _child_argv(args: argparse.Namespace) -> list[str]:
 
 
 def child(args: argparse.Namespace) -> int:
-    """The in-process peer: load, note the peak RSS, time one request."""
+    """The in-process peer: load, note the peak RSS, time one request (each way, --repeats times)."""
     import torch
 
     from radixkv import LLM, SamplingParams
+    from radixkv.model.fused_layers import fused_decode
     from radixkv.scenarios.machine import process_memory
 
     spec = json.loads(Path(args.child).read_text())
@@ -116,18 +124,34 @@ def child(args: argparse.Namespace) -> int:
     llm = LLM(model_path(args), dtype=args.dtype, num_pages=num_pages(args), **knobs(args))
     load_s = time.perf_counter() - start
     load_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    model = llm.engine.loaded.model
+    plan = fused_decode(model)
+    ways = {"1": [True], "0": [False], "both": [True, False]}[args.fused_decode]
     llm.generate([WARMUP_IDS], SamplingParams(max_tokens=2, ignore_eos=True))
-    start = time.perf_counter()
-    [output] = llm.generate([spec["ids"]], SamplingParams(max_tokens=args.output_len, ignore_eos=True))
-    wall = time.perf_counter() - start
-    ttft = output.time_to_first_token_s
+    runs: dict[bool, list] = {way: [] for way in ways}  # (decode s/token, wall, output) per run
+    for _ in range(args.repeats):
+        for way in ways:
+            model.layers.fused = plan if way else None  # off: the layer loop, as the tests switch it
+            start = time.perf_counter()
+            [output] = llm.generate([spec["ids"]], SamplingParams(max_tokens=args.output_len, ignore_eos=True))
+            wall = time.perf_counter() - start
+            n, ttft = len(output.token_ids), output.time_to_first_token_s
+            runs[way].append(((wall - ttft) / (n - 1) if n > 1 else None, wall, output))
+    model.layers.fused = plan
+    # The first request's prefill (later ones find the prompt cached); the best decode each way.
+    first = runs[ways[0]][0][2]
+    decode_s, wall, output = min(runs[ways[0]], key=lambda run: run[0] or 0.0)
     n = len(output.token_ids)
     row = dict(
-        peer="radixkv", error=None, load_s=load_s, prefill_s=ttft, decode_s_per_token=(wall - ttft) / (n - 1) if n > 1 else None,
+        peer="radixkv", error=None, load_s=load_s, prefill_s=first.time_to_first_token_s, decode_s_per_token=decode_s,
         output_tokens=n, wall_s=wall, load_peak_rss_bytes=load_peak,
         peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, rss_bytes=process_memory()["rss_bytes"],
-        kv_pages=llm.engine.pool.num_pages, dtype=str(llm.engine.dtype).removeprefix("torch."), token_ids=list(output.token_ids),
+        kv_pages=llm.engine.pool.num_pages, fused_decode=plan is not None and ways[0], dtype=str(llm.engine.dtype).removeprefix("torch."),
+        token_ids=list(output.token_ids),
     )  # fmt: skip
+    if len(ways) == 2:
+        row["module_decode_s_per_token"] = min(run[0] or 0.0 for run in runs[False])
+        row["same_tokens_both_ways"] = len({tuple(run[2].token_ids) for way in ways for run in runs[way]}) == 1
     Path(spec["result"]).write_text(json.dumps(row))
     return 0
 
@@ -199,6 +223,11 @@ def print_table(rows: list[dict], args: argparse.Namespace, limits: dict | None)
             f"{row['decode_s_per_token'] or 0:>13.4f}{'-' if ratio is None else f'{ratio:.2f}':>8}{row['output_tokens']:>5}"
             f"{row['load_peak_rss_bytes'] / 1e9:>13.2f}{row['peak_rss_bytes'] / 1e9:>9.2f}{row['rss_bytes'] / 1e9:>8.2f}"
         )
+        if "fused_decode" in row:
+            print(f"{'':<16}decode steps: {'the fused native step' if row['fused_decode'] else 'module by module'}")
+        if "module_decode_s_per_token" in row:
+            print(f"{'':<16}module by module: {row['module_decode_s_per_token']:.4f} s/tok (best of {args.repeats} each way, in turn); "
+                  f"same tokens both ways: {row['same_tokens_both_ways']}")
 
 
 def plot(rows: list[dict], path: Path) -> None:

@@ -9,12 +9,15 @@ both paths). Only steps where every request decodes one token take this path; pr
 mixed steps run the modules, and so does every other device. radixkv.model.fused_layers installs
 it over a model's layers and hands it the tables the CPU backend checked (StepState.decode_tables).
 Gemma 3 runs it too: its norms and GeGLU (csrc/gemma_ops.c, which its layer loop calls as well),
-and its window layers over their own group's tables with their own RoPE base.
+and its window layers over their own group's tables with their own RoPE base. So do Qwen3 (its
+per-head q/k norms: the add_rms_norm kernel, as its layer loop calls it) and Qwen3-MoE, whose
+expert layers the native call stops after: the caller runs their router and experts (`mlp`).
 """
 
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -77,7 +80,14 @@ class _Scratch(ctypes.Structure):
 
 
 def _linears(layer: torch.nn.Module) -> tuple[object, ...]:
-    return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
+    """The layer's linears the C loop runs: attention's, and its MLP's where dense (an experts
+    block, which has no gate_up_proj, is the caller's)."""
+    attention = layer.self_attn.qkv_proj, layer.self_attn.o_proj
+    return (*attention, layer.mlp.gate_up_proj, layer.mlp.down_proj) if _dense(layer) else attention
+
+
+def _dense(layer: torch.nn.Module) -> bool:
+    return hasattr(layer.mlp, "gate_up_proj")
 
 
 def _kernel(linear: object) -> tuple[str, str] | None:
@@ -111,6 +121,8 @@ class FusedDecode:
         self._caches: tuple[int, ...] | None = None  # data_ptr of every k and v cache bound
         # The distinct sliding windows of the layers (Gemma's local layers), sized for in run().
         self._windows = sorted({layer.self_attn.window for layer in self.layers if layer.self_attn.window is not None})
+        # Where each native call stops: after every layer whose MLP the caller runs, and the last.
+        self._stops = sorted({i + 1 for i, layer in enumerate(self.layers) if not _dense(layer)} | {len(self.layers)})
         # float64 [len(PHASES)] that each fused step adds its seconds per phase to, or None:
         # untimed. A profiler's (scenarios/decode_profile.py) to set, zero and read.
         self.phase_seconds: Tensor | None = None
@@ -133,7 +145,7 @@ class FusedDecode:
         dtypes = (torch.bfloat16, torch.float32) if kind == "packed" or available_linear_kernels(torch.bfloat16) else (torch.float32,)
         fits = (
             library is not None
-            and config.qk_norm == config.gemma_norms  # per-head norms: Gemma's (1 + w) ones only
+            and not config.attention_sinks
             and config.hidden_act == ("gelu_tanh" if config.gemma_norms else "silu")
             and dtype_source is not None
             and dtype_source.dtype in dtypes
@@ -151,6 +163,7 @@ class FusedDecode:
         self, x: Tensor, cos: Tensor, sin: Tensor, k_caches: list[Tensor], v_caches: list[Tensor],
         tables: DecodeTables, k_scales: list[Tensor] | None = None, v_scales: list[Tensor] | None = None,
         window_tables: DecodeTables | None = None, local_rope: tuple[Tensor, Tensor] | None = None,
+        mlp: Callable[[int, Tensor], Tensor] | None = None,
     ) -> tuple[Tensor, Tensor]:  # fmt: skip
         """(residual stream, last MLP output) after all layers, as the module loop returns them,
         for one new token a row. The C code trusts the tables' slots, page tables and lengths, so
@@ -158,7 +171,9 @@ class FusedDecode:
         them out as DecodeTables, with the cascade plan). window_tables: the window layers' group
         (AttentionMetadata.window_meta's), None where they read `tables`; local_rope: the (cos,
         sin) of window layers with their own RoPE base (Gemma's local layers). Pages in another
-        dtype than x's (takes_pages) come with their scales where int8 (PagePool.k_scales)."""
+        dtype than x's (takes_pages) come with their scales where int8 (PagePool.k_scales).
+        mlp(i, h): layer i's MLP output for its normed input h, for the layers whose MLP has no
+        native path here (experts); the module's own forward, so the bits are its bits."""
         config, rows = self.config, x.shape[0]
         assert self.takes_pages(x.dtype, k_caches[0]), "call takes_pages() first"
         layers = self._bind(k_caches, v_caches, k_scales, v_scales)
@@ -193,18 +208,26 @@ class FusedDecode:
         )  # fmt: skip
         delta = torch.empty_like(x)
         x = x.contiguous()
-        status = self.library.radixkv_decode_layers(
-            ctypes.addressof(layers), len(self.layers), 1, ctypes.addressof(shape), ctypes.addressof(scratch),
-            x.data_ptr(), delta.data_ptr(), ctypes.addressof(step),
-        )  # fmt: skip
-        if status != 0:
-            raise RuntimeError("the fused decode kernels refused this model's shapes")
+        start = 0
+        for stop in self._stops:
+            status = self.library.radixkv_decode_layers(
+                ctypes.addressof(layers) + start * ctypes.sizeof(_Layer), stop - start, int(start == 0),
+                ctypes.addressof(shape), ctypes.addressof(scratch), x.data_ptr(), delta.data_ptr(), ctypes.addressof(step),
+            )  # fmt: skip
+            if status != 0:
+                raise RuntimeError("the fused decode kernels refused this model's shapes")
+            if not _dense(self.layers[stop - 1]):  # the call left the experts' input in h
+                if mlp is None:
+                    raise ValueError("a model with expert layers runs their MLP in the caller: pass mlp")
+                delta = mlp(stop - 1, buffers["h"])
+                assert delta.dtype == x.dtype and delta.shape == x.shape and delta.is_contiguous()
+            start = stop
         return x, delta
 
     def _kernel_ids(self, dtype: torch.dtype) -> dict[str, int]:
         """_Shape's linear_kernel and quant_kernel: a quantized model's linear_kernel names only
         its dtype (AVX2's id runs the fp32 row ops and attention, a bf16 kernel's the bf16 ones)."""
-        down = self.layers[0].mlp.down_proj
+        down = self.layers[0].self_attn.o_proj  # every layer has one; an experts layer no down_proj
         if isinstance(down, QuantLinear):
             dtype_id = NATIVE_LINEAR_KERNELS["avx2" if dtype == torch.float32 else "avx512_bf16"][0]
             return dict(linear_kernel=dtype_id, quant_kernel=down.kernel_bit)
@@ -223,17 +246,18 @@ class FusedDecode:
             ):
                 if k_cache.dtype == torch.int8:
                     decode.check_scales(k_cache, k_scale, v_scale)
-                attn, mlp = layer.self_attn, layer.mlp
-                gemma = {name: _pointer(_norm(layer, attr)) for name, attr in _GEMMA_NORMS.items()}
+                attn, mlp, dense = layer.self_attn, layer.mlp, _dense(layer)
+                norms = {name: _pointer(_norm(layer, attr)) for name, attr in _NORMS.items()}
                 records.append(_Layer(
                     input_norm=layer.input_layernorm.weight.data_ptr(), post_norm=layer.post_attention_layernorm.weight.data_ptr(),
                     qkv=_packed(attn.qkv_proj).data_ptr(), o=_packed(attn.o_proj).data_ptr(),
-                    gate_up=_packed(mlp.gate_up_proj).data_ptr(), down=_packed(mlp.down_proj).data_ptr(),
+                    gate_up=_packed(mlp.gate_up_proj).data_ptr() if dense else None,
+                    down=_packed(mlp.down_proj).data_ptr() if dense else None,
                     qkv_bias=_pointer(_bias(attn.qkv_proj)), o_bias=_pointer(_bias(attn.o_proj)),
                     k_cache=k_cache.data_ptr(), v_cache=v_cache.data_ptr(),
                     k_scales=_pointer(k_scale), v_scales=_pointer(v_scale),
                     formats=(ctypes.c_int * 4)(*(FORMAT_IDS.get(getattr(linear, "format", ""), 0) for linear in _linears(layer))),
-                    **gemma, window=attn.window or 0, group=int(attn.window is not None), rope=int(layer.local_rope),
+                    **norms, window=attn.window or 0, group=int(attn.window is not None), rope=int(layer.local_rope),
                 ))  # fmt: skip
             self._layers, self._caches = (_Layer * len(records))(*records), key
         return self._layers
@@ -243,13 +267,14 @@ def _pointer(tensor: Tensor | None) -> int | None:
     return None if tensor is None else tensor.data_ptr()
 
 
-# _Layer's Gemma norms and the modules holding them (a Llama layer has none of them).
-_GEMMA_NORMS = {"q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm",
-                "pre_ff_norm": "pre_feedforward_layernorm", "post_ff_norm": "post_feedforward_layernorm"}  # fmt: skip
+# _Layer's optional norms and the modules holding them: Gemma's four, Qwen3's q/k ones (a Llama
+# layer has none of them).
+_NORMS = {"q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm",
+          "pre_ff_norm": "pre_feedforward_layernorm", "post_ff_norm": "post_feedforward_layernorm"}  # fmt: skip
 
 
 def _norm(layer: torch.nn.Module, path: str) -> Tensor | None:
-    """The weight of the Gemma norm at `path` in layer, None where the layer has none."""
+    """The weight of the norm at `path` in layer, None where the layer has none."""
     module = layer
     for part in path.split("."):
         module = getattr(module, part, None)

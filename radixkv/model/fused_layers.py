@@ -3,7 +3,8 @@ layer in one native call (radixkv.cpu.fused_decode) where the step's attention s
 tables it checked (StepState.decode_tables); every other step runs the layers module by module.
 
 The loader installs it, as it packs linears; the model and the engine never ask which runs.
-Batch invariance holds either way: the fused step calls the kernels the modules call.
+Batch invariance holds either way: the fused step calls the kernels the modules call, and runs
+an experts layer's MLP (Qwen3-MoE's SparseMoE) through the module itself between its calls.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from torch import Tensor
 from radixkv.attention.base import AttentionMetadata
 from radixkv.cpu.fused_decode import FusedDecode
 from radixkv.model.llama import CausalLM, DecoderLayers
+from radixkv.model.moe import MoEConfig
 
 
 class FusedDecodeLayers(DecoderLayers):
@@ -40,13 +42,15 @@ class FusedDecodeLayers(DecoderLayers):
         window_tables = window_meta.state.decode_tables() if tables is not None and window_meta is not None else None
         if tables is None or (window_meta is not None and window_tables is None):
             return super().forward(x, cos, sin, meta, k_caches, v_caches, k_scales, v_scales, local_rope)
-        return self.fused.run(x, cos, sin, k_caches, v_caches, tables, k_scales, v_scales, window_tables, local_rope)
+        mlp = lambda i, h: self[i].mlp(h, meta)  # noqa: E731  (experts layers: the module, its bits)
+        return self.fused.run(x, cos, sin, k_caches, v_caches, tables, k_scales, v_scales, window_tables, local_rope, mlp)
 
 
 def install_fused_decode(model: CausalLM) -> bool:
     """Put the fused decode step in front of the model's layers where every layer can take the
     native path (FusedDecode.for_model); returns whether it did."""
-    if model.config.moe is not None:  # the native layer loop runs dense MLPs only
+    moe = model.config.moe
+    if moe is not None and not isinstance(moe, MoEConfig):  # gpt-oss's experts: their own layer too
         return False
     fused = FusedDecode.for_model(model)
     if fused is None:

@@ -249,7 +249,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if self.gemma:
             return gemma_norm(x, self.weight, self.eps, native=self.native)[1]
-        return rms_norm(x, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps, self.native)
 
     def add_and_normalize(self, x: Tensor, delta: Tensor | None) -> tuple[Tensor, Tensor]:
         """(x + delta, norm(x + delta)): a layer's residual add fused with the next norm."""

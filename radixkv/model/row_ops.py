@@ -25,9 +25,15 @@ if TYPE_CHECKING:
 INVARIANT_GEMM_ROWS = 32
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """transformers' RMSNorm: variance in fp32, the product in the model dtype (Qwen3's per-head
-    q/k norms run these torch ops on every device)."""
+def rms_norm(x: Tensor, weight: Tensor, eps: float, native: bool = False) -> Tensor:
+    """transformers' RMSNorm of x's last dim: variance in fp32, the product in the model dtype.
+    With native on CPU (Qwen3's per-head q/k norms) the add_rms_norm kernel over the heads as
+    rows, the one the fused decode step calls for them; torch ops elsewhere."""
+    if native and x.device.type == "cpu":
+        # Never writes x (no delta); a strided slice of the qkv output is copied.
+        fused = cpu_row_ops.add_rms_norm(x.reshape(-1, x.shape[-1]).contiguous(), None, weight, eps)
+        if fused is not None:
+            return fused[1].view(x.shape)
     x32 = x.float()
     normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * normed.to(x.dtype)

@@ -144,8 +144,6 @@ def test_fused_decode_on_smollm2_is_bit_identical(monkeypatch, kernel, dtype):
 
 
 def test_models_the_fused_step_cannot_run_keep_the_modules(tmp_path):
-    qwen3 = load_model(str(make_random_model(tmp_path / "q3", "qwen3")), CPUBackend(), dtype="bfloat16", device="cpu")
-    assert fused_decode(qwen3.model) is None  # q/k norms
     for dtype in ("bfloat16", "float32"):  # oneDNN's (and torch's fp32) rows are not the C loop's to call
         onednn = load_model(str(make_random_model(tmp_path / dtype, "llama")), CPUBackend(), dtype=dtype, device="cpu", linear_kernel="onednn")
         assert fused_decode(onednn.model) is None
@@ -295,3 +293,50 @@ def test_fused_gemma3_decode_over_bf16_and_int8_pages_is_bit_identical(tmp_path,
     generator = torch.Generator().manual_seed(7)
     sequences = [torch.randint(5, 300, (n,), generator=generator).tolist() for n in (40, 23, 33)]
     assert_fused_matches_modules(loaded, sequences, monkeypatch, kv_dtype=kv_dtype)
+
+
+@pytest.mark.parametrize("shared_pages", [0, 2])
+@pytest.mark.parametrize(("kernel", "dtype"), KERNELS)
+def test_fused_qwen3_decode_is_bit_identical(tmp_path, monkeypatch, kernel, dtype, shared_pages):
+    """Qwen3's plain per-head q/k norms: the fused step and the layer loop call one kernel for
+    them (add_rms_norm over a row's heads), so the same bits."""
+    folder = make_random_model(tmp_path / "qwen3", "qwen3", num_key_value_heads=1)
+    loaded = load_model(str(folder), CPUBackend(), dtype=dtype, device="cpu", linear_kernel=kernel)
+    generator = torch.Generator().manual_seed(8)
+    prefix = torch.randint(1, 320, (32,), generator=generator).tolist()
+    sequences = [prefix + torch.randint(1, 320, (n,), generator=generator).tolist() for n in (9, 40, 23)]
+    assert_fused_matches_modules(loaded, sequences, monkeypatch, shared_pages=shared_pages)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize(("kernel", "dtype"), KERNELS)
+def test_fused_qwen3_moe_decode_is_bit_identical(tmp_path, monkeypatch, kernel, dtype, rows):
+    """Qwen3-MoE with float experts, a dense layer between two sparse ones: each native call
+    stops after an experts layer's norm and the module runs its router and experts."""
+    folder = make_random_model(tmp_path / "moe", "qwen3_moe", num_hidden_layers=3, mlp_only_layers=[1])
+    loaded = load_model(str(folder), CPUBackend(), dtype=dtype, device="cpu", linear_kernel=kernel)
+    assert fused_decode(loaded.model)._stops == [1, 3]
+    generator = torch.Generator().manual_seed(9)
+    sequences = [torch.randint(1, 320, (n,), generator=generator).tolist() for n in (9, 40, 23)[:rows]]
+    assert_fused_matches_modules(loaded, sequences, monkeypatch)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_qwen3_moe_gguf_with_native_experts_is_bit_identical(tmp_path, monkeypatch, dtype, rows):
+    """A Q4_K_M Qwen3-MoE GGUF, its experts read in place by the native kernel: one row a step
+    takes the one-token expert calls (cpu.moe.native_row) between the fused calls, several rows
+    the grouped ones; either way the layer loop's bits."""
+    from tests.helpers.gguf_files import VOCAB, write_tiny_moe_gguf
+
+    from radixkv.model.moe import MappedExperts
+
+    path = write_tiny_moe_gguf(tmp_path / "moe.gguf", "Q4_K_M")
+    loaded = load_model(str(path), CPUBackend(), dtype=dtype, device="cpu", cache_dir=str(tmp_path / "cache"), moe_kernel="native")
+    experts = loaded.model.layers[0].mlp.experts
+    assert isinstance(experts, MappedExperts) and experts.kernel == "native"
+    if fused_decode(loaded.model) is None:
+        pytest.skip("this CPU runs no native kernel for the GGUF's attention linears")
+    generator = torch.Generator().manual_seed(10)
+    sequences = [torch.randint(1, VOCAB, (n,), generator=generator).tolist() for n in (9, 40, 23)[:rows]]
+    assert_fused_matches_modules(loaded, sequences, monkeypatch)

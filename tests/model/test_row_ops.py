@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from radixkv.cpu import native
+from radixkv.cpu import row_ops as cpu_row_ops
 from radixkv.model import row_ops
 
 BF16 = torch.bfloat16
@@ -40,3 +41,22 @@ def test_native_on_runs_the_cpu_kernels_in_place():
     expected = row_ops.torch_rope(qk.clone(), cos, sin)
     assert row_ops.apply_rope(qk, cos, sin).data_ptr() == qk.data_ptr()
     assert torch.equal(qk, expected)
+
+
+@pytest.mark.skipif(native.load() is None, reason="no C compiler: the row kernels are not built")
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
+def test_native_per_head_norm_is_the_add_rms_norm_kernel_over_heads(dtype):
+    # Qwen3's q/k norms (native on CPU): each head a row of the add_rms_norm kernel, whatever the
+    # layout the heads come in (a strided slice of qkv is read, never written), so the fused
+    # decode step, which calls that kernel over each row's heads, gets the same bits.
+    gen = torch.Generator().manual_seed(5)
+    qkv = (torch.randn(3, 5 * 32, generator=gen) * 2).to(dtype)
+    weight = (1 + 0.2 * torch.randn(32, generator=gen)).to(dtype)
+    given = qkv.clone()
+    k = qkv[:, 4 * 32 :].view(3, 1, 32)  # one kv head: a strided [3, 32] view
+    normed = row_ops.rms_norm(k, weight, 1e-6, native=True)
+    assert torch.equal(qkv, given) and normed.shape == k.shape
+    for r in range(3):
+        _, row = cpu_row_ops.add_rms_norm(k[r].contiguous(), None, weight, 1e-6)
+        assert torch.equal(normed[r], row)
+    torch.testing.assert_close(normed, row_ops.rms_norm(k, weight, 1e-6), rtol=1e-2 if dtype == BF16 else 4e-7, atol=0)

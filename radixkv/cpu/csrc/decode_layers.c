@@ -2,12 +2,19 @@
  * forward (radixkv/model/llama.py) calls one by one on this path, in the same order, so the
  * results are bit-identical; only the ~100 us of Python between them per layer is gone.
  *
- * For bf16 or fp32 Llama-family layers without q/k norms whose linears are packed for one of
+ * For bf16 or fp32 Llama-family layers whose linears are packed for one of
  * the native kernels (AMX or AVX512_BF16 for bf16, AVX2 for fp32: shape.linear_kernel), or
  * quantized (quant_linear.c: shape.quant_kernel, each linear's format in its layer record); one
  * query row per request. fp32 layers also read and write bf16 or int8 pages (shape.kv_kind),
  * through the same store and decode kernels the layer-by-layer forward calls for them. The
  * caller checks page tables, lengths and slots once per step.
+ *
+ * Qwen3: plain per-head q/k norms (layer.q_norm without shape.gemma), the add_rms_norm kernel
+ * over a row's heads, as the layer-by-layer forward calls it for them on this path.
+ * Mixture-of-experts layers (Qwen3-MoE: layer.gate_up NULL): the call stops after such a layer's
+ * MLP input norm, which must be its last layer, and leaves that input in scratch.h; the caller
+ * runs the router and experts (torch's routing bits) and passes their output as the next call's
+ * delta.
  *
  * Gemma 3 (shape.gemma): its (1 + w) norms before and after each block and on each q and k head,
  * GeGLU (gemma_ops.c, the kernels its layer-by-layer forward calls), and per layer a window
@@ -29,8 +36,8 @@ typedef struct {
     void *k_cache, *v_cache;
     uint16_t *k_scales, *v_scales;
     int formats[4]; /* quantized layers: qkv, o, gate_up and down's formats (quant_linear.c's FORMAT_*) */
-    /* Gemma 3 only (shape.gemma; NULL otherwise): per-head q and k norms, the MLP's norms. Its
-     * post_norm above norms attention's output; the MLP's input norm is pre_ff_norm. */
+    /* Per-head q and k norms (Gemma 3's or Qwen3's; NULL otherwise); Gemma 3 only (shape.gemma):
+     * the MLP's norms; its post_norm above norms attention's output, the MLP's input is pre_ff_norm's. */
     const void *q_norm, *k_norm, *pre_ff_norm, *post_ff_norm;
     int window; /* the layer's sliding window in keys (counting the query's own), 0: every key */
     int group;  /* which of the step's tables (DecodeStep) it reads: 0 the full layers', 1 the window group's */
@@ -139,10 +146,23 @@ static void gemma_norm(const DecodeShape *sh, void *x, int64_t x_stride, const v
         radixkv_gemma_norm_bf16(x, x_stride, delta, weight, out, out_stride, sh->rows, heads, dim, sh->eps, sh->num_threads);
 }
 
+/* Qwen3's norm of each of `heads` heads of each row in place (row_stride in elements): the
+ * add_rms_norm kernel with a row's heads as its rows, one row at a time (its heads lie side by
+ * side, the rows apart), which gives each head the bits one call over all rows gives. */
+static void head_norm(const DecodeShape *sh, void *x, int64_t row_stride, const void *weight, int heads) {
+    const int bytes = fp32(sh) ? 4 : 2;
+    for (int r = 0; r < sh->rows; r++) {
+        char *row = (char *)x + (int64_t)r * row_stride * bytes;
+        if (fp32(sh)) radixkv_add_rms_norm_f32((float *)row, NULL, weight, (float *)row, heads, sh->head_dim, sh->eps, sh->num_threads);
+        else radixkv_add_rms_norm_bf16((uint16_t *)row, NULL, weight, (uint16_t *)row, heads, sh->head_dim, sh->eps, sh->num_threads);
+    }
+}
+
 /* x [rows][hidden]: the residual stream, updated in place; delta [rows][hidden]: the MLP output
  * of the layer before the first one run here (ignored when first_layer is 1), replaced by the
- * last layer's. step: the tables and rotations (DecodeStep). Returns 0, or 1 where a kernel
- * refused its shapes. */
+ * last layer's, unless that layer's MLP is the caller's (gate_up NULL): then scratch.h holds
+ * its input and delta is left as it was. step: the tables and rotations (DecodeStep). Returns 0,
+ * or 1 where a kernel refused its shapes or a layer with the caller's MLP is not the last. */
 int radixkv_decode_layers(const DecodeLayer *layers, int num_layers, int first_layer, const DecodeShape *sh,
                           const DecodeScratch *scratch, void *x, void *delta, const DecodeStep *step) {
     const int hidden = sh->hidden, inter = sh->intermediate, bytes = fp32(sh) ? 4 : 2, hd = sh->head_dim;
@@ -164,6 +184,9 @@ int radixkv_decode_layers(const DecodeLayer *layers, int num_layers, int first_l
         if (sh->gemma) { /* each head normed in place, then q and k rotated side by side */
             gemma_norm(sh, q, qkv_size, NULL, layer->q_norm, q, qkv_size, sh->num_q_heads, hd);
             gemma_norm(sh, k, qkv_size, NULL, layer->k_norm, k, qkv_size, sh->num_kv_heads, hd);
+        } else if (layer->q_norm) {
+            head_norm(sh, q, qkv_size, layer->q_norm, sh->num_q_heads);
+            head_norm(sh, k, qkv_size, layer->k_norm, sh->num_kv_heads);
         }
         rope(sh, scratch->qkv, qkv_size, step->cos[r], step->signed_sin[r]);
         if (sh->kv_kind)
@@ -187,6 +210,7 @@ int radixkv_decode_layers(const DecodeLayer *layers, int num_layers, int first_l
             add_rms_norm(sh, x, scratch->projected, layer->post_norm, scratch->h);
         }
         t = lap(timed, PHASE_NORMS, t);
+        if (layer->gate_up == NULL) return i == num_layers - 1 ? 0 : 1; /* the caller's experts */
         if (linear(sh, scratch->h, hidden, layer->gate_up, layer->formats[2], 2 * inter, NULL, scratch->gate_up)) return 1;
         t = lap(timed, PHASE_GATE_UP, t);
         silu_mul(sh, scratch->gate_up, scratch->activated);
