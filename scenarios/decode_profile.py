@@ -190,26 +190,58 @@ def _timed(owner, name: str, totals: dict[str, float], label: str):
 
 def fused_breakdown(engine, steps: int) -> dict[str, float]:
     """Where the fused step's time goes, in ms: the native call times its phases as it runs
-    (FusedDecode.PHASES, all layers together), and the rest of the step is what lies outside
-    the native call (embedding, final norm, lm_head, sampling, the engine, and an MoE model's
-    experts layers' routers and experts, which run between its calls). Medians per part,
-    so the parts need not add up to the median step."""
-    fused = fused_decode(engine.loaded.model)
+    (FusedDecode.PHASES, all layers together), and what lies outside the decoder layers is
+    timed part by part around its calls (OUTSIDE: the embedding, RoPE's tables, the attention
+    backend's step tables, the fused call's own Python (with an MoE model's experts layers'
+    routers and experts, which run between its calls), the final norm, the lm_head, the rest of
+    the forward, then the engine's phases). Medians per part, so the parts need not add up to
+    the median step."""
+    model = engine.loaded.model
+    fused = fused_decode(model)
     seconds = torch.zeros(len(fused.PHASES), dtype=torch.float64)
+    totals: dict[str, float] = defaultdict(float)
     per_step = []
     fused.phase_seconds = seconds
     try:
-        for _ in range(steps):
-            seconds.zero_()
-            start = time.perf_counter()
-            engine.step()
-            step = time.perf_counter() - start
-            parts = dict(zip(fused.PHASES, seconds.tolist(), strict=True))
-            parts["outside the layers"] = step - sum(parts.values())
-            per_step.append(parts)
+        with ExitStack() as stack:
+            for owner, name, label in (
+                (type(model.embed_tokens), "forward", "embedding"),
+                (type(model.rope), "__call__", "rope tables"),
+                (type(model.attention), "begin_step", "attention step tables"),
+                (type(fused), "run", "fused call"),
+                (type(model.norm), "add_and_normalize", "final norm"),
+                (type(model.lm_head), "forward", "lm_head"),
+            ):
+                stack.enter_context(_timed(owner, name, totals, label))
+            for _ in range(steps):
+                seconds.zero_()
+                totals.clear()
+                before = asdict(engine.step_times)
+                start = time.perf_counter()
+                engine.step()
+                step = time.perf_counter() - start
+                phases = {name: seconds - before[name] for name, seconds in asdict(engine.step_times).items()}
+                parts = dict(zip(fused.PHASES, seconds.tolist(), strict=True))
+                inside = sum(parts.values())
+                parts["outside the layers"] = step - inside
+                outside = {label: totals[label] for label in OUTSIDE[:6]}
+                outside["fused call"] -= inside  # its Python around the native call
+                outside["forward's rest"] = phases["forward"] - totals["fused call"] - sum(
+                    v for k, v in outside.items() if k != "fused call")
+                outside.update({f"engine: {phase}": phases[phase] for phase in ("schedule", "prepare", "sample", "postprocess")})
+                outside["engine: between phases"] = step - sum(phases.values())
+                parts.update({f"  {label}": outside[label] for label in OUTSIDE})
+                per_step.append(parts)
     finally:
         fused.phase_seconds = None
     return _medians_ms(per_step)
+
+
+# What fused_breakdown times outside the decoder layers, in the order a step runs it.
+OUTSIDE = (
+    "embedding", "rope tables", "attention step tables", "fused call", "final norm", "lm_head", "forward's rest",
+    "engine: schedule", "engine: prepare", "engine: sample", "engine: postprocess", "engine: between phases",
+)
 
 
 def kernel_breakdown(engine, steps: int) -> dict[str, float]:

@@ -1,5 +1,5 @@
 """The logits kernels (radixkv/cpu/csrc/logits.c) as tensor functions: a grammar's token bitmask
-applied in place and the greedy argmax, for fp32 rows on CPU.
+applied in place, the greedy argmax and the non-finite rows, for fp32 rows on CPU.
 
 Each returns what it did, or None / False where the tensors do not fit the kernel or the library
 cannot be built, so the caller takes its own path (xgrammar, torch) instead.
@@ -49,3 +49,15 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor | None:
         torch.get_num_threads(),
     )  # fmt: skip
     return tokens
+
+
+def nonfinite_rows(logits: torch.Tensor) -> torch.Tensor | None:
+    """A bool per row, True where it holds a NaN or an infinity; None where the kernel cannot run."""
+    library = _library_for(logits)
+    if library is None:
+        return None
+    bad = torch.empty(logits.shape[0], dtype=torch.bool)
+    library.radixkv_nonfinite_rows_f32(
+        logits.data_ptr(), logits.stride(0), logits.shape[0], logits.shape[1], bad.data_ptr(), torch.get_num_threads()
+    )
+    return bad

@@ -171,6 +171,7 @@ def _declare(library: ctypes.CDLL) -> None:
         "radixkv_packed_linear_f32": [p, i64, i32, i32, p, i32, p, p, i64, i32],
         "radixkv_apply_token_bitmask_f32": [p, i64, p, i64, p, i32, i32],
         "radixkv_argmax_rows_f32": [p, i64, i32, i64, p, i32],
+        "radixkv_nonfinite_rows_f32": [p, i64, i32, i64, p, i32],
         "radixkv_decode_layers": [p, i32, i32, p, p, p, p, p],
         "radixkv_gemma_norm_bf16": [p, i64, p, p, p, i64, i32, i32, i32, f32, i32],
         "radixkv_gemma_norm_f32": [p, i64, p, p, p, i64, i32, i32, i32, f32, i32],

@@ -15,6 +15,7 @@ import torch
 from radixkv.attention.base import AttentionMetadata, KVReads, StepState
 from radixkv.cache.layer_groups import LayerGroups, WindowPages
 from radixkv.cache.pages import PagePool
+from radixkv.cpu.logits import nonfinite_rows
 from radixkv.engine.guide import GuideMasks, PendingMasks
 from radixkv.engine.request import Batch, SequenceState
 from radixkv.engine.request_output import TokenLogprob
@@ -158,11 +159,14 @@ def _dead_grammar_rows(masks: GuideMasks, seqs: list[SequenceState]) -> dict[int
 def _zero_non_finite_rows(logits: torch.Tensor) -> torch.Tensor:
     """Zero the rows with NaN or infinite logits (one bad sequence, e.g. an overflow), so the
     batch still samples and their requests then fail alone; a bool per row, True where zeroed.
-    A row sum is finite exactly when its entries are: one cheap pass. On a device the fill runs
-    unconditionally and the rows are read back after sampling, whose transfer has synced
-    already: no stall."""
+    fp32 rows on CPU take one native pass over their bits (radixkv.cpu.logits.nonfinite_rows);
+    elsewhere a row sum is finite where its entries are (short of an overflowing sum). On a
+    device the fill runs unconditionally and the rows are read back after sampling, whose
+    transfer has synced already: no stall."""
     with torch.inference_mode():  # the logits are an inference tensor: update it in place there
-        non_finite = ~torch.isfinite(logits.sum(dim=-1))
+        non_finite = nonfinite_rows(logits)
+        if non_finite is None:
+            non_finite = ~torch.isfinite(logits.sum(dim=-1))
         if logits.device.type != "cpu" or bool(non_finite.any()):
             logits.masked_fill_(non_finite.unsqueeze(-1), 0.0)
     return non_finite

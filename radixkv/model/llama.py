@@ -442,7 +442,11 @@ class CausalLM(nn.Module):
         x, delta = self.layers(x, cos, sin, meta, k_caches, v_caches, k_scales, v_scales, local_rope)
         # The last add, norm and lm_head only for the rows that are sampled: the vocab
         # projection of every prefill token would cost more than the rest of the forward.
-        _, last = self.norm.add_and_normalize(x[logits_indices], delta[logits_indices])
+        # Indices rise strictly within the T rows, so T of them are every row in order (a
+        # decode step's): no gather then.
+        if logits_indices.shape[0] != x.shape[0]:
+            x, delta = x[logits_indices], delta[logits_indices]
+        _, last = self.norm.add_and_normalize(x, delta)
         logits = project_rows(self.lm_head, last, meta)
         cap = self.config.final_logit_softcap
         if cap is not None:

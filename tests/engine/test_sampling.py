@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from radixkv import LLM, InvalidRequest, SamplingParams
 from radixkv.cpu import native
+from radixkv.cpu.logits import nonfinite_rows
 from radixkv.engine.sampler import filtered_probs, greedy_tokens
 from tests.helpers.engine import assert_pages_returned
 
@@ -171,6 +172,35 @@ def test_greedy_tokens_of_a_full_vocabulary() -> None:
     expected = logits.max(dim=-1).indices
     assert expected[5] == 7 and expected[9] == 30000 and expected[11] == 0
     assert torch.equal(greedy_tokens(logits), expected)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    rows=st.integers(1, 40),
+    width=st.integers(1, 90),
+    special_rate=st.sampled_from([0.0, 0.01, 0.3]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_nonfinite_rows_are_the_rows_with_a_nan_or_an_infinity(rows, width, special_rate, seed) -> None:
+    """The native pass over the bits flags exactly the rows torch's isfinite finds a non-finite
+    value in, NaNs of any payload and both infinities, largest finite floats and zeros not."""
+    assert native.load() is not None
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, width + 3, generator=gen) * 1e38  # overflows a row sum, yet finite
+    special = torch.rand(logits.shape, generator=gen) < special_rate
+    picks = torch.randint(0, len(SPECIALS), logits.shape, generator=gen)
+    logits[special] = torch.tensor(SPECIALS)[picks[special]]
+    logits.view(torch.int32)[0, 0] = 0x7FC00123 if seed % 2 else 0x7F7FFFFF  # a NaN with a payload, the largest float
+    strided = logits[:, 1 : width + 1]
+    for rows_of in (strided, logits):
+        assert torch.equal(nonfinite_rows(rows_of), ~torch.isfinite(rows_of).all(dim=-1))
+
+
+def test_a_full_batch_of_nonfinite_rows() -> None:
+    """Past the kernel's one-thread size: the rows split over threads, each flag its own row's."""
+    logits = torch.randn(32, 49152, generator=torch.Generator().manual_seed(4))
+    logits[3, 49151], logits[17, 0], logits[30, 20000] = float("inf"), float("nan"), -float("inf")
+    assert nonfinite_rows(logits).nonzero().flatten().tolist() == [3, 17, 30]
 
 
 def test_logit_bias_steers_greedy_and_sampled_rows(llm):

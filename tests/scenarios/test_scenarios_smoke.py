@@ -88,8 +88,12 @@ def test_decode_profile_runs_and_reports(mode, tiny_model, tmp_path, capsys):
     else:
         result = json.loads((tmp_path / "decode_profile_float32.json").read_text())
         assert result["ideal_ms"] > 0 and result["breakdown_ms"]["linears (incl. lm_head)"] > 0
+        assert result["fused_decode"] == bool(result["fused_breakdown_ms"])
         if result["fused_decode"]:  # the fused step as run, by phase, timed inside the native call
-            assert result["fused_breakdown_ms"]["attention"] > 0 and "fused step's time" in out
+            parts = result["fused_breakdown_ms"]
+            assert parts["attention"] > 0 and "fused step's time" in out
+            # What lies outside the layers, part by part: the lm_head and sampling ran every step.
+            assert parts["  lm_head"] > 0 and parts["  engine: sample"] > 0 and parts["  embedding"] > 0
         assert "x the bound" in out
 
 
