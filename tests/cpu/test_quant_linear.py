@@ -130,11 +130,17 @@ def test_parts_in_their_own_formats(kernel: str) -> None:
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("source", ["float", "Q4_1", "q4_k", "q6_k"])
 @pytest.mark.parametrize("rows", [(32, 48, 5), (16, 16), (24, 8)])
-def test_parts_of_one_format_pack_as_their_rows_stacked(kernel: str, source: str, rows: tuple[int, ...]) -> None:
+def test_parts_of_one_format_pack_as_their_rows_stacked(
+    kernel: str, source: str, rows: tuple[int, ...], monkeypatch: pytest.MonkeyPatch
+) -> None:
     # Parts ending on a group boundary pack one by one into the stacked weight's records (no
     # stacked copy at load); a part that does not (24 rows) is stacked first: the same bytes.
     parts = [weight_of(source, n, 512, seed) for seed, n in enumerate(rows)]
-    layer, stacked = QuantLinear(parts, kernel=kernel), QuantLinear(stack_rows(parts), kernel=kernel)
+    stacks = []
+    monkeypatch.setattr(quant_linear, "stack_rows", lambda weights: stacks.append(len(weights)) or stack_rows(weights))
+    layer = QuantLinear(parts, kernel=kernel)
+    assert stacks == ([] if all(n % 16 == 0 for n in rows[:-1]) else [len(rows)])
+    stacked = QuantLinear(stack_rows(parts), kernel=kernel)
     assert layer.format == stacked.format != "parts"
     assert torch.equal(layer.packed, stacked.packed)
 
