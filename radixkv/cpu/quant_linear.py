@@ -36,6 +36,8 @@ FORMAT_IDS = {"q8_0": 0, "q4_1": 1, "q4_k": 2, "q6_k": 3, "parts": 15}
 _FORMATS = {"avx512_vnni_zmm": KERNEL_FORMATS, "torch": KERNEL_FORMATS}
 _BASE_FORMATS = ("q8_0", "q4_1", "q6_k")  # the 256-bit kernels: q4_k as q4_1 (the same bits)
 _PARTS_HEADER_ALIGN = 64
+# Output rows of a packed group in every native layout (quant_linear.c's 8, quant_linear_zmm.c's 16).
+_PACK_ROWS = 16
 # Kernels whose packed records are their own (quant_linear_zmm.c), with the prefix of the
 # library's pack, packed-bytes and dequant-rows functions; the others share quant_linear.c's.
 _LAYOUTS = {"avx512_vnni_zmm": "radixkv_quant_zmm_"}
@@ -168,13 +170,16 @@ class QuantLinear(nn.Module):
         if len({w.format for w in parts}) > 1 and "parts" not in formats:
             # One format then: q8_0 holds a 4-bit part to within half an int8 step of its block's largest.
             parts = [w if w.format == "q8_0" else quantize_q8_0(dequantize(w)) for w in parts]
-        if len({w.format for w in parts}) == 1:
+        one_format = len({w.format for w in parts}) == 1
+        self._library = native.load() if self.kernel != "torch" else None
+        # One format packs part by part into its rows' records where each part ends on a group
+        # boundary (the records are the same bytes): no stacked copy beside the parts at load.
+        if one_format and (self._library is None or any(w.out_features % _PACK_ROWS for w in parts[:-1])):
             parts = [stack_rows(parts)]
         parts = [w.with_float_scales() for w in parts]
         self.in_features, self.out_features = parts[0].in_features, sum(w.out_features for w in parts)
-        self.format = parts[0].format if len(parts) == 1 else "parts"
+        self.format = parts[0].format if one_format else "parts"
         self.bias = None if bias is None else nn.Parameter(bias.detach().float().contiguous(), requires_grad=False)
-        self._library = native.load() if self.kernel != "torch" else None
         if self._library is None:
             self.weight: QuantWeight | None = parts[0] if len(parts) == 1 else None
             self._torch_parts: list[QuantWeight] | None = parts
@@ -191,10 +196,20 @@ class QuantLinear(nn.Module):
         return sum(w.nbytes for w in self._torch_parts) if self.packed is None else self.packed.nbytes
 
     def _pack(self, parts: list[QuantWeight]) -> Tensor:
-        """The parts' records one after another; more than one behind a header of int64s
-        (count, then format, rows and byte offset per part) that quant_linear.c reads."""
+        """The parts' records: of one format, their rows' records as one weight's; else one
+        part after another behind a header of int64s (count, then format, rows and byte offset
+        per part) that quant_linear.c reads."""
         library = self._library
         packed_bytes = getattr(library, self._layout + "packed_bytes")
+        if self.format != "parts":  # rows stacked: each part's records where its first row's group starts
+            fmt, done, offsets = FORMAT_IDS[self.format], 0, []
+            for w in parts:
+                offsets.append(packed_bytes(fmt, done, self.in_features))
+                done += w.out_features
+            packed = torch.zeros(packed_bytes(fmt, done, self.in_features), dtype=torch.uint8)
+            for w, at in zip(parts, offsets, strict=True):
+                self._pack_part(w, packed, at)
+            return packed
         sizes = [packed_bytes(FORMAT_IDS[w.format], w.out_features, w.in_features) for w in parts]
         header = 0 if len(parts) == 1 else -(-8 * (1 + 3 * len(parts)) // _PARTS_HEADER_ALIGN) * _PARTS_HEADER_ALIGN
         offsets = []
@@ -205,11 +220,14 @@ class QuantLinear(nn.Module):
             fields = [len(parts)] + [v for w, at in zip(parts, offsets, strict=True) for v in (FORMAT_IDS[w.format], w.out_features, at)]
             packed[: 8 * len(fields)] = torch.tensor(fields, dtype=torch.int64).view(torch.uint8)
         for w, at in zip(parts, offsets, strict=True):
-            mins = 0 if w.mins is None else w.mins.data_ptr()
-            getattr(library, self._layout + "pack")(
-                FORMAT_IDS[w.format], w.quants.data_ptr(), w.scales.data_ptr(), mins, w.out_features, w.in_features, packed.data_ptr() + at
-            )
+            self._pack_part(w, packed, at)
         return packed
+
+    def _pack_part(self, w: QuantWeight, packed: Tensor, at: int) -> None:
+        mins = 0 if w.mins is None else w.mins.data_ptr()
+        getattr(self._library, self._layout + "pack")(
+            FORMAT_IDS[w.format], w.quants.data_ptr(), w.scales.data_ptr(), mins, w.out_features, w.in_features, packed.data_ptr() + at
+        )
 
     def forward(self, x: Tensor) -> Tensor:
         if x.dim() != 2 or x.shape[1] != self.in_features or x.dtype not in (torch.float32, torch.bfloat16):

@@ -10,7 +10,7 @@ import torch
 pytest.importorskip("gguf")
 
 from radixkv.cpu import quant_linear  # noqa: E402
-from radixkv.cpu.quant import QuantWeight, dequantize, from_gguf, quantize_q8_0  # noqa: E402
+from radixkv.cpu.quant import QuantWeight, dequantize, from_gguf, quantize_q8_0, stack_rows  # noqa: E402
 from radixkv.cpu.quant_linear import (  # noqa: E402
     NATIVE_QUANT_KERNELS,
     QuantEmbedding,
@@ -125,6 +125,24 @@ def test_parts_in_their_own_formats(kernel: str) -> None:
         layer.weight_rows(torch.tensor([0]), torch.float32)
     # Parts of one format are one weight (q4_k as q4_1 where the kernel lacks q4_k: the same bits).
     assert QuantLinear(parts[:2], kernel=kernel).format == ("q4_k" if kernel in ("avx512_vnni_zmm", "torch") else "q4_1")
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("source", ["float", "Q4_1", "q4_k", "q6_k"])
+@pytest.mark.parametrize("rows", [(32, 48, 5), (16, 16), (24, 8)])
+def test_parts_of_one_format_pack_as_their_rows_stacked(
+    kernel: str, source: str, rows: tuple[int, ...], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Parts ending on a group boundary pack one by one into the stacked weight's records (no
+    # stacked copy at load); a part that does not (24 rows) is stacked first: the same bytes.
+    parts = [weight_of(source, n, 512, seed) for seed, n in enumerate(rows)]
+    stacks = []
+    monkeypatch.setattr(quant_linear, "stack_rows", lambda weights: stacks.append(len(weights)) or stack_rows(weights))
+    layer = QuantLinear(parts, kernel=kernel)
+    assert stacks == ([] if all(n % 16 == 0 for n in rows[:-1]) else [len(rows)])
+    stacked = QuantLinear(stack_rows(parts), kernel=kernel)
+    assert layer.format == stacked.format != "parts"
+    assert torch.equal(layer.packed, stacked.packed)
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
