@@ -101,7 +101,6 @@ def load_model(
     for bf16 and fp32 on CPU. weight_dtype, quant_kernel: EngineConfig's (quantized weights are
     CPU-only: elsewhere "auto" loads floats and "int8" is refused). moe_kernel: EngineConfig's.
     """
-    _bound_heap()
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     # Before any weight is read: a named kernel this CPU cannot run fails at once.
@@ -152,24 +151,6 @@ def load_model(
     weight_format = weight_dtype if modules else "float"
     mapped = sum(m.mapped_bytes for m in net.modules() if isinstance(m, (MappedExperts, MappedMxfp4Experts)))
     return LoadedModel(net, config, tokenizer, str(folder), torch_dtype, torch_device, gguf, weight_format, mapped)
-
-
-# Allocations from this size up are mapped on their own and unmapped when freed.
-_MMAP_THRESHOLD = 1 << 20
-
-
-def _bound_heap() -> None:
-    """Fix glibc's mmap threshold at _MMAP_THRESHOLD. Left dynamic, it rises to 32 MiB after the
-    first large block is freed, so a load's per-tensor temporaries and a prefill's activations
-    land in the heap, whose freed middle the process keeps: ~0.1 GB more peak RSS on the 1B
-    shape's Q8_0 (docs/measurements.md). A fixed threshold also keeps the heap's top trimmed."""
-    import ctypes
-
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):  # not glibc
-        return
-    mallopt(-3, _MMAP_THRESHOLD)  # M_MMAP_THRESHOLD
 
 
 def _release_freed_heap() -> None:
