@@ -147,14 +147,17 @@ static void gemma_norm(const DecodeShape *sh, void *x, int64_t x_stride, const v
 }
 
 /* Qwen3's norm of each of `heads` heads of each row in place (row_stride in elements): the
- * add_rms_norm kernel with a row's heads as its rows, one row at a time (its heads lie side by
- * side, the rows apart), which gives each head the bits one call over all rows gives. */
+ * add_rms_norm kernel with a row's heads as its rows, one call a row (its heads lie side by
+ * side, the rows apart), which gives each head the bits one call over all rows gives; the rows
+ * split over the threads as that one call would split them (at 16,384 values and up). */
 static void head_norm(const DecodeShape *sh, void *x, int64_t row_stride, const void *weight, int heads) {
     const int bytes = fp32(sh) ? 4 : 2;
+    const int threads = (int64_t)sh->rows * heads * sh->head_dim >= 16384 ? sh->num_threads : 1;
+#pragma omp parallel for num_threads(threads) schedule(static)
     for (int r = 0; r < sh->rows; r++) {
         char *row = (char *)x + (int64_t)r * row_stride * bytes;
-        if (fp32(sh)) radixkv_add_rms_norm_f32((float *)row, NULL, weight, (float *)row, heads, sh->head_dim, sh->eps, sh->num_threads);
-        else radixkv_add_rms_norm_bf16((uint16_t *)row, NULL, weight, (uint16_t *)row, heads, sh->head_dim, sh->eps, sh->num_threads);
+        if (fp32(sh)) radixkv_add_rms_norm_f32((float *)row, NULL, weight, (float *)row, heads, sh->head_dim, sh->eps, 1);
+        else radixkv_add_rms_norm_bf16((uint16_t *)row, NULL, weight, (uint16_t *)row, heads, sh->head_dim, sh->eps, 1);
     }
 }
 

@@ -83,18 +83,14 @@ void radixkv_argmax_rows_f32(const float *logits, int64_t stride, int rows, int6
     for (int r = 0; r < rows; r++) out[r] = n > 0 ? row_argmax(logits + (int64_t)r * stride, n) : 0;
 }
 
-/* bad[r] = 1 where row r of n floats holds a NaN or an infinity (all exponent bits set), else 0;
- * returns how many rows are bad. */
-int radixkv_nonfinite_rows_f32(const float *logits, int64_t stride, int rows, int64_t n, uint8_t *bad, int num_threads) {
+/* bad[r] = 1 where row r of n floats holds a NaN or an infinity (all exponent bits set), else 0. */
+void radixkv_nonfinite_rows_f32(const float *logits, int64_t stride, int rows, int64_t n, uint8_t *bad, int num_threads) {
     const int threads = (int64_t)rows * n >= 65536 ? num_threads : 1;
-    int count = 0;
-#pragma omp parallel for num_threads(threads) schedule(static) reduction(+:count)
+#pragma omp parallel for num_threads(threads) schedule(static)
     for (int r = 0; r < rows; r++) {
         const uint32_t *row = (const uint32_t *)(logits + (int64_t)r * stride);
         uint32_t found = 0;
         for (int64_t i = 0; i < n; i++) found |= (row[i] & 0x7f800000u) == 0x7f800000u;
         bad[r] = (uint8_t)found;
-        count += (int)found;
     }
-    return count;
 }
