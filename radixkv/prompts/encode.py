@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from radixkv.errors import InvalidRequest
+from radixkv.prompts.harmony import harmony_tokens
+from radixkv.prompts.harmony_render import render_harmony
 
 Message = Mapping[str, Any]
 
@@ -49,7 +51,10 @@ def has_chat_template(tokenizer: Any) -> bool:
 
 def template_takes_tools(tokenizer: Any) -> bool:
     """Whether the chat template renders tool definitions: its source mentions `tools` (the
-    variable transformers hands it); templates that do not would silently drop them."""
+    variable transformers hands it); templates that do not would silently drop them. A harmony
+    model's prompts are written by radixkv/prompts/harmony_render.py, which takes them."""
+    if harmony_tokens(tokenizer) is not None:
+        return True
     template = getattr(tokenizer, "chat_template", None)
     if isinstance(template, dict):  # several named templates: the default, or the tool-use one
         template = template.get("tool_use") or template.get("default")
@@ -94,6 +99,8 @@ def render_chat(
     message lies in a prompt is found in it (radixkv/server/cache_report.py)."""
     if not messages:
         raise InvalidRequest(f"{param} must hold at least one message", param=param)
+    if harmony_tokens(tokenizer) is not None:  # gpt-oss: written as openai-harmony writes it, template or none
+        return render_harmony(messages, tools, add_generation_prompt=add_generation_prompt)
     if not has_chat_template(tokenizer):
         raise InvalidRequest("this model has no chat template; send a prompt (text or token ids) instead", param=param)
     # "developer" is OpenAI's newer name for "system"; chat templates know only the latter.

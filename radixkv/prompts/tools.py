@@ -2,8 +2,8 @@
 the model's chat template when it takes `tools`, else the fallback prompt below; messages
 normalized as templates print them. Guides and reading calls back are the server's (server/tools.py).
 
-gpt-oss's template (harmony, radixkv/prompts/harmony.py) takes its tools; an assistant message
-with several calls is handed to it as one message per call, as harmony writes them.
+gpt-oss's prompts (harmony) are written by radixkv/prompts/harmony_render.py, which takes its
+tools; an assistant message with several calls is handed to it as one message per call.
 
 The fallback, for chat templates that take no `tools`: a system-prompt section lists each
 function as one JSON line {"name", "description", "parameters"} and asks for one line
@@ -204,7 +204,10 @@ def _history_call(raw: Any, index: int) -> dict:
     spec = raw.get("function", raw) if isinstance(raw, Mapping) else None
     if not isinstance(spec, Mapping) or not isinstance(spec.get("name"), str):
         raise InvalidRequest(f"messages[{index}].tool_calls: every call needs a function name", param="messages")
-    return {"id": str(raw.get("id") or ""), "type": "function", "function": {"name": spec["name"], "arguments": _args_object(spec.get("arguments"))}}
+    function = {"name": spec["name"], "arguments": _args_object(spec.get("arguments"))}
+    if isinstance(spec.get("arguments"), str):  # harmony replays a call's text exactly as the model wrote it
+        function["arguments_text"] = spec["arguments"]
+    return {"id": str(raw.get("id") or ""), "type": "function", "function": function}
 
 
 def _args_object(arguments: Any) -> Any:

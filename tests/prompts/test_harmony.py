@@ -98,7 +98,7 @@ def test_only_a_tokenizer_with_every_marker_speaks_harmony() -> None:
     assert harmony_tokens(tiny_tokenizer()) is None
 
 
-# -- rendering: gpt-oss's own template, as the harmony format writes the conversation ----------
+# -- rendering: as openai-harmony writes the conversation (tests/prompts/test_harmony_reference.py) --
 
 
 def system_header(tools: bool) -> str:
@@ -115,7 +115,7 @@ def system_header(tools: bool) -> str:
 DEVELOPER_WITH_TOOLS = (
     "<|start|>developer<|message|># Instructions\n\nBe brief.\n\n# Tools\n\n## functions\n\nnamespace functions {\n\n"
     "// Weather of a city\ntype get_weather = (_: {\n// the city\ncity: string,\n}) => any;\n\n"
-    "// The time now\ntype get_time = () => any;\n\n} // namespace functions<|end|>"
+    "// The time now\ntype get_time = (_: {\n}) => any;\n\n} // namespace functions<|end|>"
 )
 
 
@@ -143,12 +143,12 @@ def test_calls_and_results_render_back_as_harmony_messages() -> None:
     assert text.startswith(system_header(True) + DEVELOPER_WITH_TOOLS)
     assert text[len(system_header(True) + DEVELOPER_WITH_TOOLS) :] == (
         "<|start|>user<|message|>Weather and time?<|end|>"
-        # every call its own message (the template alone prints only the first)
-        '<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}<|call|>'
-        "<|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>{}<|call|>"
-        # the template names each result after the latest call, and writes it as a JSON string
-        '<|start|>functions.get_time to=assistant<|channel|>commentary<|message|>"sunny"<|end|>'
-        '<|start|>functions.get_time to=assistant<|channel|>commentary<|message|>"noon"<|end|>'
+        # every call its own message, its arguments as the client sent them back
+        '<|start|>assistant to=functions.get_weather<|channel|>commentary <|constrain|>json<|message|>{"city": "Paris"}<|call|>'
+        "<|start|>assistant to=functions.get_time<|channel|>commentary <|constrain|>json<|message|>{}<|call|>"
+        # each result named after its own call, its text as it is
+        "<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>sunny<|end|>"
+        "<|start|>functions.get_time to=assistant<|channel|>commentary<|message|>noon<|end|>"
         "<|start|>assistant<|channel|>final<|message|>Sunny, at noon.<|end|>"
         "<|start|>user<|message|>Thanks<|end|><|start|>assistant"
     )
@@ -164,7 +164,7 @@ def test_reasoning_handed_back_renders_before_its_call_within_the_tool_loop() ->
     result = {"role": "tool", "tool_call_id": "c1", "content": "sunny"}
     loop = render_conversation(TOKENIZER, [*head, calling, result], [WEATHER])
     analysis = "<|start|>assistant<|channel|>analysis<|message|>Call the tool.<|end|>"
-    assert analysis + '<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}<|call|>' in loop
+    assert analysis + '<|start|>assistant to=functions.get_weather<|channel|>commentary <|constrain|>json<|message|>{"city": "Paris"}<|call|>' in loop
     answered = render_conversation(TOKENIZER, [*head, calling, result, {"role": "assistant", "content": "Sunny."}, {"role": "user", "content": "Thanks"}], [WEATHER])
     assert "Call the tool." not in answered
     with_text = render_conversation(TOKENIZER, [*head, {**calling, "content": "Checking."}, result], [WEATHER])
@@ -211,7 +211,7 @@ def test_a_harmony_reply_continues_as_it_was_generated() -> None:
         {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
     ]
     prompt2 = continued(turn2, 1, prompt1, reply1)
-    result = '<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>"sunny"<|end|><|start|>assistant'
+    result = "<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>sunny<|end|><|start|>assistant"
     assert prompt2 == prompt1 + reply1 + ids(result)
 
     reply2 = ids("<|channel|>final<|message|>Sunny.<|return|>")

@@ -24,7 +24,7 @@ TOKENIZER = harmony_tokenizer()
 WEATHER = Tool("get_weather", "Weather of a city", {"type": "object", "properties": {"city": {"type": "string"}}})
 ANALYSIS_THEN_CALL = (
     "<|start|>assistant<|channel|>analysis<|message|>Call the tool.<|end|>"
-    '<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}<|call|>'
+    '<|start|>assistant to=functions.get_weather<|channel|>commentary <|constrain|>json<|message|>{"city": "Paris"}<|call|>'
 )
 USER = {"role": "user", "content": "Weather in Paris?"}
 REASONING = {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "Call the tool."}], "status": "completed"}
