@@ -10,9 +10,11 @@ chat reply (gpt-oss) comes back as its content in `text` and its analysis in `re
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from radixkv.config import EngineConfig
+from radixkv.engine.detokenizer import ContentStops
 from radixkv.engine.engine import Engine
 from radixkv.engine.keeps import check_keeps
 from radixkv.engine.request import Keep
@@ -107,13 +109,15 @@ class LLM:
         the same model and directory starts warm. A no-op without a disk tier."""
         self.engine.close()
 
-    def _split_channels(self, output: RequestOutput) -> None:
-        """A harmony model's chat reply: content in `text`, analysis in `reasoning` (the engine's
-        text has the markers dropped and the channels run together); ids left as generated."""
+    def _split_channels(self, output: RequestOutput, params: SamplingParams) -> None:
+        """A harmony model's chat reply: content in `text` (cut at a stop string as the engine
+        ended it), analysis in `reasoning` (the engine's text has the markers dropped and the
+        channels run together); ids left as generated."""
         if self._harmony is None:
             return
         for choice in output.outputs:
-            split = split_reply(self.tokenizer, self._harmony, choice.token_ids)
+            reader = ContentStops(self.tokenizer, self._harmony, tuple(params.stop))
+            split = split_reply(self.tokenizer, self._harmony, choice.token_ids, reader)
             if split is not None:
                 choice.text, choice.reasoning = split[0], split[1] or None
 
@@ -135,13 +139,15 @@ class LLM:
             check_keeps(keeps[i] if keeps else (), len(tokens))
             if p.n > self.config.max_queue_len:
                 raise QueueFull(f"n={p.n} is more than the waiting queue holds ({self.config.max_queue_len})", limit=self.config.max_queue_len)
+        if chats is not None and self._harmony is not None:  # a chat reply's stop strings match its content
+            params = [replace(p, stop_in_content=True) if chat and p.stop else p for p, chat in zip(params, chats)]
         results: list[RequestOutput | None] = [None] * len(token_lists)
 
         def finished(i: int, output: RequestOutput) -> None:
             results[i] = output
             if chats is not None and chats[i]:
                 self.remember(output, salt=salt)
-                self._split_channels(output)
+                self._split_channels(output, params[i])
 
         ref = SessionRef(None, session) if session is not None else None  # in-process callers are one owner
         run_to_completion(self.engine, token_lists, params, salt=salt, on_finished=finished, session=ref, keeps=keeps)

@@ -2,13 +2,16 @@
 is safe to send (a tail that could still grow into a stop string is held back).
 
 One `TextState` per continuation; the engine feeds it tokens and takes `pending()` deltas, so no
-consumer ever diffs whole texts or cuts stop strings itself.
+consumer ever diffs whole texts or cuts stop strings itself. A harmony chat reply's stop strings
+match its content alone (`ContentStops`, read by the engine and by the server's reply split alike).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+from radixkv.prompts.harmony import Event, HarmonyReader, HarmonyTokens, Message
 
 # Tokens past read_offset decoded again while they end mid-character (U+FFFD) or add no text
 # (special tokens skipped). A character is at most 4 UTF-8 bytes, one token at least one, so a
@@ -29,6 +32,10 @@ class TextState:
     # by the new tokens: their difference is the new text (vLLM's incremental scheme).
     prefix_offset: int = 0
     read_offset: int = 0
+    # A harmony chat reply's (SamplingParams.stop_in_content): while it reads as harmony its stop
+    # strings match its content alone and this text is never cut.
+    content: ContentStops | None = None
+    stop_string: str | None = None  # the stop string that ended it
     _max_stop_chars: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
@@ -36,7 +43,25 @@ class TextState:
 
     def append(self, tokenizer: Any, token_ids: list[int]) -> bool:
         """Decode the newest token of `token_ids` (all output tokens so far) into the text;
-        True when a stop string completed (the text is then cut before it)."""
+        True when a stop string completed (the text is then cut before it, or, for a harmony
+        reply read by `content`, its content)."""
+        if self.content is not None:
+            self.content.feed(token_ids[-1:])
+            self.stop_string = self.content.stop_string
+        old_len = len(self.text)
+        decoded = self._decode(tokenizer, token_ids)
+        if self.content is not None and self.content.plain is False:
+            return self.stop_string is not None
+        return decoded and self._cut_at_stop(old_len)
+
+    def add_text(self, text: str) -> bool:
+        """Text appended as it is (decoded elsewhere); True when a stop string completed in it."""
+        old_len = len(self.text)
+        self.text += text
+        return self._cut_at_stop(old_len)
+
+    def _decode(self, tokenizer: Any, token_ids: list[int]) -> bool:
+        """The newest token's text appended to the text; False while it ends mid-character."""
         before = tokenizer.decode(token_ids[self.prefix_offset : self.read_offset], skip_special_tokens=True)
         after = tokenizer.decode(token_ids[self.prefix_offset :], skip_special_tokens=True)
         # A byte-level token may end mid-character, which decodes to U+FFFD until the next
@@ -44,20 +69,20 @@ class TextState:
         settled = len(token_ids) - self.read_offset >= MAX_PENDING_TOKENS
         if (len(after) <= len(before) or after.endswith("\ufffd")) and not settled:
             return False
-        old_len = len(self.text)
         self.text += after[len(before) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(token_ids)
-        return self._cut_at_stop(old_len)
+        return True
 
     def _cut_at_stop(self, old_len: int) -> bool:
         if not self.stop:
             return False
         # Only a match that ends in the new text is new: search from where such a match can start.
         start = max(0, old_len - self._max_stop_chars + 1)
-        found = [p for p in (self.text.find(s, start) for s in self.stop) if p >= 0]
+        found = [(p, s) for s in self.stop if (p := self.text.find(s, start)) >= 0]
         if not found:
             return False
-        self.text = self.text[: min(found)]
+        at, self.stop_string = min(found, key=lambda f: f[0])
+        self.text = self.text[:at]
         return True
 
     def pending(self, finished: bool) -> str:
@@ -92,3 +117,49 @@ def _suffix_prefix_overlap(text: str, stop: str) -> int:
         if char == stop[k]:
             k += 1
     return k
+
+
+class ContentStops(HarmonyReader):
+    """A harmony reply's reader whose content is cut at the first stop string: the text of each
+    content message (`final`, or `commentary` to no one: what a client shows) is matched as it
+    is read, and cut before the stop string, which ends the reply (`stop_string`); a tail that
+    could still begin one is held until the message grows or closes. Headers, reasoning
+    (`analysis`) and a message to a recipient (a call's JSON) never match: OpenAI's `stop` cuts
+    "the returned text", and a reasoning model's reasoning is not that text (OpenAI's own
+    reasoning models take no `stop`), so a stop string the model reasons about ends nothing.
+    The engine reads each reply with stops through one of these to end it, the server's reply
+    split through another to cut what it sends: the same ids give the same cut."""
+
+    def __init__(self, tokenizer: Any, marks: HarmonyTokens, stop: tuple[str, ...]) -> None:
+        super().__init__(tokenizer, marks)
+        self._stop = stop
+        self._matching: tuple[Message, TextState] | None = None  # the content message being matched
+        self.stop_string: str | None = None
+
+    def feed(self, token_ids: list[int]) -> list[Event]:
+        return self._cut(super().feed(token_ids))
+
+    def finish(self) -> list[Event]:
+        return self._cut(super().finish())
+
+    def _cut(self, events: list[Event]) -> list[Event]:
+        if not self._stop:
+            return events
+        out: list[Event] = []
+        for event in events:
+            message, text, closed = event
+            if message.recipient is not None or message.channel == "analysis":
+                if self.stop_string is None or closed:
+                    out.append(event)
+                continue
+            if self._matching is None or self._matching[0] is not message:
+                self._matching = (message, TextState(self._stop))
+            state = self._matching[1]
+            if text and self.stop_string is None and state.add_text(text):
+                self.stop_string = state.stop_string
+            sent = state.pending(closed or self.stop_string is not None)
+            if sent:
+                out.append(Event(message, sent, False))
+            if closed:
+                out.append(event)
+        return out

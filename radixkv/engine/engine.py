@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from radixkv.config import EngineConfig
 from radixkv.engine.build import build_cache, build_guides, eos_token_ids, load_engine_model, resolve_batch_invariant
 from radixkv.engine.context import ContextLimit
+from radixkv.engine.detokenizer import ContentStops
 from radixkv.engine.invariants import check_page_accounting
 from radixkv.engine.keeps import Keeper, check_keeps
 from radixkv.engine.outputs import RequestBook
@@ -33,6 +34,7 @@ from radixkv.errors import InvalidRequest, QueueFull
 from radixkv.kv_events import start_kv_events
 from radixkv.model.device import resolve_device, resolve_dtype
 from radixkv.model.loader import LoadedModel
+from radixkv.prompts.harmony import harmony_tokens
 
 if TYPE_CHECKING:
     from radixkv.kv_events.recorder import KVEventRecorder
@@ -50,6 +52,7 @@ class Engine:
         self.model_config = model_config
         self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings, model_config.max_position_embeddings)
         self.eos_token_ids = eos_token_ids(loaded)
+        self.harmony = harmony_tokens(self.tokenizer)  # gpt-oss's markers: its chat replies' stops match their content
         cache = build_cache(config, loaded, self.device)
         self.kv_dtype, self.pool, self.hasher, self.tree, self.kv = cache.kv_dtype, cache.pool, cache.hasher, cache.tree, cache.kv
         self.windows = cache.windows  # the window layers' pages (layer groups), None for one group
@@ -134,6 +137,9 @@ class Engine:
             )
             for i in range(params.n)
         ]
+        if params.stop and params.stop_in_content and self.harmony is not None:
+            for seq in seqs:
+                seq.text_state.content = ContentStops(self.tokenizer, self.harmony, tuple(params.stop))
         if params.guide is not None:
             for seq in seqs:
                 seq.guide_state = self.guides.new_state(params.guide, guide_grammar)

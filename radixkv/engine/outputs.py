@@ -196,7 +196,10 @@ def _output(seqs: list[SequenceState]) -> RequestOutput:
     return RequestOutput(
         request_id=first.request_id,
         prompt_token_ids=first.prompt_token_ids,
-        outputs=[CompletionOutput(s.index, s.text, list(s.output_token_ids), s.finish_reason, list(s.output_logprobs)) for s in seqs],
+        outputs=[
+            CompletionOutput(s.index, s.text, list(s.output_token_ids), s.finish_reason, list(s.output_logprobs), stop_string=s.text_state.stop_string)
+            for s in seqs
+        ],
         num_prompt_tokens=len(first.prompt_token_ids),
         num_cached_tokens=max(s.num_cached_tokens for s in seqs),
         time_to_first_token_s=min(first_token_times) - first.arrival_time if first_token_times else None,

@@ -33,6 +33,7 @@ class CompletionOutput:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token when asked for
     # A reasoning model's chat reply (gpt-oss's analysis), split off `text` by LLM.chat; None otherwise.
     reasoning: str | None = None
+    stop_string: str | None = None  # the request's stop string that ended it, where one did
 
 
 @dataclass(slots=True)

@@ -61,6 +61,10 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    # A chat reply of a harmony model (gpt-oss): its stop strings match its content alone
+    # (engine/detokenizer.py ContentStops), never its headers, reasoning or calls. Other models
+    # and replies that do not read as harmony match the whole text as ever.
+    stop_in_content: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False  # run to max_tokens through end-of-sequence tokens (benchmark clients)
     # Neither an end-of-sequence token nor a stop token id is drawn before this many tokens

@@ -74,17 +74,17 @@ class Event(NamedTuple):
 _MAX_HELD_TOKENS = 4
 
 
-def split_reply(tokenizer: Any, marks: HarmonyTokens, token_ids: list[int]) -> tuple[str, str] | None:
+def split_reply(tokenizer: Any, marks: HarmonyTokens, token_ids: list[int], reader: HarmonyReader | None = None) -> tuple[str, str] | None:
     """A finished reply's (content, reasoning): `analysis` messages are reasoning, every other
     message's text is content (a message to a tool, its JSON included: a chat without tools has
-    no calls to make); None where the reply is not harmony (plain text, or nothing read)."""
-    reader = HarmonyReader(tokenizer, marks)
-    reader.feed(token_ids)
-    reader.finish()
+    no calls to make); None where the reply is not harmony (plain text, or nothing read). Read
+    by `reader` where given (one that cuts the content at a stop string), else a new one."""
+    reader = reader if reader is not None else HarmonyReader(tokenizer, marks)
+    events = reader.feed(token_ids) + reader.finish()
     if reader.plain or not reader.messages:
         return None
-    content = "".join(m.text for m in reader.messages if m.channel != "analysis")
-    return content, "".join(m.text for m in reader.messages if m.channel == "analysis")
+    content = "".join(e.text for e in events if e.message.channel != "analysis")
+    return content, "".join(e.text for e in events if e.message.channel == "analysis")
 
 
 class HarmonyReader:

@@ -7,7 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixkv.prompts.harmony import Event, HarmonyReader, HarmonyTokens, harmony_tokens
+from radixkv.engine.detokenizer import ContentStops
+from radixkv.prompts.harmony import Event, HarmonyTokens, harmony_tokens
 from radixkv.prompts.tools import MALFORMED, Tool, ToolChoice, loads_json
 from radixkv.server.tools import ToolCall, ToolCallStream, call_of, parse_reply
 
@@ -45,7 +46,9 @@ class ReplyFormat:
     reply) or `stream` (deltas) and never look at the format. In harmony `analysis` is
     reasoning, `final` (and `commentary` to no one) is content, and a message to
     `functions.<name>` is a call of that tool when its JSON is an object; a message to another
-    recipient, an unknown function or JSON that does not parse is content, as written."""
+    recipient, an unknown function or JSON that does not parse is content, as written. A
+    request's stop strings (`stop`) cut a harmony reply's content where the engine's
+    ContentStops ended it; a text reply comes cut by the engine already."""
 
     def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
@@ -57,15 +60,15 @@ class ReplyFormat:
         """Harmony's marker ids where the model speaks it (exact continuation reads them)."""
         return self._marks
 
-    def stream(self, tools: list[Tool], choice: ToolChoice) -> ReplyStream:
-        return ReplyStream(self._tokenizer, self._marks, tools, choice)
+    def stream(self, tools: list[Tool], choice: ToolChoice, stop: list[str] | None = None) -> ReplyStream:
+        return ReplyStream(self._tokenizer, self._marks, tools, choice, tuple(stop or ()))
 
-    def parse(self, text: str, token_ids: list[int], tools: list[Tool], choice: ToolChoice) -> Reply:
+    def parse(self, text: str, token_ids: list[int], tools: list[Tool], choice: ToolChoice, stop: list[str] | None = None) -> Reply:
         """A finished reply: its engine text (stop strings cut) and its ids."""
         if self._marks is None:
             content, calls = parse_reply(text, tools, choice) if tools and choice != "none" else (text, [])
             return Reply(content, None, calls)
-        stream = self.stream(tools, choice)
+        stream = self.stream(tools, choice, stop)
         whole = stream.feed(text, token_ids).add(stream.finish())
         content = whole.content if whole.content or not whole.calls else None
         return Reply(content, whole.reasoning or None, whole.calls, stream.reasoning_tokens)
@@ -73,11 +76,12 @@ class ReplyFormat:
 
 class ReplyStream:
     """A reply split as it streams; `feed` takes each delta's text and ids. Harmony's reasoning
-    and content pass through as decoded; a call is given whole when its message closes."""
+    and content pass through as decoded (content cut at a stop string, and a tail that could begin
+    one held back); a call is given whole when its message closes."""
 
-    def __init__(self, tokenizer: Any, marks: Any, tools: list[Tool], choice: ToolChoice) -> None:
+    def __init__(self, tokenizer: Any, marks: Any, tools: list[Tool], choice: ToolChoice, stop: tuple[str, ...] = ()) -> None:
         self._text = ToolCallStream(tools, choice)
-        self._reader = None if marks is None else HarmonyReader(tokenizer, marks)
+        self._reader = None if marks is None else ContentStops(tokenizer, marks, stop)
         self._names = {t.name for t in tools} if choice != "none" else set()
         self._undecided: list[str] = []  # engine text while the reader does not know the form
         self.num_calls = 0

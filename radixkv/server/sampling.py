@@ -45,6 +45,7 @@ def chat_params(body: ChatCompletionRequest, names: WireNames, guide: Guide | No
         top_p=body.top_p,
         seed=body.seed,
         stop=body.stop_list(),
+        stop_in_content=True,
         n=body.n,
         guide=guide,
         logprobs=body.num_logprobs(),
@@ -113,6 +114,7 @@ def messages_params(body: MessagesRequest, guide: JsonGuide | None = None) -> Sa
         top_p=body.top_p,
         top_k=body.top_k or 0,
         stop=list(body.stop_sequences or []),
+        stop_in_content=True,
         guide=guide,
     )
 
@@ -126,6 +128,7 @@ def _params(
     seed: int | None = None,
     top_k: int = 0,
     stop: list[str] | None = None,
+    stop_in_content: bool = False,
     n: int = 1,
     guide: Guide | None = None,
     logprobs: int | None = None,
@@ -143,6 +146,7 @@ def _params(
             top_k=top_k,
             seed=seed,
             stop=stop or [],
+            stop_in_content=stop_in_content,
             n=n,
             guide=guide,
             logprobs=logprobs,

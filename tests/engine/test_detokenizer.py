@@ -7,7 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixkv.engine.detokenizer import TextState, _suffix_prefix_overlap
+from radixkv.engine.detokenizer import ContentStops, TextState, _suffix_prefix_overlap
+from radixkv.prompts.harmony import harmony_tokens
+from tests.helpers.harmony import harmony_tokenizer
 from tests.helpers.tiny_models import tiny_tokenizer
 
 TOKENIZER = tiny_tokenizer()
@@ -92,3 +94,78 @@ def test_characters_split_across_tokens_still_wait_for_their_last_byte():
     token_ids = TOKENIZER("a€é€b" * 50, add_special_tokens=False).input_ids
     text = feed_ids(token_ids, TOKENIZER)
     assert text == TOKENIZER.decode(token_ids) and "\ufffd" not in text
+
+
+# -- a harmony chat reply: its stop strings match its content alone -------------------------
+
+HARMONY = harmony_tokenizer()
+MARKS = harmony_tokens(HARMONY)
+ANSWER = "The quick brown fox jumps over the lazy dog."
+REPLY = (  # reasoning, a message to a tool written as content (no tools), then the final answer
+    "<|channel|>analysis<|message|>The user wants the fox. Say jumps over, not final.<|end|>"
+    "<|start|>assistant<|channel|>final<|message|>" + ANSWER + "<|return|>"
+)
+
+
+def harmony_ids(text: str) -> list[int]:
+    return HARMONY(text, add_special_tokens=False).input_ids
+
+
+def read_cut(token_ids: list[int], stop: tuple[str, ...], cuts: list[int] = ()) -> tuple[ContentStops, list[tuple[str | None, str, bool]]]:
+    """ContentStops over token_ids fed in pieces at cuts, stopping where it says (as the engine
+    does); its events as (channel, text, closed)."""
+    reader, events = ContentStops(HARMONY, MARKS, stop), []
+    bounds = [0, *sorted({c for c in cuts if c <= len(token_ids)}), len(token_ids)]
+    for a, b in zip(bounds, bounds[1:]):
+        for token in token_ids[a:b]:
+            events += reader.feed([token])
+            if reader.stop_string is not None:
+                break
+        if reader.stop_string is not None:
+            break
+    events += reader.finish()
+    return reader, [(e.message.channel, e.text, e.closed) for e in events]
+
+
+def content(events: list[tuple[str | None, str, bool]]) -> str:
+    return "".join(text for channel, text, _ in events if channel != "analysis")
+
+
+@settings(max_examples=80, deadline=None)
+@given(start=st.integers(0, len(ANSWER) - 1), length=st.integers(1, 8), cuts=st.lists(st.integers(0, 80), max_size=6))
+def test_a_harmony_reply_is_cut_where_its_content_first_holds_a_stop_string(start: int, length: int, cuts: list[int]) -> None:
+    """Any piece of the final answer as the stop string: the content is the answer cut before
+    its first occurrence there, however the ids come, the reasoning whole; what was handed out
+    is never taken back (a tail that could begin the stop waits)."""
+    stop = ANSWER[start : start + length]
+    reader, events = read_cut(harmony_ids(REPLY), (stop, "zzz"), cuts)
+    assert reader.stop_string == stop
+    assert content(events) == ANSWER[: ANSWER.index(stop)]
+    assert "".join(t for c, t, _ in events if c == "analysis") == "The user wants the fox. Say jumps over, not final."
+
+
+@pytest.mark.parametrize("stop", ["final", "analysis", "assistant", "jumps over, not", "Paris"])
+def test_headers_reasoning_and_calls_never_stop_a_harmony_reply(stop: str) -> None:
+    """A stop string only in the headers, the reasoning or a call's JSON ends nothing: the whole
+    reply is read, its content whole (OpenAI's stop cuts the returned text, not reasoning)."""
+    call = '<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|end|>'
+    text = REPLY.replace("<|start|>assistant<|channel|>final", call + "<|start|>assistant<|channel|>final")
+    reader, events = read_cut(harmony_ids(text), (stop,))
+    assert reader.stop_string is None
+    assert content(events).endswith(ANSWER)
+
+
+def test_the_engine_ends_a_harmony_chat_reply_at_its_contents_stop_string_alone() -> None:
+    """TextState with ContentStops (SamplingParams.stop_in_content): ends on the token that
+    completes the stop string in the content, never earlier (the same string in the reasoning),
+    and never cuts its own text while the reply reads as harmony; a reply that does not read as
+    harmony (a guide's JSON) is matched and cut as any text."""
+    token_ids = harmony_ids(REPLY)
+    state = TextState(("jumps",), content=ContentStops(HARMONY, MARKS, ("jumps",)))
+    ended = next(k for k in range(1, len(token_ids) + 1) if state.append(HARMONY, token_ids[:k]))
+    assert HARMONY.decode(token_ids[:ended], skip_special_tokens=False).endswith("fox jumps")
+    assert state.stop_string == "jumps" and state.text.endswith("fox jumps")
+    plain = TextState(("b",), content=ContentStops(HARMONY, MARKS, ("b",)))
+    plain_ids = harmony_ids('{"a": "b"}')
+    assert next(k for k in range(1, len(plain_ids) + 1) if plain.append(HARMONY, plain_ids[:k])) <= len(plain_ids)
+    assert plain.text == '{"a": "' and plain.stop_string == "b"

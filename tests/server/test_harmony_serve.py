@@ -5,6 +5,7 @@ shape, streamed chat equals the whole reply, and the pages all come back."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -123,4 +124,39 @@ def test_reasoning_goes_out_and_comes_back_on_responses_and_messages(harmony_ser
         streamed = stream.get_final_message()
     assert {b.type for b in streamed.content} <= {"thinking", "text", "tool_use"}
     assert all(b.signature for b in streamed.content if b.type == "thinking")
+    harmony_server.assert_idle_and_consistent()
+
+
+def test_parallel_calls_render_each_result_after_its_call_on_every_api(harmony_server: LiveServer) -> None:
+    """A turn of two calls whose results come back in the other order, sent on each API through
+    its official client: every prompt is the one where each result follows its own call and
+    names its function (tests/prompts/test_harmony.py shows the text), and the pages come back."""
+    from radixkv.prompts.tools import Tool, encode_conversation
+
+    tools = [WEATHER, {"type": "function", "function": {"name": "get_time", "description": "The time now", "parameters": {"type": "object", "properties": {}}}}]
+    calls = [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+             {"id": "c2", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]  # fmt: skip
+    chat = [MESSAGES[1], {"role": "assistant", "content": None, "tool_calls": calls},
+            {"role": "tool", "tool_call_id": "c2", "content": "noon"}, {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]  # fmt: skip
+    records = [Tool(t["function"]["name"], t["function"]["description"], t["function"]["parameters"]) for t in tools]
+    expected = encode_conversation(harmony_server.async_engine.tokenizer, chat, records, "auto")
+    text = harmony_server.async_engine.tokenizer.decode(expected)
+    assert text.index('functions.get_weather to=assistant<|channel|>commentary<|message|>"sunny"') < text.index("to=functions.get_time<")
+
+    client = harmony_server.client()
+    assert client.chat.completions.create(model=MODEL, messages=chat, tools=tools, max_tokens=2).usage.prompt_tokens == len(expected)
+    items = [{"role": "user", "content": MESSAGES[1]["content"]}]
+    items += [{"type": "function_call", "call_id": c["id"], "name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in calls]
+    items += [{"type": "function_call_output", "call_id": m["tool_call_id"], "output": m["content"]} for m in chat[2:]]
+    flat = [{"type": "function", **t["function"]} for t in tools]
+    assert client.responses.create(model=MODEL, input=items, tools=flat, max_output_tokens=2).usage.input_tokens == len(expected)
+    claude = anthropic.Anthropic(base_url=harmony_server.base_url, api_key=KEY_A, max_retries=0, timeout=120)
+    uses = [{"type": "tool_use", "id": c["id"], "name": c["function"]["name"], "input": json.loads(c["function"]["arguments"])} for c in calls]
+    results = [{"type": "tool_result", "tool_use_id": m["tool_call_id"], "content": m["content"]} for m in chat[2:]]
+    message = claude.messages.create(
+        model=MODEL, max_tokens=2, messages=[MESSAGES[1], {"role": "assistant", "content": uses}, {"role": "user", "content": results}],
+        tools=[{"name": t["function"]["name"], "description": t["function"]["description"], "input_schema": t["function"]["parameters"]} for t in tools],
+    )
+    usage = message.usage
+    assert usage.input_tokens + (usage.cache_read_input_tokens or 0) + (usage.cache_creation_input_tokens or 0) == len(expected)
     harmony_server.assert_idle_and_consistent()

@@ -102,3 +102,37 @@ def test_misplaced_or_oversized_thinking_is_refused_naming_why() -> None:
     with pytest.raises(APIError) as caught:  # Anthropic's own floor on the budget
         parse_body(MessagesRequest, anthropic_body([TOOL_USE], thinking={"type": "enabled", "budget_tokens": 10}))
     assert "budget_tokens" in (caught.value.param or caught.value.message)
+
+
+TIME = Tool("get_time", "The time now", {"type": "object", "properties": {}})
+PARALLEL_RESULTS = [  # as rendered: each call then its own result, named after it
+    '<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}<|call|>'
+    '<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>"sunny"<|end|>'
+    "<|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>{}<|call|>"
+    '<|start|>functions.get_time to=assistant<|channel|>commentary<|message|>"noon"<|end|>'
+]
+
+
+def parallel_conversations() -> dict[str, tuple[list[dict], list[Tool]]]:
+    """One turn of two calls with its reasoning, the results back in the other order, on each API."""
+    chat = [USER, ChatMessage.model_validate({"role": "assistant", "content": None, "reasoning_content": "Call the tool.", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+        {"id": "c2", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]}).as_chat(),
+        {"role": "tool", "tool_call_id": "c2", "content": "noon"}, {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]  # fmt: skip
+    responses = responses_messages([USER, REASONING, CALL, {"type": "function_call", "call_id": "c2", "name": "get_time", "arguments": "{}"},
+                                    {"type": "function_call_output", "call_id": "c2", "output": "noon"}, OUTPUT])  # fmt: skip
+    body = json.loads(anthropic_body([THINKING, TOOL_USE, {"type": "tool_use", "id": "toolu_2", "name": "get_time", "input": {}}]))
+    body["messages"][2]["content"] = [{"type": "tool_result", "tool_use_id": "toolu_2", "content": "noon"}, body["messages"][2]["content"][0]]
+    body["tools"].append({"name": "get_time", "description": "The time now", "input_schema": TIME.parameters})
+    conv = anthropic_conversation.conversation(parse_body(MessagesRequest, json.dumps(body).encode()))
+    return {"chat": (chat, [WEATHER, TIME]), "responses": (responses, [WEATHER, TIME]), "messages": (conv.messages, conv.tools)}
+
+
+@pytest.mark.parametrize("api", ["chat", "responses", "messages"])
+def test_parallel_calls_results_each_name_their_own_call_on_every_api(api: str) -> None:
+    """gpt-oss's template names a tool result after the latest call: each result goes right
+    after its own call (paired by id, whatever order they came back in), the turn's reasoning
+    once before the first call, as a single call's is."""
+    messages, tools = parallel_conversations()[api]
+    text = render_conversation(TOKENIZER, messages, tools)
+    assert "<|start|>assistant<|channel|>analysis<|message|>Call the tool.<|end|>" + PARALLEL_RESULTS[0] in text

@@ -230,14 +230,8 @@ def _stop_reason(ctx: _Context, final: RequestOutput, has_calls: bool) -> tuple[
         return "tool_use", None
     if out.finish_reason == "length":
         return "max_tokens", None
-    stops = ctx.body.stop_sequences or []
-    if stops and out.token_ids and out.token_ids[-1] not in ctx.server.engine.eos_token_ids:
-        # The engine cut the text before a stop string; see which one follows it.
-        full = ctx.server.engine.tokenizer.decode(out.token_ids, skip_special_tokens=True)
-        tail = full[len(out.text):] if full.startswith(out.text) else full
-        matched = [s for s in stops if s in tail]
-        if matched:
-            return "stop_sequence", min(matched, key=tail.index)
+    if out.stop_string is not None:  # the engine ended it at this stop string
+        return "stop_sequence", out.stop_string
     return "end_turn", None
 
 
@@ -245,7 +239,7 @@ async def _message(ctx: _Context, final: RequestOutput) -> dict[str, Any]:
     ReplyCollector(ctx.server.replies, ctx.owner, ctx.salt).finished(final)
     ctx.answered()
     output = final.outputs[0]
-    reply = ctx.server.reply_format.parse(output.text, output.token_ids, ctx.conv.tools, ctx.conv.tool_choice)
+    reply = ctx.server.reply_format.parse(output.text, output.token_ids, ctx.conv.tools, ctx.conv.tool_choice, ctx.body.stop_sequences)
     calls = reply.calls
     # A reasoning model's reasoning goes out as a thinking block only where the body asks.
     content = _content(reply.content, calls, reply.reasoning if ctx.body.wants_thinking else None)
@@ -334,7 +328,7 @@ async def _events(ctx: _Context, streams: list[RequestStream]) -> AsyncIterator[
     message = {"id": ctx.message_id, "type": "message", "role": "assistant", "model": ctx.server.model_name,
                "content": [], "stop_reason": None, "stop_sequence": None,
                "usage": {"input_tokens": len(ctx.prompt), "output_tokens": 0}, **ctx.diagnostics_field()}
-    splitter = ctx.server.reply_format.stream(ctx.conv.tools, ctx.conv.tool_choice)
+    splitter = ctx.server.reply_format.stream(ctx.conv.tools, ctx.conv.tool_choice, ctx.body.stop_sequences)
     blocks, final, num_calls = _Blocks(), None, 0
     thinking = ctx.body.wants_thinking  # a reasoning model's reasoning streams as thinking blocks
     try:

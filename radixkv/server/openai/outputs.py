@@ -82,7 +82,7 @@ def _chat_choice(texts: TokenTexts, body: ChatCompletionRequest, output: Complet
 
 
 def chat_response(server: AppState, texts: TokenTexts, body: ChatCompletionRequest, tools: ChatTools, final: RequestOutput) -> ChatCompletion:
-    replies = [(o, tools.format.parse(o.text, o.token_ids, tools.tools, tools.choice)) for o in final.outputs]
+    replies = [(o, tools.format.parse(o.text, o.token_ids, tools.tools, tools.choice, body.stop_list())) for o in final.outputs]
     return ChatCompletion(
         id=new_id("chatcmpl"),
         created=now_s(),
@@ -124,7 +124,7 @@ class _ChatChoiceStream:
 
     def __init__(self, texts: TokenTexts, body: ChatCompletionRequest, tools: ChatTools, index: int) -> None:
         self._texts, self._body, self._index = texts, body, index
-        self._calls = tools.format.stream(tools.tools, tools.choice)
+        self._calls = tools.format.stream(tools.tools, tools.choice, body.stop_list())
 
     @property
     def reasoning_tokens(self) -> int:
@@ -195,6 +195,8 @@ async def completion_events(
         return _sse_data(payload, body.include_usage, report)
 
     def choice(i: int, c: CompletionDelta) -> list[CompletionChoice]:
+        if not c.text and not c.logprobs and c.finish_reason is None:
+            return []  # ids that decode to nothing yet: a completion sends text alone
         index = i * n + c.index
         logprobs = None
         if body.logprobs is not None:
@@ -247,8 +249,9 @@ async def text_events(
             async for i, delta in merged:
                 if any(c.finish_reason == "abort" for c in delta.completions):
                     raise APIError(503, "the request was aborted", type="server_error", code="aborted")
+                # Ids without text too: a harmony reply's markers decode to nothing, and chat reads them.
                 per_completion = [
-                    choice(i, c) for c in delta.completions if c.text or c.logprobs or c.finish_reason is not None
+                    choice(i, c) for c in delta.completions if c.text or c.token_ids or c.logprobs or c.finish_reason is not None
                 ]
                 for k in range(max(map(len, per_completion), default=0)):
                     yield chunk([choices[k] for choices in per_completion if k < len(choices)])
