@@ -109,14 +109,14 @@ class LLM:
         the same model and directory starts warm. A no-op without a disk tier."""
         self.engine.close()
 
-    def _split_channels(self, output: RequestOutput, params: SamplingParams) -> None:
+    def _split_channels(self, output: RequestOutput, stop: Sequence[str] = ()) -> None:
         """A harmony model's chat reply: content in `text` (cut at a stop string as the engine
         ended it), analysis in `reasoning` (the engine's text has the markers dropped and the
         channels run together); ids left as generated."""
         if self._harmony is None:
             return
         for choice in output.outputs:
-            reader = ContentStops(self.tokenizer, self._harmony, tuple(params.stop))
+            reader = ContentStops(self.tokenizer, self._harmony, tuple(stop))
             split = split_reply(self.tokenizer, self._harmony, choice.token_ids, reader)
             if split is not None:
                 choice.text, choice.reasoning = split[0], split[1] or None
@@ -147,7 +147,7 @@ class LLM:
             results[i] = output
             if chats is not None and chats[i]:
                 self.remember(output, salt=salt)
-                self._split_channels(output, params[i])
+                self._split_channels(output, params[i].stop)
 
         ref = SessionRef(None, session) if session is not None else None  # in-process callers are one owner
         run_to_completion(self.engine, token_lists, params, salt=salt, on_finished=finished, session=ref, keeps=keeps)
