@@ -113,3 +113,4 @@ def test_llm_chat_cuts_the_final_answer_too(tmp_path) -> None:
     out = llm.chat(MESSAGES, SamplingParams(max_tokens=32, stop=["jumps"]))[0].outputs[0]
     assert (out.text, out.finish_reason, out.stop_string, len(out.token_ids)) == ("The quick brown fox ", "stop", "jumps", 10)
     assert llm.chat(MESSAGES, SamplingParams(max_tokens=32, stop=["final"]))[0].outputs[0].text == ANSWER
+    llm.engine.close()
