@@ -127,10 +127,10 @@ def test_reasoning_goes_out_and_comes_back_on_responses_and_messages(harmony_ser
     harmony_server.assert_idle_and_consistent()
 
 
-def test_parallel_calls_render_each_result_after_its_call_on_every_api(harmony_server: LiveServer) -> None:
+def test_parallel_calls_results_name_their_own_calls_on_every_api(harmony_server: LiveServer) -> None:
     """A turn of two calls whose results come back in the other order, sent on each API through
-    its official client: every prompt is the one where each result follows its own call and
-    names its function (tests/prompts/test_harmony.py shows the text), and the pages come back."""
+    its official client: every prompt is the one where each result names its own call's function
+    (paired by id; tests/server/test_reasoning_handback.py shows the text), and the pages come back."""
     from radixkv.prompts.tools import Tool, encode_conversation
 
     tools = [WEATHER, {"type": "function", "function": {"name": "get_time", "description": "The time now", "parameters": {"type": "object", "properties": {}}}}]
@@ -141,7 +141,7 @@ def test_parallel_calls_render_each_result_after_its_call_on_every_api(harmony_s
     records = [Tool(t["function"]["name"], t["function"]["description"], t["function"]["parameters"]) for t in tools]
     expected = encode_conversation(harmony_server.async_engine.tokenizer, chat, records, "auto")
     text = harmony_server.async_engine.tokenizer.decode(expected)
-    assert text.index('functions.get_weather to=assistant<|channel|>commentary<|message|>"sunny"') < text.index("to=functions.get_time<")
+    assert "<|start|>functions.get_time to=assistant<|channel|>commentary<|message|>noon<|end|><|start|>functions.get_weather to=assistant" in text
 
     client = harmony_server.client()
     assert client.chat.completions.create(model=MODEL, messages=chat, tools=tools, max_tokens=2).usage.prompt_tokens == len(expected)

@@ -105,12 +105,12 @@ def test_misplaced_or_oversized_thinking_is_refused_naming_why() -> None:
 
 
 TIME = Tool("get_time", "The time now", {"type": "object", "properties": {}})
-PARALLEL_RESULTS = [  # as rendered: each call then its own result, named after it
-    '<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}<|call|>'
-    '<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>"sunny"<|end|>'
-    "<|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>{}<|call|>"
-    '<|start|>functions.get_time to=assistant<|channel|>commentary<|message|>"noon"<|end|>'
-]
+PARALLEL = (  # the calls, then the results as they came back, each named after its own call
+    '<|start|>assistant to=functions.get_weather<|channel|>commentary <|constrain|>json<|message|>{"city": "Paris"}<|call|>'
+    "<|start|>assistant to=functions.get_time<|channel|>commentary <|constrain|>json<|message|>{}<|call|>"
+    "<|start|>functions.get_time to=assistant<|channel|>commentary<|message|>noon<|end|>"
+    "<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>sunny<|end|>"
+)
 
 
 def parallel_conversations() -> dict[str, tuple[list[dict], list[Tool]]]:
@@ -130,9 +130,9 @@ def parallel_conversations() -> dict[str, tuple[list[dict], list[Tool]]]:
 
 @pytest.mark.parametrize("api", ["chat", "responses", "messages"])
 def test_parallel_calls_results_each_name_their_own_call_on_every_api(api: str) -> None:
-    """gpt-oss's template names a tool result after the latest call: each result goes right
-    after its own call (paired by id, whatever order they came back in), the turn's reasoning
-    once before the first call, as a single call's is."""
+    """Each result names its own call's function (paired by id, whatever order the results came
+    back in: not the latest call's, as gpt-oss's template would), the turn's reasoning once
+    before the first call, as a single call's is."""
     messages, tools = parallel_conversations()[api]
     text = render_conversation(TOKENIZER, messages, tools)
-    assert "<|start|>assistant<|channel|>analysis<|message|>Call the tool.<|end|>" + PARALLEL_RESULTS[0] in text
+    assert "<|start|>assistant<|channel|>analysis<|message|>Call the tool.<|end|>" + PARALLEL in text
