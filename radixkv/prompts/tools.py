@@ -163,12 +163,13 @@ def _harmony_message(message: dict, calls: list[dict]) -> dict:
     return out
 
 
-def normalize_messages(messages: list[dict]) -> list[dict]:
-    """Messages as templates print them: content as text, tool calls as plain dicts."""
-    return [_normalize(m, i) for i, m in enumerate(messages)]
+def normalize_messages(messages: list[dict], *, argument_text: bool = True) -> list[dict]:
+    """Messages as templates print them: content as text, tool calls as plain dicts (with the
+    client's own arguments string as well, unless `argument_text` is off: only harmony prints it)."""
+    return [_normalize(m, i, argument_text) for i, m in enumerate(messages)]
 
 
-def _normalize(message: Mapping[str, Any], index: int) -> dict:
+def _normalize(message: Mapping[str, Any], index: int, argument_text: bool) -> dict:
     """Content as text (templates print it as a string); tool calls as plain dicts."""
     if not isinstance(message, Mapping):
         raise InvalidRequest(f"messages[{index}] must be an object", param="messages")
@@ -177,7 +178,7 @@ def _normalize(message: Mapping[str, Any], index: int) -> dict:
         raise InvalidRequest(f"messages[{index}].role {role!r} is not a known role", param="messages")
     out: dict[str, Any] = {"role": role, "content": _text(message.get("content"), index)}
     if role == "assistant" and message.get("tool_calls"):
-        out["tool_calls"] = [_history_call(c, index) for c in message["tool_calls"]]
+        out["tool_calls"] = [_history_call(c, index, argument_text) for c in message["tool_calls"]]
     if role == "assistant" and isinstance(reasoning := message.get("reasoning_content"), str) and reasoning:
         # The reply's reasoning handed back (chat's reasoning_content, a Responses reasoning
         # item, an Anthropic thinking block): templates that know the key (Qwen3's) print it
@@ -200,13 +201,16 @@ def _text(content: Any, index: int) -> str:
     raise InvalidRequest(f"messages[{index}].content must be a string or a list of text parts", param="messages")
 
 
-def _history_call(raw: Any, index: int) -> dict:
+def _history_call(raw: Any, index: int, argument_text: bool) -> dict:
     spec = raw.get("function", raw) if isinstance(raw, Mapping) else None
     if not isinstance(spec, Mapping) or not isinstance(spec.get("name"), str):
         raise InvalidRequest(f"messages[{index}].tool_calls: every call needs a function name", param="messages")
     function = {"name": spec["name"], "arguments": _args_object(spec.get("arguments"))}
-    if isinstance(spec.get("arguments"), str):  # harmony replays a call's text exactly as the model wrote it
-        function["arguments_text"] = spec["arguments"]
+    # Harmony replays a call's text exactly as the model wrote it; kept through a second
+    # normalization (a normalized call's arguments are an object by then).
+    text = spec.get("arguments_text", spec.get("arguments"))
+    if argument_text and isinstance(text, str):
+        function["arguments_text"] = text
     return {"id": str(raw.get("id") or ""), "type": "function", "function": function}
 
 

@@ -85,11 +85,13 @@ class Digester:
     def fingerprint(
         self, *, model: str, salt: str | None, system: str | None, tools: list[dict[str, Any]], options: Any,
         messages: list[dict[str, Any]], num_prompt_tokens: int, token_ids: list[int] | None = None,
+        argument_text: bool = False,
     ) -> PromptFingerprint:
         # The messages as the template is given them: what renders the same ids digests alike
-        # (a content array of text parts or its string, a call's arguments in other spacing).
+        # (a content array of text parts or its string, a call's arguments in other spacing
+        # unless the format prints the arguments as sent: `argument_text`, harmony's).
         try:
-            messages = normalize_messages(messages)
+            messages = normalize_messages(messages, argument_text=argument_text)
         except InvalidRequest:
             pass  # never rendered: compared as sent
         drift = prompt_drift.drift_digests(self.of, system=system, tools=tools, messages=messages, token_ids=token_ids or ())

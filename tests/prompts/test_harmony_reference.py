@@ -179,3 +179,12 @@ def test_nested_objects_and_unions_indent_as_harmony_indents_them():
     assert schema_type({"type": "object", "properties": {"lat": {"type": "number"}}}, "    ") == "{\n    lat?: number,\n    }"
     tool = Tool("f", "nested", schema)
     assert render_conversation(TOKENIZER, [{"role": "user", "content": "Hi"}], [tool]) == reference([H.Message.from_role_and_content(H.Role.USER, "Hi")], [tool], None)
+
+
+def test_a_call_keeps_its_text_through_a_second_normalization() -> None:
+    from radixkv.prompts.tools import normalize_messages
+
+    sent = [{"role": "assistant", "content": "", "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"a":  1}'}}]}]
+    once = normalize_messages(sent)
+    assert normalize_messages(once) == once and once[0]["tool_calls"][0]["function"]["arguments_text"] == '{"a":  1}'
+    assert "arguments_text" not in normalize_messages(sent, argument_text=False)[0]["tool_calls"][0]["function"]
