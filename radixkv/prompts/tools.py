@@ -100,7 +100,7 @@ def _cut(messages: list[dict], prefix: list[dict]) -> tuple[int, str | None] | N
     if not 0 <= k < len(messages) or prefix[:k] != messages[:k]:
         return None
     try:
-        whole, cut = _normalize(messages[k], k), _normalize(prefix[k], k)
+        whole, cut = _normalize(messages[k], k, True), _normalize(prefix[k], k, True)
     except InvalidRequest:
         return None
     if cut == whole:
