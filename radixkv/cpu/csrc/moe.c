@@ -328,13 +328,20 @@ static inline __m128 halve8x4(__m512 m01, __m512 m23) {
     return halve4x4(_mm512_add_ps(_mm512_shuffle_f32x4(m01, m23, 0x88), _mm512_shuffle_f32x4(m01, m23, 0xDD)));
 }
 
+/* Part sb of parts of [ahead, ahead + span) prefetched (ahead NULL: none): rows read four at a
+ * time are four interleaved streams, which the hardware prefetchers follow poorly. */
+static inline void prefetch_part(const uint8_t *ahead, int64_t span, int sb, int parts) {
+    if (!ahead) return;
+    for (int64_t at = span * sb / parts & ~(int64_t)63; at < span * (sb + 1) / parts; at += 64) _mm_prefetch((const char *)(ahead + at), _MM_HINT_T1);
+}
+
 /* Four Q4_K rows (rows[i], repeats allowed) times x row r, in the header's lanes: out[i], the
  * scalar loop's bits. The rows share x's loads, their 12 scale bytes are unpacked together in
  * vector registers, their mins go two rows a register, and the sums are halved four at once.
  * Each step's 64 quants times x in pairs (vpmaddubsw, 16-bit lanes), times each pair's scale
  * and summed into the 32-bit lanes (vpdpwssd): 32-bit lane l of step i holds its values 4l to
  * 4l + 3; steps (0, 1) and (2, 3) sum apart and then together (exact integers, shorter chains). */
-static void q4_k_dot4_zmm(const uint8_t *const rows[4], const QX *x, int64_t r, float out[4]) {
+static void q4_k_dot4_zmm(const uint8_t *const rows[4], const QX *x, int64_t r, const uint8_t *ahead, int64_t span, float out[4]) {
     const int8_t *xq = x->kqp + r * x->k;
     const float *xs = x->ks + r * x->nsb;
     const int32_t *sum32 = x->ksum32 + r * (x->k / MBLOCK);
@@ -358,6 +365,7 @@ static void q4_k_dot4_zmm(const uint8_t *const rows[4], const QX *x, int64_t r, 
     for (int sb = 0; sb < x->nsb; sb++) {
         const int64_t at = (int64_t)sb * 144;
         const int8_t *xb = xq + sb * KBLOCK;
+        prefetch_part(ahead, span, sb, x->nsb);
         __m512i head = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(rows[0] + at)));
         head = _mm512_inserti32x4(head, _mm_loadu_si128((const __m128i *)(rows[1] + at)), 1);
         head = _mm512_inserti32x4(head, _mm_loadu_si128((const __m128i *)(rows[2] + at)), 2);
@@ -401,7 +409,7 @@ static void q4_k_dot4_zmm(const uint8_t *const rows[4], const QX *x, int64_t r, 
 
 /* Four Q6_K rows times x row r, in the header's lanes: out[i], the scalar loop's bits (x's
  * loads shared, the sums halved four at once, as q4_k_dot4_zmm). */
-static void q6_k_dot4_zmm(const uint8_t *const rows[4], const QX *x, int64_t r, float out[4]) {
+static void q6_k_dot4_zmm(const uint8_t *const rows[4], const QX *x, int64_t r, const uint8_t *ahead, int64_t span, float out[4]) {
     const int8_t *xq = x->kq + r * x->k;
     const float *xs = x->ks + r * x->nsb;
     const int16_t *pairs = x->kpair + r * (x->k / 2);
@@ -415,6 +423,7 @@ static void q6_k_dot4_zmm(const uint8_t *const rows[4], const QX *x, int64_t r, 
     for (int sb = 0; sb < x->nsb; sb++) {
         const int64_t at = (int64_t)sb * 210;
         const int8_t *xb = xq + sb * KBLOCK;
+        prefetch_part(ahead, span, sb, x->nsb);
         const int16_t *xp = pairs + sb * (KBLOCK / 2);
         uint16_t d[4];
         for (int i = 0; i < 4; i++) memcpy(&d[i], rows[i] + at + 208, 2);
@@ -641,9 +650,12 @@ static int grouped_items(const Matrix *mats, int count, const QX *qx, const int3
                         const int count4 = o0 + live - o < 4 ? o0 + live - o : 4;
                         const uint8_t *rows4[4];
                         for (int i = 0; i < 4; i++) rows4[i] = expert + (int64_t)(i < count4 ? o + i : o) * row_bytes;
+                        /* the rows four groups on, into L2 (past an expert's last: unused lines, no fault) */
+                        const uint8_t *ahead = expert + (int64_t)(o + 16) * row_bytes;
                         for (int p = offsets[g]; p < offsets[g + 1]; p++) {
                             float out4[4];
-                            (type == T_Q4_K ? q4_k_dot4_zmm : q6_k_dot4_zmm)(rows4, qx, x_rows[p], out4);
+                            (type == T_Q4_K ? q4_k_dot4_zmm : q6_k_dot4_zmm)(rows4, qx, x_rows[p], p == offsets[g] ? ahead : NULL,
+                                                                               4 * row_bytes, out4);
                             memcpy(y + (int64_t)p * y_stride + o, out4, (size_t)count4 * sizeof(float));
                         }
                     }
