@@ -2,11 +2,11 @@
  * y = x W_e^T for the rows of x routed to it, W_e read in place from the stacked experts tensor
  * (a memory map of the file), in tiles of 8 rows, each row read once a call and multiplied with
  * every routed token, so an expert's bytes are read once a step however many tokens picked it.
- * Q4_K and Q6_K rows are read straight from their blocks into 512-bit lanes, four rows at a time
- * (q4_k_dot4_zmm);
- * Q8_0 tiles take their quants from the blocks (only scales are decoded); the other types, and
- * tails of fewer than 8 rows, decode a row into a buffer first. A decode step's one token takes
- * radixkv_moe_row_gate_up and radixkv_moe_row_down: the same items, and the weighted sum.
+ * Q4_K and Q6_K rows are read straight from their blocks into 512-bit lanes, four rows at a time,
+ * prefetching the rows ahead (q4_k_dot4_zmm); Q8_0 tiles take their quants from the blocks (only
+ * scales are decoded); the other types, and tails of fewer than 8 rows, decode a row into a
+ * buffer first. A decode step's one token takes radixkv_moe_row_gate_up and radixkv_moe_row_down:
+ * the same items, and the weighted sum.
  *
  * Arithmetic (cpu/moe.py's torch_block_linear computes the same bits). Blocks of 32 types (Q8_0,
  * Q4_0, Q4_1, Q5_0): x is quantized per row and block of 32 as quant_linear.c does (scale =
@@ -25,7 +25,9 @@
  * sx) * float(mn_j * sum xq over sub-block j), halved 8 -> 1, and y = dot - mins.
  * The integers are exact in fp32 and fit int32: Q4_K |L| <= 16 values x 15 x 127 x 63 = 1.92M,
  * |mn_j * sum| <= 63 x 32 x 127 = 256K; Q6_K |L| <= 16 x 32 x 127 x 128 = 8.3M (all < 2^24);
- * the 16-bit pair sums below stay inside int16.
+ * the 16-bit pair sums below stay inside int16, and so do a min (<= 63) and a sum of 32 xq
+ * (|sum| <= 4064), the factors of the mins' vpmaddwd. Being exact, a super-block's integers may
+ * be summed in any order (the vector paths sum its steps in two chains); the fp steps may not.
  * No fused multiply-adds (-std=c11 turns contraction off): the order is the result.
  *
  * Integer dot products: w is decoded to unsigned bytes u with w = u - offset (Q8_0: 128, Q5_0:
@@ -328,11 +330,13 @@ static inline __m128 halve8x4(__m512 m01, __m512 m23) {
     return halve4x4(_mm512_add_ps(_mm512_shuffle_f32x4(m01, m23, 0x88), _mm512_shuffle_f32x4(m01, m23, 0xDD)));
 }
 
-/* Part sb of parts of [ahead, ahead + span) prefetched (ahead NULL: none): rows read four at a
- * time are four interleaved streams, which the hardware prefetchers follow poorly. */
-static inline void prefetch_part(const uint8_t *ahead, int64_t span, int sb, int parts) {
+/* Part sb, of `part` bytes (whole cache lines), of [ahead, ahead + span) prefetched into L2
+ * (ahead NULL: none): rows read four at a time are four interleaved streams, which the
+ * hardware prefetchers follow poorly. */
+static inline void prefetch_part(const uint8_t *ahead, int64_t span, int64_t part, int sb) {
     if (!ahead) return;
-    for (int64_t at = span * sb / parts & ~(int64_t)63; at < span * (sb + 1) / parts; at += 64) _mm_prefetch((const char *)(ahead + at), _MM_HINT_T1);
+    const int64_t end = (sb + 1) * part < span ? (sb + 1) * part : span;
+    for (int64_t at = sb * part; at < end; at += 64) _mm_prefetch((const char *)(ahead + at), _MM_HINT_T1);
 }
 
 /* Four Q4_K rows (rows[i], repeats allowed) times x row r, in the header's lanes: out[i], the
@@ -353,7 +357,8 @@ static void q4_k_dot4_zmm(const uint8_t *const rows[4], const QX *x, int64_t r, 
     /* The 16 header bytes (d, dmin, packed a[4] b[4] c[4]) -> sc0-7, mn0-7 (q4_k_unpack): a c b c
      * (low 6 bits of a and b; c's low and high nibbles) and 0 a 0 b (the top 2 bits of a and b) */
     const __m512i spread = _mm512_broadcast_i32x4(_mm_setr_epi8(4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15));
-    const __m512i spread_top = _mm512_broadcast_i32x4(_mm_setr_epi8(-128, -128, -128, -128, 4, 5, 6, 7, -128, -128, -128, -128, 8, 9, 10, 11));
+    const __m512i spread_top =
+        _mm512_broadcast_i32x4(_mm_setr_epi8(-128, -128, -128, -128, 4, 5, 6, 7, -128, -128, -128, -128, 8, 9, 10, 11));
     const __m512i low = _mm512_broadcast_i32x4(_mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0));
     const __m512i high = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15));
     const __m512i fields = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0); /* each row's d, dmin */
@@ -362,10 +367,11 @@ static void q4_k_dot4_zmm(const uint8_t *const rows[4], const QX *x, int64_t r, 
     const __m512i dmin23 = _mm512_setr_epi32(5, 5, 5, 5, 5, 5, 5, 5, 7, 7, 7, 7, 7, 7, 7, 7);
     __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
     __m512 macc01 = _mm512_setzero_ps(), macc23 = _mm512_setzero_ps();
+    const int64_t part = (span / x->nsb + 63) & ~(int64_t)63;
     for (int sb = 0; sb < x->nsb; sb++) {
         const int64_t at = (int64_t)sb * 144;
         const int8_t *xb = xq + sb * KBLOCK;
-        prefetch_part(ahead, span, sb, x->nsb);
+        prefetch_part(ahead, span, part, sb);
         __m512i head = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(rows[0] + at)));
         head = _mm512_inserti32x4(head, _mm_loadu_si128((const __m128i *)(rows[1] + at)), 1);
         head = _mm512_inserti32x4(head, _mm_loadu_si128((const __m128i *)(rows[2] + at)), 2);
@@ -420,10 +426,11 @@ static void q6_k_dot4_zmm(const uint8_t *const rows[4], const QX *x, int64_t r, 
      * the 8 in half h broadcast to every 128-bit lane: bytes (2s, 2s + 1) for s = 4j + t */
     const __m512i pick[2] = {lanes4(0x0100, 0x0302, 0x0504, 0x0706), lanes4(0x0908, 0x0B0A, 0x0D0C, 0x0F0E)};
     __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    const int64_t part = (span / x->nsb + 63) & ~(int64_t)63;
     for (int sb = 0; sb < x->nsb; sb++) {
         const int64_t at = (int64_t)sb * 210;
         const int8_t *xb = xq + sb * KBLOCK;
-        prefetch_part(ahead, span, sb, x->nsb);
+        prefetch_part(ahead, span, part, sb);
         const int16_t *xp = pairs + sb * (KBLOCK / 2);
         uint16_t d[4];
         for (int i = 0; i < 4; i++) memcpy(&d[i], rows[i] + at + 208, 2);
