@@ -2,10 +2,11 @@
  * y = x W_e^T for the rows of x routed to it, W_e read in place from the stacked experts tensor
  * (a memory map of the file), in tiles of 8 rows, each row read once a call and multiplied with
  * every routed token, so an expert's bytes are read once a step however many tokens picked it.
- * Q4_K and Q6_K rows are read straight from their blocks into 512-bit lanes (q4_k_dot_zmm);
- * Q8_0 tiles take their quants from the blocks (only scales are decoded); the other types, and
- * tails of fewer than 8 rows, decode a row into a buffer first. A decode step's one token takes
- * radixkv_moe_row_gate_up and radixkv_moe_row_down: the same items, and the weighted sum.
+ * Q4_K and Q6_K rows are read straight from their blocks into 512-bit lanes, four rows at a time,
+ * prefetching the rows ahead (q4_k_dot4_zmm); Q8_0 tiles take their quants from the blocks (only
+ * scales are decoded); the other types, and tails of fewer than 8 rows, decode a row into a
+ * buffer first. A decode step's one token takes radixkv_moe_row_gate_up and radixkv_moe_row_down:
+ * the same items, and the weighted sum.
  *
  * Arithmetic (cpu/moe.py's torch_block_linear computes the same bits). Blocks of 32 types (Q8_0,
  * Q4_0, Q4_1, Q5_0): x is quantized per row and block of 32 as quant_linear.c does (scale =
@@ -24,7 +25,9 @@
  * sx) * float(mn_j * sum xq over sub-block j), halved 8 -> 1, and y = dot - mins.
  * The integers are exact in fp32 and fit int32: Q4_K |L| <= 16 values x 15 x 127 x 63 = 1.92M,
  * |mn_j * sum| <= 63 x 32 x 127 = 256K; Q6_K |L| <= 16 x 32 x 127 x 128 = 8.3M (all < 2^24);
- * the 16-bit pair sums below stay inside int16.
+ * the 16-bit pair sums below stay inside int16, and so do a min (<= 63) and a sum of 32 xq
+ * (|sum| <= 4064), the factors of the mins' vpmaddwd. Being exact, a super-block's integers may
+ * be summed in any order (the vector paths sum its steps in two chains); the fp steps may not.
  * No fused multiply-adds (-std=c11 turns contraction off): the order is the result.
  *
  * Integer dot products: w is decoded to unsigned bytes u with w = u - offset (Q8_0: 128, Q5_0:
@@ -297,24 +300,6 @@ static float q6_k_dot_scalar(const uint8_t *raw, const QX *x, int64_t r) {
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-/* Q4_K's 8 sub-block scales and 8 mins (6 bits each) of a super-block's 12 bytes, as bytes 0-7
- * and 8-15 (llama.cpp's unpacking), built in a register (no store then wider load). */
-static inline __m128i q4_k_scales(const uint8_t *packed) {
-    uint32_t a[3];
-    memcpy(a, packed, 12);
-    return _mm_set_epi32((int)(((a[2] >> 4) & 0x0F0F0F0Fu) | (((a[1] >> 6) & 0x03030303u) << 4)), (int)(a[1] & 0x3F3F3F3Fu),
-                         (int)((a[2] & 0x0F0F0F0Fu) | (((a[0] >> 6) & 0x03030303u) << 4)), (int)(a[0] & 0x3F3F3F3Fu));
-}
-
-/* reduce_lanes's halvings, in registers. */
-static inline float halve8(__m256 v) {
-    const __m128 four = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
-    return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
-}
-
-static inline float halve16(__m512 v) { return halve8(_mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1))); }
-
 /* A vpshufb mask whose 128-bit lane i holds the 16-bit value v_i in every 16-bit lane. */
 static inline __m512i lanes4(uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
     a *= 0x10001u, b *= 0x10001u, c *= 0x10001u, d *= 0x10001u;
@@ -322,48 +307,115 @@ static inline __m512i lanes4(uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
                             (int)a, (int)a, (int)a, (int)a);
 }
 
-/* The same lanes in zmm registers, quants read straight from the row's blocks: a step's 64
- * quants times x in pairs (vpmaddubsw, 16-bit lanes), times each pair's scale and summed into
- * the 32-bit lanes (vpdpwssd): 32-bit lane l of step i holds its values 4l to 4l + 3. */
-static float q4_k_dot_zmm(const uint8_t *raw, const QX *x, int64_t r) {
+/* The last two halvings (4 -> 2 -> 1) in each 128-bit lane of c: element 0 of lane i holds
+ * (c0 + c2) + (c1 + c3) of that lane, reduce_lanes's order (a float sum is commutative). */
+static inline __m128 halve4x4(__m512 c) {
+    const __m512 two = _mm512_add_ps(c, _mm512_permute_ps(c, _MM_SHUFFLE(1, 0, 3, 2)));
+    const __m512 one = _mm512_add_ps(two, _mm512_permute_ps(two, _MM_SHUFFLE(2, 3, 0, 1)));
+    return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), one));
+}
+
+/* Four rows' 16 lanes halved 16 -> 1 (reduce_lanes's tree) together: row i's sum in element i.
+ * Each halving takes the four rows' lanes in one register, so 4 rows cost one row's steps. */
+static inline __m128 halve16x4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+    /* 16 -> 8: rows (0, 1) and (2, 3) side by side, lanes i and i + 8 added */
+    const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(a0, a1, 0x44), _mm512_shuffle_f32x4(a0, a1, 0xEE));
+    const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(a2, a3, 0x44), _mm512_shuffle_f32x4(a2, a3, 0xEE));
+    /* 8 -> 4: 128-bit lane i row i, lanes i and i + 4 added */
+    return halve4x4(_mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, 0x88), _mm512_shuffle_f32x4(s01, s23, 0xDD)));
+}
+
+/* Four rows' 8 lanes (rows 0, 1 in m01's halves, 2, 3 in m23's) halved 8 -> 1: row i's in element i. */
+static inline __m128 halve8x4(__m512 m01, __m512 m23) {
+    return halve4x4(_mm512_add_ps(_mm512_shuffle_f32x4(m01, m23, 0x88), _mm512_shuffle_f32x4(m01, m23, 0xDD)));
+}
+
+/* Part sb, of `part` bytes (whole cache lines), of [ahead, ahead + span) prefetched into L2
+ * (ahead NULL: none): rows read four at a time are four interleaved streams, which the
+ * hardware prefetchers follow poorly. */
+static inline void prefetch_part(const uint8_t *ahead, int64_t span, int64_t part, int sb) {
+    if (!ahead) return;
+    const int64_t end = (sb + 1) * part < span ? (sb + 1) * part : span;
+    for (int64_t at = sb * part; at < end; at += 64) _mm_prefetch((const char *)(ahead + at), _MM_HINT_T1);
+}
+
+/* Four Q4_K rows (rows[i], repeats allowed) times x row r, in the header's lanes: out[i], the
+ * scalar loop's bits. The rows share x's loads, their 12 scale bytes are unpacked together in
+ * vector registers, their mins go two rows a register, and the sums are halved four at once.
+ * Each step's 64 quants times x in pairs (vpmaddubsw, 16-bit lanes), times each pair's scale
+ * and summed into the 32-bit lanes (vpdpwssd): 32-bit lane l of step i holds its values 4l to
+ * 4l + 3; steps (0, 1) and (2, 3) sum apart and then together (exact integers, shorter chains). */
+static void q4_k_dot4_zmm(const uint8_t *const rows[4], const QX *x, int64_t r, const uint8_t *ahead, int64_t span, float out[4]) {
     const int8_t *xq = x->kqp + r * x->k;
     const float *xs = x->ks + r * x->nsb;
     const int32_t *sum32 = x->ksum32 + r * (x->k / MBLOCK);
-    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    const __m512i nibble = _mm512_set1_epi8(0x0F), top2 = _mm512_set1_epi8(0x30);
     /* step i = 2c + j takes sub-blocks 4c + j (lanes 0-7) and 4c + j + 2 (8-15): each 16-bit
      * lane their scale byte, zero-extended (0x80 picks a zero) */
     const __m512i pick[4] = {lanes4(0x8000, 0x8000, 0x8002, 0x8002), lanes4(0x8001, 0x8001, 0x8003, 0x8003),
                              lanes4(0x8004, 0x8004, 0x8006, 0x8006), lanes4(0x8005, 0x8005, 0x8007, 0x8007)};
-    __m512 acc = _mm512_setzero_ps();
-    __m256 macc = _mm256_setzero_ps();
+    /* The 16 header bytes (d, dmin, packed a[4] b[4] c[4]) -> sc0-7, mn0-7 (q4_k_unpack): a c b c
+     * (low 6 bits of a and b; c's low and high nibbles) and 0 a 0 b (the top 2 bits of a and b) */
+    const __m512i spread = _mm512_broadcast_i32x4(_mm_setr_epi8(4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15));
+    const __m512i spread_top =
+        _mm512_broadcast_i32x4(_mm_setr_epi8(-128, -128, -128, -128, 4, 5, 6, 7, -128, -128, -128, -128, 8, 9, 10, 11));
+    const __m512i low = _mm512_broadcast_i32x4(_mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0));
+    const __m512i high = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15));
+    const __m512i fields = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0); /* each row's d, dmin */
+    const __m512i mins = _mm512_setr_epi64(1, 3, 5, 7, 0, 0, 0, 0);                            /* each row's mn bytes */
+    const __m512i dmin01 = _mm512_setr_epi32(1, 1, 1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m512i dmin23 = _mm512_setr_epi32(5, 5, 5, 5, 5, 5, 5, 5, 7, 7, 7, 7, 7, 7, 7, 7);
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    __m512 macc01 = _mm512_setzero_ps(), macc23 = _mm512_setzero_ps();
+    const int64_t part = (span / x->nsb + 63) & ~(int64_t)63;
     for (int sb = 0; sb < x->nsb; sb++) {
-        const uint8_t *blk = raw + (int64_t)sb * 144;
+        const int64_t at = (int64_t)sb * 144;
         const int8_t *xb = xq + sb * KBLOCK;
-        uint32_t dd;
-        memcpy(&dd, blk, 4);
-        const __m128 dsx = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128((int)dd)), _mm_set1_ps(xs[sb])); /* d * sx, dmin * sx */
-        const __m128i bytes = q4_k_scales(blk + 4);
-        const __m512i sc = _mm512_broadcast_i32x4(bytes);
-        __m512i lanes = _mm512_setzero_si512();
-        for (int c = 0; c < 2; c++) {
-            const __m512i w = _mm512_loadu_si512(blk + 16 + 64 * c);
-            const __m512i q[2] = {_mm512_and_si512(w, nibble), _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble)};
-            for (int j = 0; j < 2; j++) {
-                const int i = 2 * c + j;
-                const __m512i p = _mm512_maddubs_epi16(q[j], _mm512_loadu_si512(xb + 64 * i));
-                lanes = _mm512_dpwssd_epi32(lanes, p, _mm512_shuffle_epi8(sc, pick[i]));
-            }
+        prefetch_part(ahead, span, part, sb);
+        __m512i head = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(rows[0] + at)));
+        head = _mm512_inserti32x4(head, _mm_loadu_si128((const __m128i *)(rows[1] + at)), 1);
+        head = _mm512_inserti32x4(head, _mm_loadu_si128((const __m128i *)(rows[2] + at)), 2);
+        head = _mm512_inserti32x4(head, _mm_loadu_si128((const __m128i *)(rows[3] + at)), 3);
+        const __m512i acbc = _mm512_shuffle_epi8(head, spread), top = _mm512_shuffle_epi8(head, spread_top);
+        /* 128-bit lane i: row i's sc0-7 in bytes 0-7, mn0-7 in 8-15 */
+        const __m512i unpacked = _mm512_or_si512(
+            _mm512_or_si512(_mm512_and_si512(acbc, low), _mm512_and_si512(_mm512_srli_epi32(acbc, 4), high)),
+            _mm512_and_si512(_mm512_srli_epi32(top, 2), top2));
+        /* d * sx, dmin * sx of rows 0-3 */
+        const __m512 dsx = _mm512_castps256_ps512(_mm256_mul_ps(
+            _mm256_cvtph_ps(_mm512_castsi512_si128(_mm512_permutexvar_epi32(fields, head))), _mm256_set1_ps(xs[sb])));
+        const __m512i xv[4] = {_mm512_loadu_si512(xb), _mm512_loadu_si512(xb + 64), _mm512_loadu_si512(xb + 128),
+                               _mm512_loadu_si512(xb + 192)};
+        for (int i = 0; i < 4; i++) {
+            const uint8_t *q = rows[i] + at + 16;
+            const __m512i sc = _mm512_shuffle_i32x4(unpacked, unpacked, 0x55 * i);
+            const __m512i w0 = _mm512_loadu_si512(q), w1 = _mm512_loadu_si512(q + 64);
+            __m512i first = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_maddubs_epi16(_mm512_and_si512(w0, nibble), xv[0]),
+                                                _mm512_shuffle_epi8(sc, pick[0]));
+            __m512i second = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_maddubs_epi16(_mm512_and_si512(w1, nibble), xv[2]),
+                                                 _mm512_shuffle_epi8(sc, pick[2]));
+            first = _mm512_dpwssd_epi32(first, _mm512_maddubs_epi16(_mm512_and_si512(_mm512_srli_epi16(w0, 4), nibble), xv[1]),
+                                        _mm512_shuffle_epi8(sc, pick[1]));
+            second = _mm512_dpwssd_epi32(second, _mm512_maddubs_epi16(_mm512_and_si512(_mm512_srli_epi16(w1, 4), nibble), xv[3]),
+                                         _mm512_shuffle_epi8(sc, pick[3]));
+            const __m512 ds = _mm512_permutexvar_ps(_mm512_set1_epi32(2 * i), dsx);
+            acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(ds, _mm512_cvtepi32_ps(_mm512_add_epi32(first, second))));
         }
-        const __m256i sums = _mm256_loadu_si256((const __m256i *)(sum32 + sb * 8));
-        const __m256i n = _mm256_mullo_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8)), sums);
-        acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_broadcastss_ps(dsx), _mm512_cvtepi32_ps(lanes)));
-        macc = _mm256_add_ps(macc, _mm256_mul_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(dsx)), _mm256_cvtepi32_ps(n)));
+        /* mins: mn_j * (sum of x over sub-block j), two rows a register; vpmaddwd's high words
+         * are mn's zero and the sum's sign, so each 32-bit lane is the exact product */
+        const __m256i mn = _mm512_castsi512_si256(_mm512_permutexvar_epi64(mins, unpacked));
+        const __m512i sums = _mm512_broadcast_i32x8(_mm256_loadu_si256((const __m256i *)(sum32 + sb * 8)));
+        const __m512i n01 = _mm512_madd_epi16(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(mn)), sums);
+        const __m512i n23 = _mm512_madd_epi16(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(mn, 1)), sums);
+        macc01 = _mm512_add_ps(macc01, _mm512_mul_ps(_mm512_permutexvar_ps(dmin01, dsx), _mm512_cvtepi32_ps(n01)));
+        macc23 = _mm512_add_ps(macc23, _mm512_mul_ps(_mm512_permutexvar_ps(dmin23, dsx), _mm512_cvtepi32_ps(n23)));
     }
-    const float dot = halve16(acc);
-    return dot - halve8(macc);
+    _mm_storeu_ps(out, _mm_sub_ps(halve16x4(acc[0], acc[1], acc[2], acc[3]), halve8x4(macc01, macc23)));
 }
 
-static float q6_k_dot_zmm(const uint8_t *raw, const QX *x, int64_t r) {
+/* Four Q6_K rows times x row r, in the header's lanes: out[i], the scalar loop's bits (x's
+ * loads shared, the sums halved four at once, as q4_k_dot4_zmm). */
+static void q6_k_dot4_zmm(const uint8_t *const rows[4], const QX *x, int64_t r, const uint8_t *ahead, int64_t span, float out[4]) {
     const int8_t *xq = x->kq + r * x->k;
     const float *xs = x->ks + r * x->nsb;
     const int16_t *pairs = x->kpair + r * (x->k / 2);
@@ -373,31 +425,43 @@ static float q6_k_dot_zmm(const uint8_t *raw, const QX *x, int64_t r) {
     /* step i = 2h + j (values 64i to 64i + 63): 128-bit lane t takes 16-bit scale 4i + t, of
      * the 8 in half h broadcast to every 128-bit lane: bytes (2s, 2s + 1) for s = 4j + t */
     const __m512i pick[2] = {lanes4(0x0100, 0x0302, 0x0504, 0x0706), lanes4(0x0908, 0x0B0A, 0x0D0C, 0x0F0E)};
-    __m512 acc = _mm512_setzero_ps();
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    const int64_t part = (span / x->nsb + 63) & ~(int64_t)63;
     for (int sb = 0; sb < x->nsb; sb++) {
-        const uint8_t *blk = raw + (int64_t)sb * 210;
+        const int64_t at = (int64_t)sb * 210;
         const int8_t *xb = xq + sb * KBLOCK;
+        prefetch_part(ahead, span, part, sb);
         const int16_t *xp = pairs + sb * (KBLOCK / 2);
-        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
-        __m512i lanes = _mm512_setzero_si512();
-        for (int h = 0; h < 2; h++) {
-            const __m512i sc = _mm512_broadcast_i32x4(h ? _mm256_extracti128_si256(sc16, 1) : _mm256_castsi256_si128(sc16));
-            const __m512i ql = _mm512_loadu_si512(blk + 64 * h);
-            const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h)));
-            const __m512i q[2] = {
-                _mm512_or_si512(_mm512_and_si512(ql, nibble), _mm512_and_si512(_mm512_sllv_epi16(qh, left), high2)),
-                _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), nibble), _mm512_and_si512(_mm512_srlv_epi16(qh, right), high2))};
-            for (int j = 0; j < 2; j++) {
-                const int i = 2 * h + j;
-                /* (q - 32) * xq in pairs: q * xq less 32 * (the pair's xq sum) */
-                const __m512i uq = _mm512_maddubs_epi16(q[j], _mm512_loadu_si512(xb + 64 * i));
-                const __m512i p = _mm512_sub_epi16(uq, _mm512_loadu_si512(xp + 32 * i));
-                lanes = _mm512_dpwssd_epi32(lanes, p, _mm512_shuffle_epi8(sc, pick[j]));
+        uint16_t d[4];
+        for (int i = 0; i < 4; i++) memcpy(&d[i], rows[i] + at + 208, 2);
+        uint64_t packed;
+        memcpy(&packed, d, 8);
+        const __m128 dsx = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi64_si128((long long)packed)), _mm_set1_ps(xs[sb]));
+        for (int i = 0; i < 4; i++) {
+            const uint8_t *blk = rows[i] + at;
+            const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
+            __m512i lanes[2];
+            for (int h = 0; h < 2; h++) {
+                const __m512i sc = _mm512_broadcast_i32x4(h ? _mm256_extracti128_si256(sc16, 1) : _mm256_castsi256_si128(sc16));
+                const __m512i ql = _mm512_loadu_si512(blk + 64 * h);
+                const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h)));
+                const __m512i q[2] = {
+                    _mm512_or_si512(_mm512_and_si512(ql, nibble), _mm512_and_si512(_mm512_sllv_epi16(qh, left), high2)),
+                    _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), nibble), _mm512_and_si512(_mm512_srlv_epi16(qh, right), high2))};
+                lanes[h] = _mm512_setzero_si512();
+                for (int j = 0; j < 2; j++) {
+                    const int s = 2 * h + j;
+                    /* (q - 32) * xq in pairs: q * xq less 32 * (the pair's xq sum) */
+                    const __m512i uq = _mm512_maddubs_epi16(q[j], _mm512_loadu_si512(xb + 64 * s));
+                    const __m512i p = _mm512_sub_epi16(uq, _mm512_loadu_si512(xp + 32 * s));
+                    lanes[h] = _mm512_dpwssd_epi32(lanes[h], p, _mm512_shuffle_epi8(sc, pick[j]));
+                }
             }
+            const __m512 ds = _mm512_permutexvar_ps(_mm512_set1_epi32(i), _mm512_castps128_ps512(dsx));
+            acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(ds, _mm512_cvtepi32_ps(_mm512_add_epi32(lanes[0], lanes[1]))));
         }
-        acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_set1_ps(f16_to_f32(blk + 208) * xs[sb]), _mm512_cvtepi32_ps(lanes)));
     }
-    return halve16(acc);
+    _mm_storeu_ps(out, halve16x4(acc[0], acc[1], acc[2], acc[3]));
 }
 #endif
 
@@ -586,15 +650,27 @@ static int grouped_items(const Matrix *mats, int count, const QX *qx, const int3
             if (!ok) continue;
             const int o0 = tix * 8, live = n - o0 < 8 ? n - o0 : 8;
             if (kquant) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+                if (use_vnni) {
+                    /* rows four at a time (a tail repeats its first row, its extra sums unused) */
+                    for (int o = o0; o < o0 + live; o += 4) {
+                        const int count4 = o0 + live - o < 4 ? o0 + live - o : 4;
+                        const uint8_t *rows4[4];
+                        for (int i = 0; i < 4; i++) rows4[i] = expert + (int64_t)(i < count4 ? o + i : o) * row_bytes;
+                        /* the rows four groups on, into L2 (past an expert's last: unused lines, no fault) */
+                        const uint8_t *ahead = expert + (int64_t)(o + 16) * row_bytes;
+                        for (int p = offsets[g]; p < offsets[g + 1]; p++) {
+                            float out4[4];
+                            (type == T_Q4_K ? q4_k_dot4_zmm : q6_k_dot4_zmm)(rows4, qx, x_rows[p], p == offsets[g] ? ahead : NULL,
+                                                                               4 * row_bytes, out4);
+                            memcpy(y + (int64_t)p * y_stride + o, out4, (size_t)count4 * sizeof(float));
+                        }
+                    }
+                    continue;
+                }
+#endif
                 for (int o = o0; o < o0 + live; o++) {
                     const uint8_t *raw = expert + (int64_t)o * row_bytes;
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-                    if (use_vnni) {
-                        for (int p = offsets[g]; p < offsets[g + 1]; p++)
-                            y[(int64_t)p * y_stride + o] = (type == T_Q4_K ? q4_k_dot_zmm : q6_k_dot_zmm)(raw, qx, x_rows[p]);
-                        continue;
-                    }
-#endif
                     for (int p = offsets[g]; p < offsets[g + 1]; p++)
                         y[(int64_t)p * y_stride + o] = (type == T_Q4_K ? q4_k_dot_scalar : q6_k_dot_scalar)(raw, qx, x_rows[p]);
                 }
