@@ -122,7 +122,9 @@ class FusedDecode:
         # The distinct sliding windows of the layers (Gemma's local layers), sized for in run().
         self._windows = sorted({layer.self_attn.window for layer in self.layers if layer.self_attn.window is not None})
         # Where each native call stops: after every layer whose MLP the caller runs, and the last.
-        self._stops = sorted({i + 1 for i, layer in enumerate(self.layers) if not _dense(layer)} | {len(self.layers)})
+        experts = {i + 1 for i, layer in enumerate(self.layers) if not _dense(layer)}
+        self._stops = sorted(experts | {len(self.layers)})
+        self._experts_stops = frozenset(experts)  # asked each step: hasattr on a module raises inside
         # float64 [len(PHASES)] that each fused step adds its seconds per phase to, or None:
         # untimed. A profiler's (scenarios/decode_profile.py) to set, zero and read.
         self.phase_seconds: Tensor | None = None
@@ -216,7 +218,7 @@ class FusedDecode:
             )  # fmt: skip
             if status != 0:
                 raise RuntimeError("the fused decode kernels refused this model's shapes")
-            if not _dense(self.layers[stop - 1]):  # the call left the experts' input in h
+            if stop in self._experts_stops:  # the call left the experts' input in h
                 if mlp is None:
                     raise ValueError("a model with expert layers runs their MLP in the caller: pass mlp")
                 delta = mlp(stop - 1, buffers["h"])
