@@ -122,7 +122,9 @@ class FusedDecode:
         # The distinct sliding windows of the layers (Gemma's local layers), sized for in run().
         self._windows = sorted({layer.self_attn.window for layer in self.layers if layer.self_attn.window is not None})
         # Where each native call stops: after every layer whose MLP the caller runs, and the last.
-        self._stops = sorted({i + 1 for i, layer in enumerate(self.layers) if not _dense(layer)} | {len(self.layers)})
+        experts = {i + 1 for i, layer in enumerate(self.layers) if not _dense(layer)}
+        self._stops = sorted(experts | {len(self.layers)})
+        self._experts_stops = frozenset(experts)  # asked each step: hasattr on a module raises inside
         # float64 [len(PHASES)] that each fused step adds its seconds per phase to, or None:
         # untimed. A profiler's (scenarios/decode_profile.py) to set, zero and read.
         self.phase_seconds: Tensor | None = None
@@ -208,18 +210,19 @@ class FusedDecode:
         )  # fmt: skip
         delta = torch.empty_like(x)
         x = x.contiguous()
+        if self._experts_stops and mlp is None:
+            raise ValueError("a model with expert layers runs their MLP in the caller: pass mlp")
+        # The arguments every call shares, read once: an experts model makes one call a layer.
+        first, record = ctypes.addressof(layers), ctypes.sizeof(_Layer)
+        shape_p, scratch_p, x_p, step_p = ctypes.addressof(shape), ctypes.addressof(scratch), x.data_ptr(), ctypes.addressof(step)
+        run_layers, h = self.library.radixkv_decode_layers, buffers["h"]
         start = 0
         for stop in self._stops:
-            status = self.library.radixkv_decode_layers(
-                ctypes.addressof(layers) + start * ctypes.sizeof(_Layer), stop - start, int(start == 0),
-                ctypes.addressof(shape), ctypes.addressof(scratch), x.data_ptr(), delta.data_ptr(), ctypes.addressof(step),
-            )  # fmt: skip
+            status = run_layers(first + start * record, stop - start, int(start == 0), shape_p, scratch_p, x_p, delta.data_ptr(), step_p)
             if status != 0:
                 raise RuntimeError("the fused decode kernels refused this model's shapes")
-            if not _dense(self.layers[stop - 1]):  # the call left the experts' input in h
-                if mlp is None:
-                    raise ValueError("a model with expert layers runs their MLP in the caller: pass mlp")
-                delta = mlp(stop - 1, buffers["h"])
+            if stop in self._experts_stops:  # the call left the experts' input in h
+                delta = mlp(stop - 1, h)
                 assert delta.dtype == x.dtype and delta.shape == x.shape and delta.is_contiguous()
             start = stop
         return x, delta

@@ -7,6 +7,8 @@ operations is csrc/moe.c's header comment); moe_kernel picks between them (Engin
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 from torch import Tensor
@@ -201,28 +203,63 @@ def native_row(
 ) -> Tensor:  # fmt: skip
     """One token's expert block, as SparseMoE.combine computes it over the grouped kernel: x [1, H]
     (fp32 or bf16), its top-k ids (int64 [k]) and routing weights ([k], x's dtype) -> [1, H] in
-    x's dtype. Two native calls (gate and up over x quantized once; down and the weighted sum in
-    ascending expert order) around SiLU(gate) * up in torch, whose bits the kernel does not copy."""
-    library = native.load()
-    (gate_type, up_type, down_type), (gate, up, down) = types, weights
-    hidden, size, top_k = x.shape[1], gate.shape[1], ids.numel()
-    assert x.dtype in (torch.float32, torch.bfloat16) and routing.dtype == x.dtype and ids.dtype == torch.int64
-    ids, routing = ids.contiguous(), routing.contiguous()
-    threads = torch.get_num_threads()
-    x32, gate_up = x.float().contiguous(), torch.empty(top_k, 2 * size)  # x32 held through the call
-    status = library.radixkv_moe_row_gate_up(
-        BLOCK_TYPES[gate_type], gate.ctypes.data, BLOCK_TYPES[up_type], up.ctypes.data, size, hidden,
-        x32.data_ptr(), ids.data_ptr(), top_k, gate_up.data_ptr(), threads, int(vnni),
-    )  # fmt: skip
-    h = (torch.nn.functional.silu(gate_up[:, :size]) * gate_up[:, size:]).contiguous()
-    out = torch.empty(1, hidden, dtype=x.dtype)
-    status = status or library.radixkv_moe_row_down(
-        BLOCK_TYPES[down_type], down.ctypes.data, hidden, size, h.data_ptr(), ids.data_ptr(), routing.data_ptr(), top_k,
-        out.data_ptr(), int(x.dtype == torch.bfloat16), threads, int(vnni),
-    )  # fmt: skip
-    if status:
-        raise RuntimeError(f"the one-token expert kernel refused {types} experts of {size} x {hidden} (status {status})")
-    return out
+    x's dtype (RowCalls, built for this one call)."""
+    return RowCalls(types, weights)(x, ids, routing, vnni)
+
+
+class RowCalls:
+    """native_row for one layer's stacked experts with every argument that does not change from
+    token to token built once: two native calls (gate and up over x quantized once; down and the
+    weighted sum in ascending expert order) around SiLU(gate) * up in torch, whose bits the kernel
+    does not copy. Its scratch (x widened, gate_up, the activation) is reused, so one caller at a
+    time: the engine's step loop. Each call returns a new output tensor."""
+
+    def __init__(self, types: tuple[str, str, str], weights: tuple[np.ndarray, np.ndarray, np.ndarray]) -> None:
+        library = native.load()
+        (gate_type, up_type, down_type), (gate, up, down) = types, weights
+        self.types, self.size, self.hidden = types, gate.shape[1], down.shape[1]
+        # The maps' addresses read once (numpy builds a ctypes object each time .ctypes is read);
+        # the maps are held, so the addresses stay valid.
+        self._maps = weights
+        self._gate_up = functools.partial(
+            library.radixkv_moe_row_gate_up, BLOCK_TYPES[gate_type], gate.ctypes.data, BLOCK_TYPES[up_type], up.ctypes.data,
+            self.size, self.hidden,
+        )  # fmt: skip
+        self._down = functools.partial(library.radixkv_moe_row_down, BLOCK_TYPES[down_type], down.ctypes.data, self.hidden, self.size)
+        self._x32 = torch.empty(1, self.hidden)
+        self._scratch: tuple[Tensor, Tensor, Tensor, Tensor] | None = None  # (gate_up, gate, up, h) for the last top_k
+
+    def _scratch_for(self, top_k: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        if self._scratch is None or self._scratch[0].shape[0] != top_k:
+            gate_up = torch.empty(top_k, 2 * self.size)
+            self._scratch = gate_up, gate_up[:, : self.size], gate_up[:, self.size :], torch.empty(top_k, self.size)
+        return self._scratch
+
+    def __call__(self, x: Tensor, ids: Tensor, routing: Tensor, vnni: bool = True) -> Tensor:
+        """native_row's result; ids and routing [k] or [1, k] (route's rows, not selected: a
+        view op fewer each)."""
+        hidden, top_k = self.hidden, ids.numel()
+        dtype = x.dtype
+        assert dtype in (torch.float32, torch.bfloat16) and routing.dtype == dtype and ids.dtype == torch.int64
+        assert x.shape == (1, hidden) and routing.numel() == top_k
+        ids, routing = ids.contiguous(), routing.contiguous()
+        threads = torch.get_num_threads()
+        if dtype == torch.float32 and x.is_contiguous():
+            x32 = x
+        else:
+            x32 = self._x32
+            x32.copy_(x)
+        gate_up, gate, up, h = self._scratch_for(top_k)
+        status = self._gate_up(x32.data_ptr(), ids.data_ptr(), top_k, gate_up.data_ptr(), threads, int(vnni))
+        # SiLU in place on the gate's columns: the kernel F.silu runs, so its bits.
+        torch.mul(torch.nn.functional.silu(gate, inplace=True), up, out=h)
+        out = torch.empty(1, hidden, dtype=dtype)
+        status = status or self._down(
+            h.data_ptr(), ids.data_ptr(), routing.data_ptr(), top_k, out.data_ptr(), int(dtype == torch.bfloat16), threads, int(vnni)
+        )  # fmt: skip
+        if status:
+            raise RuntimeError(f"the one-token expert kernel refused {self.types} experts of {self.size} x {hidden} (status {status})")
+        return out
 
 
 def native_grouped_f32(weights: Tensor, x: Tensor, experts: list[int], offsets: list[int], x_rows: Tensor, out: Tensor) -> None:

@@ -169,6 +169,7 @@ class MappedExperts(nn.Module):
         self.num_experts = self.gate.shape[0]
         self.hidden_size, self.intermediate_size, self.kernel = hidden_size, intermediate_size, kernel
         self.vnni = True  # the VNNI dot product where compiled in; False: the scalar loop (tests)
+        self._row: cpu_moe.RowCalls | None = None  # one_token's calls, built at its first token
 
     grouped_ready = True
 
@@ -199,8 +200,9 @@ class MappedExperts(nn.Module):
         kernel, a dtype other than fp32 or bf16)."""
         if self.kernel != "native" or x.dtype not in (torch.float32, torch.bfloat16):
             return None
-        types = (self.gate_type, self.up_type, self.down_type)
-        return cpu_moe.native_row(types, (self.gate, self.up, self.down), x, ids[0], weights[0], self.vnni)
+        if self._row is None:
+            self._row = cpu_moe.RowCalls((self.gate_type, self.up_type, self.down_type), (self.gate, self.up, self.down))
+        return self._row(x, ids, weights, self.vnni)  # [1, k] each: the kernels read k values
 
     def _linear(
         self, type_name: str, weights: np.ndarray, x: Tensor, groups: ExpertGroups, rows: Tensor, out: Tensor, ids: tuple[Tensor, Tensor],

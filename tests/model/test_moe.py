@@ -86,6 +86,26 @@ def test_route_is_transformers_router():
     assert (unnormalized.sum(-1) < 1).all() and torch.allclose(weights.sum(-1), torch.ones(11))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_route_in_a_narrow_dtype_has_transformers_bits(dtype):
+    """route in bf16, fp16 and fp32 has transformers' router's bits (softmax in fp32, top-k,
+    divided in fp32, then cast), a token at a time (a decode step) and many at once."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    hf = Qwen3MoeTopKRouter(tiny_config("qwen3_moe", hidden_size=64, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True))
+    generator = torch.Generator().manual_seed(3)
+    hf.weight.data.copy_(torch.randn(128, 64, generator=generator))
+    hf.to(dtype)
+    for scale in (0.01, 0.1, 1.0, 4.0):
+        x = (torch.randn(400, 64, generator=generator) * scale).to(dtype)
+        logits, hf_weights, hf_ids = hf(x)
+        weights, ids = route(logits, 8, True, dtype)
+        assert weights.dtype == dtype and torch.equal(ids, hf_ids) and torch.equal(weights, hf_weights), scale
+        for t in range(0, 400, 37):
+            one, one_ids = route(logits[t : t + 1], 8, True, dtype)
+            assert torch.equal(one, hf_weights[t : t + 1]) and torch.equal(one_ids, hf_ids[t : t + 1]), (scale, t)
+
+
 @pytest.mark.parametrize("num_tokens", [1, 5, 40])
 def test_grouped_experts_equal_a_per_token_loop_and_read_each_routed_expert_once(num_tokens):
     moe = _block(seed=num_tokens)

@@ -240,3 +240,22 @@ def test_kv_dtype_times_each_page_dtype_and_measures_divergence(tmp_path, capsys
     out = capsys.readouterr().out
     written = list(tmp_path.glob("*.json"))
     assert written and all(name in out for name in ("bf16", "int8"))
+
+
+def test_moe_row_profile_times_three_native_calls_a_layer(tmp_path, capsys):
+    """The experts layers of a Q4_K_M Qwen3-MoE GGUF at one token: three native calls each
+    (router, gate_up, down) timed as they run, the Python between them what is left."""
+    from radixkv.cpu import native
+    from radixkv.scenarios import moe_row_profile
+    from tests.helpers.gguf_files import write_tiny_moe_gguf
+
+    if native.load() is None:
+        pytest.skip("the native kernels did not build (no C compiler)")
+    path = write_tiny_moe_gguf(tmp_path / "moe.gguf", "Q4_K_M")
+    out = tmp_path / "out"
+    assert moe_row_profile.main(["--model", str(path), "--calls", "5", "--limits", "0", "--out", str(out)]) == 0
+    result = json.loads((out / "moe_row_profile.json").read_text())
+    assert result["layers"] >= 1 and set(moe_row_profile.GAPS) <= set(result["mean_us"])
+    for us in result["per_layer_us"].values():
+        assert 0 < us["kernels"] < us["wall"] and 0 < us["python"] < us["wall"]
+    assert "python" in capsys.readouterr().out
