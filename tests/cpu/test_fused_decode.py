@@ -204,6 +204,38 @@ def test_fused_decode_over_quantized_linears_is_bit_identical(tmp_path, monkeypa
     assert_fused_matches_modules(loaded, sequences, monkeypatch)
 
 
+@pytest.mark.parametrize(
+    "kernel", [pytest.param(k, marks=pytest.mark.skipif(bool(missing_quant_kernel(k)), reason=f"{k}: {missing_quant_kernel(k)}")) for k in ("avx2", "avx512_vnni_zmm")]
+)
+def test_fused_decode_over_q4_k_linears_is_bit_identical(tmp_path, monkeypatch, kernel):
+    # Q4_K super-blocks in every linear (inputs a multiple of 256): the 512-bit kernel multiplies
+    # them in place, avx2 takes them as q4_1; the fused step's bits are the modules' either way.
+    import numpy as np
+
+    from radixkv.cpu.fused_decode import FusedDecode
+    from radixkv.cpu.quant import from_gguf
+    from radixkv.cpu.quant_linear import QuantLinear
+    from tests.cpu.test_quant import random_blocks
+
+    if missing_quant_kernel("avx2"):
+        pytest.skip(f"avx2: {missing_quant_kernel('avx2')}")  # the fp32 linears around them
+    folder = make_random_model(tmp_path / "m", "llama", hidden_size=256, intermediate_size=512)
+    loaded = load_model(str(folder), CPUBackend(), dtype="float32", device="cpu", linear_kernel="avx2")
+    for i, layer in enumerate(loaded.model.layers):
+        for parent, name in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"), (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")):
+            n, k = getattr(parent, name).out_features, getattr(parent, name).in_features
+            raw = random_blocks("Q4_K", n, k, i).reshape(n, -1, 144)
+            raw[..., 0:4] = (np.random.default_rng(i).standard_normal((n, k // 256, 2)) * 2e-3).astype(np.float16).view(np.uint8)  # small d, dmin
+            linear = QuantLinear(from_gguf("Q4_K", raw.reshape(n, -1), (n, k), super_blocks=True), kernel=kernel)
+            assert linear.format == ("q4_k" if kernel == "avx512_vnni_zmm" else "q4_1")
+            setattr(parent, name, linear)
+    loaded.model.layers.fused = FusedDecode.for_model(loaded.model)
+    assert loaded.model.layers.fused is not None
+    generator = torch.Generator().manual_seed(0)
+    sequences = [torch.randint(5, 300, (n,), generator=generator).tolist() for n in (40, 23)]
+    assert_fused_matches_modules(loaded, sequences, monkeypatch)
+
+
 @needs_native_linears
 def test_a_slot_outside_the_cache_is_refused_before_any_kernel_runs(tmp_path):
     loaded = load_model(str(make_random_model(tmp_path / "m", "llama")), CPUBackend(), dtype=FUSED_DTYPE, device="cpu")
