@@ -151,10 +151,12 @@ static inline void scores_amx(const uint32_t *q_pairs, const uint16_t *k0, int64
 }
 #endif
 
-/* The levels of sum_lanes_16 after its first: pairs[i] holds, per 128-bit lane, partial sums of
- * v[2i] and v[2i+1] interleaved (a0+a2, b0+b2, a1+a3, b1+b3). */
-static inline __m512 sum_lane_pairs(const __m512 pairs[8]) {
-    __m512 quads[4], halves[2];
+/* Lane j of the result is the sum of the 16 lanes of v[j]: a transpose-and-add tree, 45
+ * shuffles and adds for 16 sums where reducing each vector alone would take about 130. */
+static inline __m512 sum_lanes_16(const __m512 v[16]) {
+    __m512 pairs[8], quads[4], halves[2];
+    for (int i = 0; i < 8; i++) /* per 128-bit lane: (v2i, v2i+1) partial sums, interleaved */
+        pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
     for (int i = 0; i < 4; i++) { /* per 128-bit lane: tokens 4i..4i+3, each summed over the lane */
         const __m512d a = _mm512_castps_pd(pairs[2 * i]), b = _mm512_castps_pd(pairs[2 * i + 1]);
         quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
@@ -165,63 +167,83 @@ static inline __m512 sum_lane_pairs(const __m512 pairs[8]) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], 0x88), _mm512_shuffle_f32x4(halves[0], halves[1], 0xDD));
 }
 
-/* Lane j of the result is the sum of the 16 lanes of v[j]: a transpose-and-add tree, 45
- * shuffles and adds for 16 sums where reducing each vector alone would take about 130. */
-static inline __m512 sum_lanes_16(const __m512 v[16]) {
-    __m512 pairs[8];
-    for (int i = 0; i < 8; i++) /* per 128-bit lane: (v2i, v2i+1) partial sums, interleaved */
-        pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-    return sum_lane_pairs(pairs);
-}
-
-/* A span's query rows: per row D / 16 vectors, of floats (fp32 items) or of bf16 dim pairs as
- * pair_queries doubles them (bf16 items). */
+/* A span's query rows: per row D / 32 vectors of bf16 dim pairs (bf16 items) or D / 16 vectors
+ * of floats (fp32 items). The helpers below take `bf16` as a constant, so each item's instance
+ * holds only its own dtype's code. */
 typedef __m512 SpanQueries[SPAN_ROWS][MAX_HEAD_DIM / 16];
 
-/* q_r . k_j for one query row against key j's fp32 row of kv head h: lanes of partial sums,
- * dim chunks in order. */
-static inline __attribute__((always_inline)) __m512 row_dot(const __m512 *q, const char *key, int h, const int D) {
+/* q_r . k_j for one query row against key j's row of kv head h: lanes of partial sums, by
+ * vdpbf16ps over dim pairs or by fp32 FMAs, dim chunks in order. */
+static inline __attribute__((always_inline)) __m512 row_dot(const __m512 *q, const char *key, int h, const int D,
+                                                            const int bf16) {
+    if (bf16) {
+#ifdef HAVE_AVX512_BF16
+        const uint16_t *head = (const uint16_t *)key + h * D;
+        __m512 dot = _mm512_setzero_ps();
+        for (int c = 0; c < D / 32; c++) dot = _mm512_dpbf16_ps(dot, (__m512bh)q[c], (__m512bh)_mm512_loadu_si512(head + 32 * c));
+        return dot;
+#endif
+    }
     const float *head = (const float *)key + h * D;
     __m512 dot = _mm512_mul_ps(q[0], _mm512_loadu_ps(head));
     for (int c = 1; c < D / 16; c++) dot = _mm512_fmadd_ps(q[c], _mm512_loadu_ps(head + 16 * c), dot);
     return dot;
 }
 
-/* Scores of one block's n <= 16 fp32 keys for the span's query heads: s[r * SCORE_STRIDE + j] =
+/* Scores of one block's n <= 16 keys for the span's query heads: s[r * SCORE_STRIDE + j] =
  * scale * q_r . k_j, 0 past n. Row by row, each row's 16 dot vectors and their sums held in
  * registers: the block's K rows (a few KiB) come from L1 after the first row, where key by key
  * every dot vector went through memory on its way to the sums (the same sums, in the same
  * order). The block's prefetch steps are spread over its rows. */
 static inline __attribute__((always_inline)) void block_scores(SpanQueries qv, const char *k0, int64_t row_bytes,
                                                                int n, int heads, const int D, const int G,
-                                                               float scale, float *s, Prefetcher *prefetcher) {
+                                                               const int bf16, float scale, float *s,
+                                                               Prefetcher *prefetcher) {
     const int rows = heads * G;
     int steps = 0;
     for (int r = 0; r < rows; r++) {
         for (; steps < STEPS_PER_BLOCK && steps * rows <= r * STEPS_PER_BLOCK; steps++) prefetch_step(prefetcher);
         __m512 dots[16];
         for (int j = 0; j < 16; j++)
-            dots[j] = j < n ? row_dot(qv[r], k0 + j * row_bytes, r / G, D) : _mm512_setzero_ps();
+            dots[j] = j < n ? row_dot(qv[r], k0 + j * row_bytes, r / G, D, bf16) : _mm512_setzero_ps();
         _mm512_storeu_ps(s + r * SCORE_STRIDE, _mm512_mul_ps(sum_lanes_16(dots), _mm512_set1_ps(scale)));
     }
     for (; steps < STEPS_PER_BLOCK; steps++) prefetch_step(prefetcher);
 }
 
-/* Adds `keys` consecutive fp32 keys' weighted values into the span's accumulators, 16 dims at
- * a time across the kv heads, so rows are read in address order; each accumulator takes its
- * keys in key order, as a key-at-a-time loop would. */
+/* Adds `keys` consecutive keys' weighted values into the span's accumulators, 16 dims (fp32)
+ * or 32 (bf16) at a time across the kv heads, so rows are read in address order; each
+ * accumulator takes its keys in key order, as a key-at-a-time loop would. bf16 accumulators
+ * hold a 32-dim chunk as (even dims, odd dims) in acc[r][c], acc[r][c + 1]: a bf16 pair
+ * converts to two float vectors by one shift and one mask, with no shuffle. */
 static inline __attribute__((always_inline)) void keys_values(__m512 acc[SPAN_ROWS][MAX_HEAD_DIM / 16],
                                                               const char *v_row, int64_t row_bytes, int keys,
-                                                              int heads, const int D, const int G, const float *w) {
+                                                              int heads, const int D, const int G, const int bf16,
+                                                              const float *w) {
+    const __m512i high_half = _mm512_set1_epi32((int)0xffff0000u);
     for (int h = 0; h < heads; h++)
-        for (int c = 0; c < D / 16; c++) {
-            __m512 values[PREFETCH_KEYS];
-            for (int i = 0; i < keys; i++) values[i] = _mm512_loadu_ps((const float *)(v_row + i * row_bytes) + h * D + 16 * c);
+        for (int c = 0; c < D / 16; c += 1 + bf16) {
+            __m512 low[PREFETCH_KEYS], high[PREFETCH_KEYS];
+            for (int i = 0; i < keys; i++) {
+                const char *at = v_row + i * row_bytes + (int64_t)(h * D + 16 * c) * (bf16 ? 2 : 4);
+                if (bf16) {
+                    const __m512i pairs = _mm512_loadu_si512(at);
+                    low[i] = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+                    high[i] = _mm512_castsi512_ps(_mm512_and_si512(pairs, high_half));
+                } else {
+                    low[i] = _mm512_loadu_ps(at);
+                }
+            }
             for (int g = 0; g < G; g++) {
                 const int r = h * G + g;
-                __m512 a = acc[r][c];
-                for (int i = 0; i < keys; i++) a = _mm512_fmadd_ps(_mm512_set1_ps(w[r * SCORE_STRIDE + i]), values[i], a);
-                acc[r][c] = a;
+                __m512 a0 = acc[r][c], a1 = bf16 ? acc[r][c + 1] : a0;
+                for (int i = 0; i < keys; i++) {
+                    const __m512 weight = _mm512_set1_ps(w[r * SCORE_STRIDE + i]);
+                    a0 = _mm512_fmadd_ps(weight, low[i], a0);
+                    if (bf16) a1 = _mm512_fmadd_ps(weight, high[i], a1);
+                }
+                acc[r][c] = a0;
+                if (bf16) acc[r][c + 1] = a1;
             }
         }
 }
@@ -230,127 +252,20 @@ static inline __attribute__((always_inline)) void keys_values(__m512 acc[SPAN_RO
  * before each; w: the block's weights, row r at w[r * SCORE_STRIDE]. */
 static inline __attribute__((always_inline)) void block_values(__m512 acc[SPAN_ROWS][MAX_HEAD_DIM / 16],
                                                                const char *v0, int64_t row_bytes, int n, int heads,
-                                                               const int D, const int G, const float *w,
-                                                               Prefetcher *prefetcher) {
+                                                               const int D, const int G, const int bf16,
+                                                               const float *w, Prefetcher *prefetcher) {
     for (int j = 0; j < BLOCK_TOKENS; j += PREFETCH_KEYS) {
         prefetch_step(prefetcher);
         if (n - j >= PREFETCH_KEYS)
-            keys_values(acc, v0 + j * row_bytes, row_bytes, PREFETCH_KEYS, heads, D, G, w + j);
+            keys_values(acc, v0 + j * row_bytes, row_bytes, PREFETCH_KEYS, heads, D, G, bf16, w + j);
         else if (n > j)
-            keys_values(acc, v0 + j * row_bytes, row_bytes, n - j, heads, D, G, w + j);
+            keys_values(acc, v0 + j * row_bytes, row_bytes, n - j, heads, D, G, bf16, w + j);
     }
 }
-
-#ifdef HAVE_AVX512_BF16
-/* The chunk's weights of the span's rows rounded to bf16 (row r at w[r * SCORE_STRIDE]), as
- * torch's CPU attention rounds its probabilities before their product with V: then two keys'
- * values go through one vdpbf16ps, half the multiply-adds of widening V to fp32. Vectors past
- * n convert the zeros block_scores_pairs leaves there. */
-static inline void weights_bf16(const float *s, int n, int rows, uint16_t *w) {
-    for (int r = 0; r < rows; r++)
-        for (int j = 0; j < n; j += 16)
-            _mm256_storeu_si256((__m256i *)(w + r * SCORE_STRIDE + j),
-                                (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s + r * SCORE_STRIDE + j)));
-}
-
-/* One block's n <= 16 bf16 keys into the accumulators, two keys at a time: their V rows
- * interleaved by 16-bit element (unpacklo/hi) against the pair of their bf16 weights, so each
- * fp32 lane adds w_a v_a[d] + w_b v_b[d] in one instruction. A lone last key pairs with zeros.
- * acc[r][2c] holds dims 32c + 8L + i, acc[r][2c + 1] dims 32c + 8L + 4 + i, lane 4L + i
- * (store_pairs puts them back in order). The prefetch steps are spread over the block's heads. */
-static inline __attribute__((always_inline)) void block_values_pairs(__m512 acc[SPAN_ROWS][MAX_HEAD_DIM / 16],
-                                                                     const char *v0, int64_t row_bytes, const int n,
-                                                                     int heads, const int D, const int G,
-                                                                     const uint16_t *w, Prefetcher *prefetcher) {
-    int steps = 0;
-    for (int h = 0; h < heads; h++) {
-        for (; steps < STEPS_PER_BLOCK && steps * heads <= h * STEPS_PER_BLOCK; steps++) prefetch_step(prefetcher);
-        __m512 a[MAX_GROUP][MAX_HEAD_DIM / 16];
-        for (int g = 0; g < G; g++)
-            for (int c = 0; c < D / 16; c++) a[g][c] = acc[h * G + g][c];
-        for (int j = 0; j < n; j += 2) {
-            const char *row_a = v0 + j * row_bytes + (int64_t)h * D * 2;
-            for (int c = 0; c < D / 32; c++) {
-                const __m512i va = _mm512_loadu_si512(row_a + 64 * c);
-                const __m512i vb = j + 1 < n ? _mm512_loadu_si512(row_a + row_bytes + 64 * c) : _mm512_setzero_si512();
-                const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(va, vb), hi = (__m512bh)_mm512_unpackhi_epi16(va, vb);
-                for (int g = 0; g < G; g++) {
-                    const uint16_t *wr = w + (h * G + g) * SCORE_STRIDE + j;
-                    const uint32_t pair = j + 1 < n ? (uint32_t)wr[0] | (uint32_t)wr[1] << 16 : wr[0];
-                    const __m512bh weights = (__m512bh)_mm512_set1_epi32((int)pair);
-                    a[g][2 * c] = _mm512_dpbf16_ps(a[g][2 * c], lo, weights);
-                    a[g][2 * c + 1] = _mm512_dpbf16_ps(a[g][2 * c + 1], hi, weights);
-                }
-            }
-        }
-        for (int g = 0; g < G; g++)
-            for (int c = 0; c < D / 16; c++) acc[h * G + g][c] = a[g][c];
-    }
-    for (; steps < STEPS_PER_BLOCK; steps++) prefetch_step(prefetcher);
-}
-
-/* q rows for block_scores_pairs: per 32-dim chunk c, its dim pairs doubled as the keys' unpacks
- * lay them out: qp[2c] = unpacklo_epi32(q_c, q_c), qp[2c + 1] = unpackhi_epi32(q_c, q_c). */
-static inline void pair_queries(const __m512 *q, int D, __m512 *qp) {
-    for (int c = D / 32 - 1; c >= 0; c--) { /* from the top: qp may be q */
-        const __m512i chunk = _mm512_castps_si512(q[c]);
-        qp[2 * c + 1] = _mm512_castsi512_ps(_mm512_unpackhi_epi32(chunk, chunk));
-        qp[2 * c] = _mm512_castsi512_ps(_mm512_unpacklo_epi32(chunk, chunk));
-    }
-}
-
-/* Scores of one block's n <= 16 bf16 keys for the span's rows, as block_scores computes them
- * with sum_lanes_16's first level done on the keys instead of on each row's dots: keys 2i and
- * 2i+1 interleaved by dim pair (unpacklo/hi_epi32), against q interleaved alike (pair_queries),
- * leave both keys' partial sums side by side in one vector, as that level's unpack and add
- * would. The kv head's shuffles serve its G query heads, where the level cost each row three
- * ops a key pair. The prefetch steps are spread over the block's heads. */
-static inline __attribute__((always_inline)) void block_scores_pairs(SpanQueries qp, const char *k0, int64_t row_bytes,
-                                                                     const int n, int heads, const int D, const int G,
-                                                                     float scale, float *s, Prefetcher *prefetcher) {
-    int steps = 0;
-    for (int h = 0; h < heads; h++) {
-        for (; steps < STEPS_PER_BLOCK && steps * heads <= h * STEPS_PER_BLOCK; steps++) prefetch_step(prefetcher);
-        __m512 pairs[MAX_GROUP][8];
-        for (int i = 0; i < 8; i++) {
-            for (int g = 0; g < G; g++) pairs[g][i] = _mm512_setzero_ps();
-            if (2 * i >= n) continue;
-            const char *row_a = k0 + 2 * i * row_bytes + (int64_t)h * D * 2;
-            for (int c = 0; c < D / 32; c++) {
-                const __m512i ka = _mm512_loadu_si512(row_a + 64 * c);
-                const __m512i kb = 2 * i + 1 < n ? _mm512_loadu_si512(row_a + row_bytes + 64 * c) : _mm512_setzero_si512();
-                const __m512bh lo = (__m512bh)_mm512_unpacklo_epi32(ka, kb), hi = (__m512bh)_mm512_unpackhi_epi32(ka, kb);
-                for (int g = 0; g < G; g++) {
-                    pairs[g][i] = _mm512_dpbf16_ps(pairs[g][i], (__m512bh)qp[h * G + g][2 * c], lo);
-                    pairs[g][i] = _mm512_dpbf16_ps(pairs[g][i], (__m512bh)qp[h * G + g][2 * c + 1], hi);
-                }
-            }
-        }
-        for (int g = 0; g < G; g++)
-            _mm512_storeu_ps(s + (h * G + g) * SCORE_STRIDE, _mm512_mul_ps(sum_lane_pairs(pairs[g]), _mm512_set1_ps(scale)));
-    }
-    for (; steps < STEPS_PER_BLOCK; steps++) prefetch_step(prefetcher);
-}
-
-/* block_values_pairs' accumulators of one row back in dim order. */
-static inline void store_pairs(const __m512 *acc, int D, float *out) {
-    for (int c = 0; c < D / 32; c++) {
-        float lo[16], hi[16];
-        _mm512_storeu_ps(lo, acc[2 * c]);
-        _mm512_storeu_ps(hi, acc[2 * c + 1]);
-        for (int L = 0; L < 4; L++)
-            for (int i = 0; i < 4; i++) {
-                out[32 * c + 8 * L + i] = lo[4 * L + i];
-                out[32 * c + 8 * L + 4 + i] = hi[4 * L + i];
-            }
-    }
-}
-#endif
 
 /* The AVX-512 item, a span of kv heads at a time, in three passes over the chunk: q.k for all
- * its keys (bf16: AMX tiles for full 16-key blocks where enabled, else two keys per vdpbf16ps),
- * one softmax over the chunk (so no running max and no rescaling), then p.v (bf16: the weights
- * rounded to bf16, two keys per vdpbf16ps; fp32: FMAs).
+ * its keys (bf16: AMX tiles for full 16-key blocks where enabled), one softmax over the chunk
+ * (so no running max and no rescaling), then p.v with fp32 FMAs.
  *
  * A span holds up to SPAN_ROWS query heads (every kv head of SmolLM2's models), and each pass
  * reads a page's rows once, in address order, for all of them; one pass per kv head touched
@@ -384,10 +299,6 @@ static inline __attribute__((always_inline)) void item_avx512_impl(
         SpanQueries qv;
         for (int r = 0; r < rows; r++)
             for (int c = 0; c < (bf16 ? D / 32 : D / 16); c++) qv[r][c] = _mm512_loadu_ps(q_span + (int64_t)r * D * bytes + 64 * c);
-#ifdef HAVE_AVX512_BF16
-        if (bf16)
-            for (int r = 0; r < rows; r++) pair_queries(qv[r], D, qv[r]);
-#endif
 #ifdef HAVE_AMX
         /* q as AMX B tiles: per kv head and 32-dim chunk, [16 dim pairs][G heads] bf16 pairs. */
         uint32_t q_pairs[MAX_HEAD_DIM / 32 * 16 * SPAN_ROWS];
@@ -411,39 +322,31 @@ static inline __attribute__((always_inline)) void item_avx512_impl(
                                s + h * G * SCORE_STRIDE + offset);
             } else
 #endif
-#ifdef HAVE_AVX512_BF16
-            if (bf16 && blocks[bi].n == BLOCK_TOKENS) /* a full block's count as a constant: no tests a key */
-                block_scores_pairs(qv, k0, row_bytes, BLOCK_TOKENS, heads, D, G, sh->scale, s + offset, &prefetcher);
-            else if (bf16)
-                block_scores_pairs(qv, k0, row_bytes, blocks[bi].n, heads, D, G, sh->scale, s + offset, &prefetcher);
-            else
-#endif
-                block_scores(qv, k0, row_bytes, blocks[bi].n, heads, D, G, sh->scale, s + offset, &prefetcher);
+                block_scores(qv, k0, row_bytes, blocks[bi].n, heads, D, G, bf16, sh->scale, s + offset, &prefetcher);
         }
         for (int r = 0; r < rows; r++) softmax_row(s + r * SCORE_STRIDE, n, states + (int64_t)(h0 * G + r) * (D + 2));
         __m512 acc[SPAN_ROWS][MAX_HEAD_DIM / 16];
         for (int r = 0; r < rows; r++)
             for (int c = 0; c < D / 16; c++) acc[r][c] = _mm512_setzero_ps();
-#ifdef HAVE_AVX512_BF16
-        if (bf16) {
-            uint16_t w[SPAN_ROWS * SCORE_STRIDE] __attribute__((aligned(64)));
-            weights_bf16(s, n, rows, w);
-            for (int bi = 0, offset = 0; bi < num_blocks; offset += blocks[bi++].n) {
-                const char *v0 = (const char *)v + (blocks[bi].first + (int64_t)h0 * D) * bytes;
-                if (blocks[bi].n == BLOCK_TOKENS)
-                    block_values_pairs(acc, v0, row_bytes, BLOCK_TOKENS, heads, D, G, w + offset, &prefetcher);
-                else
-                    block_values_pairs(acc, v0, row_bytes, blocks[bi].n, heads, D, G, w + offset, &prefetcher);
-            }
-            for (int r = 0; r < rows; r++) store_pairs(acc[r], D, states + (int64_t)(h0 * G + r) * (D + 2) + 2);
-            continue;
-        }
-#endif
         for (int bi = 0, offset = 0; bi < num_blocks; offset += blocks[bi++].n)
             block_values(acc, (const char *)v + (blocks[bi].first + (int64_t)h0 * D) * bytes, row_bytes, blocks[bi].n,
-                         heads, D, G, s + offset, &prefetcher);
-        for (int r = 0; r < rows; r++)
-            for (int c = 0; c < D / 16; c++) _mm512_storeu_ps(states + (int64_t)(h0 * G + r) * (D + 2) + 2 + 16 * c, acc[r][c]);
+                         heads, D, G, bf16, s + offset, &prefetcher);
+        for (int r = 0; r < rows; r++) {
+            float *out = states + (int64_t)(h0 * G + r) * (D + 2) + 2;
+            for (int c = 0; c < D / 16; c += 1 + bf16) {
+                if (!bf16) {
+                    _mm512_storeu_ps(out + 16 * c, acc[r][c]);
+                    continue;
+                }
+                float chunk[32]; /* (even dims, odd dims) back to natural dim order for the merge */
+                _mm512_storeu_ps(chunk, acc[r][c]);
+                _mm512_storeu_ps(chunk + 16, acc[r][c + 1]);
+                for (int d = 0; d < 16; d++) {
+                    out[16 * c + 2 * d] = chunk[d];
+                    out[16 * c + 2 * d + 1] = chunk[16 + d];
+                }
+            }
+        }
     }
 }
 
