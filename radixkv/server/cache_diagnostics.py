@@ -75,8 +75,11 @@ class Digester:
     """Keyed digests (BLAKE2b under a per-process random key): equal parts digest alike within
     one server, and a stored digest says nothing about a text outside it."""
 
-    def __init__(self) -> None:
+    def __init__(self, argument_text: bool = False) -> None:
         self._key = secrets.token_bytes(32)
+        # Whether the model's format prints a call's arguments as sent (harmony): then their
+        # spacing changes the ids, and the digests.
+        self._argument_text = argument_text
 
     def of(self, value: Any) -> bytes:
         data = value if isinstance(value, bytes) else json.dumps(value, ensure_ascii=False, default=str).encode()
@@ -85,13 +88,12 @@ class Digester:
     def fingerprint(
         self, *, model: str, salt: str | None, system: str | None, tools: list[dict[str, Any]], options: Any,
         messages: list[dict[str, Any]], num_prompt_tokens: int, token_ids: list[int] | None = None,
-        argument_text: bool = False,
     ) -> PromptFingerprint:
         # The messages as the template is given them: what renders the same ids digests alike
         # (a content array of text parts or its string, a call's arguments in other spacing
-        # unless the format prints the arguments as sent: `argument_text`, harmony's).
+        # where the format reparses them).
         try:
-            messages = normalize_messages(messages, argument_text=argument_text)
+            messages = normalize_messages(messages, argument_text=self._argument_text)
         except InvalidRequest:
             pass  # never rendered: compared as sent
         drift = prompt_drift.drift_digests(self.of, system=system, tools=tools, messages=messages, token_ids=token_ids or ())
@@ -182,10 +184,12 @@ class DiagnosisStore:
     the owner holding the most bytes loses its least recently used). Another owner's id is
     never found, exactly as an unknown one."""
 
-    def __init__(self, max_records_per_owner: int, max_bytes_per_owner: int, max_records: int, max_bytes: int) -> None:
+    def __init__(
+        self, max_records_per_owner: int, max_bytes_per_owner: int, max_records: int, max_bytes: int, argument_text: bool = False
+    ) -> None:
         self.max_records_per_owner, self.max_bytes_per_owner = max_records_per_owner, max_bytes_per_owner
         self.max_records, self.max_bytes = max_records, max_bytes
-        self.digester = Digester()
+        self.digester = Digester(argument_text)
         self._entries: dict[tuple[str | None, str], PromptFingerprint] = {}
         self._owners: dict[str | None, _Holding] = {}
         self._num_bytes = 0

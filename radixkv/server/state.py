@@ -46,10 +46,11 @@ class AppState:
             limits.max_parses_per_key, limits.max_requests_per_key,
             cpu_share=limits.parse_cpu_share_per_key, cpu_burst_s=limits.parse_cpu_burst_s,
         )  # fmt: skip
+        self.reply_format = ReplyFormat(self.engine.tokenizer)
         self.diagnoses = DiagnosisStore(
             limits.max_cache_diagnoses_per_key, limits.max_cache_diagnosis_bytes_per_key, limits.max_cache_diagnoses, limits.max_cache_diagnosis_bytes,
+            argument_text=self.reply_format.harmony is not None,
         )  # fmt: skip
-        self.reply_format = ReplyFormat(self.engine.tokenizer)
         self.replies = None
         if limits.exact_continuation:
             self.replies = ReplyMap(

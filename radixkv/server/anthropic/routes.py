@@ -133,7 +133,6 @@ def _diagnose(
     fingerprint = server.diagnoses.digester.fingerprint(
         model=server.model_name, salt=salt, system=system, tools=tools, options=[conv.tool_choice, conv.parallel_tool_calls],
         messages=conv.messages[offset:], num_prompt_tokens=len(encoded.token_ids), token_ids=encoded.token_ids,
-        argument_text=server.reply_format.harmony is not None,
     )  # fmt: skip
     if body.diagnostics is None:
         return fingerprint, None

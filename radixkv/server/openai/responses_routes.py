@@ -192,7 +192,7 @@ def _diagnose(server: AppState, turn: _Turn, salt: str | None) -> None:
         model=server.model_name, salt=salt, system=body.instructions or None,
         tools=[tool.model_dump(exclude_none=True) for tool in body.tools],  # in order: reordering is a change
         options=[turn.choice, body.parallel_tool_calls], messages=turn.messages, num_prompt_tokens=len(turn.prompt),
-        token_ids=turn.prompt, argument_text=server.reply_format.harmony is not None,
+        token_ids=turn.prompt,
     )  # fmt: skip
     options = body.prompt_cache_options
     if options is None or options.comparison_response_id is None:
