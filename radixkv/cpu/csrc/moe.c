@@ -758,6 +758,51 @@ int radixkv_moe_row_gate_up(int gate_type, const uint8_t *gate, int up_type, con
     return status;
 }
 
+#if defined(__AVX512F__)
+/* float_to_bf16's rounding (nearest even, a NaN quieted) of 16 lanes, back as floats. */
+static inline __m512 round_bf16x16(__m512 v) {
+    const __m512i bits = _mm512_castps_si512(v);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
+    rounded = _mm512_mask_or_epi32(rounded, nan, bits, _mm512_set1_epi32(0x400000));
+    return _mm512_castsi512_ps(_mm512_and_si512(rounded, _mm512_set1_epi32((int)0xffff0000u)));
+}
+#endif
+
+/* out[o] = sum over i of y[i][o] * w[i] as radixkv_moe_row_down documents, outputs [0, n): 16
+ * at a time where vector (the same roundings lane by lane, so the scalar loop's bits), the rest
+ * and use_vnni=0 (tests) in the scalar loop. */
+static void weighted_sum(const float *y, const float *w, int count, int n, void *out, int out_bf16, int vector) {
+    int o = 0;
+#if defined(__AVX512F__)
+    for (; vector && o + 16 <= n; o += 16) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int i = 0; i < count; i++) {
+            const __m512 yi = _mm512_loadu_ps(y + (int64_t)i * n + o), wi = _mm512_set1_ps(w[i]);
+            acc = _mm512_add_ps(acc, out_bf16 ? round_bf16x16(_mm512_mul_ps(round_bf16x16(yi), wi)) : _mm512_mul_ps(yi, wi));
+        }
+        if (out_bf16)
+            _mm256_storeu_si256((__m256i *)((uint16_t *)out + o), _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(round_bf16x16(acc)), 16)));
+        else
+            _mm512_storeu_ps((float *)out + o, acc);
+    }
+#else
+    (void)vector;
+#endif
+    for (; o < n; o++) {
+        float acc = 0.0f;
+        for (int i = 0; i < count; i++) {
+            const float yi = y[(int64_t)i * n + o];
+            /* bf16: y and y * w rounded as torch's ops round them; index_add_ sums in fp32 */
+            const float term = out_bf16 ? bf16_to_float(float_to_bf16(bf16_to_float(float_to_bf16(yi)) * w[i])) : yi * w[i];
+            acc = acc + term;
+        }
+        if (out_bf16) ((uint16_t *)out)[o] = float_to_bf16(acc);
+        else ((float *)out)[o] = acc;
+    }
+}
+
 /* The step's down projections and their weighted sum, as radixkv.model.moe.SparseMoE.combine
  * computes it in the token's dtype (bf16: out_bf16): h [count][k] fp32, the experts' rows in
  * ascending expert order (radixkv_moe_row_gate_up's); each expert's y = down h rounded to the
@@ -779,19 +824,7 @@ int radixkv_moe_row_down(int type, const uint8_t *down, int n, int k, const floa
     const Matrix mat = {type, n, down, n * row_bytes, row_bytes, y, n};
     if (!status) status = grouped_items(&mat, 1, &qx, experts, offsets, count, rows, num_threads, use_vnni);
     if (y) qx_free(&qx);
-    if (!status) {
-        for (int o = 0; o < n; o++) {
-            float acc = 0.0f;
-            for (int i = 0; i < count; i++) {
-                const float yi = y[(int64_t)i * n + o];
-                /* bf16: y and y * w rounded as torch's ops round them; index_add_ sums in fp32 */
-                const float term = out_bf16 ? bf16_to_float(float_to_bf16(bf16_to_float(float_to_bf16(yi)) * w[i])) : yi * w[i];
-                acc = acc + term;
-            }
-            if (out_bf16) ((uint16_t *)out)[o] = float_to_bf16(acc);
-            else ((float *)out)[o] = acc;
-        }
-    }
+    if (!status) weighted_sum(y, w, count, n, out, out_bf16, use_vnni);
     free(y);
     return status;
 }
