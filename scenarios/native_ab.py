@@ -12,12 +12,9 @@ On SmolLM2-135M's shapes over 30 layers it times:
   at 1 and 32 rows (decode's, with the lm_head) and 512 (prefill's), each build packing its own
   weights;
 - prefill attention (paged_extend.c) in each dtype it takes here: a 1,024-token prompt, and 32
-  requests' 64 new tokens over 1,024 cached ones;
-- with --parts quant: the quantized linears (quant_linear*.c) over a Llama-3.2-1B shape's
-  Q4_K_M layers kept as their super-blocks (Q4_K; Q6_K for down and the lm_head), bf16
-  activations, at 1 row (decode's, with the lm_head) and 256 (prefill's).
+  requests' 64 new tokens over 1,024 cached ones.
 
-    python -m radixkv.scenarios.native_ab [--base HEAD] [--rounds 12] [--parts decode,linears,prefill,quant]
+    python -m radixkv.scenarios.native_ab [--base HEAD] [--rounds 12] [--parts decode,linears,prefill]
 """
 
 from __future__ import annotations
@@ -35,18 +32,11 @@ from radixkv.cpu import decode as cpu_decode
 from radixkv.cpu import extend as cpu_extend
 from radixkv.cpu import native
 from radixkv.cpu.linear import PackedLinear, available_linear_kernels
-from radixkv.cpu.quant import from_gguf
-from radixkv.cpu.quant_linear import QuantLinear, available_quant_kernels
 from radixkv.scenarios.cpu_kernels import HEAD_DIM, KV_HEADS, LINEAR_SHAPES, LM_HEAD, PAGE_SIZE, Q_HEADS, linear_module
 from radixkv.scenarios.machine import machine_limits
 from radixkv.scenarios.plots import pyplot, save, save_results
 
 ORDERS = ("in_order", "interleaved", "shuffled")
-# A Llama-3.2-1B shape's linears (in, out, GGUF type as a Q4_K_M file has them); its lm_head is
-# Q6_K over --quant-vocab rows.
-QUANT_SHAPES = ((2048, 3072, "Q4_K"), (2048, 2048, "Q4_K"), (2048, 16384, "Q4_K"), (8192, 2048, "Q6_K"))
-# Bytes of a super-block of 256 values, and where its fp16 scales lie.
-_SUPER_BLOCKS = {"Q4_K": (144, (0, 2)), "Q6_K": (210, (208,))}
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -100,32 +90,6 @@ def linears_ab(builds: dict, dtype: torch.dtype, rows: int, args, flush: torch.T
             layers = [PackedLinear(linear_module(weight), kernel) for weight in weights]
         runs[name] = lambda layers=layers: [layer(x) for layer, x in zip(layers, inputs, strict=True)]
     return in_turns(builds, runs, args.rounds, flush) | dict(part=f"linears {_name(dtype)} ({kernel})", case=f"{rows} rows")
-
-
-def random_super_blocks(type_name: str, out_features: int, in_features: int, generator: torch.Generator) -> torch.Tensor:
-    """Random valid K-quant blocks (uint8 [out, row bytes]): any quant and scale bits, small finite fp16 scales."""
-    block_bytes, scales = _SUPER_BLOCKS[type_name]
-    blocks = torch.randint(0, 256, (out_features, in_features // 256, block_bytes), dtype=torch.uint8, generator=generator)
-    for at in scales:
-        blocks[..., at : at + 2] = (torch.randn(out_features, in_features // 256, 1, generator=generator) * 0.02).half().view(torch.uint8)
-    return blocks.reshape(out_features, -1)
-
-
-def quant_ab(builds: dict, rows: int, args, flush: torch.Tensor) -> dict:
-    """The quantized linears over every layer's shapes (and the lm_head at one row), bf16
-    activations, under each build in turn, each with the weights it packed itself."""
-    generator = torch.Generator().manual_seed(0)
-    lm_head = (QUANT_SHAPES[0][0], args.quant_vocab, "Q6_K")
-    shapes = [shape for _ in range(args.quant_layers) for shape in QUANT_SHAPES] + ([lm_head] if rows == 1 else [])
-    weights = [from_gguf(kind, random_super_blocks(kind, n, k, generator).numpy(), (n, k), super_blocks=True) for k, n, kind in shapes]
-    inputs = [torch.randn(rows, k, generator=generator).to(torch.bfloat16) for k, _, _ in shapes]
-    runs = {}
-    for name, library in builds.items():
-        with native.using(library):
-            kernel = available_quant_kernels()[0]
-            layers = [QuantLinear(weight, kernel=kernel) for weight in weights]
-        runs[name] = lambda layers=layers: [layer(x) for layer, x in zip(layers, inputs, strict=True)]
-    return in_turns(builds, runs, args.rounds, flush) | dict(part=f"Q4_K/Q6_K linears ({kernel})", case=f"{rows} rows")
 
 
 def prefill_ab(builds: dict, dtype: torch.dtype, num_seqs: int, new: int, cached: int, args, flush: torch.Tensor) -> dict:
@@ -185,8 +149,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--orders", default=",".join(ORDERS), help="decode's page layouts")
     parser.add_argument("--parts", default="decode,linears,prefill")
     parser.add_argument("--layers", type=int, default=30)
-    parser.add_argument("--quant-layers", type=int, default=16, help="layers of the 1B shape in the quant part")
-    parser.add_argument("--quant-vocab", type=int, default=128256, help="the quant part's lm_head rows")
     parser.add_argument("--num-seqs", type=int, default=32)
     parser.add_argument("--context", type=int, default=1032, help="decode's tokens a request")
     parser.add_argument("--prefill-len", type=int, default=1024, help="prefill's prompt, and its cached tokens a request")
@@ -219,10 +181,6 @@ def main(argv: list[str] | None = None) -> int:
             prefill_dtypes = [dtype for dtype in dtypes if cpu_extend.fits(dtype, HEAD_DIM, Q_HEADS // KV_HEADS)]
         shapes = [(1, args.prefill_len, 0), (args.num_seqs, 64, args.prefill_len)]
         rows += [prefill_ab(builds, dtype, *shape, args, flush) for dtype in prefill_dtypes for shape in shapes]
-    if "quant" in parts:
-        with native.using(builds["working tree"]):
-            quant_here = bool(available_quant_kernels())
-        rows += [quant_ab(builds, count, args, flush) for count in (1, 256)] if quant_here else []
     limits = machine_limits(torch.float32)
     print(f"\n{limits['cpu']}, {limits['torch_threads']} threads: read {limits['read_bandwidth_gb_s']:.1f} GB/s (measured in this run)")
     print(f"{args.layers} layers (decode: {args.num_seqs} x {args.context} tokens), best of {args.rounds} turns each, caches cold\n")

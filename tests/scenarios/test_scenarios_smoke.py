@@ -216,25 +216,6 @@ def test_native_ab_times_two_builds_in_one_process(tmp_path, capsys):
     assert (tmp_path / "native_ab.png").exists() and "tree / base" in capsys.readouterr().out
 
 
-def test_native_ab_quant_part_times_the_k_quant_linears(tmp_path, capsys):
-    from radixkv.cpu import native
-    from radixkv.cpu.quant_linear import available_quant_kernels
-
-    if native.load() is None or not available_quant_kernels():
-        pytest.skip("the quant part needs a native quantized kernel (no C compiler here)")
-    if not (Path(__file__).resolve().parents[2] / ".git").exists():
-        pytest.skip("the native A/B reads its baseline from git")
-    module = importlib.import_module("radixkv.scenarios.native_ab")
-    argv = ["--out", str(tmp_path), "--rounds", "2", "--parts", "quant", "--quant-layers", "1", "--quant-vocab", "512", "--flush-mib", "8"]
-    assert module.main(argv) == 0
-    rows = json.loads((tmp_path / "native_ab.json").read_text())["rows"]
-    assert [(row["part"].split(" (")[0], row["case"]) for row in rows] == [("Q4_K/Q6_K linears", "1 rows"), ("Q4_K/Q6_K linears", "256 rows")]
-    csrc = str(native.CSRC)
-    if subprocess.run(["git", "-C", csrc, "diff", "--quiet", "HEAD", "--", csrc]).returncode == 0:
-        assert all(row["identical"] for row in rows)
-    assert all(row["ratio"] > 0 for row in rows) and "tree / base" in capsys.readouterr().out
-
-
 def test_native_ab_names_a_bad_revision(tmp_path, capsys):
     from radixkv.cpu import native
 
