@@ -5,6 +5,7 @@ tokens), the ids that end a reply, and `HarmonyReader`, a reply's ids read into 
 from __future__ import annotations
 
 import re
+import weakref
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -35,9 +36,24 @@ class HarmonyTokens:
         return frozenset((self.return_, self.call))
 
 
+# Each tokenizer's answer, found once: rendering a chat asks for it three times a request, and
+# finding it walks the tokenizer's added tokens. A loaded tokenizer's special tokens do not change.
+_FOUND: weakref.WeakKeyDictionary[Any, HarmonyTokens | None] = weakref.WeakKeyDictionary()
+
+
 def harmony_tokens(tokenizer: Any) -> HarmonyTokens | None:
     """The markers' ids where the tokenizer has every one as a single special token (gpt-oss's
     does); None otherwise. This decides a model's reply format, never the request."""
+    try:
+        if tokenizer in _FOUND:
+            return _FOUND[tokenizer]
+        found = _FOUND[tokenizer] = _find_markers(tokenizer)
+    except TypeError:  # neither hashable nor weakly referable: looked up each time
+        found = _find_markers(tokenizer)
+    return found
+
+
+def _find_markers(tokenizer: Any) -> HarmonyTokens | None:
     special = set(getattr(tokenizer, "all_special_tokens", ()) or ())
     special |= {t.content for t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values() if getattr(t, "special", False)}
     if not all(m in special for m in MARKERS):
