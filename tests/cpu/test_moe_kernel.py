@@ -85,7 +85,7 @@ def _routing(tokens: int, experts: int, top_k: int, seed: int):
 
 
 @pytest.mark.parametrize("type_name", list(BLOCK_TYPES))
-@pytest.mark.parametrize("tokens", [1, 7])
+@pytest.mark.parametrize("tokens", [1, 7, 40])  # 40: groups of 6 tokens and more decode their rows once
 def test_native_equals_torch_bit_for_bit(type_name, tokens):
     experts, rows, in_features = 6, 27, 512  # 3 tiles of 8 rows and a tail of 3
     weights = random_experts(type_name, experts, rows, in_features, seed=tokens)

@@ -3,7 +3,9 @@
  * (a memory map of the file), in tiles of 8 rows, each row read once a call and multiplied with
  * every routed token, so an expert's bytes are read once a step however many tokens picked it.
  * Q4_K and Q6_K rows are read straight from their blocks into 512-bit lanes, four rows at a time,
- * prefetching the rows ahead (q4_k_dot4_zmm); Q8_0 tiles take their quants from the blocks (only
+ * prefetching the rows ahead (q4_k_dot4_zmm); where QUAD_TOKENS or more tokens picked the expert
+ * (a prefill), four rows are decoded once into L1 and each token's pass is the dot products
+ * alone (q4_k_dot4_decoded: the same bits); Q8_0 tiles take their quants from the blocks (only
  * scales are decoded); the other types, and tails of fewer than 8 rows, decode a row into a
  * buffer first. A decode step's one token takes radixkv_moe_row_gate_up and radixkv_moe_row_down:
  * the same items, and the weighted sum.
@@ -44,6 +46,10 @@
 #include "bf16.h"
 
 #define MBLOCK 32
+/* Tokens of one expert from which its K-quant rows are decoded once for all of them: decoding
+ * four Q4_K rows costs about what 3.7 tokens' direct dots save (17 cycles a row and super-block,
+ * against 18.6 a token direct and 14 decoded, Zen 4) */
+#define QUAD_TOKENS 6
 #define KBLOCK 256
 
 enum { T_Q8_0 = 0, T_Q4_0 = 1, T_Q4_1 = 2, T_Q5_0 = 3, T_Q4_K = 4, T_Q6_K = 5 };
@@ -345,26 +351,86 @@ static inline void prefetch_part(const uint8_t *ahead, int64_t span, int64_t par
  * Each step's 64 quants times x in pairs (vpmaddubsw, 16-bit lanes), times each pair's scale
  * and summed into the 32-bit lanes (vpdpwssd): 32-bit lane l of step i holds its values 4l to
  * 4l + 3; steps (0, 1) and (2, 3) sum apart and then together (exact integers, shorter chains). */
+/* Q4_K's constant vectors: the scale picks of its four steps and the header's unpacking. */
+typedef struct {
+    __m512i pick[4], spread, spread_top, low, high, fields, mins, nibble, top2;
+} Q4kConsts;
+
+static inline Q4kConsts q4_k_consts(void) {
+    Q4kConsts c;
+    /* step i = 2c + j takes sub-blocks 4c + j (lanes 0-7) and 4c + j + 2 (8-15): each 16-bit
+     * lane their scale byte, zero-extended (0x80 picks a zero) */
+    c.pick[0] = lanes4(0x8000, 0x8000, 0x8002, 0x8002), c.pick[1] = lanes4(0x8001, 0x8001, 0x8003, 0x8003);
+    c.pick[2] = lanes4(0x8004, 0x8004, 0x8006, 0x8006), c.pick[3] = lanes4(0x8005, 0x8005, 0x8007, 0x8007);
+    /* The 16 header bytes (d, dmin, packed a[4] b[4] c[4]) -> sc0-7, mn0-7 (q4_k_unpack): a c b c
+     * (low 6 bits of a and b; c's low and high nibbles) and 0 a 0 b (the top 2 bits of a and b) */
+    c.spread = _mm512_broadcast_i32x4(_mm_setr_epi8(4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15));
+    c.spread_top = _mm512_broadcast_i32x4(_mm_setr_epi8(-128, -128, -128, -128, 4, 5, 6, 7, -128, -128, -128, -128, 8, 9, 10, 11));
+    c.low = _mm512_broadcast_i32x4(_mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0));
+    c.high = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15));
+    c.fields = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0); /* each row's d, dmin */
+    c.mins = _mm512_setr_epi64(1, 3, 5, 7, 0, 0, 0, 0);                            /* each row's mn bytes */
+    c.nibble = _mm512_set1_epi8(0x0F), c.top2 = _mm512_set1_epi8(0x30);
+    return c;
+}
+
+/* Super-block `at` of four Q4_K rows' headers: 128-bit lane i of *unpacked holds row i's sc0-7
+ * in bytes 0-7 and mn0-7 in 8-15; returns d0, dmin0, ..., d3, dmin3. */
+static inline __m256 q4_k_head4(const uint8_t *const rows[4], int64_t at, const Q4kConsts *c, __m512i *unpacked) {
+    __m512i head = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(rows[0] + at)));
+    head = _mm512_inserti32x4(head, _mm_loadu_si128((const __m128i *)(rows[1] + at)), 1);
+    head = _mm512_inserti32x4(head, _mm_loadu_si128((const __m128i *)(rows[2] + at)), 2);
+    head = _mm512_inserti32x4(head, _mm_loadu_si128((const __m128i *)(rows[3] + at)), 3);
+    const __m512i acbc = _mm512_shuffle_epi8(head, c->spread), top = _mm512_shuffle_epi8(head, c->spread_top);
+    *unpacked = _mm512_or_si512(_mm512_or_si512(_mm512_and_si512(acbc, c->low), _mm512_and_si512(_mm512_srli_epi32(acbc, 4), c->high)),
+                                _mm512_and_si512(_mm512_srli_epi32(top, 2), c->top2));
+    return _mm256_cvtph_ps(_mm512_castsi512_si128(_mm512_permutexvar_epi32(c->fields, head)));
+}
+
+/* Row i's 256 quants of a super-block (q: its 128 bytes) as its four steps' unsigned bytes, and
+ * its four steps' 16-bit scale lanes. */
+static inline void q4_k_row_steps(const uint8_t *q, __m512i unpacked, int i, const Q4kConsts *c, __m512i w[4], __m512i sc[4]) {
+    const __m512i scales = _mm512_shuffle_i32x4(unpacked, unpacked, 0x55 * i);
+    const __m512i w0 = _mm512_loadu_si512(q), w1 = _mm512_loadu_si512(q + 64);
+    w[0] = _mm512_and_si512(w0, c->nibble), w[1] = _mm512_and_si512(_mm512_srli_epi16(w0, 4), c->nibble);
+    w[2] = _mm512_and_si512(w1, c->nibble), w[3] = _mm512_and_si512(_mm512_srli_epi16(w1, 4), c->nibble);
+    for (int j = 0; j < 4; j++) sc[j] = _mm512_shuffle_epi8(scales, c->pick[j]);
+}
+
+/* A row's super-block integers, its 16 lanes: the four steps times x (xv: the super-block's 256
+ * values in Q4K_ORDER), steps (0, 1) and (2, 3) in two chains, then together. */
+static inline __m512i q4_k_lanes(const __m512i w[4], const __m512i sc[4], const __m512i xv[4]) {
+    __m512i first = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_maddubs_epi16(w[0], xv[0]), sc[0]);
+    __m512i second = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_maddubs_epi16(w[2], xv[2]), sc[2]);
+    first = _mm512_dpwssd_epi32(first, _mm512_maddubs_epi16(w[1], xv[1]), sc[1]);
+    second = _mm512_dpwssd_epi32(second, _mm512_maddubs_epi16(w[3], xv[3]), sc[3]);
+    return _mm512_add_epi32(first, second);
+}
+
+/* mins: mn_j * (sum of x over sub-block j), two rows a register; vpmaddwd's high words are mn's
+ * zero and the sum's sign, so each 32-bit lane is the exact product. Adds (dmin * sx) times
+ * them to rows (0, 1)'s and (2, 3)'s accumulators. */
+static inline void q4_k_mins4(__m256i mn, const int32_t *sum32, __m512 dsx, __m512 *macc01, __m512 *macc23) {
+    const __m512i dmin01 = _mm512_setr_epi32(1, 1, 1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m512i dmin23 = _mm512_setr_epi32(5, 5, 5, 5, 5, 5, 5, 5, 7, 7, 7, 7, 7, 7, 7, 7);
+    const __m512i sums = _mm512_broadcast_i32x8(_mm256_loadu_si256((const __m256i *)sum32));
+    const __m512i n01 = _mm512_madd_epi16(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(mn)), sums);
+    const __m512i n23 = _mm512_madd_epi16(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(mn, 1)), sums);
+    *macc01 = _mm512_add_ps(*macc01, _mm512_mul_ps(_mm512_permutexvar_ps(dmin01, dsx), _mm512_cvtepi32_ps(n01)));
+    *macc23 = _mm512_add_ps(*macc23, _mm512_mul_ps(_mm512_permutexvar_ps(dmin23, dsx), _mm512_cvtepi32_ps(n23)));
+}
+
+/* Four Q4_K rows (rows[i], repeats allowed) times x row r, in the header's lanes: out[i], the
+ * scalar loop's bits. The rows share x's loads, their 12 scale bytes are unpacked together in
+ * vector registers, their mins go two rows a register, and the sums are halved four at once.
+ * Each step's 64 quants times x in pairs (vpmaddubsw, 16-bit lanes), times each pair's scale
+ * and summed into the 32-bit lanes (vpdpwssd): 32-bit lane l of step i holds its values 4l to
+ * 4l + 3; steps (0, 1) and (2, 3) sum apart and then together (exact integers, shorter chains). */
 static void q4_k_dot4_zmm(const uint8_t *const rows[4], const QX *x, int64_t r, const uint8_t *ahead, int64_t span, float out[4]) {
     const int8_t *xq = x->kqp + r * x->k;
     const float *xs = x->ks + r * x->nsb;
     const int32_t *sum32 = x->ksum32 + r * (x->k / MBLOCK);
-    const __m512i nibble = _mm512_set1_epi8(0x0F), top2 = _mm512_set1_epi8(0x30);
-    /* step i = 2c + j takes sub-blocks 4c + j (lanes 0-7) and 4c + j + 2 (8-15): each 16-bit
-     * lane their scale byte, zero-extended (0x80 picks a zero) */
-    const __m512i pick[4] = {lanes4(0x8000, 0x8000, 0x8002, 0x8002), lanes4(0x8001, 0x8001, 0x8003, 0x8003),
-                             lanes4(0x8004, 0x8004, 0x8006, 0x8006), lanes4(0x8005, 0x8005, 0x8007, 0x8007)};
-    /* The 16 header bytes (d, dmin, packed a[4] b[4] c[4]) -> sc0-7, mn0-7 (q4_k_unpack): a c b c
-     * (low 6 bits of a and b; c's low and high nibbles) and 0 a 0 b (the top 2 bits of a and b) */
-    const __m512i spread = _mm512_broadcast_i32x4(_mm_setr_epi8(4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15));
-    const __m512i spread_top =
-        _mm512_broadcast_i32x4(_mm_setr_epi8(-128, -128, -128, -128, 4, 5, 6, 7, -128, -128, -128, -128, 8, 9, 10, 11));
-    const __m512i low = _mm512_broadcast_i32x4(_mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0));
-    const __m512i high = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15));
-    const __m512i fields = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0); /* each row's d, dmin */
-    const __m512i mins = _mm512_setr_epi64(1, 3, 5, 7, 0, 0, 0, 0);                            /* each row's mn bytes */
-    const __m512i dmin01 = _mm512_setr_epi32(1, 1, 1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 3, 3);
-    const __m512i dmin23 = _mm512_setr_epi32(5, 5, 5, 5, 5, 5, 5, 5, 7, 7, 7, 7, 7, 7, 7, 7);
+    const Q4kConsts c = q4_k_consts();
     __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
     __m512 macc01 = _mm512_setzero_ps(), macc23 = _mm512_setzero_ps();
     const int64_t part = (span / x->nsb + 63) & ~(int64_t)63;
@@ -372,45 +438,116 @@ static void q4_k_dot4_zmm(const uint8_t *const rows[4], const QX *x, int64_t r, 
         const int64_t at = (int64_t)sb * 144;
         const int8_t *xb = xq + sb * KBLOCK;
         prefetch_part(ahead, span, part, sb);
-        __m512i head = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(rows[0] + at)));
-        head = _mm512_inserti32x4(head, _mm_loadu_si128((const __m128i *)(rows[1] + at)), 1);
-        head = _mm512_inserti32x4(head, _mm_loadu_si128((const __m128i *)(rows[2] + at)), 2);
-        head = _mm512_inserti32x4(head, _mm_loadu_si128((const __m128i *)(rows[3] + at)), 3);
-        const __m512i acbc = _mm512_shuffle_epi8(head, spread), top = _mm512_shuffle_epi8(head, spread_top);
-        /* 128-bit lane i: row i's sc0-7 in bytes 0-7, mn0-7 in 8-15 */
-        const __m512i unpacked = _mm512_or_si512(
-            _mm512_or_si512(_mm512_and_si512(acbc, low), _mm512_and_si512(_mm512_srli_epi32(acbc, 4), high)),
-            _mm512_and_si512(_mm512_srli_epi32(top, 2), top2));
+        __m512i unpacked;
         /* d * sx, dmin * sx of rows 0-3 */
-        const __m512 dsx = _mm512_castps256_ps512(_mm256_mul_ps(
-            _mm256_cvtph_ps(_mm512_castsi512_si128(_mm512_permutexvar_epi32(fields, head))), _mm256_set1_ps(xs[sb])));
+        const __m512 dsx = _mm512_castps256_ps512(_mm256_mul_ps(q4_k_head4(rows, at, &c, &unpacked), _mm256_set1_ps(xs[sb])));
         const __m512i xv[4] = {_mm512_loadu_si512(xb), _mm512_loadu_si512(xb + 64), _mm512_loadu_si512(xb + 128),
                                _mm512_loadu_si512(xb + 192)};
         for (int i = 0; i < 4; i++) {
-            const uint8_t *q = rows[i] + at + 16;
-            const __m512i sc = _mm512_shuffle_i32x4(unpacked, unpacked, 0x55 * i);
-            const __m512i w0 = _mm512_loadu_si512(q), w1 = _mm512_loadu_si512(q + 64);
-            __m512i first = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_maddubs_epi16(_mm512_and_si512(w0, nibble), xv[0]),
-                                                _mm512_shuffle_epi8(sc, pick[0]));
-            __m512i second = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_maddubs_epi16(_mm512_and_si512(w1, nibble), xv[2]),
-                                                 _mm512_shuffle_epi8(sc, pick[2]));
-            first = _mm512_dpwssd_epi32(first, _mm512_maddubs_epi16(_mm512_and_si512(_mm512_srli_epi16(w0, 4), nibble), xv[1]),
-                                        _mm512_shuffle_epi8(sc, pick[1]));
-            second = _mm512_dpwssd_epi32(second, _mm512_maddubs_epi16(_mm512_and_si512(_mm512_srli_epi16(w1, 4), nibble), xv[3]),
-                                         _mm512_shuffle_epi8(sc, pick[3]));
+            __m512i w[4], sc[4];
+            q4_k_row_steps(rows[i] + at + 16, unpacked, i, &c, w, sc);
             const __m512 ds = _mm512_permutexvar_ps(_mm512_set1_epi32(2 * i), dsx);
-            acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(ds, _mm512_cvtepi32_ps(_mm512_add_epi32(first, second))));
+            acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(ds, _mm512_cvtepi32_ps(q4_k_lanes(w, sc, xv))));
         }
-        /* mins: mn_j * (sum of x over sub-block j), two rows a register; vpmaddwd's high words
-         * are mn's zero and the sum's sign, so each 32-bit lane is the exact product */
-        const __m256i mn = _mm512_castsi512_si256(_mm512_permutexvar_epi64(mins, unpacked));
-        const __m512i sums = _mm512_broadcast_i32x8(_mm256_loadu_si256((const __m256i *)(sum32 + sb * 8)));
-        const __m512i n01 = _mm512_madd_epi16(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(mn)), sums);
-        const __m512i n23 = _mm512_madd_epi16(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(mn, 1)), sums);
-        macc01 = _mm512_add_ps(macc01, _mm512_mul_ps(_mm512_permutexvar_ps(dmin01, dsx), _mm512_cvtepi32_ps(n01)));
-        macc23 = _mm512_add_ps(macc23, _mm512_mul_ps(_mm512_permutexvar_ps(dmin23, dsx), _mm512_cvtepi32_ps(n23)));
+        q4_k_mins4(_mm512_castsi512_si256(_mm512_permutexvar_epi64(c.mins, unpacked)), sum32 + sb * 8, dsx, &macc01, &macc23);
     }
     _mm_storeu_ps(out, _mm_sub_ps(halve16x4(acc[0], acc[1], acc[2], acc[3]), halve8x4(macc01, macc23)));
+}
+
+/* Four K-quant rows decoded once for the several tokens routed to them (a prefill's groups):
+ * per super-block, each row's four steps' unsigned bytes and 16-bit scale lanes, the rows' d
+ * (and Q4_K's dmin) and Q4_K's mins, so each token's pass is the dot products alone. */
+typedef struct {
+    __m512i *w, *sc; /* [nsb][4 rows][4 steps] */
+    float *d;        /* [nsb][8]: Q4_K d0, dmin0, ..., d3, dmin3; Q6_K d0-d3 */
+    __m256i *mn;     /* Q4_K [nsb]: rows 0-3's mn0-7 */
+} Quad;
+
+static int quad_alloc(Quad *quad, int nsb) {
+    quad->w = aligned_alloc(64, (size_t)nsb * 16 * 64), quad->sc = aligned_alloc(64, (size_t)nsb * 16 * 64);
+    quad->d = malloc((size_t)nsb * 8 * sizeof(float)), quad->mn = aligned_alloc(32, (size_t)nsb * 32);
+    return quad->w && quad->sc && quad->d && quad->mn;
+}
+
+static void quad_free(Quad *quad) { free(quad->w), free(quad->sc), free(quad->d), free(quad->mn); }
+
+static void q4_k_decode4(const uint8_t *const rows[4], int nsb, const uint8_t *ahead, int64_t span, Quad *quad) {
+    const Q4kConsts c = q4_k_consts();
+    const int64_t part = (span / nsb + 63) & ~(int64_t)63;
+    for (int sb = 0; sb < nsb; sb++) {
+        const int64_t at = (int64_t)sb * 144;
+        prefetch_part(ahead, span, part, sb);
+        __m512i unpacked;
+        _mm256_storeu_ps(quad->d + 8 * sb, q4_k_head4(rows, at, &c, &unpacked));
+        for (int i = 0; i < 4; i++) q4_k_row_steps(rows[i] + at + 16, unpacked, i, &c, quad->w + 16 * sb + 4 * i, quad->sc + 16 * sb + 4 * i);
+        quad->mn[sb] = _mm512_castsi512_si256(_mm512_permutexvar_epi64(c.mins, unpacked));
+    }
+}
+
+/* q4_k_dot4_zmm's steps over a decoded quad: the same bits. */
+static void q4_k_dot4_decoded(const Quad *quad, const QX *x, int64_t r, float out[4]) {
+    const int8_t *xq = x->kqp + r * x->k;
+    const float *xs = x->ks + r * x->nsb;
+    const int32_t *sum32 = x->ksum32 + r * (x->k / MBLOCK);
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    __m512 macc01 = _mm512_setzero_ps(), macc23 = _mm512_setzero_ps();
+    for (int sb = 0; sb < x->nsb; sb++) {
+        const int8_t *xb = xq + sb * KBLOCK;
+        const __m512 dsx = _mm512_castps256_ps512(_mm256_mul_ps(_mm256_loadu_ps(quad->d + 8 * sb), _mm256_set1_ps(xs[sb])));
+        const __m512i xv[4] = {_mm512_loadu_si512(xb), _mm512_loadu_si512(xb + 64), _mm512_loadu_si512(xb + 128),
+                               _mm512_loadu_si512(xb + 192)};
+        for (int i = 0; i < 4; i++) {
+            const __m512 ds = _mm512_permutexvar_ps(_mm512_set1_epi32(2 * i), dsx);
+            const __m512i lanes = q4_k_lanes(quad->w + 16 * sb + 4 * i, quad->sc + 16 * sb + 4 * i, xv);
+            acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(ds, _mm512_cvtepi32_ps(lanes)));
+        }
+        q4_k_mins4(quad->mn[sb], sum32 + sb * 8, dsx, &macc01, &macc23);
+    }
+    _mm_storeu_ps(out, _mm_sub_ps(halve16x4(acc[0], acc[1], acc[2], acc[3]), halve8x4(macc01, macc23)));
+}
+
+/* Row blk's super-block of Q6_K as its four steps (step s = 2h + j: values 64s to 64s + 63)
+ * of unsigned 6-bit quants, and their 16-bit scale lanes: 128-bit lane t of step s takes
+ * scale 4s + t. */
+static inline void q6_k_row_steps(const uint8_t *blk, __m512i q[4], __m512i sc[4]) {
+    const __m512i nibble = _mm512_set1_epi8(0x0F), high2 = _mm512_set1_epi8(0x30);
+    const __m512i left = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
+    const __m512i right = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+    /* of the 8 scales of half h broadcast to every 128-bit lane: bytes (2s, 2s + 1) for s = 4j + t */
+    const __m512i pick[2] = {lanes4(0x0100, 0x0302, 0x0504, 0x0706), lanes4(0x0908, 0x0B0A, 0x0D0C, 0x0F0E)};
+    const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
+    for (int h = 0; h < 2; h++) {
+        const __m512i scales = _mm512_broadcast_i32x4(h ? _mm256_extracti128_si256(sc16, 1) : _mm256_castsi256_si128(sc16));
+        const __m512i ql = _mm512_loadu_si512(blk + 64 * h);
+        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h)));
+        q[2 * h] = _mm512_or_si512(_mm512_and_si512(ql, nibble), _mm512_and_si512(_mm512_sllv_epi16(qh, left), high2));
+        q[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), nibble), _mm512_and_si512(_mm512_srlv_epi16(qh, right), high2));
+        for (int j = 0; j < 2; j++) sc[2 * h + j] = _mm512_shuffle_epi8(scales, pick[j]);
+    }
+}
+
+/* A Q6_K row's super-block integers, its 16 lanes: (q - 32) * xq in pairs (q * xq less 32 * the
+ * pair's xq sum, xp), times the scales, halves h = 0 and 1 apart, then together. */
+static inline __m512i q6_k_lanes(const __m512i q[4], const __m512i sc[4], const int8_t *xb, const int16_t *xp) {
+    __m512i lanes[2];
+    for (int h = 0; h < 2; h++) {
+        lanes[h] = _mm512_setzero_si512();
+        for (int j = 0; j < 2; j++) {
+            const int s = 2 * h + j;
+            const __m512i uq = _mm512_maddubs_epi16(q[s], _mm512_loadu_si512(xb + 64 * s));
+            lanes[h] = _mm512_dpwssd_epi32(lanes[h], _mm512_sub_epi16(uq, _mm512_loadu_si512(xp + 32 * s)), sc[s]);
+        }
+    }
+    return _mm512_add_epi32(lanes[0], lanes[1]);
+}
+
+/* The four rows' d at super-block offset at. */
+static inline __m128 q6_k_d4(const uint8_t *const rows[4], int64_t at) {
+    uint16_t d[4];
+    for (int i = 0; i < 4; i++) memcpy(&d[i], rows[i] + at + 208, 2);
+    uint64_t packed;
+    memcpy(&packed, d, 8);
+    return _mm_cvtph_ps(_mm_cvtsi64_si128((long long)packed));
 }
 
 /* Four Q6_K rows times x row r, in the header's lanes: out[i], the scalar loop's bits (x's
@@ -419,46 +556,45 @@ static void q6_k_dot4_zmm(const uint8_t *const rows[4], const QX *x, int64_t r, 
     const int8_t *xq = x->kq + r * x->k;
     const float *xs = x->ks + r * x->nsb;
     const int16_t *pairs = x->kpair + r * (x->k / 2);
-    const __m512i nibble = _mm512_set1_epi8(0x0F), high2 = _mm512_set1_epi8(0x30);
-    const __m512i left = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
-    const __m512i right = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
-    /* step i = 2h + j (values 64i to 64i + 63): 128-bit lane t takes 16-bit scale 4i + t, of
-     * the 8 in half h broadcast to every 128-bit lane: bytes (2s, 2s + 1) for s = 4j + t */
-    const __m512i pick[2] = {lanes4(0x0100, 0x0302, 0x0504, 0x0706), lanes4(0x0908, 0x0B0A, 0x0D0C, 0x0F0E)};
     __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
     const int64_t part = (span / x->nsb + 63) & ~(int64_t)63;
     for (int sb = 0; sb < x->nsb; sb++) {
         const int64_t at = (int64_t)sb * 210;
-        const int8_t *xb = xq + sb * KBLOCK;
         prefetch_part(ahead, span, part, sb);
-        const int16_t *xp = pairs + sb * (KBLOCK / 2);
-        uint16_t d[4];
-        for (int i = 0; i < 4; i++) memcpy(&d[i], rows[i] + at + 208, 2);
-        uint64_t packed;
-        memcpy(&packed, d, 8);
-        const __m128 dsx = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi64_si128((long long)packed)), _mm_set1_ps(xs[sb]));
+        const __m128 dsx = _mm_mul_ps(q6_k_d4(rows, at), _mm_set1_ps(xs[sb]));
         for (int i = 0; i < 4; i++) {
-            const uint8_t *blk = rows[i] + at;
-            const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
-            __m512i lanes[2];
-            for (int h = 0; h < 2; h++) {
-                const __m512i sc = _mm512_broadcast_i32x4(h ? _mm256_extracti128_si256(sc16, 1) : _mm256_castsi256_si128(sc16));
-                const __m512i ql = _mm512_loadu_si512(blk + 64 * h);
-                const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h)));
-                const __m512i q[2] = {
-                    _mm512_or_si512(_mm512_and_si512(ql, nibble), _mm512_and_si512(_mm512_sllv_epi16(qh, left), high2)),
-                    _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), nibble), _mm512_and_si512(_mm512_srlv_epi16(qh, right), high2))};
-                lanes[h] = _mm512_setzero_si512();
-                for (int j = 0; j < 2; j++) {
-                    const int s = 2 * h + j;
-                    /* (q - 32) * xq in pairs: q * xq less 32 * (the pair's xq sum) */
-                    const __m512i uq = _mm512_maddubs_epi16(q[j], _mm512_loadu_si512(xb + 64 * s));
-                    const __m512i p = _mm512_sub_epi16(uq, _mm512_loadu_si512(xp + 32 * s));
-                    lanes[h] = _mm512_dpwssd_epi32(lanes[h], p, _mm512_shuffle_epi8(sc, pick[j]));
-                }
-            }
+            __m512i q[4], sc[4];
+            q6_k_row_steps(rows[i] + at, q, sc);
             const __m512 ds = _mm512_permutexvar_ps(_mm512_set1_epi32(i), _mm512_castps128_ps512(dsx));
-            acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(ds, _mm512_cvtepi32_ps(_mm512_add_epi32(lanes[0], lanes[1]))));
+            const __m512i lanes = q6_k_lanes(q, sc, xq + sb * KBLOCK, pairs + sb * (KBLOCK / 2));
+            acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(ds, _mm512_cvtepi32_ps(lanes)));
+        }
+    }
+    _mm_storeu_ps(out, halve16x4(acc[0], acc[1], acc[2], acc[3]));
+}
+
+static void q6_k_decode4(const uint8_t *const rows[4], int nsb, const uint8_t *ahead, int64_t span, Quad *quad) {
+    const int64_t part = (span / nsb + 63) & ~(int64_t)63;
+    for (int sb = 0; sb < nsb; sb++) {
+        const int64_t at = (int64_t)sb * 210;
+        prefetch_part(ahead, span, part, sb);
+        _mm_storeu_ps(quad->d + 8 * sb, q6_k_d4(rows, at));
+        for (int i = 0; i < 4; i++) q6_k_row_steps(rows[i] + at, quad->w + 16 * sb + 4 * i, quad->sc + 16 * sb + 4 * i);
+    }
+}
+
+/* q6_k_dot4_zmm's steps over a decoded quad: the same bits. */
+static void q6_k_dot4_decoded(const Quad *quad, const QX *x, int64_t r, float out[4]) {
+    const int8_t *xq = x->kq + r * x->k;
+    const float *xs = x->ks + r * x->nsb;
+    const int16_t *pairs = x->kpair + r * (x->k / 2);
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int sb = 0; sb < x->nsb; sb++) {
+        const __m128 dsx = _mm_mul_ps(_mm_loadu_ps(quad->d + 8 * sb), _mm_set1_ps(xs[sb]));
+        for (int i = 0; i < 4; i++) {
+            const __m512 ds = _mm512_permutexvar_ps(_mm512_set1_epi32(i), _mm512_castps128_ps512(dsx));
+            const __m512i lanes = q6_k_lanes(quad->w + 16 * sb + 4 * i, quad->sc + 16 * sb + 4 * i, xq + sb * KBLOCK, pairs + sb * (KBLOCK / 2));
+            acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(ds, _mm512_cvtepi32_ps(lanes)));
         }
     }
     _mm_storeu_ps(out, halve16x4(acc[0], acc[1], acc[2], acc[3]));
@@ -617,6 +753,15 @@ static int grouped_items(const Matrix *mats, int count, const QX *qx, const int3
         Row row = {malloc((size_t)k), malloc((size_t)nb * sizeof(float)), malloc((size_t)nb * sizeof(float))};
         int ok = row.u && row.s && row.m;
         int tiled = 0;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+        /* K-quant rows decoded once per group of several tokens */
+        Quad quad;
+        memset(&quad, 0, sizeof quad);
+        int quads = 0;
+        for (int i = 0; i < count; i++) quads = quads || mats[i].type == T_Q4_K || mats[i].type == T_Q6_K;
+        quads = quads && use_vnni && qx->nsb > 0;
+        if (quads) ok = quad_alloc(&quad, qx->nsb) && ok;
+#endif
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
         /* Tiles of 8 rows: one reduction tree and one vector of sums for 8 outputs. */
         Tile tile;
@@ -659,6 +804,15 @@ static int grouped_items(const Matrix *mats, int count, const QX *qx, const int3
                         for (int i = 0; i < 4; i++) rows4[i] = expert + (int64_t)(i < count4 ? o + i : o) * row_bytes;
                         /* the rows four groups on, into L2 (past an expert's last: unused lines, no fault) */
                         const uint8_t *ahead = expert + (int64_t)(o + 16) * row_bytes;
+                        if (offsets[g + 1] - offsets[g] >= QUAD_TOKENS) {
+                            (type == T_Q4_K ? q4_k_decode4 : q6_k_decode4)(rows4, qx->nsb, ahead, 4 * row_bytes, &quad);
+                            for (int p = offsets[g]; p < offsets[g + 1]; p++) {
+                                float out4[4];
+                                (type == T_Q4_K ? q4_k_dot4_decoded : q6_k_dot4_decoded)(&quad, qx, x_rows[p], out4);
+                                memcpy(y + (int64_t)p * y_stride + o, out4, (size_t)count4 * sizeof(float));
+                            }
+                            continue;
+                        }
                         for (int p = offsets[g]; p < offsets[g + 1]; p++) {
                             float out4[4];
                             (type == T_Q4_K ? q4_k_dot4_zmm : q6_k_dot4_zmm)(rows4, qx, x_rows[p], p == offsets[g] ? ahead : NULL,
@@ -694,6 +848,9 @@ static int grouped_items(const Matrix *mats, int count, const QX *qx, const int3
             }
         }
         free(row.u), free(row.s), free(row.m);
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+        if (quads) quad_free(&quad);
+#endif
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
         if (tiled) tile_free(&tile);
 #endif
