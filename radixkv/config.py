@@ -70,8 +70,10 @@ class EngineConfig:
     # radixkv/cpu/decode.py says why) read its KV once per step as a group (q.k
     # and p.v as small matrix products, CPU native or Triton), merged by
     # log-sum-exp with each request's own suffix. Outputs equal plain decode's up to summation
-    # order; batch-invariant steps never group (a group depends on the batch). False: each
-    # request reads all its KV itself.
+    # order; in batch-invariant steps a group computes each member's own bits (its plain
+    # kernel's arithmetic, as tiles where AVX512_BF16 allows), and on CPU a prefill's rows group
+    # too: a request's rows whose keys end in the same 256-key chunk share the chunks before it.
+    # False: each request (and each prefill row) reads all its KV itself.
     share_decode_reads: bool = True
     # CPU cascade groups' shared keys as matrix-product tiles (vdpbf16ps on AVX512_BF16 in bf16,
     # FMAs in fp32); False runs each member over them with the plain decode kernel, so any CPU

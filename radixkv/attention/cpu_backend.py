@@ -96,6 +96,11 @@ class CPUBackend(AttentionBackend[CPUStepState]):
         if meta.batch_invariant and not meta.is_decode_only:
             row_by_row = torch_backend.row_by_row_tables(meta)
             decode.check_tables(row_by_row.page_table, row_by_row.seq_lens, None, num_tokens, num_pages, page_size)
+            # Each row runs as its own request (its bits never depend on the batch), yet a
+            # request's rows share its pages: grouped by chunk band, each whole chunk is scored as
+            # tiles for all the rows that see it (cpu/decode.prefill_rows_plan), the same bits.
+            plan = decode.prefill_rows_plan(row_by_row.request_of_row, row_by_row.seq_lens) if self.share_reads else None
+            return CPUStepState(True, page_table, seq_lens, None, row_by_row, None, plan)
         elif meta.is_decode_only:
             decode.check_tables(page_table, seq_lens, None, num_tokens, num_pages, page_size)
             plan = self._plan(meta, page_table, seq_lens, num_q_heads, k_cache)
@@ -172,8 +177,8 @@ class CPUBackend(AttentionBackend[CPUStepState]):
         if meta.batch_invariant:  # each row as its own request: the kernel's rows are independent
             tables = state.row_by_row
             return decode.paged_decode(
-                q, k_cache, v_cache, tables.page_table, tables.seq_lens, scale, check=False, k_scales=k_scales, v_scales=v_scales,
-                window=window, sinks=sinks,
+                q, k_cache, v_cache, tables.page_table, tables.seq_lens, scale, check=False, plan=_plan_for(state.plan, window),
+                k_scales=k_scales, v_scales=v_scales, window=window, sinks=sinks,
             )  # fmt: skip
         out = torch.empty(q.shape, dtype=q.dtype)
         rows = state.decode_rows

@@ -23,6 +23,7 @@ class RowByRow:
 
     page_table: torch.Tensor  # [T, max_pages] int32, the page table of each row's request
     seq_lens: torch.Tensor  # [T] int32, position + 1 of each row
+    request_of_row: torch.Tensor  # [T] int64, the step's request each row belongs to
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +51,7 @@ class TorchStepState:
 
 def row_by_row_tables(meta: AttentionMetadata) -> RowByRow:
     request_of_row = torch.repeat_interleave(torch.arange(meta.num_seqs, device=meta.q_lens.device), meta.q_lens.long())
-    return RowByRow(meta.page_table[request_of_row].to(torch.int32), (meta.positions + 1).to(torch.int32))
+    return RowByRow(meta.page_table[request_of_row].to(torch.int32), (meta.positions + 1).to(torch.int32), request_of_row)
 
 
 class TorchBackend(AttentionBackend[TorchStepState]):

@@ -37,6 +37,9 @@ class DecodeLimits:
     max_group: int  # query heads per kv head
 
 
+CHUNK_TOKENS = 256  # csrc/decode.h's: an item's keys, on a grid from key 0
+
+
 @functools.cache
 def limits() -> DecodeLimits:
     """The limits the compiled library reports (asked once: they are compile-time constants)."""
@@ -403,3 +406,41 @@ def store_kv(
         v.stride(0) * v.element_size(), slots.data_ptr(), k.shape[0], row_bytes,
     )  # fmt: skip
     return True
+
+
+def prefill_rows_plan(request_of_row: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor | None:
+    """A batch-invariant prefill's rows (each its own one-token request over its prefix) grouped
+    by request and chunk band: the rows of a request whose keys end in the same 256-key chunk
+    share all the whole chunks before it, so each such chunk is one shared item for all of them
+    (the plan's layout: csrc/paged_decode.c's Plan, marked batch-invariant). None: no group."""
+    num_seqs = seq_lens.shape[0]
+    band = (seq_lens.to(torch.int64) - 1) // CHUNK_TOKENS
+    key = request_of_row.to(torch.int64) * (int(band.max()) + 1 if num_seqs else 1) + band
+    keys, inverse, counts = torch.unique(key, return_inverse=True, return_counts=True)
+    shared = (keys % (int(band.max()) + 1 if num_seqs else 1)) * CHUNK_TOKENS
+    live = (counts >= 2) & (shared > 0)
+    if not bool(live.any()):
+        return None
+    group_id = torch.full((keys.shape[0],), -1, dtype=torch.int64)
+    group_id[live] = torch.arange(int(live.sum()))
+    group_of = group_id[inverse]
+    grouped = torch.nonzero(group_of >= 0).flatten()
+    order = grouped[torch.argsort(group_of[grouped], stable=True)]
+    sizes = counts[live]
+    group_start = torch.zeros(sizes.shape[0] + 1, dtype=torch.int64)
+    group_start[1:] = torch.cumsum(sizes, 0)
+    member_index = torch.zeros(num_seqs, dtype=torch.int64)
+    member_index[order] = torch.arange(order.shape[0]) - group_start[group_of[order]]
+    plan = torch.zeros(load().radixkv_cascade_plan_ints(num_seqs), dtype=torch.int32)
+    num_groups = sizes.shape[0]
+    plan[0] = num_groups
+    plan[1 : 1 + num_seqs] = group_of.to(torch.int32)
+    plan[1 + num_seqs : 1 + 2 * num_seqs] = member_index.to(torch.int32)
+    at = 1 + 2 * num_seqs
+    plan[at : at + num_groups + 1] = group_start.to(torch.int32)
+    at += num_groups + 1
+    plan[at : at + order.shape[0]] = order.to(torch.int32)
+    at += order.shape[0]
+    plan[at : at + num_groups] = shared[live].to(torch.int32)
+    plan[-1] = 1  # batch-invariant: every member gets its own item's bits
+    return plan

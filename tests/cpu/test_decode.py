@@ -653,6 +653,7 @@ def test_cascade_rows_of_a_mixed_step(gen):
 EXACT_CASES = [
     *CASES[:6],
     ([(200, 3), (300, 2), (1100, 4)], (9, 3), 64),  # a group under one chunk: nothing left to share
+    ([(1300, 24)], (32, 4), 128),  # the 30B-A3B shape's heads: many queries a chunk, bf16 outputs that show a sum's order
 ]
 
 
@@ -687,6 +688,36 @@ def test_batch_invariant_groups_give_each_member_its_bits_alone(gen, dtype, grou
     finally:
         torch.set_num_threads(threads)
         native.use_cascade_tiles(True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "head_dim", "prompts"), [((32, 4), 128, [700, 300]), ((9, 3), 64, [1030]), ((6, 2), 40, [600])])
+def test_prefill_rows_grouped_by_chunk_band_keep_every_rows_bits(gen, dtype, heads, head_dim, prompts):
+    # A batch-invariant prefill runs every new token's row as its own request over its prefix;
+    # prefill_rows_plan groups a request's rows whose keys end in the same 256-key chunk, so the
+    # whole chunks before it are shared items. Each row's output stays the bits it gets alone.
+    lens = [n for n in prompts for _ in range(n)]
+    t = Tables(gen, [(0, len(lens))], [0] * len(lens), heads=heads, head_dim=head_dim, dtype=dtype)
+    pages = -(-max(prompts) // PAGE)
+    page_table = torch.zeros(len(lens), pages, dtype=torch.int32)
+    request_of_row = torch.tensor([r for r, n in enumerate(prompts) for _ in range(n)])
+    for r in range(len(prompts)):
+        page_table[request_of_row == r] = torch.randperm(t.k_cache.shape[0], generator=gen)[:pages].to(torch.int32)
+    seq_lens = torch.tensor([p + 1 for n in prompts for p in range(n)], dtype=torch.int32)
+    plan = native.prefill_rows_plan(request_of_row, seq_lens)
+    bands = sum((n - 1) // 256 for n in prompts)  # bands 1.. of each request: a group each
+    assert plan is not None and int(plan[0]) == bands and int(plan[-1]) == 1
+    scale = head_dim**-0.5
+    plain = native.paged_decode(t.q, t.k_cache, t.v_cache, page_table, seq_lens, scale)
+    threads = torch.get_num_threads()
+    try:
+        for num_threads in (1, 2):
+            torch.set_num_threads(num_threads)
+            grouped = native.paged_decode(t.q, t.k_cache, t.v_cache, page_table, seq_lens, scale, plan=plan)
+            assert torch.equal(grouped, plain), f"{num_threads} threads"
+    finally:
+        torch.set_num_threads(threads)
+    assert native.prefill_rows_plan(torch.zeros(200, dtype=torch.long), torch.arange(1, 201, dtype=torch.int32)) is None
 
 
 def test_a_plan_off_the_chunk_grid_marked_exact_is_refused(gen):

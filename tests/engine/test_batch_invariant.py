@@ -12,6 +12,7 @@ from radixkv.engine.engine import Engine
 from radixkv.cpu import native
 from radixkv.errors import ConfigError
 from tests.helpers.engine import assert_pages_returned, make_llm, shared_prefix_prompts
+from tests.helpers.tiny_models import make_tiny_model
 
 MAX_NEW = 16
 
@@ -66,3 +67,23 @@ def test_default_model_bf16_answers_identical_with_and_without_cache():
     uncached = LLM(dtype="bfloat16", device="cpu", batch_invariant=True, num_pages=1024, enable_prefix_caching=False, weight_dtype="float")
     without_cache = uncached.chat(conversations, params)
     assert [o.token_ids for o in with_cache] == [o.token_ids for o in without_cache]
+
+
+@pytest.mark.skipif(native.load() is None, reason="the cpu backend needs the native kernels (no C compiler here)")
+def test_prefill_rows_grouped_or_not_chunked_or_not_give_the_same_bits(tmp_path):
+    # A batch-invariant prefill groups a request's rows by 256-key chunk band (head_dim 64: the
+    # exact tiles where AVX512_BF16 runs, the plain kernel member by member elsewhere); tokens
+    # and logprobs equal those of rows run alone, in one prefill or in chunks of 100 tokens.
+    model = make_tiny_model(tmp_path, "llama", hidden_size=128, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024)
+    prompts = [[(7 * i + 3) % 300 + 10 for i in range(700)], [(11 * i + 5) % 300 + 10 for i in range(300)]]
+    params = SamplingParams(max_tokens=8, logprobs=2, ignore_eos=True)
+
+    def run(**options):
+        llm = make_invariant_llm(model, page_size=16, num_pages=128, enable_prefix_caching=False, **options)
+        outputs = llm.generate(prompts, params)
+        assert_pages_returned(llm.engine)
+        return [(o.token_ids, o.outputs[0].logprobs) for o in outputs]
+
+    grouped = run()
+    assert grouped == run(share_decode_reads=False)
+    assert grouped == run(max_batch_tokens=100)

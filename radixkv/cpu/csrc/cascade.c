@@ -113,6 +113,104 @@ static inline __attribute__((always_inline)) void shared_bf16_impl(const SharedI
 }
 #endif
 
+#ifdef HAVE_AVX512_BF16
+
+
+/* Scores of 4 queries (q[0..3], repeats allowed) against ncols transposed keys, with the own
+ * item's bits (paged_decode.c row_dot and sum_lanes_16): lane l of a key's dot vector is the
+ * vdpbf16ps chain over dim pairs l, l + 16, ... from 0, and the 16 lanes are summed as its
+ * tree: Q_m = (P_4m + P_4m+2) + (P_4m+1 + P_4m+3), then (Q_0 + Q_1) + (Q_2 + Q_3). Here a lane
+ * vector P_l holds 16 keys, so the tree is 15 adds, where the own item's transposes took 45. */
+static inline __attribute__((always_inline)) void exact_scores4(const uint32_t *const q[4], const uint32_t *keys, int64_t npad,
+                                                                int ncols, float scale, float *scores, const int D) {
+    for (int block = 0; block < ncols / 16; block++) {
+        __m512 half[2][4];
+        for (int h2 = 0; h2 < 2; h2++) {
+            __m512 quad[2][4];
+            for (int mm = 0; mm < 2; mm++) {
+                const int m = 2 * h2 + mm;
+                __m512 lane[4][4]; /* [query][l - 4m] */
+                for (int i = 0; i < 4; i++)
+                    for (int e = 0; e < 4; e++) lane[i][e] = _mm512_setzero_ps();
+                for (int c = 0; c < D / 32; c++)
+                    for (int e = 0; e < 4; e++) {
+                        const int pair = 16 * c + 4 * m + e;
+                        const __m512bh key = (__m512bh)_mm512_loadu_si512(keys + (int64_t)pair * npad + 16 * block);
+                        for (int i = 0; i < 4; i++)
+                            lane[i][e] = _mm512_dpbf16_ps(lane[i][e], (__m512bh)_mm512_set1_epi32((int)q[i][pair]), key);
+                    }
+                for (int i = 0; i < 4; i++)
+                    quad[mm][i] = _mm512_add_ps(_mm512_add_ps(lane[i][0], lane[i][2]), _mm512_add_ps(lane[i][1], lane[i][3]));
+            }
+            for (int i = 0; i < 4; i++) half[h2][i] = _mm512_add_ps(quad[0][i], quad[1][i]);
+        }
+        for (int i = 0; i < 4; i++)
+            _mm512_store_ps(scores + i * SCORE_STRIDE + 16 * block, _mm512_mul_ps(_mm512_add_ps(half[0][i], half[1][i]), _mm512_set1_ps(scale)));
+    }
+}
+
+/* p.v of `live` <= 4 queries' softmax weights (n keys, rows SCORE_STRIDE apart) into their
+ * states, with the own item's bits (paged_decode.c keys_values): per 32 dims, fp32 accumulators
+ * of the even and odd dims from 0, each key's widened values added by FMA in key order; stored
+ * back in natural dim order. Each value vector is loaded once for the 4 queries. */
+static inline __attribute__((always_inline)) void exact_values4(const float *weights, int live, int n, const uint16_t *const *value_rows,
+                                                                float *const *states, const int D) {
+    const __m512i high_half = _mm512_set1_epi32((int)0xffff0000u);
+    for (int c = 0; c < D / 32; c++) {
+        __m512 even[4], odd[4];
+        for (int i = 0; i < 4; i++) even[i] = _mm512_setzero_ps(), odd[i] = _mm512_setzero_ps();
+        for (int j = 0; j < n; j++) {
+            const __m512i pairs = _mm512_loadu_si512(value_rows[j] + 32 * c);
+            const __m512 low = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16)), high = _mm512_castsi512_ps(_mm512_and_si512(pairs, high_half));
+            for (int i = 0; i < 4; i++) {
+                const __m512 w = _mm512_set1_ps(weights[i * SCORE_STRIDE + j]);
+                even[i] = _mm512_fmadd_ps(w, low, even[i]);
+                odd[i] = _mm512_fmadd_ps(w, high, odd[i]);
+            }
+        }
+        for (int i = 0; i < live; i++) {
+            float chunk[32];
+            _mm512_storeu_ps(chunk, even[i]);
+            _mm512_storeu_ps(chunk + 16, odd[i]);
+            float *out = states[i] + 2 + 32 * c;
+            for (int d = 0; d < 16; d++) out[2 * d] = chunk[d], out[2 * d + 1] = chunk[16 + d];
+        }
+    }
+}
+
+/* The bf16 shared item of a batch-invariant plan: every member's query heads get the bits the
+ * own item gives them alone (the same scores, softmax and p.v, in the same order), computed as
+ * tiles over the chunk's keys transposed once per kv head. */
+static inline __attribute__((always_inline)) void shared_bf16_exact_impl(const SharedItem *item, const uint16_t *k,
+                                                                         const uint16_t *v, const Shape *sh, void *buffer,
+                                                                         const int D) {
+    const int H = sh->num_kv_heads, n = item->end - item->begin, ncols = (n + 15) / 16 * 16;
+    const int64_t npad = ncols + BLOCK_TOKENS, token_stride = (int64_t)H * D;
+    Block blocks[CHUNK_TOKENS];
+    const int num_blocks = chunk_blocks(item->pages, item->begin, item->end, sh, blocks);
+    Scratch s = scratch_view(buffer, sh);
+    uint32_t *keys = s.keys;
+    const void *value_rows[CHUNK_TOKENS];
+    float scores[4 * SCORE_STRIDE] __attribute__((aligned(64)));
+    Prefetcher prefetcher;
+    prefetcher_init(&prefetcher, item->next, sh, (const char *)k, (const char *)v, 2, H);
+    for (int h = 0; h < H; h++) {
+        prefetch_step(&prefetcher);
+        transpose_chunk_keys(blocks, num_blocks, k, h, D, 2, token_stride, keys, npad);
+        chunk_value_rows(blocks, num_blocks, v, h, D, 2, token_stride, value_rows);
+        const int count = gather_queries(item, sh, h, 2, &s);
+        for (int first = 0; first < count; first += 4) {
+            const int live = count - first < 4 ? count - first : 4;
+            const uint32_t *q[4];
+            for (int i = 0; i < 4; i++) q[i] = s.queries[first + (i < live ? i : live - 1)];
+            exact_scores4(q, keys, npad, ncols, sh->scale, scores, D);
+            for (int i = 0; i < live; i++) softmax_row(scores + i * SCORE_STRIDE, n, s.states[first + i]);
+            exact_values4(scores, live, n, (const uint16_t *const *)value_rows, s.states + first, D);
+        }
+    }
+}
+#endif
+
 #ifdef HAVE_AVX2 /* AVX-512 builds too */
 /* One kv head's gathered fp32 queries (count of them) against its chunk's transposed keys and
  * value rows, QK_TILE queries at a time, into their softmax states. */
@@ -221,7 +319,14 @@ static inline __attribute__((always_inline)) void shared_f32_kv_impl(const Share
 HIDDEN void radixkv_shared_item_bf16(const SharedItem *item, const uint16_t *k, const uint16_t *v, const Shape *sh,
                                      void *scratch) {
 #ifdef HAVE_AVX512_BF16
-    if (!cascade_tiles || sh->members_alone) MEMBER_BY_MEMBER(radixkv_item_bf16, uint16_t)
+    /* a batch-invariant plan: the own item's bits as tiles, except where the own item takes
+     * AMX for q.k (whose sums run in another order) */
+    const int exact = cascade_tiles && sh->members_alone && !sh->use_amx;
+    if (!cascade_tiles || (sh->members_alone && !exact)) MEMBER_BY_MEMBER(radixkv_item_bf16, uint16_t)
+    else if (exact && sh->head_dim == 64) shared_bf16_exact_impl(item, k, v, sh, scratch, 64);
+    else if (exact && sh->head_dim == 128) shared_bf16_exact_impl(item, k, v, sh, scratch, 128);
+    else if (exact && sh->head_dim % 32 == 0) shared_bf16_exact_impl(item, k, v, sh, scratch, sh->head_dim);
+    else if (exact) MEMBER_BY_MEMBER(radixkv_item_bf16, uint16_t)
     else if (sh->head_dim == 64) shared_bf16_impl(item, k, v, sh, scratch, 64);
     else if (sh->head_dim == 128) shared_bf16_impl(item, k, v, sh, scratch, 128);
     else if (sh->head_dim % 32 == 0) shared_bf16_impl(item, k, v, sh, scratch, sh->head_dim);
