@@ -154,6 +154,7 @@ typedef struct {
     float *ks;
     int32_t *ksum32;
     int16_t *kpair; /* Q6_K: 32 * (kq[2g] + kq[2g + 1]) [m][k / 2] */
+    uint8_t *kqu;   /* Q6_K: kq + 128 as unsigned bytes [m][k] (decoded quads' x) */
 } QX;
 
 /* Q4_K's steps take sub-blocks in pairs (0, 2), (1, 3), (4, 6), (5, 7) of each super-block:
@@ -461,15 +462,17 @@ typedef struct {
     __m512i *w, *sc; /* [nsb][4 rows][4 steps] */
     float *d;        /* [nsb][8]: Q4_K d0, dmin0, ..., d3, dmin3; Q6_K d0-d3 */
     __m256i *mn;     /* Q4_K [nsb]: rows 0-3's mn0-7 */
+    __m512i *offset; /* Q6_K [nsb][4 rows]: 128 * (each lane's sum of scale * (q - 32)) */
 } Quad;
 
 static int quad_alloc(Quad *quad, int nsb) {
     quad->w = aligned_alloc(64, (size_t)nsb * 16 * 64), quad->sc = aligned_alloc(64, (size_t)nsb * 16 * 64);
     quad->d = malloc((size_t)nsb * 8 * sizeof(float)), quad->mn = aligned_alloc(32, (size_t)nsb * 32);
-    return quad->w && quad->sc && quad->d && quad->mn;
+    quad->offset = aligned_alloc(64, (size_t)nsb * 4 * 64);
+    return quad->w && quad->sc && quad->d && quad->mn && quad->offset;
 }
 
-static void quad_free(Quad *quad) { free(quad->w), free(quad->sc), free(quad->d), free(quad->mn); }
+static void quad_free(Quad *quad) { free(quad->w), free(quad->sc), free(quad->d), free(quad->mn), free(quad->offset); }
 
 static void q4_k_decode4(const uint8_t *const rows[4], int nsb, const uint8_t *ahead, int64_t span, Quad *quad) {
     const Q4kConsts c = q4_k_consts();
@@ -579,21 +582,37 @@ static void q6_k_decode4(const uint8_t *const rows[4], int nsb, const uint8_t *a
         const int64_t at = (int64_t)sb * 210;
         prefetch_part(ahead, span, part, sb);
         _mm_storeu_ps(quad->d + 8 * sb, q6_k_d4(rows, at));
-        for (int i = 0; i < 4; i++) q6_k_row_steps(rows[i] + at, quad->w + 16 * sb + 4 * i, quad->sc + 16 * sb + 4 * i);
+        for (int i = 0; i < 4; i++) {
+            __m512i *q = quad->w + 16 * sb + 4 * i, *sc = quad->sc + 16 * sb + 4 * i;
+            q6_k_row_steps(rows[i] + at, q, sc);
+            /* q - 32 as signed bytes, so a token's x goes in as x + 128 (unsigned) and the 128s
+             * come off once a row and super-block: (x + 128)(q - 32) less 128 (q - 32) */
+            __m512i offset = _mm512_setzero_si512();
+            for (int step = 0; step < 4; step++) {
+                q[step] = _mm512_sub_epi8(q[step], _mm512_set1_epi8(32));
+                offset = _mm512_dpwssd_epi32(offset, _mm512_maddubs_epi16(_mm512_set1_epi8((char)128), q[step]), sc[step]);
+            }
+            quad->offset[4 * sb + i] = offset;
+        }
     }
 }
 
-/* q6_k_dot4_zmm's steps over a decoded quad: the same bits. */
+/* q6_k_dot4_zmm's steps over a decoded quad: the same integers (each lane's sum of scale *
+ * (q - 32) * x, from (x + 128) against q - 32 less the row's offset), so the same bits. */
 static void q6_k_dot4_decoded(const Quad *quad, const QX *x, int64_t r, float out[4]) {
-    const int8_t *xq = x->kq + r * x->k;
+    const uint8_t *xu = x->kqu + r * x->k;
     const float *xs = x->ks + r * x->nsb;
-    const int16_t *pairs = x->kpair + r * (x->k / 2);
     __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
     for (int sb = 0; sb < x->nsb; sb++) {
         const __m128 dsx = _mm_mul_ps(_mm_loadu_ps(quad->d + 8 * sb), _mm_set1_ps(xs[sb]));
+        __m512i xv[4];
+        for (int step = 0; step < 4; step++) xv[step] = _mm512_loadu_si512(xu + sb * KBLOCK + 64 * step);
         for (int i = 0; i < 4; i++) {
+            const __m512i *q = quad->w + 16 * sb + 4 * i, *sc = quad->sc + 16 * sb + 4 * i;
+            __m512i lanes = _mm512_setzero_si512();
+            for (int step = 0; step < 4; step++) lanes = _mm512_dpwssd_epi32(lanes, _mm512_maddubs_epi16(xv[step], q[step]), sc[step]);
+            lanes = _mm512_sub_epi32(lanes, quad->offset[4 * sb + i]);
             const __m512 ds = _mm512_permutexvar_ps(_mm512_set1_epi32(i), _mm512_castps128_ps512(dsx));
-            const __m512i lanes = q6_k_lanes(quad->w + 16 * sb + 4 * i, quad->sc + 16 * sb + 4 * i, xq + sb * KBLOCK, pairs + sb * (KBLOCK / 2));
             acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(ds, _mm512_cvtepi32_ps(lanes)));
         }
     }
@@ -709,7 +728,8 @@ static int qx_build(QX *qx, const float *x, int64_t x_stride, int m, int k, cons
         qx->ksum32 = malloc((size_t)m * nb * sizeof(int32_t));
         qx->kqp = with_qp ? malloc((size_t)m * k) : NULL;
         qx->kpair = with_pairs ? malloc((size_t)m * (k / 2) * sizeof(int16_t)) : NULL;
-        if (!(qx->kq && qx->ks && qx->ksum32 && (!with_qp || qx->kqp) && (!with_pairs || qx->kpair))) return 2;
+        qx->kqu = with_pairs ? malloc((size_t)m * k) : NULL;
+        if (!(qx->kq && qx->ks && qx->ksum32 && (!with_qp || qx->kqp) && (!with_pairs || (qx->kpair && qx->kqu)))) return 2;
     }
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (m > 8)
     for (int r = 0; r < m; r++) {
@@ -723,14 +743,16 @@ static int qx_build(QX *qx, const float *x, int64_t x_stride, int m, int k, cons
     if (with_qp)
         for (int64_t b = 0; b < (int64_t)m * nb; b++)
             memcpy(qx->kqp + (b - b % 8 + Q4K_ORDER[b % 8]) * MBLOCK, qx->kq + b * MBLOCK, MBLOCK);
-    if (with_pairs)
+    if (with_pairs) {
         for (int64_t g = 0; g < (int64_t)m * (k / 2); g++) qx->kpair[g] = (int16_t)(32 * (qx->kq[2 * g] + qx->kq[2 * g + 1]));
+        for (int64_t i = 0; i < (int64_t)m * k; i++) qx->kqu[i] = (uint8_t)(qx->kq[i] + 128);
+    }
     return 0;
 }
 
 static void qx_free(QX *qx) {
     free(qx->q), free(qx->s), free(qx->u), free(qx->half);
-    free(qx->kq), free(qx->kqp), free(qx->ks), free(qx->ksum32), free(qx->kpair);
+    free(qx->kq), free(qx->kqp), free(qx->ks), free(qx->ksum32), free(qx->kpair), free(qx->kqu);
 }
 
 /* One weight of a grouped call: the stacked experts' blocks, their type and shape. */
