@@ -31,13 +31,12 @@ _WIDENING = {
 
 @dataclass(frozen=True, slots=True)
 class DecodeLimits:
-    """The kernel's fixed-size buffers (MAX_HEAD_DIM, MAX_GROUP in csrc/paged_decode.c)."""
+    """The kernel's fixed-size buffers (MAX_HEAD_DIM, MAX_GROUP in csrc/paged_decode.c) and its
+    chunk grid (CHUNK_TOKENS in csrc/decode.h: an item's keys, on a grid from key 0)."""
 
     max_head_dim: int
     max_group: int  # query heads per kv head
-
-
-CHUNK_TOKENS = 256  # csrc/decode.h's: an item's keys, on a grid from key 0
+    chunk_tokens: int
 
 
 @functools.cache
@@ -45,9 +44,9 @@ def limits() -> DecodeLimits:
     """The limits the compiled library reports (asked once: they are compile-time constants)."""
     library = load()
     assert library is not None, "the native library is not available"
-    head_dim, group = ctypes.c_int32(), ctypes.c_int32()
-    library.radixkv_decode_limits(ctypes.byref(head_dim), ctypes.byref(group))
-    return DecodeLimits(head_dim.value, group.value)
+    head_dim, group, chunk = ctypes.c_int32(), ctypes.c_int32(), ctypes.c_int32()
+    library.radixkv_decode_limits(ctypes.byref(head_dim), ctypes.byref(group), ctypes.byref(chunk))
+    return DecodeLimits(head_dim.value, group.value, chunk.value)
 
 
 def cache_fits(k_cache: torch.Tensor) -> bool:
@@ -413,11 +412,11 @@ def prefill_rows_plan(request_of_row: torch.Tensor, seq_lens: torch.Tensor) -> t
     by request and chunk band: the rows of a request whose keys end in the same 256-key chunk
     share all the whole chunks before it, so each such chunk is one shared item for all of them
     (the plan's layout: csrc/paged_decode.c's Plan, marked batch-invariant). None: no group."""
-    num_seqs = seq_lens.shape[0]
-    band = (seq_lens.to(torch.int64) - 1) // CHUNK_TOKENS
-    key = request_of_row.to(torch.int64) * (int(band.max()) + 1 if num_seqs else 1) + band
-    keys, inverse, counts = torch.unique(key, return_inverse=True, return_counts=True)
-    shared = (keys % (int(band.max()) + 1 if num_seqs else 1)) * CHUNK_TOKENS
+    num_seqs, chunk = seq_lens.shape[0], limits().chunk_tokens
+    band = (seq_lens.to(torch.int64) - 1) // chunk
+    bands = int(band.max()) + 1 if num_seqs else 1
+    keys, inverse, counts = torch.unique(request_of_row.to(torch.int64) * bands + band, return_inverse=True, return_counts=True)
+    shared = keys % bands * chunk
     live = (counts >= 2) & (shared > 0)
     if not bool(live.any()):
         return None

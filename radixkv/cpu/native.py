@@ -154,7 +154,7 @@ def _declare(library: ctypes.CDLL) -> None:
         "radixkv_decode_work_floats": [p, i32, p, i32, i32, i32],
         "radixkv_decode_use_amx": [i32],
         "radixkv_cascade_use_tiles": [i32],
-        "radixkv_decode_limits": [p, p],
+        "radixkv_decode_limits": [p, p, p],
         "radixkv_store_kv": [p, p, p, p, i64, i64, p, i32, i64],
         "radixkv_add_rms_norm_bf16": [p, p, p, p, i32, i32, f32, i32],
         "radixkv_rope_bf16": [p, i64, i32, i32, i32, p, p, i32],

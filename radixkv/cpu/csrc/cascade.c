@@ -114,8 +114,6 @@ static inline __attribute__((always_inline)) void shared_bf16_impl(const SharedI
 #endif
 
 #ifdef HAVE_AVX512_BF16
-
-
 /* Scores of 4 queries (q[0..3], repeats allowed) against ncols transposed keys, with the own
  * item's bits (paged_decode.c row_dot and sum_lanes_16): lane l of a key's dot vector is the
  * vdpbf16ps chain over dim pairs l, l + 16, ... from 0, and the 16 lanes are summed as its
@@ -319,14 +317,12 @@ static inline __attribute__((always_inline)) void shared_f32_kv_impl(const Share
 HIDDEN void radixkv_shared_item_bf16(const SharedItem *item, const uint16_t *k, const uint16_t *v, const Shape *sh,
                                      void *scratch) {
 #ifdef HAVE_AVX512_BF16
-    /* a batch-invariant plan: the own item's bits as tiles, except where the own item takes
-     * AMX for q.k (whose sums run in another order) */
-    const int exact = cascade_tiles && sh->members_alone && !sh->use_amx;
-    if (!cascade_tiles || (sh->members_alone && !exact)) MEMBER_BY_MEMBER(radixkv_item_bf16, uint16_t)
-    else if (exact && sh->head_dim == 64) shared_bf16_exact_impl(item, k, v, sh, scratch, 64);
-    else if (exact && sh->head_dim == 128) shared_bf16_exact_impl(item, k, v, sh, scratch, 128);
-    else if (exact && sh->head_dim % 32 == 0) shared_bf16_exact_impl(item, k, v, sh, scratch, sh->head_dim);
-    else if (exact) MEMBER_BY_MEMBER(radixkv_item_bf16, uint16_t)
+    /* A batch-invariant plan: the own item's bits as tiles, except where the own item takes
+     * AMX for q.k (whose sums run in another order) or head_dim is off the 32-dim grid. */
+    if (!cascade_tiles || (sh->members_alone && (sh->use_amx || sh->head_dim % 32))) MEMBER_BY_MEMBER(radixkv_item_bf16, uint16_t)
+    else if (sh->members_alone && sh->head_dim == 64) shared_bf16_exact_impl(item, k, v, sh, scratch, 64);
+    else if (sh->members_alone && sh->head_dim == 128) shared_bf16_exact_impl(item, k, v, sh, scratch, 128);
+    else if (sh->members_alone) shared_bf16_exact_impl(item, k, v, sh, scratch, sh->head_dim);
     else if (sh->head_dim == 64) shared_bf16_impl(item, k, v, sh, scratch, 64);
     else if (sh->head_dim == 128) shared_bf16_impl(item, k, v, sh, scratch, 128);
     else if (sh->head_dim % 32 == 0) shared_bf16_impl(item, k, v, sh, scratch, sh->head_dim);

@@ -456,8 +456,9 @@ static void q4_k_dot4_zmm(const uint8_t *const rows[4], const QX *x, int64_t r, 
 }
 
 /* Four K-quant rows decoded once for the several tokens routed to them (a prefill's groups):
- * per super-block, each row's four steps' unsigned bytes and 16-bit scale lanes, the rows' d
- * (and Q4_K's dmin) and Q4_K's mins, so each token's pass is the dot products alone. */
+ * per super-block, each row's four steps' bytes (Q4_K: unsigned q; Q6_K: signed q - 32) and
+ * 16-bit scale lanes, the rows' d (and Q4_K's dmin) and Q4_K's mins, so each token's pass is
+ * the dot products alone. */
 typedef struct {
     __m512i *w, *sc; /* [nsb][4 rows][4 steps] */
     float *d;        /* [nsb][8]: Q4_K d0, dmin0, ..., d3, dmin3; Q6_K d0-d3 */

@@ -858,9 +858,10 @@ int radixkv_decode_use_amx(int on) {
 
 /* The kernel's fixed buffer sizes, so the Python wrapper checks shapes against these very
  * numbers instead of a copy of them. */
-void radixkv_decode_limits(int32_t *max_head_dim, int32_t *max_group) {
+void radixkv_decode_limits(int32_t *max_head_dim, int32_t *max_group, int32_t *chunk_tokens) {
     *max_head_dim = MAX_HEAD_DIM;
     *max_group = MAX_GROUP;
+    *chunk_tokens = CHUNK_TOKENS;
 }
 
 /* Write each new token's K and V rows (num_kv_heads * head_dim values, row_bytes bytes) into
