@@ -15,6 +15,7 @@
 #include "tiles.h"
 
 #include <stdlib.h>
+#include <string.h>
 
 /* The shared items' matrix-product tiles on (1, the default) or off (0: every member runs the
  * own-item kernel over the shared keys, as where no vector path fits), so any CPU tests both. */
@@ -37,6 +38,44 @@ HIDDEN int64_t radixkv_shared_scratch_bytes(const Shape *sh, int max_members) {
     const int64_t widened = sh->kv_kind ? (int64_t)CHUNK_TOKENS * sh->head_dim * 4 + 64 : 0;
     return (keys + values + pointers + widened + 63) / 64 * 64;
 }
+
+#ifdef HAVE_AVX512_BF16
+/* 1 where this CPU's vdpbf16ps is, lane by lane, the FMA of the odd element and then of the
+ * even one under flushed denormals (decode.h): then a batch-invariant plan's tiles may pair
+ * keys; elsewhere its members run the own item one by one. Checked once, at load, over random
+ * bit patterns (NaN lanes aside). */
+static int dpbf16_is_fma_pair = 0;
+
+static __attribute__((constructor)) void check_dpbf16(void) {
+    uint64_t x = 0x9e3779b97f4a7c15ull;
+    const unsigned saved = flush_denormals();
+    int same = 1;
+    for (int round = 0; round < 512 && same; round++) {
+        uint32_t a[16], b[16];
+        float acc[16], got[16];
+        for (int i = 0; i < 16; i++) {
+            x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+            a[i] = (uint32_t)x, b[i] = (uint32_t)(x >> 32);
+            const uint32_t bits = (uint32_t)(x >> 16);
+            memcpy(&acc[i], &bits, 4);
+        }
+        _mm512_storeu_ps(got, _mm512_dpbf16_ps(_mm512_loadu_ps(acc), (__m512bh)_mm512_loadu_si512(a), (__m512bh)_mm512_loadu_si512(b)));
+        for (int i = 0; i < 16; i++) {
+            const __m128 odd = _mm_fmadd_ss(_mm_set_ss(bf16_to_float((uint16_t)(a[i] >> 16))),
+                                            _mm_set_ss(bf16_to_float((uint16_t)(b[i] >> 16))), _mm_set_ss(acc[i]));
+            const float want = _mm_cvtss_f32(_mm_fmadd_ss(_mm_set_ss(bf16_to_float((uint16_t)a[i])),
+                                                          _mm_set_ss(bf16_to_float((uint16_t)b[i])), odd));
+            if (want == want && memcmp(&want, &got[i], 4) != 0) same = 0;
+        }
+    }
+    _mm_setcsr(saved);
+    dpbf16_is_fma_pair = same;
+}
+
+int radixkv_dpbf16_matches_fma(void) { return dpbf16_is_fma_pair; }
+#else
+int radixkv_dpbf16_matches_fma(void) { return 0; }
+#endif
 
 #ifdef HAVE_AVX2 /* the vector items below use the scratch; portable builds run members alone */
 typedef struct {
@@ -147,38 +186,10 @@ static inline __attribute__((always_inline)) void exact_scores4(const uint32_t *
     }
 }
 
-/* p.v of `live` <= 4 queries' softmax weights (n keys, rows SCORE_STRIDE apart) into their
- * states, with the own item's bits (paged_decode.c keys_values): per 32 dims, fp32 accumulators
- * of the even and odd dims from 0, each key's widened values added by FMA in key order; stored
- * back in natural dim order. Each value vector is loaded once for the 4 queries. */
-static inline __attribute__((always_inline)) void exact_values4(const float *weights, int live, int n, const uint16_t *const *value_rows,
-                                                                float *const *states, const int D) {
-    const __m512i high_half = _mm512_set1_epi32((int)0xffff0000u);
-    for (int c = 0; c < D / 32; c++) {
-        __m512 even[4], odd[4];
-        for (int i = 0; i < 4; i++) even[i] = _mm512_setzero_ps(), odd[i] = _mm512_setzero_ps();
-        for (int j = 0; j < n; j++) {
-            const __m512i pairs = _mm512_loadu_si512(value_rows[j] + 32 * c);
-            const __m512 low = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16)), high = _mm512_castsi512_ps(_mm512_and_si512(pairs, high_half));
-            for (int i = 0; i < 4; i++) {
-                const __m512 w = _mm512_set1_ps(weights[i * SCORE_STRIDE + j]);
-                even[i] = _mm512_fmadd_ps(w, low, even[i]);
-                odd[i] = _mm512_fmadd_ps(w, high, odd[i]);
-            }
-        }
-        for (int i = 0; i < live; i++) {
-            float chunk[32];
-            _mm512_storeu_ps(chunk, even[i]);
-            _mm512_storeu_ps(chunk + 16, odd[i]);
-            float *out = states[i] + 2 + 32 * c;
-            for (int d = 0; d < 16; d++) out[2 * d] = chunk[d], out[2 * d + 1] = chunk[16 + d];
-        }
-    }
-}
-
 /* The bf16 shared item of a batch-invariant plan: every member's query heads get the bits the
  * own item gives them alone (the same scores, softmax and p.v, in the same order), computed as
- * tiles over the chunk's keys transposed once per kv head. */
+ * tiles over the chunk's keys transposed and its values paired once per kv head. Runs under
+ * flushed denormals, as the own item does (decode.h). */
 static inline __attribute__((always_inline)) void shared_bf16_exact_impl(const SharedItem *item, const uint16_t *k,
                                                                          const uint16_t *v, const Shape *sh, void *buffer,
                                                                          const int D) {
@@ -187,15 +198,17 @@ static inline __attribute__((always_inline)) void shared_bf16_exact_impl(const S
     Block blocks[CHUNK_TOKENS];
     const int num_blocks = chunk_blocks(item->pages, item->begin, item->end, sh, blocks);
     Scratch s = scratch_view(buffer, sh);
-    uint32_t *keys = s.keys;
+    uint32_t *keys = s.keys, *value_pairs = (uint32_t *)s.values;
     const void *value_rows[CHUNK_TOKENS];
     float scores[4 * SCORE_STRIDE] __attribute__((aligned(64)));
     Prefetcher prefetcher;
     prefetcher_init(&prefetcher, item->next, sh, (const char *)k, (const char *)v, 2, H);
+    const unsigned saved = flush_denormals();
     for (int h = 0; h < H; h++) {
         prefetch_step(&prefetcher);
         transpose_chunk_keys(blocks, num_blocks, k, h, D, 2, token_stride, keys, npad);
         chunk_value_rows(blocks, num_blocks, v, h, D, 2, token_stride, value_rows);
+        pair_values((const uint16_t *const *)value_rows, n, value_pairs, D);
         const int count = gather_queries(item, sh, h, 2, &s);
         for (int first = 0; first < count; first += 4) {
             const int live = count - first < 4 ? count - first : 4;
@@ -203,9 +216,10 @@ static inline __attribute__((always_inline)) void shared_bf16_exact_impl(const S
             for (int i = 0; i < 4; i++) q[i] = s.queries[first + (i < live ? i : live - 1)];
             exact_scores4(q, keys, npad, ncols, sh->scale, scores, D);
             for (int i = 0; i < live; i++) softmax_row(scores + i * SCORE_STRIDE, n, s.states[first + i]);
-            exact_values4(scores, live, n, (const uint16_t *const *)value_rows, s.states + first, D);
+            weights_times_value_pairs(scores, live, n, value_pairs, s.states + first, D);
         }
     }
+    _mm_setcsr(saved);
 }
 #endif
 
@@ -318,8 +332,10 @@ HIDDEN void radixkv_shared_item_bf16(const SharedItem *item, const uint16_t *k, 
                                      void *scratch) {
 #ifdef HAVE_AVX512_BF16
     /* A batch-invariant plan: the own item's bits as tiles, except where the own item takes
-     * AMX for q.k (whose sums run in another order) or head_dim is off the 32-dim grid. */
-    if (!cascade_tiles || (sh->members_alone && (sh->use_amx || sh->head_dim % 32))) MEMBER_BY_MEMBER(radixkv_item_bf16, uint16_t)
+     * AMX for q.k (whose sums run in another order), head_dim is off the 32-dim grid or
+     * vdpbf16ps is not the own item's FMAs. */
+    if (!cascade_tiles || (sh->members_alone && (sh->use_amx || sh->head_dim % 32 || !dpbf16_is_fma_pair)))
+        MEMBER_BY_MEMBER(radixkv_item_bf16, uint16_t)
     else if (sh->members_alone && sh->head_dim == 64) shared_bf16_exact_impl(item, k, v, sh, scratch, 64);
     else if (sh->members_alone && sh->head_dim == 128) shared_bf16_exact_impl(item, k, v, sh, scratch, 128);
     else if (sh->members_alone) shared_bf16_exact_impl(item, k, v, sh, scratch, sh->head_dim);

@@ -265,7 +265,8 @@ static inline __attribute__((always_inline)) void block_values(__m512 acc[SPAN_R
 
 /* The AVX-512 item, a span of kv heads at a time, in three passes over the chunk: q.k for all
  * its keys (bf16: AMX tiles for full 16-key blocks where enabled), one softmax over the chunk
- * (so no running max and no rescaling), then p.v with fp32 FMAs.
+ * (so no running max and no rescaling), then p.v with fp32 FMAs (bf16: of the weights rounded
+ * to bf16, denormals flushed, so cascade.c's vdpbf16ps tiles give the same bits).
  *
  * A span holds up to SPAN_ROWS query heads (every kv head of SmolLM2's models), and each pass
  * reads a page's rows once, in address order, for all of them; one pass per kv head touched
@@ -324,7 +325,12 @@ static inline __attribute__((always_inline)) void item_avx512_impl(
 #endif
                 block_scores(qv, k0, row_bytes, blocks[bi].n, heads, D, G, bf16, sh->scale, s + offset, &prefetcher);
         }
-        for (int r = 0; r < rows; r++) softmax_row(s + r * SCORE_STRIDE, n, states + (int64_t)(h0 * G + r) * (D + 2));
+        for (int r = 0; r < rows; r++) {
+            softmax_row(s + r * SCORE_STRIDE, n, states + (int64_t)(h0 * G + r) * (D + 2));
+#ifdef HAVE_AVX512_BF16
+            if (bf16) round_weights_bf16(s + r * SCORE_STRIDE, n);
+#endif
+        }
         __m512 acc[SPAN_ROWS][MAX_HEAD_DIM / 16];
         for (int r = 0; r < rows; r++)
             for (int c = 0; c < D / 16; c++) acc[r][c] = _mm512_setzero_ps();
@@ -379,8 +385,8 @@ static inline __attribute__((always_inline)) void item_bf16_avx512_impl(
     item_avx512_impl(q_row, k, v, pages, begin, end, sh, states, next, D, G, 1, 0);
 }
 
-static void item_bf16_avx512(const uint16_t *q_row, const uint16_t *k, const uint16_t *v, const int32_t *pages,
-                             int begin, int end, const Shape *sh, float *states, const NextItem *next) {
+static void item_bf16_avx512_shapes(const uint16_t *q_row, const uint16_t *k, const uint16_t *v, const int32_t *pages,
+                                    int begin, int end, const Shape *sh, float *states, const NextItem *next) {
     if (default_model_shape(sh)) {
         item_avx512_impl(ITEM_ARGS, 64, 3, 1, 3);
         return;
@@ -388,6 +394,14 @@ static void item_bf16_avx512(const uint16_t *q_row, const uint16_t *k, const uin
     if (sh->head_dim == 64) GROUP_CASES(item_bf16_avx512_impl, 64)
     if (sh->head_dim == 128) GROUP_CASES(item_bf16_avx512_impl, 128)
     item_bf16_avx512_impl(ITEM_ARGS, sh->head_dim, sh->group);
+}
+
+/* Under flushed denormals: the arithmetic cascade.c's tiles reproduce (decode.h). */
+static void item_bf16_avx512(const uint16_t *q_row, const uint16_t *k, const uint16_t *v, const int32_t *pages,
+                             int begin, int end, const Shape *sh, float *states, const NextItem *next) {
+    const unsigned saved = flush_denormals();
+    item_bf16_avx512_shapes(ITEM_ARGS);
+    _mm_setcsr(saved);
 }
 #endif
 

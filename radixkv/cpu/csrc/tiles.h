@@ -222,9 +222,10 @@ static inline __attribute__((always_inline)) void chunk_value_rows(const Block *
 #endif
 
 #ifdef HAVE_AVX512_BF16
-/* Value rows of token pairs interleaved, [pairs][head_dim] of (v[2t][d], v[2t + 1][d]) bf16
- * pairs, so one vdpbf16ps adds two keys' weighted values into 16 dims; a last odd key pairs
- * with zeros. rows[j]: key j's value row. */
+/* Value rows of token pairs interleaved, [pairs][head_dim] of bf16 pairs with v[2t][d] in the
+ * odd (high) element and v[2t + 1][d] in the even one, so one vdpbf16ps adds two keys' weighted
+ * values into 16 dims in key order (it takes the odd element first); a last odd key pairs with
+ * zeros. rows[j]: key j's value row. */
 static inline __attribute__((always_inline)) void pair_values(const uint16_t *const *rows, int n, uint32_t *pairs,
                                                               const int D) {
     __m512i low_index, high_index;
@@ -237,24 +238,28 @@ static inline __attribute__((always_inline)) void pair_values(const uint16_t *co
         for (int c = 0; c < D / 32; c++) {
             const __m512i a = _mm512_loadu_si512(rows[2 * t] + 32 * c);
             const __m512i b = 2 * t + 1 < n ? _mm512_loadu_si512(rows[2 * t + 1] + 32 * c) : _mm512_setzero_si512();
-            _mm512_storeu_si512(pairs + (int64_t)t * D + 32 * c, _mm512_permutex2var_epi16(a, low_index, b));
-            _mm512_storeu_si512(pairs + (int64_t)t * D + 32 * c + 16, _mm512_permutex2var_epi16(a, high_index, b));
+            _mm512_storeu_si512(pairs + (int64_t)t * D + 32 * c, _mm512_permutex2var_epi16(b, low_index, a));
+            _mm512_storeu_si512(pairs + (int64_t)t * D + 32 * c + 16, _mm512_permutex2var_epi16(b, high_index, a));
         }
 }
 
 /* p.v for one tile's live queries by vdpbf16ps: each row of softmax weights (n keys) rounded
  * to bf16 pairs in place (as flash attention rounds P before P.V; the output is bf16 anyway),
- * then two keys per instruction against the paired values, PV_TILE queries at a time. */
+ * key 2t in the odd element as pair_values lays the values out, then two keys per instruction
+ * against the paired values, PV_TILE queries at a time. Under flushed denormals this is the
+ * own bf16 item's p.v, bit for bit (decode.h round_weights_bf16). */
 static inline __attribute__((always_inline)) void weights_times_value_pairs(
     float *weights, int live, int n, const uint32_t *pairs, float *const *states, const int D) {
     enum { PV_TILE_MAX = 4 };
     const int tile = D <= 64 ? 4 : D <= 128 ? 2 : 1, num_pairs = (n + 1) / 2;
     for (int i = 0; i < live; i++) {
         float *row = weights + i * SCORE_STRIDE;
-        if (n % 2) row[n] = 0.0f; /* the zero value row's partner: never NaN from an unused column */
+        /* The zero value row's partner weighs -0: acc + (-0 x 0) is acc, a -0 acc included, as
+         * where the own item adds nothing (and never NaN from an unused column). */
+        if (n % 2) row[n] = -0.0f;
         for (int j = 0; j < n; j += 32) /* 32 floats to 32 bf16 in place: the store trails the loads */
             _mm512_storeu_si512((uint16_t *)row + j,
-                                (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(row + j + 16), _mm512_loadu_ps(row + j)));
+                                _mm512_rol_epi32((__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(row + j + 16), _mm512_loadu_ps(row + j)), 16));
     }
     for (int p0 = 0; p0 < live; p0 += tile) {
         __m512 acc[PV_TILE_MAX][MAX_HEAD_DIM / 16];
