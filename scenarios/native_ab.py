@@ -12,9 +12,12 @@ On SmolLM2-135M's shapes over 30 layers it times:
   at 1 and 32 rows (decode's, with the lm_head) and 512 (prefill's), each build packing its own
   weights;
 - prefill attention (paged_extend.c) in each dtype it takes here: a 1,024-token prompt, and 32
-  requests' 64 new tokens over 1,024 cached ones.
+  requests' 64 new tokens over 1,024 cached ones;
+- with --parts cascade, decode attention of 16 requests over a --shared-prefix of cached
+  tokens (+64 own) in one cascade group (cascade.c): no plan, the batch-invariant plan (whose
+  outputs must equal no plan's, bit for bit, in each build) and the tiles' plan.
 
-    python -m radixkv.scenarios.native_ab [--base HEAD] [--rounds 12] [--parts decode,linears,prefill]
+    python -m radixkv.scenarios.native_ab [--base HEAD] [--rounds 12] [--parts decode,linears,prefill,cascade]
 """
 
 from __future__ import annotations
@@ -115,6 +118,36 @@ def prefill_ab(builds: dict, dtype: torch.dtype, num_seqs: int, new: int, cached
     return result | dict(part=f"prefill attention {_name(dtype)}", case=f"{num_seqs} x {new} new / {cached}")
 
 
+CASCADE_MEMBERS, CASCADE_OWN_TOKENS = 16, 64
+
+
+def cascade_ab(builds: dict, dtype: torch.dtype, plan_kind: str, args, flush: torch.Tensor) -> dict:
+    """Decode attention of CASCADE_MEMBERS requests whose first --shared-prefix tokens are the
+    same pages, over every layer's KV, with no plan, the batch-invariant plan or the tiles'
+    plan, under each build in turn."""
+    generator = torch.Generator().manual_seed(0)
+    shared, own = args.shared_prefix // PAGE_SIZE, -(-CASCADE_OWN_TOKENS // PAGE_SIZE)
+    caches = kv_caches(shared + CASCADE_MEMBERS * own, dtype, args.layers, generator)
+    table = torch.empty(CASCADE_MEMBERS, shared + own, dtype=torch.int32)
+    table[:, :shared] = torch.arange(shared, dtype=torch.int32)
+    table[:, shared:] = shared + torch.arange(CASCADE_MEMBERS * own, dtype=torch.int32).view(CASCADE_MEMBERS, own)
+    seq_lens = torch.full((CASCADE_MEMBERS,), shared * PAGE_SIZE + CASCADE_OWN_TOKENS, dtype=torch.int32)
+    q = torch.randn(CASCADE_MEMBERS, Q_HEADS, HEAD_DIM, generator=generator).to(dtype)
+    def run(plan: torch.Tensor | None) -> list[torch.Tensor]:
+        return [cpu_decode.paged_decode(q, k, v, table, seq_lens, HEAD_DIM**-0.5, plan=plan) for k, v in caches]
+
+    runs = {}
+    for name, library in builds.items():
+        with native.using(library):
+            plan = cpu_decode.cascade_plan(table, seq_lens, PAGE_SIZE, min_shared_tokens=PAGE_SIZE)
+            plan = {"none": None, "exact": cpu_decode.batch_invariant_plan(plan, CASCADE_MEMBERS).plan, "tiles": plan.plan}[plan_kind]
+            if plan_kind == "exact" and not all(map(torch.equal, run(plan), run(None))):
+                raise AssertionError(f"{name}: the batch-invariant plan's outputs differ from no plan's")
+        runs[name] = lambda plan=plan: run(plan)
+    result = in_turns(builds, runs, args.rounds, flush)
+    return result | dict(part=f"cascade {_name(dtype)}", case=f"{plan_kind} plan")
+
+
 def in_turns(builds: dict, runs: dict, rounds: int, flush: torch.Tensor) -> dict:
     """Each build's run (a list of output tensors), `rounds` times in turns, caches emptied before
     each: best and median ms, and whether every build's outputs equal the first's bit for bit."""
@@ -152,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-seqs", type=int, default=32)
     parser.add_argument("--context", type=int, default=1032, help="decode's tokens a request")
     parser.add_argument("--prefill-len", type=int, default=1024, help="prefill's prompt, and its cached tokens a request")
+    parser.add_argument("--shared-prefix", type=int, default=4096, help="cascade's shared tokens (a multiple of 256)")
     parser.add_argument("--flush-mib", type=int, default=1024, help="buffer read before each timing to empty the caches")
     parser.add_argument("--out", default="out/native_ab")
     args = parser.parse_args(argv)
@@ -181,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
             prefill_dtypes = [dtype for dtype in dtypes if cpu_extend.fits(dtype, HEAD_DIM, Q_HEADS // KV_HEADS)]
         shapes = [(1, args.prefill_len, 0), (args.num_seqs, 64, args.prefill_len)]
         rows += [prefill_ab(builds, dtype, *shape, args, flush) for dtype in prefill_dtypes for shape in shapes]
+    if "cascade" in parts:
+        rows += [cascade_ab(builds, dtype, kind, args, flush) for dtype in dtypes for kind in ("none", "exact", "tiles")]
     limits = machine_limits(torch.float32)
     print(f"\n{limits['cpu']}, {limits['torch_threads']} threads: read {limits['read_bandwidth_gb_s']:.1f} GB/s (measured in this run)")
     print(f"{args.layers} layers (decode: {args.num_seqs} x {args.context} tokens), best of {args.rounds} turns each, caches cold\n")

@@ -23,9 +23,9 @@ _SAMPLE_BYTES = 1 << 20
 _NUM_SAMPLES = 8
 # Raised whenever the kernels' arithmetic changes the KV a given file computes (Q6_K read as
 # the file stores it instead of requantized; the experts' lanes summed in another order; Gemma's
-# norms in native code), so a disk tier written by an older build is a miss, never a block that
-# recomputing would not give.
-KV_NUMERICS_REVISION = 2
+# norms in native code; bf16 decode attention's p.v on bf16-rounded weights), so a disk tier
+# written by an older build is a miss, never a block that recomputing would not give.
+KV_NUMERICS_REVISION = 3
 
 
 def model_fingerprint(loaded: LoadedModel, kv_dtype: torch.dtype | None = None) -> str:

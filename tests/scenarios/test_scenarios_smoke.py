@@ -216,6 +216,22 @@ def test_native_ab_times_two_builds_in_one_process(tmp_path, capsys):
     assert (tmp_path / "native_ab.png").exists() and "tree / base" in capsys.readouterr().out
 
 
+def test_native_ab_times_cascade_plans_and_holds_the_exact_one_to_no_plans_bits(tmp_path):
+    from radixkv.cpu import native
+
+    if native.load() is None:
+        pytest.skip("the native A/B needs the native kernels (no C compiler here)")
+    if not (Path(__file__).resolve().parents[2] / ".git").exists():
+        pytest.skip("the native A/B reads its baseline from git")
+    module = importlib.import_module("radixkv.scenarios.native_ab")
+    argv = ["--out", str(tmp_path), "--rounds", "1", "--layers", "1", "--parts", "cascade", "--shared-prefix", "256", "--flush-mib", "8"]
+    # cascade_ab raises where a build's batch-invariant plan gives other bits than no plan.
+    assert module.main(argv) == 0
+    rows = json.loads((tmp_path / "native_ab.json").read_text())["rows"]
+    cases = [(f"cascade {dtype}", f"{kind} plan") for dtype in ("float32", "bfloat16") for kind in ("none", "exact", "tiles")]
+    assert [(row["part"], row["case"]) for row in rows] == cases
+
+
 def test_native_ab_names_a_bad_revision(tmp_path, capsys):
     from radixkv.cpu import native
 
