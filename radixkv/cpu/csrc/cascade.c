@@ -115,7 +115,9 @@ static int gather_queries(const SharedItem *item, const Shape *sh, int h, int el
 
 #ifdef HAVE_AVX512_BF16
 /* The bf16 shared item: keys as bf16 pairs [head_dim / 2][padded keys], so one vdpbf16ps
- * multiplies a query's dimension pair (broadcast) into 16 keys' scores. */
+ * multiplies a query's dimension pair (broadcast) into 16 keys' scores. Under flushed
+ * denormals its scores, softmax and p.v are the own bf16 item's, bit for bit (paged_decode.c
+ * block_scores_bf16, decode.h round_weights_bf16), so a batch-invariant plan's groups run it. */
 static inline __attribute__((always_inline)) void shared_bf16_impl(const SharedItem *item, const uint16_t *k,
                                                                    const uint16_t *v, const Shape *sh, void *buffer,
                                                                    const int D) {
@@ -134,6 +136,7 @@ static inline __attribute__((always_inline)) void shared_bf16_impl(const SharedI
     const int quads = (item->num_members * sh->group + 3) / 4;
     const int passes = (ncols / 16 + QK_BLOCKS_PER_PASS - 1) / QK_BLOCKS_PER_PASS;
     prefetcher_init(&prefetcher, item->next, sh, (const char *)k, (const char *)v, 2, H * (1 + quads * passes));
+    const unsigned saved = flush_denormals();
     for (int h = 0; h < H; h++) {
         prefetch_step(&prefetcher);
         transpose_chunk_keys(blocks, num_blocks, k, h, D, 2, token_stride, keys, npad);
@@ -144,77 +147,7 @@ static inline __attribute__((always_inline)) void shared_bf16_impl(const SharedI
             const int live = count - first < QK_TILE ? count - first : QK_TILE;
             const uint32_t *q[QK_TILE];
             for (int i = 0; i < QK_TILE; i++) q[i] = s.queries[first + (i < live ? i : live - 1)];
-            qk_scores((const void *const *)q, live, keys, npad, ncols, sh->scale, scores, &prefetcher, D, 1);
-            for (int i = 0; i < live; i++) softmax_row(scores + i * SCORE_STRIDE, n, s.states[first + i]);
-            weights_times_value_pairs(scores, live, n, value_pairs, s.states + first, D);
-        }
-    }
-}
-#endif
-
-#ifdef HAVE_AVX512_BF16
-/* Scores of 4 queries (q[0..3], repeats allowed) against ncols transposed keys, with the own
- * item's bits (paged_decode.c row_dot and sum_lanes_16): lane l of a key's dot vector is the
- * vdpbf16ps chain over dim pairs l, l + 16, ... from 0, and the 16 lanes are summed as its
- * tree: Q_m = (P_4m + P_4m+2) + (P_4m+1 + P_4m+3), then (Q_0 + Q_1) + (Q_2 + Q_3). Here a lane
- * vector P_l holds 16 keys, so the tree is 15 adds, where the own item's transposes took 45. */
-static inline __attribute__((always_inline)) void exact_scores4(const uint32_t *const q[4], const uint32_t *keys, int64_t npad,
-                                                                int ncols, float scale, float *scores, const int D) {
-    for (int block = 0; block < ncols / 16; block++) {
-        __m512 half[2][4];
-        for (int h2 = 0; h2 < 2; h2++) {
-            __m512 quad[2][4];
-            for (int mm = 0; mm < 2; mm++) {
-                const int m = 2 * h2 + mm;
-                __m512 lane[4][4]; /* [query][l - 4m] */
-                for (int i = 0; i < 4; i++)
-                    for (int e = 0; e < 4; e++) lane[i][e] = _mm512_setzero_ps();
-                for (int c = 0; c < D / 32; c++)
-                    for (int e = 0; e < 4; e++) {
-                        const int pair = 16 * c + 4 * m + e;
-                        const __m512bh key = (__m512bh)_mm512_loadu_si512(keys + (int64_t)pair * npad + 16 * block);
-                        for (int i = 0; i < 4; i++)
-                            lane[i][e] = _mm512_dpbf16_ps(lane[i][e], (__m512bh)_mm512_set1_epi32((int)q[i][pair]), key);
-                    }
-                for (int i = 0; i < 4; i++)
-                    quad[mm][i] = _mm512_add_ps(_mm512_add_ps(lane[i][0], lane[i][2]), _mm512_add_ps(lane[i][1], lane[i][3]));
-            }
-            for (int i = 0; i < 4; i++) half[h2][i] = _mm512_add_ps(quad[0][i], quad[1][i]);
-        }
-        for (int i = 0; i < 4; i++)
-            _mm512_store_ps(scores + i * SCORE_STRIDE + 16 * block, _mm512_mul_ps(_mm512_add_ps(half[0][i], half[1][i]), _mm512_set1_ps(scale)));
-    }
-}
-
-/* The bf16 shared item of a batch-invariant plan: every member's query heads get the bits the
- * own item gives them alone (the same scores, softmax and p.v, in the same order), computed as
- * tiles over the chunk's keys transposed and its values paired once per kv head. Runs under
- * flushed denormals, as the own item does (decode.h). */
-static inline __attribute__((always_inline)) void shared_bf16_exact_impl(const SharedItem *item, const uint16_t *k,
-                                                                         const uint16_t *v, const Shape *sh, void *buffer,
-                                                                         const int D) {
-    const int H = sh->num_kv_heads, n = item->end - item->begin, ncols = (n + 15) / 16 * 16;
-    const int64_t npad = ncols + BLOCK_TOKENS, token_stride = (int64_t)H * D;
-    Block blocks[CHUNK_TOKENS];
-    const int num_blocks = chunk_blocks(item->pages, item->begin, item->end, sh, blocks);
-    Scratch s = scratch_view(buffer, sh);
-    uint32_t *keys = s.keys, *value_pairs = (uint32_t *)s.values;
-    const void *value_rows[CHUNK_TOKENS];
-    float scores[4 * SCORE_STRIDE] __attribute__((aligned(64)));
-    Prefetcher prefetcher;
-    prefetcher_init(&prefetcher, item->next, sh, (const char *)k, (const char *)v, 2, H);
-    const unsigned saved = flush_denormals();
-    for (int h = 0; h < H; h++) {
-        prefetch_step(&prefetcher);
-        transpose_chunk_keys(blocks, num_blocks, k, h, D, 2, token_stride, keys, npad);
-        chunk_value_rows(blocks, num_blocks, v, h, D, 2, token_stride, value_rows);
-        pair_values((const uint16_t *const *)value_rows, n, value_pairs, D);
-        const int count = gather_queries(item, sh, h, 2, &s);
-        for (int first = 0; first < count; first += 4) {
-            const int live = count - first < 4 ? count - first : 4;
-            const uint32_t *q[4];
-            for (int i = 0; i < 4; i++) q[i] = s.queries[first + (i < live ? i : live - 1)];
-            exact_scores4(q, keys, npad, ncols, sh->scale, scores, D);
+            qk_scores_bf16((const void *const *)q, live, keys, npad, ncols, sh->scale, scores, &prefetcher, D);
             for (int i = 0; i < live; i++) softmax_row(scores + i * SCORE_STRIDE, n, s.states[first + i]);
             weights_times_value_pairs(scores, live, n, value_pairs, s.states + first, D);
         }
@@ -336,9 +269,6 @@ HIDDEN void radixkv_shared_item_bf16(const SharedItem *item, const uint16_t *k, 
      * vdpbf16ps is not the own item's FMAs. */
     if (!cascade_tiles || (sh->members_alone && (sh->use_amx || sh->head_dim % 32 || !dpbf16_is_fma_pair)))
         MEMBER_BY_MEMBER(radixkv_item_bf16, uint16_t)
-    else if (sh->members_alone && sh->head_dim == 64) shared_bf16_exact_impl(item, k, v, sh, scratch, 64);
-    else if (sh->members_alone && sh->head_dim == 128) shared_bf16_exact_impl(item, k, v, sh, scratch, 128);
-    else if (sh->members_alone) shared_bf16_exact_impl(item, k, v, sh, scratch, sh->head_dim);
     else if (sh->head_dim == 64) shared_bf16_impl(item, k, v, sh, scratch, 64);
     else if (sh->head_dim == 128) shared_bf16_impl(item, k, v, sh, scratch, 128);
     else if (sh->head_dim % 32 == 0) shared_bf16_impl(item, k, v, sh, scratch, sh->head_dim);

@@ -172,44 +172,82 @@ static inline __m512 sum_lanes_16(const __m512 v[16]) {
  * holds only its own dtype's code. */
 typedef __m512 SpanQueries[SPAN_ROWS][MAX_HEAD_DIM / 16];
 
-/* q_r . k_j for one query row against key j's row of kv head h: lanes of partial sums, by
- * vdpbf16ps over dim pairs or by fp32 FMAs, dim chunks in order. */
-static inline __attribute__((always_inline)) __m512 row_dot(const __m512 *q, const char *key, int h, const int D,
-                                                            const int bf16) {
-    if (bf16) {
-#ifdef HAVE_AVX512_BF16
-        const uint16_t *head = (const uint16_t *)key + h * D;
-        __m512 dot = _mm512_setzero_ps();
-        for (int c = 0; c < D / 32; c++) dot = _mm512_dpbf16_ps(dot, (__m512bh)q[c], (__m512bh)_mm512_loadu_si512(head + 32 * c));
-        return dot;
-#endif
-    }
+/* q_r . k_j for one fp32 query row against key j's row of kv head h: lanes of partial sums by
+ * fp32 FMAs, dim chunks in order. */
+static inline __attribute__((always_inline)) __m512 row_dot(const __m512 *q, const char *key, int h, const int D) {
     const float *head = (const float *)key + h * D;
     __m512 dot = _mm512_mul_ps(q[0], _mm512_loadu_ps(head));
     for (int c = 1; c < D / 16; c++) dot = _mm512_fmadd_ps(q[c], _mm512_loadu_ps(head + 16 * c), dot);
     return dot;
 }
 
-/* Scores of one block's n <= 16 keys for the span's query heads: s[r * SCORE_STRIDE + j] =
+/* fp32 scores of one block's n <= 16 keys for the span's query heads: s[r * SCORE_STRIDE + j] =
  * scale * q_r . k_j, 0 past n. Row by row, each row's 16 dot vectors and their sums held in
  * registers: the block's K rows (a few KiB) come from L1 after the first row, where key by key
  * every dot vector went through memory on its way to the sums (the same sums, in the same
  * order). The block's prefetch steps are spread over its rows. */
 static inline __attribute__((always_inline)) void block_scores(SpanQueries qv, const char *k0, int64_t row_bytes,
                                                                int n, int heads, const int D, const int G,
-                                                               const int bf16, float scale, float *s,
-                                                               Prefetcher *prefetcher) {
+                                                               float scale, float *s, Prefetcher *prefetcher) {
     const int rows = heads * G;
     int steps = 0;
     for (int r = 0; r < rows; r++) {
         for (; steps < STEPS_PER_BLOCK && steps * rows <= r * STEPS_PER_BLOCK; steps++) prefetch_step(prefetcher);
         __m512 dots[16];
         for (int j = 0; j < 16; j++)
-            dots[j] = j < n ? row_dot(qv[r], k0 + j * row_bytes, r / G, D, bf16) : _mm512_setzero_ps();
+            dots[j] = j < n ? row_dot(qv[r], k0 + j * row_bytes, r / G, D) : _mm512_setzero_ps();
         _mm512_storeu_ps(s + r * SCORE_STRIDE, _mm512_mul_ps(sum_lanes_16(dots), _mm512_set1_ps(scale)));
     }
     for (; steps < STEPS_PER_BLOCK; steps++) prefetch_step(prefetcher);
 }
+
+#ifdef HAVE_AVX512_BF16
+/* bf16 scores of one block's n <= 16 keys, in quads: per kv head, 4 keys' rows at a time
+ * (keys kq, kq + 4, kq + 8, kq + 12) are transposed by 128-bit pieces, so a lane (key, e) takes
+ * the vdpbf16ps chain over the key's dim pairs 4m + e, m from 0; a key's score is then (e0 +
+ * e2) + (e1 + e3), times scale. That is what tiles.h qk_scores_bf16 computes over a chunk's
+ * transposed keys, so cascade groups' tiles give these bits, with 3 adds per query and 16 keys
+ * where a dot vector per key took a 16-lane sum. Zero past n. */
+static inline __attribute__((always_inline)) void block_scores_bf16(SpanQueries qv, const char *k0, int64_t row_bytes,
+                                                                    int n, int heads, const int D, const int G,
+                                                                    float scale, float *s, Prefetcher *prefetcher) {
+    int steps = 0;
+    for (int h = 0; h < heads; h++) {
+        for (; steps < STEPS_PER_BLOCK && steps * heads <= h * STEPS_PER_BLOCK; steps++) prefetch_step(prefetcher);
+        __m512 lanes[MAX_GROUP][4]; /* [row][kq]: lane 4j + e, key kq + 4j's residue e */
+        for (int kq = 0; kq < 4; kq++) {
+            __m512 acc[MAX_GROUP];
+            for (int g = 0; g < G; g++) acc[g] = _mm512_setzero_ps();
+            for (int c = 0; c < D / 32; c++) {
+                __m512i x[4]; /* key kq + 4j's dims 32c.. 32c + 31; then 128-bit piece 4c + i of the 4 keys */
+                for (int j = 0; j < 4; j++) {
+                    const int key = kq + 4 * j;
+                    x[j] = key < n ? _mm512_loadu_si512(k0 + key * row_bytes + (int64_t)(h * D + 32 * c) * 2) : _mm512_setzero_si512();
+                }
+                const __m512i a = _mm512_shuffle_i32x4(x[0], x[1], 0x44), b = _mm512_shuffle_i32x4(x[2], x[3], 0x44);
+                const __m512i d = _mm512_shuffle_i32x4(x[0], x[1], 0xEE), e = _mm512_shuffle_i32x4(x[2], x[3], 0xEE);
+                x[0] = _mm512_shuffle_i32x4(a, b, 0x88), x[1] = _mm512_shuffle_i32x4(a, b, 0xDD);
+                x[2] = _mm512_shuffle_i32x4(d, e, 0x88), x[3] = _mm512_shuffle_i32x4(d, e, 0xDD);
+                for (int g = 0; g < G; g++) {
+                    const __m128i *q = (const __m128i *)&qv[h * G + g][c];
+                    for (int i = 0; i < 4; i++)
+                        acc[g] = _mm512_dpbf16_ps(acc[g], (__m512bh)_mm512_broadcast_i32x4(_mm_loadu_si128(q + i)), (__m512bh)x[i]);
+                }
+            }
+            for (int g = 0; g < G; g++) lanes[g][kq] = acc[g];
+        }
+        for (int g = 0; g < G; g++) {
+            const __m512 *A = lanes[g];
+            const __m512 p01 = _mm512_add_ps(_mm512_unpacklo_ps(A[0], A[1]), _mm512_unpackhi_ps(A[0], A[1]));
+            const __m512 p23 = _mm512_add_ps(_mm512_unpacklo_ps(A[2], A[3]), _mm512_unpackhi_ps(A[2], A[3]));
+            const __m512d a = _mm512_castps_pd(p01), b = _mm512_castps_pd(p23);
+            const __m512 sums = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+            _mm512_storeu_ps(s + (h * G + g) * SCORE_STRIDE, _mm512_mul_ps(sums, _mm512_set1_ps(scale)));
+        }
+    }
+    for (; steps < STEPS_PER_BLOCK; steps++) prefetch_step(prefetcher);
+}
+#endif
 
 /* Adds `keys` consecutive keys' weighted values into the span's accumulators, 16 dims (fp32)
  * or 32 (bf16) at a time across the kv heads, so rows are read in address order; each
@@ -264,7 +302,8 @@ static inline __attribute__((always_inline)) void block_values(__m512 acc[SPAN_R
 }
 
 /* The AVX-512 item, a span of kv heads at a time, in three passes over the chunk: q.k for all
- * its keys (bf16: AMX tiles for full 16-key blocks where enabled), one softmax over the chunk
+ * its keys (bf16: in key quads, block_scores_bf16, or AMX tiles for full 16-key blocks where
+ * enabled), one softmax over the chunk
  * (so no running max and no rescaling), then p.v with fp32 FMAs (bf16: of the weights rounded
  * to bf16, denormals flushed, so cascade.c's vdpbf16ps tiles give the same bits).
  *
@@ -323,7 +362,12 @@ static inline __attribute__((always_inline)) void item_avx512_impl(
                                s + h * G * SCORE_STRIDE + offset);
             } else
 #endif
-                block_scores(qv, k0, row_bytes, blocks[bi].n, heads, D, G, bf16, sh->scale, s + offset, &prefetcher);
+#ifdef HAVE_AVX512_BF16
+            if (bf16)
+                block_scores_bf16(qv, k0, row_bytes, blocks[bi].n, heads, D, G, sh->scale, s + offset, &prefetcher);
+            else
+#endif
+                block_scores(qv, k0, row_bytes, blocks[bi].n, heads, D, G, sh->scale, s + offset, &prefetcher);
         }
         for (int r = 0; r < rows; r++) {
             softmax_row(s + r * SCORE_STRIDE, n, states + (int64_t)(h0 * G + r) * (D + 2));

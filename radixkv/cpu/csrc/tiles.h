@@ -21,31 +21,6 @@
 static inline int64_t key_bytes(int head_dim) { return ((int64_t)head_dim * (CHUNK_TOKENS + BLOCK_TOKENS) + 64) * 4; }
 
 #ifdef HAVE_AVX512
-/* Rows r[0..15] of 16 32-bit lanes, transposed in registers: afterwards r[i] holds lane i of
- * every row (unpacks within 128-bit lanes, then 128-bit lane shuffles: 64 shuffles). */
-static inline __attribute__((always_inline)) void transpose_16x16(__m512i r[16]) {
-    __m512i t[16];
-    for (int i = 0; i < 8; i++) {
-        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; i++)
-        for (int j = 0; j < 2; j++) {
-            r[4 * i + 2 * j] = _mm512_unpacklo_epi64(t[4 * i + j], t[4 * i + 2 + j]);
-            r[4 * i + 2 * j + 1] = _mm512_unpackhi_epi64(t[4 * i + j], t[4 * i + 2 + j]);
-        }
-    /* r[4i + m] now holds, per 128-bit lane L, element m of rows 4i..4i+3 at columns 4L + m. */
-    for (int i = 0; i < 2; i++)
-        for (int m = 0; m < 4; m++) {
-            t[8 * i + m] = _mm512_shuffle_i32x4(r[8 * i + m], r[8 * i + 4 + m], 0x88);
-            t[8 * i + 4 + m] = _mm512_shuffle_i32x4(r[8 * i + m], r[8 * i + 4 + m], 0xDD);
-        }
-    for (int m = 0; m < 8; m++) {
-        r[m] = _mm512_shuffle_i32x4(t[m], t[8 + m], 0x88);
-        r[8 + m] = _mm512_shuffle_i32x4(t[m], t[8 + m], 0xDD);
-    }
-}
-
 /* One block's keys (n <= 16 rows of `words` 32-bit words, row_stride words apart) into columns
  * [at, at + 16) of the transposed keys (npad words a row); rows past n are zero. */
 static inline __attribute__((always_inline)) void transpose_block(const uint32_t *rows, int64_t row_stride, int n,
@@ -277,6 +252,45 @@ static inline __attribute__((always_inline)) void weights_times_value_pairs(
         for (int i = 0; i < tile && p0 + i < live; i++)
             for (int c = 0; c < D / 16; c++) _mm512_storeu_ps(states[p0 + i] + 2 + 16 * c, acc[i][c]);
     }
+}
+#endif
+
+#ifdef HAVE_AVX512_BF16
+/* bf16 scores (times scale) of the `live` queries q[0..live) (QK_TILE pointers, as qk_scores
+ * takes them) against ncols transposed bf16 keys, with the own item's bits (paged_decode.c
+ * block_scores_bf16): for each residue e of a key's dim pairs 4m + e, a vdpbf16ps chain over m
+ * from 0, and a key's score (e0 + e2) + (e1 + e3). 4 queries x 4 blocks a pass, one residue at
+ * a time, so 16 accumulators stay in registers and each key vector and broadcast query word
+ * feeds 4 products. */
+static inline __attribute__((always_inline)) void qk_scores_bf16(const void *const *q, int live, const uint32_t *keys,
+                                                                 int64_t npad, int ncols, float scale, float *scores,
+                                                                 Prefetcher *prefetcher, const int D) {
+    for (int i0 = 0; i0 < live; i0 += 4)
+        for (int block = 0; block < ncols / 16; block += QK_BLOCKS_PER_PASS) {
+            if (prefetcher) prefetch_step(prefetcher);
+            __m512 halves[2][4][4]; /* (e0 + e2), (e1 + e3): the compiler keeps them where it can */
+            for (int e = 0; e < 4; e++) {
+                __m512 acc[4][4];
+                for (int i = 0; i < 4; i++)
+                    for (int b = 0; b < 4; b++) acc[i][b] = _mm512_setzero_ps();
+                for (int m = 0; m < D / 8; m++) {
+                    /* Past the last block these read spare columns of the keys' buffer; their
+                     * sums are never stored. */
+                    __m512bh key[4];
+                    for (int b = 0; b < 4; b++) key[b] = (__m512bh)_mm512_loadu_si512(keys + (int64_t)(4 * m + e) * npad + 16 * (block + b));
+                    for (int i = 0; i < 4; i++) {
+                        const __m512bh query = (__m512bh)_mm512_set1_epi32(((const int32_t *)q[i0 + i])[4 * m + e]);
+                        for (int b = 0; b < 4; b++) acc[i][b] = _mm512_dpbf16_ps(acc[i][b], query, key[b]);
+                    }
+                }
+                for (int i = 0; i < 4; i++)
+                    for (int b = 0; b < 4; b++) halves[e % 2][i][b] = e < 2 ? acc[i][b] : _mm512_add_ps(halves[e % 2][i][b], acc[i][b]);
+            }
+            for (int i = 0; i < 4; i++)
+                for (int b = 0; b < 4 && block + b < ncols / 16; b++)
+                    _mm512_store_ps(scores + (i0 + i) * SCORE_STRIDE + 16 * (block + b),
+                                    _mm512_mul_ps(_mm512_add_ps(halves[0][i][b], halves[1][i][b]), _mm512_set1_ps(scale)));
+        }
 }
 #endif
 
