@@ -133,6 +133,7 @@ def cascade_ab(builds: dict, dtype: torch.dtype, plan_kind: str, args, flush: to
     table[:, shared:] = shared + torch.arange(CASCADE_MEMBERS * own, dtype=torch.int32).view(CASCADE_MEMBERS, own)
     seq_lens = torch.full((CASCADE_MEMBERS,), shared * PAGE_SIZE + CASCADE_OWN_TOKENS, dtype=torch.int32)
     q = torch.randn(CASCADE_MEMBERS, Q_HEADS, HEAD_DIM, generator=generator).to(dtype)
+
     def run(plan: torch.Tensor | None) -> list[torch.Tensor]:
         return [cpu_decode.paged_decode(q, k, v, table, seq_lens, HEAD_DIM**-0.5, plan=plan) for k, v in caches]
 

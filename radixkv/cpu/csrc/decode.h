@@ -97,33 +97,6 @@ static inline void softmax_row(float *row, int n, float *state) {
 }
 #endif
 
-#ifdef HAVE_AVX512
-/* Rows r[0..15] of 16 32-bit lanes, transposed in registers: afterwards r[i] holds lane i of
- * every row (unpacks within 128-bit lanes, then 128-bit lane shuffles: 64 shuffles). */
-static inline __attribute__((always_inline)) void transpose_16x16(__m512i r[16]) {
-    __m512i t[16];
-    for (int i = 0; i < 8; i++) {
-        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; i++)
-        for (int j = 0; j < 2; j++) {
-            r[4 * i + 2 * j] = _mm512_unpacklo_epi64(t[4 * i + j], t[4 * i + 2 + j]);
-            r[4 * i + 2 * j + 1] = _mm512_unpackhi_epi64(t[4 * i + j], t[4 * i + 2 + j]);
-        }
-    /* r[4i + m] now holds, per 128-bit lane L, element m of rows 4i..4i+3 at columns 4L + m. */
-    for (int i = 0; i < 2; i++)
-        for (int m = 0; m < 4; m++) {
-            t[8 * i + m] = _mm512_shuffle_i32x4(r[8 * i + m], r[8 * i + 4 + m], 0x88);
-            t[8 * i + 4 + m] = _mm512_shuffle_i32x4(r[8 * i + m], r[8 * i + 4 + m], 0xDD);
-        }
-    for (int m = 0; m < 8; m++) {
-        r[m] = _mm512_shuffle_i32x4(t[m], t[8 + m], 0x88);
-        r[8 + m] = _mm512_shuffle_i32x4(t[m], t[8 + m], 0xDD);
-    }
-}
-#endif
-
 #ifdef HAVE_AVX512_BF16
 /* The bf16 items' arithmetic, one for the own item's FMAs and the shared tiles' vdpbf16ps:
  * p.v takes the softmax weights rounded to bf16 (as flash attention rounds P), and runs with

@@ -303,9 +303,9 @@ static inline __attribute__((always_inline)) void block_values(__m512 acc[SPAN_R
 
 /* The AVX-512 item, a span of kv heads at a time, in three passes over the chunk: q.k for all
  * its keys (bf16: in key quads, block_scores_bf16, or AMX tiles for full 16-key blocks where
- * enabled), one softmax over the chunk
- * (so no running max and no rescaling), then p.v with fp32 FMAs (bf16: of the weights rounded
- * to bf16, denormals flushed, so cascade.c's vdpbf16ps tiles give the same bits).
+ * enabled), one softmax over the chunk (so no running max and no rescaling), then p.v with
+ * fp32 FMAs (bf16: of the weights rounded to bf16, denormals flushed, so cascade.c's vdpbf16ps
+ * tiles give the same bits).
  *
  * A span holds up to SPAN_ROWS query heads (every kv head of SmolLM2's models), and each pass
  * reads a page's rows once, in address order, for all of them; one pass per kv head touched

@@ -21,6 +21,31 @@
 static inline int64_t key_bytes(int head_dim) { return ((int64_t)head_dim * (CHUNK_TOKENS + BLOCK_TOKENS) + 64) * 4; }
 
 #ifdef HAVE_AVX512
+/* Rows r[0..15] of 16 32-bit lanes, transposed in registers: afterwards r[i] holds lane i of
+ * every row (unpacks within 128-bit lanes, then 128-bit lane shuffles: 64 shuffles). */
+static inline __attribute__((always_inline)) void transpose_16x16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++)
+        for (int j = 0; j < 2; j++) {
+            r[4 * i + 2 * j] = _mm512_unpacklo_epi64(t[4 * i + j], t[4 * i + 2 + j]);
+            r[4 * i + 2 * j + 1] = _mm512_unpackhi_epi64(t[4 * i + j], t[4 * i + 2 + j]);
+        }
+    /* r[4i + m] now holds, per 128-bit lane L, element m of rows 4i..4i+3 at columns 4L + m. */
+    for (int i = 0; i < 2; i++)
+        for (int m = 0; m < 4; m++) {
+            t[8 * i + m] = _mm512_shuffle_i32x4(r[8 * i + m], r[8 * i + 4 + m], 0x88);
+            t[8 * i + 4 + m] = _mm512_shuffle_i32x4(r[8 * i + m], r[8 * i + 4 + m], 0xDD);
+        }
+    for (int m = 0; m < 8; m++) {
+        r[m] = _mm512_shuffle_i32x4(t[m], t[8 + m], 0x88);
+        r[8 + m] = _mm512_shuffle_i32x4(t[m], t[8 + m], 0xDD);
+    }
+}
+
 /* One block's keys (n <= 16 rows of `words` 32-bit words, row_stride words apart) into columns
  * [at, at + 16) of the transposed keys (npad words a row); rows past n are zero. */
 static inline __attribute__((always_inline)) void transpose_block(const uint32_t *rows, int64_t row_stride, int n,
