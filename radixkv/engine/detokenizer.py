@@ -120,10 +120,13 @@ def _suffix_prefix_overlap(text: str, stop: str) -> int:
 
 
 class ContentStops(HarmonyReader):
-    """A harmony reply's reader whose content is cut at the first stop string: the text of each
-    content message (`final`, or `commentary` to no one: what a client shows) is matched as it
-    is read, and cut before the stop string, which ends the reply (`stop_string`); a tail that
-    could still begin one is held until the message grows or closes. Headers, reasoning
+    """A harmony reply's reader whose content is cut at the first stop string. The content is
+    what a client is shown: the text of every content message (`final`, or `commentary` to no
+    one) in order, as one stream, so a stop string may begin in one such message and end in a
+    later one. It is matched as it is read and cut before the stop string, which ends the reply
+    (`stop_string`); a tail that could still begin one is held until the content grows or the
+    reply ends (past its message's close: the held text then comes with the next content
+    message, or before a message to a recipient, which nothing spans). Headers, reasoning
     (`analysis`) and a message to a recipient (a call's JSON) never match: OpenAI's `stop` cuts
     "the returned text", and a reasoning model's reasoning is not that text (OpenAI's own
     reasoning models take no `stop`), so a stop string the model reasons about ends nothing.
@@ -133,33 +136,46 @@ class ContentStops(HarmonyReader):
     def __init__(self, tokenizer: Any, marks: HarmonyTokens, stop: tuple[str, ...]) -> None:
         super().__init__(tokenizer, marks)
         self._stop = stop
-        self._matching: tuple[Message, TextState] | None = None  # the content message being matched
+        self._content = TextState(stop)  # every content message's text so far, as one stream
+        self._last_content: Message | None = None  # where held text is sent when the reply ends
         self.stop_string: str | None = None
 
     def feed(self, token_ids: list[int]) -> list[Event]:
-        return self._cut(super().feed(token_ids))
+        return self._cut(super().feed(token_ids), final=False)
 
     def finish(self) -> list[Event]:
-        return self._cut(super().finish())
+        return self._cut(super().finish(), final=True)
 
-    def _cut(self, events: list[Event]) -> list[Event]:
+    def _cut(self, events: list[Event], *, final: bool) -> list[Event]:
         if not self._stop:
             return events
         out: list[Event] = []
         for event in events:
             message, text, closed = event
             if message.recipient is not None or message.channel == "analysis":
+                if message.recipient is not None:
+                    self._seal(out)
                 if self.stop_string is None or closed:
                     out.append(event)
                 continue
-            if self._matching is None or self._matching[0] is not message:
-                self._matching = (message, TextState(self._stop))
-            state = self._matching[1]
-            if text and self.stop_string is None and state.add_text(text):
-                self.stop_string = state.stop_string
-            sent = state.pending(closed or self.stop_string is not None)
-            if sent:
-                out.append(Event(message, sent, False))
+            self._last_content = message
+            if text and self.stop_string is None and self._content.add_text(text):
+                self.stop_string = self._content.stop_string
+            self._send(message, out, final and closed)
             if closed:
                 out.append(event)
+        if final:
+            self._seal(out)
         return out
+
+    def _seal(self, out: list[Event]) -> None:
+        """Send the held tail and match afresh: a message to a recipient (a call, or the JSON a
+        failed call leaves in the content) comes between, so nothing spans it."""
+        if self._last_content is not None:
+            self._send(self._last_content, out, True)
+        self._content, self._last_content = TextState(self._stop), None
+
+    def _send(self, message: Message, out: list[Event], finished: bool) -> None:
+        sent = self._content.pending(finished or self.stop_string is not None)
+        if sent:
+            out.append(Event(message, sent, False))

@@ -144,6 +144,36 @@ def test_a_harmony_reply_is_cut_where_its_content_first_holds_a_stop_string(star
     assert "".join(t for c, t, _ in events if c == "analysis") == "The user wants the fox. Say jumps over, not final."
 
 
+@settings(max_examples=80, deadline=None)
+@given(split=st.integers(1, len(ANSWER) - 1), start=st.integers(0, len(ANSWER) - 1), length=st.integers(1, 8), cuts=st.lists(st.integers(0, 90), max_size=6))
+def test_a_stop_string_may_span_two_content_messages(split: int, start: int, length: int, cuts: list[int]) -> None:
+    """The answer written as a preamble (commentary to no one), reasoning, then the final
+    message: a client is shown the two contents as one text, so any piece of it stops the
+    reply, across the messages' seam too, and what was handed out is that text cut before it."""
+    stop = ANSWER[start : start + length]
+    text = (
+        "<|channel|>commentary<|message|>" + ANSWER[:split] + "<|end|>"
+        "<|start|>assistant<|channel|>analysis<|message|>Go on.<|end|>"
+        "<|start|>assistant<|channel|>final<|message|>" + ANSWER[split:] + "<|return|>"
+    )
+    reader, events = read_cut(harmony_ids(text), (stop, "zzz"), cuts)
+    assert reader.stop_string == stop
+    assert content(events) == ANSWER[: ANSWER.index(stop)]
+
+
+def test_a_tail_held_at_a_content_messages_close_comes_before_a_call() -> None:
+    """A preamble ending in what could begin the stop string, then a call: the held tail is
+    sent before the call's message (whose JSON a client may be shown as content when the call
+    fails), and nothing spans the call."""
+    text = (
+        "<|channel|>commentary<|message|>Checking the wea<|end|>"
+        '<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>'
+    )
+    reader, events = read_cut(harmony_ids(text), ("weather", "wea{"))
+    assert reader.stop_string is None
+    assert content(events) == 'Checking the wea{"city": "Paris"}'
+
+
 @pytest.mark.parametrize("stop", ["final", "analysis", "assistant", "jumps over, not", "Paris"])
 def test_headers_reasoning_and_calls_never_stop_a_harmony_reply(stop: str) -> None:
     """A stop string only in the headers, the reasoning or a call's JSON ends nothing: the whole
