@@ -25,7 +25,7 @@ from torch import Tensor
 
 from radixkv.cpu import decode, native
 from radixkv.cpu.linear import NATIVE_LINEAR_KERNELS, PackedLinear, available_linear_kernels
-from radixkv.cpu.quant_linear import FORMAT_IDS, QuantLinear
+from radixkv.cpu.quant_linear import QuantLinear
 
 _p = ctypes.c_void_p
 
@@ -259,7 +259,7 @@ class FusedDecode:
                     qkv_bias=_pointer(_bias(attn.qkv_proj)), o_bias=_pointer(_bias(attn.o_proj)),
                     k_cache=k_cache.data_ptr(), v_cache=v_cache.data_ptr(),
                     k_scales=_pointer(k_scale), v_scales=_pointer(v_scale),
-                    formats=(ctypes.c_int * 4)(*(FORMAT_IDS.get(getattr(linear, "format", ""), 0) for linear in _linears(layer))),
+                    formats=(ctypes.c_int * 4)(*(getattr(linear, "format_id", 0) for linear in _linears(layer))),
                     **norms, window=attn.window or 0, group=int(attn.window is not None), rope=int(layer.local_rope),
                 ))  # fmt: skip
             self._layers, self._caches = (_Layer * len(records))(*records), key

@@ -30,6 +30,10 @@ NATIVE_QUANT_KERNELS = {
     "avx2": (4, ("avx2",)),
 }
 FORMAT_IDS = {"q8_0": 0, "q4_1": 1, "q4_k": 2, "q6_k": 3, "parts": 15}
+# q8_0 records with fp16 scales (quant_linear_zmm.c's q8_0h): a weight whose scales are all fp16
+# (a GGUF's Q8_0 or Q5_0) keeps the file's 8.5 bits a weight in the layouts that have them.
+Q8_0_HALF_SCALES = 4
+_HALF_SCALE_LAYOUTS = ("avx512_vnni_zmm",)
 # The formats each kernel multiplies; a weight in another is taken in as_kernel_format's form.
 # "parts": a linear whose row ranges differ in format (a Q4_K_M file's Q4_K q and k beside its
 # Q6_K v), packed one after another behind a header, each part run in its own format.
@@ -176,9 +180,12 @@ class QuantLinear(nn.Module):
         # boundary (the records are the same bytes): no stacked copy beside the parts at load.
         if one_format and (self._library is None or any(w.out_features % _PACK_ROWS for w in parts[:-1])):
             parts = [stack_rows(parts)]
-        parts = [w.with_float_scales() for w in parts]
+        part_ids = self._part_format_ids(parts, one_format)
+        parts = [w if i == Q8_0_HALF_SCALES else w.with_float_scales() for w, i in zip(parts, part_ids, strict=True)]
         self.in_features, self.out_features = parts[0].in_features, sum(w.out_features for w in parts)
         self.format = parts[0].format if one_format else "parts"
+        # The id the kernels take (quant_linear.c's FORMAT_*, quant_linear_zmm.c's ZFORMAT_*).
+        self.format_id = part_ids[0] if one_format else FORMAT_IDS["parts"]
         self.bias = None if bias is None else nn.Parameter(bias.detach().float().contiguous(), requires_grad=False)
         if self._library is None:
             self.weight: QuantWeight | None = parts[0] if len(parts) == 1 else None
@@ -189,44 +196,52 @@ class QuantLinear(nn.Module):
             self.kernel_bit = NATIVE_QUANT_KERNELS[self.kernel][0]
             self._layout = _LAYOUTS.get(self.kernel, "radixkv_quant_")
             # A buffer, so the module's buffers() count the bytes; not persistent: the layout is this build's.
-            self.register_buffer("packed", self._pack(parts), persistent=False)
+            self.register_buffer("packed", self._pack(parts, part_ids), persistent=False)
+
+    def _part_format_ids(self, parts: list[QuantWeight], one_format: bool) -> list[int]:
+        """Each part's packed format: q8_0 with fp16 scales where the layout has it and the
+        part's scales are all fp16, else its own; one format's parts all alike (their records
+        are one weight's)."""
+        half = self._library is not None and self.kernel in _HALF_SCALE_LAYOUTS
+        ids = [Q8_0_HALF_SCALES if half and w.format == "q8_0" and w.scales.dtype == torch.float16 else FORMAT_IDS[w.format] for w in parts]
+        return [FORMAT_IDS[parts[0].format]] * len(parts) if one_format and len(set(ids)) > 1 else ids
 
     @property
     def weight_nbytes(self) -> int:
         return sum(w.nbytes for w in self._torch_parts) if self.packed is None else self.packed.nbytes
 
-    def _pack(self, parts: list[QuantWeight]) -> Tensor:
+    def _pack(self, parts: list[QuantWeight], part_ids: list[int]) -> Tensor:
         """The parts' records: of one format, their rows' records as one weight's; else one
         part after another behind a header of int64s (count, then format, rows and byte offset
         per part) that quant_linear.c reads."""
         library = self._library
         packed_bytes = getattr(library, self._layout + "packed_bytes")
         if self.format != "parts":  # rows stacked: each part's records where its first row's group starts
-            fmt, done, offsets = FORMAT_IDS[self.format], 0, []
+            fmt, done, offsets = part_ids[0], 0, []
             for w in parts:
                 offsets.append(packed_bytes(fmt, done, self.in_features))
                 done += w.out_features
             packed = torch.zeros(packed_bytes(fmt, done, self.in_features), dtype=torch.uint8)
-            for w, at in zip(parts, offsets, strict=True):
-                self._pack_part(w, packed, at)
+            for w, fmt_id, at in zip(parts, part_ids, offsets, strict=True):
+                self._pack_part(w, fmt_id, packed, at)
             return packed
-        sizes = [packed_bytes(FORMAT_IDS[w.format], w.out_features, w.in_features) for w in parts]
+        sizes = [packed_bytes(fmt_id, w.out_features, w.in_features) for w, fmt_id in zip(parts, part_ids, strict=True)]
         header = 0 if len(parts) == 1 else -(-8 * (1 + 3 * len(parts)) // _PARTS_HEADER_ALIGN) * _PARTS_HEADER_ALIGN
         offsets = []
         for size in sizes:
             offsets.append(header + sum(-(-s // _PARTS_HEADER_ALIGN) * _PARTS_HEADER_ALIGN for s in sizes[: len(offsets)]))
         packed = torch.zeros(offsets[-1] + sizes[-1], dtype=torch.uint8)
         if header:
-            fields = [len(parts)] + [v for w, at in zip(parts, offsets, strict=True) for v in (FORMAT_IDS[w.format], w.out_features, at)]
+            fields = [len(parts)] + [v for w, fmt_id, at in zip(parts, part_ids, offsets, strict=True) for v in (fmt_id, w.out_features, at)]
             packed[: 8 * len(fields)] = torch.tensor(fields, dtype=torch.int64).view(torch.uint8)
-        for w, at in zip(parts, offsets, strict=True):
-            self._pack_part(w, packed, at)
+        for w, fmt_id, at in zip(parts, part_ids, offsets, strict=True):
+            self._pack_part(w, fmt_id, packed, at)
         return packed
 
-    def _pack_part(self, w: QuantWeight, packed: Tensor, at: int) -> None:
+    def _pack_part(self, w: QuantWeight, format_id: int, packed: Tensor, at: int) -> None:
         mins = 0 if w.mins is None else w.mins.data_ptr()
         getattr(self._library, self._layout + "pack")(
-            FORMAT_IDS[w.format], w.quants.data_ptr(), w.scales.data_ptr(), mins, w.out_features, w.in_features, packed.data_ptr() + at
+            format_id, w.quants.data_ptr(), w.scales.data_ptr(), mins, w.out_features, w.in_features, packed.data_ptr() + at
         )
 
     def forward(self, x: Tensor) -> Tensor:
@@ -240,7 +255,7 @@ class QuantLinear(nn.Module):
         y = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
         bias = None if self.bias is None else self.bias.data_ptr()
         status = self._library.radixkv_quant_linear(
-            self.kernel_bit, FORMAT_IDS[self.format], x.data_ptr(), int(x.dtype == torch.bfloat16), x.stride(0), x.shape[0],
+            self.kernel_bit, self.format_id, x.data_ptr(), int(x.dtype == torch.bfloat16), x.stride(0), x.shape[0],
             self.in_features, self.packed.data_ptr(), self.out_features, bias, y.data_ptr(), y.stride(0), torch.get_num_threads(),
         )  # fmt: skip
         if status != 0:
@@ -259,7 +274,7 @@ class QuantLinear(nn.Module):
             raise IndexError(f"row ids must be in [0, {self.out_features}), got {ids.min()}..{ids.max()}")
         rows = torch.empty(ids.numel(), self.in_features, dtype=torch.float32)
         getattr(self._library, self._layout + "dequant_rows")(
-            FORMAT_IDS[self.format], self.packed.data_ptr(), self.out_features, self.in_features, ids.data_ptr(), ids.numel(), rows.data_ptr()
+            self.format_id, self.packed.data_ptr(), self.out_features, self.in_features, ids.data_ptr(), ids.numel(), rows.data_ptr()
         )
         return rows.to(dtype)
 

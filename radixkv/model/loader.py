@@ -16,13 +16,14 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 import xxhash
-from torch import Tensor
+from torch import Tensor, nn
 
 from radixkv.attention.base import AttentionBackend
 from radixkv.config import WEIGHT_DTYPES, default_cache_dir
@@ -36,7 +37,7 @@ from radixkv.model.gguf import GGUFError, GGUFFile
 from radixkv.model.llama import CausalLM, ModelConfig
 from radixkv.model.moe import FloatExperts, MappedExperts
 from radixkv.model.gpt_oss import MappedMxfp4Experts
-from radixkv.model.quantized import QuantSource, quantized_modules
+from radixkv.model.quantized import QuantSource, quantized_modules, release_freed_heap
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -115,7 +116,7 @@ def load_model(
     tokenizer = load_tokenizer(folder)
     config = replace(config, eos_token_ids=_eos_token_ids(config, folder, tokenizer))
     # Built on the meta device: no random init of weights about to be replaced.
-    with torch.device("meta"):
+    with torch.device("meta"), _no_init():
         net = CausalLM(config, attention, native_kernels)
     quantized: QuantSource | None = None
     if source.gguf is not None:
@@ -138,7 +139,7 @@ def load_model(
     net.load_state_dict_hf(weights, modules)
     net.eval()
     if modules:
-        _release_freed_heap()
+        release_freed_heap()  # the float tensors read besides
     if moe == "native_fp32":
         for module in net.modules():
             if isinstance(module, FloatExperts):
@@ -153,17 +154,24 @@ def load_model(
     return LoadedModel(net, config, tokenizer, str(folder), torch_dtype, torch_device, gguf, weight_format, mapped)
 
 
-def _release_freed_heap() -> None:
-    """Hand the heap a quantized load freed (each tensor's file bytes and conversion
-    temporaries, freed one tensor at a time into the allocator's free lists) back to the OS,
-    where glibc can; the process's RSS otherwise keeps them for good (docs/measurements.md)."""
-    import ctypes
-
+@contextmanager
+def _no_init() -> Iterator[None]:
+    """torch.nn.init's in-place initializers as no-ops: on the meta device each would go through
+    torch's reference decompositions, whose first use imports torch._dynamo and with it triton,
+    about 0.1 GB of resident memory a CPU server never needs (docs/measurements.md)."""
+    names = [n for n in dir(nn.init) if n.endswith("_") and not n.startswith("_") and callable(getattr(nn.init, n))]
+    saved = {n: getattr(nn.init, n) for n in names}
+    for name in names:
+        setattr(nn.init, name, _keep)
     try:
-        trim = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):  # not glibc
-        return
-    trim(0)
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)
+
+
+def _keep(tensor: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+    return tensor
 
 
 def _weight_dtype(requested: str, device: torch.device) -> str:

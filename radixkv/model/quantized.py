@@ -93,6 +93,8 @@ def quantized_modules(
         biases = [source.bias(name) for name in bias_names if name in available]
         assert not biases or len(biases) == len(names), "every part has a bias or none"
         modules[module] = _linear(weights, torch.cat(biases) if biases else None, kernel)
+        del weights
+        release_freed_heap()  # else each linear's freed temporaries stay resident: ~0.07 GB at a 1B's peak
     return modules
 
 
@@ -161,3 +163,16 @@ def weight_bytes(model: nn.Module) -> int:
         elif isinstance(module, QuantEmbedding):
             total += module.weight_nbytes
     return total
+
+
+def release_freed_heap() -> None:
+    """Hand the heap a quantized load freed (a tensor's file bytes and conversion temporaries,
+    freed into the allocator's free lists) back to the OS, where glibc can; the process's RSS
+    otherwise keeps them for good (docs/measurements.md)."""
+    import ctypes
+
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return
+    trim(0)

@@ -97,7 +97,7 @@ def test_strided_rows_and_no_bias(kernel: str) -> None:
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("source", ["float", "Q4_K", "q4_k", "q6_k"])
+@pytest.mark.parametrize("source", ["float", "Q8_0", "Q4_K", "q4_k", "q6_k"])
 def test_tied_embedding_reads_the_packed_weight(kernel: str, source: str) -> None:
     weight = weight_of(source, 37, 256)
     layer = QuantLinear(weight, kernel=kernel)
@@ -128,7 +128,7 @@ def test_parts_in_their_own_formats(kernel: str) -> None:
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("source", ["float", "Q4_1", "q4_k", "q6_k"])
+@pytest.mark.parametrize("source", ["float", "Q8_0", "Q4_1", "q4_k", "q6_k"])
 @pytest.mark.parametrize("rows", [(32, 48, 5), (16, 16), (24, 8)])
 def test_parts_of_one_format_pack_as_their_rows_stacked(
     kernel: str, source: str, rows: tuple[int, ...], monkeypatch: pytest.MonkeyPatch
@@ -153,6 +153,26 @@ def test_super_blocks_packed_near_their_own_bytes(kernel: str) -> None:
         # 512-bit records: 4.75 and 6.625 bits a weight against the file's 4.5 and 6.5625;
         # the 256-bit kernels take q4_k as q4_1 (6 bits) and q6_k as int8 (9.5 bits).
         assert ratio <= ((1.06 if source == "q4_k" else 1.01) if kernel == "avx512_vnni_zmm" else 1.45)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_q8_0_keeps_its_fp16_scales_where_the_layout_has_them(kernel: str) -> None:
+    """A GGUF's Q8_0 (fp16 scales) packs at its file's 8.5 bits a weight in the 512-bit records
+    (q8_0h), fp32-scaled q8_0 at 9; q8_0 parts whose scales differ pack alike, in fp32: the
+    same bits as the torch path either way."""
+    half, single = weight_of("Q8_0", 48, 512, 1), weight_of("float", 16, 512, 2)
+    assert half.scales.dtype == torch.float16 and single.scales.dtype == torch.float32
+    zmm = kernel == "avx512_vnni_zmm"
+    layer = QuantLinear(half, kernel=kernel)
+    assert layer.format == "q8_0" and layer.format_id == (quant_linear.Q8_0_HALF_SCALES if zmm else 0)
+    assert layer.weight_nbytes == 48 * 512 * ((8.5 if zmm else 9) / 8)
+    mixed = QuantLinear([half, single], kernel=kernel)
+    assert mixed.format_id == 0 and torch.equal(mixed.packed, QuantLinear(stack_rows([half, single]), kernel=kernel).packed)
+    x = torch.randn(5, 512)
+    reference = QuantLinear([half, single], kernel="torch")
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(mixed(x.to(dtype)), reference(x.to(dtype)))
+        assert torch.equal(layer(x.to(dtype)), QuantLinear(half, kernel="torch")(x.to(dtype)))
 
 
 def test_native_weight_is_held_once_packed() -> None:

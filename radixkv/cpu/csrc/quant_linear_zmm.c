@@ -7,6 +7,9 @@
  *   q8_0 (576 bytes): 8 chunks c of 64 bytes, chunk byte r * 4 + e = w[16g + r][32b + 4c + e] ^ 0x80
  *                     (w + 128 as u8: vpdpbusd takes u8 x s8, and 512-bit AVX-512 has no vpsignb);
  *                     then 16 fp32 scales (row r at lane r).
+ *   q8_0h (544 bytes): q8_0's chunks, then 16 fp16 scales: a q8_0 weight whose scales are all
+ *                     fp16 (a GGUF's Q8_0 and Q5_0), 8.5 bits a weight as the file has them
+ *                     against 9; widened in registers, exactly, so the sums are q8_0's bits.
  *   q4_1 (384 bytes): 4 chunks c of 64 bytes, chunk byte r * 4 + e = q[16g + r][32b + 4c + e]
  *                     | q[16g + r][32b + 16 + 4c + e] << 4; then 16 fp32 scales, 16 fp32 mins.
  * q8_0's sum over w + 128 is 128 * sum(xq) too many: the int32 sums start at -128 * sum(xq), so
@@ -45,26 +48,28 @@
 
 #define ZSUPER 256     /* inputs per Q4_K / Q6_K super-block */
 
-enum { ZFORMAT_Q8_0 = 0, ZFORMAT_Q4_1 = 1, ZFORMAT_Q4_K = 2, ZFORMAT_Q6_K = 3 };
+enum { ZFORMAT_Q8_0 = 0, ZFORMAT_Q4_1 = 1, ZFORMAT_Q4_K = 2, ZFORMAT_Q6_K = 3, ZFORMAT_Q8_0H = 4 };
 
 static inline int zsuper_format(int format) { return format == ZFORMAT_Q4_K || format == ZFORMAT_Q6_K; }
+static inline int zbytes_format(int format) { return format == ZFORMAT_Q8_0 || format == ZFORMAT_Q8_0H; }
 /* Bytes of one record: of 32 inputs (q8_0, q4_1) or of a super-block (q4_k, q6_k). */
 static inline int64_t zrecord_bytes(int format) {
     switch (format) {
     case ZFORMAT_Q8_0: return 512 + 64;
+    case ZFORMAT_Q8_0H: return 512 + 32;
     case ZFORMAT_Q4_1: return 256 + 128;
     case ZFORMAT_Q4_K: return 8 * 256 + 256 + 128;
     default: return 8 * 384 + 256 + 64;
     }
 }
-static inline int64_t zquant_bytes(int format) { return format == ZFORMAT_Q8_0 ? 512 : 256; }
+static inline int64_t zquant_bytes(int format) { return zbytes_format(format) ? 512 : 256; }
 static inline int64_t zgroup_count(int n) { return (n + ZGROUP - 1) / ZGROUP; }
 /* Bytes of one group's records over all k inputs. */
 static inline int64_t zgroup_bytes(int format, int k) {
     return (zsuper_format(format) ? k / ZSUPER : k / ZBLOCK) * zrecord_bytes(format);
 }
 static inline int zformat_takes(int format, int k) {
-    return format >= ZFORMAT_Q8_0 && format <= ZFORMAT_Q6_K && k % (zsuper_format(format) ? ZSUPER : ZBLOCK) == 0;
+    return format >= ZFORMAT_Q8_0 && format <= ZFORMAT_Q8_0H && k % (zsuper_format(format) ? ZSUPER : ZBLOCK) == 0;
 }
 
 /* A super-block of row `row` (GGUF's bytes, src) decoded: u [256] unsigned quants (q4_k: 0..15,
@@ -143,8 +148,8 @@ int64_t radixkv_quant_zmm_packed_bytes(int format, int n, int k) {
 
 /* Pack QuantWeight's tensors (quants: int8 [n][k] or uint8 [n][k / 2] with block j's quants
  * 0..15 in the low nibbles of bytes 0..15 and 16..31 in the high ones; scales, mins: fp32
- * [n][k / 32], mins q4_1 only; q4_k, q6_k: the GGUF's blocks, row after row, no scales) into the
- * layout above. */
+ * [n][k / 32] (q8_0h: fp16), mins q4_1 only; q4_k, q6_k: the GGUF's blocks, row after row, no
+ * scales) into the layout above. */
 void radixkv_quant_zmm_pack(int format, const uint8_t *quants, const float *scales, const float *mins, int n, int k,
                             uint8_t *packed) {
     if (zsuper_format(format)) {
@@ -161,12 +166,14 @@ void radixkv_quant_zmm_pack(int format, const uint8_t *quants, const float *scal
         for (int64_t b = 0; b < nb; b++) {
             uint8_t *record = packed + (g * nb + b) * bytes;
             float lanes[2 * ZGROUP];
+            uint16_t halves[ZGROUP];
             for (int r = 0; r < ZGROUP; r++) {
                 const int64_t row = g * ZGROUP + r;
                 const int live = row < n;
-                lanes[r] = live ? scales[row * nb + b] : 0.0f;
+                lanes[r] = live && format != ZFORMAT_Q8_0H ? scales[row * nb + b] : 0.0f;
                 lanes[ZGROUP + r] = live && mins ? mins[row * nb + b] : 0.0f;
-                if (format == ZFORMAT_Q8_0) {
+                halves[r] = live && format == ZFORMAT_Q8_0H ? ((const uint16_t *)scales)[row * nb + b] : 0;
+                if (zbytes_format(format)) {
                     for (int c = 0; c < 8; c++)
                         for (int e = 0; e < 4; e++)
                             record[c * 64 + r * 4 + e] = (uint8_t)((live ? quants[row * k + b * ZBLOCK + 4 * c + e] : 0) ^ 0x80);
@@ -181,7 +188,8 @@ void radixkv_quant_zmm_pack(int format, const uint8_t *quants, const float *scal
                             record[c * 64 + r * 4 + e] = (uint8_t)(q[4 * c + e] | (q[16 + 4 * c + e] << 4));
                 }
             }
-            memcpy(record + zquant_bytes(format), lanes, (format == ZFORMAT_Q8_0 ? 1 : 2) * ZGROUP * sizeof(float));
+            if (format == ZFORMAT_Q8_0H) memcpy(record + zquant_bytes(format), halves, sizeof halves);
+            else memcpy(record + zquant_bytes(format), lanes, (format == ZFORMAT_Q8_0 ? 1 : 2) * ZGROUP * sizeof(float));
         }
 }
 
@@ -231,11 +239,17 @@ void radixkv_quant_zmm_dequant_rows(int format, const uint8_t *packed, int n, in
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *record = packed + (g * nb + b) * bytes;
             float scale, min = 0.0f;
-            memcpy(&scale, record + zquant_bytes(format) + r * sizeof(float), sizeof scale);
+            if (format == ZFORMAT_Q8_0H) {
+                uint16_t half;
+                memcpy(&half, record + zquant_bytes(format) + r * sizeof half, sizeof half);
+                scale = fp16_to_float(half);
+            } else {
+                memcpy(&scale, record + zquant_bytes(format) + r * sizeof(float), sizeof scale);
+            }
             if (format == ZFORMAT_Q4_1) memcpy(&min, record + zquant_bytes(format) + (ZGROUP + r) * sizeof(float), sizeof min);
             float *dst = out + (int64_t)i * k + b * ZBLOCK;
             for (int j = 0; j < ZBLOCK; j++) {
-                if (format == ZFORMAT_Q8_0) {
+                if (zbytes_format(format)) {
                     dst[j] = scale * (float)(int8_t)(record[(j / 4) * 64 + r * 4 + j % 4] ^ 0x80);
                 } else {
                     const uint8_t byte = record[((j % 16) / 4) * 64 + r * 4 + j % 4];
@@ -306,7 +320,7 @@ static inline __attribute__((always_inline)) void zgroup(const uint8_t *group, i
         if (ZPREFETCH)
             for (int line = 0; line < bytes; line += 64) _mm_prefetch((const char *)record + ZPREFETCH * bytes + line, _MM_HINT_T0);
         __m512i dot[ZROW_TILE];
-        if (format == ZFORMAT_Q8_0) {
+        if (zbytes_format(format)) {
             for (int i = 0; i < rows; i++) dot[i] = _mm512_set1_epi32(-128 * x->sum[(r0 + i) * x->nb + b]);
             for (int c = 0; c < 8; c++) {
                 const __m512i w = _mm512_loadu_si512((const void *)(record + 64 * c));
@@ -323,7 +337,8 @@ static inline __attribute__((always_inline)) void zgroup(const uint8_t *group, i
                 }
             }
         }
-        const __m512 scales = _mm512_loadu_ps((const float *)(record + zquant_bytes(format)));
+        const __m512 scales = format == ZFORMAT_Q8_0H ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(record + zquant_bytes(format))))
+                                                      : _mm512_loadu_ps((const float *)(record + zquant_bytes(format)));
         for (int i = 0; i < rows; i++) {
             const __m512 scaled = _mm512_mul_ps(scales, _mm512_set1_ps(x->s[(r0 + i) * x->nb + b]));
             acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(scaled, _mm512_cvtepi32_ps(dot[i])));
@@ -424,6 +439,7 @@ static void ztile(const uint8_t *group, int format, const ZQuantX *x, int64_t r0
     case ZFORMAT_Q4_K: ZROW_CASES(zgroup_super, ZFORMAT_Q4_K) break;
     case ZFORMAT_Q6_K: ZROW_CASES(zgroup_super, ZFORMAT_Q6_K) break;
     case ZFORMAT_Q8_0: ZROW_CASES(zgroup, ZFORMAT_Q8_0) break;
+    case ZFORMAT_Q8_0H: ZROW_CASES(zgroup, ZFORMAT_Q8_0H) break;
     default: ZROW_CASES(zgroup, ZFORMAT_Q4_1) break;
     }
 }
