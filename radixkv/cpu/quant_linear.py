@@ -30,9 +30,10 @@ NATIVE_QUANT_KERNELS = {
     "avx2": (4, ("avx2",)),
 }
 FORMAT_IDS = {"q8_0": 0, "q4_1": 1, "q4_k": 2, "q6_k": 3, "parts": 15}
-# q8_0 records with fp16 scales (quant_linear_zmm.c's q8_0h): a weight whose scales are all fp16
-# (a GGUF's Q8_0 or Q5_0) keeps the file's 8.5 bits a weight in the layouts that have them.
-Q8_0_HALF_SCALES = 4
+# Records with fp16 scales and mins (quant_linear_zmm.c's q8_0h, q4_1h): a weight whose scales
+# and mins are all fp16 (a GGUF's Q8_0, Q5_0, Q4_0, Q4_1) keeps the file's 8.5 and 5 bits a
+# weight, not 9 and 6, in the layouts that have them.
+HALF_SCALE_IDS = {"q8_0": 4, "q4_1": 5}
 _HALF_SCALE_LAYOUTS = ("avx512_vnni_zmm",)
 # The formats each kernel multiplies; a weight in another is taken in as_kernel_format's form.
 # "parts": a linear whose row ranges differ in format (a Q4_K_M file's Q4_K q and k beside its
@@ -153,6 +154,13 @@ def torch_quant_linear(x: Tensor, weight: QuantWeight, bias: Tensor | None) -> T
     return y if bias is None else y + bias.float()
 
 
+def _half_scaled(weight: QuantWeight) -> bool:
+    """Whether a q8_0 or q4_1 weight's scales and mins are fp16 (QuantWeight keeps them so
+    where every one is exact)."""
+    halves = weight.scales.dtype == torch.float16 and (weight.mins is None or weight.mins.dtype == torch.float16)
+    return weight.format in HALF_SCALE_IDS and halves
+
+
 class QuantLinear(nn.Module):
     """y = x W^T (+ b) for 2-D fp32 or bf16 x (y in x's dtype), W a QuantWeight held once: in
     the native kernel's packed layout where one runs, else as given.
@@ -181,7 +189,7 @@ class QuantLinear(nn.Module):
         if one_format and (self._library is None or any(w.out_features % _PACK_ROWS for w in parts[:-1])):
             parts = [stack_rows(parts)]
         part_ids = self._part_format_ids(parts, one_format)
-        parts = [w if i == Q8_0_HALF_SCALES else w.with_float_scales() for w, i in zip(parts, part_ids, strict=True)]
+        parts = [w if i in HALF_SCALE_IDS.values() else w.with_float_scales() for w, i in zip(parts, part_ids, strict=True)]
         self.in_features, self.out_features = parts[0].in_features, sum(w.out_features for w in parts)
         self.format = parts[0].format if one_format else "parts"
         # The id the kernels take (quant_linear.c's FORMAT_*, quant_linear_zmm.c's ZFORMAT_*).
@@ -199,11 +207,11 @@ class QuantLinear(nn.Module):
             self.register_buffer("packed", self._pack(parts, part_ids), persistent=False)
 
     def _part_format_ids(self, parts: list[QuantWeight], one_format: bool) -> list[int]:
-        """Each part's packed format: q8_0 with fp16 scales where the layout has it and the
-        part's scales are all fp16, else its own; one format's parts all alike (their records
-        are one weight's)."""
-        half = self._library is not None and self.kernel in _HALF_SCALE_LAYOUTS
-        ids = [Q8_0_HALF_SCALES if half and w.format == "q8_0" and w.scales.dtype == torch.float16 else FORMAT_IDS[w.format] for w in parts]
+        """Each part's packed format: with fp16 scales where the layout has them and the part's
+        scales (and mins) are all fp16, else its own; one format's parts all alike (their
+        records are one weight's)."""
+        layout = self._library is not None and self.kernel in _HALF_SCALE_LAYOUTS
+        ids = [HALF_SCALE_IDS[w.format] if layout and _half_scaled(w) else FORMAT_IDS[w.format] for w in parts]
         return [FORMAT_IDS[parts[0].format]] * len(parts) if one_format and len(set(ids)) > 1 else ids
 
     @property

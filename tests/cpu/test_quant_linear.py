@@ -97,7 +97,7 @@ def test_strided_rows_and_no_bias(kernel: str) -> None:
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("source", ["float", "Q8_0", "Q4_K", "q4_k", "q6_k"])
+@pytest.mark.parametrize("source", ["float", "Q8_0", "Q4_1", "Q4_K", "q4_k", "q6_k"])
 def test_tied_embedding_reads_the_packed_weight(kernel: str, source: str) -> None:
     weight = weight_of(source, 37, 256)
     layer = QuantLinear(weight, kernel=kernel)
@@ -156,23 +156,29 @@ def test_super_blocks_packed_near_their_own_bytes(kernel: str) -> None:
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
-def test_q8_0_keeps_its_fp16_scales_where_the_layout_has_them(kernel: str) -> None:
-    """A GGUF's Q8_0 (fp16 scales) packs at its file's 8.5 bits a weight in the 512-bit records
-    (q8_0h), fp32-scaled q8_0 at 9; q8_0 parts whose scales differ pack alike, in fp32: the
-    same bits as the torch path either way."""
-    half, single = weight_of("Q8_0", 48, 512, 1), weight_of("float", 16, 512, 2)
-    assert half.scales.dtype == torch.float16 and single.scales.dtype == torch.float32
+@pytest.mark.parametrize(("source", "bits"), [("Q8_0", (9, 8.5)), ("Q4_1", (6, 5)), ("Q4_0", (6, 5))])
+def test_fp16_scales_stay_fp16_where_the_layout_has_them(kernel: str, source: str, bits: tuple[float, float]) -> None:
+    """A GGUF's Q8_0, Q4_1 or Q4_0 (fp16 scales and mins) packs at the file's bits a weight in
+    the 512-bit records (q8_0h, q4_1h), at fp32 scales' elsewhere; parts of one format whose
+    scales differ in dtype pack alike, in fp32: the torch path's bits either way."""
+    half, single = weight_of(source, 48, 512, 1), weight_of(source, 16, 512, 2)
+    single = QuantWeight(single.format, 16, 512, single.quants, single.scales.float(), None if single.mins is None else single.mins.float())
+    assert half.scales.dtype == torch.float16
     zmm = kernel == "avx512_vnni_zmm"
     layer = QuantLinear(half, kernel=kernel)
-    assert layer.format == "q8_0" and layer.format_id == (quant_linear.Q8_0_HALF_SCALES if zmm else 0)
-    assert layer.weight_nbytes == 48 * 512 * ((8.5 if zmm else 9) / 8)
+    plain = quant_linear.FORMAT_IDS[half.format]
+    assert layer.format == half.format and layer.format_id == (quant_linear.HALF_SCALE_IDS[half.format] if zmm else plain)
+    if zmm:
+        assert layer.weight_nbytes == 48 * 512 * bits[1] / 8
     mixed = QuantLinear([half, single], kernel=kernel)
-    assert mixed.format_id == 0 and torch.equal(mixed.packed, QuantLinear(stack_rows([half, single]), kernel=kernel).packed)
+    assert mixed.format_id == plain and torch.equal(mixed.packed, QuantLinear(stack_rows([half, single]), kernel=kernel).packed)
     x = torch.randn(5, 512)
-    reference = QuantLinear([half, single], kernel="torch")
+    x[1, :32] = 0.0
     for dtype in (torch.float32, torch.bfloat16):
-        assert torch.equal(mixed(x.to(dtype)), reference(x.to(dtype)))
+        assert torch.equal(mixed(x.to(dtype)), QuantLinear([half, single], kernel="torch")(x.to(dtype)))
         assert torch.equal(layer(x.to(dtype)), QuantLinear(half, kernel="torch")(x.to(dtype)))
+    ids = torch.tensor([0, 47, 17])
+    assert torch.equal(layer.weight_rows(ids, torch.float32), dequantize(half)[ids])
 
 
 def test_native_weight_is_held_once_packed() -> None:

@@ -7,9 +7,10 @@
  *   q8_0 (576 bytes): 8 chunks c of 64 bytes, chunk byte r * 4 + e = w[16g + r][32b + 4c + e] ^ 0x80
  *                     (w + 128 as u8: vpdpbusd takes u8 x s8, and 512-bit AVX-512 has no vpsignb);
  *                     then 16 fp32 scales (row r at lane r).
- *   q8_0h (544 bytes): q8_0's chunks, then 16 fp16 scales: a q8_0 weight whose scales are all
- *                     fp16 (a GGUF's Q8_0 and Q5_0), 8.5 bits a weight as the file has them
- *                     against 9; widened in registers, exactly, so the sums are q8_0's bits.
+ *   q8_0h (544 bytes), q4_1h (320 bytes): q8_0's and q4_1's chunks, then their scales (and
+ *                     mins) as fp16: a weight whose scales and mins are all fp16 (a GGUF's Q8_0,
+ *                     Q5_0, Q4_0 and Q4_1) at the file's 8.5 and 5 bits a weight against 9 and 6;
+ *                     widened in registers, exactly, so the sums are q8_0's and q4_1's bits.
  *   q4_1 (384 bytes): 4 chunks c of 64 bytes, chunk byte r * 4 + e = q[16g + r][32b + 4c + e]
  *                     | q[16g + r][32b + 16 + 4c + e] << 4; then 16 fp32 scales, 16 fp32 mins.
  * q8_0's sum over w + 128 is 128 * sum(xq) too many: the int32 sums start at -128 * sum(xq), so
@@ -48,15 +49,18 @@
 
 #define ZSUPER 256     /* inputs per Q4_K / Q6_K super-block */
 
-enum { ZFORMAT_Q8_0 = 0, ZFORMAT_Q4_1 = 1, ZFORMAT_Q4_K = 2, ZFORMAT_Q6_K = 3, ZFORMAT_Q8_0H = 4 };
+enum { ZFORMAT_Q8_0 = 0, ZFORMAT_Q4_1 = 1, ZFORMAT_Q4_K = 2, ZFORMAT_Q6_K = 3, ZFORMAT_Q8_0H = 4, ZFORMAT_Q4_1H = 5 };
 
 static inline int zsuper_format(int format) { return format == ZFORMAT_Q4_K || format == ZFORMAT_Q6_K; }
 static inline int zbytes_format(int format) { return format == ZFORMAT_Q8_0 || format == ZFORMAT_Q8_0H; }
+static inline int zhalf_format(int format) { return format == ZFORMAT_Q8_0H || format == ZFORMAT_Q4_1H; }
+static inline int zmins_format(int format) { return format == ZFORMAT_Q4_1 || format == ZFORMAT_Q4_1H; }
 /* Bytes of one record: of 32 inputs (q8_0, q4_1) or of a super-block (q4_k, q6_k). */
 static inline int64_t zrecord_bytes(int format) {
     switch (format) {
     case ZFORMAT_Q8_0: return 512 + 64;
     case ZFORMAT_Q8_0H: return 512 + 32;
+    case ZFORMAT_Q4_1H: return 256 + 64;
     case ZFORMAT_Q4_1: return 256 + 128;
     case ZFORMAT_Q4_K: return 8 * 256 + 256 + 128;
     default: return 8 * 384 + 256 + 64;
@@ -69,7 +73,7 @@ static inline int64_t zgroup_bytes(int format, int k) {
     return (zsuper_format(format) ? k / ZSUPER : k / ZBLOCK) * zrecord_bytes(format);
 }
 static inline int zformat_takes(int format, int k) {
-    return format >= ZFORMAT_Q8_0 && format <= ZFORMAT_Q8_0H && k % (zsuper_format(format) ? ZSUPER : ZBLOCK) == 0;
+    return format >= ZFORMAT_Q8_0 && format <= ZFORMAT_Q4_1H && k % (zsuper_format(format) ? ZSUPER : ZBLOCK) == 0;
 }
 
 /* A super-block of row `row` (GGUF's bytes, src) decoded: u [256] unsigned quants (q4_k: 0..15,
@@ -148,7 +152,7 @@ int64_t radixkv_quant_zmm_packed_bytes(int format, int n, int k) {
 
 /* Pack QuantWeight's tensors (quants: int8 [n][k] or uint8 [n][k / 2] with block j's quants
  * 0..15 in the low nibbles of bytes 0..15 and 16..31 in the high ones; scales, mins: fp32
- * [n][k / 32] (q8_0h: fp16), mins q4_1 only; q4_k, q6_k: the GGUF's blocks, row after row, no
+ * [n][k / 32] (q8_0h, q4_1h: fp16), mins q4_1 only; q4_k, q6_k: the GGUF's blocks, row after row, no
  * scales) into the layout above. */
 void radixkv_quant_zmm_pack(int format, const uint8_t *quants, const float *scales, const float *mins, int n, int k,
                             uint8_t *packed) {
@@ -166,13 +170,15 @@ void radixkv_quant_zmm_pack(int format, const uint8_t *quants, const float *scal
         for (int64_t b = 0; b < nb; b++) {
             uint8_t *record = packed + (g * nb + b) * bytes;
             float lanes[2 * ZGROUP];
-            uint16_t halves[ZGROUP];
+            uint16_t halves[2 * ZGROUP];
+            const int half = zhalf_format(format);
             for (int r = 0; r < ZGROUP; r++) {
                 const int64_t row = g * ZGROUP + r;
                 const int live = row < n;
-                lanes[r] = live && format != ZFORMAT_Q8_0H ? scales[row * nb + b] : 0.0f;
-                lanes[ZGROUP + r] = live && mins ? mins[row * nb + b] : 0.0f;
-                halves[r] = live && format == ZFORMAT_Q8_0H ? ((const uint16_t *)scales)[row * nb + b] : 0;
+                lanes[r] = live && !half ? scales[row * nb + b] : 0.0f;
+                lanes[ZGROUP + r] = live && !half && mins ? mins[row * nb + b] : 0.0f;
+                halves[r] = live && half ? ((const uint16_t *)scales)[row * nb + b] : 0;
+                halves[ZGROUP + r] = live && half && mins ? ((const uint16_t *)mins)[row * nb + b] : 0;
                 if (zbytes_format(format)) {
                     for (int c = 0; c < 8; c++)
                         for (int e = 0; e < 4; e++)
@@ -188,8 +194,9 @@ void radixkv_quant_zmm_pack(int format, const uint8_t *quants, const float *scal
                             record[c * 64 + r * 4 + e] = (uint8_t)(q[4 * c + e] | (q[16 + 4 * c + e] << 4));
                 }
             }
-            if (format == ZFORMAT_Q8_0H) memcpy(record + zquant_bytes(format), halves, sizeof halves);
-            else memcpy(record + zquant_bytes(format), lanes, (format == ZFORMAT_Q8_0 ? 1 : 2) * ZGROUP * sizeof(float));
+            const int fields = zmins_format(format) ? 2 : 1;
+            if (half) memcpy(record + zquant_bytes(format), halves, fields * ZGROUP * sizeof(uint16_t));
+            else memcpy(record + zquant_bytes(format), lanes, fields * ZGROUP * sizeof(float));
         }
 }
 
@@ -239,14 +246,15 @@ void radixkv_quant_zmm_dequant_rows(int format, const uint8_t *packed, int n, in
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *record = packed + (g * nb + b) * bytes;
             float scale, min = 0.0f;
-            if (format == ZFORMAT_Q8_0H) {
-                uint16_t half;
-                memcpy(&half, record + zquant_bytes(format) + r * sizeof half, sizeof half);
-                scale = fp16_to_float(half);
+            if (zhalf_format(format)) {
+                uint16_t half[2] = {0, 0};
+                memcpy(&half[0], record + zquant_bytes(format) + r * sizeof(uint16_t), sizeof(uint16_t));
+                if (zmins_format(format)) memcpy(&half[1], record + zquant_bytes(format) + (ZGROUP + r) * sizeof(uint16_t), sizeof(uint16_t));
+                scale = fp16_to_float(half[0]), min = fp16_to_float(half[1]);
             } else {
                 memcpy(&scale, record + zquant_bytes(format) + r * sizeof(float), sizeof scale);
+                if (zmins_format(format)) memcpy(&min, record + zquant_bytes(format) + (ZGROUP + r) * sizeof(float), sizeof min);
             }
-            if (format == ZFORMAT_Q4_1) memcpy(&min, record + zquant_bytes(format) + (ZGROUP + r) * sizeof(float), sizeof min);
             float *dst = out + (int64_t)i * k + b * ZBLOCK;
             for (int j = 0; j < ZBLOCK; j++) {
                 if (zbytes_format(format)) {
@@ -337,14 +345,15 @@ static inline __attribute__((always_inline)) void zgroup(const uint8_t *group, i
                 }
             }
         }
-        const __m512 scales = format == ZFORMAT_Q8_0H ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(record + zquant_bytes(format))))
-                                                      : _mm512_loadu_ps((const float *)(record + zquant_bytes(format)));
+        const __m512 scales = zhalf_format(format) ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(record + zquant_bytes(format))))
+                                                   : _mm512_loadu_ps((const float *)(record + zquant_bytes(format)));
         for (int i = 0; i < rows; i++) {
             const __m512 scaled = _mm512_mul_ps(scales, _mm512_set1_ps(x->s[(r0 + i) * x->nb + b]));
             acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(scaled, _mm512_cvtepi32_ps(dot[i])));
         }
-        if (format == ZFORMAT_Q4_1) {
-            const __m512 mins = _mm512_loadu_ps((const float *)(record + zquant_bytes(format) + 64));
+        if (zmins_format(format)) {
+            const __m512 mins = format == ZFORMAT_Q4_1H ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(record + zquant_bytes(format) + 32)))
+                                                        : _mm512_loadu_ps((const float *)(record + zquant_bytes(format) + 64));
             for (int i = 0; i < rows; i++)
                 acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(mins, _mm512_set1_ps(x->u[(r0 + i) * x->nb + b])));
         }
@@ -440,6 +449,7 @@ static void ztile(const uint8_t *group, int format, const ZQuantX *x, int64_t r0
     case ZFORMAT_Q6_K: ZROW_CASES(zgroup_super, ZFORMAT_Q6_K) break;
     case ZFORMAT_Q8_0: ZROW_CASES(zgroup, ZFORMAT_Q8_0) break;
     case ZFORMAT_Q8_0H: ZROW_CASES(zgroup, ZFORMAT_Q8_0H) break;
+    case ZFORMAT_Q4_1H: ZROW_CASES(zgroup, ZFORMAT_Q4_1H) break;
     default: ZROW_CASES(zgroup, ZFORMAT_Q4_1) break;
     }
 }
