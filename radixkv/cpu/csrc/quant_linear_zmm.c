@@ -18,14 +18,14 @@
  *
  * GGUF's Q4_K and Q6_K keep their super-blocks of 256 inputs (no requantizing, about their own
  * bits per weight): per group g, per super-block s, one record of 8 sub-blocks j of 32 inputs:
- *   q4_k (2432 bytes): per j 256 bytes of nibbles as q4_1's; at 2048 the 6-bit scale codes
- *                     (byte 16j + r), at 2176 the min codes, at 2304 16 fp32 d, at 2368 16 fp32
- *                     -dmin. Block j's scale d * sc and min -dmin * m are q4_1's, exact in
+ *   q4_k (2368 bytes): per j 256 bytes of nibbles as q4_1's; at 2048 the 6-bit scale codes
+ *                     (byte 16j + r), at 2176 the min codes, at 2304 16 fp16 d, at 2336 16 fp16
+ *                     -dmin (the file's fp16 values, widened exactly in registers). Block j's scale d * sc and min -dmin * m are q4_1's, exact in
  *                     fp32, so the sums are q4_1's bits (quant.py converts Q4_K the same way).
- *   q6_k (3392 bytes): per j 384 bytes: 4 chunks of low nibbles as q4_1's, then two 64-byte
+ *   q6_k (3360 bytes, the file's own size): per j 384 bytes: 4 chunks of low nibbles as q4_1's, then two 64-byte
  *                     chunks of the top 2 bits (chunk h, byte r * 4 + e: bits 2c..2c+1 hold
  *                     input 32j + 16h + 4c + e); at 3072 the int8 scales of each 16 inputs
- *                     (byte 16 (2j + h) + r); at 3328 16 fp32 d. A block's integer sum is
+ *                     (byte 16 (2j + h) + r); at 3328 16 fp16 d. A block's integer sum is
  *                     sc_lo * dot_lo + sc_hi * dot_hi over w = q - 32 (|sum| < 2^24: exact in
  *                     fp32), then acc + (d * sx) * float(sum), as torch_quant_linear does with
  *                     w = sc * (q - 32) and scale d.
@@ -62,8 +62,8 @@ static inline int64_t zrecord_bytes(int format) {
     case ZFORMAT_Q8_0H: return 512 + 32;
     case ZFORMAT_Q4_1H: return 256 + 64;
     case ZFORMAT_Q4_1: return 256 + 128;
-    case ZFORMAT_Q4_K: return 8 * 256 + 256 + 128;
-    default: return 8 * 384 + 256 + 64;
+    case ZFORMAT_Q4_K: return 8 * 256 + 256 + 64;
+    default: return 8 * 384 + 256 + 32;
     }
 }
 static inline int64_t zquant_bytes(int format) { return zbytes_format(format) ? 512 : 256; }
@@ -106,15 +106,21 @@ void radixkv_quant_decode_super(int format, const uint8_t *src, uint8_t u[ZSUPER
 static void zpack_super(int format, const uint8_t *quants, int n, int k, int64_t g, int64_t s, uint8_t *record) {
     const int64_t row_bytes = (k / ZSUPER) * (format == ZFORMAT_Q4_K ? 144 : 210);
     const int q6 = format == ZFORMAT_Q6_K, sub = q6 ? 384 : 256, tail = 8 * sub;
-    float lanes[2 * ZGROUP];
+    uint16_t lanes[2 * ZGROUP]; /* d, then -dmin: the file's fp16 bits (a sign flip is exact) */
     memset(record, 0, zrecord_bytes(format));
     for (int r = 0; r < ZGROUP; r++) {
         const int64_t row = g * ZGROUP + r;
         uint8_t u[ZSUPER] = {0};
         int codes[16] = {0};
         float d = 0.0f, dmin = 0.0f;
-        if (row < n) radixkv_quant_decode_super(format, quants + row * row_bytes + s * (format == ZFORMAT_Q4_K ? 144 : 210), u, codes, &d, &dmin);
-        lanes[r] = d, lanes[ZGROUP + r] = -dmin;
+        uint16_t half_d = 0, half_dmin = 0;
+        if (row < n) {
+            const uint8_t *src = quants + row * row_bytes + s * (format == ZFORMAT_Q4_K ? 144 : 210);
+            radixkv_quant_decode_super(format, src, u, codes, &d, &dmin);
+            memcpy(&half_d, src + (q6 ? 208 : 0), 2);
+            if (!q6) memcpy(&half_dmin, src + 2, 2);
+        }
+        lanes[r] = half_d, lanes[ZGROUP + r] = (uint16_t)(half_dmin ^ 0x8000);
         for (int j = 0; j < 8; j++) {
             uint8_t *block = record + j * sub;
             const uint8_t *q = u + 32 * j;
@@ -133,7 +139,7 @@ static void zpack_super(int format, const uint8_t *quants, int n, int k, int64_t
             }
         }
     }
-    memcpy(record + tail + (q6 ? 256 : 256), lanes, (q6 ? 1 : 2) * ZGROUP * sizeof(float));
+    memcpy(record + tail + 256, lanes, (q6 ? 1 : 2) * ZGROUP * sizeof(uint16_t));
 }
 
 /* Whether this build has the kernel (the library is built for this CPU: -march=native). */
@@ -206,9 +212,10 @@ static void zdequant_super_row(int format, const uint8_t *group, int k, int r, f
     const int q6 = format == ZFORMAT_Q6_K, sub = q6 ? 384 : 256, tail = 8 * sub;
     for (int64_t s = 0; s < k / ZSUPER; s++, dst += ZSUPER) {
         const uint8_t *record = group + s * zrecord_bytes(format);
-        float d, negdmin = 0.0f;
-        memcpy(&d, record + tail + 256 + 4 * r, 4);
-        memcpy(&negdmin, record + tail + 256 + 64 + 4 * r, q6 ? 0 : 4);
+        uint16_t half_d, half_negdmin = 0;
+        memcpy(&half_d, record + tail + 256 + 2 * r, 2);
+        memcpy(&half_negdmin, record + tail + 256 + 32 + 2 * r, q6 ? 0 : 2);
+        const float d = fp16_to_float(half_d), negdmin = fp16_to_float(half_negdmin);
         for (int j = 0; j < 8; j++) {
             const uint8_t *block = record + j * sub;
             for (int l = 0; l < ZBLOCK; l++) {
@@ -369,7 +376,8 @@ static inline __attribute__((always_inline)) void zgroup_super(const uint8_t *gr
     for (int64_t s = 0; s < x->nb / 8; s++) {
         const uint8_t *record = group + s * bytes;
         if (format == ZFORMAT_Q4_K) {
-            const __m512 d = _mm512_loadu_ps((const float *)(record + 2304)), negdmin = _mm512_loadu_ps((const float *)(record + 2368));
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(record + 2304)));
+            const __m512 negdmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(record + 2336)));
             for (int j = 0; j < 8; j++) {
                 const int64_t b = s * 8 + j;
                 const uint8_t *block = record + 256 * j;
@@ -393,7 +401,7 @@ static inline __attribute__((always_inline)) void zgroup_super(const uint8_t *gr
                 }
             }
         } else {
-            const __m512 d = _mm512_loadu_ps((const float *)(record + 3328));
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(record + 3328)));
             for (int j = 0; j < 8; j++) {
                 const int64_t b = s * 8 + j;
                 const uint8_t *block = record + 384 * j;
