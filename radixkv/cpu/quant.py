@@ -251,7 +251,7 @@ def _f32(values: np.ndarray) -> torch.Tensor:
 def _from_q8_0(data: np.ndarray, out_features: int, in_features: int) -> QuantWeight:
     blocks = _blocks(data, out_features, in_features, 2 + BLOCK)
     q = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(out_features, in_features)
-    return QuantWeight("q8_0", out_features, in_features, torch.from_numpy(q.copy()), _f32(_f16(blocks, 0)), None)
+    return QuantWeight("q8_0", out_features, in_features, torch.from_numpy(q), _f32(_f16(blocks, 0)), None)
 
 
 def _from_q4_0(data: np.ndarray, out_features: int, in_features: int) -> QuantWeight:
@@ -259,13 +259,13 @@ def _from_q4_0(data: np.ndarray, out_features: int, in_features: int) -> QuantWe
     blocks = _blocks(data, out_features, in_features, 2 + BLOCK // 2)
     d = _f16(blocks, 0)
     q = np.ascontiguousarray(blocks[..., 2:]).reshape(out_features, in_features // 2)
-    return QuantWeight("q4_1", out_features, in_features, torch.from_numpy(q.copy()), _f32(d), _f32(d * np.float32(-8.0)))
+    return QuantWeight("q4_1", out_features, in_features, torch.from_numpy(q), _f32(d), _f32(d * np.float32(-8.0)))
 
 
 def _from_q4_1(data: np.ndarray, out_features: int, in_features: int) -> QuantWeight:
     blocks = _blocks(data, out_features, in_features, 4 + BLOCK // 2)
     q = np.ascontiguousarray(blocks[..., 4:]).reshape(out_features, in_features // 2)
-    return QuantWeight("q4_1", out_features, in_features, torch.from_numpy(q.copy()), _f32(_f16(blocks, 0)), _f32(_f16(blocks, 2)))
+    return QuantWeight("q4_1", out_features, in_features, torch.from_numpy(q), _f32(_f16(blocks, 0)), _f32(_f16(blocks, 2)))
 
 
 def _from_q5_0(data: np.ndarray, out_features: int, in_features: int) -> QuantWeight:
@@ -277,7 +277,7 @@ def _from_q5_0(data: np.ndarray, out_features: int, in_features: int) -> QuantWe
     nibbles = blocks[..., 6:]
     low = np.concatenate((nibbles & 0x0F, nibbles >> 4), axis=-1)
     q = (low | (high << 4)).astype(np.int8) - np.int8(16)
-    return QuantWeight("q8_0", out_features, in_features, torch.from_numpy(q.reshape(out_features, in_features).copy()), _f32(d), None)
+    return QuantWeight("q8_0", out_features, in_features, torch.from_numpy(q.reshape(out_features, in_features)), _f32(d), None)
 
 
 def _k_scales_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
