@@ -1,12 +1,12 @@
 """Peak memory of loading a model: each load runs in a fresh subprocess (an engine with a small KV
-pool, as `radixkv serve` builds it), whose peak RSS (getrusage's ru_maxrss) is reported beside the
+pool, as `radixkv serve` builds it), whose peak RSS (/proc's VmHWM) is reported beside the
 bytes its weights hold and the GGUF's own tensor bytes. "cold" loads into an empty cache directory
 (transformers builds the config and tokenizer once, in a subprocess of the loader's: its peak is
 reported apart), "warm" loads again from it.
 
     radixkv bench load_rss [--model FILE_OR_FOLDER ...] [--weight-dtype auto ...] [--num-pages 64] [--out out/load_rss]
 
-Linux only (ru_maxrss in KiB, /proc/self/statm).
+Linux only (/proc/self/status, /proc/self/statm).
 """
 
 from __future__ import annotations
@@ -95,11 +95,12 @@ def _child(spec: dict) -> dict:
         "layers": config.num_layers,
         "hidden": config.hidden_size,
         "load_s": round(seconds, 2),
-        # Linux reports ru_maxrss in KiB.
-        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        # VmHWM: getrusage's ru_maxrss survives exec, so this child's would be at least its parent's.
+        "peak_rss_mb": round(process_memory()["peak_rss_bytes"] / 2**20, 1),
         "rss_after_mb": round(process_memory()["rss_bytes"] / 2**20, 1),
         # A cold load reads a GGUF's config and tokenizer in a subprocess of its own (the loader's
-        # _in_subprocess): its peak, apart from the serving process's.
+        # _in_subprocess): its peak, apart from the serving process's; at least this process's
+        # RSS when it started it (ru_maxrss survives exec).
         "prepare_peak_rss_mb": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024, 1),
         "weight_mb": round(weight_bytes(loaded.model) / 2**20, 1),
         "file_tensor_mb": None if file_bytes is None else round(file_bytes / 2**20, 1),

@@ -15,7 +15,6 @@ from __future__ import annotations
 import inspect
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -295,7 +294,10 @@ def _main(argv: list[str]) -> None:
     if peer not in runners:
         raise SystemExit(f"unknown peer {peer!r}; known: {', '.join(PEERS)}")
     measured = runners[peer](workload)
-    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    from radixkv.scenarios.machine import process_memory
+
+    # VmHWM: getrusage's ru_maxrss survives exec, so a child's would be at least its parent's peak.
+    peak_rss = process_memory()["peak_rss_bytes"]
     Path(result_path).write_text(json.dumps(dict(peer=peer, peak_rss_bytes=peak_rss, **measured)))
 
 

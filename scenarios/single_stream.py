@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import resource
 import subprocess
 import sys
 import tempfile
@@ -123,7 +122,9 @@ def child(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     llm = LLM(model_path(args), dtype=args.dtype, num_pages=num_pages(args), **knobs(args))
     load_s = time.perf_counter() - start
-    load_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    # VmHWM, not getrusage's ru_maxrss: Linux carries ru_maxrss across exec, so a child's would
+    # be at least its parent's peak (this scenario's, which measured the machine's limits).
+    load_peak = process_memory()["peak_rss_bytes"]
     model = llm.engine.loaded.model
     plan = fused_decode(model)
     ways = {"1": [True], "0": [False], "both": [True, False]}[args.fused_decode]
@@ -145,7 +146,7 @@ def child(args: argparse.Namespace) -> int:
     row = dict(
         peer="radixkv", error=None, load_s=load_s, prefill_s=first.time_to_first_token_s, decode_s_per_token=decode_s,
         output_tokens=n, wall_s=wall, load_peak_rss_bytes=load_peak,
-        peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, rss_bytes=process_memory()["rss_bytes"],
+        peak_rss_bytes=process_memory()["peak_rss_bytes"], rss_bytes=process_memory()["rss_bytes"],
         kv_pages=llm.engine.pool.num_pages, fused_decode=plan is not None and ways[0], dtype=str(llm.engine.dtype).removeprefix("torch."),
         token_ids=list(output.token_ids),
     )  # fmt: skip
