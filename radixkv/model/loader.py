@@ -201,16 +201,37 @@ def load_model_config(model: str | None, cache_dir: str | None = None) -> ModelC
 
 
 def _model_config(folder: Path) -> ModelConfig:
-    from transformers import AutoConfig
+    return ModelConfig.from_hf(_hf_config(folder))
 
-    return ModelConfig.from_hf(AutoConfig.from_pretrained(folder))
+
+def _hf_config(folder: Path) -> Any:
+    """The folder's transformers config. A GGUF's cache folder holds it as transformers wrote it,
+    every field (`_save_gguf_metadata`); a Llama one is read as a plain PretrainedConfig, since
+    LlamaConfig's validators import transformers.activations and with it torch.distributed.tensor
+    and sympy, about 0.06 GB resident for nothing here. Other families' classes are light, and
+    some alias fields (Qwen3-MoE's experts) that a plain config would not know."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    if (folder / GGUF_MARKER).is_file():
+        fields = json.loads((folder / "config.json").read_text())
+        if fields.get("model_type") == "llama":
+            return PretrainedConfig.from_dict(fields)
+    return AutoConfig.from_pretrained(folder)
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
-    """The tokenizer (with its chat template) of a Hugging Face model folder."""
-    from transformers import AutoTokenizer
+    """The tokenizer (with its chat template) of a Hugging Face model folder; a GGUF's cache
+    folder's by the class its tokenizer_config.json names, which AutoTokenizer would also pick,
+    after reading the model's config class (see _hf_config)."""
+    import transformers
 
-    return AutoTokenizer.from_pretrained(str(path))
+    folder = Path(path)
+    if (folder / GGUF_MARKER).is_file():
+        name = json.loads((folder / "tokenizer_config.json").read_text()).get("tokenizer_class")
+        named = getattr(transformers, name, None) if isinstance(name, str) else None
+        if named is not None:
+            return named.from_pretrained(str(folder))
+    return transformers.AutoTokenizer.from_pretrained(str(path))
 
 
 def default_model_gguf() -> Path:

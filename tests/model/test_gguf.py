@@ -148,3 +148,34 @@ def test_weight_dtype_is_validated():
     assert raised.value.param == "weight_dtype"
     with pytest.raises(ConfigError, match="weight_dtype"):
         load_model(None, TorchBackend(), device="cpu", weight_dtype="q4")
+
+
+def test_a_llama_ggufs_folder_reads_as_transformers_auto_classes_would_without_their_imports(tiny_ggufs, cache):
+    """A Llama GGUF's cache folder: its config read plain and its tokenizer by the class it names
+    give what AutoConfig and AutoTokenizer give, and a load in a fresh process imports neither
+    transformers.activations nor sympy (LlamaConfig's validators pull them in: ~0.06 GB)."""
+    import json
+    import subprocess
+    import sys
+
+    from transformers import AutoConfig, AutoTokenizer
+
+    from radixkv.model.llama import ModelConfig
+    from radixkv.model.loader import _hf_config, load_tokenizer, resolve_model_source
+
+    path = tiny_ggufs("Q8_0")
+    _load(path, "auto", cache)
+    folder = resolve_model_source(str(path), str(cache)).folder
+    assert (folder / GGUF_MARKER).is_file() and json.loads((folder / "config.json").read_text())["model_type"] == "llama"
+    assert ModelConfig.from_hf(_hf_config(folder)) == ModelConfig.from_hf(AutoConfig.from_pretrained(folder))
+    plain, auto = load_tokenizer(folder), AutoTokenizer.from_pretrained(str(folder))
+    text = "Hello wörld 123\n\n\tbye"
+    assert type(plain) is type(auto) and plain(text).input_ids == auto(text).input_ids
+    assert plain.chat_template == auto.chat_template and plain.all_special_ids == auto.all_special_ids
+    code = (
+        "import sys; from radixkv.model import load_model; from radixkv.attention.torch_backend import TorchBackend;"
+        f"load_model({str(path)!r}, TorchBackend(), dtype='float32', device='cpu', cache_dir={str(cache)!r});"
+        "print(sorted(m for m in ('transformers.activations', 'sympy') if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip().splitlines()[-1] == "[]"
