@@ -159,17 +159,16 @@ def test_super_blocks_packed_near_their_own_bytes(kernel: str) -> None:
 @pytest.mark.parametrize(("source", "bits"), [("Q8_0", (9, 8.5)), ("Q4_1", (6, 5)), ("Q4_0", (6, 5))])
 def test_fp16_scales_stay_fp16_where_the_layout_has_them(kernel: str, source: str, bits: tuple[float, float]) -> None:
     """A GGUF's Q8_0, Q4_1 or Q4_0 (fp16 scales and mins) packs at the file's bits a weight in
-    the 512-bit records (q8_0h, q4_1h), at fp32 scales' elsewhere; parts of one format whose
+    every native layout that has fp16-scaled records (q8_0h, q4_1h); parts of one format whose
     scales differ in dtype pack alike, in fp32: the torch path's bits either way."""
     half, single = weight_of(source, 48, 512, 1), weight_of(source, 16, 512, 2)
     single = QuantWeight(single.format, 16, 512, single.quants, single.scales.float(), None if single.mins is None else single.mins.float())
     assert half.scales.dtype == torch.float16
-    zmm = kernel == "avx512_vnni_zmm"
+    halves = kernel in quant_linear._HALF_SCALE_LAYOUTS
     layer = QuantLinear(half, kernel=kernel)
     plain = quant_linear.FORMAT_IDS[half.format]
-    assert layer.format == half.format and layer.format_id == (quant_linear.HALF_SCALE_IDS[half.format] if zmm else plain)
-    if zmm:
-        assert layer.weight_nbytes == 48 * 512 * bits[1] / 8
+    assert layer.format == half.format and layer.format_id == (quant_linear.HALF_SCALE_IDS[half.format] if halves else plain)
+    assert layer.weight_nbytes == 48 * 512 * bits[halves] / 8
     mixed = QuantLinear([half, single], kernel=kernel)
     assert mixed.format_id == plain and torch.equal(mixed.packed, QuantLinear(stack_rows([half, single]), kernel=kernel).packed)
     x = torch.randn(5, 512)

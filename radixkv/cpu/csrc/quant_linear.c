@@ -18,6 +18,10 @@
  *                     then 8 fp32 scales (row r at lane r).
  *   q4_1 (192 bytes): 4 chunks c of 32 bytes, chunk byte r * 4 + e = q[8g + r][32b + 4c + e]
  *                     | q[8g + r][32b + 16 + 4c + e] << 4; then 8 fp32 scales, 8 fp32 mins.
+ *   q8_0h (272 bytes), q4_1h (160 bytes): q8_0's and q4_1's chunks, then their scales (and
+ *                     mins) as fp16: a weight whose scales and mins are all fp16 (a GGUF's Q8_0,
+ *                     Q5_0, Q4_0, Q4_1), at the file's 8.5 and 5 bits a weight against 9 and 6;
+ *                     widened exactly, so the sums are q8_0's and q4_1's bits.
  *   q6_k (304 bytes): q8_0's chunks of q - 32 (packed from the GGUF's Q6_K blocks); then the int8
  *                     scales of inputs 0..15 (8 bytes, row r at byte r) and of 16..31, then 8
  *                     fp32 d. The block's integer sum is sc_lo * dot_lo + sc_hi * dot_hi, then
@@ -37,12 +41,23 @@
 #define GROUP_X_BYTES (192 << 10) /* x rows per pass over the weights: as many as stay in L2 */
 #define SERIAL_QUANTIZE_ROWS 32   /* up to this many x rows are quantized before the threads start */
 
-enum { FORMAT_Q8_0 = 0, FORMAT_Q4_1 = 1, FORMAT_Q6_K = 3 };
+enum { FORMAT_Q8_0 = 0, FORMAT_Q4_1 = 1, FORMAT_Q6_K = 3, FORMAT_Q8_0H = 4, FORMAT_Q4_1H = 5 };
 
-static inline int64_t record_bytes(int format) {
-    return format == FORMAT_Q8_0 ? 256 + 32 : (format == FORMAT_Q6_K ? 256 + 16 + 32 : 128 + 64);
+static inline int half_format(int format) { return format == FORMAT_Q8_0H || format == FORMAT_Q4_1H; }
+/* q8_0h and q4_1h multiply as q8_0 and q4_1: only their scales' width differs. */
+static inline int base_format(int format) {
+    return format == FORMAT_Q8_0H ? FORMAT_Q8_0 : (format == FORMAT_Q4_1H ? FORMAT_Q4_1 : format);
 }
-static inline int64_t quant_bytes(int format) { return format == FORMAT_Q4_1 ? 128 : 256; }
+static inline int64_t record_bytes(int format) {
+    switch (format) {
+    case FORMAT_Q8_0: return 256 + 32;
+    case FORMAT_Q8_0H: return 256 + 16;
+    case FORMAT_Q6_K: return 256 + 16 + 32;
+    case FORMAT_Q4_1H: return 128 + 32;
+    default: return 128 + 64;
+    }
+}
+static inline int64_t quant_bytes(int format) { return base_format(format) == FORMAT_Q4_1 ? 128 : 256; }
 static inline int64_t group_count(int n) { return (n + QGROUP - 1) / QGROUP; }
 
 /* Bytes of the packed form of an n x k weight (k % 32 == 0). */
@@ -78,7 +93,7 @@ static void q4_row_block(const uint8_t *quants, int k, int64_t row, int64_t b, u
 }
 
 /* Pack QuantWeight's tensors (quants: int8 [n][k] or uint8 [n][k / 2]; scales, mins: fp32
- * [n][k / 32], mins q4_1 only) into the layout above. */
+ * [n][k / 32] (q8_0h, q4_1h: fp16), mins q4_1 only) into the layout above. */
 void radixkv_quant_pack(int format, const uint8_t *quants, const float *scales, const float *mins, int n, int k,
                         uint8_t *packed) {
     const int64_t nb = k / QBLOCK, bytes = record_bytes(format);
@@ -93,12 +108,16 @@ void radixkv_quant_pack(int format, const uint8_t *quants, const float *scales, 
         for (int64_t b = 0; b < nb; b++) {
             uint8_t *record = packed + (g * nb + b) * bytes;
             float lanes[2 * QGROUP];
+            uint16_t halves[2 * QGROUP];
+            const int half = half_format(format);
             for (int r = 0; r < QGROUP; r++) {
                 const int64_t row = g * QGROUP + r;
                 const int live = row < n;
-                lanes[r] = live ? scales[row * nb + b] : 0.0f;
-                lanes[QGROUP + r] = live && mins ? mins[row * nb + b] : 0.0f;
-                if (format == FORMAT_Q8_0) {
+                lanes[r] = live && !half ? scales[row * nb + b] : 0.0f;
+                lanes[QGROUP + r] = live && !half && mins ? mins[row * nb + b] : 0.0f;
+                halves[r] = live && half ? ((const uint16_t *)scales)[row * nb + b] : 0;
+                halves[QGROUP + r] = live && half && mins ? ((const uint16_t *)mins)[row * nb + b] : 0;
+                if (base_format(format) == FORMAT_Q8_0) {
                     for (int c = 0; c < 8; c++)
                         for (int e = 0; e < 4; e++)
                             record[c * 32 + r * 4 + e] = live ? quants[row * k + b * QBLOCK + 4 * c + e] : 0;
@@ -110,7 +129,9 @@ void radixkv_quant_pack(int format, const uint8_t *quants, const float *scales, 
                             record[c * 32 + r * 4 + e] = (uint8_t)(q[4 * c + e] | (q[16 + 4 * c + e] << 4));
                 }
             }
-            memcpy(record + quant_bytes(format), lanes, (format == FORMAT_Q8_0 ? 1 : 2) * QGROUP * sizeof(float));
+            const int fields = base_format(format) == FORMAT_Q4_1 ? 2 : 1;
+            if (half) memcpy(record + quant_bytes(format), halves, fields * QGROUP * sizeof(uint16_t));
+            else memcpy(record + quant_bytes(format), lanes, fields * QGROUP * sizeof(float));
         }
 }
 
@@ -125,8 +146,15 @@ void radixkv_quant_dequant_rows(int format, const uint8_t *packed, int n, int k,
         const int r = (int)(ids[i] % QGROUP);
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *record = packed + (g * nb + b) * bytes;
-            float lanes[2 * QGROUP];
-            memcpy(lanes, record + quant_bytes(format), sizeof lanes / (format == FORMAT_Q8_0 ? 2 : 1));
+            float lanes[2 * QGROUP] = {0};
+            const int fields = base_format(format) == FORMAT_Q4_1 ? 2 : 1;
+            if (half_format(format)) {
+                uint16_t halves[2 * QGROUP];
+                memcpy(halves, record + quant_bytes(format), fields * QGROUP * sizeof(uint16_t));
+                for (int j = 0; j < fields * QGROUP; j++) lanes[j] = fp16_to_float(halves[j]);
+            } else if (format != FORMAT_Q6_K) {
+                memcpy(lanes, record + quant_bytes(format), fields * QGROUP * sizeof(float));
+            }
             float *dst = out + (int64_t)i * k + b * QBLOCK;
             if (format == FORMAT_Q6_K) { /* as gguf: (d * sc) * (q - 32) */
                 float d;
@@ -137,7 +165,7 @@ void radixkv_quant_dequant_rows(int format, const uint8_t *packed, int n, int k,
             }
             for (int j = 0; j < QBLOCK; j++) {
                 float w;
-                if (format == FORMAT_Q8_0) {
+                if (base_format(format) == FORMAT_Q8_0) {
                     w = lanes[r] * (float)(int8_t)record[(j / 4) * 32 + r * 4 + j % 4];
                 } else {
                     const int c = (j % 16) / 4, e = j % 4;
@@ -207,13 +235,33 @@ typedef struct {
     int k, nb;
 } QuantX;
 
+/* 8 fp32 lanes from a record's scales (or mins): fp32, or fp16 widened exactly. */
+static inline __attribute__((always_inline)) __m256 load_lanes(const uint8_t *at, int half) {
+    if (!half) return _mm256_loadu_ps((const float *)at);
+#ifdef __F16C__
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)at));
+#else
+    float lanes[QGROUP];
+    for (int j = 0; j < QGROUP; j++) {
+        uint16_t h;
+        memcpy(&h, at + 2 * j, 2);
+        lanes[j] = fp16_to_float(h);
+    }
+    return _mm256_loadu_ps(lanes);
+#endif
+}
+
 /* acc[i] (8 rows of group `record`, x row r0 + i) += the block's term, as torch_quant_linear
- * orders it: (scale * sx) * float(dot), then (q4_1) + min * (sx * sum(xq)). */
-static inline __attribute__((always_inline)) void add_block(__m256 *acc, __m256i dot, const float *lanes,
+ * orders it: (scale * sx) * float(dot), then (q4_1) + min * (sx * sum(xq)). lanes: the
+ * record's scales, then (q4) its mins, fp16 where half. */
+static inline __attribute__((always_inline)) void add_block(__m256 *acc, __m256i dot, const uint8_t *lanes, int half,
                                                             const QuantX *x, int64_t row, int64_t b, int q4) {
-    const __m256 scaled = _mm256_mul_ps(_mm256_loadu_ps(lanes), _mm256_set1_ps(x->s[row * x->nb + b]));
+    const __m256 scaled = _mm256_mul_ps(load_lanes(lanes, half), _mm256_set1_ps(x->s[row * x->nb + b]));
     *acc = _mm256_add_ps(*acc, _mm256_mul_ps(scaled, _mm256_cvtepi32_ps(dot)));
-    if (q4) *acc = _mm256_add_ps(*acc, _mm256_mul_ps(_mm256_loadu_ps(lanes + QGROUP), _mm256_set1_ps(x->u[row * x->nb + b])));
+    if (q4) {
+        const __m256 mins = load_lanes(lanes + QGROUP * (half ? 2 : 4), half);
+        *acc = _mm256_add_ps(*acc, _mm256_mul_ps(mins, _mm256_set1_ps(x->u[row * x->nb + b])));
+    }
 }
 
 /* q6_k's block sum from its two halves' dot products: sc_lo * lo + sc_hi * hi, exact. */
@@ -241,8 +289,8 @@ static inline __attribute__((always_inline)) void group_avx2(const uint8_t *grou
         _mm_prefetch((const char *)record + 8 * bytes + 64, _MM_HINT_T0);
         _mm_prefetch((const char *)record + 8 * bytes + 128, _MM_HINT_T0);
         _mm_prefetch((const char *)record + 8 * bytes + 192, _MM_HINT_T0);
-        if (format != FORMAT_Q4_1) _mm_prefetch((const char *)record + 8 * bytes + 256, _MM_HINT_T0);
-        if (format == FORMAT_Q8_0) {
+        if (base_format(format) != FORMAT_Q4_1) _mm_prefetch((const char *)record + 8 * bytes + 256, _MM_HINT_T0);
+        if (base_format(format) == FORMAT_Q8_0) {
             __m256i dot[ROW_TILE];
             for (int i = 0; i < rows; i++) dot[i] = _mm256_setzero_si256();
             /* Unrolled further, GCC computes every chunk's products first and spills them. */
@@ -256,7 +304,7 @@ static inline __attribute__((always_inline)) void group_avx2(const uint8_t *grou
                     dot[i] = _mm256_add_epi32(dot[i], _mm256_madd_epi16(pairs, ones));
                 }
             }
-            for (int i = 0; i < rows; i++) add_block(&acc[i], dot[i], (const float *)(record + 256), x, r0 + i, b, 0);
+            for (int i = 0; i < rows; i++) add_block(&acc[i], dot[i], record + 256, half_format(format), x, r0 + i, b, 0);
         } else if (format == FORMAT_Q6_K) {
             __m256i dot[2][ROW_TILE];
             for (int i = 0; i < rows; i++) dot[0][i] = dot[1][i] = _mm256_setzero_si256();
@@ -270,7 +318,7 @@ static inline __attribute__((always_inline)) void group_avx2(const uint8_t *grou
                     dot[c / 4][i] = _mm256_add_epi32(dot[c / 4][i], _mm256_madd_epi16(pairs, ones));
                 }
             }
-            for (int i = 0; i < rows; i++) add_block(&acc[i], q6_sum(record, dot[0][i], dot[1][i]), (const float *)(record + 272), x, r0 + i, b, 0);
+            for (int i = 0; i < rows; i++) add_block(&acc[i], q6_sum(record, dot[0][i], dot[1][i]), record + 272, 0, x, r0 + i, b, 0);
         } else {
             __m256i pairs[ROW_TILE];
             for (int i = 0; i < rows; i++) pairs[i] = _mm256_setzero_si256();
@@ -284,7 +332,7 @@ static inline __attribute__((always_inline)) void group_avx2(const uint8_t *grou
                 }
             }
             for (int i = 0; i < rows; i++)
-                add_block(&acc[i], _mm256_madd_epi16(pairs[i], ones), (const float *)(record + 128), x, r0 + i, b, 1);
+                add_block(&acc[i], _mm256_madd_epi16(pairs[i], ones), record + 128, half_format(format), x, r0 + i, b, 1);
         }
     }
 }
@@ -316,10 +364,10 @@ static inline __attribute__((always_inline, target("avx512f,avx512bw,avx512vl,av
                 }
             }
             for (int i = 0; i < rows; i++) dot[i] = q6_sum(record, dot[i], dot_hi[i]);
-            for (int i = 0; i < rows; i++) add_block(&acc[i], dot[i], (const float *)(record + 272), x, r0 + i, b, 0);
+            for (int i = 0; i < rows; i++) add_block(&acc[i], dot[i], record + 272, 0, x, r0 + i, b, 0);
             continue;
         }
-        if (format == FORMAT_Q8_0) {
+        if (base_format(format) == FORMAT_Q8_0) {
             for (int c = 0; c < 8; c++) {
                 const __m256i w = _mm256_loadu_si256((const __m256i *)(record + 32 * c));
                 const __m256i magnitude = _mm256_abs_epi8(w);
@@ -339,8 +387,8 @@ static inline __attribute__((always_inline, target("avx512f,avx512bw,avx512vl,av
                 }
             }
         }
-        const float *lanes = (const float *)(record + quant_bytes(format));
-        for (int i = 0; i < rows; i++) add_block(&acc[i], dot[i], lanes, x, r0 + i, b, format == FORMAT_Q4_1);
+        const uint8_t *lanes = record + quant_bytes(format);
+        for (int i = 0; i < rows; i++) add_block(&acc[i], dot[i], lanes, half_format(format), x, r0 + i, b, base_format(format) == FORMAT_Q4_1);
     }
 }
 
@@ -380,6 +428,7 @@ static inline __attribute__((always_inline)) void run_tile(int kernel, const uin
 }
 #endif
 
+#ifdef HAVE_AVX2
 static int vnni_runs(void) {
 #if defined(__x86_64__) && defined(__GNUC__)
     __builtin_cpu_init();
@@ -388,6 +437,7 @@ static int vnni_runs(void) {
     return 0;
 #endif
 }
+#endif
 
 /* 1: this build multiplies q4_k / q6_k records and linears of parts (quant_linear.py asks, so a
  * library built from older sources, as scenarios/quant_ab.py loads, gets only q8_0 and q4_1). */
@@ -431,7 +481,7 @@ int radixkv_quant_linear(int kernel, int format, const void *x, int x_bf16, int6
 #ifdef HAVE_AVX2
     if (!(radixkv_quant_linear_kernels() & kernel) || (kernel != RADIXKV_QUANT_AVX2 && kernel != RADIXKV_QUANT_AVX512_VNNI))
         return 1;
-    if (k % QBLOCK != 0 || (format != FORMAT_Q8_0 && format != FORMAT_Q4_1 && format != FORMAT_Q6_K) || m <= 0) return m == 0 ? 0 : 1;
+    if (k % QBLOCK != 0 || format < FORMAT_Q8_0 || format > FORMAT_Q4_1H || format == 2 || m <= 0) return m == 0 ? 0 : 1;
     if (format == FORMAT_Q6_K && k % 256 != 0) return 1;
     const int nb = k / QBLOCK;
     char *scratch = malloc((size_t)m * k + (size_t)m * nb * 2 * sizeof(float));
@@ -447,14 +497,14 @@ int radixkv_quant_linear(int kernel, int format, const void *x, int x_bf16, int6
     const int serial_rows = m <= SERIAL_QUANTIZE_ROWS ? m : 0;
     for (int r = 0; r < serial_rows; r++)
         quantize_row((const char *)x + r * x_stride * elem, x_bf16, k, (int8_t *)qx.q + (int64_t)r * k, (float *)qx.s + (int64_t)r * nb,
-                     format == FORMAT_Q4_1 ? (float *)qx.u + (int64_t)r * nb : NULL);
+                     base_format(format) == FORMAT_Q4_1 ? (float *)qx.u + (int64_t)r * nb : NULL);
 #pragma omp parallel num_threads(num_threads)
     {
         if (!serial_rows) {
 #pragma omp for schedule(static)
             for (int r = 0; r < m; r++)
                 quantize_row((const char *)x + r * x_stride * elem, x_bf16, k, (int8_t *)qx.q + (int64_t)r * k,
-                             (float *)qx.s + (int64_t)r * nb, format == FORMAT_Q4_1 ? (float *)qx.u + (int64_t)r * nb : NULL);
+                             (float *)qx.s + (int64_t)r * nb, base_format(format) == FORMAT_Q4_1 ? (float *)qx.u + (int64_t)r * nb : NULL);
         }
         for (int p0 = 0; p0 < m; p0 += pass_rows) {
             const int pass_end = p0 + pass_rows < m ? p0 + pass_rows : m;
