@@ -146,7 +146,7 @@ def child(args: argparse.Namespace) -> int:
     row = dict(
         peer="radixkv", error=None, load_s=load_s, prefill_s=first.time_to_first_token_s, decode_s_per_token=decode_s,
         output_tokens=n, wall_s=wall, load_peak_rss_bytes=load_peak,
-        peak_rss_bytes=process_memory()["peak_rss_bytes"], rss_bytes=process_memory()["rss_bytes"],
+        **process_memory(),
         kv_pages=llm.engine.pool.num_pages, fused_decode=plan is not None and ways[0], dtype=str(llm.engine.dtype).removeprefix("torch."),
         token_ids=list(output.token_ids),
     )  # fmt: skip

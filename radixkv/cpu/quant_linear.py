@@ -30,9 +30,9 @@ NATIVE_QUANT_KERNELS = {
     "avx2": (4, ("avx2",)),
 }
 FORMAT_IDS = {"q8_0": 0, "q4_1": 1, "q4_k": 2, "q6_k": 3, "parts": 15}
-# Records with fp16 scales and mins (q8_0h, q4_1h, in quant_linear.c and quant_linear_zmm.c alike): a weight whose scales
-# and mins are all fp16 (a GGUF's Q8_0, Q5_0, Q4_0, Q4_1) keeps the file's 8.5 and 5 bits a
-# weight, not 9 and 6, in the layouts that have them.
+# Records with fp16 scales and mins (q8_0h, q4_1h; quant_linear.c's and quant_linear_zmm.c's
+# layouts alike): a weight whose scales and mins are all fp16 (a GGUF's Q8_0, Q5_0, Q4_0, Q4_1)
+# keeps the file's 8.5 and 5 bits a weight, not 9 and 6, in the layouts that have them.
 HALF_SCALE_IDS = {"q8_0": 4, "q4_1": 5}
 _HALF_SCALE_LAYOUTS = ("avx512_vnni_zmm", "avx512_vnni", "avx2")
 # The formats each kernel multiplies; a weight in another is taken in as_kernel_format's form.

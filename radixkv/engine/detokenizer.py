@@ -137,7 +137,7 @@ class ContentStops(HarmonyReader):
         super().__init__(tokenizer, marks)
         self._stop = stop
         self._content = TextState(stop)  # every content message's text so far, as one stream
-        self._last_content: Message | None = None  # where held text is sent when the reply ends
+        self._last_content: Message | None = None  # the message held text is sent under when it is sealed
         self.stop_string: str | None = None
 
     def feed(self, token_ids: list[int]) -> list[Event]:
@@ -171,8 +171,9 @@ class ContentStops(HarmonyReader):
     def _seal(self, out: list[Event]) -> None:
         """Send the held tail and match afresh: a message to a recipient (a call, or the JSON a
         failed call leaves in the content) comes between, so nothing spans it."""
-        if self._last_content is not None:
-            self._send(self._last_content, out, True)
+        if self._last_content is None:  # nothing read since the last seal: the state is fresh
+            return
+        self._send(self._last_content, out, True)
         self._content, self._last_content = TextState(self._stop), None
 
     def _send(self, message: Message, out: list[Event], finished: bool) -> None:

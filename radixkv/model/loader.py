@@ -16,14 +16,14 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 import xxhash
-from torch import Tensor, nn
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
 
 from radixkv.attention.base import AttentionBackend
 from radixkv.config import WEIGHT_DTYPES, default_cache_dir
@@ -116,7 +116,7 @@ def load_model(
     tokenizer = load_tokenizer(folder)
     config = replace(config, eos_token_ids=_eos_token_ids(config, folder, tokenizer))
     # Built on the meta device: no random init of weights about to be replaced.
-    with torch.device("meta"), _no_init():
+    with torch.device("meta"), _NoInit():
         net = CausalLM(config, attention, native_kernels)
     quantized: QuantSource | None = None
     if source.gguf is not None:
@@ -154,24 +154,16 @@ def load_model(
     return LoadedModel(net, config, tokenizer, str(folder), torch_dtype, torch_device, gguf, weight_format, mapped)
 
 
-@contextmanager
-def _no_init() -> Iterator[None]:
-    """torch.nn.init's in-place initializers as no-ops: on the meta device each would go through
-    torch's reference decompositions, whose first use imports torch._dynamo and with it triton,
-    about 0.1 GB of resident memory a CPU server never needs (docs/measurements.md)."""
-    names = [n for n in dir(nn.init) if n.endswith("_") and not n.startswith("_") and callable(getattr(nn.init, n))]
-    saved = {n: getattr(nn.init, n) for n in names}
-    for name in names:
-        setattr(nn.init, name, _keep)
-    try:
-        yield
-    finally:
-        for name, fn in saved.items():
-            setattr(nn.init, name, fn)
+class _NoInit(TorchFunctionMode):
+    """torch.nn.init's initializers as no-ops while the model is built on the meta device: there
+    each would go through torch's reference decompositions, whose first use imports torch._dynamo
+    and with it triton, about 0.1 GB of resident memory a CPU server never needs
+    (docs/measurements.md). A torch function mode, so only this thread's calls are caught."""
 
-
-def _keep(tensor: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-    return tensor
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            return args[0] if args else (kwargs or {})["tensor"]
+        return func(*args, **(kwargs or {}))
 
 
 def _weight_dtype(requested: str, device: torch.device) -> str:

@@ -481,7 +481,8 @@ int radixkv_quant_linear(int kernel, int format, const void *x, int x_bf16, int6
 #ifdef HAVE_AVX2
     if (!(radixkv_quant_linear_kernels() & kernel) || (kernel != RADIXKV_QUANT_AVX2 && kernel != RADIXKV_QUANT_AVX512_VNNI))
         return 1;
-    if (k % QBLOCK != 0 || format < FORMAT_Q8_0 || format > FORMAT_Q4_1H || format == 2 || m <= 0) return m == 0 ? 0 : 1;
+    const int known = base_format(format) == FORMAT_Q8_0 || base_format(format) == FORMAT_Q4_1 || format == FORMAT_Q6_K;
+    if (k % QBLOCK != 0 || !known || m <= 0) return m == 0 ? 0 : 1;
     if (format == FORMAT_Q6_K && k % 256 != 0) return 1;
     const int nb = k / QBLOCK;
     char *scratch = malloc((size_t)m * k + (size_t)m * nb * 2 * sizeof(float));

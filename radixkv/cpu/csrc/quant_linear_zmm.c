@@ -3,7 +3,7 @@
  * 16 output rows, so one zmm load feeds 16 rows and one vpdpbusd sums 4 inputs for all of them.
  *
  * Packed layout, per group g of 16 output rows (n padded to a multiple of 16 with zero rows), per
- * block b of 32 inputs, one contiguous record of whole cache lines:
+ * block b of 32 inputs, one contiguous record (of whole cache lines but q8_0h's 8.5):
  *   q8_0 (576 bytes): 8 chunks c of 64 bytes, chunk byte r * 4 + e = w[16g + r][32b + 4c + e] ^ 0x80
  *                     (w + 128 as u8: vpdpbusd takes u8 x s8, and 512-bit AVX-512 has no vpsignb);
  *                     then 16 fp32 scales (row r at lane r).
@@ -20,10 +20,11 @@
  * bits per weight): per group g, per super-block s, one record of 8 sub-blocks j of 32 inputs:
  *   q4_k (2368 bytes): per j 256 bytes of nibbles as q4_1's; at 2048 the 6-bit scale codes
  *                     (byte 16j + r), at 2176 the min codes, at 2304 16 fp16 d, at 2336 16 fp16
- *                     -dmin (the file's fp16 values, widened exactly in registers). Block j's scale d * sc and min -dmin * m are q4_1's, exact in
- *                     fp32, so the sums are q4_1's bits (quant.py converts Q4_K the same way).
- *   q6_k (3360 bytes, the file's own size): per j 384 bytes: 4 chunks of low nibbles as q4_1's, then two 64-byte
- *                     chunks of the top 2 bits (chunk h, byte r * 4 + e: bits 2c..2c+1 hold
+ *                     -dmin (the file's own values, widened exactly in registers). Block j's
+ *                     scale d * sc and min -dmin * m are q4_1's, exact in fp32, so the sums are
+ *                     q4_1's bits (quant.py converts Q4_K the same way).
+ *   q6_k (3360 bytes, the file's own size): per j 384 bytes: 4 chunks of low nibbles as
+ *                     q4_1's, then two 64-byte chunks of the top 2 bits (chunk h, byte r * 4 + e: bits 2c..2c+1 hold
  *                     input 32j + 16h + 4c + e); at 3072 the int8 scales of each 16 inputs
  *                     (byte 16 (2j + h) + r); at 3328 16 fp16 d. A block's integer sum is
  *                     sc_lo * dot_lo + sc_hi * dot_hi over w = q - 32 (|sum| < 2^24: exact in
@@ -158,8 +159,8 @@ int64_t radixkv_quant_zmm_packed_bytes(int format, int n, int k) {
 
 /* Pack QuantWeight's tensors (quants: int8 [n][k] or uint8 [n][k / 2] with block j's quants
  * 0..15 in the low nibbles of bytes 0..15 and 16..31 in the high ones; scales, mins: fp32
- * [n][k / 32] (q8_0h, q4_1h: fp16), mins q4_1 only; q4_k, q6_k: the GGUF's blocks, row after row, no
- * scales) into the layout above. */
+ * [n][k / 32] (q8_0h, q4_1h: fp16), mins q4_1 only; q4_k, q6_k: the GGUF's blocks, row after
+ * row, no scales) into the layout above. */
 void radixkv_quant_zmm_pack(int format, const uint8_t *quants, const float *scales, const float *mins, int n, int k,
                             uint8_t *packed) {
     if (zsuper_format(format)) {
