@@ -23,6 +23,7 @@ BACKENDS = ("auto", "torch", "cpu", "triton")
 LINEAR_KERNELS = ("auto", "amx", "avx512_bf16", "avx2", "onednn")
 QUANT_KERNELS = ("auto", "amx_int8", "avx512_vnni_zmm", "avx512_vnni", "avx2", "torch")
 MOE_KERNELS = ("auto", "native", "native_fp32", "torch")
+SPLIT_DECODE_ROWS = ("auto", "on", "off")
 WEIGHT_DTYPES = ("auto", "float", "int8")
 
 
@@ -79,6 +80,14 @@ class EngineConfig:
     # FMAs in fp32); False runs each member over them with the plain decode kernel, so any CPU
     # tests both. One setting per process, like decode_amx.
     cascade_tiles: bool = True
+    # The fused CPU decode step (every layer in one native call) over T threads: "on" gives each
+    # thread its own share of the rows through every layer, one thread a kernel, where "off"
+    # splits each kernel's work over the threads. Split, no thread waits for the others between
+    # kernels and one's attention (memory-bound) overlaps another's linears (compute-bound), but
+    # every thread reads every layer's weights. "auto": split on 2 threads where a layer's
+    # weights take at most a quarter of L3 (then the second read comes from L3: SmolLM2 gains,
+    # the 1B shape, with ~35 MB layers, loses; docs/measurements.md). Same bits either way.
+    split_decode_rows: str = "auto"
     # Linears on CPU. bf16: "amx" (tiles), "avx512_bf16" (vdpbf16ps; any CPU with AVX512_BF16,
     # AMX machines included, so either machine tests the other's path) or "onednn" (torch's
     # library, over weights it packs once). fp32: "avx2" (FMAs over weights packed once; any
@@ -271,6 +280,7 @@ class EngineConfig:
         _choice(self, "linear_kernel", LINEAR_KERNELS)
         _choice(self, "quant_kernel", QUANT_KERNELS)
         _choice(self, "moe_kernel", MOE_KERNELS)
+        _choice(self, "split_decode_rows", SPLIT_DECODE_ROWS)
         _choice(self, "weight_dtype", WEIGHT_DTYPES)
         for name in ("native_kernels", "decode_amx", "share_decode_reads", "cascade_tiles"):
             if not isinstance(getattr(self, name), bool):

@@ -59,16 +59,19 @@ def profile_decode(
     """One decode step's time and where it goes, against the bound. llm/limits: an LLM and
     machine limits from an earlier call to reuse (its cache stays warm; share_reads is set on
     its backend, so on and off run over the very same pages)."""
-    llm = start_decoding(model, dtype, num_seqs, context, steps, shared_prefix, group_size, share_reads, llm=llm)
+    wanted = not quiet if breakdown is None else breakdown
+    # Room for the timed steps, the two breakdowns' and the split rows' turns.
+    room = steps * 3 + 2 * SPLIT_TURNS * SPLIT_TURN_STEPS
+    llm = start_decoding(model, dtype, num_seqs, context, room, shared_prefix, group_size, share_reads, llm=llm)
     engine = llm.engine
     reads_before = (engine.counters.num_kv_tokens_read, engine.counters.num_kv_tokens_read_shared)
     step_s = median_step_s(engine, steps)
     kv_read = engine.counters.num_kv_tokens_read - reads_before[0]
     kv_shared = engine.counters.num_kv_tokens_read_shared - reads_before[1]
     phases = {name: seconds / steps for name, seconds in asdict(engine.step_times).items()}
-    wanted = not quiet if breakdown is None else breakdown
     fused_parts = fused_breakdown(engine, steps) if wanted and fused_decode(engine.loaded.model) is not None else {}
     breakdown = kernel_breakdown(engine, steps) if wanted else {}
+    split_turns = split_rows_in_turns(engine) if wanted else {}
     engine.abort_all()
 
     mc = engine.model_config
@@ -114,6 +117,8 @@ def profile_decode(
         fused_decode=fused_decode(engine.loaded.model) is not None,
         fused_breakdown_ms=fused_parts,
         breakdown_ms=breakdown,
+        split_rows=fused_decode(engine.loaded.model) is not None and fused_decode(engine.loaded.model).splits_rows(),
+        split_rows_turns_ms=split_turns,
     )
     if not quiet:
         _print(result)
@@ -161,12 +166,7 @@ def start_decoding(
 
 def median_step_s(engine, steps: int) -> float:
     """The median of `steps` engine steps' wall times: a shared VM stalls a step now and then."""
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median([_step_seconds(engine) for _ in range(steps)])
 
 
 @contextmanager
@@ -292,6 +292,34 @@ def _timed_step(engine, totals: dict[str, float]) -> dict[str, float]:
     return parts
 
 
+SPLIT_TURNS = 6  # turns each of split rows on and off takes
+SPLIT_TURN_STEPS = 3  # steps a turn; a turn's time is its fastest step's
+
+
+def split_rows_in_turns(engine) -> dict[str, float]:
+    """The fused step with each thread on its own rows ("on") and with every kernel's work
+    split over the threads ("off"; EngineConfig.split_decode_rows), in turns over the same
+    requests: median of each turn's fastest step, in ms. {} where no fused step runs."""
+    fused = fused_decode(engine.loaded.model)
+    if fused is None or torch.get_num_threads() < 2:
+        return {}
+    chosen, turns = fused.split_rows, {"on": [], "off": []}
+    try:
+        for _ in range(SPLIT_TURNS):
+            for mode, times in turns.items():
+                fused.split_rows = mode
+                times.append(min(_step_seconds(engine) for _ in range(SPLIT_TURN_STEPS)))
+    finally:
+        fused.split_rows = chosen
+    return {mode: statistics.median(times) * 1e3 for mode, times in turns.items()}
+
+
+def _step_seconds(engine) -> float:
+    start = time.perf_counter()
+    engine.step()
+    return time.perf_counter() - start
+
+
 def native_decode_used(engine) -> bool:
     """Whether decode reads the pages through the native kernel (the CPU backend, bf16 or fp32)."""
     capabilities = engine.loaded.model.attention.capabilities
@@ -320,6 +348,10 @@ def _print(r: dict) -> None:
     for part, ms in r["breakdown_ms"].items():
         print(f"    {part:<26} {ms:8.1f} ms")
     print(f"  engine's own work    {r['engine_overhead_fraction']:.1%} of the step")
+    if r["split_rows_turns_ms"]:
+        on, off = r["split_rows_turns_ms"]["on"], r["split_rows_turns_ms"]["off"]
+        print(f"  rows split by thread {'yes' if r['split_rows'] else 'no'} (EngineConfig.split_decode_rows); in turns: "
+              f"on {on:.1f} ms, off {off:.1f} ms, on / off {on / off:.3f}")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

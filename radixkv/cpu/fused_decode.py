@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from radixkv.cpu import decode, native
+from radixkv.cpu.features import cpu_caches
 from radixkv.cpu.linear import NATIVE_LINEAR_KERNELS, PackedLinear, available_linear_kernels
 from radixkv.cpu.quant_linear import QuantLinear
 
@@ -61,6 +62,7 @@ class _Shape(ctypes.Structure):
         ("quant_kernel", ctypes.c_int),
         ("kv_kind", ctypes.c_int),
         ("gemma", ctypes.c_int),
+        ("split_rows", ctypes.c_int),
     ]
 
 
@@ -103,6 +105,10 @@ def _packed(linear: PackedLinear | QuantLinear) -> Tensor:
     return linear.packed if isinstance(linear, QuantLinear) else linear.packed_weight
 
 
+def _nbytes(tensor: Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
 def _bias(linear: PackedLinear | QuantLinear) -> Tensor | None:
     return linear.bias if isinstance(linear, QuantLinear) else linear.bias_f32
 
@@ -126,8 +132,12 @@ class FusedDecode:
         self._stops = sorted(experts | {len(self.layers)})
         self._experts_stops = frozenset(experts)  # asked each step: hasattr on a module raises inside
         # float64 [len(PHASES)] that each fused step adds its seconds per phase to, or None:
-        # untimed. A profiler's (scenarios/decode_profile.py) to set, zero and read.
+        # untimed. A profiler's (scenarios/decode_profile.py) to set, zero and read. Split by
+        # rows (splits_rows), the share that starts at row 0 times its own phases.
         self.phase_seconds: Tensor | None = None
+        # EngineConfig.split_decode_rows; the largest layer's linears in bytes, which "auto" weighs.
+        self.split_rows = "auto"
+        self.layer_weight_bytes = max(sum(_nbytes(_packed(linear)) for linear in _linears(layer)) for layer in self.layers)
 
     @classmethod
     def for_model(cls, model: torch.nn.Module) -> FusedDecode | None:
@@ -154,6 +164,14 @@ class FusedDecode:
             and dtype_source.device.type == "cpu"
         )  # fmt: skip
         return cls(model, library) if fits else None
+
+    def splits_rows(self) -> bool:
+        """Whether a step gives each thread its own share of the rows (decode_layers.c's
+        split_rows): "on", or "auto" on two threads where a layer's weights fit a quarter of L3."""
+        if self.split_rows != "auto":
+            return self.split_rows == "on"
+        l3_bytes = cpu_caches().l3_bytes
+        return torch.get_num_threads() == 2 and 0 < 4 * self.layer_weight_bytes <= l3_bytes
 
     @staticmethod
     def takes_pages(compute_dtype: torch.dtype, k_cache: Tensor) -> bool:
@@ -198,7 +216,7 @@ class FusedDecode:
             rows=rows, hidden=config.hidden_size, intermediate=config.intermediate_size, num_q_heads=config.num_q_heads,
             num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, page_size=k_caches[0].shape[1],
             num_threads=torch.get_num_threads(), eps=config.rms_norm_eps, scale=self.layers[0].self_attn.scale,
-            kv_kind=decode.widened_kind(x.dtype, k_caches[0].dtype), gemma=int(config.gemma_norms), **self._kernel_ids(x.dtype),
+            kv_kind=decode.widened_kind(x.dtype, k_caches[0].dtype), gemma=int(config.gemma_norms), split_rows=int(self.splits_rows()), **self._kernel_ids(x.dtype),
         )  # fmt: skip
         pair = lambda values: (_p * 2)(*values)  # noqa: E731
         slots = [group.slot_mapping.to(torch.int64).contiguous() for group in groups]

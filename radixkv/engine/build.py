@@ -44,6 +44,7 @@ def load_engine_model(config: EngineConfig, device: torch.device, loaded: Loaded
         config.model, backend, dtype=config.dtype, device=config.device, cache_dir=config.cache_dir,
         native_kernels=config.native_kernels, linear_kernel=config.linear_kernel,
         weight_dtype=config.weight_dtype, quant_kernel=config.quant_kernel, moe_kernel=config.moe_kernel,
+        split_decode_rows=config.split_decode_rows,
     )  # fmt: skip
 
 

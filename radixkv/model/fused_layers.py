@@ -46,15 +46,17 @@ class FusedDecodeLayers(DecoderLayers):
         return self.fused.run(x, cos, sin, k_caches, v_caches, tables, k_scales, v_scales, window_tables, local_rope, mlp)
 
 
-def install_fused_decode(model: CausalLM) -> bool:
+def install_fused_decode(model: CausalLM, split_rows: str = "auto") -> bool:
     """Put the fused decode step in front of the model's layers where every layer can take the
-    native path (FusedDecode.for_model); returns whether it did."""
+    native path (FusedDecode.for_model); returns whether it did. split_rows: how its threads
+    share a step (EngineConfig.split_decode_rows)."""
     moe = model.config.moe
     if moe is not None and not isinstance(moe, MoEConfig):  # gpt-oss's experts: their own layer too
         return False
     fused = FusedDecode.for_model(model)
     if fused is None:
         return False
+    fused.split_rows = split_rows
     model.layers = FusedDecodeLayers(model.layers, fused)
     return True
 

@@ -94,13 +94,15 @@ def load_model(
     weight_dtype: str = "auto",
     quant_kernel: str = "auto",
     moe_kernel: str = "auto",
+    split_decode_rows: str = "auto",
 ) -> LoadedModel:
     """Load weights (cast to dtype, on device) and tokenizer. None means the default SmolLM2.
 
     native_kernels=False keeps every layer on torch ops (EngineConfig.native_kernels): no native
     linears, no native row ops, no fused decode step. linear_kernel: EngineConfig.linear_kernel,
     for bf16 and fp32 on CPU. weight_dtype, quant_kernel: EngineConfig's (quantized weights are
-    CPU-only: elsewhere "auto" loads floats and "int8" is refused). moe_kernel: EngineConfig's.
+    CPU-only: elsewhere "auto" loads floats and "int8" is refused). moe_kernel,
+    split_decode_rows: EngineConfig's.
     """
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
@@ -147,7 +149,7 @@ def load_model(
     if kernel is not None:
         prepack_linears(net, kernel)
     if native_kernels and (kernel is not None or modules):  # decode-only steps in one native call where the model fits
-        install_fused_decode(net)
+        install_fused_decode(net, split_decode_rows)
     gguf = None if source.gguf is None else str(source.gguf)
     weight_format = weight_dtype if modules else "float"
     mapped = sum(m.mapped_bytes for m in net.modules() if isinstance(m, (MappedExperts, MappedMxfp4Experts)))

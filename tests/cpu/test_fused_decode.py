@@ -72,18 +72,31 @@ def run_schedule(
 def assert_fused_matches_modules(
     loaded, sequences: list[list[int]], monkeypatch, shared_pages: int = 0, kv_dtype: torch.dtype | None = None
 ) -> None:
+    """The fused step on two threads, each kernel's work split over them and each thread with
+    its own rows through every layer (split_rows), against the layer loop: the same bits."""
     plan = fused_decode(loaded.model)
     assert plan is not None
-    calls = []
-    run = plan.run
-    monkeypatch.setattr(plan, "run", lambda *args: calls.append(args[5].plan is not None) or run(*args))  # args[5]: the tables
-    fused, fused_stepper = run_schedule(loaded, sequences, fused=True, shared_pages=shared_pages, kv_dtype=kv_dtype)
-    assert calls == [bool(shared_pages)] * len(fused)  # every decode step took the fused path, in groups where shared
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # both paths: torch's own linears (an experts layer's) split by thread count
+    try:
+        _assert_fused_matches_modules(loaded, sequences, monkeypatch, plan, shared_pages, kv_dtype)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _assert_fused_matches_modules(loaded, sequences, monkeypatch, plan, shared_pages, kv_dtype) -> None:
     modules, module_stepper = run_schedule(loaded, sequences, fused=False, shared_pages=shared_pages, kv_dtype=kv_dtype)
-    for a, b in zip(fused, modules, strict=True):
-        assert torch.equal(a, b)
-    for a, b in zip(_pages(fused_stepper), _pages(module_stepper), strict=True):
-        assert torch.equal(a, b)
+    run = plan.run
+    for split_rows in ("off", "on"):
+        calls = []
+        monkeypatch.setattr(plan, "run", lambda *args: calls.append(args[5].plan is not None) or run(*args))  # args[5]: the tables
+        monkeypatch.setattr(plan, "split_rows", split_rows)
+        fused, fused_stepper = run_schedule(loaded, sequences, fused=True, shared_pages=shared_pages, kv_dtype=kv_dtype)
+        assert calls == [bool(shared_pages)] * len(fused)  # every decode step took the fused path, in groups where shared
+        for a, b in zip(fused, modules, strict=True):
+            assert torch.equal(a, b), split_rows
+        for a, b in zip(_pages(fused_stepper), _pages(module_stepper), strict=True):
+            assert torch.equal(a, b), split_rows
 
 
 def _pages(stepper: Stepper) -> list[torch.Tensor]:
@@ -256,6 +269,32 @@ def test_only_a_backend_with_the_capability_runs_the_fused_step(tmp_path, monkey
     monkeypatch.setattr(fused_decode(loaded.model), "run", lambda *args: calls.append(1))
     run_schedule(loaded, [[5, 6, 7, 8, 9, 10]], fused=True, decode_steps=2)
     assert not calls  # the torch reference decodes module by module
+
+
+@needs_native_linears
+def test_auto_splits_rows_on_two_threads_where_a_layers_weights_fit_a_quarter_of_l3(tmp_path, monkeypatch):
+    from radixkv.cpu import fused_decode as fused_module
+    from radixkv.cpu.features import CPUCaches
+
+    folder = make_random_model(tmp_path / "llama", "llama")
+    loaded = load_model(str(folder), CPUBackend(), dtype=FUSED_DTYPE, device="cpu", linear_kernel=FUSED_KERNEL)
+    fused = fused_decode(loaded.model)
+    assert fused.split_rows == "auto" and fused.layer_weight_bytes > 0
+    layer = fused.layer_weight_bytes
+    threads = torch.get_num_threads()
+    try:
+        for l3_bytes, num_threads, want in ((4 * layer, 2, True), (4 * layer - 1, 2, False), (0, 2, False), (4 * layer, 4, False)):
+            monkeypatch.setattr(fused_module, "cpu_caches", lambda l3_bytes=l3_bytes: CPUCaches(0, 0, l3_bytes))
+            torch.set_num_threads(num_threads)
+            assert fused.splits_rows() is want, (l3_bytes, num_threads)
+        fused.split_rows = "on"
+        assert fused.splits_rows()
+        fused.split_rows = "off"
+        monkeypatch.setattr(fused_module, "cpu_caches", lambda: CPUCaches(0, 0, 1 << 40))
+        torch.set_num_threads(2)
+        assert not fused.splits_rows()
+    finally:
+        torch.set_num_threads(threads)
 
 
 @needs_native_linears

@@ -9,6 +9,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from tests.helpers.tiny_models import make_tiny_model
 
@@ -94,6 +95,8 @@ def test_decode_profile_runs_and_reports(mode, tiny_model, tmp_path, capsys):
             assert parts["attention"] > 0 and "fused step's time" in out
             # What lies outside the layers, part by part: the lm_head and sampling ran every step.
             assert parts["  lm_head"] > 0 and parts["  engine: sample"] > 0 and parts["  embedding"] > 0
+            if torch.get_num_threads() >= 2:  # split rows on and off, in turns over the same requests
+                assert set(result["split_rows_turns_ms"]) == {"on", "off"} and "on / off" in out
         assert "x the bound" in out
 
 

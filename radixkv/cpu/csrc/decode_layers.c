@@ -64,6 +64,11 @@ typedef struct {
     int quant_kernel; /* 0, or RADIXKV_QUANT_*: the linears are quantized (linear_kernel then names the dtype only) */
     int kv_kind; /* 0: pages in the model's dtype; fp32 layers: 2 bf16 pages, 3 int8 pages */
     int gemma;   /* Gemma 3's layer: its norms (DecodeLayer's), GeGLU in place of SwiGLU */
+    /* 1: each thread runs every layer for its own share of the rows, one thread a kernel (no
+     * join between kernels, and one thread's attention overlaps another's linears; each thread
+     * reads every layer's weights, so this pays where a layer's weights stay in the shared
+     * cache). 0: each kernel splits its own work over the threads. */
+    int split_rows;
 } DecodeShape;
 
 /* A step's phases, in the order fused_decode.py's PHASES names them. */
@@ -161,13 +166,11 @@ static void head_norm(const DecodeShape *sh, void *x, int64_t row_stride, const 
     }
 }
 
-/* x [rows][hidden]: the residual stream, updated in place; delta [rows][hidden]: the MLP output
- * of the layer before the first one run here (ignored when first_layer is 1), replaced by the
- * last layer's, unless that layer's MLP is the caller's (gate_up NULL): then scratch.h holds
- * its input and delta is left as it was. step: the tables and rotations (DecodeStep). Returns 0,
- * or 1 where a kernel refused its shapes or a layer with the caller's MLP is not the last. */
-int radixkv_decode_layers(const DecodeLayer *layers, int num_layers, int first_layer, const DecodeShape *sh,
-                          const DecodeScratch *scratch, void *x, void *delta, const DecodeStep *step) {
+/* radixkv_decode_layers over sh->rows rows with sh->num_threads threads a kernel. work_offsets:
+ * NULL, or per layer where its softmax work starts in scratch->work. */
+static int decode_rows(const DecodeLayer *layers, int num_layers, int first_layer, const DecodeShape *sh,
+                       const DecodeScratch *scratch, void *x, void *delta, const DecodeStep *step,
+                       const int64_t *work_offsets) {
     const int hidden = sh->hidden, inter = sh->intermediate, bytes = fp32(sh) ? 4 : 2, hd = sh->head_dim;
     const int q_size = sh->num_q_heads * hd, kv_size = sh->num_kv_heads * hd;
     const int qkv_size = q_size + 2 * kv_size;
@@ -200,7 +203,8 @@ int radixkv_decode_layers(const DecodeLayer *layers, int num_layers, int first_l
             radixkv_store_kv(layer->k_cache, layer->v_cache, k, v, (int64_t)qkv_size * bytes, (int64_t)qkv_size * bytes,
                              step->slots[g], sh->rows, (int64_t)kv_size * bytes);
         t = lap(timed, PHASE_ROPE_STORE, t);
-        if (attend(sh, layer, scratch->qkv, qkv_size, scratch->attention, scratch->work, step->page_table[g],
+        float *work = scratch->work + (work_offsets ? work_offsets[i] : 0);
+        if (attend(sh, layer, scratch->qkv, qkv_size, scratch->attention, work, step->page_table[g],
                    step->page_table_stride[g], step->seq_lens[g], layer->window ? NULL : step->plan[g]))
             return 1;
         t = lap(timed, PHASE_ATTENTION, t);
@@ -226,4 +230,65 @@ int radixkv_decode_layers(const DecodeLayer *layers, int num_layers, int first_l
         }
     }
     return 0;
+}
+
+/* Runs the layers for rows [first, first + count) on the calling thread: every pointer moved to
+ * the share's first row, each layer's softmax work past the earlier rows' (a request's work
+ * depends only on its own length and the layer's window, so the shares add up to what the
+ * caller sized for the whole step). Phases are timed by the share that starts at row 0. */
+static int decode_share(const DecodeLayer *layers, int num_layers, int first_layer, const DecodeShape *sh,
+                        const DecodeScratch *scratch, void *x, void *delta, const DecodeStep *step, int first, int count) {
+    const int bytes = fp32(sh) ? 4 : 2, hd = sh->head_dim;
+    const int q_size = sh->num_q_heads * hd, qkv_size = q_size + 2 * sh->num_kv_heads * hd;
+    DecodeShape own = *sh;
+    own.rows = count, own.num_threads = 1;
+    int64_t offsets[num_layers];
+    for (int i = 0; i < num_layers; i++)
+        offsets[i] = radixkv_decode_work_floats(step->seq_lens[layers[i].group], first, NULL, sh->num_q_heads, hd, layers[i].window);
+#define ROWS_AT(p, width) ((p) ? (void *)((char *)(p) + (int64_t)first * (width) * bytes) : NULL)
+    const int inter = sh->intermediate;
+    const DecodeScratch mine = {ROWS_AT(scratch->h, sh->hidden), ROWS_AT(scratch->qkv, qkv_size),
+                                ROWS_AT(scratch->attention, q_size), ROWS_AT(scratch->projected, sh->hidden),
+                                ROWS_AT(scratch->gate_up, 2 * inter), ROWS_AT(scratch->activated, inter),
+                                scratch->work, first ? NULL : scratch->phase_seconds};
+    DecodeStep part = *step;
+    for (int g = 0; g < 2; g++) {
+        part.cos[g] = ROWS_AT(step->cos[g], hd);
+        part.signed_sin[g] = ROWS_AT(step->signed_sin[g], hd);
+        part.slots[g] = step->slots[g] + first;
+        part.page_table[g] = step->page_table[g] + first * step->page_table_stride[g];
+        part.seq_lens[g] = step->seq_lens[g] + first;
+    }
+    const int status = decode_rows(layers, num_layers, first_layer, &own, &mine, ROWS_AT(x, sh->hidden),
+                                   ROWS_AT(delta, sh->hidden), &part, offsets);
+#undef ROWS_AT
+    return status;
+}
+
+/* x [rows][hidden]: the residual stream, updated in place; delta [rows][hidden]: the MLP output
+ * of the layer before the first one run here (ignored when first_layer is 1), replaced by the
+ * last layer's, unless that layer's MLP is the caller's (gate_up NULL): then scratch.h holds
+ * its input and delta is left as it was. step: the tables and rotations (DecodeStep). Returns 0,
+ * or 1 where a kernel refused its shapes or a layer with the caller's MLP is not the last.
+ * Every kernel computes each row alone, so a step split by rows (sh->split_rows) has the bits
+ * of the step run whole; a cascade plan, which groups rows, keeps it whole. */
+int radixkv_decode_layers(const DecodeLayer *layers, int num_layers, int first_layer, const DecodeShape *sh,
+                          const DecodeScratch *scratch, void *x, void *delta, const DecodeStep *step) {
+    const int parts = sh->num_threads < sh->rows ? sh->num_threads : sh->rows;
+    if (!sh->split_rows || parts < 2 || step->plan[0] || step->plan[1])
+        return decode_rows(layers, num_layers, first_layer, sh, scratch, x, delta, step, NULL);
+    int failed = 0, team = 0;
+#pragma omp parallel num_threads(parts) reduction(| : failed)
+    {
+#pragma omp single
+        team = omp_get_num_threads();
+        /* A smaller team than asked (OpenMP's limits) runs the step whole below. */
+        const int self = omp_get_thread_num();
+        if (team == parts) {
+            const int first = (int)((int64_t)sh->rows * self / parts), end = (int)((int64_t)sh->rows * (self + 1) / parts);
+            failed |= decode_share(layers, num_layers, first_layer, sh, scratch, x, delta, step, first, end - first);
+        }
+    }
+    if (team != parts) return decode_rows(layers, num_layers, first_layer, sh, scratch, x, delta, step, NULL);
+    return failed;
 }

@@ -5,6 +5,8 @@
 
 #include <stdint.h>
 
+int64_t radixkv_decode_work_floats(const int32_t *seq_lens, int num_seqs, const int32_t *plan_buffer, int num_q_heads,
+                                   int head_dim, int window);
 int radixkv_paged_decode_bf16(const uint16_t *q, int64_t q_row_stride, const uint16_t *k, const uint16_t *v,
                               const int32_t *page_table, int64_t page_table_stride, const int32_t *seq_lens,
                               const int32_t *rows, int num_seqs, int num_q_heads, int num_kv_heads, int head_dim,
