@@ -44,18 +44,18 @@ class _Clock:
         return timed
 
 
-# The gaps between a layer's three native calls (router, gate_up, down), in the order they run.
-GAPS = ("into the router kernel", "router to gate_up: route, dispatch", "gate_up to down: SiLU * up", "down to return")
+# The gaps around a layer's two native calls (the router, the experts), in the order they run.
+GAPS = ("into the router kernel", "router to the experts: route, dispatch", "experts to return")
 
 
 def profile_layer(model, library, index: int, h: torch.Tensor, calls: int) -> dict[str, float]:
     """Median us per call over `calls` calls of the fused step's callback into experts layer
-    `index` (as FusedDecodeLayers hands it over): wall, the three kernels, and the gaps between."""
+    `index` (as FusedDecodeLayers hands it over): wall, the two kernels, and the gaps around them."""
     meta = SimpleNamespace(batch_invariant=False)
     layers = model.layers
     moe = layers[index].mlp
     clock = _Clock()
-    originals = {name: getattr(library, name) for name in ("radixkv_moe_row_gate_up", "radixkv_moe_row_down")}
+    originals = {name: getattr(library, name) for name in ("radixkv_moe_token",)}
     router_run = moe.gate._run
     try:
         for name, fn in originals.items():
@@ -69,9 +69,9 @@ def profile_layer(model, library, index: int, h: torch.Tensor, calls: int) -> di
             begin = time.perf_counter()
             callback(index, h)
             end = time.perf_counter()
-            assert len(clock.marks) == 3, "an experts layer at one token makes three native calls"
+            assert len(clock.marks) == 2, "an experts layer at one token makes two native calls"
             edges = [begin, *(t for mark in clock.marks for t in mark), end]
-            gaps = [edges[2 * i + 1] - edges[2 * i] for i in range(4)]
+            gaps = [edges[2 * i + 1] - edges[2 * i] for i in range(len(GAPS))]
             rows.append(dict(wall=end - begin, kernels=sum(e - b for b, e in clock.marks), **dict(zip(GAPS, gaps, strict=True))))
     finally:
         for name, fn in originals.items():

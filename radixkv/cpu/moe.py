@@ -7,7 +7,6 @@ operations is csrc/moe.c's header comment); moe_kernel picks between them (Engin
 
 from __future__ import annotations
 
-import functools
 
 import numpy as np
 import torch
@@ -208,11 +207,10 @@ def native_row(
 
 
 class RowCalls:
-    """native_row for one layer's stacked experts with every argument that does not change from
-    token to token built once: two native calls (gate and up over x quantized once; down and the
-    weighted sum in ascending expert order) around SiLU(gate) * up in torch, whose bits the kernel
-    does not copy. Its scratch (x widened, gate_up, the activation) is reused, so one caller at a
-    time: the engine's step loop. Each call returns a new output tensor."""
+    """native_row for one layer's stacked experts, every argument that does not change from token
+    to token bound once: one native call (radixkv_moe_token: gate and up over x quantized once,
+    SiLU(gate) * up, down and the weighted sum in ascending expert order). Its scratch is reused,
+    so one caller at a time: the engine's step loop. Each call returns a new output tensor."""
 
     def __init__(self, types: tuple[str, str, str], weights: tuple[np.ndarray, np.ndarray, np.ndarray]) -> None:
         library = native.load()
@@ -221,19 +219,13 @@ class RowCalls:
         # The maps' addresses read once (numpy builds a ctypes object each time .ctypes is read);
         # the maps are held, so the addresses stay valid.
         self._maps = weights
-        self._gate_up = functools.partial(
-            library.radixkv_moe_row_gate_up, BLOCK_TYPES[gate_type], gate.ctypes.data, BLOCK_TYPES[up_type], up.ctypes.data,
-            self.size, self.hidden,
+        self._token = library.radixkv_moe_token
+        self._experts = (
+            BLOCK_TYPES[gate_type], gate.ctypes.data, BLOCK_TYPES[up_type], up.ctypes.data,
+            BLOCK_TYPES[down_type], down.ctypes.data, self.size,
         )  # fmt: skip
-        self._down = functools.partial(library.radixkv_moe_row_down, BLOCK_TYPES[down_type], down.ctypes.data, self.hidden, self.size)
-        self._x32 = torch.empty(1, self.hidden)
-        self._scratch: tuple[Tensor, Tensor, Tensor, Tensor] | None = None  # (gate_up, gate, up, h) for the last top_k
-
-    def _scratch_for(self, top_k: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        if self._scratch is None or self._scratch[0].shape[0] != top_k:
-            gate_up = torch.empty(top_k, 2 * self.size)
-            self._scratch = gate_up, gate_up[:, : self.size], gate_up[:, self.size :], torch.empty(top_k, self.size)
-        return self._scratch
+        self._floats = library.radixkv_moe_token_floats
+        self._scratch = torch.empty(0)  # sized for the last top_k
 
     def __call__(self, x: Tensor, ids: Tensor, routing: Tensor, vnni: bool = True) -> Tensor:
         """native_row's result; ids and routing [k] or [1, k] (route's rows, not selected: a
@@ -242,20 +234,14 @@ class RowCalls:
         dtype = x.dtype
         assert dtype in (torch.float32, torch.bfloat16) and routing.dtype == dtype and ids.dtype == torch.int64
         assert x.shape == (1, hidden) and routing.numel() == top_k
-        ids, routing = ids.contiguous(), routing.contiguous()
-        threads = torch.get_num_threads()
-        if dtype == torch.float32 and x.is_contiguous():
-            x32 = x
-        else:
-            x32 = self._x32
-            x32.copy_(x)
-        gate_up, gate, up, h = self._scratch_for(top_k)
-        status = self._gate_up(x32.data_ptr(), ids.data_ptr(), top_k, gate_up.data_ptr(), threads, int(vnni))
-        # SiLU in place on the gate's columns: the kernel F.silu runs, so its bits.
-        torch.mul(torch.nn.functional.silu(gate, inplace=True), up, out=h)
+        x, ids, routing = x.contiguous(), ids.contiguous(), routing.contiguous()
+        floats = self._floats(hidden, top_k, self.size)
+        if self._scratch.numel() < floats:
+            self._scratch = torch.empty(floats)
         out = torch.empty(1, hidden, dtype=dtype)
-        status = status or self._down(
-            h.data_ptr(), ids.data_ptr(), routing.data_ptr(), top_k, out.data_ptr(), int(dtype == torch.bfloat16), threads, int(vnni)
+        status = self._token(
+            x.data_ptr(), int(dtype == torch.bfloat16), hidden, ids.data_ptr(), routing.data_ptr(), top_k, *self._experts,
+            self._scratch.data_ptr(), out.data_ptr(), torch.get_num_threads(), int(vnni),
         )  # fmt: skip
         if status:
             raise RuntimeError(f"the one-token expert kernel refused {self.types} experts of {self.size} x {hidden} (status {status})")

@@ -192,6 +192,8 @@ def _declare(library: ctypes.CDLL) -> None:
         "radixkv_moe_row_gate_up": [i32, p, i32, p, i32, i32, p, p, i32, p, i32, i32],
         "radixkv_moe_row_down": [i32, p, i32, i32, p, p, p, i32, p, i32, i32, i32],
         "radixkv_moe_grouped_f32": [p, i64, i32, i32, p, i64, p, p, i32, p, p, i64, i32],
+        "radixkv_moe_token": [p, i32, i32, p, p, i32, i32, p, i32, p, i32, p, i32, p, p, i32, i32],
+        "radixkv_moe_token_floats": [i32, i32, i32],
         "radixkv_moe_mxfp4_kernels": [],
         "radixkv_moe_mxfp4": [p, i64, i32, i32, p, i64, p, p, i32, p, p, p, i64, i32, i32],
     }
@@ -231,6 +233,8 @@ def _declare(library: ctypes.CDLL) -> None:
         "radixkv_moe_row_gate_up": i32,
         "radixkv_moe_row_down": i32,
         "radixkv_moe_grouped_f32": i32,
+        "radixkv_moe_token": i32,
+        "radixkv_moe_token_floats": i64,
         "radixkv_moe_mxfp4_kernels": i32,
         "radixkv_moe_mxfp4": i32,
     }

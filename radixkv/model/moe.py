@@ -16,6 +16,7 @@ from torch.nn import functional as F
 
 from radixkv.attention.base import AttentionMetadata
 from radixkv.cpu import moe as cpu_moe
+from radixkv.cpu import row_ops as cpu_row_ops
 from radixkv.cpu.quant_linear import QuantLinear
 from radixkv.model.row_ops import INVARIANT_GEMM_ROWS, project_rows, silu_mul
 
@@ -156,7 +157,7 @@ class QuantExperts(nn.Module):
 class MappedExperts(nn.Module):
     """num_experts SwiGLU MLPs read in place from a GGUF's stacked experts tensors (a memory map:
     the file's own blocks, never copied), multiplied by csrc/moe.c ("native") or its torch
-    reference ("torch"), which compute the same bits.
+    reference ("torch"), which compute the same bits; SiLU * up by the native row kernel either way.
 
     parts: (gate, up, down) as (block type, uint8 view [experts, rows, row bytes])."""
 
@@ -189,14 +190,17 @@ class MappedExperts(nn.Module):
         tokens, order = groups.tokens.to(torch.int32), torch.arange(pairs, dtype=torch.int32)
         self._linear(self.gate_type, self.gate, x, groups, tokens, gate_up[:, :size], ids)
         self._linear(self.up_type, self.up, x, groups, tokens, gate_up[:, size:], ids)
-        h = (F.silu(gate_up[:, :size]) * gate_up[:, size:]).contiguous()
+        # The SiLU kernel the one-token call runs (its exp, not torch's), so a token has the
+        # same bits alone and in a batch; torch's where the library is not built.
+        h = cpu_row_ops.silu_mul(gate_up)
+        h = h if h is not None else F.silu(gate_up[:, :size]) * gate_up[:, size:]
         y = torch.empty(pairs, self.hidden_size)
         self._linear(self.down_type, self.down, h, groups, order, y, ids)
         return y
 
     def one_token(self, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor | None:
-        """combine's result for one token x [1, H] routed to ids with weights ([1, k]) in two
-        native calls (cpu.moe.native_row), or None where that path does not run (the torch
+        """combine's result for one token x [1, H] routed to ids with weights ([1, k]) in one
+        native call (cpu.moe.native_row), or None where that path does not run (the torch
         kernel, a dtype other than fp32 or bf16)."""
         if self.kernel != "native" or x.dtype not in (torch.float32, torch.bfloat16):
             return None

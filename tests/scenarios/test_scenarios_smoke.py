@@ -261,9 +261,9 @@ def test_kv_dtype_times_each_page_dtype_and_measures_divergence(tmp_path, capsys
     assert written and all(name in out for name in ("bf16", "int8"))
 
 
-def test_moe_row_profile_times_three_native_calls_a_layer(tmp_path, capsys):
-    """The experts layers of a Q4_K_M Qwen3-MoE GGUF at one token: three native calls each
-    (router, gate_up, down) timed as they run, the Python between them what is left."""
+def test_moe_row_profile_times_two_native_calls_a_layer(tmp_path, capsys):
+    """The experts layers of a Q4_K_M Qwen3-MoE GGUF at one token: two native calls each (the
+    router, the experts) timed as they run, the Python around them what is left."""
     from radixkv.cpu import native
     from radixkv.scenarios import moe_row_profile
     from tests.helpers.gguf_files import write_tiny_moe_gguf

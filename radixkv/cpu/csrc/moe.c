@@ -44,6 +44,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "kernels.h"
 
 #define MBLOCK 32
 /* Tokens of one expert from which its K-quant rows are decoded once for all of them: decoding
@@ -1008,6 +1009,28 @@ int radixkv_moe_row_down(int type, const uint8_t *down, int n, int k, const floa
     free(y);
     return status;
 }
+
+/* A decode step's experts block for its one token x [hidden] (bf16 when bf16, else fp32) routed
+ * to ids (int64 [top_k], distinct, any order) with weights (x's dtype, ids' order), as
+ * radixkv.model.moe.SparseMoE.combine computes it: gate and up (radixkv_moe_row_gate_up, over x
+ * widened exactly to fp32), SiLU(gate) * up (radixkv_silu_mul_f32, as MappedExperts.grouped
+ * calls it) and the weighted down sum (radixkv_moe_row_down) into out [hidden] in x's dtype: one
+ * call for what took two and three torch ops between them. scratch: radixkv_moe_token_floats
+ * floats. Returns 1 for a shape or type it does not take, 2 where memory ran out. */
+int radixkv_moe_token(const void *x, int bf16, int hidden, const int64_t *ids, const void *weights, int top_k, int gate_type,
+                      const uint8_t *gate, int up_type, const uint8_t *up, int down_type, const uint8_t *down, int size,
+                      float *scratch, void *out, int num_threads, int use_vnni) {
+    float *x32 = scratch, *gate_up = x32 + hidden, *h = gate_up + 2 * (int64_t)top_k * size;
+    for (int i = 0; i < hidden; i++) x32[i] = bf16 ? bf16_to_float(((const uint16_t *)x)[i]) : ((const float *)x)[i];
+    const int status = radixkv_moe_row_gate_up(gate_type, gate, up_type, up, size, hidden, x32, ids, top_k, gate_up,
+                                               num_threads, use_vnni);
+    if (status) return status;
+    radixkv_silu_mul_f32(gate_up, 2 * (int64_t)size, h, top_k, size, num_threads);
+    return radixkv_moe_row_down(down_type, down, hidden, size, h, ids, weights, top_k, out, bf16, num_threads, use_vnni);
+}
+
+/* Floats of scratch radixkv_moe_token takes. */
+int64_t radixkv_moe_token_floats(int hidden, int top_k, int size) { return hidden + 3 * (int64_t)top_k * size; }
 
 /* Whether the VNNI dot product is compiled in (else the scalar loop runs, the same integers). */
 int radixkv_moe_has_vnni(void) {
