@@ -19,11 +19,7 @@ from pathlib import Path
 
 import torch
 
-from radixkv.scenarios.bounds import Costs
-
-# Modules whose tensors a decode step does not read whole: the embedding lookup (a row per
-# token) and the rotary tables (a row per position).
-NOT_READ_WHOLE = ("embed_tokens", "rope")
+from radixkv.scenarios.bounds import Costs, weight_bytes_read
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -39,32 +35,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quant-kernel", default=None)
     parser.add_argument("--out", default="out/decode_bound")
     return parser.parse_args(argv)
-
-
-def weight_bytes_read(model: torch.nn.Module) -> tuple[int, dict[str, int]]:
-    """Bytes of the weights a decode step reads whole, each storage once, and their bytes by
-    dtype (so quantized storage shows as what it is)."""
-    seen: set[int] = set()
-    by_dtype: dict[str, int] = {}
-    lm_head_ptrs = {t.untyped_storage().data_ptr() for t in _tensors(model.lm_head)} if hasattr(model, "lm_head") else set()
-    for name, module in model.named_modules():
-        skip = any(part in NOT_READ_WHOLE for part in name.split("."))
-        for tensor in _tensors(module, recurse=False):
-            ptr = tensor.untyped_storage().data_ptr()
-            if ptr in seen or (skip and ptr not in lm_head_ptrs):
-                continue
-            seen.add(ptr)
-            key = str(tensor.dtype).removeprefix("torch.")
-            by_dtype[key] = by_dtype.get(key, 0) + tensor.untyped_storage().nbytes()
-    return sum(by_dtype.values()), by_dtype
-
-
-def _tensors(module: torch.nn.Module, recurse: bool = True) -> list[torch.Tensor]:
-    found = [*module.parameters(recurse=recurse), *module.buffers(recurse=recurse)]
-    modules = module.modules() if recurse else [module]
-    for owner in modules:  # tensors kept as plain attributes (packed or quantized copies)
-        found += [v for v in vars(owner).values() if isinstance(v, torch.Tensor) and v.numel()]
-    return [t for t in found if t.device.type == "cpu" and t.numel()]
 
 
 def measure(args: argparse.Namespace) -> dict:

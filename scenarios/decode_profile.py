@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from radixkv.model.fused_layers import fused_decode
-from radixkv.scenarios.bounds import Costs
+from radixkv.scenarios.bounds import Costs, weight_bytes_read
 from radixkv.scenarios.machine import copy_bandwidth_bytes_per_s, machine_limits
 from radixkv.scenarios.plots import pyplot, save
 
@@ -79,8 +79,10 @@ def profile_decode(
     # The bound counts each distinct KV token once: a shared prefix need be read only once.
     distinct_tokens = num_seqs * (context + steps) - (num_seqs - num_seqs // group_size) * shared_prefix
     kv_bytes = distinct_tokens * mc.num_layers * mc.num_kv_heads * mc.head_dim * 2 * element
-    costs = Costs.of(mc, element)  # every linear's weights, the lm_head included, read once
-    weight_bytes = costs.weight_bytes
+    costs = Costs.of(mc, element)
+    # Every linear's weights, the lm_head included, read once, in the format the model holds
+    # them (a GGUF's quantized blocks are a fraction of the compute dtype's bytes).
+    weight_bytes = weight_bytes_read(engine.loaded.model)[0]
     flops = costs.decode_step_flops([context + steps // 2] * num_seqs)
     limits = limits or machine_limits(engine.dtype)
     copy_bandwidth = None if quiet else copy_bandwidth_bytes_per_s()
