@@ -55,6 +55,7 @@ def profile_decode(
     breakdown: bool | None = None,
     llm=None,
     limits: dict | None = None,
+    kv_dtype: str = "auto",
 ) -> dict:
     """One decode step's time and where it goes, against the bound. llm/limits: an LLM and
     machine limits from an earlier call to reuse (its cache stays warm; share_reads is set on
@@ -62,7 +63,7 @@ def profile_decode(
     wanted = not quiet if breakdown is None else breakdown
     # Room for the timed steps, the two breakdowns' and the split rows' turns.
     room = steps * 3 + 2 * SPLIT_TURNS * SPLIT_TURN_STEPS
-    llm = start_decoding(model, dtype, num_seqs, context, room, shared_prefix, group_size, share_reads, llm=llm)
+    llm = start_decoding(model, dtype, num_seqs, context, room, shared_prefix, group_size, share_reads, llm=llm, kv_dtype=kv_dtype)
     engine = llm.engine
     reads_before = (engine.counters.num_kv_tokens_read, engine.counters.num_kv_tokens_read_shared)
     step_s = median_step_s(engine, steps)
@@ -78,7 +79,9 @@ def profile_decode(
     element = torch.finfo(engine.dtype).bits // 8
     # The bound counts each distinct KV token once: a shared prefix need be read only once.
     distinct_tokens = num_seqs * (context + steps) - (num_seqs - num_seqs // group_size) * shared_prefix
-    kv_bytes = distinct_tokens * mc.num_layers * mc.num_kv_heads * mc.head_dim * 2 * element
+    kv_cache = engine.pool.k_cache[0]
+    scale_bytes = 2 if kv_cache.dtype == torch.int8 else 0  # int8 pages: an fp16 scale per token and head
+    kv_bytes = distinct_tokens * mc.num_layers * mc.num_kv_heads * (mc.head_dim * kv_cache.element_size() + scale_bytes) * 2
     costs = Costs.of(mc, element)
     # Every linear's weights, the lm_head included, read once, in the format the model holds
     # them (a GGUF's quantized blocks are a fraction of the compute dtype's bytes).
@@ -101,6 +104,7 @@ def profile_decode(
         kv_tokens_fetched_per_step=(kv_read - kv_shared) / steps,
         kv_tokens_unique_per_step=distinct_tokens,
         dtype=str(engine.dtype),
+        kv_dtype=str(kv_cache.dtype),
         step_ms=step_s * 1e3,
         phases_ms={k: v * 1e3 for k, v in phases.items()},
         # Means over the same steps on both sides (step_s is a median, another statistic).
@@ -139,6 +143,7 @@ def start_decoding(
     device: str = "auto",
     llm=None,
     native_kernels: bool = True,
+    kv_dtype: str = "auto",
 ):
     """An LLM whose engine holds num_seqs requests of `context` tokens, prefilled and one step into
     decode, each with room for `steps` more (llm: reuse one, its cache warm)."""
@@ -148,7 +153,7 @@ def start_decoding(
         pages = num_seqs * (-(-(context + steps + 8) // 16)) + 64
         llm = LLM(
             model, dtype=dtype, device=device, num_pages=pages, max_num_seqs=num_seqs, max_batch_tokens=4096,
-            native_kernels=native_kernels,
+            native_kernels=native_kernels, kv_dtype=kv_dtype,
         )  # fmt: skip
     engine = llm.engine
     engine.loaded.model.attention.share_reads = share_reads
@@ -329,7 +334,7 @@ def native_decode_used(engine) -> bool:
 
 
 def _print(r: dict) -> None:
-    print(f"\ndecode step, {r['num_seqs']} requests at {r['context']} tokens ({r['dtype']}, {r['torch_threads']} threads)")
+    print(f"\ndecode step, {r['num_seqs']} requests at {r['context']} tokens ({r['dtype']}, KV {r['kv_dtype']}, {r['torch_threads']} threads)")
     print(f"  step time            {r['step_ms']:8.1f} ms (median of the steps)")
     for phase, ms in r["phases_ms"].items():
         print(f"    {phase:<18} {ms:8.1f} ms  ({ms / r['step_ms']:.0%})")
@@ -360,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default=None, help="HF folder or .gguf (default: SmolLM2-135M)")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--kv-dtype", default="auto", help="KV pages' storage dtype (EngineConfig.kv_dtype): auto, int8, ...")
     parser.add_argument("--num-seqs", type=int, default=32, help="requests decoding together")
     parser.add_argument("--context", type=int, default=1024, help="tokens of each request's prompt")
     parser.add_argument("--steps", type=int, default=8, help="decode steps timed")
@@ -375,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     if args.shared_prefix:
         return shared_prefix_main(args, out)
-    result = profile_decode(args.model, args.dtype, args.num_seqs, args.context, args.steps)
+    result = profile_decode(args.model, args.dtype, args.num_seqs, args.context, args.steps, kv_dtype=args.kv_dtype)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"decode_profile_{result['dtype'].removeprefix('torch.')}.json"
     path.write_text(json.dumps(result, indent=2))

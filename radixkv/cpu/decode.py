@@ -64,7 +64,7 @@ def cache_fits(k_cache: torch.Tensor) -> bool:
 
 def widened_kind(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> int:
     """The C kernels' kv_kind for pages of kv_dtype under compute dtype q_dtype: 0 for the
-    same dtype, 2 for bf16 and 3 for int8 pages under fp32."""
+    same dtype, 2 for bf16 pages (under fp32) and 3 for int8 pages (under fp32 or bf16)."""
     return 0 if q_dtype == kv_dtype else _WIDENED_KINDS[kv_dtype]
 
 
@@ -370,12 +370,13 @@ def store_kv(
 ) -> bool:  # fmt: skip
     """Copy the rows of k and v ([T, heads, head_dim], rows may be strided) into their slots of
     the caches in one call; slots < 0 are skipped. fp32 rows into bf16 pages round to nearest
-    even, into int8 pages quantize per (token, head) as radixkv.cache.kv_dtype.quantize_int8
-    does (the same bytes), the scales into k_scales, v_scales. The caller has checked slots <
-    the number of slots (check_slots). Returns False, having done nothing, where the tensors do
-    not fit the kernel."""
+    even; fp32 or bf16 rows into int8 pages quantize per (token, head) as
+    radixkv.cache.kv_dtype.quantize_int8 does (the same bytes), the scales into k_scales,
+    v_scales. The caller has checked slots < the number of slots (check_slots). Returns False,
+    having done nothing, where the tensors do not fit the kernel."""
     library = load()
-    kind = _WIDENED_KINDS.get(k_cache.dtype) if k.dtype == torch.float32 != k_cache.dtype else None
+    narrowing = k.dtype != k_cache.dtype and (k.dtype == torch.float32 or (k.dtype == torch.bfloat16 and k_cache.dtype == torch.int8))
+    kind = _WIDENED_KINDS.get(k_cache.dtype) if narrowing else None
     fits = (
         library is not None
         and k.device.type == "cpu"
@@ -394,10 +395,12 @@ def store_kv(
     if kind is not None:
         check_scales(k_cache, k_scales, v_scales)
         scales = (k_scales.data_ptr(), v_scales.data_ptr()) if k_scales is not None else (None, None)
-        library.radixkv_store_kv_narrow(
-            k_cache.data_ptr(), v_cache.data_ptr(), *scales, k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0),
-            slots.data_ptr(), k.shape[0], k.shape[1], k.shape[2], kind,
-        )  # fmt: skip
+        rows = (k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), slots.data_ptr(), k.shape[0], k.shape[1], k.shape[2])
+        if k.dtype == torch.bfloat16:
+            if library.radixkv_store_kv_narrow_bf16(k_cache.data_ptr(), v_cache.data_ptr(), *scales, *rows):
+                raise MemoryError("the int8 KV store could not allocate its row buffer")
+        else:
+            library.radixkv_store_kv_narrow(k_cache.data_ptr(), v_cache.data_ptr(), *scales, *rows, kind)
         return True
     row_bytes = k.shape[1] * k.shape[2] * k.element_size()
     library.radixkv_store_kv(

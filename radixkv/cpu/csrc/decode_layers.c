@@ -5,8 +5,9 @@
  * For bf16 or fp32 Llama-family layers whose linears are packed for one of
  * the native kernels (AMX or AVX512_BF16 for bf16, AVX2 for fp32: shape.linear_kernel), or
  * quantized (quant_linear.c: shape.quant_kernel, each linear's format in its layer record); one
- * query row per request. fp32 layers also read and write bf16 or int8 pages (shape.kv_kind),
- * through the same store and decode kernels the layer-by-layer forward calls for them. The
+ * query row per request. fp32 layers also read and write bf16 or int8 pages, bf16 layers int8
+ * pages (shape.kv_kind), through the same store and decode kernels the layer-by-layer forward
+ * calls for them. The
  * caller checks page tables, lengths and slots once per step.
  *
  * Qwen3: plain per-head q/k norms (layer.q_norm without shape.gemma), the add_rms_norm kernel
@@ -26,7 +27,7 @@
 #include <omp.h>
 #include <stddef.h>
 
-/* One layer's weights and KV pages, in the model's dtype or (fp32 layers) the shape's kv_kind.
+/* One layer's weights and KV pages, in the model's dtype or the shape's kv_kind.
  * Linear weights are packed (packed_linear.c, linear_f32.c, or quant_linear.c's records);
  * biases fp32 or NULL; scales: int8 pages' fp16 scales (NULL otherwise). */
 typedef struct {
@@ -62,7 +63,7 @@ typedef struct {
     int linear_kernel; /* RADIXKV_LINEAR_*: RADIXKV_LINEAR_AVX2 runs fp32 layers, the others bf16 */
     float eps, scale;
     int quant_kernel; /* 0, or RADIXKV_QUANT_*: the linears are quantized (linear_kernel then names the dtype only) */
-    int kv_kind; /* 0: pages in the model's dtype; fp32 layers: 2 bf16 pages, 3 int8 pages */
+    int kv_kind; /* 0: pages in the model's dtype; fp32 layers: 2 bf16 pages, 3 int8 pages; bf16 layers: 3 */
     int gemma;   /* Gemma 3's layer: its norms (DecodeLayer's), GeGLU in place of SwiGLU */
     /* 1: each thread runs every layer for its own share of the rows, one thread a kernel (no
      * join between kernels, and one thread's attention overlaps another's linears; each thread
@@ -125,6 +126,11 @@ static int attend(const DecodeShape *sh, const DecodeLayer *layer, const void *q
                                            seq_lens, NULL, sh->rows, sh->num_q_heads, sh->num_kv_heads, sh->head_dim,
                                            sh->page_size, sh->scale, out, work, plan, sh->num_threads, window, layer->k_scales,
                                            layer->v_scales, sh->kv_kind);
+    if (sh->kv_kind)
+        return radixkv_paged_decode_bf16_kv(qkv, qkv_size, layer->k_cache, layer->v_cache, page_table, page_table_stride,
+                                            seq_lens, NULL, sh->rows, sh->num_q_heads, sh->num_kv_heads, sh->head_dim,
+                                            sh->page_size, sh->scale, out, work, plan, sh->num_threads, window,
+                                            layer->k_scales, layer->v_scales, sh->kv_kind);
     if (fp32(sh))
         return radixkv_paged_decode_f32(qkv, qkv_size, layer->k_cache, layer->v_cache, page_table, page_table_stride,
                                         seq_lens, NULL, sh->rows, sh->num_q_heads, sh->num_kv_heads, sh->head_dim,
@@ -195,11 +201,16 @@ static int decode_rows(const DecodeLayer *layers, int num_layers, int first_laye
             head_norm(sh, k, qkv_size, layer->k_norm, sh->num_kv_heads);
         }
         rope(sh, scratch->qkv, qkv_size, step->cos[r], step->signed_sin[r]);
-        if (sh->kv_kind)
+        if (sh->kv_kind && fp32(sh))
             radixkv_store_kv_narrow(layer->k_cache, layer->v_cache, layer->k_scales, layer->v_scales, (const float *)k,
                                     (const float *)v, qkv_size, qkv_size, step->slots[g], sh->rows, sh->num_kv_heads,
                                     hd, sh->kv_kind);
-        else
+        else if (sh->kv_kind && radixkv_store_kv_narrow_bf16(layer->k_cache, layer->v_cache, layer->k_scales,
+                                                             layer->v_scales, (const uint16_t *)k, (const uint16_t *)v,
+                                                             qkv_size, qkv_size, step->slots[g], sh->rows,
+                                                             sh->num_kv_heads, hd))
+            return 1;
+        else if (!sh->kv_kind)
             radixkv_store_kv(layer->k_cache, layer->v_cache, k, v, (int64_t)qkv_size * bytes, (int64_t)qkv_size * bytes,
                              step->slots[g], sh->rows, (int64_t)kv_size * bytes);
         t = lap(timed, PHASE_ROPE_STORE, t);
