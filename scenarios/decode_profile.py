@@ -348,7 +348,9 @@ def _print(r: dict) -> None:
     print(f"  attention            {'native paged kernel (KV read in place)' if r['native_decode'] else 'gather + SDPA'}")
     print(f"  decoder layers       {'one native call per step (fused)' if r['fused_decode'] else 'module by module'}")
     if r["fused_breakdown_ms"]:
-        print("  where the fused step's time goes (timed inside the native call as it runs):")
+        # Split by rows, the phases are the first thread's share's, each with the other beside it.
+        whose = ", the first thread's rows" if r["split_rows"] else ""
+        print(f"  where the fused step's time goes (timed inside the native call as it runs{whose}):")
         for part, ms in r["fused_breakdown_ms"].items():
             print(f"    {part:<26} {ms:8.1f} ms")
     print("  where the time goes (the same steps layer by layer, each kernel timed):")
