@@ -97,3 +97,27 @@ def test_gemma3_270m_fused_decode_is_bit_identical_to_the_layer_loop(gemma_gguf)
     assert len(fused_logits) == len(loop_logits) > 10
     for a, b in zip(fused_logits, loop_logits, strict=True):
         assert torch.equal(a, b)
+
+
+def test_gemma3_270m_tokenizer_is_its_class_token_for_token(gemma_gguf):
+    """radixkv reads a Gemma GGUF's tokenizer from the tokenizer.json transformers wrote (not
+    through GemmaTokenizer's __init__, which rebuilds the 262k-token BPE in Python): the class's
+    tokens, text, special ids, vocabulary and padding side all the same."""
+    import transformers
+
+    from radixkv.model.loader import load_tokenizer, resolve_model_source
+
+    folder = resolve_model_source(str(gemma_gguf), None).folder
+    light, named = load_tokenizer(folder), transformers.GemmaTokenizer.from_pretrained(str(folder))
+    assert type(light) is transformers.PreTrainedTokenizerFast
+    texts = [TEXT, "  two  spaces\n\nand\ttabs", "émojis 🤖 and 中文", "def f(x):\n    return x**2  # code", "<bos>a<eos>b<pad>", ""]
+    for text in texts:
+        for special in (True, False):
+            ids = named.encode(text, add_special_tokens=special)
+            assert light.encode(text, add_special_tokens=special) == ids, (text, special)
+            for skip in (True, False):
+                assert light.decode(ids, skip_special_tokens=skip) == named.decode(ids, skip_special_tokens=skip)
+    for attr in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id", "all_special_ids", "padding_side", "chat_template"):
+        assert getattr(light, attr) == getattr(named, attr), attr
+    assert len(light) == len(named) and light.get_vocab() == named.get_vocab()
+
