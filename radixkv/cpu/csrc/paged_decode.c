@@ -946,61 +946,60 @@ static inline int8_t quantize_one(float x, float scale) {
 #define FP16_MIN_NORMAL 0x1p-14f
 #define FP16_MAX 65504.0f
 
+/* One (token, kv head) row of head_dim floats into int8 with its fp16 scale, as quantize_int8. */
+static void quantize_head(int8_t *dst, uint16_t *scale_out, const float *x, int head_dim) {
+    float absmax = 0.0f;
+    for (int d = 0; d < head_dim; d++) absmax = fabsf(x[d]) > absmax ? fabsf(x[d]) : absmax;
+    float wide = absmax / 127.0f;
+    if (wide > 0.0f) wide = wide < FP16_MIN_NORMAL ? FP16_MIN_NORMAL : wide > FP16_MAX ? FP16_MAX : wide;
+    *scale_out = float_to_fp16(wide);
+    const float scale = fp16_to_float(*scale_out);
+    for (int d = 0; d < head_dim; d++) dst[d] = quantize_one(x[d], scale);
+}
+
 /* Write fp32 rows of K and V into narrower pages (kind 2: bf16, rounded to nearest even; 3:
  * int8, each (token, kv head) row quantized symmetrically with scale absmax / 127, clamped
  * into fp16's normal range and rounded to fp16 into the scales, then the row quantized with
  * the rounded scale, as radixkv.cache.kv_dtype.quantize_int8 computes it, to the same bytes).
  * Row strides in floats; a negative slot means "do not store". */
-/* One token's row of K or V (fp32, num_kv_heads * head_dim) into its slot of narrower pages. */
-static void store_narrow_row(void *cache, uint16_t *scales, const float *src, int64_t slot, int num_kv_heads, int head_dim,
-                             int kind) {
-    const int64_t row = (int64_t)num_kv_heads * head_dim;
-    if (kind == 2) {
-        uint16_t *dst = (uint16_t *)cache + slot * row;
-        for (int64_t i = 0; i < row; i++) dst[i] = float_to_bf16(src[i]);
-        return;
-    }
-    int8_t *dst = (int8_t *)cache + slot * row;
-    scales += slot * num_kv_heads;
-    for (int h = 0; h < num_kv_heads; h++) {
-        const float *x = src + (int64_t)h * head_dim;
-        float absmax = 0.0f;
-        for (int d = 0; d < head_dim; d++) absmax = fabsf(x[d]) > absmax ? fabsf(x[d]) : absmax;
-        float wide = absmax / 127.0f;
-        if (wide > 0.0f) wide = wide < FP16_MIN_NORMAL ? FP16_MIN_NORMAL : wide > FP16_MAX ? FP16_MAX : wide;
-        scales[h] = float_to_fp16(wide);
-        const float scale = fp16_to_float(scales[h]);
-        for (int d = 0; d < head_dim; d++) dst[(int64_t)h * head_dim + d] = quantize_one(x[d], scale);
-    }
-}
-
 void radixkv_store_kv_narrow(void *k_cache, void *v_cache, uint16_t *k_scales, uint16_t *v_scales, const float *k,
                              const float *v, int64_t k_row_stride, int64_t v_row_stride, const int64_t *slots, int rows,
                              int num_kv_heads, int head_dim, int kind) {
+    const int64_t row = (int64_t)num_kv_heads * head_dim;
     for (int r = 0; r < rows; r++) {
         if (slots[r] < 0) continue;
-        store_narrow_row(k_cache, k_scales, k + r * k_row_stride, slots[r], num_kv_heads, head_dim, kind);
-        store_narrow_row(v_cache, v_scales, v + r * v_row_stride, slots[r], num_kv_heads, head_dim, kind);
+        for (int which = 0; which < 2; which++) {
+            const float *src = which ? v + r * v_row_stride : k + r * k_row_stride;
+            void *cache = which ? v_cache : k_cache;
+            if (kind == 2) {
+                uint16_t *dst = (uint16_t *)cache + slots[r] * row;
+                for (int64_t i = 0; i < row; i++) dst[i] = float_to_bf16(src[i]);
+                continue;
+            }
+            uint16_t *scales = (which ? v_scales : k_scales) + slots[r] * num_kv_heads;
+            for (int h = 0; h < num_kv_heads; h++)
+                quantize_head((int8_t *)cache + slots[r] * row + (int64_t)h * head_dim, scales + h, src + (int64_t)h * head_dim, head_dim);
+        }
     }
 }
 
-/* radixkv_store_kv_narrow for bf16 rows into int8 pages (kind 3): each row widened exactly to
- * fp32 first, as quantize_int8 widens it, so the same bytes. Row strides in elements. Returns
- * 2 where memory ran out, else 0. */
-int radixkv_store_kv_narrow_bf16(void *k_cache, void *v_cache, uint16_t *k_scales, uint16_t *v_scales, const uint16_t *k,
-                                 const uint16_t *v, int64_t k_row_stride, int64_t v_row_stride, const int64_t *slots,
-                                 int rows, int num_kv_heads, int head_dim) {
+/* radixkv_store_kv_narrow for bf16 rows into int8 pages: each head's row widened exactly to
+ * fp32 first, as quantize_int8 widens it, so the same bytes. Row strides in elements. */
+void radixkv_store_kv_narrow_bf16(void *k_cache, void *v_cache, uint16_t *k_scales, uint16_t *v_scales, const uint16_t *k,
+                                  const uint16_t *v, int64_t k_row_stride, int64_t v_row_stride, const int64_t *slots,
+                                  int rows, int num_kv_heads, int head_dim) {
     const int64_t row = (int64_t)num_kv_heads * head_dim;
-    float *wide = malloc(sizeof(float) * (size_t)row);
-    if (!wide) return 2;
+    float wide[head_dim];
     for (int r = 0; r < rows; r++) {
         if (slots[r] < 0) continue;
         for (int which = 0; which < 2; which++) {
             const uint16_t *src = which ? v + r * v_row_stride : k + r * k_row_stride;
-            for (int64_t i = 0; i < row; i++) wide[i] = bf16_to_float(src[i]);
-            store_narrow_row(which ? v_cache : k_cache, which ? v_scales : k_scales, wide, slots[r], num_kv_heads, head_dim, 3);
+            int8_t *dst = (int8_t *)(which ? v_cache : k_cache) + slots[r] * row;
+            uint16_t *scales = (which ? v_scales : k_scales) + slots[r] * num_kv_heads;
+            for (int h = 0; h < num_kv_heads; h++) {
+                for (int d = 0; d < head_dim; d++) wide[d] = bf16_to_float(src[(int64_t)h * head_dim + d]);
+                quantize_head(dst + (int64_t)h * head_dim, scales + h, wide, head_dim);
+            }
         }
     }
-    free(wide);
-    return 0;
 }
