@@ -28,7 +28,7 @@ from radixkv.cpu.features import cpu_features
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "paged_decode.c", CSRC / "paged_decode_avx2.c", CSRC / "cascade.c", CSRC / "paged_extend.c", CSRC / "row_ops.c", CSRC / "packed_linear.c", CSRC / "linear_f32.c", CSRC / "decode_layers.c", CSRC / "logits.c", CSRC / "quant_linear.c", CSRC / "quant_linear_zmm.c", CSRC / "moe.c", CSRC / "moe_mxfp4.c", CSRC / "gemma_ops.c")
+SOURCES = (CSRC / "paged_decode.c", CSRC / "paged_decode_avx2.c", CSRC / "paged_decode_narrow.c", CSRC / "cascade.c", CSRC / "paged_extend.c", CSRC / "row_ops.c", CSRC / "packed_linear.c", CSRC / "linear_f32.c", CSRC / "decode_layers.c", CSRC / "logits.c", CSRC / "quant_linear.c", CSRC / "quant_linear_zmm.c", CSRC / "moe.c", CSRC / "moe_mxfp4.c", CSRC / "gemma_ops.c")
 HEADERS = (CSRC / "bf16.h", CSRC / "amx.h", CSRC / "decode.h", CSRC / "tiles.h", CSRC / "kernels.h")
 COMPILE_FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 

@@ -140,10 +140,11 @@ def test_int8_scales_stay_in_fp16s_normal_range(gen):
 @needs_native
 @pytest.mark.parametrize("dtype", KV_DTYPES, ids=str)
 @pytest.mark.parametrize("prefix_lens,q_lens", CASES)
-# (3, 3, 64): the default model's own instance; head_dim 12: the portable item.
-@pytest.mark.parametrize("heads,group,head_dim", [(2, 3, 32), (3, 3, 64), (1, 5, 16), (2, 2, 12)])
-def test_cpu_backend_matches_the_reference_over_the_same_pages(gen, dtype, prefix_lens, q_lens, heads, group, head_dim):
-    page_size = 4
+# (3, 3, 64): the default model's own instance; head_dim 12: the portable item (8 lanes: 24); 6
+# and 9 kv heads: int8 scales picked from a block's four parts, and one by one (16 lanes).
+@pytest.mark.parametrize("heads,group,head_dim", [(2, 3, 32), (3, 3, 64), (1, 5, 16), (2, 2, 12), (2, 1, 24), (6, 2, 16), (9, 1, 16)])
+@pytest.mark.parametrize("page_size", [4, 16])  # 16: full blocks of 16 keys
+def test_cpu_backend_matches_the_reference_over_the_same_pages(gen, dtype, prefix_lens, q_lens, heads, group, head_dim, page_size):
     all_tokens, step, k, v, q, num_pages = _case(gen, prefix_lens, q_lens, page_size, heads, group, head_dim)
     pool = _filled(dtype, all_tokens, k, v, num_pages, page_size)
     scale = head_dim**-0.5

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from tests.helpers.paged import Paged, assert_close, gen, make_paged, make_q, reference  # noqa: F401  (gen is a fixture)
 
 from radixkv.attention.cpu_backend import CPUBackend
+from radixkv.cache.kv_dtype import dequantize, quantize_int8
 from radixkv.cpu import decode as native
 from radixkv.cpu import extend, mxfp4
 from radixkv.cpu import native as native_library
@@ -394,6 +395,19 @@ def test_store_kv_into_int8_pages_writes_the_torch_stores_bytes(dtype) -> None:
     assert pages[0][2].view(-1, kv_heads)[slots[0]].ne(0).all()  # something was stored
 
 
+def narrow_pages(paged, kv_dtype: torch.dtype):
+    """paged's K and V stored as kv_dtype (k_cache, v_cache, and paged_decode's scale keywords),
+    and a Paged of what they hold, widened to fp32, for the reference."""
+    if kv_dtype == torch.int8:
+        (k, k_scales), (v, v_scales) = quantize_int8(paged.k_cache), quantize_int8(paged.v_cache)
+        wide_k, wide_v = dequantize(k, k_scales, torch.float32), dequantize(v, v_scales, torch.float32)
+        scales = {"k_scales": k_scales, "v_scales": v_scales}
+    else:
+        k, v = paged.k_cache.to(kv_dtype), paged.v_cache.to(kv_dtype)
+        wide_k, wide_v, scales = k.float(), v.float(), {}
+    return (k, v, scales), Paged(wide_k, wide_v, paged.page_table, paged.seq_lens, paged.page_size)
+
+
 # The builds a user on another CPU runs, compiled here: no AVX2 at all (the portable loops), AVX2
 # without AVX-512 (Haswell to Alder Lake, AMD Zen 1-3: the 8-lane items), and AVX-512 without
 # BF16 (Skylake to Ice Lake: fp32 items in 16 lanes, bf16 in 8).
@@ -450,6 +464,11 @@ def test_builds_for_other_cpus_give_the_same_answers(gen, monkeypatch, tmp_path,
             assert exact.saved_tokens == 2 * 256
             args = (q, grouped.k_cache, grouped.v_cache, grouped.page_table, grouped.seq_lens, 0.125)
             assert torch.equal(native.paged_decode(*args, plan=exact.plan), native.paged_decode(*args))
+            # Narrower pages, widened on load: bf16 under fp32 compute, int8 under either.
+            for kv_dtype in (torch.bfloat16, torch.int8) if dtype == torch.float32 else (torch.int8,):
+                (k, v, scales), wide = narrow_pages(paged, kv_dtype)
+                out = native.paged_decode(q, k, v, paged.page_table, paged.seq_lens, 0.125, **scales)
+                assert_close(out, reference(q, wide, 0.125), dtype, f"{march} build, {kv_dtype} pages, head_dim {head_dim}")
         # Prefill attention: the fp32 kernel needs AVX2 (8 lanes) or AVX-512 (16), the bf16 one
         # AVX512_BF16; elsewhere the backend keeps the torch reference.
         assert extend.fits(dtype, 64, 3) == (march != "x86-64-v2" and dtype == torch.float32)

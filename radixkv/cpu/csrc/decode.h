@@ -13,6 +13,10 @@
 #define MAX_HEAD_DIM 256
 /* A query head's row of scores for a chunk, with room for a last block's 16-lane store. */
 #define SCORE_STRIDE (CHUNK_TOKENS + BLOCK_TOKENS)
+/* Query heads whose keys an AVX-512 item reads in one sweep: a span's kv heads are read row by
+ * row, in address order. 16 covers every kv head of SmolLM2's models at once; wider models
+ * sweep their rows in parts. At least one kv head (MAX_GROUP <= SPAN_ROWS). */
+#define SPAN_ROWS 16
 
 typedef struct {
     int num_kv_heads, head_dim, group, page_size;
@@ -94,6 +98,22 @@ static inline void softmax_row(float *row, int n, float *state) {
     }
     state[0] = max;
     state[1] = _mm512_reduce_add_ps(sum);
+}
+
+/* Lane j of the result is the sum of the 16 lanes of v[j]: a transpose-and-add tree, 45
+ * shuffles and adds for 16 sums where reducing each vector alone would take about 130. */
+static inline __m512 sum_lanes_16(const __m512 v[16]) {
+    __m512 pairs[8], quads[4], halves[2];
+    for (int i = 0; i < 8; i++) /* per 128-bit lane: (v2i, v2i+1) partial sums, interleaved */
+        pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) { /* per 128-bit lane: tokens 4i..4i+3, each summed over the lane */
+        const __m512d a = _mm512_castps_pd(pairs[2 * i]), b = _mm512_castps_pd(pairs[2 * i + 1]);
+        quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    for (int i = 0; i < 2; i++) /* fold the four 128-bit lanes pairwise */
+        halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0x88),
+                                  _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], 0x88), _mm512_shuffle_f32x4(halves[0], halves[1], 0xDD));
 }
 #endif
 
@@ -286,8 +306,16 @@ HIDDEN void radixkv_item_avx2(const void *q_row, const void *k, const void *v, c
                               int end, const Shape *sh, float *states, const NextItem *next, int kind);
 #endif
 
+#ifdef HAVE_AVX512
+/* The items over pages narrower than the compute dtype in 16-lane vectors
+ * (paged_decode_narrow.c): sh->kv_kind 2, 3 or 4, head_dim % 16 == 0. */
+HIDDEN void radixkv_item_narrow_avx512(const void *q_row, const void *k, const void *v, const int32_t *pages, int begin,
+                                       int end, const Shape *sh, float *states, const NextItem *next);
+#endif
+
 /* fp32 compute over bf16 or int8 pages (sh->kv_kind, sh->k_scales), and bf16 compute over int8
- * pages (kv_kind 4): the AVX2 item where head_dim % 8 == 0, else a portable one. */
+ * pages (kv_kind 4): the AVX-512 item where head_dim % 16 == 0, else the AVX2 one where
+ * head_dim % 8 == 0, else a portable one. */
 HIDDEN void radixkv_item_f32_kv(const float *q_row, const void *k, const void *v, const int32_t *pages, int begin,
                                 int end, const Shape *sh, float *states, const NextItem *next);
 HIDDEN void radixkv_item_bf16_kv(const uint16_t *q_row, const void *k, const void *v, const int32_t *pages, int begin,

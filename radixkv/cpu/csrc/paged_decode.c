@@ -97,11 +97,6 @@ static inline float fold_scores(float *state, float *s, int n) {
 DEFINE_ITEM(item_bf16_portable, uint16_t, bf16_to_float)
 DEFINE_ITEM(item_f32_portable, float, f32_load)
 
-/* Query heads whose keys an AVX-512 item reads in one sweep: a span's kv heads are read row by
- * row, in address order. 16 covers every kv head of SmolLM2's models at once; wider models
- * sweep their rows in parts. At least one kv head (MAX_GROUP <= SPAN_ROWS). */
-#define SPAN_ROWS 16
-
 #ifdef HAVE_AVX512
 
 #ifdef HAVE_AMX
@@ -150,22 +145,6 @@ static inline void scores_amx(const uint32_t *q_pairs, const uint16_t *k0, int64
     }
 }
 #endif
-
-/* Lane j of the result is the sum of the 16 lanes of v[j]: a transpose-and-add tree, 45
- * shuffles and adds for 16 sums where reducing each vector alone would take about 130. */
-static inline __m512 sum_lanes_16(const __m512 v[16]) {
-    __m512 pairs[8], quads[4], halves[2];
-    for (int i = 0; i < 8; i++) /* per 128-bit lane: (v2i, v2i+1) partial sums, interleaved */
-        pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-    for (int i = 0; i < 4; i++) { /* per 128-bit lane: tokens 4i..4i+3, each summed over the lane */
-        const __m512d a = _mm512_castps_pd(pairs[2 * i]), b = _mm512_castps_pd(pairs[2 * i + 1]);
-        quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-    }
-    for (int i = 0; i < 2; i++) /* fold the four 128-bit lanes pairwise */
-        halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0x88),
-                                  _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0xDD));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], 0x88), _mm512_shuffle_f32x4(halves[0], halves[1], 0xDD));
-}
 
 /* A span's query rows: per row D / 32 vectors of bf16 dim pairs (bf16 items) or D / 16 vectors
  * of floats (fp32 items). The helpers below take `bf16` as a constant, so each item's instance
@@ -873,6 +852,12 @@ static void item_kv_portable(const void *q_row, int q_bf16, const void *k, const
 /* One request's keys over bf16 or int8 pages (sh->kv_kind), q in fp32 or (q_bf16) bf16. */
 static void item_kv(const void *q_row, int q_bf16, const void *k, const void *v, const int32_t *pages, int begin,
                     int end, const Shape *sh, float *states, const NextItem *next) {
+#ifdef HAVE_AVX512
+    if (sh->head_dim % 16 == 0) {
+        radixkv_item_narrow_avx512(q_row, k, v, pages, begin, end, sh, states, next);
+        return;
+    }
+#endif
 #ifdef HAVE_AVX2
     if (sh->head_dim % 8 == 0) {
         radixkv_item_avx2(q_row, k, v, pages, begin, end, sh, states, next, sh->kv_kind);
