@@ -264,6 +264,15 @@ static inline void prefetcher_for_item(Prefetcher *p, const Block *blocks, int n
     else prefetcher_init(p, next, sh, k, v, element_bytes, steps);
 }
 
+/* The requests of an AVX-512 item that reads its kv heads in spans of `span` (SPAN_ROWS / G):
+ * per span a pass over K and one over V, STEPS_PER_BLOCK steps a block each. */
+static inline void prefetcher_for_spans(Prefetcher *p, const Block *blocks, int num_blocks, const NextItem *next,
+                                        const Shape *sh, const char *k, const char *v, int element_bytes, int H,
+                                        int span) {
+    const int steps = 2 * ((H + span - 1) / span) * num_blocks * STEPS_PER_BLOCK;
+    prefetcher_for_item(p, blocks, num_blocks, next, sh, k, v, element_bytes, steps, span >= H);
+}
+
 static inline void prefetch_step(Prefetcher *p) {
     int budget = p->lines_per_step;
     while (budget > 0 && p->run < p->runs) {

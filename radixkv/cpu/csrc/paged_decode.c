@@ -309,9 +309,7 @@ static inline __attribute__((always_inline)) void item_avx512_impl(
     const int num_blocks = chunk_blocks(pages, begin, end, sh, blocks);
     float s[SPAN_ROWS * SCORE_STRIDE] __attribute__((aligned(64)));
     Prefetcher prefetcher;
-    const int steps = 2 * ((H + span - 1) / span) * num_blocks * STEPS_PER_BLOCK;
-    prefetcher_for_item(&prefetcher, blocks, num_blocks, next, sh, (const char *)k, (const char *)v, bytes, steps,
-                        span >= H);
+    prefetcher_for_spans(&prefetcher, blocks, num_blocks, next, sh, (const char *)k, (const char *)v, bytes, H, span);
     for (int h0 = 0; h0 < H; h0 += span) {
         const int heads = H - h0 < span ? H - h0 : span, rows = heads * G;
         const char *q_span = (const char *)q_row + (int64_t)h0 * G * D * bytes;

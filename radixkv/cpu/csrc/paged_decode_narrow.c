@@ -121,9 +121,7 @@ static inline __attribute__((always_inline)) void item_narrow_impl(const void *q
     float s[SPAN_ROWS * SCORE_STRIDE] __attribute__((aligned(64)));
     float wide[BLOCK_TOKENS][MAX_HEAD_DIM] __attribute__((aligned(64)));
     Prefetcher prefetcher;
-    const int steps = 2 * ((H + span - 1) / span) * num_blocks * STEPS_PER_BLOCK;
-    prefetcher_for_item(&prefetcher, blocks, num_blocks, next, sh, (const char *)k, (const char *)v, bytes, steps,
-                        span >= H);
+    prefetcher_for_spans(&prefetcher, blocks, num_blocks, next, sh, (const char *)k, (const char *)v, bytes, H, span);
     for (int h0 = 0; h0 < H; h0 += span) {
         const int heads = H - h0 < span ? H - h0 : span, rows = heads * G;
         __m512 qv[SPAN_ROWS][MAX_HEAD_DIM / 16];
