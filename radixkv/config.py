@@ -85,8 +85,10 @@ class EngineConfig:
     # splits each kernel's work over the threads. Split, no thread waits for the others between
     # kernels and one's attention (memory-bound) overlaps another's linears (compute-bound), but
     # every thread reads every layer's weights. "auto": split on 2 threads where a layer's
-    # weights take at most a quarter of L3 (then the second read comes from L3: SmolLM2 gains,
-    # the 1B shape, with ~35 MB layers, loses; docs/measurements.md). Same bits either way.
+    # weights take at most four times one core's L2: SmolLM2's ~2 MB layers gain, the 1B shape's
+    # ~39 MB and the 30B shape's ~11 MB attention layers lose, on a 1 MiB-L2 Zen 4 and a 2 MiB-L2
+    # Xeon alike, where a quarter of L3 (the rule before) split the 1B shape on the Xeon's 260 MiB
+    # L3 and lost (docs/measurements.md). Same bits either way.
     split_decode_rows: str = "auto"
     # Linears on CPU. bf16: "amx" (tiles), "avx512_bf16" (vdpbf16ps; any CPU with AVX512_BF16,
     # AMX machines included, so either machine tests the other's path) or "onednn" (torch's

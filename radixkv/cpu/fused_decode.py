@@ -167,11 +167,12 @@ class FusedDecode:
 
     def splits_rows(self) -> bool:
         """Whether a step gives each thread its own share of the rows (decode_layers.c's
-        split_rows): "on", or "auto" on two threads where a layer's weights fit a quarter of L3."""
+        split_rows): "on", or "auto" on two threads where a layer's weights take at most four
+        times one core's L2 (EngineConfig.split_decode_rows says why)."""
         if self.split_rows != "auto":
             return self.split_rows == "on"
-        l3_bytes = cpu_caches().l3_bytes
-        return torch.get_num_threads() == 2 and 0 < 4 * self.layer_weight_bytes <= l3_bytes
+        l2_bytes = cpu_caches().l2_bytes
+        return torch.get_num_threads() == 2 and 0 < self.layer_weight_bytes <= 4 * l2_bytes
 
     @staticmethod
     def takes_pages(compute_dtype: torch.dtype, k_cache: Tensor) -> bool:

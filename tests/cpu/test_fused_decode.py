@@ -290,7 +290,7 @@ def test_only_a_backend_with_the_capability_runs_the_fused_step(tmp_path, monkey
 
 
 @needs_native_linears
-def test_auto_splits_rows_on_two_threads_where_a_layers_weights_fit_a_quarter_of_l3(tmp_path, monkeypatch):
+def test_auto_splits_rows_on_two_threads_where_a_layers_weights_fit_four_l2s(tmp_path, monkeypatch):
     from radixkv.cpu import fused_decode as fused_module
     from radixkv.cpu.features import CPUCaches
 
@@ -301,10 +301,11 @@ def test_auto_splits_rows_on_two_threads_where_a_layers_weights_fit_a_quarter_of
     layer = fused.layer_weight_bytes
     threads = torch.get_num_threads()
     try:
-        for l3_bytes, num_threads, want in ((4 * layer, 2, True), (4 * layer - 1, 2, False), (0, 2, False), (4 * layer, 4, False)):
-            monkeypatch.setattr(fused_module, "cpu_caches", lambda l3_bytes=l3_bytes: CPUCaches(0, 0, l3_bytes))
+        # A vast L3 alone does not split (the 1B shape lost on a 260 MiB one).
+        for l2_bytes, num_threads, want in ((-(-layer // 4), 2, True), (layer // 4 - 1, 2, False), (0, 2, False), (layer, 4, False)):
+            monkeypatch.setattr(fused_module, "cpu_caches", lambda l2_bytes=l2_bytes: CPUCaches(0, l2_bytes, 1 << 40))
             torch.set_num_threads(num_threads)
-            assert fused.splits_rows() is want, (l3_bytes, num_threads)
+            assert fused.splits_rows() is want, (l2_bytes, num_threads)
         fused.split_rows = "on"
         assert fused.splits_rows()
         fused.split_rows = "off"
