@@ -375,8 +375,7 @@ def store_kv(
     v_scales. The caller has checked slots < the number of slots (check_slots). Returns False,
     having done nothing, where the tensors do not fit the kernel."""
     library = load()
-    narrowing = k.dtype != k_cache.dtype and (k.dtype == torch.float32 or (k.dtype == torch.bfloat16 and k_cache.dtype == torch.int8))
-    kind = _WIDENED_KINDS.get(k_cache.dtype) if narrowing else None
+    kind = _WIDENED_KINDS[k_cache.dtype] if k_cache.dtype in _WIDENING.get(k.dtype, ("", ()))[1] else None
     fits = (
         library is not None
         and k.device.type == "cpu"

@@ -288,6 +288,13 @@ static inline void prefetch_step(Prefetcher *p) {
     }
 }
 
+/* A block's STEPS_PER_BLOCK prefetch steps spread evenly over its `parts` (query rows or kv
+ * heads): those due before part `part`; *taken counts the block's steps taken so far. part ==
+ * parts takes the rest. */
+static inline void prefetch_block_share(Prefetcher *p, int *taken, int part, int parts) {
+    for (; *taken < STEPS_PER_BLOCK && *taken * parts <= part * STEPS_PER_BLOCK; (*taken)++) prefetch_step(p);
+}
+
 #ifndef HAVE_AVX512
 /* Where AVX-512 is missing, the tiles (tiles.h) take the 8-lane softmax. */
 static inline void softmax_row(float *row, int n, float *state) { softmax_row_avx2(row, n, state); }

@@ -171,13 +171,13 @@ static inline __attribute__((always_inline)) void block_scores(SpanQueries qv, c
     const int rows = heads * G;
     int steps = 0;
     for (int r = 0; r < rows; r++) {
-        for (; steps < STEPS_PER_BLOCK && steps * rows <= r * STEPS_PER_BLOCK; steps++) prefetch_step(prefetcher);
+        prefetch_block_share(prefetcher, &steps, r, rows);
         __m512 dots[16];
         for (int j = 0; j < 16; j++)
             dots[j] = j < n ? row_dot(qv[r], k0 + j * row_bytes, r / G, D) : _mm512_setzero_ps();
         _mm512_storeu_ps(s + r * SCORE_STRIDE, _mm512_mul_ps(sum_lanes_16(dots), _mm512_set1_ps(scale)));
     }
-    for (; steps < STEPS_PER_BLOCK; steps++) prefetch_step(prefetcher);
+    prefetch_block_share(prefetcher, &steps, 1, 1);
 }
 
 #ifdef HAVE_AVX512_BF16
@@ -192,7 +192,7 @@ static inline __attribute__((always_inline)) void block_scores_bf16(SpanQueries 
                                                                     float scale, float *s, Prefetcher *prefetcher) {
     int steps = 0;
     for (int h = 0; h < heads; h++) {
-        for (; steps < STEPS_PER_BLOCK && steps * heads <= h * STEPS_PER_BLOCK; steps++) prefetch_step(prefetcher);
+        prefetch_block_share(prefetcher, &steps, h, heads);
         __m512 lanes[MAX_GROUP][4]; /* [row][kq]: lane 4j + e, key kq + 4j's residue e */
         for (int kq = 0; kq < 4; kq++) {
             __m512 acc[MAX_GROUP];
@@ -224,7 +224,7 @@ static inline __attribute__((always_inline)) void block_scores_bf16(SpanQueries 
             _mm512_storeu_ps(s + (h * G + g) * SCORE_STRIDE, _mm512_mul_ps(sums, _mm512_set1_ps(scale)));
         }
     }
-    for (; steps < STEPS_PER_BLOCK; steps++) prefetch_step(prefetcher);
+    prefetch_block_share(prefetcher, &steps, 1, 1);
 }
 #endif
 

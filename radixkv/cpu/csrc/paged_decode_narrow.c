@@ -131,9 +131,9 @@ static inline __attribute__((always_inline)) void item_narrow_impl(const void *q
                 qv[r][c] = kind == KIND_INT8_BF16 ? load16((const uint16_t *)q_row + at) : _mm512_loadu_ps((const float *)q_row + at);
             }
         for (int bi = 0, offset = 0; bi < num_blocks; offset += blocks[bi++].n) {
-            int step = 0; /* the block's prefetch steps, spread over its heads */
+            int steps = 0;
             for (int h = 0; h < heads; h++) {
-                for (; step < STEPS_PER_BLOCK && step * heads <= h * STEPS_PER_BLOCK; step++) prefetch_step(&prefetcher);
+                prefetch_block_share(&prefetcher, &steps, h, heads);
                 const int64_t first = blocks[bi].first + (int64_t)(h0 + h) * D;
                 const __m512 key_scales = kind_is_int8(kind)
                                               ? head_scales(sh->k_scales + blocks[bi].first / D, blocks[bi].n, H, h0 + h)
@@ -141,7 +141,7 @@ static inline __attribute__((always_inline)) void item_narrow_impl(const void *q
                 head_scores((const __m512(*)[MAX_HEAD_DIM / 16])qv + h * G, (const char *)k + first * bytes, row_bytes,
                             blocks[bi].n, D, G, kind, sh->scale, key_scales, wide, s + h * G * SCORE_STRIDE + offset);
             }
-            for (; step < STEPS_PER_BLOCK; step++) prefetch_step(&prefetcher);
+            prefetch_block_share(&prefetcher, &steps, 1, 1);
         }
         for (int r = 0; r < rows; r++) softmax_row(s + r * SCORE_STRIDE, n, states + (int64_t)(h0 * G + r) * (D + 2));
         if (kind_is_int8(kind)) /* each key's weight times its value's scale */
