@@ -102,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     layers = [i for i, layer in enumerate(model.layers) if isinstance(layer.mlp, SparseMoE) and isinstance(layer.mlp.experts, MappedExperts)]
     if not layers:
         parser.error(f"{args.model} has no experts layers read in place")
+    if not all(model.layers[i].mlp.gate.rows_independent for i in layers):  # the router on torch's linear
+        wanted = "avx512_bf16 or amx_bf16" if dtype == torch.bfloat16 else "avx2"
+        parser.error(f"the routers' linear runs no native kernel in {dtype} on this CPU (it needs {wanted}): nothing to time")
     generator = torch.Generator().manual_seed(0)
     hidden = model.config.hidden_size
     per_layer = {}

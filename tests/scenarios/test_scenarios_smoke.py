@@ -275,6 +275,14 @@ def test_moe_row_profile_times_two_native_calls_a_layer(tmp_path, capsys):
 
     if native.load() is None:
         pytest.skip("the native kernels did not build (no C compiler)")
+    from radixkv.cpu.features import cpu_features
+    from radixkv.cpu.linear import available_linear_kernels
+    from radixkv.model.device import resolve_dtype
+
+    dtype = resolve_dtype("auto", torch.device("cpu"))
+    if not available_linear_kernels(dtype):  # the router's linear then runs on torch: no native call to time
+        missing = cpu_features().missing_bf16 if dtype == torch.bfloat16 else "avx2"
+        pytest.skip(f"no native {dtype} linear kernel for the router: this CPU lacks {missing}")
     path = write_tiny_moe_gguf(tmp_path / "moe.gguf", "Q4_K_M")
     out = tmp_path / "out"
     assert moe_row_profile.main(["--model", str(path), "--calls", "5", "--limits", "0", "--out", str(out)]) == 0
